@@ -1,0 +1,21 @@
+# The two set-up commands of the README. Both create .venv if missing and install the project first.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?=
+
+.PHONY: install demo test lint clean
+
+install:
+	@VENV=$(VENV) bash scripts/install.sh
+
+demo: install
+	$(VENV)/bin/stratbench demo --output runs/demo
+
+test: install
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check src tests
+
+clean:
+	rm -rf runs build dist src/*.egg-info

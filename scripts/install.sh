@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install stratbench into it.
+# - No CUDA here: pin the local CPU build of torch (a bare "torch" requirement would pull a multi-GB CUDA
+#   build) and the torchvision that matches it, in the same pip command as everything else.
+# - CUDA here and a torch already installed in the interpreter: the venv sees it (--system-site-packages)
+#   and pip keeps it, since pyproject's "torch>=2.6" is already satisfied.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.stratbench-installed"
+
+has_cuda_torch() { "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; }
+
+if [ ! -x "$VENV/bin/python" ]; then
+    if has_cuda_torch; then
+        echo "install: CUDA torch found in $PY: creating $VENV with --system-site-packages to keep it"
+        "$PY" -m venv --system-site-packages "$VENV"
+    else
+        "$PY" -m venv "$VENV"
+    fi
+fi
+# Re-install only when pyproject.toml or this script changed since the last install.
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then
+    exit 0
+fi
+"$VENV/bin/python" -m pip install -q --upgrade pip
+if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
+    "$VENV/bin/python" -m pip install -q -e ".[dev]"
+else
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev]"
+fi
+touch "$STAMP"

@@ -1,0 +1,47 @@
+"""``stratbench`` command line. Each module in ``stratbench.commands`` is one sub-command (NAME, HELP,
+``add_arguments(parser)``, ``run(args) -> int``); this file only discovers them and turns stratbench's own
+errors into one clear line and a non-zero exit."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from stratbench import __version__
+from stratbench.errors import StratbenchError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    import stratbench.commands as pkg
+
+    parser = argparse.ArgumentParser(
+        prog="stratbench", description="Train one model under every training method and compare them side by side."
+    )
+    parser.add_argument("--version", action="version", version=f"stratbench {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    modules = [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+    for module in sorted(modules, key=lambda m: getattr(m, "ORDER", 50)):
+        p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
+        module.add_arguments(p)
+        p.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except StratbenchError as exc:
+        print(f"stratbench {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"stratbench {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``stratbench`` CLI, one module each (discovered by ``stratbench.cli``)."""

@@ -1,0 +1,24 @@
+"""stratbench consolidate: any checkpoint (a sharded folder from fsdp, ddp-zero, deepspeed, ...) -> one file."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "consolidate"
+HELP = "turn a sharded checkpoint folder into one full checkpoint file that every method (and single) loads"
+ORDER = 30
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
+    parser.add_argument("output", help="file to write (written atomically)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import consolidate
+    from stratbench.report_table import fmt_bytes
+
+    out = consolidate(Path(args.checkpoint), Path(args.output))
+    print(f"wrote {out} ({fmt_bytes(out.stat().st_size)})")
+    return 0

@@ -1,0 +1,119 @@
+"""stratbench train: one run of one method; starts its own processes through torchrun when --nproc > 1."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from typing import Any
+
+from stratbench.config import TrainConfig, add_dataclass_arguments, collect_overrides, from_dict, load_yaml
+from stratbench.errors import ConfigError
+
+NAME = "train"
+HELP = "train one model with one method and precision; writes OUTPUT/result.json"
+ORDER = 10
+_OPT_PREFIX = "strategy_opt__"
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """--config FILE, one flag per TrainConfig field, and one flag per strategy option."""
+    from stratbench.strategies.base import iter_option_fields
+
+    parser.add_argument("--config", help="YAML file of options; flags given on the command line override it")
+    add_dataclass_arguments(parser, TrainConfig)
+    group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
+    owners: dict[str, list[str]] = {}
+    fields: dict[str, dataclasses.Field] = {}
+    for cls, f in iter_option_fields():
+        owners.setdefault(f.name, []).append(cls.name)
+        fields.setdefault(f.name, f)
+    from stratbench.config import _base_type, field_docs
+    from stratbench.strategies.base import all_strategies
+
+    docs: dict[str, str] = {}
+    for cls in all_strategies().values():
+        docs.update({k: v for k, v in field_docs(cls.Options).items() if k not in docs})
+    for name, f in sorted(fields.items()):
+        flag = "--" + name.replace("_", "-")
+        help_text = f"[{', '.join(owners[name])}] {docs.get(name, '')}".replace("%", "%%")
+        if _base_type(f.type) is bool:
+            group.add_argument(flag, dest=_OPT_PREFIX + name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+        else:
+            group.add_argument(flag, dest=_OPT_PREFIX + name, default=None, metavar=name.upper(), help=help_text)
+    # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
+    parser.add_argument("--local_rank", "--local-rank", dest="_local_rank", default=None, help=argparse.SUPPRESS)
+
+
+def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> TrainConfig:
+    """YAML file (if any) < command-line flags. Strategy options are checked against the chosen strategy."""
+    from stratbench.strategies.base import get_strategy
+
+    data: dict[str, Any] = dict(base or {})
+    if getattr(args, "config", None):
+        data.update(load_yaml(args.config))
+    data.update(collect_overrides(args, TrainConfig))
+    opts = dict(data.pop("strategy_options", None) or {})
+    given = {k[len(_OPT_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_OPT_PREFIX) and v is not None}
+    strategy = data.get("strategy", TrainConfig.strategy)
+    if given:
+        cls = get_strategy(strategy)
+        own = {f.name for f in dataclasses.fields(cls.Options)}
+        foreign = sorted(set(given) - own)
+        if foreign:
+            flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+            allowed = ", ".join("--" + k.replace("_", "-") for k in sorted(own)) or "none"
+            raise ConfigError(f"{flags} do(es) not apply to strategy {strategy!r}; its options: {allowed}")
+        opts.update(given)
+    data["strategy_options"] = opts
+    cfg = from_dict(TrainConfig, data)
+    # A torchelastic restart resumes from the last checkpoint.
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        cfg = cfg.replace(resume=True)
+    return cfg
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratbench import engine, launch
+    from stratbench.dist import launched_by_launcher
+    from stratbench.report_table import print_result
+
+    cfg = resolve_config(args)
+    engine.preflight(cfg, world_size=None if launched_by_launcher() else cfg.nproc * cfg.nnodes)
+    if launch.needs_launch(cfg):
+        code = launch.launch(cfg)
+        if code != 0:
+            raise_failed(cfg, code)
+        if cfg.node_rank == 0:
+            print_result(cfg.output)
+        return 0
+    result = engine.run(cfg)
+    from stratbench.dist import read_env
+
+    if read_env(cfg.device).is_main and not launched_by_launcher():
+        print_result(cfg.output, result)
+    return 0
+
+
+def raise_failed(cfg: TrainConfig, code: int) -> None:
+    import json
+    from pathlib import Path
+
+    from stratbench.errors import StratbenchError
+
+    reason = ""
+    path = Path(cfg.output) / "result.json"
+    if path.exists():
+        try:
+            res = json.loads(path.read_text())
+            if res.get("status") != "ok":
+                reason = f": {res.get('reason', '')}"
+        except ValueError:
+            pass
+    raise StratbenchError(
+        f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
+    )

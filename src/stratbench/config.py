@@ -1,0 +1,300 @@
+"""Run configuration: one dataclass with a docstring per field, loadable from YAML, overridable from the CLI.
+
+Strategy-specific options live in each strategy's own ``Options`` dataclass (see ``strategies/base.py``);
+the run config carries them as a plain ``strategy_options`` mapping that the strategy validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stratbench.errors import ConfigError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return the attribute docstrings (a string literal right after a field) of a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        docs.update(_own_field_docs(klass))
+    return docs
+
+
+@functools.cache
+def _own_field_docs(klass: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs. ``--batch-size`` is the global batch across all devices."""
+
+    # --- what to train -------------------------------------------------------------------------
+    model: str = "tinynet"
+    """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50."""
+    weights: str | None = None
+    """Local file of pretrained weights (a state dict) to load before training; nothing is downloaded."""
+    cifar_stem: bool = False
+    """ResNet only: 3x3 stride-1 first convolution and no max-pool (for 32x32 inputs)."""
+    norm: str = "group"
+    """tinynet only: normalisation layer, 'group' (GroupNorm) or 'none'."""
+    width: int = 16
+    """tinynet only: channels of the first stage (doubles per stage)."""
+    data: str = "digits"
+    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder."""
+    data_dir: str | None = None
+    """Folder of the data set (cifar10: holds cifar-10-batches-py; imagefolder: class subfolders)."""
+    download: bool = False
+    """cifar10: download into --data-dir when it is missing (needs internet)."""
+    image_size: int | None = None
+    """Input resolution; default 32 for synthetic/digits/cifar10, 224 for imagefolder."""
+    num_classes: int = 10
+    """synthetic only: number of classes (other data sets define their own)."""
+    synthetic_samples: int = 2048
+    """synthetic only: number of training samples (validation gets a quarter of that)."""
+    val_fraction: float = 0.2
+    """digits/imagefolder without a val folder: fraction held out for validation (fixed split)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank."""
+    # --- how to train --------------------------------------------------------------------------
+    strategy: str = "single"
+    """Training method (see `stratbench list`)."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen strategy (e.g. sharding, zero_stage); validated by the strategy."""
+    precision: str = "fp32"
+    """fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed."""
+    tf32: bool = False
+    """Allow TF32 matmuls/convolutions (NVIDIA Ampere or newer)."""
+    channels_last: bool = False
+    """Use the channels-last memory format for the model and inputs."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    activation_checkpointing: bool = False
+    """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    # --- optimisation --------------------------------------------------------------------------
+    epochs: int = 3
+    """Number of passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (the LR schedule still spans all epochs)."""
+    batch_size: int = 64
+    """Global batch per optimizer step, summed over all devices and accumulation micro-steps."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step; the per-device micro-batch is batch_size / (world * grad_accum)."""
+    optimizer: str = "sgd"
+    """sgd (with momentum) or adamw."""
+    lr: float = 0.05
+    """Peak learning rate (the same for every method, so every method trains the same problem)."""
+    momentum: float = 0.9
+    """SGD momentum (0 disables it)."""
+    weight_decay: float = 5e-4
+    """Weight decay (decoupled for AdamW)."""
+    lr_schedule: str = "cosine"
+    """cosine or constant, after the warm-up."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up from 0 over this many optimizer steps."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (after unscaling)."""
+    seed: int = 0
+    """Seed for weights, data order and augmentation."""
+    # --- measurement and output ---------------------------------------------------------------
+    output: str = "runs/train"
+    """Folder for result.json, checkpoints, configs and TensorBoard logs."""
+    timing_warmup_steps: int = 3
+    """Optimizer steps at the start excluded from step-time statistics."""
+    eval_every_epoch: bool = True
+    """Evaluate on the validation split after each epoch (always after the last)."""
+    save_every_steps: int | None = None
+    """Also save a checkpoint every N optimizer steps."""
+    save_every_epoch: bool = True
+    """Save a checkpoint at the end of each epoch (and always at the end of training)."""
+    resume: bool = False
+    """Resume from OUTPUT/checkpoints/last (or --resume-from) if it exists."""
+    resume_from: str | None = None
+    """Checkpoint to resume from (file or folder)."""
+    init_from: str | None = None
+    """Checkpoint whose model weights start the run (optimizer and progress are not restored)."""
+    tensorboard: bool = False
+    """Write TensorBoard scalars under OUTPUT/tensorboard."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+    measure_flops: bool = True
+    """Count FLOPs per sample once (on the meta device) to report achieved FLOP/s and MFU."""
+    # --- launching -----------------------------------------------------------------------------
+    nproc: int = 1
+    """Processes per node; > 1 makes stratbench start them through torchrun."""
+    nnodes: int = 1
+    """Number of nodes (passed to torchrun)."""
+    node_rank: int = 0
+    """Rank of this node (passed to torchrun)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0 (passed to torchrun)."""
+    master_port: int = 0
+    """Port on node 0 (passed to torchrun); 0 picks a free port on one node and 29500 across nodes."""
+    rdzv_endpoint: str | None = None
+    """host:port of a c10d rendezvous (replaces master addr/port; needed for --max-restarts across nodes)."""
+    max_restarts: int = 0
+    """torchrun elastic restarts of the worker group; training resumes from the last checkpoint."""
+    dist_timeout_s: int = 300
+    """Timeout of collective operations; a rank that died makes the others fail after this long."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "norm": ("group", "none"),
+    "device": ("auto", "cpu", "cuda"),
+    "optimizer": ("sgd", "adamw"),
+    "lr_schedule": ("cosine", "constant"),
+}
+POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
+
+
+def _base_type(annotation: Any) -> type:
+    """The non-None type of a field annotation such as ``int | None``."""
+    hint = annotation
+    if isinstance(hint, str):
+        hint = eval(hint, vars(typing), {"Any": Any})  # noqa: S307 - annotations of our own dataclasses
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0]
+    origin = typing.get_origin(hint)
+    return origin or hint
+
+
+def coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type, with an error naming the field."""
+    typ = _base_type(annotation)
+    if value is None:
+        return None
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            raise ValueError
+        if typ in (int, float, str):
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return typ(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {value!r} as {typ.__name__}") from None
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
+    """Build a dataclass from a mapping, rejecting unknown keys with the list of known ones."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
+        )
+    values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    return cls(**values)
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def dump_yaml(cfg: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no registry: choices, positive numbers, combinations."""
+    for name, allowed in CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in allowed:
+            raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+    for name in POSITIVE:
+        value = getattr(cfg, name)
+        if value is None or value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if cfg.max_steps is not None and cfg.max_steps <= 0:
+        raise ConfigError(f"max_steps must be a positive integer, got {cfg.max_steps!r}")
+    if cfg.image_size is not None and cfg.image_size < 8:
+        raise ConfigError(f"image_size must be >= 8, got {cfg.image_size!r}")
+    if cfg.lr <= 0:
+        raise ConfigError(f"lr must be positive, got {cfg.lr!r}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
+    if cfg.timing_warmup_steps < 0:
+        raise ConfigError(f"timing_warmup_steps must be >= 0, got {cfg.timing_warmup_steps!r}")
+
+
+# ------------------------------------------------------------------------------------------------
+# argparse glue: every dataclass field becomes a --flag whose help is the field's docstring.
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, dest_prefix: str = "") -> None:
+    """Add one optional flag per field; unset flags stay ``None`` so they do not override YAML values."""
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "strategy_options":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = (docs.get(f.name, "") + f" (default: {default})").replace("%", "%%")
+        typ = _base_type(f.type)
+        dest = dest_prefix + f.name
+        if typ is bool:
+            parser.add_argument(flag, dest=dest, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+        else:
+            parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
+
+
+def collect_overrides(ns: argparse.Namespace, cls: type, *, dest_prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(ns, dest_prefix + f.name, None)
+        if value is not None:
+            out[f.name] = value
+    return out

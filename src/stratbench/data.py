@@ -1,0 +1,266 @@
+"""Data sets (synthetic, digits, cifar10, imagefolder) and the samplers that split them across ranks.
+
+Every method uses the same ``DistributedSampler`` (world size 1 included), so rank r of N sees indices
+``perm[r::N]`` and one global batch is the same samples whatever the number of ranks: that is what makes
+losses comparable across methods.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from stratbench.config import TrainConfig
+from stratbench.errors import ConfigError, DataError
+
+DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    class_names: list[str]
+    image_size: int
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    meta: dict = field(default_factory=dict)
+
+
+def default_image_size(cfg: TrainConfig) -> int:
+    return cfg.image_size or (224 if cfg.data == "imagefolder" else 32)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """Fail before any work starts when the data set is unknown or its folder is missing."""
+    if cfg.data not in DATASETS:
+        raise ConfigError(f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS)}")
+    if cfg.data == "cifar10":
+        root = Path(cfg.data_dir or "data")
+        if not (root / "cifar-10-batches-py").is_dir() and not cfg.download:
+            raise DataError(
+                f"CIFAR-10 not found: expected the folder {root / 'cifar-10-batches-py'} "
+                f"(extract {CIFAR10_URL} into {root}), or add --download when online"
+            )
+    if cfg.data == "imagefolder":
+        if not cfg.data_dir:
+            raise ConfigError("--data imagefolder needs --data-dir DIR (a folder of class subfolders)")
+        if not Path(cfg.data_dir).is_dir():
+            raise DataError(f"data dir {cfg.data_dir!r} does not exist")
+
+
+def build_data(cfg: TrainConfig) -> DataBundle:
+    check_data(cfg)
+    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[cfg.data](
+        cfg
+    )
+
+
+class SyntheticImages(Dataset):
+    """Random images and labels from a fixed seed; a small bank of images is reused so that generating
+    data never limits throughput."""
+
+    def __init__(self, n: int, image_size: int, num_classes: int, seed: int, bank: int = 256) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.images = torch.randn(min(n, bank), 3, image_size, image_size, generator=g)
+        self.labels = torch.randint(0, num_classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.images[i % len(self.images)], self.labels[i]
+
+
+def _synthetic(cfg: TrainConfig) -> DataBundle:
+    size = default_image_size(cfg)
+    train = SyntheticImages(cfg.synthetic_samples, size, cfg.num_classes, cfg.seed)
+    val = SyntheticImages(max(cfg.synthetic_samples // 4, 1), size, cfg.num_classes, cfg.seed + 1)
+    names = [f"class_{i}" for i in range(cfg.num_classes)]
+    return DataBundle(train, val, cfg.num_classes, names, size, (0.0,) * 3, (1.0,) * 3)
+
+
+def _digits(cfg: TrainConfig) -> DataBundle:
+    """scikit-learn's 1,797 real 8x8 digits, bilinearly resized to image_size and repeated to 3 channels."""
+    from sklearn.datasets import load_digits
+
+    size = default_image_size(cfg)
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    mean, std = x.mean().item(), x.std().item()
+    x = ((x - mean) / std).repeat(1, 3, 1, 1).contiguous()
+    y = torch.tensor(digits.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # fixed split, not --seed
+    n_val = int(round(len(x) * cfg.val_fraction))
+    val_idx, train_idx = perm[:n_val], perm[n_val:]
+    return DataBundle(
+        TensorDataset(x[train_idx], y[train_idx]),
+        TensorDataset(x[val_idx], y[val_idx]),
+        10,
+        [str(i) for i in range(10)],
+        size,
+        (mean,) * 3,
+        (std,) * 3,
+        meta={"digits_raw_mean": mean, "digits_raw_std": std},
+    )
+
+
+def _cifar10(cfg: TrainConfig) -> DataBundle:
+    from stratbench._torchvision import import_torchvision
+
+    tv = import_torchvision()
+    T = tv.transforms
+    size = default_image_size(cfg)
+    resize = [T.Resize(size, antialias=True)] if size != 32 else []
+    norm = [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), *resize, *norm])
+    val_tf = T.Compose([*resize, *norm])
+    root = cfg.data_dir or "data"
+    try:
+        train = tv.datasets.CIFAR10(root, train=True, transform=train_tf, download=cfg.download)
+        val = tv.datasets.CIFAR10(root, train=False, transform=val_tf, download=cfg.download)
+    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
+        raise DataError(f"CIFAR-10 under {root!r} could not be read: {exc}") from None
+    return DataBundle(train, val, 10, list(train.classes), size, CIFAR10_MEAN, CIFAR10_STD)
+
+
+def image_transforms(size: int, mean, std, train: bool):
+    from stratbench._torchvision import import_torchvision
+
+    T = import_torchvision().transforms
+    if train:
+        ops = [T.RandomResizedCrop(size, antialias=True), T.RandomHorizontalFlip()]
+    else:
+        ops = [T.Resize(int(size * 256 / 224), antialias=True), T.CenterCrop(size)]
+    return T.Compose([*ops, T.ToTensor(), T.Normalize(mean, std)])
+
+
+def _imagefolder(cfg: TrainConfig) -> DataBundle:
+    """DIR/train and DIR/val if both exist, else DIR's class folders with a fixed val split."""
+    from stratbench._torchvision import import_torchvision
+
+    tv = import_torchvision()
+    root = Path(cfg.data_dir or ".")
+    size = default_image_size(cfg)
+    train_tf = image_transforms(size, IMAGENET_MEAN, IMAGENET_STD, train=True)
+    val_tf = image_transforms(size, IMAGENET_MEAN, IMAGENET_STD, train=False)
+    try:
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            train = tv.datasets.ImageFolder(root / "train", transform=train_tf)
+            val = tv.datasets.ImageFolder(root / "val", transform=val_tf)
+            classes = train.classes
+        else:
+            full_train = tv.datasets.ImageFolder(root, transform=train_tf)
+            full_val = tv.datasets.ImageFolder(root, transform=val_tf)
+            perm = torch.randperm(len(full_train), generator=torch.Generator().manual_seed(1234)).tolist()
+            n_val = max(1, int(round(len(perm) * cfg.val_fraction)))
+            train = torch.utils.data.Subset(full_train, perm[n_val:])
+            val = torch.utils.data.Subset(full_val, perm[:n_val])
+            classes = full_train.classes
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise DataError(f"image folder {str(root)!r}: {exc}") from None
+    return DataBundle(train, val, len(classes), list(classes), size, IMAGENET_MEAN, IMAGENET_STD)
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation sampler: rank r takes indices r, r+N, ..., so every sample is seen exactly once overall
+    (``DistributedSampler`` would pad with repeats that count twice). Ranks with fewer samples are padded with
+    -1 (weight 0 in ``PaddedEval``), so that every rank runs the same number of batches: sharded methods
+    gather parameters in each forward, a collective every rank must join."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, length, world_size))
+        self.indices += [-1] * (math.ceil(length / world_size) - len(self.indices))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class PaddedEval(Dataset):
+    """(x, y, valid) with valid=0 for the padding index -1."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        x, y = self.ds[max(i, 0)]
+        return x, y, torch.tensor(0.0 if i < 0 else 1.0)
+
+
+class SkipSampler(Sampler[int]):
+    """Wraps a sampler and drops its first ``skip`` indices (resuming in the middle of an epoch)."""
+
+    def __init__(self, sampler: DistributedSampler) -> None:
+        self.sampler = sampler
+        self.skip = 0
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        it = iter(self.sampler)
+        for _ in range(self.skip):
+            next(it, None)
+        return it
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.skip
+
+
+def train_loader(
+    ds: Dataset, micro_batch: int, rank: int, world: int, seed: int, workers: int, pin: bool
+) -> tuple[DataLoader, SkipSampler]:
+    base = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler = SkipSampler(base)
+    loader = DataLoader(
+        ds,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=workers > 0,
+    )
+    return loader, sampler
+
+
+def val_loader(ds: Dataset, batch: int, rank: int, world: int, workers: int, pin: bool) -> DataLoader:
+    return DataLoader(
+        PaddedEval(ds), batch_size=batch, sampler=ShardSampler(len(ds), rank, world), num_workers=workers, pin_memory=pin
+    )
+
+
+def steps_per_epoch(n_train: int, world: int, micro_batch: int, grad_accum: int) -> int:
+    per_rank = n_train // world
+    return (per_rank // micro_batch) // grad_accum
+
+
+def split_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
+    """Per-device micro-batch; error when the global batch does not divide."""
+    denom = dp_size * grad_accum
+    if global_batch % denom:
+        raise ConfigError(
+            f"batch_size {global_batch} is the global batch and must divide by world size x grad_accum "
+            f"= {dp_size} x {grad_accum} = {denom}; try {max(denom, global_batch // denom * denom)}"
+        )
+    return global_batch // denom

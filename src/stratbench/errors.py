@@ -1,0 +1,27 @@
+"""Errors that the CLI turns into one clear line and a non-zero exit, before any work starts."""
+
+from __future__ import annotations
+
+
+class StratbenchError(Exception):
+    """Base class: the message is shown to the user as is."""
+
+    exit_code = 2
+
+
+class ConfigError(StratbenchError):
+    """A bad option value or combination."""
+
+
+class UnsupportedError(StratbenchError):
+    """The method or precision cannot run on this machine; ``reason`` names the requirement."""
+
+    exit_code = 3
+
+
+class CheckpointError(StratbenchError):
+    """A checkpoint that is missing, corrupt, or not one stratbench can load."""
+
+
+class DataError(StratbenchError):
+    """A data set that is missing or unreadable."""

@@ -1,0 +1,278 @@
+"""Honest measurement: synchronised step timers, per-phase memory peaks (CUDA allocator, NVML, CPU RSS),
+an NVML utilisation sampler, FLOPs per sample and MFU, and the environment written into every result."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from contextlib import suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets. MFU is reported only for these.
+# Keys are matched as substrings of torch.cuda.get_device_name(); the order puts specific names first.
+PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
+    ("H200", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
+    ("H100 PCIe", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
+    ("H100", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
+    ("A100", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    ("L40S", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12}),
+    ("L4", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    ("A10", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
+    ("V100", {"fp32": 15.7e12, "fp16": 125e12}),
+    ("T4", {"fp32": 8.1e12, "fp16": 65e12}),
+    ("P40", {"fp32": 11.8e12}),
+]
+
+
+def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None:
+    """Peak dense FLOP/s of this device for the precision's compute dtype; None where unknown (CPU)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    key = "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else ("tf32" if tf32 else "fp32")
+    for pattern, table in PEAK_FLOPS:
+        if pattern in name:
+            return table.get(key)
+    return None
+
+
+def flops_per_sample(build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int) -> float | None:
+    """Forward+backward FLOPs of one sample, counted by ``torch.utils.flop_counter`` on the meta device
+    (nothing is allocated, so this works for any model size)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with torch.device("meta"):
+            model = build()
+            x = torch.empty(2, *sample_shape)
+            y = torch.zeros(2, dtype=torch.long)
+        counter = FlopCounterMode(display=False)
+        with counter:
+            loss = nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+        return counter.get_total_flops() / 2
+    except Exception:  # a user model the meta device cannot trace: no MFU rather than a wrong one
+        return None
+
+
+class StepTimer:
+    """Per-step wall time read after ``sync()``; the first ``warmup`` steps are excluded from statistics."""
+
+    def __init__(self, sync: Callable[[], None], warmup: int) -> None:
+        self.sync = sync
+        self.warmup = warmup
+        self.times: list[float] = []
+        self.seen = 0
+        self._t0 = 0.0
+
+    def start(self) -> None:
+        self.sync()
+        self._t0 = time.perf_counter()
+
+    def stop(self) -> float:
+        self.sync()
+        dt = time.perf_counter() - self._t0
+        self.seen += 1
+        if self.seen > self.warmup:
+            self.times.append(dt)
+        return dt
+
+    def summary(self) -> dict[str, float | None]:
+        t = self.times
+        if not t:
+            return {"step_time_mean_s": None, "step_time_median_s": None, "step_time_p90_s": None, "measured_steps": 0}
+        q = statistics.quantiles(t, n=10)[-1] if len(t) >= 2 else t[0]
+        return {
+            "step_time_mean_s": statistics.fmean(t),
+            "step_time_median_s": statistics.median(t),
+            "step_time_p90_s": q,
+            "measured_steps": len(t),
+        }
+
+
+def _read_status_kb(key: str) -> int | None:
+    with suppress(OSError), open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    return None
+
+
+def reset_cpu_peak_rss() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) of this process (Linux: write 5 to clear_refs)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def cpu_peak_rss_bytes() -> int:
+    kb = _read_status_kb("VmHWM")
+    if kb is None:
+        import resource
+
+        kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return kb * 1024
+
+
+class _Nvml:
+    """Thin wrapper over nvidia-ml-py; ``available`` is False where there is no NVIDIA driver."""
+
+    def __init__(self) -> None:
+        self.available = False
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self.nvml = pynvml
+            self.available = True
+        except Exception:
+            self.nvml = None
+
+    def handle(self, device: torch.device):
+        # NVML numbers GPUs physically; map through CUDA_VISIBLE_DEVICES when it is set.
+        index = device.index or 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible:
+            parts = [p.strip() for p in visible.split(",") if p.strip()]
+            if index < len(parts) and parts[index].isdigit():
+                index = int(parts[index])
+            elif index < len(parts):
+                return self.nvml.nvmlDeviceGetHandleByUUID(parts[index])
+        return self.nvml.nvmlDeviceGetHandleByIndex(index)
+
+
+_NVML: _Nvml | None = None
+
+
+def nvml() -> _Nvml:
+    global _NVML
+    if _NVML is None:
+        _NVML = _Nvml()
+    return _NVML
+
+
+class UtilisationSampler:
+    """Background thread sampling NVML GPU utilisation and used memory every ``interval`` seconds."""
+
+    def __init__(self, devices: list[torch.device], interval: float = 0.1) -> None:
+        self.devices = [d for d in devices if d.type == "cuda"]
+        self.interval = interval
+        self.nv = nvml() if self.devices else None
+        self.util: list[list[int]] = [[] for _ in self.devices]
+        self.used_peak: list[int] = [0 for _ in self.devices]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        return bool(self.nv and self.nv.available and self.devices)
+
+    def start(self) -> None:
+        if not self.active:
+            return
+        self.handles = [self.nv.handle(d) for d in self.devices]
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-sampler")
+        self._thread.start()
+
+    def _run(self) -> None:
+        nv = self.nv.nvml
+        while not self._stop.is_set():
+            for i, h in enumerate(self.handles):
+                with suppress(Exception):
+                    self.util[i].append(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                    self.used_peak[i] = max(self.used_peak[i], nv.nvmlDeviceGetMemoryInfo(h).used)
+            self._stop.wait(self.interval)
+
+    def stop(self) -> None:
+        if self._thread:
+            self._stop.set()
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def summary(self) -> dict[str, list[float | None]]:
+        if not self.active:
+            return {"gpu_util_mean_pct": [], "gpu_util_peak_pct": [], "nvml_used_peak_bytes": []}
+        return {
+            "gpu_util_mean_pct": [statistics.fmean(u) if u else None for u in self.util],
+            "gpu_util_peak_pct": [max(u) if u else None for u in self.util],
+            "nvml_used_peak_bytes": list(self.used_peak),
+        }
+
+
+@dataclass
+class MemoryPhase:
+    """Peak memory of one phase (training, evaluation) on each reported device; reset at phase start."""
+
+    devices: list[torch.device]
+    peak_allocated: list[int] = field(default_factory=list)
+    peak_reserved: list[int] = field(default_factory=list)
+    cpu_peak_rss: int = 0
+    cpu_reset_ok: bool = False
+
+    def start(self) -> None:
+        for d in self.devices:
+            if d.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(d)
+        self.cpu_reset_ok = reset_cpu_peak_rss()
+
+    def stop(self) -> None:
+        self.peak_allocated = [torch.cuda.max_memory_allocated(d) for d in self.devices if d.type == "cuda"]
+        self.peak_reserved = [torch.cuda.max_memory_reserved(d) for d in self.devices if d.type == "cuda"]
+        self.cpu_peak_rss = cpu_peak_rss_bytes()
+
+    def peak_bytes(self) -> list[int]:
+        """The headline figure: allocator peak on GPUs, process peak RSS on CPU."""
+        return self.peak_allocated if self.peak_allocated else [self.cpu_peak_rss]
+
+
+def environment(world_size: int, device: torch.device) -> dict[str, Any]:
+    """Versions, hardware and world size, written into every result."""
+    import importlib.metadata as md
+
+    def version(pkg: str) -> str | None:
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    env: dict[str, Any] = {
+        "hostname": platform.node(),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "world_size": world_size,
+        "device_type": device.type,
+        "packages": {p: version(p) for p in ("torchvision", "accelerate", "deepspeed", "onnx", "onnxruntime", "numpy")},
+    }
+    if device.type == "cuda":
+        env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        env["gpu_memory_bytes"] = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        with suppress(Exception):
+            env["nvidia_driver"] = nvml().nvml.nvmlSystemGetDriverVersion() if nvml().available else None
+    return env
+
+
+def _cpu_name() -> str:
+    with suppress(OSError), Path("/proc/cpuinfo").open() as fh:
+        for line in fh:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown"

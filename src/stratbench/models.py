@@ -1,0 +1,163 @@
+"""Models: torchvision ResNets (optionally with a CIFAR stem) and ``tinynet``, a small BatchNorm-free CNN.
+
+BatchNorm statistics differ between one device and several, so the cross-method equivalence tests use
+``tinynet`` (GroupNorm or no normalisation). Each model's residual block classes are known, so that FSDP
+wrapping and activation checkpointing can act per block.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stratbench.errors import CheckpointError, ConfigError
+
+MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
+
+
+class TinyBlock(nn.Module):
+    """conv-norm-relu x2 with a residual connection (projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+
+        def norm_layer(c: int) -> nn.Module:
+            return nn.GroupNorm(min(8, c), c) if norm == "group" else nn.Identity()
+
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=norm == "none")
+        self.norm1 = norm_layer(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=norm == "none")
+        self.norm2 = norm_layer(cout)
+        self.act = nn.ReLU(inplace=False)
+        self.shortcut = (
+            nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride, bias=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return self.act(out + self.shortcut(x))
+
+
+class TinyNet(nn.Module):
+    """stem conv + 3 residual stages (width, 2w, 4w) + 4x4 average pool + linear."""
+
+    def __init__(self, num_classes: int = 10, width: int = 32, norm: str = "group") -> None:
+        super().__init__()
+        stem_norm = nn.GroupNorm(min(8, width), width) if norm == "group" else nn.Identity()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=norm == "none"), stem_norm, nn.ReLU())
+        self.blocks = nn.Sequential(
+            TinyBlock(width, width, 1, norm),
+            TinyBlock(width, 2 * width, 2, norm),
+            TinyBlock(2 * width, 4 * width, 2, norm),
+        )
+        # A 4x4 pooled map, not global pooling: on small digits the layout matters, and a global average
+        # of a 3-stage net's features trains far slower.
+        self.pool = nn.AdaptiveAvgPool2d(4)
+        self.fc = nn.Linear(4 * width * 16, num_classes)
+        for m in self.modules():  # ResNet's initialisation: without it training stalls for an epoch or two
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def residual_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The block classes to wrap (FSDP) or checkpoint: one unit per residual block."""
+    from stratbench._torchvision import import_torchvision
+
+    resnet = import_torchvision().models.resnet
+    candidates = (TinyBlock, resnet.BasicBlock, resnet.Bottleneck)
+    present = {type(m) for m in model.modules()}
+    found = tuple(c for c in candidates if c in present)
+    return found or tuple(getattr(model, "_stratbench_block_types", ()))
+
+
+def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
+    from stratbench._torchvision import import_torchvision
+
+    model = getattr(import_torchvision().models, name)(weights=None, num_classes=num_classes)
+    if cifar_stem:
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
+    model = builder(num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def check_model(name: str) -> None:
+    if name not in MODELS and ":" not in name:
+        raise ConfigError(
+            f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (or a builder as 'package.module:function')"
+        )
+
+
+def build_model(name: str, num_classes: int, *, cifar_stem: bool = False, norm: str = "group", width: int = 32) -> nn.Module:
+    check_model(name)
+    if name == "tinynet":
+        return TinyNet(num_classes, width=width, norm=norm)
+    if ":" in name:
+        return _load_user_builder(name, num_classes)
+    return _resnet(name, num_classes, cifar_stem)
+
+
+def load_weights(model: nn.Module, path: str) -> list[str]:
+    """Load a local state dict (e.g. torchvision's ImageNet ResNet-50 file). Tensors whose shape does not
+    match (the 1000-class head on a 10-class model) are skipped and returned, so the caller can say so."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"weights file not found: {p}")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"weights file {p} is not a readable PyTorch state dict: {exc}") from None
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]  # a stratbench checkpoint
+    if not isinstance(state, dict):
+        raise CheckpointError(f"weights file {p} holds a {type(state).__name__}, not a state dict")
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not usable:
+        raise CheckpointError(f"weights file {p} has no tensor that fits this model (keys like {next(iter(state), '-')!r})")
+    skipped = sorted(k for k in state if k not in usable)
+    model.load_state_dict(usable, strict=False)
+    return skipped
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each residual block's activations in the backward pass; returns the number of blocks."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing as _apply,
+        checkpoint_wrapper,
+    )
+    import functools
+
+    types_ = residual_block_types(model)
+    if not types_:
+        raise ConfigError("activation checkpointing: this model has no residual block type to checkpoint")
+    _apply(
+        model,
+        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, types_),
+    )
+    return sum(isinstance(m, types_) for m in model.modules())
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

@@ -1,0 +1,18 @@
+"""One process on one device (one CPU or one GPU): the baseline every other method is compared against."""
+
+from __future__ import annotations
+
+from stratbench.strategies.base import Strategy, register
+
+
+@register
+class SingleDevice(Strategy):
+    name = "single"
+    description = "one process, one device (CPU or one GPU); the baseline"
+    requirements = "any device, one process"
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        if world_size != 1:
+            return f"single runs one process; it was started with world size {world_size} (use ddp, fsdp, ...)"
+        return None
