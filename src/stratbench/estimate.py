@@ -1,0 +1,677 @@
+"""Memory estimate per device, before training: model states from the method's sharding rules, activations
+measured by tracing one forward/backward of the real model on fake tensors (no memory is allocated).
+
+What is predicted, per device (see docs/memory.md for every formula and why the textbook ones are corrected):
+
+* model states: parameters, gradients, optimizer states (SGD, momentum SGD, AdamW), fp32 master copies where a
+  method keeps them (DeepSpeed with half precision), DDP gradient buckets -- each divided the way the method
+  shards it (ZeroRedundancyOptimizer's greedy whole-parameter partition, FSDP2's dim-0 chunks, FSDP1's padded
+  flat parameters, DeepSpeed's flat partitions) and moved to the host by CPU offload;
+* the forward/backward working set: every tensor the real model allocates during one forward and backward at
+  the per-device micro-batch, traced op by op under ``FakeTensorMode`` with a dispatch mode that keeps the live
+  bytes (activations saved for backward, temporaries, gradients as they appear). Precision (autocast, half
+  weights) and activation checkpointing are traced, not modelled;
+* optimizer-step temporaries (the foreach kernels' one parameter-sized scratch list);
+* a stated per-process overhead per device type (CUDA context and allocator slack; 0 on CPU).
+
+``predicted peak`` is the allocator-level peak (what ``torch.cuda.max_memory_allocated`` reports);
+``device total`` adds the per-process overhead (what ``nvidia-smi`` shows) and is what must fit the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.config import TrainConfig, from_dict
+from stratbench.errors import ConfigError
+
+GiB = 1024**3
+MiB = 1024**2
+
+# Per-process memory outside the tensors the allocator hands out, by device type. CUDA: the context (driver,
+# kernels of torch/cuDNN/cuBLAS loaded lazily) measured by nvidia-smi for a process that has run a ResNet
+# step is 0.4-0.6 GiB on recent drivers (the source quotes 0.3-0.5 GB); the caching allocator reserves more
+# than it hands out (block rounding, fragmentation), typically a few percent at steady state.
+OVERHEAD: dict[str, dict[str, float]] = {
+    "cuda": {"context_bytes": 512 * MiB, "allocator_slack": 0.05},
+    "cpu": {"context_bytes": 0, "allocator_slack": 0.0},
+}
+# The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
+ROUND_BYTES = {"cuda": 512, "cpu": 1}
+
+METHODS = ("single", "dp", "ddp", "ddp-zero", "fsdp", "fsdp1", "deepspeed", "accelerate-ddp", "accelerate-fsdp", "accelerate-deepspeed")
+# DeepSpeed defaults that size its buffers (elements), from deepspeed/runtime/zero/config.py.
+DS_REDUCE_BUCKET = 500_000_000
+DS_PARAM_PERSISTENCE = 100_000
+DS_PREFETCH_BUCKET = 50_000_000
+
+
+# ------------------------------------------------------------------------------------------------
+# The model: parameter shapes and the units each method wraps, from a model built on fake tensors.
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What identifies a model build (hashable, so traces are cached per model)."""
+
+    model: str
+    num_classes: int
+    image_size: int
+    cifar_stem: bool = False
+    norm: str = "group"
+    width: int = 32
+
+    @classmethod
+    def from_config(cls, cfg: TrainConfig) -> ModelSpec:
+        from stratbench.data import default_image_size
+
+        classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10
+        return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
+
+    def build(self) -> nn.Module:
+        from stratbench.models import build_model
+
+        return build_model(self.model, self.num_classes, cifar_stem=self.cifar_stem, norm=self.norm, width=self.width)
+
+
+@dataclass
+class ModelInfo:
+    """Parameter numels in ``model.parameters()`` order and the wrapping units of FSDP2 / FSDP1."""
+
+    numels: list[int]
+    dim0: list[int]
+    block_units: list[list[int]]
+    """FSDP2 wrapping: one unit per residual block (indices into numels), the root unit last."""
+    layer_units: list[list[int]]
+    """FSDP1 as the source wraps it: one unit per Linear/Conv2d, the root unit (the rest) last."""
+    buffer_bytes: int
+
+    @property
+    def total(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def largest_layer(self) -> int:
+        return max((sum(self.numels[i] for i in u) for u in self.layer_units), default=0)
+
+
+@functools.cache
+def model_info(spec: ModelSpec) -> ModelInfo:
+    """Shapes of the real model, built under FakeTensorMode so that even a huge model costs no memory."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stratbench.models import residual_block_types
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = spec.build()
+    params = list(model.parameters())
+    index = {id(p): i for i, p in enumerate(params)}
+
+    def units(is_unit) -> list[list[int]]:
+        taken: set[int] = set()
+        out: list[list[int]] = []
+        for m in model.modules():
+            if m is not model and is_unit(m):
+                ids = [index[id(p)] for p in m.parameters() if index[id(p)] not in taken]
+                taken.update(ids)
+                if ids:
+                    out.append(ids)
+        out.append([i for i in range(len(params)) if i not in taken])
+        return out
+
+    block_types = residual_block_types(model)
+    return ModelInfo(
+        numels=[p.numel() for p in params],
+        dim0=[p.shape[0] if p.dim() else 1 for p in params],
+        block_units=units(lambda m: bool(block_types) and isinstance(m, block_types)),
+        layer_units=units(lambda m: isinstance(m, (nn.Linear, nn.Conv2d))),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Activations: one forward/backward traced on fake tensors, live bytes recorded after every op.
+
+
+@dataclass
+class Trace:
+    """Live bytes after each op of one forward+backward; gradients kept apart so sharding can scale them."""
+
+    batch: int
+    nongrad: list[int]
+    grad: list[int]
+    saved_bytes: int
+    """Bytes of the tensors autograd saved for backward (activations), parameters excluded."""
+    grad_bytes: int
+    """Bytes of all gradients at the end of backward."""
+
+    def peak(self, grad_fraction: float = 1.0) -> int:
+        """Peak of (activations + temporaries + the kept fraction of gradients) over the step."""
+        return int(max((a + grad_fraction * g for a, g in zip(self.nongrad, self.grad, strict=True)), default=0))
+
+
+class _LiveBytes:
+    """TorchDispatchMode body: counts each new storage once, frees it when the storage object dies."""
+
+    def __init__(self, round_to: int) -> None:
+        self.round_to = round_to
+        self.sizes: dict[int, int] = {}
+        self.grad_keys: set[int] = set()
+        self.nongrad = 0
+        self.grad = 0
+        self.nongrad_t: list[int] = []
+        self.grad_t: list[int] = []
+
+    def _size(self, nbytes: int) -> int:
+        r = self.round_to
+        return max(r, -(-nbytes // r) * r) if r > 1 else nbytes
+
+    def track(self, t: torch.Tensor) -> None:
+        st = t.untyped_storage()
+        key = id(st)
+        if key in self.sizes:
+            return
+        size = self._size(st.nbytes())
+        self.sizes[key] = size
+        self.nongrad += size
+        weakref.finalize(st, self._free, key)
+
+    def mark_grad(self, t: torch.Tensor) -> None:
+        self.track(t)
+        key = id(t.untyped_storage())
+        if key not in self.grad_keys:
+            self.grad_keys.add(key)
+            self.nongrad -= self.sizes[key]
+            self.grad += self.sizes[key]
+        self.sample()
+
+    def _free(self, key: int) -> None:
+        size = self.sizes.pop(key, 0)
+        if key in self.grad_keys:
+            self.grad_keys.discard(key)
+            self.grad -= size
+        else:
+            self.nongrad -= size
+
+    def sample(self) -> None:
+        self.nongrad_t.append(self.nongrad)
+        self.grad_t.append(self.grad)
+
+
+def _dispatch_mode(live: _LiveBytes):
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class LiveBytesMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    live.track(t)
+            live.sample()
+            return out
+
+    return LiveBytesMode()
+
+
+@functools.cache
+def trace_step(
+    spec: ModelSpec, batch: int, precision: str, activation_checkpointing: bool = False, device_type: str = "cuda"
+) -> Trace:
+    """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from stratbench.precision import SPECS
+
+    if precision not in SPECS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
+    pspec = SPECS[precision]
+    live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = spec.build()
+        if pspec.param_dtype is not torch.float32:
+            model = model.to(pspec.param_dtype)
+        if activation_checkpointing:
+            from stratbench.models import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
+        own = {id(p.untyped_storage()) for p in model.parameters()} | {id(b.untyped_storage()) for b in model.buffers()}
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            if id(st) not in own:
+                saved[id(st)] = st.nbytes()
+            return t
+
+        autocast = (
+            torch.autocast("cpu", dtype=pspec.compute_dtype) if pspec.autocast else torch.autocast("cpu", enabled=False)
+        )
+        with _dispatch_mode(live):
+            x = torch.empty(batch, 3, spec.image_size, spec.image_size, dtype=pspec.param_dtype)
+            y = torch.zeros(batch, dtype=torch.long)
+            live.track(x)
+            live.track(y)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+                loss = nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    return Trace(batch, live.nongrad_t, live.grad_t, sum(saved.values()), grad_bytes)
+
+
+# ------------------------------------------------------------------------------------------------
+# Methods: how each one divides the model states.
+
+
+@dataclass(frozen=True)
+class Method:
+    """A strategy reduced to what decides memory."""
+
+    kind: str
+    """single | dp | ddp | zero1 (ZeroRedundancyOptimizer) | fsdp2 | fsdp1 | deepspeed"""
+    shard: str = "none"
+    """fsdp2/fsdp1: full | grad-op | none."""
+    stage: int = 0
+    """deepspeed ZeRO stage."""
+    offload_optimizer: bool = False
+    offload_params: bool = False
+    buckets: bool = False
+    """DDP gradient buckets (a second copy of the gradients)."""
+
+
+_SHARD_NAMES = {
+    "full": "full", "full_shard": "full", "full-shard": "full", "1": "full", "zero3": "full",
+    "grad-op": "grad-op", "grad_op": "grad-op", "shard_grad_op": "grad-op", "shard-grad-op": "grad-op", "2": "grad-op", "zero2": "grad-op",
+    "none": "none", "no_shard": "none", "no-shard": "none", "3": "none", "ddp": "none",
+}  # fmt: skip
+
+
+def _opt(options: dict[str, Any], *names: str, default: Any = None) -> Any:
+    for n in names:
+        for key in (n, n.replace("_", "-")):
+            if key in options and options[key] is not None:
+                return options[key]
+    return default
+
+
+def _truthy(v: Any) -> bool:
+    return str(v).lower() not in ("", "0", "false", "no", "none", "off")
+
+
+def method_of(strategy: str, options: dict[str, Any] | None = None) -> Method:
+    """Map a strategy name and its options (``cfg.strategy_options``) to its memory behaviour."""
+    o = dict(options or {})
+    base = strategy.removeprefix("accelerate-")
+    if base in ("single",):
+        return Method("single")
+    if base == "dp":
+        return Method("dp")
+    if base == "ddp":
+        return Method("ddp", buckets=True)
+    if base == "ddp-zero":
+        return Method("zero1", buckets=True)
+    if base in ("fsdp", "fsdp1"):
+        raw = str(_opt(o, "sharding", "sharding_strategy", "fsdp_sharding_strategy", default="full")).lower()
+        if raw not in _SHARD_NAMES:
+            raise ConfigError(f"{strategy}: unknown sharding {raw!r}; choose one of: full, grad-op, none")
+        offload = _truthy(_opt(o, "cpu_offload", "offload_params", "fsdp_offload_params", default=False))
+        # accelerate's FSDP plugin is FSDP1 unless asked for version 2.
+        kind = "fsdp2" if strategy == "fsdp" or str(_opt(o, "fsdp_version", default="1")) == "2" else "fsdp1"
+        return Method(kind, shard=_SHARD_NAMES[raw], offload_params=offload)
+    if base == "deepspeed":
+        stage = int(_opt(o, "zero_stage", "stage", default=2))
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{strategy}: zero stage must be 0, 1, 2 or 3, got {stage}")
+        return Method(
+            "deepspeed",
+            stage=stage,
+            offload_optimizer=_truthy(_opt(o, "offload_optimizer", default=False)),
+            offload_params=_truthy(_opt(o, "offload_params", "offload_param", default=False)),
+        )
+    raise ConfigError(f"estimate: unknown strategy {strategy!r}; choose one of: {', '.join(METHODS)}")
+
+
+def zero_partition(numels: list[int], world: int) -> list[list[int]]:
+    """ZeroRedundancyOptimizer's partition (torch/distributed/optim/zero_redundancy_optimizer.py): parameters
+    sorted by size, largest first, each given to the rank with the fewest elements so far (first on ties)."""
+    sizes = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):  # stable, like torch's sorted
+        r = sizes.index(min(sizes))
+        owned[r].append(i)
+        sizes[r] += numels[i]
+    return owned
+
+
+def _chunk_rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 torch.chunk that rank holds (FSDP2's sharding: the last ranks may get fewer or none)."""
+    size = -(-dim0 // world)
+    return max(0, min(dim0, (rank + 1) * size) - rank * size)
+
+
+# ------------------------------------------------------------------------------------------------
+# The estimate.
+
+
+@dataclass
+class Row:
+    component: str
+    device_bytes: int
+    host_bytes: int = 0
+    note: str = ""
+
+
+@dataclass
+class Estimate:
+    """Per-device breakdown (the most loaded rank) with the peak and the total that must fit."""
+
+    strategy: str
+    precision: str
+    world_size: int
+    micro_batch: int
+    device_type: str
+    rows: list[Row] = field(default_factory=list)
+    peak_fwd_bwd: int = 0
+    peak_step: int = 0
+    peak_bytes: int = 0
+    """Predicted allocator peak (compare with torch.cuda.max_memory_allocated)."""
+    overhead_bytes: int = 0
+    total_bytes: int = 0
+    """Peak plus per-process overhead: what must fit in the device's memory."""
+    host_bytes: int = 0
+    num_parameters: int = 0
+    per_rank_states: list[dict[str, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class _States:
+    """Model-state bytes of one rank, split by where they live."""
+
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+    master: int = 0
+    buckets: int = 0
+    host_params: int = 0
+    host_grads: int = 0
+    host_optim: int = 0
+    host_master: int = 0
+    step_scalars: int = 0
+    """AdamW's per-parameter ``step`` counters (0-dim float32 tensors kept on the CPU)."""
+
+
+def _opt_slots(cfg: TrainConfig) -> int:
+    """Optimizer state tensors per parameter: AdamW exp_avg + exp_avg_sq, momentum SGD one buffer, plain SGD none."""
+    if cfg.optimizer == "adamw":
+        return 2
+    return 1 if cfg.momentum else 0
+
+
+def rank_states(cfg: TrainConfig, world_size: int, rank: int, info: ModelInfo | None = None) -> _States:
+    """Bytes of parameters, gradients, optimizer state (and master copies, buckets) that ``rank`` holds."""
+    from stratbench.precision import SPECS
+
+    info = info or model_info(ModelSpec.from_config(cfg))
+    m = method_of(cfg.strategy, cfg.strategy_options)
+    pd = SPECS[cfg.precision].param_dtype.itemsize
+    half = SPECS[cfg.precision].compute_dtype is not torch.float32
+    k = _opt_slots(cfg)
+    adam = cfg.optimizer == "adamw"
+    n, world = info.numels, world_size
+    P = sum(n)
+    s = _States()
+    if m.kind in ("single", "dp", "ddp"):
+        s.params = s.grads = P * pd
+        s.optim = k * P * pd
+        s.step_scalars = 4 * len(n) if adam else 0
+        s.buckets = P * pd if m.buckets and world > 1 else 0
+    elif m.kind == "zero1":
+        mine = zero_partition(n, world)[rank]
+        s.params = s.grads = P * pd
+        s.optim = k * sum(n[i] for i in mine) * pd
+        s.step_scalars = 4 * len(mine) if adam else 0
+        s.buckets = P * pd if world > 1 else 0
+    elif m.kind == "fsdp2":
+        if m.shard == "none":
+            local = P
+            count = len(n)
+        else:
+            local = sum(n[i] // d0 * _chunk_rows(d0, world, rank) for i, d0 in enumerate(info.dim0))
+            count = sum(_chunk_rows(d0, world, rank) > 0 for d0 in info.dim0)
+        s.params = s.grads = local * pd
+        s.optim = k * local * pd
+        s.step_scalars = 4 * len(n) if adam else 0
+        del count
+    elif m.kind == "fsdp1":
+        # One FlatParameter per unit, padded to a multiple of the world size; every rank holds an equal slice.
+        shards = world if m.shard != "none" else 1
+        local = sum(-(-sum(n[i] for i in u) // shards) for u in info.layer_units if u)
+        s.params = s.grads = local * pd
+        s.optim = k * local * pd
+        s.step_scalars = 4 * sum(1 for u in info.layer_units if u) if adam else 0
+    elif m.kind == "deepspeed":
+        # DeepSpeed converts the model to the compute dtype for fp16/bf16 and keeps a flat fp32 partition of
+        # the weights (the master copy; in fp32 too) on which the optimizer steps.
+        bit = 2 if half else pd
+        part = -(-P // world) if m.stage >= 1 else P
+        s.params = (-(-P // world) if m.stage == 3 else P) * bit
+        s.master = part * 4 if (m.stage >= 1 or half) else 0
+        s.optim = k * part * 4
+        s.grads = (P if m.stage <= 1 else part) * bit
+        s.step_scalars = 4 if adam else 0
+        s.buckets = min(DS_REDUCE_BUCKET, P) * bit if m.stage >= 2 and world > 1 else 0
+    if m.offload_params:
+        s.host_params, s.params = s.params, 0
+        if m.kind in ("fsdp2", "fsdp1"):
+            s.host_grads, s.grads = s.grads, 0
+            s.host_optim, s.optim = s.optim, 0
+    if m.offload_optimizer:
+        s.host_optim, s.optim = s.host_optim + s.optim, 0
+        s.host_master, s.master = s.host_master + s.master, 0
+    return s
+
+
+def model_state_bytes(cfg: TrainConfig, world_size: int) -> list[dict[str, int]]:
+    """Per rank: bytes of parameters, gradients and optimizer state held (device and host together), counted
+    the way ``Strategy.state_bytes`` counts them (AdamW's step counters included, master copies apart)."""
+    out = []
+    info = model_info(ModelSpec.from_config(cfg))
+    for r in range(world_size):
+        s = rank_states(cfg, world_size, r, info)
+        out.append(
+            {
+                "param_bytes": s.params + s.host_params,
+                "grad_bytes": s.grads + s.host_grads,
+                "optimizer_state_bytes": s.optim + s.host_optim + s.step_scalars,
+                "master_bytes": s.master + s.host_master,
+            }
+        )
+    return out
+
+
+def micro_batch(cfg: TrainConfig, world_size: int) -> int:
+    """Per-device micro-batch: the global batch split over data-parallel ranks and accumulation steps."""
+    dp = world_size
+    per = cfg.batch_size // (dp * cfg.grad_accum)
+    if per < 1:
+        raise ConfigError(
+            f"global batch {cfg.batch_size} is smaller than world size {world_size} x grad accumulation {cfg.grad_accum}"
+        )
+    return per
+
+
+def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Estimate:
+    """The per-device breakdown for one method, on its most loaded rank."""
+    from stratbench.precision import SPECS
+
+    if device_type not in OVERHEAD:
+        raise ConfigError(f"unknown device type {device_type!r}; choose one of: {', '.join(OVERHEAD)}")
+    spec = ModelSpec.from_config(cfg)
+    info = model_info(spec)
+    m = method_of(cfg.strategy, cfg.strategy_options)
+    pspec = SPECS[cfg.precision]
+    compute = pspec.compute_dtype.itemsize
+    world = world_size
+    # DataParallel runs one process: the batch is split over GPUs but GPU 0 also holds the whole model states.
+    mb = micro_batch(cfg, world)
+    trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
+    states = [rank_states(cfg, world, r, info) for r in range(world)]
+    s = max(states, key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets)
+    P = info.total
+    full_grad = trace.grad_bytes or 1
+    on_device_grads = s.grads
+
+    # Unsharded parameters gathered around each unit's forward/backward (current unit + the prefetched next).
+    gathered = 0
+    gather_note = ""
+    if m.kind == "fsdp2" and m.shard != "none":
+        unit = max(sum(info.numels[i] for i in u) for u in info.block_units)
+        dtype = compute if pspec.autocast else pspec.param_dtype.itemsize
+        gathered = (P if m.shard == "grad-op" else 2 * unit) * dtype
+        gather_note = "all unsharded from forward to backward" if m.shard == "grad-op" else "2 blocks (current + prefetch)"
+    elif m.kind == "fsdp1" and m.shard != "none":
+        dtype = pspec.param_dtype.itemsize
+        gathered = (P if m.shard == "grad-op" else 2 * info.largest_layer) * dtype
+        gather_note = "all unsharded from forward to backward" if m.shard == "grad-op" else "2 layers (current + prefetch)"
+    elif (m.kind == "fsdp2" or m.kind == "fsdp1") and m.offload_params:
+        gathered = P * pspec.param_dtype.itemsize
+        gather_note = "offloaded parameters copied to the device"
+    elif m.kind == "deepspeed" and m.stage == 3:
+        bit = 2 if pspec.compute_dtype is not torch.float32 else pspec.param_dtype.itemsize
+        persistent = sum(x for x in info.numels if x < DS_PARAM_PERSISTENCE)
+        gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
+        gather_note = "small parameters kept whole (persistence threshold) + prefetch bucket"
+    elif m.kind == "deepspeed" and m.offload_params:
+        gathered = P * 2
+
+    # Fraction of the traced (full) gradients that stays on the device through the backward pass.
+    grad_fraction = on_device_grads / full_grad if m.kind != "deepspeed" else min(1.0, on_device_grads / full_grad)
+    resident = s.params + s.optim + s.master + s.buckets
+    fwd_bwd_traced = trace.peak(grad_fraction)
+    peak_fwd_bwd = resident + gathered + fwd_bwd_traced
+    if m.kind == "deepspeed" and m.stage >= 2:
+        # DeepSpeed reduces into its bucket then into the partition: the traced full gradients are transient.
+        peak_fwd_bwd += 0
+    # The foreach optimizer kernels (default on CUDA) allocate one parameter-sized scratch list; DeepSpeed
+    # converts the partition's gradients to fp32 (4 bytes/element) at the step.
+    step_temp = 0
+    if not m.offload_optimizer and not (m.kind in ("fsdp2", "fsdp1") and m.offload_params):
+        step_temp = max(s.optim // max(1, _opt_slots(cfg)), s.params) if device_type == "cuda" else 0
+        if m.kind == "deepspeed" and m.stage >= 1:
+            step_temp = s.master
+    peak_step = resident + on_device_grads + step_temp
+    peak = max(peak_fwd_bwd, peak_step)
+    ov = OVERHEAD[device_type]
+    overhead = int(ov["context_bytes"] + ov["allocator_slack"] * peak)
+
+    def r(name: str, dev: int, host: int = 0, note: str = "") -> Row:
+        return Row(name, int(dev), int(host), note)
+
+    sharded = {"single": "", "dp": "replicated", "ddp": "replicated", "zero1": "optimizer state sharded by whole parameters"}
+    note = sharded.get(m.kind, "")
+    if m.kind in ("fsdp2", "fsdp1"):
+        note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[m.shard]
+    if m.kind == "deepspeed":
+        note = f"ZeRO-{m.stage}"
+    rows = [
+        r("parameters", s.params, s.host_params, note),
+        r("gradients", on_device_grads, s.host_grads, "kept after backward"),
+        r("optimizer states", s.optim, s.host_optim, f"{_opt_slots(cfg)} per parameter ({cfg.optimizer})"),
+        r("fp32 master weights", s.master, s.host_master, "DeepSpeed flat fp32 partition" if s.master or s.host_master else "none (weights are the master)"),
+        r("gradient buckets", s.buckets, 0, "DDP all-reduce buckets" if m.kind in ("ddp", "zero1") else ("DeepSpeed reduce bucket" if s.buckets else "")),
+        r("gathered parameters", gathered, 0, gather_note),
+        r("activations saved for backward", trace.saved_bytes, 0, f"traced at micro-batch {mb}"),
+        r("forward/backward working peak", fwd_bwd_traced, 0, "activations + temporaries + gradients as they appear (traced)"),
+        r("optimizer step scratch", step_temp, 0, "foreach kernels / fp32 gradient partition"),
+    ]
+    return Estimate(
+        strategy=cfg.strategy,
+        precision=cfg.precision,
+        world_size=world,
+        micro_batch=mb,
+        device_type=device_type,
+        rows=rows,
+        peak_fwd_bwd=int(peak_fwd_bwd),
+        peak_step=int(peak_step),
+        peak_bytes=int(peak),
+        overhead_bytes=overhead,
+        total_bytes=int(peak + overhead),
+        host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
+        num_parameters=P,
+        per_rank_states=model_state_bytes(cfg, world),
+    )
+
+
+def _device_type(cfg: TrainConfig) -> str:
+    if cfg.device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return cfg.device
+
+
+def predict_peak_bytes(config: dict, world_size: int, device_type: str | None = None) -> int | None:
+    """Predicted allocator peak per device for a run's config (``result["config"]``); None when the config
+    cannot be estimated (an unknown strategy, a model that cannot be built on fake tensors)."""
+    try:
+        cfg = from_dict(TrainConfig, dict(config))
+        return estimate(cfg, world_size, device_type or _device_type(cfg)).peak_bytes
+    except Exception:  # an estimate must never break the report it sits in
+        return None
+
+
+def max_batch(cfg: TrainConfig, world_size: int, device_memory: int, device_type: str = "cuda", limit: int = 1 << 20) -> tuple[int, Estimate | None]:
+    """Largest global batch (a multiple of world size x grad accumulation) whose device total fits."""
+    step = world_size * cfg.grad_accum
+
+    def fits(b: int) -> Estimate | None:
+        e = estimate(cfg.replace(batch_size=b), world_size, device_type)
+        return e if e.total_bytes <= device_memory else None
+
+    if fits(step) is None:
+        return 0, None
+    # Two small traces give the per-sample cost; start the search near the linear solution.
+    lo, hi = 1, 2
+    e1 = estimate(cfg.replace(batch_size=step), world_size, device_type)
+    e2 = estimate(cfg.replace(batch_size=2 * step), world_size, device_type)
+    per = max(1, e2.total_bytes - e1.total_bytes)
+    guess = max(1, int((device_memory - e1.total_bytes) / per) + 1)
+    lo, hi = 1, max(2, min(limit, guess))
+    while fits(hi * step) is not None and hi < limit:
+        lo, hi = hi, min(limit, hi * 2)
+    if fits(hi * step) is not None:
+        return hi * step, fits(hi * step)
+    while hi - lo > 1:  # fits(lo) and not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid * step) is not None:
+            lo = mid
+        else:
+            hi = mid
+    return lo * step, fits(lo * step)
+
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+          "kib": 1024, "mib": MiB, "gib": GiB, "tib": 1024**4}  # fmt: skip
+
+
+def parse_bytes(text: str) -> int:
+    """'80GiB', '24GB', '512MiB', '1.5e9' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read memory size {text!r}; write e.g. 80GiB, 24GB, 512MiB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0 or not math.isfinite(value):
+        raise ConfigError(f"memory size must be positive, got {text!r}")
+    return int(value)
