@@ -1,0 +1,49 @@
+"""stratbench evaluate: accuracy and loss of a checkpoint (any method) on a data set's validation split."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+NAME = "evaluate"
+HELP = "accuracy and loss of a checkpoint (any method, or an ONNX export) on a data set's validation split"
+ORDER = 61
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.data import DATASETS
+
+    parser.add_argument("--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
+    parser.add_argument("--data", choices=DATASETS, help="data set (default: the one the checkpoint was trained on)")
+    parser.add_argument("--data-dir", help="folder of the data set (default: the checkpoint's, when --data is not changed)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model")
+    parser.add_argument("--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratbench.errors import ConfigError
+    from stratbench.inference import evaluate, open_model, train_config_for, validation_set
+
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    with open_model(args.checkpoint, args.backend, args.onnx, args.device) as opened:
+        cfg = train_config_for(opened.config, opened.meta, data=args.data, data_dir=args.data_dir)
+        bundle = validation_set(cfg, opened.meta)
+        t0 = time.perf_counter()
+        result = evaluate(opened.runner, bundle.val, args.batch_size)
+        seconds = time.perf_counter() - t0
+    result |= {"data": cfg.data, "backend": args.backend, "seconds": seconds}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print(f"model: {opened.description}", file=sys.stderr)
+        print(
+            f"{cfg.data} validation ({result['val_samples']} samples, {args.backend}): "
+            f"accuracy {result['val_accuracy']:.4f}  loss {result['val_loss']:.6f}  ({seconds:.2f} s)"
+        )
+    return 0

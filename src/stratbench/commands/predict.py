@@ -1,0 +1,54 @@
+"""stratbench predict: top-k classes for image files or folders, from any method's checkpoint (or an ONNX file)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+NAME = "predict"
+HELP = "top-k classes with probabilities for images or folders of images, from a checkpoint of any method"
+ORDER = 60
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)")
+    parser.add_argument("--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
+    parser.add_argument("--top-k", type=int, default=5, help="classes to show per image (default 5)")
+    parser.add_argument("--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model")
+    parser.add_argument("--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
+    parser.add_argument("--json", action="store_true", help="print the predictions as one JSON document on stdout")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratbench.errors import ConfigError, DataError
+    from stratbench.inference import collect_images, open_model, predict_files
+
+    if args.top_k < 1:
+        raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
+    if args.batch_size < 1:
+        raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    # The checkpoint is checked first: a bad checkpoint is one error, whatever the images are.
+    with open_model(args.checkpoint, args.backend, args.onnx, args.device) as opened:
+        if not args.json:
+            print(f"model: {opened.description}", file=sys.stderr)
+        files, problems = collect_images(args.images)
+        predictions, bad = predict_files(files, opened.meta, opened.runner, args.top_k, args.batch_size)
+        problems.extend(bad)
+    if args.json:
+        doc = {"predictions": [p.to_dict() for p in predictions], "errors": [{"path": str(p.path), "reason": p.reason} for p in problems]}
+        print(json.dumps(doc, indent=2))
+    else:
+        for p in predictions:
+            print(f"{p.path}: " + ", ".join(f"{name} ({prob:.1%})" for name, prob in p.top))
+    for p in problems:
+        print(f"stratbench predict: error: {p.line()}", file=sys.stderr)
+    if not predictions and not problems:
+        raise DataError("no images given")
+    if problems:
+        if predictions:
+            print(f"stratbench predict: {len(predictions)} image(s) predicted, {len(problems)} input(s) failed", file=sys.stderr)
+        return 2
+    return 0
