@@ -1,0 +1,84 @@
+"""stratbench advise: which method and precision to use for a model on the devices at hand, and why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from stratbench.commands.estimate import add_model_arguments
+
+NAME = "advise"
+HELP = "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
+ORDER = 41
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
+    parser.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    parser.add_argument("--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)")
+    parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
+    parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")
+    parser.add_argument("--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+    from rich.console import Console
+
+    from stratbench.advise import advise, default_precision
+    from stratbench.config import TrainConfig, validate
+    from stratbench.errors import ConfigError
+    from stratbench.estimate import parse_bytes
+    from stratbench.precision import SPECS
+    from stratbench.report_table import fmt_bytes
+
+    has_gpu = torch.cuda.is_available()
+    devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
+    memory = parse_bytes(args.device_memory) if args.device_memory else (
+        torch.cuda.get_device_properties(0).total_memory if has_gpu else None
+    )
+    if devices is None or memory is None:
+        raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
+    if devices < 1:
+        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
+    precision = args.precision or default_precision("cuda", bf16_ok)
+    if precision not in SPECS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
+    base = TrainConfig(
+        model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
+        cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, precision=precision,
+        optimizer=args.optimizer,
+    )  # fmt: skip
+    validate(base)
+    result = advise(base, devices, memory, args.goal, "cuda")
+    if args.json:
+        print(json.dumps({
+            "method": result.plan.strategy if result.plan else None,
+            "options": dict(result.plan.options) if result.plan else None,
+            "activation_checkpointing": result.plan.activation_checkpointing if result.plan else None,
+            "precision": precision,
+            "estimated_bytes_per_device": result.estimate.total_bytes if result.estimate else None,
+            "reasons": result.reasons,
+            "train_command": result.train_command,
+            "compare_command": result.compare_command,
+        }, indent=2))  # fmt: skip
+        return 0 if result.plan else 1
+    console = Console()
+    console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
+                  f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
+    for line in result.reasons:
+        console.print(f"  - {line}")
+    if result.plan is None:
+        console.print("[red]no method fits[/]")
+        return 1
+    console.print(
+        f"[bold green]recommended:[/] {result.plan.label}, precision {precision} "
+        f"({'bf16 needs no loss scaling' if precision.startswith('bf16') else 'fp16 with dynamic loss scaling'}), "
+        f"estimated {fmt_bytes(result.estimate.total_bytes)} per device"
+    )
+    console.print(f"next:  {result.train_command}")
+    console.print(f"then:  {result.compare_command}")
+    return 0

@@ -1,0 +1,159 @@
+"""stratbench estimate: predicted memory per device for a model, batch, precision and method, before training."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+NAME = "estimate"
+HELP = "predict memory per device (parameters, gradients, optimizer, activations) for a method, before training"
+ORDER = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch per optimizer step (per device = batch / world size)")
+    parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
+    parser.add_argument("--precision", default="fp32", help="fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed")
+    parser.add_argument("--strategy", default="single", help="a method (see `stratbench list`) or 'all' for one row per method")
+    parser.add_argument("--world-size", type=int, default=1, help="number of devices (processes)")
+    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: plain SGD, no state)")
+    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each residual block")
+    parser.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use")
+    parser.add_argument("--sharding", help="fsdp/fsdp1: full, grad-op or none")
+    parser.add_argument("--zero-stage", type=int, help="deepspeed: ZeRO stage 0-3")
+    parser.add_argument("--offload-optimizer", action="store_true", help="deepspeed: optimizer states on the CPU")
+    parser.add_argument("--offload-params", action="store_true", help="deepspeed stage 3 / fsdp: parameters on the CPU")
+    parser.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients and optimizer on the CPU")
+    parser.add_argument("--max-batch", action="store_true", help="solve for the largest global batch that fits --device-memory")
+    parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB (default: detected GPU)")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="resnet50", help="tinynet, resnet18/34/50, or a builder 'pkg.module:build'")
+    parser.add_argument("--image-size", type=int, default=224)
+    parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs")
+    parser.add_argument("--width", type=int, default=16, help="tinynet width")
+
+
+def strategy_options(args: argparse.Namespace, strategy: str) -> dict:
+    """The method flags that apply to ``strategy``, as its cfg.strategy_options."""
+    base = strategy.removeprefix("accelerate-")
+    out: dict = {}
+    if base in ("fsdp", "fsdp1") and args.sharding:
+        out["sharding"] = args.sharding
+    if base in ("fsdp", "fsdp1") and (args.cpu_offload or args.offload_params):
+        out["cpu_offload"] = True
+    if base == "deepspeed":
+        out["zero_stage"] = 2 if args.zero_stage is None else args.zero_stage
+        if args.offload_optimizer:
+            out["offload_optimizer"] = "cpu"
+        if args.offload_params:
+            out["offload_params"] = "cpu"
+    return out
+
+
+def config_for(args: argparse.Namespace, strategy: str):
+    from stratbench.config import TrainConfig, validate
+    from stratbench.errors import ConfigError
+    from stratbench.precision import SPECS
+
+    if args.precision not in SPECS:
+        raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
+    if args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    cfg = TrainConfig(
+        model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
+        cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        precision=args.precision, strategy=strategy, strategy_options=strategy_options(args, strategy),
+        optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
+    )  # fmt: skip
+    validate(cfg)
+    return cfg
+
+
+def detected_device_memory() -> int | None:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).total_memory
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from stratbench import estimate as est
+    from stratbench.errors import ConfigError
+    from stratbench.report_table import fmt_bytes
+
+    console = Console()
+    names = list(est.METHODS) if args.strategy == "all" else [args.strategy]
+    est.method_of(names[0], {}) if args.strategy != "all" else None
+    if args.strategy == "single" and args.world_size > 1:
+        raise ConfigError(f"single runs on one device; --world-size {args.world_size} needs ddp, fsdp, ... (or --strategy all)")
+    device_memory = est.parse_bytes(args.device_memory) if args.device_memory else detected_device_memory()
+    if args.max_batch and device_memory is None:
+        raise ConfigError("--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from")
+
+    results = []
+    for name in names:
+        world = 1 if name == "single" else args.world_size
+        cfg = config_for(args, name)
+        if args.max_batch:
+            batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
+            results.append({"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None})
+        else:
+            e = est.estimate(cfg, world, args.device_type)
+            results.append({"strategy": name, "estimate": e.to_dict()})
+
+    if args.json:
+        print(json.dumps({"device_memory": device_memory, "results": results}, indent=2))
+        return 0
+    title = (
+        f"{args.model} {args.image_size}px, global batch {args.batch_size}, {args.precision}, {args.optimizer}, "
+        f"world size {args.world_size}, {args.device_type}"
+    )
+    if len(results) == 1 and not args.max_batch:
+        e = results[0]["estimate"]
+        table = Table(title=f"memory per device: {e['strategy']} ({title}, micro-batch {e['micro_batch']})")
+        for col in ("component", "on device", "on host", "note"):
+            table.add_column(col, justify="right" if col.startswith("on") else "left")
+        for row in e["rows"]:
+            table.add_row(row["component"], fmt_bytes(row["device_bytes"]), fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-", row["note"])
+        table.add_section()
+        table.add_row("peak, forward/backward", fmt_bytes(e["peak_fwd_bwd"]), "", "resident states + gathered + traced working peak")
+        table.add_row("peak, optimizer step", fmt_bytes(e["peak_step"]), "", "resident states + gradients + step scratch")
+        table.add_row("predicted peak allocated", fmt_bytes(e["peak_bytes"]), "", "compare with torch.cuda.max_memory_allocated")
+        table.add_row("per-process overhead", fmt_bytes(e["overhead_bytes"]), "", f"{args.device_type} context + allocator slack")
+        table.add_row("[bold]total per device", f"[bold]{fmt_bytes(e['total_bytes'])}", fmt_bytes(e["host_bytes"]) if e["host_bytes"] else "-", "what must fit")
+        console.print(table)
+        if device_memory:
+            fits = "fits" if e["total_bytes"] <= device_memory else "does NOT fit"
+            console.print(f"{fits} in {fmt_bytes(device_memory)} per device")
+        return 0
+    table = Table(title=("largest global batch that fits " + fmt_bytes(device_memory) + ": " if args.max_batch else "memory per device: ") + title)
+    cols = ["method", "params", "grads", "optimizer", "master", "buckets", "gathered", "fwd/bwd working", "peak allocated", "total per device"]
+    if args.max_batch:
+        cols.insert(1, "max global batch")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for res in results:
+        e = res["estimate"]
+        if e is None:
+            table.add_row(res["strategy"], "0 (even one sample per device does not fit)", *[""] * (len(cols) - 2))
+            continue
+        byname = {r["component"]: r["device_bytes"] for r in e["rows"]}
+        cells = [
+            fmt_bytes(byname["parameters"]), fmt_bytes(byname["gradients"]), fmt_bytes(byname["optimizer states"]),
+            fmt_bytes(byname["fp32 master weights"]), fmt_bytes(byname["gradient buckets"]), fmt_bytes(byname["gathered parameters"]),
+            fmt_bytes(byname["forward/backward working peak"]), fmt_bytes(e["peak_bytes"]), fmt_bytes(e["total_bytes"]),
+        ]  # fmt: skip
+        label = f"{res['strategy']} (x{e['world_size']})"
+        table.add_row(label, *([str(res["max_global_batch"])] if args.max_batch else []), *cells)
+    console.print(table)
+    return 0

@@ -1,0 +1,224 @@
+"""The memory estimator against measurement: model-state bytes per rank on 2 gloo processes, activation bytes
+against a real CPU forward/backward, the advisor's choices, and (on a GPU) the peak against the allocator."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from conftest import TINY, run_stratbench, train
+
+from stratbench.advise import advise
+from stratbench.config import TrainConfig
+from stratbench.estimate import ModelSpec, estimate, max_batch, model_state_bytes, parse_bytes, predict_peak_bytes, trace_step, zero_partition
+from stratbench.strategies.base import all_strategies
+
+# (id, strategy, extra flags, world size): the methods of compare's quick preset.
+QUICK = [
+    ("single", "single", [], 1),
+    ("ddp", "ddp", [], 2),
+    ("ddp-zero", "ddp-zero", [], 2),
+    ("fsdp", "fsdp", ["--sharding", "full"], 2),
+    ("fsdp1", "fsdp1", [], 2),
+    ("deepspeed-1", "deepspeed", ["--zero-stage", "1"], 2),
+    ("deepspeed-2", "deepspeed", ["--zero-stage", "2"], 2),
+    ("deepspeed-3", "deepspeed", ["--zero-stage", "3"], 2),
+    ("accelerate-ddp", "accelerate-ddp", [], 2),
+]
+
+
+def _flags(args: list[str]) -> list[str]:
+    out = list(args)
+    i = out.index("--max-steps")
+    out[i + 1] = "2"
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("strategy", "extra", "world"), [q[1:] for q in QUICK], ids=[q[0] for q in QUICK])
+def test_model_state_bytes_match_measurement(tmp_path, strategy, extra, world):
+    """Predicted params/grads/optimizer bytes per rank equal what each rank holds, within 2% (AdamW: 2 states)."""
+    if strategy not in all_strategies():
+        pytest.skip(f"strategy {strategy!r} is not registered (yet)")
+    res = train(tmp_path / strategy, "--strategy", strategy, *extra, *_flags(TINY), "--optimizer", "adamw", nproc=world)
+    assert res["status"] == "ok"
+    cfg = TrainConfig(**{k: v for k, v in res["config"].items()})
+    predicted = model_state_bytes(cfg, world)
+    measured = res["sharding"]
+    for rank in range(world):
+        for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            got, want = measured[key][rank], predicted[rank][key]
+            assert abs(got - want) <= 0.02 * max(got, 1), f"rank {rank} {key}: predicted {want}, measured {got}"
+        if "master_param_bytes" in measured:
+            got, want = measured["master_param_bytes"][rank], predicted[rank]["master_bytes"]
+            assert abs(got - want) <= 0.02 * max(got, 1), f"rank {rank} master: predicted {want}, measured {got}"
+
+
+def test_zero_partition_is_torchs():
+    """Our copy of ZeroRedundancyOptimizer's greedy partition gives the same shards as torch's own."""
+    from stratbench.estimate import model_info
+
+    info = model_info(ModelSpec("tinynet", 10, 32, width=8))
+    owned = zero_partition(info.numels, 2)
+    assert sorted(i for r in owned for i in r) == list(range(len(info.numels)))
+    # Uneven by construction: whole parameters only. Still within one largest tensor of an even split.
+    sizes = [sum(info.numels[i] for i in r) for r in owned]
+    assert abs(sizes[0] - sizes[1]) <= max(info.numels)
+
+
+def _measured_saved_bytes(batch: int, precision_autocast: bool = False) -> tuple[int, int]:
+    """Real CPU forward/backward of tinynet: unique bytes autograd saved (parameters excluded), and all grads."""
+    from stratbench.models import build_model
+
+    torch.manual_seed(0)
+    model = build_model("tinynet", 10, width=16)
+    own = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in own:
+            saved[st.data_ptr()] = st.nbytes()
+        return t
+
+    x = torch.randn(batch, 3, 32, 32)
+    y = torch.randint(0, 10, (batch,))
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision_autocast)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), ctx:
+        loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+    loss.backward()
+    return sum(saved.values()), sum(p.grad.nbytes for p in model.parameters())
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_activation_estimate_matches_cpu_probe(precision):
+    """Saved-activation bytes fitted from fake-tensor traces at batch 2 and 4, extrapolated to batch 24, match
+    the bytes a real CPU forward/backward saves at batch 24 (within 3%)."""
+    spec = ModelSpec("tinynet", 10, 32, width=16)
+    t2, t4 = trace_step(spec, 2, precision, False, "cpu"), trace_step(spec, 4, precision, False, "cpu")
+    per_sample = (t4.saved_bytes - t2.saved_bytes) / 2
+    predicted = t2.saved_bytes + per_sample * 22
+    measured, grads = _measured_saved_bytes(24, precision_autocast=precision == "bf16-mixed")
+    assert abs(predicted - measured) <= 0.03 * measured, (predicted, measured)
+    assert t2.grad_bytes == grads
+    # bf16 activations are about half of fp32's: the trace sees the autocast dtype.
+    if precision == "bf16-mixed":
+        fp32 = trace_step(spec, 4, "fp32", False, "cpu").saved_bytes
+        assert 0.4 < t4.saved_bytes / fp32 < 0.75
+
+
+def test_activation_checkpointing_is_traced():
+    """Recomputing each block keeps only block inputs: far fewer saved bytes than storing everything."""
+    spec = ModelSpec("tinynet", 10, 32, width=16)
+    plain = trace_step(spec, 8, "fp32", False, "cpu")
+    ckpt = trace_step(spec, 8, "fp32", True, "cpu")
+    assert ckpt.saved_bytes < 0.6 * plain.saved_bytes
+
+
+def _wide() -> TrainConfig:
+    # Parameter-heavy, activation-light: 4.4M parameters at 16px, so sharding and offload decide what fits.
+    return TrainConfig(model="tinynet", width=128, image_size=16, data="synthetic", batch_size=8, precision="bf16-mixed", optimizer="adamw")
+
+
+def test_advise_three_cases():
+    """Fits one device -> single; fits only sharded -> a sharding method; fits only with offload -> offload."""
+    base = _wide()
+    single = estimate(base, 1).total_bytes
+    a = advise(base, 1, int(single / 0.9) + 1)
+    assert a.plan is not None and a.plan.strategy == "single" and not a.plan.activation_checkpointing
+    assert "stratbench train" in a.train_command and "--strategy single" in a.train_command
+
+    ddp = estimate(base.replace(strategy="ddp"), 4).total_bytes
+    full = estimate(base.replace(strategy="fsdp", strategy_options={"sharding": "full"}), 4).total_bytes
+    assert full < ddp
+    b = advise(base, 4, int(full / 0.9) + 1, goal="fit")
+    assert b.plan is not None and b.plan.strategy == "fsdp", b.reasons
+    assert "--nproc 4" in b.train_command
+
+    offload = base.replace(strategy="deepspeed", strategy_options={"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"}, activation_checkpointing=True)
+    off = estimate(offload, 4).total_bytes
+    ac_full = estimate(base.replace(strategy="fsdp", strategy_options={"sharding": "full"}, activation_checkpointing=True), 4).total_bytes
+    assert off < ac_full
+    c = advise(base, 4, int(off / 0.9) + 1, goal="fit")
+    assert c.plan is not None and c.plan.strategy == "deepspeed" and dict(c.plan.options).get("offload_optimizer") == "cpu", c.reasons
+
+    d = advise(base, 4, int(off / 0.9) - (1 << 20), goal="fit")
+    assert d.plan is None and "nothing fits" in d.reasons[-1]
+
+
+def test_sharding_divides_states():
+    """Formulas: per-device model states shrink as the method shards them (fp32 AdamW, 4 ranks)."""
+    base = _wide().replace(precision="fp32")
+    P = estimate(base, 1).num_parameters
+    rows = {}
+    for name, opts in [("ddp", {}), ("ddp-zero", {}), ("fsdp", {"sharding": "full"}), ("deepspeed", {"zero_stage": 3})]:
+        e = estimate(base.replace(strategy=name, strategy_options=opts), 4)
+        rows[name] = {r.component: r.device_bytes for r in e.rows}
+    assert rows["ddp"]["parameters"] == 4 * P and rows["ddp"]["optimizer states"] == 8 * P
+    assert rows["ddp"]["gradient buckets"] == 4 * P  # the 20a of DDP + Adam
+    # ZeroRedundancyOptimizer shards whole parameters: the most loaded rank holds the biggest share, which for
+    # this model (one 2.4M-element convolution) is far above an even 8P/4.
+    from stratbench.estimate import model_info
+
+    info = model_info(ModelSpec.from_config(base))
+    biggest = max(sum(info.numels[i] for i in r) for r in zero_partition(info.numels, 4))
+    assert rows["ddp-zero"]["optimizer states"] == 8 * biggest and biggest > P / 4
+    assert abs(rows["fsdp"]["parameters"] - P) < 0.01 * P  # 4P/4
+    assert abs(rows["deepspeed"]["fp32 master weights"] - P) < 0.01 * P
+
+
+def test_predict_peak_and_max_batch():
+    cfg = _wide()
+    peak = predict_peak_bytes(cfg.to_dict(), 1, device_type="cuda")
+    assert isinstance(peak, int) and peak > 4 * estimate(cfg, 1).num_parameters
+    assert predict_peak_bytes({**cfg.to_dict(), "strategy": "no-such-method"}, 1) is None
+    memory = parse_bytes("1GiB")
+    batch, e = max_batch(cfg, 2, memory, "cuda")
+    assert batch > 0 and batch % 2 == 0 and e.total_bytes <= memory
+    assert estimate(cfg.replace(batch_size=batch + 2), 2).total_bytes > memory
+    assert parse_bytes("80GiB") == 80 * 1024**3 and parse_bytes("24GB") == 24 * 10**9
+
+
+def test_cli_estimate_and_advise_json():
+    out = run_stratbench("estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--batch-size", "8",
+                         "--strategy", "all", "--world-size", "2", "--json", timeout=180)  # fmt: skip
+    rows = json.loads(out.stdout)["results"]
+    assert {r["strategy"] for r in rows} >= {"single", "ddp", "fsdp", "deepspeed"}
+    out = run_stratbench("advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--devices", "2",
+                         "--device-memory", "24GiB", "--json", timeout=180)  # fmt: skip
+    advice = json.loads(out.stdout)
+    assert advice["method"] == "ddp" and "stratbench train" in advice["train_command"]
+    bad = run_stratbench("estimate", "--device-memory", "lots", "--max-batch", check=False, timeout=60)
+    assert bad.returncode != 0 and "cannot read memory size" in bad.stderr
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("batch", [32, 64, 128])
+def test_resnet50_peak_within_10pct_on_gpu(precision, batch):
+    """ResNet-50 224px, one GPU: the predicted peak is within 10% of torch.cuda.max_memory_allocated."""
+    from stratbench.models import build_model
+
+    dev = torch.device("cuda")
+    cfg = TrainConfig(model="resnet50", image_size=224, data="synthetic", num_classes=10, batch_size=batch, precision=precision, optimizer="sgd")
+    predicted = estimate(cfg, 1, "cuda").peak_bytes
+    torch.cuda.empty_cache()
+    model = build_model("resnet50", 10).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    auto = torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16-mixed")
+    for _ in range(3):  # the momentum buffers exist from the second step on, as in training
+        x = torch.randn(batch, 3, 224, 224, device=dev)
+        y = torch.randint(0, 10, (batch,), device=dev)
+        with auto:
+            loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del x, y, loss
+    measured = torch.cuda.max_memory_allocated(dev)
+    assert base > 0
+    assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, torch.cuda.max_memory_reserved(dev))
