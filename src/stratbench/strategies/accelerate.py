@@ -1,0 +1,415 @@
+"""Hugging Face accelerate: the same training through ``accelerate.Accelerator`` and its plugins.
+
+Three strategies share one class: ``accelerate-ddp`` (DDP; runs on CPU with gloo), ``accelerate-fsdp``
+(``FullyShardedDataParallelPlugin``, FSDP2) and ``accelerate-deepspeed`` (``DeepSpeedPlugin`` with the config
+stratbench generates for the ``deepspeed`` strategy); the last two need a GPU. The run directory gets the
+equivalent ``accelerate launch`` config (accelerate_config.yaml, today's key names), so the same training can
+be started with ``accelerate launch --config_file OUTPUT/accelerate_config.yaml -m stratbench train ...``.
+
+accelerate's documented CPU flags (``--cpu --num_processes 2``, ``distributed_type: MULTI_CPU``) silently start
+ONE process; stratbench refuses to run when the world size accelerate sees differs from the one launched.
+``accelerate`` is imported lazily: this module is imported by ``stratbench list`` and at CLI start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from stratbench.config import TrainConfig
+from stratbench.errors import CheckpointError, UnsupportedError
+from stratbench.strategies.base import Strategy, register
+
+MIXED_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+"""stratbench precision -> accelerate's mixed_precision (accelerate has no pure fp16/bf16 mode)."""
+ACCELERATE_DIR = "accelerate"
+"""Sub-folder of a stratbench checkpoint folder that holds accelerate's save_state files."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AccelerateFsdpOptions:
+    fsdp_min_num_params: int = 1_000_000
+    """accelerate-fsdp: size-based auto-wrap threshold (parameters per FSDP unit), as in the source's default_FSDP.yml."""
+    fsdp_offload_params: bool = False
+    """accelerate-fsdp: offload parameters (and the optimizer step) to the CPU."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class AccelerateDeepSpeedOptions:
+    zero_stage: int | None = None
+    """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
+    offload_optimizer: str | None = None
+    """ZeRO-Offload of optimizer state and step: none or cpu (default: none, or the device in --deepspeed-config)."""
+    offload_params: str | None = None
+    """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+
+
+def single_process_launch_reason(world_size: int) -> str | None:
+    """Why accelerate's simple launcher (one process) was used where several were asked for, else None.
+
+    ``accelerate launch --cpu --num_processes N`` (and ``distributed_type: MULTI_CPU`` without MPI) runs the
+    script once with MASTER_ADDR/MASTER_PORT set but no RANK/WORLD_SIZE: one process pretending to be N.
+    """
+    env = os.environ
+    launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env or "ACCELERATE_USE_CPU" in env
+    if launched_by_accelerate and "MASTER_ADDR" in env and "WORLD_SIZE" not in env and "RANK" not in env and world_size == 1:
+        return (
+            "accelerate launch started ONE process although several were asked for (its --cpu / MULTI_CPU path "
+            "ignores --num_processes); use `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N` "
+            "or `stratbench train --nproc N`"
+        )
+    return None
+
+
+class _Accelerate(Strategy):
+    """Shared implementation; subclasses pick the plugin."""
+
+    needs_process_group = True
+    owns_precision = True
+    launcher = "accelerate"
+    distributed_type: ClassVar[str] = "MULTI_GPU"
+
+    @classmethod
+    def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            return "needs the accelerate package (pip install accelerate)"
+        if cfg.precision not in MIXED_PRECISION:
+            return (
+                f"accelerate has no {cfg.precision} mode (its mixed_precision is no, fp16 or bf16 with fp32 weights); "
+                f"use {', '.join(MIXED_PRECISION)}"
+            )
+        return single_process_launch_reason(world_size)
+
+    def __init__(self, cfg, env, precision, options) -> None:
+        super().__init__(cfg, env, precision, options)
+        # accelerate autocasts inside the prepared model's forward and owns the GradScaler: stratbench's
+        # precision keeps only the evaluation autocast (same dtype, so nesting is harmless).
+        self.precision.scaler = torch.amp.GradScaler(env.device.type, enabled=False)
+        self.accelerator = None
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def _plugins(self) -> dict[str, Any]:
+        return {}
+
+    def setup(self, model: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from accelerate import Accelerator
+
+        kwargs = self._plugins()
+        self.accelerator = Accelerator(
+            cpu=self.env.device.type == "cpu",
+            mixed_precision=MIXED_PRECISION[self.cfg.precision],
+            # 1 unless DeepSpeed: the loop already divides the loss by grad_accum, and accelerate's backward
+            # would divide it again; accumulation is accelerator.no_sync on all but the last micro-step.
+            gradient_accumulation_steps=self.cfg.grad_accum if "deepspeed_plugin" in kwargs else 1,
+            **kwargs,
+        )
+        acc = self.accelerator
+        if acc.num_processes != self.env.world_size:
+            raise UnsupportedError(
+                f"accelerate sees {acc.num_processes} process(es) but {self.env.world_size} were launched "
+                f"(distributed_type {acc.distributed_type}); refusing to run a different method than {self.name}"
+            )
+        if self.env.is_main:
+            write_accelerate_config(self.cfg, self.name, self.env.world_size, Path(self.cfg.output) / "accelerate_config.yaml")
+        model = model.to(acc.device)
+        if self.cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        if "fsdp_plugin" in kwargs:
+            model = acc.prepare(model)  # FSDP: shard first, then build the optimizer on the sharded parameters
+            optimizer = acc.prepare(make_optimizer(model.parameters()))
+        else:
+            model, optimizer = acc.prepare(model, make_optimizer(model.parameters()))
+        self.model, self.optimizer = model, optimizer
+        return model, optimizer
+
+    # ---- one step -----------------------------------------------------------------------------
+    def forward_loss(self, model, x, y, loss_fn):
+        # The prepared model autocasts (mixed_precision) and returns fp32 outputs.
+        logits = model(x)
+        return loss_fn(logits.float(), y), logits
+
+    def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
+        assert self.accelerator is not None
+        self.accelerator.gradient_state._set_sync_gradients(is_last_micro_step)
+        if is_last_micro_step:
+            return contextlib.nullcontext()
+        return self.accelerator.no_sync(self.model)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.accelerator is not None
+        self.accelerator.backward(loss)
+
+    def optimizer_step(self, optimizer, clip) -> bool:
+        assert self.accelerator is not None
+        if clip:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), clip)  # unscales fp16 gradients first
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        skipped = bool(self.accelerator.optimizer_step_was_skipped)
+        self.precision.skipped_steps += int(skipped)
+        return not skipped
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        assert self.accelerator is not None
+        return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    # ---- state ----------------------------------------------------------------------------------
+    @staticmethod
+    def _inner(optimizer):
+        return getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> the torch optimizer
+
+    def optimizer_state_dict(self, model, optimizer):
+        return super().optimizer_state_dict(model, self._inner(optimizer))
+
+    def load_optimizer_state_dict(self, model, optimizer, state):
+        super().load_optimizer_state_dict(model, self._inner(optimizer), state)
+
+    def state_bytes(self, model, optimizer):
+        return super().state_bytes(model, self._inner(optimizer))
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
+        """accelerator.save_state into a folder (layout "accelerate") plus stratbench's header; atomic swap."""
+        from stratbench import checkpoint
+
+        assert self.accelerator is not None
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if self.env.is_main and tmp.exists():
+            shutil.rmtree(tmp)
+        self.barrier()
+        self.accelerator.save_state(str(tmp / ACCELERATE_DIR))  # a collective for sharded plugins
+        if self.env.is_main:
+            names = [n for n, _ in self.unwrap(model).named_parameters()]
+            header = {
+                "format": checkpoint.FORMAT,
+                "version": checkpoint.VERSION,
+                "layout": "accelerate",
+                "accelerate_strategy": self.name,
+                "param_names": names,
+            }
+            checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
+            old = path.with_name(f".{path.name}.old")
+            for stale in (old,):
+                if stale.exists():
+                    shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            if old.exists():
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
+        self.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
+        """Own layout, same method and world size: accelerator.load_state. Anything else: the full state."""
+        from stratbench import checkpoint
+
+        assert self.accelerator is not None
+        path = Path(path)
+        meta = checkpoint.read_meta(path)
+        same = (
+            meta.get("layout") == "accelerate"
+            and meta.get("accelerate_strategy") == self.name
+            and meta.get("world_size") == self.env.world_size
+        )
+        if same and optimizer is not None:
+            self.accelerator.load_state(str(path / ACCELERATE_DIR))
+            return meta
+        return super().load_checkpoint(path, model, optimizer)
+
+
+@register
+class AccelerateDDP(_Accelerate):
+    name = "accelerate-ddp"
+    description = "accelerate.Accelerator, DDP (the source's default_DDP.yml)"
+    requirements = "pip install accelerate; 1+ processes (CPU with gloo, or one GPU each)"
+
+
+@register
+class AccelerateFSDP(_Accelerate):
+    name = "accelerate-fsdp"
+    description = "accelerate.Accelerator with FullyShardedDataParallelPlugin (FSDP2, the source's default_FSDP.yml)"
+    requirements = "pip install accelerate; NVIDIA GPUs (accelerate's FSDP does not run on CPU)"
+    Options = AccelerateFsdpOptions
+    distributed_type = "FSDP"
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        if device.type != "cuda":
+            return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
+        return super().check_supported(cfg, device, world_size)
+
+    def _plugins(self) -> dict[str, Any]:
+        from accelerate import FullyShardedDataParallelPlugin
+
+        return {
+            "fsdp_plugin": FullyShardedDataParallelPlugin(
+                fsdp_version=2,
+                reshard_after_forward=True,  # FULL_SHARD
+                auto_wrap_policy="size_based_wrap",
+                min_num_params=self.options.fsdp_min_num_params,
+                cpu_offload=self.options.fsdp_offload_params,
+                state_dict_type="SHARDED_STATE_DICT",
+            )
+        }
+
+
+@register
+class AccelerateDeepSpeed(_Accelerate):
+    name = "accelerate-deepspeed"
+    description = "accelerate.Accelerator with DeepSpeedPlugin (the config the deepspeed strategy generates)"
+    requirements = "pip install accelerate deepspeed; NVIDIA GPUs (accelerate's DeepSpeed path needs one)"
+    Options = AccelerateDeepSpeedOptions
+    distributed_type = "DEEPSPEED"
+
+    def _ds_options(self):
+        from stratbench.strategies.deepspeed import DeepSpeedOptions
+
+        return DeepSpeedOptions(**dataclasses.asdict(self.options))
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        if device.type != "cuda":
+            return "accelerate's DeepSpeed plugin needs a CUDA GPU; use the deepspeed strategy on CPU"
+        import importlib.util
+
+        if importlib.util.find_spec("deepspeed") is None:
+            return "needs the deepspeed package (pip install deepspeed)"
+        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config
+
+        opts = cls.parse_options(cfg.strategy_options)
+        build_ds_config(cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size)  # conflicts -> ConfigError
+        return super().check_supported(cfg, device, world_size)
+
+    def _plugins(self) -> dict[str, Any]:
+        from accelerate import DeepSpeedPlugin
+
+        from stratbench.strategies.deepspeed import _avoid_shm_op_build, build_ds_config
+
+        _avoid_shm_op_build()
+        ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size)
+        self.ds_config = ds
+        return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=ds)}
+
+    def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
+        # accelerate hands sync_gradients to DeepSpeed's set_gradient_accumulation_boundary in backward.
+        assert self.accelerator is not None
+        self.accelerator.gradient_state._set_sync_gradients(is_last_micro_step)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # accelerate's DeepSpeed backward runs engine.backward and, on the boundary, engine.step(); the loop
+        # already divided the loss by grad_accum, so DeepSpeed must not divide it again.
+        assert self.accelerator is not None
+        self.accelerator.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, optimizer, clip) -> bool:
+        # engine.step() already ran in backward (clipping from the config); accelerate's wrapper step is a no-op.
+        engine = self.model
+        return bool(engine.was_step_applied())
+
+    def save_checkpoint(self, path, model, optimizer, extra):
+        from stratbench.strategies.deepspeed import save_engine_checkpoint
+
+        return save_engine_checkpoint(self, model, Path(path), self.ds_config, extra)
+
+    def load_checkpoint(self, path, model, optimizer):
+        raise CheckpointError("accelerate-deepspeed resumes are not supported; start from the weights with --init-from")
+
+    def state_bytes(self, model, optimizer):
+        from stratbench.strategies.deepspeed import _deepspeed_state_bytes
+
+        return _deepspeed_state_bytes(model, int(self.ds_config["zero_optimization"]["stage"]))
+
+
+def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, path: Path) -> None:
+    """The `accelerate launch --config_file` equivalent of this run (the source's default_*.yml, today's keys)."""
+    import yaml
+
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    doc: dict[str, Any] = {
+        "compute_environment": "LOCAL_MACHINE",
+        # MULTI_GPU with use_cpu is the combination that starts N CPU processes; MULTI_CPU starts one.
+        "distributed_type": {"accelerate-ddp": "MULTI_GPU", "accelerate-fsdp": "FSDP", "accelerate-deepspeed": "DEEPSPEED"}[strategy],
+        "downcast_bf16": "no",
+        "machine_rank": cfg.node_rank,
+        "main_training_function": "main",
+        "mixed_precision": MIXED_PRECISION.get(cfg.precision, "no"),
+        "num_machines": cfg.nnodes,
+        "num_processes": world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": on_cpu,
+    }
+    if not on_cpu:
+        doc["gpu_ids"] = "all"
+    if cfg.nnodes > 1:
+        doc["main_process_ip"] = cfg.master_addr
+        doc["main_process_port"] = cfg.master_port or 29500
+    if strategy == "accelerate-fsdp":
+        opts = cfg.strategy_options
+        doc["fsdp_config"] = {
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
+            "fsdp_min_num_params": int(opts.get("fsdp_min_num_params", 1_000_000)),
+            "fsdp_offload_params": bool(opts.get("fsdp_offload_params", False)),
+            "fsdp_reshard_after_forward": True,
+            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": False,
+        }
+    if strategy == "accelerate-deepspeed":
+        doc["deepspeed_config"] = {"deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"), "zero3_init_flag": False}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
+        + yaml.safe_dump(doc, sort_keys=False)
+    )
+
+
+def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Full model (and, for DDP, optimizer keyed by parameter names) from an accelerate save_state folder."""
+    folder = Path(path) / ACCELERATE_DIR
+    model_file = folder / "model.safetensors"
+    if model_file.exists():
+        from safetensors.torch import load_file
+
+        model = load_file(str(model_file))
+    elif (folder / "pytorch_model.bin").exists():
+        model = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    elif (folder / "pytorch_model").is_dir():  # accelerate-deepspeed: a DeepSpeed checkpoint
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return {"model": get_fp32_state_dict_from_zero_checkpoint(str(folder / "pytorch_model")), "optimizer": {}}
+    else:
+        raise CheckpointError(f"{folder} holds no model file accelerate's save_state writes (model.safetensors, ...)")
+    optimizer: dict[str, Any] = {}
+    opt_file = folder / "optimizer.bin"
+    names = meta.get("param_names")
+    if opt_file.exists() and names:
+        raw = torch.load(opt_file, map_location="cpu", weights_only=True)
+        # torch's optimizer state_dict numbers parameters in the order they were given: model.parameters().
+        optimizer = {
+            "state": {names[i]: s for i, s in raw["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in raw["param_groups"]],
+        }
+    return {"model": model, "optimizer": optimizer}
+
+
+def _register_layout() -> None:
+    from stratbench import checkpoint
+
+    checkpoint.register_layout("accelerate", read_accelerate_checkpoint)
+
+
+_register_layout()

@@ -1,0 +1,525 @@
+"""DeepSpeed: ZeRO stages 0-3 with optional CPU offload, driven by stratbench's own loop, data and options.
+
+The DeepSpeed config is generated from stratbench's options (micro-batch, accumulation, clipping, precision,
+ZeRO stage, offload) so that the same command line trains the same problem as every other method; a user's
+JSON is merged in and every disagreement with stratbench's options is a clear error before any work starts.
+
+Two things make it run out of the box where the source template never did:
+- no JIT compilation by default: the client optimizer is a plain torch optimizer; FusedAdam / DeepSpeedCPUAdam
+  are built only when asked for (``--ds-optimizer``), in ``setup``, before the first timed step.
+- DeepSpeed's CPU shared-memory communication op (a ~40 s compile on first use) is only used by
+  ``inference_all_reduce``; training collectives go through torch.distributed. stratbench marks the op as
+  unavailable before DeepSpeed's communication backend is created, so it is never built.
+
+``deepspeed`` is imported lazily: this module is imported by ``stratbench list`` and at CLI start-up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.config import TrainConfig
+from stratbench.errors import CheckpointError, ConfigError
+from stratbench.precision import Precision
+from stratbench.strategies.base import Strategy, register
+
+OFFLOAD_CHOICES = ("none", "cpu")
+DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
+DS_TAG = "deepspeed"
+"""Tag (sub-folder) DeepSpeed writes its files under inside a stratbench checkpoint folder."""
+
+# DeepSpeed's fp16 dynamic loss scaling, with the values the source documents (loss_scale 0 = dynamic).
+FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 16}
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeepSpeedOptions:
+    zero_stage: int | None = None
+    """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
+    offload_optimizer: str | None = None
+    """ZeRO-Offload of optimizer state and step: none or cpu (default: none, or the device in --deepspeed-config)."""
+    offload_params: str | None = None
+    """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
+    deepspeed_config: str | None = None
+    """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+    ds_optimizer: str = "torch"
+    """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
+
+
+def _load_user_json(path: str) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--deepspeed-config: file not found: {p}")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--deepspeed-config {p} is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"--deepspeed-config {p} must hold a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _is_auto(value: Any) -> bool:
+    """HF-style "auto" values mean 'fill in from the trainer': stratbench fills them in."""
+    return value == "auto"
+
+
+def _offload_device(block: Any) -> str | None:
+    if block is None:
+        return None
+    if not isinstance(block, dict):
+        raise ConfigError(f"--deepspeed-config: an offload block must be an object, got {block!r}")
+    device = block.get("device", "none")
+    return "none" if device in (None, "none") else str(device)
+
+
+def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -> dict[str, Any]:
+    """The DeepSpeed config for this run: stratbench's options merged with the user's JSON, conflicts as errors."""
+    user = _load_user_json(opts.deepspeed_config) if opts.deepspeed_config else {}
+    src = f"--deepspeed-config {opts.deepspeed_config}"
+    micro = cfg.batch_size // max(1, world_size * cfg.grad_accum)
+
+    def agree(key: str, theirs: Any, ours: Any, flag: str) -> None:
+        if theirs is None or _is_auto(theirs) or theirs == ours:
+            return
+        raise ConfigError(f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}")
+
+    for block in ("optimizer", "scheduler"):
+        if block in user:
+            raise ConfigError(
+                f"{src}: the {block!r} block is not accepted; stratbench builds the {block} itself from "
+                "--optimizer/--lr/--lr-schedule so that every method trains the same problem (remove the block)"
+            )
+    agree("train_batch_size", user.get("train_batch_size"), cfg.batch_size, "--batch-size (global batch)")
+    agree("train_micro_batch_size_per_gpu", user.get("train_micro_batch_size_per_gpu"), micro,
+          f"--batch-size {cfg.batch_size} / (world {world_size} x --grad-accum {cfg.grad_accum})")
+    agree("gradient_accumulation_steps", user.get("gradient_accumulation_steps"), cfg.grad_accum, "--grad-accum")
+    clip = float(cfg.clip_grad_norm or 0.0)
+    theirs_clip = user.get("gradient_clipping")
+    agree("gradient_clipping", None if theirs_clip is None or _is_auto(theirs_clip) else float(theirs_clip), clip,
+          "--clip-grad-norm")
+
+    want = {"fp16": cfg.precision == "fp16-mixed", "bf16": cfg.precision == "bf16-mixed"}
+    for key, enabled in want.items():
+        block = user.get(key)
+        if isinstance(block, dict) and "enabled" in block and not _is_auto(block["enabled"]) and bool(block["enabled"]) != enabled:
+            raise ConfigError(
+                f"{src}: {key}.enabled is {block['enabled']!r} but --precision {cfg.precision} means {key} "
+                f"{'on' if enabled else 'off'}; set the precision with --precision only"
+            )
+
+    zero = dict(user.get("zero_optimization") or {})
+    stage = zero.get("stage")
+    if opts.zero_stage is not None:
+        agree("zero_optimization.stage", stage, opts.zero_stage, "--zero-stage")
+        stage = opts.zero_stage
+    stage = 2 if stage is None or _is_auto(stage) else stage
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
+    zero["stage"] = stage
+    for key, flag, value in (
+        ("offload_optimizer", "--offload-optimizer", opts.offload_optimizer),
+        ("offload_param", "--offload-params", opts.offload_params),
+    ):
+        theirs = _offload_device(zero.get(key))
+        if value is not None:
+            agree(f"zero_optimization.{key}.device", theirs, value, flag)
+        device = value if value is not None else (theirs or "none")
+        if device not in OFFLOAD_CHOICES:
+            raise ConfigError(f"{flag} must be one of: {', '.join(OFFLOAD_CHOICES)}; got {device!r}")
+        if device == "none":
+            zero.pop(key, None)
+        else:
+            # pin_memory needs an accelerator; on CPU the tensors already live in host memory.
+            zero[key] = {**(zero.get(key) or {}), "device": device, "pin_memory": torch.cuda.is_available()}
+    if "offload_param" in zero and stage != 3:
+        raise ConfigError(f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}")
+    if "offload_optimizer" in zero and stage == 0:
+        raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
+
+    ds: dict[str, Any] = {k: v for k, v in user.items() if k not in ("fp16", "bf16")}
+    ds.update(
+        {
+            "train_batch_size": cfg.batch_size,
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": cfg.grad_accum,
+            "gradient_clipping": clip,
+            "zero_optimization": zero,
+            "steps_per_print": user.get("steps_per_print", 10**9),  # stratbench prints its own progress
+        }
+    )
+    if want["fp16"]:
+        ds["fp16"] = {**FP16_BLOCK, **{k: v for k, v in (user.get("fp16") or {}).items() if not _is_auto(v)}, "enabled": True}
+    if want["bf16"]:
+        ds["bf16"] = {**{k: v for k, v in (user.get("bf16") or {}).items() if not _is_auto(v)}, "enabled": True}
+    if opts.ds_optimizer == "torch":
+        # A client torch optimizer: DeepSpeed must be told that ZeRO may wrap it (SGD is "untested"), and that
+        # ZeRO-Offload may step it on the CPU instead of forcing DeepSpeedCPUAdam (a JIT-compiled kernel).
+        ds.setdefault("zero_allow_untested_optimizer", True)
+        ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    elif opts.ds_optimizer == "fused":
+        ds["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": False}}
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    else:
+        ds.setdefault("zero_allow_untested_optimizer", True)
+    return ds
+
+
+class _DeepSpeedPrecision(Precision):
+    """The user's precision as DeepSpeed runs it: DeepSpeed casts the module (fp16/bf16 block, fp32 master
+    weights in the optimizer) and scales the loss, so inputs follow the module's dtype and nothing autocasts."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name, device)
+        self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # DeepSpeed's own dynamic loss scaler
+        self.input_dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name, torch.float32)
+
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        return module
+
+    def convert_input(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.input_dtype) if x.is_floating_point() and x.dtype != self.input_dtype else x
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def _avoid_shm_op_build() -> None:
+    """Keep DeepSpeed from JIT-compiling its CPU shared-memory op (~40 s on first use).
+
+    DeepSpeed builds it when its communication backend is created, but uses it only in
+    ``inference_all_reduce``; training all-reduces go through torch.distributed (gloo/nccl) either way.
+    ``deepspeed.ops.__compatible_ops__`` is one cached dict that DeepSpeed consults before building, so
+    marking the op incompatible there skips the build. Must run before ``deepspeed.init_distributed``.
+    """
+    if os.environ.get("STRATBENCH_DS_SHM_COMM", "0") == "1":  # opt back in (then cached in TORCH_EXTENSIONS_DIR)
+        return
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+def extensions_cache_dir() -> Path:
+    """Stable per-user folder for JIT-built DeepSpeed kernels, so each is compiled once per machine and version."""
+    if os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "stratbench" / "torch_extensions"
+
+
+def _kernel_unavailable(op_name: str) -> str | None:
+    """None when DeepSpeed can JIT-build ``op_name`` here, else why not (checked before the run starts)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja  # noqa: F401  (the pip package ships the binary)
+        except ImportError:
+            return f"building DeepSpeed's {op_name} kernel needs ninja (pip install ninja)"
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        return f"building DeepSpeed's {op_name} kernel needs a C++ compiler"
+    import deepspeed.ops
+
+    if not deepspeed.ops.__compatible_ops__.get(op_name, False):
+        return f"DeepSpeed reports its {op_name} kernel as not buildable on this machine (see `ds_report`)"
+    return None
+
+
+@register
+class DeepSpeed(Strategy):
+    name = "deepspeed"
+    description = "DeepSpeed engine: ZeRO stages 0-3, optional CPU offload (ZeRO-Offload/ZeRO-Infinity)"
+    Options = DeepSpeedOptions
+    needs_process_group = True
+    owns_precision = True
+    requirements = "pip install deepspeed; 1+ processes (CPU with gloo, or one GPU each)"
+    launcher = "deepspeed"
+
+    @classmethod
+    def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
+        opts: DeepSpeedOptions = cls.parse_options(cfg.strategy_options)
+        try:
+            import importlib.util
+
+            if importlib.util.find_spec("deepspeed") is None:
+                return "needs the deepspeed package (pip install deepspeed)"
+        except (ImportError, ValueError):
+            return "needs the deepspeed package (pip install deepspeed)"
+        if cfg.precision in ("fp16-true", "bf16-true"):
+            return (
+                f"DeepSpeed keeps fp32 master weights; it has no {cfg.precision} mode (use "
+                f"{cfg.precision.replace('-true', '-mixed')}, DeepSpeed's {cfg.precision[:4]} block)"
+            )
+        if opts.ds_optimizer not in DS_OPTIMIZERS:
+            raise ConfigError(f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}")
+        ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
+        if opts.ds_optimizer != "torch":
+            if cfg.optimizer != "adamw":
+                raise ConfigError(f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})")
+            offloaded = "offload_optimizer" in ds["zero_optimization"]
+            if opts.ds_optimizer == "cpu-adam" and device.type == "cuda" and not offloaded:
+                return "--ds-optimizer cpu-adam steps on the CPU: it needs --offload-optimizer cpu on a GPU"
+            if opts.ds_optimizer == "fused" and device.type != "cuda":
+                return "--ds-optimizer fused is DeepSpeed's CUDA FusedAdam: it needs a GPU (use torch or cpu-adam on CPU)"
+            return _kernel_unavailable("cpu_adam" if opts.ds_optimizer == "cpu-adam" else "fused_adam")
+        return None
+
+    def __init__(self, cfg, env, precision, options) -> None:
+        super().__init__(cfg, env, precision, options)
+        # owns_precision: DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
+        self.precision = _DeepSpeedPrecision(precision.name, env.device)
+        self.engine = None
+        self.ds_config: dict[str, Any] = {}
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def setup(self, model: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Write the config, build the client optimizer and the engine; every kernel build happens here."""
+        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_cache_dir()))
+        import deepspeed
+
+        _avoid_shm_op_build()
+        # The engine already created the process group (gloo on CPU, nccl on GPU); DeepSpeed adopts it.
+        deepspeed.init_distributed(dist_backend=self.env.backend, verbose=False)
+        self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size)
+        if self.env.is_main:
+            out = Path(self.cfg.output)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
+        model = model.to(self.env.device)
+        if self.options.ds_optimizer == "torch":
+            client = make_optimizer(model.parameters())
+        elif self.options.ds_optimizer == "cpu-adam":
+            from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+            client = DeepSpeedCPUAdam(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
+        else:
+            client = None  # "fused": built by DeepSpeed from the config's optimizer block
+        engine, _, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=client,
+            model_parameters=None if client is not None else model.parameters(),
+            config=self.ds_config,
+        )
+        self.engine = engine
+        self.model = engine
+        # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
+        # so stratbench's LR scheduler sets the learning rate DeepSpeed applies.
+        self.optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+        return engine, self.optimizer
+
+    # ---- one step -----------------------------------------------------------------------------
+    def forward_loss(self, model, x, y, loss_fn):
+        logits = model(self.precision.convert_input(x))
+        return loss_fn(logits.float(), y), logits
+
+    def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
+        """The loop calls step() once per accumulation group: tell DeepSpeed where the boundary is, so that
+        gradients are reduced (and ZeRO-2/3 partitions finalised) on the last micro-step only."""
+        assert self.engine is not None
+        self.engine.set_gradient_accumulation_boundary(is_last_micro_step)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        assert self.engine is not None
+        # The loop already divided the loss by grad_accum: DeepSpeed must not divide it again.
+        self.engine.backward(loss, scale_wrt_gas=False)
+
+    def optimizer_step(self, optimizer, clip) -> bool:
+        """engine.step(): DeepSpeed unscales, clips (gradient_clipping from --clip-grad-norm), steps, zeroes."""
+        assert self.engine is not None
+        self.engine.step()
+        self.precision.skipped_steps = int(self.engine.skipped_steps)
+        return bool(self.engine.was_step_applied())
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        raise NotImplementedError("DeepSpeed clips inside engine.step() (gradient_clipping in its config)")
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fp32-or-native model state on CPU; under ZeRO-3 every rank gathers the partitions (a collective)."""
+        module = self.unwrap(model)
+        if self._stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
+        """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
+        assert self.engine is not None
+        return save_engine_checkpoint(self, self.engine, Path(path), self.ds_config, extra)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
+        """Resume from a DeepSpeed checkpoint of the same world size and stage; weights of other layouts load
+        only through --init-from (their optimizer state cannot be mapped onto ZeRO's partitions)."""
+        from stratbench import checkpoint
+
+        assert self.engine is not None
+        path = Path(path)
+        meta = checkpoint.read_meta(path)
+        if meta.get("layout") != "deepspeed":
+            if optimizer is not None:
+                raise CheckpointError(
+                    f"deepspeed resumes only from its own checkpoints; {path} has layout {meta.get('layout')!r}: "
+                    "start from its weights with --init-from instead"
+                )
+            state = checkpoint.load_any(path)
+            self._load_weights(state["model"])
+            return state
+        if meta.get("world_size") != self.env.world_size or meta.get("zero_stage") != self._stage():
+            raise CheckpointError(
+                f"{path} was saved by deepspeed with world size {meta.get('world_size')} and ZeRO stage "
+                f"{meta.get('zero_stage')}; this run has world size {self.env.world_size} and stage {self._stage()}. "
+                f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
+            )
+        load_path, _ = self.engine.load_checkpoint(
+            str(path),
+            tag=meta.get("deepspeed_tag", DS_TAG),
+            load_optimizer_states=optimizer is not None,
+            load_lr_scheduler_states=False,
+        )
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
+        return meta
+
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        module = self.unwrap(self.engine)
+        if self._stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if self.env.is_main:
+                    module.load_state_dict(state)
+        else:
+            module.load_state_dict(state)
+
+    # ---- measurement --------------------------------------------------------------------------
+    def state_bytes(self, model: nn.Module, optimizer) -> dict[str, int]:
+        """What this rank really holds: ZeRO-3 parameter partitions (``ds_tensor``), the partitioned gradient
+        buffers, the optimizer's state tensors (over DeepSpeed's flat partitions) and fp32 master partitions."""
+        assert self.engine is not None
+        return _deepspeed_state_bytes(self.engine, self._stage())
+
+
+def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: dict, extra: dict) -> Path:
+    """engine.save_checkpoint into a temporary folder (every rank writes its partitions: a collective; across
+    nodes the folder must be on a shared filesystem), rank 0 adds stratbench's header and swaps it into place."""
+    from stratbench import checkpoint
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    if strategy.env.is_main and tmp.exists():
+        shutil.rmtree(tmp)
+    strategy.barrier()
+    engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=True)
+    if strategy.env.is_main:
+        header = {
+            "format": checkpoint.FORMAT,
+            "version": checkpoint.VERSION,
+            "layout": "deepspeed",
+            "deepspeed_tag": DS_TAG,
+            "zero_stage": int(ds_config.get("zero_optimization", {}).get("stage", 0)),
+            "deepspeed_config": ds_config,
+        }
+        checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
+        old = path.with_name(f".{path.name}.old")
+        _remove(old)
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        _remove(old)
+    strategy.barrier()
+    return path
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+def _deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
+    module = engine.module
+    zero_opt = engine.optimizer
+    basic = engine.basic_optimizer if engine.basic_optimizer is not None else zero_opt
+    params = list(module.parameters())
+    if stage == 3:
+        param_bytes = sum(_nbytes(getattr(p, "ds_tensor", None)) for p in params)
+    else:
+        param_bytes = sum(_nbytes(p) for p in params)
+    opt_params = {id(p): p for g in basic.param_groups for p in g["params"]}
+    model_ids = {id(p) for p in params}
+    opt_state = sum(_nbytes(v) for s in basic.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    # The tensors the torch optimizer steps: DeepSpeed's fp32 master partitions (when they are not the
+    # model's own parameters, i.e. under ZeRO or a fp16/bf16 block).
+    master = sum(_nbytes(p) for i, p in opt_params.items() if i not in model_ids)
+    grads = 0
+    seen: set[int] = set()
+    for p in [*params, *opt_params.values()]:
+        g = p.grad
+        if g is not None and id(g) not in seen:
+            seen.add(id(g))
+            grads += _nbytes(g)
+    for name in ("averaged_gradients", "fp32_partitioned_groups_flat_grad", "grads_in_partition"):
+        obj = getattr(zero_opt, name, None)
+        tensors = []
+        if isinstance(obj, dict):
+            tensors = [t for v in obj.values() for t in (v if isinstance(v, list) else [v])]
+        elif isinstance(obj, list):
+            tensors = [t for v in obj for t in (v if isinstance(v, list) else [v])]
+        elif isinstance(obj, torch.Tensor):
+            tensors = [obj]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                grads += _nbytes(t)
+    return {"param_bytes": param_bytes, "grad_bytes": grads, "optimizer_state_bytes": opt_state, "master_param_bytes": master}
+
+
+def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
+    """Consolidate a DeepSpeed checkpoint folder into one fp32 model state with DeepSpeed's zero-to-fp32.
+
+    The optimizer state is not consolidated (ZeRO's flat partitions have no portable per-parameter form
+    short of DeepSpeed's universal checkpoint): the returned "optimizer" is empty, so another method
+    resuming from it restores weights and progress and starts its optimizer state afresh.
+    """
+    tag = meta.get("deepspeed_tag", DS_TAG)
+    if not (Path(path) / tag).is_dir():
+        raise CheckpointError(f"{path} has no DeepSpeed folder {tag!r} (incomplete checkpoint?)")
+    if int(meta.get("zero_stage", 0)) == 0:
+        # No ZeRO: the engine saved the full module (in the training dtype) in mp_rank_00_model_states.pt.
+        files = sorted((Path(path) / tag).glob("mp_rank_*_model_states.pt"))
+        if not files:
+            raise CheckpointError(f"{path}/{tag} holds no mp_rank_*_model_states.pt")
+        blob = torch.load(files[0], map_location="cpu", weights_only=False)
+        model = {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}
+    else:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        model = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+        model = {k: v.detach().cpu().clone() for k, v in model.items()}
+    return {"model": model, "optimizer": {}, "optimizer_note": "deepspeed optimizer state is not consolidated"}
+
+
+def _register_layout() -> None:
+    from stratbench import checkpoint
+
+    checkpoint.register_layout("deepspeed", read_deepspeed_checkpoint)
+
+
+_register_layout()
