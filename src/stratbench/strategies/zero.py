@@ -1,0 +1,117 @@
+"""DDP + ``ZeroRedundancyOptimizer`` (ZeRO stage 1): gradients all-reduced as in DDP, but each rank keeps
+and updates the optimizer state of only its share of the parameters, then broadcasts the updated
+parameters. ZeRO shards by whole parameters, so the shares are only roughly equal.
+
+Checkpoints hold the full optimizer state keyed by parameter names (the layout every other method writes),
+consolidated on rank 0 with ``consolidate_state_dict``; loading hands each rank its own share.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.strategies.base import OptimizerFactory, register
+from stratbench.strategies.ddp import DDPStrategy
+
+# Wrapper prefixes that never appear in a portable parameter name (activation checkpointing, compile, DDP).
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+@register
+class DDPZeroStrategy(DDPStrategy):
+    name = "ddp-zero"
+    description = "DDP + ZeroRedundancyOptimizer: optimizer state sharded over ranks (ZeRO-1)"
+    requirements = "torch.distributed (gloo on CPU, nccl on CUDA)"
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap in DDP as ``ddp`` does, then shard the optimizer the engine asked for over the ranks."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        cls = getattr(make_optimizer, "cls", None)
+        kwargs = getattr(make_optimizer, "kwargs", None)
+        if cls is None or kwargs is None:
+            raise TypeError("ddp-zero needs an OptimizerSpec (with .cls and .kwargs) to build its local optimizer")
+
+        def factory(params) -> torch.optim.Optimizer:
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+
+        return super().setup(model, factory)
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _index_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+        """Portable name of each parameter in ZeRO's global index order (the order of its param_groups)."""
+        names = {id(p): _clean_name(n) for n, p in self.unwrap(model).named_parameters()}
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        missing = [i for i, p in enumerate(params) if id(p) not in names]
+        if missing:
+            raise RuntimeError(f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model")
+        return [names[id(p)] for p in params]
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Gather every rank's shard on rank 0 (a collective) and key it by parameter name; {} on other ranks."""
+        optimizer.consolidate_state_dict(to=0)
+        if not self.env.is_main:
+            return {}
+        names = self._index_names(model, optimizer)
+        state = optimizer.state_dict()
+        return {
+            "state": {names[i]: _to_cpu(v) for i, v in state["state"].items() if v is not None},
+            "param_groups": [
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+                for group in state["param_groups"]
+            ],
+        }
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load a name-keyed full optimizer state (from any method): each rank keeps its own parameters' share."""
+        names = self._index_names(model, optimizer)
+        index = {n: i for i, n in enumerate(names)}
+        unknown = sorted(set(state["state"]) - set(index))
+        if unknown:
+            raise RuntimeError(f"ddp-zero: checkpoint optimizer state names unknown parameters {unknown[:5]}")
+        groups = state["param_groups"]
+        if len(groups) != len(optimizer.param_groups):
+            raise RuntimeError(
+                f"ddp-zero: checkpoint has {len(groups)} optimizer param groups, this optimizer {len(optimizer.param_groups)}"
+            )
+        indexed = {
+            # ZeroRedundancyOptimizer.load_state_dict overwrites entries it does not own: give it copies.
+            "state": {index[n]: copy.copy(v) for n, v in state["state"].items()},
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                for g in groups
+            ],
+        }
+        optimizer.load_state_dict(indexed)
+
+    def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Parameters and gradients are replicated; optimizer state is counted from this rank's local shard."""
+        counts = super().state_bytes(model, optimizer)
+        # ZeroRedundancyOptimizer.state (the exposed one) is not the live state: the local optimizer's is.
+        local = optimizer.optim.state
+        counts["optimizer_state_bytes"] = sum(
+            v.numel() * v.element_size()
+            for s in local.values()
+            if isinstance(s, dict)
+            for v in s.values()
+            if isinstance(v, torch.Tensor)
+        )
+        return counts
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, dict):
+        return {k: _to_cpu(v) for k, v in value.items()}
+    return value
