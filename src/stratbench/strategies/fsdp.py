@@ -1,0 +1,263 @@
+"""``fsdp``: FSDP2, ``torch.distributed.fsdp.fully_shard`` on a device mesh; parameters are DTensors sharded
+over the ranks.
+
+Sharding (``--sharding``):
+- ``full``: parameters, gradients and optimizer state sharded; each unit's parameters are all-gathered for its
+  forward and freed again after it (``reshard_after_forward=True``), then re-gathered for backward: ZeRO-3.
+- ``grad-op``: the same shards, but parameters stay gathered from forward to backward
+  (``reshard_after_forward=False``): one all-gather per step instead of two, more memory: ZeRO-2-like.
+- ``none``: no sharding, DDP-like. FSDP2 has no NO_SHARD flag; its documented way is hybrid sharding (HSDP) on
+  a 2-D mesh ``(replicate=world, shard=1)``: every rank holds whole parameters (DTensors replicated over the
+  first mesh dimension) and gradients are all-reduced over it.
+
+Wrapping (``--wrap``): each unit is one ``fully_shard`` call, i.e. one all-gather/reduce-scatter group; by
+default one per residual block (``stratbench.models.residual_block_types``), then the root for what is left.
+
+Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
+dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
+sharding. BatchNorm under a half policy gets its own unit that keeps fp32 (CPU BatchNorm rejects bf16 weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench import sharded  # noqa: F401  (registers the "dcp" checkpoint layout reader on discovery)
+from stratbench.errors import ConfigError
+from stratbench.precision import Precision
+from stratbench.strategies.base import OptimizerFactory, Strategy, register
+
+SHARDING = ("full", "grad-op", "none")
+CHECKPOINT_FORMATS = ("sharded", "full")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FSDPOptions:
+    """Options of the fsdp (FSDP2) strategy."""
+
+    sharding: str = "full"
+    """fsdp: full (ZeRO-3: params, grads, optimizer state sharded; params re-gathered for backward), grad-op (ZeRO-2-like: params kept gathered between forward and backward), none (DDP-like: replicated on a (world, 1) HSDP mesh)."""
+    wrap: str = "block"
+    """fsdp: FSDP units: block (one per residual block), size (any module holding >= --wrap-min-params parameters not yet wrapped), none (the root only), or comma-separated module class names (e.g. Conv2d,Linear)."""
+    wrap_min_params: int = 100_000
+    """fsdp --wrap size: parameter count from which a module becomes its own FSDP unit."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (fsdp: CPUOffloadPolicy; fsdp1: CPUOffload, needs CUDA)."""
+    checkpoint_format: str = "sharded"
+    """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
+
+    def __post_init__(self) -> None:
+        _choice("sharding", self.sharding, SHARDING)
+        _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        if not self.wrap.strip():
+            raise ConfigError("wrap must be block, size, none or comma-separated module class names; got ''")
+        if self.wrap_min_params <= 0:
+            raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+class PolicyPrecision(Precision):
+    """The precision as a sharding wrapper applies it: no autocast (the wrapper's mixed-precision policy casts
+    the gathered weights and the inputs), and a loss scaler that agrees across ranks on skipping a step."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name, device)
+        if self.spec.loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Each rank sees only its gradient shards: the scaler must all-reduce "found inf" so that every
+            # rank skips the same steps (a plain GradScaler would let the shards diverge).
+            self.scaler = ShardedGradScaler(device.type, enabled=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+def policy_precision(precision: Precision) -> PolicyPrecision:
+    return PolicyPrecision(precision.name, precision.device)
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
+    """The sub-modules that become FSDP units, children before parents (``fully_shard`` goes bottom-up).
+
+    A block under an activation-checkpointing wrapper is sharded through that wrapper, so that the re-gather
+    for the recomputed forward happens inside the checkpointed region (torchtitan's order: AC, then FSDP).
+    """
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    if wrap == "none":
+        return []
+    if wrap == "size":
+        return _size_units(model, min_params)
+    if wrap == "block":
+        from stratbench.models import residual_block_types
+
+        types_ = residual_block_types(model)
+        if not types_:
+            raise ConfigError("fsdp --wrap block: this model has no residual block type; use --wrap size or class names")
+
+        def matches(m: nn.Module) -> bool:
+            return isinstance(m, types_)
+    else:
+        names = {n.strip() for n in wrap.split(",") if n.strip()}
+        present = {type(m).__name__ for m in model.modules()}
+        missing = sorted(names - present)
+        if missing:
+            raise ConfigError(
+                f"fsdp --wrap: no module of class {', '.join(missing)} in this model; classes present: "
+                f"{', '.join(sorted(present))} (or use block, size, none)"
+            )
+
+        def matches(m: nn.Module) -> bool:
+            return type(m).__name__ in names
+
+    units: list[nn.Module] = []
+    inner_of_wrapper: set[int] = set()
+    for m in model.modules():  # pre-order: a checkpoint wrapper is seen before the block inside it
+        if m is model:
+            continue
+        if isinstance(m, CheckpointWrapper) and matches(m._checkpoint_wrapped_module):
+            units.append(m)
+            inner_of_wrapper.add(id(m._checkpoint_wrapped_module))
+        elif matches(m) and id(m) not in inner_of_wrapper:
+            units.append(m)
+    return units[::-1]  # reversed pre-order puts every module after its descendants
+
+
+def _size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Post-order walk: a module becomes a unit once it holds >= min_params parameters not in a unit below."""
+    units: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> int:
+        n = sum(p.numel() for p in m.parameters(recurse=False))
+        n += sum(visit(c) for c in m.children())
+        if m is not model and n >= min_params:
+            units.append(m)
+            return 0
+        return n
+
+    visit(model)
+    return units
+
+
+@register
+class FSDPStrategy(Strategy):
+    name = "fsdp"
+    description = "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
+    requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device"
+    launcher = "torchrun"
+    needs_process_group = True
+    owns_precision = True
+    Options = FSDPOptions
+
+    def __init__(self, cfg, env, precision, options) -> None:
+        super().__init__(cfg, env, policy_precision(precision), options)
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        if device.type not in ("cpu", "cuda"):
+            return f"fsdp runs on cpu or cuda devices, not {device.type}"
+        return None
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def mesh(self):
+        """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        kind = self.env.device.type
+        if self.options.sharding == "none":
+            return init_device_mesh(kind, (self.env.world_size, 1), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(kind, (self.env.world_size,), mesh_dim_names=("shard",))
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+        opts, spec, device = self.options, self.precision.spec, self.env.device
+        model = self.precision.convert_module(model)  # pure half precisions: the weights themselves are half
+        if not opts.cpu_offload:
+            model = model.to(device)
+        if self.cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        mesh = self.mesh()
+        if spec.autocast:  # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
+            mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
+        else:
+            mp = MixedPrecisionPolicy()
+        # Pinned host memory needs an accelerator; on CPU the offload is a no-op move with plain memory.
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
+        reshard = opts.sharding == "full"
+        common: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard, "offload_policy": offload}
+        if mp.param_dtype is not None:
+            # A half policy would hand BatchNorm half weights; CPU batch_norm refuses bf16 weights with fp32
+            # statistics. Each BatchNorm is its own unit kept in fp32 and fed the half activations as they come.
+            bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+            for m in model.modules():
+                if _is_batchnorm(m) and any(True for _ in m.parameters()):
+                    fully_shard(m, mp_policy=bn_mp, **common)
+        self.units = wrap_units(model, opts.wrap, opts.wrap_min_params)
+        for unit in self.units:
+            fully_shard(unit, mp_policy=mp, **common)
+        fully_shard(model, mp_policy=mp, **common)
+        self.model = model
+        self.optimizer = make_optimizer(model.parameters())
+        return self.model, self.optimizer
+
+    # ---- one step -----------------------------------------------------------------------------
+    def forward_loss(self, model, x, y, loss_fn):
+        # No autocast: the policy casts the gathered weights, and the root unit casts floating inputs.
+        logits = model(self.precision.convert_input(x))
+        return loss_fn(logits.float(), y), logits
+
+    def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
+        # grad-op/none keep whole gradients between micro-steps and reduce once; full sharding reduce-scatters
+        # every micro-step so that only gradient shards are ever kept (the memory is the point of ZeRO-3).
+        if self.cfg.grad_accum == 1 or self.options.sharding == "full":
+            return contextlib.nullcontext()
+        return _gradient_sync(self.model, is_last_micro_step)
+
+    # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
+    # reduced over the mesh), so every rank scales its shards by the same global factor.
+
+    # ---- checkpoints --------------------------------------------------------------------------
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+        if self.options.checkpoint_format == "full":
+            return save_full_replacing(self, path, model, optimizer, extra)
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=self.env.is_main)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if sharded.is_dcp(path):  # each rank reads its own shards, whatever world size wrote them
+            return sharded.load_sharded(path, model, optimizer)
+        return super().load_checkpoint(path, model, optimizer)
+
+
+@contextlib.contextmanager
+def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
+    model.set_requires_gradient_sync(enabled)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def save_full_replacing(strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    """The base full-file save, after removing a sharded folder an earlier save left at ``path`` (a file
+    cannot be renamed over a folder)."""
+    path = Path(path)
+    if strategy.env.is_main and path.is_dir():
+        sharded._remove(path)
+    return Strategy.save_checkpoint(strategy, path, model, optimizer, extra)
