@@ -1,19 +1,19 @@
-"""stratbench demo: the main job on the embedded default setup (what `make demo` runs)."""
+"""stratbench demo: the main job on this machine - `compare --preset quick` (what `make demo` runs)."""
 
 from __future__ import annotations
 
 import argparse
 
 NAME = "demo"
-HELP = "the quick offline demo on this machine (tinynet on scikit-learn digits)"
+HELP = "the quick offline comparison on this machine: every CPU-capable method on tinynet/digits, one report"
 ORDER = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default="runs/demo", help="output folder (default: runs/demo)")
+    parser.add_argument("--output", default="runs/demo", help="sweep folder (default: runs/demo); rerunning resumes")
 
 
 def run(args: argparse.Namespace) -> int:
     from stratbench.cli import main
 
-    return main(["train", "--model", "tinynet", "--data", "digits", "--epochs", "3", "--output", args.output])
+    return main(["compare", "--preset", "quick", "--output", args.output])

@@ -1,0 +1,115 @@
+"""stratbench compare: run a matrix of methods x precisions x world sizes on one model and data set, one report."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+NAME = "compare"
+HELP = "train every method side by side (a preset or a YAML matrix) and write one report (md, csv, html, charts)"
+ORDER = 5
+_PASS = "cell__"
+# TrainConfig options a sweep sets per cell itself; every other option can be passed to all cells.
+_NOT_PASSED = ("output", "strategy", "precision", "nproc", "nnodes", "node_rank", "master_addr", "master_port",
+               "rdzv_endpoint", "max_restarts", "resume", "resume_from", "progress", "strategy_options")  # fmt: skip
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.compare.matrix import PRESETS
+    from stratbench.config import TrainConfig, _base_type, field_docs
+
+    src = parser.add_mutually_exclusive_group()
+    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                     help="built-in matrix: quick (default; CPU, minutes), seed (the source experiment on GPUs), "
+                          "gpu-precision (every precision on one GPU)")  # fmt: skip
+    src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)")
+    parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
+    parser.add_argument("--only", action="append", metavar="NAMES",
+                        help="keep cells matching one of these comma-separated names (method, label, precision, "
+                             "cell id, wN; wildcards ok); repeat the flag to require several")  # fmt: skip
+    parser.add_argument("--skip", action="append", metavar="NAMES", help="drop cells matching any of these names")
+    parser.add_argument("--dry-run", action="store_true", help="list the cells and which are skipped here and why; run nothing")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per cell (default: the preset's)")
+    parser.add_argument("--retry", action="store_true", help="also rerun cells recorded as failed/oom/timeout/nan")
+    parser.add_argument("--allow-slow", action="store_true",
+                        help="run cells that would be skipped as impractically slow here (fp16 on CPU, GPU presets on CPU)")  # fmt: skip
+    parser.add_argument("--world-size", type=int, metavar="N",
+                        help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
+    group = parser.add_argument_group("training options passed to every cell (override the matrix's base)")
+    docs = field_docs(TrainConfig)
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in _NOT_PASSED:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kw = dict(dest=_PASS + f.name, default=None, help=docs.get(f.name, "").replace("%", "%%"))
+        if _base_type(f.type) is bool:
+            group.add_argument(flag, nargs="?", const="true", metavar="BOOL", **kw)
+        else:
+            group.add_argument(flag, metavar=f.name.upper(), **kw)
+
+
+def overrides_from(args: argparse.Namespace) -> dict:
+    """The training options given on the command line, typed as TrainConfig declares them."""
+    from stratbench.config import TrainConfig, coerce
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    out = {}
+    for k, v in vars(args).items():
+        if k.startswith(_PASS) and v is not None:
+            name = k[len(_PASS):]
+            out[name] = coerce(name, v, fields[name].type)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from stratbench.compare.matrix import load_matrix, plan, select
+    from stratbench.compare.report import print_table, render_sweeps
+    from stratbench.compare.runner import Interrupted, SweepRunner, load_records
+    from stratbench.errors import ConfigError
+
+    if args.timeout is not None and args.timeout <= 0:
+        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    console = Console()
+    matrix = load_matrix(args.preset, args.matrix, overrides_from(args), args.world_size)
+    cells = select(matrix.cells, args.only, args.skip)
+    plans = plan(matrix, cells, allow_slow=args.allow_slow)
+    out = Path(args.output or f"runs/compare-{matrix.name}")
+    timeout = args.timeout or matrix.timeout_s
+
+    if args.dry_run:
+        done = load_records(out)
+        console.print(f"[bold]{matrix.name}[/bold]: {matrix.description}", highlight=False, soft_wrap=True)
+        console.print(f"{len(plans)} cells; output {out}; time limit per cell {timeout:.0f} s", highlight=False, soft_wrap=True)
+        for n, p in enumerate(plans, 1):
+            c = p.cell
+            prev = done.get(c.id, {}).get("status")
+            what = ("run" if prev is None or prev == "skipped" else f"done ({prev}), kept") if p.status is None else f"{p.status}: {p.reason}"
+            console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} x{c.world_size}  batch {c.batch_size:<5} {c.id}  -> {what}",
+                          highlight=False, soft_wrap=True)  # fmt: skip
+        runnable = sum(p.status is None for p in plans)
+        console.print(f"{runnable} to run, {len(plans) - runnable} skipped or invalid here", highlight=False)
+        return 0
+
+    runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console,
+                         command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
+    console.print(f"[bold]stratbench compare[/bold] {matrix.name}: {len(plans)} cells -> {out}", highlight=False, soft_wrap=True)
+    interrupted = None
+    try:
+        runner.run(plans)
+    except Interrupted as exc:
+        interrupted = exc
+    paths, records = render_sweeps([runner.out], runner.out)
+    print_table(records, console)
+    console.print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}", highlight=False, soft_wrap=True)
+    if interrupted:
+        console.print(f"[yellow]interrupted[/yellow] ({interrupted}); finished cells are kept - rerun the same command to resume")
+        return 130
+    bad = [r for r in records if r.get("status") not in ("ok", "skipped")]
+    return 1 if bad else 0

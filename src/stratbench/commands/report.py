@@ -1,0 +1,33 @@
+"""stratbench report: re-render a finished or partial sweep, or merge several sweeps (e.g. two machines) into one."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+NAME = "report"
+HELP = "re-render the report of a compare sweep folder, or merge several sweep folders into one report"
+ORDER = 6
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare")
+    parser.add_argument("--output", help="report folder (default: the sweep folder itself; required with several)")
+    parser.add_argument("--title", help="report title (default: from the sweeps' names)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from stratbench.compare.report import print_table, render_sweeps
+    from stratbench.errors import ConfigError
+
+    dirs = [Path(d) for d in args.dirs]
+    for d in dirs:
+        if not d.is_dir():
+            raise ConfigError(f"sweep folder not found: {d}")
+    if len(dirs) > 1 and not args.output:
+        raise ConfigError("merging several sweeps needs --output DIR (the folders' own reports are left as they are)")
+    out = Path(args.output) if args.output else dirs[0]
+    paths, records = render_sweeps(dirs, out, args.title)
+    print_table(records)
+    print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
+    return 0

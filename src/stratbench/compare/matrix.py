@@ -1,0 +1,353 @@
+"""The comparison matrix: cells (method x precision x world size x batch size) on one model and data set.
+
+A matrix is a small mapping - the same shape for the built-in presets and for a user's YAML file::
+
+    name: my-sweep
+    base: {model: tinynet, data: digits, epochs: 2, batch_size: 64}   # TrainConfig options of every cell
+    world_size: 2                        # processes of multi-process methods (default 2)
+    cells:                               # each entry is expanded as a product of its list values
+      - {method: single, precision: [fp32, bf16-mixed]}
+      - {method: [ddp, fsdp], precision: [fp32, bf16-mixed]}
+      - {method: deepspeed, options: [{zero_stage: 1}, {zero_stage: 3}], label: "deepspeed-z{zero_stage}"}
+      - {method: single, precision: fp32, config: {tf32: true}, label: "single+tf32"}
+
+Instead of ``cells`` a file may give ``methods``/``precisions``/``world_sizes``/``batch_sizes`` lists (one product).
+Before anything runs, ``plan`` decides for each cell whether it can run here, and why not.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import itertools
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratbench.errors import ConfigError, StratbenchError, UnsupportedError
+
+STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")
+"""Outcome of a cell: ok, failed (crash or bad config), oom, timeout, nan (loss became NaN/inf), skipped (cannot run here)."""
+
+# Options that belong to the sweep, not to a cell: compare sets them per cell (output, processes, progress).
+SWEEP_OWNED = ("output", "strategy", "precision", "nproc", "strategy_options", "resume", "resume_from", "progress")
+ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "config", "label")
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One training run of the sweep; ``config`` holds only the options set explicitly (base + the cell's own)."""
+
+    method: str
+    precision: str
+    world_size: int
+    config: dict[str, Any]
+    options: dict[str, Any] = field(default_factory=dict)
+    label: str = ""
+
+    @property
+    def batch_size(self) -> int:
+        from stratbench.config import TrainConfig
+
+        return int(self.config.get("batch_size", TrainConfig.batch_size))
+
+    @property
+    def name(self) -> str:
+        """Method label shown in the table (e.g. ``deepspeed-z2``); the method name when no label was given."""
+        return self.label or self.method
+
+    @property
+    def id(self) -> str:
+        """Stable id from everything that changes the run: readable part + hash (resume matches on it)."""
+        key = {"method": self.method, "precision": self.precision, "world_size": self.world_size,
+               "options": self.options, "config": self.config}  # fmt: skip
+        digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
+        slug = re.sub(r"[^A-Za-z0-9.+-]+", "-", self.name).strip("-")
+        return f"{slug}_{self.precision}_w{self.world_size}_b{self.batch_size}_{digest}"
+
+    def train_config(self, output: str | Path, progress: bool = True) -> dict[str, Any]:
+        """The YAML mapping the cell's ``stratbench train --config`` reads."""
+        return {
+            **self.config,
+            "strategy": self.method,
+            "precision": self.precision,
+            "strategy_options": dict(self.options),
+            "nproc": self.world_size,
+            "output": str(output),
+            "progress": progress,
+        }
+
+
+@dataclass
+class Matrix:
+    """A named list of cells plus what the whole sweep needs (``gpu_only``: its numbers only mean something on GPUs)."""
+
+    name: str
+    description: str
+    cells: list[Cell]
+    base: dict[str, Any] = field(default_factory=dict)
+    gpu_only: bool = False
+    timeout_s: float = 900.0
+
+
+# ------------------------------------------------------------------------------------------------
+# presets
+
+
+def _gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def preset_quick() -> dict[str, Any]:
+    """Every CPU-capable method with 2 processes on tinynet/digits, fp32 and bf16-mixed; < 10 min on 2 cores."""
+    both = ["fp32", "bf16-mixed"]
+    return {
+        "name": "quick",
+        "description": "tinynet (width 8) on scikit-learn digits at 16x16, 2 epochs, global batch 64; "
+        "every method that runs on a CPU with 2 processes, fp32 and bf16-mixed",
+        # Small enough that 18 cells finish in minutes on 2 CPU cores; large enough that all methods learn.
+        "base": {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 2,
+                 "batch_size": 64, "measure_flops": False, "timing_warmup_steps": 2},  # fmt: skip
+        "world_size": 2,
+        "timeout_s": 300,
+        "cells": [
+            {"method": "single", "precision": both},
+            {"method": ["ddp", "ddp-zero", "fsdp", "fsdp1"], "precision": both},
+            {"method": "deepspeed", "precision": both, "options": [{"zero_stage": s} for s in (1, 2, 3)],
+             "label": "deepspeed-z{zero_stage}"},  # fmt: skip
+            {"method": "accelerate-ddp", "precision": both},
+            # Rows that need what this machine may lack; listed so the report says why they are missing.
+            {"method": "single", "precision": ["fp16-mixed", "fp16-true"]},
+            {"method": "dp", "precision": "fp32", "world_size": 1},
+            {"method": ["accelerate-fsdp", "accelerate-deepspeed"], "precision": "fp32"},
+        ],
+    }
+
+
+def preset_seed(world_size: int | None = None) -> dict[str, Any]:
+    """The source experiment: ResNet-50, CIFAR-10 at 224x224, 5 epochs, global batch 128, every method (+ bf16)."""
+    world = world_size or max(2, _gpu_count())
+    multi = ["ddp", "accelerate-ddp", "fsdp", "accelerate-fsdp", "ddp-zero", "deepspeed", "accelerate-deepspeed"]
+    return {
+        "name": "seed",
+        "description": "the source template's experiment: ResNet-50 (pretrained with --weights, else random) on "
+        f"CIFAR-10 at 224x224, 5 epochs, global batch 128; multi-device methods on {world} GPUs",
+        "base": {"model": "resnet50", "data": "cifar10", "image_size": 224, "epochs": 5, "batch_size": 128,
+                 "num_workers": 4},  # fmt: skip
+        "world_size": world,
+        "gpu_only": True,
+        "timeout_s": 4 * 3600,
+        "cells": [
+            {"method": "single", "precision": ["fp32", "fp16-true", "fp16-mixed", "bf16-mixed"]},
+            {"method": "dp", "precision": ["fp32", "bf16-mixed"], "world_size": 1},
+            {"method": multi, "precision": ["fp32", "bf16-mixed"]},
+        ],
+    }
+
+
+def preset_gpu_precision() -> dict[str, Any]:
+    """Every precision on one GPU for ResNet-50 (throughput, memory, MFU) on synthetic 224x224 images."""
+    return {
+        "name": "gpu-precision",
+        "description": "every precision on one GPU: ResNet-50, synthetic 224x224 images, global batch 128, "
+        "1 epoch of 40 steps; MFU from the device's peak FLOP/s",
+        "base": {"model": "resnet50", "data": "synthetic", "image_size": 224, "synthetic_samples": 5120,
+                 "epochs": 1, "batch_size": 128, "num_workers": 4},  # fmt: skip
+        "world_size": 1,
+        "gpu_only": True,
+        "timeout_s": 1800,
+        "cells": [
+            {"method": "single", "precision": ["fp32", "fp16-true", "bf16-true", "fp16-mixed", "bf16-mixed"]},
+            {"method": "single", "precision": "fp32", "config": {"tf32": True}, "label": "single+tf32"},
+            {"method": "single", "precision": "bf16-mixed", "config": {"channels_last": True}, "label": "single+channels-last"},
+        ],
+    }
+
+
+PRESETS = {"quick": preset_quick, "seed": preset_seed, "gpu-precision": preset_gpu_precision}
+
+
+# ------------------------------------------------------------------------------------------------
+# building
+
+
+def _as_list(value: Any) -> list[Any]:
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _default_world(method: str, default: int) -> int:
+    """Multi-process methods get the matrix's world size; one-process methods one process."""
+    from stratbench.strategies.base import all_strategies
+
+    cls = all_strategies().get(method)
+    if cls is None:  # not installed: assume it is one of the distributed methods (they are the optional ones)
+        return default
+    return default if cls.needs_process_group else 1
+
+
+def build_matrix(spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None) -> Matrix:
+    """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
+    from stratbench.config import TrainConfig, from_dict
+
+    if not isinstance(spec, dict):
+        raise ConfigError(f"a comparison matrix must be a mapping, got {type(spec).__name__}")
+    known = {"name", "description", "base", "world_size", "gpu_only", "timeout_s", "cells",
+             "methods", "precisions", "world_sizes", "batch_sizes"}  # fmt: skip
+    unknown = sorted(set(spec) - known)
+    if unknown:
+        raise ConfigError(f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+    base = dict(spec.get("base") or {})
+    base.update(overrides or {})
+    for key in SWEEP_OWNED:
+        if key in base:
+            raise ConfigError(f"matrix base: {key!r} is set per cell by compare; give it in a cell entry instead")
+    from_dict(TrainConfig, base, where="matrix base")  # unknown keys / bad types fail here, naming the key
+    default_world = int(world_size or spec.get("world_size") or 2)
+    entries = spec.get("cells")
+    if entries is None:
+        entries = [{"method": spec.get("methods", ["single"]), "precision": spec.get("precisions", ["fp32"]),
+                    **({"world_size": spec["world_sizes"]} if "world_sizes" in spec else {}),
+                    **({"batch_size": spec["batch_sizes"]} if "batch_sizes" in spec else {})}]  # fmt: skip
+    if not isinstance(entries, list) or not entries:
+        raise ConfigError("matrix: 'cells' must be a non-empty list of entries (method, precision, ...)")
+    cells: list[Cell] = []
+    seen: set[str] = set()
+    for n, entry in enumerate(entries):
+        if not isinstance(entry, dict) or "method" not in entry:
+            raise ConfigError(f"matrix cell entry {n + 1} must be a mapping with at least 'method', got {entry!r}")
+        bad = sorted(set(entry) - set(ENTRY_KEYS))
+        if bad:
+            raise ConfigError(f"matrix cell entry {n + 1}: unknown key(s) {', '.join(bad)}; known: {', '.join(ENTRY_KEYS)}")
+        extra = dict(entry.get("config") or {})
+        for key in SWEEP_OWNED:
+            if key in extra:
+                raise ConfigError(f"matrix cell entry {n + 1}: 'config' cannot set {key!r}; use the entry's own keys")
+        for method, precision, world, batch, options in itertools.product(
+            _as_list(entry["method"]),
+            _as_list(entry.get("precision", "fp32")),
+            _as_list(entry.get("world_size")),
+            _as_list(entry.get("batch_size")),
+            _as_list(entry.get("options") or {}),
+        ):
+            config = {**base, **extra}
+            # Command-line overrides win over cell entries too: the user asked for them for every cell.
+            config.update(overrides or {})
+            if batch is not None and not (overrides and "batch_size" in overrides):
+                config["batch_size"] = int(batch)
+            label = str(entry.get("label") or "")
+            if label:
+                try:
+                    label = label.format(**options)
+                except (KeyError, IndexError):
+                    raise ConfigError(f"matrix cell entry {n + 1}: label {label!r} names an option not in {options}") from None
+            world = int(world) if world is not None else _default_world(str(method), default_world)
+            cell = Cell(str(method), str(precision), world, config, dict(options), label)
+            if cell.id not in seen:  # overrides can make two entries the same run: keep one
+                seen.add(cell.id)
+                cells.append(cell)
+    return Matrix(
+        name=str(spec.get("name") or "matrix"),
+        description=str(spec.get("description") or ""),
+        cells=cells,
+        base=base,
+        gpu_only=bool(spec.get("gpu_only", False)),
+        timeout_s=float(spec.get("timeout_s") or 900),
+    )
+
+
+def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
+                world_size: int | None = None) -> Matrix:  # fmt: skip
+    """A preset by name or a YAML matrix file (exactly one of them)."""
+    if path:
+        from stratbench.config import load_yaml
+
+        return build_matrix(load_yaml(path), overrides, world_size)
+    name = preset or "quick"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)")
+    spec = preset_seed(world_size) if name == "seed" else PRESETS[name]()
+    return build_matrix(spec, overrides, world_size)
+
+
+# ------------------------------------------------------------------------------------------------
+# filters
+
+
+def _matches(cell: Cell, token: str) -> bool:
+    token = token.strip()
+    names = (cell.method, cell.name, cell.precision, cell.id, f"w{cell.world_size}")
+    return any(token == n or fnmatch.fnmatchcase(n, token) for n in names)
+
+
+def select(cells: list[Cell], only: list[str] | None, skip: list[str] | None) -> list[Cell]:
+    """``only``: each flag is a comma list; a cell must match one name of every flag. ``skip``: drop any match.
+
+    A name matches a cell's method (ddp), label (deepspeed-z2), precision (bf16-mixed), id, or ``wN``
+    (world size); shell wildcards work (``deepspeed*``)."""
+    groups = [[t for t in g.split(",") if t.strip()] for g in (only or [])]
+    dropped = [t for g in (skip or []) for t in g.split(",") if t.strip()]
+    out = [c for c in cells if all(any(_matches(c, t) for t in g) for g in groups)]
+    out = [c for c in out if not any(_matches(c, t) for t in dropped)]
+    if not out:
+        raise ConfigError(
+            f"--only/--skip left no cells; cells are: {', '.join(sorted({c.name for c in cells}))} "
+            f"x {', '.join(sorted({c.precision for c in cells}))}"
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# what can run here
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the sweep will do with a cell before running it: run it, or record it as skipped/failed with a reason."""
+
+    cell: Cell
+    status: str | None
+    """None: run it; 'skipped': cannot run on this machine; 'failed': its configuration is invalid."""
+    reason: str = ""
+
+
+def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
+    """Decide, without starting any work, whether ``cell`` can run on this machine (and why not)."""
+    from stratbench import engine
+    from stratbench.config import TrainConfig, from_dict
+    from stratbench.dist import resolve_device
+    from stratbench.precision import SPECS, slow_on
+    from stratbench.strategies.base import all_strategies
+
+    cls = all_strategies().get(cell.method)
+    if cls is None:
+        return Plan(cell, "skipped", f"strategy {cell.method} is not available in this install")
+    try:
+        cfg = from_dict(TrainConfig, cell.train_config("unused"), where=f"cell {cell.id}")
+        try:
+            device = resolve_device(cfg.device)
+        except UnsupportedError as exc:
+            return Plan(cell, "skipped", str(exc))
+        if matrix.gpu_only and device.type != "cuda" and not allow_slow:
+            return Plan(cell, "skipped", f"preset {matrix.name!r} measures GPUs and this machine has none "
+                        "(--allow-slow runs it on the CPU anyway)")  # fmt: skip
+        spec = SPECS.get(cell.precision)
+        slow = slow_on(spec, device) if spec is not None else None
+        if slow and not allow_slow:
+            return Plan(cell, "skipped", f"{slow} (--allow-slow runs it anyway)")
+        gpus = _gpu_count()
+        if device.type == "cuda" and cls.needs_process_group and cell.world_size > gpus:
+            return Plan(cell, "skipped", f"needs {cell.world_size} GPUs (one per process); this machine has {gpus}")
+        engine.preflight(cfg, world_size=cell.world_size)
+    except UnsupportedError as exc:
+        return Plan(cell, "skipped", str(exc))
+    except StratbenchError as exc:
+        return Plan(cell, "failed", f"invalid cell configuration: {exc}")
+    return Plan(cell, None)
+
+
+def plan(matrix: Matrix, cells: list[Cell] | None = None, allow_slow: bool = False) -> list[Plan]:
+    return [plan_cell(c, matrix, allow_slow) for c in (matrix.cells if cells is None else cells)]

@@ -1,0 +1,599 @@
+"""Records of a sweep (or several merged sweeps) -> report.md, report.csv, report.html and PNG charts.
+
+Every number comes from the cells' own result.json (copied into results.jsonl). What a machine cannot
+measure (GPU utilisation on a CPU, MFU without a known peak FLOP/s) is written ``n/a`` with a footnote saying
+why, and what a cell that did not complete never measured is ``–``; neither is ever shown as 0.
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import html
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratbench.compare.runner import SWEEP, load_records
+from stratbench.report_table import fmt_bytes
+
+NOT_RUN = "not run"
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+DASH = "–"
+
+COLUMNS: list[tuple[str, str]] = [
+    ("machine", "machine"),
+    ("method", "method"),
+    ("precision", "precision"),
+    ("devices", "devices"),
+    ("batch_device", "batch / device"),
+    ("batch_global", "global batch"),
+    ("peak_memory", "peak memory / device (max over ranks)"),
+    ("gpu_util", "GPU util mean / peak"),
+    ("epoch_time", "time / epoch"),
+    ("train_time", "train time (eval excluded)"),
+    ("throughput", "throughput (samples/s)"),
+    ("speedup", "speed-up vs single fp32"),
+    ("predicted", "predicted peak (error)"),
+    ("mfu", "MFU"),
+    ("val_accuracy", "val accuracy"),
+    ("final_loss", "final loss"),
+    ("status", "status"),
+]
+
+
+# ------------------------------------------------------------------------------------------------
+# loading
+
+
+@dataclass
+class Sweep:
+    """The records of one output folder, in the order of its matrix; cells never reached are ``not run``."""
+
+    path: Path
+    records: list[dict[str, Any]]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+def load_sweep(path: str | Path) -> Sweep:
+    """Read DIR/results.jsonl (+ DIR/sweep.json for order and the cells not run yet)."""
+    from stratbench.errors import ConfigError
+
+    path = Path(path)
+    records = load_records(path)
+    meta: dict[str, Any] = {}
+    if (path / SWEEP).exists():
+        try:
+            meta = json.loads((path / SWEEP).read_text())
+        except ValueError:
+            meta = {}
+    if not records and not meta:
+        raise ConfigError(f"{path} holds no sweep (no results.jsonl or sweep.json); run `stratbench compare --output {path}`")
+    ordered: list[dict[str, Any]] = []
+    machine = next(iter(records.values()))["machine"] if records else _this_machine()
+    for cell in meta.get("cells", []):
+        rec = records.pop(cell["id"], None)
+        if rec is None:
+            rec = {**cell, "status": NOT_RUN, "reason": "the sweep stopped before this cell (rerun the same command to resume)",
+                   "machine": machine, "metrics": {}, "config": {}, "environment": {}}  # fmt: skip
+        ordered.append(rec)
+    ordered.extend(records.values())  # cells of an earlier matrix in the same folder
+    return Sweep(path, ordered, meta)
+
+
+def _this_machine() -> dict[str, str]:
+    import platform
+
+    return {"hostname": platform.node(), "device": "unknown"}
+
+
+# ------------------------------------------------------------------------------------------------
+# rows
+
+
+class Footnotes:
+    """Numbered footnotes, numbered in order of first use; the same text reuses its number."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        if text not in self.texts:
+            self.texts.append(text)
+        i = self.texts.index(text)
+        return SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
+
+
+@dataclass
+class Row:
+    rec: dict[str, Any]
+    raw: dict[str, Any]
+    text: dict[str, str]
+
+
+def machine_name(rec: dict[str, Any]) -> str:
+    m = rec.get("machine") or {}
+    return f"{m.get('hostname', '?')} ({m.get('device', '?')})"
+
+
+def _mean(xs: list[Any]) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def _predictor() -> Callable[..., int | None] | None:
+    try:
+        from stratbench.estimate import predict_peak_bytes
+    except ImportError:
+        return None
+    return predict_peak_bytes
+
+
+def _predict(fn: Callable[..., int | None], rec: dict[str, Any]) -> int | None:
+    config = {k: v for k, v in (rec.get("config") or {}).items()}
+    if not config:
+        return None
+    device_type = "cuda" if (rec.get("environment") or {}).get("device_type") == "cuda" else "cpu"
+    try:
+        try:
+            return fn(config, int(rec.get("world_size") or 1), device_type=device_type)
+        except TypeError:
+            return fn(config, int(rec.get("world_size") or 1))
+    except Exception:  # an estimator bug must not break the report
+        return None
+
+
+def is_baseline(rec: dict[str, Any]) -> bool:
+    return rec.get("method") == "single" and rec.get("label", "single") == "single" and rec.get("precision") == "fp32" \
+        and int(rec.get("world_size") or 1) == 1  # fmt: skip
+
+
+def build_rows(records: list[dict[str, Any]], notes: Footnotes) -> list[Row]:
+    """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine."""
+    predictor = _predictor()
+    baselines: dict[str, float] = {}
+    for rec in records:
+        tp = (rec.get("metrics") or {}).get("throughput_samples_per_s")
+        if rec.get("status") == "ok" and is_baseline(rec) and tp:
+            baselines.setdefault(machine_name(rec), tp)
+    rows: list[Row] = []
+    for rec in records:
+        rows.append(_row(rec, notes, baselines, predictor))
+    return rows
+
+
+def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], predictor) -> Row:
+    m = rec.get("metrics") or {}
+    ok = rec.get("status") == "ok"
+    world = int(rec.get("world_size") or 1)
+    devices = max(world, int(rec.get("data_parallel_size") or 0))
+    gbatch = rec.get("global_batch_size") or rec.get("batch_size")
+    per_dev = rec.get("per_device_batch_size") or (gbatch // devices if gbatch else None)
+    raw: dict[str, Any] = {
+        "machine": machine_name(rec),
+        "method": rec.get("label") or rec.get("method"),
+        "precision": rec.get("precision"),
+        "devices": devices,
+        "batch_device": per_dev,
+        "batch_global": gbatch,
+        "status": rec.get("status"),
+        "reason": rec.get("reason") or "",
+    }
+    text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
+    status = str(rec.get("status"))
+    text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {_short(raw['reason'])}"
+    if ok and raw["reason"]:
+        text["status"] = f"ok ({raw['reason']})"
+    metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
+                   "mfu", "val_accuracy", "final_loss")  # fmt: skip
+    if not ok:
+        dash = DASH + notes.mark(f"{DASH}: the cell did not complete (status in the last column), so nothing was measured")
+        for k in metric_keys:
+            raw[k] = None
+            text[k] = dash
+        return Row(rec, raw, text)
+
+    device_type = (rec.get("environment") or {}).get("device_type", "cpu")
+    # Peak memory: max over ranks; a process that drives several GPUs (DataParallel) lists every GPU.
+    peaks = [p for p in (m.get("peak_memory_bytes") or []) if p is not None]
+    kind = m.get("peak_memory_kind", "")
+    raw["peak_memory"] = max(peaks) if peaks else None
+    raw["peak_memory_per_device"] = peaks
+    raw["peak_memory_kind"] = kind
+    if not peaks:
+        text["peak_memory"] = "n/a" + notes.mark("n/a: the run recorded no memory peak")
+    else:
+        shown = " / ".join(fmt_bytes(p) for p in peaks) if len(peaks) > world else fmt_bytes(max(peaks))
+        if kind == "cpu_peak_rss":
+            shown += notes.mark(
+                "on CPU the peak is the process's peak resident memory (RSS: weights, activations, optimizer "
+                "state plus the Python runtime and libraries, ~0.3-0.5 GiB), the largest over the ranks; on a GPU "
+                "it is torch.cuda.max_memory_allocated"
+            )
+        text["peak_memory"] = shown
+    utils = [u for u in (m.get("gpu_util_mean_pct") or []) if u is not None]
+    upeaks = [u for u in (m.get("gpu_util_peak_pct") or []) if u is not None]
+    if utils:
+        raw["gpu_util"] = _mean(utils)
+        raw["gpu_util_peak"] = max(upeaks) if upeaks else None
+        text["gpu_util"] = f"{raw['gpu_util']:.0f}% / {raw['gpu_util_peak']:.0f}%" if upeaks else f"{raw['gpu_util']:.0f}%"
+    else:
+        raw["gpu_util"] = None
+        why = "no NVIDIA GPU on this machine" if device_type != "cuda" else "NVML (nvidia-ml-py) was not available"
+        text["gpu_util"] = "n/a" + notes.mark(f"n/a: GPU utilisation is read from NVML: {why}")
+    train_time = m.get("train_time_s")
+    evals = m.get("evaluations") or []
+    epochs_done = evals[-1].get("epoch") if evals else None
+    if train_time and epochs_done:
+        raw["epoch_time"] = train_time / epochs_done
+    else:
+        raw["epoch_time"] = _mean(m.get("epoch_time_s") or [])
+    text["epoch_time"] = _fmt(raw["epoch_time"], ".2f", " s")
+    raw["train_time"] = train_time
+    text["train_time"] = _fmt(train_time, ".2f", " s")
+    tp = m.get("throughput_samples_per_s")
+    raw["throughput"] = tp
+    text["throughput"] = _fmt(tp, ".1f")
+    base = baselines.get(machine_name(rec))
+    if tp and base:
+        raw["speedup"] = tp / base
+        text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "")
+    else:
+        raw["speedup"] = None
+        text["speedup"] = "n/a" + notes.mark("n/a: no completed single fp32 row on this machine to compare with")
+    # Predicted peak (stratbench.estimate) and its error against the measured allocator peak.
+    pred = _predict(predictor, rec) if predictor else None
+    raw["predicted"] = pred
+    raw["prediction_error_pct"] = None
+    if predictor is None:
+        text["predicted"] = "n/a" + notes.mark("n/a: this install has no memory predictor (stratbench.estimate)")
+    elif pred is None:
+        text["predicted"] = "n/a" + notes.mark("n/a: the predictor gave no estimate for this cell")
+    elif kind == "cuda_max_allocated" and raw["peak_memory"]:
+        raw["prediction_error_pct"] = (pred - raw["peak_memory"]) / raw["peak_memory"] * 100
+        text["predicted"] = f"{fmt_bytes(pred)} ({raw['prediction_error_pct']:+.0f}%)"
+    else:
+        text["predicted"] = fmt_bytes(pred) + notes.mark(
+            "the prediction is of tensor memory; on CPU the measured peak is process RSS, so no error % is given"
+        )
+    mfu = m.get("mfu")
+    raw["mfu"] = mfu
+    if mfu is not None:
+        text["mfu"] = f"{mfu * 100:.1f}%"
+    elif device_type != "cuda":
+        text["mfu"] = "n/a" + notes.mark("n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table")
+    elif not m.get("flops_per_sample"):
+        text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
+    else:
+        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)")
+    acc = m.get("val_accuracy")
+    raw["val_accuracy"] = acc
+    text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
+    raw["final_loss"] = m.get("final_loss")
+    text["final_loss"] = _fmt(raw["final_loss"], ".4f")
+    return Row(rec, raw, text)
+
+
+def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    return "n/a" if x is None else f"{x:{spec}}{suffix}"
+
+
+def _short(text: str, n: int = 110) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= n else text[: n - 1] + "…"
+
+
+# ------------------------------------------------------------------------------------------------
+# writing
+
+
+@dataclass
+class Report:
+    title: str
+    records: list[dict[str, Any]]
+    sources: list[str]
+    description: str = ""
+    command: str = ""
+
+
+def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
+    multi = len({r.raw["machine"] for r in rows}) > 1
+    return [c for c in COLUMNS if c[0] != "machine" or multi]
+
+
+def _settings(records: list[dict[str, Any]]) -> str:
+    """One line naming what every cell trained (from the first record that ran)."""
+    for rec in records:
+        cfg = rec.get("config") or {}
+        if cfg.get("model"):
+            bits = [f"model {cfg['model']}" + (f" (width {cfg.get('width')})" if cfg.get("model") == "tinynet" else ""),
+                    f"data {cfg.get('data')}" + (f" at {cfg['image_size']}x{cfg['image_size']}" if cfg.get("image_size") else ""),
+                    f"{cfg.get('epochs')} epochs" + (f" (max {cfg['max_steps']} steps)" if cfg.get("max_steps") else ""),
+                    f"optimizer {cfg.get('optimizer')} lr {cfg.get('lr')}", f"seed {cfg.get('seed')}"]  # fmt: skip
+            return ", ".join(bits)
+    return ""
+
+
+def _machines(records: list[dict[str, Any]]) -> list[str]:
+    out: list[str] = []
+    for rec in records:
+        env = rec.get("environment") or {}
+        pk = env.get("packages") or {}
+        line = (f"{machine_name(rec)}; torch {env.get('torch')}, python {env.get('python')}"
+                + (f", CUDA {env['cuda']}" if env.get("cuda") and env.get("device_type") == "cuda" else "")
+                + "".join(f", {k} {v}" for k, v in pk.items() if v and k in ("deepspeed", "accelerate")))  # fmt: skip
+        if env and line not in out:
+            out.append(line)
+    return out
+
+
+def write_report(report: Report, out: Path) -> dict[str, Path]:
+    """Write report.md, report.csv, report.html and the PNG charts into ``out``; returns the paths."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    notes = Footnotes()
+    rows = build_rows(report.records, notes)
+    charts = write_charts(rows, out, report.title)
+    paths = {"md": out / "report.md", "csv": out / "report.csv", "html": out / "report.html"}
+    paths["md"].write_text(render_markdown(report, rows, notes, charts))
+    write_csv(rows, paths["csv"])
+    paths["html"].write_text(render_html(report, rows, notes, charts))
+    return {**paths, **{f"chart:{k}": p for k, p in charts.items()}}
+
+
+def _problems(rows: list[Row]) -> list[Row]:
+    return [r for r in rows if r.raw["status"] != "ok"]
+
+
+HOW_TO_READ = (
+    "Each row is one run of the same model and data with one method and precision, in its own processes. "
+    "`devices` is how many devices (GPUs, or CPU processes) share the global batch; the global batch is the "
+    "same for every row, so all rows train the same problem and their accuracies are comparable. "
+    "Peak memory is per device (the largest rank), which is what decides whether a run fits. Train time and "
+    "throughput exclude evaluation and checkpointing; the speed-up is throughput divided by the single fp32 "
+    "row's. Sharded methods (ddp-zero, fsdp, deepspeed ZeRO) trade memory for communication: on one machine's "
+    "CPU cores their extra communication usually costs time, on GPUs with fast links it buys memory."
+)
+
+
+def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> str:
+    cols = columns_for(rows)
+    lines = [f"# {report.title}", ""]
+    if report.description:
+        lines += [report.description, ""]
+    settings = _settings(report.records)
+    if settings:
+        lines += [f"**Trained:** {settings}", ""]
+    for m in _machines(report.records):
+        lines.append(f"- **Machine:** {m}")
+    if report.command:
+        lines += ["", f"**Command:** `{report.command}`"]
+    lines += ["", f"**Sources:** {', '.join(report.sources)}", ""]
+    lines.append("| " + " | ".join(h for _, h in cols) + " |")
+    lines.append("|" + "|".join("---" for _ in cols) + "|")
+    for r in rows:
+        lines.append("| " + " | ".join(r.text[k].replace("|", "\\|") for k, _ in cols) + " |")
+    lines.append("")
+    for i, t in enumerate(notes.texts):
+        mark = SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
+        lines.append(f"{mark} {t}  ")
+    probs = _problems(rows)
+    if probs:
+        lines += ["", "## Cells that did not complete", ""]
+        for r in probs:
+            log = f" (log: `{r.rec['log']}`)" if r.rec.get("log") and r.raw["status"] not in ("skipped", NOT_RUN) else ""
+            lines.append(f"- **{r.raw['method']} {r.raw['precision']} x{r.raw['devices']}** - {r.raw['status']}: {r.raw['reason']}{log}")
+    lines += ["", "## How to read this table", "", HOW_TO_READ, ""]
+    if charts:
+        lines += ["## Charts", ""]
+        for name, p in charts.items():
+            lines += [f"![{name}]({p.name})", ""]
+    return "\n".join(lines)
+
+
+CSV_FIELDS = ["machine", "id", "method", "label", "precision", "devices", "world_size", "batch_device", "batch_global",
+              "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
+              "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
+              "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason"]  # fmt: skip
+
+
+def write_csv(rows: list[Row], path: Path) -> None:
+    """Raw numbers (bytes, seconds, fractions); ``n/a`` where not measurable, empty where the cell did not run."""
+    with open(path, "w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(CSV_FIELDS)
+        for r in rows:
+            missing = "n/a" if r.raw["status"] == "ok" else ""
+
+            def v(x: Any, missing: str = missing) -> Any:
+                return missing if x is None else x
+
+            raw = r.raw
+            w.writerow([
+                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["devices"],
+                r.rec.get("world_size"), raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
+                ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
+                v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
+                v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("predicted")),
+                v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("val_accuracy")),
+                v(raw.get("final_loss")), raw["status"], raw["reason"],
+            ])  # fmt: skip
+
+
+def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> str:
+    """One self-contained page: the table, footnotes, notes and the charts embedded as base64 PNG."""
+    e = html.escape
+    cols = columns_for(rows)
+    parts = [
+        "<!doctype html><html><head><meta charset='utf-8'>",
+        f"<title>{e(report.title)}</title>",
+        "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}"
+        "table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "th{background:#f2f2f2;position:sticky;top:0}td.l{text-align:left}tr.ok{}tr.skipped td{color:#777}"
+        "tr.failed td,tr.oom td,tr.timeout td,tr.nan td{background:#fff3f3}"
+        "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}</style>",
+        "</head><body>",
+        f"<h1>{e(report.title)}</h1>",
+    ]
+    if report.description:
+        parts.append(f"<p>{e(report.description)}</p>")
+    settings = _settings(report.records)
+    if settings:
+        parts.append(f"<p><b>Trained:</b> {e(settings)}</p>")
+    parts.append("<ul>" + "".join(f"<li><b>Machine:</b> {e(m)}</li>" for m in _machines(report.records)) + "</ul>")
+    if report.command:
+        parts.append(f"<p><b>Command:</b> <code>{e(report.command)}</code></p>")
+    parts.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in cols) + "</tr></thead><tbody>")
+    left = {"machine", "method", "precision", "status"}
+    for r in rows:
+        cls = e(str(r.raw["status"]).replace(" ", "-"))
+        tds = "".join(f"<td class='l'>{e(r.text[k])}</td>" if k in left else f"<td>{e(r.text[k])}</td>" for k, _ in cols)
+        parts.append(f"<tr class='{cls}'>{tds}</tr>")
+    parts.append("</tbody></table>")
+    if notes.texts:
+        parts.append("<p style='font-size:13px'>" + "<br>".join(
+            f"{SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f'[{i + 1}]'} {e(t)}" for i, t in enumerate(notes.texts)) + "</p>")  # fmt: skip
+    probs = _problems(rows)
+    if probs:
+        parts.append("<h2>Cells that did not complete</h2><ul>")
+        for r in probs:
+            parts.append(f"<li><b>{e(str(r.raw['method']))} {e(str(r.raw['precision']))} x{r.raw['devices']}</b> - "
+                         f"{e(str(r.raw['status']))}: {e(r.raw['reason'])}</li>")  # fmt: skip
+        parts.append("</ul>")
+    parts.append(f"<h2>How to read this table</h2><p>{e(HOW_TO_READ)}</p>")
+    if charts:
+        parts.append("<h2>Charts</h2>")
+        for name, p in charts.items():
+            data = base64.b64encode(p.read_bytes()).decode()
+            parts.append(f"<div><img alt='{e(name)}' src='data:image/png;base64,{data}'></div>")
+    parts.append(f"<p style='color:#888;font-size:12px'>sources: {e(', '.join(report.sources))}</p></body></html>")
+    return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------
+# charts
+
+PRECISION_COLOURS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#c44e52", "fp16-mixed": "#55a868",
+                     "fp16-true": "#8172b3"}  # fmt: skip
+
+
+def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
+    """One horizontal bar chart per measure, one bar per completed cell, coloured by precision, values printed."""
+    ok = [r for r in rows if r.raw["status"] == "ok"]
+    multi = len({r.raw["machine"] for r in rows}) > 1
+    cpu = any(r.raw.get("peak_memory_kind") == "cpu_peak_rss" for r in ok)
+    gpu = any(r.raw.get("peak_memory_kind") == "cuda_max_allocated" for r in ok)
+    mem_what = "GPU allocator peak" if gpu and not cpu else "process peak RSS on CPU" if cpu and not gpu else "GPU allocator peak / CPU process RSS"
+    specs = [
+        ("memory", "peak_memory", lambda x: x / 2**20, f"peak memory per device, MiB (largest rank; {mem_what})",
+         "Peak memory per device (lower is better)", ".0f"),
+        ("throughput", "throughput", lambda x: x, "throughput, samples/s (global batch / step time)",
+         "Training throughput (higher is better)", ".0f"),
+        ("train_time", "train_time", lambda x: x, "train time, seconds (evaluation and checkpoints excluded)",
+         "Time to train (lower is better)", ".1f"),
+        ("accuracy", "val_accuracy", lambda x: x * 100, "validation accuracy, % (after the last epoch)",
+         "Validation accuracy (higher is better)", ".1f"),
+    ]  # fmt: skip
+    first = ok[0].rec if ok else {}
+    cfg = first.get("config") or {}
+    machines = sorted({r.raw["machine"] for r in ok})
+    where = machines[0] if len(machines) == 1 else f"{len(machines)} machines"
+    subtitle = f"{title} - {cfg.get('model', '?')} on {cfg.get('data', '?')}, global batch {cfg.get('batch_size', '?')} - {where}"
+    paths: dict[str, Path] = {}
+    for name, key, scale, xlabel, heading, spec in specs:
+        data = [(r, scale(r.raw[key])) for r in ok if r.raw.get(key) is not None]
+        path = out / f"chart_{name}.png"
+        if not data:
+            path.unlink(missing_ok=True)
+            continue
+        _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi)
+        paths[name] = path
+    return paths
+
+
+def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    labels = []
+    for r, _ in data:
+        lab = f"{r.raw['method']} · {r.raw['precision']} · {r.raw['devices']} dev"
+        if multi:
+            lab += f"\n{r.rec.get('machine', {}).get('hostname', '?')}"
+        labels.append(lab)
+    values = [v for _, v in data]
+    colours = [PRECISION_COLOURS.get(str(r.raw["precision"]), "#937860") for r, _ in data]
+    height = max(2.8, 1.5 + 0.38 * len(data) * (1.6 if multi else 1.0))
+    fig, ax = plt.subplots(figsize=(10, height), dpi=110)
+    y = list(range(len(data)))
+    ax.barh(y, values, color=colours)
+    ax.set_yticks(y, labels, fontsize=9)
+    ax.invert_yaxis()  # first cell at the top, as in the table
+    ax.set_xlabel(xlabel, fontsize=10)
+    ax.set_title(title, fontsize=11)
+    top = max(values) if values else 1.0
+    ax.set_xlim(0, top * 1.18 if top > 0 else 1)
+    for yi, v in zip(y, values, strict=True):
+        ax.text(v + top * 0.01, yi, format(v, spec), va="center", fontsize=8.5)
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
+    ax.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen], title="precision",
+              fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------------------------
+# terminal
+
+
+def print_table(records: list[dict[str, Any]], console=None) -> None:
+    """A compact version of the table for the terminal at the end of a sweep."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    notes = Footnotes()
+    rows = build_rows(records, notes)
+    keys = [("method", "method"), ("precision", "precision"), ("devices", "dev"), ("batch_device", "batch/dev"),
+            ("peak_memory", "peak mem/dev"), ("train_time", "train time"), ("throughput", "samples/s"),
+            ("speedup", "speed-up"), ("val_accuracy", "val acc"), ("status", "status")]  # fmt: skip
+    if len({r.raw["machine"] for r in rows}) > 1:
+        keys.insert(0, ("machine", "machine"))
+    table = Table(title="stratbench compare")
+    for _, h in keys:
+        table.add_column(h, overflow="fold")
+    shown = ""
+    for r in rows:
+        cells = [r.text[k] if k != "status" else str(r.raw["status"]) for k, _ in keys]
+        shown += "".join(cells)
+        table.add_row(*cells)
+    console.print(table)
+    for i, t in enumerate(notes.texts):  # only the footnotes this narrower table uses
+        mark = SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
+        if mark in shown:
+            console.print(f"{mark} {t}", highlight=False, soft_wrap=True)
+    for r in _problems(rows):
+        console.print(f"- {r.raw['method']} {r.raw['precision']} x{r.raw['devices']}: {r.raw['status']}: {r.raw['reason']}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+
+
+def render_sweeps(dirs: list[Path], out: Path, title: str | None = None) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``."""
+    sweeps = [load_sweep(d) for d in dirs]
+    records = [r for s in sweeps for r in s.records]
+    if title is None:
+        names = list(dict.fromkeys(s.meta.get("name", s.path.name) for s in sweeps))
+        title = "stratbench compare: " + " + ".join(names)
+    description = sweeps[0].meta.get("description", "") if len(sweeps) == 1 else ""
+    command = " ".join(sweeps[0].meta.get("command") or []) if len(sweeps) == 1 else ""
+    report = Report(title, records, [str(s.path) for s in sweeps], description, command)
+    return write_report(report, out), records

@@ -1,0 +1,442 @@
+"""Run the cells of a sweep: one fresh process tree per cell, a time limit, a record per cell, resume, Ctrl-C.
+
+Each cell runs ``python -m stratbench train --config CELL/config.yaml [--nproc N]`` in its own session (so a
+timeout or Ctrl-C kills its whole tree, torchrun's workers included) with its output and log in its own folder.
+Its outcome is appended to ``results.jsonl`` as soon as it ends, so a sweep that is stopped keeps what is done
+and the same command resumes it, skipping the cells already recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stratbench.compare.matrix import Cell, Matrix, Plan
+
+RESULTS = "results.jsonl"
+SWEEP = "sweep.json"
+CELLS_DIR = "cells"
+FINISHED = ("ok", "failed", "oom", "timeout", "nan")
+"""Statuses a rerun keeps (``--retry`` reruns all but ok). Skipped cells are re-checked on every run."""
+
+
+class Interrupted(Exception):
+    """The user pressed Ctrl-C: the running cell was stopped and not recorded."""
+
+
+# ------------------------------------------------------------------------------------------------
+# records
+
+
+def load_records(out: Path) -> dict[str, dict[str, Any]]:
+    """Latest record per cell id from ``out/results.jsonl`` (a torn last line from a killed sweep is ignored)."""
+    path = Path(out) / RESULTS
+    records: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return records
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "id" in rec:
+            records.pop(rec["id"], None)  # re-insert so that dict order follows the latest write
+            records[rec["id"]] = rec
+    return records
+
+
+def append_record(out: Path, record: dict[str, Any]) -> None:
+    """Append one line and flush it to disk, so a crash of the sweep itself loses nothing finished."""
+    with open(Path(out) / RESULTS, "a") as fh:
+        fh.write(json.dumps(record, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def machine_of(environment: dict[str, Any] | None) -> dict[str, str]:
+    """Hostname and a one-line device description (GPU names, or the CPU and its cores)."""
+    env = environment or {}
+    host = env.get("hostname") or platform.node()
+    gpus = env.get("gpus") or []
+    if env.get("device_type") == "cuda" and gpus:
+        names = sorted(set(gpus))
+        device = ", ".join(f"{gpus.count(n)}x {n}" for n in names)
+    else:
+        device = f"CPU: {env.get('cpu', 'unknown')} ({env.get('cpu_count', '?')} cores)"
+    return {"hostname": str(host), "device": device}
+
+
+def local_environment(world_size: int) -> dict[str, Any]:
+    """The environment block of this machine, for cells that produced no result.json."""
+    import torch
+
+    from stratbench.metrics import environment
+
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    return environment(world_size, device)
+
+
+def make_record(
+    cell: Cell,
+    status: str,
+    reason: str = "",
+    result: dict[str, Any] | None = None,
+    *,
+    elapsed_s: float | None = None,
+    returncode: int | None = None,
+    cell_dir: Path | None = None,
+    environment: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """One line of results.jsonl: the cell, its outcome, and (when it ran) its result.json content."""
+    result = result or {}
+    env = result.get("environment") or environment or local_environment(cell.world_size)
+    return {
+        "id": cell.id,
+        "method": cell.method,
+        "label": cell.name,
+        "precision": cell.precision,
+        "world_size": cell.world_size,
+        "batch_size": cell.batch_size,
+        "strategy_options": cell.options,
+        "cell_config": cell.config,
+        "status": status,
+        "reason": reason,
+        "machine": machine_of(env),
+        "environment": env,
+        "config": result.get("config") or cell.train_config(cell_dir or ""),
+        "data_parallel_size": result.get("data_parallel_size"),
+        "per_device_batch_size": result.get("per_device_batch_size"),
+        "global_batch_size": result.get("global_batch_size", cell.batch_size),
+        "model": result.get("model", cell.config.get("model")),
+        "data": result.get("data", cell.config.get("data")),
+        "metrics": result.get("metrics") or {},
+        "sharding": result.get("sharding") or {},
+        "elapsed_s": elapsed_s,
+        "returncode": returncode,
+        "cell_dir": str(cell_dir) if cell_dir else None,
+        "log": str(cell_dir / "train.log") if cell_dir else None,
+        "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+
+
+# ------------------------------------------------------------------------------------------------
+# outcome of one cell
+
+_NOISE = ("ChildFailedError", "torch.distributed.elastic", "Traceback (most recent call last)", "warnings.warn",
+          "To see the stack trace", "error_file:", "traceback :", "Root Cause", "Failures:", "<NO_OTHER_FAILURES>")  # fmt: skip
+_ERROR_LINE = re.compile(r"(error|exception|killed|failed|abort|signal)", re.IGNORECASE)
+
+
+def log_lines(path: Path, tail_bytes: int = 64_000) -> list[str]:
+    """Last lines of a log, with tqdm's carriage-return redraws split into lines."""
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - tail_bytes))
+            text = fh.read().decode("utf-8", "replace")
+    except OSError:
+        return []
+    return [ln.strip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+
+
+def last_error_line(path: Path) -> str:
+    """The most telling error line of a cell's log: stratbench's own one-line error, else the last exception."""
+    lines = log_lines(path)
+    for ln in reversed(lines):
+        if ln.startswith("stratbench train: error:"):
+            return ln[len("stratbench train: error:"):].strip()
+    for ln in reversed(lines):
+        if _ERROR_LINE.search(ln) and not any(n in ln for n in _NOISE):
+            return ln[:400]
+    return lines[-1][:400] if lines else ""
+
+
+def _nonfinite(metrics: dict[str, Any]) -> bool:
+    final = metrics.get("final_loss")
+    if final is not None and not math.isfinite(float(final)):
+        return True
+    return any(v is None or not math.isfinite(float(v)) for v in metrics.get("loss_curve") or [])
+
+
+def classify(returncode: int, result: dict[str, Any] | None, log: Path) -> tuple[str, str]:
+    """Status and reason of a cell that exited, from its result.json (written by the loop) or else its log."""
+    if result and result.get("status") == "ok":
+        if _nonfinite(result.get("metrics") or {}):
+            return "nan", "the training loss became NaN/inf"
+        note = f"(exited with code {returncode} after writing its result)" if returncode else ""
+        return "ok", note
+    reason = (result or {}).get("reason") or ""
+    status = (result or {}).get("status") or ""
+    text = " ".join(log_lines(log)[-40:])
+    if "FloatingPointError" in reason or "loss became" in reason or (not reason and "loss became" in text):
+        return "nan", reason or last_error_line(log)
+    if status == "oom" or "OutOfMemoryError" in text or "CUDA out of memory" in text:
+        return "oom", reason or last_error_line(log)
+    if not reason:
+        reason = last_error_line(log) or f"exited with code {returncode} without writing result.json"
+    if returncode == 3 and not result:  # UnsupportedError found by the cell's own preflight
+        return "skipped", reason
+    if returncode == 0 and not result:
+        return "failed", f"exited with code 0 without writing result.json ({reason})"
+    return "failed", reason
+
+
+# ------------------------------------------------------------------------------------------------
+# processes
+
+
+def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop a cell and every process under it. torchrun starts its workers in their own sessions, so the
+    process group alone is not enough: the descendants are listed first and signalled one by one."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        procs = []
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    for p in procs:
+        with suppress(psutil.Error):
+            p.terminate()
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        with suppress(psutil.Error):
+            p.kill()
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=grace_s)
+
+
+def cell_command(cell: Cell, config_path: Path) -> list[str]:
+    cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config_path)]
+    if cell.world_size > 1:
+        cmd += ["--nproc", str(cell.world_size)]
+    return cmd
+
+
+# ------------------------------------------------------------------------------------------------
+# the sweep
+
+
+class Display:
+    """Progress over the cells (rich, on a terminal) with the running cell's last log line under it; on a
+    non-terminal (CI, a test) one plain line per cell."""
+
+    def __init__(self, total: int, console) -> None:
+        self.console = console
+        self.total = total
+        self.done = 0
+        self.durations: list[float] = []
+        self.t0 = time.monotonic()
+        self.live = console.is_terminal
+        self.progress = None
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                SpinnerColumn,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self.progress = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(bar_width=24),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.fields[info]}"),
+                console=console,
+                transient=False,
+            )
+            self.overall = self.progress.add_task("cells", total=total, info="")
+            self.current = self.progress.add_task("", total=None, info="")
+            self.progress.start()
+
+    def eta(self, running_for: float = 0.0) -> str:
+        if not self.durations:
+            return "ETA: after the first cell"
+        left = max(0.0, (self.total - self.done) * (sum(self.durations) / len(self.durations)) - running_for)
+        return f"ETA ~{_fmt_duration(left)}"
+
+    def start(self, n: int, cell: Cell) -> None:
+        self.cell = cell
+        self.cell_t0 = time.monotonic()
+        text = f"[{n}/{self.total}] {cell.name} {cell.precision} x{cell.world_size}"
+        if self.progress is not None:
+            self.progress.update(self.current, description=text, info="starting")
+            self.progress.update(self.overall, info=self.eta())
+        else:
+            self.console.print(f"{text} ... (log: {cell.id}/train.log)", highlight=False, soft_wrap=True)
+
+    def tick(self, last_line: str) -> None:
+        if self.progress is None:
+            return
+        running = time.monotonic() - self.cell_t0
+        self.progress.update(self.current, info=f"{_fmt_duration(running)}  {last_line[-90:]}")
+        self.progress.update(self.overall, info=self.eta(running))
+
+    def finish(self, cell: Cell, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
+        self.done += 1
+        if ran and elapsed is not None:
+            self.durations.append(elapsed)
+        colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
+        when = f" in {_fmt_duration(elapsed)}" if ran and elapsed is not None else ""
+        why = f": {reason}" if reason and status != "ok" else ""
+        line = f"  [{colour}]{status}[/{colour}] {cell.name} {cell.precision} x{cell.world_size}{when}{why}"
+        self.console.print(line, highlight=False, soft_wrap=True)
+        if self.progress is not None:
+            self.progress.update(self.overall, advance=1, info=self.eta())
+
+    def skip_only(self) -> None:
+        """A cell that was already recorded counts as done without a duration."""
+        self.done += 1
+        if self.progress is not None:
+            self.progress.update(self.overall, advance=1)
+
+    def close(self) -> None:
+        if self.progress is not None:
+            self.progress.update(self.current, description="done", info=f"total {_fmt_duration(time.monotonic() - self.t0)}")
+            self.progress.stop()
+
+
+def _fmt_duration(s: float | None) -> str:
+    if s is None:
+        return "n/a"
+    s = int(round(s))
+    return f"{s // 3600}:{s // 60 % 60:02d}:{s % 60:02d}" if s >= 3600 else f"{s // 60}:{s % 60:02d}"
+
+
+class SweepRunner:
+    """Runs the planned cells of one sweep into ``out``; see the module docstring."""
+
+    def __init__(self, matrix: Matrix, out: Path, *, timeout_s: float, retry: bool = False, console=None,
+                 command: list[str] | None = None) -> None:  # fmt: skip
+        from rich.console import Console
+
+        self.matrix = matrix
+        self.out = Path(out).resolve()
+        self.timeout_s = timeout_s
+        self.retry = retry
+        self.console = console or Console()
+        self.command = command or sys.argv
+
+    def write_sweep_meta(self, plans: list[Plan]) -> None:
+        """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
+        meta = {
+            "name": self.matrix.name,
+            "description": self.matrix.description,
+            "base": self.matrix.base,
+            "command": self.command,
+            "timeout_s": self.timeout_s,
+            "cells": [
+                {"id": p.cell.id, "method": p.cell.method, "label": p.cell.name, "precision": p.cell.precision,
+                 "world_size": p.cell.world_size, "batch_size": p.cell.batch_size}  # fmt: skip
+                for p in plans
+            ],
+            "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        tmp = self.out / (SWEEP + ".tmp")
+        tmp.write_text(json.dumps(meta, indent=2, default=str))
+        tmp.replace(self.out / SWEEP)
+
+    def run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
+        """Run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording)."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.write_sweep_meta(plans)
+        records = load_records(self.out)
+        env = local_environment(1)
+        display = Display(len(plans), self.console)
+        try:
+            for n, p in enumerate(plans, 1):
+                old = records.get(p.cell.id)
+                keep = ("ok",) if self.retry else FINISHED
+                if p.status is None and old and old.get("status") in keep:
+                    display.skip_only()
+                    self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
+                                       f"x{p.cell.world_size}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
+                    continue
+                if p.status is not None:
+                    if not (old and old.get("status") == p.status and old.get("reason") == p.reason):
+                        rec = make_record(p.cell, p.status, p.reason, environment=env)
+                        append_record(self.out, rec)
+                        records[p.cell.id] = rec
+                    display.finish(p.cell, p.status, p.reason, None, ran=False)
+                    continue
+                display.start(n, p.cell)
+                rec = self.run_cell(p.cell, display)
+                append_record(self.out, rec)
+                records[p.cell.id] = rec
+                display.finish(p.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
+        except KeyboardInterrupt:  # between cells: nothing is running, everything finished is recorded
+            raise Interrupted("stopped between cells") from None
+        finally:
+            display.close()
+        return records
+
+    def run_cell(self, cell: Cell, display: Display) -> dict[str, Any]:
+        """Run one cell in a fresh process tree and return its record; Ctrl-C kills the tree and re-raises."""
+        cell_dir = self.out / CELLS_DIR / cell.id
+        if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
+            shutil.rmtree(cell_dir)
+        cell_dir.mkdir(parents=True)
+        config_path = cell_dir / "config.yaml"
+        config_path.write_text(yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        log_path = cell_dir / "train.log"
+        cmd = cell_command(cell, config_path)
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        t0 = time.monotonic()
+        timed_out = False
+        with open(log_path, "wb") as log:
+            log.write((" ".join(cmd) + "\n").encode())
+            log.flush()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    env=env, start_new_session=True)  # fmt: skip
+            try:
+                while proc.poll() is None:
+                    time.sleep(0.5)
+                    lines = log_lines(log_path, 4000)
+                    display.tick(lines[-1] if lines else "")
+                    if time.monotonic() - t0 > self.timeout_s:
+                        timed_out = True
+                        kill_tree(proc)
+                        break
+            except KeyboardInterrupt:
+                kill_tree(proc)
+                raise Interrupted(f"stopped while running {cell.id}") from None
+        elapsed = time.monotonic() - t0
+        result = _read_result(cell_dir / "result.json")
+        if timed_out:
+            status, reason = "timeout", f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed"
+        else:
+            status, reason = classify(proc.returncode, result, log_path)
+        return make_record(cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir)
+
+
+def _read_result(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None

@@ -1,0 +1,289 @@
+"""stratbench compare / report: a real 3-cell sweep with one failing cell, resume, dry-run, re-render and merge;
+plus the runner's timeout / Ctrl-C / resume logic on fake cells (fast, no training)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import yaml
+
+from conftest import run_stratbench
+from stratbench.compare import runner as runner_mod
+from stratbench.compare.matrix import build_matrix, plan, select
+from stratbench.compare.report import render_sweeps
+from stratbench.compare.runner import (
+    FINISHED,
+    Interrupted,
+    SweepRunner,
+    classify,
+    last_error_line,
+    load_records,
+)
+from stratbench.errors import ConfigError
+
+BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 1, "max_steps": 3,
+        "batch_size": 32, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory) -> dict:
+    """single fp32 + single bf16-mixed + a cell whose weights file is garbage (fails at run time, in the cell)."""
+    root = tmp_path_factory.mktemp("compare")
+    bad = root / "bad_weights.pt"
+    bad.write_bytes(b"this is not a state dict")
+    matrix = {
+        "name": "three",
+        "base": BASE,
+        "cells": [
+            {"method": "single", "precision": ["fp32", "bf16-mixed"]},
+            {"method": "single", "precision": "fp32", "config": {"weights": str(bad)}, "label": "single-badweights"},
+        ],
+    }
+    mfile = root / "matrix.yaml"
+    mfile.write_text(yaml.safe_dump(matrix))
+    out = root / "sweep"
+    args = ("compare", "--matrix", str(mfile), "--output", str(out), "--timeout", "240")
+    first = run_stratbench(*args, timeout=600, check=False)
+    return {"root": root, "out": out, "args": args, "first": first, "matrix": mfile}
+
+
+def test_sweep_records_failed_cell_and_completes_others(sweep):
+    first, out = sweep["first"], sweep["out"]
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]  # one cell failed
+    recs = load_records(out)
+    assert len(recs) == 3
+    by_label = {(r["label"], r["precision"]): r for r in recs.values()}
+    for prec in ("fp32", "bf16-mixed"):
+        r = by_label[("single", prec)]
+        assert r["status"] == "ok", r["reason"]
+        assert r["metrics"]["steps"] == 3 and r["metrics"]["throughput_samples_per_s"] > 0
+        assert r["machine"]["hostname"] and "CPU" in r["machine"]["device"] or "x " in r["machine"]["device"]
+    badrec = by_label[("single-badweights", "fp32")]
+    assert badrec["status"] == "failed"
+    assert "not a readable PyTorch state dict" in badrec["reason"]
+    # The failure happened in the cell's own process and its log says so.
+    assert "not a readable" in Path(badrec["log"]).read_text()
+
+    md = (out / "report.md").read_text()
+    failed_rows = [ln for ln in md.splitlines() if ln.startswith("| single-badweights")]
+    assert len(failed_rows) == 1 and "failed: " in failed_rows[0] and "not a readable" in failed_rows[0]
+    assert " 0 |" not in failed_rows[0]  # nothing that was not measured shows as 0
+    ok_rows = [ln for ln in md.splitlines() if ln.startswith("| single |")]
+    assert len(ok_rows) == 2 and all(ln.rstrip().endswith("| ok |") for ln in ok_rows)
+    assert "1.00x (baseline)" in ok_rows[0]
+    if not torch.cuda.is_available():
+        assert "n/a²" in md or "n/a¹" in md  # GPU utilisation: n/a with a footnote
+        assert "no NVIDIA GPU" in md
+    with open(out / "report.csv") as fh:
+        rows = list(csv.DictReader(fh))
+    assert [r["status"] for r in rows] == ["ok", "ok", "failed"]
+    assert float(rows[0]["throughput_samples_per_s"]) > 0 and rows[2]["throughput_samples_per_s"] == ""
+    page = (out / "report.html").read_text()
+    assert "data:image/png;base64," in page and "single-badweights" in page
+    for name in ("memory", "throughput", "train_time", "accuracy"):
+        png = out / f"chart_{name}.png"
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_rerun_skips_finished_cells(sweep):
+    out = sweep["out"]
+    before = (out / "results.jsonl").read_text()
+    stamps = {p: p.stat().st_mtime_ns for p in (out / "cells").glob("*/result.json")}
+    t0 = time.monotonic()
+    again = run_stratbench(*sweep["args"], timeout=300, check=False)
+    assert again.returncode == 1  # the recorded failure still counts
+    assert again.stdout.count("done before") == 3, again.stdout[-3000:]
+    assert (out / "results.jsonl").read_text() == before
+    assert {p: p.stat().st_mtime_ns for p in (out / "cells").glob("*/result.json")} == stamps
+    assert time.monotonic() - t0 < 120
+
+
+def test_dry_run_lists_cells_and_reasons(tmp_path):
+    mfile = tmp_path / "m.yaml"
+    mfile.write_text(yaml.safe_dump({"base": BASE, "cells": [
+        {"method": ["single", "no-such-method"], "precision": ["fp32", "fp16-mixed"]},
+        {"method": "ddp", "precision": "fp32", "world_size": 2}]}))  # fmt: skip
+    out = tmp_path / "never"
+    proc = run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--dry-run", timeout=300)
+    text = proc.stdout
+    assert "5 cells" in text
+    assert "strategy no-such-method is not available in this install" in text
+    if not torch.cuda.is_available():
+        assert "fp16-mixed on CPU is ~100x slower" in text
+    assert not out.exists()  # a dry run writes nothing
+    proc = run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--dry-run",
+                          "--only", "single", "--skip", "fp16-mixed", timeout=300)  # fmt: skip
+    assert "1 cells" in proc.stdout and "single_fp32" in proc.stdout
+
+
+def test_report_rerender_and_merge(sweep, tmp_path):
+    out = sweep["out"]
+    (out / "report.md").unlink()
+    proc = run_stratbench("report", str(out), timeout=300)
+    assert (out / "report.md").exists() and "single-badweights" in proc.stdout
+    # A second "machine": the same records under another hostname.
+    other = tmp_path / "other"
+    shutil.copytree(out, other)
+    lines = []
+    for line in (other / "results.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        rec["machine"]["hostname"] = "other-host"
+        rec["environment"]["hostname"] = "other-host"
+        lines.append(json.dumps(rec))
+    (other / "results.jsonl").write_text("\n".join(lines) + "\n")
+    merged = tmp_path / "merged"
+    run_stratbench("report", str(out), str(other), "--output", str(merged), timeout=300)
+    md = (merged / "report.md").read_text()
+    assert md.splitlines()[0].startswith("# ")
+    header = next(ln for ln in md.splitlines() if ln.startswith("| machine"))
+    assert "method" in header
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| machine")]
+    assert len(rows) == 6
+    assert sum("other-host" in r for r in rows) == 3
+    # Each machine's rows are compared with that machine's own baseline.
+    assert sum("1.00x (baseline)" in r for r in rows) == 2
+    with pytest.raises(AssertionError, match="needs --output"):
+        run_stratbench("report", str(out), str(other), timeout=300)
+
+
+# ---- fast unit tests of the matrix and the runner (fake cells, no training) ------------------------------
+
+
+def test_matrix_expansion_ids_and_filters():
+    spec = {"base": BASE, "world_size": 2, "cells": [
+        {"method": "single", "precision": ["fp32", "bf16-mixed"]},
+        {"method": "deepspeed", "options": [{"zero_stage": 1}, {"zero_stage": 3}], "label": "deepspeed-z{zero_stage}"},
+        {"method": "ddp", "batch_size": [32, 64]}]}  # fmt: skip
+    m = build_matrix(spec)
+    assert [(c.name, c.precision, c.world_size, c.batch_size) for c in m.cells] == [
+        ("single", "fp32", 1, 32), ("single", "bf16-mixed", 1, 32), ("deepspeed-z1", "fp32", 2, 32),
+        ("deepspeed-z3", "fp32", 2, 32), ("ddp", "fp32", 2, 32), ("ddp", "fp32", 2, 64)]  # fmt: skip
+    assert len({c.id for c in m.cells}) == 6
+    assert [c.id for c in build_matrix(spec).cells] == [c.id for c in m.cells]  # stable across runs
+    changed = build_matrix(spec, overrides={"epochs": 2})
+    assert not {c.id for c in changed.cells} & {c.id for c in m.cells}  # a different run is a different cell
+    assert [c.name for c in select(m.cells, ["deepspeed*,single", "fp32"], ["w1"])] == ["deepspeed-z1", "deepspeed-z3"]
+    with pytest.raises(ConfigError, match="left no cells"):
+        select(m.cells, ["nothing"], None)
+    with pytest.raises(ConfigError, match="unknown option"):
+        build_matrix({"base": {"modle": "tinynet"}, "cells": [{"method": "single"}]})
+    with pytest.raises(ConfigError, match="set per cell"):
+        build_matrix({"base": {"precision": "fp32"}, "cells": [{"method": "single"}]})
+
+
+def test_plan_marks_unavailable_and_invalid_cells():
+    m = build_matrix({"base": BASE, "cells": [{"method": "not-installed"}, {"method": "single", "batch_size": 0},
+                                              {"method": "single"}]})  # fmt: skip
+    plans = plan(m)
+    assert plans[0].status == "skipped" and plans[0].reason == "strategy not-installed is not available in this install"
+    assert plans[1].status == "failed" and "batch_size" in plans[1].reason
+    assert plans[2].status is None
+
+
+def test_classify_from_result_and_log(tmp_path):
+    log = tmp_path / "train.log"
+    log.write_text("step 1\r step 2\nTraceback (most recent call last):\nRuntimeError: boom in layer 3\n"
+                   "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n")  # fmt: skip
+    assert last_error_line(log) == "RuntimeError: boom in layer 3"
+    assert classify(1, None, log) == ("failed", "RuntimeError: boom in layer 3")
+    assert classify(1, {"status": "oom", "reason": "out of memory: CUDA"}, log)[0] == "oom"
+    assert classify(1, {"status": "failed", "reason": "FloatingPointError: loss became nan at step 4"}, log)[0] == "nan"
+    assert classify(0, {"status": "ok", "metrics": {"final_loss": float("nan")}}, log)[0] == "nan"
+    assert classify(0, {"status": "ok", "metrics": {"final_loss": 0.5, "loss_curve": [1.0, 0.5]}}, log) == ("ok", "")
+    log.write_text("stratbench train: error: weights file not found: x.pt\n")
+    assert classify(2, None, log) == ("failed", "weights file not found: x.pt")
+    assert classify(3, None, log)[0] == "skipped"
+
+
+FAKE_CELL = textwrap.dedent(
+    """
+    import json, subprocess, sys, time, yaml
+    cfg = yaml.safe_load(open(sys.argv[1]))
+    mode = cfg["strategy_options"].get("mode", "ok")
+    if mode == "hang":  # a grandchild in its own session, like torchrun's workers
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+        print("grandchild", child.pid, flush=True)
+        time.sleep(120)
+    res = {"status": "ok", "config": cfg, "global_batch_size": 32, "per_device_batch_size": 32,
+           "metrics": {"train_time_s": 1.0, "throughput_samples_per_s": 100.0, "final_loss": 0.5,
+                       "loss_curve": [1.0, 0.5], "peak_memory_bytes": [1 << 20], "peak_memory_kind": "cpu_peak_rss"}}
+    open(cfg["output"] + "/result.json", "w").write(json.dumps(res))
+    """
+)
+
+
+@pytest.fixture()
+def fake_cells(monkeypatch, tmp_path):
+    script = tmp_path / "fake_cell.py"
+    script.write_text(FAKE_CELL)
+    monkeypatch.setattr(runner_mod, "cell_command", lambda cell, cfg: [sys.executable, str(script), str(cfg)])
+    # The fake cells carry a "mode" option that no real strategy has: build cells without planning them.
+    return build_matrix({"base": BASE, "cells": [
+        {"method": "single", "precision": "fp32", "options": {"mode": "ok"}},
+        {"method": "single", "precision": "bf16-mixed", "options": {"mode": "hang"}},
+        {"method": "single", "precision": "bf16-true", "options": {"mode": "ok"}}]})  # fmt: skip
+
+
+def _plans(matrix):
+    from stratbench.compare.matrix import Plan
+
+    return [Plan(c, None) for c in matrix.cells]
+
+
+def _grandchild(out: Path, cell_id: str) -> int:
+    for line in (out / "cells" / cell_id / "train.log").read_text().splitlines():
+        if line.startswith("grandchild"):
+            return int(line.split()[1])
+    raise AssertionError("the fake cell did not start its grandchild")
+
+
+def test_timeout_kills_whole_tree_and_sweep_goes_on(fake_cells, tmp_path):
+    out = tmp_path / "sweep"
+    records = SweepRunner(fake_cells, out, timeout_s=4).run(_plans(fake_cells))
+    statuses = [records[c.id]["status"] for c in fake_cells.cells]
+    assert statuses == ["ok", "timeout", "ok"]
+    assert "4 s limit" in records[fake_cells.cells[1].id]["reason"]
+    pid = _grandchild(out, fake_cells.cells[1].id)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert set(FINISHED) >= set(statuses)
+
+
+def test_ctrl_c_keeps_finished_cells_and_resume_runs_the_rest(fake_cells, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    hang = fake_cells.cells[1]
+    real_tick = runner_mod.Display.tick
+
+    def tick(self, line):  # "press Ctrl-C" once the hanging cell's grandchild is up
+        real_tick(self, line)
+        if self.cell.id == hang.id and "grandchild" in (out / "cells" / hang.id / "train.log").read_text():
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner_mod.Display, "tick", tick)
+    with pytest.raises(Interrupted):
+        SweepRunner(fake_cells, out, timeout_s=60).run(_plans(fake_cells))
+    recs = load_records(out)
+    assert list(recs) == [fake_cells.cells[0].id]  # the finished cell is kept, the interrupted one not recorded
+    pid = _grandchild(out, hang.id)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    # A partial sweep renders: the cells not reached are listed as such.
+    paths, records = render_sweeps([out], out)
+    md = paths["md"].read_text()
+    assert md.count("| not run: ") == 2
+    # Resume: the finished cell is not run again (its result stays), the others run.
+    monkeypatch.setattr(runner_mod.Display, "tick", real_tick)
+    first_result = out / "cells" / fake_cells.cells[0].id / "result.json"
+    stamp = first_result.stat().st_mtime_ns
+    records = SweepRunner(fake_cells, out, timeout_s=3).run(_plans(fake_cells))
+    assert [records[c.id]["status"] for c in fake_cells.cells] == ["ok", "timeout", "ok"]
+    assert first_result.stat().st_mtime_ns == stamp
+    assert os.path.getsize(out / "results.jsonl") > 0
