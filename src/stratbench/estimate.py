@@ -469,9 +469,13 @@ def rank_states(cfg: TrainConfig, world_size: int, rank: int, info: ModelInfo | 
         bit = 2 if half else pd
         part = -(-P // world) if m.stage >= 1 else P
         s.params = (-(-P // world) if m.stage == 3 else P) * bit
-        s.master = part * 4 if (m.stage >= 1 or half) else 0
+        # Stage 3 reuses the partition as the master when it is already fp32 on the device (stage3.py,
+        # _create_fp32_partitions); stages 1-2 always clone it.
+        same = m.stage == 3 and not half and not m.offload_optimizer
+        s.master = part * 4 if ((m.stage >= 1 or half) and not same) else 0
         s.optim = k * part * 4
-        s.grads = (P if m.stage <= 1 else part) * bit
+        # After backward, stages 1-3 hold the reduced gradients of their own partition only; stage 0 all of them.
+        s.grads = (P if m.stage == 0 else part) * bit
         s.step_scalars = 4 if adam else 0
         s.buckets = min(DS_REDUCE_BUCKET, P) * bit if m.stage >= 2 and world > 1 else 0
     if m.offload_params:
@@ -559,7 +563,9 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         gathered = P * 2
 
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
-    grad_fraction = on_device_grads / full_grad if m.kind != "deepspeed" else min(1.0, on_device_grads / full_grad)
+    grad_fraction = min(1.0, on_device_grads / full_grad)
+    if m.kind == "deepspeed" and m.stage <= 1:
+        grad_fraction = 1.0  # stage 0/1 keep every gradient until the reduction at the end of backward
     resident = s.params + s.optim + s.master + s.buckets
     fwd_bwd_traced = trace.peak(grad_fraction)
     peak_fwd_bwd = resident + gathered + fwd_bwd_traced
