@@ -59,7 +59,7 @@ def test_grad_accumulation_keeps_the_global_batch(tmp_path):
     one = train(tmp_path / "one", *common)
     acc = train(tmp_path / "acc", *common, "--grad-accum", "4")
     assert acc["micro_batch_size"] == 8 and acc["global_batch_size"] == 32
-    rel = max(abs(x - y) / y for x, y in zip(one["metrics"]["loss_curve"], acc["metrics"]["loss_curve"]))
+    rel = max(abs(x - y) / y for x, y in zip(one["metrics"]["loss_curve"], acc["metrics"]["loss_curve"], strict=True))
     assert rel < 1e-4, (one["metrics"]["loss_curve"], acc["metrics"]["loss_curve"])
 
 

@@ -22,11 +22,38 @@ from torch import nn
 
 from stratbench import checkpoint as ckpt
 from stratbench.config import TrainConfig, dump_yaml, validate
-from stratbench.data import build_data, check_data, default_image_size, split_batch, steps_per_epoch, train_loader
-from stratbench.dist import DistEnv, destroy_process_group, init_process_group, read_env, rng_state, seed_everything, set_rng_state
+from stratbench.data import (
+    build_data,
+    check_data,
+    split_batch,
+    steps_per_epoch,
+    train_loader,
+)
+from stratbench.dist import (
+    DistEnv,
+    destroy_process_group,
+    init_process_group,
+    read_env,
+    rng_state,
+    seed_everything,
+    set_rng_state,
+)
 from stratbench.errors import CheckpointError, ConfigError, StratbenchError, UnsupportedError
-from stratbench.metrics import MemoryPhase, StepTimer, UtilisationSampler, environment, flops_per_sample, peak_flops
-from stratbench.models import apply_activation_checkpointing, build_model, check_model, count_parameters, load_weights
+from stratbench.metrics import (
+    MemoryPhase,
+    StepTimer,
+    UtilisationSampler,
+    environment,
+    flops_per_sample,
+    peak_flops,
+)
+from stratbench.models import (
+    apply_activation_checkpointing,
+    build_model,
+    check_model,
+    count_parameters,
+    load_weights,
+)
 from stratbench.precision import SPECS, Precision, configure_tf32
 from stratbench.strategies.base import Strategy, get_strategy
 
@@ -131,7 +158,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
-        cfg, env, strategy = self.cfg, self.env, self.strategy
+        cfg, env = self.cfg, self.env
         t_start = time.perf_counter()
         self.result = self._result_header()
         if env.is_main:
@@ -401,7 +428,6 @@ class Trainer:
         }
         ranks = strategy.all_gather_object(local)
         mean_steps = [r["timer"]["step_time_mean_s"] for r in ranks if r["timer"]["step_time_mean_s"] is not None]
-        step_mean = local["timer"]["step_time_mean_s"]
         measured = local["timer"]["measured_steps"]
         train_time = sum(epoch_times)
         # Ranks step in lock-step; the slowest rank's step time is the method's step time.

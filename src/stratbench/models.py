@@ -141,12 +141,15 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
 
 def apply_activation_checkpointing(model: nn.Module) -> int:
     """Recompute each residual block's activations in the backward pass; returns the number of blocks."""
+    import functools
+
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
-        apply_activation_checkpointing as _apply,
         checkpoint_wrapper,
     )
-    import functools
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as _apply,
+    )
 
     types_ = residual_block_types(model)
     if not types_:
