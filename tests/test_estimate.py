@@ -166,7 +166,8 @@ def test_sharding_divides_states():
     biggest = max(sum(info.numels[i] for i in r) for r in zero_partition(info.numels, 4))
     assert rows["ddp-zero"]["optimizer states"] == 8 * biggest and biggest > P / 4
     assert abs(rows["fsdp"]["parameters"] - P) < 0.01 * P  # 4P/4
-    assert abs(rows["deepspeed"]["fp32 master weights"] - P) < 0.01 * P
+    # fp32 ZeRO-3 steps on its own fp32 partitions: no separate master copy (stage3.py), 16P/N in all.
+    assert rows["deepspeed"]["fp32 master weights"] == 0 and abs(rows["deepspeed"]["parameters"] - P) < 0.01 * P
 
 
 def test_predict_peak_and_max_batch():
