@@ -74,8 +74,11 @@ def load_sweep(path: str | Path) -> Sweep:
         raise ConfigError(f"{path} holds no sweep (no results.jsonl or sweep.json); run `stratbench compare --output {path}`")
     ordered: list[dict[str, Any]] = []
     machine = next(iter(records.values()))["machine"] if records else _this_machine()
+    latest = set(meta.get("latest") or [c["id"] for c in meta.get("cells", [])])
     for cell in meta.get("cells", []):
         rec = records.pop(cell["id"], None)
+        if rec is None and cell["id"] not in latest:
+            continue  # a cell of an earlier, different matrix in this folder that never ran
         if rec is None:
             rec = {**cell, "status": NOT_RUN, "reason": "the sweep stopped before this cell (rerun the same command to resume)",
                    "machine": machine, "metrics": {}, "config": {}, "environment": {}}  # fmt: skip
@@ -275,6 +278,11 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     raw["final_loss"] = m.get("final_loss")
     text["final_loss"] = _fmt(raw["final_loss"], ".4f")
     return Row(rec, raw, text)
+
+
+def _num(v: float) -> str:
+    """Three significant figures without scientific notation (chart labels)."""
+    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
 
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
@@ -491,9 +499,9 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         ("memory", "peak_memory", lambda x: x / 2**20, f"peak memory per device, MiB (largest rank; {mem_what})",
          "Peak memory per device (lower is better)", ".0f"),
         ("throughput", "throughput", lambda x: x, "throughput, samples/s (global batch / step time)",
-         "Training throughput (higher is better)", ".0f"),
+         "Training throughput (higher is better)", ""),
         ("train_time", "train_time", lambda x: x, "train time, seconds (evaluation and checkpoints excluded)",
-         "Time to train (lower is better)", ".1f"),
+         "Time to train (lower is better)", ""),
         ("accuracy", "val_accuracy", lambda x: x * 100, "validation accuracy, % (after the last epoch)",
          "Validation accuracy (higher is better)", ".1f"),
     ]  # fmt: skip
@@ -540,7 +548,7 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
     top = max(values) if values else 1.0
     ax.set_xlim(0, top * 1.18 if top > 0 else 1)
     for yi, v in zip(y, values, strict=True):
-        ax.text(v + top * 0.01, yi, format(v, spec), va="center", fontsize=8.5)
+        ax.text(v + top * 0.01, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))

@@ -344,17 +344,25 @@ class SweepRunner:
 
     def write_sweep_meta(self, plans: list[Plan]) -> None:
         """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
+        cells = [
+            {"id": p.cell.id, "method": p.cell.method, "label": p.cell.name, "precision": p.cell.precision,
+             "world_size": p.cell.world_size, "batch_size": p.cell.batch_size}  # fmt: skip
+            for p in plans
+        ]
+        # A filtered rerun (--only ddp) into the same folder keeps the earlier cells' place in the report.
+        previous = _read_result(self.out / SWEEP) or {}
+        ids = {c["id"] for c in cells}
+        merged = [c for c in previous.get("cells", []) if c.get("id") not in ids]
+        order = {c["id"]: i for i, c in enumerate(previous.get("cells", []))}
+        merged = sorted([*merged, *cells], key=lambda c: order.get(c["id"], len(order)))
         meta = {
             "name": self.matrix.name,
             "description": self.matrix.description,
             "base": self.matrix.base,
             "command": self.command,
             "timeout_s": self.timeout_s,
-            "cells": [
-                {"id": p.cell.id, "method": p.cell.method, "label": p.cell.name, "precision": p.cell.precision,
-                 "world_size": p.cell.world_size, "batch_size": p.cell.batch_size}  # fmt: skip
-                for p in plans
-            ],
+            "cells": merged,
+            "latest": [c["id"] for c in cells],
             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         tmp = self.out / (SWEEP + ".tmp")
@@ -368,6 +376,13 @@ class SweepRunner:
         records = load_records(self.out)
         env = local_environment(1)
         display = Display(len(plans), self.console)
+        # SIGTERM (a job scheduler, `kill`) stops the sweep like Ctrl-C: the running cell's tree is killed
+        # rather than orphaned (cells run in their own sessions, so they would not get the signal).
+        import threading
+
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
         try:
             for n, p in enumerate(plans, 1):
                 old = records.get(p.cell.id)
@@ -393,6 +408,8 @@ class SweepRunner:
             raise Interrupted("stopped between cells") from None
         finally:
             display.close()
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
         return records
 
     def run_cell(self, cell: Cell, display: Display) -> dict[str, Any]:
@@ -432,6 +449,10 @@ class SweepRunner:
         else:
             status, reason = classify(proc.returncode, result, log_path)
         return make_record(cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir)
+
+
+def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
 
 
 def _read_result(path: Path) -> dict[str, Any] | None:
