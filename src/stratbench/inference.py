@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -96,7 +97,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
-    state = ckpt.load_any(path)
+    # Some layout readers print progress (DeepSpeed's zero_to_fp32); stdout belongs to the command's output.
+    with contextlib.redirect_stdout(sys.stderr):
+        state = ckpt.load_any(path)
     meta = check_meta(state.get("meta"), path)
     weights = state.get("model")
     if not isinstance(weights, dict) or not weights:

@@ -1,0 +1,226 @@
+"""After training: predict / evaluate / export / bench-infer from sharded (fsdp, deepspeed) checkpoints.
+
+The sharded checkpoints come from real 2-process gloo runs; the same checkpoint consolidated to one file
+(`stratbench consolidate`) and loaded on one device must give the same predictions and accuracy, the ONNX
+export must match PyTorch, and onnxruntime `evaluate` must equal PyTorch `evaluate`.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import run_stratbench, train
+from stratbench.cli import main
+from stratbench.strategies.base import all_strategies
+
+# A few steps are enough: the point is that every path gives the same numbers, not a good model.
+FEW = [
+    "--model", "tinynet", "--width", "8", "--data", "digits", "--batch-size", "32", "--epochs", "1",
+    "--max-steps", "12", "--lr", "0.05", "--progress", "false", "--measure-flops", "false",
+    "--timing-warmup-steps", "1",
+]  # fmt: skip
+SHARDED = {"fsdp": ["--checkpoint-format", "sharded"], "deepspeed": ["--zero-stage", "3"]}
+
+
+def _need(strategy: str) -> None:
+    if strategy not in all_strategies():
+        pytest.skip(f"strategy {strategy!r} is not registered yet (its module is missing)")
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    """Run the CLI in this process; return (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = main([str(a) for a in args])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory) -> Path:
+    """Eight real digits as 8x8 grayscale PNGs (the model resizes them as it was trained)."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    folder = tmp_path_factory.mktemp("digits_png")
+    digits = load_digits()
+    for i in range(8):
+        Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L").save(folder / f"{i}_label{digits.target[i]}.png")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory) -> dict[str, dict]:
+    """strategy -> {"folder": sharded checkpoint, "file": consolidated file, "result": result.json} (lazily)."""
+    return {"_root": tmp_path_factory.mktemp("sharded")}
+
+
+def sharded_run(runs: dict, strategy: str) -> dict:
+    _need(strategy)
+    if strategy not in runs:
+        out = runs["_root"] / strategy
+        result = train(out, "--strategy", strategy, *SHARDED[strategy], *FEW, nproc=2, timeout=400)
+        folder = out / "checkpoints" / "last"
+        assert folder.is_dir(), f"{strategy} wrote {folder} as a file, not a sharded folder"
+        file = out / "consolidated.pt"
+        run_stratbench("consolidate", str(folder), str(file), timeout=200)
+        runs[strategy] = {"folder": folder, "file": file, "result": result}
+    return runs[strategy]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
+def test_sharded_checkpoint_predicts_like_consolidated_single(strategy, sharded_runs, images, capsys):
+    run = sharded_run(sharded_runs, strategy)
+    from stratbench.inference import load_model
+
+    sharded, single = load_model(run["folder"]), load_model(run["file"])
+    assert sharded.layout != "full" and single.layout == "full"
+    for key, value in single.model.state_dict().items():
+        torch.testing.assert_close(sharded.model.state_dict()[key], value, rtol=0, atol=0, msg=key)
+
+    preds = {}
+    for name, ckpt in (("sharded", run["folder"]), ("single", run["file"])):
+        rc, out, err = cli(capsys, "predict", "--checkpoint", ckpt, images, "--top-k", "3", "--json")
+        assert rc == 0, err
+        preds[name] = json.loads(out)["predictions"]
+    assert len(preds["sharded"]) == 8
+    assert [[t["class"] for t in p["top"]] for p in preds["sharded"]] == [[t["class"] for t in p["top"]] for p in preds["single"]]
+    for a, b in zip(preds["sharded"], preds["single"], strict=True):
+        assert [t["probability"] for t in a["top"]] == pytest.approx([t["probability"] for t in b["top"]], abs=1e-6)
+
+    evals = {}
+    for name, ckpt in (("sharded", run["folder"]), ("single", run["file"])):
+        rc, out, err = cli(capsys, "evaluate", "--checkpoint", ckpt, "--json")
+        assert rc == 0, err
+        evals[name] = json.loads(out)
+    assert evals["sharded"]["val_accuracy"] == evals["single"]["val_accuracy"]
+    assert evals["sharded"]["val_loss"] == pytest.approx(evals["single"]["val_loss"], rel=1e-6)
+    # ... and both equal what the 2-process run measured on its sharded model at the end of training.
+    metrics = run["result"]["metrics"]
+    assert evals["single"]["val_samples"] == metrics["evaluations"][-1]["val_samples"]
+    assert evals["single"]["val_accuracy"] == pytest.approx(metrics["val_accuracy"], abs=1e-9)
+    assert evals["single"]["val_loss"] == pytest.approx(metrics["val_loss"], rel=1e-4)
+
+
+@pytest.mark.distributed
+def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(sharded_runs, images, tmp_path, capsys):
+    run = sharded_run(sharded_runs, "fsdp")
+    onnx_file = tmp_path / "model.onnx"
+    rc, out, err = cli(capsys, "export", "--checkpoint", run["folder"], "--output", onnx_file, "--images", images)
+    assert rc == 0, err
+    assert "onnx.checker: ok" in out and "max abs diff" in out
+    assert onnx_file.is_file() and not list(tmp_path.glob("*.data"))  # one self-contained file
+
+    from stratbench.inference import load_model, load_image
+    from stratbench.onnx_export import OrtModel, parity, random_inputs, read_metadata
+
+    loaded = load_model(run["folder"])
+    assert read_metadata(onnx_file)["class_names"] == loaded.class_names
+    session = OrtModel(onnx_file)
+    real = torch.stack([load_image(p, loaded.meta) for p in sorted(images.glob("*.png"))])
+    rows = parity(loaded.model, session, [*random_inputs(32, (1, 5, 33)), ("digits", real)])
+    assert {r.shape[0] for r in rows} == {1, 5, 33, 8}  # the batch axis is dynamic
+    for r in rows:
+        assert r.max_abs_diff <= 1e-4, r
+        assert r.same_argmax == 1.0, r
+
+    results = {}
+    for backend in ("torch", "onnxruntime"):
+        extra = ["--onnx", onnx_file] if backend == "onnxruntime" else []
+        rc, out, err = cli(capsys, "evaluate", "--checkpoint", run["folder"], "--backend", backend, *extra, "--json", "--batch-size", "100")
+        assert rc == 0, err
+        results[backend] = json.loads(out)
+    assert results["onnxruntime"]["val_samples"] == results["torch"]["val_samples"] == 359
+    assert results["onnxruntime"]["val_accuracy"] == results["torch"]["val_accuracy"]
+    assert results["onnxruntime"]["val_loss"] == pytest.approx(results["torch"]["val_loss"], abs=1e-5)
+
+    # predict through onnxruntime from the exported file alone (meta stored in it) gives the torch answers
+    rc, out_ort, err = cli(capsys, "predict", "--backend", "onnxruntime", "--onnx", onnx_file, images, "--json")
+    assert rc == 0, err
+    rc, out_pt, err = cli(capsys, "predict", "--checkpoint", run["file"], images, "--json")
+    assert rc == 0, err
+    top = lambda doc: [p["top"][0]["class"] for p in json.loads(doc)["predictions"]]  # noqa: E731
+    assert top(out_ort) == top(out_pt)
+
+
+@pytest.mark.distributed
+def test_bad_input_one_clear_line_each(sharded_runs, images, tmp_path, capsys):
+    run = sharded_run(sharded_runs, "fsdp")
+    good = run["file"]
+
+    rc, out, err = cli(capsys, "predict", "--checkpoint", tmp_path / "nope.pt", images)
+    assert rc != 0 and out == ""
+    assert err.strip().splitlines() == [f"stratbench predict: error: checkpoint not found: {tmp_path / 'nope.pt'}"]
+
+    corrupt = tmp_path / "corrupt.pt"
+    corrupt.write_bytes(good.read_bytes()[:2000])
+    rc, out, err = cli(capsys, "evaluate", "--checkpoint", corrupt)
+    assert rc != 0 and len(err.strip().splitlines()) == 1
+    assert "corrupt" in err and str(corrupt) in err
+
+    mixed = tmp_path / "mixed"
+    mixed.mkdir()
+    for p in sorted(images.glob("*.png"))[:3]:
+        (mixed / p.name).write_bytes(p.read_bytes())
+    (mixed / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 this is not a jpeg")
+    rc, out, err = cli(capsys, "predict", "--checkpoint", good, mixed, "--json")
+    assert rc != 0
+    doc = json.loads(out)
+    assert len(doc["predictions"]) == 3  # the good images of the batch still get predictions
+    assert [e["path"] for e in doc["errors"]] == [str(mixed / "broken.jpg")]
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "broken.jpg: cannot decode image" in errors[0]
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("no images here")
+    rc, out, err = cli(capsys, "predict", "--checkpoint", good, empty)
+    assert rc != 0 and out == ""
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert len(errors) == 1 and f"{empty}: directory holds no images" in errors[0]
+
+    not_ckpt = tmp_path / "some_folder"
+    not_ckpt.mkdir()
+    rc, out, err = cli(capsys, "export", "--checkpoint", not_ckpt, "--output", tmp_path / "x.onnx")
+    assert rc != 0 and len(err.strip().splitlines()) == 1 and "not a stratbench checkpoint" in err
+
+
+@pytest.mark.distributed
+def test_bench_infer_table_and_csv(sharded_runs, tmp_path, capsys):
+    run = sharded_run(sharded_runs, "fsdp")
+    out_csv = tmp_path / "bench.csv"
+    rc, out, err = cli(
+        capsys, "bench-infer", "--checkpoint", run["folder"], "--batch-sizes", "1,4",
+        "--backends", "eager-fp32,eager-fp16,onnxruntime-cpu", "--warmup", "1", "--iters", "4", "--min-iters", "2",
+        "--output", out_csv,
+    )  # fmt: skip
+    assert rc == 0, err
+    rows = list(csv.DictReader(out_csv.open()))
+    ok = [r for r in rows if r["status"] == "ok"]
+    assert {(r["backend"], r["batch_size"]) for r in ok} >= {("eager-fp32", "1"), ("eager-fp32", "4"), ("onnxruntime-cpu", "1"), ("onnxruntime-cpu", "4")}
+    for r in ok:
+        p50, p95, p99 = float(r["p50_ms"]), float(r["p95_ms"]), float(r["p99_ms"])
+        assert 0 < p50 <= p95 <= p99
+        assert 2 <= int(r["iterations"]) <= 4
+        # throughput is samples over the timed seconds = batch / mean latency
+        expected = int(r["batch_size"]) / (float(r["mean_ms"]) / 1e3)
+        assert float(r["throughput_samples_per_s"]) == pytest.approx(expected, rel=1e-3)
+    fp16 = [r for r in rows if r["backend"] == "eager-fp16"]
+    if not torch.cuda.is_available() and not torch.ops.mkldnn._is_mkldnn_fp16_supported():
+        assert fp16 and fp16[0]["status"] == "skipped" and "fp16" in fp16[0]["reason"]
+    assert "p99 ms" in out
+
+
+def test_percentile_nearest_rank():
+    from stratbench.inference import percentile
+
+    values = [float(v) for v in range(1, 101)]
+    assert percentile(values, 50) == 50 and percentile(values, 95) == 95 and percentile(values, 99) == 99
+    assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # with few samples p99 is the slowest one
+    assert percentile([5.0], 50) == 5.0
