@@ -253,7 +253,6 @@ class Display:
         if self.live:
             from rich.progress import (
                 BarColumn,
-                MofNCompleteColumn,
                 Progress,
                 SpinnerColumn,
                 TextColumn,
@@ -264,14 +263,14 @@ class Display:
                 SpinnerColumn(),
                 TextColumn("{task.description}"),
                 BarColumn(bar_width=24),
-                MofNCompleteColumn(),
+                TextColumn("{task.fields[count]}"),
                 TimeElapsedColumn(),
                 TextColumn("{task.fields[info]}"),
                 console=console,
                 transient=False,
             )
-            self.overall = self.progress.add_task("cells", total=total, info="")
-            self.current = self.progress.add_task("", total=None, info="")
+            self.overall = self.progress.add_task("cells", total=total, info="", count=f"0/{total}")
+            self.current = self.progress.add_task("", total=None, info="", count="")
             self.progress.start()
 
     def eta(self, running_for: float = 0.0) -> str:
@@ -285,7 +284,7 @@ class Display:
         self.cell_t0 = time.monotonic()
         text = f"[{n}/{self.total}] {cell.name} {cell.precision} x{cell.world_size}"
         if self.progress is not None:
-            self.progress.update(self.current, description=text, info="starting")
+            self.progress.reset(self.current, description=text, info="starting", count="")  # elapsed restarts per cell
             self.progress.update(self.overall, info=self.eta())
         else:
             self.console.print(f"{text} ... (log: {cell.id}/train.log)", highlight=False, soft_wrap=True)
@@ -294,7 +293,7 @@ class Display:
         if self.progress is None:
             return
         running = time.monotonic() - self.cell_t0
-        self.progress.update(self.current, info=f"{_fmt_duration(running)}  {last_line[-90:]}")
+        self.progress.update(self.current, info=last_line[-90:])
         self.progress.update(self.overall, info=self.eta(running))
 
     def finish(self, cell: Cell, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
@@ -307,13 +306,13 @@ class Display:
         line = f"  [{colour}]{status}[/{colour}] {cell.name} {cell.precision} x{cell.world_size}{when}{why}"
         self.console.print(line, highlight=False, soft_wrap=True)
         if self.progress is not None:
-            self.progress.update(self.overall, advance=1, info=self.eta())
+            self.progress.update(self.overall, advance=1, info=self.eta(), count=f"{self.done}/{self.total}")
 
     def skip_only(self) -> None:
         """A cell that was already recorded counts as done without a duration."""
         self.done += 1
         if self.progress is not None:
-            self.progress.update(self.overall, advance=1)
+            self.progress.update(self.overall, advance=1, count=f"{self.done}/{self.total}")
 
     def close(self) -> None:
         if self.progress is not None:
