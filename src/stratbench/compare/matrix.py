@@ -319,7 +319,7 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
     from stratbench import engine
     from stratbench.config import TrainConfig, from_dict
     from stratbench.dist import resolve_device
-    from stratbench.precision import SPECS, slow_on
+    from stratbench.precision import SPECS, configure_tf32, slow_on
     from stratbench.strategies.base import all_strategies
 
     cls = all_strategies().get(cell.method)
@@ -342,10 +342,13 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
         if device.type == "cuda" and cls.needs_process_group and cell.world_size > gpus:
             return Plan(cell, "skipped", f"needs {cell.world_size} GPUs (one per process); this machine has {gpus}")
         engine.preflight(cfg, world_size=cell.world_size)
+        configure_tf32(cfg.tf32, device)  # --tf32 needs an Ampere GPU; only flips flags in this idle process
     except UnsupportedError as exc:
         return Plan(cell, "skipped", str(exc))
-    except StratbenchError as exc:
+    except ConfigError as exc:
         return Plan(cell, "failed", f"invalid cell configuration: {exc}")
+    except StratbenchError as exc:  # missing data set, unreadable weights file, ...
+        return Plan(cell, "failed", str(exc))
     return Plan(cell, None)
 
 
