@@ -2,20 +2,27 @@
 and updates the optimizer state of only its share of the parameters, then broadcasts the updated
 parameters. ZeRO shards by whole parameters, so the shares are only roughly equal.
 
-Checkpoints hold the full optimizer state keyed by parameter names (the layout every other method writes),
-consolidated on rank 0 with ``consolidate_state_dict``; loading hands each rank its own share.
+Checkpoints (``--checkpoint-format``): ``full`` (default) is one file holding the full optimizer state keyed by
+parameter names (the layout every other method writes), consolidated on rank 0 with ``consolidate_state_dict``;
+``sharded`` is a ``torch.distributed.checkpoint`` folder (``stratbench.sharded``) where each rank writes the
+optimizer state of its own parameters, with no consolidation. Either loads into any method; loading hands each
+rank its own share.
 """
 
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from stratbench.strategies.base import OptimizerFactory, register
-from stratbench.strategies.ddp import DDPStrategy
+from stratbench.strategies.ddp import DDPOptions, DDPStrategy
+
+CHECKPOINT_FORMATS = ("full", "sharded")
 
 # Wrapper prefixes that never appear in a portable parameter name (activation checkpointing, compile, DDP).
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.")
@@ -27,11 +34,27 @@ def _clean_name(name: str) -> str:
     return name
 
 
+@dataclass(kw_only=True)
+class ZeroOptions(DDPOptions):
+    """Options of DDP + ZeroRedundancyOptimizer."""
+
+    checkpoint_format: str = "full"
+    """full (one file, optimizer state consolidated on rank 0) or sharded (a torch.distributed.checkpoint folder, each rank writes its shard)."""
+
+
 @register
 class DDPZeroStrategy(DDPStrategy):
     name = "ddp-zero"
     description = "DDP + ZeroRedundancyOptimizer: optimizer state sharded over ranks (ZeRO-1)"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA)"
+    Options = ZeroOptions
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        options = cls.parse_options(cfg.strategy_options)
+        if options.checkpoint_format not in CHECKPOINT_FORMATS:
+            return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
+        return super().check_supported(cfg, device, world_size)
 
     def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Wrap in DDP as ``ddp`` does, then shard the optimizer the engine asked for over the ranks."""
@@ -94,14 +117,43 @@ class DDPZeroStrategy(DDPStrategy):
         }
         optimizer.load_state_dict(indexed)
 
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+        """Full file (consolidated on rank 0) or sharded folder (each rank writes its own optimizer shard)."""
+        from stratbench import sharded
+
+        path = Path(path)
+        if self.options.checkpoint_format == "full":
+            if self.env.is_main and path.is_dir():  # an earlier sharded save left a folder: a file cannot replace it
+                sharded._remove(path)
+            return super().save_checkpoint(path, model, optimizer, extra)
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        # Replicated model tensors are written once (DCP de-duplicates equal keys); optimizer keys are disjoint.
+        state = {"model": get_model_state_dict(model), "optimizer": self._local_optimizer_state(model, optimizer)}
+        return sharded.save_sharded(path, None, None, extra, is_main=self.env.is_main, state=state)
+
+    def _local_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, keyed by parameter names, plus the (replicated) groups."""
+        names = {id(p): _clean_name(n) for n, p in self.unwrap(model).named_parameters()}
+        groups = [
+            {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
+            for g in optimizer.param_groups
+        ]
+        return {"state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()}, "param_groups": groups}
+
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Parameters and gradients are replicated; optimizer state is counted from this rank's local shard."""
-        counts = super().state_bytes(model, optimizer)
-        # ZeroRedundancyOptimizer.state (the exposed one) is not the live state: the local optimizer's is.
-        local = optimizer.optim.state
+        from stratbench.strategies.base import _local_bytes
+
+        # Not super().state_bytes: ZeroRedundancyOptimizer.state (the exposed one) is not the live state (after
+        # a load it even holds None for other ranks' parameters); the local optimizer's state is.
+        counts = {
+            "param_bytes": sum(_local_bytes(p) for p in model.parameters()),
+            "grad_bytes": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+        }
         counts["optimizer_state_bytes"] = sum(
-            v.numel() * v.element_size()
-            for s in local.values()
+            _local_bytes(v)
+            for s in optimizer.optim.state.values()
             if isinstance(s, dict)
             for v in s.values()
             if isinstance(v, torch.Tensor)

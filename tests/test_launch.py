@@ -1,0 +1,163 @@
+"""Launching on loopback: stratbench's own torchrun launcher, the same command under a user's torchrun, two
+"nodes" on one machine, and torchrun's elastic behaviour (a killed worker fails the run fast; with
+--max-restarts the group restarts and resumes from the last checkpoint)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, TINY, stratbench_cmd
+
+from stratbench.config import TrainConfig
+from stratbench.dist import free_port
+from stratbench.launch import torchrun_command
+
+SHORT = [*TINY, "--max-steps", "5", "--strategy", "ddp"]
+# Long enough that the kill lands mid-run (first checkpoint after 2 of 60 steps), short enough to finish.
+LONG = [*TINY, "--strategy", "ddp", "--epochs", "3", "--max-steps", "60", "--save-every-steps", "2", "--save-every-epoch", "false"]
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+
+
+def _result(output: Path) -> dict:
+    return json.loads((output / "result.json").read_text())
+
+
+def _check(proc: subprocess.CompletedProcess | subprocess.Popen, out: str, err: str) -> None:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+
+
+def test_torchrun_command_flags():
+    """Multi-node flags pass through to torchrun: static master address/port, or a c10d rendezvous endpoint."""
+    cfg = TrainConfig(nproc=4, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400, max_restarts=2)
+    cmd = torchrun_command(cfg, Path("c.yaml"))
+    for flag in ("--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400", "--max-restarts=2"):
+        assert flag in cmd
+    assert cmd[-5:] == ["-m", "stratbench", "train", "--config", "c.yaml"]
+    cmd = torchrun_command(cfg.replace(rdzv_endpoint="head:29400"), Path("c.yaml"))
+    assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
+    assert not any(a.startswith(("--master-addr", "--node-rank")) for a in cmd)
+
+
+@pytest.mark.distributed
+def test_under_users_torchrun(tmp_path):
+    """`torchrun --nproc-per-node 2 -m stratbench train ...`: each process is one rank, nothing re-launched."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--master-addr=127.0.0.1",
+           f"--master-port={free_port()}", "-m", "stratbench", "train", "--output", str(tmp_path), *SHORT]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=_env(), cwd=REPO)
+    _check(proc, proc.stdout, proc.stderr)
+    res = _result(tmp_path)
+    assert res["status"] == "ok" and res["world_size"] == 2 and res["metrics"]["steps"] == 5
+    assert not list(tmp_path.glob("launch_config.*.yaml"))  # stratbench did not start a torchrun of its own
+
+
+@pytest.mark.distributed
+def test_two_nodes_on_loopback(tmp_path):
+    """Two `stratbench train --nnodes 2 --nproc 1 --node-rank i` commands, as two machines would run them."""
+    port = str(free_port())
+    procs = [
+        subprocess.Popen(
+            stratbench_cmd("train", "--output", str(tmp_path), *SHORT, "--nnodes", "2", "--nproc", "1",
+                           "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port),  # fmt: skip
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+        )
+        for rank in (0, 1)
+    ]
+    try:
+        outputs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        _check(p, out, err)
+    res = _result(tmp_path)
+    assert res["status"] == "ok" and res["world_size"] == 2
+    assert "val accuracy" in outputs[0][0]  # node 0 prints the result table
+    assert "val accuracy" not in outputs[1][0]  # node 1 has no result of its own to print
+
+
+def _worker_pids(output: Path) -> dict[int, int]:
+    """rank -> pid of the workers torchrun started for the run writing to ``output`` (read from /proc)."""
+    marker = str(output / "launch_config.node0.yaml")
+    found: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+            if marker.encode() not in args or b"torch.distributed.run" in args:
+                continue
+            environ = dict(
+                kv.split(b"=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in kv
+            )
+        except OSError:  # the process ended while we looked
+            continue
+        if b"RANK" in environ:
+            found[int(environ[b"RANK"])] = int(entry)
+    return found
+
+
+def _start_and_kill_rank1(output: Path, *extra: str) -> tuple[subprocess.Popen, float]:
+    """Start LONG on 2 ranks, wait for its first checkpoint, SIGKILL rank 1; return the launcher and kill time."""
+    proc = subprocess.Popen(
+        stratbench_cmd("train", "--output", str(output), "--nproc", "2", *LONG, *extra),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+    )  # fmt: skip
+    deadline = time.monotonic() + 240
+    ckpt = output / "checkpoints" / "last"
+    while not ckpt.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            out, err = proc.communicate(timeout=60) if proc.poll() is None else proc.communicate()
+            proc.kill()
+            pytest.fail(f"the run made no checkpoint (exit {proc.returncode})\n{err[-4000:]}")
+        time.sleep(0.05)
+    pids = _worker_pids(output)
+    assert sorted(pids) == [0, 1], pids
+    os.kill(pids[1], signal.SIGKILL)
+    return proc, time.monotonic()
+
+
+@pytest.mark.distributed
+def test_killed_worker_fails_fast(tmp_path):
+    """No restarts: torchrun stops the surviving rank at once (it would otherwise wait in a collective for
+    --dist-timeout-s, 300 s) and stratbench reports one clear line."""
+    proc, t_kill = _start_and_kill_rank1(tmp_path)
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    elapsed = time.monotonic() - t_kill
+    assert proc.returncode != 0
+    assert elapsed < 60, f"the run took {elapsed:.0f} s to fail after a worker was killed"
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("stratbench train: error: training failed") and "killed" in last, last
+    assert "SIGKILL" in err  # torchrun's summary names the signal and the rank
+    assert not (tmp_path / "result.json").exists() or _result(tmp_path)["status"] != "ok"
+
+
+@pytest.mark.distributed
+def test_max_restarts_resumes_from_last_checkpoint(tmp_path):
+    proc, _ = _start_and_kill_rank1(tmp_path, "--max-restarts", "1")
+    try:
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _check(proc, out, err)
+    res = _result(tmp_path)
+    assert res["status"] == "ok" and res["world_size"] == 2
+    resumed = res["resumed_from"]["step"]
+    assert 2 <= resumed < 60 and resumed % 2 == 0
+    assert res["metrics"]["steps"] == 60 - resumed  # the restarted group ran only the remaining steps
+    assert res["config"]["resume"] is True
