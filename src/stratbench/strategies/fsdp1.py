@@ -1,0 +1,162 @@
+"""``fsdp1``: the legacy ``FullyShardedDataParallel`` wrapper as the source used it: an auto-wrap policy on
+Linear and Conv2d modules (``ModuleWrapPolicy``), flat parameters, a ``ShardingStrategy``. Kept next to FSDP2
+(``fsdp``) so that the two generations can be compared in one table.
+
+On CPU: FSDP1 needs ``device_id=torch.device("cpu")``; ``CPUOffload`` fails there (it moves parameters between
+a GPU and the host), so it is refused with a clear line. HYBRID_SHARD shards within a node and replicates
+across nodes on a 2-D ``(nodes, ranks per node)`` device mesh built here (FSDP1 would otherwise derive its
+groups from the CUDA device count).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stratbench import sharded
+from stratbench.strategies.base import OptimizerFactory, Strategy, register
+from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, _choice, policy_precision, save_full_replacing
+
+SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+
+
+@dataclasses.dataclass(kw_only=True)
+class FSDP1Options:
+    """Options of the fsdp1 (legacy FullyShardedDataParallel) strategy."""
+
+    sharding_strategy: str = "FULL_SHARD"
+    """fsdp1: FULL_SHARD (ZeRO-3), SHARD_GRAD_OP (ZeRO-2), NO_SHARD (DDP-like) or HYBRID_SHARD (shard within a node, replicate across nodes)."""
+    use_orig_params: bool = False
+    """fsdp1: expose the original parameters (views into the flat shards) to the optimizer instead of the flat parameters."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in CPU memory (fsdp: CPUOffloadPolicy; fsdp1: CPUOffload, needs CUDA)."""
+    checkpoint_format: str = "sharded"
+    """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
+
+    def __post_init__(self) -> None:
+        self.sharding_strategy = str(self.sharding_strategy).upper().replace("-", "_")
+        _choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
+        _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+
+
+@register
+class FSDP1Strategy(Strategy):
+    name = "fsdp1"
+    description = "legacy FullyShardedDataParallel (flat parameters, Linear/Conv2d auto-wrap); --sharding-strategy"
+    requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device; --cpu-offload needs CUDA"
+    launcher = "torchrun"
+    needs_process_group = True
+    owns_precision = True
+    Options = FSDP1Options
+
+    def __init__(self, cfg, env, precision, options) -> None:
+        super().__init__(cfg, env, policy_precision(precision), options)
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        opts = cls.parse_options(cfg.strategy_options)
+        if device.type not in ("cpu", "cuda"):
+            return f"fsdp1 runs on cpu or cuda devices, not {device.type}"
+        if opts.cpu_offload and device.type != "cuda":
+            return "fsdp1 --cpu-offload needs a CUDA device (FSDP1's CPUOffload fails on CPU); fsdp --cpu-offload works on CPU"
+        if opts.sharding_strategy == "HYBRID_SHARD" and world_size % cfg.nnodes:
+            return f"fsdp1 HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the node count ({cfg.nnodes})"
+        return None
+
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        opts, spec, device = self.options, self.precision.spec, self.env.device
+        model = self.precision.convert_module(model)  # pure half precisions: the flat parameters are half
+        if self.cfg.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+        # A device mesh (not a process group) also makes FSDP1's sharded state dicts DTensors rather than the
+        # deprecated ShardedTensor.
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if opts.sharding_strategy == "HYBRID_SHARD":
+            nodes = self.cfg.nnodes
+            mesh = init_device_mesh(device.type, (nodes, self.env.world_size // nodes), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh(device.type, (self.env.world_size,), mesh_dim_names=("shard",))
+        mixed = None
+        if spec.autocast:  # fp32 flat parameters, gathered in the compute dtype, gradients reduced in fp32
+            mixed = MixedPrecision(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
+        self.model = FSDP(
+            model,
+            # FSDP1 on CPU has no current device to pick: it must be named (device_id=None fails).
+            device_id=device if device.type == "cpu" else device.index,
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear, nn.Conv2d}),
+            sharding_strategy=ShardingStrategy[opts.sharding_strategy],
+            mixed_precision=mixed,  # leaves BatchNorm in fp32 by itself (_module_classes_to_ignore)
+            cpu_offload=CPUOffload(offload_params=True) if opts.cpu_offload else None,
+            use_orig_params=opts.use_orig_params,
+            device_mesh=mesh,
+        )
+        self.optimizer = make_optimizer(self.model.parameters())
+        return self.model, self.optimizer
+
+    def forward_loss(self, model, x, y, loss_fn):
+        # No autocast: MixedPrecision casts the gathered flat parameters and the root's floating inputs.
+        logits = model(self.precision.convert_input(x))
+        return loss_fn(logits.float(), y), logits
+
+    def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
+        # Skip the gradient reduction on all but the last micro-step where whole gradients are kept anyway;
+        # FULL_SHARD/HYBRID_SHARD reduce every micro-step so that only gradient shards are held.
+        if is_last_micro_step or self.options.sharding_strategy not in ("SHARD_GRAD_OP", "NO_SHARD"):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        # The flat gradient shards' norm must be reduced over the ranks: FSDP1's own method does it.
+        return self.model.clip_grad_norm_(max_norm)
+
+    # ---- state --------------------------------------------------------------------------------
+    def _full_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # offload_to_cpu=True full state dicts fail on CPU with FSDP1; there the gathered state already is on CPU.
+        return StateDictOptions(full_state_dict=True, cpu_offload=self.env.device.type == "cuda")
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        with _quiet():
+            return get_model_state_dict(model, options=self._full_options())
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with _quiet():
+            return get_optimizer_state_dict(model, optimizer, options=self._full_options())
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+        if self.options.checkpoint_format == "full":
+            return save_full_replacing(self, path, model, optimizer, extra)
+        with _quiet():
+            return sharded.save_sharded(path, model, optimizer, extra, is_main=self.env.is_main)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        with _quiet():
+            if sharded.is_dcp(path):
+                return sharded.load_sharded(path, model, optimizer)
+            return super().load_checkpoint(path, model, optimizer)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """Silence the deprecation chatter FSDP1's optimizer state dict code prints on every rank at every save
+    (torch's own internals call the deprecated helpers; there is nothing for a user to change)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*_get_pg_default_device.*")
+        warnings.filterwarnings("ignore", message=r"Multiple backends are registered.*")
+        yield
