@@ -50,7 +50,9 @@ def images(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("digits_png")
     digits = load_digits()
     for i in range(8):
-        Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L").save(folder / f"{i}_label{digits.target[i]}.png")
+        Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L").save(
+            folder / f"{i}_label{digits.target[i]}.png"
+        )
     return folder
 
 
@@ -90,9 +92,13 @@ def test_sharded_checkpoint_predicts_like_consolidated_single(strategy, sharded_
         assert rc == 0, err
         preds[name] = json.loads(out)["predictions"]
     assert len(preds["sharded"]) == 8
-    assert [[t["class"] for t in p["top"]] for p in preds["sharded"]] == [[t["class"] for t in p["top"]] for p in preds["single"]]
+    assert [[t["class"] for t in p["top"]] for p in preds["sharded"]] == [
+        [t["class"] for t in p["top"]] for p in preds["single"]
+    ]
     for a, b in zip(preds["sharded"], preds["single"], strict=True):
-        assert [t["probability"] for t in a["top"]] == pytest.approx([t["probability"] for t in b["top"]], abs=1e-6)
+        assert [t["probability"] for t in a["top"]] == pytest.approx(
+            [t["probability"] for t in b["top"]], abs=1e-6
+        )
 
     evals = {}
     for name, ckpt in (("sharded", run["folder"]), ("single", run["file"])):
@@ -109,15 +115,19 @@ def test_sharded_checkpoint_predicts_like_consolidated_single(strategy, sharded_
 
 
 @pytest.mark.distributed
-def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(sharded_runs, images, tmp_path, capsys):
+def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(
+    sharded_runs, images, tmp_path, capsys
+):
     run = sharded_run(sharded_runs, "fsdp")
     onnx_file = tmp_path / "model.onnx"
-    rc, out, err = cli(capsys, "export", "--checkpoint", run["folder"], "--output", onnx_file, "--images", images)
+    rc, out, err = cli(
+        capsys, "export", "--checkpoint", run["folder"], "--output", onnx_file, "--images", images
+    )
     assert rc == 0, err
     assert "onnx.checker: ok" in out and "max abs diff" in out
     assert onnx_file.is_file() and not list(tmp_path.glob("*.data"))  # one self-contained file
 
-    from stratbench.inference import load_model, load_image
+    from stratbench.inference import load_image, load_model
     from stratbench.onnx_export import OrtModel, parity, random_inputs, read_metadata
 
     loaded = load_model(run["folder"])
@@ -133,7 +143,18 @@ def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(shard
     results = {}
     for backend in ("torch", "onnxruntime"):
         extra = ["--onnx", onnx_file] if backend == "onnxruntime" else []
-        rc, out, err = cli(capsys, "evaluate", "--checkpoint", run["folder"], "--backend", backend, *extra, "--json", "--batch-size", "100")
+        rc, out, err = cli(
+            capsys,
+            "evaluate",
+            "--checkpoint",
+            run["folder"],
+            "--backend",
+            backend,
+            *extra,
+            "--json",
+            "--batch-size",
+            "100",
+        )
         assert rc == 0, err
         results[backend] = json.loads(out)
     assert results["onnxruntime"]["val_samples"] == results["torch"]["val_samples"] == 359
@@ -141,7 +162,9 @@ def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(shard
     assert results["onnxruntime"]["val_loss"] == pytest.approx(results["torch"]["val_loss"], abs=1e-5)
 
     # predict through onnxruntime from the exported file alone (meta stored in it) gives the torch answers
-    rc, out_ort, err = cli(capsys, "predict", "--backend", "onnxruntime", "--onnx", onnx_file, images, "--json")
+    rc, out_ort, err = cli(
+        capsys, "predict", "--backend", "onnxruntime", "--onnx", onnx_file, images, "--json"
+    )
     assert rc == 0, err
     rc, out_pt, err = cli(capsys, "predict", "--checkpoint", run["file"], images, "--json")
     assert rc == 0, err
@@ -156,7 +179,9 @@ def test_bad_input_one_clear_line_each(sharded_runs, images, tmp_path, capsys):
 
     rc, out, err = cli(capsys, "predict", "--checkpoint", tmp_path / "nope.pt", images)
     assert rc != 0 and out == ""
-    assert err.strip().splitlines() == [f"stratbench predict: error: checkpoint not found: {tmp_path / 'nope.pt'}"]
+    assert err.strip().splitlines() == [
+        f"stratbench predict: error: checkpoint not found: {tmp_path / 'nope.pt'}"
+    ]
 
     corrupt = tmp_path / "corrupt.pt"
     corrupt.write_bytes(good.read_bytes()[:2000])
@@ -203,7 +228,12 @@ def test_bench_infer_table_and_csv(sharded_runs, tmp_path, capsys):
     assert rc == 0, err
     rows = list(csv.DictReader(out_csv.open()))
     ok = [r for r in rows if r["status"] == "ok"]
-    assert {(r["backend"], r["batch_size"]) for r in ok} >= {("eager-fp32", "1"), ("eager-fp32", "4"), ("onnxruntime-cpu", "1"), ("onnxruntime-cpu", "4")}
+    assert {(r["backend"], r["batch_size"]) for r in ok} >= {
+        ("eager-fp32", "1"),
+        ("eager-fp32", "4"),
+        ("onnxruntime-cpu", "1"),
+        ("onnxruntime-cpu", "4"),
+    }
     for r in ok:
         p50, p95, p99 = float(r["p50_ms"]), float(r["p95_ms"]), float(r["p99_ms"])
         assert 0 < p50 <= p95 <= p99

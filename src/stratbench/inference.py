@@ -84,10 +84,14 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
 def check_meta(meta: Any, source: Path | str) -> dict[str, Any]:
     """The model meta, or one clear error naming what is missing."""
     if not isinstance(meta, dict):
-        raise CheckpointError(f"checkpoint {source} has no model meta (it was not written by `stratbench train`)")
+        raise CheckpointError(
+            f"checkpoint {source} has no model meta (it was not written by `stratbench train`)"
+        )
     missing = [k for k in META_KEYS if k not in meta]
     if missing:
-        raise CheckpointError(f"checkpoint {source}: model meta lacks {', '.join(missing)} (found {', '.join(sorted(meta))})")
+        raise CheckpointError(
+            f"checkpoint {source}: model meta lacks {', '.join(missing)} (found {', '.join(sorted(meta))})"
+        )
     return meta
 
 
@@ -276,7 +280,9 @@ def predict_files(
 
 
 # ---- evaluation -------------------------------------------------------------------------------------
-def train_config_for(loaded_config: dict[str, Any], meta: dict[str, Any], data: str | None = None, data_dir: str | None = None):
+def train_config_for(
+    loaded_config: dict[str, Any], meta: dict[str, Any], data: str | None = None, data_dir: str | None = None
+):
     """A TrainConfig for the data set the checkpoint was trained on, or for ``data``/``data_dir`` when given.
     Unknown keys (a checkpoint from a newer stratbench) are dropped rather than refused: only the data
     fields matter here. The image size is always the one the model was trained at."""
@@ -349,7 +355,11 @@ class OpenedModel:
 
 @contextlib.contextmanager
 def open_model(
-    checkpoint: str | None, backend: str = "torch", onnx: str | None = None, device: str = "auto", threads: int | None = None
+    checkpoint: str | None,
+    backend: str = "torch",
+    onnx: str | None = None,
+    device: str = "auto",
+    threads: int | None = None,
 ) -> Iterator[OpenedModel]:
     """Load a checkpoint (any layout) and/or an ONNX file and yield a runner for ``backend``.
 
@@ -363,11 +373,15 @@ def open_model(
     if backend == "torch" and onnx:
         raise ConfigError("--onnx applies to --backend onnxruntime only")
     if checkpoint is None and not (backend == "onnxruntime" and onnx):
-        raise ConfigError("--checkpoint is required (or --backend onnxruntime --onnx FILE for an exported model)")
+        raise ConfigError(
+            "--checkpoint is required (or --backend onnxruntime --onnx FILE for an exported model)"
+        )
     loaded = load_model(checkpoint, dev) if checkpoint is not None else None
     if backend == "torch":
         assert loaded is not None
-        yield OpenedModel(loaded.meta, loaded.config, torch_runner(loaded.model, dev), f"torch ({dev}): {loaded.describe()}")
+        yield OpenedModel(
+            loaded.meta, loaded.config, torch_runner(loaded.model, dev), f"torch ({dev}): {loaded.describe()}"
+        )
         return
     from stratbench.onnx_export import export_onnx, read_metadata
 
@@ -379,7 +393,9 @@ def open_model(
             stored = read_metadata(onnx)
             if loaded is None:
                 if not stored:
-                    raise CheckpointError(f"ONNX file {onnx} has no stratbench metadata; pass --checkpoint too")
+                    raise CheckpointError(
+                        f"ONNX file {onnx} has no stratbench metadata; pass --checkpoint too"
+                    )
                 meta = check_meta({k: v for k, v in stored.items() if k != "config"}, onnx)
                 config = dict(stored.get("config") or {})
                 what = f"{meta['model']} from {onnx}"
@@ -394,5 +410,11 @@ def open_model(
             assert loaded is not None
             path = Path(tmp) / "model.onnx"
             export_onnx(loaded.model, loaded.meta, path, extra_metadata={"config": loaded.config})
-            meta, config, what = loaded.meta, loaded.config, f"{loaded.describe()}, exported to ONNX on the fly"
-        yield OpenedModel(meta, config, onnx_runner(path, ort_device, threads), f"onnxruntime ({ort_device}): {what}")
+            meta, config, what = (
+                loaded.meta,
+                loaded.config,
+                f"{loaded.describe()}, exported to ONNX on the fly",
+            )
+        yield OpenedModel(
+            meta, config, onnx_runner(path, ort_device, threads), f"onnxruntime ({ort_device}): {what}"
+        )

@@ -75,18 +75,26 @@ def export_onnx(
     t0 = time.perf_counter()
     errors: list[str] = []
     used = None
-    for kind in (["dynamo", "torchscript"] if exporter == "auto" else [exporter]):
+    for kind in ["dynamo", "torchscript"] if exporter == "auto" else [exporter]:
         try:
             _export(kind, model, example, output, opset)
             used = kind
             break
         except Exception as exc:  # exporter failures come as many types; the message is what matters
-            errors.append(f"{kind}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}")
+            errors.append(
+                f"{kind}: {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"
+            )
     if used is None:
         raise UnsupportedError(f"ONNX export of {meta['model']} failed ({'; '.join(errors)})")
     seconds = time.perf_counter() - t0
     proto = onnx.load(str(output))
-    props = {META_PROP: json.dumps(meta | {"onnx_exporter": used, "onnx_dtype": str(dtype).removeprefix("torch.")} | (extra_metadata or {}))}
+    props = {
+        META_PROP: json.dumps(
+            meta
+            | {"onnx_exporter": used, "onnx_dtype": str(dtype).removeprefix("torch.")}
+            | (extra_metadata or {})
+        )
+    }
     for key, value in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
@@ -193,7 +201,9 @@ class ParityRow:
     same_argmax: float  # fraction of samples whose top class agrees
 
 
-def parity(model: nn.Module, session: OrtModel, inputs: Sequence[tuple[str, torch.Tensor]]) -> list[ParityRow]:
+def parity(
+    model: nn.Module, session: OrtModel, inputs: Sequence[tuple[str, torch.Tensor]]
+) -> list[ParityRow]:
     """Max abs difference of logits between PyTorch fp32 (CPU) and onnxruntime on each named input batch."""
     model = model.cpu().eval()
     rows = []
@@ -207,7 +217,11 @@ def parity(model: nn.Module, session: OrtModel, inputs: Sequence[tuple[str, torc
     return rows
 
 
-def random_inputs(image_size: int, batch_sizes: Sequence[int] = (1, 7), seed: int = 0) -> list[tuple[str, torch.Tensor]]:
+def random_inputs(
+    image_size: int, batch_sizes: Sequence[int] = (1, 7), seed: int = 0
+) -> list[tuple[str, torch.Tensor]]:
     """Random normal batches of different sizes (the second size exercises the dynamic batch axis)."""
     g = torch.Generator().manual_seed(seed)
-    return [(f"random batch {b}", torch.randn(b, 3, image_size, image_size, generator=g)) for b in batch_sizes]
+    return [
+        (f"random batch {b}", torch.randn(b, 3, image_size, image_size, generator=g)) for b in batch_sizes
+    ]

@@ -44,20 +44,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
     src.add_argument("--checkpoint", help="checkpoint file or sharded folder of any method")
     src.add_argument("--model", choices=MODELS, help="model with random weights when there is no checkpoint")
-    src.add_argument("--image-size", type=int, default=224, help="input size without a checkpoint (default 224)")
-    src.add_argument("--num-classes", type=int, default=1000, help="classes without a checkpoint (default 1000)")
+    src.add_argument(
+        "--image-size", type=int, default=224, help="input size without a checkpoint (default 224)"
+    )
+    src.add_argument(
+        "--num-classes", type=int, default=1000, help="classes without a checkpoint (default 1000)"
+    )
     src.add_argument("--width", type=int, default=16, help="tinynet width without a checkpoint")
-    parser.add_argument("--batch-sizes", type=_int_list, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)")
+    parser.add_argument(
+        "--batch-sizes", type=_int_list, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)"
+    )
     parser.add_argument(
         "--backends", default=",".join(BACKENDS),
         help=f"comma-separated subset of {', '.join(BACKENDS)} (default: all; those that cannot run here say why)",
     )  # fmt: skip
     parser.add_argument("--warmup", type=int, default=3, help="untimed iterations per case (default 3)")
-    parser.add_argument("--iters", type=int, default=30, help="timed iterations per case at most (default 30)")
-    parser.add_argument("--min-iters", type=int, default=5, help="timed iterations per case at least (default 5)")
-    parser.add_argument("--max-seconds", type=float, default=20.0, help="time budget per case once --min-iters are done")
-    parser.add_argument("--threads", type=int, default=None, help="CPU threads for PyTorch and onnxruntime (default: all cores)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument(
+        "--iters", type=int, default=30, help="timed iterations per case at most (default 30)"
+    )
+    parser.add_argument(
+        "--min-iters", type=int, default=5, help="timed iterations per case at least (default 5)"
+    )
+    parser.add_argument(
+        "--max-seconds", type=float, default=20.0, help="time budget per case once --min-iters are done"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads for PyTorch and onnxruntime (default: all cores)",
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="device (default: cuda when present)",
+    )
     parser.add_argument("--output", help="CSV file for the results (one row per backend and batch size)")
 
 
@@ -83,7 +105,14 @@ class Row:
     times: list[float] = field(default_factory=list, repr=False)
 
 
-def measure(fn: Callable[[], Any], sync: Callable[[], None], warmup: int, iters: int, min_iters: int, max_seconds: float):
+def measure(
+    fn: Callable[[], Any],
+    sync: Callable[[], None],
+    warmup: int,
+    iters: int,
+    min_iters: int,
+    max_seconds: float,
+):
     """(warm-up seconds, per-iteration seconds): warm-up excluded, each iteration between two synchronisations."""
     t0 = time.perf_counter()
     for _ in range(warmup):
@@ -121,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"unknown backend(s) {', '.join(unknown)}; choose from: {', '.join(BACKENDS)}")
     for name in ("warmup", "iters", "min_iters"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
-            raise ConfigError(f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else '>= 1'}, got {getattr(args, name)}")
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else '>= 1'}, got {getattr(args, name)}"
+            )
     if args.checkpoint and args.model:
         raise ConfigError("give --checkpoint or --model, not both")
     if not args.checkpoint and not args.model:
@@ -135,7 +166,12 @@ def run(args: argparse.Namespace) -> int:
         model, meta = loaded.model, loaded.meta
         print(f"model: {loaded.describe()}", file=sys.stderr)
     else:
-        meta = {"model": args.model, "num_classes": args.num_classes, "image_size": args.image_size, "width": args.width}
+        meta = {
+            "model": args.model,
+            "num_classes": args.num_classes,
+            "image_size": args.image_size,
+            "width": args.width,
+        }
         torch.manual_seed(0)
         model = build_from_meta(meta).eval()
     size = int(meta["image_size"])
@@ -149,7 +185,9 @@ def run(args: argparse.Namespace) -> int:
             row = Row(name, size, backend, dtype, dev, bs, warmup=args.warmup, threads=threads)
             try:
                 fn = make(bs)
-                row.warmup_s, row.times = measure(fn, sync, args.warmup, args.iters, args.min_iters, args.max_seconds)
+                row.warmup_s, row.times = measure(
+                    fn, sync, args.warmup, args.iters, args.min_iters, args.max_seconds
+                )
             except torch.OutOfMemoryError as exc:
                 row.status, row.reason = "oom", _first_line(exc)
             except Exception as exc:  # one failing backend must not stop the others
@@ -165,7 +203,19 @@ def run(args: argparse.Namespace) -> int:
             if row.status == "failed" and backend == "compile":
                 # Compilation failures do not depend on the batch size: say it once, skip the rest.
                 for rest in args.batch_sizes[args.batch_sizes.index(bs) + 1 :]:
-                    rows.append(Row(name, size, backend, dtype, dev, rest, status="skipped", reason="torch.compile failed above", threads=threads))
+                    rows.append(
+                        Row(
+                            name,
+                            size,
+                            backend,
+                            dtype,
+                            dev,
+                            rest,
+                            status="skipped",
+                            reason="torch.compile failed above",
+                            threads=threads,
+                        )
+                    )
                 return
 
     def skipped(backend: str, dtype: str, dev: str, reason: str) -> None:
@@ -235,7 +285,12 @@ def run(args: argparse.Namespace) -> int:
             writer.writeheader()
             for r in rows:
                 d = asdict(r)
-                writer.writerow({k: ("" if d[k] is None else (f"{d[k]:.4f}" if isinstance(d[k], float) else d[k])) for k in CSV_FIELDS})
+                writer.writerow(
+                    {
+                        k: ("" if d[k] is None else (f"{d[k]:.4f}" if isinstance(d[k], float) else d[k]))
+                        for k in CSV_FIELDS
+                    }
+                )
         print(f"wrote {out}", file=sys.stderr)
     return 0 if any(r.status == "ok" for r in rows) else 1
 
@@ -272,7 +327,9 @@ def _print_header(name: str, size: int, device, threads: int) -> None:
 
     from stratbench.metrics import _cpu_name
 
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_name()}, {threads} threads"
+    where = (
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_name()}, {threads} threads"
+    )
     print(f"bench-infer: {name} {size}x{size} on {device.type} ({where})", file=sys.stderr)
 
 
@@ -292,7 +349,9 @@ def _print_table(rows: list[Row], name: str, size: int, device, threads: int) ->
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"inference: {name} {size}x{size}, {device.type}, {threads} threads (latency per batch)")
+    table = Table(
+        title=f"inference: {name} {size}x{size}, {device.type}, {threads} threads (latency per batch)"
+    )
     for col, justify in (
         ("backend", "left"), ("dtype", "left"), ("batch", "right"), ("p50 ms", "right"), ("p95 ms", "right"),
         ("p99 ms", "right"), ("samples/s", "right"), ("iters", "right"), ("note", "left"),

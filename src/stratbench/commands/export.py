@@ -17,7 +17,9 @@ FP16_ATOL = 2e-2
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
     parser.add_argument("--output", required=True, help="ONNX file to write (one file; weights included)")
-    parser.add_argument("--fp16", action="store_true", help="float16 weights and input (for GPUs); compared with fp32 PyTorch")
+    parser.add_argument(
+        "--fp16", action="store_true", help="float16 weights and input (for GPUs); compared with fp32 PyTorch"
+    )
     parser.add_argument(
         "--atol", type=float, default=None,
         help=f"largest allowed max abs difference of logits vs PyTorch (default {FP32_ATOL:g}, {FP16_ATOL:g} with --fp16)",
@@ -27,9 +29,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--exporter", default="auto", choices=("auto", "dynamo", "torchscript"),
         help="torch.onnx exporter; auto = dynamo, falling back to TorchScript if it fails",
     )  # fmt: skip
-    parser.add_argument("--real-samples", type=int, default=64, help="validation samples used as real parity inputs")
-    parser.add_argument("--images", nargs="*", default=[], help="image files or folders to use as extra real parity inputs")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="onnxruntime device for the check")
+    parser.add_argument(
+        "--real-samples", type=int, default=64, help="validation samples used as real parity inputs"
+    )
+    parser.add_argument(
+        "--images", nargs="*", default=[], help="image files or folders to use as extra real parity inputs"
+    )
+    parser.add_argument(
+        "--device", default="auto", choices=("auto", "cpu", "cuda"), help="onnxruntime device for the check"
+    )
 
 
 def _real_inputs(loaded, n: int, image_paths: list[str]):
@@ -37,7 +45,13 @@ def _real_inputs(loaded, n: int, image_paths: list[str]):
     import torch
 
     from stratbench.errors import StratbenchError
-    from stratbench.inference import ImageProblem, collect_images, load_image, train_config_for, validation_set
+    from stratbench.inference import (
+        ImageProblem,
+        collect_images,
+        load_image,
+        train_config_for,
+        validation_set,
+    )
 
     inputs, notes = [], []
     if n > 0:
@@ -98,12 +112,20 @@ def run(args: argparse.Namespace) -> int:
     for col in ("input", "shape", "max abs diff", "same top-1", f"<= {atol:g}"):
         table.add_column(col)
     for r in rows:
-        table.add_row(r.name, "x".join(map(str, r.shape)), f"{r.max_abs_diff:.3g}", f"{r.same_argmax:.1%}", "yes" if r.max_abs_diff <= atol else "NO")
+        table.add_row(
+            r.name,
+            "x".join(map(str, r.shape)),
+            f"{r.max_abs_diff:.3g}",
+            f"{r.same_argmax:.1%}",
+            "yes" if r.max_abs_diff <= atol else "NO",
+        )
     Console().print(table)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
     worst = max(r.max_abs_diff for r in rows)
     print(f"max abs diff {worst:.3g} (tolerance {atol:g})")
     if worst > atol:
-        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({result.path} kept for inspection)")
+        raise ParityError(
+            f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({result.path} kept for inspection)"
+        )
     return 0

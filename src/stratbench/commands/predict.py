@@ -12,14 +12,29 @@ ORDER = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)")
-    parser.add_argument("--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
+    parser.add_argument(
+        "images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)"
+    )
+    parser.add_argument(
+        "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
+    )
     parser.add_argument("--top-k", type=int, default=5, help="classes to show per image (default 5)")
-    parser.add_argument("--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model")
-    parser.add_argument("--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="device (default: cuda when present)")
+    parser.add_argument(
+        "--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model"
+    )
+    parser.add_argument(
+        "--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)"
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="device (default: cuda when present)",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
-    parser.add_argument("--json", action="store_true", help="print the predictions as one JSON document on stdout")
+    parser.add_argument(
+        "--json", action="store_true", help="print the predictions as one JSON document on stdout"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +53,10 @@ def run(args: argparse.Namespace) -> int:
         predictions, bad = predict_files(files, opened.meta, opened.runner, args.top_k, args.batch_size)
         problems.extend(bad)
     if args.json:
-        doc = {"predictions": [p.to_dict() for p in predictions], "errors": [{"path": str(p.path), "reason": p.reason} for p in problems]}
+        doc = {
+            "predictions": [p.to_dict() for p in predictions],
+            "errors": [{"path": str(p.path), "reason": p.reason} for p in problems],
+        }
         print(json.dumps(doc, indent=2))
     else:
         for p in predictions:
@@ -49,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         raise DataError("no images given")
     if problems:
         if predictions:
-            print(f"stratbench predict: {len(predictions)} image(s) predicted, {len(problems)} input(s) failed", file=sys.stderr)
+            print(
+                f"stratbench predict: {len(predictions)} image(s) predicted, {len(problems)} input(s) failed",
+                file=sys.stderr,
+            )
         return 2
     return 0
