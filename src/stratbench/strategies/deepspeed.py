@@ -511,7 +511,11 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     else:
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        model = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
+        import contextlib
+        import sys
+
+        with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout may be JSON (evaluate --json)
+            model = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
         model = {k: v.detach().cpu().clone() for k, v in model.items()}
     return {"model": model, "optimizer": {}, "optimizer_note": "deepspeed optimizer state is not consolidated"}
 
