@@ -161,3 +161,19 @@ def test_max_restarts_resumes_from_last_checkpoint(tmp_path):
     assert 2 <= resumed < 60 and resumed % 2 == 0
     assert res["metrics"]["steps"] == 60 - resumed  # the restarted group ran only the remaining steps
     assert res["config"]["resume"] is True
+
+
+def test_needs_launch_under_slurm_and_torchrun(monkeypatch):
+    """An srun task asking for --nproc N launches torchrun for its node; one that does not is a worker itself;
+    a torchrun worker never launches again."""
+    from stratbench.launch import needs_launch
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("SLURM_PROCID", "1")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    assert needs_launch(TrainConfig(nproc=4, nnodes=2))
+    assert not needs_launch(TrainConfig())
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    assert not needs_launch(TrainConfig(nproc=4, nnodes=2))
