@@ -86,6 +86,7 @@ def init_process_group(env: DistEnv, timeout_s: int = 300) -> None:
         from stratbench.errors import ConfigError
 
         raise ConfigError("MASTER_ADDR is not set: export MASTER_ADDR/MASTER_PORT (node 0) before srun")
+    os.environ.setdefault("MASTER_PORT", "29500")  # torchrun's default; srun sets no port of its own
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
