@@ -240,10 +240,19 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     tp = m.get("throughput_samples_per_s")
     raw["throughput"] = tp
     text["throughput"] = _fmt(tp, ".1f")
+    load, cores = rec.get("host_load_mean"), rec.get("host_cpu_count") or 1
+    busy = ""
+    if load is not None and load > 1.5 * cores:
+        busy = notes.mark(
+            f"the machine was busy with other work while this cell ran (mean 1-minute load average {load:.1f} on "
+            f"{cores} cores): its times are inflated and its speed-up is not comparable"
+        )
+    for k in ("epoch_time", "train_time", "throughput"):
+        text[k] += busy
     base = baselines.get(machine_name(rec))
     if tp and base:
         raw["speedup"] = tp / base
-        text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "")
+        text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "") + busy
     else:
         raw["speedup"] = None
         text["speedup"] = "n/a" + notes.mark("n/a: no completed single fp32 row on this machine to compare with")
@@ -405,7 +414,8 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
 CSV_FIELDS = ["machine", "id", "method", "label", "precision", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
-              "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason"]  # fmt: skip
+              "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason",
+              "host_load_mean", "host_cpu_count"]  # fmt: skip
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -428,6 +438,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("predicted")),
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
+                r.rec.get("host_load_mean", ""), r.rec.get("host_cpu_count", ""),
             ])  # fmt: skip
 
 
@@ -517,12 +528,13 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         if not data:
             path.unlink(missing_ok=True)
             continue
-        _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi)
+        _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, percent=name == "accuracy")
         paths[name] = path
     return paths
 
 
-def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool) -> None:
+def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool,
+               percent: bool = False) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
@@ -547,6 +559,10 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
     ax.set_title(title, fontsize=11)
     top = max(values) if values else 1.0
     ax.set_xlim(0, top * 1.18 if top > 0 else 1)
+    if percent:  # accuracy: the whole 0-100 scale, room on the right for the labels
+        top = 100.0
+        ax.set_xlim(0, 112)
+        ax.set_xticks(range(0, 101, 20))
     for yi, v in zip(y, values, strict=True):
         ax.text(v + top * 0.01, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
     ax.grid(axis="x", alpha=0.3)

@@ -429,9 +429,12 @@ class SweepRunner:
             log.flush()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True)  # fmt: skip
+            loads: list[float] = []
             try:
                 while proc.poll() is None:
                     time.sleep(0.5)
+                    with suppress(OSError):
+                        loads.append(os.getloadavg()[0])
                     lines = log_lines(log_path, 4000)
                     display.tick(lines[-1] if lines else "")
                     if time.monotonic() - t0 > self.timeout_s:
@@ -447,7 +450,11 @@ class SweepRunner:
             status, reason = "timeout", f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed"
         else:
             status, reason = classify(proc.returncode, result, log_path)
-        return make_record(cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir)
+        rec = make_record(cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir)
+        # Timings only mean something on an otherwise idle machine: keep the load seen, the report flags it.
+        rec["host_load_mean"] = sum(loads) / len(loads) if loads else None
+        rec["host_cpu_count"] = os.cpu_count()
+        return rec
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
