@@ -193,7 +193,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
                    "mfu", "val_accuracy", "final_loss")  # fmt: skip
     if not ok:
-        dash = DASH + notes.mark(f"{DASH}: the cell did not complete (status in the last column), so nothing was measured")
+        dash = DASH + notes.mark(f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured")
         for k in metric_keys:
             raw[k] = None
             text[k] = dash
