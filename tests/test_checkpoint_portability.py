@@ -12,17 +12,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY, rel_close, run_stratbench, train
-
-EQUIV = [*TINY, "--norm", "none", "--lr", "0.01"]  # see tests/test_fsdp.py: a problem that is not chaotic
-RTOL = 1e-4
+from conftest import rel_close, run_stratbench, train
+from test_fsdp import EQUIV, RTOL, equiv_reference  # EQUIV: a problem that is not chaotic (see there)
 
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory) -> dict:
     """Reference (single, 20 steps) and fsdp trained 10 steps on 2 ranks, saving a sharded checkpoint."""
     root = tmp_path_factory.mktemp("portability")
-    ref = train(root / "single", "--strategy", "single", *EQUIV)
+    ref = equiv_reference(tmp_path_factory)
     fsdp = train(root / "fsdp", "--strategy", "fsdp", *EQUIV, "--max-steps", "10", nproc=2)
     return {"root": root, "ref": ref, "fsdp": fsdp, "folder": root / "fsdp" / "checkpoints" / "last"}
 
@@ -34,7 +32,7 @@ def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
     from stratbench.config import TrainConfig, from_dict
     from stratbench.data import build_data
     from stratbench.dist import DistEnv, seed_everything
-    from stratbench.engine import Trainer, optimizer_spec
+    from stratbench.engine import Trainer, lr_lambda, optimizer_spec
     from stratbench.models import build_model
     from stratbench.strategies.base import get_strategy
 
@@ -45,6 +43,8 @@ def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
     bundle = build_data(cfg)
     model = build_model(cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width)
     model, optimizer = trainer.strategy.setup(model, optimizer_spec(cfg))
+    # As in the engine: the scheduler exists before the load (it adds initial_lr to the param groups).
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, 100))
     trainer.strategy.load_checkpoint(path, model, optimizer)
     accuracy = trainer.evaluate(model, bundle)["val_accuracy"]
     return accuracy, {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()

@@ -28,11 +28,20 @@ CASES = {
 }
 
 
+def equiv_reference(tmp_path_factory) -> dict:
+    """The single fp32 run of EQUIV, made once per test session and shared by the fsdp and portability tests."""
+    out = tmp_path_factory.getbasetemp() / "equiv-single"
+    if (out / "result.json").exists():
+        import json
+
+        return json.loads((out / "result.json").read_text())
+    return train(out, "--strategy", "single", *EQUIV)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """The single fp32 reference run of EQUIV, plus a cache of the 2-process runs made by the tests."""
-    root = tmp_path_factory.mktemp("fsdp")
-    return {"root": root, "single": train(root / "single", "--strategy", "single", *EQUIV)}
+    return {"root": tmp_path_factory.mktemp("fsdp"), "single": equiv_reference(tmp_path_factory)}
 
 
 def _run(runs: dict, case: str) -> dict:
@@ -72,14 +81,15 @@ def test_full_sharding_holds_half_the_parameters(runs):
 
 @pytest.mark.distributed
 def test_bf16_mixed_trains(runs):
-    res = train(runs["root"] / "bf16", "--strategy", "fsdp", "--precision", "bf16-mixed", *EQUIV, "--max-steps", "10", nproc=2)
+    res = train(runs["root"] / "bf16", "--strategy", "fsdp", "--precision", "bf16-mixed", *EQUIV, nproc=2)
     assert res["status"] == "ok" and res["precision"] == "bf16-mixed"
     curve = res["metrics"]["loss_curve"]
-    assert len(curve) == 10 and all(math.isfinite(v) for v in curve)
-    assert curve[-1] < 0.95 * curve[0]
-    # bf16 compute of the same model and batch: step 0 agrees with fp32 to bf16's precision, not exactly.
-    ref0 = runs["single"]["metrics"]["loss_curve"][0]
-    assert 0 < abs(curve[0] - ref0) / ref0 < 2e-2
+    ref = runs["single"]["metrics"]["loss_curve"]
+    assert len(curve) == 20 and all(math.isfinite(v) for v in curve)
+    assert curve[-1] < 0.9 * curve[0]
+    # bf16 compute of the same model on the same batches: close to the fp32 curve, but not equal to it (an
+    # exact match would mean the policy never cast anything).
+    assert 0 < rel_close(curve, ref, 1e-2) < 1e-2
     # Master weights stay fp32 (sharded): the policy only casts the gathered copies.
     assert sum(res["sharding"]["param_bytes"]) == runs["single"]["sharding"]["param_bytes"][0]
 
