@@ -11,6 +11,7 @@ Layouts
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -43,7 +44,14 @@ def atomic_save(obj: Any, path: Path) -> None:
             torch.save(obj, fh)
             fh.flush()
             os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        if path.is_dir():  # a sharded checkpoint of another method sat here: keep it until the new file is in
+            old = path.with_name(f".{path.name}.old")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
