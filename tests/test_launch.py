@@ -107,18 +107,26 @@ def _worker_pids(output: Path) -> dict[int, int]:
     return found
 
 
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill the launcher and everything it started (torchrun, workers), so a hung run leaks no processes."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def _start_and_kill_rank1(output: Path, *extra: str) -> tuple[subprocess.Popen, float]:
     """Start LONG on 2 ranks, wait for its first checkpoint, SIGKILL rank 1; return the launcher and kill time."""
     proc = subprocess.Popen(
         stratbench_cmd("train", "--output", str(output), "--nproc", "2", *LONG, *extra),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO, start_new_session=True,
     )  # fmt: skip
     deadline = time.monotonic() + 240
     ckpt = output / "checkpoints" / "last"
     while not ckpt.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             out, err = proc.communicate(timeout=60) if proc.poll() is None else proc.communicate()
-            proc.kill()
+            _kill_group(proc)
             pytest.fail(f"the run made no checkpoint (exit {proc.returncode})\n{err[-4000:]}")
         time.sleep(0.05)
     pids = _worker_pids(output)
@@ -135,8 +143,7 @@ def test_killed_worker_fails_fast(tmp_path):
     try:
         out, err = proc.communicate(timeout=90)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_group(proc)
     elapsed = time.monotonic() - t_kill
     assert proc.returncode != 0
     assert elapsed < 60, f"the run took {elapsed:.0f} s to fail after a worker was killed"
@@ -152,8 +159,7 @@ def test_max_restarts_resumes_from_last_checkpoint(tmp_path):
     try:
         out, err = proc.communicate(timeout=300)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        _kill_group(proc)
     _check(proc, out, err)
     res = _result(tmp_path)
     assert res["status"] == "ok" and res["world_size"] == 2

@@ -90,6 +90,14 @@ def init_process_group(env: DistEnv, timeout_s: int = 300) -> None:
     if env.device.type == "cuda":
         torch.cuda.set_device(env.device)
     kwargs = {"device_id": env.device} if env.device.type == "cuda" else {}
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # After an elastic restart the agent's store still holds the dead group's gloo/nccl addresses;
+        # a fresh key prefix per restart keeps the new group from connecting to them ("Connection refused").
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+        )
+        kwargs["store"] = dist.PrefixStore(f"stratbench/restart{restart}", store)
     dist.init_process_group(
         backend=env.backend,
         rank=env.rank,

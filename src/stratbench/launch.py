@@ -39,6 +39,10 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
     ]
     if cfg.rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-id=stratbench"]
+    elif cfg.max_restarts > 0 and cfg.nnodes == 1:
+        # Elastic restarts re-rendezvous: the c10d backend does that reliably, the static one can hang.
+        port = cfg.master_port or free_port()
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stratbench"]
     else:
         port = cfg.master_port or (free_port() if cfg.nnodes == 1 else 29500)
         cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}", f"--master-port={port}"]
