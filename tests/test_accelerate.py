@@ -1,9 +1,7 @@
 """accelerate strategies on CPU: accelerate-ddp over 2 gloo processes; FSDP/DeepSpeed plugins refused here.
 
-Tolerance against `single`: as for every 2-process method (see test_deepspeed.py for the measurements),
-the first 3 steps are within 1e-4; afterwards TINY's lr-0.05 SGD amplifies the ~1e-7 summation-order
-difference of the split batch (ddp itself reaches 7.4e-2 by step 17; accelerate-ddp reproduced ddp's
-curve bit for bit on this machine).
+Tolerance against `single`: 1e-4 relative over all 20 steps, as for every 2-process method (see conftest.TINY
+for why the test problem has no normalisation layer; accelerate-ddp reproduced ddp's curve bit for bit).
 """
 
 from __future__ import annotations
@@ -16,6 +14,7 @@ import sys
 import pytest
 import torch
 import yaml
+
 from conftest import REPO, TINY, rel_close, run_stratbench, train
 
 CPU = torch.device("cpu")
@@ -28,8 +27,8 @@ def test_accelerate_ddp_matches_single_and_its_checkpoint_loads_into_single(tmp_
     assert res["status"] == "ok" and res["world_size"] == 2
     curve, ref = res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"]
     assert len(curve) == 20
-    assert rel_close(curve[:3], ref[:3], 1e-4) < 1e-4
-    assert curve[-1] < 0.5 * curve[0]
+    assert rel_close(curve, ref, 1e-4) < 1e-4
+    assert sum(curve[-5:]) < 0.7 * sum(curve[:5])  # it learns
     # DDP replicates everything: each rank holds the full sizes.
     for key in ("param_bytes", "optimizer_state_bytes"):
         assert res["sharding"][key] == [reference_run["sharding"][key][0]] * 2

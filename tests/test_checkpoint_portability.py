@@ -12,15 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from conftest import rel_close, run_stratbench, train
-from test_fsdp import EQUIV, RTOL, equiv_reference  # EQUIV: a problem that is not chaotic (see there)
+from test_fsdp import EQUIV, RTOL
 
 
 @pytest.fixture(scope="module")
-def chain(tmp_path_factory) -> dict:
+def chain(tmp_path_factory, reference_run) -> dict:
     """Reference (single, 20 steps) and fsdp trained 10 steps on 2 ranks, saving a sharded checkpoint."""
     root = tmp_path_factory.mktemp("portability")
-    ref = equiv_reference(tmp_path_factory)
+    ref = reference_run
     fsdp = train(root / "fsdp", "--strategy", "fsdp", *EQUIV, "--max-steps", "10", nproc=2)
     return {"root": root, "ref": ref, "fsdp": fsdp, "folder": root / "fsdp" / "checkpoints" / "last"}
 

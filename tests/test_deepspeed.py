@@ -1,13 +1,9 @@
 """The deepspeed strategy on CPU: 2 gloo processes through stratbench's torchrun launcher.
 
-Tolerance against `single` (measured, not guessed): splitting the global batch of 32 over 2 processes changes
-the floating-point summation order of the convolution backward (~1e-7 relative); TINY's lr-0.05 SGD amplifies
-that about 10x per step. Measured on this machine: `ddp` vs `single` 1.9e-7 at step 2, 1.4e-5 at step 3,
-1.9e-4 at step 4, 7.4e-2 at step 17, and DeepSpeed ZeRO-2 and ZeRO-3 reproduce `ddp`'s curve bit for bit
-(max difference 0.0). So the 1e-4 bound against `single` holds for the first 3 steps of any 2-process method
-(2 for grad-accum 2, whose micro-batches of 8 differ once more); over all 20 steps DeepSpeed is held to its
-peer: ZeRO-2 and ZeRO-3 must agree with each other exactly, which a wrong reduction or a wrong gradient
-scale (an accumulation off by 2x changes step 2 by >1e-2) could not.
+Tolerance against `single`: 1e-4 relative over all 20 steps, as for every other method. Splitting the global
+batch of 32 over 2 processes changes the floating-point summation order (~1e-7 relative per step); with TINY's
+normalisation-free tinynet that stays at ~1e-7 over 20 steps (measured with `ddp`). DeepSpeed ZeRO-2 and ZeRO-3
+reproduce `ddp`'s curve bit for bit (measured max difference 0.0), so DeepSpeed needs no looser tolerance.
 """
 
 from __future__ import annotations
@@ -17,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import TINY, rel_close, run_stratbench, train
 
 pytestmark = pytest.mark.distributed
@@ -44,7 +41,7 @@ def zero2(tmp_path_factory) -> dict:
 
 def test_zero2_fp32_matches_single_and_shards_gradients_and_optimizer_state(zero2, reference_run):
     ref = reference_run
-    assert rel_close(_curve(zero2)[:3], _curve(ref)[:3], 1e-4) < 1e-4
+    assert rel_close(_curve(zero2), _curve(ref), 1e-4) < 1e-4
     full = ref["sharding"]
     _half(zero2["sharding"]["optimizer_state_bytes"], full["optimizer_state_bytes"][0])
     _half(zero2["sharding"]["grad_bytes"], full["grad_bytes"][0])
@@ -58,7 +55,7 @@ def test_zero1_grad_accum_2_matches_single(tmp_path, reference_run):
     """Accumulation maps onto DeepSpeed's boundary: loss/2 from the loop, scale_wrt_gas=False, one step()."""
     res = train(tmp_path / "z1", *DS, "--zero-stage", "1", *TINY, "--grad-accum", "2", nproc=2, timeout=TIMEOUT)
     assert res["micro_batch_size"] == 8
-    assert rel_close(_curve(res)[:2], _curve(reference_run)[:2], 1e-4) < 1e-4
+    assert rel_close(_curve(res), _curve(reference_run), 1e-4) < 1e-4
     assert len(_curve(res)) == 20
     _half(res["sharding"]["optimizer_state_bytes"], reference_run["sharding"]["optimizer_state_bytes"][0])
 
@@ -88,9 +85,9 @@ def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
     res = train(tmp_path / f"bf16-z{stage}", *DS, "--zero-stage", stage, *TINY, "--precision", "bf16-mixed", nproc=2, timeout=TIMEOUT)
     curve = _curve(res)
     assert len(curve) == 20 and all(x == x for x in curve)
-    # bf16 weights and activations: close to fp32 early, and it learns (the fp32 run reaches ~0.35 here).
+    # bf16 weights and activations: close to fp32 early, and it learns (the fp32 run goes from ~2.3 to ~1.1 here).
     assert abs(curve[0] - reference_run["metrics"]["loss_curve"][0]) < 0.05
-    assert sum(curve[-5:]) / 5 < 0.6 * sum(curve[:5]) / 5
+    assert sum(curve[-5:]) < 0.7 * sum(curve[:5])
     cfg = json.loads((tmp_path / f"bf16-z{stage}" / "deepspeed_config.json").read_text())
     assert cfg["bf16"]["enabled"] is True
     _half(res["sharding"]["optimizer_state_bytes"], reference_run["sharding"]["optimizer_state_bytes"][0])

@@ -7,11 +7,20 @@ import json
 
 import pytest
 import torch
-from conftest import TINY, run_stratbench, train
 
+from conftest import TINY, run_stratbench, train
 from stratbench.advise import advise
 from stratbench.config import TrainConfig
-from stratbench.estimate import ModelSpec, estimate, max_batch, model_state_bytes, parse_bytes, predict_peak_bytes, trace_step, zero_partition
+from stratbench.estimate import (
+    ModelSpec,
+    estimate,
+    max_batch,
+    model_state_bytes,
+    parse_bytes,
+    predict_peak_bytes,
+    trace_step,
+    zero_partition,
+)
 from stratbench.strategies.base import all_strategies
 
 # (id, strategy, extra flags, world size): the methods of compare's quick preset.

@@ -9,14 +9,11 @@ import math
 
 import pytest
 import torch
-from conftest import TINY, rel_close, run_stratbench, train
 from torch import nn
 
-# TINY as it is (GroupNorm, lr 0.05) is chaotic: one process with grad-accum 2 (the same global batch in two
-# halves) drifts from grad-accum 1 by 6e-5 at step 2 and ~10% by step 20, pure float rounding blown up.
-# Without normalisation and at lr 0.01 the drift stays below 2e-5 over the 20 steps (tests/test_ddp.py uses
-# the same problem), so a 1e-4 bound tests the method, not the rounding.
-EQUIV = [*TINY, "--norm", "none", "--lr", "0.01"]
+from conftest import TINY, rel_close, run_stratbench, train
+
+EQUIV = TINY  # a normalisation-free problem, so that a 1e-4 bound tests the method, not rounding (see conftest)
 RTOL = 1e-4
 
 CASES = {
@@ -28,20 +25,10 @@ CASES = {
 }
 
 
-def equiv_reference(tmp_path_factory) -> dict:
-    """The single fp32 run of EQUIV, made once per test session and shared by the fsdp and portability tests."""
-    out = tmp_path_factory.getbasetemp() / "equiv-single"
-    if (out / "result.json").exists():
-        import json
-
-        return json.loads((out / "result.json").read_text())
-    return train(out, "--strategy", "single", *EQUIV)
-
-
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
-    """The single fp32 reference run of EQUIV, plus a cache of the 2-process runs made by the tests."""
-    return {"root": tmp_path_factory.mktemp("fsdp"), "single": equiv_reference(tmp_path_factory)}
+def runs(tmp_path_factory, reference_run) -> dict:
+    """The shared single fp32 reference run of TINY, plus a cache of the 2-process runs made by the tests."""
+    return {"root": tmp_path_factory.mktemp("fsdp"), "single": reference_run}
 
 
 def _run(runs: dict, case: str) -> dict:

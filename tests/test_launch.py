@@ -13,8 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, TINY, stratbench_cmd
 
+from conftest import REPO, TINY, stratbench_cmd
 from stratbench.config import TrainConfig
 from stratbench.dist import free_port
 from stratbench.launch import torchrun_command

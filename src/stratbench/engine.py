@@ -91,11 +91,17 @@ def lr_lambda(cfg: TrainConfig, total_steps: int):
 
 
 def world_size_of(cfg: TrainConfig) -> int:
-    """Processes the run will have: from the launcher's environment, else nproc x nnodes."""
+    """Processes the run will have: nproc x nnodes when stratbench starts them, else the launcher's
+    WORLD_SIZE (torchrun, deepspeed) or SLURM_NTASKS (srun, one task per device)."""
     import os
 
-    if "WORLD_SIZE" in os.environ:
-        return int(os.environ["WORLD_SIZE"])
+    from stratbench.launch import needs_launch
+
+    if needs_launch(cfg):
+        return cfg.nproc * cfg.nnodes
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if name in os.environ:
+            return int(os.environ[name])
     return cfg.nproc * cfg.nnodes
 
 

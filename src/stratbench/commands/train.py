@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.report_table import print_result
 
     cfg = resolve_config(args)
-    engine.preflight(cfg, world_size=None if launched_by_launcher() else cfg.nproc * cfg.nnodes)
+    engine.preflight(cfg)
     if launch.needs_launch(cfg):
         code = launch.launch(cfg)
         if code != 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 from stratbench.strategies.base import Strategy, register

@@ -509,10 +509,10 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
         blob = torch.load(files[0], map_location="cpu", weights_only=False)
         model = {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}
     else:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-
         import contextlib
         import sys
+
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout may be JSON (evaluate --json)
             model = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
