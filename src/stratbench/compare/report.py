@@ -244,8 +244,9 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     busy = ""
     if load is not None and load > 1.5 * cores:
         busy = notes.mark(
-            f"the machine was busy with other work while this cell ran (mean 1-minute load average {load:.1f} on "
-            f"{cores} cores): its times are inflated and its speed-up is not comparable"
+            "the machine was busy with other work while this cell ran (mean 1-minute load average above 1.5x its "
+            "cores; each cell's value is host_load_mean in report.csv): its times are inflated and its speed-up "
+            "is not a property of the method"
         )
     for k in ("epoch_time", "train_time", "throughput"):
         text[k] += busy
