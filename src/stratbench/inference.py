@@ -418,3 +418,19 @@ def open_model(
         yield OpenedModel(
             meta, config, onnx_runner(path, ort_device, threads), f"onnxruntime ({ort_device}): {what}"
         )
+
+
+def add_backend_arguments(parser) -> None:
+    """--backend/--onnx/--device: what runs the model, shared by predict and evaluate."""
+    parser.add_argument(
+        "--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model"
+    )
+    parser.add_argument(
+        "--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)"
+    )
+    parser.add_argument(
+        "--device",
+        default="auto",
+        choices=("auto", "cpu", "cuda"),
+        help="device (default: cuda when present)",
+    )

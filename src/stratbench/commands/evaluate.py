@@ -14,6 +14,7 @@ ORDER = 61
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from stratbench.data import DATASETS
+    from stratbench.inference import add_backend_arguments
 
     parser.add_argument(
         "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
@@ -24,18 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir", help="folder of the data set (default: the checkpoint's, when --data is not changed)"
     )
-    parser.add_argument(
-        "--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model"
-    )
-    parser.add_argument(
-        "--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)"
-    )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="device (default: cuda when present)",
-    )
+    add_backend_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass")
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 

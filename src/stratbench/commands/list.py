@@ -25,9 +25,12 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.strategies.base import all_strategies
 
     device = resolve_device("auto")
-    console = Console()
+    import sys
+
+    console = Console(width=None if sys.stdout.isatty() else 220)  # piped: don't squeeze into 80 columns
     table = Table(title="strategies (--strategy)")
-    for col in ("name", "what it is", "needs", "launcher", "options"):
+    table.add_column("name", no_wrap=True)
+    for col in ("what it is", "needs", "launcher", "options"):
         table.add_column(col)
     if args.check:
         table.add_column(f"here ({device.type}, {torch.cuda.device_count()} GPU)")
@@ -41,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(*row)
     console.print(table)
     ptable = Table(title="precisions (--precision)")
-    for col in ("name", "what it is", "weights", "compute"):
+    ptable.add_column("name", no_wrap=True)
+    for col in ("what it is", "weights", "compute"):
         ptable.add_column(col)
     if args.check:
         ptable.add_column(f"here ({device.type})")

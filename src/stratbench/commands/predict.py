@@ -12,6 +12,8 @@ ORDER = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.inference import add_backend_arguments
+
     parser.add_argument(
         "images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)"
     )
@@ -19,18 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
     )
     parser.add_argument("--top-k", type=int, default=5, help="classes to show per image (default 5)")
-    parser.add_argument(
-        "--backend", default="torch", choices=("torch", "onnxruntime"), help="what runs the model"
-    )
-    parser.add_argument(
-        "--onnx", help="exported model for --backend onnxruntime (default: export the checkpoint on the fly)"
-    )
-    parser.add_argument(
-        "--device",
-        default="auto",
-        choices=("auto", "cpu", "cuda"),
-        help="device (default: cuda when present)",
-    )
+    add_backend_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=32, help="images per forward pass")
     parser.add_argument(
         "--json", action="store_true", help="print the predictions as one JSON document on stdout"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import sys
 from typing import Any
 
 from stratbench.config import TrainConfig, add_dataclass_arguments, collect_overrides, from_dict, load_yaml
@@ -94,9 +95,16 @@ def run(args: argparse.Namespace) -> int:
     result = engine.run(cfg)
     from stratbench.dist import read_env
 
-    if read_env(cfg.device).is_main and not launched_by_launcher():
-        print_result(cfg.output, result)
-    return 0
+    if not launched_by_launcher():
+        if read_env(cfg.device).is_main:
+            print_result(cfg.output, result)
+        return 0
+    # A worker whose run finished: the result and checkpoints are written and the process group is torn
+    # down. Skip the interpreter's teardown, where a library thread (seen with DeepSpeed over gloo: "terminate
+    # called without an active exception") can abort a successful worker and fail the whole run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def raise_failed(cfg: TrainConfig, code: int) -> None:
