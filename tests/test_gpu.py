@@ -1,0 +1,51 @@
+"""What only a GPU can show: CUDA memory and utilisation in the result, every precision on CUDA, DataParallel's
+per-GPU memory, SyncBatchNorm equivalence. Marked ``gpu``: skipped where torch sees no CUDA device (CI)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import TINY, rel_close, train
+
+pytestmark = pytest.mark.gpu
+
+SMALL = ["--model", "resnet18", "--cifar-stem", "--data", "synthetic", "--image-size", "32", "--synthetic-samples",
+         "512", "--batch-size", "64", "--epochs", "1", "--max-steps", "8", "--progress", "false", "--device", "cuda"]  # fmt: skip
+
+
+def needs_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs >= {n} CUDA GPUs, found {torch.cuda.device_count()}")
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16-true", "bf16-true", "fp16-mixed", "bf16-mixed"])
+def test_every_precision_on_one_gpu(tmp_path, precision):
+    needs_gpus(1)
+    if "bf16" in precision and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16")
+    res = train(tmp_path, *SMALL, "--precision", precision)
+    m = res["metrics"]
+    assert res["status"] == "ok" and m["peak_memory_kind"] == "cuda_max_allocated"
+    assert m["peak_memory_bytes"][0] > 0 and m["peak_reserved_bytes"][0] >= m["peak_memory_bytes"][0]
+    assert m["gpu_util_mean_pct"] and m["gpu_util_mean_pct"][0] is not None  # NVML sampler ran
+    assert m["flops_per_sample"] and m["flops_per_sample"] > 0
+
+
+def test_dataparallel_reports_every_gpu_and_trains_like_single(tmp_path):
+    needs_gpus(2)
+    single = train(tmp_path / "single", *TINY, "--device", "cuda")
+    dp = train(tmp_path / "dp", "--strategy", "dp", *TINY, "--device", "cuda")
+    assert len(dp["metrics"]["peak_memory_bytes"]) == torch.cuda.device_count()
+    assert rel_close(dp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], 1e-3) < 1e-3
+
+
+def test_sync_batchnorm_ddp_matches_single(tmp_path):
+    """With SyncBatchNorm, batch statistics are over the global batch, so a BatchNorm model trains under DDP as
+    it does on one device (without it, each rank normalises over its half)."""
+    needs_gpus(2)
+    args = ["--model", "resnet18", "--cifar-stem", "--data", "digits", "--batch-size", "32", "--epochs", "1",
+            "--max-steps", "10", "--lr", "0.01", "--progress", "false", "--device", "cuda"]  # fmt: skip
+    single = train(tmp_path / "single", *args)
+    ddp = train(tmp_path / "ddp", "--strategy", "ddp", "--sync-bn", *args, nproc=2)
+    assert rel_close(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], 1e-3) < 1e-3
