@@ -127,3 +127,13 @@ def test_list_does_not_import_deepspeed():
     code = "import sys; from stratbench.strategies.base import all_strategies; all_strategies(); print('deepspeed' in sys.modules, 'accelerate' in sys.modules)"
     out = subprocess.run([__import__("sys").executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_zero3_with_cpu_offload_trains_the_same_model(tmp_path, reference_run):
+    """ZeRO-Offload (optimizer and parameters on the CPU) changes where states live, not the arithmetic."""
+    res = train(tmp_path / "offload", *DS, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
+                *TINY, nproc=2, timeout=TIMEOUT)  # fmt: skip
+    assert rel_close(_curve(res), _curve(reference_run), 1e-4) < 1e-4
+    cfg = json.loads((tmp_path / "offload" / "deepspeed_config.json").read_text())
+    assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
