@@ -81,10 +81,6 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     return obj
 
 
-def is_sharded(path: Path) -> bool:
-    return Path(path).is_dir()
-
-
 def read_meta(path: Path) -> dict[str, Any]:
     """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded."""
     path = Path(path)
