@@ -1,7 +1,7 @@
 """accelerate strategies on CPU: accelerate-ddp over 2 gloo processes; FSDP/DeepSpeed plugins refused here.
 
-Tolerance against `single`: 1e-4 relative over all 20 steps, as for every 2-process method (see conftest.TINY
-for why the test problem has no normalisation layer; accelerate-ddp reproduced ddp's curve bit for bit).
+Equivalence against `single` in fp64 at conftest.RTOL, as for every torch-native 2-process method (see
+conftest.EQUIV; accelerate-ddp reproduces ddp's curve bit for bit).
 """
 
 from __future__ import annotations
@@ -15,19 +15,20 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO, TINY, rel_close, run_stratbench, train
+from conftest import EQUIV, REPO, RTOL, TINY, assert_curves_match, run_stratbench, train
 
 CPU = torch.device("cpu")
 
 
 @pytest.mark.distributed
+@pytest.mark.equivalence
 def test_accelerate_ddp_matches_single_and_its_checkpoint_loads_into_single(tmp_path, reference_run):
     out = tmp_path / "acc"
-    res = train(out, "--strategy", "accelerate-ddp", *TINY, nproc=2, timeout=240)
+    res = train(out, "--strategy", "accelerate-ddp", *EQUIV, nproc=2, timeout=240)
     assert res["status"] == "ok" and res["world_size"] == 2
     curve, ref = res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"]
     assert len(curve) == 20
-    assert rel_close(curve, ref, 1e-4) < 1e-4
+    assert_curves_match(curve, ref, RTOL)
     assert sum(curve[-5:]) < 0.7 * sum(curve[:5])  # it learns
     # DDP replicates everything: each rank holds the full sizes.
     for key in ("param_bytes", "optimizer_state_bytes"):

@@ -1,5 +1,6 @@
 """dp, ddp and ddp-zero on CPU: 2-process gloo runs on loopback prove that DDP and DDP + ZeRO train exactly the
-model one process trains, that ZeRO really shards the optimizer state, and that a ddp-zero checkpoint (full or
+model one process trains (fp64, see conftest.EQUIV; and one fp32 check against a reference with the same
+micro-batch shapes), that ZeRO really shards the optimizer state, and that a ddp-zero checkpoint (full or
 sharded) resumes under ddp and under single."""
 
 from __future__ import annotations
@@ -9,15 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, rel_close, run_stratbench, train
-
-EQUIV = TINY  # a normalisation-free problem, so that a 1e-4 bound tests the method, not rounding (see conftest)
-RTOL = 1e-4
+from conftest import EQUIV, RTOL, RTOL_FP32_SAME_SHAPES, TINY, assert_curves_match, run_stratbench, train
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, reference_run) -> dict[str, dict]:
-    """single (the shared reference), ddp and ddp-zero fp32 runs of EQUIV; the ddp-zero one keeps its checkpoint."""
+    """single (the shared reference), ddp and ddp-zero fp64 runs of EQUIV; the ddp-zero one keeps its checkpoint."""
     root = tmp_path_factory.mktemp("ddp")
     out = {"root": root}
     out["single"] = reference_run
@@ -27,6 +25,7 @@ def runs(tmp_path_factory, reference_run) -> dict[str, dict]:
 
 
 @pytest.mark.distributed
+@pytest.mark.equivalence
 @pytest.mark.parametrize("strategy", ["ddp", "ddp-zero"])
 def test_loss_curve_matches_single(runs, strategy):
     res = runs[strategy]
@@ -36,15 +35,29 @@ def test_loss_curve_matches_single(runs, strategy):
     curve = res["metrics"]["loss_curve"]
     assert len(curve) == 20
     assert ref[-1] < 0.9 * ref[0], "the reference must actually train, or equal curves prove nothing"
-    assert rel_close(curve, ref, RTOL) < RTOL
+    assert_curves_match(curve, ref, RTOL)
 
 
 @pytest.mark.distributed
+@pytest.mark.equivalence
 def test_ddp_grad_accum_matches_single(runs):
     """2 ranks x 2 micro-steps of 8 (all-reduce skipped on the first) = the same global batch of 32."""
     res = train(runs["root"] / "accum", "--strategy", "ddp", *EQUIV, "--grad-accum", "2", nproc=2)
     assert res["micro_batch_size"] == 8 and res["grad_accum"] == 2
-    assert rel_close(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL) < RTOL
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_ddp_fp32_matches_single_with_the_same_micro_batch_shapes(runs):
+    """The fp32 check: 2 ranks x 16 against one process x 2 micro-steps of 16. The kernels see the same shapes,
+    so they choose the same algorithms on any CPU; only the grouping of samples into sums differs (see
+    conftest.RTOL_FP32_SAME_SHAPES for the measured spread)."""
+    fp32 = [*TINY, "--precision", "fp32"]
+    single = train(runs["root"] / "single-fp32-accum", "--strategy", "single", *fp32, "--grad-accum", "2")
+    ddp = train(runs["root"] / "ddp-fp32", "--strategy", "ddp", *fp32, nproc=2)
+    assert single["micro_batch_size"] == ddp["micro_batch_size"] == 16
+    assert_curves_match(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL_FP32_SAME_SHAPES)
 
 
 @pytest.mark.distributed
@@ -74,6 +87,7 @@ def _resume_curve(runs, tmp: Path, name: str, fmt: str, resumer: str, nproc: int
 
 
 @pytest.mark.distributed
+@pytest.mark.equivalence
 @pytest.mark.parametrize(
     ("fmt", "resumer", "nproc"),
     [("full", "ddp", 2), ("full", "single", 1), ("sharded", "single", 1)],
@@ -82,7 +96,7 @@ def test_zero_checkpoint_resumes_anywhere(runs, tmp_path_factory, fmt, resumer, 
     """Steps 11-20 after resuming equal the uninterrupted run's: weights, momentum and LR schedule came back."""
     tmp = runs["root"]
     curve = _resume_curve(runs, tmp, f"resume-{fmt}-{resumer}", fmt, resumer, nproc)
-    assert rel_close(curve, runs["single"]["metrics"]["loss_curve"][10:], RTOL) < RTOL
+    assert_curves_match(curve, runs["single"]["metrics"]["loss_curve"][10:], RTOL)
 
 
 @pytest.mark.distributed

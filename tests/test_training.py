@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_stratbench, train
+from conftest import EQUIV, RTOL, assert_curves_match, run_stratbench, train
 from stratbench import checkpoint
 
 QUICK = ["--model", "tinynet", "--data", "digits", "--progress", "false", "--measure-flops", "false"]
@@ -54,13 +54,22 @@ def test_resume_matches_uninterrupted_run(tmp_path):
     assert full["metrics"]["loss_curve"][57:] == pytest.approx(resumed["metrics"]["loss_curve"], rel=0, abs=0)
 
 
-def test_grad_accumulation_keeps_the_global_batch(tmp_path):
-    common = [*QUICK, "--width", "8", "--epochs", "1", "--max-steps", "5", "--batch-size", "32"]
-    one = train(tmp_path / "one", *common)
-    acc = train(tmp_path / "acc", *common, "--grad-accum", "4")
-    assert acc["micro_batch_size"] == 8 and acc["global_batch_size"] == 32
-    rel = max(abs(x - y) / y for x, y in zip(one["metrics"]["loss_curve"], acc["metrics"]["loss_curve"], strict=True))
-    assert rel < 1e-4, (one["metrics"]["loss_curve"], acc["metrics"]["loss_curve"])
+@pytest.fixture(scope="module")
+def one_batch_run(tmp_path_factory) -> dict:
+    return train(tmp_path_factory.mktemp("shapes") / "one", "--strategy", "single", *EQUIV)
+
+
+@pytest.mark.equivalence
+@pytest.mark.parametrize("accum", [2, 4])
+def test_grad_accumulation_keeps_the_global_batch(tmp_path, one_batch_run, accum):
+    """The check that would have caught the Intel failure on any one machine: the same problem at other batch
+    shapes (global batch 32 as 1 x 32, 2 x 16, 4 x 8) makes the kernels take other algorithms; in fp64 the curves
+    must still agree to RTOL (measured 3.2e-16 and 8.1e-16; in fp32 the 2 x 16 run was 2.2e-3 away on AVX2)."""
+    acc = train(tmp_path / f"acc{accum}", "--strategy", "single", *EQUIV, "--grad-accum", str(accum))
+    assert acc["micro_batch_size"] == 32 // accum and acc["global_batch_size"] == 32
+    ref = one_batch_run["metrics"]["loss_curve"]
+    assert ref[-1] < 0.9 * ref[0], "the reference must actually train, or equal curves prove nothing"
+    assert_curves_match(acc["metrics"]["loss_curve"], ref, RTOL)
 
 
 def test_yaml_config_and_cli_override(tmp_path):

@@ -25,7 +25,15 @@ class Plan:
     @property
     def label(self) -> str:
         opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options)
-        return " ".join(x for x in (self.strategy, opts, "+ activation checkpointing" if self.activation_checkpointing else "") if x)
+        return " ".join(
+            x
+            for x in (
+                self.strategy,
+                opts,
+                "+ activation checkpointing" if self.activation_checkpointing else "",
+            )
+            if x
+        )
 
 
 @dataclass
@@ -92,12 +100,18 @@ def advise(
     )
     for plan in plans:
         world = 1 if plan.strategy == "single" else devices
-        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options), activation_checkpointing=plan.activation_checkpointing)
+        cfg = base.replace(
+            strategy=plan.strategy,
+            strategy_options=dict(plan.options),
+            activation_checkpointing=plan.activation_checkpointing,
+        )
         est = estimate(cfg, world, device_type)
         advice.tried.append((plan, est))
         if est.total_bytes <= budget:
             advice.plan, advice.estimate = plan, est
-            reasons.append(f"{plan.label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})")
+            reasons.append(
+                f"{plan.label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})"
+            )
             break
         reasons.append(f"{plan.label}: {fmt_bytes(est.total_bytes)} per device does not fit")
     if advice.plan is None:
@@ -131,5 +145,7 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
         args += ["--nproc", str(devices)]
     train = shlex.join(args)
     others = "single,ddp,fsdp" if plan.strategy in ("single", "ddp") else f"ddp,{plan.strategy}"
-    compare = shlex.join(["stratbench", "compare", "--preset", "seed", "--data", "synthetic", "--only", others])
+    compare = shlex.join(
+        ["stratbench", "compare", "--preset", "seed", "--data", "synthetic", "--only", others]
+    )
     return train, compare

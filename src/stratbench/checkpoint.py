@@ -77,7 +77,9 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
             f"checkpoint {path} is not a stratbench checkpoint (found {what}); use --weights for a plain state dict"
         )
     if obj.get("version", 0) > VERSION:
-        raise CheckpointError(f"checkpoint {path} has format version {obj['version']}; this stratbench reads <= {VERSION}")
+        raise CheckpointError(
+            f"checkpoint {path} has format version {obj['version']}; this stratbench reads <= {VERSION}"
+        )
     return obj
 
 
@@ -87,7 +89,9 @@ def read_meta(path: Path) -> dict[str, Any]:
     if path.is_dir():
         meta_path = path / META_FILE
         if not meta_path.exists():
-            raise CheckpointError(f"{path} is a folder but not a stratbench checkpoint (no {META_FILE} in it)")
+            raise CheckpointError(
+                f"{path} is a folder but not a stratbench checkpoint (no {META_FILE} in it)"
+            )
         return load_file(meta_path)
     return load_file(path)
 

@@ -17,15 +17,20 @@ def build_parser() -> argparse.ArgumentParser:
     import stratbench.commands as pkg
 
     parser = argparse.ArgumentParser(
-        prog="stratbench", description="Train one model under every training method and compare them side by side."
+        prog="stratbench",
+        description="Train one model under every training method and compare them side by side.",
     )
     parser.add_argument("--version", action="version", version=f"stratbench {__version__}")
     # `deepspeed -m stratbench train ...` inserts --local_rank=N right after the module name, before the
     # sub-command; the rank is read from LOCAL_RANK, so accept and ignore it here too.
-    parser.add_argument("--local_rank", "--local-rank", dest="_launcher_local_rank", default=None, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--local_rank", "--local-rank", dest="_launcher_local_rank", default=None, help=argparse.SUPPRESS
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
-    modules = [importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)]
+    modules = [
+        importlib.import_module(f"{pkg.__name__}.{m.name}") for m in pkgutil.iter_modules(pkg.__path__)
+    ]
     for module in sorted(modules, key=lambda m: getattr(m, "ORDER", 50)):
         p = sub.add_parser(module.NAME, help=module.HELP, description=module.HELP)
         module.add_arguments(p)

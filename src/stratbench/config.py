@@ -90,7 +90,7 @@ class TrainConfig:
     strategy_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen strategy (e.g. sharding, zero_stage); validated by the strategy."""
     precision: str = "fp32"
-    """fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed."""
+    """fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed."""
     tf32: bool = False
     """Allow TF32 matmuls/convolutions (NVIDIA Ampere or newer)."""
     channels_last: bool = False
@@ -145,6 +145,12 @@ class TrainConfig:
     """Checkpoint whose model weights start the run (optimizer and progress are not restored)."""
     tensorboard: bool = False
     """Write TensorBoard scalars under OUTPUT/tensorboard."""
+    mlflow: bool = False
+    """Log params, per-step metrics and the result to MLflow (the mlflow extra): a local store OUTPUT/mlflow.db unless --mlflow-tracking-uri."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (e.g. sqlite:///runs/mlflow.db, http://host:5000, file:./mlruns); default: sqlite:///OUTPUT/mlflow.db."""
+    mlflow_experiment: str = "stratbench"
+    """MLflow experiment the run is logged under."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     measure_flops: bool = True
@@ -180,7 +186,16 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer": ("sgd", "adamw"),
     "lr_schedule": ("cosine", "constant"),
 }
-POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
+POSITIVE = (
+    "epochs",
+    "batch_size",
+    "grad_accum",
+    "nproc",
+    "nnodes",
+    "width",
+    "num_classes",
+    "synthetic_samples",
+)
 
 
 def _base_type(annotation: Any) -> type:
@@ -227,7 +242,9 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
         raise ConfigError(
             f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
         )
-    values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    values = {
+        k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()
+    }
     return cls(**values)
 
 
@@ -286,7 +303,9 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, dest_
         typ = _base_type(f.type)
         dest = dest_prefix + f.name
         if typ is bool:
-            parser.add_argument(flag, dest=dest, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+            parser.add_argument(
+                flag, dest=dest, nargs="?", const="true", default=None, metavar="BOOL", help=help_text
+            )
         else:
             parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
 

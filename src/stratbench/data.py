@@ -62,9 +62,9 @@ def check_data(cfg: TrainConfig) -> None:
 
 def build_data(cfg: TrainConfig) -> DataBundle:
     check_data(cfg)
-    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[cfg.data](
-        cfg
-    )
+    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[
+        cfg.data
+    ](cfg)
 
 
 class SyntheticImages(Dataset):
@@ -246,7 +246,11 @@ def train_loader(
 
 def val_loader(ds: Dataset, batch: int, rank: int, world: int, workers: int, pin: bool) -> DataLoader:
     return DataLoader(
-        PaddedEval(ds), batch_size=batch, sampler=ShardSampler(len(ds), rank, world), num_workers=workers, pin_memory=pin
+        PaddedEval(ds),
+        batch_size=batch,
+        sampler=ShardSampler(len(ds), rank, world),
+        num_workers=workers,
+        pin_memory=pin,
     )
 
 

@@ -33,9 +33,12 @@ class DistEnv:
 
 def launched_by_launcher() -> bool:
     """True when a launcher (torchrun, deepspeed, SLURM srun) started this process as one of several ranks."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ or "SLURM_PROCID" in os.environ and int(
-        os.environ.get("SLURM_NTASKS", "1")
-    ) > 1
+    return (
+        "RANK" in os.environ
+        and "WORLD_SIZE" in os.environ
+        or "SLURM_PROCID" in os.environ
+        and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    )
 
 
 def _env_int(*names: str, default: int) -> int:
@@ -62,7 +65,9 @@ def read_env(device_kind: str = "auto") -> DistEnv:
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
-    return DistEnv(rank=rank, local_rank=local_rank, world_size=world, device=resolve_device(device_kind, local_rank))
+    return DistEnv(
+        rank=rank, local_rank=local_rank, world_size=world, device=resolve_device(device_kind, local_rank)
+    )
 
 
 def free_port() -> int:
@@ -95,7 +100,10 @@ def init_process_group(env: DistEnv, timeout_s: int = 300) -> None:
         # After an elastic restart the agent's store still holds the dead group's gloo/nccl addresses;
         # a fresh key prefix per restart keeps the new group from connecting to them ("Connection refused").
         store = dist.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=timeout_s)
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
         )
         kwargs["store"] = dist.PrefixStore(f"stratbench/restart{restart}", store)
     dist.init_process_group(

@@ -1,4 +1,5 @@
-"""The one training loop. It talks only to a Strategy (and, through it, a Precision); no method-specific code.
+"""The one training loop. It talks only to a Strategy (and, through it, a Precision), a TrainState and a
+RunMetrics object; no method-specific code and no logger.
 
 Order of set-up, the same for every method: seed -> data -> model (same init on every rank) -> weights ->
 activation checkpointing -> strategy.setup (convert precision, move, wrap, build optimizer on the wrapped
@@ -9,10 +10,10 @@ step statistics. Memory peaks are reset at the start of each phase.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,30 +24,17 @@ from torch import nn
 from stratbench import checkpoint as ckpt
 from stratbench.config import TrainConfig, dump_yaml, validate
 from stratbench.data import (
+    DataBundle,
     build_data,
     check_data,
     split_batch,
     steps_per_epoch,
     train_loader,
+    val_loader,
 )
-from stratbench.dist import (
-    DistEnv,
-    destroy_process_group,
-    init_process_group,
-    read_env,
-    rng_state,
-    seed_everything,
-    set_rng_state,
-)
-from stratbench.errors import CheckpointError, ConfigError, StratbenchError, UnsupportedError
-from stratbench.metrics import (
-    MemoryPhase,
-    StepTimer,
-    UtilisationSampler,
-    environment,
-    flops_per_sample,
-    peak_flops,
-)
+from stratbench.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
+from stratbench.errors import CheckpointError, ConfigError, DivergedError, StratbenchError, UnsupportedError
+from stratbench.metrics import RunMetrics, environment, flops_per_sample
 from stratbench.models import (
     apply_activation_checkpointing,
     build_model,
@@ -54,8 +42,10 @@ from stratbench.models import (
     count_parameters,
     load_weights,
 )
-from stratbench.precision import SPECS, Precision, configure_tf32
+from stratbench.precision import SPECS, Precision, configure_tf32, supported_on
+from stratbench.sinks import Sink, build_sinks
 from stratbench.strategies.base import Strategy, get_strategy
+from stratbench.train_state import TrainState
 
 
 @dataclass(frozen=True)
@@ -72,7 +62,9 @@ class OptimizerSpec:
 
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
     if cfg.optimizer == "sgd":
-        return OptimizerSpec(torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay})
+        return OptimizerSpec(
+            torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+        )
     return OptimizerSpec(torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
 
 
@@ -118,12 +110,15 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     from stratbench.dist import resolve_device
 
     device = resolve_device(cfg.device)
-    from stratbench.precision import supported_on
-
     reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
     if reason:
         raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
     split_batch(cfg.batch_size, strategy_cls.data_parallel_size(cfg, world), cfg.grad_accum)
+    if cfg.mlflow:
+        import importlib.util
+
+        if importlib.util.find_spec("mlflow") is None:
+            raise ConfigError("--mlflow needs the mlflow extra: pip install 'stratbench[mlflow]'")
     if cfg.weights and not Path(cfg.weights).is_file():
         raise CheckpointError(f"weights file not found: {cfg.weights}")
     for path in (cfg.init_from, cfg.resume_from if cfg.resume or cfg.resume_from else None):
@@ -143,12 +138,31 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if strategy_cls.needs_process_group:
         init_process_group(env, cfg.dist_timeout_s)
     elif env.world_size > 1:
-        raise ConfigError(f"strategy {cfg.strategy!r} runs in one process; it was launched as {env.world_size}")
+        raise ConfigError(
+            f"strategy {cfg.strategy!r} runs in one process; it was launched as {env.world_size}"
+        )
     try:
         return Trainer(cfg, env, strategy_cls).fit()
     finally:
         if strategy_cls.needs_process_group:
             destroy_process_group()
+
+
+@dataclass
+class Run:
+    """What set-up produced: the data, the wrapped model and optimizer, the train state and the step budget."""
+
+    bundle: DataBundle
+    loader: Any
+    sampler: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    meta: dict[str, Any]
+    micro_batch: int
+    steps_per_epoch: int
+    run_steps: int
+    flops: float | None
 
 
 class Trainer:
@@ -159,22 +173,29 @@ class Trainer:
         configure_tf32(cfg.tf32, env.device)
         precision = Precision(cfg.precision, env.device)
         self.strategy = strategy_cls(cfg, env, precision, strategy_cls.parse_options(cfg.strategy_options))
+        self.loss_fn = nn.CrossEntropyLoss()
         self.result: dict[str, Any] = {}
-        self.writer = None
 
     # ------------------------------------------------------------------------------------------
     def fit(self) -> dict[str, Any]:
+        """Train, and write the result (whatever happened) through the sinks of the main rank."""
         cfg, env = self.cfg, self.env
         t_start = time.perf_counter()
         self.result = self._result_header()
+        sinks: list[Sink] = []
         if env.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out / "config.yaml")
+            sinks = build_sinks(cfg, self.out, resuming=bool(cfg.resume or cfg.resume_from))
+        metrics = RunMetrics(self.strategy, cfg, sinks)
         try:
-            self._fit()
+            self._fit(metrics)
             self.result["status"] = "ok"
         except torch.OutOfMemoryError as exc:
             self._fail("oom", f"out of memory: {str(exc).splitlines()[0]}")
+            raise
+        except DivergedError as exc:
+            self._fail("diverged", str(exc))
             raise
         except StratbenchError as exc:
             self._fail("failed", str(exc))
@@ -184,59 +205,127 @@ class Trainer:
             raise
         finally:
             self.result["metrics"]["wall_time_s"] = time.perf_counter() - t_start
-            if env.is_main:
-                _write_json(self.out / "result.json", self.result)
-            if self.writer:
-                self.writer.close()
+            for sink in sinks:
+                sink.close(self.result)
         return self.result
 
-    def _fail(self, status: str, reason: str) -> None:
-        self.result["status"] = status
-        self.result["reason"] = reason
-        self.result["traceback"] = traceback.format_exc(limit=8)
+    def _fit(self, metrics: RunMetrics) -> None:
+        cfg = self.cfg
+        run = self._setup()
+        progress = run.state.progress
+        bar = _progress(cfg, self.env, run.run_steps, progress.step)
+        while progress.epoch < cfg.epochs and progress.step < run.run_steps:
+            batches = self._epoch_batches(run)
+            with metrics.train_phase():
+                while progress.batch_in_epoch < run.steps_per_epoch and progress.step < run.run_steps:
+                    dt = self._step(run, batches, metrics)
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(
+                            epoch=progress.epoch,
+                            loss=f"{metrics.losses[-1]:.4f}",
+                            samples_s=f"{cfg.batch_size / dt:.0f}",
+                        )
+                    if (
+                        cfg.save_every_steps
+                        and progress.step % cfg.save_every_steps == 0
+                        and progress.step < run.run_steps
+                    ):
+                        self._save(run)
+            epoch_done = progress.batch_in_epoch >= run.steps_per_epoch
+            if epoch_done:
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+            last = progress.step >= run.run_steps or progress.epoch >= cfg.epochs
+            if (cfg.eval_every_epoch and epoch_done) or last:
+                self._evaluate_and_log(run, metrics, epoch_done, bar)
+            if (cfg.save_every_epoch and epoch_done) or last:
+                self._save(run)
+        if bar is not None:
+            bar.close()
+        metrics.record_state_bytes(run.model, run.optimizer)
+        summary, sharding = metrics.summary(run.flops)
+        self.result["metrics"].update(summary)
+        self.result["sharding"] = sharding
 
-    def _result_header(self) -> dict[str, Any]:
-        cfg, env = self.cfg, self.env
-        dp = type(self.strategy).data_parallel_size(cfg, env.world_size)
-        return {
-            "status": "running",
-            "strategy": cfg.strategy,
-            "precision": cfg.precision,
-            "model": cfg.model,
-            "data": cfg.data,
-            "world_size": env.world_size,
-            "data_parallel_size": dp,
-            "global_batch_size": cfg.batch_size,
-            "per_device_batch_size": cfg.batch_size // (dp * cfg.grad_accum) * cfg.grad_accum,
-            "micro_batch_size": cfg.batch_size // (dp * cfg.grad_accum),
-            "grad_accum": cfg.grad_accum,
-            "batch_semantics": "batch_size is the global batch per optimizer step, over all devices and micro-steps",
-            "config": cfg.to_dict(),
-            "environment": environment(env.world_size, env.device),
-            "metrics": {},
-        }
+    def _step(self, run: Run, batches: Iterator, metrics: RunMetrics) -> float:
+        """One optimizer step, timed: load the micro-batches, forward/backward (the strategy's schedule), step."""
+        cfg, strategy, progress = self.cfg, self.strategy, run.state.progress
+        metrics.step_start()
+        micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
+        loss = strategy.run_step(run.model, micro, self.loss_fn)
+        if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
+            metrics.record_state_bytes(run.model, run.optimizer)
+        strategy.optimizer_step(run.optimizer, cfg.clip_grad_norm)
+        lr = run.state.scheduler.get_last_lr()[0]
+        run.state.scheduler.step()
+        dt = metrics.step_end(progress.step + 1, progress.epoch, loss, lr)
+        value = metrics.losses[-1]
+        if not math.isfinite(value) and not strategy.precision.scaler.is_enabled():
+            raise DivergedError(
+                f"the loss became {value} at step {progress.step + 1} (lr {lr:g}); lower --lr or use --clip-grad-norm"
+            )
+        progress.step += 1
+        progress.batch_in_epoch += 1
+        return dt
 
-    # ------------------------------------------------------------------------------------------
-    def _fit(self) -> None:
+    # ---- set-up --------------------------------------------------------------------------------
+    def _setup(self) -> Run:
         cfg, env, strategy = self.cfg, self.env, self.strategy
         seed_everything(cfg.seed)
         bundle = build_data(cfg)
-        micro = cfg.batch_size // (env.world_size * cfg.grad_accum)
-        pin = env.device.type == "cuda"
-        loader, sampler = train_loader(bundle.train, micro, env.rank, env.world_size, cfg.seed, cfg.num_workers, pin)
+        micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
+        loader, sampler = train_loader(
+            bundle.train,
+            micro,
+            env.rank,
+            env.world_size,
+            cfg.seed,
+            cfg.num_workers,
+            env.device.type == "cuda",
+        )
         spe = steps_per_epoch(len(bundle.train), env.world_size, micro, cfg.grad_accum)
         if spe == 0:
             raise ConfigError(
                 f"the training set ({len(bundle.train)} samples) is smaller than one global batch ({cfg.batch_size})"
             )
         total_steps = spe * cfg.epochs
-        run_steps = min(total_steps, cfg.max_steps or total_steps)
 
         def build() -> nn.Module:
-            return build_model(cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width)
+            return build_model(
+                cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width
+            )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
         model = build()
+        meta = self._model_meta(bundle, model)
+        if cfg.weights:
+            self.result["weights_skipped"] = load_weights(model, cfg.weights)
+        if cfg.init_from:
+            model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
+        flops = (
+            flops_per_sample(build, (3, bundle.image_size, bundle.image_size), bundle.num_classes)
+            if cfg.measure_flops
+            else None
+        )
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        model, optimizer = strategy.setup(model, optimizer_spec(cfg))
+        if cfg.compile:
+            model = torch.compile(model)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+        state = TrainState(scheduler, strategy)
+        resume_path = (
+            ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
+        )
+        if resume_path is not None:
+            state.load_state_dict(strategy.load_checkpoint(resume_path, model, optimizer))
+            self.result["resumed_from"] = {"path": str(resume_path), "step": state.progress.step}
+        run_steps = min(total_steps, cfg.max_steps or total_steps)
+        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
+
+    def _model_meta(self, bundle: DataBundle, model: nn.Module) -> dict[str, Any]:
+        """What inference needs to rebuild and feed the model; saved in every checkpoint."""
+        cfg = self.cfg
         meta = {
             "model": cfg.model,
             "num_classes": bundle.num_classes,
@@ -251,233 +340,102 @@ class Trainer:
             "num_parameters": count_parameters(model),
         }
         self.result["model_meta"] = meta
-        if cfg.weights:
-            skipped = load_weights(model, cfg.weights)
-            self.result["weights_skipped"] = skipped
-        if cfg.init_from:
-            state = ckpt.load_any(Path(cfg.init_from))
-            model.load_state_dict(state["model"])
-        flops = flops_per_sample(build, (3, bundle.image_size, bundle.image_size), bundle.num_classes) if cfg.measure_flops else None
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+        return meta
 
-        spec = optimizer_spec(cfg)
-        model, optimizer = strategy.setup(model, spec)
-        if cfg.compile:
-            model = torch.compile(model)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+    def _epoch_batches(self, run: Run) -> Iterator:
+        """The data of the current epoch, from where its progress says (a resumed run skips what it saw)."""
+        p = run.state.progress
+        run.sampler.set_epoch(p.epoch, skip=p.batch_in_epoch * run.micro_batch * self.cfg.grad_accum)
+        return iter(run.loader)
 
-        step, epoch, batch_in_epoch = 0, 0, 0
-        resume_path = ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
-        if resume_path is not None:
-            state = strategy.load_checkpoint(resume_path, model, optimizer)
-            progress = state["progress"]
-            step, epoch, batch_in_epoch = progress["step"], progress["epoch"], progress["batch_in_epoch"]
-            scheduler.load_state_dict(state["scheduler"])
-            strategy.precision.load_state_dict(state.get("precision", {}))
-            if state.get("rng") and state.get("world_size") == env.world_size:
-                set_rng_state(state["rng"][env.rank] if isinstance(state["rng"], list) else state["rng"])
-            self.result["resumed_from"] = {"path": str(resume_path), "step": step}
-        if cfg.tensorboard and env.is_main:
-            from torch.utils.tensorboard import SummaryWriter
+    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        x = x.to(self.env.device, non_blocking=True)
+        if self.cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.env.device, non_blocking=True)
 
-            self.writer = SummaryWriter(self.out / "tensorboard")
+    # ---- evaluation and checkpoints -------------------------------------------------------------
+    def _evaluate_and_log(self, run: Run, metrics: RunMetrics, epoch_done: bool, bar) -> None:
+        progress = run.state.progress
+        with metrics.eval_phase():
+            ev = self.evaluate(run.model, run.bundle)
+        ev["epoch"] = (
+            progress.epoch if epoch_done else progress.epoch + progress.batch_in_epoch / run.steps_per_epoch
+        )
+        metrics.log_eval(progress.step, ev)
+        if self.env.is_main:
+            line = f"epoch {ev['epoch']:.2f}: val_loss {ev['val_loss']:.4f}  val_accuracy {ev['val_accuracy']:.4f}"
+            bar.write(line) if bar is not None else print(line, flush=True)
 
-        timer = StepTimer(strategy.synchronize, cfg.timing_warmup_steps)
-        util = UtilisationSampler(strategy.memory_devices())
-        loss_fn = nn.CrossEntropyLoss()
-        step_losses: list[float] = []
-        epoch_times: list[float] = []
-        train_peaks: list[list[int]] = []
-        reserved_peaks: list[list[int]] = []
-        evals: list[dict[str, float]] = []
-        state_bytes: dict[str, int] | None = None
-        bar = _progress(cfg, env, run_steps, step)
-        self._save_args = (model, optimizer, scheduler, meta)
-        samples_per_step = cfg.batch_size
-
-        while epoch < cfg.epochs and step < run_steps:
-            sampler.set_epoch(epoch, skip=batch_in_epoch * micro * cfg.grad_accum)
-            it = iter(loader)
-            phase = MemoryPhase(strategy.memory_devices())
-            phase.start()
-            util.start()
-            model.train()
-            epoch_time = 0.0
-            while batch_in_epoch < spe and step < run_steps:
-                timer.start()
-                loss_sum = torch.zeros((), device=env.device)
-                for k in range(cfg.grad_accum):
-                    x, y = next(it)
-                    x = x.to(env.device, non_blocking=True)
-                    y = y.to(env.device, non_blocking=True)
-                    if cfg.channels_last:
-                        x = x.contiguous(memory_format=torch.channels_last)
-                    with strategy.accumulate(is_last_micro_step=k == cfg.grad_accum - 1):
-                        loss, _ = strategy.forward_loss(model, x, y, loss_fn)
-                        strategy.backward(loss / cfg.grad_accum)
-                    loss_sum += loss.detach()
-                if state_bytes is None and (step >= 1 or run_steps == 1):
-                    state_bytes = strategy.state_bytes(model, optimizer)
-                strategy.optimizer_step(optimizer, cfg.clip_grad_norm)
-                scheduler.step()
-                dt = timer.stop()
-                epoch_time += dt
-                loss_value = loss_sum.item() / cfg.grad_accum
-                if not math.isfinite(loss_value) and not strategy.precision.scaler.is_enabled():
-                    raise FloatingPointError(f"loss became {loss_value} at step {step}")
-                step_losses.append(loss_value)
-                step += 1
-                batch_in_epoch += 1
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(epoch=epoch, loss=f"{loss_value:.4f}", samples_s=f"{samples_per_step / dt:.0f}")
-                if self.writer:
-                    self.writer.add_scalar("train/loss", loss_value, step)
-                    self.writer.add_scalar("train/lr", scheduler.get_last_lr()[0], step)
-                    self.writer.add_scalar("train/samples_per_s", samples_per_step / dt, step)
-                if cfg.save_every_steps and step % cfg.save_every_steps == 0 and step < run_steps:
-                    self._save(step, epoch, batch_in_epoch)
-            util.stop()
-            phase.stop()
-            epoch_times.append(epoch_time)
-            train_peaks.append(phase.peak_bytes())
-            reserved_peaks.append(phase.peak_reserved)
-            epoch_done = batch_in_epoch >= spe
-            if epoch_done:
-                epoch, batch_in_epoch = epoch + 1, 0
-            last = step >= run_steps or epoch >= cfg.epochs
-            if (cfg.eval_every_epoch and epoch_done) or last:
-                ev = self.evaluate(model, bundle)
-                ev["epoch"] = epoch if epoch_done else epoch + batch_in_epoch / spe
-                evals.append(ev)
-                if self.writer:
-                    self.writer.add_scalar("val/accuracy", ev["val_accuracy"], step)
-                    self.writer.add_scalar("val/loss", ev["val_loss"], step)
-                if env.is_main:
-                    line = f"epoch {ev['epoch']:.2f}: val_loss {ev['val_loss']:.4f}  val_accuracy {ev['val_accuracy']:.4f}"
-                    bar.write(line) if bar is not None else print(line, flush=True)
-            if (cfg.save_every_epoch and epoch_done) or last:
-                self._save(step, epoch, batch_in_epoch)
-        if bar is not None:
-            bar.close()
-        if state_bytes is None:
-            state_bytes = strategy.state_bytes(model, optimizer)
-        self._finish_metrics(timer, util, step_losses, epoch_times, train_peaks, reserved_peaks, evals, state_bytes, flops)
-
-    # ------------------------------------------------------------------------------------------
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, bundle) -> dict[str, float]:
+    def evaluate(self, model: nn.Module, bundle: DataBundle) -> dict[str, float]:
         """Validation loss/accuracy; each sample counted once over all ranks, every rank runs the same number
         of batches (padding has weight 0), so sharded methods' collectives stay in step."""
-        from stratbench.data import val_loader
-
         cfg, env, strategy = self.cfg, self.env, self.strategy
-        micro = max(1, cfg.batch_size // (env.world_size * cfg.grad_accum))
-        loader = val_loader(bundle.val, micro, env.rank, env.world_size, cfg.num_workers, env.device.type == "cuda")
+        micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
+        loader = val_loader(
+            bundle.val, micro, env.rank, env.world_size, cfg.num_workers, env.device.type == "cuda"
+        )
         model.eval()
-        phase = MemoryPhase(strategy.memory_devices())
-        phase.start()
         totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
         for x, y, valid in loader:
-            x, y, valid = x.to(env.device), y.to(env.device), valid.to(env.device)
-            if cfg.channels_last:
-                x = x.contiguous(memory_format=torch.channels_last)
+            x, y = self._to_device((x, y))
+            valid = valid.to(env.device)
             x = strategy.precision.convert_input(x)
             with strategy.precision.autocast():
                 logits = model(x)
-            losses = nn.functional.cross_entropy(logits.float(), y, reduction="none")
+            losses = nn.functional.cross_entropy(strategy.precision.loss_input(logits), y, reduction="none")
             totals[0] += (losses * valid).sum().double()
             totals[1] += ((logits.argmax(1) == y) * valid).sum().double()
             totals[2] += valid.sum().double()
-        phase.stop()
         strategy.all_reduce(totals, "sum")
         model.train()
-        self._eval_peak = phase.peak_bytes()
-        return {"val_loss": (totals[0] / totals[2]).item(), "val_accuracy": (totals[1] / totals[2]).item(), "val_samples": int(totals[2].item())}
+        return {
+            "val_loss": (totals[0] / totals[2]).item(),
+            "val_accuracy": (totals[1] / totals[2]).item(),
+            "val_samples": int(totals[2].item()),
+        }
 
-    def _save(self, step: int, epoch: int, batch_in_epoch: int) -> None:
-        model, optimizer, scheduler, meta = self._save_args
+    def _save(self, run: Run) -> None:
         t0 = time.perf_counter()
-        rngs = self.strategy.all_gather_object(rng_state())
-        extra = {
-            "progress": {"step": step, "epoch": epoch, "batch_in_epoch": batch_in_epoch},
-            "scheduler": scheduler.state_dict(),
-            "precision": self.strategy.precision.state_dict(),
-            "rng": rngs,
-            "world_size": self.env.world_size,
+        extra = run.state.state_dict() | {
             "strategy": self.cfg.strategy,
             "precision_name": self.cfg.precision,
             "config": self.cfg.to_dict(),
-            "meta": meta,
+            "meta": run.meta,
         }
-        self.strategy.save_checkpoint(ckpt.last_checkpoint(self.out), model, optimizer, extra)
-        self.result.setdefault("metrics", {}).setdefault("checkpoint_time_s", 0.0)
-        self.result["metrics"]["checkpoint_time_s"] += time.perf_counter() - t0
+        self.strategy.save_checkpoint(ckpt.last_checkpoint(self.out), run.model, run.optimizer, extra)
+        metrics = self.result["metrics"]
+        metrics["checkpoint_time_s"] = metrics.get("checkpoint_time_s", 0.0) + time.perf_counter() - t0
 
-    def _finish_metrics(self, timer, util, step_losses, epoch_times, train_peaks, reserved_peaks, evals, state_bytes, flops):
-        cfg, env, strategy = self.cfg, self.env, self.strategy
-        # Per-step loss averaged over ranks (each rank's micro-batches are the same size): one collective.
-        losses = torch.tensor(step_losses, dtype=torch.float64, device=env.device)
-        strategy.all_reduce(losses, "sum")
-        losses /= env.world_size
-        peaks_local = [max(col) for col in zip(*train_peaks, strict=False)] if train_peaks else []
-        reserved_local = [max(col) for col in zip(*reserved_peaks, strict=False)] if reserved_peaks and reserved_peaks[0] else []
-        local = {
-            "timer": timer.summary(),
-            "peak": peaks_local,
-            "reserved": reserved_local,
-            "eval_peak": getattr(self, "_eval_peak", []),
-            "util": util.summary(),
-            "state_bytes": state_bytes,
-            "epoch_times": epoch_times,
+    # ---- the result --------------------------------------------------------------------------
+    def _fail(self, status: str, reason: str) -> None:
+        self.result["status"] = status
+        self.result["reason"] = reason
+        self.result["traceback"] = traceback.format_exc(limit=8)
+
+    def _result_header(self) -> dict[str, Any]:
+        cfg, env = self.cfg, self.env
+        dp = type(self.strategy).data_parallel_size(cfg, env.world_size)
+        micro = cfg.batch_size // (dp * cfg.grad_accum)  # preflight checked that it divides
+        return {
+            "status": "running",
+            "strategy": cfg.strategy,
+            "precision": cfg.precision,
+            "model": cfg.model,
+            "data": cfg.data,
+            "world_size": env.world_size,
+            "data_parallel_size": dp,
+            "global_batch_size": cfg.batch_size,
+            "per_device_batch_size": micro * cfg.grad_accum,
+            "micro_batch_size": micro,
+            "grad_accum": cfg.grad_accum,
+            "batch_semantics": "batch_size is the global batch per optimizer step, over all devices and micro-steps",
+            "config": cfg.to_dict(),
+            "environment": environment(env.world_size, env.device),
+            "metrics": {},
         }
-        ranks = strategy.all_gather_object(local)
-        mean_steps = [r["timer"]["step_time_mean_s"] for r in ranks if r["timer"]["step_time_mean_s"] is not None]
-        measured = local["timer"]["measured_steps"]
-        train_time = sum(epoch_times)
-        # Ranks step in lock-step; the slowest rank's step time is the method's step time.
-        step_time = max(mean_steps) if mean_steps else None
-        throughput = cfg.batch_size / step_time if step_time else None
-        device_kind = "cuda" if env.device.type == "cuda" else "cpu"
-        per_rank_peaks = [p for r in ranks for p in r["peak"]]
-        metrics: dict[str, Any] = self.result["metrics"]
-        metrics.update(
-            {
-                "train_time_s": train_time,
-                "epoch_time_s": epoch_times,
-                "steps": len(step_losses),
-                "measured_steps": measured,
-                "step_time_mean_s": step_time,
-                "step_time_mean_per_rank_s": [r["timer"]["step_time_mean_s"] for r in ranks],
-                "step_time_median_s": local["timer"]["step_time_median_s"],
-                "step_time_p90_s": local["timer"]["step_time_p90_s"],
-                "step_time_rank_mean_s": (sum(mean_steps) / len(mean_steps)) if mean_steps else None,
-                "throughput_samples_per_s": throughput,
-                "peak_memory_bytes": per_rank_peaks,
-                "peak_memory_kind": "cuda_max_allocated" if device_kind == "cuda" else "cpu_peak_rss",
-                "peak_reserved_bytes": [p for r in ranks for p in r["reserved"]],
-                "eval_peak_memory_bytes": [p for r in ranks for p in r["eval_peak"]],
-                "nvml_used_peak_bytes": [p for r in ranks for p in r["util"]["nvml_used_peak_bytes"]],
-                "gpu_util_mean_pct": [p for r in ranks for p in r["util"]["gpu_util_mean_pct"]],
-                "gpu_util_peak_pct": [p for r in ranks for p in r["util"]["gpu_util_peak_pct"]],
-                "loss_curve": losses.tolist(),
-                "final_loss": losses[-1].item() if len(losses) else None,
-                "val_loss": evals[-1]["val_loss"] if evals else None,
-                "val_accuracy": evals[-1]["val_accuracy"] if evals else None,
-                "evaluations": evals,
-                "skipped_steps": strategy.precision.skipped_steps,
-                "flops_per_sample": flops,
-            }
-        )
-        if flops and throughput:
-            achieved = flops * throughput / max(1, strategy.data_parallel_size(cfg, env.world_size))
-            metrics["achieved_flops_per_device"] = achieved
-            peak = peak_flops(env.device, cfg.precision, cfg.tf32)
-            metrics["mfu"] = achieved / peak if peak else None
-        else:
-            metrics["mfu"] = None
-        self.result["sharding"] = {k: [r["state_bytes"][k] for r in ranks] for k in state_bytes}
 
 
 def _progress(cfg: TrainConfig, env: DistEnv, total: int, initial: int):
@@ -498,9 +456,3 @@ def _progress(cfg: TrainConfig, env: DistEnv, total: int, initial: int):
         mininterval=interval,
         maxinterval=max(10.0, interval),
     )
-
-
-def _write_json(path: Path, obj: dict[str, Any]) -> None:
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)

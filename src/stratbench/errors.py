@@ -25,3 +25,7 @@ class CheckpointError(StratbenchError):
 
 class DataError(StratbenchError):
     """A data set that is missing or unreadable."""
+
+
+class DivergedError(StratbenchError):
+    """Training stopped because the loss became NaN or infinite (without a loss scaler to skip the step)."""

@@ -48,7 +48,6 @@ OVERHEAD: dict[str, dict[str, float]] = {
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
 ROUND_BYTES = {"cuda": 512, "cpu": 1}
 
-METHODS = ("single", "dp", "ddp", "ddp-zero", "fsdp", "fsdp1", "deepspeed", "accelerate-ddp", "accelerate-fsdp", "accelerate-deepspeed")
 # DeepSpeed defaults that size its buffers (elements), from deepspeed/runtime/zero/config.py.
 DS_REDUCE_BUCKET = 500_000_000
 DS_PARAM_PERSISTENCE = 100_000
@@ -80,7 +79,9 @@ class ModelSpec:
     def build(self) -> nn.Module:
         from stratbench.models import build_model
 
-        return build_model(self.model, self.num_classes, cifar_stem=self.cifar_stem, norm=self.norm, width=self.width)
+        return build_model(
+            self.model, self.num_classes, cifar_stem=self.cifar_stem, norm=self.norm, width=self.width
+        )
 
 
 @dataclass
@@ -156,7 +157,9 @@ class Trace:
 
     def peak(self, grad_fraction: float = 1.0) -> int:
         """Peak of (activations + temporaries + the kept fraction of gradients) over the step."""
-        return int(max((a + grad_fraction * g for a, g in zip(self.nongrad, self.grad, strict=True)), default=0))
+        return int(
+            max((a + grad_fraction * g for a, g in zip(self.nongrad, self.grad, strict=True)), default=0)
+        )
 
 
 class _LiveBytes:
@@ -225,7 +228,11 @@ def _dispatch_mode(live: _LiveBytes):
 
 @functools.cache
 def trace_step(
-    spec: ModelSpec, batch: int, precision: str, activation_checkpointing: bool = False, device_type: str = "cuda"
+    spec: ModelSpec,
+    batch: int,
+    precision: str,
+    activation_checkpointing: bool = False,
+    device_type: str = "cuda",
 ) -> Trace:
     """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -244,7 +251,9 @@ def trace_step(
             from stratbench.models import apply_activation_checkpointing
 
             apply_activation_checkpointing(model)
-        own = {id(p.untyped_storage()) for p in model.parameters()} | {id(b.untyped_storage()) for b in model.buffers()}
+        own = {id(p.untyped_storage()) for p in model.parameters()} | {
+            id(b.untyped_storage()) for b in model.buffers()
+        }
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
         saved: dict[int, int] = {}
@@ -256,7 +265,9 @@ def trace_step(
             return t
 
         autocast = (
-            torch.autocast("cpu", dtype=pspec.compute_dtype) if pspec.autocast else torch.autocast("cpu", enabled=False)
+            torch.autocast("cpu", dtype=pspec.compute_dtype)
+            if pspec.autocast
+            else torch.autocast("cpu", enabled=False)
         )
         with _dispatch_mode(live):
             x = torch.empty(batch, 3, spec.image_size, spec.image_size, dtype=pspec.param_dtype)
@@ -266,80 +277,14 @@ def trace_step(
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
                 loss = nn.functional.cross_entropy(model(x).float(), y)
             loss.backward()
-        grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+        grad_bytes = sum(
+            p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
+        )
     return Trace(batch, live.nongrad_t, live.grad_t, sum(saved.values()), grad_bytes)
 
 
 # ------------------------------------------------------------------------------------------------
-# Methods: how each one divides the model states.
-
-
-@dataclass(frozen=True)
-class Method:
-    """A strategy reduced to what decides memory."""
-
-    kind: str
-    """single | dp | ddp | zero1 (ZeroRedundancyOptimizer) | fsdp2 | fsdp1 | deepspeed"""
-    shard: str = "none"
-    """fsdp2/fsdp1: full | grad-op | none."""
-    stage: int = 0
-    """deepspeed ZeRO stage."""
-    offload_optimizer: bool = False
-    offload_params: bool = False
-    buckets: bool = False
-    """DDP gradient buckets (a second copy of the gradients)."""
-
-
-_SHARD_NAMES = {
-    "full": "full", "full_shard": "full", "full-shard": "full", "1": "full", "zero3": "full",
-    "grad-op": "grad-op", "grad_op": "grad-op", "shard_grad_op": "grad-op", "shard-grad-op": "grad-op", "2": "grad-op", "zero2": "grad-op",
-    "none": "none", "no_shard": "none", "no-shard": "none", "3": "none", "ddp": "none",
-}  # fmt: skip
-
-
-def _opt(options: dict[str, Any], *names: str, default: Any = None) -> Any:
-    for n in names:
-        for key in (n, n.replace("_", "-")):
-            if key in options and options[key] is not None:
-                return options[key]
-    return default
-
-
-def _truthy(v: Any) -> bool:
-    return str(v).lower() not in ("", "0", "false", "no", "none", "off")
-
-
-def method_of(strategy: str, options: dict[str, Any] | None = None) -> Method:
-    """Map a strategy name and its options (``cfg.strategy_options``) to its memory behaviour."""
-    o = dict(options or {})
-    base = strategy.removeprefix("accelerate-")
-    if base in ("single",):
-        return Method("single")
-    if base == "dp":
-        return Method("dp")
-    if base == "ddp":
-        return Method("ddp", buckets=True)
-    if base == "ddp-zero":
-        return Method("zero1", buckets=True)
-    if base in ("fsdp", "fsdp1"):
-        raw = str(_opt(o, "sharding", "sharding_strategy", "fsdp_sharding_strategy", default="full")).lower()
-        if raw not in _SHARD_NAMES:
-            raise ConfigError(f"{strategy}: unknown sharding {raw!r}; choose one of: full, grad-op, none")
-        offload = _truthy(_opt(o, "cpu_offload", "offload_params", "fsdp_offload_params", default=False))
-        # accelerate's FSDP plugin is FSDP1 unless asked for version 2.
-        kind = "fsdp2" if strategy == "fsdp" or str(_opt(o, "fsdp_version", default="1")) == "2" else "fsdp1"
-        return Method(kind, shard=_SHARD_NAMES[raw], offload_params=offload)
-    if base == "deepspeed":
-        stage = int(_opt(o, "zero_stage", "stage", default=2))
-        if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{strategy}: zero stage must be 0, 1, 2 or 3, got {stage}")
-        return Method(
-            "deepspeed",
-            stage=stage,
-            offload_optimizer=_truthy(_opt(o, "offload_optimizer", default=False)),
-            offload_params=_truthy(_opt(o, "offload_params", "offload_param", default=False)),
-        )
-    raise ConfigError(f"estimate: unknown strategy {strategy!r}; choose one of: {', '.join(METHODS)}")
+# Sharding arithmetic the strategies' memory models share.
 
 
 def zero_partition(numels: list[int], world: int) -> list[list[int]]:
@@ -354,7 +299,7 @@ def zero_partition(numels: list[int], world: int) -> list[list[int]]:
     return owned
 
 
-def _chunk_rows(dim0: int, world: int, rank: int) -> int:
+def chunk_rows(dim0: int, world: int, rank: int) -> int:
     """Rows of a dim-0 torch.chunk that rank holds (FSDP2's sharding: the last ranks may get fewer or none)."""
     size = -(-dim0 // world)
     return max(0, min(dim0, (rank + 1) * size) - rank * size)
@@ -398,8 +343,8 @@ class Estimate:
 
 
 @dataclass
-class _States:
-    """Model-state bytes of one rank, split by where they live."""
+class RankMemory:
+    """Model-state bytes of one rank, split by where they live, as a strategy's ``memory_model`` gives them."""
 
     params: int = 0
     grads: int = 0
@@ -412,81 +357,101 @@ class _States:
     host_master: int = 0
     step_scalars: int = 0
     """AdamW's per-parameter ``step`` counters (0-dim float32 tensors kept on the CPU)."""
+    gathered: int = 0
+    """Unsharded parameters held transiently around a unit's forward/backward (current + prefetched)."""
+    gather_note: str = ""
+    sharding_note: str = ""
+    bucket_note: str = ""
+    grads_whole_in_backward: bool = False
+    """True where every gradient stays until a reduction at the end of backward (DeepSpeed ZeRO 0/1)."""
+    step_scratch: int | None = None
+    """Optimizer-step temporaries; None: the foreach kernels' rule (one parameter-sized list on CUDA)."""
+
+    def offload_params_to_host(self, with_grads_and_optim: bool = False) -> None:
+        self.host_params, self.params = self.host_params + self.params, 0
+        if with_grads_and_optim:
+            self.host_grads, self.grads = self.host_grads + self.grads, 0
+            self.host_optim, self.optim = self.host_optim + self.optim, 0
+
+    def offload_optimizer_to_host(self) -> None:
+        self.host_optim, self.optim = self.host_optim + self.optim, 0
+        self.host_master, self.master = self.host_master + self.master, 0
 
 
-def _opt_slots(cfg: TrainConfig) -> int:
-    """Optimizer state tensors per parameter: AdamW exp_avg + exp_avg_sq, momentum SGD one buffer, plain SGD none."""
+@dataclass
+class MemoryContext:
+    """What a strategy's memory model reads: the run config, world size, model shapes and parsed options."""
+
+    cfg: TrainConfig
+    world: int
+    info: ModelInfo
+    options: Any
+    device_type: str = "cuda"
+
+    @property
+    def pspec(self):
+        from stratbench.precision import SPECS
+
+        return SPECS[self.cfg.precision]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the weights the model holds."""
+        return self.pspec.param_dtype.itemsize
+
+    @property
+    def half(self) -> bool:
+        return self.pspec.compute_dtype.itemsize < 4
+
+    @property
+    def opt_slots(self) -> int:
+        return opt_slots(self.cfg)
+
+    @property
+    def adam(self) -> bool:
+        return self.cfg.optimizer == "adamw"
+
+    def replicated(self, buckets: bool) -> RankMemory:
+        """Every rank holds everything (single, DataParallel, DDP); DDP adds a bucket copy of the gradients."""
+        n, pd = self.info.numels, self.param_bytes
+        total = sum(n)
+        with_buckets = buckets and self.world > 1
+        return RankMemory(
+            params=total * pd,
+            grads=total * pd,
+            optim=self.opt_slots * total * pd,
+            step_scalars=4 * len(n) if self.adam else 0,
+            buckets=total * pd if with_buckets else 0,
+            bucket_note="DDP all-reduce buckets" if with_buckets else "",
+            sharding_note="replicated" if self.world > 1 else "",
+        )
+
+
+def opt_slots(cfg: TrainConfig) -> int:
+    """Optimizer state tensors per parameter: AdamW two, momentum SGD one, plain SGD none."""
     if cfg.optimizer == "adamw":
         return 2
     return 1 if cfg.momentum else 0
 
 
-def rank_states(cfg: TrainConfig, world_size: int, rank: int, info: ModelInfo | None = None) -> _States:
-    """Bytes of parameters, gradients, optimizer state (and master copies, buckets) that ``rank`` holds."""
-    from stratbench.precision import SPECS
+class NoMemoryModel(ConfigError):
+    """The strategy has no memory model: the estimate says so instead of reporting 0."""
 
+
+def rank_states(
+    cfg: TrainConfig, world_size: int, rank: int, info: ModelInfo | None = None, device_type: str = "cuda"
+) -> RankMemory:
+    """Bytes of parameters, gradients, optimizer state (and master copies, buckets) that ``rank`` holds, from
+    the strategy's own ``memory_model``."""
+    from stratbench.strategies.base import get_strategy
+
+    cls = get_strategy(cfg.strategy)
     info = info or model_info(ModelSpec.from_config(cfg))
-    m = method_of(cfg.strategy, cfg.strategy_options)
-    pd = SPECS[cfg.precision].param_dtype.itemsize
-    half = SPECS[cfg.precision].compute_dtype is not torch.float32
-    k = _opt_slots(cfg)
-    adam = cfg.optimizer == "adamw"
-    n, world = info.numels, world_size
-    P = sum(n)
-    s = _States()
-    if m.kind in ("single", "dp", "ddp"):
-        s.params = s.grads = P * pd
-        s.optim = k * P * pd
-        s.step_scalars = 4 * len(n) if adam else 0
-        s.buckets = P * pd if m.buckets and world > 1 else 0
-    elif m.kind == "zero1":
-        mine = zero_partition(n, world)[rank]
-        s.params = s.grads = P * pd
-        s.optim = k * sum(n[i] for i in mine) * pd
-        s.step_scalars = 4 * len(mine) if adam else 0
-        s.buckets = P * pd if world > 1 else 0
-    elif m.kind == "fsdp2":
-        if m.shard == "none":
-            local = P
-            count = len(n)
-        else:
-            local = sum(n[i] // d0 * _chunk_rows(d0, world, rank) for i, d0 in enumerate(info.dim0))
-            count = sum(_chunk_rows(d0, world, rank) > 0 for d0 in info.dim0)
-        s.params = s.grads = local * pd
-        s.optim = k * local * pd
-        s.step_scalars = 4 * len(n) if adam else 0
-        del count
-    elif m.kind == "fsdp1":
-        # One FlatParameter per unit, padded to a multiple of the world size; every rank holds an equal slice.
-        shards = world if m.shard != "none" else 1
-        local = sum(-(-sum(n[i] for i in u) // shards) for u in info.layer_units if u)
-        s.params = s.grads = local * pd
-        s.optim = k * local * pd
-        s.step_scalars = 4 * sum(1 for u in info.layer_units if u) if adam else 0
-    elif m.kind == "deepspeed":
-        # DeepSpeed converts the model to the compute dtype for fp16/bf16 and keeps a flat fp32 partition of
-        # the weights (the master copy; in fp32 too) on which the optimizer steps.
-        bit = 2 if half else pd
-        part = -(-P // world) if m.stage >= 1 else P
-        s.params = (-(-P // world) if m.stage == 3 else P) * bit
-        # Stage 3 reuses the partition as the master when it is already fp32 on the device (stage3.py,
-        # _create_fp32_partitions); stages 1-2 always clone it.
-        same = m.stage == 3 and not half and not m.offload_optimizer
-        s.master = part * 4 if ((m.stage >= 1 or half) and not same) else 0
-        s.optim = k * part * 4
-        # After backward, stages 1-3 hold the reduced gradients of their own partition only; stage 0 all of them.
-        s.grads = (P if m.stage == 0 else part) * bit
-        s.step_scalars = 4 if adam else 0
-        s.buckets = min(DS_REDUCE_BUCKET, P) * bit if m.stage >= 2 and world > 1 else 0
-    if m.offload_params:
-        s.host_params, s.params = s.params, 0
-        if m.kind in ("fsdp2", "fsdp1"):
-            s.host_grads, s.grads = s.grads, 0
-            s.host_optim, s.optim = s.optim, 0
-    if m.offload_optimizer:
-        s.host_optim, s.optim = s.host_optim + s.optim, 0
-        s.host_master, s.master = s.host_master + s.master, 0
-    return s
+    ctx = MemoryContext(cfg, world_size, info, cls.parse_options(cfg.strategy_options), device_type)
+    states = cls.memory_model(ctx, rank)
+    if states is None:
+        raise NoMemoryModel(f"strategy {cfg.strategy!r} has no memory model (Strategy.memory_model)")
+    return states
 
 
 def model_state_bytes(cfg: TrainConfig, world_size: int) -> list[dict[str, int]]:
@@ -526,60 +491,23 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         raise ConfigError(f"unknown device type {device_type!r}; choose one of: {', '.join(OVERHEAD)}")
     spec = ModelSpec.from_config(cfg)
     info = model_info(spec)
-    m = method_of(cfg.strategy, cfg.strategy_options)
-    pspec = SPECS[cfg.precision]
-    compute = pspec.compute_dtype.itemsize
+    if cfg.precision not in SPECS:
+        raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
     world = world_size
-    # DataParallel runs one process: the batch is split over GPUs but GPU 0 also holds the whole model states.
     mb = micro_batch(cfg, world)
+    states = [rank_states(cfg, world, r, info, device_type) for r in range(world)]
+    s = max(states, key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered)
     trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
-    states = [rank_states(cfg, world, r, info) for r in range(world)]
-    s = max(states, key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets)
-    P = info.total
-    full_grad = trace.grad_bytes or 1
-    on_device_grads = s.grads
-
-    # Unsharded parameters gathered around each unit's forward/backward (current unit + the prefetched next).
-    gathered = 0
-    gather_note = ""
-    if m.kind == "fsdp2" and m.shard != "none":
-        unit = max(sum(info.numels[i] for i in u) for u in info.block_units)
-        dtype = compute if pspec.autocast else pspec.param_dtype.itemsize
-        gathered = (P if m.shard == "grad-op" else 2 * unit) * dtype
-        gather_note = "all unsharded from forward to backward" if m.shard == "grad-op" else "2 blocks (current + prefetch)"
-    elif m.kind == "fsdp1" and m.shard != "none":
-        dtype = pspec.param_dtype.itemsize
-        gathered = (P if m.shard == "grad-op" else 2 * info.largest_layer) * dtype
-        gather_note = "all unsharded from forward to backward" if m.shard == "grad-op" else "2 layers (current + prefetch)"
-    elif (m.kind == "fsdp2" or m.kind == "fsdp1") and m.offload_params:
-        gathered = P * pspec.param_dtype.itemsize
-        gather_note = "offloaded parameters copied to the device"
-    elif m.kind == "deepspeed" and m.stage == 3:
-        bit = 2 if pspec.compute_dtype is not torch.float32 else pspec.param_dtype.itemsize
-        persistent = sum(x for x in info.numels if x < DS_PARAM_PERSISTENCE)
-        gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
-        gather_note = "small parameters kept whole (persistence threshold) + prefetch bucket"
-    elif m.kind == "deepspeed" and m.offload_params:
-        gathered = P * 2
-
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
-    grad_fraction = min(1.0, on_device_grads / full_grad)
-    if m.kind == "deepspeed" and m.stage <= 1:
-        grad_fraction = 1.0  # stage 0/1 keep every gradient until the reduction at the end of backward
+    grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
     fwd_bwd_traced = trace.peak(grad_fraction)
-    peak_fwd_bwd = resident + gathered + fwd_bwd_traced
-    if m.kind == "deepspeed" and m.stage >= 2:
-        # DeepSpeed reduces into its bucket then into the partition: the traced full gradients are transient.
-        peak_fwd_bwd += 0
-    # The foreach optimizer kernels (default on CUDA) allocate one parameter-sized scratch list; DeepSpeed
-    # converts the partition's gradients to fp32 (4 bytes/element) at the step.
-    step_temp = 0
-    if not m.offload_optimizer and not (m.kind in ("fsdp2", "fsdp1") and m.offload_params):
-        step_temp = max(s.optim // max(1, _opt_slots(cfg)), s.params) if device_type == "cuda" else 0
-        if m.kind == "deepspeed" and m.stage >= 1:
-            step_temp = s.master
-    peak_step = resident + on_device_grads + step_temp
+    peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
+    slots = opt_slots(cfg)
+    step_temp = s.step_scratch
+    if step_temp is None:  # the foreach optimizer kernels (default on CUDA) allocate one parameter-sized list
+        step_temp = max(s.optim // max(1, slots), s.params) if device_type == "cuda" else 0
+    peak_step = resident + s.grads + step_temp
     peak = max(peak_fwd_bwd, peak_step)
     ov = OVERHEAD[device_type]
     overhead = int(ov["context_bytes"] + ov["allocator_slack"] * peak)
@@ -587,21 +515,25 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
     def r(name: str, dev: int, host: int = 0, note: str = "") -> Row:
         return Row(name, int(dev), int(host), note)
 
-    sharded = {"single": "", "dp": "replicated", "ddp": "replicated", "zero1": "optimizer state sharded by whole parameters"}
-    note = sharded.get(m.kind, "")
-    if m.kind in ("fsdp2", "fsdp1"):
-        note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[m.shard]
-    if m.kind == "deepspeed":
-        note = f"ZeRO-{m.stage}"
     rows = [
-        r("parameters", s.params, s.host_params, note),
-        r("gradients", on_device_grads, s.host_grads, "kept after backward"),
-        r("optimizer states", s.optim, s.host_optim, f"{_opt_slots(cfg)} per parameter ({cfg.optimizer})"),
-        r("fp32 master weights", s.master, s.host_master, "DeepSpeed flat fp32 partition" if s.master or s.host_master else "none (weights are the master)"),
-        r("gradient buckets", s.buckets, 0, "DDP all-reduce buckets" if m.kind in ("ddp", "zero1") else ("DeepSpeed reduce bucket" if s.buckets else "")),
-        r("gathered parameters", gathered, 0, gather_note),
+        r("parameters", s.params, s.host_params, s.sharding_note),
+        r("gradients", s.grads, s.host_grads, "kept after backward"),
+        r("optimizer states", s.optim, s.host_optim, f"{slots} per parameter ({cfg.optimizer})"),
+        r(
+            "fp32 master weights",
+            s.master,
+            s.host_master,
+            "DeepSpeed flat fp32 partition" if s.master or s.host_master else "none (weights are the master)",
+        ),
+        r("gradient buckets", s.buckets, 0, s.bucket_note),
+        r("gathered parameters", s.gathered, 0, s.gather_note),
         r("activations saved for backward", trace.saved_bytes, 0, f"traced at micro-batch {mb}"),
-        r("forward/backward working peak", fwd_bwd_traced, 0, "activations + temporaries + gradients as they appear (traced)"),
+        r(
+            "forward/backward working peak",
+            fwd_bwd_traced,
+            0,
+            "activations + temporaries + gradients as they appear (traced)",
+        ),
         r("optimizer step scratch", step_temp, 0, "foreach kernels / fp32 gradient partition"),
     ]
     return Estimate(
@@ -617,7 +549,7 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         overhead_bytes=overhead,
         total_bytes=int(peak + overhead),
         host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
-        num_parameters=P,
+        num_parameters=info.total,
         per_rank_states=model_state_bytes(cfg, world),
     )
 
@@ -638,7 +570,9 @@ def predict_peak_bytes(config: dict, world_size: int, device_type: str | None = 
         return None
 
 
-def max_batch(cfg: TrainConfig, world_size: int, device_memory: int, device_type: str = "cuda", limit: int = 1 << 20) -> tuple[int, Estimate | None]:
+def max_batch(
+    cfg: TrainConfig, world_size: int, device_memory: int, device_type: str = "cuda", limit: int = 1 << 20
+) -> tuple[int, Estimate | None]:
     """Largest global batch (a multiple of world size x grad accumulation) whose device total fits."""
     step = world_size * cfg.grad_accum
 

@@ -8,8 +8,8 @@ import platform
 import statistics
 import threading
 import time
-from collections.abc import Callable
-from contextlib import suppress
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,14 +38,24 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    key = "bf16" if "bf16" in precision else "fp16" if "fp16" in precision else ("tf32" if tf32 else "fp32")
+    key = (
+        "fp64"
+        if precision == "fp64"
+        else "bf16"
+        if "bf16" in precision
+        else "fp16"
+        if "fp16" in precision
+        else ("tf32" if tf32 else "fp32")
+    )
     for pattern, table in PEAK_FLOPS:
         if pattern in name:
             return table.get(key)
     return None
 
 
-def flops_per_sample(build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int) -> float | None:
+def flops_per_sample(
+    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
+) -> float | None:
     """Forward+backward FLOPs of one sample, counted by ``torch.utils.flop_counter`` on the meta device
     (nothing is allocated, so this works for any model size)."""
     from torch.utils.flop_counter import FlopCounterMode
@@ -89,7 +99,12 @@ class StepTimer:
     def summary(self) -> dict[str, float | None]:
         t = self.times
         if not t:
-            return {"step_time_mean_s": None, "step_time_median_s": None, "step_time_p90_s": None, "measured_steps": 0}
+            return {
+                "step_time_mean_s": None,
+                "step_time_median_s": None,
+                "step_time_p90_s": None,
+                "measured_steps": 0,
+            }
         q = statistics.quantiles(t, n=10)[-1] if len(t) >= 2 else t[0]
         return {
             "step_time_mean_s": statistics.fmean(t),
@@ -115,6 +130,14 @@ def reset_cpu_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def current_memory_bytes(device: torch.device) -> int | None:
+    """Memory in use now: allocated by the CUDA caching allocator, or this process's resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated(device)
+    kb = _read_status_kb("VmRSS")
+    return kb * 1024 if kb is not None else None
 
 
 def cpu_peak_rss_bytes() -> int:
@@ -202,6 +225,10 @@ class UtilisationSampler:
             self._thread.join(timeout=2)
             self._thread = None
 
+    def latest(self) -> float | None:
+        """The most recent utilisation sample of the first device (for per-step logs); None without NVML."""
+        return self.util[0][-1] if self.active and self.util and self.util[0] else None
+
     def summary(self) -> dict[str, list[float | None]]:
         if not self.active:
             return {"gpu_util_mean_pct": [], "gpu_util_peak_pct": [], "nvml_used_peak_bytes": []}
@@ -258,13 +285,22 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        # Which kernels ran: the CPU's vector ISA as torch sees it, and any cap the user put on oneDNN / MKL.
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "isa_caps": {
+            k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ
+        },
         "world_size": world_size,
         "device_type": device.type,
-        "packages": {p: version(p) for p in ("torchvision", "accelerate", "deepspeed", "onnx", "onnxruntime", "numpy")},
+        "packages": {
+            p: version(p) for p in ("torchvision", "accelerate", "deepspeed", "onnx", "onnxruntime", "numpy")
+        },
     }
     if device.type == "cuda":
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        env["gpu_memory_bytes"] = [torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())]
+        env["gpu_memory_bytes"] = [
+            torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count())
+        ]
         with suppress(Exception):
             env["nvidia_driver"] = nvml().nvml.nvmlSystemGetDriverVersion() if nvml().available else None
     return env
@@ -276,3 +312,156 @@ def _cpu_name() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.processor() or "unknown"
+
+
+class RunMetrics:
+    """The loop's one measurement object. The loop feeds it once per step (``step_start``/``step_end``) and per
+    phase (``train_phase``, ``eval_phase``); it keeps the per-rank numbers, streams per-step rows to the sinks,
+    and ``summary`` aggregates over ranks at the end (the only collectives it makes)."""
+
+    def __init__(self, strategy: Any, cfg: Any, sinks: list[Any]) -> None:
+        self.strategy = strategy
+        self.cfg = cfg
+        self.sinks = sinks
+        self.devices = strategy.memory_devices()
+        self.timer = StepTimer(strategy.synchronize, cfg.timing_warmup_steps)
+        self.util = UtilisationSampler(self.devices)
+        self.losses: list[float] = []
+        self.epoch_times: list[float] = []
+        self.train_peaks: list[list[int]] = []
+        self.reserved_peaks: list[list[int]] = []
+        self.eval_peaks: list[list[int]] = []
+        self.evaluations: list[dict[str, float]] = []
+        self.state_bytes: dict[str, int] | None = None
+        self._epoch_time = 0.0
+
+    # ---- phases --------------------------------------------------------------------------------
+    @contextmanager
+    def train_phase(self) -> Iterator[None]:
+        """One stretch of training steps (an epoch, or its remainder): memory peak reset, utilisation sampled."""
+        phase = MemoryPhase(self.devices)
+        phase.start()
+        self.util.start()
+        self._epoch_time = 0.0
+        try:
+            yield
+        finally:
+            self.util.stop()
+            phase.stop()
+            self.epoch_times.append(self._epoch_time)
+            self.train_peaks.append(phase.peak_bytes())
+            self.reserved_peaks.append(phase.peak_reserved)
+
+    @contextmanager
+    def eval_phase(self) -> Iterator[None]:
+        phase = MemoryPhase(self.devices)
+        phase.start()
+        try:
+            yield
+        finally:
+            phase.stop()
+            self.eval_peaks.append(phase.peak_bytes())
+
+    # ---- steps ---------------------------------------------------------------------------------
+    def step_start(self) -> None:
+        self.timer.start()
+
+    def step_end(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> float:
+        """Stop the step clock (synchronised), record the loss and send one row to the sinks; returns the
+        step's time in seconds. The loss is read after the clock stops, so that reading it adds no wait."""
+        dt = self.timer.stop()
+        self._epoch_time += dt
+        loss = float(loss)
+        self.losses.append(loss)
+        row = {
+            "step": step,
+            "epoch": epoch,
+            "loss": loss,
+            "lr": lr,
+            "step_time_s": dt,
+            "samples_per_s": self.cfg.batch_size / dt if dt > 0 else None,
+            "memory_bytes": current_memory_bytes(self.devices[0]),
+            "gpu_util_pct": self.util.latest(),
+        }
+        for sink in self.sinks:
+            sink.log_step(row)
+        return dt
+
+    def log_eval(self, step: int, evaluation: dict[str, float]) -> None:
+        self.evaluations.append(evaluation)
+        for sink in self.sinks:
+            sink.log_eval(step, evaluation)
+
+    def record_state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Bytes of model states this rank holds, taken once (after the first step has created them)."""
+        if self.state_bytes is None:
+            self.state_bytes = self.strategy.state_bytes(model, optimizer)
+
+    # ---- the end -------------------------------------------------------------------------------
+    def summary(self, flops: float | None) -> tuple[dict[str, Any], dict[str, list[int]]]:
+        """Aggregate over ranks (collectives): the ``metrics`` block of result.json and the ``sharding`` block."""
+        cfg, strategy = self.cfg, self.strategy
+        env = strategy.env
+        # Per-step loss averaged over ranks (each rank's micro-batches are the same size): one collective.
+        losses = torch.tensor(self.losses, dtype=torch.float64, device=env.device)
+        strategy.all_reduce(losses, "sum")
+        losses /= env.world_size
+        local = {
+            "timer": self.timer.summary(),
+            "peak": _column_max(self.train_peaks),
+            "reserved": _column_max(self.reserved_peaks),
+            "eval_peak": self.eval_peaks[-1] if self.eval_peaks else [],
+            "util": self.util.summary(),
+            "state_bytes": self.state_bytes or {},
+        }
+        ranks = strategy.all_gather_object(local)
+        mean_steps = [
+            r["timer"]["step_time_mean_s"] for r in ranks if r["timer"]["step_time_mean_s"] is not None
+        ]
+        # Ranks step in lock-step; the slowest rank's step time is the method's step time.
+        step_time = max(mean_steps) if mean_steps else None
+        throughput = cfg.batch_size / step_time if step_time else None
+
+        def per_rank(key: str, sub: str | None = None) -> list[Any]:
+            return [v for r in ranks for v in (r[key][sub] if sub else r[key])]
+
+        evals = self.evaluations
+        metrics: dict[str, Any] = {
+            "train_time_s": sum(self.epoch_times),
+            "epoch_time_s": self.epoch_times,
+            "steps": len(self.losses),
+            "measured_steps": local["timer"]["measured_steps"],
+            "step_time_mean_s": step_time,
+            "step_time_mean_per_rank_s": [r["timer"]["step_time_mean_s"] for r in ranks],
+            "step_time_median_s": local["timer"]["step_time_median_s"],
+            "step_time_p90_s": local["timer"]["step_time_p90_s"],
+            "step_time_rank_mean_s": (sum(mean_steps) / len(mean_steps)) if mean_steps else None,
+            "throughput_samples_per_s": throughput,
+            "peak_memory_bytes": per_rank("peak"),
+            "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_peak_rss",
+            "peak_reserved_bytes": per_rank("reserved"),
+            "eval_peak_memory_bytes": per_rank("eval_peak"),
+            "nvml_used_peak_bytes": per_rank("util", "nvml_used_peak_bytes"),
+            "gpu_util_mean_pct": per_rank("util", "gpu_util_mean_pct"),
+            "gpu_util_peak_pct": per_rank("util", "gpu_util_peak_pct"),
+            "loss_curve": losses.tolist(),
+            "final_loss": losses[-1].item() if len(losses) else None,
+            "val_loss": evals[-1]["val_loss"] if evals else None,
+            "val_accuracy": evals[-1]["val_accuracy"] if evals else None,
+            "evaluations": evals,
+            "skipped_steps": strategy.precision.skipped_steps,
+            "flops_per_sample": flops,
+            "mfu": None,
+        }
+        if flops and throughput:
+            achieved = flops * throughput / max(1, strategy.data_parallel_size(cfg, env.world_size))
+            metrics["achieved_flops_per_device"] = achieved
+            peak = peak_flops(env.device, cfg.precision, cfg.tf32)
+            metrics["mfu"] = achieved / peak if peak else None
+        sharding = {k: [r["state_bytes"].get(k) for r in ranks] for k in local["state_bytes"]}
+        return metrics, sharding
+
+
+def _column_max(rows: list[list[int]]) -> list[int]:
+    """Per device, the largest value over the phases (each phase reports one value per device)."""
+    return [max(col) for col in zip(*rows, strict=False)] if rows and rows[0] else []

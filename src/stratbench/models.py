@@ -107,7 +107,9 @@ def check_model(name: str) -> None:
         )
 
 
-def build_model(name: str, num_classes: int, *, cifar_stem: bool = False, norm: str = "group", width: int = 32) -> nn.Module:
+def build_model(
+    name: str, num_classes: int, *, cifar_stem: bool = False, norm: str = "group", width: int = 32
+) -> nn.Module:
     check_model(name)
     if name == "tinynet":
         return TinyNet(num_classes, width=width, norm=norm)
@@ -133,7 +135,9 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
     own = model.state_dict()
     usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
     if not usable:
-        raise CheckpointError(f"weights file {p} has no tensor that fits this model (keys like {next(iter(state), '-')!r})")
+        raise CheckpointError(
+            f"weights file {p} has no tensor that fits this model (keys like {next(iter(state), '-')!r})"
+        )
     skipped = sorted(k for k in state if k not in usable)
     model.load_state_dict(usable, strict=False)
     return skipped
@@ -156,7 +160,9 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
         raise ConfigError("activation checkpointing: this model has no residual block type to checkpoint")
     _apply(
         model,
-        checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
         check_fn=lambda m: isinstance(m, types_),
     )
     return sum(isinstance(m, types_) for m in model.modules())

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,6 +34,15 @@ SPECS: dict[str, PrecisionSpec] = {
     for s in [
         PrecisionSpec("fp32", torch.float32, torch.float32, False, False, "full fp32 (TF32 with --tf32)"),
         PrecisionSpec(
+            "fp64",
+            torch.float64,
+            torch.float64,
+            False,
+            False,
+            "model.double(): fp64 weights and compute (Lightning's 64-true); for numerically sensitive work and "
+            "for checks that must not depend on the CPU's kernels (rounding ~1e-16)",
+        ),
+        PrecisionSpec(
             "fp16-true",
             torch.float16,
             torch.float16,
@@ -41,7 +50,9 @@ SPECS: dict[str, PrecisionSpec] = {
             False,
             "model.half(): fp16 weights, no master copy, no loss scaling (the source's pure fp16)",
         ),
-        PrecisionSpec("bf16-true", torch.bfloat16, torch.bfloat16, False, False, "model.bfloat16(): bf16 weights"),
+        PrecisionSpec(
+            "bf16-true", torch.bfloat16, torch.bfloat16, False, False, "model.bfloat16(): bf16 weights"
+        ),
         PrecisionSpec(
             "fp16-mixed",
             torch.float32,
@@ -50,7 +61,9 @@ SPECS: dict[str, PrecisionSpec] = {
             True,
             "fp32 weights, fp16 autocast, dynamic loss scaling (GradScaler)",
         ),
-        PrecisionSpec("bf16-mixed", torch.float32, torch.bfloat16, True, False, "fp32 weights, bf16 autocast"),
+        PrecisionSpec(
+            "bf16-mixed", torch.float32, torch.bfloat16, True, False, "fp32 weights, bf16 autocast"
+        ),
     ]
 }
 
@@ -76,8 +89,6 @@ def slow_on(spec: PrecisionSpec, device: torch.device) -> str | None:
 class Precision:
     """Owns dtype conversion, autocast and the (scaled) backward/step for one precision choice."""
 
-    names: ClassVar[tuple[str, ...]] = tuple(SPECS)
-
     def __init__(self, name: str, device: torch.device) -> None:
         if name not in SPECS:
             raise ConfigError(f"unknown precision {name!r}; choose one of: {', '.join(SPECS)}")
@@ -93,6 +104,10 @@ class Precision:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    def loss_input(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits as the loss sees them: half precisions are upcast to fp32, fp32 and fp64 are kept as they are."""
+        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.spec.param_dtype is not torch.float32:
@@ -135,7 +150,10 @@ class Precision:
         return stepped
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {}, "skipped": self.skipped_steps}
+        return {
+            "scaler": self.scaler.state_dict() if self.scaler.is_enabled() else {},
+            "skipped": self.skipped_steps,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("scaler") and self.scaler.is_enabled():
@@ -147,6 +165,8 @@ def configure_tf32(enabled: bool, device: torch.device) -> None:
     if enabled:
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
             where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            raise UnsupportedError(f"--tf32 needs an NVIDIA GPU of the Ampere generation or newer; this device is {where}")
+            raise UnsupportedError(
+                f"--tf32 needs an NVIDIA GPU of the Ampere generation or newer; this device is {where}"
+            )
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled

@@ -33,7 +33,10 @@ def result_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         ("devices (world size)", str(res.get("world_size"))),
         ("global / per-device batch", f"{res.get('global_batch_size')} / {res.get('per_device_batch_size')}"),
         ("train time (eval excluded)", fmt_num(m.get("train_time_s"), ".2f", " s")),
-        ("step time (mean, warm-up excluded)", fmt_num(m.get("step_time_mean_s") and m["step_time_mean_s"] * 1e3, ".1f", " ms")),
+        (
+            "step time (mean, warm-up excluded)",
+            fmt_num(m.get("step_time_mean_s") and m["step_time_mean_s"] * 1e3, ".1f", " ms"),
+        ),
         ("throughput", fmt_num(m.get("throughput_samples_per_s"), ".1f", " samples/s")),
         (f"peak memory per rank ({kind})", ", ".join(fmt_bytes(p) for p in peaks) or "n/a"),
         ("GPU utilisation mean", ", ".join(fmt_num(u, ".0f", "%") for u in util) or "n/a (no NVIDIA GPU)"),

@@ -101,7 +101,11 @@ def _swap_in(tmp: Path, path: Path) -> None:
 def is_dcp(path: Path) -> bool:
     """True when ``path`` is a stratbench checkpoint folder in the ``dcp`` layout."""
     path = Path(path)
-    return path.is_dir() and (path / checkpoint.META_FILE).exists() and checkpoint.read_meta(path).get("layout") == LAYOUT
+    return (
+        path.is_dir()
+        and (path / checkpoint.META_FILE).exists()
+        and checkpoint.read_meta(path).get("layout") == LAYOUT
+    )
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -143,7 +147,12 @@ def read_dcp(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
         # The empty planner fills ``state`` with every entry the metadata lists, re-nested as it was saved;
         # no_dist keeps this process from talking to others (each caller reads the whole folder). The public
         # dcp.load would fill a copy of ``state``, so this is the call dcp_to_torch_save makes.
-        _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            state,
+            storage_reader=FileSystemReader(str(path)),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     except Exception as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"sharded checkpoint {path} could not be read ({first[:300]})") from None

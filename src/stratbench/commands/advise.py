@@ -8,7 +8,9 @@ import json
 from stratbench.commands.estimate import add_model_arguments
 
 NAME = "advise"
-HELP = "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
+HELP = (
+    "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
+)
 ORDER = 41
 
 
@@ -16,10 +18,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
     parser.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
-    parser.add_argument("--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)")
+    parser.add_argument(
+        "--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)"
+    )
     parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")
-    parser.add_argument("--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit")
+    parser.add_argument(
+        "--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit"
+    )
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -36,11 +42,15 @@ def run(args: argparse.Namespace) -> int:
 
     has_gpu = torch.cuda.is_available()
     devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
-    memory = parse_bytes(args.device_memory) if args.device_memory else (
-        torch.cuda.get_device_properties(0).total_memory if has_gpu else None
+    memory = (
+        parse_bytes(args.device_memory)
+        if args.device_memory
+        else (torch.cuda.get_device_properties(0).total_memory if has_gpu else None)
     )
     if devices is None or memory is None:
-        raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
+        raise ConfigError(
+            "no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB"
+        )
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True

@@ -9,7 +9,9 @@ import sys
 from pathlib import Path
 
 NAME = "compare"
-HELP = "train every method side by side (a preset or a YAML matrix) and write one report (md, csv, html, charts)"
+HELP = (
+    "train every method side by side (a preset or a YAML matrix) and write one report (md, csv, html, charts)"
+)
 ORDER = 5
 _PASS = "cell__"
 # TrainConfig options a sweep sets per cell itself; every other option can be passed to all cells.
@@ -25,15 +27,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
                      help="built-in matrix: quick (default; CPU, minutes), seed (the source experiment on GPUs), "
                           "gpu-precision (every precision on one GPU)")  # fmt: skip
-    src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)")
-    parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
+    src.add_argument(
+        "--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)"
+    )
+    parser.add_argument(
+        "--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it"
+    )
     parser.add_argument("--only", action="append", metavar="NAMES",
                         help="keep cells matching one of these comma-separated names (method, label, precision, "
                              "cell id, wN; wildcards ok); repeat the flag to require several")  # fmt: skip
-    parser.add_argument("--skip", action="append", metavar="NAMES", help="drop cells matching any of these names")
-    parser.add_argument("--dry-run", action="store_true", help="list the cells and which are skipped here and why; run nothing")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per cell (default: the preset's)")
-    parser.add_argument("--retry", action="store_true", help="also rerun cells recorded as failed/oom/timeout/nan")
+    parser.add_argument(
+        "--skip", action="append", metavar="NAMES", help="drop cells matching any of these names"
+    )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="list the cells and which are skipped here and why; run nothing",
+    )
+    parser.add_argument(
+        "--timeout", type=float, metavar="SECONDS", help="time limit per cell (default: the preset's)"
+    )
+    parser.add_argument(
+        "--retry", action="store_true", help="also rerun cells recorded as failed/oom/timeout/nan"
+    )
     parser.add_argument("--allow-slow", action="store_true",
                         help="run cells that would be skipped as impractically slow here (fp16 on CPU, GPU presets on CPU)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
@@ -59,7 +75,7 @@ def overrides_from(args: argparse.Namespace) -> dict:
     out = {}
     for k, v in vars(args).items():
         if k.startswith(_PASS) and v is not None:
-            name = k[len(_PASS):]
+            name = k[len(_PASS) :]
             out[name] = coerce(name, v, fields[name].type)
     return out
 
@@ -86,11 +102,19 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         done = load_records(out)
         console.print(f"[bold]{matrix.name}[/bold]: {matrix.description}", highlight=False, soft_wrap=True)
-        console.print(f"{len(plans)} cells; output {out}; time limit per cell {timeout:.0f} s", highlight=False, soft_wrap=True)
+        console.print(
+            f"{len(plans)} cells; output {out}; time limit per cell {timeout:.0f} s",
+            highlight=False,
+            soft_wrap=True,
+        )
         for n, p in enumerate(plans, 1):
             c = p.cell
             prev = done.get(c.id, {}).get("status")
-            what = ("run" if prev is None or prev == "skipped" else f"done ({prev}), kept") if p.status is None else f"{p.status}: {p.reason}"
+            what = (
+                ("run" if prev is None or prev == "skipped" else f"done ({prev}), kept")
+                if p.status is None
+                else f"{p.status}: {p.reason}"
+            )
             console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} x{c.world_size}  batch {c.batch_size:<5} {c.id}  -> {what}",
                           highlight=False, soft_wrap=True)  # fmt: skip
         runnable = sum(p.status is None for p in plans)
@@ -99,7 +123,11 @@ def run(args: argparse.Namespace) -> int:
 
     runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console,
                          command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
-    console.print(f"[bold]stratbench compare[/bold] {matrix.name}: {len(plans)} cells -> {out}", highlight=False, soft_wrap=True)
+    console.print(
+        f"[bold]stratbench compare[/bold] {matrix.name}: {len(plans)} cells -> {out}",
+        highlight=False,
+        soft_wrap=True,
+    )
     interrupted = None
     try:
         runner.run(plans)
@@ -109,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     print_table(records, console)
     console.print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}", highlight=False, soft_wrap=True)
     if interrupted:
-        console.print(f"[yellow]interrupted[/yellow] ({interrupted}); finished cells are kept - rerun the same command to resume")
+        console.print(
+            f"[yellow]interrupted[/yellow] ({interrupted}); finished cells are kept - rerun the same command to resume"
+        )
         return 130
     bad = [r for r in records if r.get("status") not in ("ok", "skipped")]
     return 1 if bad else 0

@@ -10,7 +10,9 @@ ORDER = 1
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output", default="runs/demo", help="sweep folder (default: runs/demo); rerunning resumes")
+    parser.add_argument(
+        "--output", default="runs/demo", help="sweep folder (default: runs/demo); rerunning resumes"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,60 +6,71 @@ import argparse
 import json
 
 NAME = "estimate"
-HELP = "predict memory per device (parameters, gradients, optimizer, activations) for a method, before training"
+HELP = (
+    "predict memory per device (parameters, gradients, optimizer, activations) for a method, before training"
+)
 ORDER = 40
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
-    parser.add_argument("--batch-size", type=int, default=64, help="GLOBAL batch per optimizer step (per device = batch / world size)")
+    parser.add_argument(
+        "--batch-size",
+        type=int,
+        default=64,
+        help="GLOBAL batch per optimizer step (per device = batch / world size)",
+    )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
-    parser.add_argument("--precision", default="fp32", help="fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed")
-    parser.add_argument("--strategy", default="single", help="a method (see `stratbench list`) or 'all' for one row per method")
+    parser.add_argument(
+        "--precision", default="fp32", help="fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed"
+    )
+    parser.add_argument(
+        "--strategy",
+        default="single",
+        help="a method (see `stratbench list`) or 'all' for one row per method",
+    )
     parser.add_argument("--world-size", type=int, default=1, help="number of devices (processes)")
     parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: plain SGD, no state)")
-    parser.add_argument("--activation-checkpointing", action="store_true", help="recompute each residual block")
-    parser.add_argument("--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use")
-    parser.add_argument("--sharding", help="fsdp/fsdp1: full, grad-op or none")
-    parser.add_argument("--zero-stage", type=int, help="deepspeed: ZeRO stage 0-3")
-    parser.add_argument("--offload-optimizer", action="store_true", help="deepspeed: optimizer states on the CPU")
-    parser.add_argument("--offload-params", action="store_true", help="deepspeed stage 3 / fsdp: parameters on the CPU")
-    parser.add_argument("--cpu-offload", action="store_true", help="fsdp: parameters, gradients and optimizer on the CPU")
-    parser.add_argument("--max-batch", action="store_true", help="solve for the largest global batch that fits --device-memory")
+    parser.add_argument(
+        "--activation-checkpointing", action="store_true", help="recompute each residual block"
+    )
+    parser.add_argument(
+        "--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use"
+    )
+    parser.add_argument(
+        "--nnodes", type=int, default=1, help="nodes the world size spans (fsdp1 HYBRID_SHARD)"
+    )
+    parser.add_argument(
+        "--max-batch",
+        action="store_true",
+        help="solve for the largest global batch that fits --device-memory",
+    )
     parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB (default: detected GPU)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    from stratbench.commands.train import add_strategy_option_arguments
+
+    add_strategy_option_arguments(parser)  # the same method flags as `train`, from each strategy's Options
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="resnet50", help="tinynet, resnet18/34/50, or a builder 'pkg.module:build'")
+    parser.add_argument(
+        "--model", default="resnet50", help="tinynet, resnet18/34/50, or a builder 'pkg.module:build'"
+    )
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs")
+    parser.add_argument(
+        "--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs"
+    )
     parser.add_argument("--width", type=int, default=16, help="tinynet width")
 
 
-def strategy_options(args: argparse.Namespace, strategy: str) -> dict:
-    """The method flags that apply to ``strategy``, as its cfg.strategy_options."""
-    base = strategy.removeprefix("accelerate-")
-    out: dict = {}
-    if base in ("fsdp", "fsdp1") and args.sharding:
-        out["sharding"] = args.sharding
-    if base in ("fsdp", "fsdp1") and (args.cpu_offload or args.offload_params):
-        out["cpu_offload"] = True
-    if base == "deepspeed":
-        out["zero_stage"] = 2 if args.zero_stage is None else args.zero_stage
-        if args.offload_optimizer:
-            out["offload_optimizer"] = "cpu"
-        if args.offload_params:
-            out["offload_params"] = "cpu"
-    return out
-
-
 def config_for(args: argparse.Namespace, strategy: str):
+    from stratbench.commands.train import strategy_options_from_args
     from stratbench.config import TrainConfig, validate
     from stratbench.errors import ConfigError
     from stratbench.precision import SPECS
+    from stratbench.strategies.base import get_strategy
 
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
@@ -68,10 +79,12 @@ def config_for(args: argparse.Namespace, strategy: str):
     cfg = TrainConfig(
         model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
         cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        precision=args.precision, strategy=strategy, strategy_options=strategy_options(args, strategy),
+        precision=args.precision, strategy=strategy, nnodes=args.nnodes,
+        strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
     validate(cfg)
+    get_strategy(strategy).parse_options(cfg.strategy_options)  # bad option values: one line, before any work
     return cfg
 
 
@@ -92,24 +105,36 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.report_table import fmt_bytes
 
     console = Console()
-    names = list(est.METHODS) if args.strategy == "all" else [args.strategy]
-    est.method_of(names[0], {}) if args.strategy != "all" else None
+    from stratbench.strategies.base import all_strategies, get_strategy
+
+    names = sorted(all_strategies()) if args.strategy == "all" else [get_strategy(args.strategy).name]
     if args.strategy == "single" and args.world_size > 1:
-        raise ConfigError(f"single runs on one device; --world-size {args.world_size} needs ddp, fsdp, ... (or --strategy all)")
+        raise ConfigError(
+            f"single runs on one device; --world-size {args.world_size} needs ddp, fsdp, ... (or --strategy all)"
+        )
     device_memory = est.parse_bytes(args.device_memory) if args.device_memory else detected_device_memory()
     if args.max_batch and device_memory is None:
-        raise ConfigError("--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from")
+        raise ConfigError(
+            "--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from"
+        )
 
     results = []
     for name in names:
         world = 1 if name == "single" else args.world_size
         cfg = config_for(args, name)
-        if args.max_batch:
-            batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
-            results.append({"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None})
-        else:
-            e = est.estimate(cfg, world, args.device_type)
-            results.append({"strategy": name, "estimate": e.to_dict()})
+        try:
+            if args.max_batch:
+                batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
+                results.append(
+                    {"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None}
+                )
+            else:
+                e = est.estimate(cfg, world, args.device_type)
+                results.append({"strategy": name, "estimate": e.to_dict()})
+        except est.NoMemoryModel as exc:
+            if args.strategy != "all":
+                raise
+            results.append({"strategy": name, "estimate": None, "no_model": str(exc)})
 
     if args.json:
         print(json.dumps({"device_memory": device_memory, "results": results}, indent=2))
@@ -124,20 +149,68 @@ def run(args: argparse.Namespace) -> int:
         for col in ("component", "on device", "on host", "note"):
             table.add_column(col, justify="right" if col.startswith("on") else "left")
         for row in e["rows"]:
-            table.add_row(row["component"], fmt_bytes(row["device_bytes"]), fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-", row["note"])
+            table.add_row(
+                row["component"],
+                fmt_bytes(row["device_bytes"]),
+                fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-",
+                row["note"],
+            )
         table.add_section()
-        table.add_row("peak, forward/backward", fmt_bytes(e["peak_fwd_bwd"]), "", "resident states + gathered + traced working peak")
-        table.add_row("peak, optimizer step", fmt_bytes(e["peak_step"]), "", "resident states + gradients + step scratch")
-        table.add_row("predicted peak allocated", fmt_bytes(e["peak_bytes"]), "", "compare with torch.cuda.max_memory_allocated")
-        table.add_row("per-process overhead", fmt_bytes(e["overhead_bytes"]), "", f"{args.device_type} context + allocator slack")
-        table.add_row("[bold]total per device", f"[bold]{fmt_bytes(e['total_bytes'])}", fmt_bytes(e["host_bytes"]) if e["host_bytes"] else "-", "what must fit")
+        table.add_row(
+            "peak, forward/backward",
+            fmt_bytes(e["peak_fwd_bwd"]),
+            "",
+            "resident states + gathered + traced working peak",
+        )
+        table.add_row(
+            "peak, optimizer step",
+            fmt_bytes(e["peak_step"]),
+            "",
+            "resident states + gradients + step scratch",
+        )
+        table.add_row(
+            "predicted peak allocated",
+            fmt_bytes(e["peak_bytes"]),
+            "",
+            "compare with torch.cuda.max_memory_allocated",
+        )
+        table.add_row(
+            "per-process overhead",
+            fmt_bytes(e["overhead_bytes"]),
+            "",
+            f"{args.device_type} context + allocator slack",
+        )
+        table.add_row(
+            "[bold]total per device",
+            f"[bold]{fmt_bytes(e['total_bytes'])}",
+            fmt_bytes(e["host_bytes"]) if e["host_bytes"] else "-",
+            "what must fit",
+        )
         console.print(table)
         if device_memory:
             fits = "fits" if e["total_bytes"] <= device_memory else "does NOT fit"
             console.print(f"{fits} in {fmt_bytes(device_memory)} per device")
         return 0
-    table = Table(title=("largest global batch that fits " + fmt_bytes(device_memory) + ": " if args.max_batch else "memory per device: ") + title)
-    cols = ["method", "params", "grads", "optimizer", "master", "buckets", "gathered", "fwd/bwd working", "peak allocated", "total per device"]
+    table = Table(
+        title=(
+            "largest global batch that fits " + fmt_bytes(device_memory) + ": "
+            if args.max_batch
+            else "memory per device: "
+        )
+        + title
+    )
+    cols = [
+        "method",
+        "params",
+        "grads",
+        "optimizer",
+        "master",
+        "buckets",
+        "gathered",
+        "fwd/bwd working",
+        "peak allocated",
+        "total per device",
+    ]
     if args.max_batch:
         cols.insert(1, "max global batch")
     for col in cols:
@@ -145,7 +218,8 @@ def run(args: argparse.Namespace) -> int:
     for res in results:
         e = res["estimate"]
         if e is None:
-            table.add_row(res["strategy"], "0 (even one sample per device does not fit)", *[""] * (len(cols) - 2))
+            why = "no memory model" if res.get("no_model") else "0 (even one sample per device does not fit)"
+            table.add_row(res["strategy"], why, *[""] * (len(cols) - 2))
             continue
         byname = {r["component"]: r["device_bytes"] for r in e["rows"]}
         cells = [

@@ -50,7 +50,12 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         ptable.add_column(f"here ({device.type})")
     for name, spec in SPECS.items():
-        row = [name, spec.description, str(spec.param_dtype).replace("torch.", ""), str(spec.compute_dtype).replace("torch.", "")]
+        row = [
+            name,
+            spec.description,
+            str(spec.param_dtype).replace("torch.", ""),
+            str(spec.compute_dtype).replace("torch.", ""),
+        ]
         if args.check:
             reason = supported_on(spec, device) or slow_on(spec, device)
             row.append("yes" if reason is None else reason)

@@ -11,8 +11,12 @@ ORDER = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare")
-    parser.add_argument("--output", help="report folder (default: the sweep folder itself; required with several)")
+    parser.add_argument(
+        "dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare"
+    )
+    parser.add_argument(
+        "--output", help="report folder (default: the sweep folder itself; required with several)"
+    )
     parser.add_argument("--title", help="report title (default: from the sweeps' names)")
 
 
@@ -25,7 +29,9 @@ def run(args: argparse.Namespace) -> int:
         if not d.is_dir():
             raise ConfigError(f"sweep folder not found: {d}")
     if len(dirs) > 1 and not args.output:
-        raise ConfigError("merging several sweeps needs --output DIR (the folders' own reports are left as they are)")
+        raise ConfigError(
+            "merging several sweeps needs --output DIR (the folders' own reports are left as they are)"
+        )
     out = Path(args.output) if args.output else dirs[0]
     paths, records = render_sweeps(dirs, out, args.title)
     print_table(records)

@@ -19,53 +19,79 @@ _OPT_PREFIX = "strategy_opt__"
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """--config FILE, one flag per TrainConfig field, and one flag per strategy option."""
-    from stratbench.strategies.base import iter_option_fields
-
     parser.add_argument("--config", help="YAML file of options; flags given on the command line override it")
     add_dataclass_arguments(parser, TrainConfig)
-    group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
-    owners: dict[str, list[str]] = {}
-    fields: dict[str, dataclasses.Field] = {}
-    for cls, f in iter_option_fields():
-        owners.setdefault(f.name, []).append(cls.name)
-        fields.setdefault(f.name, f)
-    from stratbench.config import _base_type, field_docs
-    from stratbench.strategies.base import all_strategies
+    add_strategy_option_arguments(parser)
+    # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
+    parser.add_argument(
+        "--local_rank", "--local-rank", dest="_local_rank", default=None, help=argparse.SUPPRESS
+    )
 
-    docs: dict[str, str] = {}
-    for cls in all_strategies().values():
-        docs.update({k: v for k, v in field_docs(cls.Options).items() if k not in docs})
+
+def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per strategy option field (from every registered strategy's ``Options``); a field two strategies
+    share gets one flag whose help gives each strategy's own description."""
+    from stratbench.config import _base_type, field_docs
+    from stratbench.strategies.base import iter_option_fields
+
+    group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
+    fields: dict[str, dataclasses.Field] = {}
+    docs: dict[str, dict[str, list[str]]] = {}  # field -> its description -> the strategies that give it
+    for cls, f in iter_option_fields():
+        fields.setdefault(f.name, f)
+        doc = field_docs(cls.Options).get(f.name, "")
+        docs.setdefault(f.name, {}).setdefault(doc, []).append(cls.name)
     for name, f in sorted(fields.items()):
         flag = "--" + name.replace("_", "-")
-        help_text = f"[{', '.join(owners[name])}] {docs.get(name, '')}".replace("%", "%%")
+        help_text = " ".join(f"[{', '.join(owners)}] {doc}" for doc, owners in docs[name].items()).replace(
+            "%", "%%"
+        )
         if _base_type(f.type) is bool:
-            group.add_argument(flag, dest=_OPT_PREFIX + name, nargs="?", const="true", default=None, metavar="BOOL", help=help_text)
+            group.add_argument(
+                flag,
+                dest=_OPT_PREFIX + name,
+                nargs="?",
+                const="true",
+                default=None,
+                metavar="BOOL",
+                help=help_text,
+            )
         else:
-            group.add_argument(flag, dest=_OPT_PREFIX + name, default=None, metavar=name.upper(), help=help_text)
-    # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
-    parser.add_argument("--local_rank", "--local-rank", dest="_local_rank", default=None, help=argparse.SUPPRESS)
+            group.add_argument(
+                flag, dest=_OPT_PREFIX + name, default=None, metavar=name.upper(), help=help_text
+            )
+
+
+def strategy_options_from_args(
+    args: argparse.Namespace, strategy: str, *, strict: bool = True
+) -> dict[str, Any]:
+    """The strategy-option flags given on the command line that belong to ``strategy``. ``strict``: a flag of
+    another strategy is an error naming the allowed ones (``estimate --strategy all`` passes each its own)."""
+    from stratbench.strategies.base import get_strategy
+
+    given = {
+        k[len(_OPT_PREFIX) :]: v for k, v in vars(args).items() if k.startswith(_OPT_PREFIX) and v is not None
+    }
+    if not given:
+        return {}
+    own = {f.name for f in dataclasses.fields(get_strategy(strategy).Options)}
+    foreign = sorted(set(given) - own)
+    if foreign and strict:
+        flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
+        allowed = ", ".join("--" + k.replace("_", "-") for k in sorted(own)) or "none"
+        raise ConfigError(f"{flags} do(es) not apply to strategy {strategy!r}; its options: {allowed}")
+    return {k: v for k, v in given.items() if k in own}
 
 
 def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None) -> TrainConfig:
     """YAML file (if any) < command-line flags. Strategy options are checked against the chosen strategy."""
-    from stratbench.strategies.base import get_strategy
 
     data: dict[str, Any] = dict(base or {})
     if getattr(args, "config", None):
         data.update(load_yaml(args.config))
     data.update(collect_overrides(args, TrainConfig))
     opts = dict(data.pop("strategy_options", None) or {})
-    given = {k[len(_OPT_PREFIX):]: v for k, v in vars(args).items() if k.startswith(_OPT_PREFIX) and v is not None}
-    strategy = data.get("strategy", TrainConfig.strategy)
-    if given:
-        cls = get_strategy(strategy)
-        own = {f.name for f in dataclasses.fields(cls.Options)}
-        foreign = sorted(set(given) - own)
-        if foreign:
-            flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
-            allowed = ", ".join("--" + k.replace("_", "-") for k in sorted(own)) or "none"
-            raise ConfigError(f"{flags} do(es) not apply to strategy {strategy!r}; its options: {allowed}")
-        opts.update(given)
+    opts.update(strategy_options_from_args(args, data.get("strategy", TrainConfig.strategy)))
     data["strategy_options"] = opts
     cfg = from_dict(TrainConfig, data)
     # A torchelastic restart resumes from the last checkpoint.

@@ -32,7 +32,16 @@ STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")
 """Outcome of a cell: ok, failed (crash or bad config), oom, timeout, nan (loss became NaN/inf), skipped (cannot run here)."""
 
 # Options that belong to the sweep, not to a cell: compare sets them per cell (output, processes, progress).
-SWEEP_OWNED = ("output", "strategy", "precision", "nproc", "strategy_options", "resume", "resume_from", "progress")
+SWEEP_OWNED = (
+    "output",
+    "strategy",
+    "precision",
+    "nproc",
+    "strategy_options",
+    "resume",
+    "resume_from",
+    "progress",
+)
 ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "config", "label")
 
 
@@ -110,15 +119,27 @@ def preset_quick() -> dict[str, Any]:
         "description": "tinynet (width 8) on scikit-learn digits at 16x16, 2 epochs, global batch 64; "
         "every method that runs on a CPU with 2 processes, fp32 and bf16-mixed",
         # Small enough that 18 cells finish in minutes on 2 CPU cores; large enough that all methods learn.
-        "base": {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 2,
-                 "batch_size": 64, "measure_flops": False, "timing_warmup_steps": 2},  # fmt: skip
+        "base": {
+            "model": "tinynet",
+            "width": 8,
+            "data": "digits",
+            "image_size": 16,
+            "epochs": 2,
+            "batch_size": 64,
+            "measure_flops": False,
+            "timing_warmup_steps": 2,
+        },  # fmt: skip
         "world_size": 2,
         "timeout_s": 300,
         "cells": [
             {"method": "single", "precision": both},
             {"method": ["ddp", "ddp-zero", "fsdp", "fsdp1"], "precision": both},
-            {"method": "deepspeed", "precision": both, "options": [{"zero_stage": s} for s in (1, 2, 3)],
-             "label": "deepspeed-z{zero_stage}"},  # fmt: skip
+            {
+                "method": "deepspeed",
+                "precision": both,
+                "options": [{"zero_stage": s} for s in (1, 2, 3)],
+                "label": "deepspeed-z{zero_stage}",
+            },  # fmt: skip
             {"method": "accelerate-ddp", "precision": both},
             # Rows that need what this machine may lack; listed so the report says why they are missing.
             {"method": "single", "precision": ["fp16-mixed", "fp16-true"]},
@@ -131,13 +152,27 @@ def preset_quick() -> dict[str, Any]:
 def preset_seed(world_size: int | None = None) -> dict[str, Any]:
     """The source experiment: ResNet-50, CIFAR-10 at 224x224, 5 epochs, global batch 128, every method (+ bf16)."""
     world = world_size or max(2, _gpu_count())
-    multi = ["ddp", "accelerate-ddp", "fsdp", "accelerate-fsdp", "ddp-zero", "deepspeed", "accelerate-deepspeed"]
+    multi = [
+        "ddp",
+        "accelerate-ddp",
+        "fsdp",
+        "accelerate-fsdp",
+        "ddp-zero",
+        "deepspeed",
+        "accelerate-deepspeed",
+    ]
     return {
         "name": "seed",
         "description": "the source template's experiment: ResNet-50 (pretrained with --weights, else random) on "
         f"CIFAR-10 at 224x224, 5 epochs, global batch 128; multi-device methods on {world} GPUs",
-        "base": {"model": "resnet50", "data": "cifar10", "image_size": 224, "epochs": 5, "batch_size": 128,
-                 "num_workers": 4},  # fmt: skip
+        "base": {
+            "model": "resnet50",
+            "data": "cifar10",
+            "image_size": 224,
+            "epochs": 5,
+            "batch_size": 128,
+            "num_workers": 4,
+        },  # fmt: skip
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 4 * 3600,
@@ -155,15 +190,27 @@ def preset_gpu_precision() -> dict[str, Any]:
         "name": "gpu-precision",
         "description": "every precision on one GPU: ResNet-50, synthetic 224x224 images, global batch 128, "
         "1 epoch of 40 steps; MFU from the device's peak FLOP/s",
-        "base": {"model": "resnet50", "data": "synthetic", "image_size": 224, "synthetic_samples": 5120,
-                 "epochs": 1, "batch_size": 128, "num_workers": 4},  # fmt: skip
+        "base": {
+            "model": "resnet50",
+            "data": "synthetic",
+            "image_size": 224,
+            "synthetic_samples": 5120,
+            "epochs": 1,
+            "batch_size": 128,
+            "num_workers": 4,
+        },  # fmt: skip
         "world_size": 1,
         "gpu_only": True,
         "timeout_s": 1800,
         "cells": [
             {"method": "single", "precision": ["fp32", "fp16-true", "bf16-true", "fp16-mixed", "bf16-mixed"]},
             {"method": "single", "precision": "fp32", "config": {"tf32": True}, "label": "single+tf32"},
-            {"method": "single", "precision": "bf16-mixed", "config": {"channels_last": True}, "label": "single+channels-last"},
+            {
+                "method": "single",
+                "precision": "bf16-mixed",
+                "config": {"channels_last": True},
+                "label": "single+channels-last",
+            },
         ],
     }
 
@@ -189,7 +236,9 @@ def _default_world(method: str, default: int) -> int:
     return default if cls.needs_process_group else 1
 
 
-def build_matrix(spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None) -> Matrix:
+def build_matrix(
+    spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
+) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
     from stratbench.config import TrainConfig, from_dict
 
@@ -199,12 +248,16 @@ def build_matrix(spec: dict[str, Any], overrides: dict[str, Any] | None = None, 
              "methods", "precisions", "world_sizes", "batch_sizes"}  # fmt: skip
     unknown = sorted(set(spec) - known)
     if unknown:
-        raise ConfigError(f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}")
+        raise ConfigError(
+            f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
+        )
     base = dict(spec.get("base") or {})
     base.update(overrides or {})
     for key in SWEEP_OWNED:
         if key in base:
-            raise ConfigError(f"matrix base: {key!r} is set per cell by compare; give it in a cell entry instead")
+            raise ConfigError(
+                f"matrix base: {key!r} is set per cell by compare; give it in a cell entry instead"
+            )
     from_dict(TrainConfig, base, where="matrix base")  # unknown keys / bad types fail here, naming the key
     default_world = int(world_size or spec.get("world_size") or 2)
     entries = spec.get("cells")
@@ -218,14 +271,20 @@ def build_matrix(spec: dict[str, Any], overrides: dict[str, Any] | None = None, 
     seen: set[str] = set()
     for n, entry in enumerate(entries):
         if not isinstance(entry, dict) or "method" not in entry:
-            raise ConfigError(f"matrix cell entry {n + 1} must be a mapping with at least 'method', got {entry!r}")
+            raise ConfigError(
+                f"matrix cell entry {n + 1} must be a mapping with at least 'method', got {entry!r}"
+            )
         bad = sorted(set(entry) - set(ENTRY_KEYS))
         if bad:
-            raise ConfigError(f"matrix cell entry {n + 1}: unknown key(s) {', '.join(bad)}; known: {', '.join(ENTRY_KEYS)}")
+            raise ConfigError(
+                f"matrix cell entry {n + 1}: unknown key(s) {', '.join(bad)}; known: {', '.join(ENTRY_KEYS)}"
+            )
         extra = dict(entry.get("config") or {})
         for key in SWEEP_OWNED:
             if key in extra:
-                raise ConfigError(f"matrix cell entry {n + 1}: 'config' cannot set {key!r}; use the entry's own keys")
+                raise ConfigError(
+                    f"matrix cell entry {n + 1}: 'config' cannot set {key!r}; use the entry's own keys"
+                )
         for method, precision, world, batch, options in itertools.product(
             _as_list(entry["method"]),
             _as_list(entry.get("precision", "fp32")),
@@ -243,7 +302,9 @@ def build_matrix(spec: dict[str, Any], overrides: dict[str, Any] | None = None, 
                 try:
                     label = label.format(**options)
                 except (KeyError, IndexError):
-                    raise ConfigError(f"matrix cell entry {n + 1}: label {label!r} names an option not in {options}") from None
+                    raise ConfigError(
+                        f"matrix cell entry {n + 1}: label {label!r} names an option not in {options}"
+                    ) from None
             world = int(world) if world is not None else _default_world(str(method), default_world)
             cell = Cell(str(method), str(precision), world, config, dict(options), label)
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
@@ -268,7 +329,9 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
         return build_matrix(load_yaml(path), overrides, world_size)
     name = preset or "quick"
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)")
+        raise ConfigError(
+            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)"
+        )
     spec = preset_seed(world_size) if name == "seed" else PRESETS[name]()
     return build_matrix(spec, overrides, world_size)
 
@@ -340,7 +403,9 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
             return Plan(cell, "skipped", f"{slow} (--allow-slow runs it anyway)")
         gpus = _gpu_count()
         if device.type == "cuda" and cls.needs_process_group and cell.world_size > gpus:
-            return Plan(cell, "skipped", f"needs {cell.world_size} GPUs (one per process); this machine has {gpus}")
+            return Plan(
+                cell, "skipped", f"needs {cell.world_size} GPUs (one per process); this machine has {gpus}"
+            )
         engine.preflight(cfg, world_size=cell.world_size)
         configure_tf32(cfg.tf32, device)  # --tf32 needs an Ampere GPU; only flips flags in this idle process
     except UnsupportedError as exc:

@@ -71,7 +71,9 @@ def load_sweep(path: str | Path) -> Sweep:
         except ValueError:
             meta = {}
     if not records and not meta:
-        raise ConfigError(f"{path} holds no sweep (no results.jsonl or sweep.json); run `stratbench compare --output {path}`")
+        raise ConfigError(
+            f"{path} holds no sweep (no results.jsonl or sweep.json); run `stratbench compare --output {path}`"
+        )
     ordered: list[dict[str, Any]] = []
     machine = next(iter(records.values()))["machine"] if records else _this_machine()
     latest = set(meta.get("latest") or [c["id"] for c in meta.get("cells", [])])
@@ -193,7 +195,9 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
                    "mfu", "val_accuracy", "final_loss")  # fmt: skip
     if not ok:
-        dash = DASH + notes.mark(f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured")
+        dash = DASH + notes.mark(
+            f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured"
+        )
         for k in metric_keys:
             raw[k] = None
             text[k] = dash
@@ -222,10 +226,16 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     if utils:
         raw["gpu_util"] = _mean(utils)
         raw["gpu_util_peak"] = max(upeaks) if upeaks else None
-        text["gpu_util"] = f"{raw['gpu_util']:.0f}% / {raw['gpu_util_peak']:.0f}%" if upeaks else f"{raw['gpu_util']:.0f}%"
+        text["gpu_util"] = (
+            f"{raw['gpu_util']:.0f}% / {raw['gpu_util_peak']:.0f}%" if upeaks else f"{raw['gpu_util']:.0f}%"
+        )
     else:
         raw["gpu_util"] = None
-        why = "no NVIDIA GPU on this machine" if device_type != "cuda" else "NVML (nvidia-ml-py) was not available"
+        why = (
+            "no NVIDIA GPU on this machine"
+            if device_type != "cuda"
+            else "NVML (nvidia-ml-py) was not available"
+        )
         text["gpu_util"] = "n/a" + notes.mark(f"n/a: GPU utilisation is read from NVML: {why}")
     train_time = m.get("train_time_s")
     evals = m.get("evaluations") or []
@@ -256,13 +266,17 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
         text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "") + busy
     else:
         raw["speedup"] = None
-        text["speedup"] = "n/a" + notes.mark("n/a: no completed single fp32 row on this machine to compare with")
+        text["speedup"] = "n/a" + notes.mark(
+            "n/a: no completed single fp32 row on this machine to compare with"
+        )
     # Predicted peak (stratbench.estimate) and its error against the measured allocator peak.
     pred = _predict(predictor, rec) if predictor else None
     raw["predicted"] = pred
     raw["prediction_error_pct"] = None
     if predictor is None:
-        text["predicted"] = "n/a" + notes.mark("n/a: this install has no memory predictor (stratbench.estimate)")
+        text["predicted"] = "n/a" + notes.mark(
+            "n/a: this install has no memory predictor (stratbench.estimate)"
+        )
     elif pred is None:
         text["predicted"] = "n/a" + notes.mark("n/a: the predictor gave no estimate for this cell")
     elif kind == "cuda_max_allocated" and raw["peak_memory"]:
@@ -277,11 +291,15 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
     if mfu is not None:
         text["mfu"] = f"{mfu * 100:.1f}%"
     elif device_type != "cuda":
-        text["mfu"] = "n/a" + notes.mark("n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table")
+        text["mfu"] = "n/a" + notes.mark(
+            "n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table"
+        )
     elif not m.get("flops_per_sample"):
         text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
     else:
-        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)")
+        text["mfu"] = "n/a" + notes.mark(
+            "n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)"
+        )
     acc = m.get("val_accuracy")
     raw["val_accuracy"] = acc
     text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
@@ -402,8 +420,14 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
     if probs:
         lines += ["", "## Cells that did not complete", ""]
         for r in probs:
-            log = f" (log: `{r.rec['log']}`)" if r.rec.get("log") and r.raw["status"] not in ("skipped", NOT_RUN) else ""
-            lines.append(f"- **{r.raw['method']} {r.raw['precision']} x{r.raw['devices']}** - {r.raw['status']}: {r.raw['reason']}{log}")
+            log = (
+                f" (log: `{r.rec['log']}`)"
+                if r.rec.get("log") and r.raw["status"] not in ("skipped", NOT_RUN)
+                else ""
+            )
+            lines.append(
+                f"- **{r.raw['method']} {r.raw['precision']} x{r.raw['devices']}** - {r.raw['status']}: {r.raw['reason']}{log}"
+            )
     lines += ["", "## How to read this table", "", HOW_TO_READ, ""]
     if charts:
         lines += ["## Charts", ""]
@@ -463,14 +487,18 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
     settings = _settings(report.records)
     if settings:
         parts.append(f"<p><b>Trained:</b> {e(settings)}</p>")
-    parts.append("<ul>" + "".join(f"<li><b>Machine:</b> {e(m)}</li>" for m in _machines(report.records)) + "</ul>")
+    parts.append(
+        "<ul>" + "".join(f"<li><b>Machine:</b> {e(m)}</li>" for m in _machines(report.records)) + "</ul>"
+    )
     if report.command:
         parts.append(f"<p><b>Command:</b> <code>{e(report.command)}</code></p>")
     parts.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in cols) + "</tr></thead><tbody>")
     left = {"machine", "method", "precision", "status"}
     for r in rows:
         cls = e(str(r.raw["status"]).replace(" ", "-"))
-        tds = "".join(f"<td class='l'>{e(r.text[k])}</td>" if k in left else f"<td>{e(r.text[k])}</td>" for k, _ in cols)
+        tds = "".join(
+            f"<td class='l'>{e(r.text[k])}</td>" if k in left else f"<td>{e(r.text[k])}</td>" for k, _ in cols
+        )
         parts.append(f"<tr class='{cls}'>{tds}</tr>")
     parts.append("</tbody></table>")
     if notes.texts:
@@ -489,7 +517,9 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
         for name, p in charts.items():
             data = base64.b64encode(p.read_bytes()).decode()
             parts.append(f"<div><img alt='{e(name)}' src='data:image/png;base64,{data}'></div>")
-    parts.append(f"<p style='color:#888;font-size:12px'>sources: {e(', '.join(report.sources))}</p></body></html>")
+    parts.append(
+        f"<p style='color:#888;font-size:12px'>sources: {e(', '.join(report.sources))}</p></body></html>"
+    )
     return "\n".join(parts)
 
 
@@ -506,7 +536,13 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
     multi = len({r.raw["machine"] for r in rows}) > 1
     cpu = any(r.raw.get("peak_memory_kind") == "cpu_peak_rss" for r in ok)
     gpu = any(r.raw.get("peak_memory_kind") == "cuda_max_allocated" for r in ok)
-    mem_what = "GPU allocator peak" if gpu and not cpu else "process peak RSS on CPU" if cpu and not gpu else "GPU allocator peak / CPU process RSS"
+    mem_what = (
+        "GPU allocator peak"
+        if gpu and not cpu
+        else "process peak RSS on CPU"
+        if cpu and not gpu
+        else "GPU allocator peak / CPU process RSS"
+    )
     specs = [
         ("memory", "peak_memory", lambda x: x / 2**20, f"peak memory per device, MiB (largest rank; {mem_what})",
          "Peak memory per device (lower is better)", ".0f"),
@@ -611,7 +647,9 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
                       highlight=False, soft_wrap=True)  # fmt: skip
 
 
-def render_sweeps(dirs: list[Path], out: Path, title: str | None = None) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+def render_sweeps(
+    dirs: list[Path], out: Path, title: str | None = None
+) -> tuple[dict[str, Path], list[dict[str, Any]]]:
     """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``."""
     sweeps = [load_sweep(d) for d in dirs]
     records = [r for s in sweeps for r in s.records]

@@ -161,7 +161,7 @@ def last_error_line(path: Path) -> str:
     lines = log_lines(path)
     for ln in reversed(lines):
         if ln.startswith("stratbench train: error:"):
-            return ln[len("stratbench train: error:"):].strip()
+            return ln[len("stratbench train: error:") :].strip()
     for ln in reversed(lines):
         if _ERROR_LINE.search(ln) and not any(n in ln for n in _NOISE):
             return ln[:400]
@@ -284,7 +284,9 @@ class Display:
         self.cell_t0 = time.monotonic()
         text = f"[{n}/{self.total}] {cell.name} {cell.precision} x{cell.world_size}"
         if self.progress is not None:
-            self.progress.reset(self.current, description=text, info="starting", count="")  # elapsed restarts per cell
+            self.progress.reset(
+                self.current, description=text, info="starting", count=""
+            )  # elapsed restarts per cell
             self.progress.update(self.overall, info=self.eta())
         else:
             self.console.print(f"{text} ... (log: {cell.id}/train.log)", highlight=False, soft_wrap=True)
@@ -316,7 +318,9 @@ class Display:
 
     def close(self) -> None:
         if self.progress is not None:
-            self.progress.update(self.current, description="done", info=f"total {_fmt_duration(time.monotonic() - self.t0)}")
+            self.progress.update(
+                self.current, description="done", info=f"total {_fmt_duration(time.monotonic() - self.t0)}"
+            )
             self.progress.stop()
 
 
@@ -344,8 +348,14 @@ class SweepRunner:
     def write_sweep_meta(self, plans: list[Plan]) -> None:
         """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
         cells = [
-            {"id": p.cell.id, "method": p.cell.method, "label": p.cell.name, "precision": p.cell.precision,
-             "world_size": p.cell.world_size, "batch_size": p.cell.batch_size}  # fmt: skip
+            {
+                "id": p.cell.id,
+                "method": p.cell.method,
+                "label": p.cell.name,
+                "precision": p.cell.precision,
+                "world_size": p.cell.world_size,
+                "batch_size": p.cell.batch_size,
+            }  # fmt: skip
             for p in plans
         ]
         # A filtered rerun (--only ddp) into the same folder keeps the earlier cells' place in the report.
@@ -447,10 +457,15 @@ class SweepRunner:
         elapsed = time.monotonic() - t0
         result = _read_result(cell_dir / "result.json")
         if timed_out:
-            status, reason = "timeout", f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed"
+            status, reason = (
+                "timeout",
+                f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed",
+            )
         else:
             status, reason = classify(proc.returncode, result, log_path)
-        rec = make_record(cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir)
+        rec = make_record(
+            cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir
+        )
         # Timings only mean something on an otherwise idle machine: keep the load seen, the report flags it.
         rec["host_load_mean"] = sum(loads) / len(loads) if loads else None
         rec["host_cpu_count"] = os.cpu_count()

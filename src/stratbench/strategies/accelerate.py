@@ -18,7 +18,7 @@ import dataclasses
 import os
 import shutil
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -27,7 +27,7 @@ from stratbench.config import TrainConfig
 from stratbench.errors import CheckpointError, UnsupportedError
 from stratbench.strategies.base import Strategy, register
 
-MIXED_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
+MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """stratbench precision -> accelerate's mixed_precision (accelerate has no pure fp16/bf16 mode)."""
 ACCELERATE_DIR = "accelerate"
 """Sub-folder of a stratbench checkpoint folder that holds accelerate's save_state files."""
@@ -61,7 +61,13 @@ def single_process_launch_reason(world_size: int) -> str | None:
     """
     env = os.environ
     launched_by_accelerate = "ACCELERATE_MIXED_PRECISION" in env or "ACCELERATE_USE_CPU" in env
-    if launched_by_accelerate and "MASTER_ADDR" in env and "WORLD_SIZE" not in env and "RANK" not in env and world_size == 1:
+    if (
+        launched_by_accelerate
+        and "MASTER_ADDR" in env
+        and "WORLD_SIZE" not in env
+        and "RANK" not in env
+        and world_size == 1
+    ):
         return (
             "accelerate launch started ONE process although several were asked for (its --cpu / MULTI_CPU path "
             "ignores --num_processes); use `ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes N` "
@@ -74,9 +80,7 @@ class _Accelerate(Strategy):
     """Shared implementation; subclasses pick the plugin."""
 
     needs_process_group = True
-    owns_precision = True
     launcher = "accelerate"
-    distributed_type: ClassVar[str] = "MULTI_GPU"
 
     @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
@@ -102,7 +106,8 @@ class _Accelerate(Strategy):
     def _plugins(self) -> dict[str, Any]:
         return {}
 
-    def setup(self, model: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Create the Accelerator; FSDP shards the model here, before the optimizer is built on its shards."""
         from accelerate import Accelerator
 
         kwargs = self._plugins()
@@ -121,24 +126,20 @@ class _Accelerate(Strategy):
                 f"(distributed_type {acc.distributed_type}); refusing to run a different method than {self.name}"
             )
         if self.env.is_main:
-            write_accelerate_config(self.cfg, self.name, self.env.world_size, Path(self.cfg.output) / "accelerate_config.yaml")
-        model = model.to(acc.device)
-        if self.cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if "fsdp_plugin" in kwargs:
-            model = acc.prepare(model)  # FSDP: shard first, then build the optimizer on the sharded parameters
-            optimizer = acc.prepare(make_optimizer(model.parameters()))
-        else:
-            model, optimizer = acc.prepare(model, make_optimizer(model.parameters()))
-        self.model, self.optimizer = model, optimizer
-        return model, optimizer
+            write_accelerate_config(
+                self.cfg, self.name, self.env.world_size, Path(self.cfg.output) / "accelerate_config.yaml"
+            )
+        self._prepare_model_first = "fsdp_plugin" in kwargs
+        return acc.prepare(model) if self._prepare_model_first else model
+
+    def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
+        acc = self.accelerator
+        if self._prepare_model_first:
+            return acc.prepare(make_optimizer(model.parameters()))
+        self.model, optimizer = acc.prepare(model, make_optimizer(model.parameters()))
+        return optimizer
 
     # ---- one step -----------------------------------------------------------------------------
-    def forward_loss(self, model, x, y, loss_fn):
-        # The prepared model autocasts (mixed_precision) and returns fp32 outputs.
-        logits = model(x)
-        return loss_fn(logits.float(), y), logits
-
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         assert self.accelerator is not None
         self.accelerator.gradient_state._set_sync_gradients(is_last_micro_step)
@@ -235,20 +236,32 @@ class AccelerateDDP(_Accelerate):
     description = "accelerate.Accelerator, DDP (the source's default_DDP.yml)"
     requirements = "pip install accelerate; 1+ processes (CPU with gloo, or one GPU each)"
 
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=True)
+
 
 @register
 class AccelerateFSDP(_Accelerate):
     name = "accelerate-fsdp"
-    description = "accelerate.Accelerator with FullyShardedDataParallelPlugin (FSDP2, the source's default_FSDP.yml)"
+    description = (
+        "accelerate.Accelerator with FullyShardedDataParallelPlugin (FSDP2, the source's default_FSDP.yml)"
+    )
     requirements = "pip install accelerate; NVIDIA GPUs (accelerate's FSDP does not run on CPU)"
     Options = AccelerateFsdpOptions
-    distributed_type = "FSDP"
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type != "cuda":
             return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
         return super().check_supported(cfg, device, world_size)
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        from stratbench.strategies.fsdp import fsdp2_memory
+
+        # FSDP2 with full sharding (reshard_after_forward); its size-based units are approximated by blocks.
+        return fsdp2_memory(ctx, rank, "full", ctx.options.fsdp_offload_params)
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import FullyShardedDataParallelPlugin
@@ -271,7 +284,6 @@ class AccelerateDeepSpeed(_Accelerate):
     description = "accelerate.Accelerator with DeepSpeedPlugin (the config the deepspeed strategy generates)"
     requirements = "pip install accelerate deepspeed; NVIDIA GPUs (accelerate's DeepSpeed path needs one)"
     Options = AccelerateDeepSpeedOptions
-    distributed_type = "DEEPSPEED"
 
     def _ds_options(self):
         from stratbench.strategies.deepspeed import DeepSpeedOptions
@@ -289,8 +301,17 @@ class AccelerateDeepSpeed(_Accelerate):
         from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config
 
         opts = cls.parse_options(cfg.strategy_options)
-        build_ds_config(cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size)  # conflicts -> ConfigError
+        build_ds_config(
+            cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size
+        )  # conflicts -> ConfigError
         return super().check_supported(cfg, device, world_size)
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_memory
+
+        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        return deepspeed_memory(ctx, ds["zero_optimization"])
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
@@ -325,7 +346,9 @@ class AccelerateDeepSpeed(_Accelerate):
         return save_engine_checkpoint(self, model, Path(path), self.ds_config, extra)
 
     def load_checkpoint(self, path, model, optimizer):
-        raise CheckpointError("accelerate-deepspeed resumes are not supported; start from the weights with --init-from")
+        raise CheckpointError(
+            "accelerate-deepspeed resumes are not supported; start from the weights with --init-from"
+        )
 
     def state_bytes(self, model, optimizer):
         from stratbench.strategies.deepspeed import _deepspeed_state_bytes
@@ -341,7 +364,11 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
     doc: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         # MULTI_GPU with use_cpu is the combination that starts N CPU processes; MULTI_CPU starts one.
-        "distributed_type": {"accelerate-ddp": "MULTI_GPU", "accelerate-fsdp": "FSDP", "accelerate-deepspeed": "DEEPSPEED"}[strategy],
+        "distributed_type": {
+            "accelerate-ddp": "MULTI_GPU",
+            "accelerate-fsdp": "FSDP",
+            "accelerate-deepspeed": "DEEPSPEED",
+        }[strategy],
         "downcast_bf16": "no",
         "machine_rank": cfg.node_rank,
         "main_training_function": "main",
@@ -369,7 +396,10 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
             "fsdp_cpu_ram_efficient_loading": False,
         }
     if strategy == "accelerate-deepspeed":
-        doc["deepspeed_config"] = {"deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"), "zero3_init_flag": False}
+        doc["deepspeed_config"] = {
+            "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
+            "zero3_init_flag": False,
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
         "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
@@ -390,9 +420,14 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
     elif (folder / "pytorch_model").is_dir():  # accelerate-deepspeed: a DeepSpeed checkpoint
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return {"model": get_fp32_state_dict_from_zero_checkpoint(str(folder / "pytorch_model")), "optimizer": {}}
+        return {
+            "model": get_fp32_state_dict_from_zero_checkpoint(str(folder / "pytorch_model")),
+            "optimizer": {},
+        }
     else:
-        raise CheckpointError(f"{folder} holds no model file accelerate's save_state writes (model.safetensors, ...)")
+        raise CheckpointError(
+            f"{folder} holds no model file accelerate's save_state writes (model.safetensors, ...)"
+        )
     optimizer: dict[str, Any] = {}
     opt_file = folder / "optimizer.bin"
     names = meta.get("param_names")

@@ -3,8 +3,14 @@ and the parametrised tests all read.
 
 A strategy is one module holding one ``Strategy`` subclass decorated with ``@register``. It declares its
 options as a small dataclass (``Options``; each field becomes a ``--flag``), what it needs
-(``check_supported``), and implements set-up, backward, optimizer step, accumulation, collectives and
-checkpointing. ``SingleDevice``-style no-op collectives mean the loop never asks "am I distributed?".
+(``check_supported``), its memory model (``memory_model``, read by ``stratbench estimate``), and overrides what
+differs from the defaults here: ``wrap``/``build_optimizer`` for set-up, ``accumulate``/``backward``/
+``optimizer_step`` for the step (or ``run_step`` to own the whole forward/backward schedule, as a pipeline
+does), and the checkpoint methods. ``SingleDevice``-style no-op collectives mean the loop never asks "am I
+distributed?".
+
+Strategies outside the package register through the ``stratbench.strategies`` entry-point group (a module
+that defines and ``@register``s a subclass); ``discover()`` loads them next to the built-in ones.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -24,9 +30,21 @@ from stratbench.errors import ConfigError
 
 if TYPE_CHECKING:
     from stratbench.dist import DistEnv
+    from stratbench.estimate import MemoryContext, RankMemory
     from stratbench.precision import Precision
 
-OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+class OptimizerFactory(Protocol):
+    """Builds the optimizer on parameters; ``cls``/``kwargs`` let a strategy build it its own way (ZeRO)."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
+
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ENTRY_POINT_GROUP = "stratbench.strategies"
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,12 +71,14 @@ class Strategy:
     Options: ClassVar[type] = NoOptions
     needs_process_group: ClassVar[bool] = False
     """True for methods that run one process per device (torch.distributed)."""
-    owns_precision: ClassVar[bool] = False
-    """True when the strategy translates the precision itself (DeepSpeed, accelerate, FSDP policies)."""
     requirements: ClassVar[str] = "any device"
     """One line for `stratbench list`: what the method needs."""
     launcher: ClassVar[str] = "python"
     """How it is normally launched (python, torchrun, deepspeed, accelerate)."""
+    channels_last_weights: ClassVar[bool] = True
+    """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
+    or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
+    channels-last activations (their output follows the input's memory format)."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, precision: Precision, options: Any) -> None:
         self.cfg = cfg
@@ -84,17 +104,28 @@ class Strategy:
         return world_size
 
     # ---- set-up -------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Move/convert/wrap the model, then build the optimizer on the wrapped parameters."""
-        model = self.precision.convert_module(model).to(self.env.device)
-        if self.cfg.channels_last:
+    def setup(
+        self, model: nn.Module, make_optimizer: OptimizerFactory
+    ) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """The one set-up order: convert to the precision's dtype, move, channels-last, wrap, build the optimizer
+        on the wrapped parameters. Strategies override the steps (``move``, ``wrap``, ``build_optimizer``)."""
+        model = self.move(self.precision.convert_module(model))
+        if self.cfg.channels_last and self.channels_last_weights:
             model = model.to(memory_format=torch.channels_last)
         self.model = self.wrap(model)
-        self.optimizer = make_optimizer(self.model.parameters())
+        # build_optimizer may wrap self.model again where a library wraps model and optimizer together
+        # (deepspeed.initialize, Accelerator.prepare).
+        self.optimizer = self.build_optimizer(self.model, make_optimizer)
         return self.model, self.optimizer
+
+    def move(self, model: nn.Module) -> nn.Module:
+        return model.to(self.env.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         return model
+
+    def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        return make_optimizer(model.parameters())
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module under any wrapper (DDP's ``.module``, DataParallel's, compile's ``_orig_mod``)."""
@@ -112,8 +143,22 @@ class Strategy:
         x = self.precision.convert_input(x)
         with self.precision.autocast():
             logits = model(x)
-            loss = loss_fn(logits.float(), y)
+            loss = loss_fn(self.precision.loss_input(logits), y)
         return loss, logits
+
+    def run_step(self, model: nn.Module, batches: list[Batch], loss_fn: Callable) -> torch.Tensor:
+        """Forward and backward of one optimizer step's micro-batches; returns their mean loss (fp64, detached).
+
+        The default runs them one after the other, each under ``accumulate`` with the loss divided by their
+        count; a strategy with its own schedule (a pipeline runs all micro-batches through its stages
+        together) overrides this one method."""
+        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for k, (x, y) in enumerate(batches):
+            with self.accumulate(is_last_micro_step=k == len(batches) - 1):
+                loss, _ = self.forward_loss(model, x, y, loss_fn)
+                self.backward(loss / len(batches))
+            total += loss.detach()
+        return total / len(batches)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)
@@ -178,16 +223,23 @@ class Strategy:
 
         set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
 
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
         """Write a full checkpoint: every rank takes part in gathering, global rank 0 writes atomically."""
         from stratbench import checkpoint
 
-        state = {"model": self.model_state_dict(model), "optimizer": self.optimizer_state_dict(model, optimizer)}
+        state = {
+            "model": self.model_state_dict(model),
+            "optimizer": self.optimizer_state_dict(model, optimizer),
+        }
         if self.env.is_main:
             checkpoint.save_full(path, state | extra)
         self.barrier()
@@ -204,13 +256,22 @@ class Strategy:
         return state
 
     # ---- measurement --------------------------------------------------------------------------
+    @classmethod
+    def memory_model(cls, ctx: MemoryContext, rank: int) -> RankMemory | None:
+        """Bytes of model states ``rank`` holds under this method (``stratbench.estimate`` adds the traced
+        activations). None: no memory model, which ``estimate`` reports as such rather than as 0."""
+        return None
+
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
         return {
             "param_bytes": sum(_local_bytes(p) for p in model.parameters()),
             "grad_bytes": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optimizer_state_bytes": sum(
-                _local_bytes(v) for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+                _local_bytes(v)
+                for s in optimizer.state.values()
+                for v in s.values()
+                if isinstance(v, torch.Tensor)
             ),
         }
 
@@ -258,4 +319,13 @@ def discover() -> None:
     for info in pkgutil.iter_modules(pkg.__path__):
         if info.name != "base":
             importlib.import_module(f"{pkg.__name__}.{info.name}")
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            ep.load()  # the module registers its strategy with @register
+        except Exception as exc:
+            raise ConfigError(
+                f"strategy plug-in {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
+            ) from exc
     _DISCOVERED = True

@@ -40,10 +40,16 @@ class DDPStrategy(Strategy):
     def check_supported(cls, cfg, device, world_size):
         options = cls.parse_options(cfg.strategy_options)
         if options.sync_bn and device.type != "cuda":
-            return f"--sync-bn needs CUDA (SyncBatchNorm only runs on GPU modules); the device is {device.type}"
+            return (
+                f"--sync-bn needs CUDA (SyncBatchNorm only runs on GPU modules); the device is {device.type}"
+            )
         if options.bucket_cap_mb <= 0:
             return f"--bucket-cap-mb must be > 0, got {options.bucket_cap_mb}"
         return None
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=True)  # the reducer's buckets are a second copy of the gradients
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel

@@ -1,5 +1,8 @@
 """DeepSpeed: ZeRO stages 0-3 with optional CPU offload, driven by stratbench's own loop, data and options.
 
+fp64 runs with ZeRO 1-3 only, and DeepSpeed still reduces the gradients in fp32 (its ``communication_data_type``
+knows fp16, bf16 and fp32): fp64 weights and arithmetic, one fp32 rounding of each averaged gradient per step.
+
 The DeepSpeed config is generated from stratbench's options (micro-batch, accumulation, clipping, precision,
 ZeRO stage, offload) so that the same command line trains the same problem as every other method; a user's
 JSON is merged in and every disagreement with stratbench's options is a clear error before any work starts.
@@ -38,7 +41,14 @@ DS_TAG = "deepspeed"
 """Tag (sub-folder) DeepSpeed writes its files under inside a stratbench checkpoint folder."""
 
 # DeepSpeed's fp16 dynamic loss scaling, with the values the source documents (loss_scale 0 = dynamic).
-FP16_BLOCK = {"enabled": True, "loss_scale": 0, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1, "initial_scale_power": 16}
+FP16_BLOCK = {
+    "enabled": True,
+    "loss_scale": 0,
+    "loss_scale_window": 1000,
+    "hysteresis": 2,
+    "min_loss_scale": 1,
+    "initial_scale_power": 16,
+}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -91,7 +101,9 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
     def agree(key: str, theirs: Any, ours: Any, flag: str) -> None:
         if theirs is None or _is_auto(theirs) or theirs == ours:
             return
-        raise ConfigError(f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}")
+        raise ConfigError(
+            f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}"
+        )
 
     for block in ("optimizer", "scheduler"):
         if block in user:
@@ -100,18 +112,33 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
                 "--optimizer/--lr/--lr-schedule so that every method trains the same problem (remove the block)"
             )
     agree("train_batch_size", user.get("train_batch_size"), cfg.batch_size, "--batch-size (global batch)")
-    agree("train_micro_batch_size_per_gpu", user.get("train_micro_batch_size_per_gpu"), micro,
-          f"--batch-size {cfg.batch_size} / (world {world_size} x --grad-accum {cfg.grad_accum})")
-    agree("gradient_accumulation_steps", user.get("gradient_accumulation_steps"), cfg.grad_accum, "--grad-accum")
+    agree(
+        "train_micro_batch_size_per_gpu",
+        user.get("train_micro_batch_size_per_gpu"),
+        micro,
+        f"--batch-size {cfg.batch_size} / (world {world_size} x --grad-accum {cfg.grad_accum})",
+    )
+    agree(
+        "gradient_accumulation_steps", user.get("gradient_accumulation_steps"), cfg.grad_accum, "--grad-accum"
+    )
     clip = float(cfg.clip_grad_norm or 0.0)
     theirs_clip = user.get("gradient_clipping")
-    agree("gradient_clipping", None if theirs_clip is None or _is_auto(theirs_clip) else float(theirs_clip), clip,
-          "--clip-grad-norm")
+    agree(
+        "gradient_clipping",
+        None if theirs_clip is None or _is_auto(theirs_clip) else float(theirs_clip),
+        clip,
+        "--clip-grad-norm",
+    )
 
     want = {"fp16": cfg.precision == "fp16-mixed", "bf16": cfg.precision == "bf16-mixed"}
     for key, enabled in want.items():
         block = user.get(key)
-        if isinstance(block, dict) and "enabled" in block and not _is_auto(block["enabled"]) and bool(block["enabled"]) != enabled:
+        if (
+            isinstance(block, dict)
+            and "enabled" in block
+            and not _is_auto(block["enabled"])
+            and bool(block["enabled"]) != enabled
+        ):
             raise ConfigError(
                 f"{src}: {key}.enabled is {block['enabled']!r} but --precision {cfg.precision} means {key} "
                 f"{'on' if enabled else 'off'}; set the precision with --precision only"
@@ -142,7 +169,9 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
             # pin_memory needs an accelerator; on CPU the tensors already live in host memory.
             zero[key] = {**(zero.get(key) or {}), "device": device, "pin_memory": torch.cuda.is_available()}
     if "offload_param" in zero and stage != 3:
-        raise ConfigError(f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}")
+        raise ConfigError(
+            f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}"
+        )
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
 
@@ -158,16 +187,26 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
         }
     )
     if want["fp16"]:
-        ds["fp16"] = {**FP16_BLOCK, **{k: v for k, v in (user.get("fp16") or {}).items() if not _is_auto(v)}, "enabled": True}
+        ds["fp16"] = {
+            **FP16_BLOCK,
+            **{k: v for k, v in (user.get("fp16") or {}).items() if not _is_auto(v)},
+            "enabled": True,
+        }
     if want["bf16"]:
-        ds["bf16"] = {**{k: v for k, v in (user.get("bf16") or {}).items() if not _is_auto(v)}, "enabled": True}
+        ds["bf16"] = {
+            **{k: v for k, v in (user.get("bf16") or {}).items() if not _is_auto(v)},
+            "enabled": True,
+        }
     if opts.ds_optimizer == "torch":
         # A client torch optimizer: DeepSpeed must be told that ZeRO may wrap it (SGD is "untested"), and that
         # ZeRO-Offload may step it on the CPU instead of forcing DeepSpeedCPUAdam (a JIT-compiled kernel).
         ds.setdefault("zero_allow_untested_optimizer", True)
         ds.setdefault("zero_force_ds_cpu_optimizer", False)
     elif opts.ds_optimizer == "fused":
-        ds["optimizer"] = {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": False}}
+        ds["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": False},
+        }
         ds.setdefault("zero_allow_untested_optimizer", True)
     else:
         ds.setdefault("zero_allow_untested_optimizer", True)
@@ -181,10 +220,15 @@ class _DeepSpeedPrecision(Precision):
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # DeepSpeed's own dynamic loss scaler
-        self.input_dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name, torch.float32)
+        self.input_dtype = {
+            "fp16-mixed": torch.float16,
+            "bf16-mixed": torch.bfloat16,
+            "fp64": torch.float64,
+        }.get(name, torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        return module
+        # fp16/bf16: DeepSpeed casts the module itself; fp64 has no DeepSpeed block: the weights are fp64.
+        return module.double() if self.name == "fp64" else module
 
     def convert_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.input_dtype) if x.is_floating_point() and x.dtype != self.input_dtype else x
@@ -201,7 +245,9 @@ def _avoid_shm_op_build() -> None:
     ``deepspeed.ops.__compatible_ops__`` is one cached dict that DeepSpeed consults before building, so
     marking the op incompatible there skips the build. Must run before ``deepspeed.init_distributed``.
     """
-    if os.environ.get("STRATBENCH_DS_SHM_COMM", "0") == "1":  # opt back in (then cached in TORCH_EXTENSIONS_DIR)
+    if (
+        os.environ.get("STRATBENCH_DS_SHM_COMM", "0") == "1"
+    ):  # opt back in (then cached in TORCH_EXTENSIONS_DIR)
         return
     import deepspeed.ops
 
@@ -237,8 +283,8 @@ class DeepSpeed(Strategy):
     name = "deepspeed"
     description = "DeepSpeed engine: ZeRO stages 0-3, optional CPU offload (ZeRO-Offload/ZeRO-Infinity)"
     Options = DeepSpeedOptions
+    channels_last_weights = False  # flat/sharded parameters must be contiguous
     needs_process_group = True
-    owns_precision = True
     requirements = "pip install deepspeed; 1+ processes (CPU with gloo, or one GPU each)"
     launcher = "deepspeed"
 
@@ -258,11 +304,17 @@ class DeepSpeed(Strategy):
                 f"{cfg.precision.replace('-true', '-mixed')}, DeepSpeed's {cfg.precision[:4]} block)"
             )
         if opts.ds_optimizer not in DS_OPTIMIZERS:
-            raise ConfigError(f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}")
+            raise ConfigError(
+                f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
+            )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
+        if cfg.precision == "fp64" and ds["zero_optimization"]["stage"] == 0:
+            return "fp64 needs ZeRO stage 1, 2 or 3 (DeepSpeed's stage-0 gradient reduction refuses fp64 gradients)"
         if opts.ds_optimizer != "torch":
             if cfg.optimizer != "adamw":
-                raise ConfigError(f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})")
+                raise ConfigError(
+                    f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})"
+                )
             offloaded = "offload_optimizer" in ds["zero_optimization"]
             if opts.ds_optimizer == "cpu-adam" and device.type == "cuda" and not offloaded:
                 return "--ds-optimizer cpu-adam steps on the CPU: it needs --offload-optimizer cpu on a GPU"
@@ -271,16 +323,20 @@ class DeepSpeed(Strategy):
             return _kernel_unavailable("cpu_adam" if opts.ds_optimizer == "cpu-adam" else "fused_adam")
         return None
 
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return deepspeed_memory(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
-        # owns_precision: DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
+        # DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
         self.precision = _DeepSpeedPrecision(precision.name, env.device)
         self.engine = None
         self.ds_config: dict[str, Any] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
-    def setup(self, model: nn.Module, make_optimizer) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Write the config, build the client optimizer and the engine; every kernel build happens here."""
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """Join DeepSpeed's communication layer and write its config; the engine wraps in build_optimizer."""
         os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_cache_dir()))
         import deepspeed
 
@@ -292,13 +348,20 @@ class DeepSpeed(Strategy):
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
             (out / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
-        model = model.to(self.env.device)
+        return model
+
+    def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
+        """The client optimizer and the engine (every kernel build happens here); self.model becomes the engine."""
+        import deepspeed
+
         if self.options.ds_optimizer == "torch":
             client = make_optimizer(model.parameters())
         elif self.options.ds_optimizer == "cpu-adam":
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
-            client = DeepSpeedCPUAdam(model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
+            client = DeepSpeedCPUAdam(
+                model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
+            )
         else:
             client = None  # "fused": built by DeepSpeed from the config's optimizer block
         engine, _, _, _ = deepspeed.initialize(
@@ -311,14 +374,9 @@ class DeepSpeed(Strategy):
         self.model = engine
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
         # so stratbench's LR scheduler sets the learning rate DeepSpeed applies.
-        self.optimizer = engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
-        return engine, self.optimizer
+        return engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
 
     # ---- one step -----------------------------------------------------------------------------
-    def forward_loss(self, model, x, y, loss_fn):
-        logits = model(self.precision.convert_input(x))
-        return loss_fn(logits.float(), y), logits
-
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         """The loop calls step() once per accumulation group: tell DeepSpeed where the boundary is, so that
         gradients are reduced (and ZeRO-2/3 partitions finalised) on the last micro-step only."""
@@ -412,6 +470,45 @@ class DeepSpeed(Strategy):
         return _deepspeed_state_bytes(self.engine, self._stage())
 
 
+def deepspeed_memory(ctx, zero: dict[str, Any]):
+    """DeepSpeed's per-rank model states for a ``zero_optimization`` block: weights in the compute dtype, a flat
+    master partition (fp32, or the weights' dtype in fp64) the optimizer steps, partitioned gradients from
+    stage 2, partitioned weights in stage 3, and the reduce/prefetch buckets sized by its defaults."""
+    from stratbench.estimate import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
+
+    info, world, pd = ctx.info, ctx.world, ctx.param_bytes
+    stage = int(zero.get("stage", 2))
+    total = info.total
+    bit = 2 if ctx.half else pd
+    master_bytes = 4 if ctx.half else pd
+    part = -(-total // world) if stage >= 1 else total
+    m = RankMemory(params=(-(-total // world) if stage == 3 else total) * bit)
+    # Stage 3 reuses the partition as the master when it already has the master's dtype on the device
+    # (stage3.py, _create_fp32_partitions); stages 1-2 always clone it.
+    offload_optimizer = "offload_optimizer" in zero
+    same = stage == 3 and not ctx.half and not offload_optimizer
+    m.master = part * master_bytes if ((stage >= 1 or ctx.half) and not same) else 0
+    m.optim = ctx.opt_slots * part * master_bytes
+    # After backward, stages 1-3 hold the reduced gradients of their own partition only; stage 0 all of them.
+    m.grads = (total if stage == 0 else part) * bit
+    m.step_scalars = 4 if ctx.adam else 0
+    if stage >= 2 and world > 1:
+        m.buckets, m.bucket_note = min(DS_REDUCE_BUCKET, total) * bit, "DeepSpeed reduce bucket"
+    m.sharding_note = f"ZeRO-{stage}"
+    m.grads_whole_in_backward = stage <= 1  # every gradient waits for the reduction at the end of backward
+    if stage == 3:
+        persistent = sum(x for x in info.numels if x < DS_PARAM_PERSISTENCE)
+        m.gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
+        m.gather_note = "small parameters kept whole (persistence threshold) + prefetch bucket"
+    if "offload_param" in zero:
+        m.offload_params_to_host()
+    if offload_optimizer:
+        m.offload_optimizer_to_host()
+    # The step converts the partition's gradients to the master dtype: a master-sized scratch (0 on the host).
+    m.step_scratch = m.master if stage >= 1 else (0 if offload_optimizer else None)
+    return m
+
+
 def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: dict, extra: dict) -> Path:
     """engine.save_checkpoint into a temporary folder (every rank writes its partitions: a collective; across
     nodes the folder must be on a shared filesystem), rank 0 adds stratbench's header and swaps it into place."""
@@ -464,7 +561,9 @@ def _deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
         param_bytes = sum(_nbytes(p) for p in params)
     opt_params = {id(p): p for g in basic.param_groups for p in g["params"]}
     model_ids = {id(p) for p in params}
-    opt_state = sum(_nbytes(v) for s in basic.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+    opt_state = sum(
+        _nbytes(v) for s in basic.state.values() for v in s.values() if isinstance(v, torch.Tensor)
+    )
     # The tensors the torch optimizer steps: DeepSpeed's fp32 master partitions (when they are not the
     # model's own parameters, i.e. under ZeRO or a fp16/bf16 block).
     master = sum(_nbytes(p) for i, p in opt_params.items() if i not in model_ids)
@@ -488,7 +587,12 @@ def _deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
             if isinstance(t, torch.Tensor) and id(t) not in seen:
                 seen.add(id(t))
                 grads += _nbytes(t)
-    return {"param_bytes": param_bytes, "grad_bytes": grads, "optimizer_state_bytes": opt_state, "master_param_bytes": master}
+    return {
+        "param_bytes": param_bytes,
+        "grad_bytes": grads,
+        "optimizer_state_bytes": opt_state,
+        "master_param_bytes": master,
+    }
 
 
 def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
@@ -514,10 +618,16 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
 
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        with contextlib.redirect_stdout(sys.stderr):  # it prints progress; stdout may be JSON (evaluate --json)
+        with contextlib.redirect_stdout(
+            sys.stderr
+        ):  # it prints progress; stdout may be JSON (evaluate --json)
             model = get_fp32_state_dict_from_zero_checkpoint(str(path), tag=tag)
         model = {k: v.detach().cpu().clone() for k, v in model.items()}
-    return {"model": model, "optimizer": {}, "optimizer_note": "deepspeed optimizer state is not consolidated"}
+    return {
+        "model": model,
+        "optimizer": {},
+        "optimizer_note": "deepspeed optimizer state is not consolidated",
+    }
 
 
 def _register_layout() -> None:

@@ -36,13 +36,20 @@ class DataParallelStrategy(Strategy):
         if device.type != "cuda":
             return f"needs the cuda device; --device is {cfg.device!r}"
         if world_size != 1:
-            return f"dp runs in one process that drives every GPU; it was started with world size {world_size}"
+            return (
+                f"dp runs in one process that drives every GPU; it was started with world size {world_size}"
+            )
         return None
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
         """The batch is split over the visible GPUs inside the one process."""
         return max(1, _cuda_count())
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        # One process: GPU 0 holds the parameters, gradients and optimizer state; replicas are transient.
+        return ctx.replicated(buckets=False)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # The parameters live on GPU 0 (the process's device); replicas are broadcast each forward.
@@ -68,5 +75,7 @@ class DataParallelStrategy(Strategy):
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         super().load_model_state_dict(self.unwrap(model), state)
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)

@@ -32,7 +32,7 @@ from torch import nn
 from stratbench import sharded  # noqa: F401  (registers the "dcp" checkpoint layout reader on discovery)
 from stratbench.errors import ConfigError
 from stratbench.precision import Precision
-from stratbench.strategies.base import OptimizerFactory, Strategy, register
+from stratbench.strategies.base import Strategy, register
 
 SHARDING = ("full", "grad-op", "none")
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -109,7 +109,9 @@ def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
 
         types_ = residual_block_types(model)
         if not types_:
-            raise ConfigError("fsdp --wrap block: this model has no residual block type; use --wrap size or class names")
+            raise ConfigError(
+                "fsdp --wrap block: this model has no residual block type; use --wrap size or class names"
+            )
 
         def matches(m: nn.Module) -> bool:
             return isinstance(m, types_)
@@ -158,12 +160,14 @@ def _size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
 @register
 class FSDPStrategy(Strategy):
     name = "fsdp"
-    description = "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
+    description = (
+        "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
+    )
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device"
     launcher = "torchrun"
     needs_process_group = True
-    owns_precision = True
     Options = FSDPOptions
+    channels_last_weights = False  # flat/sharded parameters must be contiguous
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, policy_precision(precision), options)
@@ -173,6 +177,10 @@ class FSDPStrategy(Strategy):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
         return None
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
 
     # ---- set-up -------------------------------------------------------------------------------
     def mesh(self):
@@ -184,15 +192,14 @@ class FSDPStrategy(Strategy):
             return init_device_mesh(kind, (self.env.world_size, 1), mesh_dim_names=("replicate", "shard"))
         return init_device_mesh(kind, (self.env.world_size,), mesh_dim_names=("shard",))
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    def move(self, model: nn.Module) -> nn.Module:
+        # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
+        return model if self.options.cpu_offload else super().move(model)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
-        model = self.precision.convert_module(model)  # pure half precisions: the weights themselves are half
-        if not opts.cpu_offload:
-            model = model.to(device)
-        if self.cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
         mesh = self.mesh()
         if spec.autocast:  # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
             mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
@@ -205,7 +212,9 @@ class FSDPStrategy(Strategy):
         if mp.param_dtype is not None:
             # A half policy would hand BatchNorm half weights; CPU batch_norm refuses bf16 weights with fp32
             # statistics. Each BatchNorm is its own unit kept in fp32 and fed the half activations as they come.
-            bn_mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False)
+            bn_mp = MixedPrecisionPolicy(
+                param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
+            )
             for m in model.modules():
                 if _is_batchnorm(m) and any(True for _ in m.parameters()):
                     fully_shard(m, mp_policy=bn_mp, **common)
@@ -213,16 +222,9 @@ class FSDPStrategy(Strategy):
         for unit in self.units:
             fully_shard(unit, mp_policy=mp, **common)
         fully_shard(model, mp_policy=mp, **common)
-        self.model = model
-        self.optimizer = make_optimizer(model.parameters())
-        return self.model, self.optimizer
+        return model
 
     # ---- one step -----------------------------------------------------------------------------
-    def forward_loss(self, model, x, y, loss_fn):
-        # No autocast: the policy casts the gathered weights, and the root unit casts floating inputs.
-        logits = model(self.precision.convert_input(x))
-        return loss_fn(logits.float(), y), logits
-
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         # grad-op/none keep whole gradients between micro-steps and reduce once; full sharding reduce-scatters
         # every micro-step so that only gradient shards are ever kept (the memory is the point of ZeRO-3).
@@ -234,7 +236,9 @@ class FSDPStrategy(Strategy):
     # reduced over the mesh), so every rank scales its shards by the same global factor.
 
     # ---- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
         if self.options.checkpoint_format == "full":
             return save_full_replacing(self, path, model, optimizer, extra)
         return sharded.save_sharded(path, model, optimizer, extra, is_main=self.env.is_main)
@@ -243,6 +247,41 @@ class FSDPStrategy(Strategy):
         if sharded.is_dcp(path):  # each rank reads its own shards, whatever world size wrote them
             return sharded.load_sharded(path, model, optimizer)
         return super().load_checkpoint(path, model, optimizer)
+
+
+def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
+    """FSDP2's per-rank model states: every parameter split along dim 0 (torch.chunk: the last ranks may get
+    fewer rows), gradients and optimizer state alike; units gathered whole around their forward/backward."""
+    from stratbench.estimate import RankMemory, chunk_rows
+
+    info, world, pd = ctx.info, ctx.world, ctx.param_bytes
+    total = info.total
+    if sharding == "none":
+        local = total
+    else:
+        local = sum(
+            n // d0 * chunk_rows(d0, world, rank) for n, d0 in zip(info.numels, info.dim0, strict=True)
+        )
+    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+    m.step_scalars = 4 * len(info.numels) if ctx.adam else 0
+    m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
+        sharding
+    ]
+    if sharding != "none":
+        unit = max(sum(info.numels[i] for i in u) for u in info.block_units)
+        gathered_dtype = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
+        m.gathered = (total if sharding == "grad-op" else 2 * unit) * gathered_dtype
+        m.gather_note = (
+            "all unsharded from forward to backward"
+            if sharding == "grad-op"
+            else "2 blocks (current + prefetch)"
+        )
+    elif offload:
+        m.gathered, m.gather_note = total * pd, "offloaded parameters copied to the device"
+    if offload:
+        m.offload_params_to_host(with_grads_and_optim=True)
+        m.step_scratch = 0  # the optimizer steps on the host
+    return m
 
 
 @contextlib.contextmanager
@@ -254,7 +293,9 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def save_full_replacing(strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+def save_full_replacing(
+    strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+) -> Path:
     """The base full-file save, after removing a sharded folder an earlier save left at ``path`` (a file
     cannot be renamed over a folder)."""
     path = Path(path)

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from stratbench import sharded
-from stratbench.strategies.base import OptimizerFactory, Strategy, register
+from stratbench.strategies.base import Strategy, register
 from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, _choice, policy_precision, save_full_replacing
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
@@ -48,11 +48,14 @@ class FSDP1Options:
 @register
 class FSDP1Strategy(Strategy):
     name = "fsdp1"
-    description = "legacy FullyShardedDataParallel (flat parameters, Linear/Conv2d auto-wrap); --sharding-strategy"
-    requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device; --cpu-offload needs CUDA"
+    description = (
+        "legacy FullyShardedDataParallel (flat parameters, Linear/Conv2d auto-wrap); --sharding-strategy"
+    )
+    requirements = (
+        "torch.distributed (gloo on CPU, nccl on CUDA); one process per device; --cpu-offload needs CUDA"
+    )
     launcher = "torchrun"
     needs_process_group = True
-    owns_precision = True
     Options = FSDP1Options
 
     def __init__(self, cfg, env, precision, options) -> None:
@@ -69,28 +72,54 @@ class FSDP1Strategy(Strategy):
             return f"fsdp1 HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the node count ({cfg.nnodes})"
         return None
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """One FlatParameter per Linear/Conv2d unit (plus the root), padded to a multiple of the shard group and
+        split evenly; units gathered whole around their forward/backward."""
+        from stratbench.estimate import RankMemory
+
+        opts, info, pd = ctx.options, ctx.info, ctx.param_bytes
+        kind = opts.sharding_strategy
+        shards = {"NO_SHARD": 1, "HYBRID_SHARD": max(1, ctx.world // ctx.cfg.nnodes)}.get(kind, ctx.world)
+        units = [u for u in info.layer_units if u]
+        local = sum(-(-sum(info.numels[i] for i in u) // shards) for u in units)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m.step_scalars = 4 * len(units) if ctx.adam else 0
+        at_rest = " at rest" if kind == "SHARD_GRAD_OP" else ""
+        m.sharding_note = "replicated" if shards == 1 else f"sharded 1/{shards}{at_rest}"
+        if shards > 1:
+            m.gathered = (info.total if kind == "SHARD_GRAD_OP" else 2 * info.largest_layer) * pd
+            m.gather_note = (
+                "all unsharded from forward to backward" if at_rest else "2 layers (current + prefetch)"
+            )
+        elif opts.cpu_offload:
+            m.gathered, m.gather_note = info.total * pd, "offloaded parameters copied to the device"
+        if opts.cpu_offload:
+            m.offload_params_to_host(with_grads_and_optim=True)
+            m.step_scratch = 0
+        return m
+
+    def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
-        model = self.precision.convert_module(model)  # pure half precisions: the flat parameters are half
-        if self.cfg.channels_last:
-            model = model.to(memory_format=torch.channels_last)
         # A device mesh (not a process group) also makes FSDP1's sharded state dicts DTensors rather than the
         # deprecated ShardedTensor.
         from torch.distributed.device_mesh import init_device_mesh
 
         if opts.sharding_strategy == "HYBRID_SHARD":
             nodes = self.cfg.nnodes
-            mesh = init_device_mesh(device.type, (nodes, self.env.world_size // nodes), mesh_dim_names=("replicate", "shard"))
+            mesh = init_device_mesh(
+                device.type, (nodes, self.env.world_size // nodes), mesh_dim_names=("replicate", "shard")
+            )
         else:
             mesh = init_device_mesh(device.type, (self.env.world_size,), mesh_dim_names=("shard",))
         mixed = None
         if spec.autocast:  # fp32 flat parameters, gathered in the compute dtype, gradients reduced in fp32
             mixed = MixedPrecision(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
-        self.model = FSDP(
+        return FSDP(
             model,
             # FSDP1 on CPU has no current device to pick: it must be named (device_id=None fails).
             device_id=device if device.type == "cpu" else device.index,
@@ -101,13 +130,6 @@ class FSDP1Strategy(Strategy):
             use_orig_params=opts.use_orig_params,
             device_mesh=mesh,
         )
-        self.optimizer = make_optimizer(self.model.parameters())
-        return self.model, self.optimizer
-
-    def forward_loss(self, model, x, y, loss_fn):
-        # No autocast: MixedPrecision casts the gathered flat parameters and the root's floating inputs.
-        logits = model(self.precision.convert_input(x))
-        return loss_fn(logits.float(), y), logits
 
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         # Skip the gradient reduction on all but the last micro-step where whole gradients are kept anyway;
@@ -139,7 +161,9 @@ class FSDP1Strategy(Strategy):
         with _quiet():
             return get_optimizer_state_dict(model, optimizer, options=self._full_options())
 
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
         if self.options.checkpoint_format == "full":
             return save_full_replacing(self, path, model, optimizer, extra)
         with _quiet():

@@ -14,5 +14,11 @@ class SingleDevice(Strategy):
     @classmethod
     def check_supported(cls, cfg, device, world_size):
         if world_size != 1:
-            return f"single runs one process; it was started with world size {world_size} (use ddp, fsdp, ...)"
+            return (
+                f"single runs one process; it was started with world size {world_size} (use ddp, fsdp, ...)"
+            )
         return None
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=False)
