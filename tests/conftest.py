@@ -34,15 +34,11 @@ RTOL = 1e-9
 """fp64 tolerance: the worst fp32 amplification seen (2e4 over 20 steps) on fp64 rounding (1.1e-16) gives ~2e-12;
 1e-9 leaves a 500x margin, while any real method difference (a wrong average, a missed all-reduce, a skipped
 LR step) is >= 1e-3."""
-RTOL_DEEPSPEED = 1e-5
-"""DeepSpeed reduces gradients in fp32 whatever the parameters' dtype (its communication_data_type accepts only
-fp16, bf16, fp32): one fp32 rounding of each averaged gradient per step. Measured 1.9e-7 to 2.2e-7 (ZeRO 1-3,
-offload) and identical under all three ISA caps, because the fp64 values being rounded agree to 1e-16;
-1e-5 is a 45x margin."""
 RTOL_FP32_SAME_SHAPES = 1e-5
 """fp32, a 2-rank run against `single` with --grad-accum 2 (the same micro-batch shape on every kernel call, so the
 kernels choose the same algorithms and only the grouping of samples into sums differs): measured 1.1e-7 to
-2.8e-7 under the AVX2, AVX and SSE4.1 caps; 1e-5 is a 35x margin, still far below a method bug."""
+2.8e-7 for ddp and DeepSpeed ZeRO-2/3 under the AVX2, AVX and SSE4.1 caps; 1e-5 is a 35x margin, still far
+below a method bug. (DeepSpeed has no fp64 mode: its master weights and optimizer state are fp32.)"""
 
 
 def stratbench_cmd(*args: str) -> list[str]:
@@ -84,6 +80,12 @@ def assert_curves_match(curve: list[float], ref: list[float], rtol: float) -> No
 def reference_run(tmp_path_factory) -> dict:
     """The `single` fp64 run of EQUIV that every method's loss curve is compared with."""
     return train(tmp_path_factory.mktemp("reference") / "single", "--strategy", "single", *EQUIV)
+
+
+@pytest.fixture(scope="session")
+def reference_fp32_same_shapes(tmp_path_factory) -> dict:
+    """`single` fp32 on TINY with --grad-accum 2: micro-batches of 16, the shape each of 2 ranks computes on."""
+    return train(tmp_path_factory.mktemp("reference") / "single-fp32-accum2", "--strategy", "single", *TINY, "--grad-accum", "2")
 
 
 def pytest_collection_modifyitems(config, items):

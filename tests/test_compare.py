@@ -67,7 +67,8 @@ def test_sweep_records_failed_cell_and_completes_others(sweep):
         r = by_label[("single", prec)]
         assert r["status"] == "ok", r["reason"]
         assert r["metrics"]["steps"] == 3 and r["metrics"]["throughput_samples_per_s"] > 0
-        assert r["machine"]["hostname"] and "CPU" in r["machine"]["device"] or "x " in r["machine"]["device"]
+        assert r["machine"]["hostname"]
+        assert "CPU" in r["machine"]["device"] or "x " in r["machine"]["device"], r["machine"]["device"]
     badrec = by_label[("single-badweights", "fp32")]
     assert badrec["status"] == "failed"
     assert "not a readable PyTorch state dict" in badrec["reason"]

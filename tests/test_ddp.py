@@ -49,13 +49,12 @@ def test_ddp_grad_accum_matches_single(runs):
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-def test_ddp_fp32_matches_single_with_the_same_micro_batch_shapes(runs):
+def test_ddp_fp32_matches_single_with_the_same_micro_batch_shapes(runs, reference_fp32_same_shapes):
     """The fp32 check: 2 ranks x 16 against one process x 2 micro-steps of 16. The kernels see the same shapes,
     so they choose the same algorithms on any CPU; only the grouping of samples into sums differs (see
     conftest.RTOL_FP32_SAME_SHAPES for the measured spread)."""
-    fp32 = [*TINY, "--precision", "fp32"]
-    single = train(runs["root"] / "single-fp32-accum", "--strategy", "single", *fp32, "--grad-accum", "2")
-    ddp = train(runs["root"] / "ddp-fp32", "--strategy", "ddp", *fp32, nproc=2)
+    single = reference_fp32_same_shapes
+    ddp = train(runs["root"] / "ddp-fp32", "--strategy", "ddp", *TINY, nproc=2)
     assert single["micro_batch_size"] == ddp["micro_batch_size"] == 16
     assert_curves_match(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL_FP32_SAME_SHAPES)
 

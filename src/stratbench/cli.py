@@ -39,7 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    try:
+        parser = build_parser()  # reads the strategy registry, plug-ins included
+    except StratbenchError as exc:
+        print(f"stratbench: error: {exc}", file=sys.stderr)
+        return exc.exit_code
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)

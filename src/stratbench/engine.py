@@ -418,7 +418,7 @@ class Trainer:
     def _result_header(self) -> dict[str, Any]:
         cfg, env = self.cfg, self.env
         dp = type(self.strategy).data_parallel_size(cfg, env.world_size)
-        micro = cfg.batch_size // (dp * cfg.grad_accum)  # preflight checked that it divides
+        micro = split_batch(cfg.batch_size, dp, cfg.grad_accum)
         return {
             "status": "running",
             "strategy": cfg.strategy,

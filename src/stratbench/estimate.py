@@ -474,13 +474,9 @@ def model_state_bytes(cfg: TrainConfig, world_size: int) -> list[dict[str, int]]
 
 def micro_batch(cfg: TrainConfig, world_size: int) -> int:
     """Per-device micro-batch: the global batch split over data-parallel ranks and accumulation steps."""
-    dp = world_size
-    per = cfg.batch_size // (dp * cfg.grad_accum)
-    if per < 1:
-        raise ConfigError(
-            f"global batch {cfg.batch_size} is smaller than world size {world_size} x grad accumulation {cfg.grad_accum}"
-        )
-    return per
+    from stratbench.data import split_batch
+
+    return split_batch(cfg.batch_size, world_size, cfg.grad_accum)
 
 
 def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Estimate:

@@ -26,6 +26,7 @@ from torch import nn
 from stratbench.config import TrainConfig
 from stratbench.errors import CheckpointError, UnsupportedError
 from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.deepspeed import DeepSpeedZeroOptions
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """stratbench precision -> accelerate's mixed_precision (accelerate has no pure fp16/bf16 mode)."""
@@ -42,15 +43,8 @@ class AccelerateFsdpOptions:
 
 
 @dataclasses.dataclass(kw_only=True)
-class AccelerateDeepSpeedOptions:
-    zero_stage: int | None = None
-    """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
-    offload_optimizer: str | None = None
-    """ZeRO-Offload of optimizer state and step: none or cpu (default: none, or the device in --deepspeed-config)."""
-    offload_params: str | None = None
-    """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
-    deepspeed_config: str | None = None
-    """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+class AccelerateDeepSpeedOptions(DeepSpeedZeroOptions):
+    """Options of accelerate-deepspeed: DeepSpeed's ZeRO options (the optimizer is always the torch one)."""
 
 
 def single_process_launch_reason(world_size: int) -> str | None:

@@ -1,8 +1,5 @@
 """DeepSpeed: ZeRO stages 0-3 with optional CPU offload, driven by stratbench's own loop, data and options.
 
-fp64 runs with ZeRO 1-3 only, and DeepSpeed still reduces the gradients in fp32 (its ``communication_data_type``
-knows fp16, bf16 and fp32): fp64 weights and arithmetic, one fp32 rounding of each averaged gradient per step.
-
 The DeepSpeed config is generated from stratbench's options (micro-batch, accumulation, clipping, precision,
 ZeRO stage, offload) so that the same command line trains the same problem as every other method; a user's
 JSON is merged in and every disagreement with stratbench's options is a clear error before any work starts.
@@ -31,6 +28,7 @@ import torch
 from torch import nn
 
 from stratbench.config import TrainConfig
+from stratbench.data import split_batch
 from stratbench.errors import CheckpointError, ConfigError
 from stratbench.precision import Precision
 from stratbench.strategies.base import Strategy, register
@@ -52,7 +50,9 @@ FP16_BLOCK = {
 
 
 @dataclasses.dataclass(kw_only=True)
-class DeepSpeedOptions:
+class DeepSpeedZeroOptions:
+    """The ZeRO options deepspeed and accelerate-deepspeed share."""
+
     zero_stage: int | None = None
     """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
     offload_optimizer: str | None = None
@@ -61,6 +61,12 @@ class DeepSpeedOptions:
     """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+
+
+@dataclasses.dataclass(kw_only=True)
+class DeepSpeedOptions(DeepSpeedZeroOptions):
+    """Options of the deepspeed strategy."""
+
     ds_optimizer: str = "torch"
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
 
@@ -96,7 +102,7 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
     """The DeepSpeed config for this run: stratbench's options merged with the user's JSON, conflicts as errors."""
     user = _load_user_json(opts.deepspeed_config) if opts.deepspeed_config else {}
     src = f"--deepspeed-config {opts.deepspeed_config}"
-    micro = cfg.batch_size // max(1, world_size * cfg.grad_accum)
+    micro = split_batch(cfg.batch_size, world_size, cfg.grad_accum)
 
     def agree(key: str, theirs: Any, ours: Any, flag: str) -> None:
         if theirs is None or _is_auto(theirs) or theirs == ours:
@@ -220,15 +226,10 @@ class _DeepSpeedPrecision(Precision):
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # DeepSpeed's own dynamic loss scaler
-        self.input_dtype = {
-            "fp16-mixed": torch.float16,
-            "bf16-mixed": torch.bfloat16,
-            "fp64": torch.float64,
-        }.get(name, torch.float32)
+        self.input_dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name, torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
-        # fp16/bf16: DeepSpeed casts the module itself; fp64 has no DeepSpeed block: the weights are fp64.
-        return module.double() if self.name == "fp64" else module
+        return module  # fp16/bf16: DeepSpeed casts the module itself
 
     def convert_input(self, x: torch.Tensor) -> torch.Tensor:
         return x.to(self.input_dtype) if x.is_floating_point() and x.dtype != self.input_dtype else x
@@ -298,6 +299,11 @@ class DeepSpeed(Strategy):
                 return "needs the deepspeed package (pip install deepspeed)"
         except (ImportError, ValueError):
             return "needs the deepspeed package (pip install deepspeed)"
+        if cfg.precision == "fp64":
+            return (
+                "DeepSpeed has no fp64 mode: its ZeRO optimizers keep fp32 master weights, gradient partitions and "
+                "optimizer state whatever the weights' dtype (stage 0 refuses fp64 gradients); use fp32"
+            )
         if cfg.precision in ("fp16-true", "bf16-true"):
             return (
                 f"DeepSpeed keeps fp32 master weights; it has no {cfg.precision} mode (use "
@@ -308,8 +314,6 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
-        if cfg.precision == "fp64" and ds["zero_optimization"]["stage"] == 0:
-            return "fp64 needs ZeRO stage 1, 2 or 3 (DeepSpeed's stage-0 gradient reduction refuses fp64 gradients)"
         if opts.ds_optimizer != "torch":
             if cfg.optimizer != "adamw":
                 raise ConfigError(
@@ -472,15 +476,15 @@ class DeepSpeed(Strategy):
 
 def deepspeed_memory(ctx, zero: dict[str, Any]):
     """DeepSpeed's per-rank model states for a ``zero_optimization`` block: weights in the compute dtype, a flat
-    master partition (fp32, or the weights' dtype in fp64) the optimizer steps, partitioned gradients from
-    stage 2, partitioned weights in stage 3, and the reduce/prefetch buckets sized by its defaults."""
+    fp32 master partition the optimizer steps, partitioned gradients from stage 2, partitioned weights in
+    stage 3, and the reduce/prefetch buckets sized by its defaults."""
     from stratbench.estimate import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
 
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     stage = int(zero.get("stage", 2))
     total = info.total
     bit = 2 if ctx.half else pd
-    master_bytes = 4 if ctx.half else pd
+    master_bytes = 4  # DeepSpeed's master partitions and optimizer state are fp32
     part = -(-total // world) if stage >= 1 else total
     m = RankMemory(params=(-(-total // world) if stage == 3 else total) * bit)
     # Stage 3 reuses the partition as the master when it already has the master's dtype on the device

@@ -49,7 +49,7 @@ class FSDPOptions:
     wrap_min_params: int = 100_000
     """fsdp --wrap size: parameter count from which a module becomes its own FSDP unit."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (fsdp: CPUOffloadPolicy; fsdp1: CPUOffload, needs CUDA)."""
+    """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy; runs on CPU too)."""
     checkpoint_format: str = "sharded"
     """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
 

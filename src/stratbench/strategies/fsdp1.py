@@ -35,7 +35,7 @@ class FSDP1Options:
     use_orig_params: bool = False
     """fsdp1: expose the original parameters (views into the flat shards) to the optimizer instead of the flat parameters."""
     cpu_offload: bool = False
-    """Keep sharded parameters, gradients and optimizer state in CPU memory (fsdp: CPUOffloadPolicy; fsdp1: CPUOffload, needs CUDA)."""
+    """fsdp1: offload the flat parameter shards (and their gradients and optimizer step) to the host with FSDP1's CPUOffload; needs CUDA."""
     checkpoint_format: str = "sharded"
     """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
 
