@@ -39,6 +39,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     from stratbench.models import MODELS
 
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
@@ -136,6 +139,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch

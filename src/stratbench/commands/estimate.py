@@ -56,6 +56,10 @@ def strategy_options(args: argparse.Namespace, strategy: str) -> dict:
     return out
 
 
+MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
+MAX_BATCH = 100_000_000
+
+
 def config_for(args: argparse.Namespace, strategy: str):
     from stratbench.config import TrainConfig, validate
     from stratbench.errors import ConfigError
@@ -63,8 +67,20 @@ def config_for(args: argparse.Namespace, strategy: str):
 
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
-    if args.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    if not 1 <= args.world_size <= MAX_WORLD:
+        raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD}, got {args.world_size}")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
+    if args.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    world = 1 if strategy == "single" else args.world_size
+    if not args.max_batch and args.batch_size % (world * args.grad_accum):
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is not divisible by world size x grad accum ({world} x {args.grad_accum}); "
+            "train refuses it too"
+        )
+    if args.zero_stage is not None and strategy not in ("deepspeed", "all") and args.strategy != "all":
+        raise ConfigError(f"--zero-stage applies to deepspeed only, not to strategy {strategy!r}")
     cfg = TrainConfig(
         model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
         cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,

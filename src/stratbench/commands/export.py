@@ -15,6 +15,9 @@ FP16_ATOL = 2e-2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
     parser.add_argument("--output", required=True, help="ONNX file to write (one file; weights included)")
     parser.add_argument(
@@ -82,6 +85,13 @@ def bundle_name(loaded) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 

@@ -79,23 +79,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench import engine, launch
-    from stratbench.dist import launched_by_launcher
-    from stratbench.report_table import print_result
+    from stratbench import checkpoint as ckpt
 
     cfg = resolve_config(args)
+    with ckpt.trusted(cfg.trust_checkpoint):
+        return _run(cfg)
+
+
+def _run(cfg) -> int:
+    import contextlib
+
+    from stratbench import engine, launch
+    from stratbench.dist import die_with_parent, launched_by_launcher, read_env
+    from stratbench.lock import held_here, output_lock
+    from stratbench.report_table import print_result
+
+    worker = launched_by_launcher()
+    if worker:
+        die_with_parent()  # a killed launcher or torchrun agent must not leave this worker training on
     engine.preflight(cfg)
     if launch.needs_launch(cfg):
-        code = launch.launch(cfg)
+        # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
+        with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
+            code = launch.launch(cfg)
         if code != 0:
             raise_failed(cfg, code)
         if cfg.node_rank == 0:
             print_result(cfg.output)
         return 0
-    result = engine.run(cfg)
-    from stratbench.dist import read_env
-
-    if not launched_by_launcher():
+    # Started by an external launcher: global rank 0 takes the lock (unless our own launcher holds it).
+    locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
+    with output_lock(cfg.output) if locking else contextlib.nullcontext():
+        result = engine.run(cfg)
+    if not worker:
         if read_env(cfg.device).is_main:
             print_result(cfg.output, result)
         return 0

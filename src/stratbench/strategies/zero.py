@@ -123,8 +123,7 @@ class DDPZeroStrategy(DDPStrategy):
 
         path = Path(path)
         if self.options.checkpoint_format == "full":
-            if self.env.is_main and path.is_dir():  # an earlier sharded save left a folder: a file cannot replace it
-                sharded._remove(path)
+            # An earlier sharded folder at ``path`` is swapped out only once the new file is complete.
             return super().save_checkpoint(path, model, optimizer, extra)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 

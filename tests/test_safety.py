@@ -1,0 +1,236 @@
+"""Nothing run, nothing lost: crafted checkpoint folders of every layout are refused by every command that
+loads checkpoints (their pickled payload never runs), unless --trust-checkpoint says otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, run_stratbench
+from stratbench.cli import main
+
+SHORT = [*TINY[: TINY.index("--max-steps")], "--max-steps", "4", *TINY[TINY.index("--max-steps") + 2 :]]
+LAYOUTS = {
+    "ds0": ("deepspeed", "--zero-stage", "0"),
+    "ds2": ("deepspeed", "--zero-stage", "2"),
+    "dcp": ("fsdp",),
+    "accelerate": ("accelerate-ddp",),
+}
+# One file per crafted folder: the file each loader unpickles (relative to checkpoints/last).
+TAMPER = {
+    "ds0": "deepspeed/mp_rank_00_model_states.pt",
+    "ds2": "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "ds2-model": "deepspeed/mp_rank_00_model_states.pt",
+    "dcp": ".metadata",
+    "accelerate": "accelerate/optimizer.bin",
+    "accelerate-rng": "accelerate/random_states_0.pkl",
+    "meta": "stratbench_meta.pt",
+}
+
+
+class Payload:
+    """Unpickling this runs ``touch MARKER``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="session")
+def real_runs(tmp_path_factory) -> dict[str, Path]:
+    """A real 2-process run of each sharded layout (4 steps), trained once per session."""
+    root = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    for name, strategy in LAYOUTS.items():
+        out = root / name
+        run_stratbench(
+            "train", "--output", str(out), "--nproc", "2", "--strategy", *strategy, *SHORT, timeout=300
+        )
+        runs[name] = out
+    return runs
+
+
+def _crafted(real_runs: dict[str, Path], kind: str, root: Path) -> tuple[Path, Path]:
+    """A copy of a real run whose checkpoint has one file replaced by a payload; returns (run, marker)."""
+    layout = {"ds2-model": "ds2", "accelerate-rng": "accelerate", "meta": "dcp"}.get(kind, kind)
+    run = root / f"evil-{kind}"
+    shutil.copytree(real_runs[layout], run)
+    marker = root / f"MARKER-{kind}"
+    target = run / "checkpoints" / "last" / TAMPER[kind]
+    target.unlink()
+    if kind == "dcp":  # DCP's .metadata is a plain pickle
+        import pickle
+
+        target.write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    else:
+        torch.save({"module": Payload(marker), "format": "stratbench"}, target)
+    return run, marker
+
+
+def _one_line_error(capsys, *argv: str) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code != 0, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPER))
+def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind):
+    run, marker = _crafted(real_runs, kind, tmp_path)
+    ckpt = run / "checkpoints" / "last"
+    image = tmp_path / "img.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(image)
+    commands = [
+        ("evaluate", "--checkpoint", ckpt),
+        ("predict", "--checkpoint", ckpt, image),
+        ("export", "--checkpoint", ckpt, "--output", tmp_path / "m.onnx"),
+        ("consolidate", ckpt, tmp_path / "full.pt"),
+        ("bench-infer", "--checkpoint", ckpt, "--output", tmp_path / "bench.csv"),
+        ("train", "--output", tmp_path / "t1", "--init-from", ckpt, *SHORT),
+        ("train", "--output", tmp_path / "t2", "--resume-from", ckpt, *SHORT),
+        ("train", "--output", run, "--resume", *SHORT),
+    ]
+    for argv in commands:
+        err = _one_line_error(capsys, *argv)
+        assert not marker.exists(), f"{argv[0]} ran the payload"
+        # "refusing" for a named callable; the meta file may fail earlier as "not a stratbench checkpoint".
+        assert "refusing to load" in err or "not a stratbench checkpoint" in err, (argv, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "full.pt").exists() and not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "strategy"), [("ds2", LAYOUTS["ds2"]), ("accelerate-rng", LAYOUTS["accelerate"])]
+)
+def test_resume_in_the_method_own_loader_is_refused(real_runs, tmp_path, kind, strategy):
+    """The method's own resume (DeepSpeed's engine.load_checkpoint, accelerate's load_state) unpickles with
+    weights_only=False: the folder is checked first, on 2 processes."""
+    run, marker = _crafted(real_runs, kind, tmp_path)
+    proc = run_stratbench(
+        "train", "--output", str(run), "--nproc", "2", "--strategy", *strategy, *SHORT, "--max-steps", "6",
+        "--resume", check=False, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "refusing to load" in proc.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_real_folders_load_weights_only(real_runs, tmp_path, capsys, layout):
+    """The allow-list is enough for what the libraries really write: every layout consolidates safely."""
+    out = tmp_path / "full.pt"
+    assert main(["consolidate", str(real_runs[layout] / "checkpoints" / "last"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    assert state["model"]
+
+
+def test_trust_checkpoint_is_the_explicit_unsafe_route(real_runs, tmp_path, capsys):
+    run, marker = _crafted(real_runs, "dcp", tmp_path)
+    assert (
+        main(["consolidate", "--trust-checkpoint", str(run / "checkpoints" / "last"), str(tmp_path / "x.pt")])
+        != 0
+    )
+    assert marker.exists()  # the flag does what it says: full unpickling
+
+
+def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
+    from stratbench.checkpoint import check_tag
+    from stratbench.errors import CheckpointError
+
+    assert check_tag(tmp_path, "deepspeed") == "deepspeed"
+    for bad in ("../../etc", "/abs", "..", "", None):
+        with pytest.raises(CheckpointError):
+            check_tag(tmp_path, bad)
+
+
+# ---- the launcher owns its processes; one run per output folder ------------------------------------------
+LONG = [*SHORT[: SHORT.index("--max-steps")], "--max-steps", "100000", "--epochs", "1000"]
+
+
+def _run_processes(marker: str) -> list[int]:
+    """Pids of processes whose command line mentions ``marker`` (the run's output folder)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _start_long_run(out: Path):
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "stratbench",
+        "train",
+        "--output",
+        str(out),
+        "--nproc",
+        "2",
+        "--strategy",
+        "ddp",
+        *LONG,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(_run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run did not start its workers"
+        time.sleep(0.5)
+    time.sleep(3)  # into training
+    return proc
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_launcher_leaves_no_process(tmp_path, sig):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=15)
+    deadline = time.monotonic() + 10
+    while _run_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _run_processes(str(out))
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the run still alive 10 s after {sig} to the launcher: {left}"
+    if sig == "SIGTERM":
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "stopped by SIGTERM" in proc.stdout.read()
+
+
+def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    try:
+        err = _one_line_error(capsys, "train", "--output", out, *SHORT)
+        assert f"pid {proc.pid}" in err and "in use" in err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # The holder died by SIGKILL: its lock file stays, the kernel released the lock, the next run takes it.
+    assert (out / ".stratbench.lock").exists()
+    assert main(["train", "--output", str(out), *SHORT]) == 0
