@@ -41,8 +41,18 @@ def run(args: argparse.Namespace) -> int:
     )
     if devices is None or memory is None:
         raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
-    if devices < 1:
-        raise ConfigError(f"--devices must be >= 1, got {devices}")
+    if not 1 <= devices <= 4096:
+        raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
+    if memory <= 0:
+        raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
+    if args.batch_size % devices:
+        # train splits the global batch evenly over the devices: a plan with this batch would be refused.
+        low, high = args.batch_size // devices * devices, (args.batch_size // devices + 1) * devices
+        hint = f"{low} or {high}" if low else f"{high}"
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is not divisible by --devices {devices} (train splits the global batch "
+            f"evenly over devices); use e.g. {hint}"
+        )
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
     precision = args.precision or default_precision("cuda", bf16_ok)
     if precision not in SPECS:

@@ -89,8 +89,11 @@ def run(args: argparse.Namespace) -> int:
 def _run(cfg) -> int:
     import contextlib
 
+    import torch
+
     from stratbench import engine, launch
     from stratbench.dist import die_with_parent, launched_by_launcher, read_env
+    from stratbench.errors import StratbenchError
     from stratbench.lock import held_here, output_lock
     from stratbench.report_table import print_result
 
@@ -98,6 +101,10 @@ def _run(cfg) -> int:
     if worker:
         die_with_parent()  # a killed launcher or torchrun agent must not leave this worker training on
     engine.preflight(cfg)
+    # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
+    check_builder(cfg.model)
+    check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
+    check_memory(cfg)
     if launch.needs_launch(cfg):
         # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
         with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
@@ -110,7 +117,17 @@ def _run(cfg) -> int:
     # Started by an external launcher: global rank 0 takes the lock (unless our own launcher holds it).
     locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
     with output_lock(cfg.output) if locking else contextlib.nullcontext():
-        result = engine.run(cfg)
+        try:
+            result = engine.run(cfg)
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            text = str(exc)
+            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in text:
+                raise
+            # result.json says "oom" with the reason (the engine wrote it); the user gets one line.
+            first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+            raise StratbenchError(
+                f"out of memory ({first}); lower --batch-size or --image-size (see `stratbench estimate`)"
+            ) from None
     if not worker:
         if read_env(cfg.device).is_main:
             print_result(cfg.output, result)
@@ -121,6 +138,87 @@ def _run(cfg) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# Options a checkpoint's state depends on: resuming with another value cannot load it.
+RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
+INIT_KEYS = ("model", "width", "norm", "cifar_stem")
+
+
+def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
+    """Before any work: a checkpoint to resume from (or start from) must fit this run's model and optimizer,
+    and ``--resume`` with nothing to resume says that it starts fresh."""
+    from pathlib import Path
+
+    from stratbench import checkpoint as ckpt
+    from stratbench.errors import CheckpointError
+
+    checks = []
+    if cfg.resume or cfg.resume_from:
+        path = ckpt.resolve_resume(cfg.output, cfg.resume_from)
+        if path is None:
+            if not quiet:
+                print(f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh", file=sys.stderr)
+        else:
+            checks.append((path, RESUME_KEYS, "resume from"))
+    if cfg.init_from:
+        checks.append((Path(cfg.init_from), INIT_KEYS, "start from"))
+    mine = cfg.to_dict()
+    for path, keys, verb in checks:
+        saved = ckpt.read_meta(path).get("config") or {}
+        differ = [k for k in keys if k in saved and saved[k] != mine[k]]
+        if differ:
+            was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)
+            now = ", ".join(f"--{k.replace('_', '-')} {mine[k]}" for k in differ)
+            raise CheckpointError(f"cannot {verb} {path}: it was saved with {was}; this run has {now}")
+
+
+def check_builder(spec: str) -> None:
+    """A user builder ('pkg.module:function') must take ``num_classes=``: checked from its signature before
+    any work (``--model os:system`` is refused here, not called)."""
+    if ":" not in spec:
+        return
+    import importlib
+    import inspect
+
+    from torch import nn
+
+    from stratbench.errors import ConfigError
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
+    if not callable(builder) or (isinstance(builder, type) and not issubclass(builder, nn.Module)):
+        raise ConfigError(f"model {spec!r} is not a model builder (a function returning an nn.Module)")
+    try:
+        inspect.signature(builder).bind(num_classes=10)
+    except TypeError as exc:
+        raise ConfigError(f"model {spec!r} is not a model builder: it does not take num_classes= ({exc})") from None
+    except ValueError:
+        pass  # no signature to read (some C functions): the call itself is checked
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """Refuse a batch whose input and first activation alone exceed the free memory of this machine (CPU),
+    rather than start and be killed."""
+    import psutil
+
+    from stratbench.errors import ConfigError
+
+    if cfg.device == "cuda" or cfg.image_size is None:
+        return
+    micro = max(1, cfg.batch_size // (cfg.nproc * cfg.grad_accum))
+    need = micro * (3 + cfg.width) * cfg.image_size**2 * 4 * cfg.nproc
+    free = psutil.virtual_memory().available
+    if need > free:
+        from stratbench.report_table import fmt_bytes
+
+        raise ConfigError(
+            f"--image-size {cfg.image_size} with --batch-size {cfg.batch_size} needs more than {fmt_bytes(need)} for "
+            f"one batch's input and first activation; {fmt_bytes(free)} is free (see `stratbench estimate`)"
+        )
 
 
 def raise_failed(cfg: TrainConfig, code: int) -> None:
@@ -138,6 +236,11 @@ def raise_failed(cfg: TrainConfig, code: int) -> None:
                 reason = f": {res.get('reason', '')}"
         except ValueError:
             pass
+    if not path.exists():
+        reason = (
+            f": no worker started training (a rendezvous that did not complete within --dist-timeout-s "
+            f"{cfg.dist_timeout_s}, or a worker that failed at start)"
+        )
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )
