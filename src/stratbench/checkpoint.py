@@ -398,7 +398,10 @@ def consolidate(src: Path, dst: Path, *, force: bool = False) -> Path:
         raise CheckpointError(f"{dst} is the checkpoint being read; name another file")
     state = load_any(src)
     state["layout"] = "full"
-    atomic_save(state, dst)
+    try:
+        atomic_save(state, dst)
+    except OSError as exc:  # read-only folder, full disk: nothing was replaced
+        raise CheckpointError(f"cannot write {dst}: {exc.strerror or exc} (nothing was replaced)") from None
     return dst
 
 

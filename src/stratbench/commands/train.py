@@ -88,6 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(cfg) -> int:
     import contextlib
+    import errno
 
     import torch
 
@@ -119,6 +120,12 @@ def _run(cfg) -> int:
     with output_lock(cfg.output) if locking else contextlib.nullcontext():
         try:
             result = engine.run(cfg)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+                raise
+            # A full disk or a folder that became read-only while saving: the previous checkpoint is intact
+            # (every writer swaps a complete new one in); result.json says "failed" with this reason.
+            raise StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}") from None
         except (torch.OutOfMemoryError, RuntimeError) as exc:
             text = str(exc)
             if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in text:
