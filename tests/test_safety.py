@@ -234,3 +234,103 @@ def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tm
     # The holder died by SIGKILL: its lock file stays, the kernel released the lock, the next run takes it.
     assert (out / ".stratbench.lock").exists()
     assert main(["train", "--output", str(out), *SHORT]) == 0
+
+
+# ---- one swap helper, step-numbered checkpoints, resume after a kill between renames ----------------------
+def _save(out: Path, step: int) -> Path:
+    from stratbench import checkpoint as ckpt
+
+    path = ckpt.save_path_for(out, step)
+    ckpt.save_full(path, {"model": {"w": torch.full((2,), float(step))}, "progress": {"step": step}})
+    return path
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_publish_keeps_the_last_k_and_points_last_at_the_newest(tmp_path, keep):
+    from stratbench import checkpoint as ckpt
+
+    for step in (10, 20, 30, 40):
+        ckpt.publish(tmp_path, _save(tmp_path, step), keep_last=keep)
+        assert ckpt.load_file(ckpt.last_checkpoint(tmp_path))["progress"]["step"] == step
+    steps = [int(p.name.split("-")[1]) for p in ckpt.step_entries(tmp_path)]
+    assert steps == [40, 30, 20][:keep][::-1]
+    assert ckpt.resolve_resume(str(tmp_path), None).resolve() == ckpt.save_path_for(tmp_path, 40).resolve()
+
+
+def test_publish_keeps_a_real_last_from_an_earlier_version(tmp_path):
+    from stratbench import checkpoint as ckpt
+
+    ckpt.save_full(ckpt.last_checkpoint(tmp_path), {"progress": {"step": 5}})
+    ckpt.publish(tmp_path, _save(tmp_path, 6), keep_last=2)
+    assert [p.name for p in ckpt.step_entries(tmp_path)] == ["step-00000005", "step-00000006"]
+
+
+def test_replace_path_never_drops_the_only_copy(tmp_path):
+    """A kill between the two renames of a swap leaves only .NAME.old: the next swap keeps it until the new
+    entry is in place, and resume reads it meanwhile."""
+    from stratbench import checkpoint as ckpt
+
+    last = ckpt.last_checkpoint(tmp_path)
+    ckpt.save_full(last, {"progress": {"step": 7}})
+    old = last.with_name(".last.old")
+    os.replace(last, old)  # the state a kill between the renames leaves
+    assert ckpt.resolve_resume(str(tmp_path), None) == old
+    new = tmp_path / "new.pt"
+    new.write_bytes(b"x")
+    ckpt.replace_path(new, last)
+    assert last.read_bytes() == b"x" and not old.exists()
+
+
+def test_atomic_output_leaves_the_previous_file_on_failure(tmp_path):
+    from stratbench import checkpoint as ckpt
+
+    target = tmp_path / "report.csv"
+    ckpt.atomic_write(target, "good\n")
+    with pytest.raises(RuntimeError), ckpt.atomic_output(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+    assert target.read_text() == "good\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.csv"]
+
+
+def test_resume_continues_from_last_old_after_a_kill_between_renames(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), *SHORT, "--save-every-steps", "2"]) == 0
+    last = out / "checkpoints" / "last"
+    os.replace(last, last.with_name(".last.old"))
+    assert main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--resume"]) == 0
+    import json
+
+    result = json.loads((out / "result.json").read_text())
+    assert result["resumed_from"]["step"] == 4 and result["resumed_from"]["path"].endswith(".last.old")
+    assert last.exists()
+
+
+def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
+    """Two identical compares would train the same cells at once and record each twice: the second refuses."""
+    import subprocess
+    import sys
+    import time
+
+    from stratbench.compare.matrix import build_matrix
+    from stratbench.compare.runner import SweepRunner
+    from stratbench.errors import ConfigError
+
+    out = tmp_path / "sweep"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from stratbench.lock import output_lock\nwith output_lock({str(out)!r}):\n"
+         "    print('held', flush=True); import time; time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        matrix = build_matrix(
+            {"base": {"model": "tinynet"}, "cells": [{"method": "single", "precision": "fp32"}]}
+        )
+        with pytest.raises(ConfigError, match=f"pid {holder.pid}"):
+            SweepRunner(matrix, out, timeout_s=5).run([])
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    SweepRunner(matrix, out, timeout_s=5).run([])  # the holder died: its lock is taken over

@@ -479,8 +479,12 @@ def resolve_resume(output: str, resume_from: str | None) -> Path | None:
     last = last_checkpoint(Path(output))
     if last.exists():
         return last
-    old = last.with_name(f".{last.name}.old")
-    if old.exists():
-        return old
+    candidates = [last.with_name(f".{last.name}.old")]
+    if last.is_symlink():  # `last` names a step entry caught between the two renames of its own swap
+        target = last.parent / os.readlink(last)
+        candidates.append(target.with_name(f".{target.name}.old"))
+    for p in candidates:
+        if p.exists():
+            return p
     entries = step_entries(Path(output))
     return entries[-1] if entries else None
