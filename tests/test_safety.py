@@ -153,7 +153,7 @@ def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
 
 
 # ---- the launcher owns its processes; one run per output folder ------------------------------------------
-LONG = [*SHORT[: SHORT.index("--max-steps")], "--max-steps", "100000", "--epochs", "1000"]
+LONG = [*SHORT, "--max-steps", "100000", "--epochs", "1000"]  # the later flag wins
 
 
 def _run_processes(marker: str) -> list[int]:
@@ -334,3 +334,107 @@ def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
         holder.wait()
     time.sleep(0.1)
     SweepRunner(matrix, out, timeout_s=5).run([])  # the holder died: its lock is taken over
+
+
+# ---- fault injection: kill a saving run at a random moment; a loadable checkpoint remains, resume goes on ---
+FAULTS = [
+    ("single", (), 1),
+    ("single", (), 1),
+    ("ddp", (), 2),
+    ("fsdp", (), 2),
+    ("deepspeed", ("--zero-stage", "2"), 2),
+]
+
+
+def _kill_run(out: Path) -> None:
+    """SIGKILL every process of the run at once (launcher, torchrun, workers): the harshest stop."""
+    import signal
+    import time
+
+    for pid in _run_processes(str(out)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while _run_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _run_processes(str(out))
+
+
+@pytest.mark.parametrize(
+    ("n", "fault"), list(enumerate(FAULTS)), ids=[f"{i}-{f[0]}" for i, f in enumerate(FAULTS)]
+)
+def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp_path, n, fault):
+    import json
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from stratbench import checkpoint as ckpt
+
+    strategy, options, nproc = fault
+    rng = random.Random(1000 + n)
+    out = tmp_path / "run"
+    flags = ["--strategy", strategy, *options, "--nproc", str(nproc)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "stratbench",
+        "train",
+        "--output",
+        str(out),
+        *flags,
+        *LONG,
+        "--save-every-steps",
+        "1",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = ckpt.last_checkpoint(out)
+    deadline = time.monotonic() + 180
+    while not last.exists():
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 2.0))  # every step saves: this lands in or between saves
+    _kill_run(out)
+    proc.wait()
+    path = ckpt.resolve_resume(str(out), None)
+    assert path is not None, sorted(p.name for p in (out / "checkpoints").iterdir())
+    state = ckpt.load_any(path)
+    step = state["progress"]["step"]
+    assert step >= 1 and state["model"]
+    run_stratbench(
+        "train",
+        "--output",
+        str(out),
+        *flags,
+        *SHORT,
+        "--epochs",
+        "1000",
+        "--max-steps",
+        str(step + 2),
+        "--resume",
+    )
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "ok" and result["resumed_from"]["step"] == step
+
+
+def test_a_killed_rank_leaves_result_json_failed_with_the_reason(tmp_path):
+    import json
+    import signal
+
+    import psutil
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    workers = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("RANK") == "1"
+               and p.pid in _run_processes(str(out))]  # fmt: skip
+    assert workers
+    workers[0].send_signal(signal.SIGKILL)
+    proc.wait(timeout=90)
+    assert proc.returncode != 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "failed" and "killed" in result["reason"]

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(cfg) -> int:
     import contextlib
     import errno
+    import time
 
     import torch
 
@@ -108,10 +109,11 @@ def _run(cfg) -> int:
     check_memory(cfg)
     if launch.needs_launch(cfg):
         # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
+        started_at = time.time() - 1.0  # file times may be coarser than time.time()
         with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
             code = launch.launch(cfg)
         if code != 0:
-            raise_failed(cfg, code)
+            raise_failed(cfg, code, started_at)
         if cfg.node_rank == 0:
             print_result(cfg.output)
         return 0
@@ -228,26 +230,52 @@ def check_memory(cfg: TrainConfig) -> None:
         )
 
 
-def raise_failed(cfg: TrainConfig, code: int) -> None:
+def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
+    """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
+    torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
     import json
+    import time
     from pathlib import Path
 
+    from stratbench.checkpoint import atomic_write
     from stratbench.errors import StratbenchError
 
-    reason = ""
-    path = Path(cfg.output) / "result.json"
+    out = Path(cfg.output)
+    path = out / "result.json"
+    res = None
     if path.exists():
         try:
             res = json.loads(path.read_text())
-            if res.get("status") != "ok":
-                reason = f": {res.get('reason', '')}"
         except ValueError:
-            pass
-    if not path.exists():
-        reason = (
-            f": no worker started training (a rendezvous that did not complete within --dist-timeout-s "
-            f"{cfg.dist_timeout_s}, or a worker that failed at start)"
-        )
+            res = None
+    if isinstance(res, dict) and res.get("status") not in (None, "ok", "running"):
+        reason = f": {res.get('reason', '')}"
+    else:
+        config = out / "config.yaml"  # written by rank 0 when training starts
+        started = config.exists() and config.stat().st_mtime >= started_at
+        if started:
+            why = "a worker exited or was killed during training; torchrun stopped the others"
+        else:
+            why = (
+                "no worker started training (a rendezvous that did not complete within --dist-timeout-s "
+                f"{cfg.dist_timeout_s}, or a worker that failed at start)"
+            )
+        reason = f": {why}"
+        if cfg.node_rank == 0:
+            record = {
+                "status": "failed",
+                "reason": f"{why} (torchrun exit code {code})",
+                "strategy": cfg.strategy,
+                "precision": cfg.precision,
+                "model": cfg.model,
+                "data": cfg.data,
+                "world_size": cfg.nproc * cfg.nnodes,
+                "config": cfg.to_dict(),
+                "written_by": "launcher",
+                "written_at": time.time(),
+                "metrics": {},
+            }
+            atomic_write(path, json.dumps(record, indent=2, default=str))
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )
