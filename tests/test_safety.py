@@ -438,3 +438,24 @@ def test_a_killed_rank_leaves_result_json_failed_with_the_reason(tmp_path):
     assert proc.returncode != 0
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "failed" and "killed" in result["reason"]
+
+
+def test_dcp_non_tensor_entry_is_read_weights_only(tmp_path, capsys):
+    """DCP stores non-tensor values (optimizer hyper-parameters) as torch.save blobs inside the .distcp files
+    and its own planners read them with weights_only=False: a crafted entry must be refused there too."""
+    import torch.distributed.checkpoint as dcp
+
+    from stratbench import checkpoint as ckpt
+
+    folder = tmp_path / "dcp"
+    marker = tmp_path / "MARKER"
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "optimizer": {"evil": Payload(marker)}},
+        checkpoint_id=folder,
+        no_dist=True,
+    )
+    ckpt.save_full(folder / ckpt.META_FILE, {"layout": "dcp", "progress": {"step": 1}})
+    err = _one_line_error(capsys, "consolidate", folder, tmp_path / "out.pt")
+    assert "refusing to load" in err and not marker.exists()
+    assert main(["consolidate", "--trust-checkpoint", str(folder), str(tmp_path / "out.pt")]) == 0
+    assert marker.exists()

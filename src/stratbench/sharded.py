@@ -87,6 +87,18 @@ def _swap_in(tmp: Path, path: Path) -> None:
     checkpoint.replace_path(tmp, path)
 
 
+def _refusal_inside(exc: BaseException) -> CheckpointError | None:
+    """DCP wraps what a planner raised in a CheckpointException per rank: our own refusal, if it is one."""
+    failures = getattr(exc, "failures", None) or {}
+    for failure in failures.values():
+        seen = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        while isinstance(seen, BaseException):
+            if isinstance(seen, CheckpointError):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
 def _safe_planner(base: type) -> type:
     """``base`` (a DCP load planner) reading the non-tensor entries of ``*.distcp`` files weights-only: DCP's
     own planners ``torch.load(..., weights_only=False)`` them, which runs whatever a crafted file holds."""
@@ -130,6 +142,9 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP reports a missing key or a shape mismatch as a long CheckpointException
+        refused = _refusal_inside(exc)
+        if refused is not None:
+            raise refused from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint {path} does not fit this model/optimizer (saved with model {meta.get('meta', {}).get('model')!r}, "
@@ -160,6 +175,9 @@ def read_dcp(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     except CheckpointError:
         raise
     except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        refused = _refusal_inside(exc)
+        if refused is not None:
+            raise refused from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"sharded checkpoint {path} could not be read ({first[:300]})") from None
     if "model" not in state:
