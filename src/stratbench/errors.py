@@ -25,3 +25,9 @@ class CheckpointError(StratbenchError):
 
 class DataError(StratbenchError):
     """A data set that is missing or unreadable."""
+
+
+class DivergedError(StratbenchError):
+    """The loss became NaN/inf without a loss scaler to skip the step: the run stopped (status "diverged")."""
+
+    exit_code = 4

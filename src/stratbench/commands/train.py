@@ -122,6 +122,12 @@ def _run(cfg) -> int:
     with output_lock(cfg.output) if locking else contextlib.nullcontext():
         try:
             result = engine.run(cfg)
+        except FloatingPointError as exc:  # the engine's check of a non-finite loss (no loss scaler)
+            from stratbench.errors import DivergedError
+
+            if read_env(cfg.device).is_main:
+                _mark_diverged(cfg, str(exc))
+            raise DivergedError(f"training diverged: {exc}; lower --lr, or add --clip-grad-norm") from None
         except OSError as exc:
             if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
                 raise
@@ -147,6 +153,24 @@ def _run(cfg) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _mark_diverged(cfg: TrainConfig, reason: str) -> None:
+    """result.json (written by the engine as "failed") says "diverged": a run that went NaN/inf is not a bug
+    of the method, and compare's report tells the two apart. (Belongs in the engine's fit(); kept here until
+    it moves.)"""
+    import json
+    from pathlib import Path
+
+    from stratbench.checkpoint import atomic_write
+
+    path = Path(cfg.output) / "result.json"
+    try:
+        res = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    res["status"], res["reason"] = "diverged", reason
+    atomic_write(path, json.dumps(res, indent=2, default=str))
 
 
 # Options a checkpoint's state depends on: resuming with another value cannot load it.
