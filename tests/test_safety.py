@@ -195,7 +195,11 @@ def _start_long_run(out: Path):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the run did not start its workers"
         time.sleep(0.5)
-    time.sleep(3)  # into training
+    while not (out / "config.yaml").exists():  # rank 0 writes it when training starts
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.2)
+    time.sleep(2)
     return proc
 
 

@@ -281,8 +281,8 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
             why = "a worker exited or was killed during training; torchrun stopped the others"
         else:
             why = (
-                "no worker started training (a rendezvous that did not complete within --dist-timeout-s "
-                f"{cfg.dist_timeout_s}, or a worker that failed at start)"
+                "a worker exited or was killed before training started (or a rendezvous did not complete "
+                f"within --dist-timeout-s {cfg.dist_timeout_s})"
             )
         reason = f": {why}"
         if cfg.node_rank == 0:
