@@ -386,7 +386,13 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
     elif (folder / "pytorch_model").is_dir():  # accelerate-deepspeed: a DeepSpeed checkpoint
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return {"model": get_fp32_state_dict_from_zero_checkpoint(str(folder / "pytorch_model")), "optimizer": {}}
+        ds_dir = folder / "pytorch_model"
+        latest = ds_dir / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)")
+        # The tag names a folder inside this one (a crafted '../..' would make zero_to_fp32 read files elsewhere).
+        tag = checkpoint.check_tag(ds_dir, latest.read_text().strip())
+        return {"model": get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag), "optimizer": {}}
     else:
         raise CheckpointError(f"{folder} holds no model file accelerate's save_state writes (model.safetensors, ...)")
     optimizer: dict[str, Any] = {}
