@@ -3,6 +3,8 @@ non-zero exit."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -32,7 +34,9 @@ def test_unknown_choice(capsys, tmp_path, flag, value, allowed):
     assert repr(value) in err and allowed in err
 
 
-@pytest.mark.parametrize(("flag", "value"), [("--batch-size", "0"), ("--epochs", "-1"), ("--grad-accum", "0")])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--batch-size", "0"), ("--epochs", "-1"), ("--grad-accum", "0")]
+)
 def test_non_positive(capsys, tmp_path, flag, value):
     err = _fails(capsys, "train", "--output", str(tmp_path), flag, value)
     assert flag[2:].replace("-", "_") in err and value in err
@@ -44,12 +48,30 @@ def test_not_a_number(capsys, tmp_path):
 
 
 def test_missing_cifar_dir_says_where_to_put_it(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path), "--data", "cifar10", "--data-dir", str(tmp_path / "nowhere"))
+    err = _fails(
+        capsys,
+        "train",
+        "--output",
+        str(tmp_path),
+        "--data",
+        "cifar10",
+        "--data-dir",
+        str(tmp_path / "nowhere"),
+    )
     assert "cifar-10-batches-py" in err and "--download" in err
 
 
 def test_missing_imagefolder(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path), "--data", "imagefolder", "--data-dir", str(tmp_path / "nope"))
+    err = _fails(
+        capsys,
+        "train",
+        "--output",
+        str(tmp_path),
+        "--data",
+        "imagefolder",
+        "--data-dir",
+        str(tmp_path / "nope"),
+    )
     assert "nope" in err
 
 
@@ -101,3 +123,170 @@ def test_list_names_every_strategy_and_precision(capsys):
 
     for name in [*all_strategies(), *SPECS]:
         assert name in out
+
+
+# ---- every input that used to end in a traceback, a hang or a silent acceptance (issue 14) ----------------
+TINY_ARGS = [
+    "--model", "tinynet", "--width", "8", "--norm", "none", "--data", "digits", "--batch-size", "32",
+    "--epochs", "1", "--max-steps", "2", "--progress", "false", "--measure-flops", "false",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory):
+    """A 2-step single run (a checkpoint to resume, export or consolidate)."""
+    out = tmp_path_factory.mktemp("bad-input") / "run"
+    assert main(["train", "--output", str(out), *TINY_ARGS]) == 0
+    return out
+
+
+def _tree(root):
+    """Names, sizes and modification times of everything under ``root``: what 'unchanged' means."""
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
+BAD = {
+    # train: numbers out of range, non-finite, a non-builder, a file as output, unreachable node ranks
+    "image-size-huge": (["train", "--output", "{new}", "--image-size", "100000"], "image_size"),
+    "momentum-negative": (["train", "--output", "{new}", "--momentum", "-1"], "momentum"),
+    "num-workers-negative": (["train", "--output", "{new}", "--num-workers", "-1"], "num_workers"),
+    "lr-inf": (["train", "--output", "{new}", "--lr", "inf"], "lr"),
+    "lr-nan": (["train", "--output", "{new}", "--lr", "nan"], "lr"),
+    "weight-decay-nan": (["train", "--output", "{new}", "--weight-decay", "nan"], "weight_decay"),
+    "clip-negative": (["train", "--output", "{new}", "--clip-grad-norm", "-1"], "clip_grad_norm"),
+    "model-not-a-builder": (["train", "--output", "{new}", "--model", "os:system"], "os:system"),
+    "output-is-a-file": (["train", "--output", "{file}", *TINY_ARGS], "existing file"),
+    "dist-timeout-zero": (["train", "--output", "{new}", "--dist-timeout-s", "0"], "dist_timeout_s"),
+    "max-restarts-negative": (["train", "--output", "{new}", "--max-restarts", "-1"], "max_restarts"),
+    "master-port-too-big": (["train", "--output", "{new}", "--master-port", "99999"], "99999"),
+    "node-rank-beyond-nnodes": (
+        ["train", "--output", "{new}", "--nnodes", "2", "--node-rank", "5"],
+        "node_rank",
+    ),
+    "keep-last-zero": (["train", "--output", "{new}", "--keep-last", "0"], "keep_last"),
+    "seed-negative": (["train", "--output", "{new}", "--seed", "-3"], "seed"),
+    # resume into another model or optimizer: say which keys differ
+    "resume-other-width": (
+        ["train", "--output", "{run}", *TINY_ARGS, "--width", "16", "--resume"],
+        "--width 8",
+    ),
+    "resume-other-optimizer": (
+        ["train", "--output", "{run}", *TINY_ARGS, "--optimizer", "adamw", "--resume"],
+        "--optimizer sgd",
+    ),
+    "init-other-width": (
+        ["train", "--output", "{new}", *TINY_ARGS, "--width", "4", "--init-from", "{ckpt}"],
+        "width",
+    ),
+    # inference on garbage
+    "evaluate-garbage-onnx": (
+        ["evaluate", "--backend", "onnxruntime", "--onnx", "{garbage}"],
+        "not a readable ONNX",
+    ),
+    "predict-garbage-onnx": (
+        ["predict", "--backend", "onnxruntime", "--onnx", "{garbage}", "{garbage}"],
+        "not a readable ONNX",
+    ),
+    "report-binary-results": (["report", "{sweep}"], "line 1"),
+    "bench-infer-output-dir": (["bench-infer", "--model", "tinynet", "--output", "{run}"], "is a folder"),
+    "bench-infer-threads-zero": (["bench-infer", "--model", "tinynet", "--threads", "0"], "--threads"),
+    "bench-infer-max-seconds-negative": (
+        ["bench-infer", "--model", "tinynet", "--max-seconds", "-1"],
+        "--max-seconds",
+    ),
+    "bench-infer-image-size-zero": (
+        ["bench-infer", "--model", "tinynet", "--image-size", "0"],
+        "--image-size",
+    ),
+    "export-opset-zero": (
+        ["export", "--checkpoint", "{ckpt}", "--output", "{tmp}/m.onnx", "--opset", "0"],
+        "--opset",
+    ),
+    "export-real-samples-negative": (
+        ["export", "--checkpoint", "{ckpt}", "--output", "{tmp}/m.onnx", "--real-samples", "-5"],
+        "--real-samples",
+    ),
+    "estimate-batch-not-divisible": (
+        ["estimate", "--strategy", "ddp", "--world-size", "3", "--batch-size", "128"],
+        "128",
+    ),
+    "estimate-zero-stage-with-ddp": (
+        ["estimate", "--strategy", "ddp", "--world-size", "2", "--zero-stage", "2"],
+        "ddp",
+    ),
+    "estimate-absurd-world": (
+        ["estimate", "--strategy", "fsdp", "--world-size", "1000000", "--batch-size", "1000000"],
+        "--world-size",
+    ),
+    "advise-batch-not-divisible": (
+        ["advise", "--devices", "3", "--device-memory", "24GiB", "--batch-size", "128"],
+        "--devices 3",
+    ),
+    "consolidate-over-a-file": (["consolidate", "{ckpt}", "{file}"], "--force"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_refused_with_one_line(capsys, tmp_path, finished_run, case):
+    argv, expected = BAD[case]
+    (tmp_path / "file.txt").write_text("keep me\n")
+    (tmp_path / "garbage.onnx").write_bytes(bytes(range(256)) * 8)
+    (tmp_path / "sweep").mkdir()
+    (tmp_path / "sweep" / "results.jsonl").write_bytes(b'\xcd\xff\x00binary\n{"id": "x"}\n')
+    values = {
+        "new": tmp_path / "new",
+        "file": tmp_path / "file.txt",
+        "run": finished_run,
+        "ckpt": finished_run / "checkpoints" / "last",
+        "garbage": tmp_path / "garbage.onnx",
+        "sweep": tmp_path / "sweep",
+        "tmp": tmp_path,
+    }
+    argv = [a.format(**values) for a in argv]
+    before, run_before = _tree(tmp_path), _tree(finished_run)
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code != 0, err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert expected in lines[0], lines[0]
+    assert _tree(tmp_path) == before and _tree(finished_run) == run_before, "the command changed files"
+
+
+def test_resume_without_checkpoint_says_it_starts_fresh(capsys, tmp_path):
+    assert main(["train", "--output", str(tmp_path / "o"), *TINY_ARGS, "--resume"]) == 0
+    assert "starting fresh" in capsys.readouterr().err
+
+
+def test_consolidate_never_deletes_what_it_was_not_asked_to_replace(capsys, finished_run, tmp_path):
+    target = tmp_path / "v"
+    (target / "sub").mkdir(parents=True)
+    (target / "sub" / "keep.txt").write_text("mine")
+    ckpt = finished_run / "checkpoints" / "last"
+    assert main(["consolidate", str(ckpt), str(target)]) == 0  # a folder receives model.pt
+    assert (target / "sub" / "keep.txt").read_text() == "mine" and (target / "model.pt").is_file()
+    assert main(["consolidate", str(ckpt), str(target)]) != 0  # model.pt exists now: --force needed
+    assert main(["consolidate", "--force", str(ckpt), str(target / "model.pt")]) == 0
+    # The run folder itself as the target: written into, nothing removed.
+    run_files = {p.name for p in finished_run.iterdir()}
+    assert main(["consolidate", str(ckpt), str(finished_run)]) == 0
+    assert run_files | {"model.pt"} == {p.name for p in finished_run.iterdir()}
+    (finished_run / "model.pt").unlink()
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+@pytest.mark.parametrize("command", ["train", "consolidate", "bench-infer"])
+def test_read_only_output_folder(capsys, tmp_path, finished_run, command):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    try:
+        argv = {
+            "train": ["train", "--output", str(ro / "run"), *TINY_ARGS],
+            "consolidate": ["consolidate", str(finished_run / "checkpoints" / "last"), str(ro / "m.pt")],
+            "bench-infer": ["bench-infer", "--model", "tinynet", "--output", str(ro / "b.csv")],
+        }[command]
+        err = _fails(capsys, *argv)
+        assert str(ro) in err
+    finally:
+        ro.chmod(0o755)

@@ -11,6 +11,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import textwrap
 import types
 import typing
@@ -143,6 +144,10 @@ class TrainConfig:
     """Checkpoint to resume from (file or folder)."""
     init_from: str | None = None
     """Checkpoint whose model weights start the run (optimizer and progress are not restored)."""
+    trust_checkpoint: bool = False
+    """Load --resume-from/--init-from/OUTPUT checkpoints with full unpickling, which runs code a crafted file holds; by default every file is read weights-only and one that needs more is refused."""
+    keep_last: int = 1
+    """Checkpoints kept under OUTPUT/checkpoints as step-NNNNNNNN entries; `last` points at the newest."""
     tensorboard: bool = False
     """Write TensorBoard scalars under OUTPUT/tensorboard."""
     mlflow: bool = False
@@ -275,16 +280,55 @@ def validate(cfg: TrainConfig) -> None:
         value = getattr(cfg, name)
         if value is None or value <= 0:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if cfg.max_steps is not None and cfg.max_steps <= 0:
-        raise ConfigError(f"max_steps must be a positive integer, got {cfg.max_steps!r}")
-    if cfg.image_size is not None and cfg.image_size < 8:
-        raise ConfigError(f"image_size must be >= 8, got {cfg.image_size!r}")
-    if cfg.lr <= 0:
-        raise ConfigError(f"lr must be positive, got {cfg.lr!r}")
+    for name, value in vars(cfg).items():  # nan/inf would pass every comparison below or none of them
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    for name, (low, high) in RANGES.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"{name} must be {_range_text(low, high)}, got {value!r}")
+    if not 0 < cfg.lr <= 10:
+        raise ConfigError(f"lr must be positive and at most 10, got {cfg.lr!r}")
     if not 0 < cfg.val_fraction < 1:
         raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
-    if cfg.timing_warmup_steps < 0:
-        raise ConfigError(f"timing_warmup_steps must be >= 0, got {cfg.timing_warmup_steps!r}")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        raise ConfigError(f"clip_grad_norm must be positive, got {cfg.clip_grad_norm!r}")
+    if cfg.node_rank >= cfg.nnodes:
+        raise ConfigError(f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+
+
+# Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "max_steps": (1, None),
+    "image_size": (8, 4096),
+    "width": (1, 4096),
+    "num_classes": (1, 1_000_000),
+    "synthetic_samples": (1, 100_000_000),
+    "num_workers": (0, 256),
+    "momentum": (0, 1),
+    "weight_decay": (0, 10),
+    "lr_warmup_steps": (0, None),
+    "seed": (0, 2**32 - 1),  # numpy's seed range
+    "timing_warmup_steps": (0, None),
+    "save_every_steps": (1, None),
+    "keep_last": (1, 1000),
+    "nproc": (1, 4096),
+    "nnodes": (1, 100_000),
+    "node_rank": (0, None),
+    "master_port": (0, 65535),
+    "max_restarts": (0, 1000),
+    "dist_timeout_s": (1, 7 * 24 * 3600),
+}
+
+
+def _range_text(low: float | None, high: float | None) -> str:
+    if high is None:
+        return f">= {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"between {low} and {high}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -70,6 +70,38 @@ def read_env(device_kind: str = "auto") -> DistEnv:
     )
 
 
+def die_with_parent(sig: int | None = None) -> None:
+    """Ask the kernel to send ``sig`` (default SIGTERM) to this process when its parent exits (Linux
+    ``prctl(PR_SET_PDEATHSIG)``), so that a killed launcher or torchrun agent never leaves workers training
+    on under PID 1. Where prctl is missing (macOS, Windows) a daemon thread polls the parent pid instead."""
+    import signal
+    import sys
+    import threading
+
+    sig = signal.SIGTERM if sig is None else sig
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(1, int(sig), 0, 0, 0) == 0:  # 1 = PR_SET_PDEATHSIG
+                if os.getppid() != parent:  # the parent died before prctl took effect
+                    os.kill(os.getpid(), sig)
+                return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        import time
+
+        while os.getppid() == parent:
+            time.sleep(1.0)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=watch, name="stratbench-parent-watchdog", daemon=True).start()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

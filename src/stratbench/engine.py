@@ -125,9 +125,9 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
         if path:
             ckpt.read_meta(Path(path))
     if cfg.resume and not cfg.resume_from:
-        last = ckpt.last_checkpoint(Path(cfg.output))
-        if last.exists():
-            ckpt.read_meta(last)
+        found = ckpt.resolve_resume(cfg.output, None)
+        if found is not None:
+            ckpt.read_meta(found)
     return strategy_cls
 
 
@@ -201,7 +201,9 @@ class Trainer:
             self._fail("failed", str(exc))
             raise
         except Exception as exc:
-            self._fail("failed", f"{type(exc).__name__}: {exc}".splitlines()[0])
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            # CPU allocations that fail raise a plain RuntimeError ("can't allocate memory").
+            self._fail("oom" if "can't allocate memory" in text else "failed", text)
             raise
         finally:
             self.result["metrics"]["wall_time_s"] = time.perf_counter() - t_start
@@ -405,7 +407,13 @@ class Trainer:
             "config": self.cfg.to_dict(),
             "meta": run.meta,
         }
-        self.strategy.save_checkpoint(ckpt.last_checkpoint(self.out), run.model, run.optimizer, extra)
+        # A step-numbered entry, then `last` points at it once every rank has written its part; entries beyond
+        # the newest --keep-last are pruned only after that, so a complete checkpoint always exists.
+        path = ckpt.save_path_for(self.out, run.state.progress.step)
+        self.strategy.save_checkpoint(path, run.model, run.optimizer, extra)
+        if self.env.is_main:
+            ckpt.publish(self.out, path, self.cfg.keep_last)
+        self.strategy.barrier()
         metrics = self.result["metrics"]
         metrics["checkpoint_time_s"] = metrics.get("checkpoint_time_s", 0.0) + time.perf_counter() - t0
 

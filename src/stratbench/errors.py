@@ -28,4 +28,6 @@ class DataError(StratbenchError):
 
 
 class DivergedError(StratbenchError):
-    """Training stopped because the loss became NaN or infinite (without a loss scaler to skip the step)."""
+    """The loss became NaN/inf without a loss scaler to skip the step: the run stopped (status "diverged")."""
+
+    exit_code = 4

@@ -9,8 +9,10 @@ SLURM_PROCID/SLURM_LOCALID), or ``srun`` one task per node with ``--nproc N`` (e
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from stratbench.config import TrainConfig, dump_yaml
@@ -37,20 +39,99 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
         f"--nnodes={cfg.nnodes}",
         f"--max-restarts={cfg.max_restarts}",
     ]
+    # A rendezvous that cannot complete (a node that never comes) fails after --dist-timeout-s, not torchrun's
+    # default 600 s.
     if cfg.rdzv_endpoint:
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={cfg.rdzv_endpoint}", "--rdzv-id=stratbench"]
+        cmd += [f"--rdzv-conf=join_timeout={cfg.dist_timeout_s}"]
     elif cfg.max_restarts > 0 and cfg.nnodes == 1:
         # Elastic restarts re-rendezvous: the c10d backend does that reliably, the static one can hang.
         port = cfg.master_port or free_port()
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stratbench"]
+        cmd += [f"--rdzv-conf=join_timeout={cfg.dist_timeout_s}"]
     else:
         port = cfg.master_port or (free_port() if cfg.nnodes == 1 else 29500)
         cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}", f"--master-port={port}"]
+        cmd += [f"--rdzv-conf=timeout={cfg.dist_timeout_s}"]
     return [*cmd, "-m", "stratbench", "train", "--config", str(config_path)]
 
 
+GRACE_S = 8.0
+"""After SIGTERM/SIGINT is forwarded, how long torchrun and the workers get before they are killed."""
+
+
+def _child_setup() -> None:  # pragma: no cover - runs in the forked child before exec
+    """torchrun dies with the launcher (SIGTERM, which torchrun forwards to its workers)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class _Tree:
+    """torchrun and every process below it, remembered while they run: torchrun starts each worker in a
+    session of its own, so killing torchrun's process group alone would miss them."""
+
+    def __init__(self, root: subprocess.Popen) -> None:
+        import psutil
+
+        self.root = root
+        self.known: dict[int, psutil.Process] = {}
+        self.refresh()
+
+    def refresh(self) -> None:
+        import psutil
+
+        try:
+            root = psutil.Process(self.root.pid)
+            for p in [root, *root.children(recursive=True)]:
+                self.known.setdefault(p.pid, p)
+        except psutil.Error:
+            pass
+
+    def alive(self) -> list:
+        import psutil
+
+        found = []
+        for p in self.known.values():
+            try:
+                if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.Error:
+                pass
+        return found
+
+    def signal(self, sig: int) -> None:
+        import psutil
+
+        self.refresh()
+        for p in self.alive():
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+    def kill_all(self, grace_s: float) -> None:
+        """SIGTERM everything still running, then SIGKILL what is left after ``grace_s``."""
+        import psutil
+
+        self.signal(signal.SIGTERM)
+        _, left = psutil.wait_procs(self.alive(), timeout=grace_s)
+        for p in left:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        psutil.wait_procs(left, timeout=5)
+
+
 def launch(cfg: TrainConfig) -> int:
-    """Write the resolved config, start torchrun on it, and return torchrun's exit code."""
+    """Write the resolved config, start torchrun on it, and return torchrun's exit code.
+
+    The launcher owns the run's processes: torchrun runs in a session of its own and dies with the launcher
+    (PR_SET_PDEATHSIG), each worker dies with torchrun (``dist.die_with_parent``), SIGTERM/SIGINT/SIGHUP are
+    forwarded to torchrun (which stops its workers) and whatever is left after GRACE_S is killed, and no
+    process of the run outlives this function."""
     out = Path(cfg.output)
     out.mkdir(parents=True, exist_ok=True)
     config_path = out / f"launch_config.node{cfg.node_rank}.yaml"
@@ -63,5 +144,40 @@ def launch(cfg: TrainConfig) -> int:
     # One thread per process unless the user said otherwise (torchrun would set 1 and warn about it).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")
-    proc = subprocess.run(cmd, env=env, check=False)
-    return proc.returncode
+    env["STRATBENCH_DIE_WITH_PARENT"] = "1"
+    received: list[int] = []
+
+    def forward(signum, frame) -> None:
+        received.append(signum)
+
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+    previous = {s: signal.signal(s, forward) for s in handled}
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_child_setup)  # noqa: PLW1509
+    tree = _Tree(proc)
+    deadline = None
+    try:
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            tree.refresh()
+            if received and deadline is None:
+                # torchrun handles SIGTERM by stopping its workers (SIGTERM, then SIGKILL) and exiting.
+                tree.root.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + GRACE_S
+            elif deadline is not None and time.monotonic() > deadline:
+                tree.kill_all(0)
+    finally:
+        tree.kill_all(2.0)  # nothing of this run outlives the launcher (no-op after a clean exit)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    if received:
+        from stratbench.errors import StratbenchError
+
+        name = signal.Signals(received[0]).name
+        err = StratbenchError(f"stopped by {name}: the workers of this run were stopped")
+        err.exit_code = 128 + received[0]
+        raise err
+    return code

@@ -94,7 +94,12 @@ def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
         builder = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
         raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
-    model = builder(num_classes=num_classes)
+    if not callable(builder) or isinstance(builder, type) and not issubclass(builder, nn.Module):
+        raise ConfigError(f"model {spec!r} is not a model builder (a function returning an nn.Module)")
+    try:
+        model = builder(num_classes=num_classes)
+    except TypeError as exc:
+        raise ConfigError(f"model {spec!r} is not a model builder: calling it with num_classes= failed ({exc})") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
     return model

@@ -12,6 +12,7 @@ without its checkpoint.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import warnings
@@ -60,14 +61,24 @@ def export_onnx(
     ``fp16``: weights and input in float16 (for GPUs; onnxruntime's CPU provider lacks many fp16 kernels).
     ``exporter``: "dynamo", "torchscript", or "auto" (dynamo, falling back to torchscript on failure).
     """
+    if exporter not in ("auto", "dynamo", "torchscript"):
+        raise StratbenchError(f"unknown exporter {exporter!r}; choose one of: auto, dynamo, torchscript")
+    from stratbench.checkpoint import atomic_output
+
+    output = Path(output)
+    if output.is_dir():
+        raise StratbenchError(f"--output {output} is a folder; name the .onnx file to write")
+    # Written under a temporary name, checked, then renamed: a failed export leaves an earlier file intact.
+    with atomic_output(output, suffix=".onnx") as tmp:
+        result = _export_checked(model, meta, tmp, fp16=fp16, opset=opset, exporter=exporter, extra_metadata=extra_metadata)
+    return dataclasses.replace(result, path=output)
+
+
+def _export_checked(model, meta, output: Path, *, fp16, opset, exporter, extra_metadata) -> ExportResult:
     import time
 
     import onnx
 
-    if exporter not in ("auto", "dynamo", "torchscript"):
-        raise StratbenchError(f"unknown exporter {exporter!r}; choose one of: auto, dynamo, torchscript")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
     dtype = torch.float16 if fp16 else torch.float32
     model = _copy_for_export(model, dtype)
     size = int(meta["image_size"])
@@ -100,10 +111,14 @@ def export_onnx(
         entry.key, entry.value = key, value
     onnx.save(proto, str(output))
     # full_check runs shape inference too; over the protobuf limit only the path-based check works.
-    if output.stat().st_size < PROTOBUF_LIMIT:
-        onnx.checker.check_model(proto, full_check=True)
-    else:
-        onnx.checker.check_model(str(output))
+    try:
+        if output.stat().st_size < PROTOBUF_LIMIT:
+            onnx.checker.check_model(proto, full_check=True)
+        else:
+            onnx.checker.check_model(str(output))
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
+        raise UnsupportedError(f"the ONNX export of {meta['model']} failed onnx.checker ({first})") from None
     return ExportResult(output, used, str(dtype).removeprefix("torch."), seconds, output.stat().st_size)
 
 
@@ -148,10 +163,19 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     """The stratbench meta stored in an exported file (classes, preprocessing), or {} for a foreign file."""
     import onnx
 
-    proto = onnx.load(str(path), load_external_data=False)
+    if not Path(path).is_file():
+        raise CheckpointError(f"ONNX file not found: {path}")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as exc:  # garbage bytes: protobuf's DecodeError, and others
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path} is not a readable ONNX model ({first})") from None
     for prop in proto.metadata_props:
         if prop.key == META_PROP:
-            return json.loads(prop.value)
+            try:
+                return json.loads(prop.value)
+            except ValueError:
+                raise CheckpointError(f"{path}: its stratbench metadata is not valid JSON") from None
     return {}
 
 

@@ -11,14 +11,13 @@ used by ``checkpoint.load_any``, ``stratbench consolidate`` and the base ``Strat
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException
 
 from stratbench import checkpoint
 from stratbench.errors import CheckpointError
@@ -31,12 +30,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _remove(path: Path) -> None:
-    """Delete a file or folder if it is there."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+_remove = checkpoint._remove
 
 
 def module_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -88,24 +82,44 @@ def save_sharded(
 
 
 def _swap_in(tmp: Path, path: Path) -> None:
-    """Replace ``path`` (file or folder) by ``tmp``. Between the two renames ``path`` is briefly missing, but
-    the old checkpoint is still whole under ``.NAME.old`` until the new one is in place."""
-    old = path.with_name(f".{path.name}.old")
-    _remove(old)
-    if path.exists() or path.is_symlink():
-        os.replace(path, old)
-    os.replace(tmp, path)
-    _remove(old)
+    """Replace ``path`` (file or folder) by ``tmp``; the previous checkpoint stays whole until the new one is
+    in place (``checkpoint.replace_path``, the one swap every writer uses)."""
+    checkpoint.replace_path(tmp, path)
+
+
+def _refusal_inside(exc: BaseException) -> CheckpointError | None:
+    """DCP wraps what a planner raised in a CheckpointException per rank: our own refusal, if it is one."""
+    failures = getattr(exc, "failures", None) or {}
+    for failure in failures.values():
+        seen = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        while isinstance(seen, BaseException):
+            if isinstance(seen, CheckpointError):
+                return seen
+            seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _safe_planner(base: type) -> type:
+    """``base`` (a DCP load planner) reading the non-tensor entries of ``*.distcp`` files weights-only: DCP's
+    own planners ``torch.load(..., weights_only=False)`` them, which runs whatever a crafted file holds."""
+    from torch.distributed.checkpoint._traverse import set_element
+
+    class Safe(base):
+        def load_bytes(self, read_item, value) -> None:
+            obj = checkpoint.safe_torch_load(value, name=f"a non-tensor entry {read_item.dest_index.fqn!r} of a .distcp file")
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    Safe.__name__ = Safe.__qualname__ = f"Safe{base.__name__}"
+    return Safe
 
 
 def is_dcp(path: Path) -> bool:
     """True when ``path`` is a stratbench checkpoint folder in the ``dcp`` layout."""
     path = Path(path)
-    return (
-        path.is_dir()
-        and (path / checkpoint.META_FILE).exists()
-        and checkpoint.read_meta(path).get("layout") == LAYOUT
-    )
+    return path.is_dir() and (path / checkpoint.META_FILE).exists() and checkpoint.read_meta(path).get("layout") == LAYOUT
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -119,10 +133,18 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     meta = checkpoint.read_meta(path)
     if meta.get("layout") != LAYOUT:
         raise CheckpointError(f"checkpoint {path} has layout {meta.get('layout')!r}, not {LAYOUT!r}")
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    checkpoint.check_folder(path)  # DCP unpickles .metadata with pickle.load
     state = module_state(model, optimizer)
     try:
-        dcp.load(state, checkpoint_id=path)
-    except Exception as exc:  # DCP reports a missing key or a shape mismatch as a long CheckpointException
+        dcp.load(state, checkpoint_id=path, planner=_safe_planner(DefaultLoadPlanner)())
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP reports a missing key or a shape mismatch as a long CheckpointException
+        refused = _refusal_inside(exc)
+        if refused is not None:
+            raise refused from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(
             f"checkpoint {path} does not fit this model/optimizer (saved with model {meta.get('meta', {}).get('model')!r}, "
@@ -142,18 +164,20 @@ def read_dcp(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+    checkpoint.check_folder(path)  # DCP unpickles .metadata with pickle.load (load_any checked it too)
     state: dict[str, Any] = {}
+    planner = _safe_planner(_EmptyStateDictLoadPlanner)()
     try:
         # The empty planner fills ``state`` with every entry the metadata lists, re-nested as it was saved;
         # no_dist keeps this process from talking to others (each caller reads the whole folder). The public
         # dcp.load would fill a copy of ``state``, so this is the call dcp_to_torch_save makes.
-        _load_state_dict(
-            state,
-            storage_reader=FileSystemReader(str(path)),
-            planner=_EmptyStateDictLoadPlanner(),
-            no_dist=True,
-        )
-    except Exception as exc:
+        _load_state_dict(state, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as exc:  # DCP's CheckpointException is a BaseException
+        refused = _refusal_inside(exc)
+        if refused is not None:
+            raise refused from None
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"sharded checkpoint {path} could not be read ({first[:300]})") from None
     if "model" not in state:

@@ -8,9 +8,7 @@ import json
 from stratbench.commands.estimate import add_model_arguments
 
 NAME = "advise"
-HELP = (
-    "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
-)
+HELP = "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
 ORDER = 41
 
 
@@ -18,14 +16,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
     parser.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
-    parser.add_argument(
-        "--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)"
-    )
+    parser.add_argument("--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)")
     parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")
-    parser.add_argument(
-        "--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit"
-    )
+    parser.add_argument("--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -42,17 +36,23 @@ def run(args: argparse.Namespace) -> int:
 
     has_gpu = torch.cuda.is_available()
     devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
-    memory = (
-        parse_bytes(args.device_memory)
-        if args.device_memory
-        else (torch.cuda.get_device_properties(0).total_memory if has_gpu else None)
+    memory = parse_bytes(args.device_memory) if args.device_memory else (
+        torch.cuda.get_device_properties(0).total_memory if has_gpu else None
     )
     if devices is None or memory is None:
+        raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
+    if not 1 <= devices <= 4096:
+        raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
+    if memory <= 0:
+        raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
+    if args.batch_size % devices:
+        # train splits the global batch evenly over the devices: a plan with this batch would be refused.
+        low, high = args.batch_size // devices * devices, (args.batch_size // devices + 1) * devices
+        hint = f"{low} or {high}" if low else f"{high}"
         raise ConfigError(
-            "no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB"
+            f"--batch-size {args.batch_size} is not divisible by --devices {devices} (train splits the global batch "
+            f"evenly over devices); use e.g. {hint}"
         )
-    if devices < 1:
-        raise ConfigError(f"--devices must be >= 1, got {devices}")
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
     precision = args.precision or default_precision("cuda", bf16_ok)
     if precision not in SPECS:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -39,6 +40,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     from stratbench.models import MODELS
 
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
@@ -136,6 +140,13 @@ def _first_line(exc: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     import tempfile
 
     import torch
@@ -153,6 +164,25 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(
                 f"--{name.replace('_', '-')} must be {'>= 0' if name == 'warmup' else '>= 1'}, got {getattr(args, name)}"
             )
+    if args.threads is not None and not 1 <= args.threads <= 4096:
+        raise ConfigError(f"--threads must be between 1 and 4096, got {args.threads}")
+    if not 0 < args.max_seconds < float("inf"):
+        raise ConfigError(f"--max-seconds must be a positive number, got {args.max_seconds}")
+    if not 8 <= args.image_size <= 4096:
+        raise ConfigError(f"--image-size must be between 8 and 4096, got {args.image_size}")
+    for flag, value in (("--num-classes", args.num_classes), ("--width", args.width)):
+        if not 1 <= value <= 1_000_000:
+            raise ConfigError(f"{flag} must be between 1 and 1000000, got {value}")
+    if any(not 1 <= b <= 1_000_000 for b in args.batch_sizes):
+        raise ConfigError(f"--batch-sizes must each be between 1 and 1000000, got {args.batch_sizes}")
+    if args.output:
+        out = Path(args.output)
+        if out.is_dir():
+            raise ConfigError(f"--output {out} is a folder; name the CSV file to write")
+        parent = out.parent if str(out.parent) else Path(".")
+        existing = next((p for p in [parent, *parent.parents] if p.exists()), Path("."))
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise ConfigError(f"--output {out}: {existing} is not writable")
     if args.checkpoint and args.model:
         raise ConfigError("give --checkpoint or --model, not both")
     if not args.checkpoint and not args.model:
@@ -278,9 +308,12 @@ def run(args: argparse.Namespace) -> int:
                 case(backend, "float32", ort_device, make_ort)
     _print_table(rows, name, size, device, threads)
     if args.output:
+        import io
+
+        from stratbench.checkpoint import atomic_write
+
         out = Path(args.output)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("w", newline="") as fh:
+        with io.StringIO(newline="") as fh:
             writer = csv.DictWriter(fh, fieldnames=CSV_FIELDS)
             writer.writeheader()
             for r in rows:
@@ -291,6 +324,7 @@ def run(args: argparse.Namespace) -> int:
                         for k in CSV_FIELDS
                     }
                 )
+            atomic_write(out, fh.getvalue())  # a stopped or failed run leaves an earlier CSV intact
         print(f"wrote {out}", file=sys.stderr)
     return 0 if any(r.status == "ok" for r in rows) else 1
 

@@ -11,14 +11,27 @@ ORDER = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     parser.add_argument("checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
-    parser.add_argument("output", help="file to write (written atomically)")
+    parser.add_argument(
+        "output", help="file to write (atomically); an existing folder receives OUTPUT/model.pt"
+    )
+    parser.add_argument("--force", action="store_true", help="replace OUTPUT if it is an existing file")
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from stratbench.checkpoint import consolidate
     from stratbench.report_table import fmt_bytes
 
-    out = consolidate(Path(args.checkpoint), Path(args.output))
+    out = consolidate(Path(args.checkpoint), Path(args.output), force=args.force)
     print(f"wrote {out} ({fmt_bytes(out.stat().st_size)})")
     return 0

@@ -65,6 +65,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--width", type=int, default=16, help="tinynet width")
 
 
+MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
+MAX_BATCH = 100_000_000
+
+
 def config_for(args: argparse.Namespace, strategy: str):
     from stratbench.commands.train import strategy_options_from_args
     from stratbench.config import TrainConfig, validate
@@ -74,8 +78,18 @@ def config_for(args: argparse.Namespace, strategy: str):
 
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
-    if args.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    if not 1 <= args.world_size <= MAX_WORLD:
+        raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD}, got {args.world_size}")
+    if not 1 <= args.batch_size <= MAX_BATCH:
+        raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
+    if args.grad_accum < 1:
+        raise ConfigError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    world = 1 if strategy == "single" else args.world_size
+    if not args.max_batch and args.batch_size % (world * args.grad_accum):
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is not divisible by world size x grad accum ({world} x {args.grad_accum}); "
+            "train refuses it too"
+        )
     cfg = TrainConfig(
         model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
         cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,

@@ -13,6 +13,9 @@ ORDER = 61
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     from stratbench.data import DATASETS
     from stratbench.inference import add_backend_arguments
 
@@ -31,6 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from stratbench.errors import ConfigError
     from stratbench.inference import evaluate, open_model, train_config_for, validation_set
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 NAME = "export"
 HELP = "export a checkpoint (any method) to ONNX (dynamic batch), check it and compare it with PyTorch"
@@ -15,6 +16,9 @@ FP16_ATOL = 2e-2
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
     parser.add_argument("--output", required=True, help="ONNX file to write (one file; weights included)")
     parser.add_argument(
@@ -82,6 +86,13 @@ def bundle_name(loaded) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -92,8 +103,18 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.report_table import fmt_bytes
 
     atol = args.atol if args.atol is not None else (FP16_ATOL if args.fp16 else FP32_ATOL)
-    if atol <= 0:
-        raise ConfigError(f"--atol must be positive, got {atol}")
+    if not 0 < atol < float("inf"):
+        raise ConfigError(f"--atol must be a positive number, got {atol}")
+    if args.real_samples < 0:
+        raise ConfigError(f"--real-samples must be >= 0, got {args.real_samples}")
+    if args.opset is not None:
+        import onnx
+
+        newest = onnx.defs.onnx_opset_version()
+        if not 7 <= args.opset <= newest:
+            raise ConfigError(f"--opset must be between 7 and {newest} (this onnx's newest), got {args.opset}")
+    if Path(args.output).is_dir():
+        raise ConfigError(f"--output {args.output} is a folder; name the .onnx file to write")
     device = resolve_device(args.device)
     loaded = load_model(args.checkpoint, "cpu")
     print(f"model: {loaded.describe()}", file=sys.stderr)

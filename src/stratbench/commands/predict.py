@@ -12,6 +12,9 @@ ORDER = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from stratbench.checkpoint import add_trust_argument
+
+    add_trust_argument(parser)
     from stratbench.inference import add_backend_arguments
 
     parser.add_argument(
@@ -29,6 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.checkpoint import trusted
+
+    with trusted(args.trust_checkpoint):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     from stratbench.errors import ConfigError, DataError
     from stratbench.inference import collect_images, open_model, predict_files
 

@@ -11,12 +11,8 @@ ORDER = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare"
-    )
-    parser.add_argument(
-        "--output", help="report folder (default: the sweep folder itself; required with several)"
-    )
+    parser.add_argument("dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare")
+    parser.add_argument("--output", help="report folder (default: the sweep folder itself; required with several)")
     parser.add_argument("--title", help="report title (default: from the sweeps' names)")
 
 
@@ -29,11 +25,43 @@ def run(args: argparse.Namespace) -> int:
         if not d.is_dir():
             raise ConfigError(f"sweep folder not found: {d}")
     if len(dirs) > 1 and not args.output:
-        raise ConfigError(
-            "merging several sweeps needs --output DIR (the folders' own reports are left as they are)"
-        )
+        raise ConfigError("merging several sweeps needs --output DIR (the folders' own reports are left as they are)")
+    for d in dirs:
+        check_results_file(d)
     out = Path(args.output) if args.output else dirs[0]
+    from stratbench.lock import check_output_folder
+
+    check_output_folder(out)
     paths, records = render_sweeps(dirs, out, args.title)
     print_table(records)
     print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
     return 0
+
+
+def check_results_file(folder: Path) -> None:
+    """One line naming the first bad line of FOLDER/results.jsonl (binary, or not a JSON record); a torn last
+    line (a sweep killed while appending) is allowed, as the reader skips it."""
+    import json
+
+    from stratbench.compare.runner import RESULTS
+    from stratbench.errors import ConfigError
+
+    path = folder / RESULTS
+    if not path.exists():
+        return
+    try:
+        lines = path.read_bytes().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            if not isinstance(record, dict) or "id" not in record:
+                raise ValueError("not a cell record (no 'id')")
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if n == len(lines):
+                continue  # torn last line
+            first = str(exc).splitlines()[0][:120]
+            raise ConfigError(f"{path} line {n} is not a JSON record ({first}); fix or delete that line") from None

@@ -105,23 +105,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench import engine, launch
-    from stratbench.dist import launched_by_launcher
-    from stratbench.report_table import print_result
+    from stratbench import checkpoint as ckpt
 
     cfg = resolve_config(args)
+    with ckpt.trusted(cfg.trust_checkpoint):
+        return _run(cfg)
+
+
+def _run(cfg) -> int:
+    import contextlib
+    import errno
+    import time
+
+    import torch
+
+    from stratbench import engine, launch
+    from stratbench.dist import die_with_parent, launched_by_launcher, read_env
+    from stratbench.errors import StratbenchError
+    from stratbench.lock import held_here, output_lock
+    from stratbench.report_table import print_result
+
+    worker = launched_by_launcher()
+    if worker:
+        die_with_parent()  # a killed launcher or torchrun agent must not leave this worker training on
     engine.preflight(cfg)
+    # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
+    check_builder(cfg.model)
+    check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
+    check_memory(cfg)
     if launch.needs_launch(cfg):
-        code = launch.launch(cfg)
+        # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
+        started_at = time.time() - 1.0  # file times may be coarser than time.time()
+        with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
+            code = launch.launch(cfg)
         if code != 0:
-            raise_failed(cfg, code)
+            raise_failed(cfg, code, started_at)
         if cfg.node_rank == 0:
             print_result(cfg.output)
         return 0
-    result = engine.run(cfg)
-    from stratbench.dist import read_env
-
-    if not launched_by_launcher():
+    # Started by an external launcher: global rank 0 takes the lock (unless our own launcher holds it).
+    locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
+    with output_lock(cfg.output) if locking else contextlib.nullcontext():
+        try:
+            result = engine.run(cfg)
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+                raise
+            # A full disk or a folder that became read-only while saving: the previous checkpoint is intact
+            # (every writer swaps a complete new one in); result.json says "failed" with this reason.
+            raise StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}") from None
+        except (torch.OutOfMemoryError, RuntimeError) as exc:
+            text = str(exc)
+            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in text:
+                raise
+            # result.json says "oom" with the reason (the engine wrote it); the user gets one line.
+            first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+            raise StratbenchError(
+                f"out of memory ({first}); lower --batch-size or --image-size (see `stratbench estimate`)"
+            ) from None
+    if not worker:
         if read_env(cfg.device).is_main:
             print_result(cfg.output, result)
         return 0
@@ -133,21 +175,132 @@ def run(args: argparse.Namespace) -> int:
     os._exit(0)
 
 
-def raise_failed(cfg: TrainConfig, code: int) -> None:
-    import json
+RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
+INIT_KEYS = ("model", "width", "norm", "cifar_stem")
+
+
+def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
+    """Before any work: a checkpoint to resume from (or start from) must fit this run's model and optimizer,
+    and ``--resume`` with nothing to resume says that it starts fresh."""
     from pathlib import Path
 
+    from stratbench import checkpoint as ckpt
+    from stratbench.errors import CheckpointError
+
+    checks = []
+    if cfg.resume or cfg.resume_from:
+        path = ckpt.resolve_resume(cfg.output, cfg.resume_from)
+        if path is None:
+            if not quiet:
+                print(f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh", file=sys.stderr)
+        else:
+            checks.append((path, RESUME_KEYS, "resume from"))
+    if cfg.init_from:
+        checks.append((Path(cfg.init_from), INIT_KEYS, "start from"))
+    mine = cfg.to_dict()
+    for path, keys, verb in checks:
+        saved = ckpt.read_meta(path).get("config") or {}
+        differ = [k for k in keys if k in saved and saved[k] != mine[k]]
+        if differ:
+            was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)
+            now = ", ".join(f"--{k.replace('_', '-')} {mine[k]}" for k in differ)
+            raise CheckpointError(f"cannot {verb} {path}: it was saved with {was}; this run has {now}")
+
+
+def check_builder(spec: str) -> None:
+    """A user builder ('pkg.module:function') must take ``num_classes=``: checked from its signature before
+    any work (``--model os:system`` is refused here, not called)."""
+    if ":" not in spec:
+        return
+    import importlib
+    import inspect
+
+    from torch import nn
+
+    from stratbench.errors import ConfigError
+
+    module_name, _, attr = spec.partition(":")
+    try:
+        builder = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
+    if not callable(builder) or (isinstance(builder, type) and not issubclass(builder, nn.Module)):
+        raise ConfigError(f"model {spec!r} is not a model builder (a function returning an nn.Module)")
+    try:
+        inspect.signature(builder).bind(num_classes=10)
+    except TypeError as exc:
+        raise ConfigError(f"model {spec!r} is not a model builder: it does not take num_classes= ({exc})") from None
+    except ValueError:
+        pass  # no signature to read (some C functions): the call itself is checked
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """Refuse a batch whose input and first activation alone exceed the free memory of this machine (CPU),
+    rather than start and be killed."""
+    import psutil
+
+    from stratbench.errors import ConfigError
+
+    if cfg.device == "cuda" or cfg.image_size is None:
+        return
+    micro = max(1, cfg.batch_size // (cfg.nproc * cfg.grad_accum))
+    need = micro * (3 + cfg.width) * cfg.image_size**2 * 4 * cfg.nproc
+    free = psutil.virtual_memory().available
+    if need > free:
+        from stratbench.report_table import fmt_bytes
+
+        raise ConfigError(
+            f"--image-size {cfg.image_size} with --batch-size {cfg.batch_size} needs more than {fmt_bytes(need)} for "
+            f"one batch's input and first activation; {fmt_bytes(free)} is free (see `stratbench estimate`)"
+        )
+
+
+def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
+    """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
+    torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
+    import json
+    import time
+    from pathlib import Path
+
+    from stratbench.checkpoint import atomic_write
     from stratbench.errors import StratbenchError
 
-    reason = ""
-    path = Path(cfg.output) / "result.json"
+    out = Path(cfg.output)
+    path = out / "result.json"
+    res = None
     if path.exists():
         try:
             res = json.loads(path.read_text())
-            if res.get("status") != "ok":
-                reason = f": {res.get('reason', '')}"
         except ValueError:
-            pass
+            res = None
+    if isinstance(res, dict) and res.get("status") not in (None, "ok", "running"):
+        reason = f": {res.get('reason', '')}"
+    else:
+        config = out / "config.yaml"  # written by rank 0 when training starts
+        started = config.exists() and config.stat().st_mtime >= started_at
+        if started:
+            why = "a worker exited or was killed during training; torchrun stopped the others"
+        else:
+            why = (
+                "a worker exited or was killed before training started (or a rendezvous did not complete "
+                f"within --dist-timeout-s {cfg.dist_timeout_s})"
+            )
+        reason = f": {why}"
+        if cfg.node_rank == 0:
+            record = {
+                "status": "failed",
+                "reason": f"{why} (torchrun exit code {code})",
+                "strategy": cfg.strategy,
+                "precision": cfg.precision,
+                "model": cfg.model,
+                "data": cfg.data,
+                "world_size": cfg.nproc * cfg.nnodes,
+                "config": cfg.to_dict(),
+                "written_by": "launcher",
+                "written_at": time.time(),
+                "metrics": {},
+            }
+            atomic_write(path, json.dumps(record, indent=2, default=str))
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )

@@ -379,8 +379,15 @@ class SweepRunner:
         tmp.replace(self.out / SWEEP)
 
     def run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
-        """Run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording)."""
-        self.out.mkdir(parents=True, exist_ok=True)
+        """Run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording).
+        Holds the output folder's lock throughout: a second sweep on the same folder is refused (it would
+        train the same cells at once and record them twice)."""
+        from stratbench.lock import output_lock
+
+        with output_lock(self.out):
+            return self._run(plans)
+
+    def _run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
         self.write_sweep_meta(plans)
         records = load_records(self.out)
         env = local_environment(1)
@@ -437,8 +444,12 @@ class SweepRunner:
         with open(log_path, "wb") as log:
             log.write((" ".join(cmd) + "\n").encode())
             log.flush()
+            # The cell dies with the sweep even when the sweep is SIGKILLed (PR_SET_PDEATHSIG: SIGTERM, which
+            # the cell's launcher forwards to its workers).
+            from stratbench.launch import _child_setup
+
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True)  # fmt: skip
+                                    env=env, start_new_session=True, preexec_fn=_child_setup)  # noqa: PLW1509  # fmt: skip
             loads: list[float] = []
             try:
                 while proc.poll() is None:

@@ -194,15 +194,7 @@ class _Accelerate(Strategy):
                 "param_names": names,
             }
             checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
-            old = path.with_name(f".{path.name}.old")
-            for stale in (old,):
-                if stale.exists():
-                    shutil.rmtree(stale) if stale.is_dir() else stale.unlink()
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            if old.exists():
-                shutil.rmtree(old) if old.is_dir() else old.unlink()
+            checkpoint.replace_path(tmp, path)
         self.barrier()
         return path
 
@@ -219,6 +211,7 @@ class _Accelerate(Strategy):
             and meta.get("world_size") == self.env.world_size
         )
         if same and optimizer is not None:
+            checkpoint.check_folder(path)  # accelerate unpickles its RNG and custom states weights_only=False
             self.accelerator.load_state(str(path / ACCELERATE_DIR))
             return meta
         return super().load_checkpoint(path, model, optimizer)
@@ -403,6 +396,9 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
 
 def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Full model (and, for DDP, optimizer keyed by parameter names) from an accelerate save_state folder."""
+    from stratbench import checkpoint
+
+    checkpoint.check_folder(path)  # zero_to_fp32 (accelerate-deepspeed) unpickles weights_only=False
     folder = Path(path) / ACCELERATE_DIR
     model_file = folder / "model.safetensors"
     if model_file.exists():
@@ -410,14 +406,17 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
 
         model = load_file(str(model_file))
     elif (folder / "pytorch_model.bin").exists():
-        model = torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        model = checkpoint.safe_torch_load(folder / "pytorch_model.bin")
     elif (folder / "pytorch_model").is_dir():  # accelerate-deepspeed: a DeepSpeed checkpoint
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
-        return {
-            "model": get_fp32_state_dict_from_zero_checkpoint(str(folder / "pytorch_model")),
-            "optimizer": {},
-        }
+        ds_dir = folder / "pytorch_model"
+        latest = ds_dir / "latest"
+        if not latest.is_file():
+            raise CheckpointError(f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)")
+        # The tag names a folder inside this one (a crafted '../..' would make zero_to_fp32 read files elsewhere).
+        tag = checkpoint.check_tag(ds_dir, latest.read_text().strip())
+        return {"model": get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag), "optimizer": {}}
     else:
         raise CheckpointError(
             f"{folder} holds no model file accelerate's save_state writes (model.safetensors, ...)"
@@ -426,7 +425,7 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
     opt_file = folder / "optimizer.bin"
     names = meta.get("param_names")
     if opt_file.exists() and names:
-        raw = torch.load(opt_file, map_location="cpu", weights_only=True)
+        raw = checkpoint.safe_torch_load(opt_file)
         # torch's optimizer state_dict numbers parameters in the order they were given: model.parameters().
         optimizer = {
             "state": {names[i]: s for i, s in raw["state"].items()},

@@ -445,9 +445,12 @@ class DeepSpeed(Strategy):
                 f"{meta.get('zero_stage')}; this run has world size {self.env.world_size} and stage {self._stage()}. "
                 f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
             )
+        # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
+        tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+        checkpoint.check_folder(path)
         load_path, _ = self.engine.load_checkpoint(
             str(path),
-            tag=meta.get("deepspeed_tag", DS_TAG),
+            tag=tag,
             load_optimizer_states=optimizer is not None,
             load_lr_scheduler_states=False,
         )
@@ -533,21 +536,9 @@ def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: di
             "deepspeed_config": ds_config,
         }
         checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
-        old = path.with_name(f".{path.name}.old")
-        _remove(old)
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        _remove(old)
+        checkpoint.replace_path(tmp, path)
     strategy.barrier()
     return path
-
-
-def _remove(p: Path) -> None:
-    if p.is_dir():
-        shutil.rmtree(p)
-    elif p.exists():
-        p.unlink()
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -606,7 +597,12 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     short of DeepSpeed's universal checkpoint): the returned "optimizer" is empty, so another method
     resuming from it restores weights and progress and starts its optimizer state afresh.
     """
-    tag = meta.get("deepspeed_tag", DS_TAG)
+    from stratbench import checkpoint
+
+    tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+    # zero_to_fp32 and DeepSpeed's stage-0 file are read with weights_only=False: check every file first
+    # (load_any did too; this reader may be called on its own).
+    checkpoint.check_folder(path)
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no DeepSpeed folder {tag!r} (incomplete checkpoint?)")
     if int(meta.get("zero_stage", 0)) == 0:
@@ -614,7 +610,7 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
         files = sorted((Path(path) / tag).glob("mp_rank_*_model_states.pt"))
         if not files:
             raise CheckpointError(f"{path}/{tag} holds no mp_rank_*_model_states.pt")
-        blob = torch.load(files[0], map_location="cpu", weights_only=False)
+        blob = checkpoint.safe_torch_load(files[0])
         model = {k: v.float() if v.is_floating_point() else v for k, v in blob["module"].items()}
     else:
         import contextlib

@@ -293,12 +293,7 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def save_full_replacing(
-    strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
-) -> Path:
-    """The base full-file save, after removing a sharded folder an earlier save left at ``path`` (a file
-    cannot be renamed over a folder)."""
-    path = Path(path)
-    if strategy.env.is_main and path.is_dir():
-        sharded._remove(path)
+def save_full_replacing(strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    """The base full-file save; a sharded folder an earlier save left at ``path`` is replaced only once the
+    new file is complete (``checkpoint.atomic_save`` swaps a folder out through ``replace_path``)."""
     return Strategy.save_checkpoint(strategy, path, model, optimizer, extra)

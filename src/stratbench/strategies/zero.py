@@ -56,26 +56,19 @@ class DDPZeroStrategy(DDPStrategy):
             return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
         return super().check_supported(cfg, device, world_size)
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        """DDP's replicas and buckets; optimizer state only for this rank's share of whole parameters."""
-        from stratbench.estimate import zero_partition
-
-        n = ctx.info.numels
-        mine = zero_partition(n, ctx.world)[rank]
-        m = ctx.replicated(buckets=True)
-        m.optim = ctx.opt_slots * sum(n[i] for i in mine) * ctx.param_bytes
-        m.step_scalars = 4 * len(mine) if ctx.adam else 0
-        m.sharding_note = "optimizer state sharded by whole parameters"
-        return m
-
-    def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
-        """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
+    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
+        """Wrap in DDP as ``ddp`` does, then shard the optimizer the engine asked for over the ranks."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs
-        )
+        cls = getattr(make_optimizer, "cls", None)
+        kwargs = getattr(make_optimizer, "kwargs", None)
+        if cls is None or kwargs is None:
+            raise TypeError("ddp-zero needs an OptimizerSpec (with .cls and .kwargs) to build its local optimizer")
+
+        def factory(params) -> torch.optim.Optimizer:
+            return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
+
+        return super().setup(model, factory)
 
     # ---- state ----------------------------------------------------------------------------------
     def _index_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
@@ -84,9 +77,7 @@ class DDPZeroStrategy(DDPStrategy):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         missing = [i for i, p in enumerate(params) if id(p) not in names]
         if missing:
-            raise RuntimeError(
-                f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model"
-            )
+            raise RuntimeError(f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model")
         return [names[id(p)] for p in params]
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -99,17 +90,12 @@ class DDPZeroStrategy(DDPStrategy):
         return {
             "state": {names[i]: _to_cpu(v) for i, v in state["state"].items() if v is not None},
             "param_groups": [
-                {
-                    **{k: v for k, v in group.items() if k != "params"},
-                    "params": [names[i] for i in group["params"]],
-                }
+                {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
                 for group in state["param_groups"]
             ],
         }
 
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
         """Load a name-keyed full optimizer state (from any method): each rank keeps its own parameters' share."""
         names = self._index_names(model, optimizer)
         index = {n: i for i, n in enumerate(names)}
@@ -131,26 +117,18 @@ class DDPZeroStrategy(DDPStrategy):
         }
         optimizer.load_state_dict(indexed)
 
-    def save_checkpoint(
-        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
-    ) -> Path:
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
         """Full file (consolidated on rank 0) or sharded folder (each rank writes its own optimizer shard)."""
         from stratbench import sharded
 
         path = Path(path)
         if self.options.checkpoint_format == "full":
-            if (
-                self.env.is_main and path.is_dir()
-            ):  # an earlier sharded save left a folder: a file cannot replace it
-                sharded._remove(path)
+            # An earlier sharded folder at ``path`` is swapped out only once the new file is complete.
             return super().save_checkpoint(path, model, optimizer, extra)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # Replicated model tensors are written once (DCP de-duplicates equal keys); optimizer keys are disjoint.
-        state = {
-            "model": get_model_state_dict(model),
-            "optimizer": self._local_optimizer_state(model, optimizer),
-        }
+        state = {"model": get_model_state_dict(model), "optimizer": self._local_optimizer_state(model, optimizer)}
         return sharded.save_sharded(path, None, None, extra, is_main=self.env.is_main, state=state)
 
     def _local_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -160,10 +138,7 @@ class DDPZeroStrategy(DDPStrategy):
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
-        return {
-            "state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()},
-            "param_groups": groups,
-        }
+        return {"state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()}, "param_groups": groups}
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Parameters and gradients are replicated; optimizer state is counted from this rank's local shard."""

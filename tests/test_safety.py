@@ -1,0 +1,465 @@
+"""Nothing run, nothing lost: crafted checkpoint folders of every layout are refused by every command that
+loads checkpoints (their pickled payload never runs), unless --trust-checkpoint says otherwise."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import TINY, run_stratbench
+from stratbench.cli import main
+
+SHORT = [*TINY[: TINY.index("--max-steps")], "--max-steps", "4", *TINY[TINY.index("--max-steps") + 2 :]]
+LAYOUTS = {
+    "ds0": ("deepspeed", "--zero-stage", "0"),
+    "ds2": ("deepspeed", "--zero-stage", "2"),
+    "dcp": ("fsdp",),
+    "accelerate": ("accelerate-ddp",),
+}
+# One file per crafted folder: the file each loader unpickles (relative to checkpoints/last).
+TAMPER = {
+    "ds0": "deepspeed/mp_rank_00_model_states.pt",
+    "ds2": "deepspeed/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+    "ds2-model": "deepspeed/mp_rank_00_model_states.pt",
+    "dcp": ".metadata",
+    "accelerate": "accelerate/optimizer.bin",
+    "accelerate-rng": "accelerate/random_states_0.pkl",
+    "meta": "stratbench_meta.pt",
+}
+
+
+class Payload:
+    """Unpickling this runs ``touch MARKER``: what a crafted checkpoint would do."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.fixture(scope="session")
+def real_runs(tmp_path_factory) -> dict[str, Path]:
+    """A real 2-process run of each sharded layout (4 steps), trained once per session."""
+    root = tmp_path_factory.mktemp("layouts")
+    runs = {}
+    for name, strategy in LAYOUTS.items():
+        out = root / name
+        run_stratbench(
+            "train", "--output", str(out), "--nproc", "2", "--strategy", *strategy, *SHORT, timeout=300
+        )
+        runs[name] = out
+    return runs
+
+
+def _crafted(real_runs: dict[str, Path], kind: str, root: Path) -> tuple[Path, Path]:
+    """A copy of a real run whose checkpoint has one file replaced by a payload; returns (run, marker)."""
+    layout = {"ds2-model": "ds2", "accelerate-rng": "accelerate", "meta": "dcp"}.get(kind, kind)
+    run = root / f"evil-{kind}"
+    shutil.copytree(real_runs[layout], run)
+    marker = root / f"MARKER-{kind}"
+    target = run / "checkpoints" / "last" / TAMPER[kind]
+    target.unlink()
+    if kind == "dcp":  # DCP's .metadata is a plain pickle
+        import pickle
+
+        target.write_bytes(pickle.dumps(Payload(marker), protocol=4))
+    else:
+        torch.save({"module": Payload(marker), "format": "stratbench"}, target)
+    return run, marker
+
+
+def _one_line_error(capsys, *argv: str) -> str:
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code != 0, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize("kind", sorted(TAMPER))
+def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind):
+    run, marker = _crafted(real_runs, kind, tmp_path)
+    ckpt = run / "checkpoints" / "last"
+    image = tmp_path / "img.png"
+    from PIL import Image
+
+    Image.new("RGB", (8, 8)).save(image)
+    commands = [
+        ("evaluate", "--checkpoint", ckpt),
+        ("predict", "--checkpoint", ckpt, image),
+        ("export", "--checkpoint", ckpt, "--output", tmp_path / "m.onnx"),
+        ("consolidate", ckpt, tmp_path / "full.pt"),
+        ("bench-infer", "--checkpoint", ckpt, "--output", tmp_path / "bench.csv"),
+        ("train", "--output", tmp_path / "t1", "--init-from", ckpt, *SHORT),
+        ("train", "--output", tmp_path / "t2", "--resume-from", ckpt, *SHORT),
+        ("train", "--output", run, "--resume", *SHORT),
+    ]
+    for argv in commands:
+        err = _one_line_error(capsys, *argv)
+        assert not marker.exists(), f"{argv[0]} ran the payload"
+        # "refusing" for a named callable; the meta file may fail earlier as "not a stratbench checkpoint".
+        assert "refusing to load" in err or "not a stratbench checkpoint" in err, (argv, err)
+        assert "Traceback" not in err
+    assert not (tmp_path / "full.pt").exists() and not (tmp_path / "m.onnx").exists()
+
+
+@pytest.mark.parametrize(
+    ("kind", "strategy"), [("ds2", LAYOUTS["ds2"]), ("accelerate-rng", LAYOUTS["accelerate"])]
+)
+def test_resume_in_the_method_own_loader_is_refused(real_runs, tmp_path, kind, strategy):
+    """The method's own resume (DeepSpeed's engine.load_checkpoint, accelerate's load_state) unpickles with
+    weights_only=False: the folder is checked first, on 2 processes."""
+    run, marker = _crafted(real_runs, kind, tmp_path)
+    proc = run_stratbench(
+        "train", "--output", str(run), "--nproc", "2", "--strategy", *strategy, *SHORT, "--max-steps", "6",
+        "--resume", check=False, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode != 0
+    assert "refusing to load" in proc.stderr
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_real_folders_load_weights_only(real_runs, tmp_path, capsys, layout):
+    """The allow-list is enough for what the libraries really write: every layout consolidates safely."""
+    out = tmp_path / "full.pt"
+    assert main(["consolidate", str(real_runs[layout] / "checkpoints" / "last"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    assert state["model"]
+
+
+def test_trust_checkpoint_is_the_explicit_unsafe_route(real_runs, tmp_path, capsys):
+    run, marker = _crafted(real_runs, "dcp", tmp_path)
+    assert (
+        main(["consolidate", "--trust-checkpoint", str(run / "checkpoints" / "last"), str(tmp_path / "x.pt")])
+        != 0
+    )
+    assert marker.exists()  # the flag does what it says: full unpickling
+
+
+def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
+    from stratbench.checkpoint import check_tag
+    from stratbench.errors import CheckpointError
+
+    assert check_tag(tmp_path, "deepspeed") == "deepspeed"
+    for bad in ("../../etc", "/abs", "..", "", None):
+        with pytest.raises(CheckpointError):
+            check_tag(tmp_path, bad)
+
+
+# ---- the launcher owns its processes; one run per output folder ------------------------------------------
+LONG = [*SHORT, "--max-steps", "100000", "--epochs", "1000"]  # the later flag wins
+
+
+def _run_processes(marker: str) -> list[int]:
+    """Pids of processes whose command line mentions ``marker`` (the run's output folder)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+def _start_long_run(out: Path):
+    import subprocess
+    import sys
+    import time
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "stratbench",
+        "train",
+        "--output",
+        str(out),
+        "--nproc",
+        "2",
+        "--strategy",
+        "ddp",
+        *LONG,
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while len(_run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run did not start its workers"
+        time.sleep(0.5)
+    while not (out / "config.yaml").exists():  # rank 0 writes it when training starts
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the run did not start training"
+        time.sleep(0.2)
+    time.sleep(2)
+    return proc
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_killed_launcher_leaves_no_process(tmp_path, sig):
+    import signal
+    import time
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    proc.send_signal(getattr(signal, sig))
+    proc.wait(timeout=15)
+    deadline = time.monotonic() + 10
+    while _run_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _run_processes(str(out))
+    for pid in left:  # clean up before failing
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes of the run still alive 10 s after {sig} to the launcher: {left}"
+    if sig == "SIGTERM":
+        assert proc.returncode == 128 + signal.SIGTERM
+        assert "stopped by SIGTERM" in proc.stdout.read()
+
+
+def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    import signal
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    try:
+        err = _one_line_error(capsys, "train", "--output", out, *SHORT)
+        assert f"pid {proc.pid}" in err and "in use" in err
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    # The holder died by SIGKILL: its lock file stays, the kernel released the lock, the next run takes it.
+    assert (out / ".stratbench.lock").exists()
+    assert main(["train", "--output", str(out), *SHORT]) == 0
+
+
+# ---- one swap helper, step-numbered checkpoints, resume after a kill between renames ----------------------
+def _save(out: Path, step: int) -> Path:
+    from stratbench import checkpoint as ckpt
+
+    path = ckpt.save_path_for(out, step)
+    ckpt.save_full(path, {"model": {"w": torch.full((2,), float(step))}, "progress": {"step": step}})
+    return path
+
+
+@pytest.mark.parametrize("keep", [1, 3])
+def test_publish_keeps_the_last_k_and_points_last_at_the_newest(tmp_path, keep):
+    from stratbench import checkpoint as ckpt
+
+    for step in (10, 20, 30, 40):
+        ckpt.publish(tmp_path, _save(tmp_path, step), keep_last=keep)
+        assert ckpt.load_file(ckpt.last_checkpoint(tmp_path))["progress"]["step"] == step
+    steps = [int(p.name.split("-")[1]) for p in ckpt.step_entries(tmp_path)]
+    assert steps == [40, 30, 20][:keep][::-1]
+    assert ckpt.resolve_resume(str(tmp_path), None).resolve() == ckpt.save_path_for(tmp_path, 40).resolve()
+
+
+def test_publish_keeps_a_real_last_from_an_earlier_version(tmp_path):
+    from stratbench import checkpoint as ckpt
+
+    ckpt.save_full(ckpt.last_checkpoint(tmp_path), {"progress": {"step": 5}})
+    ckpt.publish(tmp_path, _save(tmp_path, 6), keep_last=2)
+    assert [p.name for p in ckpt.step_entries(tmp_path)] == ["step-00000005", "step-00000006"]
+
+
+def test_replace_path_never_drops_the_only_copy(tmp_path):
+    """A kill between the two renames of a swap leaves only .NAME.old: the next swap keeps it until the new
+    entry is in place, and resume reads it meanwhile."""
+    from stratbench import checkpoint as ckpt
+
+    last = ckpt.last_checkpoint(tmp_path)
+    ckpt.save_full(last, {"progress": {"step": 7}})
+    old = last.with_name(".last.old")
+    os.replace(last, old)  # the state a kill between the renames leaves
+    assert ckpt.resolve_resume(str(tmp_path), None) == old
+    new = tmp_path / "new.pt"
+    new.write_bytes(b"x")
+    ckpt.replace_path(new, last)
+    assert last.read_bytes() == b"x" and not old.exists()
+
+
+def test_atomic_output_leaves_the_previous_file_on_failure(tmp_path):
+    from stratbench import checkpoint as ckpt
+
+    target = tmp_path / "report.csv"
+    ckpt.atomic_write(target, "good\n")
+    with pytest.raises(RuntimeError), ckpt.atomic_output(target) as tmp:
+        tmp.write_text("half")
+        raise RuntimeError("killed")
+    assert target.read_text() == "good\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["report.csv"]
+
+
+def test_resume_continues_from_last_old_after_a_kill_between_renames(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), *SHORT, "--save-every-steps", "2"]) == 0
+    last = out / "checkpoints" / "last"
+    os.replace(last, last.with_name(".last.old"))
+    assert main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--resume"]) == 0
+    import json
+
+    result = json.loads((out / "result.json").read_text())
+    assert result["resumed_from"]["step"] == 4 and result["resumed_from"]["path"].endswith(".last.old")
+    assert last.exists()
+
+
+def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
+    """Two identical compares would train the same cells at once and record each twice: the second refuses."""
+    import subprocess
+    import sys
+    import time
+
+    from stratbench.compare.matrix import build_matrix
+    from stratbench.compare.runner import SweepRunner
+    from stratbench.errors import ConfigError
+
+    out = tmp_path / "sweep"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from stratbench.lock import output_lock\nwith output_lock({str(out)!r}):\n"
+         "    print('held', flush=True); import time; time.sleep(60)"],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        matrix = build_matrix(
+            {"base": {"model": "tinynet"}, "cells": [{"method": "single", "precision": "fp32"}]}
+        )
+        with pytest.raises(ConfigError, match=f"pid {holder.pid}"):
+            SweepRunner(matrix, out, timeout_s=5).run([])
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.1)
+    SweepRunner(matrix, out, timeout_s=5).run([])  # the holder died: its lock is taken over
+
+
+# ---- fault injection: kill a saving run at a random moment; a loadable checkpoint remains, resume goes on ---
+FAULTS = [
+    ("single", (), 1),
+    ("single", (), 1),
+    ("ddp", (), 2),
+    ("fsdp", (), 2),
+    ("deepspeed", ("--zero-stage", "2"), 2),
+]
+
+
+def _kill_run(out: Path) -> None:
+    """SIGKILL every process of the run at once (launcher, torchrun, workers): the harshest stop."""
+    import signal
+    import time
+
+    for pid in _run_processes(str(out)):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.monotonic() + 15
+    while _run_processes(str(out)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _run_processes(str(out))
+
+
+@pytest.mark.parametrize(
+    ("n", "fault"), list(enumerate(FAULTS)), ids=[f"{i}-{f[0]}" for i, f in enumerate(FAULTS)]
+)
+def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp_path, n, fault):
+    import json
+    import random
+    import subprocess
+    import sys
+    import time
+
+    from stratbench import checkpoint as ckpt
+
+    strategy, options, nproc = fault
+    rng = random.Random(1000 + n)
+    out = tmp_path / "run"
+    flags = ["--strategy", strategy, *options, "--nproc", str(nproc)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    cmd = [
+        sys.executable,
+        "-m",
+        "stratbench",
+        "train",
+        "--output",
+        str(out),
+        *flags,
+        *LONG,
+        "--save-every-steps",
+        "1",
+    ]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    last = ckpt.last_checkpoint(out)
+    deadline = time.monotonic() + 180
+    while not last.exists():
+        assert proc.poll() is None, "the run ended before its first checkpoint"
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    time.sleep(rng.uniform(0.0, 2.0))  # every step saves: this lands in or between saves
+    _kill_run(out)
+    proc.wait()
+    path = ckpt.resolve_resume(str(out), None)
+    assert path is not None, sorted(p.name for p in (out / "checkpoints").iterdir())
+    state = ckpt.load_any(path)
+    step = state["progress"]["step"]
+    assert step >= 1 and state["model"]
+    run_stratbench(
+        "train",
+        "--output",
+        str(out),
+        *flags,
+        *SHORT,
+        "--epochs",
+        "1000",
+        "--max-steps",
+        str(step + 2),
+        "--resume",
+    )
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "ok" and result["resumed_from"]["step"] == step
+
+
+def test_a_killed_rank_leaves_result_json_failed_with_the_reason(tmp_path):
+    import json
+    import signal
+
+    import psutil
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    workers = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("RANK") == "1"
+               and p.pid in _run_processes(str(out))]  # fmt: skip
+    assert workers
+    workers[0].send_signal(signal.SIGKILL)
+    proc.wait(timeout=90)
+    assert proc.returncode != 0
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "failed" and "killed" in result["reason"]
+
+
+def test_dcp_non_tensor_entry_is_read_weights_only(tmp_path, capsys):
+    """DCP stores non-tensor values (optimizer hyper-parameters) as torch.save blobs inside the .distcp files
+    and its own planners read them with weights_only=False: a crafted entry must be refused there too."""
+    import torch.distributed.checkpoint as dcp
+
+    from stratbench import checkpoint as ckpt
+
+    folder = tmp_path / "dcp"
+    marker = tmp_path / "MARKER"
+    dcp.save(
+        {"model": {"w": torch.ones(2)}, "optimizer": {"evil": Payload(marker)}},
+        checkpoint_id=folder,
+        no_dist=True,
+    )
+    ckpt.save_full(folder / ckpt.META_FILE, {"layout": "dcp", "progress": {"step": 1}})
+    err = _one_line_error(capsys, "consolidate", folder, tmp_path / "out.pt")
+    assert "refusing to load" in err and not marker.exists()
+    assert main(["consolidate", "--trust-checkpoint", str(folder), str(tmp_path / "out.pt")]) == 0
+    assert marker.exists()
