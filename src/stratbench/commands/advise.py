@@ -44,7 +44,9 @@ def run(args: argparse.Namespace) -> int:
     if devices < 1:
         raise ConfigError(f"--devices must be >= 1, got {devices}")
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
-    precision = args.precision or default_precision("cuda", bf16_ok)
+    from stratbench.config import canonical_precision
+
+    precision = canonical_precision(args.precision) or default_precision("cuda", bf16_ok)
     if precision not in SPECS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
     base = TrainConfig(

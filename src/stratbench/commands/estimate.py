@@ -57,10 +57,11 @@ def strategy_options(args: argparse.Namespace, strategy: str) -> dict:
 
 
 def config_for(args: argparse.Namespace, strategy: str):
-    from stratbench.config import TrainConfig, validate
+    from stratbench.config import TrainConfig, canonical_precision, validate
     from stratbench.errors import ConfigError
     from stratbench.precision import SPECS
 
+    args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
     if args.world_size < 1:

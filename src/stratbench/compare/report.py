@@ -28,6 +28,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("machine", "machine"),
     ("method", "method"),
     ("precision", "precision"),
+    ("init", "init"),
     ("devices", "devices"),
     ("batch_device", "batch / device"),
     ("batch_global", "global batch"),
@@ -179,6 +180,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float], pre
         "machine": machine_name(rec),
         "method": rec.get("label") or rec.get("method"),
         "precision": rec.get("precision"),
+        "init": _init_of(rec),
         "devices": devices,
         "batch_device": per_dev,
         "batch_global": gbatch,
@@ -319,7 +321,23 @@ class Report:
 
 def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
     multi = len({r.raw["machine"] for r in rows}) > 1
-    return [c for c in COLUMNS if c[0] != "machine" or multi]
+    # init (imagenet | random) matters where pretrained weights exist or were used: torchvision models
+    pretrainable = any(r.raw.get("init") not in (None, "random") or str(_model_of(r.rec)).startswith("resnet") for r in rows)
+    return [c for c in COLUMNS if (c[0] != "machine" or multi) and (c[0] != "init" or pretrainable)]
+
+
+def _model_of(rec: dict[str, Any]) -> str | None:
+    return (rec.get("config") or {}).get("model") or rec.get("model")
+
+
+def _init_of(rec: dict[str, Any]) -> str | None:
+    """imagenet (a torchvision ImageNet weights file), random, or the weights file's name; None when unknown."""
+    cfg = rec.get("config")
+    if not cfg:
+        return None
+    from stratbench.models import describe_init
+
+    return describe_init(cfg.get("weights"))
 
 
 def _settings(records: list[dict[str, Any]]) -> str:
@@ -412,7 +430,7 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["machine", "id", "method", "label", "precision", "devices", "world_size", "batch_device", "batch_global",
+CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
               "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason",
@@ -432,7 +450,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
             raw = r.raw
             w.writerow([
-                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["devices"],
+                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["init"] or "",
+                raw["devices"],
                 r.rec.get("world_size"), raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),

@@ -1,0 +1,89 @@
+"""The user's own work: pretrained weights by name, Lightning precision names, underscore flags, user model and
+data builders, plain weight exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_stratbench, train
+from stratbench.config import TrainConfig, from_dict
+from stratbench.errors import CheckpointError, ConfigError
+
+RESNET18_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1, as torch.hub names it
+
+
+def _fake_imagenet_resnet18(torch_home: Path) -> dict[str, torch.Tensor]:
+    """A small stand-in for torchvision's ImageNet resnet18 file, written under its exact hub cache name: the
+    first convolution with recognisable values and the 1000-class head (which a 10-class model must skip)."""
+    state = {
+        "conv1.weight": torch.full((64, 3, 7, 7), 0.125),
+        "fc.weight": torch.zeros(1000, 512),
+        "fc.bias": torch.zeros(1000),
+    }
+    folder = torch_home / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save(state, folder / RESNET18_FILE)
+    return state
+
+
+def test_weights_by_name_resolve_to_the_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    with pytest.raises(CheckpointError) as err:  # offline, not cached: one line naming file and folder
+        from_dict(TrainConfig, {"model": "resnet18", "weights": "imagenet"})
+    msg = str(err.value)
+    assert "\n" not in msg and RESNET18_FILE in msg and str(tmp_path / "th" / "hub" / "checkpoints") in msg
+    assert "--download" in msg
+    _fake_imagenet_resnet18(tmp_path / "th")
+    for name in ("imagenet", "IMAGENET1K_V1", "DEFAULT"):
+        cfg = from_dict(TrainConfig, {"model": "resnet18", "weights": name})
+        assert cfg.weights == str(tmp_path / "th" / "hub" / "checkpoints" / RESNET18_FILE)
+    with pytest.raises(ConfigError, match="IMAGENET1K_V2.*choose one of: imagenet, DEFAULT, IMAGENET1K_V1"):
+        from_dict(TrainConfig, {"model": "resnet18", "weights": "IMAGENET1K_V2"})
+    with pytest.raises(ConfigError, match="only for torchvision models"):
+        from_dict(TrainConfig, {"model": "tinynet", "weights": "imagenet"})
+
+
+def test_train_from_imagenet_weights_offline(tmp_path):
+    """`stratbench train --weights imagenet` with the file in TORCH_HOME's hub cache and no network."""
+    state = _fake_imagenet_resnet18(tmp_path / "th")
+    env = {"TORCH_HOME": str(tmp_path / "th")}
+    out = tmp_path / "run"
+    res = train(out, "--model", "resnet18", "--weights", "imagenet", "--data", "synthetic", "--synthetic-samples",
+                "16", "--image-size", "32", "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--lr", "1e-9",
+                "--progress", "false", "--measure-flops", "false", env=env)  # fmt: skip
+    assert res["status"] == "ok"
+    assert sorted(res["weights_skipped"]) == ["fc.bias", "fc.weight"]  # the 1000-class head
+    assert res["config"]["weights"].endswith(RESNET18_FILE)
+    ckpt = torch.load(out / "checkpoints" / "last", map_location="cpu", weights_only=False)
+    conv1 = ckpt["model"]["conv1.weight"]
+    assert torch.allclose(conv1, state["conv1.weight"], atol=1e-5)  # loaded, then one step at lr 1e-9
+    proc = run_stratbench("train", "--model", "resnet18", "--weights", "IMAGENET1K_V1", "--output", str(tmp_path / "x"),
+                          env={"TORCH_HOME": str(tmp_path / "empty")}, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        f"put {RESNET18_FILE}" in proc.stderr
+        and str(tmp_path / "empty" / "hub" / "checkpoints") in proc.stderr
+    )
+
+
+def test_seed_preset_uses_cached_imagenet_weights(tmp_path, monkeypatch):
+    from stratbench.compare.matrix import load_matrix
+    from stratbench.compare.report import Footnotes, build_rows, columns_for
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    random_init = load_matrix("seed", None)
+    assert "weights" not in random_init.base and "random init" in random_init.description
+    folder = tmp_path / "th" / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, folder / "resnet50-11ad3fa6.pth")  # IMAGENET1K_V2
+    pretrained = load_matrix("seed", None)
+    assert pretrained.base["weights"] == "imagenet" and "ImageNet weights" in pretrained.description
+    cell = pretrained.cells[0]
+    recs = [{"status": "skipped", "method": c.method, "precision": c.precision, "world_size": c.world_size,
+             "config": c.train_config("x"), "metrics": {}} for c in (cell, random_init.cells[0])]  # fmt: skip
+    rows = build_rows(recs, Footnotes())
+    assert ("init", "init") in columns_for(rows)
+    assert [r.text["init"] for r in rows] == ["imagenet", "random"]
