@@ -87,3 +87,46 @@ def test_seed_preset_uses_cached_imagenet_weights(tmp_path, monkeypatch):
     rows = build_rows(recs, Footnotes())
     assert ("init", "init") in columns_for(rows)
     assert [r.text["init"] for r in rows] == ["imagenet", "random"]
+
+
+@pytest.mark.parametrize(
+    ("given", "resolved"),
+    [("32-true", "fp32"), ("16-mixed", "fp16-mixed"), ("bf16-mixed", "bf16-mixed"), ("16-true", "fp16-true"),
+     ("bf16-true", "bf16-true"), ("64-true", "fp64"), ("fp16-mixed", "fp16-mixed")],
+)  # fmt: skip
+def test_lightning_precision_names(given, resolved):
+    assert from_dict(TrainConfig, {"precision": given}).precision == resolved
+
+
+def test_lightning_precision_names_in_a_matrix_and_estimate():
+    from stratbench.cli import main
+    from stratbench.compare.matrix import build_matrix
+
+    m = build_matrix({"cells": [{"method": "single", "precision": ["32-true", "bf16-mixed", "16-mixed"]}]})
+    assert [c.precision for c in m.cells] == ["fp32", "bf16-mixed", "fp16-mixed"]
+    assert main(["estimate", "--precision", "16-mixed", "--model", "tinynet"]) == 0
+    assert main(["estimate", "--precision", "16-bad", "--model", "tinynet"]) != 0
+
+
+def test_underscore_flags_are_accepted():
+    from stratbench.cli import build_parser, normalise_flags
+    from stratbench.commands.compare import overrides_from
+    from stratbench.commands.train import resolve_config
+
+    argv = ["train", "--batch_size", "8", "--max_steps=3", "--strategy", "deepspeed", "--deepspeed_config", "ds.json",
+            "--zero_stage", "2", "--precision", "bf16-mixed"]  # fmt: skip
+    assert normalise_flags(argv)[1:4] == ["--batch-size", "8", "--max-steps=3"]
+    assert normalise_flags(["train", "--", "--a_b"]) == ["train", "--", "--a_b"]  # after "--": left alone
+    cfg = resolve_config(build_parser().parse_args(normalise_flags(argv)))
+    assert cfg.batch_size == 8 and cfg.max_steps == 3
+    assert cfg.strategy_options == {"deepspeed_config": "ds.json", "zero_stage": "2"}
+    args = build_parser().parse_args(normalise_flags(["compare", "--batch_size", "32", "--image_size", "16"]))
+    assert overrides_from(args) == {"batch_size": 32, "image_size": 16}
+
+
+def test_underscore_flags_and_lightning_precision_end_to_end(tmp_path):
+    res = train(tmp_path / "run", "--model", "tinynet", "--width", "8", "--data", "synthetic", "--synthetic_samples",
+                "64", "--image_size", "16", "--batch_size", "16", "--max_steps", "2", "--epochs", "1", "--precision",
+                "32-true", "--progress", "false", "--measure_flops", "false")  # fmt: skip
+    assert res["status"] == "ok" and res["precision"] == "fp32" and res["config"]["batch_size"] == 16
+    assert res["metrics"]["steps"] == 2
