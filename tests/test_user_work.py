@@ -130,3 +130,143 @@ def test_underscore_flags_and_lightning_precision_end_to_end(tmp_path):
                 "32-true", "--progress", "false", "--measure_flops", "false")  # fmt: skip
     assert res["status"] == "ok" and res["precision"] == "fp32" and res["config"]["batch_size"] == 16
     assert res["metrics"]["steps"] == 2
+
+
+USER_MODEL = """
+from torch import nn
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(32, num_classes))
+"""
+USER_DATA = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(image_size=None, seed=0):
+    size = image_size or 12
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(160, 3, size, size, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()  # learnable: the sign of the first channel's mean
+    return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:]), ["negative", "positive"]
+"""
+
+
+def _user_folder(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A user's folder with their own model and data modules, and a command that starts stratbench the way the
+    console script does: from a script elsewhere, so that the working directory is not on sys.path by itself."""
+    import sys
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mynet.py").write_text(USER_MODEL)
+    (work / "mydata.py").write_text(USER_DATA)
+    launcher = tmp_path / "bin" / "stratbench_script.py"
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom stratbench.cli import main\nsys.exit(main())\n")
+    return work, [sys.executable, str(launcher)]
+
+
+def _run_in(work: Path, cmd: list[str], *args: str, check: bool = True):
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(
+        Path(__file__).resolve().parents[1] / "src"
+    )  # stratbench only, not the user's folder
+    proc = subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_user_model_and_data_from_the_working_directory(tmp_path):
+    import json
+    import sys
+
+    from safetensors.torch import load_file
+
+    work, cmd = _user_folder(tmp_path)
+    _run_in(work, cmd, "train", "--model", "mynet:build", "--data", "mydata:build", "--batch-size", "16",
+            "--epochs", "3", "--lr", "0.1", "--output", "out", "--progress", "false", "--measure-flops", "false")  # fmt: skip
+    res = json.loads((work / "out" / "result.json").read_text())
+    assert res["status"] == "ok" and res["model"] == "mynet:build" and res["data"] == "mydata:build"
+    assert res["metrics"]["steps"] == 3 * 128 // 16
+    assert res["metrics"]["val_accuracy"] >= 0.75  # the user's data set is learnable; chance is ~0.5
+    # export and bench-infer take the same user builder
+    _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.safetensors")
+    _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.pt")
+    sys.path.insert(0, str(work))
+    try:
+        import mynet
+    finally:
+        sys.path.remove(str(work))
+    x = torch.randn(4, 3, 12, 12)
+    outs = []
+    for state in (
+        load_file(str(work / "mynet.safetensors")),
+        torch.load(work / "mynet.pt", weights_only=True),
+    ):
+        model = mynet.build(num_classes=2).eval()
+        model.load_state_dict(state, strict=True)
+        outs.append(model(x))
+    assert torch.equal(outs[0], outs[1])
+    bench = _run_in(work, cmd, "bench-infer", "--model", "mynet:build", "--image-size", "12", "--num-classes", "2",
+                    "--batch-sizes", "2", "--backends", "eager-fp32", "--iters", "5", "--warmup", "1")  # fmt: skip
+    assert "eager-fp32" in bench.stdout
+    bad = _run_in(work, cmd, "train", "--data", "nosuch:build", "--output", "x", check=False)
+    assert (
+        bad.returncode != 0
+        and "cannot import 'build' from 'nosuch'" in bad.stderr
+        and str(work) in bad.stderr
+    )
+
+
+def test_export_plain_weights_load_into_torchvision_without_stratbench(tmp_path):
+    """--format safetensors|state-dict: files a PyTorch user loads into torchvision's resnet18 with no stratbench."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    train(out, "--model", "resnet18", "--data", "synthetic", "--synthetic-samples", "16", "--image-size", "32",
+          "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--progress", "false", "--measure-flops", "false")  # fmt: skip
+    ckpt = str(out / "checkpoints" / "last")
+    run_stratbench("export", "--checkpoint", ckpt, "--output", str(tmp_path / "w.safetensors"))
+    run_stratbench(
+        "export", "--checkpoint", ckpt, "--format", "state-dict", "--output", str(tmp_path / "w.weights")
+    )
+    proc = run_stratbench("export", "--checkpoint", ckpt, "--format", "safetensors", "--fp16",
+                          "--output", str(tmp_path / "h.safetensors"))  # fmt: skip
+    assert "max abs diff" in proc.stdout
+    # A fresh interpreter in which stratbench cannot be imported: plain torch, torchvision and safetensors only.
+    script = f"""
+import sys
+sys.modules["stratbench"] = None  # importing stratbench would fail
+import torch
+from safetensors.torch import load_file
+try:
+    import torchvision
+except RuntimeError:  # PyPI's CUDA torchvision on a CPU torch (see PLATFORM_NOTES): define the two ops first
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    for m in [m for m in sys.modules if m.startswith("torchvision")]:
+        del sys.modules[m]
+    import torchvision
+x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+outs = []
+for state in (load_file({str(tmp_path / "w.safetensors")!r}), torch.load({str(tmp_path / "w.weights")!r}, weights_only=True),
+              {{k: v.float() for k, v in load_file({str(tmp_path / "h.safetensors")!r}).items()}}):
+    m = torchvision.models.resnet18(num_classes=10).eval()
+    m.load_state_dict(state, strict=True)
+    outs.append(m(x))
+assert torch.equal(outs[0], outs[1]), "safetensors and state dict differ"
+assert (outs[2] - outs[0]).abs().max() < 0.05, "fp16 copy too far off"
+print("loaded", len(state), "tensors")
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loaded" in res.stdout

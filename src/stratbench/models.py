@@ -88,14 +88,34 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
     return model
 
 
-def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
-    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
-    module_name, _, attr = spec.partition(":")
+def import_builder(spec: str, what: str = "model"):
+    """``package.module:function`` -> the function. The module is looked up on sys.path and then in the
+    current working directory (what ``python -m`` puts first), so a user's file next to them is found without
+    PYTHONPATH - also by the console script and by launched workers, which inherit the working directory."""
+    import os
+    import sys
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r}: a builder is given as 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
     try:
         builder = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
-    model = builder(num_classes=num_classes)
+        raise ConfigError(
+            f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}; looked in {cwd} and sys.path)"
+        ) from None
+    if not callable(builder):
+        raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a function")
+    return builder
+
+
+def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
+    model = import_builder(spec, "model")(num_classes=num_classes)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
     return model
