@@ -25,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
 
     from stratbench.advise import advise, default_precision
     from stratbench.config import TrainConfig, validate
@@ -68,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
             "compare_command": result.compare_command,
         }, indent=2))  # fmt: skip
         return 0 if result.plan else 1
-    console = Console()
+    from stratbench.report_table import table_console
+
+    console = table_console()  # piped: wide enough for whole method names
     console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
                   f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
     for line in result.reasons:

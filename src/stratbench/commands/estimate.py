@@ -85,14 +85,13 @@ def detected_device_memory() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from stratbench import estimate as est
     from stratbench.errors import ConfigError
-    from stratbench.report_table import fmt_bytes
+    from stratbench.report_table import fmt_bytes, table_console
 
-    console = Console()
+    console = table_console()  # piped: wide enough for whole method names
     names = list(est.METHODS) if args.strategy == "all" else [args.strategy]
     est.method_of(names[0], {}) if args.strategy != "all" else None
     if args.strategy == "single" and args.world_size > 1:
@@ -142,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch:
         cols.insert(1, "max global batch")
     for col in cols:
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for res in results:
         e = res["estimate"]
         if e is None:
