@@ -497,13 +497,14 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{e(report.title)}</title>",
-        "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}"
-        "table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "<style>body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}"
+        "table{border-collapse:collapse;font-size:12.5px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}"
         "th{background:#f2f2f2;position:sticky;top:0}td.l{text-align:left}tr.ok{}tr.skipped td{color:#777}"
         "tr.failed td,tr.oom td,tr.timeout td,tr.nan td{background:#fff3f3}"
         "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}"
-        "td.reason{text-align:left;white-space:normal;min-width:16em;max-width:34em}"
-        "th.sortable{cursor:pointer;user-select:none}th.sortable:after{content:' \\2195';color:#aaa}"
+        "td{white-space:nowrap}td.reason{text-align:left;white-space:normal;min-width:14em;max-width:26em}th.l{text-align:left}"
+        "th{vertical-align:bottom}th.sortable{cursor:pointer;user-select:none}"
+        "th.sortable:after{content:' \\2195';color:#aaa;font-size:11px}"
         "th.asc:after{content:' \\25B2';color:#333}th.desc:after{content:' \\25BC';color:#333}</style>",
         "</head><body>",
         f"<h1>{e(report.title)}</h1>",
@@ -517,10 +518,11 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
     if report.command:
         parts.append(f"<p><b>Command:</b> <code>{e(report.command)}</code></p>")
     parts.append("<p style='font-size:12px;color:#666'>Click a column header to sort by it (again to reverse).</p>")
-    parts.append("<table id='results'><thead><tr>"
-                 + "".join(f"<th class='sortable' title='sort by {e(h)}'>{e(h)}</th>" for _, h in cols)
-                 + "</tr></thead><tbody>")  # fmt: skip
     left = {"machine", "method", "precision", "init"}
+    parts.append("<table id='results'><thead><tr>"
+                 + "".join(f"<th class='sortable{' l' if k in left or k == 'status' else ''}' title='sort by {e(h)}'>"
+                           f"{e(h)}</th>" for k, h in cols)
+                 + "</tr></thead><tbody>")  # fmt: skip
     for n, r in enumerate(rows):
         cls = e(str(r.raw["status"]).replace(" ", "-"))
         tds = []
@@ -649,7 +651,7 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         paths[name] = path
     path = out / "chart_curves.png"
     if _curves_chart(ok, path, f"Training loss and validation accuracy per method\n{subtitle}", multi):
-        paths["curves"] = path
+        paths = {"curves": path, **paths}  # first in the report: how each method trained
     else:
         path.unlink(missing_ok=True)
     return paths
@@ -730,9 +732,9 @@ def _memory_and_state_chart(data: list[tuple[Row, float]], path: Path, xlabel: s
     for ax in (ax1, ax2):
         ax.grid(axis="x", alpha=0.3)
         ax.set_axisbelow(True)
-    fig.suptitle(title, fontsize=11)
+    sup = fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
     plt.close(fig)
 
 
