@@ -192,3 +192,20 @@ def test_compare_repeats_end_to_end(tmp_path):
         "compare", "--matrix", str(mfile), "--output", str(out), "--repeats", "0", check=False
     )
     assert bad.returncode != 0 and "--repeats must be >= 1, got 0" in bad.stderr
+
+
+def test_reasons_with_brackets_print(tmp_path, capsys):
+    """A failure quoting gloo ("[/path/pair.cc:553] Connection closed") must not break the terminal output."""
+    from rich.console import Console
+
+    from stratbench.compare.report import print_table
+    from stratbench.compare.runner import Display
+
+    reason = (
+        "RuntimeError: [/__w/pytorch/third_party/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
+    )
+    cell = build_matrix({"cells": [{"method": "single", "precision": "fp32"}]}).cells[0]
+    console = Console(width=200)
+    Display(1, console).finish(cell, "failed", reason, 1.0, ran=True)
+    print_table([{**_record("ddp", "fp32", 2, 0.9, 1.0, 1), "status": "failed", "reason": reason}], console)
+    assert capsys.readouterr().out.count("pair.cc:553] Connection closed") == 2

@@ -879,7 +879,7 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
             console.print(f"{mark} {t}", highlight=False, soft_wrap=True)
     for r in _problems(rows):
         console.print(f"- {r.raw['method']} {r.raw['precision']} x{r.raw['devices']}: {r.raw['status']}: {r.raw['reason']}",
-                      highlight=False, soft_wrap=True)  # fmt: skip
+                      highlight=False, soft_wrap=True, markup=False)  # fmt: skip
 
 
 def render_sweeps(dirs: list[Path], out: Path, title: str | None = None) -> tuple[dict[str, Path], list[dict[str, Any]]]:

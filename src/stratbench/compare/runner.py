@@ -302,7 +302,10 @@ class Display:
             self.durations.append(elapsed)
         colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
         when = f" in {_fmt_duration(elapsed)}" if ran and elapsed is not None else ""
-        why = f": {reason}" if reason and status != "ok" else ""
+        from rich.markup import escape
+
+        # escaped: reasons quote library output such as gloo's "[/path/pair.cc:553]", which rich reads as a tag
+        why = f": {escape(reason)}" if reason and status != "ok" else ""
         line = f"  [{colour}]{status}[/{colour}] {cell.name} {cell.precision} x{cell.world_size}{when}{why}"
         self.console.print(line, highlight=False, soft_wrap=True)
         if self.progress is not None:
@@ -421,8 +424,8 @@ class SweepRunner:
         if base.exists():
             shutil.rmtree(base)
         for k in range(1, self.repeats + 1):
-            if k > 1:
-                self.console.print(f"    repeat {k}/{self.repeats}", highlight=False)
+            log = Path(cell.id) / f"repeat-{k}" / "train.log"
+            self.console.print(f"    repeat {k}/{self.repeats} (log: {log})", highlight=False, soft_wrap=True)
             rec = self.run_cell(cell, display, run_dir=base / f"repeat-{k}")
             runs.append(rec)
             if rec["status"] != "ok":
