@@ -310,7 +310,8 @@ def _add_spread(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], 
     raw["repeats"] = n
     if n < 2:
         return
-    mark = notes.mark(f"median of {n} runs of the cell (compare --repeats {n}); in brackets the smallest and largest run")
+    mark = notes.mark(f"median of {n} runs of the cell (compare --repeats {n}); the smallest-largest run in brackets "
+                      "(in the HTML table below the value; none: every run gave the same value)")
     for col, (key, cell, short) in SPREAD.items():
         s = (rep.get("metrics") or {}).get(key)
         if not s or raw.get(col) is None:
@@ -319,7 +320,10 @@ def _add_spread(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], 
         old = cell(raw[col])
         raw[col] = s["median"]  # peak memory: the median over runs of each run's largest rank
         rest = text[col][len(old) :] if text[col].startswith(old) else ""  # footnote marks after the value
-        text[col] = f"{cell(s['median'])} ({short(s['min'])}–{short(s['max'])}){rest}{mark}"
+        lo, hi = short(s["min"]), short(s["max"])
+        text[col] = f"{cell(s['median'])}" + (f" ({lo}–{hi})" if lo != hi else "") + f"{rest}{mark}"
+        if lo != hi:  # the HTML table shows the range on a second line of the cell
+            text[f"{col}__main"], text[f"{col}__spread"] = f"{cell(s['median'])}{rest}{mark}", f"{lo}–{hi}"
 
 
 def _num(v: float) -> str:
@@ -502,7 +506,7 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
         "th{background:#f2f2f2;position:sticky;top:0}td.l{text-align:left}tr.ok{}tr.skipped td{color:#777}"
         "tr.failed td,tr.oom td,tr.timeout td,tr.nan td{background:#fff3f3}"
         "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}"
-        "td{white-space:nowrap}td.reason{text-align:left;white-space:normal;min-width:14em;max-width:26em}th.l{text-align:left}"
+        "td{white-space:nowrap}td.reason{text-align:left;white-space:normal;min-width:14em;max-width:26em}th.l{text-align:left}.spread{color:#777;font-size:11px}"
         "th{vertical-align:bottom}th.sortable{cursor:pointer;user-select:none}"
         "th.sortable:after{content:' \\2195';color:#aaa;font-size:11px}"
         "th.asc:after{content:' \\25B2';color:#333}th.desc:after{content:' \\25BC';color:#333}</style>",
@@ -532,7 +536,11 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
             key = _sort_key(r, k)
             if key is not None:
                 attr += f" data-v='{e(key)}'"
-            tds.append(f"<td{attr}>{e(r.text[k])}</td>")
+            if f"{k}__spread" in r.text:  # compare --repeats: median, and the range below it
+                body = f"{e(r.text[k + '__main'])}<br><span class='spread'>{e(r.text[k + '__spread'])}</span>"
+            else:
+                body = e(r.text[k])
+            tds.append(f"<td{attr}>{body}</td>")
         parts.append(f"<tr class='{cls}' data-i='{n}'>{''.join(tds)}</tr>")
     parts.append("</tbody></table>")
     parts.append(SORT_SCRIPT)
