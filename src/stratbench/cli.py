@@ -18,7 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="stratbench",
-        description="Train one model under every training method and compare them side by side.",
+        description="Train one model under every training method and compare them side by side. "
+        "Every flag is also accepted with underscores (--batch_size, --deepspeed_config).",
     )
     parser.add_argument("--version", action="version", version=f"stratbench {__version__}")
     # `deepspeed -m stratbench train ...` inserts --local_rank=N right after the module name, before the
@@ -38,13 +39,28 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def normalise_flags(argv: list[str]) -> list[str]:
+    """``--batch_size 8`` -> ``--batch-size 8``: every flag also in underscore spelling, as torchrun and
+    accelerate accept (the source writes ``--deepspeed_config``). Only option names change, never values, and
+    nothing after a bare ``--``."""
+    out: list[str] = []
+    for i, tok in enumerate(argv):
+        if tok == "--":
+            return out + argv[i:]
+        if tok.startswith("--") and "_" in tok.partition("=")[0]:
+            name, eq, value = tok.partition("=")
+            tok = "--" + name[2:].replace("_", "-") + eq + value
+        out.append(tok)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # reads the strategy registry, plug-ins included
     except StratbenchError as exc:
         print(f"stratbench: error: {exc}", file=sys.stderr)
         return exc.exit_code
-    args = parser.parse_args(argv)
+    args = parser.parse_args(normalise_flags(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args._run(args) or 0)
     except StratbenchError as exc:

@@ -60,9 +60,13 @@ class TrainConfig:
 
     # --- what to train -------------------------------------------------------------------------
     model: str = "tinynet"
-    """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50."""
+    """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
+    'package.module:function' (called with num_classes=N), found from the working directory."""
     weights: str | None = None
-    """Local file of pretrained weights (a state dict) to load before training; nothing is downloaded."""
+    """Pretrained weights loaded before training: a local state-dict file, or torchvision's by name ('imagenet' =
+    the model's DEFAULT, or an enum name such as IMAGENET1K_V2) from the torch hub cache ($TORCH_HOME/hub/
+    checkpoints; downloaded there only with --download). Tensors that do not fit (the 1000-class head) are
+    skipped."""
     cifar_stem: bool = False
     """ResNet only: 3x3 stride-1 first convolution and no max-pool (for 32x32 inputs)."""
     norm: str = "group"
@@ -70,11 +74,13 @@ class TrainConfig:
     width: int = 16
     """tinynet only: channels of the first stage (doubles per stage)."""
     data: str = "digits"
-    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder."""
+    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder, or a builder
+    'package.module:function' returning (train, val, class_names), found from the working directory."""
     data_dir: str | None = None
     """Folder of the data set (cifar10: holds cifar-10-batches-py; imagefolder: class subfolders)."""
     download: bool = False
-    """cifar10: download into --data-dir when it is missing (needs internet)."""
+    """Download what is missing (needs internet): cifar10 into --data-dir, --weights by name into the torch hub
+    cache."""
     image_size: int | None = None
     """Input resolution; default 32 for synthetic/digits/cifar10, 224 for imagefolder."""
     num_classes: int = 10
@@ -91,7 +97,8 @@ class TrainConfig:
     strategy_options: dict[str, Any] = field(default_factory=dict)
     """Options of the chosen strategy (e.g. sharding, zero_stage); validated by the strategy."""
     precision: str = "fp32"
-    """fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed."""
+    """fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (Lightning's names 32-true, 64-true, 16-mixed,
+    bf16-mixed, 16-true, bf16-true are accepted too)."""
     tf32: bool = False
     """Allow TF32 matmuls/convolutions (NVIDIA Ampere or newer)."""
     channels_last: bool = False
@@ -247,10 +254,45 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
         raise ConfigError(
             f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
         )
-    values = {
-        k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()
-    }
+    values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    if cls is TrainConfig:
+        values = _resolve_train_values(values)
     return cls(**values)
+
+
+PRECISION_ALIASES = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp64",
+    "64": "fp64",
+    "16-mixed": "fp16-mixed",
+    "16": "fp16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "16-true": "fp16-true",
+    "bf16-true": "bf16-true",
+}
+"""Lightning's precision names (``Trainer(precision=...)``, including its short legacy forms) -> stratbench's."""
+
+
+def canonical_precision(name: str) -> str:
+    """stratbench's name for a precision given in stratbench's or Lightning's spelling (``16-mixed`` -> ``fp16-mixed``)."""
+    return PRECISION_ALIASES.get(str(name).strip().lower(), name) if name is not None else name
+
+
+def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Names a user may give that stratbench resolves once, here: precision aliases and pretrained weights by
+    name (a torch hub cache file; downloaded only with ``download``)."""
+    if "precision" in values:
+        values["precision"] = canonical_precision(values["precision"])
+    weights = values.get("weights")
+    if weights:
+        from stratbench.models import is_weights_name, resolve_weights
+
+        if is_weights_name(weights):
+            model = values.get("model", TrainConfig.model)
+            values["weights"] = resolve_weights(model, weights, bool(values.get("download", False)))
+    return values
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

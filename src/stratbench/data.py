@@ -1,4 +1,4 @@
-"""Data sets (synthetic, digits, cifar10, imagefolder) and the samplers that split them across ranks.
+"""Data sets (synthetic, digits, cifar10, imagefolder, a user's ``package.module:build``) and the samplers that split them across ranks.
 
 Every method uses the same ``DistributedSampler`` (world size 1 included), so rank r of N sees indices
 ``perm[r::N]`` and one global batch is the same samples whatever the number of ranks: that is what makes
@@ -44,8 +44,15 @@ def default_image_size(cfg: TrainConfig) -> int:
 
 def check_data(cfg: TrainConfig) -> None:
     """Fail before any work starts when the data set is unknown or its folder is missing."""
+    if ":" in cfg.data:
+        from stratbench.models import import_builder
+
+        import_builder(cfg.data, "data")  # importable now, or one line naming the module
+        return
     if cfg.data not in DATASETS:
-        raise ConfigError(f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS)}")
+        raise ConfigError(
+            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS)} (or a builder as 'package.module:function')"
+        )
     if cfg.data == "cifar10":
         root = Path(cfg.data_dir or "data")
         if not (root / "cifar-10-batches-py").is_dir() and not cfg.download:
@@ -62,9 +69,49 @@ def check_data(cfg: TrainConfig) -> None:
 
 def build_data(cfg: TrainConfig) -> DataBundle:
     check_data(cfg)
-    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[
-        cfg.data
-    ](cfg)
+    if ":" in cfg.data:
+        return _user_data(cfg)
+    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[cfg.data](
+        cfg
+    )
+
+
+def _user_data(cfg: TrainConfig) -> DataBundle:
+    """``--data package.module:build``: ``build(**kw)`` returns ``(train, val, class_names)`` (or a DataBundle).
+
+    The builder gets the keywords it declares among ``image_size``, ``data_dir``, ``seed`` and ``download``
+    (all of them with ``**kwargs``). Each dataset item is ``(image tensor C x H x W, integer label)``."""
+    import inspect
+
+    from stratbench.models import import_builder
+
+    builder = import_builder(cfg.data, "data")
+    offered = {"image_size": cfg.image_size, "data_dir": cfg.data_dir, "seed": cfg.seed, "download": cfg.download}
+    params = inspect.signature(builder).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        kwargs = offered
+    else:
+        kwargs = {p.name: offered[p.name] for p in params if p.name in offered}
+    out = builder(**kwargs)
+    if isinstance(out, DataBundle):
+        return out
+    if not isinstance(out, tuple | list) or len(out) != 3:
+        raise DataError(
+            f"data {cfg.data!r}: the builder must return (train_dataset, val_dataset, class_names), got "
+            f"{type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple | list) else "")
+        )
+    train, val, names = out
+    names = [str(n) for n in names]
+    if not names:
+        raise DataError(f"data {cfg.data!r}: class_names is empty")
+    for split, ds in (("train", train), ("val", val)):
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
+            raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
+    sample = train[0]
+    if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0]) and sample[0].dim() == 3):
+        raise DataError(f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}")
+    size = cfg.image_size or int(sample[0].shape[-1])
+    return DataBundle(train, val, len(names), names, size, meta={"builder": cfg.data})
 
 
 class SyntheticImages(Dataset):

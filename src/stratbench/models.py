@@ -8,6 +8,7 @@ wrapping and activation checkpointing can act per block.
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 
 import torch
@@ -87,17 +88,35 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
     return model
 
 
-def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
-    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
-    module_name, _, attr = spec.partition(":")
+def import_builder(spec: str, what: str = "model"):
+    """``package.module:function`` -> the function. The module is looked up on sys.path and then in the
+    current working directory (what ``python -m`` puts first), so a user's file next to them is found without
+    PYTHONPATH - also by the console script and by launched workers, which inherit the working directory."""
+    import os
+    import sys
+
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"{what} {spec!r}: a builder is given as 'package.module:function'")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+        importlib.invalidate_caches()
     try:
         builder = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as exc:
-        raise ConfigError(f"model {spec!r}: cannot import {attr!r} from {module_name!r} ({exc})") from None
+        raise ConfigError(
+            f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}; looked in {cwd} and sys.path)"
+        ) from None
     if not callable(builder) or isinstance(builder, type) and not issubclass(builder, nn.Module):
-        raise ConfigError(f"model {spec!r} is not a model builder (a function returning an nn.Module)")
+        raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a builder function")
+    return builder
+
+
+def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
     try:
-        model = builder(num_classes=num_classes)
+        model = import_builder(spec, "model")(num_classes=num_classes)
     except TypeError as exc:
         raise ConfigError(f"model {spec!r} is not a model builder: calling it with num_classes= failed ({exc})") from None
     if not isinstance(model, nn.Module):
@@ -121,6 +140,81 @@ def build_model(
     if ":" in name:
         return _load_user_builder(name, num_classes)
     return _resnet(name, num_classes, cifar_stem)
+
+
+# ``--weights`` names resolved through torchvision's weights API (``imagenet`` = the model's DEFAULT enum).
+PRETRAINED_ALIASES = {"imagenet": "DEFAULT"}
+
+
+def is_weights_name(value: str | None) -> bool:
+    """True for ``imagenet`` or a torchvision enum name (``IMAGENET1K_V2``) that is not an existing file."""
+    if not value or Path(value).exists():
+        return False
+    return value.lower() in PRETRAINED_ALIASES or value == value.upper() and value.replace("_", "").isalnum()
+
+
+def torchvision_weights(model: str, name: str):
+    """The torchvision ``WeightsEnum`` member for ``model`` and ``name`` (``imagenet``, ``DEFAULT``, ``IMAGENET1K_V1``)."""
+    if model not in MODELS or model == "tinynet":
+        tv_models = ", ".join(m for m in MODELS if m != "tinynet")
+        raise ConfigError(f"--weights {name}: pretrained weights exist only for torchvision models ({tv_models}), not {model!r}")
+    from stratbench._torchvision import import_torchvision
+
+    enum = import_torchvision().models.get_model_weights(model)
+    key = PRETRAINED_ALIASES.get(name.lower(), name)
+    try:
+        return enum[key]
+    except KeyError:
+        allowed = ", ".join(["imagenet", "DEFAULT", *(w.name for w in enum)])
+        raise ConfigError(f"unknown weights {name!r} for {model}; choose one of: {allowed} (or a local file)") from None
+
+
+def weights_cache_file(weights) -> Path:
+    """Where torch.hub keeps a torchvision weights file: ``$TORCH_HOME/hub/checkpoints/<name from the URL>``."""
+    from urllib.parse import urlparse
+
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+
+
+def resolve_weights(model: str, weights: str | None, download: bool = False) -> str | None:
+    """Turn a weights name into the local file to load: the torch hub cache file when it is there, a
+    download into that cache with ``download`` (torchvision checks the file's hash), else a one-line error
+    naming the file and the folder. Local paths and ``None`` are returned unchanged."""
+    if not is_weights_name(weights):
+        return weights
+    member = torchvision_weights(model, weights)
+    path = weights_cache_file(member)
+    if not path.is_file():
+        if not download:
+            raise CheckpointError(
+                f"pretrained weights {model} {member.name} are not in the torch hub cache: put {path.name} "
+                f"({member.url}) into {path.parent}, or add --download when online"
+            )
+        try:
+            member.get_state_dict(progress=False, check_hash=True)  # load_state_dict_from_url: fills the cache
+        except Exception as exc:
+            raise CheckpointError(f"downloading {member.url} into {path.parent} failed: {exc}") from None
+    return str(path)
+
+
+def pretrained_available(model: str, weights: str = "imagenet") -> bool:
+    """Whether the weights file of ``model``/``weights`` is already in the torch hub cache (no download)."""
+    try:
+        return weights_cache_file(torchvision_weights(model, weights)).is_file()
+    except ConfigError:
+        return False
+
+
+def describe_init(weights: str | None) -> str:
+    """How a run's model started, for the report: random, imagenet (a torchvision ImageNet file), or the file name."""
+    if not weights:
+        return "random"
+    name = Path(weights).name
+    if name.lower() in PRETRAINED_ALIASES or name == "DEFAULT" or name.startswith("IMAGENET"):
+        return "imagenet"
+    if re.fullmatch(r"(resnet\d+|wide_resnet\d+_\d+|resnext\d+_\w+)-[0-9a-f]{8,}\.pth", name):
+        return "imagenet"
+    return name
 
 
 def load_weights(model: nn.Module, path: str) -> list[str]:

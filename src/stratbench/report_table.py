@@ -7,6 +7,18 @@ from pathlib import Path
 from typing import Any
 
 
+def table_console(**kwargs: Any):
+    """A rich Console for printed tables: the terminal's width, or 220 columns when stdout is a file or a pipe
+    (rich would assume 80 and cut method names to "deep…")."""
+    import sys
+
+    from rich.console import Console
+
+    if "width" not in kwargs and not sys.stdout.isatty():
+        kwargs["width"] = 220
+    return Console(**kwargs)
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"
@@ -48,7 +60,6 @@ def result_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def print_result(output: str | Path, result: dict[str, Any] | None = None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     if result is None:
@@ -61,4 +72,4 @@ def print_result(output: str | Path, result: dict[str, Any] | None = None) -> No
     table.add_column("value")
     for k, v in result_rows(result):
         table.add_row(k, v)
-    Console().print(table)
+    table_console().print(table)

@@ -25,7 +25,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import torch
-    from rich.console import Console
 
     from stratbench.advise import advise, default_precision
     from stratbench.config import TrainConfig, validate
@@ -54,7 +53,9 @@ def run(args: argparse.Namespace) -> int:
             f"evenly over devices); use e.g. {hint}"
         )
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
-    precision = args.precision or default_precision("cuda", bf16_ok)
+    from stratbench.config import canonical_precision
+
+    precision = canonical_precision(args.precision) or default_precision("cuda", bf16_ok)
     if precision not in SPECS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
     base = TrainConfig(
@@ -76,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
             "compare_command": result.compare_command,
         }, indent=2))  # fmt: skip
         return 0 if result.plan else 1
-    console = Console()
+    from stratbench.report_table import table_console
+
+    console = table_console()  # piped: wide enough for whole method names
     console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
                   f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
     for line in result.reasons:

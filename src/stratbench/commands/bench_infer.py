@@ -47,7 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
     src.add_argument("--checkpoint", help="checkpoint file or sharded folder of any method")
-    src.add_argument("--model", choices=MODELS, help="model with random weights when there is no checkpoint")
+    src.add_argument(
+        "--model",
+        help=f"model with random weights when there is no checkpoint: {', '.join(MODELS)} or a builder "
+        "'package.module:function' (found from the working directory)",
+    )
     src.add_argument(
         "--image-size", type=int, default=224, help="input size without a checkpoint (default 224)"
     )
@@ -187,6 +191,10 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError("give --checkpoint or --model, not both")
     if not args.checkpoint and not args.model:
         raise ConfigError("give --checkpoint CKPT, or --model NAME (random weights) with --image-size")
+    if args.model:
+        from stratbench.models import check_model
+
+        check_model(args.model)  # a built-in name or a user's 'package.module:function'
     if args.threads:
         torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()

@@ -36,20 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", metavar="NAMES",
                         help="keep cells matching one of these comma-separated names (method, label, precision, "
                              "cell id, wN; wildcards ok); repeat the flag to require several")  # fmt: skip
-    parser.add_argument(
-        "--skip", action="append", metavar="NAMES", help="drop cells matching any of these names"
-    )
-    parser.add_argument(
-        "--dry-run",
-        action="store_true",
-        help="list the cells and which are skipped here and why; run nothing",
-    )
-    parser.add_argument(
-        "--timeout", type=float, metavar="SECONDS", help="time limit per cell (default: the preset's)"
-    )
-    parser.add_argument(
-        "--retry", action="store_true", help="also rerun cells recorded as failed/oom/timeout/nan"
-    )
+    parser.add_argument("--skip", action="append", metavar="NAMES", help="drop cells matching any of these names")
+    parser.add_argument("--dry-run", action="store_true", help="list the cells and which are skipped here and why; run nothing")
+    parser.add_argument("--timeout", type=float, metavar="SECONDS", help="time limit per cell (default: the preset's)")
+    parser.add_argument("--retry", action="store_true", help="also rerun cells recorded as failed/oom/timeout/nan")
+    parser.add_argument("--repeats", type=int, default=1, metavar="N",
+                        help="run each cell N times; the table shows the median and the spread (min-max) of "
+                             "times, throughput, memory, accuracy and loss (default 1)")  # fmt: skip
     parser.add_argument("--allow-slow", action="store_true",
                         help="run cells that would be skipped as impractically slow here (fp16 on CPU, GPU presets on CPU)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
@@ -81,18 +74,19 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-
     from stratbench.compare.matrix import load_matrix, plan, select
     from stratbench.compare.report import print_table, render_sweeps
     from stratbench.compare.runner import Interrupted, SweepRunner, load_records
     from stratbench.errors import ConfigError
+    from stratbench.report_table import table_console
 
     if args.timeout is not None and args.timeout <= 0:
         raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
+    if args.repeats < 1:
+        raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-    console = Console()
+    console = table_console()
     matrix = load_matrix(args.preset, args.matrix, overrides_from(args), args.world_size)
     cells = select(matrix.cells, args.only, args.skip)
     plans = plan(matrix, cells, allow_slow=args.allow_slow)
@@ -121,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"{runnable} to run, {len(plans) - runnable} skipped or invalid here", highlight=False)
         return 0
 
-    runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console,
+    runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console, repeats=args.repeats,
                          command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
     console.print(
         f"[bold]stratbench compare[/bold] {matrix.name}: {len(plans)} cells -> {out}",

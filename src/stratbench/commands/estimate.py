@@ -71,11 +71,12 @@ MAX_BATCH = 100_000_000
 
 def config_for(args: argparse.Namespace, strategy: str):
     from stratbench.commands.train import strategy_options_from_args
-    from stratbench.config import TrainConfig, validate
+    from stratbench.config import TrainConfig, canonical_precision, validate
     from stratbench.errors import ConfigError
     from stratbench.precision import SPECS
     from stratbench.strategies.base import get_strategy
 
+    args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
     if not 1 <= args.world_size <= MAX_WORLD:
@@ -111,14 +112,13 @@ def detected_device_memory() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.table import Table
 
     from stratbench import estimate as est
     from stratbench.errors import ConfigError
-    from stratbench.report_table import fmt_bytes
+    from stratbench.report_table import fmt_bytes, table_console
 
-    console = Console()
+    console = table_console()  # piped: wide enough for whole method names
     from stratbench.strategies.base import all_strategies, get_strategy
 
     names = sorted(all_strategies()) if args.strategy == "all" else [get_strategy(args.strategy).name]
@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_batch:
         cols.insert(1, "max global batch")
     for col in cols:
-        table.add_column(col, justify="left" if col == "method" else "right")
+        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
     for res in results:
         e = res["estimate"]
         if e is None:

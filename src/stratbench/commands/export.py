@@ -1,5 +1,6 @@
 """stratbench export: a checkpoint (any method) -> one ONNX file with a dynamic batch axis, checked with
-onnx.checker and against PyTorch on random and real inputs."""
+onnx.checker and against PyTorch on random and real inputs; or (``--format safetensors|state-dict``) a plain
+weights file that any PyTorch user loads into the bare model without stratbench."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import sys
 from pathlib import Path
 
 NAME = "export"
-HELP = "export a checkpoint (any method) to ONNX (dynamic batch), check it and compare it with PyTorch"
+HELP = "export a checkpoint (any method) to ONNX, safetensors or a plain state dict, and check it against PyTorch"
 ORDER = 62
 FP32_ATOL = 1e-4
 # fp16 weights and activations keep ~3 significant digits; logits of order 10 differ by ~1e-2 from fp32.
 FP16_ATOL = 2e-2
+EXPORT_FORMATS = ("onnx", "safetensors", "state-dict")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_trust_argument(parser)
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
-    parser.add_argument("--output", required=True, help="ONNX file to write (one file; weights included)")
+    parser.add_argument("--output", required=True, help="file to write (ONNX: one file, weights included)")
+    parser.add_argument(
+        "--format", choices=EXPORT_FORMATS, default=None,
+        help="onnx, safetensors (model.safetensors) or state-dict (torch.save of the bare model's state dict); "
+        "default: from the --output suffix (.safetensors, .pt/.pth/.bin), else onnx",
+    )  # fmt: skip
     parser.add_argument(
         "--fp16", action="store_true", help="float16 weights and input (for GPUs); compared with fp32 PyTorch"
     )
@@ -107,14 +114,17 @@ def _run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--atol must be a positive number, got {atol}")
     if args.real_samples < 0:
         raise ConfigError(f"--real-samples must be >= 0, got {args.real_samples}")
+    if Path(args.output).is_dir():
+        raise ConfigError(f"--output {args.output} is a folder; name the file to write")
+    fmt = args.format or format_for(args.output)
+    if fmt != "onnx":
+        return export_weights(args, fmt, atol)
     if args.opset is not None:
         import onnx
 
         newest = onnx.defs.onnx_opset_version()
         if not 7 <= args.opset <= newest:
             raise ConfigError(f"--opset must be between 7 and {newest} (this onnx's newest), got {args.opset}")
-    if Path(args.output).is_dir():
-        raise ConfigError(f"--output {args.output} is a folder; name the .onnx file to write")
     device = resolve_device(args.device)
     loaded = load_model(args.checkpoint, "cpu")
     print(f"model: {loaded.describe()}", file=sys.stderr)
@@ -149,4 +159,70 @@ def _run(args: argparse.Namespace) -> int:
         raise ParityError(
             f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({result.path} kept for inspection)"
         )
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------
+# plain weight files (--format safetensors | state-dict)
+
+
+def format_for(output: str) -> str:
+    """The export format an output file name implies: .safetensors, .pt/.pth/.bin (state dict), else ONNX."""
+    suffix = output.lower().rsplit(".", 1)[-1] if "." in output else ""
+    return {"safetensors": "safetensors", "pt": "state-dict", "pth": "state-dict", "bin": "state-dict"}.get(suffix, "onnx")
+
+
+def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
+    """The bare model's state dict (no wrapper prefixes, fp32 or with --fp16 fp16) as safetensors or a torch.save
+    file, written atomically, then read back with plain torch/safetensors into a freshly built model whose logits
+    must match the checkpoint's."""
+    import json
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from stratbench.inference import build_from_meta, load_model
+    from stratbench.onnx_export import ParityError, random_inputs
+    from stratbench.report_table import fmt_bytes
+
+    loaded = load_model(args.checkpoint, "cpu")
+    print(f"model: {loaded.describe()}", file=sys.stderr)
+    dtype = torch.float16 if args.fp16 else torch.float32
+    # safetensors refuses tensors that share memory; clone so each tensor owns its storage
+    state = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous().clone()
+             for k, v in loaded.model.state_dict().items()}  # fmt: skip
+    meta = {k: loaded.meta[k] for k in ("model", "num_classes", "image_size", "class_names", "mean", "std", "width",
+                                        "norm", "cifar_stem") if k in loaded.meta}  # fmt: skip
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    try:
+        if fmt == "safetensors":
+            from safetensors.torch import save_file
+
+            save_file(state, str(tmp), metadata={"format": "pt", "stratbench": json.dumps(meta, default=str)})
+        else:
+            torch.save(state, tmp)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"wrote {out} ({fmt_bytes(out.stat().st_size)}, {fmt}, {len(state)} tensors, {str(dtype).split('.')[-1]})")
+    # Read it back the way a user without stratbench would, into a fresh model of the same architecture.
+    if fmt == "safetensors":
+        from safetensors.torch import load_file
+
+        reread = load_file(str(out))
+    else:
+        reread = torch.load(out, map_location="cpu", weights_only=True)
+    fresh = build_from_meta(loaded.meta).eval()
+    fresh.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in reread.items()}, strict=True)
+    worst = 0.0
+    with torch.no_grad():
+        for _, x in random_inputs(int(loaded.meta["image_size"])):
+            worst = max(worst, (fresh(x) - loaded.model(x)).abs().max().item())
+    print(f"reloaded with plain {'safetensors' if fmt == 'safetensors' else 'torch.load'} into a fresh "
+          f"{loaded.meta['model']}: max abs diff of logits {worst:.3g} (tolerance {atol:g})")  # fmt: skip
+    if worst > atol:
+        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({out} kept)")
     return 0

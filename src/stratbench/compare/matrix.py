@@ -149,30 +149,27 @@ def preset_quick() -> dict[str, Any]:
     }
 
 
-def preset_seed(world_size: int | None = None) -> dict[str, Any]:
-    """The source experiment: ResNet-50, CIFAR-10 at 224x224, 5 epochs, global batch 128, every method (+ bf16)."""
+def preset_seed(world_size: int | None = None, download: bool = False) -> dict[str, Any]:
+    """The source experiment: ResNet-50, CIFAR-10 at 224x224, 5 epochs, global batch 128, every method (+ bf16).
+
+    Like the source it fine-tunes torchvision's ImageNet weights when they are in the torch hub cache (or
+    ``download`` is set); otherwise it starts from random weights, and the report's ``init`` column says which."""
+    from stratbench.models import pretrained_available
+
     world = world_size or max(2, _gpu_count())
-    multi = [
-        "ddp",
-        "accelerate-ddp",
-        "fsdp",
-        "accelerate-fsdp",
-        "ddp-zero",
-        "deepspeed",
-        "accelerate-deepspeed",
-    ]
+    pretrained = download or pretrained_available("resnet50", "imagenet")
+    multi = ["ddp", "accelerate-ddp", "fsdp", "accelerate-fsdp", "ddp-zero", "deepspeed", "accelerate-deepspeed"]
+    init = (
+        "torchvision's ImageNet weights, as the source"
+        if pretrained
+        else "random init: torchvision's ImageNet file is not in the torch hub cache; add --download or --weights"
+    )
     return {
         "name": "seed",
-        "description": "the source template's experiment: ResNet-50 (pretrained with --weights, else random) on "
+        "description": f"the source template's experiment: ResNet-50 ({init}) on "
         f"CIFAR-10 at 224x224, 5 epochs, global batch 128; multi-device methods on {world} GPUs",
-        "base": {
-            "model": "resnet50",
-            "data": "cifar10",
-            "image_size": 224,
-            "epochs": 5,
-            "batch_size": 128,
-            "num_workers": 4,
-        },  # fmt: skip
+        "base": {"model": "resnet50", "data": "cifar10", "image_size": 224, "epochs": 5, "batch_size": 128,
+                 "num_workers": 4, **({"weights": "imagenet"} if pretrained else {})},  # fmt: skip
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 4 * 3600,
@@ -240,7 +237,7 @@ def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
-    from stratbench.config import TrainConfig, from_dict
+    from stratbench.config import TrainConfig, canonical_precision, from_dict
 
     if not isinstance(spec, dict):
         raise ConfigError(f"a comparison matrix must be a mapping, got {type(spec).__name__}")
@@ -306,7 +303,7 @@ def build_matrix(
                         f"matrix cell entry {n + 1}: label {label!r} names an option not in {options}"
                     ) from None
             world = int(world) if world is not None else _default_world(str(method), default_world)
-            cell = Cell(str(method), str(precision), world, config, dict(options), label)
+            cell = Cell(str(method), canonical_precision(str(precision)), world, config, dict(options), label)
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
                 cells.append(cell)
@@ -329,10 +326,8 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
         return build_matrix(load_yaml(path), overrides, world_size)
     name = preset or "quick"
     if name not in PRESETS:
-        raise ConfigError(
-            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)"
-        )
-    spec = preset_seed(world_size) if name == "seed" else PRESETS[name]()
+        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)")
+    spec = preset_seed(world_size, bool((overrides or {}).get("download"))) if name == "seed" else PRESETS[name]()
     return build_matrix(spec, overrides, world_size)
 
 

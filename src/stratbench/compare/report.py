@@ -27,6 +27,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("machine", "machine"),
     ("method", "method"),
     ("precision", "precision"),
+    ("init", "init"),
     ("devices", "devices"),
     ("batch_device", "batch / device"),
     ("batch_global", "global batch"),
@@ -168,6 +169,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         "machine": machine_name(rec),
         "method": rec.get("label") or rec.get("method"),
         "precision": rec.get("precision"),
+        "init": _init_of(rec),
         "devices": devices,
         "batch_device": per_dev,
         "batch_global": gbatch,
@@ -176,7 +178,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
     status = str(rec.get("status"))
-    text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {_short(raw['reason'])}"
+    text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
     if ok and raw["reason"]:
         text["status"] = f"ok ({raw['reason']})"
     metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
@@ -288,7 +290,41 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
     raw["final_loss"] = m.get("final_loss")
     text["final_loss"] = _fmt(raw["final_loss"], ".4f")
+    _add_spread(rec, raw, text, notes)
     return Row(rec, raw, text)
+
+
+# column -> (measure in the record's ``repeats``, the cell's text of a value, the bracket's text of a value)
+SPREAD = {
+    "train_time": ("train_time_s", lambda v: f"{v:.2f} s", lambda v: f"{v:.2f}"),
+    "throughput": ("throughput_samples_per_s", lambda v: f"{v:.1f}", lambda v: f"{v:.1f}"),
+    "peak_memory": ("peak_memory_bytes", fmt_bytes, fmt_bytes),
+    "val_accuracy": ("val_accuracy", lambda v: f"{v * 100:.2f}%", lambda v: f"{v * 100:.2f}"),
+    "final_loss": ("final_loss", lambda v: f"{v:.4f}", lambda v: f"{v:.4f}"),
+}
+
+
+def _add_spread(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+    """A cell run N times (compare --repeats): its values are medians; show the smallest and largest run."""
+    rep = rec.get("repeats") or {}
+    n = int(rep.get("n") or 1)
+    raw["repeats"] = n
+    if n < 2:
+        return
+    mark = notes.mark(f"median of {n} runs of the cell (compare --repeats {n}); the smallest-largest run in brackets "
+                      "(in the HTML table below the value; none: every run gave the same value)")
+    for col, (key, cell, short) in SPREAD.items():
+        s = (rep.get("metrics") or {}).get(key)
+        if not s or raw.get(col) is None:
+            continue
+        raw[f"{col}_min"], raw[f"{col}_max"] = s["min"], s["max"]
+        old = cell(raw[col])
+        raw[col] = s["median"]  # peak memory: the median over runs of each run's largest rank
+        rest = text[col][len(old) :] if text[col].startswith(old) else ""  # footnote marks after the value
+        lo, hi = short(s["min"]), short(s["max"])
+        text[col] = f"{cell(s['median'])}" + (f" ({lo}–{hi})" if lo != hi else "") + f"{rest}{mark}"
+        if lo != hi:  # the HTML table shows the range on a second line of the cell
+            text[f"{col}__main"], text[f"{col}__spread"] = f"{cell(s['median'])}{rest}{mark}", f"{lo}–{hi}"
 
 
 def _num(v: float) -> str:
@@ -298,11 +334,6 @@ def _num(v: float) -> str:
 
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
-
-
-def _short(text: str, n: int = 110) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= n else text[: n - 1] + "…"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,7 +351,23 @@ class Report:
 
 def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
     multi = len({r.raw["machine"] for r in rows}) > 1
-    return [c for c in COLUMNS if c[0] != "machine" or multi]
+    # init (imagenet | random) matters where pretrained weights exist or were used: torchvision models
+    pretrainable = any(r.raw.get("init") not in (None, "random") or str(_model_of(r.rec)).startswith("resnet") for r in rows)
+    return [c for c in COLUMNS if (c[0] != "machine" or multi) and (c[0] != "init" or pretrainable)]
+
+
+def _model_of(rec: dict[str, Any]) -> str | None:
+    return (rec.get("config") or {}).get("model") or rec.get("model")
+
+
+def _init_of(rec: dict[str, Any]) -> str | None:
+    """imagenet (a torchvision ImageNet weights file), random, or the weights file's name; None when unknown."""
+    cfg = rec.get("config")
+    if not cfg:
+        return None
+    from stratbench.models import describe_init
+
+    return describe_init(cfg.get("weights"))
 
 
 def _settings(records: list[dict[str, Any]]) -> str:
@@ -422,11 +469,12 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
     return "\n".join(lines)
 
 
-CSV_FIELDS = ["machine", "id", "method", "label", "precision", "devices", "world_size", "batch_device", "batch_global",
+CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
               "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason",
-              "host_load_mean", "host_cpu_count"]  # fmt: skip
+              "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
+              "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max"]  # fmt: skip
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -442,14 +490,17 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
             raw = r.raw
             w.writerow([
-                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["devices"],
+                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["init"] or "",
+                raw["devices"],
                 r.rec.get("world_size"), raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("predicted")),
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
-                r.rec.get("host_load_mean", ""), r.rec.get("host_cpu_count", ""),
+                r.rec.get("host_load_mean", ""), r.rec.get("host_cpu_count", ""), raw.get("repeats", 1),
+                raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
+                raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
             ])  # fmt: skip
 
 
@@ -460,11 +511,15 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>{e(report.title)}</title>",
-        "<style>body{font-family:system-ui,sans-serif;margin:2em;color:#222}"
-        "table{border-collapse:collapse;font-size:13px}th,td{border:1px solid #ccc;padding:4px 8px;text-align:right}"
+        "<style>body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}"
+        "table{border-collapse:collapse;font-size:12.5px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}"
         "th{background:#f2f2f2;position:sticky;top:0}td.l{text-align:left}tr.ok{}tr.skipped td{color:#777}"
         "tr.failed td,tr.oom td,tr.timeout td,tr.nan td{background:#fff3f3}"
-        "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}</style>",
+        "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}"
+        "td{white-space:nowrap}td.reason{text-align:left;white-space:normal;min-width:14em;max-width:26em}th.l{text-align:left}.spread{color:#777;font-size:11px}"
+        "th{vertical-align:bottom}th.sortable{cursor:pointer;user-select:none}"
+        "th.sortable:after{content:' \\2195';color:#aaa;font-size:11px}"
+        "th.asc:after{content:' \\25B2';color:#333}th.desc:after{content:' \\25BC';color:#333}</style>",
         "</head><body>",
         f"<h1>{e(report.title)}</h1>",
     ]
@@ -478,15 +533,29 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
     )
     if report.command:
         parts.append(f"<p><b>Command:</b> <code>{e(report.command)}</code></p>")
-    parts.append("<table><thead><tr>" + "".join(f"<th>{e(h)}</th>" for _, h in cols) + "</tr></thead><tbody>")
-    left = {"machine", "method", "precision", "status"}
-    for r in rows:
+    parts.append("<p style='font-size:12px;color:#666'>Click a column header to sort by it (again to reverse).</p>")
+    left = {"machine", "method", "precision", "init"}
+    parts.append("<table id='results'><thead><tr>"
+                 + "".join(f"<th class='sortable{' l' if k in left or k == 'status' else ''}' title='sort by {e(h)}'>"
+                           f"{e(h)}</th>" for k, h in cols)
+                 + "</tr></thead><tbody>")  # fmt: skip
+    for n, r in enumerate(rows):
         cls = e(str(r.raw["status"]).replace(" ", "-"))
-        tds = "".join(
-            f"<td class='l'>{e(r.text[k])}</td>" if k in left else f"<td>{e(r.text[k])}</td>" for k, _ in cols
-        )
-        parts.append(f"<tr class='{cls}'>{tds}</tr>")
+        tds = []
+        for k, _ in cols:
+            kind = "reason" if k == "status" else "l" if k in left else ""
+            attr = f" class='{kind}'" if kind else ""
+            key = _sort_key(r, k)
+            if key is not None:
+                attr += f" data-v='{e(key)}'"
+            if f"{k}__spread" in r.text:  # compare --repeats: median, and the range below it
+                body = f"{e(r.text[k + '__main'])}<br><span class='spread'>{e(r.text[k + '__spread'])}</span>"
+            else:
+                body = e(r.text[k])
+            tds.append(f"<td{attr}>{body}</td>")
+        parts.append(f"<tr class='{cls}' data-i='{n}'>{''.join(tds)}</tr>")
     parts.append("</tbody></table>")
+    parts.append(SORT_SCRIPT)
     if notes.texts:
         parts.append("<p style='font-size:13px'>" + "<br>".join(
             f"{SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f'[{i + 1}]'} {e(t)}" for i, t in enumerate(notes.texts)) + "</p>")  # fmt: skip
@@ -507,6 +576,57 @@ def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[
         f"<p style='color:#888;font-size:12px'>sources: {e(', '.join(report.sources))}</p></body></html>"
     )
     return "\n".join(parts)
+
+
+# Sorts #results by the clicked column: numbers (data-v) numerically, then text; cells without a value
+# (n/a, –) last in both directions; a second click reverses. Inline so the report stays one offline file.
+SORT_SCRIPT = """<script>
+(function () {
+  var table = document.getElementById('results');
+  if (!table) return;
+  var heads = table.tHead.rows[0].cells;
+  function key(td) {
+    var v = td.getAttribute('data-v');
+    if (v === null) return null;
+    var n = parseFloat(v);
+    return isNaN(n) ? v.toLowerCase() : n;
+  }
+  Array.prototype.forEach.call(heads, function (th, col) {
+    th.addEventListener('click', function () {
+      var asc = !th.classList.contains('asc');
+      Array.prototype.forEach.call(heads, function (h) { h.classList.remove('asc', 'desc'); });
+      th.classList.add(asc ? 'asc' : 'desc');
+      var body = table.tBodies[0];
+      var rows = Array.prototype.slice.call(body.rows);
+      rows.sort(function (a, b) {
+        var x = key(a.cells[col]), y = key(b.cells[col]);
+        if (x === null || y === null) {
+          if (x === y) return a.getAttribute('data-i') - b.getAttribute('data-i');
+          return x === null ? 1 : -1;
+        }
+        if (typeof x !== typeof y) { x = String(x); y = String(y); }
+        var c = x < y ? -1 : x > y ? 1 : a.getAttribute('data-i') - b.getAttribute('data-i');
+        return asc ? c : -c;
+      });
+      rows.forEach(function (r) { body.appendChild(r); });
+    });
+  });
+})();
+</script>"""
+
+SORT_RAW = {"peak_memory": "peak_memory", "gpu_util": "gpu_util", "epoch_time": "epoch_time", "train_time": "train_time",
+            "throughput": "throughput", "speedup": "speedup", "predicted": "predicted", "mfu": "mfu",
+            "val_accuracy": "val_accuracy", "final_loss": "final_loss", "devices": "devices",
+            "batch_device": "batch_device", "batch_global": "batch_global"}  # fmt: skip
+
+
+def _sort_key(row: Row, key: str) -> str | None:
+    """The value a column sorts by: the raw number for measures, the text for names; None = no value."""
+    if key in SORT_RAW:
+        v = row.raw.get(SORT_RAW[key])
+        return None if v is None else repr(float(v))
+    text = row.text.get(key)
+    return None if text in (None, DASH, "") else str(text)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -537,7 +657,7 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         ("train_time", "train_time", lambda x: x, "train time, seconds (evaluation and checkpoints excluded)",
          "Time to train (lower is better)", ""),
         ("accuracy", "val_accuracy", lambda x: x * 100, "validation accuracy, % (after the last epoch)",
-         "Validation accuracy (higher is better)", ".1f"),
+         "Validation accuracy (higher is better)", ".2f"),
     ]  # fmt: skip
     first = ok[0].rec if ok else {}
     cfg = first.get("config") or {}
@@ -551,25 +671,178 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         if not data:
             path.unlink(missing_ok=True)
             continue
-        _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, percent=name == "accuracy")
+        if name == "memory" and cpu and any(_state_bytes(r) for r, _ in data):
+            # On CPU the RSS is mostly the Python runtime: show what each rank really holds beside it.
+            _memory_and_state_chart(data, path, xlabel, f"{heading}\n{subtitle}", multi)
+        else:
+            _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy")
         paths[name] = path
+    path = out / "chart_curves.png"
+    if _curves_chart(ok, path, f"Training loss and validation accuracy per method\n{subtitle}", multi):
+        paths = {"curves": path, **paths}  # first in the report: how each method trained
+    else:
+        path.unlink(missing_ok=True)
     return paths
 
 
+STATE_PARTS = (("param_bytes", "parameters", "#4c72b0"), ("grad_bytes", "gradients", "#dd8452"),
+               ("optimizer_state_bytes", "optimizer state", "#55a868"),
+               ("master_param_bytes", "fp32 master copy", "#8172b3"))  # fmt: skip
+
+
+def _state_bytes(row: Row) -> dict[str, int] | None:
+    """Model-state bytes (result.json ``sharding``) of the rank that holds the most, by part; None if absent."""
+    sharding = row.rec.get("sharding") or {}
+    per_rank = [sum((sharding.get(k) or [0] * (i + 1))[i] or 0 for k, _, _ in STATE_PARTS)
+                for i in range(max((len(v) for v in sharding.values() if isinstance(v, list)), default=0))]  # fmt: skip
+    if not per_rank:
+        return None
+    top = max(range(len(per_rank)), key=per_rank.__getitem__)
+    return {k: int((sharding.get(k) or [0] * (top + 1))[top] or 0) for k, _, _ in STATE_PARTS}
+
+
+def _label(row: Row, multi: bool) -> str:
+    lab = f"{row.raw['method']} · {row.raw['precision']} · {row.raw['devices']} dev"
+    if multi:
+        lab += f"\n{row.rec.get('machine', {}).get('hostname', '?')}"
+    return lab
+
+
+def _memory_and_state_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, multi: bool) -> None:
+    """Two panels with the same rows: process peak RSS (left) and the model-state bytes per rank (right,
+    stacked: parameters, gradients, optimizer state), where ZeRO/FSDP's savings show even when RSS hides them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = [_label(r, multi) for r, _ in data]
+    colours = [PRECISION_COLOURS.get(str(r.raw["precision"]), "#937860") for r, _ in data]
+    states = [_state_bytes(r) or {} for r, _ in data]
+    top_state = max((sum(s.values()) for s in states), default=0)
+    unit, div = ("MiB", 2**20) if top_state >= 2**20 else ("KiB", 2**10)
+    height = max(3.2, 1.7 + 0.38 * len(data) * (1.6 if multi else 1.0))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, height), dpi=110, sharey=True,
+                                   gridspec_kw={"width_ratios": [1, 1.15]})  # fmt: skip
+    y = list(range(len(data)))
+    values = [v for _, v in data]
+    ax1.barh(y, values, color=colours)
+    ax1.set_yticks(y, labels, fontsize=9)
+    ax1.invert_yaxis()
+    top = max(values) if values else 1.0
+    ax1.set_xlim(0, top * 1.2 if top > 0 else 1)
+    for yi, v in zip(y, values, strict=True):
+        ax1.text(v + top * 0.01, yi, f"{v:.0f}", va="center", fontsize=8.5)
+    ax1.set_xlabel(xlabel, fontsize=9)
+    ax1.set_title("process peak RSS (incl. ~0.4 GiB runtime)", fontsize=10)
+    left = [0.0] * len(data)
+    for key, name, colour in STATE_PARTS:
+        part = [s.get(key, 0) / div for s in states]
+        if not any(part):
+            continue
+        ax2.barh(y, part, left=left, color=colour, label=name)
+        left = [a + b for a, b in zip(left, part, strict=True)]
+    top2 = max(left) if left else 1.0
+    ax2.set_xlim(0, top2 * 1.22 if top2 > 0 else 1)
+    for yi, v in zip(y, left, strict=True):
+        ax2.text(v + top2 * 0.01, yi, _num(v), va="center", fontsize=8.5)
+    ax2.set_xlabel(f"{unit} held by the largest rank (result.json 'sharding')", fontsize=9)
+    ax2.set_title("model state per rank: what ZeRO / FSDP shard", fontsize=10)
+    from matplotlib.patches import Patch
+
+    parts = ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model state",
+                       title_fontsize=8)  # fmt: skip
+    ax2.add_artist(parts)
+    seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
+    ax2.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen],
+               title="precision (left bars)", fontsize=8, title_fontsize=8, loc="lower left",
+               bbox_to_anchor=(1.01, 0.0))  # fmt: skip
+    for ax in (ax1, ax2):
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_axisbelow(True)
+    sup = fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
+    plt.close(fig)
+
+
+LINESTYLES = {"fp32": "-", "bf16-mixed": "--", "fp16-mixed": "-.", "bf16-true": ":", "fp16-true": (0, (5, 1, 1, 1))}
+
+
+def _curves_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bool:
+    """Training loss per optimizer step (left) and validation accuracy per epoch (right), one line per completed
+    cell: colour = method, line style = precision. Returns False when no cell recorded a curve."""
+    curves = [(r, (r.rec.get("metrics") or {}).get("loss_curve") or [], (r.rec.get("metrics") or {}).get("evaluations") or [])
+              for r in rows]  # fmt: skip
+    curves = [c for c in curves if c[1] or c[2]]
+    if not curves:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(str(r.raw["method"]) for r, _, _ in curves))
+    palette = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20").colors
+    colour = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), dpi=110)
+    longest = max(len(loss) for _, loss, _ in curves)
+    window = max(1, longest // 25)  # a light moving average: per-step losses of small batches are noisy
+    accs: list[float] = []
+    for r, loss, evals in curves:
+        style = dict(color=colour[str(r.raw["method"])], linestyle=LINESTYLES.get(str(r.raw["precision"]), "-"),
+                     linewidth=1.4, alpha=0.9, label=_label(r, multi).replace("\n", " "))  # fmt: skip
+        if loss:
+            smooth = [sum(loss[max(0, i - window + 1): i + 1]) / len(loss[max(0, i - window + 1): i + 1])
+                      for i in range(len(loss))]  # fmt: skip
+            ax1.plot(range(1, len(loss) + 1), smooth, **style)
+        pts = [(e.get("epoch"), e.get("val_accuracy")) for e in evals if e.get("val_accuracy") is not None]
+        if pts:
+            xs, ys = zip(*pts, strict=True)
+            ys = [v * 100 for v in ys]
+            accs.extend(ys)
+            ax2.plot(xs, ys, marker="o", markersize=4, **style)
+    ax1.set_xlabel("optimizer step", fontsize=9)
+    ax1.set_ylabel("training loss" + (f" (moving average over {window} steps)" if window > 1 else ""), fontsize=9)
+    ax1.set_title("training loss", fontsize=10)
+    ax2.set_xlabel("epoch", fontsize=9)
+    from matplotlib.ticker import MaxNLocator
+
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax2.set_ylabel("validation accuracy, %", fontsize=9)
+    ax2.set_title("validation accuracy (axis zoomed to the data)", fontsize=10)
+    if accs:
+        lo, hi = _zoom(accs)
+        ax2.set_ylim(lo, hi)
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+    handles, labels = ax1.get_legend_handles_labels() if ax1.lines else ax2.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False,
+               title="method · precision · devices (colour = method, line style = precision)", title_fontsize=8)  # fmt: skip
+    fig.suptitle(title, fontsize=11)
+    rows_of_legend = (len(labels) + 3) // 4
+    fig.tight_layout(rect=(0, min(0.45, 0.05 + 0.045 * rows_of_legend), 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+    return True
+
+
+def _zoom(values: list[float], lo_cap: float = 0.0, hi_cap: float = 100.0) -> tuple[float, float]:
+    """Axis limits around the data (a percentage), with margins, so that 91 vs 93% is visible."""
+    lo, hi = min(values), max(values)
+    pad = max(0.5, (hi - lo) * 0.25)
+    return max(lo_cap, lo - pad), min(hi_cap + pad * 0.5, hi + pad)
+
+
 def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool,
-               percent: bool = False) -> None:  # fmt: skip
+               zoom: bool = False) -> None:  # fmt: skip
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    labels = []
-    for r, _ in data:
-        lab = f"{r.raw['method']} · {r.raw['precision']} · {r.raw['devices']} dev"
-        if multi:
-            lab += f"\n{r.rec.get('machine', {}).get('hostname', '?')}"
-        labels.append(lab)
+    labels = [_label(r, multi) for r, _ in data]
     values = [v for _, v in data]
     colours = [PRECISION_COLOURS.get(str(r.raw["precision"]), "#937860") for r, _ in data]
     height = max(2.8, 1.5 + 0.38 * len(data) * (1.6 if multi else 1.0))
@@ -582,12 +855,15 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
     ax.set_title(title, fontsize=11)
     top = max(values) if values else 1.0
     ax.set_xlim(0, top * 1.18 if top > 0 else 1)
-    if percent:  # accuracy: the whole 0-100 scale, room on the right for the labels
-        top = 100.0
-        ax.set_xlim(0, 112)
-        ax.set_xticks(range(0, 101, 20))
+    step = top * 0.01
+    if zoom and values:  # accuracy: the axis spans the data, so that 91% vs 93% is visible (not 0-100)
+        lo, hi = _zoom(values)
+        hi += (hi - lo) * 0.12  # room for the labels
+        ax.set_xlim(lo, hi)
+        step = (hi - lo) * 0.01
+        ax.set_xlabel(f"{xlabel} - axis starts at {lo:.1f}%", fontsize=10)
     for yi, v in zip(y, values, strict=True):
-        ax.text(v + top * 0.01, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
+        ax.text(v + step, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
@@ -604,10 +880,11 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
 
 def print_table(records: list[dict[str, Any]], console=None) -> None:
     """A compact version of the table for the terminal at the end of a sweep."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    from stratbench.report_table import table_console
+
+    console = console or table_console()
     notes = Footnotes()
     rows = build_rows(records, notes)
     keys = [("method", "method"), ("precision", "precision"), ("devices", "dev"), ("batch_device", "batch/dev"),
@@ -616,8 +893,8 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
     if len({r.raw["machine"] for r in rows}) > 1:
         keys.insert(0, ("machine", "machine"))
     table = Table(title="stratbench compare")
-    for _, h in keys:
-        table.add_column(h, overflow="fold")
+    for k, h in keys:  # names whole (no_wrap), long reasons folded
+        table.add_column(h, no_wrap=k in ("method", "precision"), overflow="fold")
     shown = ""
     for r in rows:
         cells = [r.text[k] if k != "status" else str(r.raw["status"]) for k, _ in keys]
@@ -630,7 +907,7 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
             console.print(f"{mark} {t}", highlight=False, soft_wrap=True)
     for r in _problems(rows):
         console.print(f"- {r.raw['method']} {r.raw['precision']} x{r.raw['devices']}: {r.raw['status']}: {r.raw['reason']}",
-                      highlight=False, soft_wrap=True)  # fmt: skip
+                      highlight=False, soft_wrap=True, markup=False)  # fmt: skip
 
 
 def render_sweeps(

@@ -304,7 +304,10 @@ class Display:
             self.durations.append(elapsed)
         colour = {"ok": "green", "skipped": "yellow"}.get(status, "red")
         when = f" in {_fmt_duration(elapsed)}" if ran and elapsed is not None else ""
-        why = f": {reason}" if reason and status != "ok" else ""
+        from rich.markup import escape
+
+        # escaped: reasons quote library output such as gloo's "[/path/pair.cc:553]", which rich reads as a tag
+        why = f": {escape(reason)}" if reason and status != "ok" else ""
         line = f"  [{colour}]{status}[/{colour}] {cell.name} {cell.precision} x{cell.world_size}{when}{why}"
         self.console.print(line, highlight=False, soft_wrap=True)
         if self.progress is not None:
@@ -335,7 +338,7 @@ class SweepRunner:
     """Runs the planned cells of one sweep into ``out``; see the module docstring."""
 
     def __init__(self, matrix: Matrix, out: Path, *, timeout_s: float, retry: bool = False, console=None,
-                 command: list[str] | None = None) -> None:  # fmt: skip
+                 command: list[str] | None = None, repeats: int = 1) -> None:  # fmt: skip
         from rich.console import Console
 
         self.matrix = matrix
@@ -344,6 +347,7 @@ class SweepRunner:
         self.retry = retry
         self.console = console or Console()
         self.command = command or sys.argv
+        self.repeats = max(1, int(repeats))
 
     def write_sweep_meta(self, plans: list[Plan]) -> None:
         """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
@@ -403,7 +407,7 @@ class SweepRunner:
             for n, p in enumerate(plans, 1):
                 old = records.get(p.cell.id)
                 keep = ("ok",) if self.retry else FINISHED
-                if p.status is None and old and old.get("status") in keep:
+                if p.status is None and old and old.get("status") in keep and _repeats_of(old) >= self.repeats:
                     display.skip_only()
                     self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
                                        f"x{p.cell.world_size}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
@@ -416,7 +420,7 @@ class SweepRunner:
                     display.finish(p.cell, p.status, p.reason, None, ran=False)
                     continue
                 display.start(n, p.cell)
-                rec = self.run_cell(p.cell, display)
+                rec = self.run_cell(p.cell, display) if self.repeats == 1 else self.run_repeats(p.cell, display)
                 append_record(self.out, rec)
                 records[p.cell.id] = rec
                 display.finish(p.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
@@ -428,9 +432,28 @@ class SweepRunner:
                 signal.signal(signal.SIGTERM, previous)
         return records
 
-    def run_cell(self, cell: Cell, display: Display) -> dict[str, Any]:
+    def run_repeats(self, cell: Cell, display: Display) -> dict[str, Any]:
+        """Run the cell ``repeats`` times, each in CELL/repeat-K, and return one record: the median run's
+        (its curves, memory, checkpoint), with the repeated measures replaced by their median and the
+        min/max/values of every run under ``repeats``. The first run that does not end ok ends the cell."""
+        runs: list[dict[str, Any]] = []
+        base = self.out / CELLS_DIR / cell.id
+        if base.exists():
+            shutil.rmtree(base)
+        for k in range(1, self.repeats + 1):
+            log = Path(cell.id) / f"repeat-{k}" / "train.log"
+            self.console.print(f"    repeat {k}/{self.repeats} (log: {log})", highlight=False, soft_wrap=True)
+            rec = self.run_cell(cell, display, run_dir=base / f"repeat-{k}")
+            runs.append(rec)
+            if rec["status"] != "ok":
+                rec["reason"] = f"repeat {k} of {self.repeats}: {rec['reason']}"
+                rec["repeats"] = {"n": k, "requested": self.repeats}
+                return rec
+        return aggregate_repeats(runs)
+
+    def run_cell(self, cell: Cell, display: Display, run_dir: Path | None = None) -> dict[str, Any]:
         """Run one cell in a fresh process tree and return its record; Ctrl-C kills the tree and re-raises."""
-        cell_dir = self.out / CELLS_DIR / cell.id
+        cell_dir = run_dir or self.out / CELLS_DIR / cell.id
         if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
             shutil.rmtree(cell_dir)
         cell_dir.mkdir(parents=True)
@@ -481,6 +504,50 @@ class SweepRunner:
         rec["host_load_mean"] = sum(loads) / len(loads) if loads else None
         rec["host_cpu_count"] = os.cpu_count()
         return rec
+
+
+# Measures a repeated cell reports as median and spread: (key in metrics, how to read it from a record).
+REPEATED = {
+    "train_time_s": lambda m: m.get("train_time_s"),
+    "throughput_samples_per_s": lambda m: m.get("throughput_samples_per_s"),
+    "step_time_mean_s": lambda m: m.get("step_time_mean_s"),
+    "peak_memory_bytes": lambda m: max((p for p in m.get("peak_memory_bytes") or [] if p is not None), default=None),
+    "val_accuracy": lambda m: m.get("val_accuracy"),
+    "final_loss": lambda m: m.get("final_loss"),
+}
+
+
+def _repeats_of(rec: dict[str, Any]) -> int:
+    return int((rec.get("repeats") or {}).get("n") or 1)
+
+
+def aggregate_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record from N ok runs of a cell: the run with the median throughput supplies everything else;
+    each measure of ``REPEATED`` becomes the median over the runs, with min, max and every value kept."""
+    import statistics
+
+    def tp(r: dict[str, Any]) -> float:
+        return float((r.get("metrics") or {}).get("throughput_samples_per_s") or 0.0)
+
+    order = sorted(range(len(runs)), key=lambda i: tp(runs[i]))
+    chosen = runs[order[(len(runs) - 1) // 2]]
+    rec = json.loads(json.dumps(chosen, default=str))  # a copy
+    spread: dict[str, Any] = {}
+    for key, read in REPEATED.items():
+        values = [read(r.get("metrics") or {}) for r in runs]
+        if any(v is None for v in values):
+            continue
+        med = statistics.median(values)
+        spread[key] = {"median": med, "min": min(values), "max": max(values), "values": values}
+        if key != "peak_memory_bytes":  # the per-rank list stays the chosen run's; its max is in `repeats`
+            rec["metrics"][key] = med
+    rec["repeats"] = {"n": len(runs), "requested": len(runs), "median_run": order[(len(runs) - 1) // 2] + 1,
+                      "metrics": spread, "elapsed_s": [r.get("elapsed_s") for r in runs],
+                      "host_load_mean": [r.get("host_load_mean") for r in runs]}  # fmt: skip
+    rec["elapsed_s"] = sum(r.get("elapsed_s") or 0.0 for r in runs)
+    loads = [r.get("host_load_mean") for r in runs if r.get("host_load_mean") is not None]
+    rec["host_load_mean"] = max(loads) if loads else None  # the busiest run decides whether times are trusted
+    return rec
 
 
 def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:

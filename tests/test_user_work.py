@@ -1,0 +1,272 @@
+"""The user's own work: pretrained weights by name, Lightning precision names, underscore flags, user model and
+data builders, plain weight exports."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import run_stratbench, train
+from stratbench.config import TrainConfig, from_dict
+from stratbench.errors import CheckpointError, ConfigError
+
+RESNET18_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1, as torch.hub names it
+
+
+def _fake_imagenet_resnet18(torch_home: Path) -> dict[str, torch.Tensor]:
+    """A small stand-in for torchvision's ImageNet resnet18 file, written under its exact hub cache name: the
+    first convolution with recognisable values and the 1000-class head (which a 10-class model must skip)."""
+    state = {
+        "conv1.weight": torch.full((64, 3, 7, 7), 0.125),
+        "fc.weight": torch.zeros(1000, 512),
+        "fc.bias": torch.zeros(1000),
+    }
+    folder = torch_home / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save(state, folder / RESNET18_FILE)
+    return state
+
+
+def test_weights_by_name_resolve_to_the_hub_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    with pytest.raises(CheckpointError) as err:  # offline, not cached: one line naming file and folder
+        from_dict(TrainConfig, {"model": "resnet18", "weights": "imagenet"})
+    msg = str(err.value)
+    assert "\n" not in msg and RESNET18_FILE in msg and str(tmp_path / "th" / "hub" / "checkpoints") in msg
+    assert "--download" in msg
+    _fake_imagenet_resnet18(tmp_path / "th")
+    for name in ("imagenet", "IMAGENET1K_V1", "DEFAULT"):
+        cfg = from_dict(TrainConfig, {"model": "resnet18", "weights": name})
+        assert cfg.weights == str(tmp_path / "th" / "hub" / "checkpoints" / RESNET18_FILE)
+    with pytest.raises(ConfigError, match="IMAGENET1K_V2.*choose one of: imagenet, DEFAULT, IMAGENET1K_V1"):
+        from_dict(TrainConfig, {"model": "resnet18", "weights": "IMAGENET1K_V2"})
+    with pytest.raises(ConfigError, match="only for torchvision models"):
+        from_dict(TrainConfig, {"model": "tinynet", "weights": "imagenet"})
+
+
+def test_train_from_imagenet_weights_offline(tmp_path):
+    """`stratbench train --weights imagenet` with the file in TORCH_HOME's hub cache and no network."""
+    state = _fake_imagenet_resnet18(tmp_path / "th")
+    env = {"TORCH_HOME": str(tmp_path / "th")}
+    out = tmp_path / "run"
+    res = train(out, "--model", "resnet18", "--weights", "imagenet", "--data", "synthetic", "--synthetic-samples",
+                "16", "--image-size", "32", "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--lr", "1e-9",
+                "--progress", "false", "--measure-flops", "false", env=env)  # fmt: skip
+    assert res["status"] == "ok"
+    assert sorted(res["weights_skipped"]) == ["fc.bias", "fc.weight"]  # the 1000-class head
+    assert res["config"]["weights"].endswith(RESNET18_FILE)
+    ckpt = torch.load(out / "checkpoints" / "last", map_location="cpu", weights_only=False)
+    conv1 = ckpt["model"]["conv1.weight"]
+    assert torch.allclose(conv1, state["conv1.weight"], atol=1e-5)  # loaded, then one step at lr 1e-9
+    proc = run_stratbench("train", "--model", "resnet18", "--weights", "IMAGENET1K_V1", "--output", str(tmp_path / "x"),
+                          env={"TORCH_HOME": str(tmp_path / "empty")}, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    assert (
+        f"put {RESNET18_FILE}" in proc.stderr
+        and str(tmp_path / "empty" / "hub" / "checkpoints") in proc.stderr
+    )
+
+
+def test_seed_preset_uses_cached_imagenet_weights(tmp_path, monkeypatch):
+    from stratbench.compare.matrix import load_matrix
+    from stratbench.compare.report import Footnotes, build_rows, columns_for
+
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "th"))
+    random_init = load_matrix("seed", None)
+    assert "weights" not in random_init.base and "random init" in random_init.description
+    folder = tmp_path / "th" / "hub" / "checkpoints"
+    folder.mkdir(parents=True)
+    torch.save({"conv1.weight": torch.zeros(64, 3, 7, 7)}, folder / "resnet50-11ad3fa6.pth")  # IMAGENET1K_V2
+    pretrained = load_matrix("seed", None)
+    assert pretrained.base["weights"] == "imagenet" and "ImageNet weights" in pretrained.description
+    cell = pretrained.cells[0]
+    recs = [{"status": "skipped", "method": c.method, "precision": c.precision, "world_size": c.world_size,
+             "config": c.train_config("x"), "metrics": {}} for c in (cell, random_init.cells[0])]  # fmt: skip
+    rows = build_rows(recs, Footnotes())
+    assert ("init", "init") in columns_for(rows)
+    assert [r.text["init"] for r in rows] == ["imagenet", "random"]
+
+
+@pytest.mark.parametrize(
+    ("given", "resolved"),
+    [("32-true", "fp32"), ("16-mixed", "fp16-mixed"), ("bf16-mixed", "bf16-mixed"), ("16-true", "fp16-true"),
+     ("bf16-true", "bf16-true"), ("64-true", "fp64"), ("fp16-mixed", "fp16-mixed")],
+)  # fmt: skip
+def test_lightning_precision_names(given, resolved):
+    assert from_dict(TrainConfig, {"precision": given}).precision == resolved
+
+
+def test_lightning_precision_names_in_a_matrix_and_estimate():
+    from stratbench.cli import main
+    from stratbench.compare.matrix import build_matrix
+
+    m = build_matrix({"cells": [{"method": "single", "precision": ["32-true", "bf16-mixed", "16-mixed"]}]})
+    assert [c.precision for c in m.cells] == ["fp32", "bf16-mixed", "fp16-mixed"]
+    assert main(["estimate", "--precision", "16-mixed", "--model", "tinynet"]) == 0
+    assert main(["estimate", "--precision", "16-bad", "--model", "tinynet"]) != 0
+
+
+def test_underscore_flags_are_accepted():
+    from stratbench.cli import build_parser, normalise_flags
+    from stratbench.commands.compare import overrides_from
+    from stratbench.commands.train import resolve_config
+
+    argv = ["train", "--batch_size", "8", "--max_steps=3", "--strategy", "deepspeed", "--deepspeed_config", "ds.json",
+            "--zero_stage", "2", "--precision", "bf16-mixed"]  # fmt: skip
+    assert normalise_flags(argv)[1:4] == ["--batch-size", "8", "--max-steps=3"]
+    assert normalise_flags(["train", "--", "--a_b"]) == ["train", "--", "--a_b"]  # after "--": left alone
+    cfg = resolve_config(build_parser().parse_args(normalise_flags(argv)))
+    assert cfg.batch_size == 8 and cfg.max_steps == 3
+    assert cfg.strategy_options == {"deepspeed_config": "ds.json", "zero_stage": "2"}
+    args = build_parser().parse_args(normalise_flags(["compare", "--batch_size", "32", "--image_size", "16"]))
+    assert overrides_from(args) == {"batch_size": 32, "image_size": 16}
+
+
+def test_underscore_flags_and_lightning_precision_end_to_end(tmp_path):
+    res = train(tmp_path / "run", "--model", "tinynet", "--width", "8", "--data", "synthetic", "--synthetic_samples",
+                "64", "--image_size", "16", "--batch_size", "16", "--max_steps", "2", "--epochs", "1", "--precision",
+                "32-true", "--progress", "false", "--measure_flops", "false")  # fmt: skip
+    assert res["status"] == "ok" and res["precision"] == "fp32" and res["config"]["batch_size"] == 16
+    assert res["metrics"]["steps"] == 2
+
+
+USER_MODEL = """
+from torch import nn
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(32, num_classes))
+"""
+USER_DATA = """
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(image_size=None, seed=0):
+    size = image_size or 12
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(160, 3, size, size, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()  # learnable: the sign of the first channel's mean
+    return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:]), ["negative", "positive"]
+"""
+
+
+def _user_folder(tmp_path: Path) -> tuple[Path, list[str]]:
+    """A user's folder with their own model and data modules, and a command that starts stratbench the way the
+    console script does: from a script elsewhere, so that the working directory is not on sys.path by itself."""
+    import sys
+
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "mynet.py").write_text(USER_MODEL)
+    (work / "mydata.py").write_text(USER_DATA)
+    launcher = tmp_path / "bin" / "stratbench_script.py"
+    launcher.parent.mkdir()
+    launcher.write_text("import sys\nfrom stratbench.cli import main\nsys.exit(main())\n")
+    return work, [sys.executable, str(launcher)]
+
+
+def _run_in(work: Path, cmd: list[str], *args: str, check: bool = True):
+    import os
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(
+        Path(__file__).resolve().parents[1] / "src"
+    )  # stratbench only, not the user's folder
+    proc = subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def test_user_model_and_data_from_the_working_directory(tmp_path):
+    import json
+    import sys
+
+    from safetensors.torch import load_file
+
+    work, cmd = _user_folder(tmp_path)
+    _run_in(work, cmd, "train", "--model", "mynet:build", "--data", "mydata:build", "--batch-size", "16",
+            "--epochs", "3", "--lr", "0.1", "--output", "out", "--progress", "false", "--measure-flops", "false")  # fmt: skip
+    res = json.loads((work / "out" / "result.json").read_text())
+    assert res["status"] == "ok" and res["model"] == "mynet:build" and res["data"] == "mydata:build"
+    assert res["metrics"]["steps"] == 3 * 128 // 16
+    assert res["metrics"]["val_accuracy"] >= 0.75  # the user's data set is learnable; chance is ~0.5
+    # export and bench-infer take the same user builder
+    _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.safetensors")
+    _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.pt")
+    sys.path.insert(0, str(work))
+    try:
+        import mynet
+    finally:
+        sys.path.remove(str(work))
+    x = torch.randn(4, 3, 12, 12)
+    outs = []
+    for state in (
+        load_file(str(work / "mynet.safetensors")),
+        torch.load(work / "mynet.pt", weights_only=True),
+    ):
+        model = mynet.build(num_classes=2).eval()
+        model.load_state_dict(state, strict=True)
+        outs.append(model(x))
+    assert torch.equal(outs[0], outs[1])
+    bench = _run_in(work, cmd, "bench-infer", "--model", "mynet:build", "--image-size", "12", "--num-classes", "2",
+                    "--batch-sizes", "2", "--backends", "eager-fp32", "--iters", "5", "--warmup", "1")  # fmt: skip
+    assert "eager-fp32" in bench.stdout
+    bad = _run_in(work, cmd, "train", "--data", "nosuch:build", "--output", "x", check=False)
+    assert (
+        bad.returncode != 0
+        and "cannot import 'build' from 'nosuch'" in bad.stderr
+        and str(work) in bad.stderr
+    )
+
+
+def test_export_plain_weights_load_into_torchvision_without_stratbench(tmp_path):
+    """--format safetensors|state-dict: files a PyTorch user loads into torchvision's resnet18 with no stratbench."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    train(out, "--model", "resnet18", "--data", "synthetic", "--synthetic-samples", "16", "--image-size", "32",
+          "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--progress", "false", "--measure-flops", "false")  # fmt: skip
+    ckpt = str(out / "checkpoints" / "last")
+    run_stratbench("export", "--checkpoint", ckpt, "--output", str(tmp_path / "w.safetensors"))
+    run_stratbench(
+        "export", "--checkpoint", ckpt, "--format", "state-dict", "--output", str(tmp_path / "w.weights")
+    )
+    proc = run_stratbench("export", "--checkpoint", ckpt, "--format", "safetensors", "--fp16",
+                          "--output", str(tmp_path / "h.safetensors"))  # fmt: skip
+    assert "max abs diff" in proc.stdout
+    # A fresh interpreter in which stratbench cannot be imported: plain torch, torchvision and safetensors only.
+    script = f"""
+import sys
+sys.modules["stratbench"] = None  # importing stratbench would fail
+import torch
+from safetensors.torch import load_file
+try:
+    import torchvision
+except RuntimeError:  # PyPI's CUDA torchvision on a CPU torch (see PLATFORM_NOTES): define the two ops first
+    lib = torch.library.Library("torchvision", "DEF")
+    lib.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    lib.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+    for m in [m for m in sys.modules if m.startswith("torchvision")]:
+        del sys.modules[m]
+    import torchvision
+x = torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+outs = []
+for state in (load_file({str(tmp_path / "w.safetensors")!r}), torch.load({str(tmp_path / "w.weights")!r}, weights_only=True),
+              {{k: v.float() for k, v in load_file({str(tmp_path / "h.safetensors")!r}).items()}}):
+    m = torchvision.models.resnet18(num_classes=10).eval()
+    m.load_state_dict(state, strict=True)
+    outs.append(m(x))
+assert torch.equal(outs[0], outs[1]), "safetensors and state dict differ"
+assert (outs[2] - outs[0]).abs().max() < 0.05, "fp16 copy too far off"
+print("loaded", len(state), "tensors")
+"""
+    res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "loaded" in res.stdout
