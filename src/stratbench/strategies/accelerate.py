@@ -180,8 +180,12 @@ class _Accelerate(Strategy):
         assert self.accelerator is not None
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        if self.env.is_main and tmp.exists():
-            shutil.rmtree(tmp)
+        if self.env.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            # Made before the barrier: save_state creates it on the main process only, and the other ranks may
+            # write their RNG files into it before the main process gets there.
+            (tmp / ACCELERATE_DIR).mkdir(parents=True)
         self.barrier()
         self.accelerator.save_state(str(tmp / ACCELERATE_DIR))  # a collective for sharded plugins
         if self.env.is_main:
