@@ -13,10 +13,18 @@ from stratbench import __version__
 from stratbench.errors import StratbenchError
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse whose errors (a bad type, a missing or unknown flag) are one line, like stratbench's own: the
+    command, the message and where to look, without the usage block."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     import stratbench.commands as pkg
 
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="stratbench",
         description="Train one model under every training method and compare them side by side. "
         "Every flag is also accepted with underscores (--batch_size, --deepspeed_config).",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stratbench.checkpoint import atomic_output, atomic_write
 from stratbench.compare.runner import SWEEP, load_records
 from stratbench.report_table import fmt_bytes
 
@@ -404,9 +405,10 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
     rows = build_rows(report.records, notes)
     charts = write_charts(rows, out, report.title)
     paths = {"md": out / "report.md", "csv": out / "report.csv", "html": out / "report.html"}
-    paths["md"].write_text(render_markdown(report, rows, notes, charts))
+    # Each written under a temporary name and renamed into place: a failed render keeps the previous report.
+    atomic_write(paths["md"], render_markdown(report, rows, notes, charts))
     write_csv(rows, paths["csv"])
-    paths["html"].write_text(render_html(report, rows, notes, charts))
+    atomic_write(paths["html"], render_html(report, rows, notes, charts))
     return {**paths, **{f"chart:{k}": p for k, p in charts.items()}}
 
 
@@ -479,7 +481,7 @@ CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices"
 
 def write_csv(rows: list[Row], path: Path) -> None:
     """Raw numbers (bytes, seconds, fractions); ``n/a`` where not measurable, empty where the cell did not run."""
-    with open(path, "w", newline="") as fh:
+    with atomic_output(Path(path), ".csv") as tmp, open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(CSV_FIELDS)
         for r in rows:
@@ -762,7 +764,8 @@ def _memory_and_state_chart(data: list[tuple[Row, float]], path: Path, xlabel: s
         ax.set_axisbelow(True)
     sup = fig.suptitle(title, fontsize=11)
     fig.tight_layout()
-    fig.savefig(path, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
+    with atomic_output(Path(path), ".png") as tmp:
+        fig.savefig(tmp, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
     plt.close(fig)
 
 
@@ -822,7 +825,8 @@ def _curves_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bool:
     fig.suptitle(title, fontsize=11)
     rows_of_legend = (len(labels) + 3) // 4
     fig.tight_layout(rect=(0, min(0.45, 0.05 + 0.045 * rows_of_legend), 1, 1))
-    fig.savefig(path)
+    with atomic_output(Path(path), ".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
     return True
 
@@ -870,7 +874,8 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
     ax.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen], title="precision",
               fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path)
+    with atomic_output(Path(path), ".png") as tmp:
+        fig.savefig(tmp)
     plt.close(fig)
 
 
