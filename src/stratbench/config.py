@@ -83,7 +83,13 @@ class TrainConfig:
     val_fraction: float = 0.2
     """digits/imagefolder without a val folder: fraction held out for validation (fixed split)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    """DataLoader worker processes per rank (loader pipeline only)."""
+    data_pipeline: str = "auto"
+    """loader (DataLoader, per-image transforms on the host), device (the in-memory data set - synthetic, digits,
+    cifar10 - lives on the device and each batch is indexed, cropped, flipped, resized and normalised there in
+    one batched call) or auto (device on CUDA when the data set is in memory and fits, else loader)."""
+    pin_memory: bool = True
+    """Loader pipeline on CUDA: pinned host batches, so the copy to the device is non-blocking."""
     # --- how to train --------------------------------------------------------------------------
     strategy: str = "single"
     """Training method (see `stratbench list`)."""
@@ -97,6 +103,12 @@ class TrainConfig:
     """Use the channels-last memory format for the model and inputs."""
     compile: bool = False
     """Compile the model with torch.compile."""
+    cudnn_benchmark: bool = False
+    """Let cuDNN time its convolution algorithms on the first batch and keep the fastest (fixed input shapes)."""
+    recipe: str | None = None
+    """A named bundle of speed settings, each filled in only where not set explicitly, written out in full in the
+    resolved config: fast = bf16-mixed (fp16-mixed without bf16), channels-last, device pipeline, fused
+    optimizer, cudnn.benchmark, and torch.compile on CUDA only (not measurable on CPU)."""
     activation_checkpointing: bool = False
     """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
     device: str = "auto"
@@ -112,6 +124,9 @@ class TrainConfig:
     """Micro-steps per optimizer step; the per-device micro-batch is batch_size / (world * grad_accum)."""
     optimizer: str = "sgd"
     """sgd (with momentum) or adamw."""
+    optimizer_impl: str = "default"
+    """Optimizer kernels: default (torch's choice: foreach on CUDA), foreach (one multi-tensor kernel per
+    operation), fused (one kernel for the whole update), for-loop (one kernel per parameter)."""
     lr: float = 0.05
     """Peak learning rate (the same for every method, so every method trains the same problem)."""
     momentum: float = 0.9
@@ -178,8 +193,58 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("group", "none"),
     "device": ("auto", "cpu", "cuda"),
     "optimizer": ("sgd", "adamw"),
+    "optimizer_impl": ("default", "foreach", "fused", "for-loop"),
     "lr_schedule": ("cosine", "constant"),
+    "data_pipeline": ("auto", "loader", "device"),
 }
+RECIPES = ("fast",)
+IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
+"""Data sets held in memory as tensors: the ones the device pipeline can serve."""
+
+
+def recipe_settings(name: str, cuda: bool, bf16: bool) -> dict[str, Any]:
+    """The TrainConfig values a recipe stands for on a machine with (``cuda``) or without a CUDA device and with
+    or without bf16 support. torch.compile is part of ``fast`` on CUDA only: its gain cannot be measured on a
+    CPU-only machine, and on CPU it costs compile time for no measured benefit."""
+    if name != "fast":
+        raise ConfigError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    return {
+        "precision": "bf16-mixed" if bf16 else "fp16-mixed",
+        "channels_last": True,
+        "data_pipeline": "device",
+        "optimizer_impl": "fused",
+        "cudnn_benchmark": True,
+        "pin_memory": True,
+        "compile": cuda,
+    }
+
+
+def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the recipe's settings where ``data`` does not set them: every knob stays individually settable
+    (``--recipe fast --compile false``), and the result names every value, so the resolved config (config.yaml,
+    result.json) shows what the recipe did. Expanding twice changes nothing."""
+    name = data.get("recipe")
+    if name is None:
+        return data
+    import torch
+
+    device = data.get("device", "auto")
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    bf16 = torch.cuda.is_bf16_supported() if cuda else True  # CPU autocast supports bf16
+    settings = recipe_settings(str(name), cuda, bf16)
+    return {**settings, **data}
+
+
+def optimizer_impl_kwargs(impl: str) -> dict[str, Any]:
+    """Keyword arguments of torch.optim.SGD/AdamW for ``optimizer_impl`` (empty: torch's own choice)."""
+    return {
+        "default": {},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "for-loop": {"foreach": False},
+    }[impl]
+
+
 POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
 
 
@@ -228,6 +293,8 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
             f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
         )
     values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    if cls is TrainConfig:
+        values = expand_recipe(values)
     return cls(**values)
 
 
@@ -268,6 +335,13 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
     if cfg.timing_warmup_steps < 0:
         raise ConfigError(f"timing_warmup_steps must be >= 0, got {cfg.timing_warmup_steps!r}")
+    if cfg.recipe is not None and cfg.recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
+    if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
+        raise ConfigError(
+            f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
+            f"{cfg.data!r}; use data_pipeline loader or auto"
+        )
 
 
 # ------------------------------------------------------------------------------------------------
