@@ -86,12 +86,13 @@ def crop_flip(
     b, c, h, w = x.shape
     if pad:
         x = F.pad(x, (pad, pad, pad, pad))
+    hp, wp = x.shape[-2:]
     cols = torch.arange(w, device=x.device)
     cols = torch.where(flip[:, None], w - 1 - cols, cols) + dx[:, None]  # flip after crop: column j <- w-1-j
     rows = dy[:, None] + torch.arange(h, device=x.device)
-    bi = torch.arange(b, device=x.device)[:, None, None, None]
-    ci = torch.arange(c, device=x.device)[None, :, None, None]
-    return x[bi, ci, rows[:, None, :, None], cols[:, None, None, :]]
+    # One flat index per output pixel: torch.gather is ~5x faster on CPU than 4-D advanced indexing.
+    flat = (rows[:, :, None] * wp + cols[:, None, :]).view(b, 1, h * w).expand(b, c, h * w)
+    return x.reshape(b, c, hp * wp).gather(2, flat).view(b, c, h, w)
 
 
 def apply_augment(
@@ -197,9 +198,9 @@ class DeviceBatches:
         src, mb = self.source, self.micro_batch
         for k in range(len(idx) // mb):
             sel = idx[k * mb : (k + 1) * mb]
-            x = src.images[sel % len(src.images)] if src.bank else src.images[sel]
+            x = src.images.index_select(0, sel % len(src.images) if src.bank else sel)
             p = tuple(t[k * mb : (k + 1) * mb] for t in params) if params is not None else None
-            yield apply_augment(x, src.augment, p, self.channels_last), src.labels[sel]
+            yield apply_augment(x, src.augment, p, self.channels_last), src.labels.index_select(0, sel)
 
 
 class DeviceEvalBatches:
@@ -235,5 +236,9 @@ class DeviceEvalBatches:
             sel = self.idx[k * self.batch : (k + 1) * self.batch]
             valid = (sel >= 0).float()
             sel = sel.clamp(min=0)
-            x = src.images[sel % len(src.images)] if src.bank else src.images[sel]
-            yield apply_augment(x, src.augment, None, self.channels_last), src.labels[sel], valid
+            x = src.images.index_select(0, sel % len(src.images) if src.bank else sel)
+            yield (
+                apply_augment(x, src.augment, None, self.channels_last),
+                src.labels.index_select(0, sel),
+                valid,
+            )
