@@ -294,6 +294,17 @@ def test_fast_recipe_settings_per_machine():
                    "cudnn_benchmark": True, "pin_memory": True, "compile": True}  # fmt: skip
     assert recipe_settings("fast", cuda=True, bf16=False)["precision"] == "fp16-mixed"  # e.g. V100, T4
     assert recipe_settings("fast", cuda=False, bf16=True)["compile"] is False  # not measured on CPU: off
+    # torch's fused SGD has no DTensor rule (FSDP2): the recipe takes foreach there, and fused is refused.
+    assert recipe_settings("fast", cuda=True, bf16=True, strategy="fsdp")["optimizer_impl"] == "foreach"
+    assert (
+        recipe_settings("fast", cuda=True, bf16=True, strategy="fsdp", optimizer="adamw")["optimizer_impl"]
+        == "fused"
+    )
+    assert _cfg(recipe="fast", strategy="fsdp").optimizer_impl == "foreach"
+    with pytest.raises(
+        ConfigError, match="optimizer_impl 'fused' does not work with strategy 'fsdp' and optimizer 'sgd'"
+    ):
+        validate(_cfg(strategy="fsdp", optimizer_impl="fused"))
     with pytest.raises(ConfigError, match="unknown recipe 'slow'; choose one of: fast"):
         recipe_settings("slow", cuda=False, bf16=True)
 

@@ -202,17 +202,24 @@ IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
 """Data sets held in memory as tensors: the ones the device pipeline can serve."""
 
 
-def recipe_settings(name: str, cuda: bool, bf16: bool) -> dict[str, Any]:
+FUSED_UNSUPPORTED = {("fsdp", "sgd"): "torch's fused SGD kernel has no DTensor sharding rule (FSDP2 parameters)"}
+"""(strategy, optimizer) pairs whose fused kernel fails, measured with torch 2.13 (fused AdamW works under fsdp)."""
+
+
+def recipe_settings(
+    name: str, cuda: bool, bf16: bool, strategy: str = "single", optimizer: str = "sgd"
+) -> dict[str, Any]:
     """The TrainConfig values a recipe stands for on a machine with (``cuda``) or without a CUDA device and with
     or without bf16 support. torch.compile is part of ``fast`` on CUDA only: its gain cannot be measured on a
-    CPU-only machine, and on CPU it costs compile time for no measured benefit."""
+    CPU-only machine, and on CPU it costs compile time for no measured benefit. The optimizer is fused, or
+    foreach where the fused kernel does not work with the strategy (``FUSED_UNSUPPORTED``)."""
     if name != "fast":
         raise ConfigError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
     return {
         "precision": "bf16-mixed" if bf16 else "fp16-mixed",
         "channels_last": True,
         "data_pipeline": "device",
-        "optimizer_impl": "fused",
+        "optimizer_impl": "foreach" if (strategy, optimizer) in FUSED_UNSUPPORTED else "fused",
         "cudnn_benchmark": True,
         "pin_memory": True,
         "compile": cuda,
@@ -231,7 +238,8 @@ def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
     device = data.get("device", "auto")
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     bf16 = torch.cuda.is_bf16_supported() if cuda else True  # CPU autocast supports bf16
-    settings = recipe_settings(str(name), cuda, bf16)
+    strategy, optimizer = data.get("strategy", TrainConfig.strategy), data.get("optimizer", TrainConfig.optimizer)
+    settings = recipe_settings(str(name), cuda, bf16, strategy, optimizer)
     return {**settings, **data}
 
 
@@ -335,6 +343,12 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
     if cfg.timing_warmup_steps < 0:
         raise ConfigError(f"timing_warmup_steps must be >= 0, got {cfg.timing_warmup_steps!r}")
+    why = FUSED_UNSUPPORTED.get((cfg.strategy, cfg.optimizer))
+    if cfg.optimizer_impl == "fused" and why:
+        raise ConfigError(
+            f"optimizer_impl 'fused' does not work with strategy {cfg.strategy!r} and optimizer {cfg.optimizer!r}: "
+            f"{why}; use foreach (or optimizer adamw)"
+        )
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
