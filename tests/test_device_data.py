@@ -397,3 +397,21 @@ def test_fast_recipe_trains_on_cuda(tmp_path):
     c = res["config"]
     assert c["recipe"] == "fast" and c["compile"] is True and c["data_pipeline"] == "device"
     assert c["precision"] == ("bf16-mixed" if torch.cuda.is_bf16_supported() else "fp16-mixed")
+
+
+@pytest.mark.gpu
+def test_device_batches_never_make_the_host_wait_for_the_gpu(cifar):
+    """After an epoch's plan is on the device, making a batch launches kernels only: no synchronising call
+    (a blocking copy or a .item()) that would stall the host behind the GPU at every step."""
+    cfg, bundle = cifar(224, data_pipeline="device", channels_last=True)
+    batches, sampler = make_train_batches(cfg, bundle, torch.device("cuda"), 0, 1, 16)
+    sampler.set_epoch(0)
+    it = iter(batches)
+    next(it)  # the epoch's plan: indices and draws copied once
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            x, y = next(it)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.shape == (16, 3, 224, 224) and x.is_contiguous(memory_format=torch.channels_last)

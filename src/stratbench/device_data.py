@@ -95,15 +95,30 @@ def crop_flip(
     return x.reshape(b, c, hp * wp).gather(2, flat).view(b, c, h, w)
 
 
+def normalisation(aug: Augment, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(a, b) with x * a + b = (x * scale - mean) / std per channel, shaped (1, C, 1, 1), on ``device``.
+
+    Made once per pipeline: building a small tensor from Python values on CUDA is a blocking copy that would
+    make the host wait for the GPU at every batch."""
+    if aug.mean is None:
+        return None
+    std = torch.tensor(aug.std, dtype=torch.float32)
+    a = (aug.scale / std).view(1, -1, 1, 1)
+    b = (-torch.tensor(aug.mean, dtype=torch.float32) / std).view(1, -1, 1, 1)
+    return a.to(device), b.to(device)
+
+
 def apply_augment(
     x: torch.Tensor,
     aug: Augment,
     params: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     channels_last: bool = False,
+    norm: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Transform a batch (B, C, H, W) as the loader's per-image transforms do; returns float32.
 
-    ``params`` = (dy, dx, flip) per image, needed when ``aug.random``."""
+    ``params`` = (dy, dx, flip) per image, needed when ``aug.random``; ``norm``: ``normalisation(aug, device)``
+    (made here when not given)."""
     if aug.random:
         if params is None:
             raise ValueError("a random augmentation needs its per-image parameters (dy, dx, flip)")
@@ -117,9 +132,7 @@ def apply_augment(
     if channels_last:
         x = x.contiguous(memory_format=torch.channels_last)  # later ops keep the format (resize included)
     if aug.mean is not None:
-        std = torch.tensor(aug.std, device=x.device)
-        a = (aug.scale / std).view(1, -1, 1, 1)
-        b = (-torch.tensor(aug.mean, device=x.device) / std).view(1, -1, 1, 1)
+        a, b = norm if norm is not None else normalisation(aug, x.device)
         x = torch.addcmul(b, x, a)  # (x * scale - mean) / std in one pass
     elif aug.scale != 1.0:
         x = x * aug.scale
@@ -165,6 +178,7 @@ class DeviceBatches:
         self.rank, self.world, self.seed = rank, world, seed
         self.device = device
         self.channels_last = channels_last
+        self.norm = normalisation(source.augment, device)
         # The loader's sampler, used for its indices only: the same order by construction.
         self.sampler = DistributedSampler(
             range(len(source)), num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True
@@ -200,7 +214,10 @@ class DeviceBatches:
             sel = idx[k * mb : (k + 1) * mb]
             x = src.images.index_select(0, sel % len(src.images) if src.bank else sel)
             p = tuple(t[k * mb : (k + 1) * mb] for t in params) if params is not None else None
-            yield apply_augment(x, src.augment, p, self.channels_last), src.labels.index_select(0, sel)
+            yield (
+                apply_augment(x, src.augment, p, self.channels_last, self.norm),
+                src.labels.index_select(0, sel),
+            )
 
 
 class DeviceEvalBatches:
@@ -226,6 +243,7 @@ class DeviceEvalBatches:
             ShardSampler(len(source), rank, world).indices, dtype=torch.long, device=device
         )
         self.channels_last = channels_last
+        self.norm = normalisation(source.augment, device)
 
     def __len__(self) -> int:
         return -(-len(self.idx) // self.batch)
