@@ -56,19 +56,24 @@ class DDPZeroStrategy(DDPStrategy):
             return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
         return super().check_supported(cfg, device, world_size)
 
-    def setup(self, model: nn.Module, make_optimizer: OptimizerFactory) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """Wrap in DDP as ``ddp`` does, then shard the optimizer the engine asked for over the ranks."""
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """DDP's replicas and buckets; optimizer state only for this rank's share of whole parameters."""
+        from stratbench.estimate import zero_partition
+
+        n = ctx.info.numels
+        mine = zero_partition(n, ctx.world)[rank]
+        m = ctx.replicated(buckets=True)
+        m.optim = ctx.opt_slots * sum(n[i] for i in mine) * ctx.param_bytes
+        m.step_scalars = 4 * len(mine) if ctx.adam else 0
+        m.sharding_note = "optimizer state sharded by whole parameters"
+        return m
+
+    def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        cls = getattr(make_optimizer, "cls", None)
-        kwargs = getattr(make_optimizer, "kwargs", None)
-        if cls is None or kwargs is None:
-            raise TypeError("ddp-zero needs an OptimizerSpec (with .cls and .kwargs) to build its local optimizer")
-
-        def factory(params) -> torch.optim.Optimizer:
-            return ZeroRedundancyOptimizer(params, optimizer_class=cls, **kwargs)
-
-        return super().setup(model, factory)
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs)
 
     # ---- state ----------------------------------------------------------------------------------
     def _index_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
