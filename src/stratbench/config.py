@@ -90,7 +90,13 @@ class TrainConfig:
     val_fraction: float = 0.2
     """digits/imagefolder without a val folder: fraction held out for validation (fixed split)."""
     num_workers: int = 0
-    """DataLoader worker processes per rank."""
+    """DataLoader worker processes per rank (loader pipeline only)."""
+    data_pipeline: str = "auto"
+    """loader (DataLoader, per-image transforms on the host), device (the in-memory data set - synthetic, digits,
+    cifar10 - lives on the device and each batch is indexed, cropped, flipped, resized and normalised there in
+    one batched call) or auto (device on CUDA when the data set is in memory and fits, else loader)."""
+    pin_memory: bool = True
+    """Loader pipeline on CUDA: pinned host batches, so the copy to the device is non-blocking."""
     # --- how to train --------------------------------------------------------------------------
     strategy: str = "single"
     """Training method (see `stratbench list`)."""
@@ -105,6 +111,12 @@ class TrainConfig:
     """Use the channels-last memory format for the model and inputs."""
     compile: bool = False
     """Compile the model with torch.compile."""
+    cudnn_benchmark: bool = False
+    """Let cuDNN time its convolution algorithms on the first batch and keep the fastest (fixed input shapes)."""
+    recipe: str | None = None
+    """A named bundle of speed settings, each filled in only where not set explicitly, written out in full in the
+    resolved config: fast = bf16-mixed (fp16-mixed without bf16), channels-last, device pipeline, fused
+    optimizer, cudnn.benchmark, and torch.compile on CUDA only (not measurable on CPU)."""
     activation_checkpointing: bool = False
     """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
     device: str = "auto"
@@ -120,6 +132,9 @@ class TrainConfig:
     """Micro-steps per optimizer step; the per-device micro-batch is batch_size / (world * grad_accum)."""
     optimizer: str = "sgd"
     """sgd (with momentum) or adamw."""
+    optimizer_impl: str = "default"
+    """Optimizer kernels: default (torch's choice: foreach on CUDA), foreach (one multi-tensor kernel per
+    operation), fused (one kernel for the whole update), for-loop (one kernel per parameter)."""
     lr: float = 0.05
     """Peak learning rate (the same for every method, so every method trains the same problem)."""
     momentum: float = 0.9
@@ -196,18 +211,67 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("group", "none"),
     "device": ("auto", "cpu", "cuda"),
     "optimizer": ("sgd", "adamw"),
+    "optimizer_impl": ("default", "foreach", "fused", "for-loop"),
     "lr_schedule": ("cosine", "constant"),
+    "data_pipeline": ("auto", "loader", "device"),
 }
-POSITIVE = (
-    "epochs",
-    "batch_size",
-    "grad_accum",
-    "nproc",
-    "nnodes",
-    "width",
-    "num_classes",
-    "synthetic_samples",
-)
+RECIPES = ("fast",)
+IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
+"""Data sets held in memory as tensors: the ones the device pipeline can serve."""
+
+
+FUSED_UNSUPPORTED = {("fsdp", "sgd"): "torch's fused SGD kernel has no DTensor sharding rule (FSDP2 parameters)"}
+"""(strategy, optimizer) pairs whose fused kernel fails, measured with torch 2.13 (fused AdamW works under fsdp)."""
+
+
+def recipe_settings(
+    name: str, cuda: bool, bf16: bool, strategy: str = "single", optimizer: str = "sgd"
+) -> dict[str, Any]:
+    """The TrainConfig values a recipe stands for on a machine with (``cuda``) or without a CUDA device and with
+    or without bf16 support. torch.compile is part of ``fast`` on CUDA only: its gain cannot be measured on a
+    CPU-only machine, and on CPU it costs compile time for no measured benefit. The optimizer is fused, or
+    foreach where the fused kernel does not work with the strategy (``FUSED_UNSUPPORTED``)."""
+    if name != "fast":
+        raise ConfigError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    return {
+        "precision": "bf16-mixed" if bf16 else "fp16-mixed",
+        "channels_last": True,
+        "data_pipeline": "device",
+        "optimizer_impl": "foreach" if (strategy, optimizer) in FUSED_UNSUPPORTED else "fused",
+        "cudnn_benchmark": True,
+        "pin_memory": True,
+        "compile": cuda,
+    }
+
+
+def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the recipe's settings where ``data`` does not set them: every knob stays individually settable
+    (``--recipe fast --compile false``), and the result names every value, so the resolved config (config.yaml,
+    result.json) shows what the recipe did. Expanding twice changes nothing."""
+    name = data.get("recipe")
+    if name is None:
+        return data
+    import torch
+
+    device = data.get("device", "auto")
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    bf16 = torch.cuda.is_bf16_supported() if cuda else True  # CPU autocast supports bf16
+    strategy, optimizer = data.get("strategy", TrainConfig.strategy), data.get("optimizer", TrainConfig.optimizer)
+    settings = recipe_settings(str(name), cuda, bf16, strategy, optimizer)
+    return {**settings, **data}
+
+
+def optimizer_impl_kwargs(impl: str) -> dict[str, Any]:
+    """Keyword arguments of torch.optim.SGD/AdamW for ``optimizer_impl`` (empty: torch's own choice)."""
+    return {
+        "default": {},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "for-loop": {"foreach": False},
+    }[impl]
+
+
+POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
 
 
 def _base_type(annotation: Any) -> type:
@@ -257,6 +321,7 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
     values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
     if cls is TrainConfig:
         values = _resolve_train_values(values)
+        values = expand_recipe(values)
     return cls(**values)
 
 
@@ -339,6 +404,19 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"clip_grad_norm must be positive, got {cfg.clip_grad_norm!r}")
     if cfg.node_rank >= cfg.nnodes:
         raise ConfigError(f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+    why = FUSED_UNSUPPORTED.get((cfg.strategy, cfg.optimizer))
+    if cfg.optimizer_impl == "fused" and why:
+        raise ConfigError(
+            f"optimizer_impl 'fused' does not work with strategy {cfg.strategy!r} and optimizer {cfg.optimizer!r}: "
+            f"{why}; use foreach (or optimizer adamw)"
+        )
+    if cfg.recipe is not None and cfg.recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
+    if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
+        raise ConfigError(
+            f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
+            f"{cfg.data!r}; use data_pipeline loader or auto"
+        )
 
 
 # Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.

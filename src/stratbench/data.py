@@ -315,3 +315,105 @@ def split_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
             f"= {dp_size} x {grad_accum} = {denom}; try {max(denom, global_batch // denom * denom)}"
         )
     return global_batch // denom
+
+
+# ------------------------------------------------------------------------------------------------
+# the device pipeline (stratbench.device_data): which data sets it serves, and the one call the engine makes
+
+
+def in_memory_source(cfg: TrainConfig, ds: Dataset, train: bool):
+    """The data set as tensors plus the augmentation its loader transforms perform (``device_data``), or None
+    where the data set is not held in memory (imagefolder decodes files)."""
+    from stratbench.device_data import Augment, InMemorySource
+
+    if cfg.data == "synthetic" and isinstance(ds, SyntheticImages):
+        return InMemorySource(ds.images, ds.labels, Augment(), bank=True)  # no transforms: raw tensors
+    if cfg.data == "digits" and isinstance(ds, TensorDataset):
+        return InMemorySource(ds.tensors[0], ds.tensors[1], Augment())  # resized and normalised at load
+    if cfg.data == "cifar10" and hasattr(ds, "data") and hasattr(ds, "targets"):
+        # _cifar10's transforms: train RandomCrop(32, padding=4), RandomHorizontalFlip(), [Resize], ToTensor,
+        # Normalize; val [Resize], ToTensor, Normalize. The uint8 images stay uint8 until the device.
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        size = default_image_size(cfg)
+        aug = Augment(
+            crop_padding=4 if train else 0,
+            flip=train,
+            resize=None if size == 32 else size,
+            scale=1 / 255,
+            mean=CIFAR10_MEAN,
+            std=CIFAR10_STD,
+        )
+        return InMemorySource(images, torch.as_tensor(ds.targets, dtype=torch.long), aug)
+    return None
+
+
+def select_pipeline(cfg: TrainConfig, device: torch.device, source_bytes: int | None = None) -> str:
+    """'device' or 'loader' for this run. auto: device on CUDA for an in-memory data set that takes at most a
+    quarter of the device's memory (``source_bytes``), loader elsewhere (on CPU the loader is what was
+    measured and tested; the device pipeline runs there when asked for)."""
+    from stratbench.config import IN_MEMORY_DATA
+
+    if cfg.data_pipeline == "device":
+        if cfg.data not in IN_MEMORY_DATA:
+            raise ConfigError(
+                f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
+                f"{cfg.data!r}; use data_pipeline loader or auto"
+            )
+        return "device"
+    if cfg.data_pipeline == "loader" or device.type != "cuda" or cfg.data not in IN_MEMORY_DATA:
+        return "loader"
+    if source_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        if source_bytes > total // 4:
+            return "loader"
+    return "device"
+
+
+def make_train_batches(
+    cfg: TrainConfig, bundle: DataBundle, device: torch.device, rank: int, world: int, micro: int
+):
+    """(batches, sampler): iterating ``batches`` yields (x, y) micro-batches; ``sampler.set_epoch(epoch,
+    skip=samples_to_skip)`` starts an epoch. The device pipeline's tensors are already on ``device`` (the
+    engine's ``.to(device, non_blocking=True)`` is then a no-op); the loader's are pinned on CUDA."""
+    source = _device_source(cfg, bundle.train, device, train=True)
+    if source is not None:
+        from stratbench.device_data import DeviceBatches
+
+        batches = DeviceBatches(source, micro, rank, world, cfg.seed, device, channels_last=cfg.channels_last)
+        return batches, batches
+    pin = cfg.pin_memory and device.type == "cuda"
+    return train_loader(bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin)
+
+
+def make_val_batches(
+    cfg: TrainConfig, bundle: DataBundle, device: torch.device, rank: int, world: int, batch: int
+):
+    """Evaluation batches (x, y, valid) with ``ShardSampler``'s order, from the pipeline training uses."""
+    source = _device_source(cfg, bundle.val, device, train=False)
+    if source is not None:
+        from stratbench.device_data import DeviceEvalBatches
+
+        return DeviceEvalBatches(source, batch, rank, world, device, channels_last=cfg.channels_last)
+    pin = cfg.pin_memory and device.type == "cuda"
+    return val_loader(bundle.val, batch, rank, world, cfg.num_workers, pin)
+
+
+def _device_source(cfg: TrainConfig, ds: Dataset, device: torch.device, train: bool):
+    """The in-memory source when the device pipeline serves this run, else None (the loader does)."""
+    if select_pipeline(cfg, device) == "loader":
+        return None
+    source = in_memory_source(cfg, ds, train)
+    if source is None:
+        if cfg.data_pipeline == "device":
+            raise DataError(
+                f"data_pipeline 'device': the {cfg.data} data set is not held in memory as tensors"
+            )
+        return None
+    return source if select_pipeline(cfg, device, source.nbytes) == "device" else None
+
+
+def pipeline_of(batches) -> str:
+    """'device' or 'loader': which pipeline ``make_train_batches``/``make_val_batches`` chose (for result.json)."""
+    from stratbench.device_data import DeviceBatches, DeviceEvalBatches
+
+    return "device" if isinstance(batches, DeviceBatches | DeviceEvalBatches) else "loader"

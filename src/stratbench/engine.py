@@ -22,15 +22,16 @@ import torch
 from torch import nn
 
 from stratbench import checkpoint as ckpt
-from stratbench.config import TrainConfig, dump_yaml, validate
+from stratbench.config import TrainConfig, dump_yaml, optimizer_impl_kwargs, validate
 from stratbench.data import (
     DataBundle,
     build_data,
     check_data,
+    make_train_batches,
+    make_val_batches,
+    pipeline_of,
     split_batch,
     steps_per_epoch,
-    train_loader,
-    val_loader,
 )
 from stratbench.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
 from stratbench.errors import CheckpointError, ConfigError, DivergedError, StratbenchError, UnsupportedError
@@ -62,10 +63,10 @@ class OptimizerSpec:
 
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
     if cfg.optimizer == "sgd":
-        return OptimizerSpec(
-            torch.optim.SGD, {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
-        )
-    return OptimizerSpec(torch.optim.AdamW, {"lr": cfg.lr, "weight_decay": cfg.weight_decay})
+        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+        return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -171,6 +172,7 @@ class Trainer:
         self.env = env
         self.out = Path(cfg.output)
         configure_tf32(cfg.tf32, env.device)
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         precision = Precision(cfg.precision, env.device)
         self.strategy = strategy_cls(cfg, env, precision, strategy_cls.parse_options(cfg.strategy_options))
         self.loss_fn = nn.CrossEntropyLoss()
@@ -276,15 +278,9 @@ class Trainer:
         seed_everything(cfg.seed)
         bundle = build_data(cfg)
         micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
-        loader, sampler = train_loader(
-            bundle.train,
-            micro,
-            env.rank,
-            env.world_size,
-            cfg.seed,
-            cfg.num_workers,
-            env.device.type == "cuda",
-        )
+        # The host DataLoader, or the device-side pipeline (--data-pipeline; the default on CUDA for in-memory data).
+        loader, sampler = make_train_batches(cfg, bundle, env.device, env.rank, env.world_size, micro)
+        self.result["data_pipeline"] = pipeline_of(loader)
         spe = steps_per_epoch(len(bundle.train), env.world_size, micro, cfg.grad_accum)
         if spe == 0:
             raise ConfigError(
@@ -376,9 +372,7 @@ class Trainer:
         of batches (padding has weight 0), so sharded methods' collectives stay in step."""
         cfg, env, strategy = self.cfg, self.env, self.strategy
         micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
-        loader = val_loader(
-            bundle.val, micro, env.rank, env.world_size, cfg.num_workers, env.device.type == "cuda"
-        )
+        loader = make_val_batches(cfg, bundle, env.device, env.rank, env.world_size, micro)
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
         for x, y, valid in loader:

@@ -26,13 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
                      help="built-in matrix: quick (default; CPU, minutes), seed (the source experiment on GPUs), "
-                          "gpu-precision (every precision on one GPU)")  # fmt: skip
-    src.add_argument(
-        "--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)"
-    )
-    parser.add_argument(
-        "--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it"
-    )
+                          "gpu-precision (every precision on one GPU), gpu-fast (seed with the fast recipe)")  # fmt: skip
+    src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)")
+    parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
     parser.add_argument("--only", action="append", metavar="NAMES",
                         help="keep cells matching one of these comma-separated names (method, label, precision, "
                              "cell id, wN; wildcards ok); repeat the flag to require several")  # fmt: skip

@@ -212,7 +212,56 @@ def preset_gpu_precision() -> dict[str, Any]:
     }
 
 
-PRESETS = {"quick": preset_quick, "seed": preset_seed, "gpu-precision": preset_gpu_precision}
+def _fast_precision() -> str:
+    """The fast recipe's precision on this machine: bf16-mixed, or fp16-mixed on a GPU without bf16."""
+    import torch
+
+    return "fp16-mixed" if torch.cuda.is_available() and not torch.cuda.is_bf16_supported() else "bf16-mixed"
+
+
+def preset_gpu_fast(world_size: int | None = None) -> dict[str, Any]:
+    """The source experiment's model, data and batch with the fast recipe instead of the source's settings
+    (those stay in ``seed``): every method, multi-device ones on every visible GPU (one GPU: world size 1)."""
+    world = world_size or max(1, _gpu_count())
+    multi = ["ddp", "ddp-zero", "fsdp", "fsdp1", "accelerate-ddp", "accelerate-fsdp", "accelerate-deepspeed"]
+    return {
+        "name": "gpu-fast",
+        "description": "the source experiment (ResNet-50, CIFAR-10 at 224x224, 5 epochs, global batch 128) with "
+        "the fast recipe (bf16-mixed, channels-last, device-side input pipeline, fused optimizer, cudnn.benchmark, "
+        f"torch.compile on CUDA); every method, multi-device methods on {world} GPU(s)",
+        "base": {
+            "model": "resnet50",
+            "data": "cifar10",
+            "image_size": 224,
+            "epochs": 5,
+            "batch_size": 128,
+            "recipe": "fast",
+        },
+        "world_size": world,
+        "gpu_only": True,
+        "timeout_s": 3600,
+        "cells": [
+            {"method": "single", "precision": _fast_precision()},
+            {"method": "dp", "precision": _fast_precision(), "world_size": 1},
+            {"method": multi, "precision": _fast_precision()},
+            {
+                "method": "deepspeed",
+                "precision": _fast_precision(),
+                "options": [{"zero_stage": s} for s in (0, 1, 2, 3)],
+                "label": "deepspeed-z{zero_stage}",
+            },
+        ],
+    }
+
+
+PRESETS = {
+    "quick": preset_quick,
+    "seed": preset_seed,
+    "gpu-precision": preset_gpu_precision,
+    "gpu-fast": preset_gpu_fast,
+}
+WORLD_PRESETS = ("seed", "gpu-fast")
+"""Presets whose default world size depends on the GPUs here (``--world-size`` overrides it)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +376,12 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
     name = preset or "quick"
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)")
-    spec = preset_seed(world_size, bool((overrides or {}).get("download"))) if name == "seed" else PRESETS[name]()
+    if name == "seed":
+        spec = preset_seed(world_size, bool((overrides or {}).get("download")))
+    elif name in WORLD_PRESETS:
+        spec = PRESETS[name](world_size)
+    else:
+        spec = PRESETS[name]()
     return build_matrix(spec, overrides, world_size)
 
 

@@ -1,0 +1,126 @@
+#!/usr/bin/env bash
+# Every GPU check of issue 16 in one command, for a session that is lent a GPU. NOT RUN YET: written on a
+# CPU-only machine; the time estimates below are guesses for one H100, to be replaced by what a run shows.
+#
+#   OUT=/some/folder benchmarks/gpu_session.sh            # every part, in the order below
+#   OUT=/some/folder benchmarks/gpu_session.sh fast source # only these parts
+#
+# Parts (each writes one file into $OUT; compare sweeps and train runs go under $WORK, default /tmp/sb-gpu):
+#   env        nvidia-smi, versions                                                      -> env.txt
+#   precision  stratbench compare --preset gpu-precision (7 cells)               ~4 min  -> precision.md
+#   seed       compare --preset seed --data synthetic --only single (4 cells)   ~3 min  -> seed_single.md
+#   methods    compare --preset gpu-fast --world-size 1: every method at world 1 on CUDA (NCCL), 40 steps of
+#              ResNet-50 at 224 px, compile off (a compile per cell would not fit one call) ~6 min -> methods_w1.md
+#   fast       ResNet-50 224 px training throughput, fast recipe, batch 128/256, compile on/off ~6 min -> fast.md
+#   source     the source experiment with the fast recipe: ResNet-50, CIFAR-10's size (50,000 synthetic images
+#              unless CIFAR_DIR holds cifar-10-batches-py) at 224 px, 5 epochs, batch 128  ~3 min -> source.md
+#   pipeline   benchmarks/input_pipeline.py on CUDA: loader vs device, 32 and 224 px       ~2 min -> pipeline.md
+#   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA) -> tests.txt
+# On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
+#   "env precision seed", "methods", "fast source pipeline", "tests".
+#
+# DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
+# deepspeed cells are listed as skipped ("not available in this install").
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-runs/gpu-session}
+WORK=${WORK:-/tmp/sb-gpu}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT" "$WORK"
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+SB=("$PY" -m stratbench)
+PARTS=("$@")
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast source pipeline tests)
+
+summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
+    local out=$1 title=$2
+    shift 2
+    "$PY" - "$out" "$title" "$@" <<'EOF'
+import json, sys
+from pathlib import Path
+out, title, runs = sys.argv[1], sys.argv[2], sys.argv[3:]
+lines = [f"## {title}", "", "| run | status | precision | compile | pipeline | batch | throughput (img/s) | MFU | train time (s) | peak allocated (GiB) | GPU util mean (%) | val acc |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+for run in runs:
+    p = Path(run) / "result.json"
+    if not p.exists():
+        lines.append(f"| {Path(run).name} | no result.json | | | | | | | | | | |")
+        continue
+    r = json.loads(p.read_text()); m = r.get("metrics", {}); c = r.get("config", {})
+    f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "n/a"
+    peak = m.get("peak_memory_bytes") or [None]
+    util = m.get("gpu_util_mean_pct") or [None]
+    lines.append(f"| {Path(run).name} | {r.get('status')} {r.get('reason', '')[:80]} | {r.get('precision')} | {c.get('compile')} | "
+                 f"{r.get('data_pipeline', c.get('data_pipeline'))} | {r.get('global_batch_size')} | {f(m.get('throughput_samples_per_s'), '.0f')} | "
+                 f"{f(m.get('mfu') and 100 * m['mfu'], '.1f')}% | {f(m.get('train_time_s'), '.1f')} | "
+                 f"{f(peak[0] and peak[0] / 2**30, '.2f')} | {f(util[0], '.0f')} | {f(m.get('val_accuracy'), '.4f')} |")
+env = None
+for run in runs:
+    p = Path(run) / "result.json"
+    if p.exists():
+        env = json.loads(p.read_text()).get("environment"); break
+lines += ["", f"environment: {json.dumps(env)}", ""]
+Path(out).write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+}
+
+train() {  # train NAME FLAGS...: one stratbench train run under $WORK/NAME; the log goes to $WORK/NAME.log
+    local name=$1
+    shift
+    rm -rf "${WORK:?}/$name"
+    echo "+ stratbench train --output $WORK/$name $*"
+    "${SB[@]}" train --output "$WORK/$name" --progress false "$@" >"$WORK/$name.log" 2>&1 || tail -20 "$WORK/$name.log"
+}
+
+for part in "${PARTS[@]}"; do
+    echo "=== $part ($(date -u +%H:%M:%S))"
+    case $part in
+    env)
+        { nvidia-smi; "$PY" -c 'import torch, sys; print(sys.version); print("torch", torch.__version__, "cuda", torch.version.cuda, "cudnn", torch.backends.cudnn.version(), torch.cuda.get_device_name(0), "bf16", torch.cuda.is_bf16_supported())'
+          "$PY" -m pip list 2>/dev/null | grep -i -E "^(torch|torchvision|accelerate|deepspeed|triton|numpy) "; git log -1 --format='stratbench commit %H'; } >"$OUT/env.txt" 2>&1
+        cat "$OUT/env.txt" ;;
+    precision)
+        "${SB[@]}" compare --preset gpu-precision --output "$WORK/gpu-precision"
+        cp "$WORK/gpu-precision/report.md" "$OUT/precision.md" ;;
+    seed)
+        "${SB[@]}" compare --preset seed --data synthetic --only single --output "$WORK/seed-single"
+        cp "$WORK/seed-single/report.md" "$OUT/seed_single.md" ;;
+    methods)
+        "${SB[@]}" compare --preset gpu-fast --world-size 1 --data synthetic --synthetic-samples 5120 --epochs 1 \
+            --max-steps 40 --compile false --output "$WORK/gpu-fast-w1"
+        cp "$WORK/gpu-fast-w1/report.md" "$OUT/methods_w1.md" ;;
+    fast)
+        common=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
+                --save-every-epoch false --device cuda)
+        train fast-b256-compile "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60
+        train fast-b256-eager "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false
+        train fast-b128-compile "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60
+        train fast-b128-eager "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60 --compile false
+        train fast-b256-loader "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false \
+            --data-pipeline loader --num-workers 8
+        summary "$OUT/fast.md" "ResNet-50, 224 px, fast recipe (target >= 5,000 img/s on one H100)" \
+            "$WORK"/fast-b256-compile "$WORK"/fast-b256-eager "$WORK"/fast-b128-compile "$WORK"/fast-b128-eager "$WORK"/fast-b256-loader ;;
+    source)
+        if [ -n "${CIFAR_DIR:-}" ] && [ -d "$CIFAR_DIR/cifar-10-batches-py" ]; then
+            data=(--data cifar10 --data-dir "$CIFAR_DIR")
+        else
+            data=(--data synthetic --synthetic-samples 50000)
+        fi
+        train source-fast --recipe fast --model resnet50 "${data[@]}" --image-size 224 --epochs 5 --batch-size 128 --device cuda
+        summary "$OUT/source.md" "The source experiment, fast recipe (target <= 60 s of training; the source: 1,546 s on one P40)" \
+            "$WORK"/source-fast ;;
+    pipeline)
+        "$PY" benchmarks/input_pipeline.py --device cuda --sizes 32 224 --workers 0 8 --n-train 50000 --batches 50 \
+            --repeats 5 --output "$OUT/pipeline.md" ;;
+    tests)
+        "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
+    *)
+        echo "unknown part $part; parts: env precision seed methods fast source pipeline tests" >&2
+        exit 2 ;;
+    esac
+done
+echo "=== done ($(date -u +%H:%M:%S)); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
