@@ -231,3 +231,19 @@ def test_resnet50_peak_within_10pct_on_gpu(precision, batch):
     measured = torch.cuda.max_memory_allocated(dev)
     assert base > 0
     assert abs(predicted - measured) <= 0.10 * measured, (predicted, measured, torch.cuda.max_memory_reserved(dev))
+
+
+def test_every_precision_has_an_estimate_that_scales_with_its_dtype():
+    """The trace builds the fake model in the weights' dtype (converting fake parameters fails in torch 2.13):
+    half weights hold half the bytes of fp32, fp64 twice as many."""
+    from stratbench.config import TrainConfig
+    from stratbench.estimate import estimate
+    from stratbench.precision import SPECS
+
+    def params(precision: str) -> int:
+        cfg = TrainConfig(model="tinynet", data="synthetic", image_size=32, batch_size=8, precision=precision)
+        return estimate(cfg, 1, "cpu").rows[0].device_bytes
+
+    fp32 = params("fp32")
+    assert params("fp64") == 2 * fp32 and params("bf16-true") * 2 == fp32 and params("fp16-true") * 2 == fp32
+    assert all(params(p) > 0 for p in SPECS)

@@ -244,9 +244,14 @@ def trace_step(
     pspec = SPECS[precision]
     live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = spec.build()
-        if pspec.param_dtype is not torch.float32:
-            model = model.to(pspec.param_dtype)
+        # Built in the weights' dtype: converting fake parameters afterwards (module.to) fails in torch 2.13
+        # ("Couldn't swap Conv2d.weight"), which broke every fp16-true/bf16-true/fp64 estimate.
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(pspec.param_dtype)
+        try:
+            model = spec.build()
+        finally:
+            torch.set_default_dtype(default_dtype)
         if activation_checkpointing:
             from stratbench.models import apply_activation_checkpointing
 

@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     parser.add_argument(
-        "--precision", default="fp32", help="fp32, fp16-true, bf16-true, fp16-mixed, bf16-mixed"
+        "--precision", default="fp32", help="fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (or Lightning's names)"
     )
     parser.add_argument(
         "--strategy",
