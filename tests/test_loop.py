@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EQUIV, RTOL, TINY, assert_curves_match, run_stratbench, train
+from conftest import EQUIV, REPO, RTOL, TINY, assert_curves_match, run_stratbench, train
 
 QUICK = [*TINY, "--max-steps", "6"]
 
@@ -49,6 +49,10 @@ def test_mlflow_sink_logs_a_run_found_by_search_runs(tmp_path):
     assert [m.step for m in history] == list(range(1, 7))
     assert [m.value for m in history] == pytest.approx(res["metrics"]["loss_curve"], rel=1e-12)
     assert run.data.metrics["val_accuracy"] == pytest.approx(res["metrics"]["val_accuracy"])
+    # The result file is an artifact inside the run's folder, not in the working directory's ./mlruns.
+    saved = json.loads((out / "mlflow-artifacts" / run.info.run_id / "artifacts" / "result.json").read_text())
+    assert saved["status"] == "ok" and saved["metrics"]["steps"] == 6
+    assert not (REPO / "mlruns").exists()
 
 
 def test_train_state_round_trips():

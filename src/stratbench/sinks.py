@@ -4,7 +4,8 @@ which only the main rank has. Each sink is a few lines; the loop names none of t
 - ``CsvSink`` (always): ``OUTPUT/metrics.csv``, one row per optimizer step (appended on resume).
 - ``TensorBoardSink`` (``--tensorboard``): scalars under ``OUTPUT/tensorboard``.
 - ``MLflowSink`` (``--mlflow``, the ``mlflow`` extra): params, per-step metrics and the result file, in a local
-  SQLite store ``OUTPUT/mlflow.db`` unless ``--mlflow-tracking-uri`` names another.
+  SQLite store ``OUTPUT/mlflow.db`` (artifacts in ``OUTPUT/mlflow-artifacts``) unless ``--mlflow-tracking-uri``
+  names another.
 - ``ResultSink`` (always): ``OUTPUT/result.json``, written atomically when the run ends, whatever its status.
 """
 
@@ -79,9 +80,13 @@ class MLflowSink:
         self._mlflow = mlflow
         self._client = mlflow.MlflowClient(tracking_uri=uri)
         experiment = self._client.get_experiment_by_name(cfg.mlflow_experiment)
-        experiment_id = (
-            experiment.experiment_id if experiment else self._client.create_experiment(cfg.mlflow_experiment)
-        )
+        if experiment is None:
+            # Artifacts (the result file) next to the run's other outputs; MLflow's default is ./mlruns in
+            # whatever the working directory is. An existing experiment keeps the location it was made with.
+            artifacts = (out / "mlflow-artifacts").resolve().as_uri()
+            experiment_id = self._client.create_experiment(cfg.mlflow_experiment, artifact_location=artifacts)
+        else:
+            experiment_id = experiment.experiment_id
         name = f"{cfg.strategy}/{cfg.precision}"
         self._run_id = self._client.create_run(
             experiment_id, run_name=name, tags={"output": str(out)}
