@@ -463,3 +463,22 @@ def test_dcp_non_tensor_entry_is_read_weights_only(tmp_path, capsys):
     assert "refusing to load" in err and not marker.exists()
     assert main(["consolidate", "--trust-checkpoint", str(folder), str(tmp_path / "out.pt")]) == 0
     assert marker.exists()
+
+
+def test_a_rank_that_only_saw_its_peer_vanish_is_not_the_reason(tmp_path):
+    """When rank 1 is killed, rank 0 may write result.json first with gloo's "Connection closed by peer": the
+    launcher keeps that text but names the cause (seen once in CI as a race with the test above)."""
+    import json
+
+    from stratbench.commands.train import raise_failed
+    from stratbench.config import TrainConfig
+    from stratbench.errors import StratbenchError
+
+    out = tmp_path / "run"
+    out.mkdir()
+    gloo = "RuntimeError: [../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1234"
+    (out / "result.json").write_text(json.dumps({"status": "failed", "reason": gloo}))
+    with pytest.raises(StratbenchError, match="killed"):
+        raise_failed(TrainConfig(output=str(out), nproc=2), 1)
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "failed" and "killed" in result["reason"] and "Connection closed by peer" in result["reason"]

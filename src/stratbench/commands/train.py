@@ -255,6 +255,10 @@ def check_memory(cfg: TrainConfig) -> None:
         )
 
 
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe", "NCCL communicator was aborted")
+"""What a surviving rank's error says when another rank died (gloo, NCCL)."""
+
+
 def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
     """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
     torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
@@ -274,7 +278,14 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
         except ValueError:
             res = None
     if isinstance(res, dict) and res.get("status") not in (None, "ok", "running"):
-        reason = f": {res.get('reason', '')}"
+        seen = str(res.get("reason", ""))
+        if any(marker in seen for marker in PEER_LOST):
+            # A surviving rank only saw its peer vanish; the cause is the worker that exited or was killed.
+            seen = f"a worker exited or was killed during training; torchrun stopped the others (rank 0 saw: {seen})"
+            if cfg.node_rank == 0:
+                res["reason"] = seen
+                atomic_write(path, json.dumps(res, indent=2, default=str))
+        reason = f": {seen}"
     else:
         config = out / "config.yaml"  # written by rank 0 when training starts
         started = config.exists() and config.stat().st_mtime >= started_at
