@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, run_stratbench
+from conftest import TINY, run_stratbench, stratbench_cmd
 from stratbench.cli import main
 
 SHORT = [*TINY[: TINY.index("--max-steps")], "--max-steps", "4", *TINY[TINY.index("--max-steps") + 2 :]]
@@ -172,23 +172,10 @@ def _run_processes(marker: str) -> list[int]:
 
 def _start_long_run(out: Path):
     import subprocess
-    import sys
     import time
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "stratbench",
-        "train",
-        "--output",
-        str(out),
-        "--nproc",
-        "2",
-        "--strategy",
-        "ddp",
-        *LONG,
-    ]
+    cmd = stratbench_cmd("train", "--output", str(out), "--nproc", "2", "--strategy", "ddp", *LONG)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while len(_run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
@@ -373,7 +360,6 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp
     import json
     import random
     import subprocess
-    import sys
     import time
 
     from stratbench import checkpoint as ckpt
@@ -383,18 +369,7 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp
     out = tmp_path / "run"
     flags = ["--strategy", strategy, *options, "--nproc", str(nproc)]
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = [
-        sys.executable,
-        "-m",
-        "stratbench",
-        "train",
-        "--output",
-        str(out),
-        *flags,
-        *LONG,
-        "--save-every-steps",
-        "1",
-    ]
+    cmd = stratbench_cmd("train", "--output", str(out), *flags, *LONG, "--save-every-steps", "1")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     last = ckpt.last_checkpoint(out)
     deadline = time.monotonic() + 180

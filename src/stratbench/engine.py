@@ -34,7 +34,14 @@ from stratbench.data import (
     steps_per_epoch,
 )
 from stratbench.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
-from stratbench.errors import CheckpointError, ConfigError, DivergedError, StratbenchError, UnsupportedError
+from stratbench.errors import (
+    CheckpointError,
+    ConfigError,
+    DivergedError,
+    StratbenchError,
+    UnsupportedError,
+    is_out_of_memory,
+)
 from stratbench.metrics import RunMetrics, environment, flops_per_sample
 from stratbench.models import (
     apply_activation_checkpointing,
@@ -204,8 +211,7 @@ class Trainer:
             raise
         except Exception as exc:
             text = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            # CPU allocations that fail raise a plain RuntimeError ("can't allocate memory").
-            self._fail("oom" if "can't allocate memory" in text else "failed", text)
+            self._fail("oom" if is_out_of_memory(exc) else "failed", text)
             raise
         finally:
             self.result["metrics"]["wall_time_s"] = time.perf_counter() - t_start

@@ -31,3 +31,10 @@ class DivergedError(StratbenchError):
     """The loss became NaN/inf without a loss scaler to skip the step: the run stopped (status "diverged")."""
 
     exit_code = 4
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA raises torch.OutOfMemoryError; a failed CPU allocation is a plain RuntimeError saying so."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))

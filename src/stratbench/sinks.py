@@ -133,7 +133,9 @@ class ResultSink:
         pass
 
     def close(self, result: dict[str, Any]) -> None:
-        write_json(self.path, result)
+        from stratbench.checkpoint import atomic_write
+
+        atomic_write(self.path, json.dumps(result, indent=2, default=str))
 
 
 def build_sinks(cfg: TrainConfig, out: Path, resuming: bool) -> list[Sink]:
@@ -145,10 +147,3 @@ def build_sinks(cfg: TrainConfig, out: Path, resuming: bool) -> list[Sink]:
         sinks.append(MLflowSink(cfg, out))
     sinks.append(ResultSink(out / "result.json"))  # last: the other sinks may add to the result when closing
     return sinks
-
-
-def write_json(path: Path, obj: dict[str, Any]) -> None:
-    """Write JSON atomically: a reader sees the old file or the new one, never half of one."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str))
-    tmp.replace(path)

@@ -117,11 +117,9 @@ def _run(cfg) -> int:
     import errno
     import time
 
-    import torch
-
     from stratbench import engine, launch
     from stratbench.dist import die_with_parent, launched_by_launcher, read_env
-    from stratbench.errors import StratbenchError
+    from stratbench.errors import StratbenchError, is_out_of_memory
     from stratbench.lock import held_here, output_lock
     from stratbench.report_table import print_result
 
@@ -154,10 +152,10 @@ def _run(cfg) -> int:
             # A full disk or a folder that became read-only while saving: the previous checkpoint is intact
             # (every writer swaps a complete new one in); result.json says "failed" with this reason.
             raise StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}") from None
-        except (torch.OutOfMemoryError, RuntimeError) as exc:
-            text = str(exc)
-            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in text:
+        except RuntimeError as exc:  # torch.OutOfMemoryError is one too
+            if not is_out_of_memory(exc):
                 raise
+            text = str(exc)
             # result.json says "oom" with the reason (the engine wrote it); the user gets one line.
             first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
             raise StratbenchError(
