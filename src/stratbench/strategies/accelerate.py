@@ -188,6 +188,9 @@ class _Accelerate(Strategy):
             (tmp / ACCELERATE_DIR).mkdir(parents=True)
         self.barrier()
         self.accelerator.save_state(str(tmp / ACCELERATE_DIR))  # a collective for sharded plugins
+        # Every rank writes its own files (RNG states) into tmp: the main process must not move it into place
+        # before they have all finished (seen: rank 1 writing into a folder rank 0 had already renamed).
+        self.barrier()
         if self.env.is_main:
             names = [n for n, _ in self.unwrap(model).named_parameters()]
             header = {
