@@ -29,6 +29,7 @@ from stratbench.config import TrainConfig, from_dict
 from stratbench.errors import ConfigError
 
 if TYPE_CHECKING:
+    from stratbench.comm import Collective
     from stratbench.dist import DistEnv
     from stratbench.estimate import MemoryContext, RankMemory
     from stratbench.precision import Precision
@@ -260,6 +261,13 @@ class Strategy:
     def memory_model(cls, ctx: MemoryContext, rank: int) -> RankMemory | None:
         """Bytes of model states ``rank`` holds under this method (``stratbench.estimate`` adds the traced
         activations). None: no memory model, which ``estimate`` reports as such rather than as 0."""
+        return None
+
+    @classmethod
+    def comm_model(cls, ctx: MemoryContext) -> list[Collective] | None:
+        """The collectives one rank takes part in per optimizer step under this method (``stratbench.comm``),
+        from the same model shapes the memory model reads. None: no communication model (reported as such,
+        never as 0); an empty list: the method does not communicate (one process)."""
         return None
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

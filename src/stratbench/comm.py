@@ -1,0 +1,73 @@
+"""Communication a training method does per optimizer step: the types its formula returns and the ring model.
+
+A strategy's ``comm_model`` (classmethod, next to its ``memory_model``) returns the collectives one rank takes
+part in per optimizer step, as ``Collective`` rows: their kind, payload, calls and phase. The measured side
+(what the run actually sent) is recorded in the same terms, so a prediction and a measurement compare row by
+row, and the projection to other hardware prices the same rows with an alpha-beta cost.
+
+Payload is the full-size tensor a call reduces or assembles: all_reduce -- its tensor; all_gather -- its
+output; reduce_scatter -- its input; broadcast / send / recv -- the tensor. Bytes on the wire per rank follow
+from the payload under the ring model (``wire_factor``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send_recv", "all_to_all")
+PHASES = ("forward", "backward", "optimizer", "other")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One kind of collective in one phase of one optimizer step, as seen by one rank."""
+
+    kind: str
+    payload_bytes: int
+    """Sum of the payloads of these calls (see the module doc for what payload means per kind)."""
+    calls: int
+    """How many calls carry that payload (a bucketed all_reduce is several calls)."""
+    phase: str
+    group_size: int
+    """Ranks taking part in each call."""
+    note: str = ""
+    """Where it comes from, e.g. 'gradient buckets' or 'BatchNorm buffers broadcast'."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"collective kind {self.kind!r}; allowed: {', '.join(KINDS)}")
+        if self.phase not in PHASES:
+            raise ValueError(f"collective phase {self.phase!r}; allowed: {', '.join(PHASES)}")
+
+    @property
+    def wire_bytes(self) -> float:
+        """Bytes each rank sends under the ring model."""
+        return self.payload_bytes * wire_factor(self.kind, self.group_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"wire_bytes": self.wire_bytes}
+
+
+def wire_factor(kind: str, n: int) -> float:
+    """Bytes sent per rank per payload byte by a ring algorithm over ``n`` ranks (0 for one rank).
+
+    all_reduce = reduce_scatter + all_gather: 2(n-1)/n; all_gather and reduce_scatter: (n-1)/n; a broadcast
+    pipelined along the ring: (n-1)/n per rank on average; send/recv: 1; all_to_all: (n-1)/n."""
+    if kind not in KINDS:
+        raise ValueError(f"collective kind {kind!r}; allowed: {', '.join(KINDS)}")
+    if n <= 1:
+        return 0.0
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind == "send_recv":
+        return 1.0
+    return (n - 1) / n
+
+
+def total_payload(rows: list[Collective], kind: str | None = None) -> int:
+    return sum(r.payload_bytes for r in rows if kind is None or r.kind == kind)
+
+
+def total_wire(rows: list[Collective]) -> float:
+    return sum(r.wire_bytes for r in rows)
