@@ -63,6 +63,36 @@ def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, **kw) 
     return json.loads((Path(output) / "result.json").read_text())
 
 
+COMM = ["--comm-volume", "true", "--breakdown", "true"]
+"""Record the collectives of step 3 (stratbench.commvol) and time each step's phases in an equivalence run:
+neither changes a number the run computes."""
+
+
+def assert_breakdown_adds_up(res: dict) -> dict:
+    """metrics.breakdown: on every rank the phases add up to the step time (within 2%; by construction they
+    do exactly), and forward, backward and the optimizer step were each timed."""
+    b = res["metrics"]["breakdown"]
+    for r in b["per_rank_s"]:
+        total = sum(r[p] for p in b["phases"])
+        assert abs(total - r["step"]) <= 0.02 * r["step"], r
+        assert all(r[p] > 0 for p in ("forward", "backward", "optimizer")), r
+        assert r["other"] >= -1e-9, r
+    return b
+
+
+def assert_comm_matches_formula(res: dict, tol: float = 0.05) -> dict:
+    """Per collective kind, the busiest rank's measured payload per step is within ``tol`` of the method's
+    ``comm_model`` formula, and a kind the formula does not predict was not sent (returns metrics.comm)."""
+    comm = res["metrics"]["comm"]
+    assert comm.get("predicted") is not None, comm.get("predicted_note") or comm.get("note")
+    assert comm["check"], comm
+    for kind, c in comm["check"].items():
+        want, got = c["predicted_payload_bytes"], c["measured_payload_bytes"]
+        assert abs(got - want) <= tol * want, f"{kind}: measured {got:.0f} B/step vs formula {want} B/step ({comm})"
+    assert sum(r["unknown_dtype_calls"] for r in comm["measured_per_rank"]) == 0, comm
+    return comm
+
+
 def max_rel_diff(a: list[float], b: list[float]) -> float:
     """Largest relative difference between two loss curves (asserting equal length)."""
     assert len(a) == len(b), (len(a), len(b))

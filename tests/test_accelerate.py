@@ -15,7 +15,17 @@ import pytest
 import torch
 import yaml
 
-from conftest import EQUIV, REPO, RTOL, TINY, assert_curves_match, run_stratbench, train
+from conftest import (
+    COMM,
+    EQUIV,
+    REPO,
+    RTOL,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    run_stratbench,
+    train,
+)
 
 CPU = torch.device("cpu")
 
@@ -24,7 +34,8 @@ CPU = torch.device("cpu")
 @pytest.mark.equivalence
 def test_accelerate_ddp_matches_single_and_its_checkpoint_loads_into_single(tmp_path, reference_run):
     out = tmp_path / "acc"
-    res = train(out, "--strategy", "accelerate-ddp", *EQUIV, nproc=2, timeout=240)
+    res = train(out, "--strategy", "accelerate-ddp", *EQUIV, *COMM, nproc=2, timeout=240)
+    assert_comm_matches_formula(res)  # DDP's all_reduce Φ, under accelerate
     assert res["status"] == "ok" and res["world_size"] == 2
     curve, ref = res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"]
     assert len(curve) == 20

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RTOL_FP32_SAME_SHAPES, TINY, assert_curves_match, run_stratbench, train
+from conftest import (
+    COMM,
+    RTOL_FP32_SAME_SHAPES,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    run_stratbench,
+    train,
+)
 
 pytestmark = pytest.mark.distributed
 
@@ -37,7 +45,7 @@ def _half(rank_bytes: list[int], full: int) -> None:
 
 @pytest.fixture(scope="module")
 def zero2(tmp_path_factory) -> dict:
-    return train(tmp_path_factory.mktemp("ds") / "z2", *DS, "--zero-stage", "2", *TINY, nproc=2, timeout=TIMEOUT)
+    return train(tmp_path_factory.mktemp("ds") / "z2", *DS, "--zero-stage", "2", *TINY, *COMM, nproc=2, timeout=TIMEOUT)
 
 
 def _fp32(fp64_bytes: int) -> int:
@@ -52,6 +60,7 @@ def test_zero2_matches_single_and_shards_gradients_and_optimizer_state(zero2, re
     _half(zero2["sharding"]["optimizer_state_bytes"], _fp32(full["optimizer_state_bytes"][0]))
     _half(zero2["sharding"]["grad_bytes"], _fp32(full["grad_bytes"][0]))
     assert zero2["sharding"]["param_bytes"] == [_fp32(full["param_bytes"][0])] * 2  # ZeRO-2 replicates parameters
+    assert_comm_matches_formula(zero2)  # fp32: gradients all-reduced (Φ), updated partitions all-gathered (Φ)
     cfg = json.loads((Path(zero2["config"]["output"]) / "deepspeed_config.json").read_text())
     assert cfg["train_batch_size"] == 32 and cfg["train_micro_batch_size_per_gpu"] == 16
     assert cfg["zero_optimization"]["stage"] == 2 and "fp16" not in cfg and "bf16" not in cfg
@@ -92,7 +101,7 @@ def test_zero3_resume_equals_uninterrupted_and_consolidates_for_single(tmp_path,
 
 @pytest.mark.parametrize("stage", ["1", "2", "3"])
 def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
-    res = train(tmp_path / f"bf16-z{stage}", *DS, "--zero-stage", stage, *TINY, "--precision", "bf16-mixed", nproc=2, timeout=TIMEOUT)
+    res = train(tmp_path / f"bf16-z{stage}", *DS, "--zero-stage", stage, *TINY, "--precision", "bf16-mixed", *COMM, nproc=2, timeout=TIMEOUT)
     curve = _curve(res)
     assert len(curve) == 20 and all(x == x for x in curve)
     # bf16 weights and activations: close to fp64 early, and it learns (the fp64 run goes from ~2.3 to ~1.1 here).
@@ -102,6 +111,12 @@ def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
     assert cfg["bf16"]["enabled"] is True
     # fp32 optimizer state (momentum over the fp32 master partitions).
     _half(res["sharding"]["optimizer_state_bytes"], _fp32(reference_run["sharding"]["optimizer_state_bytes"][0]))
+    # bf16 traffic: stages 1/2 all-reduce the gradients and all-gather the updated partitions, stage 3
+    # all-gathers every parameter and reduce-scatters the gradients (deepspeed.deepspeed_comm).
+    comm = assert_comm_matches_formula(res)
+    phi_bf16 = sum(reference_run["sharding"]["param_bytes"]) // 4
+    main = "reduce_scatter" if stage == "3" else "all_reduce"
+    assert abs(comm["measured"][main]["payload_bytes"] - phi_bf16) <= 16, comm["measured"]
 
 
 def test_conflicting_user_json_is_one_clear_error(tmp_path):

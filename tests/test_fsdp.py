@@ -11,7 +11,17 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EQUIV, RTOL, TINY, assert_curves_match, max_rel_diff, run_stratbench, train
+from conftest import (
+    COMM,
+    EQUIV,
+    RTOL,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    max_rel_diff,
+    run_stratbench,
+    train,
+)
 
 CASES = {
     "fsdp-full": ["--strategy", "fsdp", "--sharding", "full"],
@@ -30,8 +40,19 @@ def runs(tmp_path_factory, reference_run) -> dict:
 
 def _run(runs: dict, case: str) -> dict:
     if case not in runs:
-        runs[case] = train(runs["root"] / case, *CASES[case], *EQUIV, nproc=2)
+        runs[case] = train(runs["root"] / case, *CASES[case], *EQUIV, *COMM, nproc=2)
     return runs[case]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("case", list(CASES))
+def test_communication_matches_the_formula(runs, case):
+    """full: all_gather 2Φ (forward and backward) + reduce_scatter Φ; grad-op: all_gather Φ + reduce_scatter
+    Φ; none: all_reduce Φ; fsdp1 FULL_SHARD: as full, with flat parameters padded per unit."""
+    comm = assert_comm_matches_formula(_run(runs, case))
+    phi = sum(runs["single"]["sharding"]["param_bytes"])  # fp64, dim 0 of every tinynet tensor is even
+    gathers = {"fsdp-full": 2, "fsdp-grad-op+ac": 1, "fsdp-none": 0, "fsdp1": 2}[case]
+    assert comm["measured"].get("all_gather", {}).get("payload_bytes", 0) == gathers * phi
 
 
 @pytest.mark.distributed

@@ -71,3 +71,31 @@ def total_payload(rows: list[Collective], kind: str | None = None) -> int:
 
 def total_wire(rows: list[Collective]) -> float:
     return sum(r.wire_bytes for r in rows)
+
+
+def ceil_to(x: int, multiple: int) -> int:
+    return -(-x // multiple) * multiple
+
+
+def dim0_padded(numels: list[int], dim0: list[int], n: int) -> int:
+    """Elements FSDP2 moves for these parameters: each is chunked along dim 0 into ``n`` equal shards, dim 0
+    padded up to a multiple of ``n`` (the all-gather output and the reduce-scatter input are that size)."""
+    return sum(ceil_to(d, n) * (e // d if d else e) for e, d in zip(numels, dim0, strict=True))
+
+
+def replicated_grads(ctx: Any, note: str = "gradient buckets (DDP's reducer)") -> list[Collective]:
+    """DDP's traffic per optimizer step: the gradients all-reduced once (bucketed; ``no_sync`` on all but the
+    last micro-step), in the weights' dtype. BatchNorm buffers are broadcast from rank 0 before every forward
+    (``broadcast_buffers``, the default) where the model has any."""
+    n = ctx.world
+    if n <= 1:
+        return []
+    rows = [Collective("all_reduce", ctx.info.total * ctx.param_bytes, 1, "backward", n, note)]
+    if ctx.info.buffer_bytes:
+        rows.append(
+            Collective(
+                "broadcast", ctx.info.buffer_bytes * ctx.cfg.grad_accum, ctx.cfg.grad_accum, "forward", n,
+                "buffers (BatchNorm statistics) broadcast from rank 0 before each forward",
+            )
+        )  # fmt: skip
+    return rows

@@ -182,6 +182,16 @@ class TrainConfig:
     """Show a progress bar (rank 0)."""
     measure_flops: bool = True
     """Count FLOPs per sample once (on the meta device) to report achieved FLOP/s and MFU."""
+    breakdown: bool = False
+    """Time each step's phases (data wait, forward, backward, optimizer, other; synchronised at each boundary)
+    into metrics.breakdown; they add up to the step time by construction."""
+    profile: int = 0
+    """Write a torch.profiler trace per rank of this many steps after the timing warm-up (and after the
+    --comm-volume steps) to OUTPUT/traces/rank{r}.json, the phases as named ranges (Perfetto, TensorBoard)."""
+    comm_volume: bool = False
+    """Record every collective (calls, payload bytes, time per kind) from the third step to the end of the
+    timing warm-up (torch.profiler; outside the timed steps when the warm-up is >= 3) and check it against the
+    method's formula (metrics.comm)."""
     # --- launching -----------------------------------------------------------------------------
     nproc: int = 1
     """Processes per node; > 1 makes stratbench start them through torchrun."""
@@ -432,6 +442,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "lr_warmup_steps": (0, None),
     "seed": (0, 2**32 - 1),  # numpy's seed range
     "timing_warmup_steps": (0, None),
+    "profile": (0, 1000),
     "save_every_steps": (1, None),
     "keep_last": (1, 1000),
     "nproc": (1, 4096),

@@ -261,11 +261,13 @@ class Trainer:
         """One optimizer step, timed: load the micro-batches, forward/backward (the strategy's schedule), step."""
         cfg, strategy, progress = self.cfg, self.strategy, run.state.progress
         metrics.step_start()
-        micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
+        with metrics.phase("data"):
+            micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
         loss = strategy.run_step(run.model, micro, self.loss_fn)
         if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
             metrics.record_state_bytes(run.model, run.optimizer)
-        strategy.optimizer_step(run.optimizer, cfg.clip_grad_norm)
+        with metrics.phase("optimizer"):
+            strategy.optimizer_step(run.optimizer, cfg.clip_grad_norm)
         lr = run.state.scheduler.get_last_lr()[0]
         run.state.scheduler.step()
         dt = metrics.step_end(progress.step + 1, progress.epoch, loss, lr)

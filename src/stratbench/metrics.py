@@ -9,7 +9,7 @@ import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -334,6 +334,12 @@ class RunMetrics:
         self.evaluations: list[dict[str, float]] = []
         self.state_bytes: dict[str, int] | None = None
         self._epoch_time = 0.0
+        self.comm = CommWindow(strategy.env.world_size) if getattr(cfg, "comm_volume", False) else None
+        self.trace = TraceWindow(cfg, strategy.env) if getattr(cfg, "profile", 0) else None
+        self.phases: PhaseClock | None = None
+        if getattr(cfg, "breakdown", False) or self.trace is not None:
+            self.phases = PhaseClock(strategy.synchronize)
+            strategy.phase = self.phase
 
     # ---- phases --------------------------------------------------------------------------------
     @contextmanager
@@ -363,13 +369,30 @@ class RunMetrics:
             self.eval_peaks.append(phase.peak_bytes())
 
     # ---- steps ---------------------------------------------------------------------------------
+    def phase(self, name: str):
+        """``with metrics.phase("forward"):`` -- one part of the step (a no-op without --breakdown/--profile)."""
+        return self.phases.phase(name) if self.phases is not None else nullcontext()
+
     def step_start(self) -> None:
+        if self.comm is not None:
+            self.comm.before_step(self.timer.seen)
+        if self.trace is not None:
+            self.trace.before_step(self.timer.seen)
         self.timer.start()
 
     def step_end(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> float:
         """Stop the step clock (synchronised), record the loss and send one row to the sinks; returns the
         step's time in seconds. The loss is read after the clock stops, so that reading it adds no wait."""
         dt = self.timer.stop()
+        traced = self.trace is not None and self.trace.recorder is not None
+        if traced and self.timer.seen > self.timer.warmup:
+            self.timer.times.pop()  # a traced step is slower: kept out of the step-time statistics
+        if self.phases is not None:
+            self.phases.end_step(dt, measured=self.timer.seen > self.timer.warmup and not traced)
+        if self.comm is not None:
+            self.comm.after_step(self.timer.seen, self.cfg.timing_warmup_steps)
+        if self.trace is not None:
+            self.trace.after_step(self.timer.seen)
         self._epoch_time += dt
         loss = float(loss)
         self.losses.append(loss)
@@ -413,7 +436,11 @@ class RunMetrics:
             "eval_peak": self.eval_peaks[-1] if self.eval_peaks else [],
             "util": self.util.summary(),
             "state_bytes": self.state_bytes or {},
+            "comm": self.comm.finish() if self.comm is not None else None,
+            "phases": self.phases.summary() if self.phases is not None else None,
         }
+        if self.trace is not None:
+            self.trace.finish()
         ranks = strategy.all_gather_object(local)
         mean_steps = [
             r["timer"]["step_time_mean_s"] for r in ranks if r["timer"]["step_time_mean_s"] is not None
@@ -458,8 +485,136 @@ class RunMetrics:
             metrics["achieved_flops_per_device"] = achieved
             peak = peak_flops(env.device, cfg.precision, cfg.tf32)
             metrics["mfu"] = achieved / peak if peak else None
+        if getattr(cfg, "breakdown", False):
+            metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
+        if self.comm is not None:
+            from stratbench.commvol import comm_report
+
+            metrics["comm"] = comm_report(cfg, env.world_size, [r["comm"] for r in ranks])
         sharding = {k: [r["state_bytes"].get(k) for r in ranks] for k in local["state_bytes"]}
         return metrics, sharding
+
+
+PHASES = ("data", "forward", "backward", "optimizer", "other")
+"""The parts of a step: waiting for the batch, forward, backward (with the communication overlapped with it),
+the optimizer step (with ZeRO's gathers after it), and the rest (loss bookkeeping, hooks, Python)."""
+
+
+class PhaseClock:
+    """Times the named phases of each step on the step timer's synchronised clock. ``other`` is the step time
+    minus the named phases, so the phases add up to the step by construction; warm-up and traced steps are
+    left out. Each phase is also a ``record_function`` range, so it shows by name in a profiler trace."""
+
+    def __init__(self, sync: Callable[[], None]) -> None:
+        self.sync = sync
+        self.current: dict[str, float] = {}
+        self.steps: list[dict[str, float]] = []
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        with torch.profiler.record_function(f"phase:{name}"):
+            self.sync()
+            t0 = time.perf_counter()
+            try:
+                yield
+            finally:
+                self.sync()
+                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+
+    def end_step(self, step_s: float, measured: bool) -> None:
+        row = {p: self.current.get(p, 0.0) for p in PHASES[:-1]}
+        row["other"] = step_s - sum(row.values())
+        row["step"] = step_s
+        if measured:
+            self.steps.append(row)
+        self.current = {}
+
+    def summary(self) -> dict[str, Any] | None:
+        if not self.steps:
+            return None
+        return {k: statistics.fmean(r[k] for r in self.steps) for k in (*PHASES, "step")} | {
+            "measured_steps": len(self.steps)
+        }
+
+
+def breakdown_report(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    """``metrics.breakdown``: per rank the mean seconds of each phase per step; over ranks the mean share of
+    each phase, and the share that is not compute (data wait + other)."""
+    ranks = [r for r in per_rank if r]
+    if not ranks:
+        return None
+    share = {p: statistics.fmean(r[p] / r["step"] for r in ranks if r["step"] > 0) for p in PHASES}
+    return {
+        "phases": list(PHASES),
+        "per_rank_s": per_rank,
+        "share": share,
+        "not_compute_share": share["data"] + share["other"],
+    }
+
+
+class TraceWindow:
+    """--profile N: a torch.profiler trace of N steps after the timing warm-up (and after the --comm-volume
+    steps, which use the profiler too), written per rank to OUTPUT/traces/rank{r}.json atomically."""
+
+    def __init__(self, cfg: Any, env: Any) -> None:
+        self.first = max(cfg.timing_warmup_steps, 3 if getattr(cfg, "comm_volume", False) else 0)
+        self.steps = cfg.profile
+        self.path = Path(cfg.output) / "traces" / f"rank{env.rank}.json"
+        self.cuda = env.device.type == "cuda"
+        self.recorder: torch.profiler.profile | None = None
+        self.done = False
+
+    def before_step(self, steps_done: int) -> None:
+        if steps_done == self.first and self.recorder is None and not self.done:
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if self.cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            self.recorder = torch.profiler.profile(activities=acts, record_shapes=True)
+            self.recorder.__enter__()
+
+    def after_step(self, steps_done: int) -> None:
+        if self.recorder is not None and steps_done >= self.first + self.steps:
+            self.finish()
+
+    def finish(self) -> None:
+        if self.recorder is None:
+            return
+        from stratbench.checkpoint import atomic_output
+
+        prof, self.recorder, self.done = self.recorder, None, True
+        prof.__exit__(None, None, None)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_output(self.path, ".json") as tmp:
+            prof.export_chrome_trace(str(tmp))
+
+
+class CommWindow:
+    """Runs the collective recorder (``stratbench.commvol``) from the third step (DDP rebuilds its buckets at the
+    start of the second and broadcasts the new layout once) to the end of the timing warm-up, at least one
+    step, so that its cost stays out of the measured step times when the warm-up is 3 steps or more."""
+
+    def __init__(self, group_size: int) -> None:
+        from stratbench.commvol import CommRecorder
+
+        self.recorder = CommRecorder(group_size)
+        self.first = 2
+        self.recorded = 0
+
+    def before_step(self, steps_done: int) -> None:
+        if steps_done == self.first and not self.recorder.active and self.recorder.result is None:
+            self.recorder.start()
+
+    def after_step(self, steps_done: int, warmup: int) -> None:
+        if self.recorder.active:
+            self.recorded += 1
+            if steps_done >= max(self.first + 1, warmup):
+                self.recorder.stop(self.recorded)
+
+    def finish(self) -> dict[str, Any] | None:
+        """This rank's measurement, or None when the run had too few steps (< 3) to record one."""
+        if self.recorder.active:
+            self.recorder.stop(max(1, self.recorded))
+        return self.recorder.result.to_dict() if self.recorder.result is not None else None
 
 
 def _column_max(rows: list[list[int]]) -> list[int]:

@@ -127,7 +127,9 @@ def preset_quick() -> dict[str, Any]:
             "epochs": 2,
             "batch_size": 64,
             "measure_flops": False,
-            "timing_warmup_steps": 2,
+            "timing_warmup_steps": 3,
+            "comm_volume": True,
+            "breakdown": True,
         },  # fmt: skip
         "world_size": 2,
         "timeout_s": 300,

@@ -40,6 +40,8 @@ COLUMNS: list[tuple[str, str]] = [
     ("speedup", "speed-up vs single fp32"),
     ("predicted", "predicted peak (error)"),
     ("mfu", "MFU"),
+    ("not_compute", "not compute (data wait + other)"),
+    ("comm", "comm / step (wire, per rank; vs ddp)"),
     ("val_accuracy", "val accuracy"),
     ("final_loss", "final loss"),
     ("status", "status"),
@@ -156,7 +158,43 @@ def build_rows(records: list[dict[str, Any]], notes: Footnotes) -> list[Row]:
     rows: list[Row] = []
     for rec in records:
         rows.append(_row(rec, notes, baselines))
+    _add_comm_ratio(rows)
     return rows
+
+
+def _add_comm_ratio(rows: list[Row]) -> None:
+    """Each row's measured bytes on the wire per step as a multiple of the ddp row's (same machine, precision)."""
+    ddp = {
+        (machine_name(r.rec), r.raw["precision"]): r.raw["comm"]
+        for r in rows
+        if r.rec.get("method") == "ddp" and r.raw.get("comm")
+    }
+    for r in rows:
+        base = ddp.get((machine_name(r.rec), r.raw["precision"]))
+        if r.raw.get("comm") is not None and base:
+            r.raw["comm_vs_ddp"] = r.raw["comm"] / base
+            r.text["comm"] = r.text["comm"].replace(" MiB", f" MiB ({r.raw['comm_vs_ddp']:.2f}x)", 1)
+
+
+def _comm_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+    """Measured MiB on the wire per rank and step (ring model over the measured payloads), and the largest
+    error of the method's formula over its collective kinds."""
+    comm = m.get("comm")
+    raw["comm"] = raw["comm_formula_error_pct"] = None
+    if not comm or "wire_bytes_per_step" not in comm:
+        text["comm"] = "n/a" + notes.mark("n/a: collectives were not recorded (--comm-volume false)")
+        return
+    raw["comm"] = comm["wire_bytes_per_step"]
+    text["comm"] = f"{raw['comm'] / 2**20:.2f} MiB"
+    errors = [abs(c["error_pct"]) for c in (comm.get("check") or {}).values() if c.get("error_pct") is not None]
+    if errors:
+        raw["comm_formula_error_pct"] = max(errors)
+        text["comm"] += f", formula {raw['comm_formula_error_pct']:.1f}%"
+    text["comm"] += notes.mark(
+        "comm / step: bytes each rank sends per optimizer step under the ring model, from every collective "
+        "torch.profiler recorded in step 3 (docs/communication.md); x: its multiple of ddp's; formula: the "
+        "largest error of the method's comm_model over its collective kinds"
+    )
 
 
 def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
@@ -183,7 +221,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     if ok and raw["reason"]:
         text["status"] = f"ok ({raw['reason']})"
     metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
-                   "mfu", "val_accuracy", "final_loss")  # fmt: skip
+                   "mfu", "not_compute", "comm", "val_accuracy", "final_loss")  # fmt: skip
     if not ok:
         dash = DASH + notes.mark(
             f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured"
@@ -285,6 +323,17 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     else:
         text["mfu"] = "n/a" + notes.mark(
             "n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)"
+        )
+    _comm_cell(m, raw, text, notes)
+    b = m.get("breakdown") or {}
+    raw["not_compute"] = b.get("not_compute_share")
+    if raw["not_compute"] is None:
+        text["not_compute"] = "n/a" + notes.mark("n/a: the step's phases were not timed (--breakdown false)")
+    else:
+        text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
+            "not compute: the share of the step spent waiting for the batch or outside forward, backward and "
+            "the optimizer step (metrics.breakdown; the chart chart_breakdown.png splits the whole step). "
+            "Communication that DDP/FSDP overlap with backward counts in backward"
         )
     acc = m.get("val_accuracy")
     raw["val_accuracy"] = acc
@@ -474,7 +523,8 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
 CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
-              "predicted_peak_bytes", "prediction_error_pct", "mfu", "val_accuracy", "final_loss", "status", "reason",
+              "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
+              "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
               "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max"]  # fmt: skip
 
@@ -498,7 +548,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("predicted")),
-                v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("val_accuracy")),
+                v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
+                v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
                 r.rec.get("host_load_mean", ""), r.rec.get("host_cpu_count", ""), raw.get("repeats", 1),
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
@@ -617,7 +668,7 @@ SORT_SCRIPT = """<script>
 </script>"""
 
 SORT_RAW = {"peak_memory": "peak_memory", "gpu_util": "gpu_util", "epoch_time": "epoch_time", "train_time": "train_time",
-            "throughput": "throughput", "speedup": "speedup", "predicted": "predicted", "mfu": "mfu",
+            "throughput": "throughput", "speedup": "speedup", "predicted": "predicted", "mfu": "mfu", "comm": "comm", "not_compute": "not_compute",
             "val_accuracy": "val_accuracy", "final_loss": "final_loss", "devices": "devices",
             "batch_device": "batch_device", "batch_global": "batch_global"}  # fmt: skip
 
@@ -679,6 +730,11 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
         else:
             _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy")
         paths[name] = path
+    path = out / "chart_breakdown.png"
+    if _breakdown_chart(ok, path, f"Where each step's time goes (mean per step, slowest rank)\n{subtitle}", multi):
+        paths["breakdown"] = path
+    else:
+        path.unlink(missing_ok=True)
     path = out / "chart_curves.png"
     if _curves_chart(ok, path, f"Training loss and validation accuracy per method\n{subtitle}", multi):
         paths = {"curves": path, **paths}  # first in the report: how each method trained
@@ -767,6 +823,52 @@ def _memory_and_state_chart(data: list[tuple[Row, float]], path: Path, xlabel: s
     with atomic_output(Path(path), ".png") as tmp:
         fig.savefig(tmp, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
     plt.close(fig)
+
+
+PHASE_COLOURS = {"data": "#937860", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
+                 "other": "#c7c7c7"}  # fmt: skip
+
+
+def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bool:
+    """One stacked bar per cell: its step time split into data wait, forward, backward, optimizer and other
+    (metrics.breakdown, the rank with the longest step). False when no cell recorded a breakdown."""
+    data = []
+    for r in rows:
+        b = (r.rec.get("metrics") or {}).get("breakdown") or {}
+        ranks = [x for x in b.get("per_rank_s") or [] if x]
+        if ranks:
+            data.append((r, max(ranks, key=lambda x: x["step"])))
+    if not data:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(11, max(3.2, 1.7 + 0.38 * len(data))), dpi=110)
+    y = list(range(len(data)))
+    left = [0.0] * len(data)
+    for phase, colour in PHASE_COLOURS.items():
+        part = [x.get(phase, 0.0) * 1000 for _, x in data]
+        ax.barh(y, part, left=left, color=colour, label=phase)
+        left = [a + b for a, b in zip(left, part, strict=True)]
+    top = max(left) or 1.0
+    for yi, (_, x), v in zip(y, data, left, strict=True):
+        not_compute = (x.get("data", 0) + x.get("other", 0)) / x["step"] * 100 if x["step"] else 0
+        ax.text(v + top * 0.01, yi, f"{v:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
+    ax.set_yticks(y, [_label(r, multi) for r, _ in data], fontsize=9)
+    ax.invert_yaxis()
+    ax.set_xlim(0, top * 1.35)
+    ax.set_xlabel("ms per optimizer step (synchronised phase clocks; warm-up excluded)", fontsize=9)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    with atomic_output(Path(path), ".png") as tmp:
+        fig.savefig(tmp)
+    plt.close(fig)
+    return True
 
 
 LINESTYLES = {"fp32": "-", "bf16-mixed": "--", "fp16-mixed": "-.", "bf16-true": ":", "fp16-true": (0, (5, 1, 1, 1))}

@@ -234,6 +234,12 @@ class AccelerateDDP(_Accelerate):
     def memory_model(cls, ctx, rank):
         return ctx.replicated(buckets=True)
 
+    @classmethod
+    def comm_model(cls, ctx):
+        from stratbench.comm import replicated_grads
+
+        return replicated_grads(ctx, "gradient buckets (DDP under accelerate)")
+
 
 @register
 class AccelerateFSDP(_Accelerate):
@@ -256,6 +262,12 @@ class AccelerateFSDP(_Accelerate):
 
         # FSDP2 with full sharding (reshard_after_forward); its size-based units are approximated by blocks.
         return fsdp2_memory(ctx, rank, "full", ctx.options.fsdp_offload_params)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        from stratbench.strategies.fsdp import fsdp2_comm
+
+        return fsdp2_comm(ctx, "full")  # FSDP2, reshard_after_forward (FULL_SHARD); units do not change bytes
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import FullyShardedDataParallelPlugin
@@ -306,6 +318,13 @@ class AccelerateDeepSpeed(_Accelerate):
 
         ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
         return deepspeed_memory(ctx, ds["zero_optimization"])
+
+    @classmethod
+    def comm_model(cls, ctx):
+        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_comm
+
+        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        return deepspeed_comm(ctx, ds["zero_optimization"])
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin

@@ -88,6 +88,8 @@ class Strategy:
         self.options = options
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        self.phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
+        """``with self.phase("forward"): ...`` times a part of the step (RunMetrics sets it with --breakdown)."""
 
     # ---- what it needs ------------------------------------------------------------------------
     @classmethod
@@ -156,8 +158,10 @@ class Strategy:
         total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for k, (x, y) in enumerate(batches):
             with self.accumulate(is_last_micro_step=k == len(batches) - 1):
-                loss, _ = self.forward_loss(model, x, y, loss_fn)
-                self.backward(loss / len(batches))
+                with self.phase("forward"):
+                    loss, _ = self.forward_loss(model, x, y, loss_fn)
+                with self.phase("backward"):
+                    self.backward(loss / len(batches))
             total += loss.detach()
         return total / len(batches)
 
@@ -286,6 +290,10 @@ class Strategy:
     def memory_devices(self) -> list[torch.device]:
         """Devices whose memory this process should report (DataParallel reports every GPU)."""
         return [self.env.device]
+
+
+def _no_phase(name: str) -> contextlib.AbstractContextManager:
+    return contextlib.nullcontext()
 
 
 def _local_bytes(t: torch.Tensor) -> int:

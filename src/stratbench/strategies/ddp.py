@@ -51,6 +51,13 @@ class DDPStrategy(Strategy):
     def memory_model(cls, ctx, rank):
         return ctx.replicated(buckets=True)  # the reducer's buckets are a second copy of the gradients
 
+
+    @classmethod
+    def comm_model(cls, ctx):
+        from stratbench.comm import replicated_grads
+
+        return replicated_grads(ctx)
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 

@@ -331,6 +331,10 @@ class DeepSpeed(Strategy):
     def memory_model(cls, ctx, rank):
         return deepspeed_memory(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
+    @classmethod
+    def comm_model(cls, ctx):
+        return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
         # DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
@@ -514,6 +518,47 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     # The step converts the partition's gradients to the master dtype: a master-sized scratch (0 on the host).
     m.step_scratch = m.master if stage >= 1 else (0 if offload_optimizer else None)
     return m
+
+
+def deepspeed_comm(ctx, zero: dict[str, Any]):
+    """DeepSpeed's traffic per optimizer step (measured on deepspeed 0.19, docs/communication.md), in the
+    compute dtype of its bit16 weights under fp16/bf16, else fp32:
+
+    * stage 0: the gradients all-reduced (Φ);
+    * stages 1 and 2: the gradients all-reduced too (Φ): DeepSpeed's "reduce-scatter" is an all-reduce of each
+      bucket after which every rank keeps its partition (``use_multi_rank_bucket_allreduce``, the default);
+      then a 4-byte fp32 all-reduce (the gradient-overflow/norm check), a 1-byte one more under fp16/bf16, and
+      after the step the updated partitions all-gathered, the flat group padded to a multiple of 2 x world
+      elements (``nccl_start_alignment_factor``);
+    * stage 3: every parameter all-gathered once per step, padded to a multiple of the world (small models:
+      the persistence threshold keeps them gathered, refreshed after each step; larger ones are gathered
+      before use and, with the default reuse distance, kept for backward), the gradients reduce-scattered
+      (Φ), and an 8-byte fp64 all-reduce (the overflow check).
+    Not modelled: gradient accumulation with stages 2/3 (reduced every micro-step)."""
+    from stratbench.comm import Collective, ceil_to
+
+    n, info = ctx.world, ctx.info
+    if n <= 1:
+        return []
+    stage = int(zero.get("stage", 2))
+    bit = 2 if ctx.half else ctx.param_bytes
+    phi = info.total * bit
+    grads = Collective("all_reduce", phi, 1, "backward", n, "gradient buckets")
+    if stage == 0:
+        return [grads]
+    if stage in (1, 2):
+        rows = [grads, Collective("all_reduce", 4, 1, "optimizer", n, "overflow/norm check (fp32 scalar)")]
+        if ctx.half:
+            rows.append(Collective("all_reduce", 1, 1, "optimizer", n, "overflow flag (1 byte)"))
+        gathered = ceil_to(info.total, 2 * n) * bit
+        rows.append(Collective("all_gather", gathered, 1, "optimizer", n, "updated partitions"))
+        return rows
+    gathered = sum(ceil_to(x, n) for x in info.numels) * bit
+    return [
+        Collective("all_gather", gathered, len(info.numels), "forward", n, "each parameter once per step"),
+        Collective("reduce_scatter", ceil_to(info.total, n) * bit, 1, "backward", n, "gradients"),
+        Collective("all_reduce", 8, 1, "optimizer", n, "overflow check (fp64 scalar)"),
+    ]
 
 
 def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: dict, extra: dict) -> Path:

@@ -157,6 +157,39 @@ def _size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
     return units
 
 
+def fsdp2_comm(ctx, sharding: str):
+    """FSDP2's traffic per optimizer step. Each parameter is a dim-0-chunked DTensor, so every call moves the
+    parameters padded to a multiple of the shard group along dim 0. full: all-gather before forward and again
+    before backward (every unit, the root included, is resharded after forward), reduce-scatter of the
+    gradients; grad-op: one all-gather (kept from forward to backward); none (replicate): all-reduce.
+    Gathers in the policy's param dtype (the compute dtype under autocast), reductions in fp32 then; with
+    gradient accumulation full sharding gathers and reduce-scatters every micro-step, grad-op/none reduce
+    once. Not modelled: BatchNorm units kept in fp32 under a half policy (they are gathered in fp32)."""
+    from stratbench.comm import Collective, dim0_padded
+
+    n, info = ctx.world, ctx.info
+    if n <= 1:
+        return []
+    spec = ctx.pspec
+    gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
+    reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+    if sharding == "none":
+        note = "replicated (HSDP with a shard group of one)"
+        units = max(1, sum(1 for u in info.block_units if u))
+        return [Collective("all_reduce", info.total * reduce_bytes, units, "backward", n, note)]
+    elems = dim0_padded(info.numels, info.dim0, n)
+    micro = ctx.cfg.grad_accum
+    units = max(1, sum(1 for u in info.block_units if u))  # one call per unit (blocks + root, as wrapped)
+    gather = elems * gather_bytes * micro
+    rows = [Collective("all_gather", gather, units * micro, "forward", n, "parameters before forward")]
+    if sharding == "full":
+        rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
+    reduces = micro if sharding == "full" else 1
+    rows.append(
+        Collective("reduce_scatter", elems * reduce_bytes * reduces, units * reduces, "backward", n, "gradients")
+    )
+    return rows
+
 @register
 class FSDPStrategy(Strategy):
     name = "fsdp"
@@ -183,6 +216,11 @@ class FSDPStrategy(Strategy):
         return fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
 
     # ---- set-up -------------------------------------------------------------------------------
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return fsdp2_comm(ctx, ctx.options.sharding)
+
     def mesh(self):
         """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one)."""
         from torch.distributed.device_mesh import init_device_mesh

@@ -99,6 +99,34 @@ class FSDP1Strategy(Strategy):
             m.step_scratch = 0
         return m
 
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """One FlatParameter per Linear/Conv2d unit (and the root), each padded to a multiple of the shard group.
+        FULL_SHARD: all-gather before forward and again before backward, reduce-scatter; SHARD_GRAD_OP: one
+        all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under autocast, reduced in fp32.
+        HYBRID_SHARD (two process groups) has no model yet."""
+        from stratbench.comm import Collective, ceil_to
+
+        kind, n, info = ctx.options.sharding_strategy, ctx.world, ctx.info
+        if kind == "HYBRID_SHARD":
+            return None
+        if n <= 1:
+            return []
+        spec = ctx.pspec
+        gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
+        reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+        if kind == "NO_SHARD":
+            return [Collective("all_reduce", info.total * reduce_bytes, 1, "backward", n, "flat parameters")]
+        units = [sum(info.numels[i] for i in u) for u in info.layer_units if u]
+        elems, micro = sum(ceil_to(u, n) for u in units), ctx.cfg.grad_accum
+        calls = len(units) * micro
+        rows = [Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")]
+        if kind == "FULL_SHARD":
+            rows.append(Collective("all_gather", elems * gather_bytes * micro, calls, "backward", n, "again"))
+        rows.append(Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients"))
+        return rows
+
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP

@@ -22,3 +22,7 @@ class SingleDevice(Strategy):
     @classmethod
     def memory_model(cls, ctx, rank):
         return ctx.replicated(buckets=False)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return []  # one process: no collectives

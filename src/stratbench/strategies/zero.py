@@ -69,6 +69,22 @@ class DDPZeroStrategy(DDPStrategy):
         m.sharding_note = "optimizer state sharded by whole parameters"
         return m
 
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """DDP's all-reduce, then after the step every parameter broadcast from the rank that stepped it (one
+        call per parameter): Φ more per step."""
+        from stratbench.comm import Collective, replicated_grads
+
+        rows = replicated_grads(ctx)
+        if ctx.world > 1:
+            params = ctx.info.numels
+            note = "updated parameters broadcast from their owner rank"
+            rows.append(
+                Collective("broadcast", sum(params) * ctx.param_bytes, len(params), "optimizer", ctx.world, note)
+            )
+        return rows
+
     def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -1,0 +1,81 @@
+"""Communication volume: the ring model, the formulas' arithmetic, and the trace parser on hand-made traces.
+The runs that check every method's formula against what it actually sent live with each method's equivalence
+run (test_ddp, test_fsdp, test_deepspeed, test_accelerate: ``assert_comm_matches_formula``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from stratbench.comm import Collective, ceil_to, dim0_padded, total_wire, wire_factor
+from stratbench.commvol import parse_trace
+from stratbench.config import TrainConfig
+from stratbench.estimate import MemoryContext, ModelSpec, model_info
+from stratbench.strategies.base import all_strategies
+
+
+def test_ring_wire_factors():
+    assert wire_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)
+    assert wire_factor("all_gather", 4) == pytest.approx(3 / 4)
+    assert wire_factor("reduce_scatter", 2) == pytest.approx(1 / 2)
+    assert wire_factor("send_recv", 2) == 1.0
+    assert wire_factor("all_reduce", 1) == 0.0
+    rows = [Collective("all_reduce", 1000, 2, "backward", 4), Collective("all_gather", 400, 1, "forward", 4)]
+    assert total_wire(rows) == pytest.approx(1500 + 300)
+    with pytest.raises(ValueError, match="allowed: all_reduce"):
+        Collective("allreduce", 1, 1, "backward", 2)
+    with pytest.raises(ValueError, match="phase 'fwd'"):
+        Collective("all_reduce", 1, 1, "fwd", 2)
+
+
+def test_padding_rules():
+    assert ceil_to(10, 4) == 12 and ceil_to(12, 4) == 12
+    # FSDP2 pads dim 0 of each tensor: a (5, 3) weight over 2 ranks moves 6 x 3.
+    assert dim0_padded([15, 4], [5, 4], 2) == 18 + 4
+
+
+def _event(name: str, ts: float, dims: list, types: list, dur: float = 10.0) -> dict:
+    return {"ph": "X", "name": name, "ts": ts, "dur": dur, "args": {"Input Dims": dims, "Input type": types}}
+
+
+def test_parse_trace_kinds_payloads_and_dtypes():
+    events = [
+        # DDP's reducer: a TensorList (no dtype on the c10d event), the dtype from gloo's own event.
+        _event("c10d::allreduce_", 0, [[[100], [20]], [], []], ["TensorList", "", ""]),
+        _event("gloo:all_reduce", 5, [[100], [20]], ["double", "double"], dur=300),
+        # FSDP2: all-gather into a tensor (output first), reduce-scatter (input second; gloo runs it as all_reduce).
+        _event("c10d::_allgather_base_", 10, [[64], [32], []], ["c10::BFloat16", "c10::BFloat16", ""]),
+        _event("gloo:all_gather", 11, [[32]], ["c10::BFloat16"]),
+        _event("c10d::_reduce_scatter_base_", 20, [[32], [64], []], ["float", "float", ""]),
+        _event("gloo:all_reduce", 21, [[64]], ["float"]),
+        # a 0-d fp64 scalar all-reduced (DeepSpeed's overflow check)
+        _event("c10d::allreduce_", 30, [[[]], []], ["TensorList", ""]),
+        _event("gloo:all_reduce", 31, [[]], ["double"]),
+        _event("c10d::barrier", 40, [[1]], ["unsigned char"]),
+    ]
+    m = parse_trace(events, steps=2, group_size=2)
+    d = m.to_dict()["per_step"]
+    assert m.unknown_dtype_calls == 0
+    assert d["all_reduce"]["payload_bytes"] == pytest.approx((120 * 8 + 8) / 2)
+    assert d["all_reduce"]["calls"] == pytest.approx(1.0)
+    assert d["all_gather"]["payload_bytes"] == pytest.approx(64 * 2 / 2)
+    assert d["reduce_scatter"]["payload_bytes"] == pytest.approx(64 * 4 / 2)
+    assert d["all_reduce"]["time_s"] == pytest.approx((300 + 10) * 1e-6 / 2)
+    assert "barrier" not in str(d)
+
+
+def test_every_strategy_has_a_formula_or_says_it_has_none():
+    """Every registered method answers comm_model with rows or None ("no model"), never a silent 0, and the
+    data-parallel methods send at least the gradients once."""
+    cfg = TrainConfig(model="tinynet", width=8, norm="none", data="digits", batch_size=32)
+    info = model_info(ModelSpec.from_config(cfg))
+    for name, cls in all_strategies().items():
+        ctx = MemoryContext(
+            TrainConfig(**{**cfg.__dict__, "strategy": name}), 2, info, cls.parse_options({}), "cpu"
+        )
+        rows = cls.comm_model(ctx)
+        if name == "single":
+            assert rows == []
+        elif rows is not None:
+            assert rows and all(isinstance(r, Collective) for r in rows), name
+            grads = sum(r.payload_bytes for r in rows if r.kind in ("all_reduce", "reduce_scatter"))
+            assert grads >= info.total * 2, name  # at least the gradients, in a 2-byte or wider dtype
