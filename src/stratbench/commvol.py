@@ -202,10 +202,6 @@ class CommRecorder:
             prof.export_chrome_trace(path)
             with open(path) as f:
                 events = json.load(f).get("traceEvents", [])
-            if os.environ.get("STRATBENCH_COMM_TRACE_DIR"):
-                import shutil
-
-                shutil.copy(path, os.path.join(os.environ["STRATBENCH_COMM_TRACE_DIR"], f"comm-{os.getpid()}.json"))
         finally:
             os.unlink(path)
         self.result = parse_trace(events, steps, self.group_size)

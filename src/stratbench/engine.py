@@ -221,7 +221,7 @@ class Trainer:
 
     def _fit(self, metrics: RunMetrics) -> None:
         cfg = self.cfg
-        run = self._setup()
+        run = self._setup(metrics)
         progress = run.state.progress
         bar = _progress(cfg, self.env, run.run_steps, progress.step)
         while progress.epoch < cfg.epochs and progress.step < run.run_steps:
@@ -281,7 +281,7 @@ class Trainer:
         return dt
 
     # ---- set-up --------------------------------------------------------------------------------
-    def _setup(self) -> Run:
+    def _setup(self, metrics: RunMetrics | None = None) -> Run:
         cfg, env, strategy = self.cfg, self.env, self.strategy
         seed_everything(cfg.seed)
         bundle = build_data(cfg)
@@ -302,6 +302,8 @@ class Trainer:
             )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
+        if metrics is not None:
+            metrics.before_model(build)
         model = build()
         meta = self._model_meta(bundle, model)
         if cfg.weights:

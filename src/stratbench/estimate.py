@@ -178,6 +178,11 @@ class _LiveBytes:
         r = self.round_to
         return max(r, -(-nbytes // r) * r) if r > 1 else nbytes
 
+    def exclude(self, t: torch.Tensor) -> None:
+        """Storage counted elsewhere (the parameters and buffers the model states already hold): their views
+        and aliases (``detach``, ``aten.t``, FSDP's unsharded views) must not be counted again as new memory."""
+        self.sizes[id(t.untyped_storage())] = 0
+
     def track(self, t: torch.Tensor) -> None:
         st = t.untyped_storage()
         key = id(st)
@@ -259,6 +264,8 @@ def trace_step(
         own = {id(p.untyped_storage()) for p in model.parameters()} | {
             id(b.untyped_storage()) for b in model.buffers()
         }
+        for t in (*model.parameters(), *model.buffers()):
+            live.exclude(t)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
         saved: dict[int, int] = {}
@@ -286,6 +293,54 @@ def trace_step(
             p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
         )
     return Trace(batch, live.nongrad_t, live.grad_t, sum(saved.values()), grad_bytes)
+
+
+def cpu_step_scratch(cfg: TrainConfig) -> int:
+    """Bytes the optimizer step allocates beyond the model states on a CPU: traced, like the forward/backward,
+    by running two steps of the real optimizer on fake parameters (the first creates the state) and keeping
+    the live bytes of the second. On a CPU torch's optimizers take the per-parameter loop, so this is the
+    temporaries of the largest parameter (e.g. weight decay's ``grad + wd * param``, AdamW's denominator)."""
+    from stratbench.engine import optimizer_spec
+    from stratbench.precision import SPECS
+
+    opt = optimizer_spec(cfg)
+    try:
+        key = tuple(sorted(opt.kwargs.items()))
+        hash(key)
+    except TypeError:  # an unhashable option: trace without the cache
+        return _trace_step_scratch.__wrapped__(
+            ModelSpec.from_config(cfg), SPECS[cfg.precision].param_dtype, opt.cls, tuple(opt.kwargs.items())
+        )
+    return _trace_step_scratch(ModelSpec.from_config(cfg), SPECS[cfg.precision].param_dtype, opt.cls, key)
+
+
+@functools.cache
+def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple) -> int:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    live = _LiveBytes(1)
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = spec.build()
+        finally:
+            torch.set_default_dtype(default_dtype)
+        params = list(model.parameters())
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        optimizer = cls(params, **dict(kwargs))
+        optimizer.step()
+        for p in params:
+            live.exclude(p)
+            live.exclude(p.grad)
+        for state in optimizer.state.values():
+            for v in state.values():
+                if isinstance(v, torch.Tensor):
+                    live.exclude(v)
+        with _dispatch_mode(live):
+            optimizer.step()
+    return max(live.nongrad_t, default=0)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -507,7 +562,11 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
     slots = opt_slots(cfg)
     step_temp = s.step_scratch
     if step_temp is None:  # the foreach optimizer kernels (default on CUDA) allocate one parameter-sized list
-        step_temp = max(s.optim // max(1, slots), s.params) if device_type == "cuda" else 0
+        if device_type == "cuda":
+            step_temp = max(s.optim // max(1, slots), s.params)
+        else:  # traced; a sharded rank steps its share of each parameter
+            share = s.params / max(1, info.total * SPECS[cfg.precision].param_dtype.itemsize)
+            step_temp = int(cpu_step_scratch(cfg) * min(1.0, share))
     peak_step = resident + s.grads + step_temp
     peak = max(peak_fwd_bwd, peak_step)
     ov = OVERHEAD[device_type]

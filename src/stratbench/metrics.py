@@ -336,6 +336,7 @@ class RunMetrics:
         self._epoch_time = 0.0
         self.comm = CommWindow(strategy.env.world_size) if getattr(cfg, "comm_volume", False) else None
         self.trace = TraceWindow(cfg, strategy.env) if getattr(cfg, "profile", 0) else None
+        self.alloc = AllocWindow() if getattr(cfg, "measure_alloc", False) else None
         self.phases: PhaseClock | None = None
         if getattr(cfg, "breakdown", False) or self.trace is not None:
             self.phases = PhaseClock(strategy.synchronize)
@@ -369,6 +370,15 @@ class RunMetrics:
             self.eval_peaks.append(phase.peak_bytes())
 
     # ---- steps ---------------------------------------------------------------------------------
+    def before_model(self, build: Callable[[], nn.Module]) -> None:
+        """The engine calls this just before it builds the model: the baseline of --measure-alloc, read after a
+        throw-away build on the meta device, so that the modules the builder imports lazily (torchvision,
+        a user's package: ~10 MiB of Python objects) are not counted as the model's memory."""
+        if self.alloc is not None and self.strategy.env.device.type == "cpu":
+            with torch.device("meta"):
+                build()
+            self.alloc.start_baseline()
+
     def phase(self, name: str):
         """``with metrics.phase("forward"):`` -- one part of the step (a no-op without --breakdown/--profile)."""
         return self.phases.phase(name) if self.phases is not None else nullcontext()
@@ -378,12 +388,16 @@ class RunMetrics:
             self.comm.before_step(self.timer.seen)
         if self.trace is not None:
             self.trace.before_step(self.timer.seen)
+        if self.alloc is not None:
+            self.alloc.before_step(self.timer.seen)
         self.timer.start()
 
     def step_end(self, step: int, epoch: int, loss: torch.Tensor, lr: float) -> float:
         """Stop the step clock (synchronised), record the loss and send one row to the sinks; returns the
         step's time in seconds. The loss is read after the clock stops, so that reading it adds no wait."""
         dt = self.timer.stop()
+        if self.alloc is not None:
+            self.alloc.after_step()
         traced = self.trace is not None and self.trace.recorder is not None
         if traced and self.timer.seen > self.timer.warmup:
             self.timer.times.pop()  # a traced step is slower: kept out of the step-time statistics
@@ -438,6 +452,7 @@ class RunMetrics:
             "state_bytes": self.state_bytes or {},
             "comm": self.comm.finish() if self.comm is not None else None,
             "phases": self.phases.summary() if self.phases is not None else None,
+            "alloc_peak": self.alloc.peak if self.alloc is not None else None,
         }
         if self.trace is not None:
             self.trace.finish()
@@ -485,6 +500,8 @@ class RunMetrics:
             metrics["achieved_flops_per_device"] = achieved
             peak = peak_flops(env.device, cfg.precision, cfg.tf32)
             metrics["mfu"] = achieved / peak if peak else None
+        if self.alloc is not None:
+            metrics["cpu_alloc_peak_bytes"] = [r["alloc_peak"] for r in ranks]
         if getattr(cfg, "breakdown", False):
             metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
         if self.comm is not None:
@@ -586,6 +603,51 @@ class TraceWindow:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(self.path, ".json") as tmp:
             prof.export_chrome_trace(str(tmp))
+
+
+class AllocWindow:
+    """--measure-alloc (CPU): glibc's bytes in use after every op of step 3, above the baseline read before the
+    model was built (stratbench.memprobe): the allocator-level peak the memory estimate predicts, which the
+    process RSS hides under ~0.4 GiB of libraries. None where glibc's mallinfo2 is missing."""
+
+    STEP = 2
+
+    def __init__(self) -> None:
+        self.baseline: int | None = None
+        self.peak: int | None = None
+        self._mode = None
+        self._readings: list[int] = []
+
+    def start_baseline(self) -> None:
+        from stratbench.memprobe import malloc_in_use
+
+        self.baseline = malloc_in_use()
+
+    def before_step(self, steps_done: int) -> None:
+        if self.baseline is None or steps_done != self.STEP:
+            return
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from stratbench.memprobe import malloc_in_use
+
+        readings = self._readings
+
+        class Sample(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                readings.append(malloc_in_use() or 0)
+                return out
+
+        self._mode = Sample()
+        self._mode.__enter__()
+
+    def after_step(self) -> None:
+        if self._mode is None:
+            return
+        mode, self._mode = self._mode, None
+        mode.__exit__(None, None, None)
+        if self._readings and self.baseline is not None:
+            self.peak = max(self._readings) - self.baseline
 
 
 class CommWindow:

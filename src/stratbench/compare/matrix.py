@@ -130,6 +130,7 @@ def preset_quick() -> dict[str, Any]:
             "timing_warmup_steps": 3,
             "comm_volume": True,
             "breakdown": True,
+            "measure_alloc": True,
         },  # fmt: skip
         "world_size": 2,
         "timeout_s": 300,
