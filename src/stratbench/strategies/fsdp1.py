@@ -123,7 +123,11 @@ class FSDP1Strategy(Strategy):
         calls = len(units) * micro
         rows = [Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")]
         if kind == "FULL_SHARD":
-            rows.append(Collective("all_gather", elems * gather_bytes * micro, calls, "backward", n, "again"))
+            # The root unit (the parameters outside every Linear/Conv2d, e.g. norms) stays gathered from forward
+            # to backward: only the wrapped units are gathered again.
+            root = ceil_to(sum(info.numels[i] for i in info.layer_units[-1]), n) if info.layer_units[-1] else 0
+            again = (elems - root) * gather_bytes * micro
+            rows.append(Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again"))
         rows.append(Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients"))
         return rows
 
