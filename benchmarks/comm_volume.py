@@ -34,12 +34,12 @@ METHODS = [
 ]
 
 
-def run(label: str, args: list[str], width: int, precision: str, root: Path, norm: str = "none") -> dict:
+def run(label: str, args: list[str], width: int, precision: str, root: Path, model: str = "tinynet") -> dict:
     out = root / label.replace(" ", "_")
     if not any(a == "--strategy" for a in args):
         args = ["--strategy", label, *args]
     cmd = [sys.executable, "-m", "stratbench", "train", "--output", str(out), "--nproc", "2", *args,
-           "--model", "tinynet", "--width", str(width), "--norm", norm, "--data", "digits", "--batch-size", "32",
+           *(["--model", "tinynet", "--width", str(width), "--norm", "none"] if model == "tinynet" else ["--model", model, "--image-size", "16"]), "--data", "digits", "--batch-size", "32",
            "--max-steps", "4", "--timing-warmup-steps", "3", "--progress", "false", "--measure-flops", "false",
            "--precision", precision, "--comm-volume", "true"]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -53,14 +53,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=8)
     ap.add_argument("--precision", default="fp32")
-    ap.add_argument("--norm", default="none", help="tinynet's normalisation: none, group or batch (buffers)")
+    ap.add_argument(
+        "--model", default="tinynet", help="tinynet (no norm) or e.g. resnet18 (BatchNorm buffers; at 16 px)"
+    )
     ap.add_argument("--out", type=Path, default=Path(__file__).parent)
     a = ap.parse_args()
     lines = [
-        f"# Communication per optimizer step, measured vs formula ({a.precision}, tinynet width {a.width}, "
-        f"norm {a.norm})",
+        f"# Communication per optimizer step, measured vs formula ({a.precision}, "
+        f"{a.model if a.model != 'tinynet' else f'tinynet width {a.width}'})",
         "",
-        f"Command: `python benchmarks/comm_volume.py --width {a.width} --precision {a.precision} --norm {a.norm}` "
+        f"Command: `python benchmarks/comm_volume.py --width {a.width} --precision {a.precision} --model {a.model}` "
         f"({dt.date.today()}). 2 processes, gloo, loopback; the collectives of step 3 recorded by torch.profiler "
         "(stratbench.commvol); formula: each method's `comm_model` (docs/communication.md). Payload is the "
         "full-size tensor of each call; wire = bytes each rank sends under the ring model.",
@@ -71,7 +73,7 @@ def main() -> None:
     env = None
     with tempfile.TemporaryDirectory() as tmp:
         for label, args in METHODS:
-            res = run(label, args, a.width, a.precision, Path(tmp), a.norm)
+            res = run(label, args, a.width, a.precision, Path(tmp), a.model)
             env = env or res.get("environment")
             comm = (res.get("metrics") or {}).get("comm") or {}
             if res.get("status") != "ok" or "check" not in comm:
@@ -89,8 +91,8 @@ def main() -> None:
     if env:
         lines += ["", f"Machine: {env.get('cpu') or env.get('device_name')}; torch {env.get('torch')}; "
                   f"packages {env.get('packages')}."]  # fmt: skip
-    norm = "" if a.norm == "none" else f"_{a.norm}"
-    name = f"comm_volume_cpu_{a.precision}_w{a.width}{norm}_{dt.date.today()}.md"
+    what = f"w{a.width}" if a.model == "tinynet" else a.model
+    name = f"comm_volume_cpu_{a.precision}_{what}_{dt.date.today()}.md"
     (a.out / name).write_text("\n".join(lines) + "\n")
     print(a.out / name)
 

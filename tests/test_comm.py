@@ -79,3 +79,14 @@ def test_every_strategy_has_a_formula_or_says_it_has_none():
             assert rows and all(isinstance(r, Collective) for r in rows), name
             grads = sum(r.payload_bytes for r in rows if r.kind in ("all_reduce", "reduce_scatter"))
             assert grads >= info.total * 2, name  # at least the gradients, in a 2-byte or wider dtype
+
+
+def test_a_collective_dispatched_twice_is_counted_once():
+    """Under a Python dispatch mode the same c10d call appears nested in itself: one call, not two."""
+    events = [
+        {**_event("c10d::allreduce_", 0, [[[100]], []], ["TensorList", ""]), "tid": 1, "pid": 1, "dur": 50},
+        {**_event("c10d::allreduce_", 5, [[[100]], []], ["TensorList", ""]), "tid": 1, "pid": 1, "dur": 40},
+        _event("gloo:all_reduce", 10, [[100]], ["float"]),
+    ]
+    d = parse_trace(events, steps=1, group_size=2).to_dict()["per_step"]
+    assert d["all_reduce"]["calls"] == 1 and d["all_reduce"]["payload_bytes"] == 400

@@ -68,7 +68,7 @@ def test_estimated_peak_within_10_percent_of_measured(measured, case):
 @pytest.mark.distributed
 @pytest.mark.skipif(malloc_in_use() is None, reason="needs glibc's mallinfo2")
 def test_two_rank_fsdp_estimate_within_10_percent_of_the_run_s_own_measurement(tmp_path):
-    """The run measures itself (--measure-alloc: step 3, every op, both ranks); the estimate of the busiest
+    """The run measures itself (--measure-alloc: step 2, every op, both ranks); the estimate of the busiest
     rank (2 largest units gathered + a reduce-scatter buffer, sharded states) is within 10% of it."""
     from conftest import train
     from stratbench.estimate import predict_peak_bytes

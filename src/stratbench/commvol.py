@@ -111,10 +111,18 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
     """Collectives in a Chrome trace (``export_chrome_trace``), as one rank's volume per step."""
     calls: list[_Call] = []
     transport: list[dict[str, Any]] = []
-    for e in events:
+    outer_end: dict[Any, float] = {}  # per thread: where the last counted c10d call ends
+    for e in sorted(events, key=lambda e: float(e.get("ts", 0))):
         name = e.get("name", "")
         if e.get("ph") != "X":
             continue
+        if name in _OPS:
+            # A c10d call inside another one on the same thread is the same collective dispatched again (a
+            # Python dispatch mode, a wrapper process group): count the outer one only.
+            ts, tid = float(e.get("ts", 0)), (e.get("pid"), e.get("tid"))
+            if ts < outer_end.get(tid, float("-inf")):
+                continue
+            outer_end[tid] = ts + float(e.get("dur", 0) or 0)
         args = e.get("args", {})
         if name in _OPS:
             kind, arg, per_rank = _OPS[name]

@@ -189,7 +189,7 @@ class TrainConfig:
     """Write a torch.profiler trace per rank of this many steps after the timing warm-up (and after the
     --comm-volume steps) to OUTPUT/traces/rank{r}.json, the phases as named ranges (Perfetto, TensorBoard)."""
     measure_alloc: bool = False
-    """CPU: measure the bytes the allocator hands out during step 3 (glibc mallinfo2 after every op, above a
+    """CPU: measure the bytes the allocator hands out during step 2 (glibc mallinfo2 after every op, above a
     baseline read before the model is built; stratbench.memprobe), the quantity the memory estimate predicts."""
     comm_volume: bool = False
     """Record every collective (calls, payload bytes, time per kind) from the third step to the end of the

@@ -606,11 +606,13 @@ class TraceWindow:
 
 
 class AllocWindow:
-    """--measure-alloc (CPU): glibc's bytes in use after every op of step 3, above the baseline read before the
+    """--measure-alloc (CPU): glibc's bytes in use after every op of step 2, above the baseline read before the
     model was built (stratbench.memprobe): the allocator-level peak the memory estimate predicts, which the
-    process RSS hides under ~0.4 GiB of libraries. None where glibc's mallinfo2 is missing."""
+    process RSS hides under ~0.4 GiB of libraries. None where glibc's mallinfo2 is missing. Step 2: the first
+    with optimizer state, and not step 3, where --comm-volume's profiler would add its own buffers (and its
+    dispatch would see each collective twice)."""
 
-    STEP = 2
+    STEP = 1
 
     def __init__(self) -> None:
         self.baseline: int | None = None

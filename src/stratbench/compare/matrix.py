@@ -128,9 +128,6 @@ def preset_quick() -> dict[str, Any]:
             "batch_size": 64,
             "measure_flops": False,
             "timing_warmup_steps": 3,
-            "comm_volume": True,
-            "breakdown": True,
-            "measure_alloc": True,
         },  # fmt: skip
         "world_size": 2,
         "timeout_s": 300,
@@ -285,6 +282,12 @@ def _default_world(method: str, default: int) -> int:
     return default if cls.needs_process_group else 1
 
 
+CELL_DEFAULTS: dict[str, Any] = {"breakdown": True, "comm_volume": True, "measure_alloc": True}
+"""What every compare cell measures unless its matrix says otherwise: the step's phases, the collectives of
+step 3 against the method's formula, and (CPU) the allocator's bytes against the memory estimate. The last two
+record a warm-up step only (3 warm-up steps by default), so they cost the measured steps nothing."""
+
+
 def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
 ) -> Matrix:
@@ -300,7 +303,7 @@ def build_matrix(
         raise ConfigError(
             f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
         )
-    base = dict(spec.get("base") or {})
+    base = CELL_DEFAULTS | dict(spec.get("base") or {})
     base.update(overrides or {})
     for key in SWEEP_OWNED:
         if key in base:

@@ -310,7 +310,7 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         alloc = max(a for a in m["cpu_alloc_peak_bytes"] if a)
         raw["prediction_error_pct"] = (pred - alloc) / alloc * 100
         text["predicted"] = f"{fmt_bytes(pred)} ({raw['prediction_error_pct']:+.0f}%)" + notes.mark(
-            "on CPU the error is against the bytes the allocator handed out during step 3 (glibc mallinfo2 "
+            "on CPU the error is against the bytes the allocator handed out during step 2 (glibc mallinfo2 "
             "above a baseline read before the model was built; --measure-alloc), the largest over the ranks: "
             "the quantity the estimate predicts, which process RSS hides under the runtime's ~0.4 GiB"
         )
