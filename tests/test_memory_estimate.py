@@ -82,3 +82,25 @@ def test_two_rank_fsdp_estimate_within_10_percent_of_the_run_s_own_measurement(t
         estimated / 2**20,
         res["metrics"]["cpu_alloc_peak_bytes"],
     )
+
+
+@pytest.mark.parametrize(
+    ("name", "key", "want"),
+    [
+        ("NVIDIA L40", "bf16", 181e12),  # not the L4's 121e12
+        ("NVIDIA L40S", "bf16", 362e12),
+        ("NVIDIA L4", "bf16", 121e12),
+        ("NVIDIA RTX A1000", "fp32", None),  # not the A100's
+        ("NVIDIA A100-SXM4-80GB", "bf16", 312e12),
+        ("NVIDIA A10", "fp32", 31.2e12),
+        ("NVIDIA H100 NVL", "bf16", 835.5e12),  # not the SXM's 989.4e12
+        ("NVIDIA H200 NVL", "bf16", 835.5e12),
+        ("NVIDIA H100 80GB HBM3", "bf16", 989.4e12),
+        ("NVIDIA H100 PCIe", "fp32", 51.2e12),
+        ("Tesla P40", "fp32", 11.8e12),
+    ],
+)
+def test_peak_table_matches_whole_device_names(name, key, want):
+    from stratbench.metrics import peak_flops_for_name
+
+    assert peak_flops_for_name(name, key) == want

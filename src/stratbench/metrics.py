@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 import statistics
 import threading
 import time
@@ -17,27 +18,39 @@ from typing import Any
 import torch
 from torch import nn
 
-# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets. MFU is reported only for these.
-# Keys are matched as substrings of torch.cuda.get_device_name(); the order puts specific names first.
+# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets (the NVL and L40 figures: NVIDIA's
+# H100 NVL / H200 NVL / L40 product briefs, their "with sparsity" tensor figures halved). MFU is reported only for
+# these. Each entry is a regular expression searched in torch.cuda.get_device_name() with word boundaries, so
+# that "NVIDIA L40" does not take the L4's figures, "RTX A1000" not the A100's, nor an NVL part the SXM's.
 PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    ("H200", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
-    ("H100 PCIe", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
-    ("H100", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
-    ("A100", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
-    ("L40S", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12}),
-    ("L4", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
-    ("A10", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
-    ("V100", {"fp32": 15.7e12, "fp16": 125e12}),
-    ("T4", {"fp32": 8.1e12, "fp16": 65e12}),
-    ("P40", {"fp32": 11.8e12}),
+    (r"\bH200 NVL\b", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}),
+    (r"\bH200\b", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
+    (r"\bH100 NVL\b", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}),
+    (r"\bH100 PCIe\b", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
+    (r"\bH100\b", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
+    (r"\bA100\b", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
+    (r"\bL40S\b", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12}),
+    (r"\bL40\b", {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12}),
+    (r"\bL4\b", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
+    (r"\bA10\b", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
+    (r"\bV100\b", {"fp32": 15.7e12, "fp16": 125e12}),
+    (r"\bT4\b", {"fp32": 8.1e12, "fp16": 65e12}),
+    (r"\bP40\b", {"fp32": 11.8e12}),
 ]
+
+
+def peak_flops_for_name(name: str, key: str) -> float | None:
+    """The table's dense peak for a device name and a compute key (fp32, tf32, bf16, fp16); None if unknown."""
+    for pattern, table in PEAK_FLOPS:
+        if re.search(pattern, name):
+            return table.get(key)
+    return None
 
 
 def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None:
     """Peak dense FLOP/s of this device for the precision's compute dtype; None where unknown (CPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
     key = (
         "fp64"
         if precision == "fp64"
@@ -47,10 +60,7 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None
         if "fp16" in precision
         else ("tf32" if tf32 else "fp32")
     )
-    for pattern, table in PEAK_FLOPS:
-        if pattern in name:
-            return table.get(key)
-    return None
+    return peak_flops_for_name(torch.cuda.get_device_name(device), key)
 
 
 def flops_per_sample(
