@@ -90,3 +90,14 @@ def test_a_collective_dispatched_twice_is_counted_once():
     ]
     d = parse_trace(events, steps=1, group_size=2).to_dict()["per_step"]
     assert d["all_reduce"]["calls"] == 1 and d["all_reduce"]["payload_bytes"] == 400
+
+
+def test_a_call_without_its_backend_event_takes_its_kind_s_element_size():
+    events = [
+        _event("c10d::broadcast_", 0, [[[10]], []], ["TensorList", ""]),
+        _event("gloo:broadcast", 1, [[10]], ["double"]),
+        _event("c10d::broadcast_", 20, [[[30]], []], ["TensorList", ""]),  # its gloo event is missing
+    ]
+    m = parse_trace(events, steps=1, group_size=2)
+    assert m.unknown_dtype_calls == 0 and m.inferred_dtype_calls == 1
+    assert m.to_dict()["per_step"]["broadcast"]["payload_bytes"] == 40 * 8

@@ -88,6 +88,7 @@ class CommMeasurement:
     group_size: int
     rows: dict[str, dict[str, float]] = field(default_factory=dict)
     unknown_dtype_calls: int = 0
+    inferred_dtype_calls: int = 0
 
     def per_step(self) -> list[Collective]:
         return [
@@ -104,6 +105,7 @@ class CommMeasurement:
                 for kind, r in sorted(self.rows.items())
             },
             "unknown_dtype_calls": self.unknown_dtype_calls,
+            "inferred_dtype_calls": self.inferred_dtype_calls,
         }
 
 
@@ -137,6 +139,17 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
             transport.append(e)
     _attach_transport(calls, transport, group_size)
     m = CommMeasurement(steps=steps, group_size=group_size)
+    # A call whose backend event was not found (seen under load: the worker thread's event of one broadcast
+    # missing from the window) takes the element size of the same kind's other calls in these steps, when they
+    # all agree; it is counted as inferred. Only a call with nothing to infer from stays unknown.
+    sizes: dict[str, set[int]] = defaultdict(set)
+    for c in calls:
+        if c.itemsize is not None:
+            sizes[c.kind].add(c.itemsize)
+    for c in calls:
+        if c.itemsize is None and len(sizes[c.kind]) == 1:
+            c.itemsize = next(iter(sizes[c.kind]))
+            m.inferred_dtype_calls += 1
     acc: dict[str, dict[str, float]] = defaultdict(
         lambda: {"calls": 0.0, "payload_bytes": 0.0, "time_s": 0.0}
     )
