@@ -313,10 +313,12 @@ class Trainer:
         )
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
+        strategy.total_steps = total_steps
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))
         if cfg.compile:
             model = torch.compile(model)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+        scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
+        self.result.update(strategy.optimizer_report(optimizer))
         state = TrainState(scheduler, strategy)
         resume_path = (
             ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None

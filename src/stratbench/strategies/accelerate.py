@@ -296,7 +296,7 @@ class AccelerateDeepSpeed(_Accelerate):
 
         opts = cls.parse_options(cfg.strategy_options)
         build_ds_config(
-            cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size
+            cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size, config_optimizer=False
         )  # conflicts -> ConfigError
         return super().check_supported(cfg, device, world_size)
 
@@ -304,7 +304,9 @@ class AccelerateDeepSpeed(_Accelerate):
     def memory_model(cls, ctx, rank):
         from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_memory
 
-        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        ds = build_ds_config(
+            ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world, config_optimizer=False
+        )
         return deepspeed_memory(ctx, ds["zero_optimization"])
 
     def _plugins(self) -> dict[str, Any]:
@@ -313,7 +315,7 @@ class AccelerateDeepSpeed(_Accelerate):
         from stratbench.strategies.deepspeed import _avoid_shm_op_build, build_ds_config
 
         _avoid_shm_op_build()
-        ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size)
+        ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size, config_optimizer=False)
         self.ds_config = ds
         return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=ds)}
 
