@@ -440,7 +440,14 @@ class DeepSpeed(Strategy):
 
     @classmethod
     def memory_model(cls, ctx, rank):
-        return deepspeed_memory(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+        ds = build_ds_config(ctx.cfg, ctx.options, ctx.world)
+        block = ds.get("optimizer")
+        if block is not None:  # the JSON's optimizer, not --optimizer, decides the optimizer state
+            sgd = block["type"].lower() == "sgd"
+            momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
+            cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
+            ctx = dataclasses.replace(ctx, cfg=cfg)
+        return deepspeed_memory(ctx, ds["zero_optimization"])
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
