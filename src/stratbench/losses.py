@@ -29,7 +29,9 @@ def _resolve(spec: str) -> Callable:
         try:
             fn = fn()
         except TypeError as exc:
-            raise ConfigError(f"loss {spec!r}: the module class cannot be built without arguments ({exc})") from None
+            raise ConfigError(
+                f"loss {spec!r}: the module class cannot be built without arguments ({exc})"
+            ) from None
     try:
         inspect.signature(fn).bind(None, None)
     except TypeError as exc:
