@@ -274,3 +274,33 @@ def test_optimizer_and_scheduler_blocks_are_filled_and_checked_without_processes
     # accelerate-deepspeed passes its own torch optimizer: the blocks stay refused there.
     with pytest.raises(ConfigError, match="not accepted here"):
         AccelerateDeepSpeed.check_supported(cfg.replace(strategy="accelerate-deepspeed"), __import__("torch").device("cuda"), 2)
+
+
+def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
+    """--offload-optimizer nvme: ZeRO-Infinity's folder and stage are checked, and where DeepSpeed's async_io op
+    cannot be built (no libaio) the run is refused in one line naming the op and the package."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from stratbench.config import TrainConfig
+    from stratbench.errors import ConfigError
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+
+    cfg = TrainConfig(strategy="deepspeed", batch_size=32)
+    with pytest.raises(ConfigError, match="--offload-optimizer nvme needs --nvme-path DIR"):
+        build_ds_config(cfg, DeepSpeedOptions(zero_stage=3, offload_optimizer="nvme"), 2)
+    with pytest.raises(ConfigError, match=r"nvme \(ZeRO-Infinity\) needs --zero-stage 3, got stage 2"):
+        build_ds_config(cfg, DeepSpeedOptions(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)), 2)
+    with pytest.raises(ConfigError, match="--offload-optimizer must be one of: none, cpu, nvme; got 'disk'"):
+        build_ds_config(cfg, DeepSpeedOptions(offload_optimizer="disk"), 2)
+    opts = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
+    ds = build_ds_config(cfg, DeepSpeedOptions(**opts), 2)
+    assert ds["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path)
+    assert ds["zero_optimization"]["offload_param"]["device"] == "nvme"
+    reason = DeepSpeed.check_supported(cfg.replace(strategy_options=opts), __import__("torch").device("cpu"), 2)
+    if not AsyncIOBuilder().is_compatible():
+        assert reason is not None and "\n" not in reason
+        assert "async_io op" in reason and "libaio-dev" in reason
+    else:  # libaio present: only a missing compiler could stop it
+        assert reason is None or "ninja" in reason or "compiler" in reason
+    with pytest.raises(ConfigError, match="is not a folder"):
+        DeepSpeed.check_supported(cfg.replace(strategy_options={**opts, "nvme_path": str(tmp_path / "no")}), __import__("torch").device("cpu"), 2)

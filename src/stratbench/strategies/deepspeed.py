@@ -33,7 +33,7 @@ from stratbench.errors import CheckpointError, ConfigError
 from stratbench.precision import Precision
 from stratbench.strategies.base import Strategy, register
 
-OFFLOAD_CHOICES = ("none", "cpu")
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 DS_TAG = "deepspeed"
 """Tag (sub-folder) DeepSpeed writes its files under inside a stratbench checkpoint folder."""
@@ -56,11 +56,13 @@ class DeepSpeedZeroOptions:
     zero_stage: int | None = None
     """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
     offload_optimizer: str | None = None
-    """ZeRO-Offload of optimizer state and step: none or cpu (default: none, or the device in --deepspeed-config)."""
+    """ZeRO-Offload of optimizer state and step: none, cpu or nvme (default: none, or the device in --deepspeed-config)."""
     offload_params: str | None = None
-    """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
+    """ZeRO-3 only: offload parameters: none, cpu or nvme (default: none, or the device in --deepspeed-config)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+    nvme_path: str | None = None
+    """Folder for --offload-optimizer/--offload-params nvme (ZeRO-Infinity, ZeRO-3 only; needs DeepSpeed's async_io op, i.e. libaio)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -265,6 +267,13 @@ def build_ds_config(
         else:
             # pin_memory needs an accelerator; on CPU the tensors already live in host memory.
             zero[key] = {**(zero.get(key) or {}), "device": device, "pin_memory": torch.cuda.is_available()}
+        if device == "nvme":
+            path = opts.nvme_path or zero[key].get("nvme_path")
+            if not path:
+                raise ConfigError(f"{flag} nvme needs --nvme-path DIR (a folder on the NVMe drive)")
+            if stage != 3:
+                raise ConfigError(f"{flag} nvme (ZeRO-Infinity) needs --zero-stage 3, got stage {stage}")
+            zero[key]["nvme_path"] = str(path)
     if "offload_param" in zero and stage != 3:
         raise ConfigError(
             f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}"
@@ -379,6 +388,25 @@ def _kernel_unavailable(op_name: str) -> str | None:
     return None
 
 
+def _nvme_unavailable(zero: dict[str, Any]) -> str | None:
+    """None unless an nvme offload is asked for that cannot run here: a missing folder, or DeepSpeed's async_io
+    op (built from libaio's headers and library) not buildable on this machine."""
+    nvme = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "nvme"]
+    if not nvme:
+        return None
+    path = Path(zero[nvme[0]]["nvme_path"])
+    if not path.is_dir():
+        raise ConfigError(f"--nvme-path {path} is not a folder")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return (
+            "nvme offload needs DeepSpeed's async_io op, which cannot be built here: libaio's headers and library "
+            "are missing (Debian/Ubuntu: apt install libaio-dev; see `ds_report`)"
+        )
+    return _kernel_unavailable("async_io")
+
+
 @register
 class DeepSpeed(Strategy):
     name = "deepspeed"
@@ -414,6 +442,9 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
+        reason = _nvme_unavailable(ds["zero_optimization"])
+        if reason:
+            return reason
         user_block = bool(opts.deepspeed_config) and "optimizer" in _load_user_json(opts.deepspeed_config)
         if opts.ds_optimizer != "torch" and not user_block and cfg.optimizer != "adamw":
             raise ConfigError(
