@@ -9,7 +9,10 @@ reproduces bit for bit (measured 0.0 under the AVX2 and SSE4.1 caps); ddp itself
 
 from __future__ import annotations
 
+import csv
 import json
+import math
+import re
 import subprocess
 from pathlib import Path
 
@@ -165,3 +168,154 @@ def test_zero3_with_cpu_offload_trains_the_same_model(tmp_path, reference_fp32_s
     cfg = json.loads((tmp_path / "offload" / "deepspeed_config.json").read_text())
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"
+
+
+# The ZeRO-2 config of seed 001 as the source writes it: HF-style "auto" values, an AdamW optimizer block and a
+# WarmupLR scheduler block, CPU optimizer offload with pinned memory.
+SEED_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
+        "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}  # fmt: skip
+
+
+def _warmup_lr(step: int, peak: float, warmup: int) -> float:
+    """The rate DeepSpeed's WarmupLR (log warm-up from 0) gives optimizer step ``step`` (1-based): the first step
+    runs at the constructor's rate (warmup_min_lr), step k > 1 at iteration k - 2 of log(it + 1) / log(warmup)."""
+    if step == 1:
+        return 0.0
+    it = step - 2
+    return peak * (math.log(it + 1) / math.log(warmup) if it < warmup else 1.0)
+
+
+def test_source_json_with_optimizer_and_scheduler_blocks_runs_as_written(tmp_path):
+    """The seed's ZeRO-2 JSON runs as written: DeepSpeed builds the AdamW and the WarmupLR, engine.step() steps
+    the schedule (the loop's own does not: each step's lr is WarmupLR's), and result.json names both. (A run
+    stopped at step 4 and resumed to 8 reproduced this curve and these rates exactly; the resume half is checked
+    without processes in test_deepspeed_schedule_state_round_trips.)"""
+    user = tmp_path / "zero_stage2_config.json"
+    user.write_text(json.dumps(SEED_ZERO2))
+    out = tmp_path / "out"
+    flags = [*DS, "--deepspeed_config", str(user), *TINY, "--optimizer", "sgd", "--lr-warmup-steps", "5"]
+    res = train(out, *flags, "--max-steps", "8", nproc=2, timeout=TIMEOUT)
+    assert res["optimizer"]["class"] == "torch.optim.adamw.AdamW"  # the JSON's, not --optimizer sgd
+    assert res["optimizer"]["built_by"].startswith("deepspeed")
+    assert res["optimizer"]["config"]["params"]["lr"] == 0.02  # "auto" -> --lr
+    assert res["optimizer"]["wrapper"].endswith("DeepSpeedZeroOptimizer")
+    assert res["lr_schedule"]["class"] == "deepspeed.runtime.lr_schedules.WarmupLR"
+    assert res["lr_schedule"]["config"]["params"] == {"warmup_min_lr": 0.0, "warmup_max_lr": 0.02, "warmup_num_steps": 5}
+    with (out / "metrics.csv").open() as fh:
+        rows = list(csv.DictReader(fh))
+    assert [int(r["step"]) for r in rows] == list(range(1, 9))
+    for r in rows:
+        assert float(r["lr"]) == pytest.approx(_warmup_lr(int(r["step"]), 0.02, 5), rel=1e-12, abs=1e-15), r
+    assert _curve(res)[-1] < _curve(res)[0]  # it learns once the warm-up gives it a rate
+    ds = json.loads((out / "deepspeed_config.json").read_text())
+    assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}
+    assert ds["train_batch_size"] == 32 and ds["gradient_accumulation_steps"] == 1 and "fp16" not in ds
+
+
+def test_deepspeed_schedule_state_round_trips():
+    """What a resume does with a config scheduler: the loop's view saves DeepSpeed's scheduler state tagged with its
+    class, and loading it into a fresh one restores the iteration and the optimizer's lr (DeepSpeed's own
+    load_state_dict restores the counter only); another schedule's state is refused."""
+    import torch
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    from stratbench.errors import CheckpointError
+    from stratbench.strategies.deepspeed import _EngineLRSchedule
+
+    def view() -> tuple[_EngineLRSchedule, torch.optim.Optimizer]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        engine = type("Engine", (), {"lr_scheduler": WarmupLR(opt, 0.0, 0.02, 5), "get_lr": lambda self: [0.0]})()
+        strategy = type("Strategy", (), {"engine": engine, "applied_lr": []})()
+        return _EngineLRSchedule(strategy), opt
+
+    first, opt = view()
+    for _ in range(3):
+        first.scheduler.step()
+    state = first.state_dict()
+    assert state == {"deepspeed_scheduler": "WarmupLR", "last_batch_iteration": 2}
+    second, opt2 = view()
+    assert opt2.param_groups[0]["lr"] == 0.0
+    second.load_state_dict(state)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == pytest.approx(_warmup_lr(4, 0.02, 5))
+    with pytest.raises(CheckpointError, match="LR schedule is stratbench's, this run's is DeepSpeed's WarmupLR"):
+        second.load_state_dict({"last_epoch": 3, "base_lrs": [1.0]})
+
+
+def test_optimizer_and_scheduler_blocks_are_filled_and_checked_without_processes(tmp_path):
+    from stratbench.config import TrainConfig
+    from stratbench.errors import ConfigError
+    from stratbench.strategies.accelerate import AccelerateDeepSpeed
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+
+    cpu = __import__("torch").device("cpu")
+    user = tmp_path / "ds.json"
+
+    def cfg_with(blocks: dict, **kw) -> tuple[TrainConfig, DeepSpeedOptions]:
+        user.write_text(json.dumps(blocks))
+        options = {"deepspeed_config": str(user)}
+        cfg = TrainConfig(strategy="deepspeed", strategy_options=options, batch_size=32, lr=0.1, momentum=0.8, **kw)
+        return cfg, DeepSpeedOptions(**options)
+
+    cfg, opts = cfg_with({"optimizer": {"type": "sgd", "params": {"lr": "auto", "momentum": "auto"}},
+                          "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 3}}})  # fmt: skip
+    ds = build_ds_config(cfg, opts, 2, total_steps=40)
+    assert ds["optimizer"]["params"] == {"lr": 0.1, "momentum": 0.8, "weight_decay": 5e-4}
+    assert ds["scheduler"]["params"] == {"warmup_num_steps": 3, "warmup_min_lr": 0.0, "warmup_max_lr": 0.1, "total_num_steps": 40}
+    cfg, opts = cfg_with({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 7}}})
+    assert build_ds_config(cfg, opts, 2, total_steps=40)["scheduler"]["params"]["total_num_steps"] == 7
+    for blocks, words in (
+        ({"optimizer": {"type": "Lamb"}}, "optimizer type 'Lamb' is not supported; choose one of: Adam, AdamW, SGD"),
+        ({"scheduler": {"type": "OneCycle"}}, "choose one of: WarmupLR, WarmupDecayLR, WarmupCosineLR"),
+        ({"optimizer": {"type": "Adam", "params": {"amsgrad": "auto"}}}, 'optimizer.params.amsgrad is "auto"'),
+    ):
+        cfg, opts = cfg_with(blocks)
+        with pytest.raises(ConfigError, match=re.escape(words)):
+            build_ds_config(cfg, opts, 2)
+    # Adam without torch_adam on CPU would be DeepSpeed's CUDA FusedAdam: refused before any work.
+    cfg, opts = cfg_with({"optimizer": {"type": "Adam", "params": {"torch_adam": False}}})
+    assert "FusedAdam: it needs a GPU" in DeepSpeed.check_supported(cfg, cpu, 2)
+    cfg, opts = cfg_with({"optimizer": {"type": "Adam"}})
+    assert DeepSpeed.check_supported(cfg, cpu, 2) is None  # torch's Adam: nothing to compile
+    # accelerate-deepspeed passes its own torch optimizer: the blocks stay refused there.
+    with pytest.raises(ConfigError, match="not accepted here"):
+        AccelerateDeepSpeed.check_supported(cfg.replace(strategy="accelerate-deepspeed"), __import__("torch").device("cuda"), 2)
+
+
+def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
+    """--offload-optimizer nvme: ZeRO-Infinity's folder and stage are checked, and where DeepSpeed's async_io op
+    cannot be built (no libaio) the run is refused in one line naming the op and the package."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from stratbench.config import TrainConfig
+    from stratbench.errors import ConfigError
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+
+    cfg = TrainConfig(strategy="deepspeed", batch_size=32)
+    with pytest.raises(ConfigError, match="--offload-optimizer nvme needs --nvme-path DIR"):
+        build_ds_config(cfg, DeepSpeedOptions(zero_stage=3, offload_optimizer="nvme"), 2)
+    with pytest.raises(ConfigError, match=r"nvme \(ZeRO-Infinity\) needs --zero-stage 3, got stage 2"):
+        build_ds_config(cfg, DeepSpeedOptions(zero_stage=2, offload_optimizer="nvme", nvme_path=str(tmp_path)), 2)
+    with pytest.raises(ConfigError, match="--offload-optimizer must be one of: none, cpu, nvme; got 'disk'"):
+        build_ds_config(cfg, DeepSpeedOptions(offload_optimizer="disk"), 2)
+    opts = {"zero_stage": 3, "offload_optimizer": "nvme", "offload_params": "nvme", "nvme_path": str(tmp_path)}
+    ds = build_ds_config(cfg, DeepSpeedOptions(**opts), 2)
+    assert ds["zero_optimization"]["offload_optimizer"]["nvme_path"] == str(tmp_path)
+    assert ds["zero_optimization"]["offload_param"]["device"] == "nvme"
+    reason = DeepSpeed.check_supported(cfg.replace(strategy_options=opts), __import__("torch").device("cpu"), 2)
+    if not AsyncIOBuilder().is_compatible():
+        assert reason is not None and "\n" not in reason
+        assert "async_io op" in reason and "libaio-dev" in reason
+    else:  # libaio present: only a missing compiler could stop it
+        assert reason is None or "ninja" in reason or "compiler" in reason
+    with pytest.raises(ConfigError, match="is not a folder"):
+        DeepSpeed.check_supported(cfg.replace(strategy_options={**opts, "nvme_path": str(tmp_path / "no")}), __import__("torch").device("cpu"), 2)

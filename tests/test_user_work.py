@@ -153,6 +153,14 @@ def build(image_size=None, seed=0):
     return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:]), ["negative", "positive"]
 """
 
+USER_LOSS = """
+import torch.nn.functional as F
+
+
+def shifted(logits, targets):
+    return F.cross_entropy(logits, targets) + 10.0  # cross-entropy's gradient, a recognisable value
+"""
+
 
 def _user_folder(tmp_path: Path) -> tuple[Path, list[str]]:
     """A user's folder with their own model and data modules, and a command that starts stratbench the way the
@@ -163,6 +171,7 @@ def _user_folder(tmp_path: Path) -> tuple[Path, list[str]]:
     work.mkdir()
     (work / "mynet.py").write_text(USER_MODEL)
     (work / "mydata.py").write_text(USER_DATA)
+    (work / "myloss.py").write_text(USER_LOSS)
     launcher = tmp_path / "bin" / "stratbench_script.py"
     launcher.parent.mkdir()
     launcher.write_text("import sys\nfrom stratbench.cli import main\nsys.exit(main())\n")
@@ -190,12 +199,17 @@ def test_user_model_and_data_from_the_working_directory(tmp_path):
     from safetensors.torch import load_file
 
     work, cmd = _user_folder(tmp_path)
-    _run_in(work, cmd, "train", "--model", "mynet:build", "--data", "mydata:build", "--batch-size", "16",
-            "--epochs", "3", "--lr", "0.1", "--output", "out", "--progress", "false", "--measure-flops", "false")  # fmt: skip
+    _run_in(work, cmd, "train", "--model", "mynet:build", "--data", "mydata:build", "--loss", "myloss:shifted",
+            "--batch-size", "16", "--epochs", "3", "--lr", "0.1", "--output", "out", "--progress", "false",
+            "--measure-flops", "false")  # fmt: skip
     res = json.loads((work / "out" / "result.json").read_text())
     assert res["status"] == "ok" and res["model"] == "mynet:build" and res["data"] == "mydata:build"
+    assert res["loss"] == {"name": "myloss:shifted", "validation_loss": "cross-entropy"}
     assert res["metrics"]["steps"] == 3 * 128 // 16
     assert res["metrics"]["val_accuracy"] >= 0.75  # the user's data set is learnable; chance is ~0.5
+    # The user's loss trained it (every step's loss carries its +10); validation stays plain cross-entropy.
+    assert all(10.0 < x < 11.0 for x in res["metrics"]["loss_curve"])
+    assert res["metrics"]["val_loss"] < 1.0
     # export and bench-infer take the same user builder
     _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.safetensors")
     _run_in(work, cmd, "export", "--checkpoint", "out/checkpoints/last", "--output", "mynet.pt")
@@ -270,3 +284,30 @@ print("loaded", len(state), "tensors")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "loaded" in res.stdout
+
+
+def test_loss_choice_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
+    """--loss cross-entropy (with --label-smoothing) builds torch's loss; bad values are one line naming the
+    allowed ones, before any work."""
+    import torch.nn.functional as F
+
+    from stratbench.cli import main
+    from stratbench.losses import build_loss
+
+    logits, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 0, 1])
+    fn = build_loss(from_dict(TrainConfig, {"loss": "cross-entropy", "label_smoothing": 0.2}))
+    assert torch.equal(fn(logits, y), F.cross_entropy(logits, y, label_smoothing=0.2))
+    assert not torch.equal(fn(logits, y), F.cross_entropy(logits, y))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notaloss.py").write_text("def one(x):\n    return x\n")
+    for flags, words in (
+        (["--loss", "mse"], "unknown loss 'mse'; choose one of: cross-entropy (with --label-smoothing X), or a function as 'package.module:function'"),
+        (["--label-smoothing", "1.5"], "label_smoothing must be between 0 and 1, got 1.5"),
+        (["--loss", "notaloss:one"], "loss 'notaloss:one' is not a loss: it must take (logits, targets)"),
+        (["--loss", "notaloss:one", "--label-smoothing", "0.1"], "--label-smoothing applies to cross-entropy only"),
+        (["--loss", "nosuch:fn"], "loss 'nosuch:fn': cannot import 'fn' from 'nosuch'"),
+    ):  # fmt: skip
+        assert main(["train", "--output", str(tmp_path / "out"), *flags]) != 0
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err, err
+    assert not (tmp_path / "out").exists()

@@ -147,6 +147,11 @@ class TrainConfig:
     """Linear LR warm-up from 0 over this many optimizer steps."""
     clip_grad_norm: float | None = None
     """Clip the global gradient norm to this value (after unscaling)."""
+    loss: str = "cross-entropy"
+    """Training loss: cross-entropy, or the user's own 'package.module:function' called as fn(logits, targets),
+    found from the working directory. The validation loss is cross-entropy either way."""
+    label_smoothing: float = 0.0
+    """cross-entropy only: label smoothing (torch's CrossEntropyLoss label_smoothing), from 0 to 1."""
     seed: int = 0
     """Seed for weights, data order and augmentation."""
     # --- measurement and output ---------------------------------------------------------------
@@ -443,6 +448,7 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "momentum": (0, 1),
     "weight_decay": (0, 10),
     "lr_warmup_steps": (0, None),
+    "label_smoothing": (0, 1),
     "seed": (0, 2**32 - 1),  # numpy's seed range
     "timing_warmup_steps": (0, None),
     "profile": (0, 1000),

@@ -42,6 +42,7 @@ from stratbench.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
+from stratbench.losses import build_loss, check_loss, describe_loss
 from stratbench.metrics import RunMetrics, environment, flops_per_sample
 from stratbench.models import (
     apply_activation_checkpointing,
@@ -110,6 +111,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     validate(cfg)
     check_model(cfg.model)
     check_data(cfg)
+    check_loss(cfg)
     if cfg.precision not in SPECS:
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
     strategy_cls = get_strategy(cfg.strategy)
@@ -182,7 +184,7 @@ class Trainer:
         torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
         precision = Precision(cfg.precision, env.device)
         self.strategy = strategy_cls(cfg, env, precision, strategy_cls.parse_options(cfg.strategy_options))
-        self.loss_fn = nn.CrossEntropyLoss()
+        self.loss_fn = build_loss(cfg)
         self.result: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------
@@ -317,10 +319,12 @@ class Trainer:
         )
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
+        strategy.total_steps = total_steps
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))
         if cfg.compile:
             model = torch.compile(model)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, total_steps))
+        scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
+        self.result.update(strategy.optimizer_report(optimizer))
         state = TrainState(scheduler, strategy)
         resume_path = (
             ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
@@ -443,6 +447,7 @@ class Trainer:
             "per_device_batch_size": micro * cfg.grad_accum,
             "micro_batch_size": micro,
             "grad_accum": cfg.grad_accum,
+            "loss": describe_loss(cfg),
             "batch_semantics": "batch_size is the global batch per optimizer step, over all devices and micro-steps",
             "config": cfg.to_dict(),
             "environment": environment(env.world_size, env.device),

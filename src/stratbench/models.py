@@ -88,7 +88,7 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
     return model
 
 
-def import_builder(spec: str, what: str = "model"):
+def import_builder(spec: str, what: str = "model", noun: str = "builder"):
     """``package.module:function`` -> the function. The module is looked up on sys.path and then in the
     current working directory (what ``python -m`` puts first), so a user's file next to them is found without
     PYTHONPATH - also by the console script and by launched workers, which inherit the working directory."""
@@ -97,7 +97,7 @@ def import_builder(spec: str, what: str = "model"):
 
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"{what} {spec!r}: a builder is given as 'package.module:function'")
+        raise ConfigError(f"{what} {spec!r}: a {noun} is given as 'package.module:function'")
     cwd = os.getcwd()
     if cwd not in sys.path and "" not in sys.path:
         sys.path.insert(0, cwd)
@@ -109,7 +109,7 @@ def import_builder(spec: str, what: str = "model"):
             f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}; looked in {cwd} and sys.path)"
         ) from None
     if not callable(builder) or isinstance(builder, type) and not issubclass(builder, nn.Module):
-        raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a builder function")
+        raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a {noun} function")
     return builder
 
 

@@ -20,6 +20,12 @@ _OPT_PREFIX = "strategy_opt__"
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """--config FILE, one flag per TrainConfig field, and one flag per strategy option."""
     parser.add_argument("--config", help="YAML file of options; flags given on the command line override it")
+    parser.add_argument(
+        "--accelerate-config",
+        metavar="FILE",
+        help="an accelerate YAML (what `accelerate config` writes, e.g. the source's default_FSDP.yml): its method, "
+        "precision, processes and plugin knobs; flags given on the command line override it",
+    )
     add_dataclass_arguments(parser, TrainConfig)
     add_strategy_option_arguments(parser)
     # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
@@ -89,6 +95,12 @@ def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
     data: dict[str, Any] = dict(base or {})
     if getattr(args, "config", None):
         data.update(load_yaml(args.config))
+    if getattr(args, "accelerate_config", None):
+        from stratbench.strategies.accelerate import read_accelerate_config
+
+        accel = read_accelerate_config(args.accelerate_config)
+        accel["strategy_options"] = {**(data.get("strategy_options") or {}), **accel["strategy_options"]}
+        data.update(accel)
     data.update(collect_overrides(args, TrainConfig))
     opts = dict(data.pop("strategy_options", None) or {})
     opts.update(strategy_options_from_args(args, data.get("strategy", TrainConfig.strategy)))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from stratbench.config import TrainConfig
-from stratbench.errors import CheckpointError, UnsupportedError
+from stratbench.errors import CheckpointError, ConfigError, UnsupportedError
 from stratbench.strategies.base import Strategy, register
 from stratbench.strategies.deepspeed import DeepSpeedZeroOptions
 
@@ -34,12 +34,82 @@ ACCELERATE_DIR = "accelerate"
 """Sub-folder of a stratbench checkpoint folder that holds accelerate's save_state files."""
 
 
+FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
+"""accelerate's sharding strategies, in torch's ShardingStrategy order (the source's YAML writes them as 1-5)."""
+FSDP_WRAP = ("SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP", "NO_WRAP")
+FSDP_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
+FSDP_STATE_DICT = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+FSDP1_ONLY = ("fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_sync_module_states", "fsdp_use_orig_params")
+"""Knobs of FSDP1 that FSDP2 does not have (accelerate drops or refuses them under fsdp_version 2)."""
+
+
 @dataclasses.dataclass(kw_only=True)
 class AccelerateFsdpOptions:
+    """The knobs of accelerate's fsdp_config (the source's default_FSDP.yml), under today's key names."""
+
+    fsdp_version: int = 2
+    """accelerate-fsdp: 1 (FullyShardedDataParallel) or 2 (fully_shard); accelerate's own default, used for a YAML without fsdp_version, is 1."""
+    fsdp_sharding_strategy: str = "FULL_SHARD"
+    """accelerate-fsdp: FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or HYBRID_SHARD_ZERO2 (or 1-5, as the source writes it); FSDP2 takes the first two (reshard_after_forward true/false)."""
+    fsdp_auto_wrap_policy: str = "SIZE_BASED_WRAP"
+    """accelerate-fsdp: SIZE_BASED_WRAP (modules of >= --fsdp-min-num-params), TRANSFORMER_BASED_WRAP (the module classes in --fsdp-transformer-layer-cls-to-wrap) or NO_WRAP."""
     fsdp_min_num_params: int = 1_000_000
     """accelerate-fsdp: size-based auto-wrap threshold (parameters per FSDP unit), as in the source's default_FSDP.yml."""
+    fsdp_transformer_layer_cls_to_wrap: str | None = None
+    """accelerate-fsdp TRANSFORMER_BASED_WRAP: comma-separated module class names, each its own unit (e.g. Bottleneck)."""
+    fsdp_backward_prefetch: str | None = None
+    """accelerate-fsdp, FSDP1 only: BACKWARD_PRE, BACKWARD_POST or NO_PREFETCH."""
+    fsdp_forward_prefetch: bool | None = None
+    """accelerate-fsdp, FSDP1 only: prefetch the next unit's all-gather in forward."""
+    fsdp_state_dict_type: str = "SHARDED_STATE_DICT"
+    """accelerate-fsdp: how save_state writes the model: SHARDED_STATE_DICT or FULL_STATE_DICT."""
     fsdp_offload_params: bool = False
     """accelerate-fsdp: offload parameters (and the optimizer step) to the CPU."""
+    fsdp_sync_module_states: bool | None = None
+    """accelerate-fsdp, FSDP1 only: broadcast rank 0's weights to every rank at wrapping."""
+    fsdp_use_orig_params: bool | None = None
+    """accelerate-fsdp, FSDP1 only: the optimizer sees the original parameters (FSDP2 always does)."""
+    fsdp_cpu_ram_efficient_loading: bool = False
+    """accelerate-fsdp: only rank 0 materialises the weights (a Transformers loading path; with FSDP1 it turns on sync_module_states)."""
+
+    def __post_init__(self) -> None:
+        if self.fsdp_version not in (1, 2):
+            raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version!r}")
+        self.fsdp_sharding_strategy = _fsdp_choice("fsdp_sharding_strategy", self.fsdp_sharding_strategy, FSDP_SHARDING)
+        self.fsdp_auto_wrap_policy = _fsdp_choice("fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP)
+        self.fsdp_state_dict_type = _fsdp_choice("fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT)
+        if self.fsdp_backward_prefetch is not None:
+            self.fsdp_backward_prefetch = _fsdp_choice(
+                "fsdp_backward_prefetch", self.fsdp_backward_prefetch, FSDP_BACKWARD_PREFETCH
+            )
+        if self.fsdp_min_num_params < 0:
+            raise ConfigError(f"fsdp_min_num_params must be >= 0, got {self.fsdp_min_num_params}")
+        if self.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and not (self.fsdp_transformer_layer_cls_to_wrap or "").strip():
+            raise ConfigError(
+                "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs fsdp_transformer_layer_cls_to_wrap (module class names)"
+            )
+        if self.fsdp_version == 2:
+            given = [k for k in FSDP1_ONLY if getattr(self, k) is not None]
+            if given:
+                raise ConfigError(
+                    f"{', '.join(given)} exist(s) in FSDP1 only; set fsdp_version 1 or remove them (FSDP2 has no "
+                    "prefetch knobs, always uses the original parameters and needs no state sync)"
+                )
+            if self.fsdp_sharding_strategy not in ("FULL_SHARD", "SHARD_GRAD_OP"):
+                raise ConfigError(
+                    f"fsdp_sharding_strategy {self.fsdp_sharding_strategy} needs fsdp_version 1; FSDP2 through "
+                    "accelerate takes FULL_SHARD or SHARD_GRAD_OP (reshard_after_forward true/false)"
+                )
+
+
+def _fsdp_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
+    """accelerate's spelling: case-insensitive names, or 1-based numbers (torch's enum values) as old YAMLs write."""
+    text = str(value).strip().upper()
+    if text.isdigit() and 1 <= int(text) <= len(allowed) and name in ("fsdp_sharding_strategy", "fsdp_backward_prefetch"):
+        return allowed[int(text) - 1]
+    if text not in allowed:
+        raise ConfigError(f"{name} must be one of: {', '.join(allowed)}; got {value!r}")
+    return text
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -164,6 +234,11 @@ class _Accelerate(Strategy):
     def _inner(optimizer):
         return getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> the torch optimizer
 
+    def optimizer_report(self, optimizer) -> dict[str, Any]:
+        report = super().optimizer_report(self._inner(optimizer))
+        report["optimizer"]["wrapper"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+        return report
+
     def optimizer_state_dict(self, model, optimizer):
         return super().optimizer_state_dict(model, self._inner(optimizer))
 
@@ -260,8 +335,11 @@ class AccelerateFSDP(_Accelerate):
     def memory_model(cls, ctx, rank):
         from stratbench.strategies.fsdp import fsdp2_memory
 
-        # FSDP2 with full sharding (reshard_after_forward); its size-based units are approximated by blocks.
-        return fsdp2_memory(ctx, rank, "full", ctx.options.fsdp_offload_params)
+        # Per-parameter sharding (FSDP2's layout; FSDP1's flat units pad a little more); its size-based or
+        # class-based units are approximated by blocks.
+        opts = ctx.options
+        sharding = {"FULL_SHARD": "full", "NO_SHARD": "none"}.get(opts.fsdp_sharding_strategy, "grad-op")
+        return fsdp2_memory(ctx, rank, sharding, opts.fsdp_offload_params)
 
     @classmethod
     def comm_model(cls, ctx):
@@ -272,16 +350,33 @@ class AccelerateFSDP(_Accelerate):
     def _plugins(self) -> dict[str, Any]:
         from accelerate import FullyShardedDataParallelPlugin
 
-        return {
-            "fsdp_plugin": FullyShardedDataParallelPlugin(
-                fsdp_version=2,
-                reshard_after_forward=True,  # FULL_SHARD
-                auto_wrap_policy="size_based_wrap",
-                min_num_params=self.options.fsdp_min_num_params,
-                cpu_offload=self.options.fsdp_offload_params,
-                state_dict_type="SHARDED_STATE_DICT",
-            )
-        }
+        return {"fsdp_plugin": FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(self.options))}
+
+
+def fsdp_plugin_kwargs(opts: AccelerateFsdpOptions) -> dict[str, Any]:
+    """FullyShardedDataParallelPlugin's arguments for these options (accelerate validates them again)."""
+    kw: dict[str, Any] = {
+        "fsdp_version": opts.fsdp_version,
+        "auto_wrap_policy": opts.fsdp_auto_wrap_policy.lower(),
+        "cpu_offload": opts.fsdp_offload_params,
+        "state_dict_type": opts.fsdp_state_dict_type,
+        "cpu_ram_efficient_loading": opts.fsdp_cpu_ram_efficient_loading,
+    }
+    if opts.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP":
+        kw["min_num_params"] = opts.fsdp_min_num_params
+    elif opts.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP":
+        kw["transformer_cls_names_to_wrap"] = [
+            n.strip() for n in (opts.fsdp_transformer_layer_cls_to_wrap or "").split(",") if n.strip()
+        ]
+    if opts.fsdp_version == 2:
+        kw["reshard_after_forward"] = opts.fsdp_sharding_strategy == "FULL_SHARD"
+    else:
+        kw["reshard_after_forward"] = opts.fsdp_sharding_strategy
+        kw["backward_prefetch"] = opts.fsdp_backward_prefetch or "NO_PREFETCH"
+        kw["forward_prefetch"] = bool(opts.fsdp_forward_prefetch)
+        kw["sync_module_states"] = bool(opts.fsdp_sync_module_states)
+        kw["use_orig_params"] = bool(opts.fsdp_use_orig_params)
+    return kw
 
 
 @register
@@ -308,7 +403,7 @@ class AccelerateDeepSpeed(_Accelerate):
 
         opts = cls.parse_options(cfg.strategy_options)
         build_ds_config(
-            cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size
+            cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size, config_optimizer=False
         )  # conflicts -> ConfigError
         return super().check_supported(cfg, device, world_size)
 
@@ -316,7 +411,9 @@ class AccelerateDeepSpeed(_Accelerate):
     def memory_model(cls, ctx, rank):
         from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_memory
 
-        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        ds = build_ds_config(
+            ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world, config_optimizer=False
+        )
         return deepspeed_memory(ctx, ds["zero_optimization"])
 
     @classmethod
@@ -332,7 +429,7 @@ class AccelerateDeepSpeed(_Accelerate):
         from stratbench.strategies.deepspeed import _avoid_shm_op_build, build_ds_config
 
         _avoid_shm_op_build()
-        ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size)
+        ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size, config_optimizer=False)
         self.ds_config = ds
         return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=ds)}
 
@@ -398,16 +495,29 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
         doc["main_process_ip"] = cfg.master_addr
         doc["main_process_port"] = cfg.master_port or 29500
     if strategy == "accelerate-fsdp":
-        opts = cfg.strategy_options
-        doc["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "SIZE_BASED_WRAP",
-            "fsdp_min_num_params": int(opts.get("fsdp_min_num_params", 1_000_000)),
-            "fsdp_offload_params": bool(opts.get("fsdp_offload_params", False)),
-            "fsdp_reshard_after_forward": True,
-            "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": False,
+        opts = AccelerateFSDP.parse_options(cfg.strategy_options)
+        fsdp: dict[str, Any] = {
+            "fsdp_version": opts.fsdp_version,
+            "fsdp_auto_wrap_policy": opts.fsdp_auto_wrap_policy,
+            "fsdp_offload_params": opts.fsdp_offload_params,
+            # FSDP2: a bool; FSDP1: the sharding strategy's name (accelerate's key for both today).
+            "fsdp_reshard_after_forward": (
+                opts.fsdp_sharding_strategy == "FULL_SHARD" if opts.fsdp_version == 2 else opts.fsdp_sharding_strategy
+            ),
+            "fsdp_state_dict_type": opts.fsdp_state_dict_type,
+            "fsdp_cpu_ram_efficient_loading": opts.fsdp_cpu_ram_efficient_loading,
+            "fsdp_activation_checkpointing": cfg.activation_checkpointing,
         }
+        if opts.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP":
+            fsdp["fsdp_min_num_params"] = opts.fsdp_min_num_params
+        if opts.fsdp_transformer_layer_cls_to_wrap:
+            fsdp["fsdp_transformer_layer_cls_to_wrap"] = opts.fsdp_transformer_layer_cls_to_wrap
+        if opts.fsdp_version == 1:
+            fsdp["fsdp_backward_prefetch"] = opts.fsdp_backward_prefetch or "NO_PREFETCH"
+            fsdp["fsdp_forward_prefetch"] = bool(opts.fsdp_forward_prefetch)
+            fsdp["fsdp_sync_module_states"] = bool(opts.fsdp_sync_module_states)
+            fsdp["fsdp_use_orig_params"] = bool(opts.fsdp_use_orig_params)
+        doc["fsdp_config"] = fsdp
     if strategy == "accelerate-deepspeed":
         doc["deepspeed_config"] = {
             "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
@@ -418,6 +528,125 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
         "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
         + yaml.safe_dump(doc, sort_keys=False)
     )
+
+
+ACCELERATE_STRATEGY = {
+    "MULTI_GPU": "accelerate-ddp",
+    "MULTI_CPU": "accelerate-ddp",
+    "NO": "accelerate-ddp",
+    "FSDP": "accelerate-fsdp",
+    "DEEPSPEED": "accelerate-deepspeed",
+}
+"""accelerate's distributed_type -> the stratbench method that runs it (MULTI_CPU and NO: stratbench starts the
+num_processes processes itself, where accelerate's CPU launcher would start one)."""
+ACCELERATE_PRECISION = {"no": None, "fp16": "fp16-mixed", "bf16": "bf16-mixed"}
+ACCELERATE_IGNORED = {
+    "compute_environment", "debug", "downcast_bf16", "dynamo_config", "enable_cpu_affinity", "gpu_ids",
+    "main_training_function", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
+    "tpu_name", "tpu_zone", "tpu_vm", "command_file", "commands", "use_cpu", "distributed_type", "mixed_precision",
+    "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "fsdp_config",
+    "deepspeed_config",
+}  # fmt: skip
+"""Top-level keys `accelerate config` writes: the ones above ``use_cpu`` concern accelerate's own launcher
+(GPU ids, rendezvous, dynamo, TPU) and do not change the training; the rest are read."""
+FSDP_KEYS = {
+    "fsdp_version": "fsdp_version",
+    "fsdp_sharding_strategy": "fsdp_sharding_strategy",
+    "fsdp_auto_wrap_policy": "fsdp_auto_wrap_policy",
+    "fsdp_min_num_params": "fsdp_min_num_params",
+    "fsdp_transformer_layer_cls_to_wrap": "fsdp_transformer_layer_cls_to_wrap",
+    "fsdp_backward_prefetch": "fsdp_backward_prefetch",
+    "fsdp_backward_prefetch_policy": "fsdp_backward_prefetch",  # the source's (older) key
+    "fsdp_forward_prefetch": "fsdp_forward_prefetch",
+    "fsdp_state_dict_type": "fsdp_state_dict_type",
+    "fsdp_offload_params": "fsdp_offload_params",
+    "fsdp_sync_module_states": "fsdp_sync_module_states",
+    "fsdp_use_orig_params": "fsdp_use_orig_params",
+    "fsdp_cpu_ram_efficient_loading": "fsdp_cpu_ram_efficient_loading",
+}
+"""fsdp_config keys -> accelerate-fsdp options (fsdp_reshard_after_forward and fsdp_activation_checkpointing are
+read separately)."""
+DEEPSPEED_KEYS = {
+    "deepspeed_config_file": "deepspeed_config",
+    "zero_stage": "zero_stage",
+    "offload_optimizer_device": "offload_optimizer",
+    "offload_param_device": "offload_params",
+}
+DEEPSPEED_IGNORED = {"zero3_init_flag", "zero3_save_16bit_model", "deepspeed_multinode_launcher"}
+
+
+def read_accelerate_config(path: str | Path) -> dict[str, Any]:
+    """A user's accelerate YAML (what `accelerate config` writes, or the source's default_*.yml) as stratbench
+    train values: the method, precision, processes, nodes and the plugin's knobs. Unknown keys are an error
+    naming the known ones; launcher-only keys (gpu_ids, rdzv_backend, ...) are accepted and change nothing."""
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"--accelerate-config: file not found: {p}")
+    try:
+        doc = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--accelerate-config {p} is not valid YAML: {str(exc).splitlines()[0]}") from None
+    if not isinstance(doc, dict):
+        raise ConfigError(f"--accelerate-config {p} must hold a mapping, got {type(doc).__name__}")
+    src = f"--accelerate-config {p}"
+    unknown = sorted(set(doc) - ACCELERATE_IGNORED)
+    if unknown:
+        raise ConfigError(f"{src}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(ACCELERATE_IGNORED))}")
+    kind = str(doc.get("distributed_type", "NO")).upper()
+    if kind not in ACCELERATE_STRATEGY:
+        raise ConfigError(
+            f"{src}: distributed_type {kind} is not supported; choose one of: {', '.join(ACCELERATE_STRATEGY)}"
+        )
+    out: dict[str, Any] = {"strategy": ACCELERATE_STRATEGY[kind]}
+    mixed = str(doc.get("mixed_precision", "no")).lower()
+    if mixed not in ACCELERATE_PRECISION:
+        raise ConfigError(
+            f"{src}: mixed_precision {mixed} is not supported; choose one of: {', '.join(ACCELERATE_PRECISION)}"
+        )
+    if ACCELERATE_PRECISION[mixed]:
+        out["precision"] = ACCELERATE_PRECISION[mixed]
+    machines = int(doc.get("num_machines", 1) or 1)
+    processes = int(doc.get("num_processes", 1) or 1)
+    if processes < 1 or processes % machines:
+        raise ConfigError(f"{src}: num_processes {processes} is not a multiple of num_machines {machines}")
+    out |= {"nproc": processes // machines, "nnodes": machines, "node_rank": int(doc.get("machine_rank", 0) or 0)}
+    if doc.get("main_process_ip"):
+        out["master_addr"] = str(doc["main_process_ip"])
+    if doc.get("main_process_port"):
+        out["master_port"] = int(doc["main_process_port"])
+    if doc.get("use_cpu") is True:
+        out["device"] = "cpu"
+    options: dict[str, Any] = {}
+    if kind == "FSDP":
+        fsdp = dict(doc.get("fsdp_config") or {})
+        extra = sorted(set(fsdp) - set(FSDP_KEYS) - {"fsdp_reshard_after_forward", "fsdp_activation_checkpointing"})
+        if extra:
+            raise ConfigError(f"{src}: unknown fsdp_config key(s) {', '.join(extra)}; known: {', '.join(FSDP_KEYS)}")
+        options = {FSDP_KEYS[k]: v for k, v in fsdp.items() if k in FSDP_KEYS}
+        if isinstance(options.get("fsdp_transformer_layer_cls_to_wrap"), list):
+            options["fsdp_transformer_layer_cls_to_wrap"] = ",".join(options["fsdp_transformer_layer_cls_to_wrap"])
+        options.setdefault("fsdp_version", 1)  # accelerate's default when the YAML does not say
+        reshard = fsdp.get("fsdp_reshard_after_forward")
+        if reshard is not None:
+            if isinstance(reshard, bool) or str(reshard).lower() in ("true", "false"):
+                reshard = "FULL_SHARD" if str(reshard).lower() == "true" else "SHARD_GRAD_OP"
+            options["fsdp_sharding_strategy"] = reshard
+        if fsdp.get("fsdp_activation_checkpointing"):
+            out["activation_checkpointing"] = True
+    elif kind == "DEEPSPEED":
+        ds = dict(doc.get("deepspeed_config") or {})
+        extra = sorted(set(ds) - set(DEEPSPEED_KEYS) - DEEPSPEED_IGNORED - {"gradient_accumulation_steps", "gradient_clipping"})
+        if extra:
+            raise ConfigError(f"{src}: unknown deepspeed_config key(s) {', '.join(extra)}; known: {', '.join(DEEPSPEED_KEYS)}")
+        options = {DEEPSPEED_KEYS[k]: v for k, v in ds.items() if k in DEEPSPEED_KEYS}
+        if "gradient_accumulation_steps" in ds:
+            out["grad_accum"] = int(ds["gradient_accumulation_steps"])
+        if ds.get("gradient_clipping"):
+            out["clip_grad_norm"] = float(ds["gradient_clipping"])
+    out["strategy_options"] = options
+    return out
 
 
 def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:

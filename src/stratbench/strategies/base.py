@@ -90,6 +90,8 @@ class Strategy:
         self.optimizer: torch.optim.Optimizer | None = None
         self.phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
         """``with self.phase("forward"): ...`` times a part of the step (RunMetrics sets it with --breakdown)."""
+        self.total_steps: int | None = None
+        """Optimizer steps the LR schedule spans (set by the loop before ``setup``)."""
 
     # ---- what it needs ------------------------------------------------------------------------
     @classmethod
@@ -129,6 +131,26 @@ class Strategy:
 
     def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
         return make_optimizer(model.parameters())
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer, lr_lambda: Callable[[int], float]) -> Any:
+        """The LR schedule the loop steps once per optimizer step: stratbench's own over ``optimizer``. A
+        strategy whose library builds and steps its own schedule (a DeepSpeed JSON's scheduler block) returns
+        a view of that one instead (``step``, ``get_last_lr``, ``state_dict``, ``load_state_dict``)."""
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+
+    def optimizer_report(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """What result.json records as the optimizer and LR schedule that actually ran."""
+        cfg = self.cfg
+        return {
+            "optimizer": {"class": _qualname(optimizer), "built_by": "stratbench (--optimizer)"},
+            "lr_schedule": {
+                "built_by": "stratbench (--lr-schedule)",
+                "schedule": cfg.lr_schedule,
+                "peak_lr": cfg.lr,
+                "warmup_steps": cfg.lr_warmup_steps,
+                "total_steps": self.total_steps,
+            },
+        }
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The user's module under any wrapper (DDP's ``.module``, DataParallel's, compile's ``_orig_mod``)."""
@@ -294,6 +316,10 @@ class Strategy:
 
 def _no_phase(name: str) -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
+
+
+def _qualname(obj: Any) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _local_bytes(t: torch.Tensor) -> int:

@@ -33,7 +33,7 @@ from stratbench.errors import CheckpointError, ConfigError
 from stratbench.precision import Precision
 from stratbench.strategies.base import Strategy, register
 
-OFFLOAD_CHOICES = ("none", "cpu")
+OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 DS_TAG = "deepspeed"
 """Tag (sub-folder) DeepSpeed writes its files under inside a stratbench checkpoint folder."""
@@ -56,11 +56,13 @@ class DeepSpeedZeroOptions:
     zero_stage: int | None = None
     """ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also parameters (default: 2, or the stage in --deepspeed-config)."""
     offload_optimizer: str | None = None
-    """ZeRO-Offload of optimizer state and step: none or cpu (default: none, or the device in --deepspeed-config)."""
+    """ZeRO-Offload of optimizer state and step: none, cpu or nvme (default: none, or the device in --deepspeed-config)."""
     offload_params: str | None = None
-    """ZeRO-3 only: offload parameters: none or cpu (default: none, or the device in --deepspeed-config)."""
+    """ZeRO-3 only: offload parameters: none, cpu or nvme (default: none, or the device in --deepspeed-config)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+    nvme_path: str | None = None
+    """Folder for --offload-optimizer/--offload-params nvme (ZeRO-Infinity, ZeRO-3 only; needs DeepSpeed's async_io op, i.e. libaio)."""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -98,8 +100,90 @@ def _offload_device(block: Any) -> str | None:
     return "none" if device in (None, "none") else str(device)
 
 
-def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -> dict[str, Any]:
-    """The DeepSpeed config for this run: stratbench's options merged with the user's JSON, conflicts as errors."""
+CONFIG_OPTIMIZERS = ("Adam", "AdamW", "SGD")
+"""Optimizer types a DeepSpeed JSON's ``optimizer`` block may name (DeepSpeed builds them; case-insensitive)."""
+CONFIG_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
+"""Scheduler types a DeepSpeed JSON's ``scheduler`` block may name (DeepSpeed builds and steps them)."""
+
+
+def _optimizer_block(user: dict[str, Any], cfg: TrainConfig, opts: DeepSpeedOptions, src: str) -> dict[str, Any]:
+    """The JSON's optimizer block as DeepSpeed will build it: "auto" (HF-style) values filled in from stratbench's
+    options (--lr, --weight-decay, --momentum), and Adam/AdamW as torch's own implementation unless the block
+    (or --ds-optimizer fused/cpu-adam) asks for DeepSpeed's JIT-compiled kernels."""
+    block = user["optimizer"]
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise ConfigError(f'{src}: the optimizer block must be an object with a "type", got {block!r}')
+    names = {n.lower(): n for n in CONFIG_OPTIMIZERS}
+    kind = names.get(block["type"].lower())
+    if kind is None:
+        raise ConfigError(
+            f"{src}: optimizer type {block['type']!r} is not supported; choose one of: {', '.join(CONFIG_OPTIMIZERS)}"
+        )
+    params = dict(block.get("params") or {})
+    fill = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    if kind == "SGD":
+        fill["momentum"] = cfg.momentum
+    else:
+        fill |= {"betas": [0.9, 0.999], "eps": 1e-8}
+    for key, value in fill.items():
+        if key not in params or _is_auto(params[key]):
+            params[key] = value
+    for key, value in params.items():
+        if _is_auto(value):
+            raise ConfigError(f'{src}: optimizer.params.{key} is "auto" and stratbench has no value for it; give a number')
+    if kind != "SGD" and "torch_adam" not in params:
+        params["torch_adam"] = opts.ds_optimizer == "torch"  # no kernel build unless asked for
+    if kind == "SGD" and opts.ds_optimizer != "torch":
+        raise ConfigError(f"{src}: --ds-optimizer {opts.ds_optimizer} is an Adam kernel; the JSON asks for SGD")
+    return {"type": block["type"], "params": params}
+
+
+def _scheduler_block(user: dict[str, Any], cfg: TrainConfig, lr: float, total_steps: int | None, src: str) -> dict[str, Any]:
+    """The JSON's scheduler block as DeepSpeed will build it: "auto" or missing warm-up values from --lr-warmup-steps
+    (at least 1: DeepSpeed refuses 0) and the optimizer's lr, total_num_steps from the run's optimizer steps."""
+    block = user["scheduler"]
+    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+        raise ConfigError(f'{src}: the scheduler block must be an object with a "type", got {block!r}')
+    kind = block["type"]
+    if kind not in CONFIG_SCHEDULERS:
+        raise ConfigError(
+            f"{src}: scheduler type {kind!r} is not supported; choose one of: {', '.join(CONFIG_SCHEDULERS)}"
+        )
+    params = dict(block.get("params") or {})
+    fill: dict[str, Any] = {"warmup_num_steps": max(1, cfg.lr_warmup_steps)}
+    if kind == "WarmupCosineLR":
+        fill["warmup_min_ratio"] = 0.0
+    else:
+        fill |= {"warmup_min_lr": 0.0, "warmup_max_lr": lr}
+    if kind != "WarmupLR":
+        fill["total_num_steps"] = total_steps if total_steps is not None else "auto"
+    for key, value in fill.items():
+        if key not in params or _is_auto(params[key]):
+            params[key] = value
+    for key, value in params.items():
+        if _is_auto(value) and not (key == "total_num_steps" and total_steps is None):
+            raise ConfigError(f'{src}: scheduler.params.{key} is "auto" and stratbench has no value for it; give a number')
+    steps = params.get("warmup_num_steps")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
+        raise ConfigError(f"{src}: scheduler.params.warmup_num_steps must be a positive integer, got {steps!r}")
+    return {"type": kind, "params": params}
+
+
+def build_ds_config(
+    cfg: TrainConfig,
+    opts: DeepSpeedOptions,
+    world_size: int,
+    total_steps: int | None = None,
+    *,
+    config_optimizer: bool = True,
+) -> dict[str, Any]:
+    """The DeepSpeed config for this run: stratbench's options merged with the user's JSON, conflicts as errors.
+
+    The JSON's ``optimizer`` and ``scheduler`` blocks (the source's configs carry both) are kept: DeepSpeed
+    builds that optimizer and LR scheduler and steps the scheduler in ``engine.step()``. Their "auto" values
+    are filled in from stratbench's options; ``total_steps`` (the run's optimizer steps, known once the data is
+    loaded) fills a decay schedule's ``total_num_steps``. ``config_optimizer=False`` refuses the blocks (a
+    caller that always passes its own torch optimizer)."""
     user = _load_user_json(opts.deepspeed_config) if opts.deepspeed_config else {}
     src = f"--deepspeed-config {opts.deepspeed_config}"
     micro = split_batch(cfg.batch_size, world_size, cfg.grad_accum)
@@ -111,12 +195,18 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
             f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}"
         )
 
-    for block in ("optimizer", "scheduler"):
-        if block in user:
-            raise ConfigError(
-                f"{src}: the {block!r} block is not accepted; stratbench builds the {block} itself from "
-                "--optimizer/--lr/--lr-schedule so that every method trains the same problem (remove the block)"
-            )
+    if not config_optimizer:
+        for block in ("optimizer", "scheduler"):
+            if block in user:
+                raise ConfigError(
+                    f"{src}: the {block!r} block is not accepted here; this method builds the {block} from "
+                    "--optimizer/--lr/--lr-schedule (remove the block, or use --strategy deepspeed)"
+                )
+    optimizer_block = _optimizer_block(user, cfg, opts, src) if "optimizer" in user else None
+    scheduler_block = None
+    if "scheduler" in user:
+        lr = optimizer_block["params"]["lr"] if optimizer_block else cfg.lr
+        scheduler_block = _scheduler_block(user, cfg, lr, total_steps, src)
     agree("train_batch_size", user.get("train_batch_size"), cfg.batch_size, "--batch-size (global batch)")
     agree(
         "train_micro_batch_size_per_gpu",
@@ -151,6 +241,9 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
             )
 
     zero = dict(user.get("zero_optimization") or {})
+    # HF-style "auto" bucket sizes and thresholds are derived from a transformer's hidden size by the HF
+    # integration; here they fall back to DeepSpeed's own defaults.
+    zero = {k: v for k, v in zero.items() if k == "stage" or not _is_auto(v)}
     stage = zero.get("stage")
     if opts.zero_stage is not None:
         agree("zero_optimization.stage", stage, opts.zero_stage, "--zero-stage")
@@ -174,6 +267,13 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
         else:
             # pin_memory needs an accelerator; on CPU the tensors already live in host memory.
             zero[key] = {**(zero.get(key) or {}), "device": device, "pin_memory": torch.cuda.is_available()}
+        if device == "nvme":
+            path = opts.nvme_path or zero[key].get("nvme_path")
+            if not path:
+                raise ConfigError(f"{flag} nvme needs --nvme-path DIR (a folder on the NVMe drive)")
+            if stage != 3:
+                raise ConfigError(f"{flag} nvme (ZeRO-Infinity) needs --zero-stage 3, got stage {stage}")
+            zero[key]["nvme_path"] = str(path)
     if "offload_param" in zero and stage != 3:
         raise ConfigError(
             f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}"
@@ -181,7 +281,7 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
 
-    ds: dict[str, Any] = {k: v for k, v in user.items() if k not in ("fp16", "bf16")}
+    ds: dict[str, Any] = {k: v for k, v in user.items() if k not in ("fp16", "bf16", "optimizer", "scheduler")}
     ds.update(
         {
             "train_batch_size": cfg.batch_size,
@@ -203,7 +303,16 @@ def build_ds_config(cfg: TrainConfig, opts: DeepSpeedOptions, world_size: int) -
             **{k: v for k, v in (user.get("bf16") or {}).items() if not _is_auto(v)},
             "enabled": True,
         }
-    if opts.ds_optimizer == "torch":
+    if scheduler_block is not None:
+        ds["scheduler"] = scheduler_block
+    if optimizer_block is not None:
+        ds["optimizer"] = optimizer_block
+        # torch's Adam/AdamW/SGD under ZeRO: "untested" to DeepSpeed (SGD), and stepped on the CPU under
+        # ZeRO-Offload instead of DeepSpeedCPUAdam when torch_adam is set.
+        ds.setdefault("zero_allow_untested_optimizer", True)
+        if optimizer_block["params"].get("torch_adam", True):
+            ds.setdefault("zero_force_ds_cpu_optimizer", False)
+    elif opts.ds_optimizer == "torch":
         # A client torch optimizer: DeepSpeed must be told that ZeRO may wrap it (SGD is "untested"), and that
         # ZeRO-Offload may step it on the CPU instead of forcing DeepSpeedCPUAdam (a JIT-compiled kernel).
         ds.setdefault("zero_allow_untested_optimizer", True)
@@ -279,6 +388,25 @@ def _kernel_unavailable(op_name: str) -> str | None:
     return None
 
 
+def _nvme_unavailable(zero: dict[str, Any]) -> str | None:
+    """None unless an nvme offload is asked for that cannot run here: a missing folder, or DeepSpeed's async_io
+    op (built from libaio's headers and library) not buildable on this machine."""
+    nvme = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "nvme"]
+    if not nvme:
+        return None
+    path = Path(zero[nvme[0]]["nvme_path"])
+    if not path.is_dir():
+        raise ConfigError(f"--nvme-path {path} is not a folder")
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    if not AsyncIOBuilder().is_compatible(verbose=False):
+        return (
+            "nvme offload needs DeepSpeed's async_io op, which cannot be built here: libaio's headers and library "
+            "are missing (Debian/Ubuntu: apt install libaio-dev; see `ds_report`)"
+        )
+    return _kernel_unavailable("async_io")
+
+
 @register
 class DeepSpeed(Strategy):
     name = "deepspeed"
@@ -314,22 +442,43 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
-        if opts.ds_optimizer != "torch":
-            if cfg.optimizer != "adamw":
-                raise ConfigError(
-                    f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})"
-                )
-            offloaded = "offload_optimizer" in ds["zero_optimization"]
-            if opts.ds_optimizer == "cpu-adam" and device.type == "cuda" and not offloaded:
+        reason = _nvme_unavailable(ds["zero_optimization"])
+        if reason:
+            return reason
+        user_block = bool(opts.deepspeed_config) and "optimizer" in _load_user_json(opts.deepspeed_config)
+        if opts.ds_optimizer != "torch" and not user_block and cfg.optimizer != "adamw":
+            raise ConfigError(
+                f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})"
+            )
+        offloaded = "offload_optimizer" in ds["zero_optimization"]
+        block = ds.get("optimizer")
+        kernel = None
+        if block is not None and block["type"].lower() != "sgd" and not block["params"].get("torch_adam", False):
+            # DeepSpeed's choice for a config Adam without torch_adam: DeepSpeedCPUAdam under ZeRO-Offload,
+            # else FusedAdam (CUDA).
+            kernel = "cpu_adam" if offloaded else "fused_adam"
+        elif opts.ds_optimizer == "cpu-adam":
+            kernel = "cpu_adam"
+            if device.type == "cuda" and not offloaded:
                 return "--ds-optimizer cpu-adam steps on the CPU: it needs --offload-optimizer cpu on a GPU"
-            if opts.ds_optimizer == "fused" and device.type != "cuda":
-                return "--ds-optimizer fused is DeepSpeed's CUDA FusedAdam: it needs a GPU (use torch or cpu-adam on CPU)"
-            return _kernel_unavailable("cpu_adam" if opts.ds_optimizer == "cpu-adam" else "fused_adam")
-        return None
+        if kernel == "fused_adam" and device.type != "cuda":
+            how = "the JSON's optimizer block without \"torch_adam\": true" if user_block else "--ds-optimizer fused"
+            return (
+                f"{how} means DeepSpeed's CUDA FusedAdam: it needs a GPU (on CPU set \"torch_adam\": true, or "
+                "offload the optimizer for DeepSpeedCPUAdam)"
+            )
+        return _kernel_unavailable(kernel) if kernel else None
 
     @classmethod
     def memory_model(cls, ctx, rank):
-        return deepspeed_memory(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+        ds = build_ds_config(ctx.cfg, ctx.options, ctx.world)
+        block = ds.get("optimizer")
+        if block is not None:  # the JSON's optimizer, not --optimizer, decides the optimizer state
+            sgd = block["type"].lower() == "sgd"
+            momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
+            cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
+            ctx = dataclasses.replace(ctx, cfg=cfg)
+        return deepspeed_memory(ctx, ds["zero_optimization"])
 
     @classmethod
     def comm_model(cls, ctx):
@@ -340,6 +489,7 @@ class DeepSpeed(Strategy):
         # DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
         self.precision = _DeepSpeedPrecision(precision.name, env.device)
         self.engine = None
+        self.applied_lr: list[float] = []
         self.ds_config: dict[str, Any] = {}
 
     # ---- set-up -------------------------------------------------------------------------------
@@ -351,7 +501,7 @@ class DeepSpeed(Strategy):
         _avoid_shm_op_build()
         # The engine already created the process group (gloo on CPU, nccl on GPU); DeepSpeed adopts it.
         deepspeed.init_distributed(dist_backend=self.env.backend, verbose=False)
-        self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size)
+        self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size, self.total_steps)
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
@@ -362,16 +512,16 @@ class DeepSpeed(Strategy):
         """The client optimizer and the engine (every kernel build happens here); self.model becomes the engine."""
         import deepspeed
 
-        if self.options.ds_optimizer == "torch":
+        if "optimizer" in self.ds_config:
+            client = None  # built by DeepSpeed from the config's optimizer block
+        elif self.options.ds_optimizer == "torch":
             client = make_optimizer(model.parameters())
-        elif self.options.ds_optimizer == "cpu-adam":
+        else:  # "cpu-adam"
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             client = DeepSpeedCPUAdam(
                 model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
             )
-        else:
-            client = None  # "fused": built by DeepSpeed from the config's optimizer block
         engine, _, _, _ = deepspeed.initialize(
             model=model,
             optimizer=client,
@@ -381,8 +531,32 @@ class DeepSpeed(Strategy):
         self.engine = engine
         self.model = engine
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
-        # so stratbench's LR scheduler sets the learning rate DeepSpeed applies.
+        # so stratbench's LR scheduler, where DeepSpeed has none, sets the learning rate DeepSpeed applies.
         return engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+
+    def lr_scheduler(self, optimizer, lr_lambda):
+        """DeepSpeed's scheduler when the config has a scheduler block (engine.step() steps it), else stratbench's."""
+        if self.engine is not None and self.engine.lr_scheduler is not None:
+            return _EngineLRSchedule(self)
+        return super().lr_scheduler(optimizer, lr_lambda)
+
+    def optimizer_report(self, optimizer) -> dict[str, Any]:
+        report = super().optimizer_report(optimizer)
+        assert self.engine is not None
+        block = self.ds_config.get("optimizer")
+        opt = report["optimizer"]
+        if block is not None:
+            opt["built_by"] = "deepspeed (config optimizer block)"
+            opt["config"] = block
+        opt["wrapper"] = f"{type(self.engine.optimizer).__module__}.{type(self.engine.optimizer).__qualname__}"
+        sched = self.engine.lr_scheduler
+        if sched is not None:
+            report["lr_schedule"] = {
+                "built_by": "deepspeed (config scheduler block)",
+                "class": f"{type(sched).__module__}.{type(sched).__qualname__}",
+                "config": self.ds_config["scheduler"],
+            }
+        return report
 
     # ---- one step -----------------------------------------------------------------------------
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
@@ -400,6 +574,7 @@ class DeepSpeed(Strategy):
     def optimizer_step(self, optimizer, clip) -> bool:
         """engine.step(): DeepSpeed unscales, clips (gradient_clipping from --clip-grad-norm), steps, zeroes."""
         assert self.engine is not None
+        self.applied_lr = list(self.engine.get_lr())  # engine.step() moves a config scheduler on to the next lr
         self.engine.step()
         self.precision.skipped_steps = int(self.engine.skipped_steps)
         return bool(self.engine.was_step_applied())
@@ -449,6 +624,17 @@ class DeepSpeed(Strategy):
                 f"{meta.get('zero_stage')}; this run has world size {self.env.world_size} and stage {self._stage()}. "
                 f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
             )
+        saved = (meta.get("scheduler") or {}).get("deepspeed_scheduler")
+        ours = type(self.engine.lr_scheduler).__name__ if self.engine.lr_scheduler is not None else None
+        if saved != ours:
+
+            def name(kind: str | None) -> str:
+                return f"DeepSpeed's {kind}" if kind else "stratbench's"
+
+            raise CheckpointError(
+                f"{path} was trained with {name(saved)} LR schedule, this run uses {name(ours)}: resume with the "
+                "same --deepspeed-config scheduler block, or start from its weights with --init-from"
+            )
         # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
         tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
         checkpoint.check_folder(path)
@@ -456,10 +642,12 @@ class DeepSpeed(Strategy):
             str(path),
             tag=tag,
             load_optimizer_states=optimizer is not None,
-            load_lr_scheduler_states=False,
+            load_lr_scheduler_states=self.engine.lr_scheduler is not None,
         )
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
+        if self.engine.lr_scheduler is not None:
+            _apply_scheduler_lr(self.engine.lr_scheduler)
         return meta
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
@@ -479,6 +667,45 @@ class DeepSpeed(Strategy):
         buffers, the optimizer's state tensors (over DeepSpeed's flat partitions) and fp32 master partitions."""
         assert self.engine is not None
         return _deepspeed_state_bytes(self.engine, self._stage())
+
+
+def _apply_scheduler_lr(sched) -> None:
+    """Set the optimizer's lr to what a DeepSpeed scheduler gives at its current iteration (its load_state_dict
+    restores the counter only; the rate itself is set by its next step())."""
+    from deepspeed.runtime.lr_schedules import update_lr
+
+    if sched.last_batch_iteration >= 0:
+        sched._last_lr = update_lr(sched.optimizer.param_groups, sched.get_lr())
+
+
+class _EngineLRSchedule:
+    """The loop's view of the LR scheduler DeepSpeed built from the config's scheduler block. DeepSpeed steps it
+    inside engine.step() after each applied step, so ``step`` here does nothing and ``get_last_lr`` is the rate
+    the step just taken used. Its state is DeepSpeed's (also saved in DeepSpeed's checkpoint), tagged with
+    its class, so a checkpoint of another schedule is refused rather than misread."""
+
+    def __init__(self, strategy: DeepSpeed) -> None:
+        self.strategy = strategy
+        self.scheduler = strategy.engine.lr_scheduler
+
+    def step(self) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return list(self.strategy.applied_lr or self.strategy.engine.get_lr())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"deepspeed_scheduler": type(self.scheduler).__name__, **self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        kind = type(self.scheduler).__name__
+        if state.get("deepspeed_scheduler") != kind:
+            raise CheckpointError(
+                f"the checkpoint's LR schedule is {state.get('deepspeed_scheduler') or 'stratbench'}'s, this run's "
+                f"is DeepSpeed's {kind}: resume with the same --deepspeed-config, or start with --init-from"
+            )
+        self.scheduler.load_state_dict({k: v for k, v in state.items() if k != "deepspeed_scheduler"})
+        _apply_scheduler_lr(self.scheduler)
 
 
 def deepspeed_memory(ctx, zero: dict[str, Any]):
