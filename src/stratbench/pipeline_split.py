@@ -47,6 +47,11 @@ class PieceCost:
     """Forward + backward FLOPs per sample."""
     out_numel: int
     """Elements per sample of the activation this piece hands on (what a stage boundary after it sends)."""
+    saved_bytes: float = 0.0
+    """Bytes per sample of the tensors autograd saves for this piece's backward (its activations), in the
+    weights' dtype; parameters and the piece's input excluded (the input is the previous piece's output)."""
+    input_saved_bytes: float = 0.0
+    """Bytes per sample of the piece's input, when its backward keeps it (a stage's first piece adds it)."""
 
 
 @dataclass
@@ -58,6 +63,8 @@ class Stage:
     flops: float
     out_numel: int
     """Elements per sample of the stage's output (the activation sent to the next stage; logits for the last)."""
+    saved_bytes: float = 0.0
+    """Bytes per sample of the activations the stage keeps for its backward (see PieceCost.saved_bytes)."""
 
 
 @dataclass
@@ -154,15 +161,30 @@ def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, 
         params = sum(p.numel() for p in piece_module(model, piece).parameters())
         x = x.detach().requires_grad_(i > 0)
         counter = FlopCounterMode(display=False)
+        own = {id(t.untyped_storage()) for t in (*mod.parameters(), *mod.buffers())}
+        saved: dict[int, int] = {}
+        in_key = id(x.untyped_storage())
+
+        def pack(t: torch.Tensor, own=own, saved=saved) -> torch.Tensor:
+            st = t.untyped_storage()  # counted per storage: views of one tensor are saved once
+            if id(st) not in own:
+                saved[id(st)] = st.nbytes()
+            return t
+
         try:
             with counter:
-                out = mod(x)
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = mod(x)
                 out.float().sum().backward()
         except Exception as exc:
             raise ConfigError(
                 f"cannot trace piece {piece.name!r} on the meta device to cost it ({type(exc).__name__}: {exc})"
             ) from None
-        costs.append(PieceCost(piece.name, params, counter.get_total_flops() / 2, out[0].numel()))
+        held_input = saved.pop(in_key, 0)
+        flops = counter.get_total_flops() / 2
+        costs.append(
+            PieceCost(piece.name, params, flops, out[0].numel(), sum(saved.values()) / 2, held_input / 2)
+        )
         x = out
     return costs
 
@@ -252,6 +274,7 @@ def split_model(
                 params=sum(costs[i].params for i in part),
                 flops=sum(costs[i].flops for i in part),
                 out_numel=costs[bounds[s + 1] - 1].out_numel,
+                saved_bytes=costs[part[0]].input_saved_bytes + sum(costs[i].saved_bytes for i in part),
             )
         )
     return Split(name or type(model).__name__, balance, points, out, costs)

@@ -57,9 +57,9 @@ class PipelineOptions:
     pp: int = 0
     """pipeline: processes per pipeline; the world size / pp replicas all-reduce gradients per stage (0: --stages, or the world size)."""
     balance: str = "params"
-    """pipeline, model-parallel: balance the automatic split by parameters (memory) or flops (forward+backward time)."""
+    """Balance the automatic split by parameters (memory) or flops (forward+backward time)."""
     split_points: str = ""
-    """pipeline, model-parallel: explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
+    """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
         from stratbench.pipeline_split import BALANCE
@@ -233,7 +233,9 @@ class PipelineStrategy(Strategy):
         "pipeline parallel (torch.distributed.pipelining): stages per process, micro-batches; "
         "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel"
     )
-    requirements = "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, nn.Sequential)"
+    requirements = (
+        "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, nn.Sequential)"
+    )
     launcher = "torchrun"
     needs_process_group = True
     Options = PipelineOptions
@@ -275,6 +277,101 @@ class PipelineStrategy(Strategy):
             return resolve_layout(cls.parse_options(cfg.strategy_options), world_size).dp
         except ConfigError:
             return world_size  # check_supported reports the problem
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """The stages of ``rank``: their parameters, gradients and optimizer state (nothing else is held), a
+        flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight.
+
+        Activations: the bytes autograd saves per sample in each piece (traced on the meta device by the
+        splitter, in the weights' dtype; scaled to the compute dtype under autocast) x the micro-batch x the
+        most micro-batches a stage holds at once: all M for gpipe (every forward runs before the first
+        backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up
+        spread over the rank's stages for interleaved-1f1b, 1 for naive."""
+        from stratbench.estimate import RankMemory
+
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pp_rank = rank % lay.pp
+        mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
+        local = sum(s.params for s in mine)
+        pd = ctx.param_bytes
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        total = sum(s.params for s in split.stages) or 1
+        m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
+        m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
+        if lay.dp > 1:
+            m.buckets, m.bucket_note = local * pd, f"flat gradient all-reduce over {lay.dp} replicas"
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        scale = ctx.pspec.compute_dtype.itemsize / pd if ctx.pspec.autocast else 1.0
+        per_mb = sum(s.saved_bytes for s in mine) * micro * scale
+        flight = lay.in_flight(pp_rank)
+        m.activations = int(per_mb * flight)
+        m.activation_note = (
+            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank})"
+        )
+        return m
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """Per step, on the busiest pipeline rank: each micro-batch's activation sent forward and its
+        gradient sent back at every stage boundary the rank touches, the loss broadcast to the stages, and
+        the replicas' gradient all-reduce."""
+        from stratbench.comm import Collective
+
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pd = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else ctx.param_bytes
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        rows: list[Collective] = []
+        best = None
+        for r in range(lay.pp):
+            ids = lay.stages_of(r)
+            # boundaries this rank sends across: after each of its stages but the last, before each but the first
+            out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * micro * pd
+            in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * micro * pd
+            key = (out_b + in_b, r)
+            if best is None or key > best[0]:
+                best = (key, r, out_b, in_b, ids)
+        _, r, out_b, in_b, ids = best
+        m = lay.microbatches
+        if out_b:
+            rows.append(
+                Collective(
+                    "send_recv",
+                    out_b * m,
+                    m * sum(i < lay.stages - 1 for i in ids),
+                    "forward",
+                    2,
+                    f"activations of {m} micro-batches to the next stage",
+                )
+            )
+        if in_b:
+            rows.append(
+                Collective(
+                    "send_recv",
+                    in_b * m,
+                    m * sum(i > 0 for i in ids),
+                    "backward",
+                    2,
+                    f"input gradients of {m} micro-batches to the previous stage",
+                )
+            )
+        if lay.pp > 1:
+            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        if lay.dp > 1:
+            local = sum(split.stages[i].params for i in ids)
+            rows.append(
+                Collective(
+                    "all_reduce",
+                    local * ctx.param_bytes,
+                    1,
+                    "backward",
+                    lay.dp,
+                    "stage gradients over the replicas",
+                )
+            )
+        return rows
 
     def data_shard(self) -> tuple[int, int]:
         """Every stage of one pipeline reads the same batches: the data is sharded over the replicas only."""
@@ -336,8 +433,7 @@ class PipelineStrategy(Strategy):
         return PipelineModule(model, self)
 
     def _make_schedule(self):
-        from torch.distributed.pipelining import ScheduleGPipe, ScheduleInterleaved1F1B
-        from torch.distributed.pipelining import Schedule1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         lay = self.layout
         if lay.schedule == "interleaved-1f1b":
@@ -482,7 +578,10 @@ class PipelineStrategy(Strategy):
         for gi, group in enumerate(parts[0]["param_groups"]):
             names = [n for p in parts for n in p["param_groups"][gi]["params"]]
             groups.append(group | {"params": sorted(names, key=lambda n: order.get(n, len(order)))})
-        return {"state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))), "param_groups": groups}
+        return {
+            "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
+            "param_groups": groups,
+        }
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load this rank's part of a full state dict (any method's), by original names."""
@@ -495,7 +594,9 @@ class PipelineStrategy(Strategy):
             )
         module.load_state_dict({k: state[k] for k in own}, strict=True)
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         module = self.unwrap(model)
@@ -529,7 +630,12 @@ class PipelineStrategy(Strategy):
 
     def report(self) -> dict[str, Any]:
         """``pipeline`` in result.json: the layout, the split and the measured bubble per rank (a collective)."""
-        mine = {"rank": self.env.rank, "pp_rank": self.pp_rank, "dp_rank": self.dp_rank, "stages": self.stage_ids}
+        mine = {
+            "rank": self.env.rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "stages": self.stage_ids,
+        }
         mine |= {"bubble": self.bubble()}
         ranks = self.all_gather_object(mine)
         medians = [r["bubble"]["median"] for r in ranks if r["bubble"].get("steps")]
