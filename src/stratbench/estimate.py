@@ -501,7 +501,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
     world = world_size
     mb = micro_batch(cfg, world)
     states = [rank_states(cfg, world, r, info, device_type) for r in range(world)]
-    s = max(states, key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0))
+    s = max(
+        states,
+        key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0),
+    )
     trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
