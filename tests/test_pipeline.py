@@ -50,7 +50,9 @@ def test_pipeline_matches_single(runs, schedule):
     curve = res["metrics"]["loss_curve"]
     assert len(curve) == 20 and ref["metrics"]["loss_curve"][-1] < 0.9 * ref["metrics"]["loss_curve"][0]
     assert_curves_match(curve, ref["metrics"]["loss_curve"], RTOL)
-    assert res["metrics"]["evaluations"][-1]["val_samples"] == ref["metrics"]["evaluations"][-1]["val_samples"]
+    assert (
+        res["metrics"]["evaluations"][-1]["val_samples"] == ref["metrics"]["evaluations"][-1]["val_samples"]
+    )
     assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
     assert res["metrics"]["val_accuracy"] == ref["metrics"]["val_accuracy"]
     pipe = res["pipeline"]
@@ -88,13 +90,19 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
     from stratbench.cli import main
 
     ckpts = runs["root"] / "1f1b" / "checkpoints"
-    step10 = next(p for p in ckpts.iterdir() if p.name != "last" and checkpoint.read_meta(p)["progress"]["step"] == 10)
+    step10 = next(
+        p for p in ckpts.iterdir() if p.name != "last" and checkpoint.read_meta(p)["progress"]["step"] == 10
+    )
     state = checkpoint.load_file(step10)
-    ref_names = list(checkpoint.load_file(Path(runs["single"]["config"]["output"]) / "checkpoints" / "last")["model"])
+    ref_names = list(
+        checkpoint.load_file(Path(runs["single"]["config"]["output"]) / "checkpoints" / "last")["model"]
+    )
     assert list(state["model"]) == ref_names
     assert state["optimizer"]["param_groups"][0]["params"] == ref_names
     assert sorted(state["optimizer"]["state"]) == sorted(ref_names)
-    res = train(runs["root"] / "single-from-1f1b", "--strategy", "single", *EQUIV, "--resume-from", str(step10))
+    res = train(
+        runs["root"] / "single-from-1f1b", "--strategy", "single", *EQUIV, "--resume-from", str(step10)
+    )
     assert res["resumed_from"]["step"] == 10
     assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"][10:], RTOL)
 
@@ -107,7 +115,10 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
     for i in range(6):
         Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L").save(folder / f"{i}.png")
     preds = {}
-    for name, path in (("pipeline", ckpts / "last"), ("single", Path(runs["single"]["config"]["output"]) / "checkpoints" / "last")):
+    for name, path in (
+        ("pipeline", ckpts / "last"),
+        ("single", Path(runs["single"]["config"]["output"]) / "checkpoints" / "last"),
+    ):
         capsys.readouterr()
         assert main(["predict", "--checkpoint", str(path), str(folder), "--json", "--top-k", "2"]) == 0
         preds[name] = json.loads(capsys.readouterr().out)["predictions"]
@@ -144,10 +155,26 @@ def test_interleaved_four_stages_on_two_processes(runs):
 def test_pipeline_x_data_parallel_2x2(runs):
     """4 processes = 2 replicas of a 2-stage pipeline on a (dp=2, pp=2) mesh: each replica reads half of the
     batch, each stage's gradients are averaged over its 2 replicas; the run equals `single` on the full batch."""
-    res = train(runs["root"] / "pp2dp2", *PP, *EQUIV, "--schedule", "1f1b", "--pp", "2", "--microbatches", "2", nproc=4)
+    res = train(
+        runs["root"] / "pp2dp2",
+        *PP,
+        *EQUIV,
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        nproc=4,
+    )
     _ok(res, world=4)
     assert res["data_parallel_size"] == 2 and res["per_device_batch_size"] == 16
-    assert [(r["dp_rank"], r["pp_rank"]) for r in res["pipeline"]["ranks"]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["dp_rank"], r["pp_rank"]) for r in res["pipeline"]["ranks"]] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
     assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL)
     assert res["metrics"]["val_accuracy"] == runs["single"]["metrics"]["val_accuracy"]
     p = res["sharding"]["param_bytes"]
@@ -202,13 +229,17 @@ def test_refusal_is_one_line_before_any_work(tmp_path):
                           timeout=60, check=False)  # fmt: skip
     assert proc.returncode != 0
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and "pipeline/fp32 cannot run here" in lines[0] and "--stages 3" in lines[0], proc.stderr
+    assert len(lines) == 1 and "pipeline/fp32 cannot run here" in lines[0] and "--stages 3" in lines[0], (
+        proc.stderr
+    )
     assert not (tmp_path / "result.json").exists()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
 def test_model_parallel_refused_without_two_gpus(tmp_path):
-    proc = run_stratbench("train", "--output", str(tmp_path), "--strategy", "model-parallel", *TINY, timeout=60, check=False)
+    proc = run_stratbench(
+        "train", "--output", str(tmp_path), "--strategy", "model-parallel", *TINY, timeout=60, check=False
+    )
     lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1, proc.stderr
     assert "model-parallel/fp32 cannot run here: needs >= 2 CUDA GPUs, found" in lines[0]
@@ -222,7 +253,7 @@ def test_balanced_cut_minimises_the_largest_stage():
 
     def parts(costs, starts):
         bounds = [*starts, len(costs)]
-        return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:])]
+        return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
 
     assert balanced_cut([1, 1, 1, 1, 10], 2) == [0, 4]
     assert max(parts([5, 1, 1, 1, 1, 1], balanced_cut([5, 1, 1, 1, 1, 1], 3))) == 5
