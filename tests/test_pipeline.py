@@ -75,6 +75,13 @@ def test_each_stage_holds_only_its_parameters(runs):
         assert res["sharding"]["param_bytes"] == [s["params"] * FP64 for s in stages]
         assert sum(res["sharding"]["param_bytes"]) == total * FP64 and min(res["sharding"]["param_bytes"]) > 0
         assert res["sharding"]["optimizer_state_bytes"] == res["sharding"]["param_bytes"]  # SGD momentum
+        # the memory model (stratbench estimate) predicts exactly these per-rank bytes
+        from stratbench.config import TrainConfig
+        from stratbench.estimate import model_state_bytes
+
+        predicted = model_state_bytes(TrainConfig(**res["config"]), 2)
+        for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert [p[key] for p in predicted] == res["sharding"][key], key
     # the explicit split point and the FLOP balance were applied
     assert runs["1f1b"]["pipeline"]["split"]["stages"][1]["pieces"] == ["blocks.1", "blocks.2", "head"]
     flops = [s["flops"] for s in runs["gpipe"]["pipeline"]["split"]["stages"]]
