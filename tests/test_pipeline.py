@@ -318,3 +318,28 @@ def test_memory_model_counts_the_micro_batches_in_flight():
     # stage 0 under gpipe holds all 8 micro-batches, under 1f1b at most 2 (= the stages); stage 1 holds 1
     assert acts("gpipe", 0) == 4 * acts("1f1b", 0) > 0
     assert acts("gpipe", 1) == 8 * acts("1f1b", 1) > 0
+
+
+def test_model_parallel_trains_like_single_with_cpu_stand_ins(tmp_path, monkeypatch, reference_run):
+    """The whole model-parallel path (split, placement hooks, loop, evaluation, checkpoint) in this process,
+    with two CPU 'devices' standing in for cuda:0 and cuda:1 (the GPU run is in test_gpu.py)."""
+    import argparse
+
+    from stratbench.commands.train import add_config_arguments, resolve_config
+    from stratbench.dist import DistEnv
+    from stratbench.engine import Trainer
+    from stratbench.strategies.model_parallel import ModelParallelStrategy
+
+    monkeypatch.setattr(ModelParallelStrategy, "devices", lambda self: [torch.device("cpu")] * 2)
+    monkeypatch.setattr(ModelParallelStrategy, "synchronize", lambda self: None)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = [*EQUIV, "--strategy", "model-parallel", "--balance", "flops", "--output", str(tmp_path)]
+    cfg = resolve_config(parser.parse_args(args))
+    res = Trainer(cfg, DistEnv(), ModelParallelStrategy).fit()
+    assert res["status"] == "ok" and [len(s["pieces"]) for s in res["model_parallel"]["split"]["stages"]] == [
+        2,
+        3,
+    ]
+    assert_curves_match(res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"], RTOL)
+    assert res["metrics"]["val_accuracy"] == reference_run["metrics"]["val_accuracy"]
