@@ -320,6 +320,23 @@ def test_memory_model_counts_the_micro_batches_in_flight():
     assert acts("gpipe", 1) == 8 * acts("1f1b", 1) > 0
 
 
+def test_comm_model_sends_each_micro_batch_across_the_boundary():
+    from stratbench.config import TrainConfig
+    from stratbench.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.pipeline import PipelineStrategy
+
+    opts = {"schedule": "1f1b", "pp": 2, "microbatches": 2}
+    cfg = TrainConfig(model="tinynet", image_size=32, data="synthetic", strategy="pipeline", batch_size=32,
+                      strategy_options=opts)  # fmt: skip
+    ctx = MemoryContext(
+        cfg, 4, model_info(ModelSpec.from_config(cfg)), PipelineStrategy.parse_options(opts), "cpu"
+    )
+    rows = {r.kind: r for r in PipelineStrategy.comm_model(ctx)}
+    # 2 replicas x 2 micro-batches of 8; tinynet (width 16) split by parameters after blocks.1: 32 x 16 x 16 floats
+    assert rows["send_recv"].payload_bytes == 2 * 8 * 32 * 16 * 16 * 4 and rows["send_recv"].calls == 2
+    assert rows["all_reduce"].group_size == 2 and rows["broadcast"].payload_bytes == 8
+
+
 def test_model_parallel_trains_like_single_with_cpu_stand_ins(tmp_path, monkeypatch, reference_run):
     """The whole model-parallel path (split, placement hooks, loop, evaluation, checkpoint) in this process,
     with two CPU 'devices' standing in for cuda:0 and cuda:1 (the GPU run is in test_gpu.py)."""

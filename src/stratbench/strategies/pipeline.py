@@ -314,9 +314,10 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def comm_model(cls, ctx):
-        """Per step, on the busiest pipeline rank: each micro-batch's activation sent forward and its
-        gradient sent back at every stage boundary the rank touches, the loss broadcast to the stages, and
-        the replicas' gradient all-reduce."""
+        """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
+        next stage and the input gradient it sends back to the previous one (it receives the mirror image,
+        not counted as its wire bytes), the loss broadcast to the stages, and the replicas' gradient
+        all-reduce."""
         from stratbench.comm import Collective
 
         lay = resolve_layout(ctx.options, ctx.world)
@@ -343,7 +344,7 @@ class PipelineStrategy(Strategy):
                     m * sum(i < lay.stages - 1 for i in ids),
                     "forward",
                     2,
-                    f"activations of {m} micro-batches to the next stage",
+                    f"sent: activations of {m} micro-batches to the next stage",
                 )
             )
         if in_b:
@@ -354,7 +355,7 @@ class PipelineStrategy(Strategy):
                     m * sum(i > 0 for i in ids),
                     "backward",
                     2,
-                    f"input gradients of {m} micro-batches to the previous stage",
+                    f"sent: input gradients of {m} micro-batches to the previous stage",
                 )
             )
         if lay.pp > 1:
