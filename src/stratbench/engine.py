@@ -258,6 +258,7 @@ class Trainer:
         summary, sharding = metrics.summary(run.flops)
         self.result["metrics"].update(summary)
         self.result["sharding"] = sharding
+        self.result.update(self.strategy.report())
 
     def _step(self, run: Run, batches: Iterator, metrics: RunMetrics) -> float:
         """One optimizer step, timed: load the micro-batches, forward/backward (the strategy's schedule), step."""
@@ -287,11 +288,12 @@ class Trainer:
         cfg, env, strategy = self.cfg, self.env, self.strategy
         seed_everything(cfg.seed)
         bundle = build_data(cfg)
-        micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
+        shard, shards = strategy.data_shard()
+        micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
         # The host DataLoader, or the device-side pipeline (--data-pipeline; the default on CUDA for in-memory data).
-        loader, sampler = make_train_batches(cfg, bundle, env.device, env.rank, env.world_size, micro)
+        loader, sampler = make_train_batches(cfg, bundle, env.device, shard, shards, micro)
         self.result["data_pipeline"] = pipeline_of(loader)
-        spe = steps_per_epoch(len(bundle.train), env.world_size, micro, cfg.grad_accum)
+        spe = steps_per_epoch(len(bundle.train), shards, micro, cfg.grad_accum)
         if spe == 0:
             raise ConfigError(
                 f"the training set ({len(bundle.train)} samples) is smaller than one global batch ({cfg.batch_size})"
@@ -385,8 +387,9 @@ class Trainer:
         """Validation loss/accuracy; each sample counted once over all ranks, every rank runs the same number
         of batches (padding has weight 0), so sharded methods' collectives stay in step."""
         cfg, env, strategy = self.cfg, self.env, self.strategy
-        micro = split_batch(cfg.batch_size, env.world_size, cfg.grad_accum)
-        loader = make_val_batches(cfg, bundle, env.device, env.rank, env.world_size, micro)
+        shard, shards = strategy.data_shard()
+        micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
+        loader = make_val_batches(cfg, bundle, env.device, shard, shards, micro)
         model.eval()
         totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
         for x, y, valid in loader:
@@ -400,6 +403,7 @@ class Trainer:
             totals[1] += ((logits.argmax(1) == y) * valid).sum().double()
             totals[2] += valid.sum().double()
         strategy.all_reduce(totals, "sum")
+        totals /= env.world_size // shards  # processes sharing a shard (a pipeline's stages) counted it alike
         model.train()
         return {
             "val_loss": (totals[0] / totals[2]).item(),

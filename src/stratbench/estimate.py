@@ -430,6 +430,10 @@ class RankMemory:
     """True where every gradient stays until a reduction at the end of backward (DeepSpeed ZeRO 0/1)."""
     step_scratch: int | None = None
     """Optimizer-step temporaries; None: the foreach kernels' rule (one parameter-sized list on CUDA)."""
+    activations: int | None = None
+    """Activations the method computes itself (a pipeline stage: its micro-batches in flight); None: the whole
+    model traced at the per-device micro-batch."""
+    activation_note: str = ""
 
     def offload_params_to_host(self, with_grads_and_optim: bool = False) -> None:
         self.host_params, self.params = self.host_params + self.params, 0
@@ -556,12 +560,18 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
     world = world_size
     mb = micro_batch(cfg, world)
     states = [rank_states(cfg, world, r, info, device_type) for r in range(world)]
-    s = max(states, key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered)
+    s = max(
+        states,
+        key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0),
+    )
     trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
     fwd_bwd_traced = trace.peak(grad_fraction)
+    saved, saved_note = trace.saved_bytes, f"traced at micro-batch {mb}"
+    if s.activations is not None:  # the method's own count (pipeline stages); gradients as they appear
+        saved, saved_note, fwd_bwd_traced = s.activations, s.activation_note, s.activations + s.grads
     peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
     slots = opt_slots(cfg)
     step_temp = s.step_scratch
@@ -593,7 +603,7 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         ),
         r("gradient buckets", s.buckets, 0, s.bucket_note),
         r("gathered parameters", s.gathered, 0, s.gather_note),
-        r("activations saved for backward", trace.saved_bytes, 0, f"traced at micro-batch {mb}"),
+        r("activations saved for backward", saved, 0, saved_note),
         r(
             "forward/backward working peak",
             fwd_bwd_traced,

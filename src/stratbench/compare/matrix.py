@@ -141,6 +141,12 @@ def preset_quick() -> dict[str, Any]:
                 "label": "deepspeed-z{zero_stage}",
             },  # fmt: skip
             {"method": "accelerate-ddp", "precision": both},
+            {
+                "method": "pipeline",
+                "precision": both,
+                "options": [{"schedule": s, "microbatches": 4} for s in ("gpipe", "1f1b")],
+                "label": "pipeline-{schedule}",
+            },  # fmt: skip
             # Rows that need what this machine may lack; listed so the report says why they are missing.
             {"method": "single", "precision": ["fp16-mixed", "fp16-true"]},
             {"method": "dp", "precision": "fp32", "world_size": 1},

@@ -108,6 +108,11 @@ class Strategy:
         """How many ways the global batch is split across processes (DataParallel splits inside one)."""
         return world_size
 
+    def data_shard(self) -> tuple[int, int]:
+        """(which shard of the data this process reads, how many shards): every process its own by default;
+        processes that work on the same samples (the stages of one pipeline) share a shard."""
+        return self.env.rank, self.env.world_size
+
     # ---- set-up -------------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, make_optimizer: OptimizerFactory
@@ -308,6 +313,10 @@ class Strategy:
                 if isinstance(v, torch.Tensor)
             ),
         }
+
+    def report(self) -> dict[str, Any]:
+        """Method-specific facts for result.json (a collective where ranks differ); none by default."""
+        return {}
 
     def memory_devices(self) -> list[torch.device]:
         """Devices whose memory this process should report (DataParallel reports every GPU)."""

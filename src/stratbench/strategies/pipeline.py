@@ -1,0 +1,657 @@
+"""``pipeline``: the model split into stages, one (or, interleaved, several) per process, micro-batches
+streamed through them by a ``torch.distributed.pipelining`` schedule; optionally replicated (pipeline x data
+parallel on a 2-D DeviceMesh).
+
+Layout. ``--pp P`` processes form one pipeline (default: every process); the world is ``dp x P`` with
+``dp = world / P`` data-parallel replicas of the pipeline, on a DeviceMesh ``(dp, pp)``. Each stage's replicas
+all-reduce their gradients over the mesh's ``dp`` dimension (each stage module is wrapped in
+DistributedDataParallel over that group; the pipelining stage drives its ``no_sync`` and last-backward
+reduction). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
+interleaved-1f1b (default 2P; stage ``i`` runs on pipeline rank ``i % P``).
+
+Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
+PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
+stages per rank, a smaller bubble), ``naive`` (GPipe with one micro-batch: plain model parallelism across
+processes, the bubble made visible). ``--microbatches M`` split each replica's batch; the loss is the mean over
+micro-batches and the schedule divides the accumulated gradients by M, so one step equals the full-batch step.
+
+The model is split by ``stratbench.pipeline_split`` (printed at start, written into result.json under
+``pipeline.split``). Each process keeps the original model object with every piece it does not run removed,
+so parameter names (state dicts, optimizer state) are the original ones: checkpoints are full state dicts any
+method loads, gathered on rank 0.
+
+Measured: the bubble, per stage, as the fraction of the schedule's step that the stage did not spend in its
+own forward/backward compute (``forward_one_chunk``/``backward_one_chunk`` and the loss), i.e. time blocked in
+receives and waits, beside the theory (S-1)/(M+S-1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stratbench.errors import CheckpointError, ConfigError
+from stratbench.strategies.base import Strategy, register
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
+
+
+@dataclasses.dataclass(kw_only=True)
+class PipelineOptions:
+    """Options of the pipeline strategy."""
+
+    schedule: str = "1f1b"
+    """pipeline: gpipe (all forwards then all backwards), 1f1b (one forward one backward, at most S micro-batches in flight), interleaved-1f1b (several stages per process), naive (one micro-batch: model parallelism, the whole bubble)."""
+    microbatches: int = 0
+    """pipeline: micro-batches each replica's batch is split into per step (0: 1 for naive, else 2 x the pipeline processes); must divide the per-replica batch."""
+    stages: int = 0
+    """pipeline: number of model stages (0: the pipeline processes; interleaved-1f1b: 2 x them)."""
+    pp: int = 0
+    """pipeline: processes per pipeline; the world size / pp replicas all-reduce gradients per stage (0: --stages, or the world size)."""
+    balance: str = "params"
+    """Balance the automatic split by parameters (memory) or flops (forward+backward time)."""
+    split_points: str = ""
+    """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
+
+    def __post_init__(self) -> None:
+        from stratbench.pipeline_split import BALANCE
+
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
+        if self.balance not in BALANCE:
+            raise ConfigError(f"unknown balance {self.balance!r}; choose one of: {', '.join(BALANCE)}")
+        for name in ("microbatches", "stages", "pp"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be a positive integer (or 0 for the default), got {value!r}")
+
+    @property
+    def points(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.split_points.split(",") if p.strip())
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How the processes are arranged: ``dp`` replicas of a ``pp``-process pipeline of ``stages`` stages."""
+
+    pp: int
+    dp: int
+    stages: int
+    microbatches: int
+    schedule: str
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.stages // self.pp
+
+    def stages_of(self, pp_rank: int) -> list[int]:
+        """Stage indices a pipeline rank runs (loop order, as ScheduleInterleaved1F1B expects)."""
+        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def in_flight(self, pp_rank: int) -> int:
+        """Most micro-batches whose activations one stage of this rank holds at once (the memory model)."""
+        m, s = self.microbatches, self.pp
+        if self.schedule in ("gpipe", "naive"):
+            return m
+        if self.schedule == "1f1b":
+            return min(m, s - pp_rank)  # stage r runs S - r warm-up forwards before its first backward
+        # interleaved (Megatron's warm-up): (P - r - 1) * 2 + (v - 1) * P forwards before the first backward,
+        # spread over v local stages, plus the one being processed
+        v = self.stages_per_rank
+        warm = min(m * v, (s - pp_rank - 1) * 2 + (v - 1) * s + 1)
+        return min(m, math.ceil(warm / v))
+
+    def bubble_theory(self) -> float:
+        """Idle fraction of a step with equal stage times and free communication: (S-1)/(M+S-1) for
+        GPipe/1F1B (naive: M=1); interleaving divides the fill/drain by the stages per rank v."""
+        p, m, v = self.pp, self.microbatches, self.stages_per_rank
+        return (p - 1) / (v * m + p - 1)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"stages_per_rank": self.stages_per_rank}
+
+
+def resolve_layout(options: PipelineOptions, world: int) -> Layout:
+    """The layout for ``world`` processes; ConfigError naming the bad value otherwise."""
+    interleaved = options.schedule == "interleaved-1f1b"
+    if options.pp:
+        pp = options.pp
+    elif options.stages and not interleaved:
+        pp = options.stages
+    else:
+        pp = world
+    if pp > world or world % pp:
+        raise ConfigError(
+            f"world size {world} is not divisible into pipelines of {pp} processes (--pp/--stages {pp}); "
+            f"use a divisor of {world}"
+        )
+    stages = options.stages or (2 * pp if interleaved else pp)
+    if interleaved:
+        if stages % pp or stages < 2 * pp:
+            raise ConfigError(
+                f"interleaved-1f1b needs --stages a multiple of the {pp} pipeline processes and at least {2 * pp}; got {stages}"
+            )
+    elif stages != pp:
+        raise ConfigError(
+            f"{options.schedule} runs one stage per process: --stages {stages} with {pp} pipeline processes "
+            "(use --pp for data parallel replicas, or --schedule interleaved-1f1b for several stages per process)"
+        )
+    if options.schedule == "naive":
+        if options.microbatches not in (0, 1):
+            raise ConfigError(
+                f"schedule naive runs one micro-batch (the bubble made visible); got --microbatches {options.microbatches} (use gpipe or 1f1b)"
+            )
+        m = 1
+    else:
+        m = options.microbatches or 2 * pp
+    if options.schedule == "1f1b" and m < pp:
+        raise ConfigError(f"1f1b needs --microbatches >= the {pp} pipeline stages; got {m}")
+    if interleaved:
+        rounds = max(1, m // pp)
+        if m % rounds:
+            raise ConfigError(
+                f"interleaved-1f1b needs --microbatches a multiple of max(1, M // {pp}) = {rounds}; got {m}"
+            )
+    return Layout(pp=pp, dp=world // pp, stages=stages, microbatches=m, schedule=options.schedule)
+
+
+def _spec_split(cfg, stages: int, options) -> Any:
+    from stratbench.estimate import ModelSpec
+    from stratbench.pipeline_split import split_for_spec
+
+    return split_for_spec(ModelSpec.from_config(cfg), stages, options.balance, options.points)
+
+
+class StageModule(nn.Sequential):
+    """One stage: the original modules of its pieces in order, run under the precision's autocast (the
+    schedule calls the stage module directly, outside the loop's autocast)."""
+
+    def __init__(self, modules: list[nn.Module], autocast: Callable) -> None:
+        super().__init__(*modules)
+        object.__setattr__(self, "_autocast", autocast)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            return super().forward(x)
+
+
+class PipelineModule(nn.Module):
+    """What the loop holds: ``module`` is the original model keeping only this rank's stages (original names);
+    calling it runs the evaluation forward through all stages and returns the logits on every stage."""
+
+    def __init__(self, module: nn.Module, strategy: PipelineStrategy) -> None:
+        super().__init__()
+        self.module = module
+        object.__setattr__(self, "_strategy", strategy)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._strategy.eval_forward(x)
+
+
+def _timed_stage_class():
+    """PipelineStage that adds up the time its own compute takes (forward and backward of its chunks); the
+    rest of a schedule step is the stage waiting for activations or gradients: the bubble."""
+    from torch.distributed.pipelining import PipelineStage
+
+    class TimedStage(PipelineStage):
+        compute_s = 0.0
+        sync: Callable[[], None] = staticmethod(lambda: None)
+
+        def _timed(self, fn, *args, **kwargs):
+            self.sync()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.sync()
+                self.compute_s += time.perf_counter() - t0
+
+        def forward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().forward_one_chunk, *args, **kwargs)
+
+        def backward_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_one_chunk, *args, **kwargs)
+
+        def backward_weight_one_chunk(self, *args, **kwargs):
+            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
+
+    return TimedStage
+
+
+@register
+class PipelineStrategy(Strategy):
+    name = "pipeline"
+    description = (
+        "pipeline parallel (torch.distributed.pipelining): stages per process, micro-batches; "
+        "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel"
+    )
+    requirements = (
+        "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, nn.Sequential)"
+    )
+    launcher = "torchrun"
+    needs_process_group = True
+    Options = PipelineOptions
+
+    # ---- what it needs ------------------------------------------------------------------------
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        if device.type not in ("cpu", "cuda"):
+            return f"pipeline runs on cpu or cuda devices, not {device.type}"
+        options = cls.parse_options(cfg.strategy_options)
+        try:
+            lay = resolve_layout(options, world_size)
+        except ConfigError as exc:
+            return str(exc)
+        from stratbench.precision import SPECS
+
+        spec = SPECS.get(cfg.precision)
+        if spec is not None and spec.loss_scaling:
+            return f"{cfg.precision} needs a loss scaler agreed across stages, which pipeline does not do yet (use bf16-mixed)"
+        if cfg.activation_checkpointing:
+            return "--activation-checkpointing with pipeline is not supported (the stages hold the original modules)"
+        if cfg.compile:
+            return "--compile with pipeline is not supported (the schedule calls the stage modules directly)"
+        per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
+        if per_replica is not None and per_replica % lay.microbatches:
+            return (
+                f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
+                f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
+            )
+        try:
+            _spec_split(cfg, lay.stages, options)
+        except ConfigError as exc:
+            return str(exc)
+        return None
+
+    @classmethod
+    def data_parallel_size(cls, cfg, world_size: int) -> int:
+        try:
+            return resolve_layout(cls.parse_options(cfg.strategy_options), world_size).dp
+        except ConfigError:
+            return world_size  # check_supported reports the problem
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """The stages of ``rank``: their parameters, gradients and optimizer state (nothing else is held), a
+        flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight.
+
+        Activations: the bytes autograd saves per sample in each piece (traced on the meta device by the
+        splitter, in the weights' dtype; scaled to the compute dtype under autocast) x the micro-batch x the
+        most micro-batches a stage holds at once: all M for gpipe (every forward runs before the first
+        backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up
+        spread over the rank's stages for interleaved-1f1b, 1 for naive."""
+        from stratbench.estimate import RankMemory
+
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pp_rank = rank % lay.pp
+        mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
+        local = sum(s.params for s in mine)
+        pd = ctx.param_bytes
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        total = sum(s.params for s in split.stages) or 1
+        m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
+        m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
+        if lay.dp > 1:
+            m.buckets, m.bucket_note = local * pd, f"flat gradient all-reduce over {lay.dp} replicas"
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        scale = ctx.pspec.compute_dtype.itemsize / pd if ctx.pspec.autocast else 1.0
+        per_mb = sum(s.saved_bytes for s in mine) * micro * scale
+        flight = lay.in_flight(pp_rank)
+        m.activations = int(per_mb * flight)
+        m.activation_note = (
+            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank})"
+        )
+        return m
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
+        next stage and the input gradient it sends back to the previous one (it receives the mirror image,
+        not counted as its wire bytes), the loss broadcast to the stages, and the replicas' gradient
+        all-reduce."""
+        from stratbench.comm import Collective
+
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pd = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else ctx.param_bytes
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        rows: list[Collective] = []
+        best = None
+        for r in range(lay.pp):
+            ids = lay.stages_of(r)
+            # boundaries this rank sends across: after each of its stages but the last, before each but the first
+            out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * micro * pd
+            in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * micro * pd
+            key = (out_b + in_b, r)
+            if best is None or key > best[0]:
+                best = (key, r, out_b, in_b, ids)
+        _, r, out_b, in_b, ids = best
+        m = lay.microbatches
+        if out_b:
+            rows.append(
+                Collective(
+                    "send_recv",
+                    out_b * m,
+                    m * sum(i < lay.stages - 1 for i in ids),
+                    "forward",
+                    2,
+                    f"sent: activations of {m} micro-batches to the next stage",
+                )
+            )
+        if in_b:
+            rows.append(
+                Collective(
+                    "send_recv",
+                    in_b * m,
+                    m * sum(i > 0 for i in ids),
+                    "backward",
+                    2,
+                    f"sent: input gradients of {m} micro-batches to the previous stage",
+                )
+            )
+        if lay.pp > 1:
+            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        if lay.dp > 1:
+            local = sum(split.stages[i].params for i in ids)
+            rows.append(
+                Collective(
+                    "all_reduce",
+                    local * ctx.param_bytes,
+                    1,
+                    "backward",
+                    lay.dp,
+                    "stage gradients over the replicas",
+                )
+            )
+        return rows
+
+    def data_shard(self) -> tuple[int, int]:
+        """Every stage of one pipeline reads the same batches: the data is sharded over the replicas only."""
+        lay = resolve_layout(self.options, self.env.world_size)
+        return self.env.rank // lay.pp, lay.dp
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def move(self, model: nn.Module) -> nn.Module:
+        return model  # only this rank's stages go to the device (wrap)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        from stratbench.pipeline_split import drop_modules, split_model, stage_module
+
+        env = self.env
+        self.layout = lay = resolve_layout(self.options, env.world_size)
+        self.mesh = init_device_mesh(env.device.type, (lay.dp, lay.pp), mesh_dim_names=("dp", "pp"))
+        self.pp_group = self.mesh.get_group("pp")
+        self.dp_group = self.mesh.get_group("dp")
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        from stratbench.data import default_image_size
+
+        size = default_image_size(self.cfg)
+        self.split = split_model(
+            model,
+            lay.stages,
+            balance=self.options.balance,
+            split_points=list(self.options.points),
+            sample_shape=(3, size, size),
+            name=self.cfg.model,
+        )
+        if env.is_main:
+            print("\n".join(self.split.lines()), flush=True)
+        self.full_names = list(model.state_dict())
+        self.num_classes = self.split.stages[-1].out_numel
+        self.stage_ids = lay.stages_of(self.pp_rank)
+        modules = [stage_module(model, self.split.stages[i]) for i in self.stage_ids]
+        drop_modules(model, {m for i in self.stage_ids for m in self.split.stages[i].modules})
+        model.to(env.device)
+        TimedStage = _timed_stage_class()
+        self.stage_modules: list[nn.Module] = []
+        self.stages = []
+        for i, seq in zip(self.stage_ids, modules, strict=True):
+            sub = StageModule(list(seq), self.precision.autocast)
+            stage = TimedStage(sub, i, lay.stages, env.device, group=self.pp_group)
+            if env.device.type == "cuda":
+                stage.sync = lambda d=env.device: torch.cuda.synchronize(d)
+            self.stage_modules.append(sub)
+            self.stages.append(stage)
+        self.holds_first = 0 in self.stage_ids
+        self.holds_last = lay.stages - 1 in self.stage_ids
+        self.loss_fn: Callable = nn.CrossEntropyLoss()
+        self.schedule = self._make_schedule()
+        self.step_records: list[dict[str, float]] = []
+        self._after_eval = True  # the first step (and the first after an evaluation) infers shapes
+        self._eval_batch: int | None = None
+        return PipelineModule(model, self)
+
+    def _make_schedule(self):
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+        lay = self.layout
+        if lay.schedule == "interleaved-1f1b":
+            return ScheduleInterleaved1F1B(self.stages, lay.microbatches, loss_fn=self._stage_loss)
+        cls = Schedule1F1B if lay.schedule == "1f1b" else ScheduleGPipe
+        return cls(self.stages[0], lay.microbatches, loss_fn=self._stage_loss)
+
+    def _stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss on the last stage (the schedule calls it per micro-batch); timed as the stage's compute."""
+        t0 = time.perf_counter()
+        loss = self.loss_fn(self.precision.loss_input(output), target)
+        self.stages[-1].compute_s += time.perf_counter() - t0
+        return loss
+
+    # ---- one step -----------------------------------------------------------------------------
+    def run_step(self, model: nn.Module, batches: list, loss_fn: Callable) -> torch.Tensor:
+        """One schedule step over this replica's whole batch (the loop's micro-steps concatenated: the schedule
+        makes its own micro-batches); returns the mean loss, broadcast from the last stage to every stage."""
+        self.loss_fn = loss_fn
+        x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
+        y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
+        args = (self.precision.convert_input(x),) if self.holds_first else ()
+        losses: list[torch.Tensor] = []
+        for stage in self.stages:
+            stage.compute_s = 0.0
+        self.synchronize()
+        t0 = time.perf_counter()
+        self.schedule.step(
+            *args,
+            target=y if self.holds_last else None,
+            losses=losses if self.holds_last else None,
+            return_outputs=False,
+        )
+        self.synchronize()
+        wall = time.perf_counter() - t0
+        compute = sum(s.compute_s for s in self.stages)
+        self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
+        self._after_eval = False
+        if self.layout.dp > 1:
+            self._all_reduce_grads()
+        loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        if self.holds_last:
+            loss = torch.stack([v.detach().double() for v in losses]).mean()
+        if self.layout.pp > 1:
+            dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+        return loss
+
+    def _all_reduce_grads(self) -> None:
+        """Average this rank's stage gradients over the stage's replicas (the mesh's dp group), in one flat
+        all-reduce after the schedule. (DistributedDataParallel around a stage module is what pipelining's
+        stages expect, but its reducer fails on the stages' shape-inference pass in torch 2.13: "rebuilt
+        parameter indices size is not same as original model parameters size".)"""
+        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        if not grads:
+            return
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=self.dp_group)
+        flat /= self.layout.dp
+        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(reduced)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The global norm over every stage's gradients (each stage holds a disjoint part), then the scale."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        for p in params:
+            sq += p.grad.detach().double().pow(2).sum()
+        if self.layout.pp > 1:
+            dist.all_reduce(sq, group=self.pp_group)
+        total = sq.sqrt().to(torch.float32)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Forward of a batch through all stages (the schedule's forward-only ``eval``); the logits of the
+        last stage are broadcast to every stage of the pipeline so that the loop's metrics run anywhere. The
+        batch is padded to a fixed multiple of the micro-batches (the stages' buffers have fixed shapes)."""
+        m = self.layout.microbatches
+        n = x.shape[0]
+        if self._eval_batch is None:
+            self._eval_batch = math.ceil(n / m) * m
+        size = self._eval_batch
+        if n > size:
+            raise RuntimeError(f"pipeline evaluation batch {n} is larger than the first one ({size})")
+        if n < size:
+            x = torch.cat([x, x.new_zeros((size - n, *x.shape[1:]))])
+        args = (x,) if self.holds_first else ()
+        target = torch.zeros(size, dtype=torch.long, device=x.device) if self.holds_last else None
+        self._after_eval = True
+        out = self.schedule.eval(*args, target=target)
+        dtype = torch.float64 if self.precision.spec.param_dtype == torch.float64 else torch.float32
+        logits = torch.empty(size, self.num_classes, dtype=dtype, device=x.device)
+        if self.holds_last:
+            logits.copy_(out)
+        if self.layout.pp > 1:
+            dist.broadcast(logits, group=self.pp_group, group_src=self.layout.pp - 1)
+        return logits[:n]
+
+    # ---- state ----------------------------------------------------------------------------------
+    def _gather_to_main(self, local: dict) -> list[dict] | None:
+        """Every pipeline rank's part on global rank 0 (replicas other than the first send nothing)."""
+        part = local if self.dp_rank == 0 else None
+        if self.env.world_size == 1:
+            return [local]
+        parts: list | None = [None] * self.env.world_size if self.env.is_main else None
+        dist.gather_object(part, parts, dst=0)
+        return [p for p in parts if p is not None] if parts is not None else None
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full state dict, original names, on rank 0 (a collective; other ranks get {})."""
+        local = {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
+        parts = self._gather_to_main(local)
+        if parts is None:
+            return {}
+        merged = {k: v for p in parts for k, v in p.items()}
+        missing = [k for k in self.full_names if k not in merged]
+        if missing:
+            raise RuntimeError(f"pipeline state dict: no stage holds {missing[:3]}")
+        return {k: merged[k] for k in self.full_names}
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by original parameter names, on rank 0 (a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        local = get_optimizer_state_dict(
+            self.unwrap(model), optimizer, options=StateDictOptions(full_state_dict=False)
+        )
+        local = {
+            "state": {k: {n: _cpu(v) for n, v in s.items()} for k, s in local["state"].items()},
+            "param_groups": local["param_groups"],
+        }
+        parts = self._gather_to_main(local)
+        if parts is None:
+            return {}
+        order = {k: i for i, k in enumerate(self.full_names)}
+        state = {k: v for p in parts for k, v in p["state"].items()}
+        groups = []
+        for gi, group in enumerate(parts[0]["param_groups"]):
+            names = [n for p in parts for n in p["param_groups"][gi]["params"]]
+            groups.append(group | {"params": sorted(names, key=lambda n: order.get(n, len(order)))})
+        return {
+            "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
+            "param_groups": groups,
+        }
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load this rank's part of a full state dict (any method's), by original names."""
+        module = self.unwrap(model)
+        own = module.state_dict()
+        missing = [k for k in own if k not in state]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint has no {missing[0]!r} (and {len(missing) - 1} more of this stage's tensors)"
+            )
+        module.load_state_dict({k: state[k] for k in own}, strict=True)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        module = self.unwrap(model)
+        own = {n for n, _ in module.named_parameters()}
+        local = {
+            "state": {k: v for k, v in state.get("state", {}).items() if k in own},
+            "param_groups": [
+                g | {"params": [n for n in g["params"] if n in own]} for g in state.get("param_groups", [])
+            ],
+        }
+        set_optimizer_state_dict(
+            module, optimizer, local, options=StateDictOptions(full_state_dict=False, strict=False)
+        )
+
+    # ---- measurement --------------------------------------------------------------------------
+    def bubble(self) -> dict[str, Any]:
+        """This rank's measured idle fraction per step (the steps after shape inference excluded)."""
+        skip = self.cfg.timing_warmup_steps
+        rows = [r for i, r in enumerate(self.step_records) if i >= skip and not r["warmup"]]
+        fractions = [max(0.0, 1.0 - r["compute_s"] / r["wall_s"]) for r in rows if r["wall_s"] > 0]
+        if not fractions:
+            return {"steps": 0}
+        return {
+            "steps": len(fractions),
+            "median": statistics.median(fractions),
+            "min": min(fractions),
+            "max": max(fractions),
+            "compute_median_s": statistics.median(r["compute_s"] for r in rows),
+            "step_median_s": statistics.median(r["wall_s"] for r in rows),
+        }
+
+    def report(self) -> dict[str, Any]:
+        """``pipeline`` in result.json: the layout, the split and the measured bubble per rank (a collective)."""
+        mine = {
+            "rank": self.env.rank,
+            "pp_rank": self.pp_rank,
+            "dp_rank": self.dp_rank,
+            "stages": self.stage_ids,
+        }
+        mine |= {"bubble": self.bubble()}
+        ranks = self.all_gather_object(mine)
+        medians = [r["bubble"]["median"] for r in ranks if r["bubble"].get("steps")]
+        return {
+            "pipeline": {
+                "layout": self.layout.to_dict(),
+                "split": self.split.to_dict(),
+                "bubble_theory": self.layout.bubble_theory(),
+                "bubble_measured_median": statistics.median(medians) if medians else None,
+                "bubble_definition": "1 - (the stage's forward/backward/loss compute time) / (the schedule step's wall time), "
+                "per rank, median over the measured steps",
+                "ranks": ranks,
+            }
+        }
+
+
+def _cpu(v: Any) -> Any:
+    return v.detach().cpu() if isinstance(v, torch.Tensor) else v

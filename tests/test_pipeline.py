@@ -1,0 +1,362 @@
+"""pipeline and model-parallel: 2-process gloo pipelines (gpipe, 1f1b, interleaved-1f1b) and one 2 x 2 pipeline x
+data-parallel run train exactly the model `single` trains (fp64, conftest.EQUIV/RTOL); each stage holds only its
+own parameters; checkpoints are full and portable both ways (pipeline -> single/predict, ddp -> pipeline); bad
+layouts are refused in one line before any work. The splitter and the model-parallel placement are unit-tested in
+process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import EQUIV, RTOL, TINY, assert_curves_match, run_stratbench, train
+
+PP = ["--strategy", "pipeline", "--dist-timeout-s", "60"]
+FP64 = 8  # bytes per parameter of the fp64 test problem
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, reference_run) -> dict:
+    """The shared `single` reference and the pipeline runs every test below reads (one run each)."""
+    root = tmp_path_factory.mktemp("pipeline")
+    out: dict = {"root": root, "single": reference_run}
+    # gpipe, split balanced by FLOPs; saves only at the end (step 20)
+    out["gpipe"] = train(root / "gpipe", *PP, *EQUIV, "--schedule", "gpipe", "--microbatches", "4",
+                         "--balance", "flops", nproc=2)  # fmt: skip
+    # 1f1b with an explicit split, saving at step 10 too (single resumes from it)
+    out["1f1b"] = train(root / "1f1b", *PP, *EQUIV, "--schedule", "1f1b", "--microbatches", "4",
+                        "--split-points", "blocks.1", "--save-every-steps", "10", "--keep-last", "2", nproc=2)  # fmt: skip
+    return out
+
+
+def _ok(res: dict, world: int = 2) -> None:
+    assert res["status"] == "ok" and res["world_size"] == world, res.get("reason")
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pipeline_matches_single(runs, schedule):
+    """20 steps of a 2-stage pipeline over 4 micro-batches = 20 full-batch steps of one process; the
+    evaluation forward through the stages gives single's val loss and accuracy on the same samples."""
+    res, ref = runs[schedule], runs["single"]
+    _ok(res)
+    assert res["data_parallel_size"] == 1 and res["per_device_batch_size"] == 32  # both stages see the batch
+    curve = res["metrics"]["loss_curve"]
+    assert len(curve) == 20 and ref["metrics"]["loss_curve"][-1] < 0.9 * ref["metrics"]["loss_curve"][0]
+    assert_curves_match(curve, ref["metrics"]["loss_curve"], RTOL)
+    assert (
+        res["metrics"]["evaluations"][-1]["val_samples"] == ref["metrics"]["evaluations"][-1]["val_samples"]
+    )
+    assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
+    assert res["metrics"]["val_accuracy"] == ref["metrics"]["val_accuracy"]
+    pipe = res["pipeline"]
+    assert pipe["layout"] | {"schedule": schedule} == {"pp": 2, "dp": 1, "stages": 2, "microbatches": 4,
+                                                       "schedule": schedule, "stages_per_rank": 1}  # fmt: skip
+    assert pipe["bubble_theory"] == pytest.approx(1 / 5)
+    for rank in pipe["ranks"]:  # measured on every rank over the timed steps
+        bubble = rank["bubble"]
+        assert bubble["steps"] >= 15 and 0.0 <= bubble["min"] <= bubble["median"] <= bubble["max"] < 1.0
+
+
+@pytest.mark.distributed
+def test_each_stage_holds_only_its_parameters(runs):
+    """Per-rank parameter bytes are the split's stage sizes and add up to the model exactly."""
+    for schedule in ("gpipe", "1f1b"):
+        res = runs[schedule]
+        total = res["model_meta"]["num_parameters"]
+        stages = res["pipeline"]["split"]["stages"]
+        assert res["pipeline"]["split"]["total_params"] == total
+        assert res["sharding"]["param_bytes"] == [s["params"] * FP64 for s in stages]
+        assert sum(res["sharding"]["param_bytes"]) == total * FP64 and min(res["sharding"]["param_bytes"]) > 0
+        assert res["sharding"]["optimizer_state_bytes"] == res["sharding"]["param_bytes"]  # SGD momentum
+        # the memory model (stratbench estimate) predicts exactly these per-rank bytes
+        from stratbench.config import TrainConfig
+        from stratbench.estimate import model_state_bytes
+
+        predicted = model_state_bytes(TrainConfig(**res["config"]), 2)
+        for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+            assert [p[key] for p in predicted] == res["sharding"][key], key
+    # the explicit split point and the FLOP balance were applied
+    assert runs["1f1b"]["pipeline"]["split"]["stages"][1]["pieces"] == ["blocks.1", "blocks.2", "head"]
+    flops = [s["flops"] for s in runs["gpipe"]["pipeline"]["split"]["stages"]]
+    assert runs["gpipe"]["pipeline"]["split"]["balance"] == "flops" and max(flops) < 0.65 * sum(flops)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
+    """The step-10 checkpoint of the 1f1b run is a full state dict with the original names; `single` resumes
+    it and continues the reference run exactly; predict loads the final one like single's own."""
+    from stratbench import checkpoint
+    from stratbench.cli import main
+
+    ckpts = runs["root"] / "1f1b" / "checkpoints"
+    step10 = next(
+        p for p in ckpts.iterdir() if p.name != "last" and checkpoint.read_meta(p)["progress"]["step"] == 10
+    )
+    state = checkpoint.load_file(step10)
+    ref_names = list(
+        checkpoint.load_file(Path(runs["single"]["config"]["output"]) / "checkpoints" / "last")["model"]
+    )
+    assert list(state["model"]) == ref_names
+    assert state["optimizer"]["param_groups"][0]["params"] == ref_names
+    assert sorted(state["optimizer"]["state"]) == sorted(ref_names)
+    res = train(
+        runs["root"] / "single-from-1f1b", "--strategy", "single", *EQUIV, "--resume-from", str(step10)
+    )
+    assert res["resumed_from"]["step"] == 10
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"][10:], RTOL)
+
+    folder = runs["root"] / "digits_png"
+    folder.mkdir(exist_ok=True)
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    for i in range(6):
+        Image.fromarray((digits.images[i] / 16 * 255).astype(np.uint8), "L").save(folder / f"{i}.png")
+    preds = {}
+    for name, path in (
+        ("pipeline", ckpts / "last"),
+        ("single", Path(runs["single"]["config"]["output"]) / "checkpoints" / "last"),
+    ):
+        capsys.readouterr()
+        assert main(["predict", "--checkpoint", str(path), str(folder), "--json", "--top-k", "2"]) == 0
+        preds[name] = json.loads(capsys.readouterr().out)["predictions"]
+    top = lambda p: [(r["top"][0]["class"], round(r["top"][0]["probability"], 6)) for r in p]  # noqa: E731
+    assert len(preds["pipeline"]) == 6 and top(preds["pipeline"]) == top(preds["single"])
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_ddp_checkpoint_resumes_under_pipeline(runs):
+    """ddp's full checkpoint at step 10, resumed by a 2-stage pipeline: steps 11-20 equal the reference's."""
+    root = runs["root"]
+    train(root / "ddp", "--strategy", "ddp", *EQUIV, "--max-steps", "10", nproc=2)
+    res = train(root / "pp-from-ddp", *PP, *EQUIV, "--schedule", "1f1b",
+                "--resume-from", str(root / "ddp" / "checkpoints" / "last"), nproc=2)  # fmt: skip
+    _ok(res)
+    assert res["resumed_from"]["step"] == 10
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"][10:], RTOL)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_interleaved_four_stages_on_two_processes(runs):
+    res = train(runs["root"] / "interleaved", *PP, *EQUIV, "--schedule", "interleaved-1f1b", nproc=2)
+    _ok(res)
+    assert res["pipeline"]["layout"]["stages"] == 4 and res["pipeline"]["layout"]["stages_per_rank"] == 2
+    assert [r["stages"] for r in res["pipeline"]["ranks"]] == [[0, 2], [1, 3]]
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL)
+    assert sum(res["sharding"]["param_bytes"]) == res["model_meta"]["num_parameters"] * FP64
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_pipeline_x_data_parallel_2x2(runs):
+    """4 processes = 2 replicas of a 2-stage pipeline on a (dp=2, pp=2) mesh: each replica reads half of the
+    batch, each stage's gradients are averaged over its 2 replicas; the run equals `single` on the full batch."""
+    res = train(
+        runs["root"] / "pp2dp2",
+        *PP,
+        *EQUIV,
+        "--schedule",
+        "1f1b",
+        "--pp",
+        "2",
+        "--microbatches",
+        "2",
+        nproc=4,
+    )
+    _ok(res, world=4)
+    assert res["data_parallel_size"] == 2 and res["per_device_batch_size"] == 16
+    assert [(r["dp_rank"], r["pp_rank"]) for r in res["pipeline"]["ranks"]] == [
+        (0, 0),
+        (0, 1),
+        (1, 0),
+        (1, 1),
+    ]
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL)
+    assert res["metrics"]["val_accuracy"] == runs["single"]["metrics"]["val_accuracy"]
+    p = res["sharding"]["param_bytes"]
+    assert p[0] == p[2] and p[1] == p[3] and p[0] + p[1] == res["model_meta"]["num_parameters"] * FP64
+
+
+# ---- refusals: one clear line, before any work ---------------------------------------------------
+
+
+def _preflight_error(world: int, *args: str) -> str:
+    import argparse
+
+    from stratbench.commands.train import add_config_arguments, resolve_config
+    from stratbench.engine import preflight
+    from stratbench.errors import StratbenchError
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    cfg = resolve_config(parser.parse_args([*TINY, "--strategy", "pipeline", *args]))
+    with pytest.raises(StratbenchError) as info:
+        preflight(cfg, world_size=world)
+    return str(info.value)
+
+
+def test_bad_layouts_are_refused(tmp_path, monkeypatch):
+    line = _preflight_error(2, "--schedule", "interleaved-1f1b", "--stages", "6")
+    assert "6 stages need 5 split points" in line and "has only 4" in line and "stem, blocks.0" in line
+    line = _preflight_error(2, "--microbatches", "3")
+    assert "--microbatches 3 does not divide the per-replica batch 32" in line
+    line = _preflight_error(4, "--pp", "2", "--microbatches", "32")
+    assert "per-replica batch 16" in line
+    assert "world size 3 is not divisible into pipelines of 2" in _preflight_error(3, "--pp", "2")
+    assert "naive runs one micro-batch" in _preflight_error(2, "--schedule", "naive", "--microbatches", "4")
+    assert "1f1b needs --microbatches >= the 2" in _preflight_error(2, "--microbatches", "1")
+    assert "'layer2' is not a piece" in _preflight_error(2, "--split-points", "layer2")
+    assert "unknown schedule 'zb'" in _preflight_error(2, "--schedule", "zb")
+    assert "unknown balance 'time'" in _preflight_error(2, "--balance", "time")
+    # a model that cannot be split
+    (tmp_path / "unsplittable.py").write_text(
+        "from torch import nn\n\nclass Net(nn.Module):\n    def __init__(self, num_classes):\n"
+        "        super().__init__()\n        self.a = nn.Conv2d(3, 4, 3)\n        self.b = nn.Linear(4, num_classes)\n"
+        "    def forward(self, x):\n        return self.b(self.a(x).mean((2, 3)))\n\n"
+        "def build(num_classes):\n    return Net(num_classes)\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    line = _preflight_error(2, "--model", "unsplittable:build")
+    assert "cannot split a Net into pipeline stages" in line and "nn.Sequential" in line
+
+
+def test_refusal_is_one_line_before_any_work(tmp_path):
+    proc = run_stratbench("train", "--output", str(tmp_path), *PP, "--nproc", "2", *TINY, "--stages", "3",
+                          timeout=60, check=False)  # fmt: skip
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and "pipeline/fp32 cannot run here" in lines[0] and "--stages 3" in lines[0], (
+        proc.stderr
+    )
+    assert not (tmp_path / "result.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
+def test_model_parallel_refused_without_two_gpus(tmp_path):
+    proc = run_stratbench(
+        "train", "--output", str(tmp_path), "--strategy", "model-parallel", *TINY, timeout=60, check=False
+    )
+    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
+    assert "model-parallel/fp32 cannot run here: needs >= 2 CUDA GPUs, found" in lines[0]
+
+
+# ---- in process: the splitter, the layouts, model-parallel placement --------------------------------
+
+
+def test_balanced_cut_minimises_the_largest_stage():
+    from stratbench.pipeline_split import balanced_cut
+
+    def parts(costs, starts):
+        bounds = [*starts, len(costs)]
+        return [sum(costs[a:b]) for a, b in zip(bounds, bounds[1:], strict=False)]
+
+    assert balanced_cut([1, 1, 1, 1, 10], 2) == [0, 4]
+    assert max(parts([5, 1, 1, 1, 1, 1], balanced_cut([5, 1, 1, 1, 1, 1], 3))) == 5
+    assert max(parts([2, 7, 1, 1, 6, 3], balanced_cut([2, 7, 1, 1, 6, 3], 3))) == 9  # 8 is impossible
+    assert balanced_cut([3, 3, 3, 3], 4) == [0, 1, 2, 3]
+
+
+def test_split_pieces_of_the_models_stratbench_builds():
+    from stratbench.models import build_model
+    from stratbench.pipeline_split import split_model
+
+    with torch.device("meta"):
+        resnet = build_model("resnet18", 10, cifar_stem=True)
+    split = split_model(resnet, 3, split_points=["layer2", "layer4"], sample_shape=(3, 32, 32))
+    assert [s.pieces for s in split.stages] == [["stem", "layer1"], ["layer2", "layer3"], ["layer4", "head"]]
+    assert sum(s.params for s in split.stages) == sum(p.numel() for p in resnet.parameters())
+    assert split.stages[0].out_numel == 64 * 32 * 32 and split.stages[-1].out_numel == 10
+    seq = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
+    by_params = split_model(seq, 2, sample_shape=(4,))
+    # parameters 320 | 4160 | 195: the largest stage is smallest with the big layer alone-ish
+    assert [s.pieces for s in by_params.stages] == [["0"], ["1", "2", "3", "4"]]
+
+
+def test_stages_compose_to_the_model_and_model_parallel_places_them():
+    """The stage modules run in order equal the model's forward (fp64, exact), and model-parallel's placement
+    (here on two CPU 'devices') keeps the forward and backward and the state dict names."""
+    from stratbench.models import build_model
+    from stratbench.pipeline_split import split_model, stage_module
+    from stratbench.strategies.model_parallel import place_stages
+
+    torch.manual_seed(0)
+    model = build_model("tinynet", 10, norm="none", width=8).double()
+    x = torch.randn(4, 3, 16, 16, dtype=torch.float64)
+    split = split_model(model, 3, balance="flops", sample_shape=(3, 16, 16))
+    out = x
+    for stage in split.stages:
+        out = stage_module(model, stage)(out)
+    assert torch.equal(out, model(x))
+    names = list(model.state_dict())
+    handles = place_stages(model, split, [torch.device("cpu")] * 3)
+    assert len(handles) == 4 and list(model.state_dict()) == names
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_memory_model_counts_the_micro_batches_in_flight():
+    from stratbench.config import TrainConfig
+    from stratbench.estimate import rank_states
+
+    def acts(schedule: str, rank: int) -> int:
+        cfg = TrainConfig(model="tinynet", image_size=32, data="synthetic", strategy="pipeline", batch_size=64,
+                          strategy_options={"schedule": schedule, "microbatches": 8})  # fmt: skip
+        return rank_states(cfg, 2, rank, device_type="cpu").activations
+
+    # stage 0 under gpipe holds all 8 micro-batches, under 1f1b at most 2 (= the stages); stage 1 holds 1
+    assert acts("gpipe", 0) == 4 * acts("1f1b", 0) > 0
+    assert acts("gpipe", 1) == 8 * acts("1f1b", 1) > 0
+
+
+def test_comm_model_sends_each_micro_batch_across_the_boundary():
+    from stratbench.config import TrainConfig
+    from stratbench.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.pipeline import PipelineStrategy
+
+    opts = {"schedule": "1f1b", "pp": 2, "microbatches": 2}
+    cfg = TrainConfig(model="tinynet", image_size=32, data="synthetic", strategy="pipeline", batch_size=32,
+                      strategy_options=opts)  # fmt: skip
+    ctx = MemoryContext(
+        cfg, 4, model_info(ModelSpec.from_config(cfg)), PipelineStrategy.parse_options(opts), "cpu"
+    )
+    rows = {r.kind: r for r in PipelineStrategy.comm_model(ctx)}
+    # 2 replicas x 2 micro-batches of 8; tinynet (width 16) split by parameters after blocks.1: 32 x 16 x 16 floats
+    assert rows["send_recv"].payload_bytes == 2 * 8 * 32 * 16 * 16 * 4 and rows["send_recv"].calls == 2
+    assert rows["all_reduce"].group_size == 2 and rows["broadcast"].payload_bytes == 8
+
+
+def test_model_parallel_trains_like_single_with_cpu_stand_ins(tmp_path, monkeypatch, reference_run):
+    """The whole model-parallel path (split, placement hooks, loop, evaluation, checkpoint) in this process,
+    with two CPU 'devices' standing in for cuda:0 and cuda:1 (the GPU run is in test_gpu.py)."""
+    import argparse
+
+    from stratbench.commands.train import add_config_arguments, resolve_config
+    from stratbench.dist import DistEnv
+    from stratbench.engine import Trainer
+    from stratbench.strategies.model_parallel import ModelParallelStrategy
+
+    monkeypatch.setattr(ModelParallelStrategy, "devices", lambda self: [torch.device("cpu")] * 2)
+    monkeypatch.setattr(ModelParallelStrategy, "synchronize", lambda self: None)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = [*EQUIV, "--strategy", "model-parallel", "--balance", "flops", "--output", str(tmp_path)]
+    cfg = resolve_config(parser.parse_args(args))
+    res = Trainer(cfg, DistEnv(), ModelParallelStrategy).fit()
+    assert res["status"] == "ok" and [len(s["pieces"]) for s in res["model_parallel"]["split"]["stages"]] == [
+        2,
+        3,
+    ]
+    assert_curves_match(res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"], RTOL)
+    assert res["metrics"]["val_accuracy"] == reference_run["metrics"]["val_accuracy"]
