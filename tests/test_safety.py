@@ -297,6 +297,22 @@ def test_resume_continues_from_last_old_after_a_kill_between_renames(tmp_path, c
     assert last.exists()
 
 
+def test_resume_must_refuses_when_there_is_nothing_to_resume(tmp_path, capsys):
+    """`--resume` starts fresh when the folder holds no checkpoint; `--resume must` refuses, before any work,
+    and resumes like `--resume` once there is one."""
+    import json
+
+    out = tmp_path / "run"
+    err = _one_line_error(capsys, "train", "--output", out, *SHORT, "--resume", "must")
+    assert "--resume must" in err and str(out / "checkpoints") in err
+    assert not (out / "result.json").exists() and not (out / "checkpoints").exists()
+    err = _one_line_error(capsys, "train", "--output", out, *SHORT, "--resume", "maybe")
+    assert "'maybe'" in err and "must" in err
+    assert main(["train", "--output", str(out), *SHORT]) == 0
+    assert main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--resume", "must"]) == 0
+    assert json.loads((out / "result.json").read_text())["resumed_from"]["step"] == 4
+
+
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
     """Two identical compares would train the same cells at once and record each twice: the second refuses."""
     import subprocess
