@@ -45,12 +45,15 @@ def stratbench_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "stratbench", *args]
 
 
-def run_stratbench(*args: str, timeout: float = 300, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh interpreter; on failure show its output in the assertion."""
+def run_stratbench(
+    *args: str, timeout: float = 300, env: dict | None = None, check: bool = True, prefix: list[str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run the CLI in a fresh interpreter (after ``prefix``, e.g. a setpriv command); on failure show its output
+    in the assertion."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     full_env.update(env or {})
     proc = subprocess.run(
-        stratbench_cmd(*args), capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+        [*(prefix or []), *stratbench_cmd(*args)], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"stratbench {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")

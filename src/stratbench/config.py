@@ -17,7 +17,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 
@@ -165,8 +165,8 @@ class TrainConfig:
     """Also save a checkpoint every N optimizer steps."""
     save_every_epoch: bool = True
     """Save a checkpoint at the end of each epoch (and always at the end of training)."""
-    resume: bool = False
-    """Resume from OUTPUT/checkpoints/last (or --resume-from) if it exists."""
+    resume: bool | Literal["must"] = False
+    """Resume from OUTPUT/checkpoints/last (or --resume-from) if it exists, else start fresh; `must`: refuse to start when there is nothing to resume."""
     resume_from: str | None = None
     """Checkpoint to resume from (file or folder)."""
     init_from: str | None = None
@@ -304,6 +304,12 @@ def _base_type(annotation: Any) -> type:
     return origin or hint
 
 
+def _literal_words(annotation: Any) -> tuple[str, ...]:
+    """The words a ``bool | Literal[...]`` field takes besides true/false (``resume: must``)."""
+    hint = eval(annotation, vars(typing), {"Any": Any}) if isinstance(annotation, str) else annotation  # noqa: S307
+    return tuple(w for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
+
+
 def coerce(name: str, value: Any, annotation: Any) -> Any:
     """Convert a YAML/CLI value to the field's type, with an error naming the field."""
     typ = _base_type(annotation)
@@ -318,6 +324,11 @@ def coerce(name: str, value: Any, annotation: Any) -> Any:
                 return True
             if text in ("0", "false", "no", "off"):
                 return False
+            words = _literal_words(annotation)
+            if text in words:
+                return text
+            if words:
+                raise ConfigError(f"{name}: cannot read {value!r}; use true, false or {', '.join(words)}")
             raise ValueError
         if typ in (int, float, str):
             if typ is int and isinstance(value, float) and not value.is_integer():

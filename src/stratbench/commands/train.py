@@ -191,7 +191,7 @@ INIT_KEYS = ("model", "width", "norm", "cifar_stem")
 
 def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
     """Before any work: a checkpoint to resume from (or start from) must fit this run's model and optimizer,
-    and ``--resume`` with nothing to resume says that it starts fresh."""
+    and ``--resume`` with nothing to resume says that it starts fresh (``--resume must`` refuses)."""
     from pathlib import Path
 
     from stratbench import checkpoint as ckpt
@@ -201,6 +201,8 @@ def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
     if cfg.resume or cfg.resume_from:
         path = ckpt.resolve_resume(cfg.output, cfg.resume_from)
         if path is None:
+            if cfg.resume == "must":
+                raise CheckpointError(f"--resume must: nothing to resume in {Path(cfg.output) / 'checkpoints'}")
             if not quiet:
                 print(f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh", file=sys.stderr)
         else:

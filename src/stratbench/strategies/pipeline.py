@@ -460,21 +460,25 @@ class PipelineStrategy(Strategy):
         losses: list[torch.Tensor] = []
         for stage in self.stages:
             stage.compute_s = 0.0
-        self.synchronize()
-        t0 = time.perf_counter()
-        self.schedule.step(
-            *args,
-            target=y if self.holds_last else None,
-            losses=losses if self.holds_last else None,
-            return_outputs=False,
-        )
-        self.synchronize()
-        wall = time.perf_counter() - t0
-        compute = sum(s.compute_s for s in self.stages)
-        self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
-        self._after_eval = False
-        if self.layout.dp > 1:
-            self._all_reduce_grads()
+        # The schedule interleaves forwards and backwards of the micro-batches (with the stages' sends and the
+        # bubble): --breakdown shows all of it, and the replicas' all-reduce, as the "backward" phase; the
+        # split into compute and idle is the bubble measurement (metrics.pipeline).
+        with self.phase("backward"):
+            self.synchronize()
+            t0 = time.perf_counter()
+            self.schedule.step(
+                *args,
+                target=y if self.holds_last else None,
+                losses=losses if self.holds_last else None,
+                return_outputs=False,
+            )
+            self.synchronize()
+            wall = time.perf_counter() - t0
+            compute = sum(s.compute_s for s in self.stages)
+            self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
+            self._after_eval = False
+            if self.layout.dp > 1:
+                self._all_reduce_grads()
         loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.holds_last:
             loss = torch.stack([v.detach().double() for v in losses]).mean()
