@@ -342,3 +342,30 @@ def test_estimate_time_cli_json(capsys):
     assert rows["dp"]["projection"]["status"] == "no model"
     rc = main(["estimate", "--model", "tinynet", "--time", "--hardware", "h900"])
     assert rc != 0 and "unknown hardware 'h900'" in capsys.readouterr().err
+
+
+def test_advise_goal_speed_ranks_the_plans_that_fit(capsys):
+    from stratbench.advise import SPEED_TIE, advise
+    from stratbench.cli import main
+    from stratbench.estimate import estimate
+
+    s = hardware.builtin().system("h100-sxm")
+    base = tiny_cfg(model="tinynet", width=256, batch_size=64)
+    roomy = advise(base, 8, 80 * 10**9, "speed", system=s)
+    assert len(roomy.ranking) == len(roomy.tried) and all(r["fits"] for r in roomy.ranking)
+    fastest = min(r["step_s"] for r in roomy.ranking)
+    chosen = next(r for r in roomy.ranking if r["plan"] == roomy.plan.label)
+    assert chosen["step_s"] <= fastest * (1 + SPEED_TIE)
+    # a budget that only the sharded plans meet: DDP is ruled out whatever its speed
+    ddp = estimate(base.replace(strategy="ddp"), 8, "cuda").total_bytes
+    tight = advise(base, 8, int(ddp / 0.9) - (1 << 20), "speed", system=s)
+    assert not next(r for r in tight.ranking if r["plan"] == "ddp")["fits"]
+    assert tight.plan is not None and tight.plan.strategy != "ddp"
+    assert next(r for r in tight.ranking if r["plan"] == tight.plan.label)["fits"]
+    rc = main(["advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--devices", "2",
+               "--hardware", "a100-sxm", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] and {r["plan"] for r in out["ranking"]} >= {"ddp", "fsdp --sharding full"}
+    rc = main(["advise", "--devices", "2", "--device-memory", "8GiB", "--calibrate", "x.json"])
+    assert rc != 0 and "--calibrate needs --hardware" in capsys.readouterr().err
