@@ -89,7 +89,8 @@ def test_measured_fit_replaces_the_ring_model():
 
 def test_builtin_profiles_load_and_are_complete():
     cat = hardware.builtin()
-    assert {"h100-sxm", "a100-sxm", "p40-pcie3"} <= set(cat.systems)
+    assert {"h100-sxm", "a100-sxm", "p40-pcie3", "cpu-gloo"} <= set(cat.systems)
+    assert cat.systems["cpu-gloo"].gpu.kind == "cpu" and cat.gpu_for_device("cpu") is None
     assert {
         "pcie3-x16",
         "pcie4-x16",
@@ -102,7 +103,8 @@ def test_builtin_profiles_load_and_are_complete():
         "eth-100g",
     } <= set(cat.links)
     for g in cat.gpus.values():
-        assert g.peak("fp32") and g.memory_bytes > 1e9 and g.memory_bandwidth > 1e11
+        assert g.peak("fp32") and g.memory_bytes > 1e9
+        assert g.memory_bandwidth > (1e11 if g.kind == "cuda" else 1e9)
         assert set(g.efficiency) == set(hardware.PRECISION_KEYS)
     assert cat.links["pcie3-x16"].bandwidth == pytest.approx(15.75e9)
     assert cat.links["ib-ndr"].bandwidth == pytest.approx(50e9)  # 400 Gb/s
@@ -369,3 +371,54 @@ def test_advise_goal_speed_ranks_the_plans_that_fit(capsys):
     assert out["method"] and {r["plan"] for r in out["ranking"]} >= {"ddp", "fsdp --sharding full"}
     rc = main(["advise", "--devices", "2", "--device-memory", "8GiB", "--calibrate", "x.json"])
     assert rc != 0 and "--calibrate needs --hardware" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# compare reports: predicted step beside measured.
+
+
+def _cell(method: str, precision: str, world: int, step_s: float, device: str = "cpu", **config) -> dict:
+    env = {"device_type": device} | ({"gpus": ["NVIDIA H100 80GB HBM3"]} if device == "cuda" else {})
+    return {
+        "id": f"{method}_{precision}_w{world}", "method": method, "label": method, "precision": precision,
+        "world_size": world, "batch_size": 32, "status": "ok", "reason": "",
+        "machine": {"hostname": "box", "device": "CPU: test (2 cores)" if device == "cpu" else "NVIDIA H100"},
+        "environment": env,
+        "config": TINY | {"strategy": method, "precision": precision, "nproc": world} | config,
+        "metrics": {"step_time_median_s": step_s, "throughput_samples_per_s": 32 / step_s, "train_time_s": 1.0},
+    }  # fmt: skip
+
+
+def test_compare_report_shows_predicted_step_and_error(tmp_path):
+    import csv
+
+    from stratbench.compare import report as report_mod
+
+    records = [
+        _cell("single", "fp32", 1, 0.040),
+        _cell("ddp", "fp32", 2, 0.030),
+        _cell("ddp", "bf16-mixed", 2, 0.050),  # no single bf16 run in the sweep: nothing to calibrate on
+        _cell("ddp", "bf16-mixed", 2, 0.004, device="cuda"),  # a GPU: the H100 profile's default efficiency
+    ]
+    paths = report_mod.write_report(report_mod.Report("t", records, ["x"]), tmp_path)
+    rows = {(r["method"], r["precision"], "gpu" if "H100" in r["machine"] else "box"): r
+            for r in csv.DictReader(paths["csv"].open())}  # fmt: skip
+    single, ddp = rows["single", "fp32", "box"], rows["ddp", "fp32", "box"]
+    assert float(single["predicted_step_s"]) == pytest.approx(0.040)  # the calibration run gives itself back
+    pred = projection.predict_record(records[1], records[0])
+    assert pred.step_s and pred.calibrated and pred.system == "cpu-gloo"
+    assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
+    assert float(ddp["predicted_step_error_pct"]) == pytest.approx((pred.step_s / 0.030 - 1) * 100)
+    assert rows["ddp", "bf16-mixed", "box"]["predicted_step_s"] == "n/a"
+    gpu = rows["ddp", "bf16-mixed", "gpu"]
+    assert float(gpu["predicted_step_s"]) > 0 and gpu["predicted_dominant"]
+    md = paths["md"].read_text()
+    assert "predicted step (error)" in md and "(calibration)" in md
+    assert f"{pred.step_s * 1e3:.1f} ms ({(pred.step_s / 0.030 - 1) * 100:+.0f}%)" in md
+    assert "no single run of this precision in the sweep to calibrate the CPU on" in md
+    assert "default efficiency" in md and "h100-sxm profile" in md
+    assert "predicted step (error)" in paths["html"].read_text()
+    # a probe file (or any system) given with --hardware replaces the record's own profile
+    other = projection.predict_record(records[1], records[0], hardware="cpu-gloo")
+    assert other.step_s == pytest.approx(pred.step_s)
+    assert projection.predict_record(records[1], records[0], hardware="h100-sxm").step_s is None

@@ -515,3 +515,68 @@ def project_all(
         except ConfigError as exc:
             out.append(MethodProjection(name, 0, nodes, status="error", reason=str(exc)))
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Predicted beside measured: a compare record's step time, projected on the machine it ran on.
+
+CPU_SYSTEM = "cpu-gloo"
+"""The built-in profile of processes sharing a CPU over gloo (hardware.yaml): what a compare sweep on a CPU
+predicts its own rows with when no probe profile is given."""
+
+
+def system_for_record(rec: dict[str, Any], hardware: str | None = None) -> System:
+    """The profile of the machine a compare record ran on: ``hardware`` (a system name or a probe file) when
+    given; otherwise the built-in system of the record's GPU, or ``cpu-gloo`` on a CPU."""
+    from stratbench.hardware import builtin, resolve
+
+    if hardware:
+        return resolve(hardware)
+    env = rec.get("environment") or {}
+    if env.get("device_type") != "cuda":
+        return builtin().system(CPU_SYSTEM)
+    name = (env.get("gpus") or [""])[0]
+    gpu = builtin().gpu_for_device(name)
+    if gpu is None:
+        raise ConfigError(f"GPU {name!r} is not in the hardware profiles (add it with --hardware FILE)")
+    for system in builtin().systems.values():
+        if system.gpu.key == gpu.key:
+            return system
+    raise ConfigError(f"no built-in system has the {gpu.name} (give one with --hardware FILE)")
+
+
+@dataclass
+class RecordPrediction:
+    """What the projection says of one finished compare record: ``step_s`` None with ``reason`` where it has
+    nothing to say."""
+
+    step_s: float | None = None
+    reason: str = ""
+    system: str = ""
+    calibrated: bool = False
+    dominant: str = ""
+
+
+def predict_record(
+    rec: dict[str, Any], calibration_rec: dict[str, Any] | None, hardware: str | None = None
+) -> RecordPrediction:
+    """The projected seconds per optimizer step of a finished compare record, on the machine it ran on.
+
+    On a GPU: the record's device profile, calibrated on ``calibration_rec`` (the same sweep's ``single`` run of
+    that precision) when there is one, else the documented default efficiency. On a CPU there is no peak to
+    default to, so a calibration run is required (links, overlap and compute share: ``cpu-gloo``, measured by
+    `stratbench probe` on a 2-core machine, or the probe file given as ``hardware``)."""
+    from stratbench.config import from_dict
+
+    try:
+        cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
+        system = system_for_record(rec, hardware)
+        if system.gpu.kind == "cpu" and calibration_rec is None:
+            return RecordPrediction(reason="no single run of this precision in the sweep to calibrate the CPU on")
+        calibration = calibrate([calibration_rec], system, ["single"]) if calibration_rec else None
+        p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
+    except ConfigError as exc:
+        return RecordPrediction(reason=str(exc))
+    if p.status != "ok" or not p.step_s:
+        return RecordPrediction(reason=p.reason or p.status, system=system.key)
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant)
