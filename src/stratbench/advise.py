@@ -45,6 +45,8 @@ class Advice:
     tried: list[tuple[Plan, Estimate]] = field(default_factory=list)
     train_command: str = ""
     compare_command: str = ""
+    ranking: list[dict] = field(default_factory=list)
+    """goal speed with hardware: every plan with its memory, whether it fits and its projected step time."""
 
 
 def candidates(devices: int) -> list[Plan]:
@@ -81,12 +83,18 @@ def advise(
     goal: str = "speed",
     device_type: str = "cuda",
     headroom: float = 0.9,
+    system=None,
+    calibration=None,
 ) -> Advice:
-    """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory."""
+    """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory; with
+    ``goal="speed"`` and a hardware ``system`` (stratbench.hardware), the plan with the shortest projected step
+    time among those that fit."""
     if goal not in ("fit", "speed"):
         from stratbench.errors import ConfigError
 
         raise ConfigError(f"unknown goal {goal!r}; choose one of: fit, speed")
+    if goal == "speed" and system is not None:
+        return _fastest(base, devices, device_memory, device_type, headroom, system, calibration)
     budget = int(device_memory * headroom)
     plans = candidates(devices)
     if goal == "fit" and devices > 1:
@@ -125,6 +133,59 @@ def advise(
     if devices == 1 and advice.plan.strategy == "single" and not advice.plan.activation_checkpointing:
         reasons.append("the model and batch fit one device: no sharding or offload needed")
     advice.train_command, advice.compare_command = commands(base, advice.plan, devices)
+    return advice
+
+
+SPEED_TIE = 0.03
+"""Projected step times within this fraction of the fastest count as a tie (the simpler plan wins)."""
+
+
+def _fastest(base, devices, device_memory, device_type, headroom, system, calibration) -> Advice:
+    """Every candidate plan estimated and projected on ``system``; the fastest that fits wins."""
+    from stratbench.errors import ConfigError
+    from stratbench.projection import project
+
+    gpn = min(devices, system.gpus_per_node)
+    if devices % gpn:
+        raise ConfigError(
+            f"--devices {devices} is not a whole number of {system.key} nodes of {system.gpus_per_node}"
+        )
+    nodes = devices // gpn
+    budget = int(device_memory * headroom)
+    advice = Advice(None, base.precision, None)
+    advice.reasons.append(
+        f"budget: {headroom:.0%} of {fmt_bytes(device_memory)} per device = {fmt_bytes(budget)}; step times projected "
+        f"on {nodes} x {gpn} {system.gpu.name} ({system.key}, stratbench.projection)"
+    )
+    fitting = []
+    for plan in candidates(devices):
+        world = 1 if plan.strategy == "single" else devices
+        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
+                           activation_checkpointing=plan.activation_checkpointing, nnodes=nodes)  # fmt: skip
+        est = estimate(cfg, world, device_type)
+        advice.tried.append((plan, est))
+        p = project(cfg, system, nodes, gpn, calibration, memory=False)
+        fits = est.total_bytes <= budget
+        advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
+                               "step_s": p.step_s, "status": p.status, "dominant": p.dominant})  # fmt: skip
+        time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
+        advice.reasons.append(
+            f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
+        )
+        if fits and p.step_s:
+            fitting.append((plan, est, p))
+    if not fitting:
+        advice.reasons.append("nothing that fits has a projection: lower --batch-size or use more devices")
+        return advice
+    # The projection cannot tell apart steps a few percent apart: the simplest plan within SPEED_TIE wins.
+    fastest = min(p.step_s for _, _, p in fitting)
+    best = next(x for x in fitting if x[2].step_s <= fastest * (1 + SPEED_TIE))
+    advice.plan, advice.estimate = best[0], best[1]
+    advice.reasons.append(
+        f"chosen: {best[0].label}, the simplest plan that fits within {SPEED_TIE:.0%} of the shortest projected "
+        f"step ({fastest * 1e3:.1f} ms; {best[0].why})"
+    )
+    advice.train_command, advice.compare_command = commands(base, best[0], devices)
     return advice
 
 

@@ -30,7 +30,7 @@ def needs_launch(cfg: TrainConfig) -> bool:
     return False
 
 
-def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
+def torchrun_command(cfg: TrainConfig, config_path: Path, command: tuple[str, ...] = ("train",)) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
@@ -53,7 +53,7 @@ def torchrun_command(cfg: TrainConfig, config_path: Path) -> list[str]:
         port = cfg.master_port or (free_port() if cfg.nnodes == 1 else 29500)
         cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}", f"--master-port={port}"]
         cmd += [f"--rdzv-conf=timeout={cfg.dist_timeout_s}"]
-    return [*cmd, "-m", "stratbench", "train", "--config", str(config_path)]
+    return [*cmd, "-m", "stratbench", *command, "--config", str(config_path)]
 
 
 GRACE_S = 8.0
@@ -125,8 +125,9 @@ class _Tree:
         psutil.wait_procs(left, timeout=5)
 
 
-def launch(cfg: TrainConfig) -> int:
-    """Write the resolved config, start torchrun on it, and return torchrun's exit code.
+def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
+    """Write the resolved config, start torchrun on it (each worker runs ``stratbench COMMAND --config ...``;
+    ``probe`` starts its workers the same way), and return torchrun's exit code.
 
     The launcher owns the run's processes: torchrun runs in a session of its own and dies with the launcher
     (PR_SET_PDEATHSIG), each worker dies with torchrun (``dist.die_with_parent``), SIGTERM/SIGINT/SIGHUP are
@@ -139,7 +140,7 @@ def launch(cfg: TrainConfig) -> int:
     if cfg.node_rank == 0:
         # A result.json left by an earlier run would be read as this run's failure reason if this one dies.
         (out / "result.json").unlink(missing_ok=True)
-    cmd = torchrun_command(cfg, config_path)
+    cmd = torchrun_command(cfg, config_path, command)
     env = dict(os.environ)
     # One thread per process unless the user said otherwise (torchrun would set 1 and warn about it).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))

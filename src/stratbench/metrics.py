@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import platform
-import re
 import statistics
 import threading
 import time
@@ -18,33 +17,25 @@ from typing import Any
 import torch
 from torch import nn
 
-# Dense peak FLOP/s per device (no sparsity), from the vendors' data sheets (the NVL and L40 figures: NVIDIA's
-# H100 NVL / H200 NVL / L40 product briefs, their "with sparsity" tensor figures halved). MFU is reported only for
-# these. Each entry is a regular expression searched in torch.cuda.get_device_name() with word boundaries, so
-# that "NVIDIA L40" does not take the L4's figures, "RTX A1000" not the A100's, nor an NVL part the SXM's.
-PEAK_FLOPS: list[tuple[str, dict[str, float]]] = [
-    (r"\bH200 NVL\b", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}),
-    (r"\bH200\b", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
-    (r"\bH100 NVL\b", {"fp32": 60e12, "tf32": 417.5e12, "bf16": 835.5e12, "fp16": 835.5e12}),
-    (r"\bH100 PCIe\b", {"fp32": 51.2e12, "tf32": 378e12, "bf16": 756e12, "fp16": 756e12}),
-    (r"\bH100\b", {"fp32": 67e12, "tf32": 494.7e12, "bf16": 989.4e12, "fp16": 989.4e12}),
-    (r"\bA100\b", {"fp32": 19.5e12, "tf32": 156e12, "bf16": 312e12, "fp16": 312e12}),
-    (r"\bL40S\b", {"fp32": 91.6e12, "tf32": 183e12, "bf16": 362e12, "fp16": 362e12}),
-    (r"\bL40\b", {"fp32": 90.5e12, "tf32": 90.5e12, "bf16": 181e12, "fp16": 181e12}),
-    (r"\bL4\b", {"fp32": 30.3e12, "tf32": 60e12, "bf16": 121e12, "fp16": 121e12}),
-    (r"\bA10\b", {"fp32": 31.2e12, "tf32": 62.5e12, "bf16": 125e12, "fp16": 125e12}),
-    (r"\bV100\b", {"fp32": 15.7e12, "fp16": 125e12}),
-    (r"\bT4\b", {"fp32": 8.1e12, "fp16": 65e12}),
-    (r"\bP40\b", {"fp32": 11.8e12}),
-]
+# Dense peak FLOP/s per device (no sparsity) come from the hardware profiles (src/stratbench/hardware.yaml: one
+# source of truth with the projection, every figure cited there). Each GPU entry's regular expression is searched
+# in torch.cuda.get_device_name(), so that "NVIDIA L40" does not take the L4's figures, "RTX A1000" not the
+# A100's, nor an NVL part the SXM's. MFU is reported only for the GPUs listed there.
 
 
 def peak_flops_for_name(name: str, key: str) -> float | None:
     """The table's dense peak for a device name and a compute key (fp32, tf32, bf16, fp16); None if unknown."""
-    for pattern, table in PEAK_FLOPS:
-        if re.search(pattern, name):
-            return table.get(key)
-    return None
+    from stratbench.hardware import peak_flops_for_name as lookup
+
+    return lookup(name, key)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PEAK_FLOPS":  # (pattern, {precision: FLOP/s}) per GPU, read from the hardware profiles
+        from stratbench.hardware import builtin
+
+        return [(g.match, dict(g.peak_flops)) for g in builtin().gpus.values() if g.kind == "cuda"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None:

@@ -20,6 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")
     parser.add_argument("--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit")
+    parser.add_argument(
+        "--hardware",
+        help="with --goal speed: rank the plans that fit by projected step time on this system (h100-sxm, "
+        "a100-sxm, ..., or a profile file); without it, the simplest plan that fits",
+    )
+    parser.add_argument(
+        "--calibrate", action="append", default=[], metavar="RESULT_JSON",
+        help="measured single-device run(s) for the projection's compute efficiency",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
@@ -34,9 +43,19 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.report_table import fmt_bytes
 
     has_gpu = torch.cuda.is_available()
+    system = calibration = None
+    if args.hardware:
+        from stratbench.hardware import resolve
+        from stratbench.projection import load_calibration
+
+        system = resolve(args.hardware)
+        calibration = load_calibration(args.calibrate, system) if args.calibrate else None
+    elif args.calibrate:
+        raise ConfigError("--calibrate needs --hardware (the system whose step time it calibrates)")
     devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
     memory = parse_bytes(args.device_memory) if args.device_memory else (
-        torch.cuda.get_device_properties(0).total_memory if has_gpu else None
+        torch.cuda.get_device_properties(0).total_memory if has_gpu
+        else int(system.gpu.memory_bytes) if system is not None else None
     )
     if devices is None or memory is None:
         raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
@@ -64,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=args.optimizer,
     )  # fmt: skip
     validate(base)
-    result = advise(base, devices, memory, args.goal, "cuda")
+    result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration)
     if args.json:
         print(json.dumps({
             "method": result.plan.strategy if result.plan else None,
@@ -72,6 +91,7 @@ def run(args: argparse.Namespace) -> int:
             "activation_checkpointing": result.plan.activation_checkpointing if result.plan else None,
             "precision": precision,
             "estimated_bytes_per_device": result.estimate.total_bytes if result.estimate else None,
+            "ranking": result.ranking,
             "reasons": result.reasons,
             "train_command": result.train_command,
             "compare_command": result.compare_command,

@@ -41,6 +41,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "times, throughput, memory, accuracy and loss (default 1)")  # fmt: skip
     parser.add_argument("--allow-slow", action="store_true",
                         help="run cells that would be skipped as impractically slow here (fp16 on CPU, GPU presets on CPU)")  # fmt: skip
+    parser.add_argument("--hardware", metavar="SYSTEM|FILE",
+                        help="profile for the report's predicted-step column (a built-in system or a `stratbench "
+                             "probe` file; default: the built-in one of the device the cells ran on)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
     group = parser.add_argument_group("training options passed to every cell (override the matrix's base)")
@@ -82,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     if args.world_size is not None and args.world_size < 1:
         raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.hardware:
+        from stratbench.hardware import resolve
+
+        resolve(args.hardware)  # a bad profile is refused now, not after the sweep
     console = table_console()
     matrix = load_matrix(args.preset, args.matrix, overrides_from(args), args.world_size)
     cells = select(matrix.cells, args.only, args.skip)
@@ -123,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         runner.run(plans)
     except Interrupted as exc:
         interrupted = exc
-    paths, records = render_sweeps([runner.out], runner.out)
+    paths, records = render_sweeps([runner.out], runner.out, hardware=args.hardware)
     print_table(records, console)
     console.print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}", highlight=False, soft_wrap=True)
     if interrupted:

@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB (default: detected GPU)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    add_time_arguments(parser)
     from stratbench.commands.train import add_strategy_option_arguments
 
     add_strategy_option_arguments(parser)  # the same method flags as `train`, from each strategy's Options
@@ -63,6 +64,58 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs"
     )
     parser.add_argument("--width", type=int, default=16, help="tinynet width")
+
+
+def add_time_arguments(parser: argparse.ArgumentParser) -> None:
+    """The step-time projection's flags (stratbench.projection), shared with `advise`."""
+    parser.add_argument(
+        "--time",
+        action="store_true",
+        help="also project step time, throughput and scaling efficiency on --hardware (world size = nodes x GPUs per node)",
+    )
+    parser.add_argument(
+        "--hardware",
+        default=None,
+        help="a system from the hardware profiles (h100-sxm, a100-sxm, h100-pcie, l40s-pcie, p40-pcie3), "
+        "a YAML profile file (e.g. one written by `stratbench probe`), or FILE:SYSTEM",
+    )
+    parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for --time (default: the system's)")
+    parser.add_argument(
+        "--calibrate",
+        action="append",
+        default=[],
+        metavar="RESULT_JSON",
+        help="a measured single-device run (result.json) whose achieved efficiency replaces the default; "
+        "repeat it with runs at other batch sizes to also fit a fixed per-step overhead",
+    )
+
+
+def time_setup(args: argparse.Namespace):
+    """(system, calibration) for --time, validated before any work; (None, None) without --time."""
+    from stratbench.errors import ConfigError
+    from stratbench.hardware import resolve
+    from stratbench.projection import load_calibration
+
+    if not getattr(args, "time", False):
+        return None, None
+    system = resolve(args.hardware or "h100-sxm")
+    if not 1 <= args.nodes <= MAX_WORLD:
+        raise ConfigError(f"--nodes must be between 1 and {MAX_WORLD}, got {args.nodes}")
+    gpn = args.gpus_per_node or system.gpus_per_node
+    if not 1 <= gpn <= 1024:
+        raise ConfigError(f"--gpus-per-node must be between 1 and 1024, got {gpn}")
+    if args.nodes > 1 and system.inter_node is None:
+        raise ConfigError(f"--nodes {args.nodes}: system {system.key!r} has no inter_node link")
+    if args.world_size not in (1, args.nodes * gpn):
+        raise ConfigError(
+            f"--world-size {args.world_size} disagrees with --nodes {args.nodes} x --gpus-per-node {gpn}; with --time leave it out"
+        )
+    args.world_size, args.nnodes, args.gpus_per_node = args.nodes * gpn, args.nodes, gpn
+    if args.device_memory is None:
+        args.device_memory = f"{system.gpu.memory_bytes:.0f}B"
+    calibration = load_calibration(args.calibrate, system) if args.calibrate else None
+    return system, calibration
 
 
 MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
@@ -132,6 +185,11 @@ def run(args: argparse.Namespace) -> int:
             "--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from"
         )
 
+    system, calibration = time_setup(args)
+    if system is not None and not args.device_memory:
+        device_memory = None
+    if system is not None:
+        device_memory = est.parse_bytes(args.device_memory)
     results = []
     for name in names:
         world = 1 if name == "single" else args.world_size
@@ -149,14 +207,31 @@ def run(args: argparse.Namespace) -> int:
             if args.strategy != "all":
                 raise
             results.append({"strategy": name, "estimate": None, "no_model": str(exc)})
+        if system is not None:
+            from stratbench.projection import project
 
+            p = project(cfg, system, args.nodes, args.gpus_per_node, calibration, memory=False)
+            results[-1]["projection"] = p.to_dict()
+
+    if system is not None:
+        single = next((r["projection"] for r in results if r["strategy"] == "single"), None)
+        if single and single.get("throughput"):
+            for r in results:  # strong scaling: the same global batch on one device
+                t = r["projection"].get("throughput")
+                r["projection"]["speedup_vs_single"] = t / single["throughput"] if t else None
     if args.json:
-        print(json.dumps({"device_memory": device_memory, "results": results}, indent=2))
+        out: dict = {"device_memory": device_memory, "results": results}
+        if system is not None:
+            out["hardware"] = hardware_summary(system, args, calibration)
+        print(json.dumps(out, indent=2))
         return 0
     title = (
         f"{args.model} {args.image_size}px, global batch {args.batch_size}, {args.precision}, {args.optimizer}, "
         f"world size {args.world_size}, {args.device_type}"
     )
+    if system is not None:
+        print_time_table(console, results, system, args, calibration, device_memory, title)
+        return 0
     if len(results) == 1 and not args.max_batch:
         e = results[0]["estimate"]
         table = Table(title=f"memory per device: {e['strategy']} ({title}, micro-batch {e['micro_batch']})")
@@ -245,3 +320,73 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(label, *([str(res["max_global_batch"])] if args.max_batch else []), *cells)
     console.print(table)
     return 0
+
+
+def hardware_summary(system, args: argparse.Namespace, calibration) -> dict:
+    return {
+        "system": system.key,
+        "source": system.source,
+        "gpu": system.gpu.name,
+        "nodes": args.nodes,
+        "gpus_per_node": args.gpus_per_node,
+        "intra_node": system.intra_node.key,
+        "inter_node": system.inter_node.key if system.inter_node else None,
+        "overlap": system.overlap,
+        "overlap_source": system.overlap_source,
+        "calibration": None if calibration is None else {
+            k: {"efficiency": c.efficiency, "overhead_s": c.overhead_s, "source": c.source, "points": c.points}
+            for k, c in calibration.items()
+        },
+    }  # fmt: skip
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.3g} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3g} ms"
+    return f"{s * 1e6:.3g} us"
+
+
+def print_time_table(console, results, system, args, calibration, device_memory, title) -> None:
+    """One row per method: projected step time and its parts, throughput, scaling, memory and whether it fits."""
+    from rich.table import Table
+
+    from stratbench.report_table import fmt_bytes
+
+    gpu = system.gpu
+    table = Table(
+        title=f"projected on {args.nodes} x {args.gpus_per_node} {gpu.name} ({system.key}; "
+        f"intra {system.intra_node.key}, inter {system.inter_node.key if system.inter_node else '-'}): {title}"
+    )
+    cols = ["method", "step", "samples/s", "speed-up", "scaling eff.", "compute", "comm (exposed)", "optimizer",
+            "offload", "dominant", "memory/device", "fits"]  # fmt: skip
+    for col in cols:
+        table.add_column(col, justify="left" if col in ("method", "dominant") else "right", no_wrap=col == "method")
+    for res in results:
+        p, e = res["projection"], res.get("estimate")
+        mem = e["total_bytes"] if e else None
+        fits = "-" if mem is None or not device_memory else ("yes" if mem <= device_memory else "NO")
+        label = f"{res['strategy']} (x{p['world']})"
+        if p["status"] != "ok":
+            table.add_row(label, p["status"], p["reason"], *[""] * 8, fits)
+            continue
+        table.add_row(
+            label, fmt_seconds(p["step_s"]), f"{p['throughput']:,.0f}",
+            f"{p['speedup_vs_single']:.2f}x" if p.get("speedup_vs_single") else "-",
+            f"{p['scaling_efficiency']:.0%}" if p["scaling_efficiency"] is not None else "-",
+            fmt_seconds(p["compute_s"]), f"{fmt_seconds(p['comm_s'])} ({fmt_seconds(p['comm_exposed_s'])})",
+            fmt_seconds(p["optimizer_s"]), fmt_seconds(p["offload_s"]) if p["offload_s"] else "-", p["dominant"],
+            fmt_bytes(mem) if mem is not None else "no memory model", fits,
+        )  # fmt: skip
+    console.print(table)
+    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results if p["projection"].get("efficiency")})
+    for eff, src in effs:
+        console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {src}")
+    console.print(
+        f"overlap of forward/backward communication with compute: {system.overlap:.0%} ({system.overlap_source}); "
+        "scaling eff. = throughput / (devices x one device at the same per-device batch); "
+        "speed-up = vs single at the same global batch"
+    )

@@ -14,6 +14,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare")
     parser.add_argument("--output", help="report folder (default: the sweep folder itself; required with several)")
     parser.add_argument("--title", help="report title (default: from the sweeps' names)")
+    parser.add_argument("--hardware", metavar="SYSTEM|FILE",
+                        help="profile for the predicted-step column (a built-in system or a `stratbench probe` "
+                             "file; default: the built-in one of the device each cell ran on)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -28,11 +31,15 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("merging several sweeps needs --output DIR (the folders' own reports are left as they are)")
     for d in dirs:
         check_results_file(d)
+    if args.hardware:
+        from stratbench.hardware import resolve
+
+        resolve(args.hardware)
     out = Path(args.output) if args.output else dirs[0]
     from stratbench.lock import check_output_folder
 
     check_output_folder(out)
-    paths, records = render_sweeps(dirs, out, args.title)
+    paths, records = render_sweeps(dirs, out, args.title, args.hardware)
     print_table(records)
     print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
     return 0

@@ -38,6 +38,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("train_time", "train time (eval excluded)"),
     ("throughput", "throughput (samples/s)"),
     ("speedup", "speed-up vs single fp32"),
+    ("predicted_step", "predicted step (error)"),
     ("predicted", "predicted peak (error)"),
     ("mfu", "MFU"),
     ("not_compute", "not compute (data wait + other)"),
@@ -148,8 +149,11 @@ def is_baseline(rec: dict[str, Any]) -> bool:
         and int(rec.get("world_size") or 1) == 1  # fmt: skip
 
 
-def build_rows(records: list[dict[str, Any]], notes: Footnotes) -> list[Row]:
-    """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine."""
+def build_rows(
+    records: list[dict[str, Any]], notes: Footnotes, hardware: str | None = None, predict: bool = True
+) -> list[Row]:
+    """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine.
+    ``hardware``: the profile the predicted step uses (default: the one of each record's device)."""
     baselines: dict[str, float] = {}
     for rec in records:
         tp = (rec.get("metrics") or {}).get("throughput_samples_per_s")
@@ -159,7 +163,61 @@ def build_rows(records: list[dict[str, Any]], notes: Footnotes) -> list[Row]:
     for rec in records:
         rows.append(_row(rec, notes, baselines))
     _add_comm_ratio(rows)
+    if predict:
+        _add_predicted_step(rows, notes, hardware)
     return rows
+
+
+def _calibration_key(rec: dict[str, Any]) -> tuple[str, str, str]:
+    from stratbench.projection import precision_key
+
+    config = rec.get("config") or {}
+    return machine_name(rec), precision_key(str(rec.get("precision")), bool(config.get("tf32"))), str(_model_of(rec))
+
+
+def _add_predicted_step(rows: list[Row], notes: Footnotes, hardware: str | None) -> None:
+    """Beside each measured median step, what stratbench.projection predicts for it on the machine it ran on,
+    calibrated on the sweep's own `single` run of the same machine, precision and model (docs/projection.md)."""
+    from stratbench.projection import predict_record
+
+    singles: dict[tuple[str, str, str], dict[str, Any]] = {}
+    for r in rows:
+        rec = r.rec
+        if rec.get("status") == "ok" and rec.get("method") == "single" and int(rec.get("world_size") or 1) == 1 \
+                and rec.get("label", "single") == "single" and (rec.get("metrics") or {}).get("step_time_median_s"):  # fmt: skip
+            singles.setdefault(_calibration_key(rec), rec)
+    for r in rows:
+        r.raw["predicted_step"] = r.raw["step_error_pct"] = None
+        r.raw["step_time"] = (r.rec.get("metrics") or {}).get("step_time_median_s")
+        if r.raw["status"] != "ok":
+            r.text["predicted_step"] = r.text.get("speedup", DASH)
+            continue
+        cal = singles.get(_calibration_key(r.rec))
+        pred = predict_record(r.rec, cal, hardware)
+        r.raw["predicted_dominant"] = pred.dominant
+        if pred.step_s is None:
+            r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {pred.reason}")
+            continue
+        r.raw["predicted_step"] = pred.step_s
+        measured = r.raw["step_time"]
+        how = (
+            f"predicted step: stratbench.projection on the {pred.system} profile, "
+            + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
+               else "at the profile's default efficiency (no single run of this precision in the sweep)")
+            + "; error = predicted / measured median step - 1 (docs/projection.md)"
+        )  # fmt: skip
+        if pred.system == "cpu-gloo":
+            how += (
+                "; on a CPU the links, overlap and compute share are those a probe measured on a 2-core VM "
+                "(hardware.yaml cpu-gloo): `stratbench probe` writes this machine's, used with --hardware FILE"
+            )
+        text = f"{pred.step_s * 1e3:.1f} ms"
+        if cal is r.rec:
+            text += " (calibration)"
+        elif measured:
+            r.raw["step_error_pct"] = (pred.step_s / measured - 1) * 100
+            text += f" ({r.raw['step_error_pct']:+.0f}%)"
+        r.text["predicted_step"] = text + notes.mark(how)
 
 
 def _add_comm_ratio(rows: list[Row]) -> None:
@@ -405,6 +463,8 @@ class Report:
     sources: list[str]
     description: str = ""
     command: str = ""
+    hardware: str | None = None
+    """The profile of the predicted-step column (a system name or probe file); None: each record's device's."""
 
 
 def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
@@ -459,7 +519,7 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     notes = Footnotes()
-    rows = build_rows(report.records, notes)
+    rows = build_rows(report.records, notes, report.hardware)
     charts = write_charts(rows, out, report.title)
     paths = {"md": out / "report.md", "csv": out / "report.csv", "html": out / "report.html"}
     # Each written under a temporary name and renamed into place: a failed render keeps the previous report.
@@ -531,6 +591,7 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
 CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
+              "step_time_median_s", "predicted_step_s", "predicted_step_error_pct", "predicted_dominant",
               "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
               "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
@@ -555,7 +616,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 r.rec.get("world_size"), raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
-                v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("predicted")),
+                v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("step_time")), v(raw.get("predicted_step")),
+                v(raw.get("step_error_pct")), raw.get("predicted_dominant") or "", v(raw.get("predicted")),
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
                 v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
@@ -1001,7 +1063,7 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
 
     console = console or table_console()
     notes = Footnotes()
-    rows = build_rows(records, notes)
+    rows = build_rows(records, notes, predict=False)  # the terminal table has no predicted-step column
     keys = [("method", "method"), ("precision", "precision"), ("devices", "dev"), ("batch_device", "batch/dev"),
             ("peak_memory", "peak mem/dev"), ("train_time", "train time"), ("throughput", "samples/s"),
             ("speedup", "speed-up"), ("val_accuracy", "val acc"), ("status", "status")]  # fmt: skip
@@ -1026,7 +1088,7 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
 
 
 def render_sweeps(
-    dirs: list[Path], out: Path, title: str | None = None
+    dirs: list[Path], out: Path, title: str | None = None, hardware: str | None = None
 ) -> tuple[dict[str, Path], list[dict[str, Any]]]:
     """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``."""
     sweeps = [load_sweep(d) for d in dirs]
@@ -1036,5 +1098,5 @@ def render_sweeps(
         title = "stratbench compare: " + " + ".join(names)
     description = sweeps[0].meta.get("description", "") if len(sweeps) == 1 else ""
     command = " ".join(sweeps[0].meta.get("command") or []) if len(sweeps) == 1 else ""
-    report = Report(title, records, [str(s.path) for s in sweeps], description, command)
+    report = Report(title, records, [str(s.path) for s in sweeps], description, command, hardware)
     return write_report(report, out), records

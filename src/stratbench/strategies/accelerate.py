@@ -423,6 +423,13 @@ class AccelerateDeepSpeed(_Accelerate):
         ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
         return deepspeed_comm(ctx, ds["zero_optimization"])
 
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_overlap
+
+        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        return deepspeed_overlap(ds["zero_optimization"])
+
     def _plugins(self) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
 

@@ -484,6 +484,12 @@ class DeepSpeed(Strategy):
     def comm_model(cls, ctx):
         return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        """Share of forward/backward traffic that can run under compute (stratbench.projection): none without
+        ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
+        return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
         # DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
@@ -751,6 +757,11 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     # The step converts the partition's gradients to the master dtype: a master-sized scratch (0 on the host).
     m.step_scratch = m.master if stage >= 1 else (0 if offload_optimizer else None)
     return m
+
+
+def deepspeed_overlap(zero: dict[str, Any]) -> float:
+    """1 where DeepSpeed reduces on a side stream (``overlap_comm``; its default is on for stage 3 only)."""
+    return 1.0 if zero.get("overlap_comm", int(zero.get("stage", 2)) == 3) else 0.0
 
 
 def deepspeed_comm(ctx, zero: dict[str, Any]):

@@ -1,0 +1,424 @@
+"""The step-time projection (stratbench.projection) and the hardware profiles it reads: the alpha-beta
+arithmetic, profile loading and validation, device-name matching, calibration, and a projection (or "no model")
+for every registered strategy. No GPU, no processes: all of it is arithmetic on fake-tensor shapes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import yaml
+
+from stratbench import hardware, projection
+from stratbench.config import TrainConfig
+from stratbench.hardware import HardwareError
+
+TINY = {
+    "model": "tinynet",
+    "width": 8,
+    "image_size": 16,
+    "num_classes": 10,
+    "data": "synthetic",
+    "batch_size": 32,
+}
+
+
+def tiny_cfg(**kw) -> TrainConfig:
+    return TrainConfig(**(TINY | kw))
+
+
+# ------------------------------------------------------------------------------------------------
+# The unit arithmetic.
+
+
+@pytest.mark.parametrize("n", [2, 3, 4, 8, 64])
+def test_ring_costs(n):
+    B, bw, alpha = 100e6, 10e9, 5e-6
+    assert projection.ring_time("all_reduce", B, n, bw, alpha) == pytest.approx(
+        2 * (n - 1) / n * B / bw + 2 * (n - 1) * alpha
+    )
+    for kind in ("all_gather", "reduce_scatter", "broadcast"):
+        assert projection.ring_time(kind, B, n, bw, alpha) == pytest.approx(
+            (n - 1) / n * B / bw + (n - 1) * alpha
+        )
+    assert projection.ring_time("send_recv", B, n, bw, alpha) == pytest.approx(B / bw + alpha)
+    assert projection.ring_time("all_reduce", B, 1, bw, alpha) == 0.0
+
+
+def test_collective_time_one_node_and_hierarchical():
+    s = hardware.builtin().system("h100-sxm")
+    nvl, ib = s.intra_node, s.inter_node
+    bw, a, c = nvl.bandwidth * nvl.efficiency, nvl.latency, s.call_latency
+    B = 2e8
+    # one node, 8 ranks, 4 calls of B/4: each call pays the call latency and the ring's steps
+    got = projection.collective_time("all_reduce", B, 4, 8, s)
+    assert got == pytest.approx(4 * c + 4 * (2 * 7 * a + 2 * 7 / 8 * (B / 4) / bw))
+    # two nodes: reduce-scatter in the node, all-reduce of 1/8 across nodes over the node's 8 NICs shared by
+    # 8 GPUs (one NIC each), all-gather in the node
+    nic = ib.bandwidth * ib.efficiency * s.nics_per_node / s.gpus_per_node
+    want = (
+        c
+        + (7 * a + 7 / 8 * B / bw)
+        + (2 * 1 * ib.latency + 2 * 1 / 2 * (B / 8) / nic)
+        + (7 * a + 7 / 8 * B / bw)
+    )
+    assert projection.collective_time("all_reduce", B, 1, 16, s) == pytest.approx(want)
+    gather = projection.collective_time("all_gather", B, 1, 16, s)
+    assert gather == pytest.approx(c + 7 * a + 7 / 8 * B / bw + ib.latency + 1 / 2 * (B / 8) / nic)
+    assert projection.collective_time("all_reduce", B, 1, 1, s) == 0.0
+
+
+def test_measured_fit_replaces_the_ring_model():
+    """A probe's per-kind fit reproduces its own measurement at the probed size and scales latency by steps."""
+    link = hardware.Link("x", 1e9, 1e-5, 1.0, {"all_reduce": hardware.CollectiveFit(4e-4, 2e8, 2)})
+    s = hardware.System("x", hardware.builtin().gpus["p40"], 2, link, None, link)
+    # at 2 ranks: latency + wire (1 x payload) / bandwidth
+    assert projection.collective_time("all_reduce", 1e6, 1, 2, s) == pytest.approx(4e-4 + 1e6 / 2e8)
+    s4 = hardware.System("x", hardware.builtin().gpus["p40"], 4, link, None, link)
+    assert projection.collective_time("all_reduce", 1e6, 1, 4, s4) == pytest.approx(
+        4e-4 * 6 / 2 + 1.5e6 / 2e8
+    )
+    # a kind the probe did not fit falls back to the link's ring model
+    assert projection.collective_time("all_gather", 1e6, 1, 2, s) == pytest.approx(1e-5 + 0.5e6 / 1e9)
+
+
+# ------------------------------------------------------------------------------------------------
+# Profiles: load, validate, match device names.
+
+
+def test_builtin_profiles_load_and_are_complete():
+    cat = hardware.builtin()
+    assert {"h100-sxm", "a100-sxm", "p40-pcie3", "cpu-gloo"} <= set(cat.systems)
+    assert cat.systems["cpu-gloo"].gpu.kind == "cpu" and cat.gpu_for_device("cpu") is None
+    assert {
+        "pcie3-x16",
+        "pcie4-x16",
+        "pcie5-x16",
+        "nvlink3",
+        "nvlink4",
+        "ib-hdr",
+        "ib-ndr",
+        "eth-25g",
+        "eth-100g",
+    } <= set(cat.links)
+    for g in cat.gpus.values():
+        assert g.peak("fp32") and g.memory_bytes > 1e9
+        assert g.memory_bandwidth > (1e11 if g.kind == "cuda" else 1e9)
+        assert set(g.efficiency) == set(hardware.PRECISION_KEYS)
+    assert cat.links["pcie3-x16"].bandwidth == pytest.approx(15.75e9)
+    assert cat.links["ib-ndr"].bandwidth == pytest.approx(50e9)  # 400 Gb/s
+    assert cat.gpus["p40"].peak("fp32") == pytest.approx(11.76e12)
+
+
+# Real torch.cuda.get_device_name() strings -> the one entry they must match (None: no entry).
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": "h100-sxm",
+    "NVIDIA H100 PCIe": "h100-pcie",
+    "NVIDIA H100 NVL": "h100-nvl",
+    "NVIDIA H200": "h200-sxm",
+    "NVIDIA H200 NVL": "h200-nvl",
+    "NVIDIA A100-SXM4-80GB": "a100-sxm",
+    "NVIDIA A100 80GB PCIe": "a100-sxm",
+    "NVIDIA L40S": "l40s",
+    "NVIDIA L40": "l40",
+    "NVIDIA L4": "l4",
+    "NVIDIA A10": "a10",
+    "Tesla V100-SXM2-16GB": "v100-sxm2",
+    "Tesla V100-PCIE-32GB": "v100-pcie",
+    "Tesla T4": "t4",
+    "Tesla P40": "p40",
+    "NVIDIA RTX A1000": None,
+    "NVIDIA A10G": None,
+    "NVIDIA GH200 480GB": None,
+    "NVIDIA GeForce RTX 4090": None,
+}
+
+
+@pytest.mark.parametrize(("name", "key"), DEVICE_NAMES.items())
+def test_device_names_match_exactly_one_entry(name, key):
+    from stratbench.metrics import PEAK_FLOPS, peak_flops_for_name
+
+    cat = hardware.builtin()
+    assert cat.ambiguous(name) == ([key] if key else [])
+    want = cat.gpus[key].peak("fp32") if key else None
+    assert peak_flops_for_name(name, "fp32") == want  # MFU reads the same table
+    assert len(PEAK_FLOPS) == sum(1 for g in cat.gpus.values() if g.kind == "cuda")
+
+
+def _write(tmp_path, data) -> str:
+    p = tmp_path / "hw.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return str(p)
+
+
+GOOD = {
+    "gpus": {"mygpu": {"name": "My GPU", "match": r"\bMyGPU\b", "peak_flops": {"fp32": "10 TFLOP/s"},
+                       "memory": "16 GB", "memory_bandwidth": "500 GB/s"}},
+    "links": {"mylink": {"bandwidth": "10 GB/s", "latency": "5 us"}},
+    "systems": {"mysys": {"gpu": "mygpu", "gpus_per_node": 4, "intra_node": "mylink", "inter_node": "ib-hdr",
+                          "host": "pcie4-x16"}},
+}  # fmt: skip
+
+
+def test_user_file_extends_the_builtin_catalogue(tmp_path):
+    s = hardware.resolve(_write(tmp_path, GOOD))
+    assert s.key == "mysys" and s.gpu.peak("fp32") == 10e12 and s.inter_node.key == "ib-hdr"
+    assert s.gpu.efficiency["fp32"] == hardware.builtin().default_efficiency["fp32"]
+    assert hardware.resolve(f"{tmp_path / 'hw.yaml'}:h100-sxm").key == "h100-sxm"
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("gpus", "mygpu", "memory"), None, "gpus.mygpu: missing 'memory'"),
+        (("gpus", "mygpu", "memory_bandwidth"), "500 GX/s", "gpus.mygpu.memory_bandwidth: unknown unit"),
+        (("gpus", "mygpu", "peak_flops"), {"fp32": "-3 TFLOP/s"}, "not a number with a unit"),
+        (("gpus", "mygpu", "peak_flops"), {"fp8": "3 TFLOP/s"}, "unknown precision 'fp8'"),
+        (("gpus", "mygpu", "match"), "([", "is not a regular expression"),
+        (("gpus", "mygpu", "memroy"), "16 GB", "unknown field 'memroy'"),
+        (("links", "mylink", "bandwidth"), 10, "needs a unit"),
+        (("links", "mylink", "efficiency"), 1.5, "between 0 and 1"),
+        (("systems", "mysys", "intra_node"), "nvlink9", "intra_node: unknown link 'nvlink9'"),
+        (("systems", "mysys", "gpus_per_node"), 0, "must be a positive integer"),
+    ],
+)
+def test_bad_profiles_are_refused_in_one_line(tmp_path, path, value, message):
+    data = json.loads(json.dumps(GOOD))
+    entry = data
+    for k in path[:-1]:
+        entry = entry[k]
+    if value is None:
+        del entry[path[-1]]
+    else:
+        entry[path[-1]] = value
+    with pytest.raises(HardwareError) as err:
+        hardware.resolve(_write(tmp_path, data))
+    text = str(err.value)
+    assert message in text and "\n" not in text and "hw.yaml" in text
+
+
+def test_unknown_system_and_missing_file():
+    with pytest.raises(HardwareError, match="unknown hardware 'h900'; choose one of: h100-sxm"):
+        hardware.resolve("h900")
+    with pytest.raises(HardwareError, match="does not exist"):
+        hardware.resolve("no/such/file.yaml")
+
+
+# ------------------------------------------------------------------------------------------------
+# Projections: every strategy, overlap, calibration.
+
+
+def test_every_registered_strategy_is_projected_or_says_no_model():
+    from stratbench.strategies.base import REGISTRY, Strategy, all_strategies, register
+
+    class NoCostModel(Strategy):  # a new strategy without comm_model
+        name = "test-no-cost-model"
+
+        @classmethod
+        def memory_model(cls, ctx, rank):
+            return ctx.replicated(buckets=False)
+
+    register(NoCostModel)
+    try:
+        s = hardware.builtin().system("h100-sxm")
+        rows = projection.project_all(tiny_cfg(), s, nodes=1, gpus_per_node=2)
+        assert {r.method for r in rows} == set(all_strategies())
+        for r in rows:
+            if r.status == "ok":
+                assert r.step_s > 0 and r.throughput > 0 and r.compute_s > 0 and r.dominant
+                assert 0 < r.scaling_efficiency <= 1.0 + 1e-9
+                assert r.memory_bytes and r.fits is True
+            else:  # never silently 0
+                assert r.status == "no model" and r.step_s is None and "comm_model" in r.reason
+        byname = {r.method: r for r in rows}
+        assert byname["test-no-cost-model"].status == "no model"
+        assert byname["dp"].status == "no model"  # DataParallel's copies are not c10d collectives
+        assert byname["ddp"].comm_s > 0 and byname["single"].comm_s == 0
+        # FSDP full shard moves 1.5x DDP's bytes
+        assert byname["fsdp"].comm_s > byname["ddp"].comm_s
+    finally:
+        REGISTRY.pop("test-no-cost-model", None)
+
+
+def test_overlap_hides_backward_comm_up_to_the_stated_fraction():
+    import dataclasses
+
+    s = hardware.builtin().system("p40-pcie3")
+    cfg = tiny_cfg(strategy="ddp", batch_size=8)
+    none = projection.project(cfg, dataclasses.replace(s, overlap=0.0), memory=False)
+    some = projection.project(cfg, dataclasses.replace(s, overlap=0.5), memory=False)
+    assert none.comm_exposed_s == pytest.approx(none.comm_s)
+    backward = (none.compute_s - none.overhead_s) * 2 / 3
+    assert some.comm_exposed_s == pytest.approx(none.comm_s - min(0.5 * none.comm_s, backward))
+    assert some.step_s < none.step_s
+    # DeepSpeed ZeRO-1/2 without overlap_comm reduce inside backward's hooks: nothing hides
+    ds = projection.project(
+        tiny_cfg(strategy="deepspeed", strategy_options={"zero_stage": 2}), s, memory=False
+    )
+    assert ds.overlap == 0.0
+
+
+def _result(cfg: TrainConfig, step_s: float, device: str = "Tesla P40") -> dict:
+    return {
+        "status": "ok", "world_size": 1, "config": cfg.to_dict(),
+        "environment": {"device_type": "cuda", "gpus": [device]},
+        "metrics": {"step_time_median_s": step_s},
+    }  # fmt: skip
+
+
+def test_calibration_from_one_run_and_from_two_batch_sizes():
+    s = hardware.builtin().system("p40-pcie3")
+    cfg = tiny_cfg(batch_size=64)
+    flops = projection.model_flops(cfg)
+    t_opt = projection.optimizer_bytes(cfg, 1)[0] / s.gpu.memory_bandwidth
+    eff = 0.3
+    step = flops * 64 / (11.76e12 * eff) + t_opt
+    cal = projection.calibrate([_result(cfg, step)], s)["fp32"]
+    assert cal.efficiency == pytest.approx(eff) and cal.overhead_s == 0 and cal.device == "p40"
+    # the projection of single on the same device gives back the measured step
+    p = projection.project(cfg.replace(strategy="single"), s, calibration={"fp32": cal}, memory=False)
+    assert p.step_s == pytest.approx(step) and "calibrated" in p.efficiency_source
+    # two batch sizes: the fixed per-step overhead is recovered too
+    runs = [
+        _result(cfg.replace(batch_size=b), 0.004 + flops * b / (11.76e12 * eff) + t_opt) for b in (32, 128)
+    ]
+    cal2 = projection.calibrate(runs, s)["fp32"]
+    assert cal2.efficiency == pytest.approx(eff, rel=1e-6) and cal2.overhead_s == pytest.approx(
+        0.004, rel=1e-6
+    )
+    # a bf16 projection uses the default, and says so
+    q = projection.project(
+        cfg.replace(precision="bf16-mixed"), hardware.builtin().system("h100-sxm"), calibration={"fp32": cal}
+    )
+    assert q.efficiency_source.startswith("default")
+
+
+def test_calibration_refuses_what_it_cannot_use():
+    from stratbench.errors import ConfigError
+
+    s = hardware.builtin().system("p40-pcie3")
+    bad = _result(tiny_cfg(), 0.1)
+    with pytest.raises(ConfigError, match="one device"):
+        projection.calibrate([bad | {"world_size": 2}], s)
+    with pytest.raises(ConfigError, match="not in the hardware profiles"):
+        projection.calibrate([_result(tiny_cfg(), 0.1, device="NVIDIA RTX A1000")], s)
+    cpu = bad | {"environment": {"device_type": "cpu"}}
+    with pytest.raises(ConfigError, match="CPU run calibrates a CPU profile"):
+        projection.calibrate([cpu], s)
+
+
+def test_more_devices_less_compute_per_device_and_memory_from_the_estimator():
+    import dataclasses
+
+    s = hardware.builtin().system("a100-sxm")
+    cfg = tiny_cfg(strategy="fsdp", batch_size=64)
+    two = projection.project(cfg, s, gpus_per_node=2)
+    eight = projection.project(cfg, s, gpus_per_node=8)
+    assert eight.compute_s == pytest.approx(two.compute_s / 4)
+    assert eight.memory_bytes < two.memory_bytes
+    across = projection.project(cfg, s, nodes=2, gpus_per_node=4)
+    assert across.nodes == 2 and across.step_s > 0 and not math.isnan(across.step_s)
+    # large payloads: the same 8 ranks over InfiniBand cost more than over NVLink; tiny ones are latency-bound,
+    # where the hierarchy's fewer steps win
+    one, two_nodes = (dataclasses.replace(s, gpus_per_node=g) for g in (8, 4))
+    assert projection.collective_time("all_reduce", 1e9, 1, 8, two_nodes) > projection.collective_time(
+        "all_reduce", 1e9, 1, 8, one
+    )
+    assert projection.collective_time("all_reduce", 1e3, 1, 8, two_nodes) < projection.collective_time(
+        "all_reduce", 1e3, 1, 8, one
+    )
+
+
+def test_estimate_time_cli_json(capsys):
+    from stratbench.cli import main
+
+    rc = main(["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
+               "--batch-size", "32", "--strategy", "all", "--time", "--hardware", "a100-sxm", "--nodes", "2",
+               "--gpus-per-node", "2", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["hardware"]["system"] == "a100-sxm" and out["hardware"]["nodes"] == 2
+    rows = {r["strategy"]: r for r in out["results"]}
+    assert rows["ddp"]["projection"]["world"] == 4 and rows["ddp"]["projection"]["step_s"] > 0
+    assert rows["dp"]["projection"]["status"] == "no model"
+    rc = main(["estimate", "--model", "tinynet", "--time", "--hardware", "h900"])
+    assert rc != 0 and "unknown hardware 'h900'" in capsys.readouterr().err
+
+
+def test_advise_goal_speed_ranks_the_plans_that_fit(capsys):
+    from stratbench.advise import SPEED_TIE, advise
+    from stratbench.cli import main
+    from stratbench.estimate import estimate
+
+    s = hardware.builtin().system("h100-sxm")
+    base = tiny_cfg(model="tinynet", width=256, batch_size=64)
+    roomy = advise(base, 8, 80 * 10**9, "speed", system=s)
+    assert len(roomy.ranking) == len(roomy.tried) and all(r["fits"] for r in roomy.ranking)
+    fastest = min(r["step_s"] for r in roomy.ranking)
+    chosen = next(r for r in roomy.ranking if r["plan"] == roomy.plan.label)
+    assert chosen["step_s"] <= fastest * (1 + SPEED_TIE)
+    # a budget that only the sharded plans meet: DDP is ruled out whatever its speed
+    ddp = estimate(base.replace(strategy="ddp"), 8, "cuda").total_bytes
+    tight = advise(base, 8, int(ddp / 0.9) - (1 << 20), "speed", system=s)
+    assert not next(r for r in tight.ranking if r["plan"] == "ddp")["fits"]
+    assert tight.plan is not None and tight.plan.strategy != "ddp"
+    assert next(r for r in tight.ranking if r["plan"] == tight.plan.label)["fits"]
+    rc = main(["advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--devices", "2",
+               "--hardware", "a100-sxm", "--json"])  # fmt: skip
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] and {r["plan"] for r in out["ranking"]} >= {"ddp", "fsdp --sharding full"}
+    rc = main(["advise", "--devices", "2", "--device-memory", "8GiB", "--calibrate", "x.json"])
+    assert rc != 0 and "--calibrate needs --hardware" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------------
+# compare reports: predicted step beside measured.
+
+
+def _cell(method: str, precision: str, world: int, step_s: float, device: str = "cpu", **config) -> dict:
+    env = {"device_type": device} | ({"gpus": ["NVIDIA H100 80GB HBM3"]} if device == "cuda" else {})
+    return {
+        "id": f"{method}_{precision}_w{world}", "method": method, "label": method, "precision": precision,
+        "world_size": world, "batch_size": 32, "status": "ok", "reason": "",
+        "machine": {"hostname": "box", "device": "CPU: test (2 cores)" if device == "cpu" else "NVIDIA H100"},
+        "environment": env,
+        "config": TINY | {"strategy": method, "precision": precision, "nproc": world} | config,
+        "metrics": {"step_time_median_s": step_s, "throughput_samples_per_s": 32 / step_s, "train_time_s": 1.0},
+    }  # fmt: skip
+
+
+def test_compare_report_shows_predicted_step_and_error(tmp_path):
+    import csv
+
+    from stratbench.compare import report as report_mod
+
+    records = [
+        _cell("single", "fp32", 1, 0.040),
+        _cell("ddp", "fp32", 2, 0.030),
+        _cell("ddp", "bf16-mixed", 2, 0.050),  # no single bf16 run in the sweep: nothing to calibrate on
+        _cell("ddp", "bf16-mixed", 2, 0.004, device="cuda"),  # a GPU: the H100 profile's default efficiency
+    ]
+    paths = report_mod.write_report(report_mod.Report("t", records, ["x"]), tmp_path)
+    rows = {(r["method"], r["precision"], "gpu" if "H100" in r["machine"] else "box"): r
+            for r in csv.DictReader(paths["csv"].open())}  # fmt: skip
+    single, ddp = rows["single", "fp32", "box"], rows["ddp", "fp32", "box"]
+    assert float(single["predicted_step_s"]) == pytest.approx(0.040)  # the calibration run gives itself back
+    pred = projection.predict_record(records[1], records[0])
+    assert pred.step_s and pred.calibrated and pred.system == "cpu-gloo"
+    assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
+    assert float(ddp["predicted_step_error_pct"]) == pytest.approx((pred.step_s / 0.030 - 1) * 100)
+    assert rows["ddp", "bf16-mixed", "box"]["predicted_step_s"] == "n/a"
+    gpu = rows["ddp", "bf16-mixed", "gpu"]
+    assert float(gpu["predicted_step_s"]) > 0 and gpu["predicted_dominant"]
+    md = paths["md"].read_text()
+    assert "predicted step (error)" in md and "(calibration)" in md
+    assert f"{pred.step_s * 1e3:.1f} ms ({(pred.step_s / 0.030 - 1) * 100:+.0f}%)" in md
+    assert "no single run of this precision in the sweep to calibrate the CPU on" in md
+    assert "default efficiency" in md and "h100-sxm profile" in md
+    assert "predicted step (error)" in paths["html"].read_text()
+    # a probe file (or any system) given with --hardware replaces the record's own profile
+    other = projection.predict_record(records[1], records[0], hardware="cpu-gloo")
+    assert other.step_s == pytest.approx(pred.step_s)
+    assert projection.predict_record(records[1], records[0], hardware="h100-sxm").step_s is None
