@@ -330,6 +330,40 @@ def test_more_devices_less_compute_per_device_and_memory_from_the_estimator():
     )
 
 
+def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
+    """A pipeline step: the busiest stage's FLOPs / (1 - (P-1)/(M+P-1)), not the whole model per device;
+    model-parallel (one process, the devices in turn) computes the whole model."""
+    from stratbench.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.pipeline import _spec_split
+
+    s = hardware.builtin().system("h100-sxm")
+    single = projection.project(tiny_cfg(batch_size=32), s, memory=False)
+    for mb in (1, 4, 8):
+        cfg = tiny_cfg(strategy="pipeline", strategy_options={"microbatches": mb, "schedule": "gpipe"})
+        p = projection.project(cfg, s, gpus_per_node=2, memory=False)
+        cls = get_strategy("pipeline")
+        opts = cls.parse_options(cfg.strategy_options)
+        ctx = MemoryContext(cfg, 2, model_info(ModelSpec.from_config(cfg)), opts, "cuda")
+        stages = _spec_split(cfg, 2, opts).stages
+        busiest = max(st.flops for st in stages) / sum(st.flops for st in stages)
+        assert 0.5 <= busiest < 1.0
+        bubble = 1 / (mb + 1)
+        assert cls.compute_scale(ctx) == pytest.approx(busiest / (1 - bubble))
+        compute = p.compute_s - p.overhead_s
+        assert compute == pytest.approx((single.compute_s - single.overhead_s) * busiest / (1 - bubble))
+        assert p.overlap == 0.0 and p.comm_exposed_s == pytest.approx(p.comm_s)
+    # more micro-batches, a smaller bubble, a faster step
+    steps = [
+        projection.project(
+            tiny_cfg(strategy="pipeline", strategy_options={"microbatches": mb, "schedule": "gpipe"}),
+            s, gpus_per_node=2, memory=False,
+        ).compute_s
+        for mb in (1, 2, 4)
+    ]
+    assert steps[0] > steps[1] > steps[2]
+
+
 def test_estimate_time_cli_json(capsys):
     from stratbench.cli import main
 

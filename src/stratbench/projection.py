@@ -426,7 +426,8 @@ def project(
     dp = cls.data_parallel_size(cfg, world)
     samples = cfg.batch_size / dp
     ac = 1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0
-    flop_time = flops * samples * ac / (peak * eff * share)
+    # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
+    flop_time = flops * samples * ac * cls.compute_scale(ctx) / (peak * eff * share)
     forward = flop_time * FORWARD_SHARE / ac
     backward = flop_time - forward
     out.overhead_s = overhead * cfg.grad_accum
@@ -473,8 +474,8 @@ def project(
             cfg.replace(strategy="single", strategy_options={}, batch_size=max(1, round(samples))),
             system, 1, gpn, calibration, memory=False,
         )  # fmt: skip
-        if one.throughput:
-            out.scaling_efficiency = out.throughput / (dp * one.throughput)
+        if one.throughput:  # vs every device doing a replica's share alone (a pipeline's stages are devices too)
+            out.scaling_efficiency = out.throughput / (world * one.throughput)
     else:
         out.scaling_efficiency = 1.0
     if memory:

@@ -301,6 +301,13 @@ class Strategy:
         never as 0); an empty list: the method does not communicate (one process)."""
         return None
 
+    @classmethod
+    def compute_scale(cls, ctx: MemoryContext) -> float:
+        """The step's compute on the critical path, as a share of one data-parallel replica doing its whole
+        batch's forward and backward on one device (``stratbench.projection``): 1 for every method that keeps
+        the whole model on each device; a pipeline's busiest stage plus its bubble is less."""
+        return 1.0
+
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
         return {

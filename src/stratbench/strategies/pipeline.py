@@ -313,6 +313,24 @@ class PipelineStrategy(Strategy):
         return m
 
     @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """The busiest pipeline rank's share of the replica's FLOPs (its stages in the split), stretched by the
+        schedule's bubble: step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        total = sum(s.flops for s in split.stages)
+        if not total:
+            return 1.0
+        busiest = max(sum(split.stages[i].flops for i in lay.stages_of(r)) for r in range(lay.pp)) / total
+        return busiest / (1.0 - lay.bubble_theory())
+
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        """Share of the stage-to-stage traffic that runs under compute: none (a stage waits for the activation
+        it needs; the schedule's sends sit on the critical path), which the bubble term does not include."""
+        return 0.0
+
+    @classmethod
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
