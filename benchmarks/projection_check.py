@@ -9,7 +9,8 @@ quiet machine:
 Each repeat runs the whole loop again (calibration, probe, prediction, measurement), so the spread of the
 predictions is reported as well as that of the measurements. Calibration: `single` at the preset's global batch
 and at the per-process batch of the 2-process runs, per precision (two batch sizes fit a fixed per-step
-overhead as well as the efficiency). The 2-process cells are the preset's own configurations, run with
+overhead as well as the efficiency), each with the threads a 2-process cell's process has (OMP_NUM_THREADS=1,
+`--calibration-threads`), counted against the probe's all-core peak. The 2-process cells are the preset's own configurations, run with
 `stratbench train` as the compare sweep runs them (without the sweep's extra profilers).
 """
 
@@ -25,9 +26,9 @@ import time
 from pathlib import Path
 
 
-def sh(cmd: list[str], log: Path) -> int:
+def sh(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
     with log.open("w") as fh:
-        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
+        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
 
 
 def stratbench(*args: str) -> list[str]:
@@ -98,7 +99,13 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
                    "output": str(d / f"single_{precision}_b{batch}"), "progress": False}  # fmt: skip
             path = d / f"single_{precision}_b{batch}.yaml"
             path.write_text(yaml.safe_dump(cfg))
-            rc = sh(stratbench("train", "--config", str(path)), d / f"single_{precision}_b{batch}.log")
+            # the threads each process of a 2-process cell gets (torchrun sets OMP_NUM_THREADS=1); the
+            # calibration counts them against the all-core peak (projection.calibrate_one)
+            rc = sh(
+                stratbench("train", "--config", str(path)),
+                d / f"single_{precision}_b{batch}.log",
+                env=os.environ | {"OMP_NUM_THREADS": str(args.calibration_threads)},
+            )
             if rc != 0:
                 raise SystemExit(f"calibration run failed: see {d}/single_{precision}_b{batch}.log")
             calib.append(str(d / f"single_{precision}_b{batch}" / "result.json"))
@@ -253,6 +260,8 @@ def main() -> int:
     ap.add_argument("--out", default="projection_check_out", help="working folder (runs, logs, probe files)")
     ap.add_argument("--report", default=None, help="write the markdown report here")
     ap.add_argument("--only", default=None, help="comma-separated cell names (e.g. ddp,fsdp)")
+    ap.add_argument("--calibration-threads", type=int, default=1,
+                    help="threads of the calibration runs (default 1, as each process of a torchrun cell)")
     ap.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="probe sizes")
     ap.add_argument("--note", default="", help="a sentence for the report (e.g. 'the machine was shared')")
     args = ap.parse_args()

@@ -294,6 +294,33 @@ def test_calibration_from_one_run_and_from_two_batch_sizes():
     assert q.efficiency_source.startswith("default")
 
 
+def test_cpu_calibration_counts_the_threads_of_the_run_against_the_all_core_peak():
+    """A CPU profile's peak is a matmul on every core; a 1-thread run on 2 cores had half of it, so the same
+    step time means twice the efficiency, and a 2-process projection (compute_share of the profile) of that
+    run's per-process batch gives back the 1-thread step."""
+    import dataclasses
+
+    s = hardware.builtin().system("cpu-gloo")
+    s = dataclasses.replace(s, compute_share=0.5)
+    cfg = tiny_cfg(batch_size=32)
+
+    def run(threads: int) -> dict:
+        r = _result(cfg, 0.02)
+        r["environment"] = {"device_type": "cpu", "torch_threads": threads, "cpu_count": 2}
+        return r
+
+    all_cores = projection.calibrate([run(2)], s)["fp32"]
+    one = projection.calibrate([run(1)], s)["fp32"]
+    assert "threads / cores" in one.source and "threads" not in all_cores.source
+    t_opt = projection.optimizer_bytes(cfg, 1, 0, "cpu")[0] / s.gpu.memory_bandwidth
+    flops = projection.model_flops(cfg) * 32
+    assert all_cores.efficiency == pytest.approx(flops / ((0.02 - t_opt) * s.gpu.peak("fp32")))
+    assert one.efficiency == pytest.approx(2 * all_cores.efficiency)
+    # ddp on 2 processes, 32 samples each: each process computes as the 1-thread calibration run did
+    p = projection.project(cfg.replace(strategy="ddp", batch_size=64), s, 1, 2, {"fp32": one}, memory=False)
+    assert p.compute_s == pytest.approx(0.02 - t_opt)
+
+
 def test_calibration_refuses_what_it_cannot_use():
     from stratbench.errors import ConfigError
 

@@ -249,7 +249,9 @@ def calibrate_one(
     key = None
     device_gpu: Gpu | None = None
     model = None
+    shares: set[float] = set()
     for result, where in zip(results, names, strict=True):
+        thread_share = 1.0
         cfg = _result_config(result, where)
         world = int(result.get("world_size", cfg.nproc))
         if world != 1:
@@ -276,6 +278,10 @@ def calibrate_one(
                     f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
                 )
             gpu = system.gpu
+            # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
+            threads, cores = env.get("torch_threads"), env.get("cpu_count")
+            if threads and cores and threads < cores:
+                thread_share = threads / cores
         if key not in (None, k) or model not in (None, (cfg.model, cfg.image_size, cfg.width)):
             raise ConfigError(f"{where}: calibration runs must share one model and precision")
         if device_gpu is not None and gpu.key != device_gpu.key:
@@ -289,7 +295,10 @@ def calibrate_one(
         dev_bytes, host_bytes = optimizer_bytes(cfg, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
         t_opt = dev_bytes / gpu.memory_bandwidth
         work = flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1)
-        points.append({"batch": cfg.batch_size, "step_s": float(step), "optimizer_s": t_opt, "flop": work})
+        shares.add(thread_share)
+        # in units of the profile's peak: FLOPs run on a share of the cores count as more of its time
+        points.append({"batch": cfg.batch_size, "step_s": float(step), "optimizer_s": t_opt,
+                       "flop": work / thread_share, "thread_share": thread_share})  # fmt: skip
     assert key is not None and device_gpu is not None
     peak = device_gpu.peak(key)
     batches = {p["batch"] for p in points}
@@ -309,6 +318,8 @@ def calibrate_one(
         overhead = 0.0
         efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
         how = f"batch {points[0]['batch']}, step {statistics.fmean(p['step_s'] for p in points) * 1e3:.1f} ms"
+    if shares != {1.0}:
+        how += "; peak x " + "/".join(f"{x:.2f}" for x in sorted(shares)) + " (threads / cores of the run)"
     return Calibration(
         efficiency=efficiency,
         key=key,

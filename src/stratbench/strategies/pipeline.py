@@ -491,6 +491,12 @@ class PipelineStrategy(Strategy):
                 return_outputs=False,
             )
             self.synchronize()
+            if self.layout.pp > 1:
+                # The step ends for every stage when the last one finishes: without this, the last stage would
+                # leave after its backward and wait for the first stage's backward in the loss broadcast below,
+                # outside its timed span, and its measured bubble would miss the drain.
+                ids = [self.env.device.index or 0] if self.env.device.type == "cuda" else None
+                dist.barrier(group=self.pp_group, device_ids=ids)
             wall = time.perf_counter() - t0
             compute = sum(s.compute_s for s in self.stages)
             self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
