@@ -311,7 +311,7 @@ def test_cpu_calibration_counts_the_threads_of_the_run_against_the_all_core_peak
 
     all_cores = projection.calibrate([run(2)], s)["fp32"]
     one = projection.calibrate([run(1)], s)["fp32"]
-    assert "threads / cores" in one.source and "threads" not in all_cores.source
+    assert "share of all cores" in one.source and "share of all cores" not in all_cores.source
     t_opt = projection.optimizer_bytes(cfg, 1, 0, "cpu")[0] / s.gpu.memory_bandwidth
     flops = projection.model_flops(cfg) * 32
     assert all_cores.efficiency == pytest.approx(flops / ((0.02 - t_opt) * s.gpu.peak("fp32")))
@@ -319,6 +319,48 @@ def test_cpu_calibration_counts_the_threads_of_the_run_against_the_all_core_peak
     # ddp on 2 processes, 32 samples each: each process computes as the 1-thread calibration run did
     p = projection.project(cfg.replace(strategy="ddp", batch_size=64), s, 1, 2, {"fp32": one}, memory=False)
     assert p.compute_s == pytest.approx(0.02 - t_opt)
+
+
+def test_cpu_contention_from_the_probe_slows_flops_and_fixed_overhead_alike():
+    """With the probe's measured share of a 1-thread process alone (thread_share) and with every process running
+    (compute_share), a 2-process projection of a 1-thread calibration is the calibrated step (FLOPs and the
+    fixed overhead alike) stretched by thread_share / compute_share."""
+    import dataclasses
+
+    s = dataclasses.replace(
+        hardware.builtin().system("cpu-gloo"), compute_share=0.3, thread_share=0.6, threads_per_process=1
+    )
+    cfg = tiny_cfg()
+
+    def run(batch: int, step: float) -> dict:
+        r = _result(cfg.replace(batch_size=batch), step)
+        r["environment"] = {"device_type": "cpu", "torch_threads": 1, "cpu_count": 2}
+        return r
+
+    cal = projection.calibrate([run(32, 0.030), run(64, 0.050)], s)["fp32"]
+    assert cal.thread_share == 0.6 and cal.overhead_s > 0
+    p = projection.project(cfg.replace(strategy="ddp", batch_size=64), s, 1, 2, {"fp32": cal}, memory=False)
+    t_opt = projection.optimizer_bytes(cfg.replace(batch_size=32), 1, 0, "cpu")[0] / s.gpu.memory_bandwidth
+    assert p.compute_s == pytest.approx((0.030 - t_opt) * 0.6 / 0.3, rel=1e-6)
+    assert p.overhead_s == pytest.approx(cal.overhead_s * 2)
+    # a 1-thread calibration counted with a thread count the probe did not measure: threads / cores
+    other = projection.calibrate([run(32, 0.030) | {"environment": {"device_type": "cpu", "torch_threads": 2,
+                                                                   "cpu_count": 4}}], s)["fp32"]  # fmt: skip
+    assert other.thread_share == 0.5
+
+
+def test_probe_profile_records_the_per_process_share():
+    from stratbench.commands.probe import build_profile
+
+    rows = [{"payload_bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)]
+    data = {"ranks": 2, "device": "cpu", "cpu": "x", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.5,
+            "memory_bandwidth": 1e10, "collectives": {k: rows for k in ("all_reduce", "all_gather")},
+            "matmul_alone": {"fp32": 40e9}, "matmul_alone_per_process": {"fp32": 22e9},
+            "matmul_together": {"fp32": 16e9}}  # fmt: skip
+    profile, _ = build_profile(data, "t")
+    system = profile["systems"]["t"]
+    assert system["compute_share"] == 0.4 and system["thread_share"] == 0.55
+    assert system["threads_per_process"] == 1
 
 
 def test_calibration_refuses_what_it_cannot_use():

@@ -152,6 +152,11 @@ class System:
     compute_share: float = 1.0
     """Fraction of the device's single-process peak each device gets when every device of a node runs (1 on
     GPUs; below 1 on a CPU whose cores the processes share, as measured by `stratbench probe`)."""
+    thread_share: float | None = None
+    """CPU profiles: the fraction of the all-core peak that one process with ``threads_per_process`` threads
+    reaches when it runs alone (measured by `stratbench probe`); a calibration run with that many threads is
+    counted against it instead of the ideal threads / cores."""
+    threads_per_process: int | None = None
     source: str = "built-in"
 
     def inter_bandwidth_per_device(self) -> float:
@@ -190,7 +195,8 @@ _TOP = {"version", "defaults", "gpus", "links", "systems", "default_system"}
 _GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind"}
 _LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
 _SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
-             "call_latency", "overlap", "compute_share"}  # fmt: skip
+             "call_latency", "overlap", "compute_share", "thread_share",
+             "threads_per_process"}  # fmt: skip
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -298,6 +304,10 @@ def _parse_system(key: str, e: dict[str, Any], where: str, cat: Catalogue, sourc
         overlap=fraction(e.get("overlap", cat.default_overlap), f"{where}.overlap"),
         overlap_source="measured (probe)" if "overlap" in e else "default",
         compute_share=fraction(e.get("compute_share", 1.0), f"{where}.compute_share"),
+        thread_share=fraction(e["thread_share"], f"{where}.thread_share") if "thread_share" in e else None,
+        threads_per_process=_positive_int(e["threads_per_process"], f"{where}.threads_per_process")
+        if "threads_per_process" in e
+        else None,
         source=source,
     )
 

@@ -151,6 +151,8 @@ class Calibration:
     device: str = ""
     source: str = ""
     points: list[dict[str, float]] = field(default_factory=list)
+    thread_share: float = 1.0
+    """Share of the profile's peak the calibration runs had (CPU runs with fewer threads than cores)."""
 
 
 def _result_config(result: dict[str, Any], where: str) -> TrainConfig:
@@ -279,8 +281,11 @@ def calibrate_one(
                 )
             gpu = system.gpu
             # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
+            # The probe measured that share for its processes' thread count; other counts get threads / cores.
             threads, cores = env.get("torch_threads"), env.get("cpu_count")
-            if threads and cores and threads < cores:
+            if threads and threads == system.threads_per_process and system.thread_share:
+                thread_share = system.thread_share
+            elif threads and cores and threads < cores:
                 thread_share = threads / cores
         if key not in (None, k) or model not in (None, (cfg.model, cfg.image_size, cfg.width)):
             raise ConfigError(f"{where}: calibration runs must share one model and precision")
@@ -319,7 +324,7 @@ def calibrate_one(
         efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
         how = f"batch {points[0]['batch']}, step {statistics.fmean(p['step_s'] for p in points) * 1e3:.1f} ms"
     if shares != {1.0}:
-        how += "; peak x " + "/".join(f"{x:.2f}" for x in sorted(shares)) + " (threads / cores of the run)"
+        how += "; peak x " + "/".join(f"{x:.2f}" for x in sorted(shares)) + " (the run's threads' share of all cores)"
     return Calibration(
         efficiency=efficiency,
         key=key,
@@ -327,6 +332,7 @@ def calibrate_one(
         device=device_gpu.key,
         source=f"calibrated on {device_gpu.name} ({', '.join(names)}; {how})",
         points=points,
+        thread_share=statistics.fmean(shares),
     )
 
 
@@ -441,6 +447,10 @@ def project(
     flop_time = flops * samples * ac * cls.compute_scale(ctx) / (peak * eff * share)
     forward = flop_time * FORWARD_SHARE / ac
     backward = flop_time - forward
+    if cal is not None and gpu.kind == "cpu" and share < 1.0:
+        # On a CPU the fixed per-step work (Python, dispatch) runs on the same shared cores as the FLOPs: it
+        # slows down by as much when every process runs (calibrated share / the share each process gets).
+        overhead *= cal.thread_share / share
     out.overhead_s = overhead * cfg.grad_accum
     out.compute_s = flop_time + out.overhead_s
 

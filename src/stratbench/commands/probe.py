@@ -191,6 +191,8 @@ def worker(args: argparse.Namespace) -> int:
             torch.set_num_threads(os.cpu_count() or threads)
         alone = {k: mm_rate(d) for k, d in dtypes.items()}
         torch.set_num_threads(threads)
+        # the same process alone with the threads each process has: what a 1-thread calibration run gets
+        out["matmul_alone_per_process"] = {k: mm_rate(d) for k, d in dtypes.items()}
     dist.barrier()
     together = {k: mm_rate(d) for k, d in dtypes.items()}
     rates = [None] * n
@@ -345,6 +347,13 @@ def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict
             "compute_share": round(share, 3),
         }
     }
+    per_process = data.get("matmul_alone_per_process") or {}
+    if data["device"] != "cuda" and per_process.get("fp32") and single.get("fp32"):
+        # A calibration run with this many threads is counted against this share of the all-core peak, so
+        # that predicted / calibrated = thread_share / compute_share: how much slower a process runs when
+        # every process runs at once (shared cores, caches, memory bandwidth) than alone.
+        profile["systems"][name]["thread_share"] = round(min(1.0, per_process["fp32"] / single["fp32"]), 3)
+        profile["systems"][name]["threads_per_process"] = int(data["threads_per_process"])
     return profile, fits
 
 
