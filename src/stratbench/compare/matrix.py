@@ -183,6 +183,14 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
             {"method": "single", "precision": ["fp32", "fp16-true", "fp16-mixed", "bf16-mixed"]},
             {"method": "dp", "precision": ["fp32", "bf16-mixed"], "world_size": 1},
             {"method": multi, "precision": ["fp32", "bf16-mixed"]},
+            # the source's pipeline parallelism: one ResNet-50 stage per GPU, 4 micro-batches (BatchNorm sees
+            # a micro-batch: docs/pipeline.md)
+            {
+                "method": "pipeline",
+                "precision": ["fp32", "bf16-mixed"],
+                "options": [{"schedule": s, "microbatches": 4} for s in ("gpipe", "1f1b")],
+                "label": "pipeline-{schedule}",
+            },  # fmt: skip
         ],
     }
 
