@@ -83,6 +83,20 @@ def test_every_strategy_has_a_formula_or_says_it_has_none():
             assert grads >= info.total * 2, name  # at least the gradients, in a 2-byte or wider dtype
 
 
+def test_a_receive_adds_time_but_no_payload():
+    """Point-to-point: the rank's row is what it sends (the formulas' convention); its receive waits count in
+    the time only, and the sender counts that tensor."""
+    events = [
+        _event("c10d::send", 0, [[[100]], [], []], ["TensorList", "", ""]),
+        _event("gloo:send", 1, [[100]], ["float"]),
+        _event("c10d::recv_", 50, [[[100]], [], []], ["TensorList", "", ""]),
+        _event("gloo:recv", 51, [[100]], ["float"]),
+    ]
+    d = parse_trace(events, steps=1, group_size=2).to_dict()["per_step"]
+    assert d["send_recv"]["calls"] == 1 and d["send_recv"]["payload_bytes"] == 400
+    assert d["send_recv"]["time_s"] > 0
+
+
 def test_a_collective_dispatched_twice_is_counted_once():
     """Under a Python dispatch mode the same c10d call appears nested in itself: one call, not two."""
     events = [

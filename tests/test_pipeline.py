@@ -27,7 +27,7 @@ def runs(tmp_path_factory, reference_run) -> dict:
     out: dict = {"root": root, "single": reference_run}
     # gpipe, split balanced by FLOPs; saves only at the end (step 20)
     out["gpipe"] = train(root / "gpipe", *PP, *EQUIV, "--schedule", "gpipe", "--microbatches", "4",
-                         "--balance", "flops", nproc=2)  # fmt: skip
+                         "--balance", "flops", "--comm-volume", "true", nproc=2)  # fmt: skip
     # 1f1b with an explicit split, saving at step 10 too (single resumes from it)
     out["1f1b"] = train(root / "1f1b", *PP, *EQUIV, "--schedule", "1f1b", "--microbatches", "4",
                         "--split-points", "blocks.1", "--save-every-steps", "10", "--keep-last", "2", nproc=2)  # fmt: skip
@@ -62,6 +62,18 @@ def test_pipeline_matches_single(runs, schedule):
     for rank in pipe["ranks"]:  # measured on every rank over the timed steps
         bubble = rank["bubble"]
         assert bubble["steps"] >= 15 and 0.0 <= bubble["min"] <= bubble["median"] <= bubble["max"] < 1.0
+
+
+@pytest.mark.distributed
+def test_measured_sends_match_the_formula(runs):
+    """Each stage sends what comm_model says (4 micro-batches of activations or of their gradients, and the
+    loss broadcast); receives are the other rank's sends and add no payload."""
+    comm = runs["gpipe"]["metrics"]["comm"]
+    assert set(comm["check"]) == {"send_recv", "broadcast"}, comm["check"]
+    for kind, c in comm["check"].items():
+        assert c["error_pct"] == pytest.approx(0.0, abs=5.0), (kind, c)
+    for rank in comm["measured_per_rank"]:
+        assert rank["per_step"]["send_recv"]["calls"] == 4
 
 
 @pytest.mark.distributed

@@ -49,6 +49,9 @@ _OPS: dict[str, tuple[str, int, bool]] = {
     "c10d::scatter_": ("broadcast", 1, False),
 }
 _IGNORED = {"c10d::barrier", "c10d::monitored_barrier_"}
+_RECEIVES = {"c10d::recv_", "c10d::recv_any_source_"}
+"""Point-to-point receives: the tensor is the sender's payload (counted on the sending rank), so a receive adds
+its time to send_recv but neither a call nor bytes: a rank's send_recv row is what it sends, as the formulas."""
 _DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long": 8, "long int": 8, "int": 4,
     "unsigned char": 1, "signed char": 1, "bool": 1, "short": 2, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
@@ -78,6 +81,7 @@ class _Call:
     ts: float
     itemsize: int | None = None
     dur_us: float = 0.0
+    received: bool = False
 
 
 @dataclass
@@ -134,7 +138,7 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
             if per_rank:
                 numel *= group_size
             itemsize = _DTYPE_BYTES.get(type_)
-            calls.append(_Call(kind, numel, float(e.get("ts", 0)), itemsize))
+            calls.append(_Call(kind, numel, float(e.get("ts", 0)), itemsize, received=name in _RECEIVES))
         elif name.startswith(_BACKEND_PREFIXES) and name not in ("gloo:barrier", "nccl:barrier"):
             transport.append(e)
     _attach_transport(calls, transport, group_size)
@@ -158,9 +162,10 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
             m.unknown_dtype_calls += 1
             c.itemsize = 4
         row = acc[c.kind]
-        row["calls"] += 1 / steps
-        row["payload_bytes"] += c.numel * c.itemsize / steps
         row["time_s"] += c.dur_us * 1e-6 / steps
+        if not c.received:
+            row["calls"] += 1 / steps
+            row["payload_bytes"] += c.numel * c.itemsize / steps
     m.rows = dict(acc)
     return m
 
