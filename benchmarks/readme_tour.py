@@ -589,9 +589,13 @@ def versions() -> str:
         "onnxruntime",
         "mlflow",
     ):
-        try:
-            parts.append(f"{pkg} {version(pkg)}")
-        except PackageNotFoundError:
+        for dist in (pkg, f"{pkg}-skinny"):  # mlflow's extra may be mlflow-skinny
+            try:
+                parts.append(f"{dist} {version(dist)}")
+                break
+            except PackageNotFoundError:
+                continue
+        else:
             parts.append(f"{pkg} (not installed)")
     return ", ".join(parts)
 
@@ -623,7 +627,7 @@ def _commit() -> str:
         return "unknown"
 
 
-def render(lines: list[Line], notes: list[str], command: str, total_s: float) -> str:
+def render(lines: list[Line], notes: list[str], command: str, total_s: float, note: str = "") -> str:
     passed = sum(ln.outcome == "pass" for ln in lines)
     refused = sum(ln.outcome.startswith("refused") for ln in lines)
     failed = len(lines) - passed - refused
@@ -641,6 +645,7 @@ def render(lines: list[Line], notes: list[str], command: str, total_s: float) ->
         f"- Versions: {versions()}",
         "- Every line ran under `nice -n 19` on a machine shared with other jobs: the times are wall-clock times "
         "of a busy 2-core machine, not benchmarks.",
+        *(["", note] if note else []),
         "",
         "## Lines",
         "",
@@ -657,13 +662,9 @@ def render(lines: list[Line], notes: list[str], command: str, total_s: float) ->
         out.append("None: every line ran exactly as written.")
     for ln in shrunk:
         out.append(f"- line {ln.n} (`{ln.command}`) got `{' '.join(ln.extra)}`: {ln.shrink.reason}")
-    out += [
-        "",
-        "Every other line ran exactly as written.",
-        "",
-        "## Fixtures (files the tour assumes the user has)",
-        "",
-    ]
+    if shrunk:
+        out += ["", "Every other line ran exactly as written."]
+    out += ["", "## Fixtures (files the tour assumes the user has)", ""]
     out += [f"- {n}" for n in notes]
     out += ["", "Everything else a line reads (checkpoints under `runs/`, `model.pt`, sweep folders of this machine) "
             "was written by an earlier line of the tour."]  # fmt: skip
@@ -688,6 +689,7 @@ def main(argv: list[str] | None = None) -> int:
         "--keep", help="run in this folder (must not exist) and keep it, instead of a temporary one"
     )
     ap.add_argument("--stop-after", type=int, help="run only the first N lines (debugging)")
+    ap.add_argument("--note", default="", help="a paragraph for the report (e.g. what earlier runs found)")
     args = ap.parse_args(argv)
 
     commands = tour_commands(Path(args.readme).read_text())
@@ -715,10 +717,10 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    command = "PYTHONPATH=src nice -n 19 python benchmarks/readme_tour.py " + " ".join(
+    command = "PYTHONPATH=src nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
-    report = render(lines, notes, command.strip(), total)
+    report = render(lines, notes, command.strip(), total, args.note)
     if args.report:
         Path(args.report).write_text(report)
         print(f"report: {args.report}")
