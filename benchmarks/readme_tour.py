@@ -1,0 +1,733 @@
+"""Run the README's "Quick tour" as a new user would, in a fresh folder, and write a report.
+
+The commands are read from README.md (the bash block under "## Quick tour"; ``\\`` continuation lines joined,
+``# ...`` comments dropped), never copied here, so the check follows the README. Each line runs in order through
+bash (tilde expansion as in a shell) in one fresh temporary working folder, with:
+
+- ``stratbench`` on PATH: a console script like the one pip writes (``from stratbench.cli import main``), run by
+  this interpreter, importing stratbench from this checkout's ``src`` (PYTHONPATH); the working folder is not on
+  ``sys.path`` except as the tool itself puts it there (user builders are "found from the working directory");
+- HOME and TORCH_HOME pointed at fresh temporary folders;
+- the files the tour assumes the user already has, made here and listed in the report (``FIXTURES``): the
+  torchvision ImageNet weights file under its exact torch hub cache name, a tiny CIFAR-10 in the real
+  ``cifar-10-batches-py`` format, user modules, YAML/JSON configs, images, a second machine's sweep folder. Files
+  that a tour line writes (checkpoints, ``model.pt``, reports) are never made here: a later line reads what an
+  earlier one wrote, as it would for the user;
+- a few lines that would take far too long on a 2-core CPU get extra flags that shrink them (``SHRINK``); the
+  report lists exactly which line got which flags and why. Every other line runs exactly as written.
+
+A line passes when it exits 0. A line that needs what this machine lacks (a GPU) passes only as a clear
+refusal: exit code 3 (stratbench's UnsupportedError) with a one-line reason; the report quotes that line.
+
+    PYTHONPATH=src nice -n 19 .venv/bin/python benchmarks/readme_tour.py \\
+        --report benchmarks/readme_tour_cpu_$(date +%F).md        # ~30 lines, ~20-30 min on 2 shared CPU cores
+
+tests/test_readme.py parses every tour line with stratbench's own CLI parser (no training), using
+``tour_commands`` from here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import json
+import os
+import pickle
+import platform
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+README = REPO / "README.md"
+HEADING = "## Quick tour"
+
+
+# ------------------------------------------------------------------------------------------------
+# the tour, read from the README
+
+
+def tour_block(readme: str, heading: str = HEADING) -> list[str]:
+    """The lines of the first fenced code block after ``heading``."""
+    lines = readme.splitlines()
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == heading)
+    except StopIteration:
+        raise ValueError(f"README has no {heading!r} section") from None
+    fence = next((i for i in range(start + 1, len(lines)) if lines[i].lstrip().startswith("```")), None)
+    if fence is None:
+        raise ValueError(f"no code block under {heading!r}")
+    end = next((i for i in range(fence + 1, len(lines)) if lines[i].lstrip().startswith("```")), None)
+    if end is None:
+        raise ValueError(f"the code block under {heading!r} is not closed")
+    return lines[fence + 1 : end]
+
+
+def strip_comment(line: str) -> str:
+    """``line`` without its shell comment: a ``#`` that starts a word outside quotes."""
+    quote = None
+    prev = " "
+    for i, ch in enumerate(line):
+        if quote:
+            if ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch == "#" and prev.isspace():
+            return line[:i].rstrip()
+        prev = ch
+    return line.rstrip()
+
+
+def tour_commands(readme: str) -> list[str]:
+    """The tour's commands, one string each: continuation lines joined, comments and blank lines dropped."""
+    commands: list[str] = []
+    pending = ""
+    for raw in tour_block(readme):
+        line = strip_comment(raw)
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        line = (pending + line.strip()).strip()
+        pending = ""
+        if line:
+            commands.append(line)
+    if pending.strip():
+        commands.append(pending.strip())
+    return commands
+
+
+def tour_argv(command: str) -> list[str]:
+    """A tour command as argv, without the leading ``stratbench`` (what ``stratbench.cli.main`` receives)."""
+    argv = shlex.split(command)
+    if not argv or argv[0] != "stratbench":
+        raise ValueError(f"not a stratbench command: {command!r}")
+    return argv[1:]
+
+
+def flag_value(argv: list[str], flag: str) -> str | None:
+    """The value of ``--flag V`` / ``--flag=V`` (underscore spelling too), or None."""
+    names = {flag, flag.replace("-", "_")}
+    for i, tok in enumerate(argv):
+        name, eq, value = tok.partition("=")
+        if name in names:
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else "")
+    return None
+
+
+# ------------------------------------------------------------------------------------------------
+# lines shrunk for a 2-core CPU
+
+
+@dataclass(frozen=True)
+class Shrink:
+    name: str
+    matches: object  # callable(argv) -> bool
+    flags: tuple[str, ...]
+    reason: str
+
+
+SHRINK = (
+    Shrink(
+        "resnet50 at 224 px",
+        lambda a: (
+            a[:1] == ["train"]
+            and flag_value(a, "--model") == "resnet50"
+            and flag_value(a, "--image-size") == "224"
+        ),
+        ("--epochs", "1", "--max-steps", "2", "--batch-size", "8"),
+        "ResNet-50 at 224x224 under the recipe's bf16 autocast took ~130 s per step of 16 images on this shared "
+        "2-core CPU (no native bf16): as written (3 epochs of 200 images at batch 64, 3 evaluations at 224 px) "
+        "over an hour. 2 steps of 8 and one evaluation still run the recipe, the model, the CIFAR-10 files and "
+        "the 224 px resize as written.",
+    ),
+    Shrink(
+        "compare with repeats",
+        lambda a: a[:1] == ["compare"] and int(flag_value(a, "--repeats") or 1) > 1,
+        ("--only", "single,ddp", "--only", "fp32"),
+        "--repeats 3 runs every cell of the quick preset 3 times (~3 x 10 min here); two cells (single and ddp, "
+        "fp32) x 3 repeats still give the median and min-max columns the line is about.",
+    ),
+    Shrink(
+        "seed preset without --dry-run",
+        lambda a: a[:1] == ["compare"] and flag_value(a, "--preset") == "seed" and "--dry-run" not in a,
+        ("--dry-run",),
+        "the seed preset is the source experiment (ResNet-50, CIFAR-10 at 224, 5 epochs, every method): hours on 2 "
+        "CPU cores.",
+    ),
+)
+
+
+def shrink_for(argv: list[str]) -> Shrink | None:
+    return next((s for s in SHRINK if s.matches(argv)), None)
+
+
+# ------------------------------------------------------------------------------------------------
+# what the user already has
+
+
+USER_MODEL = """\
+from torch import nn
+
+
+def build(num_classes):
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+                         nn.Linear(32, num_classes))
+"""
+USER_DATA = """\
+import torch
+from torch.utils.data import TensorDataset
+
+
+def build(image_size=None, seed=0):
+    size = image_size or 12
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(160, 3, size, size, generator=g)
+    y = (x[:, 0].mean((1, 2)) > 0).long()  # learnable: the sign of the first channel's mean
+    return TensorDataset(x[:128], y[:128]), TensorDataset(x[128:], y[128:]), ["negative", "positive"]
+"""
+USER_LOSS = """\
+import torch.nn.functional as F
+
+
+def fn(logits, targets):
+    return F.cross_entropy(logits, targets)
+"""
+RUN_YAML = """\
+model: tinynet
+width: 8
+data: digits
+batch_size: 32
+epochs: 1
+output: runs/yaml
+"""
+# The source's ZeRO-2 JSON (tests/test_deepspeed.py SEED_ZERO2), with its optimizer and scheduler blocks.
+SOURCE_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto", "warmup_max_lr": "auto", "warmup_num_steps": "auto"}},
+    "zero_optimization": {
+        "stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True}, "allgather_partitions": True,
+        "allgather_bucket_size": 2e8, "overlap_comm": True, "reduce_scatter": True, "reduce_bucket_size": 2e8,
+        "contiguous_gradients": True,
+    },
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
+    "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}  # fmt: skip
+# The source's default_DDP.yml as `accelerate config` writes it (tests/test_accelerate.py), 2 processes.
+SOURCE_DDP_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+downcast_bf16: 'no'
+gpu_ids: all
+machine_rank: 0
+main_training_function: main
+mixed_precision: 'no'
+num_machines: 1
+num_processes: 2
+rdzv_backend: static
+same_network: true
+use_cpu: false
+"""
+GPU_SWEEP = REPO / "benchmarks" / "gpu_h100_2026-11-22" / "cells"
+
+# Loaded by every Python process of the tour (PYTHONPATH): torchvision md5-checks the files of the real CIFAR-10
+# archive, which a generated fixture cannot match, so the check is pointed at the fixture's own md5 sums (the
+# files are still checked, against the fixture). Applied when torchvision.datasets.cifar is first imported.
+SITECUSTOMIZE = """\
+import importlib.abc
+import json
+import os
+import sys
+
+_MD5 = json.loads(os.environ.get("README_TOUR_CIFAR10_MD5", "{}"))
+
+
+def _patch(module):
+    cls = module.CIFAR10
+    cls.train_list = [[name, _MD5.get(name, md5)] for name, md5 in cls.train_list]
+    cls.test_list = [[name, _MD5.get(name, md5)] for name, md5 in cls.test_list]
+    cls.meta = {**cls.meta, "md5": _MD5.get(cls.meta["filename"], cls.meta["md5"])}
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name != "torchvision.datasets.cifar":
+            return None
+        sys.meta_path.remove(self)
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        run = spec.loader.exec_module
+
+        def exec_module(module):
+            run(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_module
+        return spec
+
+
+if _MD5:
+    sys.meta_path.insert(0, _Finder())
+"""
+
+
+def write_cifar10(root: Path, n_train: int = 200, n_test: int = 50) -> dict[str, str]:
+    """A tiny CIFAR-10 in the real ``cifar-10-batches-py`` format (5 training batches, a test batch, the meta
+    file; random pixels); returns each file's md5."""
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+
+    def batch(label: str, n: int) -> dict:
+        return {
+            "batch_label": label,
+            "labels": rng.integers(0, 10, n).tolist(),
+            "data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+            "filenames": [f"img_{i}.png" for i in range(n)],
+        }
+
+    files = {f"data_batch_{i}": batch(f"training batch {i} of 5", n_train // 5) for i in range(1, 6)}
+    files["test_batch"] = batch("testing batch 1 of 1", n_test)
+    names = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+    files["batches.meta"] = {"label_names": names, "num_cases_per_batch": n_train // 5, "num_vis": 3072}
+    md5 = {}
+    for name, obj in files.items():
+        blob = pickle.dumps(obj)
+        (folder / name).write_bytes(blob)
+        md5[name] = hashlib.md5(blob).hexdigest()
+    return md5
+
+
+def write_imagenet_weights(torch_home: Path, model: str) -> Path:
+    """torchvision's ImageNet weights file of ``model`` (its DEFAULT), under the exact name torch.hub caches it as
+    (the last part of the weights' URL) in TORCH_HOME/hub/checkpoints: the model's full 1000-class state dict,
+    randomly initialised (the real file is a download away; its layout is what stratbench reads)."""
+    from urllib.parse import urlparse
+
+    import torch
+
+    sys.path.insert(0, str(REPO / "src"))
+    from stratbench._torchvision import import_torchvision
+
+    tv = import_torchvision()
+    weights = tv.models.get_model_weights(model).DEFAULT
+    path = torch_home / "hub" / "checkpoints" / Path(urlparse(weights.url).path).name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    torch.save(tv.models.get_model(model, weights=None, num_classes=1000).state_dict(), path)
+    return path
+
+
+def write_images(work: Path) -> list[str]:
+    """``some.png`` and ``more_images/`` (two PNGs in a subfolder, as predict searches folders recursively)."""
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    made = []
+    for rel in ("some.png", "more_images/a.png", "more_images/nested/b.png"):
+        path = work / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8)).save(path)
+        made.append(rel)
+    return made
+
+
+def write_gpu_sweep(folder: Path) -> int:
+    """A sweep folder from another machine: the committed H100 cells (benchmarks/gpu_h100_2026-11-22/cells, one
+    result.json each) as the results.jsonl lines ``stratbench compare`` appends."""
+    sys.path.insert(0, str(REPO / "src"))
+    from stratbench.compare.runner import RESULTS, machine_of
+
+    folder.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for cell in sorted(p for p in GPU_SWEEP.iterdir() if (p / "result.json").is_file()):
+        res = json.loads((cell / "result.json").read_text())
+        label = cell.name.split("_")[0]
+        lines.append(
+            {
+                "id": cell.name,
+                "method": res["strategy"],
+                "label": label,
+                "precision": res["precision"],
+                "world_size": res["world_size"],
+                "batch_size": res["global_batch_size"],
+                "strategy_options": res["config"].get("strategy_options") or {},
+                "cell_config": {},
+                "status": res["status"],
+                "reason": res.get("reason", ""),
+                "machine": machine_of(res.get("environment")),
+                "environment": res.get("environment") or {},
+                "config": res["config"],
+                "data_parallel_size": res.get("data_parallel_size"),
+                "per_device_batch_size": res.get("per_device_batch_size"),
+                "global_batch_size": res.get("global_batch_size"),
+                "model": res.get("model"),
+                "data": res.get("data"),
+                "metrics": res.get("metrics") or {},
+                "sharding": res.get("sharding") or {},
+                "elapsed_s": None,
+                "returncode": 0,
+                "cell_dir": None,
+                "log": None,
+                "recorded_at": "2026-11-22T00:00:00+0000",
+            }
+        )
+    (folder / RESULTS).write_text("".join(json.dumps(r, default=str) + "\n" for r in lines))
+    return len(lines)
+
+
+def make_fixtures(root: Path, commands: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The user's files, in ``root``; returns the environment for the tour and one line per fixture."""
+    home, work, torch_home, bin_dir, site = (root / n for n in ("home", "work", "torch_home", "bin", "site"))
+    for d in (home, work, torch_home, bin_dir, site):
+        d.mkdir(parents=True)
+    notes: list[str] = []
+    argvs = [tour_argv(c) for c in commands]
+
+    # stratbench on PATH, as pip's console script: the working folder is not on sys.path by itself.
+    script = bin_dir / "stratbench"
+    script.write_text(
+        f"#!{sys.executable}\nimport sys\n\nfrom stratbench.cli import main\n\nsys.exit(main())\n"
+    )
+    script.chmod(0o755)
+    notes.append(f"`stratbench` on PATH: a console script run by `{sys.executable}` (like pip's), "
+                 f"stratbench imported from `{REPO / 'src'}`")  # fmt: skip
+
+    md5: dict[str, str] = {}
+    cifar_dirs = []
+    for a in argvs:
+        if flag_value(a, "--data") == "cifar10":
+            d = flag_value(a, "--data-dir") or "data"
+            d = str(home) + d[1:] if d.startswith("~") else str(work / d)
+            if d not in cifar_dirs:
+                cifar_dirs.append(d)
+    for d in cifar_dirs:
+        md5 = write_cifar10(Path(d))
+        shown = (
+            "~" + d[len(str(home)) :] if d.startswith(str(home)) else "./" + str(Path(d).relative_to(work))
+        )
+        notes.append(f"`{shown}/cifar-10-batches-py`: a tiny CIFAR-10 in the real pickle format (200 training "
+                     f"images in 5 batch files, 50 test images, random pixels)")  # fmt: skip
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    if md5:
+        notes.append("torchvision's CIFAR-10 md5 check pointed at the fixture's md5 sums (a `sitecustomize.py` on "
+                     "PYTHONPATH patches `CIFAR10.train_list`/`test_list`/`meta` on import; the files are still "
+                     "checked, against the fixture)")  # fmt: skip
+
+    pretrained = sorted(
+        {
+            flag_value(a, "--model") or "tinynet"
+            for a in argvs
+            if flag_value(a, "--weights") in ("imagenet", "DEFAULT")
+        }
+    )
+    for model in pretrained:
+        path = write_imagenet_weights(torch_home, model)
+        notes.append(f"`$TORCH_HOME/hub/checkpoints/{path.name}`: torchvision's {model} ImageNet (DEFAULT) weights "
+                     f"file under its exact torch hub name, a {model} state dict with the 1000-class head "
+                     f"({path.stat().st_size / 2**20:.0f} MiB, random values)")  # fmt: skip
+
+    files = {
+        "mynet.py": USER_MODEL,
+        "mydata.py": USER_DATA,
+        "myloss.py": USER_LOSS,
+        "run.yaml": RUN_YAML,
+        "zero_stage2_config.json": json.dumps(SOURCE_ZERO2, indent=2),
+        "default_DDP.yml": SOURCE_DDP_YAML,
+    }
+    text = "\n".join(commands)
+    for name, content in files.items():
+        if name.removesuffix(".py") + (":" if name.endswith(".py") else "") in text:
+            (work / name).write_text(content)
+            what = {
+                "mynet.py": "`build(num_classes)`, a small CNN",
+                "mydata.py": "`build(image_size, seed)` -> (train, val, class names), 160 random images",
+                "myloss.py": "`fn(logits, targets)` (named in a comment of the tour)",
+                "run.yaml": "tinynet width 8 on digits, batch 32, 1 epoch, output runs/yaml: "
+                + json.dumps(RUN_YAML.strip().replace("\n", "; ")),
+                "zero_stage2_config.json": "the source's ZeRO-2 JSON (optimizer, scheduler, CPU offload, `auto` values)",
+                "default_DDP.yml": "the source's `accelerate config` YAML for DDP, 2 processes",
+            }[name]
+            notes.append(f"`{name}`: {what}")
+    if any(a[:1] == ["predict"] for a in argvs):
+        made = write_images(work)
+        notes.append("images for predict: " + ", ".join(f"`{m}`" for m in made) + " (random pixels, 40x48)")
+    for a in argvs:
+        if a[:1] == ["report"]:
+            for d in a[1:]:
+                if d.startswith("-"):
+                    break
+                if d == flag_value(a, "--output"):
+                    continue
+                # A sweep no tour line writes is the other machine's.
+                if not any(b[:1] == ["compare"] and flag_value(b, "--output") == d for b in argvs):
+                    n = write_gpu_sweep(work / d)
+                    notes.append(f"`{d}`: a sweep folder from another machine: the {n} committed H100 cells of "
+                                 f"`benchmarks/gpu_h100_2026-11-22/cells` as `results.jsonl` records")  # fmt: skip
+
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("TORCH_HOME", "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI")
+    }
+    env.update(
+        HOME=str(home),
+        TORCH_HOME=str(torch_home),
+        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=f"{site}{os.pathsep}{REPO / 'src'}",
+        README_TOUR_CIFAR10_MD5=json.dumps(md5),
+    )
+    return env, notes
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+
+
+@dataclass
+class Line:
+    n: int
+    command: str  # as in the README
+    extra: tuple[str, ...] = ()
+    shrink: Shrink | None = None
+    rc: int | None = None
+    seconds: float = 0.0
+    outcome: str = ""
+    tail: list[str] = field(default_factory=list)
+    refusal: str = ""
+
+    @property
+    def run_as(self) -> str:
+        return " ".join([self.command, *self.extra])
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """Stop the line's process and everything it started (torchrun's workers have their own sessions)."""
+    import psutil
+
+    try:
+        procs = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        procs = []
+    for p in procs:
+        try:
+            p.send_signal(signal.SIGTERM)
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(procs, timeout=10)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    proc.wait()
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def run_line(line: Line, work: Path, env: dict[str, str], logs: Path, timeout: float) -> None:
+    log = logs / f"{line.n:02d}.log"
+    t0 = time.monotonic()
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            ["bash", "-c", line.run_as], cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT
+        )
+        try:
+            line.rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            line.rc = None
+    line.seconds = time.monotonic() - t0
+    text = _ANSI.sub("", log.read_bytes().decode("utf-8", "replace"))
+    lines = [ln.rstrip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
+    if line.rc == 0:
+        line.outcome = "pass"
+    elif line.rc == 3 and lines and re.search(r"\b(GPU|CUDA|cuda)\b", lines[-1]):
+        line.outcome = "refused: needs a GPU"
+        line.refusal = lines[-1]
+    else:
+        line.outcome = "timeout" if line.rc is None else "FAIL"
+    if line.outcome not in ("pass",):
+        line.tail = lines[-15:]
+
+
+# ------------------------------------------------------------------------------------------------
+# report
+
+
+def versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = [f"Python {platform.python_version()}"]
+    for pkg in (
+        "stratbench",
+        "torch",
+        "torchvision",
+        "deepspeed",
+        "accelerate",
+        "onnx",
+        "onnxruntime",
+        "mlflow",
+    ):
+        for dist in (pkg, f"{pkg}-skinny"):  # mlflow's extra may be mlflow-skinny
+            try:
+                parts.append(f"{dist} {version(dist)}")
+                break
+            except PackageNotFoundError:
+                continue
+        else:
+            parts.append(f"{pkg} (not installed)")
+    return ", ".join(parts)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for ln in Path("/proc/cpuinfo").read_text().splitlines():
+            if ln.startswith("model name"):
+                cpu = ln.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return f"{cpu}, {os.cpu_count()} cores (shared with other jobs), {gpu}, {platform.system()} {platform.release()}"
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+        )
+        dirty = subprocess.run(["git", "-C", str(REPO), "status", "--porcelain", "--", "src", "README.md"],
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + (" (with uncommitted changes to src/README)" if dirty else "")
+    except OSError:
+        return "unknown"
+
+
+def render(lines: list[Line], notes: list[str], command: str, total_s: float, note: str = "") -> str:
+    passed = sum(ln.outcome == "pass" for ln in lines)
+    refused = sum(ln.outcome.startswith("refused") for ln in lines)
+    failed = len(lines) - passed - refused
+    out = [
+        f"# README quick tour on CPU, {datetime.date.today().isoformat()}",
+        "",
+        'Every command of README.md\'s "Quick tour" block, run in order by `benchmarks/readme_tour.py` in one '
+        "fresh temporary working folder (fresh HOME and TORCH_HOME).",
+        "",
+        f"- **Result: {passed} of {len(lines)} lines passed, {refused} refused as needing a GPU, {failed} failed; "
+        f"total {total_s / 60:.1f} min.**",
+        f"- Made by: `{command}`",
+        f"- Commit: {_commit()}",
+        f"- Machine: {machine()}",
+        f"- Versions: {versions()}",
+        "- Every line ran under `nice -n 19` on a machine shared with other jobs: the times are wall-clock times "
+        "of a busy 2-core machine, not benchmarks.",
+        *(["", note] if note else []),
+        "",
+        "## Lines",
+        "",
+        "| # | command (as run) | exit | seconds | result |",
+        "|---|---|---|---|---|",
+    ]
+    for ln in lines:
+        rc = "timeout" if ln.rc is None else str(ln.rc)
+        out.append(f"| {ln.n} | `{ln.command}`" + (f" + `{' '.join(ln.extra)}`" if ln.extra else "")
+                   + f" | {rc} | {ln.seconds:.1f} | {ln.outcome} |")  # fmt: skip
+    out += ["", "## Extra flags (lines shrunk for a 2-core CPU)", ""]
+    shrunk = [ln for ln in lines if ln.extra]
+    if not shrunk:
+        out.append("None: every line ran exactly as written.")
+    for ln in shrunk:
+        out.append(f"- line {ln.n} (`{ln.command}`) got `{' '.join(ln.extra)}`: {ln.shrink.reason}")
+    if shrunk:
+        out += ["", "Every other line ran exactly as written."]
+    out += ["", "## Fixtures (files the tour assumes the user has)", ""]
+    out += [f"- {n}" for n in notes]
+    out += ["", "Everything else a line reads (checkpoints under `runs/`, `model.pt`, sweep folders of this machine) "
+            "was written by an earlier line of the tour."]  # fmt: skip
+    refusals = [ln for ln in lines if ln.refusal]
+    if refusals:
+        out += ["", "## Refusals (lines that need a GPU)", ""]
+        out += [f"- line {ln.n}: `{ln.refusal}`" for ln in refusals]
+    failures = [ln for ln in lines if ln.outcome in ("FAIL", "timeout")]
+    if failures:
+        out += ["", "## Failures: last lines of output", ""]
+        for ln in failures:
+            out += [f"### line {ln.n}: `{ln.run_as}`", "", "```", *ln.tail, "```", ""]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--report", help="markdown report to write (default: print it)")
+    ap.add_argument("--timeout", type=float, default=1800, help="seconds per line (default 1800)")
+    ap.add_argument(
+        "--keep", help="run in this folder (must not exist) and keep it, instead of a temporary one"
+    )
+    ap.add_argument("--stop-after", type=int, help="run only the first N lines (debugging)")
+    ap.add_argument("--note", default="", help="a paragraph for the report (e.g. what earlier runs found)")
+    args = ap.parse_args(argv)
+
+    commands = tour_commands(Path(args.readme).read_text())
+    if args.stop_after:
+        commands = commands[: args.stop_after]
+    lines = []
+    for n, cmd in enumerate(commands, 1):
+        s = shrink_for(tour_argv(cmd))
+        lines.append(Line(n, cmd, s.flags if s else (), s))
+
+    root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="readme_tour_"))
+    root.mkdir(parents=True, exist_ok=bool(not args.keep))
+    try:
+        env, notes = make_fixtures(root, commands)
+        logs = root / "logs"
+        logs.mkdir()
+        t0 = time.monotonic()
+        for ln in lines:
+            print(f"[{ln.n}/{len(lines)}] {ln.run_as}", flush=True)
+            run_line(ln, root / "work", env, logs, args.timeout)
+            print(f"    -> {ln.outcome} (exit {ln.rc}, {ln.seconds:.1f} s)", flush=True)
+            for t in ln.tail:
+                print(textwrap.indent(t, "       "), flush=True)
+        total = time.monotonic() - t0
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+    command = "PYTHONPATH=src nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(
+        shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
+    )
+    report = render(lines, notes, command.strip(), total, args.note)
+    if args.report:
+        Path(args.report).write_text(report)
+        print(f"report: {args.report}")
+    else:
+        print(report)
+    return 0 if all(ln.outcome == "pass" or ln.outcome.startswith("refused") for ln in lines) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

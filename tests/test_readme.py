@@ -1,0 +1,129 @@
+"""Every command of the README's Quick tour parses with stratbench's own CLI parser (no training), so that a README
+line with a renamed or removed flag, or a flag its method does not take, fails here. benchmarks/readme_tour.py
+runs the same lines for real (benchmarks/readme_tour_cpu_*.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from readme_tour import tour_argv, tour_commands  # noqa: E402
+
+from stratbench.cli import build_parser, normalise_flags  # noqa: E402
+
+TOUR = tour_commands((REPO / "README.md").read_text())
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+def parse(parser, argv: list[str]):
+    """What ``stratbench.cli.main`` does before running a command; an argparse error becomes an assertion."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            return parser.parse_args(normalise_flags(argv))
+        except SystemExit as exc:
+            raise AssertionError(f"stratbench {' '.join(argv)}: {err.getvalue().strip() or exc}") from None
+
+
+def test_the_tour_is_read_from_the_readme():
+    assert len(TOUR) >= 20
+    assert all(c.startswith("stratbench ") and "#" not in c and "\\" not in c for c in TOUR)
+    estimate = [c for c in TOUR if c.startswith("stratbench estimate")]
+    assert estimate and "--optimizer adamw" in estimate[0]  # the continuation line is joined
+
+
+def test_continuation_and_comments():
+    readme = "\n".join(
+        [
+            "## Quick tour",
+            "",
+            "```bash",
+            "stratbench train --a 1   # a comment",
+            "stratbench estimate --b 2 \\",
+            "    --c '#3'          # quoted # is not a comment",
+            "",
+            "```",
+            "```bash",
+            "stratbench not-in-the-tour",
+            "```",
+        ]
+    )
+    assert tour_commands(readme) == ["stratbench train --a 1", "stratbench estimate --b 2 --c '#3'"]
+
+
+@pytest.mark.parametrize("command", TOUR, ids=[f"{i + 1}" for i in range(len(TOUR))])
+def test_tour_line_parses(parser, command):
+    from stratbench.commands.train import strategy_options_from_args
+    from stratbench.config import TrainConfig, collect_overrides, from_dict, validate
+
+    argv = tour_argv(command)
+    args = parse(parser, argv)
+    assert args.command == argv[0]
+    if args.command != "train" or args.config or args.accelerate_config:
+        return  # a YAML file supplies the rest (it exists only in the user's folder)
+    # A method's own flag given to another method, an unknown value, a bad number: one line before any work.
+    strategy = args.strategy or TrainConfig.strategy
+    options = strategy_options_from_args(args, strategy)
+    values = collect_overrides(args, TrainConfig)
+    values.pop("weights", None)  # resolved from the torch hub cache, which exists only on the user's machine
+    validate(from_dict(TrainConfig, {**values, "strategy_options": options}))
+
+
+def test_a_renamed_flag_fails(parser):
+    with pytest.raises(AssertionError, match="unrecognized arguments: --no-such-flag"):
+        parse(parser, ["train", "--no-such-flag", "1"])
+    from stratbench.commands.train import strategy_options_from_args
+    from stratbench.errors import ConfigError
+
+    args = parse(parser, ["train", "--strategy", "ddp", "--zero-stage", "3"])
+    with pytest.raises(ConfigError, match="--zero-stage"):
+        strategy_options_from_args(args, "ddp")
+
+
+def _run_folder(path: str) -> str:
+    """``runs/ddp/checkpoints/last`` -> ``runs/ddp``: the folder one run writes."""
+    parts = Path(path).parts
+    return str(Path(*parts[:2])) if parts[:1] == ("runs",) and len(parts) > 1 else path
+
+
+def test_what_a_line_reads_an_earlier_line_wrote(parser):
+    """A checkpoint a tour line reads (``--checkpoint``, ``consolidate``'s input, ``--resume``) is the output of an
+    earlier line, as a new user running the tour top to bottom has it (a train line without --output writes
+    runs/train, which every such line overwrites)."""
+    from stratbench.config import TrainConfig
+
+    written: dict[str, int] = {}  # path -> the line that wrote it
+    for n, command in enumerate(TOUR, 1):
+        args = parse(parser, tour_argv(command))
+        reads, writes = [], []
+        if args.command == "train":
+            out = args.output or TrainConfig.output
+            if args.resume:
+                reads.append(out)
+            writes.append(out)
+        elif args.command == "consolidate":
+            reads.append(args.checkpoint)
+            writes.append(args.output)
+        elif args.command in ("evaluate", "predict", "export", "bench-infer"):
+            reads.append(args.checkpoint)
+            writes.append(getattr(args, "output", None))
+        elif args.command == "compare":
+            writes.append(args.output)
+        for path in reads:
+            assert _run_folder(path) in written, (
+                f"line {n} `{command}` reads {path}, which no earlier line writes"
+            )
+        for path in writes:
+            if path:
+                written[_run_folder(path)] = n
