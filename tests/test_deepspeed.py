@@ -415,10 +415,20 @@ def test_nvme_is_refused_in_one_line_where_async_io_cannot_be_built(tmp_path, mo
     assert not out.exists() and not any(swap.iterdir())
 
 
-def test_nvme_gradient_pieces_and_parameter_buffers_without_processes():
+def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processes(tmp_path):
     """The two sizes stratbench sets for nvme: the gradient pieces DeepSpeed swaps start on an I/O boundary (its
-    O_DIRECT reads into a misaligned address transfer nothing), and the parameter swap buffers fit the model."""
+    O_DIRECT reads into a misaligned address transfer nothing), and the parameter swap buffers fit the model.
+    A checkpoint of an nvme-offloaded optimizer is refused in one line (its state is in raw swap files)."""
     import torch
+
+    from stratbench.errors import CheckpointError
+    from stratbench.strategies.deepspeed import read_deepspeed_checkpoint
+
+    swapped = tmp_path / "ckpt" / "deepspeed" / "offloaded_tensors" / "rank00"
+    swapped.mkdir(parents=True)
+    (swapped / "0_17.tensor.swp").write_bytes(b"\0" * 4096)
+    with pytest.raises(CheckpointError, match="checkpoint of an --offload-optimizer nvme run"):
+        read_deepspeed_checkpoint(tmp_path / "ckpt", {"deepspeed_tag": "deepspeed", "zero_stage": 3})
 
     from stratbench.models import TinyNet
     from stratbench.strategies.deepspeed import aligned_gradient_pieces, size_nvme_param_buffers

@@ -738,6 +738,7 @@ class DeepSpeed(Strategy):
             )
         # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
         tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+        _refuse_nvme_checkpoint(path, tag)
         checkpoint.check_folder(path)
         load_path, _ = self.engine.load_checkpoint(
             str(path),
@@ -974,6 +975,19 @@ def _deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
     }
 
 
+def _refuse_nvme_checkpoint(path: Path, tag: str) -> None:
+    """A checkpoint of an --offload-optimizer nvme run keeps the fp32 weights and optimizer state in DeepSpeed's
+    raw swap files (``offloaded_tensors/``): deepspeed 0.19's zero_to_fp32 does not read them (it fails), and its
+    resume drops the swapped optimizer state (SGD's momentum: measured, the resumed curve left the uninterrupted
+    one from the second step after the resume). Refused in one line rather than loaded wrong."""
+    if (Path(path) / tag / "offloaded_tensors").is_dir():
+        raise CheckpointError(
+            f"{path} is a checkpoint of an --offload-optimizer nvme run: DeepSpeed keeps its fp32 weights and "
+            "optimizer state in swap files that its zero_to_fp32 cannot read and its resume does not restore "
+            "exactly, so stratbench can neither resume, consolidate nor --init-from it"
+        )
+
+
 def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Consolidate a DeepSpeed checkpoint folder into one fp32 model state with DeepSpeed's zero-to-fp32.
 
@@ -984,6 +998,7 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     from stratbench import checkpoint
 
     tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+    _refuse_nvme_checkpoint(path, tag)
     # zero_to_fp32 and DeepSpeed's stage-0 file are read with weights_only=False: check every file first
     # (load_any did too; this reader may be called on its own).
     checkpoint.check_folder(path)
