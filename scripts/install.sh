@@ -20,6 +20,9 @@ if [ ! -x "$VENV/bin/python" ]; then
         "$PY" -m venv "$VENV"
     fi
 fi
+# libaio for DeepSpeed's nvme offload (apt-get as root, else one line how): checked on every run, before the
+# stamp, since it lives outside the venv; silent and ~0.1 s when present, never fails the install.
+bash scripts/install_libaio.sh || true
 # Re-install only when pyproject.toml or this script changed since the last install.
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then
     exit 0

@@ -3,8 +3,8 @@
 DeepSpeed has no fp64 mode (its ZeRO optimizers keep fp32 master weights, gradient partitions and optimizer
 state whatever the weights' dtype), so its equivalence is checked in fp32, where it holds by construction too:
 against `single` with the same micro-batch shapes (conftest.RTOL_FP32_SAME_SHAPES; ZeRO-2 and ZeRO-3 with offload
-reproduce ddp's fp32 curve bit for bit), and ZeRO-1 with accumulation against ddp with accumulation, which it
-reproduces bit for bit (measured 0.0 under the AVX2 and SSE4.1 caps); ddp itself matches `single` in fp64.
+reproduce ddp's fp32 curve bit for bit, ZeRO-3 with NVMe offload plain ZeRO-3's), and ZeRO-1 with accumulation
+against ddp with accumulation, which it reproduces bit for bit (measured 0.0 under the AVX2 and SSE4.1 caps); ddp itself matches `single` in fp64.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -319,3 +321,128 @@ def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
         assert reason is None or "ninja" in reason or "compiler" in reason
     with pytest.raises(ConfigError, match="is not a folder"):
         DeepSpeed.check_supported(cfg.replace(strategy_options={**opts, "nvme_path": str(tmp_path / "no")}), __import__("torch").device("cpu"), 2)
+
+
+# ZeRO-Infinity's NVMe offload. DeepSpeed swaps only tensors of 1 MiB and more (MIN_AIO_BYTES, whatever the aio
+# block size): TINY's width 8 (24,538 parameters) would swap nothing. At width 64 each of 2 ranks swaps its fp32
+# master partition and momentum (632,133 elements), the gradients of the 256x256x3x3 conv (589,824 elements, the
+# only parameter whose half reaches 1 MiB) and, under --offload-params nvme, that conv's weights. 6 steps: at width
+# 64 plain ZeRO-3 is 1.8e-6 from `single --grad-accum 2` at step 6 and 9.8e-6 at step 8 (the summation order,
+# amplified), so RTOL_FP32_SAME_SHAPES keeps its margin; every nvme run below was identical to plain ZeRO-3.
+NVME_PROBLEM = [*TINY, "--width", "64", "--max-steps", "6"]
+NVME_BIG_PARAM = 256 * 256 * 3 * 3
+
+
+@pytest.fixture(scope="module")
+def async_io_op(tmp_path_factory) -> float:
+    """Skip where DeepSpeed's async_io op cannot be built (no libaio: `make install` installs libaio-dev as root);
+    else JIT-build it (with the pin_memory op it loads) into stratbench's extensions cache, once: cold it took
+    minutes on 2 cores (see docs/deepspeed_accelerate.md), cached about a second. Returns the seconds it took."""
+    import time
+
+    from stratbench.strategies.deepspeed import _nvme_unavailable, extensions_cache_dir
+
+    probe = tmp_path_factory.mktemp("nvme-probe")
+    reason = _nvme_unavailable({"offload_optimizer": {"device": "nvme", "nvme_path": str(probe)}})
+    if reason:
+        pytest.skip(reason)
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions_cache_dir()), OMP_NUM_THREADS="1")
+    code = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+    start = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=1500)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="module")
+def nvme_reference(tmp_path_factory) -> dict:
+    """`single` fp32 on NVME_PROBLEM with --grad-accum 2: the micro-batch shape each of 2 ranks computes on."""
+    out = tmp_path_factory.mktemp("reference") / "single-fp32-w64-accum2"
+    return train(out, "--strategy", "single", *NVME_PROBLEM, "--grad-accum", "2")
+
+
+@pytest.mark.equivalence
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # the first one may build the async_io op (cold: minutes)
+@pytest.mark.parametrize("params", [False, True], ids=["optimizer", "optimizer+params"])
+def test_zero3_with_nvme_offload_swaps_to_files_and_trains_the_same_model(
+    tmp_path, params, async_io_op, nvme_reference
+):
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    flags = ["--zero-stage", "3", "--offload-optimizer", "nvme", "--nvme-path", str(swap)]
+    flags += ["--offload-params", "nvme"] if params else []
+    out = tmp_path / "run"
+    res = train(out, *DS, *flags, *NVME_PROBLEM, nproc=2, timeout=TIMEOUT)
+    assert len(_curve(res)) == 6
+    assert_curves_match(_curve(res), _curve(nvme_reference), RTOL_FP32_SAME_SHAPES)
+    for rank in (0, 1):
+        folder = swap / "zero_stage_3" / "optimizer" / f"rank{rank}"
+        files = {p.name: p.stat().st_size for p in folder.glob("*.tensor.swp")}
+        master = [n for n in files if re.fullmatch(r"\d+_\d+\.tensor\.swp", n)]
+        momentum = [n for n in files if n.startswith("momentum_buffer-")]
+        grads = [n for n in files if "_gradient_" in n]
+        assert len(master) == len(momentum) == 1 and grads, files
+        assert files[master[0]] == files[momentum[0]] >= 4 * 632_133, files  # the rank's fp32 partition
+        # Weights swapped in fp32 (DeepSpeed itself picks bf16 on a CPU: see _zero_init_keeps_dtype).
+        params_folder = swap / "zero_stage_3" / "float32params" / f"rank{rank}"
+        swapped = sorted(p.stat().st_size for p in params_folder.glob("*_param.tensor.swp"))
+        assert swapped == ([4 * NVME_BIG_PARAM // 2] if params else []), swapped
+    ds = json.loads((out / "deepspeed_config.json").read_text())["zero_optimization"]
+    assert ds["offload_optimizer"] == {"device": "nvme", "pin_memory": False, "nvme_path": str(swap)}
+    # One buffer holds the largest partition (DeepSpeed's default: 1e8 elements, 2 GB page-locked per rank).
+    if params:
+        assert ds["offload_param"]["buffer_size"] == NVME_BIG_PARAM // 2
+
+
+def test_nvme_is_refused_in_one_line_where_async_io_cannot_be_built(tmp_path, monkeypatch, capsys):
+    """Where libaio is missing, DeepSpeed's own check (a test program calling io_submit, linked with -laio) fails:
+    `stratbench train` refuses before any work, in one line naming the op and the package."""
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    from stratbench.cli import main
+
+    monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: False)
+    out = tmp_path / "out"
+    swap = tmp_path / "nvme"
+    swap.mkdir()
+    flags = ["--zero-stage", "3", "--offload-optimizer", "nvme", "--offload-params", "nvme"]
+    flags += ["--nvme-path", str(swap)]
+    assert main(["train", "--output", str(out), *DS, *flags, *TINY, "--nproc", "2"]) != 0
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(lines) == 1, lines
+    assert "cannot run here: nvme offload needs DeepSpeed's async_io op" in lines[0]
+    assert "apt-get install libaio-dev" in lines[0]
+    assert not out.exists() and not any(swap.iterdir())
+
+
+def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processes(tmp_path):
+    """The two sizes stratbench sets for nvme: the gradient pieces DeepSpeed swaps start on an I/O boundary (its
+    O_DIRECT reads into a misaligned address transfer nothing), and the parameter swap buffers fit the model.
+    A checkpoint of an nvme-offloaded optimizer is refused in one line (its state is in raw swap files)."""
+    import torch
+
+    from stratbench.errors import CheckpointError
+    from stratbench.strategies.deepspeed import read_deepspeed_checkpoint
+
+    swapped = tmp_path / "ckpt" / "deepspeed" / "offloaded_tensors" / "rank00"
+    swapped.mkdir(parents=True)
+    (swapped / "0_17.tensor.swp").write_bytes(b"\0" * 4096)
+    with pytest.raises(CheckpointError, match="checkpoint of an --offload-optimizer nvme run"):
+        read_deepspeed_checkpoint(tmp_path / "ckpt", {"deepspeed_tag": "deepspeed", "zero_stage": 3})
+
+    from stratbench.models import TinyNet
+    from stratbench.strategies.deepspeed import aligned_gradient_pieces, size_nvme_param_buffers
+
+    grads = [torch.arange(1000.0), torch.arange(300.0), torch.arange(512.0)]
+    pieces, offsets = aligned_gradient_pieces(grads, [800, 1800, 2048], 256, lambda t: t.numel() >= 500)
+    # head, aligned body, tail; too small to swap: whole; already aligned: whole
+    assert offsets == [800, 1024, 1792, 1800, 2048]
+    assert [p.numel() for p in pieces] == [224, 768, 8, 300, 512]
+    assert torch.equal(torch.cat(pieces[:3]), grads[0])
+    model = TinyNet(width=64, norm="none")
+    zero = {"offload_param": {"device": "nvme", "nvme_path": "/x"}}
+    size_nvme_param_buffers(zero, model, 2)
+    assert zero["offload_param"]["buffer_size"] == NVME_BIG_PARAM // 2
+    zero = {"offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_size": 10**8}}
+    size_nvme_param_buffers(zero, model, 2)
+    assert zero["offload_param"]["buffer_size"] == 10**8  # the JSON's value is kept

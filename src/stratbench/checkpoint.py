@@ -66,9 +66,10 @@ SAFE_GLOBALS = (
     "torch.distributed.checkpoint.filesystem._StorageInfo",
 )
 # Files in checkpoint folders that nothing unpickles: safetensors (a JSON header + raw bytes), DeepSpeed's
-# `latest` tag file and the scripts it copies (never run by stratbench), and DCP's data files (whose
-# non-tensor entries are read through ``SafeLoadPlanner``).
-_NOT_PICKLED = (".safetensors", ".py", ".json", ".yaml", ".yml", ".txt", ".distcp", ".md")
+# `latest` tag file and the scripts it copies (never run by stratbench), DCP's data files (whose
+# non-tensor entries are read through ``SafeLoadPlanner``), and DeepSpeed's NVMe swap files (raw tensor bytes
+# under offloaded_tensors/; the deepspeed layout refuses those checkpoints in one line).
+_NOT_PICKLED = (".safetensors", ".py", ".json", ".yaml", ".yml", ".txt", ".distcp", ".md", ".swp")
 _NOT_PICKLED_NAMES = ("latest", "latest_universal")
 
 _trust = False

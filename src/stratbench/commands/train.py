@@ -211,7 +211,12 @@ def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
         checks.append((Path(cfg.init_from), INIT_KEYS, "start from"))
     mine = cfg.to_dict()
     for path, keys, verb in checks:
-        saved = ckpt.read_meta(path).get("config") or {}
+        meta = ckpt.read_meta(path)
+        if meta.get("layout") == "deepspeed":  # an nvme-offload checkpoint: refused before any process starts
+            from stratbench.strategies.deepspeed import DS_TAG, _refuse_nvme_checkpoint
+
+            _refuse_nvme_checkpoint(path, ckpt.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
+        saved = meta.get("config") or {}
         differ = [k for k in keys if k in saved and saved[k] != mine[k]]
         if differ:
             was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)

@@ -399,13 +399,13 @@ class AccelerateDeepSpeed(_Accelerate):
 
         if importlib.util.find_spec("deepspeed") is None:
             return "needs the deepspeed package (pip install deepspeed)"
-        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config
+        from stratbench.strategies.deepspeed import DeepSpeedOptions, _nvme_unavailable, build_ds_config
 
         opts = cls.parse_options(cfg.strategy_options)
-        build_ds_config(
+        ds = build_ds_config(
             cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size, config_optimizer=False
         )  # conflicts -> ConfigError
-        return super().check_supported(cfg, device, world_size)
+        return _nvme_unavailable(ds["zero_optimization"]) or super().check_supported(cfg, device, world_size)
 
     @classmethod
     def memory_model(cls, ctx, rank):

@@ -399,12 +399,101 @@ def _nvme_unavailable(zero: dict[str, Any]) -> str | None:
         raise ConfigError(f"--nvme-path {path} is not a folder")
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
+    # DeepSpeed's own check: a test program calling io_submit compiles and links against -laio.
     if not AsyncIOBuilder().is_compatible(verbose=False):
         return (
             "nvme offload needs DeepSpeed's async_io op, which cannot be built here: libaio's headers and library "
-            "are missing (Debian/Ubuntu: apt install libaio-dev; see `ds_report`)"
+            "are missing (Debian/Ubuntu: apt-get install libaio-dev, which `make install` does as root; "
+            "see `ds_report`)"
         )
     return _kernel_unavailable("async_io")
+
+
+DS_PARAM_BUFFER_SIZE = 100_000_000
+"""DeepSpeed's default offload_param.buffer_size (elements per parameter swap buffer, 5 buffers)."""
+
+
+def size_nvme_param_buffers(zero: dict[str, Any], model: nn.Module, world_size: int) -> None:
+    """--offload-params nvme: size the parameter swap buffers for this model where the JSON does not.
+
+    DeepSpeed allocates ``buffer_count`` buffers of ``buffer_size`` elements up front, page-locked, in the
+    weights' dtype: 5 x 1e8 by default, 2 GB per rank in fp32 whatever the model. Each buffer holds one
+    parameter's partition, so the largest partition (ceil(numel / world)) is enough; DeepSpeed's default stays
+    the ceiling, and a buffer_size in --deepspeed-config is kept as written."""
+    block = zero.get("offload_param") or {}
+    if block.get("device") != "nvme" or "buffer_size" in block:
+        return
+    largest = max((-(-p.numel() // world_size) for p in model.parameters()), default=1)
+    block["buffer_size"] = min(DS_PARAM_BUFFER_SIZE, max(largest, 1))
+
+
+def aligned_gradient_pieces(tensors, offsets, alignment: int, swappable) -> tuple[list, list]:
+    """Split each swappable gradient ``tensor`` (placed at element ``offset`` of the flat partition) so that
+    the piece DeepSpeed swaps starts at a multiple of ``alignment`` elements and spans a multiple of it; the
+    head and tail stay in memory (DeepSpeed keeps pieces it does not swap as "unswapped gradients")."""
+    new_tensors, new_offsets = [], []
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        if not swappable(tensor):
+            new_tensors.append(tensor)
+            new_offsets.append(offset)
+            continue
+        head = min(-offset % alignment, tensor.numel())
+        body = (tensor.numel() - head) // alignment * alignment
+        for start, length in ((0, head), (head, body), (head + body, tensor.numel() - head - body)):
+            if length:
+                new_tensors.append(tensor.narrow(0, start, length))
+                new_offsets.append(offset + start)
+    return new_tensors, new_offsets
+
+
+def _align_swapped_gradients() -> None:
+    """--offload-optimizer nvme: make DeepSpeed swap only gradient pieces that start on an I/O boundary.
+
+    DeepSpeed 0.19 swaps a sub-group's gradients to files per parameter (those of 1 MiB and more) and reads
+    them back straight into the flat gradient buffer at the parameter's offset. Its async_io op opens files
+    with O_DIRECT, which needs the memory address aligned too (512 bytes): a read into a misaligned address
+    transfers nothing and still reports success. DeepSpeed aligns the lengths (``_adjust_for_misaligned_lengths``)
+    but not the offsets, which are sums of the preceding parameters' sizes (tinynet's 64-element biases make
+    them misaligned): the optimizer then stepped on stale buffer contents for that parameter (the loss 0.5%
+    off from the second step). Installed once per process, for the run's lifetime."""
+    from deepspeed.runtime.swap_tensor.optimizer_utils import OptimizerSwapper
+
+    if getattr(OptimizerSwapper, "_stratbench_aligned_offsets", False):
+        return
+
+    def _adjust_for_misaligned_lengths(self, tensors, offsets):
+        return aligned_gradient_pieces(
+            tensors, offsets, self.numel_alignment, lambda t: self.is_swappable_tensor(tensor=t)
+        )
+
+    OptimizerSwapper._adjust_for_misaligned_lengths = _adjust_for_misaligned_lengths
+    OptimizerSwapper._stratbench_aligned_offsets = True
+
+
+@contextlib.contextmanager
+def _zero_init_keeps_dtype():
+    """Make ZeRO-3's parameter conversion keep the weights' dtype (deepspeed 0.19, ``zero.Init._set_dtype``).
+
+    Given a dtype, it computes ``dtype or torch.float16 if fp16_supported() else torch.bfloat16 if
+    is_bf16_supported else torch.float32``, which parses as ``(dtype or fp16) if ... else bf16``: on an
+    accelerator without fp16 (the CPU) the given dtype is dropped for bf16. Only the parameter swapper reads it:
+    under --offload-params nvme, an fp32 run's swapped partitions were bf16 buffers (files of 2 bytes an
+    element, the loss 5e-5 off fp32 from the first step). The dtype given wins here, as its docstring says."""
+    from deepspeed.runtime.zero import partition_parameters as pp
+
+    cls = pp.InsertPostInitMethodToModuleSubClasses
+    original = cls._set_dtype
+
+    def _set_dtype(self, ds_config, dtype):
+        original(self, ds_config, dtype)
+        if dtype is not None:
+            self.dtype = dtype
+
+    cls._set_dtype = _set_dtype
+    try:
+        yield
+    finally:
+        cls._set_dtype = original
 
 
 @register
@@ -508,6 +597,7 @@ class DeepSpeed(Strategy):
         # The engine already created the process group (gloo on CPU, nccl on GPU); DeepSpeed adopts it.
         deepspeed.init_distributed(dist_backend=self.env.backend, verbose=False)
         self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size, self.total_steps)
+        size_nvme_param_buffers(self.ds_config["zero_optimization"], model, self.env.world_size)
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
@@ -528,12 +618,17 @@ class DeepSpeed(Strategy):
             client = DeepSpeedCPUAdam(
                 model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
             )
-        engine, _, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=client,
-            model_parameters=None if client is not None else model.parameters(),
-            config=self.ds_config,
-        )
+        zero = self.ds_config["zero_optimization"]
+        if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
+            _align_swapped_gradients()
+        param_nvme = (zero.get("offload_param") or {}).get("device") == "nvme"
+        with _zero_init_keeps_dtype() if param_nvme else contextlib.nullcontext():
+            engine, _, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=client,
+                model_parameters=None if client is not None else model.parameters(),
+                config=self.ds_config,
+            )
         self.engine = engine
         self.model = engine
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
@@ -643,6 +738,7 @@ class DeepSpeed(Strategy):
             )
         # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
         tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+        _refuse_nvme_checkpoint(path, tag)
         checkpoint.check_folder(path)
         load_path, _ = self.engine.load_checkpoint(
             str(path),
@@ -879,6 +975,19 @@ def _deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
     }
 
 
+def _refuse_nvme_checkpoint(path: Path, tag: str) -> None:
+    """A checkpoint of an --offload-optimizer nvme run keeps the fp32 weights and optimizer state in DeepSpeed's
+    raw swap files (``offloaded_tensors/``): deepspeed 0.19's zero_to_fp32 does not read them (it fails), and its
+    resume drops the swapped optimizer state (SGD's momentum: measured, the resumed curve left the uninterrupted
+    one from the second step after the resume). Refused in one line rather than loaded wrong."""
+    if (Path(path) / tag / "offloaded_tensors").is_dir():
+        raise CheckpointError(
+            f"{path} is a checkpoint of an --offload-optimizer nvme run: DeepSpeed keeps its fp32 weights and "
+            "optimizer state in swap files that its zero_to_fp32 cannot read and its resume does not restore "
+            "exactly, so stratbench can neither resume, consolidate nor --init-from it"
+        )
+
+
 def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Consolidate a DeepSpeed checkpoint folder into one fp32 model state with DeepSpeed's zero-to-fp32.
 
@@ -889,6 +998,7 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     from stratbench import checkpoint
 
     tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+    _refuse_nvme_checkpoint(path, tag)
     # zero_to_fp32 and DeepSpeed's stage-0 file are read with weights_only=False: check every file first
     # (load_any did too; this reader may be called on its own).
     checkpoint.check_folder(path)
