@@ -109,6 +109,34 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
             if rc != 0:
                 raise SystemExit(f"calibration run failed: see {d}/single_{precision}_b{batch}.log")
             calib.append(str(d / f"single_{precision}_b{batch}" / "result.json"))
+    # 1b. each method on one device (--nproc 1) at the per-process batch: its own host work per step (hooks,
+    # flat-parameter copies, wrappers), which the calibration adds to that method's projection on any world size
+    method_runs = {}
+    if args.method_calibration:
+        from stratbench.projection import method_key
+
+        for cell in todo:
+            if cell.method == "pipeline":  # one device is one stage: not the method (its stages are devices)
+                continue
+            tc = cell.train_config(d / f"one_{cell.id}", progress=False)
+            tc.update(nproc=1, batch_size=base_batch // cell.world_size, max_steps=args.method_steps)
+            mkey = f"{method_key(from_dict(TrainConfig, tc))} {cell.precision}"
+            if mkey in method_runs:
+                continue
+            path = d / f"one_{cell.id}.yaml"
+            path.write_text(yaml.safe_dump(tc))
+            rc = sh(  # with the threads of the calibration runs (those of a 2-process cell's process)
+                stratbench("train", "--config", str(path)),
+                d / f"one_{cell.id}.log",
+                env=os.environ | {"OMP_NUM_THREADS": str(args.calibration_threads)},
+            )
+            result = d / f"one_{cell.id}" / "result.json"
+            if rc == 0 and result.exists():
+                method_runs[mkey] = str(result)
+                calib.append(str(result))
+            else:  # e.g. a pipeline needs 2 stages: that method is projected without its own overhead
+                tail = (d / f"one_{cell.id}.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]
+                method_runs[mkey] = f"not calibrated: {tail[0][:160]}"
     # 2. probe 2 processes
     probe = d / "probe.yaml"
     rc = sh(
@@ -147,12 +175,14 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
             flush=True,
         )
     cal = {
-        k: {"efficiency": c.efficiency, "overhead_s": c.overhead_s, "points": c.points}
+        k: {"efficiency": c.efficiency, "overhead_s": c.overhead_s, "points": c.points,
+            "method_overhead_s": c.method_overhead_s}  # fmt: skip
         for k, c in calibration.items()
     }
     probe_summary = {"overlap": system.overlap, "compute_share": system.compute_share,
                      "fits": {k: {"latency_s": f.latency, "bandwidth": f.bandwidth} for k, f in system.intra_node.collectives.items()}}  # fmt: skip
-    rep_out = {"rows": rows, "calibration": cal, "probe": probe_summary, "seconds": time.time() - t0}
+    rep_out = {"rows": rows, "calibration": cal, "probe": probe_summary, "method_runs": method_runs,
+               "seconds": time.time() - t0}  # fmt: skip
     (d / "rep.json").write_text(json.dumps(rep_out, indent=2))
     return rep_out
 
@@ -207,7 +237,9 @@ def report(summary: dict, reps: list[dict], args: argparse.Namespace) -> str:
         f"{len(reps)} repeat(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. " + (args.note or ""),
         "",
         "Each repeat: `single` calibration runs (fp32 and bf16-mixed, global batch and per-process batch), "
-        "`stratbench probe --nproc 2`, the projection of every cell, then the cells measured (median step time of "
+        + ("each method once on one device (`--nproc 1`, per-process batch: its own overhead per step), "
+           if args.method_calibration else "")
+        + "`stratbench probe --nproc 2`, the projection of every cell, then the cells measured (median step time of "
         "the measured steps). Times in ms as min/median/max over repeats; error = predicted/measured - 1 "
         "(median over repeats).",
         "",
@@ -248,8 +280,16 @@ def report(summary: dict, reps: list[dict], args: argparse.Namespace) -> str:
             f"{k} {f['latency_s'] * 1e6:.0f} us + B/{f['bandwidth'] / 1e9:.2f} GB/s"
             for k, f in r["probe"]["fits"].items()
         )
+        methods = "; ".join(
+            f"{m_key} {prec} {m * 1e3:+.1f} ms"
+            for prec, c in r["calibration"].items()
+            for m_key, m in c.get("method_overhead_s", {}).items()
+        )
+        skipped = [f"{k} ({v})" for k, v in r.get("method_runs", {}).items() if v.startswith("not calibrated")]
         lines.append(
             f"- repeat {i}: {cal}; overlap {r['probe']['overlap']:.2f}, compute share {r['probe']['compute_share']:.2f}; {fits}"
+            + (f"; one-device method overhead per step: {methods}" if methods else "")
+            + (f"; not calibrated: {', '.join(skipped)}" if skipped else "")
         )
     return "\n".join(lines) + "\n"
 
@@ -262,15 +302,22 @@ def main() -> int:
     ap.add_argument("--only", default=None, help="comma-separated cell names (e.g. ddp,fsdp)")
     ap.add_argument("--calibration-threads", type=int, default=1,
                     help="threads of the calibration runs (default 1, as each process of a torchrun cell)")
+    ap.add_argument("--method-calibration", action=argparse.BooleanOptionalAction, default=True,
+                    help="also run each method on one device (--nproc 1) to calibrate its own overhead per step")
+    ap.add_argument("--method-steps", type=int, default=20, help="steps of each one-device method run")
     ap.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="probe sizes")
+    ap.add_argument("--report-only", action="store_true", help="rewrite the report from OUT/reps.json, run nothing")
     ap.add_argument("--note", default="", help="a sentence for the report (e.g. 'the machine was shared')")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    reps = []
-    for rep in range(args.repeats):
-        reps.append(one_repeat(rep, out, args))
-        (out / "reps.json").write_text(json.dumps(reps, indent=2))
+    if args.report_only:  # the report again from a finished check's reps.json (no runs)
+        reps = json.loads((out / "reps.json").read_text())
+    else:
+        reps = []
+        for rep in range(args.repeats):
+            reps.append(one_repeat(rep, out, args))
+            (out / "reps.json").write_text(json.dumps(reps, indent=2))
     summary = summarise(reps)
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     text = report(summary, reps, args)

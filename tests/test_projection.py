@@ -349,6 +349,52 @@ def test_cpu_contention_from_the_probe_slows_flops_and_fixed_overhead_alike():
     assert other.thread_share == 0.5
 
 
+def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size():
+    """fsdp on one device took 6 ms per step more than the `single` calibration predicts at that batch (its hooks
+    and flat-parameter copies): a projection of fsdp on 2 processes carries those 6 ms, stretched by the CPU
+    contention like the fixed overhead; a method without such a run (ddp) is projected as before."""
+    import dataclasses
+
+    from stratbench.errors import ConfigError
+
+    s = dataclasses.replace(
+        hardware.builtin().system("cpu-gloo"), compute_share=0.3, thread_share=0.6, threads_per_process=1
+    )
+    cfg = tiny_cfg()
+
+    def run(batch: int, step: float, **kw) -> dict:
+        r = _result(cfg.replace(batch_size=batch, **kw), step)
+        r["environment"] = {"device_type": "cpu", "torch_threads": 1, "cpu_count": 2}
+        return r
+
+    singles = [run(32, 0.030), run(64, 0.050)]
+    base = projection.calibrate(singles, s)["fp32"]
+    cal = projection.calibrate([*singles, run(32, 0.036, strategy="fsdp"), run(32, 0.0364, strategy="fsdp")], s)
+    cal = cal["fp32"]
+    assert cal.method_overhead_s == {"fsdp": pytest.approx(0.0062, rel=1e-6)}
+    assert (cal.efficiency, cal.overhead_s) == (base.efficiency, base.overhead_s)
+    two = cfg.replace(batch_size=64, strategy="fsdp")
+    with_it = projection.project(two, s, 1, 2, {"fp32": cal}, memory=False)
+    without = projection.project(two, s, 1, 2, {"fp32": base}, memory=False)
+    assert with_it.overhead_s - without.overhead_s == pytest.approx(0.0062 * 0.6 / 0.3, rel=1e-6)
+    assert with_it.step_s - without.step_s == pytest.approx(0.0062 * 0.6 / 0.3, rel=1e-6)
+    assert "fsdp: +6.2 ms per step beyond `single`" in with_it.efficiency_source
+    ddp = cfg.replace(batch_size=64, strategy="ddp")
+    assert projection.project(ddp, s, 1, 2, {"fp32": cal}, memory=False).step_s == pytest.approx(
+        projection.project(ddp, s, 1, 2, {"fp32": base}, memory=False).step_s
+    )
+    # a method's options name it (each ZeRO stage is its own method); paths do not
+    z3 = cfg.replace(strategy="deepspeed", strategy_options={"zero_stage": 3, "nvme_path": "/x"})
+    assert projection.method_key(z3) == "deepspeed[zero_stage=3]"
+    # refused: a multi-device run of the method; a method run with no `single` run of its precision
+    with pytest.raises(ConfigError, match="world size 2 .*--nproc 1"):
+        projection.calibrate([*singles, run(32, 0.036, strategy="fsdp") | {"world_size": 2}], s)
+    with pytest.raises(ConfigError, match="`single` calibration run in bf16; give one .*: fp32"):
+        projection.calibrate([*singles, run(32, 0.036, strategy="fsdp", precision="bf16-mixed")], s)
+    with pytest.raises(ConfigError, match="a pipeline on one device is one stage"):
+        projection.calibrate([*singles, run(32, 0.036, strategy="pipeline")], s)
+
+
 def test_probe_profile_records_the_per_process_share():
     from stratbench.commands.probe import build_profile
 

@@ -297,6 +297,21 @@ def test_resume_continues_from_last_old_after_a_kill_between_renames(tmp_path, c
     assert last.exists()
 
 
+def test_resume_with_another_precision_or_lr_says_so(tmp_path, capsys):
+    """A resume may change the precision or the learning rate (continue a bf16-mixed run in fp32 elsewhere), but
+    then the rest of the run is not the one that was saved: one note names each change; none when nothing did."""
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), *SHORT, "--save-every-steps", "2"]) == 0
+    capsys.readouterr()
+    assert main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--resume"]) == 0
+    assert "note: resuming" not in capsys.readouterr().err
+    flags = ["--max-steps", "8", "--resume", "--precision", "bf16-mixed", "--lr", "0.5"]
+    assert main(["train", "--output", str(out), *SHORT, *flags]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("note: resuming")]
+    assert len(notes) == 1, notes
+    assert "--precision fp32 -> bf16-mixed" in notes[0] and "-> 0.5" in notes[0]
+
+
 def test_resume_must_refuses_when_there_is_nothing_to_resume(tmp_path, capsys):
     """`--resume` starts fresh when the folder holds no checkpoint; `--resume must` refuses, before any work,
     and resumes like `--resume` once there is one."""

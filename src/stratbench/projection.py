@@ -153,6 +153,20 @@ class Calibration:
     points: list[dict[str, float]] = field(default_factory=list)
     thread_share: float = 1.0
     """Share of the profile's peak the calibration runs had (CPU runs with fewer threads than cores)."""
+    method_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per method (``method_key``): seconds per micro-step its one-device run took beyond what this calibration
+    predicts for `single` at that batch: the method's own host work (hooks, flat-parameter copies, gathers
+    through a 1-rank group, wrappers) that no FLOP or collective term counts."""
+    method_sources: dict[str, str] = field(default_factory=dict)
+
+
+def method_key(cfg: TrainConfig) -> str:
+    """The method a run measured, as a calibration names it: the strategy and its options (ZeRO stage, FSDP
+    sharding, schedule, ...) except file paths, e.g. ``deepspeed[zero_stage=3]``."""
+    opts = {k: v for k, v in sorted((cfg.strategy_options or {}).items()) if not str(k).endswith("path")}
+    if not opts:
+        return cfg.strategy
+    return cfg.strategy + "[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
 
 
 def _result_config(result: dict[str, Any], where: str) -> TrainConfig:
@@ -224,15 +238,88 @@ documented default, shown as such."""
 
 
 def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | None = None) -> Calibrations:
-    """Calibrations per precision key from measured single-device runs (see ``calibrate_one``)."""
+    """Calibrations per precision key from measured one-device runs: those of `single` give the efficiency and
+    fixed overhead (``calibrate_one``); those of another method on one device (e.g. `--strategy fsdp --nproc 1`)
+    give that method's extra host time per step (``Calibration.method_overhead_s``), which a projection of the
+    method then adds on any number of devices."""
     names = names or [f"result {i}" for i in range(len(results))]
     groups: dict[str, tuple[list, list]] = {}
+    methods: list[tuple[dict[str, Any], str, TrainConfig]] = []
     for result, name in zip(results, names, strict=True):
         cfg = _result_config(result, name)
+        if cfg.strategy != "single":
+            methods.append((result, name, cfg))
+            continue
         rs, ns = groups.setdefault(precision_key(cfg.precision, cfg.tf32), ([], []))
         rs.append(result)
         ns.append(name)
-    return {k: calibrate_one(rs, system, ns) for k, (rs, ns) in groups.items()}
+    cals = {k: calibrate_one(rs, system, ns) for k, (rs, ns) in groups.items()}
+    extras: dict[tuple[str, str], list[float]] = {}
+    for result, name, cfg in methods:
+        key, mkey = precision_key(cfg.precision, cfg.tf32), method_key(cfg)
+        world = int(result.get("world_size", cfg.nproc))
+        if world != 1:
+            raise ConfigError(
+                f"{name}: a calibration run uses one device; this {cfg.strategy} run had world size {world}"
+                " (run it with --nproc 1 to measure the method's own overhead)"
+            )
+        if cfg.strategy == "pipeline":
+            raise ConfigError(
+                f"{name}: a pipeline on one device is one stage, not the method (its stages are the devices);"
+                " its projection models the stages and the bubble: calibrate with `single` runs only"
+            )
+        cal = cals.get(key)
+        if cal is None:
+            raise ConfigError(
+                f"{name}: a {mkey} run calibrates that method's overhead on top of a `single` calibration run"
+                f" in {key}; give one (allowed precisions so far: {', '.join(sorted(cals)) or 'none'})"
+            )
+        step = _step_time(result, name)
+        extras.setdefault((key, mkey), []).append((step - _single_step(cfg, cal, system, result)) / cfg.grad_accum)
+    for (key, mkey), xs in extras.items():
+        cal = cals[key]
+        # a method cannot take less than the FLOPs: a negative extra only removes fixed overhead
+        cal.method_overhead_s[mkey] = max(-cal.overhead_s, statistics.fmean(xs))
+        cal.method_sources[mkey] = (
+            f"{mkey}: {cal.method_overhead_s[mkey] * 1e3:+.1f} ms per step beyond `single`, measured on one device"
+            f" ({len(xs)} run{'s' if len(xs) > 1 else ''})"
+        )
+    return cals
+
+
+def _step_time(result: dict[str, Any], where: str) -> float:
+    step = result["metrics"].get("step_time_median_s") or result["metrics"].get("step_time_mean_s")
+    if not step:
+        raise ConfigError(f"{where}: no measured step time (metrics.step_time_median_s)")
+    return float(step)
+
+
+def _thread_share(result: dict[str, Any], system: System) -> float:
+    """The share of a CPU profile's all-core peak a run's process had (1.0 on a GPU)."""
+    env = result.get("environment", {})
+    if env.get("device_type") == "cuda" or system.gpu.kind != "cpu":
+        return 1.0
+    # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
+    # The probe measured that share for its processes' thread count; other counts get threads / cores.
+    threads, cores = env.get("torch_threads"), env.get("cpu_count")
+    if threads and threads == system.threads_per_process and system.thread_share:
+        return system.thread_share
+    if threads and cores and threads < cores:
+        return threads / cores
+    return 1.0
+
+
+def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dict[str, Any]) -> float:
+    """What ``cal`` predicts for `single` at ``cfg``'s batch, precision and threads: one device, no method."""
+    flops = model_flops(cfg)
+    if not flops:
+        raise ConfigError(f"the FLOPs of model {cfg.model!r} cannot be counted")
+    gpu = system.gpu
+    device_type = "cpu" if gpu.kind == "cpu" else "cuda"
+    dev_bytes, _ = optimizer_bytes(cfg.replace(strategy="single", strategy_options={}), 1, 0, device_type)
+    work = flops * cfg.batch_size * cfg.grad_accum * (4 / 3 if cfg.activation_checkpointing else 1)
+    peak = gpu.peak(cal.key)
+    return cal.overhead_s * cfg.grad_accum + work / (peak * cal.efficiency * _thread_share(result, system)) + dev_bytes / gpu.memory_bandwidth
 
 
 def calibrate_one(
@@ -253,16 +340,13 @@ def calibrate_one(
     model = None
     shares: set[float] = set()
     for result, where in zip(results, names, strict=True):
-        thread_share = 1.0
         cfg = _result_config(result, where)
         world = int(result.get("world_size", cfg.nproc))
         if world != 1:
             raise ConfigError(
                 f"{where}: a calibration run must use one device (world size {world}); run --strategy single"
             )
-        step = result["metrics"].get("step_time_median_s") or result["metrics"].get("step_time_mean_s")
-        if not step:
-            raise ConfigError(f"{where}: no measured step time (metrics.step_time_median_s)")
+        step = _step_time(result, where)
         k = precision_key(cfg.precision, cfg.tf32)
         env = result.get("environment", {})
         if env.get("device_type") == "cuda":
@@ -280,13 +364,7 @@ def calibrate_one(
                     f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
                 )
             gpu = system.gpu
-            # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
-            # The probe measured that share for its processes' thread count; other counts get threads / cores.
-            threads, cores = env.get("torch_threads"), env.get("cpu_count")
-            if threads and threads == system.threads_per_process and system.thread_share:
-                thread_share = system.thread_share
-            elif threads and cores and threads < cores:
-                thread_share = threads / cores
+        thread_share = _thread_share(result, system)
         if key not in (None, k) or model not in (None, (cfg.model, cfg.image_size, cfg.width)):
             raise ConfigError(f"{where}: calibration runs must share one model and precision")
         if device_gpu is not None and gpu.key != device_gpu.key:
@@ -439,6 +517,9 @@ def project(
             f" (calibrated: {', '.join(calibration)} only)" if calibration else ""
         )
     out.efficiency = eff
+    if cal is not None and method_key(cfg) in cal.method_overhead_s:
+        overhead += cal.method_overhead_s[method_key(cfg)]
+        out.efficiency_source += "; " + cal.method_sources[method_key(cfg)]
     share = system.compute_share if min(world, gpn) > 1 else 1.0
     dp = cls.data_parallel_size(cfg, world)
     samples = cfg.batch_size / dp

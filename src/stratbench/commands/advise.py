@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--calibrate", action="append", default=[], metavar="RESULT_JSON",
-        help="measured single-device run(s) for the projection's compute efficiency",
+        help="measured single-device run(s) for the projection's compute efficiency (and one-device runs of "
+        "other methods for their own overhead)",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 

@@ -87,7 +87,8 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         metavar="RESULT_JSON",
         help="a measured single-device run (result.json) whose achieved efficiency replaces the default; "
-        "repeat it with runs at other batch sizes to also fit a fixed per-step overhead",
+        "repeat it with runs at other batch sizes to also fit a fixed per-step overhead, and with one-device "
+        "runs of other methods (--nproc 1) to add each method's own overhead per step",
     )
 
 

@@ -187,6 +187,9 @@ def _run(cfg) -> int:
 
 RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
 INIT_KEYS = ("model", "width", "norm", "cifar_stem")
+RESUME_NOTE_KEYS = ("precision", "batch_size", "grad_accum", "lr")
+"""A resume may change these (e.g. continue a bf16-mixed run in fp32 on another machine), but then the rest of the
+run is not the run that was saved: a note names each change."""
 
 
 def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
@@ -222,6 +225,11 @@ def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
             was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)
             now = ", ".join(f"--{k.replace('_', '-')} {mine[k]}" for k in differ)
             raise CheckpointError(f"cannot {verb} {path}: it was saved with {was}; this run has {now}")
+        changed = [k for k in RESUME_NOTE_KEYS if verb == "resume from" and k in saved and saved[k] != mine[k]]
+        if changed and not quiet:
+            what = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {mine[k]}" for k in changed)
+            print(f"note: resuming {path} with {what}: the rest of the run differs from the run that was saved",
+                  file=sys.stderr)  # fmt: skip
 
 
 def check_builder(spec: str) -> None:
