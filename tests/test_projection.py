@@ -81,6 +81,10 @@ def test_measured_fit_replaces_the_ring_model():
     )
     # a kind the probe did not fit falls back to the link's ring model
     assert projection.collective_time("all_gather", 1e6, 1, 2, s) == pytest.approx(1e-5 + 0.5e6 / 1e9)
+    # where the probe measured a call's cost in training (after a compute burst), each call's latency is that
+    loaded = hardware.Link("x", 1e9, 1e-5, 1.0, {"all_reduce": hardware.CollectiveFit(4e-4, 2e8, 2, 1.5e-3)})
+    sl = hardware.System("x", hardware.builtin().gpus["p40"], 2, loaded, None, loaded)
+    assert projection.collective_time("all_reduce", 1e6, 3, 2, sl) == pytest.approx(3 * 1.5e-3 + 1e6 / 2e8)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -393,6 +397,50 @@ def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size(
         projection.calibrate([*singles, run(32, 0.036, strategy="fsdp", precision="bf16-mixed")], s)
     with pytest.raises(ConfigError, match="a pipeline on one device is one stage"):
         projection.calibrate([*singles, run(32, 0.036, strategy="pipeline")], s)
+
+
+def test_probe_loaded_latency_reaches_the_profile_and_reads_back(tmp_path):
+    """The probe's loaded measurement (a small call right after a compute burst) becomes each kind's
+    loaded_latency, less the bytes' share and never below the idle fit's latency; the file reads back."""
+    from stratbench.commands.probe import build_profile
+    from stratbench.hardware import dump, load
+
+    rows = [{"payload_bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)]
+    data = {"ranks": 2, "device": "cpu", "cpu": "x", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.5,
+            "memory_bandwidth": 1e10, "collectives": {k: rows for k in ("all_reduce", "all_gather")},
+            "matmul_alone": {"fp32": 40e9}, "matmul_together": {"fp32": 16e9},
+            "loaded": {"payload_bytes": 4096, "burst_s": 2e-3, "all_reduce": 1e-3 + 4096 / 1e9, "all_gather": 5e-5}}  # fmt: skip
+    profile, fits = build_profile(data, "t")
+    assert fits["all_reduce"]["loaded_latency_s"] == pytest.approx(1e-3, rel=1e-3)
+    assert fits["all_gather"]["loaded_latency_s"] == pytest.approx(fits["all_gather"]["latency_s"])  # never below
+    path = tmp_path / "p.yaml"
+    path.write_text(dump(profile))
+    link = load(path).systems["t"].intra_node
+    assert link.collectives["all_reduce"].loaded_latency == pytest.approx(1e-3, rel=1e-3)
+    assert link.collectives["all_reduce"].call_latency == link.collectives["all_reduce"].loaded_latency
+    # a profile without it (older probes, hand-written files) prices calls at the idle latency
+    del data["loaded"]
+    plain, _ = build_profile(data, "t")
+    assert "loaded_latency" not in plain["links"]["t-link"]["collectives"]["all_reduce"]
+
+
+@pytest.mark.slow
+def test_probe_measures_two_gloo_processes_and_writes_a_profile_that_loads(tmp_path):
+    """`stratbench probe --nproc 2` end to end on gloo: every kind fitted, the loaded latency measured for each
+    (a call after a compute burst costs at least the idle call), the profile usable by --hardware."""
+    import json
+
+    from conftest import run_stratbench
+
+    out = tmp_path / "probe.yaml"
+    proc = run_stratbench("probe", "--nproc", "2", "--sizes", "1KiB,64KiB", "--repeats", "3", "--output",
+                          str(out), "--json", timeout=240)  # fmt: skip
+    data = json.loads(proc.stdout[proc.stdout.index("{"):])
+    loaded = data["measurements"]["loaded"]
+    assert set(loaded) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} and loaded["burst_s"] > 0
+    system = hardware.resolve(str(out))
+    for kind, fit in system.intra_node.collectives.items():
+        assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind
 
 
 def test_probe_profile_records_the_per_process_share():

@@ -117,6 +117,14 @@ class CollectiveFit:
     latency: float
     bandwidth: float
     ranks: int
+    loaded_latency: float | None = None
+    """A small call's cost right after a compute burst on every rank (the probe's ``loaded_latency``): what a
+    collective costs inside training, where it also waits for the peer's slower compute and, on a CPU, for a
+    core; the projection prices each call's latency at it where it is given."""
+
+    @property
+    def call_latency(self) -> float:
+        return max(self.latency, self.loaded_latency or 0.0)
 
 
 @dataclass(frozen=True)
@@ -255,13 +263,15 @@ def _parse_link(key: str, e: dict[str, Any], where: str) -> Link:
         if kind not in KINDS:
             raise HardwareError(f"{w}: unknown collective; allowed: {', '.join(KINDS)}")
         fit = _mapping(fit, w)
-        _check_keys(fit, {"latency", "bandwidth", "ranks"}, {"latency", "bandwidth", "ranks"}, w)
+        _check_keys(fit, {"latency", "bandwidth", "ranks", "loaded_latency"}, {"latency", "bandwidth", "ranks"}, w)
         ranks = fit["ranks"]
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
             raise HardwareError(f"{w}.ranks: {ranks!r} must be an integer >= 2")
+        loaded = fit.get("loaded_latency")
         fits[kind] = CollectiveFit(
-            seconds(fit["latency"], f"{w}.latency"), bandwidth(fit["bandwidth"], f"{w}.bandwidth"), ranks
-        )
+            seconds(fit["latency"], f"{w}.latency"), bandwidth(fit["bandwidth"], f"{w}.bandwidth"), ranks,
+            None if loaded is None else seconds(loaded, f"{w}.loaded_latency"),
+        )  # fmt: skip
     return Link(
         key=key,
         bandwidth=bandwidth(e["bandwidth"], f"{where}.bandwidth"),

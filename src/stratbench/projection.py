@@ -96,8 +96,9 @@ def _on_link(kind: str, payload: float, n: int, link: Link, bandwidth: float | N
         return 0.0
     fit = link.collectives.get(kind)
     if fit is not None and bandwidth is None:
-        # The fit's latency is a whole call at fit.ranks; scale it by the ring's step count.
-        latency = fit.latency * ring_steps(kind, n) / max(1, ring_steps(kind, fit.ranks))
+        # The fit's latency is a whole call at fit.ranks (in training where the probe measured that); scale it
+        # by the ring's step count.
+        latency = fit.call_latency * ring_steps(kind, n) / max(1, ring_steps(kind, fit.ranks))
         return latency + wire_factor(kind, n) * payload / fit.bandwidth
     return ring_time(kind, payload, n, bandwidth or link.effective_bandwidth, link.latency)
 

@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
         f"# ({data['backend']}, torch {data['torch']}, {data['cpu']} with {data['cpu_count']} cores). Measured, not\n"
         "# spec-sheet numbers: collectives fitted as latency + wire bytes / bandwidth per kind; peak_flops = a\n"
         "# 1024x1024 matmul in one process; compute_share = the per-process matmul rate with every process running\n"
-        "# over the one-process rate; overlap = measured share of an all_reduce hidden under matmuls.\n"
+        "# over the one-process rate; overlap = measured share of an all_reduce hidden under matmuls;\n"
+        "# loaded_latency = a small call's cost right after a ~2 ms compute burst on every process (training's).\n"
     )
     from stratbench.hardware import load
 
@@ -235,6 +236,7 @@ def worker(args: argparse.Namespace) -> int:
         shares.append(max(0.0, min(1.0, (tc + tm - tb) / min(tc, tm))))
     out["overlap"] = statistics.median(shares)
     out["overlap_all"] = shares
+    out["loaded"] = _loaded_latencies(sizes[0], n, device, sync, args.repeats)
     if rank == 0:
         import platform
 
@@ -251,6 +253,66 @@ def worker(args: argparse.Namespace) -> int:
         Path(args.raw).write_text(json.dumps(out))
     destroy_process_group()
     return 0
+
+
+LOADED_BURST_S = 2e-3
+"""Compute before each call of the loaded measurement: about one layer's forward or backward of a small model."""
+
+
+def _loaded_latencies(size: int, n: int, device, sync, repeats: int) -> dict[str, Any]:
+    """The cost of a collective inside training: every process computes a burst of matmuls (the same count on
+    each, ~LOADED_BURST_S), then calls the collective at once, as training does between layers; the call's cost
+    is the iteration's time minus the burst's (both the median over calls of the mean over ranks). It holds what
+    a probe between idle processes does not see: the wait for the peer's slower burst (cores, caches and OS
+    jitter shared) and the transport threads' wait for a core that computes."""
+    import torch
+    import torch.distributed as dist
+
+    x = torch.randn(256, 256, device=device)
+    y = torch.randn(256, 256, device=device)
+    torch.mm(x, y)
+    sync()
+    t = _timed(lambda: [torch.mm(x, y) for _ in range(10)], sync) / 10
+    count = torch.tensor([max(1, round(LOADED_BURST_S / max(t, 1e-7)))], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MIN)  # the same burst on every rank
+    k = int(count.item())
+
+    def burst() -> None:
+        for _ in range(k):
+            torch.mm(x, y)
+
+    numel = max(n, size // 4 // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+    }
+    mine: dict[str, list[tuple[float, float]]] = {}
+    for kind, call in calls.items():
+        call()
+        rows = []
+        for _ in range(max(15, 3 * repeats)):
+            dist.barrier()
+            start = time.perf_counter()
+            burst()
+            sync()
+            mid = time.perf_counter()
+            call()
+            sync()
+            rows.append((mid - start, time.perf_counter() - start))
+        mine[kind] = rows
+    everyone: list[Any] = [None] * n
+    dist.all_gather_object(everyone, mine)
+    out: dict[str, Any] = {"payload_bytes": numel * 4, "burst_s": statistics.median(r[0] for r in mine["all_reduce"])}
+    for kind in calls:
+        reps = len(mine[kind])
+        bursts = [statistics.fmean(e[kind][i][0] for e in everyone) for i in range(reps)]
+        iters = [statistics.fmean(e[kind][i][1] for e in everyone) for i in range(reps)]
+        out[kind] = max(0.0, statistics.median(iters) - statistics.median(bursts))
+    return out
 
 
 # ------------------------------------------------------------------------------------------------
@@ -285,10 +347,15 @@ def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict
 
     n = int(data["ranks"])
     fits: dict[str, Any] = {}
+    loaded = data.get("loaded") or {}
     for kind, rows in data["collectives"].items():
         alpha, beta = fit_alpha_beta([(r["payload_bytes"], r["seconds"]) for r in rows])
         link_bw = wire_factor(kind, n) / beta
         fits[kind] = {"latency_s": alpha, "seconds_per_byte": beta, "link_bandwidth": link_bw, "ranks": n}
+        if kind in loaded:
+            # a small call's cost after a compute burst, less its bytes' share: the latency of a call in training
+            wire = wire_factor(kind, n) * loaded["payload_bytes"] * beta
+            fits[kind]["loaded_latency_s"] = max(alpha, loaded[kind] - wire)
     ar = fits["all_reduce"]
     link_key = f"{name}-link"
     links = {
@@ -302,6 +369,7 @@ def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict
                     "bandwidth": fmt_rate(f["link_bandwidth"], "B/s"),
                     "ranks": n,
                 }
+                | ({"loaded_latency": f"{f['loaded_latency_s'] * 1e6:.4g} us"} if "loaded_latency_s" in f else {})
                 for k, f in fits.items()
             },
         }
@@ -381,8 +449,9 @@ def print_report(data: dict[str, Any], fits: dict[str, Any], out: Path) -> None:
         table.add_row(*cells)
     console.print(table)
     for kind, f in fits.items():
+        loaded = f" ({f['loaded_latency_s'] * 1e6:.1f} us per call in training)" if "loaded_latency_s" in f else ""
         console.print(
-            f"{kind:>14}: t = {f['latency_s'] * 1e6:.1f} us + wire bytes / {f['link_bandwidth'] / 1e9:.3f} GB/s"
+            f"{kind:>14}: t = {f['latency_s'] * 1e6:.1f} us + wire bytes / {f['link_bandwidth'] / 1e9:.3f} GB/s{loaded}"
         )
     alone, together = data.get("matmul_alone") or {}, data["matmul_together"]
     for k in together:
