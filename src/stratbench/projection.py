@@ -316,11 +316,17 @@ def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dic
     if not flops:
         raise ConfigError(f"the FLOPs of model {cfg.model!r} cannot be counted")
     gpu = system.gpu
-    device_type = "cpu" if gpu.kind == "cpu" else "cuda"
-    dev_bytes, _ = optimizer_bytes(cfg.replace(strategy="single", strategy_options={}), 1, 0, device_type)
-    work = flops * cfg.batch_size * cfg.grad_accum * (4 / 3 if cfg.activation_checkpointing else 1)
-    peak = gpu.peak(cal.key)
-    return cal.overhead_s * cfg.grad_accum + work / (peak * cal.efficiency * _thread_share(result, system)) + dev_bytes / gpu.memory_bandwidth
+    work, t_opt = _single_work(cfg, gpu, flops)
+    compute = cfg.grad_accum * work / (gpu.peak(cal.key) * cal.efficiency * _thread_share(result, system))
+    return cal.overhead_s * cfg.grad_accum + compute + t_opt
+
+
+def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float]:
+    """`single` on ``gpu`` at ``cfg``'s batch: one micro-batch's FLOPs (recomputation included) and the seconds of
+    its optimizer step (the optimizer state's bytes over the memory bandwidth)."""
+    single = cfg.replace(strategy="single", strategy_options={})
+    dev_bytes, _ = optimizer_bytes(single, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
+    return flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1), dev_bytes / gpu.memory_bandwidth
 
 
 def calibrate_one(
@@ -376,9 +382,7 @@ def calibrate_one(
             raise ConfigError(f"{where}: the FLOPs of model {cfg.model!r} cannot be counted")
         if gpu.peak(k) is None:
             raise ConfigError(f"{where}: no {k} peak for {gpu.name} in the hardware profiles")
-        dev_bytes, host_bytes = optimizer_bytes(cfg, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
-        t_opt = dev_bytes / gpu.memory_bandwidth
-        work = flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1)
+        work, t_opt = _single_work(cfg, gpu, flops)
         shares.add(thread_share)
         # in units of the profile's peak: FLOPs run on a share of the cores count as more of its time
         points.append({"batch": cfg.batch_size, "step_s": float(step), "optimizer_s": t_opt,
@@ -518,9 +522,10 @@ def project(
             f" (calibrated: {', '.join(calibration)} only)" if calibration else ""
         )
     out.efficiency = eff
-    if cal is not None and method_key(cfg) in cal.method_overhead_s:
-        overhead += cal.method_overhead_s[method_key(cfg)]
-        out.efficiency_source += "; " + cal.method_sources[method_key(cfg)]
+    mkey = method_key(cfg)
+    if cal is not None and mkey in cal.method_overhead_s:
+        overhead += cal.method_overhead_s[mkey]
+        out.efficiency_source += "; " + cal.method_sources[mkey]
     share = system.compute_share if min(world, gpn) > 1 else 1.0
     dp = cls.data_parallel_size(cfg, world)
     samples = cfg.batch_size / dp

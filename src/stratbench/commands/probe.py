@@ -152,22 +152,14 @@ def worker(args: argparse.Namespace) -> int:
     for kind in KINDS:
         rows = []
         for size in sizes:
-            numel = max(n, size // 4 // n * n)  # fp32 elements, a multiple of n
-            full = torch.ones(numel, dtype=torch.float32, device=device)
-            part = torch.ones(numel // n, dtype=torch.float32, device=device)
-            call = {
-                "all_reduce": lambda full=full: dist.all_reduce(full),
-                "all_gather": lambda full=full, part=part: dist.all_gather_into_tensor(full, part),
-                "reduce_scatter": lambda full=full, part=part: dist.reduce_scatter_tensor(part, full),
-                "broadcast": lambda full=full: dist.broadcast(full, src=0),
-            }[kind]
+            call, payload = _collective(kind, size, n, device)
             for _ in range(2):
                 call()
             times = []
             for _ in range(args.repeats):
                 dist.barrier()
                 times.append(slowest(_timed(call, sync)))
-            rows.append({"payload_bytes": numel * 4, "seconds": statistics.median(times), "all": times})
+            rows.append({"payload_bytes": payload, "seconds": statistics.median(times), "all": times})
         out["collectives"][kind] = rows
 
     # Compute: a 1024x1024 matmul, first in rank 0 alone with every core, then in every process at once.
@@ -255,6 +247,24 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
+def _collective(kind: str, size: int, n: int, device) -> tuple[Any, int]:
+    """One call of ``kind`` on about ``size`` bytes of fp32 over ``n`` ranks, with the tensor-in/tensor-out forms
+    FSDP and DeepSpeed call; returns (the call, its payload bytes: a multiple of n elements)."""
+    import torch
+    import torch.distributed as dist
+
+    numel = max(n, size // 4 // n * n)
+    full = torch.ones(numel, dtype=torch.float32, device=device)
+    part = torch.ones(numel // n, dtype=torch.float32, device=device)
+    calls = {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
+        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
+        "broadcast": lambda: dist.broadcast(full, src=0),
+    }
+    return calls[kind], numel * 4
+
+
 LOADED_BURST_S = 2e-3
 """Compute before each call of the loaded measurement: about one layer's forward or backward of a small model."""
 
@@ -281,17 +291,9 @@ def _loaded_latencies(size: int, n: int, device, sync, repeats: int) -> dict[str
         for _ in range(k):
             torch.mm(x, y)
 
-    numel = max(n, size // 4 // n * n)
-    full = torch.ones(numel, dtype=torch.float32, device=device)
-    part = torch.ones(numel // n, dtype=torch.float32, device=device)
-    calls = {
-        "all_reduce": lambda: dist.all_reduce(full),
-        "all_gather": lambda: dist.all_gather_into_tensor(full, part),
-        "reduce_scatter": lambda: dist.reduce_scatter_tensor(part, full),
-        "broadcast": lambda: dist.broadcast(full, src=0),
-    }
     mine: dict[str, list[tuple[float, float]]] = {}
-    for kind, call in calls.items():
+    for kind in KINDS:
+        call, payload = _collective(kind, size, n, device)
         call()
         rows = []
         for _ in range(max(15, 3 * repeats)):
@@ -306,8 +308,8 @@ def _loaded_latencies(size: int, n: int, device, sync, repeats: int) -> dict[str
         mine[kind] = rows
     everyone: list[Any] = [None] * n
     dist.all_gather_object(everyone, mine)
-    out: dict[str, Any] = {"payload_bytes": numel * 4, "burst_s": statistics.median(r[0] for r in mine["all_reduce"])}
-    for kind in calls:
+    out: dict[str, Any] = {"payload_bytes": payload, "burst_s": statistics.median(r[0] for r in mine["all_reduce"])}
+    for kind in KINDS:
         reps = len(mine[kind])
         bursts = [statistics.fmean(e[kind][i][0] for e in everyone) for i in range(reps)]
         iters = [statistics.fmean(e[kind][i][1] for e in everyone) for i in range(reps)]
