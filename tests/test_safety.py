@@ -297,6 +297,42 @@ def test_resume_continues_from_last_old_after_a_kill_between_renames(tmp_path, c
     assert last.exists()
 
 
+NAN_LOSS = """
+import torch
+
+calls = 0
+
+
+def loss(logits, targets):
+    # Cross-entropy that turns NaN from the third optimizer step on: a run that diverges.
+    global calls
+    calls += 1
+    ce = torch.nn.functional.cross_entropy(logits, targets)
+    return ce * float("nan") if calls >= 3 else ce
+"""
+
+
+def test_a_loss_that_turns_nan_stops_the_run_as_diverged(tmp_path, capsys, monkeypatch):
+    """Without a loss scaler a NaN loss would poison every weight: the run stops at that step with one line,
+    a distinct exit code and result.json status "diverged" (naming the step), and saves no NaN checkpoint."""
+    import json
+
+    (tmp_path / "sb_nan_loss.py").write_text(NAN_LOSS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    out = tmp_path / "run"
+    code = main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--loss", "sb_nan_loss:loss",
+                 "--save-every-steps", "1"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert code == 4, err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert "at step 3" in err and "nan" in err, err
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "diverged" and "at step 3" in result["reason"], result
+    from stratbench import checkpoint as ckpt
+
+    assert ckpt.load_any(ckpt.last_checkpoint(out))["progress"]["step"] == 2  # the last finite step's save
+
+
 def test_resume_with_another_precision_or_lr_says_so(tmp_path, capsys):
     """A resume may change the precision or the learning rate (continue a bf16-mixed run in fp32 elsewhere), but
     then the rest of the run is not the one that was saved: one note names each change; none when nothing did."""
