@@ -18,6 +18,7 @@ Layouts
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import importlib
 import os
 import pickle
@@ -264,6 +265,24 @@ def _fsync_dir(folder: Path) -> None:
             os.close(fd)
 
 
+FAULT_SWAP_ENV = "STRATBENCH_TEST_KILL_IN_SWAP"
+"""Fault injection, for tests only (benchmarks/fault_injection.py): set to a glob, a swap whose target's name
+matches it SIGKILLs this process's group between its two renames (the previous entry already moved to
+``.NAME.old``, the new one not yet in place), the window a random kill almost never hits."""
+
+
+def _fault_between_renames(path: Path) -> None:
+    pattern = os.environ.get(FAULT_SWAP_ENV)
+    if not pattern or not fnmatch.fnmatchcase(path.name, pattern):
+        return
+    import signal
+
+    group = os.getpgrp()
+    if group != os.getpgid(os.getppid()):  # the run's own group (a test starts each run in one): all its ranks
+        os.killpg(group, signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def replace_path(new: Path, path: Path) -> Path:
     """Put ``new`` (a complete file or folder) at ``path``, replacing what is there; the one swap every
     checkpoint writer uses. The previous entry stays whole as ``.NAME.old`` until ``new`` is in place, and an
@@ -274,6 +293,7 @@ def replace_path(new: Path, path: Path) -> Path:
     if path.exists() or path.is_symlink():
         _remove(old)  # ``path`` is whole, so an older copy is redundant
         os.replace(path, old)
+        _fault_between_renames(path)
     os.replace(new, path)
     _fsync_dir(path.parent)
     _remove(old)
@@ -463,11 +483,31 @@ def publish(output: Path, path: Path, keep_last: int = 1) -> Path:
     os.symlink(os.path.relpath(path, last.parent), link)
     os.replace(link, last)
     _fsync_dir(last.parent)
+    _tidy(last.parent)
     current = path.resolve()
     entries = [p for p in step_entries(output) if p.resolve() != current]
     for stale in entries[: max(0, len(entries) - (keep_last - 1))]:
         _remove(stale)
     return last
+
+
+def _tidy(folder: Path) -> None:
+    """What killed saves left in OUTPUT/checkpoints, once ``last`` points at a complete entry again: a
+    ``.step-N.old`` whose ``step-N`` is missing (a kill between the two renames of its swap; a resume may have
+    read it) is put back as ``step-N`` and then counts for --keep-last; other ``.step-N.old`` copies and the
+    temporary files and folders of unfinished saves and link swaps are deleted. Rank 0, after every rank has
+    finished writing (no save is in progress)."""
+    for p in sorted(Path(folder).iterdir()):
+        name = p.name
+        if not name.startswith((f".{STEP_PREFIX}", f".{LAST}.")) or not name.endswith((".old", ".tmp", ".link")):
+            continue
+        if name.startswith(f".{LAST}.") and not name.endswith(".link"):
+            continue  # .last.old (an earlier stratbench's swap of a real `last`): resume may still need it
+        entry = p.with_name(name[1:-4])
+        if name.endswith(".old") and _step_of(entry) is not None and not (entry.exists() or entry.is_symlink()):
+            os.replace(p, entry)
+        else:
+            _remove(p)
 
 
 def resolve_resume(output: str, resume_from: str | None) -> Path | None:
