@@ -1,8 +1,8 @@
 """Kill saving runs at random moments; after each kill a loadable checkpoint must exist and resume must go on.
 
-For each method, one output folder: start `stratbench train --save-every-steps 1 --resume`, wait until it has
-finished two steps, sleep a random 0-2 s (each step saves, so the kill lands in or between saves), SIGKILL every
-process of the run at once (launcher, torchrun, workers), then check:
+For each method, one output folder: start `stratbench train --save-every-steps 1 --keep-last 2 --resume`, wait
+until it has finished two steps, sleep a random 0-2 s (each step saves, so the kill lands in or between saves),
+SIGKILL every process of the run at once, then check:
 
 - ``checkpoint.resolve_resume`` finds a checkpoint and ``load_any`` loads it weights-only (model and progress);
 - its step is past the step the killed run resumed from (the killed run saved after resuming);
@@ -10,12 +10,23 @@ process of the run at once (launcher, torchrun, workers), then check:
   wrote are consecutive (a fresh start would log step 1 again).
 
 The next kill's run resumes from that checkpoint (so every kill after the first also hits a resumed run); after
-the last kill a final run resumes to ``step + 2`` and must end with status "ok" and ``resumed_from`` = that step.
+the last kill a final run resumes to ``step + 2`` and must end with status "ok" and ``resumed_from`` = that step,
+leaving nothing of the killed saves in OUTPUT/checkpoints but step entries and ``last``.
+
+``--swap-kills K`` makes K of each method's kills (not the first) land inside a checkpoint swap, between its two
+renames, which random kills almost never hit: that run resumes from the older of the two kept entries, so its
+first save re-writes the newer one, and ``checkpoint.FAULT_SWAP_ENV`` makes the swap SIGKILL the run after the
+previous entry was renamed to ``.step-N.old`` and before the new one is in place. Resume must then read
+``.step-N.old``.
+
+Runs start as real processes (``stratbench train``: the launcher, torchrun and its workers; ~17-20 s of imports
+per run on 2 shared cores), or with ``--zygote`` as forks of one helper process that imported torch, stratbench
+and DeepSpeed once (``Zygote``): each rank runs the code a torchrun worker runs, ~1-5 s per run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/fault_injection.py --kills 5 --seed 0 \\
-        --report benchmarks/fault_injection_cpu_2026-11-22.md       # 4 methods x 5 = 20 kills, ~10 min on 2 cores
+        --report benchmarks/fault_injection_cpu_2026-11-22.md       # 4 methods x 5 = 20 kills, 413 s on 2 cores
 
-tests/test_safety.py runs the same chain with fewer kills.
+tests/test_safety.py runs the same chain through the zygote: 20 kills, 4 of them inside a swap.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ METHODS = {
     "fsdp": (["--strategy", "fsdp"], 2),
     "deepspeed-z2": (["--strategy", "deepspeed", "--zero-stage", "2"], 2),
 }
+SWAP_ENV = "STRATBENCH_TEST_KILL_IN_SWAP"  # checkpoint.FAULT_SWAP_ENV (not imported: keeps this file torch-free)
 
 
 def run_processes(marker: str) -> list[int]:
@@ -91,10 +103,295 @@ def logged_steps(out: Path) -> list[int]:
     return steps
 
 
+def check_checkpoint(out: Path) -> dict:
+    """What ``--resume`` would pick in ``out``, loaded weights-only: {"path", "step", "model"} or {"error"}."""
+    from stratbench import checkpoint as ckpt
+
+    path = ckpt.resolve_resume(str(out), None)
+    if path is None:
+        return {"error": "no checkpoint to resume from"}
+    try:
+        state = ckpt.load_any(path)
+    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
+        return {"path": str(path), "error": f"{path.name} does not load: {type(exc).__name__}: {exc}"}
+    return {"path": str(path), "step": int(state["progress"]["step"]), "model": bool(state.get("model"))}
+
+
+def leftovers(out: Path) -> list[str]:
+    """Entries of OUTPUT/checkpoints other than ``last`` and step entries: what killed saves left behind."""
+    folder = out / "checkpoints"
+    if not folder.is_dir():
+        return []
+    return sorted(p.name for p in folder.iterdir() if p.name != "last" and not p.name.startswith("step-"))
+
+
+# ---- two ways to start a run -----------------------------------------------------------------------------
+class ProcessRun:
+    """``stratbench train`` as the user runs it (launcher, torchrun, workers)."""
+
+    def __init__(self, out: Path, args: list[str], env: dict[str, str], log: Path) -> None:
+        self.out, self.log = out, log
+        full = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1", **env)
+        cmd = [sys.executable, "-m", "stratbench", "train", *args]
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, env=full, stdout=subprocess.DEVNULL, stderr=fh)
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def kill(self) -> None:
+        kill_run(self.out)
+        self.proc.wait()
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise TimeoutError(f"the run did not end within {timeout} s") from None
+
+    def log_tail(self) -> str:
+        return self.log.read_text(errors="replace")[-800:]
+
+
+class Processes:
+    def __init__(self, logs: Path) -> None:
+        self.logs = Path(logs)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.runs = 0
+
+    def start(self, out: Path, args: list[str], nproc: int, env: dict[str, str]) -> ProcessRun:
+        self.runs += 1
+        return ProcessRun(out, args, env, self.logs / f"{Path(out).name}-{self.runs}.log")
+
+    def check(self, out: Path) -> dict:
+        return check_checkpoint(out)
+
+    def close(self) -> None:
+        pass
+
+
+class Zygote:
+    """A helper process that imports torch, stratbench and DeepSpeed once and forks each rank of each run.
+
+    It runs no torch operation (so no thread pool or process group exists to be copied into a fork) and reports
+    its thread count, which must be 1. A run's ranks form a process group of their own; each rank gets the
+    environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
+    MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) and calls ``stratbench.cli.main(["train", ...])``, the entry
+    a torchrun worker runs (a 1-process run gets no rank variables: the CLI then trains in its own process, as
+    `stratbench train` does). What this skips is the launcher and torchrun, whose own signal handling
+    tests/test_safety.py checks with real processes. Each rank dies with the zygote (PR_SET_PDEATHSIG), and the
+    zygote exits, killing what is left, when its stdin closes."""
+
+    def __init__(self, logs: Path) -> None:
+        self.logs = Path(logs)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--serve-zygote"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=open(self.logs / "zygote.log", "ab"), text=True,  # noqa: SIM115
+        )  # fmt: skip
+        self.runs = 0
+        ready = self._read()
+        if ready.get("threads") != 1:
+            self.close()
+            raise RuntimeError(f"the zygote runs {ready.get('threads')} threads after its imports; forking it is unsafe")
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the zygote exited: {(self.logs / 'zygote.log').read_text()[-2000:]}")
+        return json.loads(line)
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return self._read()
+
+    def start(self, out: Path, args: list[str], nproc: int, env: dict[str, str]) -> ZygoteRun:
+        self.runs += 1
+        log = self.logs / f"{Path(out).name}-{self.runs}"
+        pids = self.ask(op="start", argv=["train", *args], nproc=nproc, env=env, log=str(log))["pids"]
+        return ZygoteRun(self, pids, log)
+
+    def check(self, out: Path) -> dict:
+        return self.ask(op="check", out=str(out))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()  # the zygote kills what is left and exits
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+class ZygoteRun:
+    def __init__(self, zygote: Zygote, pids: list[int], log: Path) -> None:
+        self.zygote, self.pids, self.log = zygote, pids, log
+
+    def poll(self) -> int | None:
+        """None while any rank runs, else the first non-zero exit (-N: killed by signal N), or 0."""
+        codes = self.zygote.ask(op="poll", pids=self.pids)["codes"]
+        if any(c is None for c in codes):
+            return None
+        return next((c for c in codes if c != 0), 0)
+
+    def kill(self) -> None:
+        """SIGKILL every rank at once (their process group), then wait until the zygote reaped them."""
+        try:
+            os.killpg(self.pids[0], signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.wait(15)
+
+    def wait(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while (code := self.poll()) is None:
+            if time.monotonic() > deadline:
+                os.killpg(self.pids[0], signal.SIGKILL)
+                raise TimeoutError(f"the run did not end within {timeout} s")
+            time.sleep(0.05)
+        return code
+
+    def log_tail(self) -> str:
+        return " | ".join(
+            p.read_text(errors="replace")[-400:] for p in sorted(self.log.parent.glob(f"{self.log.name}.rank*"))
+        )
+
+
+def _serve_zygote() -> None:
+    """The zygote's side: import once, then answer one JSON request per stdin line (start, poll, check)."""
+    import importlib
+
+    replies = os.fdopen(os.dup(1), "w")  # what libraries print goes to the log, not into the replies
+    os.dup2(2, 1)
+
+    for name in ("torch", "torch.distributed", "sklearn.datasets", "deepspeed",
+                 # imported by deepspeed.initialize (its muon optimizer pulls in torch._dynamo and inductor)
+                 "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
+                 "deepspeed.runtime.zero.stage_1_and_2", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                 "torch.distributed.checkpoint.state_dict", "torch.nn.parallel"):  # fmt: skip
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    from stratbench import cli
+    from stratbench.dist import free_port
+    from stratbench.strategies.base import discover
+
+    discover()
+    cli.build_parser()
+    exits: dict[int, int] = {}
+    groups: set[int] = set()
+
+    def reply(obj: dict) -> None:
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    def child(log: str, env: dict[str, str], run) -> None:
+        """In a forked child: output to ``log``, die with the zygote, run ``run()``, exit with its code."""
+        code = 1
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+            replies.close()
+            os.environ.update(env)
+            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            code = run()
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else 1
+        except BaseException:  # noqa: BLE001 - reported in the rank's log
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code or 0)
+
+    def start(req: dict) -> list[int]:
+        nproc, port, leader, pids = req["nproc"], free_port(), 0, []
+        for rank in range(nproc):
+            env = dict(req["env"], OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+            if nproc > 1:  # what torchrun sets for its workers
+                env.update(
+                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                    GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default",
+                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
+                    TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="zygote", STRATBENCH_DIE_WITH_PARENT="1",
+                )  # fmt: skip
+            sys.stdout.flush()
+            pid = os.fork()
+            if pid == 0:
+                os.setpgid(0, leader)
+                child(f"{req['log']}.rank{rank}.log", env, lambda: cli.main(req["argv"]))
+            leader = leader or pid
+            try:
+                os.setpgid(pid, leader)  # also here: the child may not have run yet
+            except OSError:  # it has (and may have exited already)
+                pass
+            pids.append(pid)
+        groups.add(leader)
+        return pids
+
+    def poll(pid: int) -> int | None:
+        if pid not in exits:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if not done:
+                return None
+            exits[pid] = os.waitstatus_to_exitcode(status)
+        return exits[pid]
+
+    def check(req: dict) -> dict:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+
+            def run() -> int:
+                os.write(write, json.dumps(check_checkpoint(Path(req["out"]))).encode())
+                return 0
+
+            child(os.devnull, {}, run)
+        os.close(write)
+        data = b""
+        while chunk := os.read(read, 65536):
+            data += chunk
+        os.close(read)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        return json.loads(data) if data else {"error": f"the check exited {code} without a result"}
+
+    reply({"ready": True, "threads": len(os.listdir("/proc/self/task"))})
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            if req["op"] == "start":
+                reply({"pids": start(req)})
+            elif req["op"] == "poll":
+                reply({"codes": [poll(p) for p in req["pids"]]})
+            elif req["op"] == "check":
+                reply(check(req))
+    finally:
+        for group in groups:
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---- the chain ----------------------------------------------------------------------------------------------
 @dataclass
 class Kill:
     method: str
     n: int
+    kind: str  # "random": SIGKILL delay_s after the run's second step; "swap": inside a checkpoint swap
     delay_s: float
     resumed_from: int  # the step the killed run started from (0: a fresh start)
     first_logged: int | None = None
@@ -103,76 +400,88 @@ class Kill:
     problems: list[str] = field(default_factory=list)
 
 
-def _cli(*args: str) -> list[str]:
-    return [sys.executable, "-m", "stratbench", *args]
-
-
-def kill_chain(method: str, out: Path, kills: int, rng: random.Random, timeout_s: float = 240) -> list[Kill]:
+def kill_chain(
+    method: str,
+    out: Path,
+    kills: int,
+    rng: random.Random,
+    runs: Processes | Zygote,
+    swap_kills: int = 0,
+    max_delay_s: float = 2.0,
+    timeout_s: float = 240,
+) -> list[Kill]:
     """``kills`` SIGKILLs of saving runs in one folder, each run resuming from the previous kill's checkpoint,
-    then a final resume to completion. Returns one record per kill; problems are listed, not raised."""
-    from stratbench import checkpoint as ckpt
-
+    ``swap_kills`` of them inside a checkpoint swap, then a final resume to completion. Returns one record per
+    kill; problems are listed, not raised."""
     flags, nproc = METHODS[method]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    swaps = set(rng.sample(range(1, kills), min(swap_kills, kills - 1)))
     records: list[Kill] = []
     step = 0
+    base = ["--output", str(out), *flags, "--nproc", str(nproc), *RUN, "--save-every-steps", "1", "--keep-last", "2"]
     for n in range(kills):
         before = len(logged_steps(out))
-        cmd = _cli("train", "--output", str(out), *flags, "--nproc", str(nproc), *RUN,
-                   "--save-every-steps", "1", "--resume")  # fmt: skip
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        rec = Kill(method, n, round(rng.uniform(0.0, 2.0), 2), step)
+        rec = Kill(method, n, "swap" if n in swaps else "random", round(rng.uniform(0.0, max_delay_s), 2), step)
         records.append(rec)
-        deadline = time.monotonic() + timeout_s
-        while len(logged_steps(out)) < before + 2:  # two steps done: one checkpoint written after resuming
-            if proc.poll() is not None:
-                rec.problems.append(
-                    f"the run exited {proc.returncode} before its second step: {proc.stderr.read()[-500:]}"
-                )
+        args, env = [*base, "--resume"], {}
+        if rec.kind == "swap":
+            entries = sorted((out / "checkpoints").glob("step-*"))
+            if len(entries) < 2 or int(entries[-1].name[5:]) != int(entries[-2].name[5:]) + 1:
+                rec.problems.append(f"no two consecutive step entries to swap: {[p.name for p in entries]}")
                 return records
-            if time.monotonic() > deadline:
-                kill_run(out)
-                rec.problems.append(f"no second step within {timeout_s} s")
+            # Resume from the older entry: the first save re-writes the newer one, a swap with a previous entry.
+            rec.resumed_from, rec.delay_s = int(entries[-2].name[5:]), 0.0
+            args, env = [*base, "--resume-from", str(entries[-2])], {SWAP_ENV: entries[-1].name}
+        run = runs.start(out, args, nproc, env)
+        if rec.kind == "swap":
+            try:
+                code = run.wait(timeout_s)
+            except TimeoutError:
+                rec.problems.append(f"the run did not kill itself in its swap within {timeout_s} s")
                 return records
-            time.sleep(0.1)
-        time.sleep(rec.delay_s)
-        kill_run(out)
-        proc.wait()
-        proc.stderr.close()
+            if code != -signal.SIGKILL:
+                rec.problems.append(f"the run exited {code}, not by SIGKILL in its swap: {run.log_tail()}")
+                return records
+        else:
+            deadline = time.monotonic() + timeout_s
+            while len(logged_steps(out)) < before + 2:  # two steps done: one checkpoint written after resuming
+                if (code := run.poll()) is not None:
+                    rec.problems.append(f"the run exited {code} before its second step: {run.log_tail()}")
+                    return records
+                if time.monotonic() > deadline:
+                    run.kill()
+                    rec.problems.append(f"no second step within {timeout_s} s")
+                    return records
+                time.sleep(0.05)
+            time.sleep(rec.delay_s)
+            run.kill()
         new = logged_steps(out)[before:]
         rec.first_logged = new[0] if new else None
-        if new != list(range(step + 1, step + 1 + len(new))):
-            rec.problems.append(f"after resuming from step {step} the run logged steps {new[:5]}...")
-        path = ckpt.resolve_resume(str(out), None)
-        if path is None:
-            rec.problems.append("no checkpoint to resume from")
+        if not new or new != list(range(rec.resumed_from + 1, rec.resumed_from + 1 + len(new))):
+            rec.problems.append(f"after resuming from step {rec.resumed_from} the run logged steps {new[:5]}...")
+        found = runs.check(out)
+        rec.checkpoint = Path(found.get("path", "")).name
+        if "error" in found:
+            rec.problems.append(found["error"])
             return records
-        rec.checkpoint = path.name
-        try:
-            state = ckpt.load_any(path)
-        except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
-            rec.problems.append(f"{path.name} does not load: {type(exc).__name__}: {exc}")
-            return records
-        rec.step = int(state["progress"]["step"])
-        if not state.get("model"):
-            rec.problems.append(f"{path.name} holds no model weights")
-        if rec.step <= step:
-            rec.problems.append(f"checkpoint step {rec.step} is not past the resumed step {step}")
+        rec.step = found["step"]
+        if not found["model"]:
+            rec.problems.append(f"{rec.checkpoint} holds no model weights")
+        if rec.step <= rec.resumed_from:
+            rec.problems.append(f"checkpoint step {rec.step} is not past the resumed step {rec.resumed_from}")
+        if rec.kind == "swap" and rec.checkpoint != f".{env[SWAP_ENV]}.old":
+            rec.problems.append(f"killed inside the swap of {env[SWAP_ENV]}, resume picks {rec.checkpoint}")
         if rec.problems:
             return records
         step = rec.step
-    cmd = _cli("train", "--output", str(out), *flags, "--nproc", str(nproc), *RUN, "--max-steps", str(step + 2),
-               "--resume")  # fmt: skip
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s)
+    args = [*base, "--max-steps", str(step + 2), "--resume"]
+    run = runs.start(out, args, nproc, {})
+    code = run.wait(timeout_s)
     result = json.loads((out / "result.json").read_text()) if (out / "result.json").exists() else {}
-    if (
-        done.returncode != 0
-        or result.get("status") != "ok"
-        or (result.get("resumed_from") or {}).get("step") != step
-    ):
+    left = leftovers(out)
+    if code != 0 or result.get("status") != "ok" or (result.get("resumed_from") or {}).get("step") != step or left:
         records[-1].problems.append(
-            f"the final resume from step {step} exited {done.returncode} with {result.get('status')!r}, "
-            f"resumed_from={result.get('resumed_from')}: {done.stderr[-500:]}"
+            f"the final resume from step {step} exited {code} with {result.get('status')!r}, "
+            f"resumed_from={result.get('resumed_from')}, left in checkpoints/: {left}: {run.log_tail()}"
         )
     return records
 
@@ -180,33 +489,44 @@ def kill_chain(method: str, out: Path, kills: int, rng: random.Random, timeout_s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=5, help="kills per method")
+    parser.add_argument("--swap-kills", type=int, default=0, help="of which inside a checkpoint swap (not the first)")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-delay-s", type=float, default=2.0, help="random kill moment after the second step")
+    parser.add_argument("--zygote", action="store_true", help="fork each run from one pre-imported process")
     parser.add_argument("--output", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument("--report", default=None, help="write the results as a Markdown table to this file")
+    parser.add_argument("--serve-zygote", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.serve_zygote:
+        _serve_zygote()
+        return 0
     rng = random.Random(args.seed)
     root = Path(args.output or tempfile.mkdtemp(prefix="fault-injection-"))
     started = time.time()
     records: list[Kill] = []
-    for method in args.methods:
-        t0 = time.monotonic()
-        chain = kill_chain(method, root / method, args.kills, rng)
-        records += chain
-        bad = [r for r in chain if r.problems]
-        print(
-            f"{method}: {len(chain)} kills, {len(bad)} with problems, {time.monotonic() - t0:.0f} s",
-            flush=True,
-        )
+    runs = Zygote(root / "logs") if args.zygote else Processes(root / "logs")
+    try:
+        for method in args.methods:
+            t0 = time.monotonic()
+            chain = kill_chain(method, root / method, args.kills, rng, runs, args.swap_kills, args.max_delay_s)
+            records += chain
+            bad = [r for r in chain if r.problems]
+            print(
+                f"{method}: {len(chain)} kills, {len(bad)} with problems, {time.monotonic() - t0:.0f} s",
+                flush=True,
+            )
+    finally:
+        runs.close()
     failed = [r for r in records if r.problems]
     lines = [
-        "| method | kill | delay after 2nd step (s) | resumed from | first step logged | checkpoint found | its step | outcome |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | kill | kind | delay after 2nd step (s) | resumed from | first step logged | checkpoint found | its step | outcome |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in records:
         outcome = "; ".join(r.problems) if r.problems else "ok"
         lines.append(
-            f"| {r.method} | {r.n + 1} | {r.delay_s} | {r.resumed_from} | {r.first_logged} | `{r.checkpoint}` | {r.step} | {outcome} |"
+            f"| {r.method} | {r.n + 1} | {r.kind} | {r.delay_s} | {r.resumed_from} | {r.first_logged} | `{r.checkpoint}` | {r.step} | {outcome} |"
         )
     table = "\n".join(lines)
     print(table)
@@ -222,12 +542,13 @@ def main(argv: list[str] | None = None) -> int:
             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores (shared with other "
             f"jobs), torch {torch.__version__}, Python {platform.python_version()}; "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}, {time.time() - started:.0f} s in all.\n\n"
-            "Each row: one run saving every step (`--save-every-steps 1 --resume`), killed with SIGKILL (all of its "
-            "processes at once) the given delay after it finished its second step. *resumed from*: the step the "
+            "Each row: one run saving every step (`--save-every-steps 1 --keep-last 2 --resume`), killed with "
+            "SIGKILL (all of its processes at once) the given delay after it finished its second step, or (kind "
+            "*swap*) by itself inside a checkpoint swap, between its two renames. *resumed from*: the step the "
             "killed run resumed from (0: fresh start); *first step logged*: its first metrics.csv row (must be "
             "resumed + 1); *checkpoint found*: what `--resume` picks after the kill, loaded weights-only; *its "
             "step* must be past *resumed from*. After each method's last kill a final run resumes to step + 2 and "
-            "must end with status ok and `resumed_from` = that step.\n\n"
+            "must end with status ok, `resumed_from` = that step, and no leftovers in checkpoints/.\n\n"
             f"{table}\n\n"
             f"Result: {len(records) - len(failed)} of {len(records)} kills left a loadable checkpoint that resume "
             "continued from.\n"
