@@ -403,7 +403,10 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def dump_yaml(cfg: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    """The resolved config as YAML, written atomically (a kill or a full disk leaves the earlier file whole)."""
+    from stratbench.checkpoint import atomic_write
+
+    atomic_write(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
 
 def validate(cfg: TrainConfig) -> None:

@@ -101,10 +101,13 @@ def run(args: argparse.Namespace) -> int:
         "# over the one-process rate; overlap = measured share of an all_reduce hidden under matmuls;\n"
         "# loaded_latency = a small call's cost right after a ~2 ms compute burst on every process (training's).\n"
     )
+    from stratbench.checkpoint import atomic_output
     from stratbench.hardware import load
 
-    out.write_text(header + dump(profile))
-    load(out)  # what was written must read back
+    # A temporary file, read back (what is written must load), then renamed: a failed probe keeps an earlier one.
+    with atomic_output(out, ".yaml") as tmp:
+        tmp.write_text(header + dump(profile))
+        load(tmp)
     if args.json:
         print(json.dumps({"measurements": data, "fits": fits, "profile": str(out)}, indent=2))
         return 0
@@ -242,7 +245,9 @@ def worker(args: argparse.Namespace) -> int:
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "platform": platform.platform(),
             "gpus": [_t.cuda.get_device_name(i) for i in range(_t.cuda.device_count())] if device.type == "cuda" else [],
         }  # fmt: skip
-        Path(args.raw).write_text(json.dumps(out))
+        from stratbench.checkpoint import atomic_write
+
+        atomic_write(Path(args.raw), json.dumps(out))
     destroy_process_group()
     return 0
 

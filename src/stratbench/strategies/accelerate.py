@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench import checkpoint
 from stratbench.config import TrainConfig
 from stratbench.errors import CheckpointError, ConfigError, UnsupportedError
 from stratbench.strategies.base import Strategy, register
@@ -530,10 +531,10 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
             "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
             "zero3_init_flag": False,
         }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
+    checkpoint.atomic_write(
+        path,
         "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
-        + yaml.safe_dump(doc, sort_keys=False)
+        + yaml.safe_dump(doc, sort_keys=False),
     )
 
 

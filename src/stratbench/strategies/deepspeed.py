@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench import checkpoint
 from stratbench.config import TrainConfig
 from stratbench.data import split_batch
 from stratbench.errors import CheckpointError, ConfigError
@@ -601,7 +602,7 @@ class DeepSpeed(Strategy):
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "deepspeed_config.json").write_text(json.dumps(self.ds_config, indent=2) + "\n")
+            checkpoint.atomic_write(out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n")
         return model
 
     def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
