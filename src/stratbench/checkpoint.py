@@ -312,7 +312,8 @@ def temp_path_for(path: Path, suffix: str = ".tmp") -> Path:
 @contextlib.contextmanager
 def atomic_output(path: Path, suffix: str = "") -> Iterator[Path]:
     """Yield a temporary path next to ``path`` to write (file or folder); on success it replaces ``path``
-    (``replace_path``), on any error it is deleted and ``path`` is left as it was."""
+    (``replace_path``), on any error it is deleted and ``path`` is left as it was. An OSError that names no
+    file or the temporary one (a full disk seen by torch.save) is raised naming ``path``, what the user asked for."""
     tmp = temp_path_for(path, ".tmp" + suffix)
     tmp.unlink()  # the writer creates it (a file or a folder)
     try:
@@ -320,6 +321,11 @@ def atomic_output(path: Path, suffix: str = "") -> Iterator[Path]:
         if not (tmp.exists() or tmp.is_symlink()):
             raise FileNotFoundError(f"nothing was written to {tmp}")
         replace_path(tmp, path)
+    except OSError as exc:
+        _remove(tmp)
+        if exc.errno is not None and (exc.filename is None or str(exc.filename).startswith(str(tmp))):
+            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
+        raise
     except BaseException:
         _remove(tmp)
         raise
