@@ -95,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
     plans = plan(matrix, cells, allow_slow=args.allow_slow)
     out = Path(args.output or f"runs/compare-{matrix.name}")
     timeout = args.timeout or matrix.timeout_s
+    from stratbench.commands.report import check_results_file
+
+    check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
 
     if args.dry_run:
         done = load_records(out)

@@ -46,9 +46,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_results_file(folder: Path) -> None:
-    """One line naming the first bad line of FOLDER/results.jsonl (binary, or not a JSON record); a torn last
-    line (a sweep killed while appending) is allowed, as the reader skips it."""
+    """One line naming the first bad line of FOLDER/results.jsonl (binary, or not a JSON record). A last line
+    cut short (no newline: a sweep killed while appending it) is skipped, as the reader does, with a note naming
+    it; its cell counts as not recorded, and the next append drops it (``runner.append_record``)."""
     import json
+    import sys
 
     from stratbench.compare.runner import RESULTS
     from stratbench.errors import ConfigError
@@ -57,9 +59,10 @@ def check_results_file(folder: Path) -> None:
     if not path.exists():
         return
     try:
-        lines = path.read_bytes().splitlines()
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    lines = data.splitlines()
     for n, raw in enumerate(lines, 1):
         if not raw.strip():
             continue
@@ -68,7 +71,8 @@ def check_results_file(folder: Path) -> None:
             if not isinstance(record, dict) or "id" not in record:
                 raise ValueError("not a cell record (no 'id')")
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
-            if n == len(lines):
-                continue  # torn last line
+            if n == len(lines) and not data.endswith(b"\n"):
+                print(f"note: {path} line {n} is cut short (a sweep stopped while writing it); skipped", file=sys.stderr)
+                continue
             first = str(exc).splitlines()[0][:120]
             raise ConfigError(f"{path} line {n} is not a JSON record ({first}); fix or delete that line") from None

@@ -62,8 +62,24 @@ def load_records(out: Path) -> dict[str, dict[str, Any]]:
 
 
 def append_record(out: Path, record: dict[str, Any]) -> None:
-    """Append one line and flush it to disk, so a crash of the sweep itself loses nothing finished."""
-    with open(Path(out) / RESULTS, "a") as fh:
+    """Append one line and flush it to disk, so a crash of the sweep itself loses nothing finished. A last line
+    cut short by a crash (no newline) is dropped first, or ended if it is whole: appended to, it would take
+    the new record down with it."""
+    path = Path(out) / RESULTS
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as fh:
+            data = fh.read()
+            if not data.endswith(b"\n"):
+                start = data.rfind(b"\n") + 1
+                try:
+                    whole = isinstance(json.loads(data[start:]), dict)
+                except ValueError:
+                    whole = False
+                if whole:
+                    fh.write(b"\n")
+                else:
+                    fh.truncate(start)
+    with open(path, "a") as fh:
         fh.write(json.dumps(record, default=str) + "\n")
         fh.flush()
         os.fsync(fh.fileno())
