@@ -4,6 +4,7 @@ non-zero exit."""
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,6 +141,14 @@ def finished_run(tmp_path_factory):
     return out
 
 
+RECORD = (
+    '{"id": "single-fp32-w1", "method": "single", "label": "single", "precision": "fp32", "world_size": 1, '
+    '"batch_size": 32, "status": "failed", "reason": "test", "machine": {"hostname": "h", "device": "CPU"}, '
+    '"metrics": {}, "config": {}, "environment": {}}'
+)
+"""One cell record of results.jsonl, as little as the report renders."""
+
+
 def _tree(root):
     """Names, sizes and modification times of everything under ``root``: what 'unchanged' means."""
     return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
@@ -188,6 +197,7 @@ BAD = {
         "not a readable ONNX",
     ),
     "report-binary-results": (["report", "{sweep}"], "line 1"),
+    "report-line-cut-in-the-middle": (["report", "{torn}"], "line 2"),
     "bench-infer-output-dir": (["bench-infer", "--model", "tinynet", "--output", "{run}"], "is a folder"),
     "bench-infer-threads-zero": (["bench-infer", "--model", "tinynet", "--threads", "0"], "--threads"),
     "bench-infer-max-seconds-negative": (
@@ -233,6 +243,8 @@ def test_refused_with_one_line(capsys, tmp_path, finished_run, case):
     (tmp_path / "garbage.onnx").write_bytes(bytes(range(256)) * 8)
     (tmp_path / "sweep").mkdir()
     (tmp_path / "sweep" / "results.jsonl").write_bytes(b'\xcd\xff\x00binary\n{"id": "x"}\n')
+    (tmp_path / "torn").mkdir()  # a line cut short, then more appended: not the torn last line a crash leaves
+    (tmp_path / "torn" / "results.jsonl").write_text(f"{RECORD}\n{RECORD[:40]}\n{RECORD}\n")
     values = {
         "new": tmp_path / "new",
         "file": tmp_path / "file.txt",
@@ -240,6 +252,7 @@ def test_refused_with_one_line(capsys, tmp_path, finished_run, case):
         "ckpt": finished_run / "checkpoints" / "last",
         "garbage": tmp_path / "garbage.onnx",
         "sweep": tmp_path / "sweep",
+        "torn": tmp_path / "torn",
         "tmp": tmp_path,
     }
     argv = [a.format(**values) for a in argv]
@@ -309,3 +322,119 @@ def test_read_only_output_folder(tmp_path, finished_run, command):
         assert list(ro.iterdir()) == []
     finally:
         ro.chmod(0o755)
+
+
+def test_a_torn_last_results_line_is_noted_skipped_and_dropped_by_the_next_append(capsys, tmp_path):
+    """A sweep killed while appending leaves its last line cut short: `report` names it in a note and renders the
+    rest; the sweep's next record replaces it rather than being glued onto it (which lost both)."""
+    import json
+
+    from stratbench.compare.runner import append_record, load_records
+
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text(f"{RECORD}\n{RECORD[:50]}")
+    assert main(["report", str(sweep)]) == 0
+    notes = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert len(notes) == 1 and "line 2" in notes[0] and "cut short" in notes[0], notes
+    assert (sweep / "report.md").exists()
+    append_record(sweep, json.loads(RECORD) | {"id": "ddp-fp32-w2"})
+    assert list(load_records(sweep)) == ["single-fp32-w1", "ddp-fp32-w2"]
+    assert main(["report", str(sweep)]) == 0
+    assert "cut short" not in capsys.readouterr().err
+    (sweep / "results.jsonl").write_text(RECORD)  # whole, only its newline missing: kept
+    append_record(sweep, json.loads(RECORD) | {"id": "ddp-fp32-w2"})
+    assert list(load_records(sweep)) == ["single-fp32-w1", "ddp-fp32-w2"]
+
+
+def _disk_full_on_torch_save(monkeypatch):
+    """torch.save writes a few bytes, then the disk is full."""
+    import errno
+
+    def save(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_full_disk_while_saving_fails_in_one_line_and_keeps_the_previous_checkpoint(capsys, tmp_path, monkeypatch):
+    import json
+
+    from stratbench import checkpoint as ckpt
+
+    out = tmp_path / "run"
+    assert main(["train", "--output", str(out), *TINY_ARGS]) == 0
+    capsys.readouterr()
+    _disk_full_on_torch_save(monkeypatch)
+    code = main(["train", "--output", str(out), *TINY_ARGS, "--max-steps", "4", "--save-every-steps", "1", "--resume"])
+    monkeypatch.undo()
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+    assert code != 0 and len(err) == 1 and "Traceback" not in err[0], err
+    assert "cannot write" in err[0] and str(ckpt.save_path_for(out, 3)) in err[0] and "No space left" in err[0], err
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "failed" and "No space left" in result["reason"]
+    assert ckpt.load_any(ckpt.resolve_resume(str(out), None))["progress"]["step"] == 2
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["last", "step-00000002"]
+
+
+def test_full_disk_while_consolidating_fails_in_one_line_and_replaces_nothing(capsys, tmp_path, finished_run, monkeypatch):
+    src = finished_run / "checkpoints" / "last"
+    target = tmp_path / "full.pt"
+    target.write_bytes(b"an earlier file")
+    for argv in (["consolidate", str(src), str(tmp_path / "new.pt")], ["consolidate", "--force", str(src), str(target)]):
+        _disk_full_on_torch_save(monkeypatch)
+        code = main(argv)
+        monkeypatch.undo()
+        err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip()]
+        assert code != 0 and len(err) == 1 and "Traceback" not in err[0], err
+        assert f"cannot write {argv[-1]}" in err[0] and "No space left" in err[0], err
+    assert target.read_bytes() == b"an earlier file"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full.pt"]
+
+
+def test_a_failed_export_leaves_the_previous_export_byte_identical(capsys, tmp_path, finished_run, monkeypatch):
+    from stratbench import onnx_export
+
+    good = tmp_path / "good.onnx"
+    argv = ["export", "--checkpoint", str(finished_run / "checkpoints" / "last"), "--output", str(good),
+            "--exporter", "torchscript"]  # fmt: skip
+    assert main(argv) == 0
+    before = good.read_bytes()
+    capsys.readouterr()
+
+    def crash(kind, model, example, output, opset):
+        Path(output).write_bytes(before[: len(before) // 3])  # a partial file, then the exporter fails
+        raise RuntimeError("exporter crashed halfway")
+
+    monkeypatch.setattr(onnx_export, "_export", crash)
+    code = main(argv)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.strip() and not ln.startswith("model:")]
+    assert code != 0 and len(err) == 1 and "exporter crashed halfway" in err[0], err
+    assert good.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["good.onnx"]
+
+
+@pytest.mark.parametrize("writer", ["config.yaml", "accelerate_config.yaml"])
+def test_run_files_are_written_atomically(tmp_path, monkeypatch, writer):
+    """A full disk while writing a run's config leaves the earlier file whole and no temporary file."""
+    import errno
+
+    from stratbench import checkpoint as ckpt
+    from stratbench.config import TrainConfig, dump_yaml
+    from stratbench.strategies.accelerate import write_accelerate_config
+
+    path = tmp_path / writer
+    path.write_text("earlier\n")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(ckpt.os, "fsync", full)
+    with pytest.raises(OSError, match="No space left"):
+        if writer == "config.yaml":
+            dump_yaml(TrainConfig(output=str(tmp_path)), path)
+        else:
+            write_accelerate_config(TrainConfig(output=str(tmp_path)), "accelerate-ddp", 2, path)
+    assert path.read_text() == "earlier\n"
+    assert [p.name for p in tmp_path.iterdir()] == [writer]
