@@ -301,27 +301,68 @@ def _without_write_override() -> list[str]:
     return ["setpriv", f"--bounding-set={caps}", f"--inh-caps={caps}"]
 
 
-@pytest.mark.parametrize("command", ["train", "consolidate", "bench-infer"])
-def test_read_only_output_folder(tmp_path, finished_run, command):
-    from conftest import run_stratbench
+READ_ONLY_DRIVER = """
+import contextlib, io, json, sys, traceback
+from stratbench.cli import main
+seen = {}
+for name, argv in json.loads(sys.argv[1]).items():
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except BaseException:
+            code, _ = -1, traceback.print_exc()
+    seen[name] = [code, err.getvalue()]
+print(json.dumps(seen))
+"""
+"""Runs each command in one process (one interpreter start for all six) and reports exit code and stderr."""
 
-    ro = tmp_path / "ro"
+
+def test_read_only_output_folder(tmp_path, finished_run):
+    """Every command that writes refuses a read-only output folder in one line naming it, before any work
+    (ddp: before torchrun starts) and writing nothing. One process runs all six: as root, under setpriv."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    ro, sweep = tmp_path / "ro", tmp_path / "ro-sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text(RECORD + "\n")
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text("base: {model: tinynet, width: 8, norm: none, data: digits, max_steps: 2}\n"
+                      "cells: [{method: single, precision: fp32}]\n")  # fmt: skip
+    commands = {
+        "train": ["train", "--output", str(ro / "run"), *TINY_ARGS],
+        "ddp": ["train", "--strategy", "ddp", "--nproc", "2", "--output", str(ro / "ddp"), *TINY_ARGS],
+        "compare": ["compare", "--matrix", str(matrix), "--output", str(ro / "sweep")],
+        "report": ["report", str(sweep)],
+        "consolidate": ["consolidate", str(finished_run / "checkpoints" / "last"), str(ro / "m.pt")],
+        "bench-infer": ["bench-infer", "--model", "tinynet", "--output", str(ro / "b.csv")],
+    }
     ro.mkdir()
-    ro.chmod(0o555)
+    for folder in (ro, sweep):
+        folder.chmod(0o555)
     try:
-        argv = {
-            "train": ["train", "--output", str(ro / "run"), *TINY_ARGS],
-            "consolidate": ["consolidate", str(finished_run / "checkpoints" / "last"), str(ro / "m.pt")],
-            "bench-infer": ["bench-infer", "--model", "tinynet", "--output", str(ro / "b.csv")],
-        }[command]
-        proc = run_stratbench(*argv, prefix=_without_write_override(), check=False, timeout=120)
-        lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-        assert proc.returncode != 0, proc.stderr
-        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
-        assert str(ro) in lines[0], lines[0]
-        assert list(ro.iterdir()) == []
+        env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+        proc = subprocess.run([*_without_write_override(), sys.executable, "-c", READ_ONLY_DRIVER, json.dumps(commands)],
+                              capture_output=True, text=True, timeout=180, env=env, cwd=REPO)  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        seen = json.loads(proc.stdout.strip().splitlines()[-1])
+        for name, (code, err) in seen.items():
+            lines = [ln for ln in err.splitlines() if ln.strip()]
+            assert code not in (0, -1), (name, err)
+            assert len(lines) == 1 and "Traceback" not in err, (name, err)
+            folder = sweep if name == "report" else ro
+            assert str(folder) in lines[0] and ("Permission denied" in lines[0] or "not writable" in lines[0]), (name, lines[0])
+        assert set(seen) == set(commands)
+        assert list(ro.iterdir()) == [] and [p.name for p in sweep.iterdir()] == ["results.jsonl"]
     finally:
-        ro.chmod(0o755)
+        for folder in (ro, sweep):
+            folder.chmod(0o755)
 
 
 def test_a_torn_last_results_line_is_noted_skipped_and_dropped_by_the_next_append(capsys, tmp_path):

@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.output) if args.output else dirs[0]
     from stratbench.lock import check_output_folder
 
-    check_output_folder(out)
+    check_output_folder(out, "--output" if args.output else "report folder (the sweep folder; --output names another)")
     paths, records = render_sweeps(dirs, out, args.title, args.hardware)
     print_table(records)
     print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
