@@ -40,12 +40,38 @@ def test_torchrun_command_flags():
     """Multi-node flags pass through to torchrun: static master address/port, or a c10d rendezvous endpoint."""
     cfg = TrainConfig(nproc=4, nnodes=2, node_rank=1, master_addr="10.0.0.1", master_port=29400, max_restarts=2)
     cmd = torchrun_command(cfg, Path("c.yaml"))
-    for flag in ("--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400", "--max-restarts=2"):
+    for flag in ("--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400",
+                 "--max-restarts=2", f"--rdzv-conf=timeout={cfg.dist_timeout_s}"):  # fmt: skip
         assert flag in cmd
+    assert cmd[1:3] == ["-m", "stratbench._torchrun"]  # torchrun, with a failed rendezvous in one line
     assert cmd[-5:] == ["-m", "stratbench", "train", "--config", "c.yaml"]
-    cmd = torchrun_command(cfg.replace(rdzv_endpoint="head:29400"), Path("c.yaml"))
-    assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd
+    # A rendezvous that cannot complete fails after --dist-timeout-s, not torchrun's default 600 s.
+    cmd = torchrun_command(cfg.replace(rdzv_endpoint="head:29400", dist_timeout_s=7), Path("c.yaml"))
+    assert "--rdzv-backend=c10d" in cmd and "--rdzv-endpoint=head:29400" in cmd and "--rdzv-conf=join_timeout=7" in cmd
     assert not any(a.startswith(("--master-addr", "--node-rank")) for a in cmd)
+    cmd = torchrun_command(TrainConfig(nproc=2, max_restarts=1, dist_timeout_s=9), Path("c.yaml"))
+    assert "--rdzv-backend=c10d" in cmd and "--rdzv-conf=join_timeout=9" in cmd
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+def test_a_rendezvous_that_cannot_complete_fails_in_one_line_within_the_timeout(tmp_path, capfd):
+    """Node 0 of two with no node 1: the rendezvous fails after --dist-timeout-s (not torchrun's 600 s) in
+    one line naming the timeout and why, and result.json says "failed"."""
+    from stratbench.cli import main
+
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    code = main(["train", "--output", str(out), *SHORT, "--nnodes", "2", "--nproc", "1", "--node-rank", "0",
+                 "--dist-timeout-s", "5", "--master-addr", "127.0.0.1", "--master-port", str(free_port())])  # fmt: skip
+    elapsed = time.monotonic() - t0
+    err = [ln for ln in capfd.readouterr().err.splitlines() if ln.strip()]
+    assert code != 0 and elapsed < 60, (code, elapsed)
+    assert len(err) == 1 and "Traceback" not in err[0], err
+    assert "rendezvous" in err[0] and "--dist-timeout-s 5" in err[0] and "1/2" in err[0], err
+    result = _result(out)
+    assert result["status"] == "failed" and "rendezvous" in result["reason"]
+    assert not (out / ".torchrun_error.node0").exists()
 
 
 @pytest.mark.distributed
@@ -95,7 +121,7 @@ def _worker_pids(output: Path) -> dict[int, int]:
             continue
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if marker.encode() not in args or b"torch.distributed.run" in args:
+            if marker.encode() not in args or b"stratbench._torchrun" in args:
                 continue
             environ = dict(
                 kv.split(b"=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in kv

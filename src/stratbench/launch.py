@@ -1,4 +1,5 @@
-"""Starting several processes: stratbench re-runs itself under torchrun (``torch.distributed.run``).
+"""Starting several processes: stratbench re-runs itself under torchrun (``torch.distributed.run``, through
+``stratbench._torchrun``, which reports a failed rendezvous in one line).
 
 The same ``stratbench train`` command also works when the user starts it under torchrun, the deepspeed
 launcher or SLURM: then RANK/LOCAL_RANK/WORLD_SIZE are already set and this process is one worker. Under SLURM
@@ -15,6 +16,7 @@ import sys
 import time
 from pathlib import Path
 
+from stratbench._torchrun import ERROR_FILE_ENV
 from stratbench.config import TrainConfig, dump_yaml
 from stratbench.dist import free_port
 
@@ -30,11 +32,16 @@ def needs_launch(cfg: TrainConfig) -> bool:
     return False
 
 
+def torchrun_error_path(cfg: TrainConfig) -> Path:
+    """Where ``stratbench._torchrun`` writes why this node's rendezvous failed."""
+    return Path(cfg.output) / f".torchrun_error.node{cfg.node_rank}"
+
+
 def torchrun_command(cfg: TrainConfig, config_path: Path, command: tuple[str, ...] = ("train",)) -> list[str]:
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "stratbench._torchrun",
         f"--nproc-per-node={cfg.nproc}",
         f"--nnodes={cfg.nnodes}",
         f"--max-restarts={cfg.max_restarts}",
@@ -141,7 +148,10 @@ def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
         # A result.json left by an earlier run would be read as this run's failure reason if this one dies.
         (out / "result.json").unlink(missing_ok=True)
     cmd = torchrun_command(cfg, config_path, command)
+    error_path = torchrun_error_path(cfg)
+    error_path.unlink(missing_ok=True)
     env = dict(os.environ)
+    env[ERROR_FILE_ENV] = str(error_path)
     # One thread per process unless the user said otherwise (torchrun would set 1 and warn about it).
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -288,14 +288,26 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
     """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
     torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
     import json
-    import time
     from pathlib import Path
 
+    from stratbench._torchrun import RENDEZVOUS_FAILED
     from stratbench.checkpoint import atomic_write
     from stratbench.errors import StratbenchError
+    from stratbench.launch import torchrun_error_path
 
     out = Path(cfg.output)
     path = out / "result.json"
+    rendezvous = torchrun_error_path(cfg)
+    if code == RENDEZVOUS_FAILED and rendezvous.exists():
+        detail = rendezvous.read_text().strip()
+        rendezvous.unlink()
+        port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)  # launch.torchrun_command's choice
+        where = cfg.rdzv_endpoint or (f"{cfg.master_addr}:{port}" if port else cfg.master_addr)
+        why = (f"the rendezvous of --nnodes {cfg.nnodes} (node {cfg.node_rank}, {where}) did not complete within "
+               f"--dist-timeout-s {cfg.dist_timeout_s}: {detail}")  # fmt: skip
+        if cfg.node_rank == 0:
+            atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
+        raise StratbenchError(f"training did not start: {why}")
     res = None
     if path.exists():
         try:
@@ -323,20 +335,26 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
             )
         reason = f": {why}"
         if cfg.node_rank == 0:
-            record = {
-                "status": "failed",
-                "reason": f"{why} (torchrun exit code {code})",
-                "strategy": cfg.strategy,
-                "precision": cfg.precision,
-                "model": cfg.model,
-                "data": cfg.data,
-                "world_size": cfg.nproc * cfg.nnodes,
-                "config": cfg.to_dict(),
-                "written_by": "launcher",
-                "written_at": time.time(),
-                "metrics": {},
-            }
-            atomic_write(path, json.dumps(record, indent=2, default=str))
+            atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )
+
+
+def _launcher_record(cfg: TrainConfig, why: str, code: int) -> dict[str, Any]:
+    """result.json of a launched run whose workers wrote none (killed, or never started)."""
+    import time
+
+    return {
+        "status": "failed",
+        "reason": f"{why} (torchrun exit code {code})",
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "model": cfg.model,
+        "data": cfg.data,
+        "world_size": cfg.nproc * cfg.nnodes,
+        "config": cfg.to_dict(),
+        "written_by": "launcher",
+        "written_at": time.time(),
+        "metrics": {},
+    }

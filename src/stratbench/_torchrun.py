@@ -1,0 +1,36 @@
+"""torchrun (``torch.distributed.run``) as stratbench's launcher starts it, with one difference: a rendezvous
+that cannot complete (a node that never joins within --dist-timeout-s, node 0 unreachable, its port taken)
+ends with exit code RENDEZVOUS_FAILED and the error's first line in OUTPUT/.torchrun_error.nodeN (the path in
+ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+RENDEZVOUS_FAILED = 75
+ERROR_FILE_ENV = "STRATBENCH_TORCHRUN_ERROR_FILE"
+
+
+def main() -> int:
+    from torch.distributed import DistError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+    from torch.distributed.run import main as torchrun
+
+    try:
+        torchrun()
+    except (DistError, RendezvousError) as exc:  # raised by the agent's rendezvous, before any worker starts
+        text = str(exc).strip()
+        line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400]
+        path = os.environ.get(ERROR_FILE_ENV)
+        if path:
+            Path(path).write_text(line + "\n")
+        else:
+            print(line, file=sys.stderr)
+        return RENDEZVOUS_FAILED
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
