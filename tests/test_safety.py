@@ -3,6 +3,7 @@ loads checkpoints (their pickled payload never runs), unless --trust-checkpoint 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -108,6 +109,7 @@ def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind)
     assert not (tmp_path / "full.pt").exists() and not (tmp_path / "m.onnx").exists()
 
 
+@pytest.mark.distributed
 @pytest.mark.parametrize(
     ("kind", "strategy"), [("ds2", LAYOUTS["ds2"]), ("accelerate-rng", LAYOUTS["accelerate"])]
 )
@@ -190,28 +192,50 @@ def _start_long_run(out: Path):
     return proc
 
 
-@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
-def test_killed_launcher_leaves_no_process(tmp_path, sig):
+def _assert_nothing_left(marker: str, what: str) -> None:
+    """Within 10 s no process whose command line names ``marker`` remains (killed here if one does)."""
     import signal
     import time
 
-    out = tmp_path / "run"
-    proc = _start_long_run(out)
-    proc.send_signal(getattr(signal, sig))
-    proc.wait(timeout=15)
     deadline = time.monotonic() + 10
-    while _run_processes(str(out)) and time.monotonic() < deadline:
+    while _run_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = _run_processes(str(out))
+    left = _run_processes(marker)
     for pid in left:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
-    assert not left, f"processes of the run still alive 10 s after {sig} to the launcher: {left}"
-    if sig == "SIGTERM":
+    assert not left, f"processes still alive 10 s after {what}: {left}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("victim", ["launcher-SIGTERM", "agent-SIGKILL"])
+def test_killed_launcher_or_agent_leaves_no_process(tmp_path, victim):
+    """SIGTERM to the launcher stops the run in order; SIGKILL of the torchrun agent leaves workers whose parent
+    died: they die with it (PR_SET_PDEATHSIG), and the launcher fails the run. (SIGKILL of the launcher: below.)"""
+    import signal
+
+    import psutil
+
+    out = tmp_path / "run"
+    proc = _start_long_run(out)
+    if victim == "launcher-SIGTERM":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        agents = [p for p in psutil.Process(proc.pid).children() if "stratbench._torchrun" in " ".join(p.cmdline())]
+        assert len(agents) == 1, agents
+        agents[0].kill()
+    proc.wait(timeout=30)
+    _assert_nothing_left(str(out), victim)
+    if victim == "launcher-SIGTERM":
         assert proc.returncode == 128 + signal.SIGTERM
         assert "stopped by SIGTERM" in proc.stdout.read()
+    else:
+        assert proc.returncode != 0
+        assert json.loads((out / "result.json").read_text())["status"] == "failed"
 
 
+@pytest.mark.distributed
 def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tmp_path, capsys):
+    """Also SIGKILL of the launcher: no process of the run remains within 10 s."""
     import signal
 
     out = tmp_path / "run"
@@ -222,6 +246,7 @@ def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tm
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+    _assert_nothing_left(str(out), "SIGKILL to the launcher")
     # The holder died by SIGKILL: its lock file stays, the kernel released the lock, the next run takes it.
     assert (out / ".stratbench.lock").exists()
     assert main(["train", "--output", str(out), *SHORT]) == 0
@@ -382,6 +407,40 @@ def test_resume_must_refuses_when_there_is_nothing_to_resume(tmp_path, capsys):
     assert json.loads((out / "result.json").read_text())["resumed_from"]["step"] == 4
 
 
+def test_a_sweep_killed_mid_cell_and_rerun_never_trains_the_cell_twice_at_once(tmp_path):
+    """SIGKILL of `compare` while its cell trains: the cell dies with it (nothing of it remains within 10 s), so
+    the rerun's copy of that cell is the only one; it trains the cell from the start and records it once."""
+    import signal
+    import subprocess
+    import time
+
+    from stratbench.compare.runner import load_records
+
+    matrix = tmp_path / "matrix.yaml"
+    matrix.write_text("base: {model: tinynet, width: 8, norm: none, data: digits, batch_size: 32, epochs: 1, "
+                      "image_size: 32, max_steps: 40, measure_flops: false}\ncells: [{method: single, precision: fp32}]\n")  # fmt: skip
+    out = tmp_path / "sweep"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(tmp_path / "compare.log", "wb") as log:
+        proc = subprocess.Popen(stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out)), env=env,
+                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not any(len(p.read_text().splitlines()) > 1 for p in out.glob("cells/*/metrics.csv")):  # one step done
+        assert proc.poll() is None, (tmp_path / "compare.log").read_text()[-2000:]
+        assert time.monotonic() < deadline, "the cell did not start training"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    (cell_dir,) = out.glob("cells/*")
+    _assert_nothing_left(str(cell_dir), "SIGKILL to compare")
+    assert not load_records(out)  # killed mid-cell: not recorded
+    assert main(["compare", "--matrix", str(matrix), "--output", str(out)]) == 0
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and json.loads(lines[0])["status"] == "ok", lines
+    result = json.loads((cell_dir / "result.json").read_text())
+    assert result["metrics"]["steps"] == 40 and "resumed_from" not in result
+
+
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
     """Two identical compares would train the same cells at once and record each twice: the second refuses."""
     import subprocess
@@ -456,6 +515,7 @@ def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp
         assert r.step > r.resumed_from and r.first_logged == r.resumed_from + 1, (summary, r)
 
 
+@pytest.mark.distributed
 def test_a_killed_rank_leaves_result_json_failed_with_the_reason(tmp_path):
     import json
     import signal
