@@ -106,8 +106,9 @@ def world_size_of(cfg: TrainConfig) -> int:
     return cfg.nproc * cfg.nnodes
 
 
-def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]:
-    """Every check that needs no data or model: bad input fails here, before any work starts."""
+def check_config(cfg: TrainConfig, world: int) -> type[Strategy]:
+    """The checks of a run's options that do not depend on this machine (values, combinations, the strategy's
+    options, the batch split over ``world`` processes): what any command stratbench recommends must pass."""
     validate(cfg)
     check_model(cfg.model)
     check_data(cfg)
@@ -116,14 +117,20 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
     strategy_cls = get_strategy(cfg.strategy)
     strategy_cls.parse_options(cfg.strategy_options)
+    split_batch(cfg.batch_size, strategy_cls.data_parallel_size(cfg, world), cfg.grad_accum)
+    return strategy_cls
+
+
+def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]:
+    """Every check that needs no data or model: bad input fails here, before any work starts."""
     world = world_size if world_size is not None else world_size_of(cfg)
+    strategy_cls = check_config(cfg, world)
     from stratbench.dist import resolve_device
 
     device = resolve_device(cfg.device)
     reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
     if reason:
         raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
-    split_batch(cfg.batch_size, strategy_cls.data_parallel_size(cfg, world), cfg.grad_accum)
     if cfg.mlflow:
         import importlib.util
 

@@ -54,24 +54,16 @@ def run(args: argparse.Namespace) -> int:
     elif args.calibrate:
         raise ConfigError("--calibrate needs --hardware (the system whose step time it calibrates)")
     devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
+    if devices is not None:  # checked before memory: a refused batch is named even where no GPU is detected
+        check_devices_and_batch(devices, args.batch_size)
     memory = parse_bytes(args.device_memory) if args.device_memory else (
         torch.cuda.get_device_properties(0).total_memory if has_gpu
         else int(system.gpu.memory_bytes) if system is not None else None
     )
     if devices is None or memory is None:
         raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
-    if not 1 <= devices <= 4096:
-        raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
     if memory <= 0:
         raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
-    if args.batch_size % devices:
-        # train splits the global batch evenly over the devices: a plan with this batch would be refused.
-        low, high = args.batch_size // devices * devices, (args.batch_size // devices + 1) * devices
-        hint = f"{low} or {high}" if low else f"{high}"
-        raise ConfigError(
-            f"--batch-size {args.batch_size} is not divisible by --devices {devices} (train splits the global batch "
-            f"evenly over devices); use e.g. {hint}"
-        )
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
     from stratbench.config import canonical_precision
 
@@ -116,3 +108,21 @@ def run(args: argparse.Namespace) -> int:
     console.print(f"next:  {result.train_command}")
     console.print(f"then:  {result.compare_command}")
     return 0
+
+
+def check_devices_and_batch(devices: int, batch_size: int) -> None:
+    """A device count stratbench plans for, and a global batch train can split evenly over it."""
+    from stratbench.errors import ConfigError
+
+    if not 1 <= devices <= 4096:
+        raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
+    if batch_size < 1:
+        raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
+    if batch_size % devices:
+        # train splits the global batch evenly over the devices: a plan with this batch would be refused.
+        low, high = batch_size // devices * devices, (batch_size // devices + 1) * devices
+        hint = f"{low} or {high}" if low else f"{high}"
+        raise ConfigError(
+            f"--batch-size {batch_size} is not divisible by --devices {devices} (train splits the global batch "
+            f"evenly over devices); use e.g. {hint}"
+        )
