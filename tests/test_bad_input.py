@@ -232,6 +232,8 @@ BAD = {
         ["advise", "--devices", "3", "--device-memory", "24GiB", "--batch-size", "128"],
         "--devices 3",
     ),
+    # the exact command: the batch is named before "no GPU detected" (no --device-memory on a CPU)
+    "advise-batch-not-divisible-no-memory": (["advise", "--devices", "3", "--batch-size", "128"], "--devices 3"),
     "consolidate-over-a-file": (["consolidate", "{ckpt}", "{file}"], "--force"),
 }
 

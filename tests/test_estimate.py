@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, run_stratbench, train
+from conftest import TINY, train
 from stratbench.advise import advise
 from stratbench.config import TrainConfig
 from stratbench.estimate import (
@@ -158,6 +158,40 @@ def test_advise_three_cases():
     assert d.plan is None and "nothing fits" in d.reasons[-1]
 
 
+def test_every_command_advise_recommends_passes_train_validation(capsys):
+    """Over device counts, batches, memory sizes and goals (and one projected on a real system), the
+    `stratbench train` line advise prints parses with train's own parser and passes its configuration checks
+    (engine.check_config: values, strategy options, the batch split over --nproc) - advise never recommends a
+    command train refuses. The grid reaches every kind of plan, so no branch of advise goes unchecked."""
+    import shlex
+
+    from stratbench import engine
+    from stratbench.cli import build_parser, main
+    from stratbench.commands.train import resolve_config
+
+    parser = build_parser()
+    model = ["--model", "tinynet", "--width", "1024", "--image-size", "16"]
+    runs = [[*model, "--devices", str(n), "--batch-size", str(b), "--device-memory", f"{m}MiB", "--goal", goal]
+            for n, b in ((1, 12), (2, 12), (3, 24), (4, 12)) for m in (3300, 4700, 7600, 9200, 12000)
+            for goal in ("fit", "speed")]  # fmt: skip
+    runs.append([*model, "--devices", "8", "--batch-size", "64", "--goal", "speed", "--hardware", "h100-sxm"])
+    plans = set()
+    for argv in runs:
+        assert main(["advise", *argv, "--json"]) in (0, 1)  # 1: nothing fits
+        advice = json.loads(capsys.readouterr().out)
+        if advice["method"] is None:
+            continue
+        cmd = shlex.split(advice["train_command"])
+        assert cmd[:2] == ["stratbench", "train"], advice["train_command"]
+        cfg = resolve_config(parser.parse_args(cmd[1:]))
+        engine.check_config(cfg, cfg.nproc * cfg.nnodes)
+        devices = int(argv[argv.index("--devices") + 1])
+        assert cfg.nproc == (1 if cfg.strategy == "single" else devices), advice["train_command"]
+        plans.add((cfg.strategy, cfg.activation_checkpointing, tuple(sorted(cfg.strategy_options.items()))))
+    assert {p[0] for p in plans} >= {"single", "ddp", "ddp-zero", "fsdp", "deepspeed"}, plans
+    assert any(ac for _, ac, _ in plans), plans
+
+
 def test_sharding_divides_states():
     """Formulas: per-device model states shrink as the method shards them (fp32 AdamW, 4 ranks)."""
     base = _wide().replace(precision="fp32")
@@ -192,17 +226,19 @@ def test_predict_peak_and_max_batch():
     assert parse_bytes("80GiB") == 80 * 1024**3 and parse_bytes("24GB") == 24 * 10**9
 
 
-def test_cli_estimate_and_advise_json():
-    out = run_stratbench("estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--batch-size", "8",
-                         "--strategy", "all", "--world-size", "2", "--json", timeout=180)  # fmt: skip
-    rows = json.loads(out.stdout)["results"]
+def test_cli_estimate_and_advise_json(capsys):
+    from stratbench.cli import main
+
+    assert main(["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--batch-size", "8",
+                 "--strategy", "all", "--world-size", "2", "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)["results"]
     assert {r["strategy"] for r in rows} >= {"single", "ddp", "fsdp", "deepspeed"}
-    out = run_stratbench("advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--devices", "2",
-                         "--device-memory", "24GiB", "--json", timeout=180)  # fmt: skip
-    advice = json.loads(out.stdout)
+    assert main(["advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--devices", "2",
+                 "--device-memory", "24GiB", "--json"]) == 0  # fmt: skip
+    advice = json.loads(capsys.readouterr().out)
     assert advice["method"] == "ddp" and "stratbench train" in advice["train_command"]
-    bad = run_stratbench("estimate", "--device-memory", "lots", "--max-batch", check=False, timeout=60)
-    assert bad.returncode != 0 and "cannot read memory size" in bad.stderr
+    assert main(["estimate", "--device-memory", "lots", "--max-batch"]) != 0
+    assert "cannot read memory size" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
