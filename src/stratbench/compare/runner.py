@@ -24,6 +24,7 @@ from typing import Any
 
 import yaml
 
+from stratbench.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
 
 RESULTS = "results.jsonl"
@@ -394,9 +395,7 @@ class SweepRunner:
             "latest": [c["id"] for c in cells],
             "updated_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        tmp = self.out / (SWEEP + ".tmp")
-        tmp.write_text(json.dumps(meta, indent=2, default=str))
-        tmp.replace(self.out / SWEEP)
+        atomic_write(self.out / SWEEP, json.dumps(meta, indent=2, default=str))
 
     def run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
         """Run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording).
@@ -474,7 +473,7 @@ class SweepRunner:
             shutil.rmtree(cell_dir)
         cell_dir.mkdir(parents=True)
         config_path = cell_dir / "config.yaml"
-        config_path.write_text(yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        atomic_write(config_path, yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
         log_path = cell_dir / "train.log"
         cmd = cell_command(cell, config_path)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
