@@ -407,38 +407,62 @@ def test_resume_must_refuses_when_there_is_nothing_to_resume(tmp_path, capsys):
     assert json.loads((out / "result.json").read_text())["resumed_from"]["step"] == 4
 
 
-def test_a_sweep_killed_mid_cell_and_rerun_never_trains_the_cell_twice_at_once(tmp_path):
-    """SIGKILL of `compare` while its cell trains: the cell dies with it (nothing of it remains within 10 s), so
-    the rerun's copy of that cell is the only one; it trains the cell from the start and records it once."""
-    import signal
+def _start_sweep(matrix: Path, out: Path, log: Path):
+    """`stratbench compare` in the background; returns once its cell process has finished a training step."""
     import subprocess
     import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    with open(log, "ab") as fh:
+        proc = subprocess.Popen(stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out)), env=env,
+                                stdout=fh, stderr=subprocess.STDOUT)  # fmt: skip
+    deadline = time.monotonic() + 120
+
+    def stepped() -> bool:
+        for cell in psutil.Process(proc.pid).children():
+            metrics = [p for p in out.glob("cells/*/metrics.csv") if str(p.parent) in " ".join(cell.cmdline())]
+            if metrics and metrics[0].stat().st_mtime >= cell.create_time() and len(metrics[0].read_text().splitlines()) > 1:
+                return True
+        return False
+
+    while not stepped():
+        assert proc.poll() is None, log.read_text()[-2000:]
+        assert time.monotonic() < deadline, "the cell did not start training"
+        time.sleep(0.1)
+    return proc
+
+
+def test_a_sweep_killed_mid_cell_and_rerun_never_trains_the_cell_twice_at_once(tmp_path):
+    """SIGKILL of `compare` while its (long) cell trains: the cell dies with it (nothing of it remains within
+    10 s), so the rerun's copy of that cell is the only one training it, from the start."""
+    import signal
 
     from stratbench.compare.runner import load_records
 
     matrix = tmp_path / "matrix.yaml"
-    matrix.write_text("base: {model: tinynet, width: 8, norm: none, data: digits, batch_size: 32, epochs: 1, "
-                      "image_size: 32, max_steps: 40, measure_flops: false}\ncells: [{method: single, precision: fp32}]\n")  # fmt: skip
-    out = tmp_path / "sweep"
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    with open(tmp_path / "compare.log", "wb") as log:
-        proc = subprocess.Popen(stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out)), env=env,
-                                stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
-    deadline = time.monotonic() + 120
-    while not any(len(p.read_text().splitlines()) > 1 for p in out.glob("cells/*/metrics.csv")):  # one step done
-        assert proc.poll() is None, (tmp_path / "compare.log").read_text()[-2000:]
-        assert time.monotonic() < deadline, "the cell did not start training"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    matrix.write_text("base: {model: tinynet, width: 8, norm: none, data: digits, batch_size: 32, epochs: 1000, "
+                      "measure_flops: false}\ncells: [{method: single, precision: fp32}]\n")  # fmt: skip
+    out, log = tmp_path / "sweep", tmp_path / "compare.log"
+    first = _start_sweep(matrix, out, log)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
     (cell_dir,) = out.glob("cells/*")
     _assert_nothing_left(str(cell_dir), "SIGKILL to compare")
     assert not load_records(out)  # killed mid-cell: not recorded
-    assert main(["compare", "--matrix", str(matrix), "--output", str(out)]) == 0
-    lines = (out / "results.jsonl").read_text().splitlines()
-    assert len(lines) == 1 and json.loads(lines[0])["status"] == "ok", lines
-    result = json.loads((cell_dir / "result.json").read_text())
-    assert result["metrics"]["steps"] == 40 and "resumed_from" not in result
+    rerun = _start_sweep(matrix, out, log)
+    try:
+        training = _run_processes(str(cell_dir))  # the rerun's cell: `stratbench train --config CELL/config.yaml`
+        assert len(training) == 1, training
+        import csv
+
+        with (cell_dir / "metrics.csv").open() as fh:
+            assert next(csv.DictReader(fh))["step"] == "1"  # from the start, in a clean cell folder
+    finally:
+        rerun.send_signal(signal.SIGTERM)  # compare stops its cell and exits, as on Ctrl-C
+        rerun.wait(timeout=60)
+    _assert_nothing_left(str(cell_dir), "SIGTERM to compare")
 
 
 def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
