@@ -24,9 +24,12 @@ per run on 2 shared cores), or with ``--zygote`` as forks of one helper process 
 and DeepSpeed once (``Zygote``): each rank runs the code a torchrun worker runs, ~1-5 s per run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/fault_injection.py --kills 5 --seed 0 \\
-        --report benchmarks/fault_injection_cpu_2026-11-22.md       # 4 methods x 5 = 20 kills, 413 s on 2 cores
+        --report benchmarks/fault_injection_cpu_2026-11-22.md       # 4 x 5 = 20 kills, real processes: 413 s
+    PYTHONPATH=src .venv/bin/python benchmarks/fault_injection.py --zygote --kills 5 --swap-kills 1 \\
+        --max-delay-s 1 --seed 0 --report benchmarks/fault_injection_zygote_cpu_2026-11-23.md   # 85 s
 
-tests/test_safety.py runs the same chain through the zygote: 20 kills, 4 of them inside a swap.
+(2 shared cores, load 5-8 from other jobs for the second; the first predates --keep-last 2 and swap kills.)
+tests/test_safety.py runs the zygote chain: 20 kills, 4 of them inside a swap.
 """
 
 from __future__ import annotations
