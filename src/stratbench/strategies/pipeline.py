@@ -223,6 +223,23 @@ def _timed_stage_class():
         def backward_weight_one_chunk(self, *args, **kwargs):
             return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
+        def _forward_metadata_inference(self, *args, **kwargs):
+            # To learn its output shapes, torch runs the stage's forward once on the first step (and on the first
+            # step after an evaluation): on the whole batch (first stage) or on uninitialised memory (the others).
+            # In training mode that forward would update BatchNorm's running statistics with a batch no step
+            # trains on (garbage, often NaN: the evaluation then fails). Run it in eval mode: same shapes and
+            # dtypes, buffers untouched (restoring them afterwards would trip autograd's version check in the
+            # backward-shape pass that follows on this forward's graph).
+            # (Each module's own flag is restored: the stage container is not under the model the loop switches
+            # to eval mode, so its flag says nothing about its modules'.)
+            modes = [(m, m.training) for m in self.submod.modules()]
+            self.submod.eval()
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for m, training in modes:
+                    m.training = training
+
     return TimedStage
 
 
