@@ -255,6 +255,35 @@ def test_refusal_is_one_line_before_any_work(tmp_path):
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
+    """The quick and seed presets expanded as on a machine with 1, 2, 4 or 8 GPUs (and quick at --world-size
+    N): every pipeline cell passes the strategy's own check (layout, micro-batches, the split of the model), so
+    no cell is refused for a layout the preset chose. At 8 GPUs the seed preset's ResNet-50 (6 pieces) runs 4
+    stages x 2 replicas with 8 micro-batches, not 8 stages."""
+    from stratbench.compare import matrix
+    from stratbench.config import TrainConfig, from_dict
+    from stratbench.strategies.pipeline import PipelineStrategy, resolve_layout
+
+    monkeypatch.setattr(matrix, "_gpu_count", lambda: gpus)
+    expanded = [("seed", matrix.load_matrix("seed", None)), ("quick", matrix.load_matrix("quick", None)),
+                ("quick", matrix.load_matrix("quick", None, world_size=gpus))]  # fmt: skip
+    for preset, mat in expanded:
+        cells = [c for c in mat.cells if c.method == "pipeline"]
+        assert {c.options["schedule"] for c in cells} == {"gpipe", "1f1b"}, preset
+        for cell in cells:
+            cfg = from_dict(TrainConfig, cell.train_config("unused"), where=cell.id)
+            reason = PipelineStrategy.check_supported(cfg, torch.device("cuda"), cell.world_size)
+            assert reason is None, (preset, gpus, cell.world_size, cell.options, reason)
+            lay = resolve_layout(PipelineStrategy.parse_options(cfg.strategy_options), cell.world_size)
+            assert lay.pp * lay.dp == cell.world_size and lay.microbatches >= lay.pp
+    seed = [c for c in expanded[0][1].cells if c.method == "pipeline"][0]
+    lay = resolve_layout(PipelineStrategy.parse_options(seed.options), seed.world_size)
+    assert (seed.world_size, lay.pp, lay.dp) == {1: (2, 2, 1), 2: (2, 2, 1), 4: (4, 4, 1), 8: (8, 4, 2)}[gpus]
+    quick = [c for c in expanded[1][1].cells if c.method == "pipeline"][0]
+    assert quick.world_size == 2 and quick.options == {"schedule": quick.options["schedule"], "microbatches": 4}
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
 def test_model_parallel_refused_without_two_gpus(tmp_path):
     proc = run_stratbench(
