@@ -32,6 +32,8 @@ def runs(tmp_path_factory, reference_run) -> dict:
     # 1f1b with an explicit split, saving at step 10 too (single resumes from it)
     out["1f1b"] = train(root / "1f1b", *PP, *EQUIV, "--schedule", "1f1b", "--microbatches", "4",
                         "--split-points", "blocks.1", "--save-every-steps", "10", "--keep-last", "2", nproc=2)  # fmt: skip
+    # naive: one micro-batch, plain model parallelism across the 2 processes
+    out["naive"] = train(root / "naive", *PP, *EQUIV, "--schedule", "naive", nproc=2)
     return out
 
 
@@ -41,10 +43,10 @@ def _ok(res: dict, world: int = 2) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_matches_single(runs, schedule):
-    """20 steps of a 2-stage pipeline over 4 micro-batches = 20 full-batch steps of one process; the
-    evaluation forward through the stages gives single's val loss and accuracy on the same samples."""
+@pytest.mark.parametrize(("schedule", "m"), [("gpipe", 4), ("1f1b", 4), ("naive", 1)])
+def test_pipeline_matches_single(runs, schedule, m):
+    """20 steps of a 2-stage pipeline over M micro-batches (naive: 1) = 20 full-batch steps of one process;
+    the evaluation forward through the stages gives single's val loss and accuracy on the same samples."""
     res, ref = runs[schedule], runs["single"]
     _ok(res)
     assert res["data_parallel_size"] == 1 and res["per_device_batch_size"] == 32  # both stages see the batch
@@ -57,9 +59,9 @@ def test_pipeline_matches_single(runs, schedule):
     assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
     assert res["metrics"]["val_accuracy"] == ref["metrics"]["val_accuracy"]
     pipe = res["pipeline"]
-    assert pipe["layout"] | {"schedule": schedule} == {"pp": 2, "dp": 1, "stages": 2, "microbatches": 4,
-                                                       "schedule": schedule, "stages_per_rank": 1}  # fmt: skip
-    assert pipe["bubble_theory"] == pytest.approx(1 / 5)
+    assert pipe["layout"] == {"pp": 2, "dp": 1, "stages": 2, "microbatches": m, "schedule": schedule,
+                              "stages_per_rank": 1}  # fmt: skip
+    assert pipe["bubble_theory"] == pytest.approx(1 / (m + 1))
     for rank in pipe["ranks"]:  # measured on every rank over the timed steps
         bubble = rank["bubble"]
         assert bubble["steps"] >= 15 and 0.0 <= bubble["min"] <= bubble["median"] <= bubble["max"] < 1.0
@@ -105,7 +107,8 @@ def test_each_stage_holds_only_its_parameters(runs):
 @pytest.mark.equivalence
 def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
     """The step-10 checkpoint of the 1f1b run is a full state dict with the original names; `single` resumes
-    it and continues the reference run exactly; predict loads the final one like single's own."""
+    it and continues the reference run exactly; predict loads the final one like single's own, and export
+    writes single's weights from it (safetensors) and an ONNX file that matches PyTorch."""
     from stratbench import checkpoint
     from stratbench.cli import main
 
@@ -144,6 +147,28 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
         preds[name] = json.loads(capsys.readouterr().out)["predictions"]
     top = lambda p: [(r["top"][0]["class"], round(r["top"][0]["probability"], 6)) for r in p]  # noqa: E731
     assert len(preds["pipeline"]) == 6 and top(preds["pipeline"]) == top(preds["single"])
+
+    # export: the plain weights are single's (names, shapes, dtypes; values within the run's tolerance), and
+    # the ONNX export of the pipeline checkpoint passes export's own check against PyTorch
+    from safetensors.torch import load_file
+
+    weights = {}
+    single_last = Path(runs["single"]["config"]["output"]) / "checkpoints" / "last"
+    for name, path in (("pipeline", ckpts / "last"), ("single", single_last)):
+        out_file = runs["root"] / f"{name}.safetensors"
+        assert main(["export", "--checkpoint", str(path), "--output", str(out_file)]) == 0
+        weights[name] = load_file(out_file)
+    assert list(weights["pipeline"]) == list(weights["single"]) and len(weights["single"]) > 0
+    for key, value in weights["single"].items():
+        # export writes fp32: fp64 weights 1e-12 apart may round to neighbouring fp32 values (6e-8 apart)
+        assert weights["pipeline"][key].dtype == value.dtype == torch.float32
+        torch.testing.assert_close(weights["pipeline"][key], value, rtol=1e-6, atol=1e-9, msg=key)
+    capsys.readouterr()
+    onnx_file = runs["root"] / "pipeline.onnx"
+    args = ["export", "--checkpoint", str(ckpts / "last"), "--output", str(onnx_file), "--images", str(folder)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "onnx.checker: ok" in out and "max abs diff" in out and onnx_file.is_file()
 
 
 @pytest.mark.distributed
