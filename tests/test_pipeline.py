@@ -165,7 +165,7 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
         torch.testing.assert_close(weights["pipeline"][key], value, rtol=1e-6, atol=1e-9, msg=key)
     capsys.readouterr()
     onnx_file = runs["root"] / "pipeline.onnx"
-    args = ["export", "--checkpoint", str(ckpts / "last"), "--output", str(onnx_file), "--images", str(folder)]
+    args = ["export", "--checkpoint", str(ckpts / "last"), "--output", str(onnx_file), "--images", str(folder)]  # fmt: skip
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "onnx.checker: ok" in out and "max abs diff" in out and onnx_file.is_file()
@@ -354,7 +354,9 @@ def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
     lay = resolve_layout(PipelineStrategy.parse_options(seed.options), seed.world_size)
     assert (seed.world_size, lay.pp, lay.dp) == {1: (2, 2, 1), 2: (2, 2, 1), 4: (4, 4, 1), 8: (8, 4, 2)}[gpus]
     quick = [c for c in expanded[1][1].cells if c.method == "pipeline"][0]
-    assert quick.world_size == 2 and quick.options == {"schedule": quick.options["schedule"], "microbatches": 4}
+    # no "pp" at world 2 (its default): the quick cells' ids, which resume matches on, are unchanged
+    assert quick.world_size == 2 and set(quick.options) == {"schedule", "microbatches"}
+    assert quick.options["microbatches"] == 4
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
@@ -519,7 +521,8 @@ def test_batchnorm_sees_the_micro_batches_like_grad_accum(tmp_path, monkeypatch)
     assert pipe["status"] == "ok" and pipe["pipeline"]["layout"]["microbatches"] == 4, pipe.get("reason")
     assert list(states["pipeline"]) == list(states["single"])
     assert len(pipe["metrics"]["loss_curve"]) == 4  # 2 epochs of 2 steps
-    assert states["pipeline"]["0.1.num_batches_tracked"].item() == 4 * 4  # 4 micro-batches a step, nothing else
+    # 4 micro-batches a step, nothing else (no shape-inference forward)
+    assert states["pipeline"]["0.1.num_batches_tracked"].item() == 4 * 4
     for key, value in states["single"].items():
         torch.testing.assert_close(states["pipeline"][key], value, rtol=1e-5, atol=1e-6, msg=key)
     assert_curves_match(pipe["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], 1e-5)

@@ -133,7 +133,8 @@ def preset_quick(world_size: int | None = None) -> dict[str, Any]:
     """Every CPU-capable method with 2 processes on tinynet/digits, fp32 and bf16-mixed; < 10 min on 2 cores."""
     both = ["fp32", "bf16-mixed"]
     world = world_size or 2
-    pipe = pipeline_layout(world, pieces=5)  # tinynet: stem, blocks.0-2, head; world 2: 2 stages, 4 micro-batches
+    # tinynet's 5 pieces: stem, blocks.0-2, head; world 2: 2 stages, 4 micro-batches
+    pipe = pipeline_layout(world, pieces=5)
     return {
         "name": "quick",
         "description": "tinynet (width 8) on scikit-learn digits at 16x16, 2 epochs, global batch 64; "
