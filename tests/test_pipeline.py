@@ -395,6 +395,11 @@ def test_split_pieces_of_the_models_stratbench_builds():
     assert [s.pieces for s in split.stages] == [["stem", "layer1"], ["layer2", "layer3"], ["layer4", "head"]]
     assert sum(s.params for s in split.stages) == sum(p.numel() for p in resnet.parameters())
     assert split.stages[0].out_numel == 64 * 32 * 32 and split.stages[-1].out_numel == 10
+    # the pieces are costed with the counter of metrics.flops_per_sample (MFU): their FLOPs add up to the model's
+    from stratbench.metrics import flops_per_sample
+
+    whole = flops_per_sample(lambda: build_model("resnet18", 10, cifar_stem=True), (3, 32, 32), 10)
+    assert whole and sum(s.flops for s in split.stages) == whole
     seq = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
     by_params = split_model(seq, 2, sample_shape=(4,))
     # parameters 320 | 4160 | 195: the largest stage is smallest with the big layer alone-ish
