@@ -15,7 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EQUIV, RTOL, TINY, assert_curves_match, run_stratbench, train
+from conftest import (
+    EQUIV,
+    RTOL,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    run_stratbench,
+    train,
+)
 
 PP = ["--strategy", "pipeline", "--dist-timeout-s", "60"]
 FP64 = 8  # bytes per parameter of the fp64 test problem
@@ -259,8 +267,11 @@ def test_mixed_precision_matches_single_and_stages_skip_together(precision, tmp_
         env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
     ref = train(tmp_path / "single", *args, "--strategy", "single", "--grad-accum", "4", env=env)
     res = train(tmp_path / "pipeline", *args, "--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4",
-                nproc=2, env=env)  # fmt: skip
+                "--comm-volume", "true", nproc=2, env=env)  # fmt: skip
     _ok(res)
+    # what each stage sent in step 3: 16-bit activations (and their gradients), the loss, fp16's found-inf flag
+    comm = assert_comm_matches_formula(res)
+    assert ("all_reduce" in comm["check"]) == (precision == "fp16-mixed"), comm["check"]
     assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL_SAME_KERNELS)
     assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL_SAME_KERNELS)
     skipped = ref["metrics"]["skipped_steps"]

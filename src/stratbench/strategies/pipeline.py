@@ -362,8 +362,8 @@ class PipelineStrategy(Strategy):
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
-        not counted as its wire bytes), the loss broadcast to the stages, and the replicas' gradient
-        all-reduce."""
+        not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
+        and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
         from stratbench.comm import Collective
 
         lay = resolve_layout(ctx.options, ctx.world)
@@ -406,6 +406,10 @@ class PipelineStrategy(Strategy):
             )
         if lay.pp > 1:
             rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        if ctx.pspec.loss_scaling:
+            rows.append(
+                Collective("all_reduce", 4, 1, "optimizer", ctx.world, "the loss scaler's found-inf flag (fp32)")
+            )
         if lay.dp > 1:
             local = sum(split.stages[i].params for i in ids)
             rows.append(
