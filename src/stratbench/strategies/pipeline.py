@@ -488,8 +488,6 @@ class PipelineStrategy(Strategy):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         lay = self.layout
-        if lay.schedule == "interleaved-1f1b":
-            return ScheduleInterleaved1F1B(self.stages, lay.microbatches, loss_fn=self._stage_loss)
         # scale_grads=False: _stage_loss divides each micro-batch's loss by M before its backward (as --grad-accum
         # does), rather than the schedule dividing the accumulated gradients afterwards: fp16 gradients then have
         # the magnitudes single's micro-steps have, so both overflow (and skip) at the same loss scale.
