@@ -85,6 +85,7 @@ def main() -> None:
     ms = [int(v) for v in args.microbatches.split(",")]
     cells = [("naive" if m == 1 else "gpipe", m) for m in ms] + [("1f1b", m) for m in ms if m >= 2]
     rows: list[dict] = []
+    args.load_before = os.getloadavg()[0]  # other jobs' load: none of this benchmark's processes runs yet
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(
             args.repeats
@@ -110,8 +111,9 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
         "# Pipeline bubble vs micro-batches (2 stages, CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or 'x86_64'} "
-        f"({_cpu()}), {os.cpu_count()} cores **shared with other jobs** (load average during the runs: "
-        f"{min(r['load'] for r in rows):.1f} to {max(r['load'] for r in rows):.1f}), torch {torch.__version__}, "
+        f"({_cpu()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
+        f"during the runs {min(r['load'] for r in rows):.1f} to {max(r['load'] for r in rows):.1f} (the 2 stage "
+        f"processes count up to 2 of it; more is other jobs sharing the cores); torch {torch.__version__}, "
         "2 gloo processes (1 thread each).",
         "",
         "Command: `.venv/bin/python benchmarks/pipeline_bubble.py "

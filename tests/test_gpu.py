@@ -1,5 +1,6 @@
 """What only a GPU can show: CUDA memory and utilisation in the result, every precision on CUDA, DataParallel's
-per-GPU memory, SyncBatchNorm equivalence. Marked ``gpu``: skipped where torch sees no CUDA device (CI)."""
+per-GPU memory, SyncBatchNorm equivalence, model-parallel and pipeline (NCCL) on 2 GPUs. Marked ``gpu``: skipped
+where torch sees no CUDA device (CI); the 2-GPU tests skip with one GPU (benchmarks/gpu_session.sh runs them all)."""
 
 from __future__ import annotations
 
@@ -65,3 +66,34 @@ def test_model_parallel_places_stages_on_two_gpus_and_trains_like_single(tmp_pat
     assert max_rel_diff(mp["metrics"]["loss_curve"], single["metrics"]["loss_curve"]) < 1e-9
     resumed = train(tmp_path / "resumed", *args, "--init-from", str(tmp_path / "mp" / "checkpoints" / "last"))
     assert resumed["status"] == "ok"
+
+
+@pytest.mark.parametrize("precision", ["fp64", "fp16-mixed"])
+def test_pipeline_over_nccl_on_two_gpus(tmp_path, precision):
+    """pipeline, one stage per GPU over NCCL (1f1b, 4 micro-batches). fp64: the losses of one GPU (as the CPU
+    test, 1e-9). fp16-mixed: the loss x 2^10 overflows for the first steps (as in test_pipeline); the found-inf
+    all-reduce (NCCL, on the GPU) makes both stages skip the steps `single --grad-accum 4` skips and end with its
+    scale; the curve within 1e-2 (cuDNN may reduce in another order than on one GPU; fp16 rounds at 1e-3)."""
+    needs_gpus(2)
+    import os
+
+    from conftest import EQUIV
+    from test_pipeline import BIG_LOSS
+
+    args = [*EQUIV, "--precision", precision, "--device", "cuda", "--dist-timeout-s", "120"]
+    env, rtol = None, 1e-9
+    if precision == "fp16-mixed":
+        (tmp_path / "bigloss.py").write_text(BIG_LOSS)
+        args += ["--loss", "bigloss:loss", "--lr", str(0.02 / 2**10), "--weight-decay", "0"]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+        rtol = 1e-2
+    single = train(tmp_path / "single", *args, "--grad-accum", "4", env=env)
+    pp = train(tmp_path / "pp", "--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4", *args,
+               nproc=2, env=env)  # fmt: skip
+    assert pp["status"] == "ok" and pp["world_size"] == 2, pp.get("reason")
+    assert max_rel_diff(pp["metrics"]["loss_curve"], single["metrics"]["loss_curve"]) < rtol
+    assert len(pp["metrics"]["peak_memory_bytes"]) == 2 and min(pp["metrics"]["peak_memory_bytes"]) > 0
+    skipped = single["metrics"]["skipped_steps"]
+    assert [r["skipped_steps"] for r in pp["pipeline"]["ranks"]] == [skipped, skipped]
+    if precision == "fp16-mixed":
+        assert skipped >= 3 and [r["loss_scale"] for r in pp["pipeline"]["ranks"]] == [2.0**16 / 2**skipped] * 2

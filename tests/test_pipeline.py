@@ -7,6 +7,7 @@ process."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import EQUIV, RTOL, TINY, assert_curves_match, run_stratbench, train
+from conftest import (
+    EQUIV,
+    RTOL,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    run_stratbench,
+    train,
+)
 
 PP = ["--strategy", "pipeline", "--dist-timeout-s", "60"]
 FP64 = 8  # bytes per parameter of the fp64 test problem
@@ -31,6 +40,8 @@ def runs(tmp_path_factory, reference_run) -> dict:
     # 1f1b with an explicit split, saving at step 10 too (single resumes from it)
     out["1f1b"] = train(root / "1f1b", *PP, *EQUIV, "--schedule", "1f1b", "--microbatches", "4",
                         "--split-points", "blocks.1", "--save-every-steps", "10", "--keep-last", "2", nproc=2)  # fmt: skip
+    # naive: one micro-batch, plain model parallelism across the 2 processes
+    out["naive"] = train(root / "naive", *PP, *EQUIV, "--schedule", "naive", nproc=2)
     return out
 
 
@@ -40,10 +51,10 @@ def _ok(res: dict, world: int = 2) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_pipeline_matches_single(runs, schedule):
-    """20 steps of a 2-stage pipeline over 4 micro-batches = 20 full-batch steps of one process; the
-    evaluation forward through the stages gives single's val loss and accuracy on the same samples."""
+@pytest.mark.parametrize(("schedule", "m"), [("gpipe", 4), ("1f1b", 4), ("naive", 1)])
+def test_pipeline_matches_single(runs, schedule, m):
+    """20 steps of a 2-stage pipeline over M micro-batches (naive: 1) = 20 full-batch steps of one process;
+    the evaluation forward through the stages gives single's val loss and accuracy on the same samples."""
     res, ref = runs[schedule], runs["single"]
     _ok(res)
     assert res["data_parallel_size"] == 1 and res["per_device_batch_size"] == 32  # both stages see the batch
@@ -56,9 +67,9 @@ def test_pipeline_matches_single(runs, schedule):
     assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
     assert res["metrics"]["val_accuracy"] == ref["metrics"]["val_accuracy"]
     pipe = res["pipeline"]
-    assert pipe["layout"] | {"schedule": schedule} == {"pp": 2, "dp": 1, "stages": 2, "microbatches": 4,
-                                                       "schedule": schedule, "stages_per_rank": 1}  # fmt: skip
-    assert pipe["bubble_theory"] == pytest.approx(1 / 5)
+    assert pipe["layout"] == {"pp": 2, "dp": 1, "stages": 2, "microbatches": m, "schedule": schedule,
+                              "stages_per_rank": 1}  # fmt: skip
+    assert pipe["bubble_theory"] == pytest.approx(1 / (m + 1))
     for rank in pipe["ranks"]:  # measured on every rank over the timed steps
         bubble = rank["bubble"]
         assert bubble["steps"] >= 15 and 0.0 <= bubble["min"] <= bubble["median"] <= bubble["max"] < 1.0
@@ -104,7 +115,8 @@ def test_each_stage_holds_only_its_parameters(runs):
 @pytest.mark.equivalence
 def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
     """The step-10 checkpoint of the 1f1b run is a full state dict with the original names; `single` resumes
-    it and continues the reference run exactly; predict loads the final one like single's own."""
+    it and continues the reference run exactly; predict loads the final one like single's own, and export
+    writes single's weights from it (safetensors) and an ONNX file that matches PyTorch."""
     from stratbench import checkpoint
     from stratbench.cli import main
 
@@ -143,6 +155,28 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
         preds[name] = json.loads(capsys.readouterr().out)["predictions"]
     top = lambda p: [(r["top"][0]["class"], round(r["top"][0]["probability"], 6)) for r in p]  # noqa: E731
     assert len(preds["pipeline"]) == 6 and top(preds["pipeline"]) == top(preds["single"])
+
+    # export: the plain weights are single's (names, shapes, dtypes; values within the run's tolerance), and
+    # the ONNX export of the pipeline checkpoint passes export's own check against PyTorch
+    from safetensors.torch import load_file
+
+    weights = {}
+    single_last = Path(runs["single"]["config"]["output"]) / "checkpoints" / "last"
+    for name, path in (("pipeline", ckpts / "last"), ("single", single_last)):
+        out_file = runs["root"] / f"{name}.safetensors"
+        assert main(["export", "--checkpoint", str(path), "--output", str(out_file)]) == 0
+        weights[name] = load_file(out_file)
+    assert list(weights["pipeline"]) == list(weights["single"]) and len(weights["single"]) > 0
+    for key, value in weights["single"].items():
+        # export writes fp32: fp64 weights 1e-12 apart may round to neighbouring fp32 values (6e-8 apart)
+        assert weights["pipeline"][key].dtype == value.dtype == torch.float32
+        torch.testing.assert_close(weights["pipeline"][key], value, rtol=1e-6, atol=1e-9, msg=key)
+    capsys.readouterr()
+    onnx_file = runs["root"] / "pipeline.onnx"
+    args = ["export", "--checkpoint", str(ckpts / "last"), "--output", str(onnx_file), "--images", str(folder)]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "onnx.checker: ok" in out and "max abs diff" in out and onnx_file.is_file()
 
 
 @pytest.mark.distributed
@@ -200,6 +234,57 @@ def test_pipeline_x_data_parallel_2x2(runs):
     assert p[0] == p[2] and p[1] == p[3] and p[0] + p[1] == res["model_meta"]["num_parameters"] * FP64
 
 
+BIG_LOSS = """import torch.nn.functional as F
+
+
+def loss(logits, targets):
+    return 2.0**10 * F.cross_entropy(logits, targets)
+"""
+RTOL_SAME_KERNELS = 1e-6
+"""Mixed precision, a pipeline against `single --grad-accum M`: every kernel call has the same shapes and inputs
+in both (each stage computes its pieces' slice of single's micro-step on the same micro-batch, the loss divided
+by M and scaled by the same power of two), so the curves are expected bit-identical (measured: 0.0 in fp16-mixed
+and bf16-mixed). 1e-6 leaves room for a kernel that chooses another algorithm for a stage run alone; a stage
+stepping on a step another stage skipped moved the curve by 2.5e-2 (measured with a per-stage GradScaler)."""
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("precision", ["fp16-mixed", "bf16-mixed"])
+def test_mixed_precision_matches_single_and_stages_skip_together(precision, tmp_path):
+    """fp16-mixed and bf16-mixed on a 2-stage 1f1b pipeline equal `single --grad-accum 4` (the same 4
+    micro-batches). fp16-mixed trains with the loss x 2^10 (and the lr / 2^10): at the default initial scale
+    2^16 the gradients overflow for the first steps, in some steps on one stage only (stage 0 skipped 5 steps,
+    stage 1 7, when each stage had its own scaler); with the found-inf all-reduced, every rank skips the steps
+    `single` skips and ends with its loss scale. Width 4 at 16 px: fp16 convolution backward is ~100x slower
+    than fp32 on a CPU."""
+    import os
+
+    args = [*TINY, "--width", "4", "--image-size", "16", "--precision", precision, "--dist-timeout-s", "60"]
+    env = None
+    if precision == "fp16-mixed":
+        (tmp_path / "bigloss.py").write_text(BIG_LOSS)
+        args += ["--loss", "bigloss:loss", "--lr", str(0.02 / 2**10), "--weight-decay", "0"]
+        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+    ref = train(tmp_path / "single", *args, "--strategy", "single", "--grad-accum", "4", env=env)
+    res = train(tmp_path / "pipeline", *args, "--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4",
+                "--comm-volume", "true", nproc=2, env=env)  # fmt: skip
+    _ok(res)
+    # what each stage sent in step 3: 16-bit activations (and their gradients), the loss, fp16's found-inf flag
+    comm = assert_comm_matches_formula(res)
+    assert ("all_reduce" in comm["check"]) == (precision == "fp16-mixed"), comm["check"]
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL_SAME_KERNELS)
+    assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL_SAME_KERNELS)
+    skipped = ref["metrics"]["skipped_steps"]
+    ranks = res["pipeline"]["ranks"]
+    assert [r["skipped_steps"] for r in ranks] == [skipped, skipped] == [res["metrics"]["skipped_steps"]] * 2
+    if precision == "fp16-mixed":
+        assert 3 <= skipped <= 12, skipped  # overflowed at first, then trained
+        assert [r["loss_scale"] for r in ranks] == [2.0**16 / 2**skipped] * 2  # halved per skip, never grown
+        assert ref["metrics"]["loss_curve"][-1] < 0.98 * ref["metrics"]["loss_curve"][0]
+    else:
+        assert skipped == 0 and [r["loss_scale"] for r in ranks] == [None, None]
+
+
 # ---- refusals: one clear line, before any work ---------------------------------------------------
 
 
@@ -254,6 +339,37 @@ def test_refusal_is_one_line_before_any_work(tmp_path):
     assert not (tmp_path / "result.json").exists()
 
 
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
+    """The quick and seed presets expanded as on a machine with 1, 2, 4 or 8 GPUs (and quick at --world-size
+    N): every pipeline cell passes the strategy's own check (layout, micro-batches, the split of the model), so
+    no cell is refused for a layout the preset chose. At 8 GPUs the seed preset's ResNet-50 (6 pieces) runs 4
+    stages x 2 replicas with 8 micro-batches, not 8 stages."""
+    from stratbench.compare import matrix
+    from stratbench.config import TrainConfig, from_dict
+    from stratbench.strategies.pipeline import PipelineStrategy, resolve_layout
+
+    monkeypatch.setattr(matrix, "_gpu_count", lambda: gpus)
+    expanded = [("seed", matrix.load_matrix("seed", None)), ("quick", matrix.load_matrix("quick", None)),
+                ("quick", matrix.load_matrix("quick", None, world_size=gpus))]  # fmt: skip
+    for preset, mat in expanded:
+        cells = [c for c in mat.cells if c.method == "pipeline"]
+        assert {c.options["schedule"] for c in cells} == {"gpipe", "1f1b"}, preset
+        for cell in cells:
+            cfg = from_dict(TrainConfig, cell.train_config("unused"), where=cell.id)
+            reason = PipelineStrategy.check_supported(cfg, torch.device("cuda"), cell.world_size)
+            assert reason is None, (preset, gpus, cell.world_size, cell.options, reason)
+            lay = resolve_layout(PipelineStrategy.parse_options(cfg.strategy_options), cell.world_size)
+            assert lay.pp * lay.dp == cell.world_size and lay.microbatches >= lay.pp
+    seed = [c for c in expanded[0][1].cells if c.method == "pipeline"][0]
+    lay = resolve_layout(PipelineStrategy.parse_options(seed.options), seed.world_size)
+    assert (seed.world_size, lay.pp, lay.dp) == {1: (2, 2, 1), 2: (2, 2, 1), 4: (4, 4, 1), 8: (8, 4, 2)}[gpus]
+    quick = [c for c in expanded[1][1].cells if c.method == "pipeline"][0]
+    # no "pp" at world 2 (its default): the quick cells' ids, which resume matches on, are unchanged
+    assert quick.world_size == 2 and set(quick.options) == {"schedule", "microbatches"}
+    assert quick.options["microbatches"] == 4
+
+
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
 def test_model_parallel_refused_without_two_gpus(tmp_path):
     proc = run_stratbench(
@@ -290,6 +406,11 @@ def test_split_pieces_of_the_models_stratbench_builds():
     assert [s.pieces for s in split.stages] == [["stem", "layer1"], ["layer2", "layer3"], ["layer4", "head"]]
     assert sum(s.params for s in split.stages) == sum(p.numel() for p in resnet.parameters())
     assert split.stages[0].out_numel == 64 * 32 * 32 and split.stages[-1].out_numel == 10
+    # the pieces are costed with the counter of metrics.flops_per_sample (MFU): their FLOPs add up to the model's
+    from stratbench.metrics import flops_per_sample
+
+    whole = flops_per_sample(lambda: build_model("resnet18", 10, cifar_stem=True), (3, 32, 32), 10)
+    assert whole and sum(s.flops for s in split.stages) == whole
     seq = nn.Sequential(nn.Linear(4, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 3))
     by_params = split_model(seq, 2, sample_shape=(4,))
     # parameters 320 | 4160 | 195: the largest stage is smallest with the big layer alone-ish
@@ -372,3 +493,55 @@ def test_model_parallel_trains_like_single_with_cpu_stand_ins(tmp_path, monkeypa
     ]
     assert_curves_match(res["metrics"]["loss_curve"], reference_run["metrics"]["loss_curve"], RTOL)
     assert res["metrics"]["val_accuracy"] == reference_run["metrics"]["val_accuracy"]
+
+
+def build_bn_net(num_classes: int) -> nn.Sequential:
+    """A small BatchNorm CNN (`--model test_pipeline:build_bn_net`): two conv-BatchNorm-ReLU blocks and a head."""
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU()),
+        nn.Sequential(nn.Conv2d(8, 16, 3, stride=2, padding=1), nn.BatchNorm2d(16), nn.ReLU()),
+        nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(1), nn.Linear(16, num_classes)),
+    )
+
+
+def test_batchnorm_sees_the_micro_batches_like_grad_accum(tmp_path, monkeypatch):
+    """BatchNorm under a pipeline: a one-stage pipeline in this process (a world of one, gloo) at M = 4 against
+    `single --grad-accum 4`, a BatchNorm CNN, fp32. Each BatchNorm normalises over the same 4
+    micro-batches in both and updates its running statistics 4 times a step, so the weights, the running
+    statistics, num_batches_tracked and the validation loss (which uses the running statistics) agree. (torch's
+    shape-inference forward, on the first step and after each evaluation, must not count: it once updated the
+    statistics with the whole batch here, with uninitialised memory on later stages - NaN validation loss.)"""
+    import argparse
+
+    from stratbench import checkpoint
+    from stratbench.commands.train import add_config_arguments, resolve_config
+    from stratbench.dist import free_port
+    from stratbench.engine import run
+
+    for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", str(free_port()))):  # fmt: skip
+        monkeypatch.setenv(name, value)
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    # 2 epochs of 2 steps: the evaluation after epoch 1 makes step 3 re-infer the stages' shapes
+    common = ["--model", "test_pipeline:build_bn_net", "--data", "synthetic", "--synthetic-samples", "32",
+              "--image-size", "8", "--batch-size", "16", "--epochs", "2", "--progress", "false",
+              "--measure-flops", "false", "--timing-warmup-steps", "0"]  # fmt: skip
+    results, states = {}, {}
+    for name, flags in (("pipeline", ["--strategy", "pipeline", "--schedule", "gpipe", "--microbatches", "4"]),
+                        ("single", ["--strategy", "single", "--grad-accum", "4"])):  # fmt: skip
+        out = tmp_path / name
+        results[name] = run(resolve_config(parser.parse_args([*common, *flags, "--output", str(out)])))
+        states[name] = checkpoint.load_file(out / "checkpoints" / "last")["model"]
+    pipe, ref = results["pipeline"], results["single"]
+    assert pipe["status"] == "ok" and pipe["pipeline"]["layout"]["microbatches"] == 4, pipe.get("reason")
+    assert list(states["pipeline"]) == list(states["single"])
+    assert len(pipe["metrics"]["loss_curve"]) == 4  # 2 epochs of 2 steps
+    # 4 micro-batches a step, nothing else (no shape-inference forward)
+    assert states["pipeline"]["0.1.num_batches_tracked"].item() == 4 * 4
+    for key, value in states["single"].items():
+        torch.testing.assert_close(states["pipeline"][key], value, rtol=1e-5, atol=1e-6, msg=key)
+    assert_curves_match(pipe["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], 1e-5)
+    assert len(pipe["metrics"]["evaluations"]) == 2
+    for a, b in zip(pipe["metrics"]["evaluations"], ref["metrics"]["evaluations"], strict=True):
+        assert math.isfinite(a["val_loss"]) and a["val_loss"] == pytest.approx(b["val_loss"], rel=1e-5)

@@ -54,19 +54,26 @@ def peak_flops(device: torch.device, precision: str, tf32: bool) -> float | None
     return peak_flops_for_name(torch.cuda.get_device_name(device), key)
 
 
+def flop_counter():
+    """The FLOP counter of every count stratbench makes (``torch.utils.flop_counter``, silent): the whole
+    model's here (``flops_per_sample``: MFU) and each pipeline piece's (``pipeline_split.piece_costs``: the
+    ``--balance flops`` split), so that the pieces' FLOPs add up to the model's."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    return FlopCounterMode(display=False)
+
+
 def flops_per_sample(
     build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
 ) -> float | None:
-    """Forward+backward FLOPs of one sample, counted by ``torch.utils.flop_counter`` on the meta device
-    (nothing is allocated, so this works for any model size)."""
-    from torch.utils.flop_counter import FlopCounterMode
-
+    """Forward+backward FLOPs of one sample, counted by ``flop_counter`` on the meta device (nothing is
+    allocated, so this works for any model size)."""
     try:
         with torch.device("meta"):
             model = build()
             x = torch.empty(2, *sample_shape)
             y = torch.zeros(2, dtype=torch.long)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         with counter:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()

@@ -9,8 +9,8 @@ survive: checkpoints stay portable) and the sequence of pieces computes exactly 
 The cut is either explicit (``--split-points layer2,layer4``: a new stage begins at each named piece, as
 ``torch.distributed.pipelining.SplitPoint.BEGINNING``) or balanced: the contiguous partition into S stages
 that minimises the most expensive stage, where a piece costs its parameter count (``--balance params``: memory)
-or its forward+backward FLOPs (``--balance flops``: time, counted by ``torch.utils.flop_counter`` on the meta
-device, like ``metrics.flops_per_sample``).
+or its forward+backward FLOPs (``--balance flops``: time, counted on the meta device by ``metrics.flop_counter``,
+the counter of ``metrics.flops_per_sample``: the pieces' FLOPs add up to the model's).
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, 
     dtype of the model's weights."""
     import copy
 
-    from torch.utils.flop_counter import FlopCounterMode
+    from stratbench.metrics import flop_counter
 
     meta = model if _on_meta(model) else copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
@@ -160,7 +160,7 @@ def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, 
         mod = piece_module(meta, piece)
         params = sum(p.numel() for p in piece_module(model, piece).parameters())
         x = x.detach().requires_grad_(i > 0)
-        counter = FlopCounterMode(display=False)
+        counter = flop_counter()
         own = {id(t.untyped_storage()) for t in (*mod.parameters(), *mod.buffers())}
         saved: dict[int, int] = {}
         in_key = id(x.untyped_storage())

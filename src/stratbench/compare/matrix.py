@@ -111,9 +111,30 @@ def _gpu_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def preset_quick() -> dict[str, Any]:
+def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
+    """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
+    stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
+    the other factor data-parallel replicas (``pp``), and ``2 x stages`` micro-batches rounded up to a power of
+    two, at least 4 (``microbatches``: >= the stages, as 1F1B needs, and a divisor of a power-of-two batch).
+
+    More stages than 4 would mostly add bubble on ResNet's 6 pieces (stem and head are small), and one
+    process per stage at 8 GPUs is more stages than the pieces."""
+    pp = max(d for d in range(1, min(world, 4) + 1) if world % d == 0)
+    if pp == 1 and 1 < world <= pieces:
+        pp = world
+    m = 4
+    while m < 2 * pp:
+        m *= 2
+    # pp only when it is not the default (every process in one pipeline): the cells' ids stay what they were
+    return {"microbatches": m} | ({"pp": pp} if pp < world else {})
+
+
+def preset_quick(world_size: int | None = None) -> dict[str, Any]:
     """Every CPU-capable method with 2 processes on tinynet/digits, fp32 and bf16-mixed; < 10 min on 2 cores."""
     both = ["fp32", "bf16-mixed"]
+    world = world_size or 2
+    # tinynet's 5 pieces: stem, blocks.0-2, head; world 2: 2 stages, 4 micro-batches
+    pipe = pipeline_layout(world, pieces=5)
     return {
         "name": "quick",
         "description": "tinynet (width 8) on scikit-learn digits at 16x16, 2 epochs, global batch 64; "
@@ -129,7 +150,7 @@ def preset_quick() -> dict[str, Any]:
             "measure_flops": False,
             "timing_warmup_steps": 3,
         },  # fmt: skip
-        "world_size": 2,
+        "world_size": world,
         "timeout_s": 300,
         "cells": [
             {"method": "single", "precision": both},
@@ -144,7 +165,7 @@ def preset_quick() -> dict[str, Any]:
             {
                 "method": "pipeline",
                 "precision": both,
-                "options": [{"schedule": s, "microbatches": 4} for s in ("gpipe", "1f1b")],
+                "options": [{"schedule": s, **pipe} for s in ("gpipe", "1f1b")],
                 "label": "pipeline-{schedule}",
             },  # fmt: skip
             # Rows that need what this machine may lack; listed so the report says why they are missing.
@@ -183,12 +204,12 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
             {"method": "single", "precision": ["fp32", "fp16-true", "fp16-mixed", "bf16-mixed"]},
             {"method": "dp", "precision": ["fp32", "bf16-mixed"], "world_size": 1},
             {"method": multi, "precision": ["fp32", "bf16-mixed"]},
-            # the source's pipeline parallelism: one ResNet-50 stage per GPU, 4 micro-batches (BatchNorm sees
-            # a micro-batch: docs/pipeline.md)
+            # the source's pipeline parallelism: ResNet-50 in up to 4 stages, one per GPU, replicated over the
+            # other GPUs (pipeline_layout; BatchNorm sees a micro-batch: docs/pipeline.md)
             {
                 "method": "pipeline",
                 "precision": ["fp32", "bf16-mixed"],
-                "options": [{"schedule": s, "microbatches": 4} for s in ("gpipe", "1f1b")],
+                "options": [{"schedule": s, **pipeline_layout(world, pieces=6)} for s in ("gpipe", "1f1b")],
                 "label": "pipeline-{schedule}",
             },  # fmt: skip
         ],
@@ -274,8 +295,8 @@ PRESETS = {
     "gpu-precision": preset_gpu_precision,
     "gpu-fast": preset_gpu_fast,
 }
-WORLD_PRESETS = ("seed", "gpu-fast")
-"""Presets whose default world size depends on the GPUs here (``--world-size`` overrides it)."""
+WORLD_PRESETS = ("quick", "seed", "gpu-fast")
+"""Presets built for the world size (``--world-size``; seed and gpu-fast default to the GPUs here)."""
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,16 +4,22 @@ parallel on a 2-D DeviceMesh).
 
 Layout. ``--pp P`` processes form one pipeline (default: every process); the world is ``dp x P`` with
 ``dp = world / P`` data-parallel replicas of the pipeline, on a DeviceMesh ``(dp, pp)``. Each stage's replicas
-all-reduce their gradients over the mesh's ``dp`` dimension (each stage module is wrapped in
-DistributedDataParallel over that group; the pipelining stage drives its ``no_sync`` and last-backward
-reduction). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
+all-reduce their gradients over the mesh's ``dp`` dimension, in one flat all-reduce per stage after the
+schedule's step (not DistributedDataParallel: its reducer fails on the stages' shape-inference pass in torch
+2.13, see ``_all_reduce_grads``). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
 interleaved-1f1b (default 2P; stage ``i`` runs on pipeline rank ``i % P``).
 
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
 stages per rank, a smaller bubble), ``naive`` (GPipe with one micro-batch: plain model parallelism across
-processes, the bubble made visible). ``--microbatches M`` split each replica's batch; the loss is the mean over
-micro-batches and the schedule divides the accumulated gradients by M, so one step equals the full-batch step.
+processes, the bubble made visible). ``--microbatches M`` split each replica's batch; each micro-batch's loss
+(its mean) is divided by M before its backward, as the loop's ``--grad-accum`` divides, so one step equals the
+full-batch step and each backward equals one micro-step of ``single --grad-accum M``.
+
+Precision: autocast inside each stage (activations travel in the compute dtype). fp16-mixed scales each
+micro-batch's loss by the loss scale; the scaler's "found inf/NaN" is all-reduced over every process (all
+stages, all replicas) before the optimizer step, so every stage skips the same steps and updates the scale
+identically (``ShardedGradScaler``: a GradScaler whose found-inf is summed over a process group).
 
 The model is split by ``stratbench.pipeline_split`` (printed at start, written into result.json under
 ``pipeline.split``). Each process keeps the original model object with every piece it does not run removed,
@@ -223,6 +229,23 @@ def _timed_stage_class():
         def backward_weight_one_chunk(self, *args, **kwargs):
             return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
 
+        def _forward_metadata_inference(self, *args, **kwargs):
+            # To learn its output shapes, torch runs the stage's forward once on the first step (and on the first
+            # step after an evaluation): on the whole batch (first stage) or on uninitialised memory (the others).
+            # In training mode that forward would update BatchNorm's running statistics with a batch no step
+            # trains on (garbage, often NaN: the evaluation then fails). Run it in eval mode: same shapes and
+            # dtypes, buffers untouched (restoring them afterwards would trip autograd's version check in the
+            # backward-shape pass that follows on this forward's graph).
+            # (Each module's own flag is restored: the stage container is not under the model the loop switches
+            # to eval mode, so its flag says nothing about its modules'.)
+            modes = [(m, m.training) for m in self.submod.modules()]
+            self.submod.eval()
+            try:
+                return super()._forward_metadata_inference(*args, **kwargs)
+            finally:
+                for m, training in modes:
+                    m.training = training
+
     return TimedStage
 
 
@@ -240,6 +263,16 @@ class PipelineStrategy(Strategy):
     needs_process_group = True
     Options = PipelineOptions
 
+    def __init__(self, cfg, env, precision, options) -> None:
+        super().__init__(cfg, env, precision, options)
+        if precision.spec.loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Each stage sees only its own gradients: an overflow in one stage must skip the step on every
+            # stage (and replica), or the stages would train different steps and their scales drift apart.
+            # ShardedGradScaler all-reduces found-inf over the group (None: the default group, every process).
+            precision.scaler = ShardedGradScaler(env.device.type, process_group=None)
+
     # ---- what it needs ------------------------------------------------------------------------
     @classmethod
     def check_supported(cls, cfg, device, world_size):
@@ -250,11 +283,6 @@ class PipelineStrategy(Strategy):
             lay = resolve_layout(options, world_size)
         except ConfigError as exc:
             return str(exc)
-        from stratbench.precision import SPECS
-
-        spec = SPECS.get(cfg.precision)
-        if spec is not None and spec.loss_scaling:
-            return f"{cfg.precision} needs a loss scaler agreed across stages, which pipeline does not do yet (use bf16-mixed)"
         if cfg.activation_checkpointing:
             return "--activation-checkpointing with pipeline is not supported (the stages hold the original modules)"
         if cfg.compile:
@@ -334,8 +362,8 @@ class PipelineStrategy(Strategy):
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
-        not counted as its wire bytes), the loss broadcast to the stages, and the replicas' gradient
-        all-reduce."""
+        not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
+        and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
         from stratbench.comm import Collective
 
         lay = resolve_layout(ctx.options, ctx.world)
@@ -378,6 +406,10 @@ class PipelineStrategy(Strategy):
             )
         if lay.pp > 1:
             rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        if ctx.pspec.loss_scaling:
+            rows.append(
+                Collective("all_reduce", 4, 1, "optimizer", ctx.world, "the loss scaler's found-inf flag (fp32)")
+            )
         if lay.dp > 1:
             local = sum(split.stages[i].params for i in ids)
             rows.append(
@@ -445,6 +477,7 @@ class PipelineStrategy(Strategy):
         self.holds_first = 0 in self.stage_ids
         self.holds_last = lay.stages - 1 in self.stage_ids
         self.loss_fn: Callable = nn.CrossEntropyLoss()
+        self._unscaled: dict[int, torch.Tensor] = {}
         self.schedule = self._make_schedule()
         self.step_records: list[dict[str, float]] = []
         self._after_eval = True  # the first step (and the first after an evaluation) infers shapes
@@ -455,17 +488,27 @@ class PipelineStrategy(Strategy):
         from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         lay = self.layout
+        # scale_grads=False: _stage_loss divides each micro-batch's loss by M before its backward (as --grad-accum
+        # does), rather than the schedule dividing the accumulated gradients afterwards: fp16 gradients then have
+        # the magnitudes single's micro-steps have, so both overflow (and skip) at the same loss scale.
         if lay.schedule == "interleaved-1f1b":
-            return ScheduleInterleaved1F1B(self.stages, lay.microbatches, loss_fn=self._stage_loss)
+            return ScheduleInterleaved1F1B(
+                self.stages, lay.microbatches, loss_fn=self._stage_loss, scale_grads=False
+            )
         cls = Schedule1F1B if lay.schedule == "1f1b" else ScheduleGPipe
-        return cls(self.stages[0], lay.microbatches, loss_fn=self._stage_loss)
+        return cls(self.stages[0], lay.microbatches, loss_fn=self._stage_loss, scale_grads=False)
 
     def _stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """The loss on the last stage (the schedule calls it per micro-batch); timed as the stage's compute."""
+        """The loss on the last stage (the schedule calls it per micro-batch and runs backward on what this
+        returns): the micro-batch's mean loss divided by M and scaled by the loss scale (a no-op without
+        fp16-mixed); the unscaled loss is kept for the loss the step reports (the first step also calls this on
+        the shape-inference pass, which the schedule does not count). Timed as the stage's compute."""
         t0 = time.perf_counter()
         loss = self.loss_fn(self.precision.loss_input(output), target)
+        scaled = self.precision.scaler.scale(loss / self.layout.microbatches)
+        self._unscaled[id(scaled)] = loss.detach()
         self.stages[-1].compute_s += time.perf_counter() - t0
-        return loss
+        return scaled
 
     # ---- one step -----------------------------------------------------------------------------
     def run_step(self, model: nn.Module, batches: list, loss_fn: Callable) -> torch.Tensor:
@@ -475,7 +518,12 @@ class PipelineStrategy(Strategy):
         x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
         y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
         args = (self.precision.convert_input(x),) if self.holds_first else ()
+        self._unscaled = {}
         losses: list[torch.Tensor] = []
+        if not self.holds_last:
+            # GradScaler creates its scale on the first scale(loss); a stage without the loss never calls it,
+            # and its unscale_ would then find no scale.
+            self.precision.scaler.scale(torch.zeros((), device=self.env.device))
         for stage in self.stages:
             stage.compute_s = 0.0
         # The schedule interleaves forwards and backwards of the micro-batches (with the stages' sends and the
@@ -505,7 +553,8 @@ class PipelineStrategy(Strategy):
                 self._all_reduce_grads()
         loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
         if self.holds_last:
-            loss = torch.stack([v.detach().double() for v in losses]).mean()
+            # the schedule's losses are what _stage_loss returned for each micro-batch (scaled): report them unscaled
+            loss = torch.stack([self._unscaled[id(v)].double() for v in losses]).mean()
         if self.layout.pp > 1:
             dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
         return loss
@@ -556,6 +605,7 @@ class PipelineStrategy(Strategy):
         args = (x,) if self.holds_first else ()
         target = torch.zeros(size, dtype=torch.long, device=x.device) if self.holds_last else None
         self._after_eval = True
+        self._unscaled = {}
         out = self.schedule.eval(*args, target=target)
         dtype = torch.float64 if self.precision.spec.param_dtype == torch.float64 else torch.float32
         logits = torch.empty(size, self.num_classes, dtype=dtype, device=x.device)
@@ -664,6 +714,9 @@ class PipelineStrategy(Strategy):
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
             "stages": self.stage_ids,
+            # the loss scaler's view on this rank: equal on every rank when the stages agree on skipping
+            "skipped_steps": self.precision.skipped_steps,
+            "loss_scale": self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None,
         }
         mine |= {"bubble": self.bubble()}
         ranks = self.all_gather_object(mine)
