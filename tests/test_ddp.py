@@ -14,7 +14,7 @@ from conftest import (
     COMM,
     EQUIV,
     RTOL,
-    RTOL_FP32_SAME_SHAPES,
+    RTOL_FP32_SAME_MICRO_BATCHES,
     TINY,
     assert_breakdown_adds_up,
     assert_comm_matches_formula,
@@ -76,14 +76,13 @@ def test_ddp_grad_accum_matches_single(runs):
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-def test_ddp_fp32_matches_single_with_the_same_micro_batch_shapes(runs, reference_fp32_same_shapes):
-    """The fp32 check: 2 ranks x 16 against one process x 2 micro-steps of 16. The kernels see the same shapes,
-    so they choose the same algorithms on any CPU; only the grouping of samples into sums differs (see
-    conftest.RTOL_FP32_SAME_SHAPES for the measured spread)."""
-    single = reference_fp32_same_shapes
+def test_ddp_fp32_matches_single_with_the_same_micro_batches(runs, reference_fp32_same_micro_batches):
+    """The fp32 check: 2 ranks x 16 against one process x 2 micro-steps of 16 holding the same samples as the
+    ranks' (data.virtual_rank_order): bit for bit on any CPU (conftest.RTOL_FP32_SAME_MICRO_BATCHES)."""
+    single = reference_fp32_same_micro_batches
     ddp = train(runs["root"] / "ddp-fp32", "--strategy", "ddp", *TINY, nproc=2)
     assert single["micro_batch_size"] == ddp["micro_batch_size"] == 16
-    assert_curves_match(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL_FP32_SAME_SHAPES)
+    assert_curves_match(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL_FP32_SAME_MICRO_BATCHES)
 
 
 @pytest.mark.distributed

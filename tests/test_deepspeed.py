@@ -2,8 +2,9 @@
 
 DeepSpeed has no fp64 mode (its ZeRO optimizers keep fp32 master weights, gradient partitions and optimizer
 state whatever the weights' dtype), so its equivalence is checked in fp32, where it holds by construction too:
-against `single` with the same micro-batch shapes (conftest.RTOL_FP32_SAME_SHAPES; ZeRO-2 and ZeRO-3 with offload
-reproduce ddp's fp32 curve bit for bit, ZeRO-3 with NVMe offload plain ZeRO-3's), and ZeRO-1 with accumulation
+against `single --grad-accum 2`, whose micro-batches hold the samples of the 2 ranks' (bit for bit:
+conftest.RTOL_FP32_SAME_MICRO_BATCHES; ZeRO-2 and ZeRO-3 with offload reproduce ddp's fp32 curve too, ZeRO-3 with NVMe
+offload plain ZeRO-3's), and ZeRO-1 with accumulation
 against ddp with accumulation, which it reproduces bit for bit (measured 0.0 under the AVX2 and SSE4.1 caps); ddp itself matches `single` in fp64.
 """
 
@@ -22,7 +23,7 @@ import pytest
 
 from conftest import (
     COMM,
-    RTOL_FP32_SAME_SHAPES,
+    RTOL_FP32_SAME_MICRO_BATCHES,
     TINY,
     assert_comm_matches_formula,
     assert_curves_match,
@@ -59,8 +60,8 @@ def _fp32(fp64_bytes: int) -> int:
 
 
 @pytest.mark.equivalence
-def test_zero2_matches_single_and_shards_gradients_and_optimizer_state(zero2, reference_run, reference_fp32_same_shapes):
-    assert_curves_match(_curve(zero2), _curve(reference_fp32_same_shapes), RTOL_FP32_SAME_SHAPES)
+def test_zero2_matches_single_and_shards_gradients_and_optimizer_state(zero2, reference_run, reference_fp32_same_micro_batches):
+    assert_curves_match(_curve(zero2), _curve(reference_fp32_same_micro_batches), RTOL_FP32_SAME_MICRO_BATCHES)
     full = reference_run["sharding"]
     _half(zero2["sharding"]["optimizer_state_bytes"], _fp32(full["optimizer_state_bytes"][0]))
     _half(zero2["sharding"]["grad_bytes"], _fp32(full["grad_bytes"][0]))
@@ -162,11 +163,11 @@ def test_list_does_not_import_deepspeed():
 
 
 @pytest.mark.equivalence
-def test_zero3_with_cpu_offload_trains_the_same_model(tmp_path, reference_fp32_same_shapes):
+def test_zero3_with_cpu_offload_trains_the_same_model(tmp_path, reference_fp32_same_micro_batches):
     """ZeRO-Offload (optimizer and parameters on the CPU) changes where states live, not the arithmetic."""
     res = train(tmp_path / "offload", *DS, "--zero-stage", "3", "--offload-optimizer", "cpu", "--offload-params", "cpu",
                 *TINY, nproc=2, timeout=TIMEOUT)  # fmt: skip
-    assert_curves_match(_curve(res), _curve(reference_fp32_same_shapes), RTOL_FP32_SAME_SHAPES)
+    assert_curves_match(_curve(res), _curve(reference_fp32_same_micro_batches), RTOL_FP32_SAME_MICRO_BATCHES)
     cfg = json.loads((tmp_path / "offload" / "deepspeed_config.json").read_text())
     assert cfg["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert cfg["zero_optimization"]["offload_param"]["device"] == "cpu"

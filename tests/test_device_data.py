@@ -91,9 +91,9 @@ def _all(batches) -> list:
 
 
 @pytest.mark.parametrize("data", ["synthetic", "digits"])
-@pytest.mark.parametrize("world", [1, 2])
-def test_same_batches_as_the_loader(data, world):
-    cfg = _cfg(data=data, synthetic_samples=300, image_size=16, seed=7)
+@pytest.mark.parametrize("world,accum", [(1, 1), (2, 1), (1, 3)])
+def test_same_batches_as_the_loader(data, world, accum):
+    cfg = _cfg(data=data, synthetic_samples=300, image_size=16, seed=7, grad_accum=accum)
     bundle = build_data(cfg)
     for rank in range(world):
         dev, dev_s = make_train_batches(cfg.replace(data_pipeline="device"), bundle, CPU, rank, world, 16)
@@ -228,6 +228,45 @@ def test_augmentation_follows_the_sample_position_not_the_rank(cifar):
         x2 = torch.stack([ranks[0][k][0], ranks[1][k][0]], 1).flatten(0, 1)  # interleave rank 0 and 1
         y2 = torch.stack([ranks[0][k][1], ranks[1][k][1]], 1).flatten()
         assert torch.equal(x, x2) and torch.equal(y, y2)
+
+
+@pytest.mark.parametrize("pipeline", ["loader", "device"])
+def test_accumulated_micro_batches_are_the_ranks_batches(pipeline):
+    """One process with --grad-accum 2 computes on exactly the micro-batches 2 ranks take (data.virtual_rank_order):
+    micro-step k of each step holds rank k's batch, so its summed gradients are the ranks' all-reduced ones, bit
+    for bit. A resume (skip whole steps) keeps that order."""
+    cfg = _cfg(data="synthetic", synthetic_samples=300, image_size=16, seed=3, data_pipeline=pipeline)
+    one, s1 = make_train_batches(cfg.replace(grad_accum=2), build_data(cfg), CPU, 0, 1, 16)
+    two = [make_train_batches(cfg, build_data(cfg), CPU, r, 2, 16) for r in range(2)]
+    for epoch in (0, 1):
+        s1.set_epoch(epoch)
+        for _, s in two:
+            s.set_epoch(epoch)
+        micro, ranks = _all(one), [_all(b) for b, _ in two]
+        assert len(micro) == 2 * len(ranks[0]) == 2 * len(ranks[1]) > 0
+        for k, (x, y) in enumerate(micro):
+            x2, y2 = ranks[k % 2][k // 2]
+            assert torch.equal(x, x2) and torch.equal(y, y2), (epoch, k)
+    s1.set_epoch(1, skip=3 * 32)  # resumed after 3 steps of 2 x 16
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(_all(one), micro[6:], strict=True))
+
+
+def test_virtual_rank_order_splits_each_step_as_ranks_would():
+    from stratbench.data import virtual_rank_order
+
+    assert virtual_rank_order(8, 8, 2) == [0, 2, 4, 6, 1, 3, 5, 7]
+    # whole steps reordered, a partial last step kept as it is; one chunk: the identity
+    assert virtual_rank_order(10, 4, 2) == [0, 2, 1, 3, 4, 6, 5, 7, 8, 9]
+    assert virtual_rank_order(6, 6, 1) == list(range(6))
+    # 2 ranks x accumulation 2 = 4 virtual ranks: rank r's micro-step k holds virtual rank r + 2k's share
+    stream = list(range(64))
+    ranks = [stream[r::2] for r in range(2)]
+    for r in range(2):
+        mine = [ranks[r][i] for i in virtual_rank_order(32, 16, 2)]
+        for k in range(2):
+            assert mine[8 * k : 8 * k + 8] == stream[r + 2 * k :: 4][:8]
+    with pytest.raises(ConfigError, match="does not split into 3"):
+        virtual_rank_order(8, 8, 3)
 
 
 def test_resume_continues_the_epoch_exactly(cifar):

@@ -253,32 +253,62 @@ class PaddedEval(Dataset):
         return x, y, torch.tensor(0.0 if i < 0 else 1.0)
 
 
-class SkipSampler(Sampler[int]):
-    """Wraps a sampler and drops its first ``skip`` indices (resuming in the middle of an epoch)."""
+def virtual_rank_order(n: int, step_samples: int, chunks: int) -> list[int]:
+    """Positions 0..n-1 of one rank's sample stream, reordered within each step's ``step_samples`` so that the
+    step's ``chunks`` consecutive micro-batches are the shares that ``chunks`` data-parallel ranks would take of
+    it: micro-batch k holds the step's samples k, k + chunks, k + 2 x chunks, ... (DistributedSampler's split).
 
-    def __init__(self, sampler: DistributedSampler) -> None:
+    So one device accumulating A micro-batches (``--grad-accum A``, or a pipeline's M micro-batches) computes on
+    exactly the micro-batches of A ranks, and its summed gradients equal the ranks' all-reduced ones bit for bit
+    (two-operand sums, power-of-two scaling): ``single --grad-accum 2`` reproduces 2-rank ``ddp`` in any
+    precision, on any CPU. The set of samples in each step is unchanged; a last, partial step keeps its order."""
+    if chunks <= 1 or step_samples <= chunks:
+        return list(range(n))
+    if step_samples % chunks:
+        raise ConfigError(f"a step of {step_samples} samples per rank does not split into {chunks} micro-batches")
+    order: list[int] = []
+    full = n - n % step_samples
+    for base in range(0, full, step_samples):
+        order += [base + j for k in range(chunks) for j in range(k, step_samples, chunks)]
+    return order + list(range(full, n))
+
+
+class SkipSampler(Sampler[int]):
+    """Wraps a sampler: drops its first ``skip`` indices (resuming in the middle of an epoch; whole steps) and
+    orders each step's indices as ``chunks`` data-parallel ranks would split them (``virtual_rank_order``)."""
+
+    def __init__(self, sampler: DistributedSampler, step_samples: int = 1, chunks: int = 1) -> None:
         self.sampler = sampler
         self.skip = 0
+        self.step_samples, self.chunks = step_samples, chunks
 
     def set_epoch(self, epoch: int, skip: int = 0) -> None:
         self.sampler.set_epoch(epoch)
         self.skip = skip
 
     def __iter__(self) -> Iterator[int]:
-        it = iter(self.sampler)
-        for _ in range(self.skip):
-            next(it, None)
-        return it
+        indices = list(self.sampler)[self.skip :]
+        return iter([indices[i] for i in virtual_rank_order(len(indices), self.step_samples, self.chunks)])
 
     def __len__(self) -> int:
         return len(self.sampler) - self.skip
 
 
 def train_loader(
-    ds: Dataset, micro_batch: int, rank: int, world: int, seed: int, workers: int, pin: bool
+    ds: Dataset,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    seed: int,
+    workers: int,
+    pin: bool,
+    step_samples: int = 1,
+    chunks: int = 1,
 ) -> tuple[DataLoader, SkipSampler]:
+    """Training micro-batches of ``micro_batch`` samples for ``rank`` of ``world``; each step's
+    ``step_samples`` come in the order ``virtual_rank_order`` gives them for ``chunks`` micro-batches."""
     base = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
-    sampler = SkipSampler(base)
+    sampler = SkipSampler(base, step_samples, chunks)
     loader = DataLoader(
         ds,
         batch_size=micro_batch,
@@ -370,19 +400,32 @@ def select_pipeline(cfg: TrainConfig, device: torch.device, source_bytes: int | 
 
 
 def make_train_batches(
-    cfg: TrainConfig, bundle: DataBundle, device: torch.device, rank: int, world: int, micro: int
+    cfg: TrainConfig,
+    bundle: DataBundle,
+    device: torch.device,
+    rank: int,
+    world: int,
+    micro: int,
+    chunks: int | None = None,
 ):
     """(batches, sampler): iterating ``batches`` yields (x, y) micro-batches; ``sampler.set_epoch(epoch,
-    skip=samples_to_skip)`` starts an epoch. The device pipeline's tensors are already on ``device`` (the
+    skip=samples_to_skip)`` starts an epoch. One step's ``grad_accum`` micro-batches hold its samples split as
+    ``chunks`` data-parallel ranks would take them (default ``cfg.grad_accum``; a pipeline passes its
+    micro-batch count: ``virtual_rank_order``). The device pipeline's tensors are already on ``device`` (the
     engine's ``.to(device, non_blocking=True)`` is then a no-op); the loader's are pinned on CUDA."""
+    chunks = chunks or cfg.grad_accum
+    step_samples = micro * cfg.grad_accum
     source = _device_source(cfg, bundle.train, device, train=True)
     if source is not None:
         from stratbench.device_data import DeviceBatches
 
-        batches = DeviceBatches(source, micro, rank, world, cfg.seed, device, channels_last=cfg.channels_last)
+        batches = DeviceBatches(
+            source, micro, rank, world, cfg.seed, device, channels_last=cfg.channels_last,
+            step_samples=step_samples, chunks=chunks,
+        )  # fmt: skip
         return batches, batches
     pin = cfg.pin_memory and device.type == "cuda"
-    return train_loader(bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin)
+    return train_loader(bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin, step_samples, chunks)
 
 
 def make_val_batches(

@@ -172,9 +172,12 @@ class DeviceBatches:
         seed: int,
         device: torch.device,
         channels_last: bool = False,
+        step_samples: int = 1,
+        chunks: int = 1,
     ) -> None:
         self.source = source.to(device)
         self.micro_batch = micro_batch
+        self.step_samples, self.chunks = step_samples, chunks
         self.rank, self.world, self.seed = rank, world, seed
         self.device = device
         self.channels_last = channels_last
@@ -192,20 +195,25 @@ class DeviceBatches:
         return (len(self.sampler) - self.skip) // self.micro_batch
 
     def epoch_plan(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
-        """This rank's indices for the epoch (after ``skip``) and their augmentation parameters, on the device."""
+        """This rank's indices for the epoch (after ``skip``, each step's in ``data.virtual_rank_order``) and
+        their augmentation parameters, on the device: the loader's order and draws, by construction."""
+        from stratbench.data import virtual_rank_order
+
         self.sampler.set_epoch(self.epoch)
-        idx = torch.tensor(list(self.sampler), dtype=torch.long)
+        idx = torch.tensor(list(self.sampler), dtype=torch.long)[self.skip :]
+        order = torch.tensor(virtual_rank_order(len(idx), self.step_samples, self.chunks), dtype=torch.long)
+        idx = idx[order]
         params = None
         aug = self.source.augment
         if aug.random:
             g = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
             total = self.sampler.total_size  # one draw per position of the global permutation
             params = tuple(
-                p[self.rank : total : self.world][self.skip :]
+                p[self.rank : total : self.world][self.skip :][order]
                 for p in augment_params(total, aug.crop_padding, g)
             )
             params = tuple(p.to(self.device, non_blocking=True) for p in params)
-        return idx[self.skip :].to(self.device, non_blocking=True), params
+        return idx.to(self.device, non_blocking=True), params
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         idx, params = self.epoch_plan()

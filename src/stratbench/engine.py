@@ -298,7 +298,7 @@ class Trainer:
         shard, shards = strategy.data_shard()
         micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
         # The host DataLoader, or the device-side pipeline (--data-pipeline; the default on CUDA for in-memory data).
-        loader, sampler = make_train_batches(cfg, bundle, env.device, shard, shards, micro)
+        loader, sampler = make_train_batches(cfg, bundle, env.device, shard, shards, micro, strategy.step_chunks())
         self.result["data_pipeline"] = pipeline_of(loader)
         spe = steps_per_epoch(len(bundle.train), shards, micro, cfg.grad_accum)
         if spe == 0:

@@ -113,6 +113,12 @@ class Strategy:
         processes that work on the same samples (the stages of one pipeline) share a shard."""
         return self.env.rank, self.env.world_size
 
+    def step_chunks(self) -> int:
+        """How many micro-batches this process computes one step's samples in: the loop's ``grad_accum``
+        micro-steps by default (a pipeline: its schedule's micro-batches). The data is ordered so that they are
+        the shares that many data-parallel ranks would take (``data.virtual_rank_order``)."""
+        return self.cfg.grad_accum
+
     # ---- set-up -------------------------------------------------------------------------------
     def setup(
         self, model: nn.Module, make_optimizer: OptimizerFactory

@@ -429,6 +429,10 @@ class PipelineStrategy(Strategy):
         lay = resolve_layout(self.options, self.env.world_size)
         return self.env.rank // lay.pp, lay.dp
 
+    def step_chunks(self) -> int:
+        """The schedule splits the replica's step (the loop's micro-steps concatenated) into M micro-batches."""
+        return resolve_layout(self.options, self.env.world_size).microbatches
+
     # ---- set-up -------------------------------------------------------------------------------
     def move(self, model: nn.Module) -> nn.Module:
         return model  # only this rank's stages go to the device (wrap)
