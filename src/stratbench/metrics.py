@@ -453,7 +453,7 @@ class RunMetrics:
             "state_bytes": self.state_bytes or {},
             "comm": self.comm.finish() if self.comm is not None else None,
             "phases": self.phases.summary() if self.phases is not None else None,
-            "alloc_peak": self.alloc.peak if self.alloc is not None else None,
+            "alloc": self.alloc.summary() if self.alloc is not None else None,
         }
         if self.trace is not None:
             self.trace.finish()
@@ -502,7 +502,9 @@ class RunMetrics:
             peak = peak_flops(env.device, cfg.precision, cfg.tf32)
             metrics["mfu"] = achieved / peak if peak else None
         if self.alloc is not None:
-            metrics["cpu_alloc_peak_bytes"] = [r["alloc_peak"] for r in ranks]
+            metrics["cpu_alloc_peak_bytes"] = [r["alloc"]["peak"] for r in ranks]
+            metrics["cpu_alloc_resident_bytes"] = [r["alloc"]["resident"] for r in ranks]
+            metrics["cpu_alloc_import_bytes"] = [r["alloc"]["imports"] for r in ranks]
         if getattr(cfg, "breakdown", False):
             metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
         if self.comm is not None:
@@ -611,34 +613,45 @@ class AllocWindow:
     model was built (stratbench.memprobe): the allocator-level peak the memory estimate predicts, which the
     process RSS hides under ~0.4 GiB of libraries. None where glibc's mallinfo2 is missing. Step 2: the first
     with optimizer state, and not step 3, where --comm-volume's profiler would add its own buffers (and its
-    dispatch would see each collective twice)."""
+    dispatch would see each collective twice). Modules imported after the baseline (a method's own: 1-3 MiB
+    of code objects for ZeroRedundancyOptimizer, FSDP2 or accelerate) are measured apart (``ImportMeter``)
+    and left out: they are no part of the step's memory."""
 
     STEP = 1
 
     def __init__(self) -> None:
         self.baseline: int | None = None
         self.peak: int | None = None
+        self.resident: int | None = None
+        """Bytes in use when step 2 starts (model states, library caches): the part of the peak that stays."""
+        self.imports: int | None = None
+        self._meter = None
         self._mode = None
         self._readings: list[int] = []
 
     def start_baseline(self) -> None:
+        from stratbench.memprobe import ImportMeter, malloc_in_use
+
+        self._meter = ImportMeter().install()
+        self.baseline = malloc_in_use()
+
+    def _in_use(self) -> int:
         from stratbench.memprobe import malloc_in_use
 
-        self.baseline = malloc_in_use()
+        return (malloc_in_use() or 0) - (self._meter.bytes if self._meter is not None else 0)
 
     def before_step(self, steps_done: int) -> None:
         if self.baseline is None or steps_done != self.STEP:
             return
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from stratbench.memprobe import malloc_in_use
-
-        readings = self._readings
+        readings, in_use = self._readings, self._in_use
+        self.resident = in_use() - self.baseline
 
         class Sample(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                readings.append(malloc_in_use() or 0)
+                readings.append(in_use())
                 return out
 
         self._mode = Sample()
@@ -651,6 +664,17 @@ class AllocWindow:
         mode.__exit__(None, None, None)
         if self._readings and self.baseline is not None:
             self.peak = max(self._readings) - self.baseline
+        self.close()
+
+    def close(self) -> None:
+        """Stop metering imports (after step 2, or at the end of a run that had fewer steps)."""
+        if self._meter is not None:
+            self._meter.uninstall()
+            self.imports, self._meter = self._meter.bytes, None
+
+    def summary(self) -> dict[str, int | None]:
+        self.close()
+        return {"peak": self.peak, "resident": self.resident, "imports": self.imports}
 
 
 class CommWindow:
