@@ -417,9 +417,10 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         text["not_compute"] = "n/a" + notes.mark("n/a: the step's phases were not timed (--breakdown false)")
     else:
         text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
-            "not compute: the share of the step spent waiting for the batch or outside forward, backward and "
-            "the optimizer step (metrics.breakdown; the chart chart_breakdown.png splits the whole step). "
-            "Communication that DDP/FSDP overlap with backward counts in backward"
+            "not compute: the share of the step outside forward, backward and the optimizer step: waiting for the "
+            "batch, bookkeeping, and any gap no phase covers (metrics.breakdown; each phase timed on its own "
+            "clock reads; the chart chart_breakdown.png splits the step). Communication that DDP/FSDP overlap "
+            "with backward counts in backward"
         )
     acc = m.get("val_accuracy")
     raw["val_accuracy"] = acc
@@ -945,8 +946,9 @@ def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bo
         left = [a + b for a, b in zip(left, part, strict=True)]
     top = max(left) or 1.0
     for yi, (_, x), v in zip(y, data, left, strict=True):
-        not_compute = (x.get("data", 0) + x.get("other", 0)) / x["step"] * 100 if x["step"] else 0
-        ax.text(v + top * 0.01, yi, f"{v:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
+        compute = sum(x.get(p, 0) for p in ("forward", "backward", "optimizer"))
+        not_compute = (1 - compute / x["step"]) * 100 if x["step"] else 0
+        ax.text(v + top * 0.01, yi, f"{x['step'] * 1000:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
     ax.set_yticks(y, [_label(r, multi) for r, _ in data], fontsize=9)
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.35)

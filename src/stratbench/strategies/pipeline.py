@@ -501,9 +501,10 @@ class PipelineStrategy(Strategy):
         """One schedule step over this replica's whole batch (the loop's micro-steps concatenated: the schedule
         makes its own micro-batches); returns the mean loss, broadcast from the last stage to every stage."""
         self.loss_fn = loss_fn
-        x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
-        y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
-        args = (self.precision.convert_input(x),) if self.holds_first else ()
+        with self.phase("other"):  # the replica's whole batch, which the schedule splits itself
+            x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
+            y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
+            args = (self.precision.convert_input(x),) if self.holds_first else ()
         losses: list[torch.Tensor] = []
         for stage in self.stages:
             stage.compute_s = 0.0
@@ -532,11 +533,12 @@ class PipelineStrategy(Strategy):
             self._after_eval = False
             if self.layout.dp > 1:
                 self._all_reduce_grads()
-        loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        if self.holds_last:
-            loss = torch.stack([v.detach().double() for v in losses]).mean()
-        if self.layout.pp > 1:
-            dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+        with self.phase("other"):  # the mean loss, sent from the last stage to every stage
+            loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
+            if self.holds_last:
+                loss = torch.stack([v.detach().double() for v in losses]).mean()
+            if self.layout.pp > 1:
+                dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
         return loss
 
     def _all_reduce_grads(self) -> None:
