@@ -5,6 +5,7 @@ tests below check that the check can fail."""
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -29,8 +30,15 @@ def test_phases_add_up_and_traces_name_them(tmp_path):
     assert res["metrics"]["measured_steps"] == 4 == b["per_rank_s"][0]["measured_steps"]
     trace = json.loads((out / "traces" / "rank0.json").read_text())
     names = {e.get("name") for e in trace["traceEvents"]}
-    assert {"phase:data", "phase:forward", "phase:backward", "phase:optimizer"} <= names
-    assert not list((out / "traces").glob("*.tmp*"))
+    assert {"phase:data", "phase:forward", "phase:backward", "phase:optimizer", "phase:other"} <= names
+    assert not list((out / "traces").rglob("*.tmp*"))
+    # TensorBoard's PyTorch profiler plug-in (torch_tb_profiler) takes every folder under --logdir that holds a
+    # file matching its WORKER_PATTERN (consts.py) as a run, the name before the suffix as the worker.
+    pattern = re.compile(r"^(.*?)(\.\d+)?\.pt\.trace\.json(?:\.gz)?$")
+    found = [p for p in (out / "traces").rglob("*") if p.is_file() and pattern.match(p.name)]
+    assert [p.relative_to(out / "traces").as_posix() for p in found] == ["plugins/profile/run/rank0.pt.trace.json"]
+    assert pattern.match(found[0].name).group(1) == "rank0"
+    assert found[0].read_bytes() == (out / "traces" / "rank0.json").read_bytes()
 
 
 def test_bad_profile_value_is_refused_before_any_work(tmp_path):

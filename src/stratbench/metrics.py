@@ -601,12 +601,17 @@ def breakdown_report(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | 
 
 class TraceWindow:
     """--profile N: a torch.profiler trace of N steps after the timing warm-up (and after the --comm-volume
-    steps, which use the profiler too), written per rank to OUTPUT/traces/rank{r}.json atomically."""
+    steps, which use the profiler too), written per rank to OUTPUT/traces/rank{r}.json atomically, and linked
+    as OUTPUT/traces/plugins/profile/RUN/rank{r}.pt.trace.json (RUN: the output folder's name), where
+    TensorBoard's PyTorch profiler plug-in finds it (``tensorboard --logdir OUTPUT/traces``: it takes every
+    folder holding ``*.pt.trace.json`` files as a run, each file as a worker)."""
 
     def __init__(self, cfg: Any, env: Any) -> None:
         self.first = max(cfg.timing_warmup_steps, 3 if getattr(cfg, "comm_volume", False) else 0)
         self.steps = cfg.profile
         self.path = Path(cfg.output) / "traces" / f"rank{env.rank}.json"
+        run = Path(cfg.output).resolve().name or "run"
+        self.tensorboard_path = self.path.parent / "plugins" / "profile" / run / f"rank{env.rank}.pt.trace.json"
         self.cuda = env.device.type == "cuda"
         self.recorder: torch.profiler.profile | None = None
         self.done = False
@@ -633,6 +638,22 @@ class TraceWindow:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(self.path, ".json") as tmp:
             prof.export_chrome_trace(str(tmp))
+        link_or_copy(self.path, self.tensorboard_path)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` becomes the same file as ``source`` (a hard link: no second copy of a large trace; a copy
+    where the file system has no hard links), swapped in with one rename."""
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
 
 
 class AllocWindow:
