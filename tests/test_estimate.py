@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, run_stratbench, train
+from conftest import TINY, assert_comm_matches_formula, run_stratbench, train
 from stratbench.advise import advise
 from stratbench.config import TrainConfig
 from stratbench.estimate import (
     ModelSpec,
     estimate,
     max_batch,
+    model_info,
     model_state_bytes,
     parse_bytes,
     predict_peak_bytes,
@@ -26,7 +27,9 @@ from stratbench.strategies.base import all_strategies
 # (id, strategy, extra flags, world size): the methods of compare's quick preset.
 QUICK = [
     ("single", "single", [], 1),
-    ("ddp", "ddp", [], 2),
+    # a BatchNorm model (ResNet-18 at 32 px): DDP broadcasts its buffers before every forward, recorded in step 3
+    ("ddp", "ddp", ["--model", "resnet18", "--image-size", "32", "--data", "synthetic", "--batch-size", "8",
+                    "--max-steps", "3", "--comm-volume", "true"], 2),
     ("ddp-zero", "ddp-zero", [], 2),
     ("fsdp", "fsdp", ["--sharding", "full"], 2),
     ("fsdp1", "fsdp1", [], 2),
@@ -50,8 +53,12 @@ def _flags(args: list[str]) -> list[str]:
 def test_model_state_bytes_match_measurement(tmp_path, strategy, extra, world):
     """Predicted params/grads/optimizer bytes per rank equal what each rank holds, within 2% (AdamW: 2 states)."""
     assert strategy in all_strategies(), f"strategy {strategy!r} is not registered"
-    res = train(tmp_path / strategy, "--strategy", strategy, *extra, *_flags(TINY), "--optimizer", "adamw", nproc=world)
+    res = train(tmp_path / strategy, "--strategy", strategy, *_flags(TINY), *extra, "--optimizer", "adamw", nproc=world)
     assert res["status"] == "ok"
+    if res["metrics"].get("comm"):  # the ddp case: all_reduce Φ + BatchNorm's buffers broadcast (formula, 5%)
+        comm = assert_comm_matches_formula(res)
+        buffers = model_info(ModelSpec.from_config(TrainConfig(**res["config"]))).buffer_bytes
+        assert buffers > 0 and abs(comm["measured"]["broadcast"]["payload_bytes"] - buffers) <= 0.05 * buffers
     cfg = TrainConfig(**{k: v for k, v in res["config"].items()})
     predicted = model_state_bytes(cfg, world)
     measured = res["sharding"]
@@ -66,8 +73,6 @@ def test_model_state_bytes_match_measurement(tmp_path, strategy, extra, world):
 
 def test_zero_partition_is_torchs():
     """Our copy of ZeroRedundancyOptimizer's greedy partition gives the same shards as torch's own."""
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec("tinynet", 10, 32, width=8))
     owned = zero_partition(info.numels, 2)
     assert sorted(i for r in owned for i in r) == list(range(len(info.numels)))
@@ -170,8 +175,6 @@ def test_sharding_divides_states():
     assert rows["ddp"]["gradient buckets"] == 4 * P  # the 20a of DDP + Adam
     # ZeroRedundancyOptimizer shards whole parameters: the most loaded rank holds the biggest share, which for
     # this model (one 2.4M-element convolution) is far above an even 8P/4.
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec.from_config(base))
     biggest = max(sum(info.numels[i] for i in r) for r in zero_partition(info.numels, 4))
     assert rows["ddp-zero"]["optimizer states"] == 8 * biggest and biggest > P / 4
@@ -278,8 +281,6 @@ def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
     (a few KiB) and, in backward, one weight-sized gradient before it is accumulated (the 4096 x 4096 layer's,
     64 MiB) -- not the 112 MiB of weights again. Under FSDP / ZeRO-3 at 8 ranks the full unsharded weights must
     not land in it either (the first estimate held ~560 MiB there for a 147M-parameter MLP)."""
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec.from_config(wide_mlp))
     params, largest = info.total * 4, max(info.numels) * 4
     trace = trace_step(ModelSpec.from_config(wide_mlp), 1, "fp32", False, "cpu")
@@ -298,8 +299,6 @@ def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
 def test_fsdp_gathers_the_root_unit_once_when_the_model_has_no_blocks(wide_mlp):
     """With no residual block the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
     reduce-scatter input (fp32 gradients), not twice as "current + prefetched unit" (2x the model)."""
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec.from_config(wide_mlp))
     assert [len(u) for u in info.block_units] == [len(info.numels)]  # the root alone
     P = info.total
@@ -313,7 +312,7 @@ def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
     """On a CPU torch's optimizers loop over the parameters; their temporaries for the largest one (weight
     decay's grad + wd * p, AdamW's denominator) are the step's scratch: measured +6 MiB on a 1.7M-parameter MLP
     where the first estimate had 0."""
-    from stratbench.estimate import cpu_step_scratch, model_info
+    from stratbench.estimate import cpu_step_scratch
 
     largest = max(model_info(ModelSpec.from_config(wide_mlp)).numels) * 4  # 4096 x 4096 fp32: 64 MiB
     sgd = cpu_step_scratch(wide_mlp.replace(weight_decay=1e-4))
