@@ -69,21 +69,49 @@ def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, **kw) 
     return json.loads((Path(output) / "result.json").read_text())
 
 
-COMM = ["--comm-volume", "true", "--breakdown", "true"]
-"""Record the collectives of step 3 (stratbench.commvol) and time each step's phases in an equivalence run:
-neither changes a number the run computes."""
+COMM = ["--comm-volume", "true", "--breakdown", "true", "--measure-alloc", "true"]
+"""Record the collectives of step 3 (stratbench.commvol), time each step's phases, and read the allocator through
+step 2 (--measure-alloc) in an equivalence run: none changes a number the run computes."""
 
 
-def assert_breakdown_adds_up(res: dict) -> dict:
-    """metrics.breakdown: on every rank the phases add up to the step time (within 2%; by construction they
-    do exactly), and forward, backward and the optimizer step were each timed."""
+def assert_breakdown_adds_up(res: dict, schedule_as_backward: bool = False) -> dict:
+    """metrics.breakdown: on every rank the five phases, each timed on its own spans, add up to the step time
+    the step timer measured independently (within 2%: a part of the step no span covers, or a span timed twice,
+    breaks it), and each phase the method runs was timed. ``schedule_as_backward``: a pipeline times its whole
+    schedule (forwards and backwards interleaved) as backward, so its forward is 0."""
     b = res["metrics"]["breakdown"]
+    assert b["phases"] == ["data", "forward", "backward", "optimizer", "other"], b["phases"]
     for r in b["per_rank_s"]:
         total = sum(r[p] for p in b["phases"])
-        assert abs(total - r["step"]) <= 0.02 * r["step"], r
-        assert all(r[p] > 0 for p in ("forward", "backward", "optimizer")), r
-        assert r["other"] >= -1e-9, r
+        assert abs(total - r["step"]) <= 0.02 * r["step"], (
+            f"phases add up to {total * 1e3:.3f} ms, the step took {r['step'] * 1e3:.3f} ms "
+            f"({(total - r['step']) / r['step']:+.1%}): {r}"
+        )
+        assert abs(r["unattributed"] - (r["step"] - total)) <= 1e-9, r
+        timed = ("backward", "optimizer", "other") if schedule_as_backward else ("forward", "backward", "optimizer", "other")
+        assert all(r[p] > 0 for p in timed), r
+        if schedule_as_backward:
+            assert r["forward"] == 0, f"the pipeline's schedule is timed as backward, forward was {r['forward']}"
     return b
+
+
+def assert_estimate_within(res: dict, tol: float = 0.10) -> float:
+    """The memory estimate of the run's config (its busiest rank) is within ``tol`` of the allocator peak the
+    run measured on itself (--measure-alloc, the largest over the ranks); returns the relative error."""
+    from stratbench.config import TrainConfig, from_dict
+    from stratbench.estimate import estimate
+
+    measured = [a for a in res["metrics"]["cpu_alloc_peak_bytes"] if a]
+    assert len(measured) == res["world_size"], res["metrics"]["cpu_alloc_peak_bytes"]
+    e = estimate(from_dict(TrainConfig, dict(res["config"])), res["world_size"], "cpu")
+    err = (e.peak_bytes - max(measured)) / max(measured)
+    rows = ", ".join(f"{r.component} {r.device_bytes / 2**20:.3f}" for r in e.rows if r.device_bytes)
+    assert abs(err) <= tol, (
+        f"{res['config']['strategy']} {res['precision']}: estimated {e.peak_bytes / 2**20:.3f} MiB, measured "
+        f"{[round(a / 2**20, 3) for a in measured]} MiB ({err:+.1%}); imports left out "
+        f"{res['metrics'].get('cpu_alloc_import_bytes')}; estimate rows (MiB): {rows}"
+    )
+    return err
 
 
 def assert_comm_matches_formula(res: dict, tol: float = 0.05) -> dict:

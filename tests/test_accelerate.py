@@ -21,8 +21,10 @@ from conftest import (
     REPO,
     RTOL,
     TINY,
+    assert_breakdown_adds_up,
     assert_comm_matches_formula,
     assert_curves_match,
+    assert_estimate_within,
     run_stratbench,
 )
 
@@ -59,15 +61,35 @@ fsdp_config:
 """
 
 
-@pytest.mark.distributed
-@pytest.mark.equivalence
-def test_accelerate_ddp_from_the_users_yaml_matches_single_and_its_checkpoint_loads_into_single(tmp_path, reference_run):
-    """Started from the user's accelerate YAML (--accelerate-config): its 2 processes, its method."""
-    out = tmp_path / "acc"
-    user_yaml = tmp_path / "default_DDP.yml"
+@pytest.fixture(scope="module")
+def user_yaml_run(tmp_path_factory) -> tuple:
+    """accelerate-ddp started from the user's accelerate YAML (--accelerate-config): its 2 processes, its
+    method; EQUIV with the collectives, phases and allocator recorded. Returns (folder, result)."""
+    root = tmp_path_factory.mktemp("accelerate")
+    out = root / "acc"
+    user_yaml = root / "default_DDP.yml"
     user_yaml.write_text(SOURCE_DDP_YAML)
     run_stratbench("train", "--accelerate-config", str(user_yaml), "--output", str(out), *EQUIV, *COMM, timeout=240)
-    res = json.loads((out / "result.json").read_text())
+    return out, json.loads((out / "result.json").read_text())
+
+
+@pytest.mark.distributed
+def test_accelerate_ddp_phases_add_up_and_the_memory_estimate_holds(user_yaml_run):
+    """The phases (accelerate's backward and optimizer step inside them) add up to the step time on both
+    ranks; the estimate is within 10% of the allocator peak, accelerate's own modules imported after the
+    baseline left out."""
+    _, res = user_yaml_run
+    assert_breakdown_adds_up(res)
+    assert_estimate_within(res)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_accelerate_ddp_from_the_users_yaml_matches_single_and_its_checkpoint_loads_into_single(
+    user_yaml_run, tmp_path, reference_run
+):
+    """Started from the user's accelerate YAML (--accelerate-config): its 2 processes, its method."""
+    out, res = user_yaml_run
     assert_comm_matches_formula(res)  # DDP's all_reduce Φ, under accelerate
     assert res["status"] == "ok" and res["world_size"] == 2 and res["strategy"] == "accelerate-ddp"
     assert res["optimizer"]["class"] == "torch.optim.sgd.SGD"

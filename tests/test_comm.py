@@ -117,3 +117,37 @@ def test_a_call_without_its_backend_event_takes_its_kind_s_element_size():
     m = parse_trace(events, steps=1, group_size=2)
     assert m.unknown_dtype_calls == 0 and m.inferred_dtype_calls == 1
     assert m.to_dict()["per_step"]["broadcast"]["payload_bytes"] == 40 * 8
+
+
+def _nccl_event(ts: float, collective: str, dtype: str, in_nelems: int, out_nelems: int, dur: float) -> dict:
+    """NCCL's ``record_param_comms`` event as torch.profiler exports it (ParamCommsUtils: the element type is
+    ``c10::toString(ScalarType)``)."""
+    return {"ph": "X", "name": "record_param_comms", "ts": ts, "dur": dur,
+            "args": {"Collective name": collective, "dtype": dtype, "In msg nelems": in_nelems,
+                     "Out msg nelems": out_nelems, "Group size": 2, "Process Group Name": "0"}}  # fmt: skip
+
+
+def test_parse_trace_reads_nccl_record_param_comms():
+    """On NCCL the backend's element type and transfer time come from ``record_param_comms`` (args "dtype" as
+    "Float" / "BFloat16" / "Double", "In msg nelems"), which the gloo tests never exercise."""
+    events = [
+        # DDP's reducer bucket: a TensorList (no dtype on the c10d event), fp32 gradients
+        _event("c10d::allreduce_", 0, [[[100], [20]], [], []], ["TensorList", "", ""]),
+        _nccl_event(2, "allreduce", "Float", 120, 120, dur=300),
+        # FSDP2 under bf16-mixed: a bf16 all-gather (In msg nelems: this rank's part), an fp32 reduce-scatter
+        _event("c10d::allgather_into_tensor_coalesced_", 10, [[[64]], [[32]], []], ["TensorList", "TensorList", ""]),
+        _nccl_event(11, "allgather_into_tensor_coalesced", "BFloat16", 32, 64, dur=40),
+        _event("c10d::reduce_scatter_tensor_coalesced_", 20, [[[32]], [[64]], []], ["TensorList", "TensorList", ""]),
+        _nccl_event(21, "reduce_scatter_tensor_coalesced", "Float", 64, 32, dur=50),
+        # DeepSpeed's fp64 overflow check: one 0-d element
+        _event("c10d::allreduce_", 30, [[[]], []], ["TensorList", ""]),
+        _nccl_event(31, "allreduce", "Double", 1, 1, dur=5),
+    ]
+    m = parse_trace(events, steps=1, group_size=2)
+    d = m.to_dict()["per_step"]
+    assert m.unknown_dtype_calls == 0 and m.inferred_dtype_calls == 0
+    assert d["all_reduce"]["payload_bytes"] == 120 * 4 + 8 and d["all_reduce"]["calls"] == 2
+    assert d["all_gather"]["payload_bytes"] == 64 * 2
+    assert d["reduce_scatter"]["payload_bytes"] == 64 * 4
+    assert d["all_reduce"]["time_s"] == pytest.approx((300 + 5) * 1e-6)
+    assert d["all_gather"]["time_s"] == pytest.approx(40e-6) and d["reduce_scatter"]["time_s"] == pytest.approx(50e-6)

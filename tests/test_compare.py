@@ -288,3 +288,89 @@ def test_ctrl_c_keeps_finished_cells_and_resume_runs_the_rest(fake_cells, tmp_pa
     assert [records[c.id]["status"] for c in fake_cells.cells] == ["ok", "timeout", "ok"]
     assert first_result.stat().st_mtime_ns == stamp
     assert os.path.getsize(out / "results.jsonl") > 0
+
+
+# ---- the report's issue-11 output, rendered from synthetic records (no training) ---------------------
+
+
+def _synthetic_sweep(out: Path) -> dict[str, dict]:
+    """single, ddp and fsdp fp32 cells (2 ranks) with made-up measurements in the shape result.json has:
+    a step of 10 ms split 1 / 3 / 4 / 1 / 0.5 ms (data, forward, backward, optimizer, other; 0.5 ms in no
+    phase), ddp sending 0.1 MiB per step and fsdp 0.15 MiB, and an allocator peak per rank."""
+    from stratbench.compare.runner import SWEEP, append_record, local_environment, make_record
+    from stratbench.metrics import breakdown_report
+
+    out.mkdir(parents=True)
+    matrix = build_matrix({"base": BASE, "world_size": 2,
+                           "cells": [{"method": ["single", "ddp", "fsdp"], "precision": "fp32"}]})  # fmt: skip
+    env = local_environment(2)
+    ms = 1e-3
+    step = {"data": 1 * ms, "forward": 3 * ms, "backward": 4 * ms, "optimizer": 1 * ms, "other": 0.5 * ms,
+            "step": 10 * ms, "unattributed": 0.5 * ms, "measured_steps": 2}  # fmt: skip
+    comm = {"ddp": 0.1 * 2**20, "fsdp": 0.15 * 2**20}
+    made = {}
+    for i, cell in enumerate(matrix.cells):
+        world = cell.world_size
+        metrics = {
+            "peak_memory_bytes": [400 * 2**20] * world, "peak_memory_kind": "cpu_peak_rss",
+            "train_time_s": 1.0, "epoch_time_s": [1.0], "step_time_mean_s": 0.01, "step_time_median_s": 0.01,
+            "throughput_samples_per_s": 3200.0 / (i + 1), "val_accuracy": 0.9, "final_loss": 0.4,
+            "loss_curve": [2.0, 1.0, 0.4], "evaluations": [{"val_accuracy": 0.9, "val_loss": 0.4}],
+            "breakdown": breakdown_report([step] * world),
+            "cpu_alloc_peak_bytes": [(4 + i) * 2**20, (4 + i) * 2**20 - 1000][:world],
+            "cpu_alloc_import_bytes": [i * 2**20] * world,
+        }  # fmt: skip
+        if cell.method in comm:
+            metrics["comm"] = {"wire_bytes_per_step": comm[cell.method], "check": {"all_reduce": {"error_pct": 0.4}}}
+        result = {"config": cell.train_config(out / cell.id), "environment": env, "metrics": metrics,
+                  "global_batch_size": cell.batch_size}  # fmt: skip
+        rec = make_record(cell, "ok", result=result)
+        append_record(out, rec)
+        made[cell.method] = rec
+    (out / SWEEP).write_text(json.dumps({"cells": [{"id": c.id} for c in matrix.cells]}))
+    return made
+
+
+def test_report_shows_breakdown_comm_and_memory_error_from_records(tmp_path):
+    from stratbench.estimate import predict_peak_bytes
+
+    out = tmp_path / "sweep"
+    recs = _synthetic_sweep(out)
+    paths, _ = render_sweeps([out], out)
+    chart = out / "chart_breakdown.png"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
+    md = (out / "report.md").read_text()
+    assert "![breakdown](chart_breakdown.png)" in md
+    header = next(ln for ln in md.splitlines() if ln.startswith("| method"))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    for name in ("not compute (data wait + other)", "comm / step (wire, per rank; vs ddp)",
+                 "allocator peak, measured (max over ranks)", "predicted peak (error)"):  # fmt: skip
+        assert name in cols, cols
+    assert cols.index("predicted peak (error)") == cols.index("allocator peak, measured (max over ranks)") + 1
+    rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
+            for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| method")}  # fmt: skip
+    cell = {m: dict(zip(cols, rows[m], strict=True)) for m in ("single", "ddp", "fsdp")}
+    # not compute = 1 - (forward + backward + optimizer) / step = 1 - 8/10, whatever "other" and the gap are
+    assert all(cell[m]["not compute (data wait + other)"].startswith("20.0%") for m in cell)
+    assert cell["ddp"]["comm / step (wire, per rank; vs ddp)"].startswith("0.10 MiB (1.00x), formula 0.4%")
+    assert cell["fsdp"]["comm / step (wire, per rank; vs ddp)"].startswith("0.15 MiB (1.50x), formula 0.4%")
+    assert cell["single"]["comm / step (wire, per rank; vs ddp)"].startswith("n/a")
+    for i, m in enumerate(("single", "ddp", "fsdp")):
+        pred = predict_peak_bytes(recs[m]["config"], recs[m]["world_size"], "cpu")
+        err = (pred / ((4 + i) * 2**20) - 1) * 100
+        assert cell[m]["allocator peak, measured (max over ranks)"].startswith(f"{4 + i}.00 MiB")
+        assert f"({err:+.0f}%)" in cell[m]["predicted peak (error)"], (cell[m], err)
+    # The same figures, raw, in the csv.
+    csv_rows = {r["method"]: r for r in csv.DictReader(open(out / "report.csv", newline=""))}
+    for i, m in enumerate(("single", "ddp", "fsdp")):
+        r = csv_rows[m]
+        alloc = (4 + i) * 2**20
+        assert int(r["alloc_peak_bytes"]) == alloc and int(r["alloc_import_bytes"]) == i * 2**20
+        pred = int(r["predicted_peak_bytes"])
+        assert float(r["prediction_error_pct"]) == pytest.approx((pred - alloc) / alloc * 100)
+        assert float(r["not_compute_share"]) == pytest.approx(0.2)
+    assert float(csv_rows["ddp"]["comm_wire_bytes_per_step"]) == pytest.approx(0.1 * 2**20)
+    assert float(csv_rows["fsdp"]["comm_vs_ddp"]) == pytest.approx(1.5)
+    assert csv_rows["single"]["comm_vs_ddp"] == "n/a"
+    html = (out / "report.html").read_text()
+    assert "allocator peak, measured" in html and "data:image/png;base64," in html

@@ -19,6 +19,7 @@ from conftest import (
     assert_breakdown_adds_up,
     assert_comm_matches_formula,
     assert_curves_match,
+    assert_estimate_within,
     run_stratbench,
     train,
 )
@@ -42,13 +43,21 @@ def test_communication_matches_the_formula(runs, strategy):
     """ddp: all_reduce Φ (the C++ reducer's buckets, seen through the profiler); ddp-zero: the same plus Φ of
     parameter broadcasts after the step (one per parameter). Φ: fp64 parameters here."""
     comm = assert_comm_matches_formula(runs[strategy])
-    assert_breakdown_adds_up(runs[strategy])
     phi = sum(runs["single"]["sharding"]["param_bytes"])
     assert comm["measured"]["all_reduce"]["payload_bytes"] == phi
     if strategy == "ddp-zero":
         assert comm["measured"]["broadcast"]["payload_bytes"] == phi
     else:
         assert "broadcast" not in comm["measured"]  # a BN-free model: no buffers to broadcast
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-zero"])
+def test_phases_add_up_and_the_memory_estimate_holds(runs, strategy):
+    """The same runs: their five phases add up to the measured step time on both ranks, and the memory
+    estimate is within 10% of the allocator peak each run measured on itself (--measure-alloc, step 2)."""
+    assert_breakdown_adds_up(runs[strategy])
+    assert_estimate_within(runs[strategy])
 
 
 @pytest.mark.distributed

@@ -25,8 +25,10 @@ from conftest import (
     COMM,
     RTOL_FP32_SAME_MICRO_BATCHES,
     TINY,
+    assert_breakdown_adds_up,
     assert_comm_matches_formula,
     assert_curves_match,
+    assert_estimate_within,
     run_stratbench,
     train,
 )
@@ -70,6 +72,14 @@ def test_zero2_matches_single_and_shards_gradients_and_optimizer_state(zero2, re
     cfg = json.loads((Path(zero2["config"]["output"]) / "deepspeed_config.json").read_text())
     assert cfg["train_batch_size"] == 32 and cfg["train_micro_batch_size_per_gpu"] == 16
     assert cfg["zero_optimization"]["stage"] == 2 and "fp16" not in cfg and "bf16" not in cfg
+
+
+@pytest.mark.distributed
+def test_zero2_phases_add_up_and_the_memory_estimate_holds(zero2):
+    """The same run: phases add up to the step time on both ranks; the estimate (its largest row DeepSpeed's
+    whole fp32 reduce bucket, 1.86 GiB) is within 10% of the allocator peak the run measured."""
+    assert_breakdown_adds_up(zero2)
+    assert_estimate_within(zero2)
 
 
 @pytest.mark.equivalence
@@ -123,6 +133,8 @@ def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
     phi_bf16 = sum(reference_run["sharding"]["param_bytes"]) // 4
     main = "reduce_scatter" if stage == "3" else "all_reduce"
     assert abs(comm["measured"][main]["payload_bytes"] - phi_bf16) <= 16, comm["measured"]
+    assert_breakdown_adds_up(res)
+    assert_estimate_within(res)
 
 
 def test_conflicting_user_json_is_one_clear_error(tmp_path):

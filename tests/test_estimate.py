@@ -8,13 +8,14 @@ import json
 import pytest
 import torch
 
-from conftest import TINY, train
+from conftest import TINY, assert_comm_matches_formula, train
 from stratbench.advise import advise
 from stratbench.config import TrainConfig
 from stratbench.estimate import (
     ModelSpec,
     estimate,
     max_batch,
+    model_info,
     model_state_bytes,
     parse_bytes,
     predict_peak_bytes,
@@ -26,7 +27,9 @@ from stratbench.strategies.base import all_strategies
 # (id, strategy, extra flags, world size): the methods of compare's quick preset.
 QUICK = [
     ("single", "single", [], 1),
-    ("ddp", "ddp", [], 2),
+    # a BatchNorm model (ResNet-18 at 32 px): DDP broadcasts its buffers before every forward, recorded in step 3
+    ("ddp", "ddp", ["--model", "resnet18", "--image-size", "32", "--data", "synthetic", "--batch-size", "8",
+                    "--max-steps", "3", "--comm-volume", "true"], 2),
     ("ddp-zero", "ddp-zero", [], 2),
     ("fsdp", "fsdp", ["--sharding", "full"], 2),
     ("fsdp1", "fsdp1", [], 2),
@@ -50,8 +53,12 @@ def _flags(args: list[str]) -> list[str]:
 def test_model_state_bytes_match_measurement(tmp_path, strategy, extra, world):
     """Predicted params/grads/optimizer bytes per rank equal what each rank holds, within 2% (AdamW: 2 states)."""
     assert strategy in all_strategies(), f"strategy {strategy!r} is not registered"
-    res = train(tmp_path / strategy, "--strategy", strategy, *extra, *_flags(TINY), "--optimizer", "adamw", nproc=world)
+    res = train(tmp_path / strategy, "--strategy", strategy, *_flags(TINY), *extra, "--optimizer", "adamw", nproc=world)
     assert res["status"] == "ok"
+    if res["metrics"].get("comm"):  # the ddp case: all_reduce Φ + BatchNorm's buffers broadcast (formula, 5%)
+        comm = assert_comm_matches_formula(res)
+        buffers = model_info(ModelSpec.from_config(TrainConfig(**res["config"]))).buffer_bytes
+        assert buffers > 0 and abs(comm["measured"]["broadcast"]["payload_bytes"] - buffers) <= 0.05 * buffers
     cfg = TrainConfig(**{k: v for k, v in res["config"].items()})
     predicted = model_state_bytes(cfg, world)
     measured = res["sharding"]
@@ -66,8 +73,6 @@ def test_model_state_bytes_match_measurement(tmp_path, strategy, extra, world):
 
 def test_zero_partition_is_torchs():
     """Our copy of ZeroRedundancyOptimizer's greedy partition gives the same shards as torch's own."""
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec("tinynet", 10, 32, width=8))
     owned = zero_partition(info.numels, 2)
     assert sorted(i for r in owned for i in r) == list(range(len(info.numels)))
@@ -204,8 +209,6 @@ def test_sharding_divides_states():
     assert rows["ddp"]["gradient buckets"] == 4 * P  # the 20a of DDP + Adam
     # ZeroRedundancyOptimizer shards whole parameters: the most loaded rank holds the biggest share, which for
     # this model (one 2.4M-element convolution) is far above an even 8P/4.
-    from stratbench.estimate import model_info
-
     info = model_info(ModelSpec.from_config(base))
     biggest = max(sum(info.numels[i] for i in r) for r in zero_partition(info.numels, 4))
     assert rows["ddp-zero"]["optimizer states"] == 8 * biggest and biggest > P / 4
@@ -285,3 +288,75 @@ def test_every_precision_has_an_estimate_that_scales_with_its_dtype():
     fp32 = params("fp32")
     assert params("fp64") == 2 * fp32 and params("bf16-true") * 2 == fp32 and params("fp16-true") * 2 == fp32
     assert all(params(p) > 0 for p in SPECS)
+
+
+# ---- regressions of the causes issue 11 found (in process, fake tensors: no training) -------------------
+WIDE_MLP = """
+from torch import nn
+
+def build(num_classes):  # 29M parameters (112 MiB fp32), no convolution and no residual block
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 32 * 32, 4096), nn.ReLU(), nn.Linear(4096, 4096), nn.ReLU(),
+                         nn.Linear(4096, num_classes))
+"""
+
+
+@pytest.fixture()
+def wide_mlp(tmp_path, monkeypatch) -> TrainConfig:
+    (tmp_path / "sb_wide_mlp.py").write_text(WIDE_MLP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return TrainConfig(model="sb_wide_mlp:build", data="synthetic", num_classes=10, image_size=32, batch_size=8)
+
+
+def _rows(e) -> dict[str, int]:
+    return {r.component: r.device_bytes for r in e.rows}
+
+
+def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
+    """Every Linear runs on ``aten.t`` of its weight and autograd keeps ``detach`` aliases: views of the
+    parameters' storage, which the model states already count. At batch 1 the working set is the activations
+    (a few KiB) and, in backward, one weight-sized gradient before it is accumulated (the 4096 x 4096 layer's,
+    64 MiB) -- not the 112 MiB of weights again. Under FSDP / ZeRO-3 at 8 ranks the full unsharded weights must
+    not land in it either (the first estimate held ~560 MiB there for a 147M-parameter MLP)."""
+    info = model_info(ModelSpec.from_config(wide_mlp))
+    params, largest = info.total * 4, max(info.numels) * 4
+    trace = trace_step(ModelSpec.from_config(wide_mlp), 1, "fp32", False, "cpu")
+    assert trace.saved_bytes < 2**20, trace.saved_bytes
+    assert largest <= trace.peak(0) < largest + 2**20 < params, (trace.peak(0), largest, params)
+    cases = [("fsdp", {"sharding": "full"}), ("fsdp1", {})]
+    if "deepspeed" in all_strategies():
+        cases.append(("deepspeed", {"zero_stage": 3}))
+    for name, opts in cases:
+        rows = _rows(estimate(wide_mlp.replace(strategy=name, strategy_options=opts), 8, "cuda"))
+        assert rows["activations saved for backward"] < 2**20, (name, rows)
+        # that gradient, plus the rank's 1/8 of the others as they appear: nothing of the whole model's size
+        assert rows["forward/backward working peak"] < largest + params / 8 + 2**20, (name, rows)
+
+
+def test_fsdp_gathers_the_root_unit_once_when_the_model_has_no_blocks(wide_mlp):
+    """With no residual block the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
+    reduce-scatter input (fp32 gradients), not twice as "current + prefetched unit" (2x the model)."""
+    info = model_info(ModelSpec.from_config(wide_mlp))
+    assert [len(u) for u in info.block_units] == [len(info.numels)]  # the root alone
+    P = info.total
+    for precision, gather in (("fp32", 4), ("bf16-mixed", 2)):
+        cfg = wide_mlp.replace(strategy="fsdp", strategy_options={"sharding": "full"}, precision=precision)
+        gathered = _rows(estimate(cfg, 4, "cuda"))["gathered parameters"]
+        assert gathered == P * gather + P * 4, (precision, gathered, P)
+
+
+def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
+    """On a CPU torch's optimizers loop over the parameters; their temporaries for the largest one (weight
+    decay's grad + wd * p, AdamW's denominator) are the step's scratch: measured +6 MiB on a 1.7M-parameter MLP
+    where the first estimate had 0."""
+    from stratbench.estimate import cpu_step_scratch
+
+    largest = max(model_info(ModelSpec.from_config(wide_mlp)).numels) * 4  # 4096 x 4096 fp32: 64 MiB
+    sgd = cpu_step_scratch(wide_mlp.replace(weight_decay=1e-4))
+    adamw = cpu_step_scratch(wide_mlp.replace(optimizer="adamw"))
+    assert largest <= sgd <= 3 * largest, (sgd, largest)
+    assert largest <= adamw <= 4 * largest, (adamw, largest)
+    e = estimate(wide_mlp.replace(weight_decay=1e-4), 1, "cpu")
+    assert _rows(e)["optimizer step scratch"] == sgd
+    # a rank stepping half of every parameter (FSDP2 on 2 ranks) has half the scratch
+    half = estimate(wide_mlp.replace(weight_decay=1e-4, strategy="fsdp"), 2, "cpu")
+    assert _rows(half)["optimizer step scratch"] == pytest.approx(sgd / 2, rel=0.01)

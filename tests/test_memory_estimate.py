@@ -104,3 +104,31 @@ def test_peak_table_matches_whole_device_names(name, key, want):
     from stratbench.metrics import peak_flops_for_name
 
     assert peak_flops_for_name(name, key) == want
+
+
+@pytest.mark.skipif(malloc_in_use() is None, reason="needs glibc's mallinfo2")
+def test_import_meter_counts_what_an_import_allocates_and_nothing_else(tmp_path, monkeypatch):
+    """--measure-alloc leaves out the modules a method imports after the baseline (1-3 MiB of code objects for
+    ZeroRedundancyOptimizer, FSDP2, accelerate): the meter sees an import's own allocation, not the rest of
+    the process's, and restores the import machinery when it is taken off."""
+    import importlib
+    import importlib._bootstrap as bootstrap
+    import sys
+
+    from stratbench.memprobe import ImportMeter
+
+    (tmp_path / "sb_heavy_module.py").write_text("BLOCK = bytearray(3 * 2**20)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    original = bootstrap._find_and_load
+    meter = ImportMeter().install()
+    try:
+        other = bytearray(5 * 2**20)  # not an import: not counted
+        importlib.import_module("sb_heavy_module")
+        import sb_heavy_module  # noqa: F401  (already loaded: costs nothing, not seen)
+    finally:
+        meter.uninstall()
+        sys.modules.pop("sb_heavy_module", None)
+    assert bootstrap._find_and_load is original
+    assert meter.modules == 1
+    assert 3 * 2**20 <= meter.bytes < 3 * 2**20 + 2**20, meter.bytes
+    del other

@@ -16,11 +16,14 @@ import torch
 from torch import nn
 
 from conftest import (
+    COMM,
     EQUIV,
     RTOL,
     TINY,
+    assert_breakdown_adds_up,
     assert_comm_matches_formula,
     assert_curves_match,
+    assert_estimate_within,
     run_stratbench,
     train,
 )
@@ -36,7 +39,7 @@ def runs(tmp_path_factory, reference_run) -> dict:
     out: dict = {"root": root, "single": reference_run}
     # gpipe, split balanced by FLOPs; saves only at the end (step 20)
     out["gpipe"] = train(root / "gpipe", *PP, *EQUIV, "--schedule", "gpipe", "--microbatches", "4",
-                         "--balance", "flops", "--comm-volume", "true", nproc=2)  # fmt: skip
+                         "--balance", "flops", *COMM, nproc=2)  # fmt: skip
     # 1f1b with an explicit split, saving at step 10 too (single resumes from it)
     out["1f1b"] = train(root / "1f1b", *PP, *EQUIV, "--schedule", "1f1b", "--microbatches", "4",
                         "--split-points", "blocks.1", "--save-every-steps", "10", "--keep-last", "2", nproc=2)  # fmt: skip
@@ -85,6 +88,15 @@ def test_measured_sends_match_the_formula(runs):
         assert c["error_pct"] == pytest.approx(0.0, abs=5.0), (kind, c)
     for rank in comm["measured_per_rank"]:
         assert rank["per_step"]["send_recv"]["calls"] == 4
+
+
+@pytest.mark.distributed
+def test_phases_add_up_and_the_memory_estimate_holds(runs):
+    """The gpipe run: the schedule (forwards, backwards, sends) is timed as backward, the loss broadcast as
+    other, and they add up to the step time on both stages; the estimate of the busiest stage (all 4
+    micro-batches in flight under gpipe, and the step's input batch) is within 10% of its measured peak."""
+    assert_breakdown_adds_up(runs["gpipe"], schedule_as_backward=True)
+    assert_estimate_within(runs["gpipe"])
 
 
 @pytest.mark.distributed
@@ -448,9 +460,11 @@ def test_memory_model_counts_the_micro_batches_in_flight():
                           strategy_options={"schedule": schedule, "microbatches": 8})  # fmt: skip
         return rank_states(cfg, 2, rank, device_type="cpu").activations
 
-    # stage 0 under gpipe holds all 8 micro-batches, under 1f1b at most 2 (= the stages); stage 1 holds 1
-    assert acts("gpipe", 0) == 4 * acts("1f1b", 0) > 0
-    assert acts("gpipe", 1) == 8 * acts("1f1b", 1) > 0
+    # stage 0 under gpipe holds all 8 micro-batches, under 1f1b at most 2 (= the stages); stage 1 holds 1; each
+    # stage also holds the step's 64 fp32 input images, whatever the schedule
+    images = 64 * 3 * 32 * 32 * 4
+    assert acts("gpipe", 0) - images == 4 * (acts("1f1b", 0) - images) > 0
+    assert acts("gpipe", 1) - images == 8 * (acts("1f1b", 1) - images) > 0
 
 
 def test_comm_model_sends_each_micro_batch_across_the_boundary():

@@ -56,6 +56,12 @@ _DTYPE_BYTES = {
     "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long": 8, "long int": 8, "int": 4,
     "unsigned char": 1, "signed char": 1, "bool": 1, "short": 2, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
 }  # fmt: skip
+_SCALAR_TYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1,
+    "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1,
+}  # fmt: skip
+"""NCCL's ``record_param_comms`` events name the element type as ``c10::toString(ScalarType)`` ("Float",
+"BFloat16"), not as the op events' C++ type names ("float", "c10::BFloat16")."""
 _BACKEND_PREFIXES = ("gloo:", "nccl:", "record_param_comms")
 
 
@@ -173,7 +179,8 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
 def _transport_numel_and_itemsize(e: dict[str, Any]) -> tuple[int, int | None]:
     args = e.get("args", {})
     if "In msg nelems" in args:  # NCCL's record_param_comms
-        return int(args.get("In msg nelems", 0)), _DTYPE_BYTES.get(str(args.get("dtype", "")))
+        dtype = str(args.get("dtype", "")).strip('"')
+        return int(args.get("In msg nelems", 0)), _SCALAR_TYPE_BYTES.get(dtype, _DTYPE_BYTES.get(dtype))
     dims, types = args.get("Input Dims", []), args.get("Input type", [])
     numel = sum(_numel(d, scalar_if_empty=t in _DTYPE_BYTES) for d, t in zip(dims, types, strict=False))
     itemsize = next((_DTYPE_BYTES[t] for t in types if t in _DTYPE_BYTES), None)

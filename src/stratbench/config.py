@@ -188,8 +188,8 @@ class TrainConfig:
     measure_flops: bool = True
     """Count FLOPs per sample once (on the meta device) to report achieved FLOP/s and MFU."""
     breakdown: bool = False
-    """Time each step's phases (data wait, forward, backward, optimizer, other; synchronised at each boundary)
-    into metrics.breakdown; they add up to the step time by construction."""
+    """Time each step's phases (data wait, forward, backward, optimizer, other; each its own synchronised spans)
+    into metrics.breakdown, beside the step time; what no span covers is reported as unattributed."""
     profile: int = 0
     """Write a torch.profiler trace per rank of this many steps after the timing warm-up (and after the
     --comm-volume steps) to OUTPUT/traces/rank{r}.json, the phases as named ranges (Perfetto, TensorBoard)."""

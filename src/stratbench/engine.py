@@ -275,11 +275,13 @@ class Trainer:
             micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
         loss = strategy.run_step(run.model, micro, self.loss_fn)
         if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
-            metrics.record_state_bytes(run.model, run.optimizer)
+            with metrics.phase("other"):
+                metrics.record_state_bytes(run.model, run.optimizer)
         with metrics.phase("optimizer"):
             strategy.optimizer_step(run.optimizer, cfg.clip_grad_norm)
-        lr = run.state.scheduler.get_last_lr()[0]
-        run.state.scheduler.step()
+        with metrics.phase("other"):
+            lr = run.state.scheduler.get_last_lr()[0]
+            run.state.scheduler.step()
         dt = metrics.step_end(progress.step + 1, progress.epoch, loss, lr)
         value = metrics.losses[-1]
         if not math.isfinite(value) and not strategy.precision.scaler.is_enabled():

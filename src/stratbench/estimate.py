@@ -45,10 +45,25 @@ OVERHEAD: dict[str, dict[str, float]] = {
     "cuda": {"context_bytes": 512 * MiB, "allocator_slack": 0.05},
     "cpu": {"context_bytes": 0, "allocator_slack": 0.0},
 }
-# CPU: buffers the math libraries keep across ops (oneDNN/MKL scratch and caches), outside the traced tensors.
-# Measured with stratbench.memprobe (glibc bytes in use minus the traced peak) on tinynet, a 1.7M-parameter
-# MLP and ResNet-18: 2.0-2.8 MiB whatever the model; 2 MiB is taken, stated as its own row.
-CPU_KERNEL_BYTES = 2 * MiB
+# CPU: memory the math libraries keep across steps, outside the traced tensors (oneDNN's primitive cache and
+# scratch, MKL's GEMM buffers). How much depends on which kernels torch picks for the compute dtype on this CPU:
+# oneDNN for fp32, and for bf16/fp16 only where the CPU runs them natively (torch's own reference kernels
+# otherwise, which keep next to nothing); with native 16-bit, oneDNN's 16-bit matrix products (a Linear layer)
+# add a second block once per process, whatever their number. Measured with stratbench.memprobe (bytes in use at
+# the start of step 2 above the baseline, minus the model states) on tinynet width 8 and 32, ResNet-18 and a
+# 3-Linear MLP, 1 and 2 ranks, AMD EPYC with AVX512-BF16, 2026-11-23 (docs/memory.md, "CPU runtime rows").
+CPU_LIBRARY_BYTES: dict[str, int] = {
+    "fp32": 2 * MiB,  # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit: 1.93 on a stage with no Linear)
+    "fp64": 2 * MiB,  # MKL (oneDNN has no fp64) and im2col: 0.85-3.68 MiB (tinynet 16 px to ResNet-18 32 px)
+    "16-bit matmul": 5 * MiB // 4,  # + oneDNN's bf16 matrix products: +1.23-1.50 MiB over fp32, 1 or 3 Linears
+    "16-bit reference": MiB // 4,  # torch's own kernels, no native 16-bit (oneDNN off): 0.03-0.35 MiB
+}
+# FSDP2 on CPU: DTensor's sharding propagation runs each new op on fake tensors, which record their stack; the
+# source lines of those frames stay in Python's linecache, and its cache of op schemas stays too. Not tensor
+# memory (on a GPU it is host memory), but malloc's on a CPU: 0.31-0.34 MiB above the other methods, measured
+# at 2 ranks (tinynet, fp32 and bf16-mixed; tracemalloc names linecache and torch/distributed/tensor).
+CPU_FSDP2_RUNTIME_BYTES = MiB // 3
+
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
 ROUND_BYTES = {"cuda": 512, "cpu": 1}
 
@@ -99,6 +114,8 @@ class ModelInfo:
     layer_units: list[list[int]]
     """FSDP1 as the source wraps it: one unit per Linear/Conv2d, the root unit (the rest) last."""
     buffer_bytes: int
+    linear_names: tuple[str, ...] = ()
+    """Qualified names of the nn.Linear modules (a CPU's 16-bit matrix products keep oneDNN buffers)."""
 
     @property
     def total(self) -> int:
@@ -140,6 +157,7 @@ def model_info(spec: ModelSpec) -> ModelInfo:
         block_units=units(lambda m: bool(block_types) and isinstance(m, block_types)),
         layer_units=units(lambda m: isinstance(m, (nn.Linear, nn.Conv2d))),
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
+        linear_names=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
     )
 
 
@@ -434,6 +452,12 @@ class RankMemory:
     """Activations the method computes itself (a pipeline stage: its micro-batches in flight); None: the whole
     model traced at the per-device micro-batch."""
     activation_note: str = ""
+    runs_linear: bool | None = None
+    """Whether this rank runs an nn.Linear (a CPU's 16-bit matrix products keep buffers); None: the whole model
+    runs on every rank, so it does if the model has one."""
+    cpu_runtime: int = 0
+    cpu_runtime_note: str = ""
+    """Memory the method's own runtime keeps on a CPU outside tensors (FSDP2's DTensor caches)."""
 
     def offload_params_to_host(self, with_grads_and_optim: bool = False) -> None:
         self.host_params, self.params = self.host_params + self.params, 0
@@ -581,7 +605,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         else:  # traced; a sharded rank steps its share of each parameter
             share = s.params / max(1, info.total * SPECS[cfg.precision].param_dtype.itemsize)
             step_temp = int(cpu_step_scratch(cfg) * min(1.0, share))
-    kernel = CPU_KERNEL_BYTES if device_type == "cpu" else 0
+    linear = bool(info.linear_names) if s.runs_linear is None else s.runs_linear
+    library, library_note = cpu_library_bytes(cfg.precision, linear) if device_type == "cpu" else (0, "")
+    runtime = s.cpu_runtime if device_type == "cpu" else 0
+    kernel = library + runtime
     peak_fwd_bwd += kernel
     peak_step = resident + s.grads + step_temp + kernel
     peak = max(peak_fwd_bwd, peak_step)
@@ -612,8 +639,10 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         ),
         r("optimizer step scratch", step_temp, 0, "foreach kernels / fp32 gradient partition"),
     ]
-    if kernel:
-        rows.append(r("CPU math-library buffers", kernel, 0, "oneDNN/MKL scratch, measured constant"))
+    if device_type == "cpu":
+        rows.append(r("CPU math-library buffers", library, 0, library_note))
+    if runtime:
+        rows.append(r("method runtime (CPU)", runtime, 0, s.cpu_runtime_note))
     return Estimate(
         strategy=cfg.strategy,
         precision=cfg.precision,
@@ -630,6 +659,36 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
         num_parameters=info.total,
         per_rank_states=model_state_bytes(cfg, world),
     )
+
+
+def cpu_library_bytes(precision: str, runs_linear: bool = True) -> tuple[int, str]:
+    """Bytes the CPU math libraries keep across steps for ``precision`` on this CPU (``CPU_LIBRARY_BYTES``) and a
+    note naming the kernel path. torch runs bf16/fp16 convolutions and matrix products in oneDNN only where the
+    CPU supports them natively (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), in its own kernels otherwise;
+    ``runs_linear``: the process runs a matrix product (an nn.Linear)."""
+    from stratbench.precision import SPECS
+
+    compute = SPECS[precision].compute_dtype
+    if compute == torch.float64:
+        return CPU_LIBRARY_BYTES["fp64"], "MKL buffers (fp64, no oneDNN), measured constant"
+    if compute.itemsize >= 4:
+        return CPU_LIBRARY_BYTES["fp32"], "oneDNN/MKL scratch and primitive cache, measured constant"
+    name = str(compute).removeprefix("torch.")
+    if not cpu_native_16bit(compute):
+        return CPU_LIBRARY_BYTES["16-bit reference"], f"no native {name} on this CPU: torch's own kernels"
+    extra = CPU_LIBRARY_BYTES["16-bit matmul"] if runs_linear else 0
+    note = f"oneDNN {name}, native on this CPU" + (" (+ its matrix-product buffers)" if runs_linear else "")
+    return CPU_LIBRARY_BYTES["fp32"] + extra, note + ", measured constant"
+
+
+def cpu_native_16bit(dtype: torch.dtype) -> bool:
+    """Whether torch runs ``dtype`` (bf16 or fp16) convolutions and matrix products in oneDNN on this CPU."""
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    try:
+        enabled = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+        return bool(enabled and getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):
+        return False
 
 
 def _device_type(cfg: TrainConfig) -> str:

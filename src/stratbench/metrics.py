@@ -460,7 +460,7 @@ class RunMetrics:
             "state_bytes": self.state_bytes or {},
             "comm": self.comm.finish() if self.comm is not None else None,
             "phases": self.phases.summary() if self.phases is not None else None,
-            "alloc_peak": self.alloc.peak if self.alloc is not None else None,
+            "alloc": self.alloc.summary() if self.alloc is not None else None,
         }
         if self.trace is not None:
             self.trace.finish()
@@ -509,7 +509,9 @@ class RunMetrics:
             peak = peak_flops(env.device, cfg.precision, cfg.tf32)
             metrics["mfu"] = achieved / peak if peak else None
         if self.alloc is not None:
-            metrics["cpu_alloc_peak_bytes"] = [r["alloc_peak"] for r in ranks]
+            metrics["cpu_alloc_peak_bytes"] = [r["alloc"]["peak"] for r in ranks]
+            metrics["cpu_alloc_resident_bytes"] = [r["alloc"]["resident"] for r in ranks]
+            metrics["cpu_alloc_import_bytes"] = [r["alloc"]["imports"] for r in ranks]
         if getattr(cfg, "breakdown", False):
             metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
         if self.comm is not None:
@@ -522,34 +524,32 @@ class RunMetrics:
 
 PHASES = ("data", "forward", "backward", "optimizer", "other")
 """The parts of a step: waiting for the batch, forward, backward (with the communication overlapped with it),
-the optimizer step (with ZeRO's gathers after it), and the rest (loss bookkeeping, hooks, Python)."""
+the optimizer step (with ZeRO's gathers after it), and the rest (loss bookkeeping, the LR schedule, the
+state-bytes count): each timed as its own spans."""
+COMPUTE_PHASES = ("forward", "backward", "optimizer")
 
 
 class PhaseClock:
-    """Times the named phases of each step on the step timer's synchronised clock. ``other`` is the step time
-    minus the named phases, so the phases add up to the step by construction; warm-up and traced steps are
-    left out. Each phase is also a ``record_function`` range, so it shows by name in a profiler trace."""
+    """Times the named spans of each step on the step timer's synchronised clock, each phase on its own clock
+    reads (nothing is derived from the step time), so that the phases adding up to the step time the
+    ``StepTimer`` measured is a check: a part of the step no span covers, or spans timed twice (nested), show as
+    ``unattributed`` (step - sum of phases). Warm-up and traced steps are left out. Each span is also a
+    ``record_function`` range, so it shows by name in a profiler trace."""
 
     def __init__(self, sync: Callable[[], None]) -> None:
         self.sync = sync
         self.current: dict[str, float] = {}
         self.steps: list[dict[str, float]] = []
 
-    @contextmanager
-    def phase(self, name: str) -> Iterator[None]:
-        with torch.profiler.record_function(f"phase:{name}"):
-            self.sync()
-            t0 = time.perf_counter()
-            try:
-                yield
-            finally:
-                self.sync()
-                self.current[name] = self.current.get(name, 0.0) + time.perf_counter() - t0
+    def phase(self, name: str) -> _Span:
+        if name not in PHASES:
+            raise ValueError(f"unknown step phase {name!r}; allowed: {', '.join(PHASES)}")
+        return _Span(self, name)
 
     def end_step(self, step_s: float, measured: bool) -> None:
-        row = {p: self.current.get(p, 0.0) for p in PHASES[:-1]}
-        row["other"] = step_s - sum(row.values())
+        row = {p: self.current.get(p, 0.0) for p in PHASES}
         row["step"] = step_s
+        row["unattributed"] = step_s - sum(row[p] for p in PHASES)
         if measured:
             self.steps.append(row)
         self.current = {}
@@ -557,34 +557,68 @@ class PhaseClock:
     def summary(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {k: statistics.fmean(r[k] for r in self.steps) for k in (*PHASES, "step")} | {
+        return {k: statistics.fmean(r[k] for r in self.steps) for k in (*PHASES, "step", "unattributed")} | {
             "measured_steps": len(self.steps)
         }
 
 
+class _Span:
+    """One timed span of a phase. The clock reads are its first and last acts, the profiler range and the
+    device synchronisations inside them, so that the time between two spans is only the caller's own code:
+    what ``unattributed`` measures."""
+
+    __slots__ = ("clock", "name", "range", "t0")
+
+    def __init__(self, clock: PhaseClock, name: str) -> None:
+        self.clock, self.name = clock, name
+
+    def __enter__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.range = torch.profiler.record_function(f"phase:{self.name}")
+        self.range.__enter__()
+        self.clock.sync()  # work queued before the span (none: the previous span ended synchronised)
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.clock.sync()
+            self.range.__exit__(*exc)
+        finally:
+            current = self.clock.current
+            current[self.name] = current.get(self.name, 0.0) + time.perf_counter() - self.t0
+
+
 def breakdown_report(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:
-    """``metrics.breakdown``: per rank the mean seconds of each phase per step; over ranks the mean share of
-    each phase, and the share that is not compute (data wait + other)."""
+    """``metrics.breakdown``: per rank the mean seconds of each phase per step and of the step itself; over
+    ranks the mean share of each phase, of the part no phase covered (``unattributed``), and the share that is
+    not compute (everything but forward, backward and the optimizer step)."""
     ranks = [r for r in per_rank if r]
     if not ranks:
         return None
-    share = {p: statistics.fmean(r[p] / r["step"] for r in ranks if r["step"] > 0) for p in PHASES}
+    timed = [r for r in ranks if r["step"] > 0]
+    share = {p: statistics.fmean(r[p] / r["step"] for r in timed) for p in PHASES} if timed else {}
+    unattributed = statistics.fmean(r.get("unattributed", 0.0) / r["step"] for r in timed) if timed else 0.0
     return {
         "phases": list(PHASES),
         "per_rank_s": per_rank,
         "share": share,
-        "not_compute_share": share["data"] + share["other"],
+        "unattributed_share": unattributed,
+        "not_compute_share": 1.0 - sum(share.get(p, 0.0) for p in COMPUTE_PHASES) if share else None,
     }
 
 
 class TraceWindow:
     """--profile N: a torch.profiler trace of N steps after the timing warm-up (and after the --comm-volume
-    steps, which use the profiler too), written per rank to OUTPUT/traces/rank{r}.json atomically."""
+    steps, which use the profiler too), written per rank to OUTPUT/traces/rank{r}.json atomically, and linked
+    as OUTPUT/traces/plugins/profile/RUN/rank{r}.pt.trace.json (RUN: the output folder's name), where
+    TensorBoard's PyTorch profiler plug-in finds it (``tensorboard --logdir OUTPUT/traces``: it takes every
+    folder holding ``*.pt.trace.json`` files as a run, each file as a worker)."""
 
     def __init__(self, cfg: Any, env: Any) -> None:
         self.first = max(cfg.timing_warmup_steps, 3 if getattr(cfg, "comm_volume", False) else 0)
         self.steps = cfg.profile
         self.path = Path(cfg.output) / "traces" / f"rank{env.rank}.json"
+        run = Path(cfg.output).resolve().name or "run"
+        self.tensorboard_path = self.path.parent / "plugins" / "profile" / run / f"rank{env.rank}.pt.trace.json"
         self.cuda = env.device.type == "cuda"
         self.recorder: torch.profiler.profile | None = None
         self.done = False
@@ -611,6 +645,22 @@ class TraceWindow:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_output(self.path, ".json") as tmp:
             prof.export_chrome_trace(str(tmp))
+        link_or_copy(self.path, self.tensorboard_path)
+
+
+def link_or_copy(source: Path, target: Path) -> None:
+    """``target`` becomes the same file as ``source`` (a hard link: no second copy of a large trace; a copy
+    where the file system has no hard links), swapped in with one rename."""
+    import shutil
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(target.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
 
 
 class AllocWindow:
@@ -618,34 +668,45 @@ class AllocWindow:
     model was built (stratbench.memprobe): the allocator-level peak the memory estimate predicts, which the
     process RSS hides under ~0.4 GiB of libraries. None where glibc's mallinfo2 is missing. Step 2: the first
     with optimizer state, and not step 3, where --comm-volume's profiler would add its own buffers (and its
-    dispatch would see each collective twice)."""
+    dispatch would see each collective twice). Modules imported after the baseline (a method's own: 1-3 MiB
+    of code objects for ZeroRedundancyOptimizer, FSDP2 or accelerate) are measured apart (``ImportMeter``)
+    and left out: they are no part of the step's memory."""
 
     STEP = 1
 
     def __init__(self) -> None:
         self.baseline: int | None = None
         self.peak: int | None = None
+        self.resident: int | None = None
+        """Bytes in use when step 2 starts (model states, library caches): the part of the peak that stays."""
+        self.imports: int | None = None
+        self._meter = None
         self._mode = None
         self._readings: list[int] = []
 
     def start_baseline(self) -> None:
+        from stratbench.memprobe import ImportMeter, malloc_in_use
+
+        self._meter = ImportMeter().install()
+        self.baseline = malloc_in_use()
+
+    def _in_use(self) -> int:
         from stratbench.memprobe import malloc_in_use
 
-        self.baseline = malloc_in_use()
+        return (malloc_in_use() or 0) - (self._meter.bytes if self._meter is not None else 0)
 
     def before_step(self, steps_done: int) -> None:
         if self.baseline is None or steps_done != self.STEP:
             return
         from torch.utils._python_dispatch import TorchDispatchMode
 
-        from stratbench.memprobe import malloc_in_use
-
-        readings = self._readings
+        readings, in_use = self._readings, self._in_use
+        self.resident = in_use() - self.baseline
 
         class Sample(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
                 out = func(*args, **(kwargs or {}))
-                readings.append(malloc_in_use() or 0)
+                readings.append(in_use())
                 return out
 
         self._mode = Sample()
@@ -658,6 +719,17 @@ class AllocWindow:
         mode.__exit__(None, None, None)
         if self._readings and self.baseline is not None:
             self.peak = max(self._readings) - self.baseline
+        self.close()
+
+    def close(self) -> None:
+        """Stop metering imports (after step 2, or at the end of a run that had fewer steps)."""
+        if self._meter is not None:
+            self._meter.uninstall()
+            self.imports, self._meter = self._meter.bytes, None
+
+    def summary(self) -> dict[str, int | None]:
+        self.close()
+        return {"peak": self.peak, "resident": self.resident, "imports": self.imports}
 
 
 class CommWindow:

@@ -39,6 +39,7 @@ COLUMNS: list[tuple[str, str]] = [
     ("throughput", "throughput (samples/s)"),
     ("speedup", "speed-up vs single fp32"),
     ("predicted_step", "predicted step (error)"),
+    ("alloc_peak", "allocator peak, measured (max over ranks)"),
     ("predicted", "predicted peak (error)"),
     ("mfu", "MFU"),
     ("not_compute", "not compute (data wait + other)"),
@@ -278,8 +279,8 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
     if ok and raw["reason"]:
         text["status"] = f"ok ({raw['reason']})"
-    metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "predicted",
-                   "mfu", "not_compute", "comm", "val_accuracy", "final_loss")  # fmt: skip
+    metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "alloc_peak",
+                   "predicted", "mfu", "not_compute", "comm", "val_accuracy", "final_loss")  # fmt: skip
     if not ok:
         dash = DASH + notes.mark(
             f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured"
@@ -355,22 +356,41 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         text["speedup"] = "n/a" + notes.mark(
             "n/a: no completed single fp32 row on this machine to compare with"
         )
-    # Predicted peak (stratbench.estimate) and its error against the measured allocator peak.
+    # The allocator peak (what the estimate predicts), measured: torch.cuda.max_memory_allocated on a GPU (the
+    # peak memory column itself), --measure-alloc's glibc reading on a CPU; then the estimate and its error.
+    allocs = [a for a in m.get("cpu_alloc_peak_bytes") or [] if a]
+    if kind == "cuda_max_allocated" and raw["peak_memory"]:
+        raw["alloc_peak"] = raw["peak_memory"]
+        text["alloc_peak"] = fmt_bytes(raw["alloc_peak"]) + notes.mark(
+            "allocator peak on a GPU: torch.cuda.max_memory_allocated, the same figure as the peak memory column"
+        )
+    elif allocs:
+        raw["alloc_peak"] = max(allocs)
+        imports = [b for b in m.get("cpu_alloc_import_bytes") or [] if b]
+        text["alloc_peak"] = fmt_bytes(raw["alloc_peak"]) + notes.mark(
+            "allocator peak on a CPU: the bytes glibc's malloc handed out during step 2 (mallinfo2 after every op, "
+            "above a baseline read before the model was built; --measure-alloc), the largest over the ranks: the "
+            "quantity the estimate predicts, which process RSS hides under the runtime's ~0.4 GiB. Python modules "
+            "the method imported after the baseline are measured apart and left out (report.csv: "
+            "alloc_import_bytes; docs/memory.md)"
+        )
+        raw["alloc_imports"] = max(imports) if imports else 0
+    else:
+        raw["alloc_peak"] = None
+        text["alloc_peak"] = "n/a" + notes.mark(
+            "n/a: no allocator measurement (on a CPU it needs --measure-alloc, on by default in compare cells, "
+            "and glibc's mallinfo2)"
+        )
     pred = _predict(rec)
     raw["predicted"] = pred
     raw["prediction_error_pct"] = None
     if pred is None:
         text["predicted"] = "n/a" + notes.mark("n/a: the predictor gave no estimate for this cell")
-    elif kind == "cuda_max_allocated" and raw["peak_memory"]:
-        raw["prediction_error_pct"] = (pred - raw["peak_memory"]) / raw["peak_memory"] * 100
-        text["predicted"] = f"{fmt_bytes(pred)} ({raw['prediction_error_pct']:+.0f}%)"
-    elif [a for a in m.get("cpu_alloc_peak_bytes") or [] if a]:
-        alloc = max(a for a in m["cpu_alloc_peak_bytes"] if a)
-        raw["prediction_error_pct"] = (pred - alloc) / alloc * 100
+    elif raw["alloc_peak"]:
+        raw["prediction_error_pct"] = (pred - raw["alloc_peak"]) / raw["alloc_peak"] * 100
         text["predicted"] = f"{fmt_bytes(pred)} ({raw['prediction_error_pct']:+.0f}%)" + notes.mark(
-            "on CPU the error is against the bytes the allocator handed out during step 2 (glibc mallinfo2 "
-            "above a baseline read before the model was built; --measure-alloc), the largest over the ranks: "
-            "the quantity the estimate predicts, which process RSS hides under the runtime's ~0.4 GiB"
+            "predicted peak: stratbench.estimate for the cell's config, the busiest rank; error = predicted / "
+            "allocator peak - 1"
         )
     else:
         text["predicted"] = fmt_bytes(pred) + notes.mark(
@@ -397,9 +417,10 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         text["not_compute"] = "n/a" + notes.mark("n/a: the step's phases were not timed (--breakdown false)")
     else:
         text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
-            "not compute: the share of the step spent waiting for the batch or outside forward, backward and "
-            "the optimizer step (metrics.breakdown; the chart chart_breakdown.png splits the whole step). "
-            "Communication that DDP/FSDP overlap with backward counts in backward"
+            "not compute: the share of the step outside forward, backward and the optimizer step: waiting for the "
+            "batch, bookkeeping, and any gap no phase covers (metrics.breakdown; each phase timed on its own "
+            "clock reads; the chart chart_breakdown.png splits the step). Communication that DDP/FSDP overlap "
+            "with backward counts in backward"
         )
     acc = m.get("val_accuracy")
     raw["val_accuracy"] = acc
@@ -592,7 +613,7 @@ CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices"
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
               "step_time_median_s", "predicted_step_s", "predicted_step_error_pct", "predicted_dominant",
-              "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
+              "alloc_peak_bytes", "alloc_import_bytes", "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
               "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
               "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max"]  # fmt: skip
@@ -617,7 +638,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("step_time")), v(raw.get("predicted_step")),
-                v(raw.get("step_error_pct")), raw.get("predicted_dominant") or "", v(raw.get("predicted")),
+                v(raw.get("step_error_pct")), raw.get("predicted_dominant") or "", v(raw.get("alloc_peak")),
+                v(raw.get("alloc_imports")), v(raw.get("predicted")),
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
                 v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
@@ -738,7 +760,7 @@ SORT_SCRIPT = """<script>
 </script>"""
 
 SORT_RAW = {"peak_memory": "peak_memory", "gpu_util": "gpu_util", "epoch_time": "epoch_time", "train_time": "train_time",
-            "throughput": "throughput", "speedup": "speedup", "predicted": "predicted", "mfu": "mfu", "comm": "comm", "not_compute": "not_compute",
+            "throughput": "throughput", "speedup": "speedup", "alloc_peak": "alloc_peak", "predicted": "predicted", "mfu": "mfu", "comm": "comm", "not_compute": "not_compute",
             "val_accuracy": "val_accuracy", "final_loss": "final_loss", "devices": "devices",
             "batch_device": "batch_device", "batch_global": "batch_global"}  # fmt: skip
 
@@ -924,8 +946,9 @@ def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bo
         left = [a + b for a, b in zip(left, part, strict=True)]
     top = max(left) or 1.0
     for yi, (_, x), v in zip(y, data, left, strict=True):
-        not_compute = (x.get("data", 0) + x.get("other", 0)) / x["step"] * 100 if x["step"] else 0
-        ax.text(v + top * 0.01, yi, f"{v:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
+        compute = sum(x.get(p, 0) for p in ("forward", "backward", "optimizer"))
+        not_compute = (1 - compute / x["step"]) * 100 if x["step"] else 0
+        ax.text(v + top * 0.01, yi, f"{x['step'] * 1000:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
     ax.set_yticks(y, [_label(r, multi) for r, _ in data], fontsize=9)
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.35)

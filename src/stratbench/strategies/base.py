@@ -188,14 +188,16 @@ class Strategy:
         The default runs them one after the other, each under ``accumulate`` with the loss divided by their
         count; a strategy with its own schedule (a pipeline runs all micro-batches through its stages
         together) overrides this one method."""
-        total = torch.zeros((), dtype=torch.float64, device=self.env.device)
+        with self.phase("other"):
+            total = torch.zeros((), dtype=torch.float64, device=self.env.device)
         for k, (x, y) in enumerate(batches):
             with self.accumulate(is_last_micro_step=k == len(batches) - 1):
                 with self.phase("forward"):
                     loss, _ = self.forward_loss(model, x, y, loss_fn)
                 with self.phase("backward"):
                     self.backward(loss / len(batches))
-            total += loss.detach()
+            with self.phase("other"):  # the loss bookkeeping
+                total += loss.detach()
         return total / len(batches)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -290,7 +290,7 @@ class FSDPStrategy(Strategy):
 def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
     """FSDP2's per-rank model states: every parameter split along dim 0 (torch.chunk: the last ranks may get
     fewer rows), gradients and optimizer state alike; units gathered whole around their forward/backward."""
-    from stratbench.estimate import RankMemory, chunk_rows
+    from stratbench.estimate import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
 
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     total = info.total
@@ -302,6 +302,7 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         )
     m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
     m.step_scalars = 4 * len(info.numels) if ctx.adam else 0
+    m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
     m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
         sharding
     ]

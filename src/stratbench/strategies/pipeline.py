@@ -312,11 +312,14 @@ class PipelineStrategy(Strategy):
         flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight.
 
         Activations: the bytes autograd saves per sample in each piece (traced on the meta device by the
-        splitter, in the weights' dtype; scaled to the compute dtype under autocast) x the micro-batch x the
-        most micro-batches a stage holds at once: all M for gpipe (every forward runs before the first
-        backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up
-        spread over the rank's stages for interleaved-1f1b, 1 for naive."""
-        from stratbench.estimate import RankMemory
+        splitter, in fp32; scaled to the run's precision by the ratio of the whole model's traced saved bytes,
+        since autocast keeps some ops in fp32) x the micro-batch x the most
+        micro-batches a stage holds at once: all M for gpipe (every forward runs before the first backward),
+        min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over
+        the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every
+        stage loads (the first splits it into micro-batches)."""
+        from stratbench.data import default_image_size
+        from stratbench.estimate import ModelSpec, RankMemory, trace_step
 
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
@@ -328,15 +331,41 @@ class PipelineStrategy(Strategy):
         total = sum(s.params for s in split.stages) or 1
         m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
         m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
-        if lay.dp > 1:
-            m.buckets, m.bucket_note = local * pd, f"flat gradient all-reduce over {lay.dp} replicas"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
-        scale = ctx.pspec.compute_dtype.itemsize / pd if ctx.pspec.autocast else 1.0
+        # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
+        # receives across, allocated at the first step and reused: the input activations of a stage after
+        # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
+        # the 2-stage fp64 test problem).
+        act_bytes = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
+        ids = lay.stages_of(pp_rank)
+        boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
+            split.stages[i].out_numel for i in ids if i < lay.stages - 1
+        )
+        recv = lay.microbatches * boundary * micro * act_bytes
+        notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
+        if lay.dp > 1:
+            notes.append(f"flat gradient all-reduce over {lay.dp} replicas")
+        m.buckets, m.bucket_note = recv + (local * pd if lay.dp > 1 else 0), " + ".join(notes)
+        scale = 1.0
+        if ctx.cfg.precision != "fp32":  # the split is costed in fp32; bf16-mixed saves 0.54x of it (tinynet)
+            spec = ModelSpec.from_config(ctx.cfg)
+            full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
+            scale = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes / (full or 1)
         per_mb = sum(s.saved_bytes for s in mine) * micro * scale
         flight = lay.in_flight(pp_rank)
-        m.activations = int(per_mb * flight)
+        size = default_image_size(ctx.cfg)
+        # The loader's fp32 images of the whole step, and their copy in the weights' dtype where the precision
+        # converts the input (fp64, *-true).
+        images = ctx.cfg.batch_size // lay.dp * 3 * size * size
+        batch_input = images * 4 + (images * pd if ctx.pspec.param_dtype != torch.float32 else 0)
+        m.activations = int(per_mb * flight) + batch_input
         m.activation_note = (
-            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank})"
+            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank}) "
+            "+ the step's input batch"
+        )
+        held = [name for s in mine for name in s.modules]
+        m.runs_linear = any(
+            lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in held
         )
         return m
 
@@ -519,9 +548,10 @@ class PipelineStrategy(Strategy):
         """One schedule step over this replica's whole batch (the loop's micro-steps concatenated: the schedule
         makes its own micro-batches); returns the mean loss, broadcast from the last stage to every stage."""
         self.loss_fn = loss_fn
-        x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
-        y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
-        args = (self.precision.convert_input(x),) if self.holds_first else ()
+        with self.phase("other"):  # the replica's whole batch, which the schedule splits itself
+            x = torch.cat([b[0] for b in batches]) if len(batches) > 1 else batches[0][0]
+            y = torch.cat([b[1] for b in batches]) if len(batches) > 1 else batches[0][1]
+            args = (self.precision.convert_input(x),) if self.holds_first else ()
         self._unscaled = {}
         losses: list[torch.Tensor] = []
         if not self.holds_last:
@@ -555,12 +585,13 @@ class PipelineStrategy(Strategy):
             self._after_eval = False
             if self.layout.dp > 1:
                 self._all_reduce_grads()
-        loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        if self.holds_last:
-            # the schedule's losses are what _stage_loss returned for each micro-batch (scaled): report them unscaled
-            loss = torch.stack([self._unscaled[id(v)].double() for v in losses]).mean()
-        if self.layout.pp > 1:
-            dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+        with self.phase("other"):  # the mean loss, sent from the last stage to every stage
+            loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
+            if self.holds_last:
+                # the schedule's losses are what _stage_loss returned per micro-batch (scaled): report them unscaled
+                loss = torch.stack([self._unscaled[id(v)].double() for v in losses]).mean()
+            if self.layout.pp > 1:
+                dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
         return loss
 
     def _all_reduce_grads(self) -> None:
