@@ -422,8 +422,12 @@ def _start_sweep(matrix: Path, out: Path, log: Path):
 
     def stepped() -> bool:
         for cell in psutil.Process(proc.pid).children():
-            metrics = [p for p in out.glob("cells/*/metrics.csv") if str(p.parent) in " ".join(cell.cmdline())]
-            if metrics and metrics[0].stat().st_mtime >= cell.create_time() and len(metrics[0].read_text().splitlines()) > 1:
+            try:  # a short-lived child (compare's own helpers) may be gone by the time it is read
+                command, started = " ".join(cell.cmdline()), cell.create_time()
+            except psutil.Error:
+                continue
+            metrics = [p for p in out.glob("cells/*/metrics.csv") if str(p.parent) in command]
+            if metrics and metrics[0].stat().st_mtime >= started and len(metrics[0].read_text().splitlines()) > 1:
                 return True
         return False
 

@@ -301,10 +301,8 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
-        try:
-            return resolve_layout(cls.parse_options(cfg.strategy_options), world_size).dp
-        except ConfigError:
-            return world_size  # check_supported reports the problem
+        """The replicas of the pipeline (a layout that does not fit ``world_size`` is refused here, first)."""
+        return resolve_layout(cls.parse_options(cfg.strategy_options), world_size).dp
 
     @classmethod
     def memory_model(cls, ctx, rank):
