@@ -21,7 +21,7 @@ previous entry was renamed to ``.step-N.old`` and before the new one is in place
 
 Runs start as real processes (``stratbench train``: the launcher, torchrun and its workers; ~17-20 s of imports
 per run on 2 shared cores), or with ``--zygote`` as forks of one helper process that imported torch, stratbench
-and DeepSpeed once (``Zygote``): each rank runs the code a torchrun worker runs, ~1-5 s per run.
+and DeepSpeed once (tests/zygote.py): each rank runs the code a torchrun worker runs, ~1-5 s per run.
 
     PYTHONPATH=src .venv/bin/python benchmarks/fault_injection.py --kills 5 --seed 0 \\
         --report benchmarks/fault_injection_cpu_2026-11-22.md       # 4 x 5 = 20 kills, real processes: 413 s
@@ -49,6 +49,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from zygote import Zygote, ZygoteRun, check_checkpoint  # noqa: E402  (tests/zygote.py: the rank forker)
 
 # The tiny problem of the tests (tests/conftest.py TINY), trained until killed.
 RUN = [
@@ -106,20 +109,6 @@ def logged_steps(out: Path) -> list[int]:
     return steps
 
 
-def check_checkpoint(out: Path) -> dict:
-    """What ``--resume`` would pick in ``out``, loaded weights-only: {"path", "step", "model"} or {"error"}."""
-    from stratbench import checkpoint as ckpt
-
-    path = ckpt.resolve_resume(str(out), None)
-    if path is None:
-        return {"error": "no checkpoint to resume from"}
-    try:
-        state = ckpt.load_any(path)
-    except Exception as exc:  # noqa: BLE001 - any failure to load is the finding
-        return {"path": str(path), "error": f"{path.name} does not load: {type(exc).__name__}: {exc}"}
-    return {"path": str(path), "step": int(state["progress"]["step"]), "model": bool(state.get("model"))}
-
-
 def leftovers(out: Path) -> list[str]:
     """Entries of OUTPUT/checkpoints other than ``last`` and step entries: what killed saves left behind."""
     folder = out / "checkpoints"
@@ -174,219 +163,21 @@ class Processes:
         pass
 
 
-class Zygote:
-    """A helper process that imports torch, stratbench and DeepSpeed once and forks each rank of each run.
-
-    It runs no torch operation (so no thread pool or process group exists to be copied into a fork) and reports
-    its thread count, which must be 1. A run's ranks form a process group of their own; each rank gets the
-    environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
-    MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) and calls ``stratbench.cli.main(["train", ...])``, the entry
-    a torchrun worker runs (a 1-process run gets no rank variables: the CLI then trains in its own process, as
-    `stratbench train` does). What this skips is the launcher and torchrun, whose own signal handling
-    tests/test_safety.py checks with real processes. Each rank dies with the zygote (PR_SET_PDEATHSIG), and the
-    zygote exits, killing what is left, when its stdin closes."""
+class ZygoteRuns:
+    """Runs forked from one pre-imported process (tests/zygote.py): each rank runs the code a torchrun worker
+    runs, without the launcher's and torchrun's imports."""
 
     def __init__(self, logs: Path) -> None:
-        self.logs = Path(logs)
-        self.logs.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve-zygote"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=open(self.logs / "zygote.log", "ab"), text=True,  # noqa: SIM115
-        )  # fmt: skip
-        self.runs = 0
-        ready = self._read()
-        if ready.get("threads") != 1:
-            self.close()
-            raise RuntimeError(f"the zygote runs {ready.get('threads')} threads after its imports; forking it is unsafe")
-
-    def _read(self) -> dict:
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the zygote exited: {(self.logs / 'zygote.log').read_text()[-2000:]}")
-        return json.loads(line)
-
-    def ask(self, **request) -> dict:
-        self.proc.stdin.write(json.dumps(request) + "\n")
-        self.proc.stdin.flush()
-        return self._read()
+        self.zygote = Zygote(logs)
 
     def start(self, out: Path, args: list[str], nproc: int, env: dict[str, str]) -> ZygoteRun:
-        self.runs += 1
-        log = self.logs / f"{Path(out).name}-{self.runs}"
-        pids = self.ask(op="start", argv=["train", *args], nproc=nproc, env=env, log=str(log))["pids"]
-        return ZygoteRun(self, pids, log)
+        return self.zygote.start(["train", *args], nproc, env, name=Path(out).name)
 
     def check(self, out: Path) -> dict:
-        return self.ask(op="check", out=str(out))
+        return self.zygote.checkpoint(out)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.stdin.close()  # the zygote kills what is left and exits
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-class ZygoteRun:
-    def __init__(self, zygote: Zygote, pids: list[int], log: Path) -> None:
-        self.zygote, self.pids, self.log = zygote, pids, log
-
-    def poll(self) -> int | None:
-        """None while any rank runs, else the first non-zero exit (-N: killed by signal N), or 0."""
-        codes = self.zygote.ask(op="poll", pids=self.pids)["codes"]
-        if any(c is None for c in codes):
-            return None
-        return next((c for c in codes if c != 0), 0)
-
-    def kill(self) -> None:
-        """SIGKILL every rank at once (their process group), then wait until the zygote reaped them."""
-        try:
-            os.killpg(self.pids[0], signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.wait(15)
-
-    def wait(self, timeout: float) -> int:
-        deadline = time.monotonic() + timeout
-        while (code := self.poll()) is None:
-            if time.monotonic() > deadline:
-                os.killpg(self.pids[0], signal.SIGKILL)
-                raise TimeoutError(f"the run did not end within {timeout} s")
-            time.sleep(0.05)
-        return code
-
-    def log_tail(self) -> str:
-        return " | ".join(
-            p.read_text(errors="replace")[-400:] for p in sorted(self.log.parent.glob(f"{self.log.name}.rank*"))
-        )
-
-
-def _serve_zygote() -> None:
-    """The zygote's side: import once, then answer one JSON request per stdin line (start, poll, check)."""
-    import importlib
-
-    replies = os.fdopen(os.dup(1), "w")  # what libraries print goes to the log, not into the replies
-    os.dup2(2, 1)
-
-    for name in ("torch", "torch.distributed", "sklearn.datasets", "deepspeed",
-                 # imported by deepspeed.initialize (its muon optimizer pulls in torch._dynamo and inductor)
-                 "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer",
-                 "deepspeed.runtime.zero.stage_1_and_2", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-                 "torch.distributed.checkpoint.state_dict", "torch.nn.parallel"):  # fmt: skip
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
-    from stratbench import cli
-    from stratbench.dist import free_port
-    from stratbench.strategies.base import discover
-
-    discover()
-    cli.build_parser()
-    exits: dict[int, int] = {}
-    groups: set[int] = set()
-
-    def reply(obj: dict) -> None:
-        replies.write(json.dumps(obj) + "\n")
-        replies.flush()
-
-    def child(log: str, env: dict[str, str], run) -> None:
-        """In a forked child: output to ``log``, die with the zygote, run ``run()``, exit with its code."""
-        code = 1
-        try:
-            import ctypes
-
-            ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-            replies.close()
-            os.environ.update(env)
-            fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            os.dup2(fd, 1)
-            os.dup2(fd, 2)
-            null = os.open(os.devnull, os.O_RDONLY)
-            os.dup2(null, 0)
-            code = run()
-        except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else 1
-        except BaseException:  # noqa: BLE001 - reported in the rank's log
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code or 0)
-
-    def start(req: dict) -> list[int]:
-        nproc, port, leader, pids = req["nproc"], free_port(), 0, []
-        for rank in range(nproc):
-            env = dict(req["env"], OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-            if nproc > 1:  # what torchrun sets for its workers
-                env.update(
-                    RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
-                    GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_WORLD_SIZE=str(nproc), ROLE_NAME="default",
-                    MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_RESTART_COUNT="0",
-                    TORCHELASTIC_MAX_RESTARTS="0", TORCHELASTIC_RUN_ID="zygote", STRATBENCH_DIE_WITH_PARENT="1",
-                )  # fmt: skip
-            sys.stdout.flush()
-            pid = os.fork()
-            if pid == 0:
-                os.setpgid(0, leader)
-                child(f"{req['log']}.rank{rank}.log", env, lambda: cli.main(req["argv"]))
-            leader = leader or pid
-            try:
-                os.setpgid(pid, leader)  # also here: the child may not have run yet
-            except OSError:  # it has (and may have exited already)
-                pass
-            pids.append(pid)
-        groups.add(leader)
-        return pids
-
-    def poll(pid: int) -> int | None:
-        if pid not in exits:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if not done:
-                return None
-            exits[pid] = os.waitstatus_to_exitcode(status)
-        return exits[pid]
-
-    def check(req: dict) -> dict:
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-
-            def run() -> int:
-                os.write(write, json.dumps(check_checkpoint(Path(req["out"]))).encode())
-                return 0
-
-            child(os.devnull, {}, run)
-        os.close(write)
-        data = b""
-        while chunk := os.read(read, 65536):
-            data += chunk
-        os.close(read)
-        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
-        return json.loads(data) if data else {"error": f"the check exited {code} without a result"}
-
-    reply({"ready": True, "threads": len(os.listdir("/proc/self/task"))})
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            if req["op"] == "start":
-                reply({"pids": start(req)})
-            elif req["op"] == "poll":
-                reply({"codes": [poll(p) for p in req["pids"]]})
-            elif req["op"] == "check":
-                reply(check(req))
-    finally:
-        for group in groups:
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self.zygote.close()
 
 
 # ---- the chain ----------------------------------------------------------------------------------------------
@@ -408,7 +199,7 @@ def kill_chain(
     out: Path,
     kills: int,
     rng: random.Random,
-    runs: Processes | Zygote,
+    runs: Processes | ZygoteRuns,
     swap_kills: int = 0,
     max_delay_s: float = 2.0,
     timeout_s: float = 240,
@@ -499,16 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--zygote", action="store_true", help="fork each run from one pre-imported process")
     parser.add_argument("--output", default=None, help="folder for the runs (default: a temporary folder)")
     parser.add_argument("--report", default=None, help="write the results as a Markdown table to this file")
-    parser.add_argument("--serve-zygote", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.serve_zygote:
-        _serve_zygote()
-        return 0
     rng = random.Random(args.seed)
     root = Path(args.output or tempfile.mkdtemp(prefix="fault-injection-"))
     started = time.time()
     records: list[Kill] = []
-    runs = Zygote(root / "logs") if args.zygote else Processes(root / "logs")
+    runs = ZygoteRuns(root / "logs") if args.zygote else Processes(root / "logs")
     try:
         for method in args.methods:
             t0 = time.monotonic()

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import conftest
 from conftest import TINY, run_stratbench, stratbench_cmd
 from stratbench.cli import main
 
@@ -50,9 +51,7 @@ def real_runs(tmp_path_factory) -> dict[str, Path]:
     runs = {}
     for name, strategy in LAYOUTS.items():
         out = root / name
-        run_stratbench(
-            "train", "--output", str(out), "--nproc", "2", "--strategy", *strategy, *SHORT, timeout=300
-        )
+        conftest.train(out, "--strategy", *strategy, *SHORT, nproc=2)
         runs[name] = out
     return runs
 
@@ -501,7 +500,7 @@ def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
 
 # ---- fault injection: kill a saving run at a random moment; a loadable checkpoint remains, resume goes on ---
 # 20 kills: 5 per method, one of each method's inside a checkpoint swap (between its two renames). The runs are
-# forked from one pre-imported zygote (benchmarks/fault_injection.py), ~1-5 s each instead of ~17-20 s of imports
+# forked from the session's pre-imported zygote (tests/zygote.py), ~1-5 s each instead of ~17-20 s of imports
 # per process start; the launcher's own process handling is tested above with real processes. The kill moments
 # come from FAULT_SEED and are printed: STRATBENCH_FAULT_SEED=N repeats them.
 FAULT_KILLS, FAULT_SWAP_KILLS = 5, 1
@@ -517,21 +516,24 @@ def _fault_injection():
     return fault_injection
 
 
-@pytest.fixture(scope="module")
-def zygote(tmp_path_factory):
-    z = _fault_injection().Zygote(tmp_path_factory.mktemp("zygote-logs"))
-    yield z
-    z.close()
+class _SessionRuns:
+    """fault_injection.kill_chain's runs, forked from the session's zygote (conftest.zygote)."""
+
+    def start(self, out: Path, args: list[str], nproc: int, env: dict[str, str]):
+        return conftest.zygote().start(["train", *args], nproc, env, name=Path(out).name)
+
+    def check(self, out: Path) -> dict:
+        return conftest.zygote().checkpoint(out)
 
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("method", ["single", "ddp", "fsdp", "deepspeed-z2"])
-def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp_path, zygote, method):
+def test_kill_while_saving_leaves_a_loadable_checkpoint_and_resume_continues(tmp_path, method):
     import random
 
     fi = _fault_injection()
     rng = random.Random(f"{method}-{FAULT_SEED}")
-    records = fi.kill_chain(method, tmp_path / "run", FAULT_KILLS, rng, zygote, FAULT_SWAP_KILLS, max_delay_s=1.0)
+    records = fi.kill_chain(method, tmp_path / "run", FAULT_KILLS, rng, _SessionRuns(), FAULT_SWAP_KILLS, max_delay_s=1.0)
     summary = f"STRATBENCH_FAULT_SEED={FAULT_SEED} {method}: " + ", ".join(
         f"{r.kind} {r.delay_s} s after step {r.resumed_from}+2 -> {r.checkpoint} step {r.step}" for r in records
     )
