@@ -28,6 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from stratbench.metrics import _cpu_name
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -153,7 +155,7 @@ def write_report(rows, configs, seeds, args, started, loads) -> None:
     lines = [
         "# BatchNorm under pipeline parallelism: accuracy effect of micro-batching (CPU)",
         "",
-        f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({_cpu()}), {os.cpu_count()} cores (load "
+        f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({_cpu_name()}), {os.cpu_count()} cores (load "
         f"average {min(loads):.1f} to {max(loads):.1f}, of which this benchmark's own processes are at most 2; nothing "
         "below is a time), "
         f"Python {platform.python_version()}, torch {torch.__version__}, stratbench at commit "
@@ -224,16 +226,6 @@ def write_report(rows, configs, seeds, args, started, loads) -> None:
             )
     Path(args.output).write_text("\n".join(lines) + "\n")
     print(f"wrote {args.output}")
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ from pathlib import Path
 
 from torch import nn
 
+from stratbench.metrics import _cpu_name
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 
@@ -111,7 +113,7 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
         "# Pipeline bubble vs micro-batches (2 stages, CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or 'x86_64'} "
-        f"({_cpu()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
+        f"({_cpu_name()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
         f"during the runs {min(r['load'] for r in rows):.1f} to {max(r['load'] for r in rows):.1f} (the 2 stage "
         f"processes count up to 2 of it; more is other jobs sharing the cores); torch {torch.__version__}, "
         "2 gloo processes (1 thread each).",
@@ -176,16 +178,6 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
 def _shares(values: list[float]) -> str:
     total = sum(values) or 1.0
     return " / ".join(f"{100 * v / total:.1f}%" for v in values)
-
-
-def _cpu() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":
