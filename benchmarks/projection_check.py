@@ -7,11 +7,13 @@ quiet machine:
         --report benchmarks/projection_check_cpu_$(date +%F).md
 
 Each repeat runs the whole loop again (calibration, probe, prediction, measurement), so the spread of the
-predictions is reported as well as that of the measurements. Calibration: `single` at the preset's global batch
-and at the per-process batch of the 2-process runs, per precision (two batch sizes fit a fixed per-step
-overhead as well as the efficiency), each with the threads a 2-process cell's process has (OMP_NUM_THREADS=1,
-`--calibration-threads`), counted against the probe's all-core peak. The 2-process cells are the preset's own configurations, run with
-`stratbench train` as the compare sweep runs them (without the sweep's extra profilers).
+predictions is reported as well as that of the measurements. Calibration: the runs `stratbench compare
+--calibrate` makes (``stratbench.compare.calibration``, into REP/calibration/): the probe, `single` at the
+preset's global batch and at the per-process batch of the 2-process runs, per precision (two batch sizes fit a
+fixed per-step overhead as well as the efficiency), and each method once on one process, each with the threads
+a 2-process cell's process has (OMP_NUM_THREADS=1, `--calibration-threads`), counted against the probe's
+all-core peak, and capped at `--method-steps` steps. The 2-process cells are the preset's own configurations,
+run with `stratbench train` as the compare sweep runs them (without the sweep's extra profilers).
 """
 
 from __future__ import annotations
@@ -26,9 +28,9 @@ import time
 from pathlib import Path
 
 
-def sh(cmd: list[str], log: Path, env: dict[str, str] | None = None) -> int:
+def sh(cmd: list[str], log: Path) -> int:
     with log.open("w") as fh:
-        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env)
+        return subprocess.call(cmd, stdout=fh, stderr=subprocess.STDOUT)
 
 
 def stratbench(*args: str) -> list[str]:
@@ -79,73 +81,43 @@ def cells():
 
 def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
     import yaml
+    from rich.console import Console
 
+    from stratbench.compare.calibration import CAL_DIR, plan_calibration, run_calibration
+    from stratbench.compare.matrix import Plan
+    from stratbench.compare.runner import SweepRunner
     from stratbench.config import TrainConfig, from_dict
     from stratbench.hardware import resolve
-    from stratbench.projection import load_calibration, project
+    from stratbench.projection import calibrate, method_key, project
 
     matrix, todo = cells()
     if args.only:
         todo = [c for c in todo if c.name in args.only.split(",")]
-    base_batch = int(matrix.base.get("batch_size", 64))
     d = out / f"rep{rep}"
     d.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    # 1. calibration runs of single, per precision, at the global and the per-process batch
-    calib = []
-    for precision in sorted({c.precision for c in todo}):
-        for batch in (base_batch, base_batch // 2):
-            cfg = {**matrix.base, "batch_size": batch, "strategy": "single", "precision": precision,
-                   "output": str(d / f"single_{precision}_b{batch}"), "progress": False}  # fmt: skip
-            path = d / f"single_{precision}_b{batch}.yaml"
-            path.write_text(yaml.safe_dump(cfg))
-            # the threads each process of a 2-process cell gets (torchrun sets OMP_NUM_THREADS=1); the
-            # calibration counts them against the all-core peak (projection.calibrate_one)
-            rc = sh(
-                stratbench("train", "--config", str(path)),
-                d / f"single_{precision}_b{batch}.log",
-                env=os.environ | {"OMP_NUM_THREADS": str(args.calibration_threads)},
-            )
-            if rc != 0:
-                raise SystemExit(f"calibration run failed: see {d}/single_{precision}_b{batch}.log")
-            calib.append(str(d / f"single_{precision}_b{batch}" / "result.json"))
-    # 1b. each method on one device (--nproc 1) at the per-process batch: its own host work per step (hooks,
-    # flat-parameter copies, wrappers), which the calibration adds to that method's projection on any world size
+    # 1-2. the calibration `compare --calibrate` makes (stratbench.compare.calibration): the probe of 2 processes;
+    # `single` per precision at the global and the per-process batch; each method once on one process at the
+    # per-process batch (its own host work per step, which the calibration adds to that method's projection on
+    # any world size; pipelines are left out). Each with the threads a 2-process cell's process gets
+    # (OMP_NUM_THREADS=1; --calibration-threads), counted against the probe's all-core peak.
+    plan = plan_calibration(matrix, [Plan(c, None) for c in todo], threads=args.calibration_threads,
+                            max_steps=args.method_steps, probe_sizes=args.sizes)  # fmt: skip
+    runs = [r for r in plan.runs if args.method_calibration or r.kind != "method"]
+    runner = SweepRunner(matrix, d, timeout_s=900, console=Console(stderr=True))
+    records = run_calibration(runner, runs)
+    by_kind = {k: [records[r.id] for r in runs if r.kind == k] for k in ("probe", "single", "method")}
+    for rec in by_kind["probe"] + by_kind["single"]:
+        if rec["status"] != "ok":
+            raise SystemExit(f"calibration run {rec['id']} {rec['status']}: {rec['reason']} (see {d / CAL_DIR})")
     method_runs = {}
-    if args.method_calibration:
-        from stratbench.projection import method_key
-
-        for cell in todo:
-            if cell.method == "pipeline":  # one device is one stage: not the method (its stages are devices)
-                continue
-            tc = cell.train_config(d / f"one_{cell.id}", progress=False)
-            tc.update(nproc=1, batch_size=base_batch // cell.world_size, max_steps=args.method_steps)
-            mkey = f"{method_key(from_dict(TrainConfig, tc))} {cell.precision}"
-            if mkey in method_runs:
-                continue
-            path = d / f"one_{cell.id}.yaml"
-            path.write_text(yaml.safe_dump(tc))
-            rc = sh(  # with the threads of the calibration runs (those of a 2-process cell's process)
-                stratbench("train", "--config", str(path)),
-                d / f"one_{cell.id}.log",
-                env=os.environ | {"OMP_NUM_THREADS": str(args.calibration_threads)},
-            )
-            result = d / f"one_{cell.id}" / "result.json"
-            if rc == 0 and result.exists():
-                method_runs[mkey] = str(result)
-                calib.append(str(result))
-            else:  # e.g. a pipeline needs 2 stages: that method is projected without its own overhead
-                tail = (d / f"one_{cell.id}.log").read_text().strip().splitlines()[-1:] or ["(empty log)"]
-                method_runs[mkey] = f"not calibrated: {tail[0][:160]}"
-    # 2. probe 2 processes
-    probe = d / "probe.yaml"
-    rc = sh(
-        stratbench("probe", "--nproc", "2", "--sizes", args.sizes, "--output", str(probe)), d / "probe.log"
-    )
-    if rc != 0:
-        raise SystemExit(f"probe failed: see {d}/probe.log")
-    system = resolve(str(probe))
-    calibration = load_calibration(calib, system)
+    for rec in by_kind["method"]:  # a failed one: that method is projected without its own overhead
+        mkey = f"{method_key(from_dict(TrainConfig, rec['config']))} {rec['precision']}"
+        method_runs[mkey] = rec["cell_dir"] + "/result.json" if rec["status"] == "ok" else \
+            f"not calibrated: {rec['reason'][:160]}"  # fmt: skip
+    system = resolve(by_kind["probe"][0]["cell_dir"] + "/probe.yaml")
+    ok = [rec for rec in by_kind["single"] + by_kind["method"] if rec["status"] == "ok"]
+    calibration = calibrate(ok, system, [rec["id"] for rec in ok])
     # 3. predictions, written before anything is measured
     predictions = {}
     for cell in todo:
@@ -304,7 +276,7 @@ def main() -> int:
                     help="threads of the calibration runs (default 1, as each process of a torchrun cell)")
     ap.add_argument("--method-calibration", action=argparse.BooleanOptionalAction, default=True,
                     help="also run each method on one device (--nproc 1) to calibrate its own overhead per step")
-    ap.add_argument("--method-steps", type=int, default=20, help="steps of each one-device method run")
+    ap.add_argument("--method-steps", type=int, default=20, help="steps of each calibration run")
     ap.add_argument("--sizes", default="1KiB,16KiB,128KiB,1MiB,4MiB", help="probe sizes")
     ap.add_argument("--report-only", action="store_true", help="rewrite the report from OUT/reps.json, run nothing")
     ap.add_argument("--note", default="", help="a sentence for the report (e.g. 'the machine was shared')")

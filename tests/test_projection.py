@@ -397,6 +397,9 @@ def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size(
         projection.calibrate([*singles, run(32, 0.036, strategy="fsdp", precision="bf16-mixed")], s)
     with pytest.raises(ConfigError, match="a pipeline on one device is one stage"):
         projection.calibrate([*singles, run(32, 0.036, strategy="pipeline")], s)
+    # with gradient accumulation the batch's FLOPs are counted once and the fixed overhead once per micro-step
+    accum = run(32, 0.030 + base.overhead_s + 2 * 0.005, strategy="fsdp", grad_accum=2)
+    assert projection.calibrate([*singles, accum], s)["fp32"].method_overhead_s["fsdp"] == pytest.approx(0.005)
 
 
 def test_probe_loaded_latency_reaches_the_profile_and_reads_back(tmp_path):
@@ -587,6 +590,10 @@ def _cell(method: str, precision: str, world: int, step_s: float, device: str = 
 
 
 def test_compare_report_shows_predicted_step_and_error(tmp_path):
+    """Without the sweep's own calibration (compare --calibrate: tests/test_calibration.py), a GPU row is
+    predicted on its device's profile, calibrated on the sweep's single run of its precision or at the default
+    efficiency; a CPU row is n/a, uncalibrated (calibrated on the all-core single run with another machine's
+    probe it was 35-80% off), never a number."""
     import csv
 
     from stratbench.compare import report as report_mod
@@ -594,28 +601,31 @@ def test_compare_report_shows_predicted_step_and_error(tmp_path):
     records = [
         _cell("single", "fp32", 1, 0.040),
         _cell("ddp", "fp32", 2, 0.030),
-        _cell("ddp", "bf16-mixed", 2, 0.050),  # no single bf16 run in the sweep: nothing to calibrate on
-        _cell("ddp", "bf16-mixed", 2, 0.004, device="cuda"),  # a GPU: the H100 profile's default efficiency
+        _cell("single", "fp32", 1, 0.010, device="cuda"),
+        _cell("ddp", "fp32", 2, 0.004, device="cuda"),
+        _cell("ddp", "bf16-mixed", 2, 0.004, device="cuda"),  # no single bf16 run: the default efficiency
     ]
     paths = report_mod.write_report(report_mod.Report("t", records, ["x"]), tmp_path)
     rows = {(r["method"], r["precision"], "gpu" if "H100" in r["machine"] else "box"): r
             for r in csv.DictReader(paths["csv"].open())}  # fmt: skip
-    single, ddp = rows["single", "fp32", "box"], rows["ddp", "fp32", "box"]
-    assert float(single["predicted_step_s"]) == pytest.approx(0.040)  # the calibration run gives itself back
-    pred = projection.predict_record(records[1], records[0])
-    assert pred.step_s and pred.calibrated and pred.system == "cpu-gloo"
-    assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
-    assert float(ddp["predicted_step_error_pct"]) == pytest.approx((pred.step_s / 0.030 - 1) * 100)
-    assert rows["ddp", "bf16-mixed", "box"]["predicted_step_s"] == "n/a"
-    gpu = rows["ddp", "bf16-mixed", "gpu"]
-    assert float(gpu["predicted_step_s"]) > 0 and gpu["predicted_dominant"]
+    assert rows["single", "fp32", "box"]["predicted_step_s"] == rows["ddp", "fp32", "box"]["predicted_step_s"] == "n/a"
     md = paths["md"].read_text()
+    assert "uncalibrated. On a CPU the projection needs this machine's probe" in md and "--calibrate" in md
+    assert float(rows["single", "fp32", "gpu"]["predicted_step_s"]) == pytest.approx(0.010)  # gives itself back
+    pred = projection.predict_record(records[3], records[2])
+    assert pred.step_s and pred.calibrated and pred.system == "h100-sxm"
+    ddp = rows["ddp", "fp32", "gpu"]
+    assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
+    assert float(ddp["predicted_step_error_pct"]) == pytest.approx((pred.step_s / 0.004 - 1) * 100)
+    bf16 = rows["ddp", "bf16-mixed", "gpu"]
+    assert float(bf16["predicted_step_s"]) > 0 and bf16["predicted_dominant"] and bf16["predicted_step_basis"] == "default"
     assert "predicted step (error)" in md and "(calibration)" in md
-    assert f"{pred.step_s * 1e3:.1f} ms ({(pred.step_s / 0.030 - 1) * 100:+.0f}%)" in md
-    assert "no single run of this precision in the sweep to calibrate the CPU on" in md
+    assert f"{pred.step_s * 1e3:.1f} ms ({(pred.step_s / 0.004 - 1) * 100:+.0f}%)" in md
     assert "default efficiency" in md and "h100-sxm profile" in md
     assert "predicted step (error)" in paths["html"].read_text()
-    # a probe file (or any system) given with --hardware replaces the record's own profile
-    other = projection.predict_record(records[1], records[0], hardware="cpu-gloo")
-    assert other.step_s == pytest.approx(pred.step_s)
+    # predict_record itself, on a CPU record: calibrated on the single run on cpu-gloo, or a probe file given
+    cpu = projection.predict_record(records[1], records[0])
+    assert cpu.step_s and cpu.system == "cpu-gloo"
+    assert projection.predict_record(records[1], records[0], hardware="cpu-gloo").step_s == pytest.approx(cpu.step_s)
+    assert projection.predict_record(records[1], None).reason.startswith("no single run of this precision")
     assert projection.predict_record(records[1], records[0], hardware="h100-sxm").step_s is None

@@ -32,6 +32,16 @@ def needs_launch(cfg: TrainConfig) -> bool:
     return False
 
 
+def threads_per_process(nproc: int, environ: dict[str, str] | None = None) -> int:
+    """The intra-op threads each of ``nproc`` local worker processes gets: the user's OMP_NUM_THREADS when set,
+    else the cores shared out (torchrun would set 1 and warn). `compare --calibrate` runs its one-process
+    calibration runs with the same count, so that they measure what a cell's process has."""
+    value = (os.environ if environ is None else environ).get("OMP_NUM_THREADS", "")
+    if value.strip().isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
 def torchrun_error_path(cfg: TrainConfig) -> Path:
     """Where ``stratbench._torchrun`` writes why this node's rendezvous failed."""
     return Path(cfg.output) / f".torchrun_error.node{cfg.node_rank}"
@@ -153,7 +163,7 @@ def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
     env = dict(os.environ)
     env[ERROR_FILE_ENV] = str(error_path)
     # One thread per process unless the user said otherwise (torchrun would set 1 and warn about it).
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // cfg.nproc)))
+    env["OMP_NUM_THREADS"] = str(threads_per_process(cfg.nproc))
     env.setdefault("PYTHONUNBUFFERED", "1")
     env["STRATBENCH_DIE_WITH_PARENT"] = "1"
     received: list[int] = []

@@ -264,11 +264,9 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
                 f"{name}: a calibration run uses one device; this {cfg.strategy} run had world size {world}"
                 " (run it with --nproc 1 to measure the method's own overhead)"
             )
-        if cfg.strategy == "pipeline":
-            raise ConfigError(
-                f"{name}: a pipeline on one device is one stage, not the method (its stages are the devices);"
-                " its projection models the stages and the bubble: calibrate with `single` runs only"
-            )
+        refused = method_run_refused(cfg.strategy)
+        if refused:
+            raise ConfigError(f"{name}: {refused}: calibrate with `single` runs only")
         cal = cals.get(key)
         if cal is None:
             raise ConfigError(
@@ -286,6 +284,16 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
             f" ({len(xs)} run{'s' if len(xs) > 1 else ''})"
         )
     return cals
+
+
+def method_run_refused(strategy: str) -> str | None:
+    """Why a one-device run of ``strategy`` cannot calibrate that method's own overhead (None: it can)."""
+    if strategy == "pipeline":
+        return (
+            "a pipeline on one device is one stage, not the method (its stages are the devices);"
+            " its projection models the stages and the bubble"
+        )
+    return None
 
 
 def _step_time(result: dict[str, Any], where: str) -> float:
@@ -317,7 +325,8 @@ def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dic
         raise ConfigError(f"the FLOPs of model {cfg.model!r} cannot be counted")
     gpu = system.gpu
     work, t_opt = _single_work(cfg, gpu, flops)
-    compute = cfg.grad_accum * work / (gpu.peak(cal.key) * cal.efficiency * _thread_share(result, system))
+    # work is the whole step's batch (its grad_accum micro-batches together); the fixed overhead is per micro-step
+    compute = work / (gpu.peak(cal.key) * cal.efficiency * _thread_share(result, system))
     return cal.overhead_s * cfg.grad_accum + compute + t_opt
 
 
@@ -664,6 +673,8 @@ class RecordPrediction:
     system: str = ""
     calibrated: bool = False
     dominant: str = ""
+    basis: str = ""
+    """What the prediction rests on: the efficiency's source (calibration runs, method overhead) or "default"."""
 
 
 def predict_record(
@@ -688,4 +699,27 @@ def predict_record(
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
         return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant)
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source)
+
+
+def predict_calibrated(
+    rec: dict[str, Any], runs: list[dict[str, Any]], profile: str, hardware: str | None = None,
+    names: list[str] | None = None,
+) -> RecordPrediction:  # fmt: skip
+    """The projected seconds per optimizer step of a finished compare record from calibration runs made for it
+    (`compare --calibrate`: `single` at two batch sizes and the record's method on one process, as result.json
+    records) on the probe ``profile`` of the machine (or ``hardware`` where given): no measurement of the record
+    itself enters it."""
+    from stratbench.config import from_dict
+    from stratbench.hardware import resolve
+
+    try:
+        cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
+        system = resolve(hardware or profile)
+        calibration = calibrate(runs, system, names)
+        p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
+    except ConfigError as exc:
+        return RecordPrediction(reason=str(exc))
+    if p.status != "ok" or not p.step_s:
+        return RecordPrediction(reason=p.reason or p.status, system=system.key)
+    return RecordPrediction(p.step_s, "", system.key, True, p.dominant, p.efficiency_source)

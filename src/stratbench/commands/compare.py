@@ -44,6 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware", metavar="SYSTEM|FILE",
                         help="profile for the report's predicted-step column (a built-in system or a `stratbench "
                              "probe` file; default: the built-in one of the device the cells ran on)")  # fmt: skip
+    parser.add_argument("--calibrate", action="store_true",
+                        help="before the cells, calibrate the report's predicted step on this machine: `stratbench "
+                             "probe --nproc N`, `single` at the per-process and global batch with a cell process's "
+                             "threads, and each multi-process method once on one process (records in "
+                             "OUTPUT/calibration.jsonl; resumable). Without it a CPU report leaves that column n/a. "
+                             "The quick preset: ~20 short runs more (docs/projection.md)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
     group = parser.add_argument_group("training options passed to every cell (override the matrix's base)")
@@ -98,6 +104,11 @@ def run(args: argparse.Namespace) -> int:
     from stratbench.commands.report import check_results_file
 
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
+    calibration = None
+    if args.calibrate:
+        from stratbench.compare.calibration import plan_calibration
+
+        calibration = plan_calibration(matrix, plans, allow_slow=args.allow_slow)
 
     if args.dry_run:
         done = load_records(out)
@@ -119,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
                           highlight=False, soft_wrap=True)  # fmt: skip
         runnable = sum(p.status is None for p in plans)
         console.print(f"{runnable} to run, {len(plans) - runnable} skipped or invalid here", highlight=False)
+        if calibration is not None:
+            _print_calibration(calibration, out, console)
         return 0
 
     runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console, repeats=args.repeats,
@@ -130,7 +143,7 @@ def run(args: argparse.Namespace) -> int:
     )
     interrupted = None
     try:
-        runner.run(plans)
+        runner.run(plans, calibration.runs if calibration else None)
     except Interrupted as exc:
         interrupted = exc
     paths, records = render_sweeps([runner.out], runner.out, hardware=args.hardware)
@@ -143,3 +156,21 @@ def run(args: argparse.Namespace) -> int:
         return 130
     bad = [r for r in records if r.get("status") not in ("ok", "skipped")]
     return 1 if bad else 0
+
+
+def _print_calibration(calibration, out: Path, console) -> None:
+    """--dry-run --calibrate: the calibration runs, before the cells, and what is left out."""
+    from stratbench.compare.calibration import CALIBRATION
+    from stratbench.compare.runner import load_records
+
+    done = load_records(out, CALIBRATION)
+    console.print(f"calibration ({len(calibration.runs)} runs before the cells, records in {out / CALIBRATION}):",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    for n, run in enumerate(calibration.runs, 1):
+        prev = done.get(run.id, {}).get("status")
+        what = (("run" if prev is None else f"done ({prev}), kept") if run.status is None
+                else f"{run.status}: {run.reason}")  # fmt: skip
+        console.print(f"{n:3d}. {run.what}  {run.id}  -> {what} (for {len(run.for_cells)} cells)",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+    for note in calibration.notes:
+        console.print(f"  - {note}", highlight=False, soft_wrap=True)

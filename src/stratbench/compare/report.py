@@ -61,6 +61,8 @@ class Sweep:
     path: Path
     records: list[dict[str, Any]]
     meta: dict[str, Any] = field(default_factory=dict)
+    calibration: list[dict[str, Any]] = field(default_factory=list)
+    """Its calibration runs (compare --calibrate: calibration.jsonl), not rows of the table."""
 
 
 def load_sweep(path: str | Path) -> Sweep:
@@ -91,7 +93,9 @@ def load_sweep(path: str | Path) -> Sweep:
                    "machine": machine, "metrics": {}, "config": {}, "environment": {}}  # fmt: skip
         ordered.append(rec)
     ordered.extend(records.values())  # cells of an earlier matrix in the same folder
-    return Sweep(path, ordered, meta)
+    from stratbench.compare.calibration import load_calibration_records
+
+    return Sweep(path, ordered, meta, load_calibration_records(path))
 
 
 def _this_machine() -> dict[str, str]:
@@ -151,10 +155,12 @@ def is_baseline(rec: dict[str, Any]) -> bool:
 
 
 def build_rows(
-    records: list[dict[str, Any]], notes: Footnotes, hardware: str | None = None, predict: bool = True
-) -> list[Row]:
+    records: list[dict[str, Any]], notes: Footnotes, hardware: str | None = None, predict: bool = True,
+    calibration: list[dict[str, Any]] | None = None,
+) -> list[Row]:  # fmt: skip
     """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine.
-    ``hardware``: the profile the predicted step uses (default: the one of each record's device)."""
+    ``hardware``: the profile the predicted step uses (default: the sweep's probe, else the one of each record's
+    device); ``calibration``: the sweeps' calibration records (compare --calibrate)."""
     baselines: dict[str, float] = {}
     for rec in records:
         tp = (rec.get("metrics") or {}).get("throughput_samples_per_s")
@@ -165,7 +171,7 @@ def build_rows(
         rows.append(_row(rec, notes, baselines))
     _add_comm_ratio(rows)
     if predict:
-        _add_predicted_step(rows, notes, hardware)
+        _add_predicted_step(rows, notes, hardware, calibration or [])
     return rows
 
 
@@ -176,10 +182,23 @@ def _calibration_key(rec: dict[str, Any]) -> tuple[str, str, str]:
     return machine_name(rec), precision_key(str(rec.get("precision")), bool(config.get("tf32"))), str(_model_of(rec))
 
 
-def _add_predicted_step(rows: list[Row], notes: Footnotes, hardware: str | None) -> None:
-    """Beside each measured median step, what stratbench.projection predicts for it on the machine it ran on,
-    calibrated on the sweep's own `single` run of the same machine, precision and model (docs/projection.md)."""
-    from stratbench.projection import predict_record
+UNCALIBRATED_CPU = (
+    "n/a (predicted step): uncalibrated. On a CPU the projection needs this machine's probe and calibration runs "
+    "made with the threads of a cell's process before the cells (`stratbench compare --calibrate`, the same "
+    "command otherwise: it resumes and adds them); calibrated instead on the sweep's own all-core single run with "
+    "another machine's probe, this column was 35-80% off (docs/projection.md)"
+)
+
+
+def _add_predicted_step(
+    rows: list[Row], notes: Footnotes, hardware: str | None, calibration: list[dict[str, Any]]
+) -> None:
+    """Beside each measured median step, what stratbench.projection predicts for it on the machine it ran on.
+    Where the sweep calibrated itself (compare --calibrate) from its calibration runs and probe profile, made
+    for that cell before it ran; otherwise on a GPU from the device's profile, calibrated on the sweep's own
+    `single` run of the same machine, precision and model; on a CPU not at all (docs/projection.md)."""
+    from stratbench.compare.calibration import basis_for
+    from stratbench.projection import predict_calibrated, predict_record
 
     singles: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
@@ -193,25 +212,42 @@ def _add_predicted_step(rows: list[Row], notes: Footnotes, hardware: str | None)
         if r.raw["status"] != "ok":
             r.text["predicted_step"] = r.text.get("speedup", DASH)
             continue
-        cal = singles.get(_calibration_key(r.rec))
-        pred = predict_record(r.rec, cal, hardware)
+        basis = basis_for(r.rec, calibration) if calibration else None
+        cal = None
+        if basis is not None:
+            if basis.problem:
+                r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {basis.problem}")
+                continue
+            pred = predict_calibrated(r.rec, basis.runs, basis.profile or "", hardware, [c["id"] for c in basis.runs])
+            where = (f"the {hardware} profile given with --hardware" if hardware else
+                     f"this machine's probe profile (`stratbench probe --nproc {basis.nproc}`, "
+                     f"calibration/probe-w{basis.nproc}/probe.yaml)")  # fmt: skip
+            how = (
+                f"predicted step: stratbench.projection on {where}, calibrated by this sweep's calibration runs "
+                "(compare --calibrate; calibration.jsonl): `single` at the per-process and the global batch with the "
+                "threads of a cell's process, and each method once on one process for its own overhead per step "
+                "(report.csv: predicted_step_basis). No measurement of the row itself enters its prediction; "
+                "error = predicted / measured median step - 1 (docs/projection.md)"
+            )
+        elif (r.rec.get("environment") or {}).get("device_type") != "cuda":
+            r.text["predicted_step"] = "n/a" + notes.mark(UNCALIBRATED_CPU)
+            continue
+        else:
+            cal = singles.get(_calibration_key(r.rec))
+            pred = predict_record(r.rec, cal, hardware)
+            how = (
+                f"predicted step: stratbench.projection on the {pred.system} profile, "
+                + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
+                   else "at the profile's default efficiency (no single run of this precision in the sweep)")
+                + "; error = predicted / measured median step - 1 (docs/projection.md)"
+            )  # fmt: skip
         r.raw["predicted_dominant"] = pred.dominant
+        r.raw["predicted_basis"] = pred.basis
         if pred.step_s is None:
             r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {pred.reason}")
             continue
         r.raw["predicted_step"] = pred.step_s
         measured = r.raw["step_time"]
-        how = (
-            f"predicted step: stratbench.projection on the {pred.system} profile, "
-            + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
-               else "at the profile's default efficiency (no single run of this precision in the sweep)")
-            + "; error = predicted / measured median step - 1 (docs/projection.md)"
-        )  # fmt: skip
-        if pred.system == "cpu-gloo":
-            how += (
-                "; on a CPU the links, overlap and compute share are those a probe measured on a 2-core VM "
-                "(hardware.yaml cpu-gloo): `stratbench probe` writes this machine's, used with --hardware FILE"
-            )
         text = f"{pred.step_s * 1e3:.1f} ms"
         if cal is r.rec:
             text += " (calibration)"
@@ -485,7 +521,10 @@ class Report:
     description: str = ""
     command: str = ""
     hardware: str | None = None
-    """The profile of the predicted-step column (a system name or probe file); None: each record's device's."""
+    """The profile of the predicted-step column (a system name or probe file); None: the sweep's probe, else each
+    record's device's."""
+    calibration: list[dict[str, Any]] = field(default_factory=list)
+    """The sweeps' calibration records (compare --calibrate), which the predicted-step column rests on."""
 
 
 def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
@@ -540,7 +579,7 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     notes = Footnotes()
-    rows = build_rows(report.records, notes, report.hardware)
+    rows = build_rows(report.records, notes, report.hardware, calibration=report.calibration)
     charts = write_charts(rows, out, report.title)
     paths = {"md": out / "report.md", "csv": out / "report.csv", "html": out / "report.html"}
     # Each written under a temporary name and renamed into place: a failed render keeps the previous report.
@@ -612,7 +651,7 @@ def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: d
 CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
               "peak_memory_bytes", "peak_memory_bytes_per_device", "peak_memory_kind", "gpu_util_mean_pct",
               "gpu_util_peak_pct", "time_per_epoch_s", "train_time_s", "throughput_samples_per_s", "speedup",
-              "step_time_median_s", "predicted_step_s", "predicted_step_error_pct", "predicted_dominant",
+              "step_time_median_s", "predicted_step_s", "predicted_step_error_pct", "predicted_dominant", "predicted_step_basis",
               "alloc_peak_bytes", "alloc_import_bytes", "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
               "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
@@ -638,7 +677,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("step_time")), v(raw.get("predicted_step")),
-                v(raw.get("step_error_pct")), raw.get("predicted_dominant") or "", v(raw.get("alloc_peak")),
+                v(raw.get("step_error_pct")), raw.get("predicted_dominant") or "", raw.get("predicted_basis") or "",
+                v(raw.get("alloc_peak")),
                 v(raw.get("alloc_imports")), v(raw.get("predicted")),
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
                 v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
@@ -1121,5 +1161,6 @@ def render_sweeps(
         title = "stratbench compare: " + " + ".join(names)
     description = sweeps[0].meta.get("description", "") if len(sweeps) == 1 else ""
     command = " ".join(sweeps[0].meta.get("command") or []) if len(sweeps) == 1 else ""
-    report = Report(title, records, [str(s.path) for s in sweeps], description, command, hardware)
+    calibration = [c for s in sweeps for c in s.calibration]
+    report = Report(title, records, [str(s.path) for s in sweeps], description, command, hardware, calibration)
     return write_report(report, out), records

@@ -42,9 +42,10 @@ class Interrupted(Exception):
 # records
 
 
-def load_records(out: Path) -> dict[str, dict[str, Any]]:
-    """Latest record per cell id from ``out/results.jsonl`` (a torn last line from a killed sweep is ignored)."""
-    path = Path(out) / RESULTS
+def load_records(out: Path, name: str = RESULTS) -> dict[str, dict[str, Any]]:
+    """Latest record per cell id from ``out/results.jsonl`` (or ``out/NAME``: the calibration runs'
+    ``calibration.jsonl``); a torn last line from a killed sweep is ignored."""
+    path = Path(out) / name
     records: dict[str, dict[str, Any]] = {}
     if not path.exists():
         return records
@@ -62,11 +63,11 @@ def load_records(out: Path) -> dict[str, dict[str, Any]]:
     return records
 
 
-def append_record(out: Path, record: dict[str, Any]) -> None:
-    """Append one line and flush it to disk, so a crash of the sweep itself loses nothing finished. A last line
-    cut short by a crash (no newline) is dropped first, or ended if it is whole: appended to, it would take
-    the new record down with it."""
-    path = Path(out) / RESULTS
+def append_record(out: Path, record: dict[str, Any], name: str = RESULTS) -> None:
+    """Append one line to ``out/results.jsonl`` (or ``out/NAME``) and flush it to disk, so a crash of the sweep
+    itself loses nothing finished. A last line cut short by a crash (no newline) is dropped first, or ended if
+    it is whole: appended to, it would take the new record down with it."""
+    path = Path(out) / name
     if path.exists() and path.stat().st_size:
         with open(path, "rb+") as fh:
             data = fh.read()
@@ -298,15 +299,19 @@ class Display:
 
     def start(self, n: int, cell: Cell) -> None:
         self.cell = cell
+        self.begin(n, f"{cell.name} {cell.precision} x{cell.world_size}", f"{cell.id}/train.log")
+
+    def begin(self, n: int, what: str, log: str) -> None:
+        """Run ``n`` of the total starts: ``what`` names it, ``log`` is where its output goes."""
         self.cell_t0 = time.monotonic()
-        text = f"[{n}/{self.total}] {cell.name} {cell.precision} x{cell.world_size}"
+        text = f"[{n}/{self.total}] {what}"
         if self.progress is not None:
             self.progress.reset(
                 self.current, description=text, info="starting", count=""
             )  # elapsed restarts per cell
             self.progress.update(self.overall, info=self.eta())
         else:
-            self.console.print(f"{text} ... (log: {cell.id}/train.log)", highlight=False, soft_wrap=True)
+            self.console.print(f"{text} ... (log: {log})", highlight=False, soft_wrap=True)
 
     def tick(self, last_line: str) -> None:
         if self.progress is None:
@@ -316,6 +321,9 @@ class Display:
         self.progress.update(self.overall, info=self.eta(running))
 
     def finish(self, cell: Cell, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
+        self.end(f"{cell.name} {cell.precision} x{cell.world_size}", status, reason, elapsed, ran)
+
+    def end(self, what: str, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
         self.done += 1
         if ran and elapsed is not None:
             self.durations.append(elapsed)
@@ -325,7 +333,7 @@ class Display:
 
         # escaped: reasons quote library output such as gloo's "[/path/pair.cc:553]", which rich reads as a tag
         why = f": {escape(reason)}" if reason and status != "ok" else ""
-        line = f"  [{colour}]{status}[/{colour}] {cell.name} {cell.precision} x{cell.world_size}{when}{why}"
+        line = f"  [{colour}]{status}[/{colour}] {escape(what)}{when}{why}"
         self.console.print(line, highlight=False, soft_wrap=True)
         if self.progress is not None:
             self.progress.update(self.overall, advance=1, info=self.eta(), count=f"{self.done}/{self.total}")
@@ -397,27 +405,36 @@ class SweepRunner:
         }
         atomic_write(self.out / SWEEP, json.dumps(meta, indent=2, default=str))
 
-    def run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
-        """Run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording).
-        Holds the output folder's lock throughout: a second sweep on the same folder is refused (it would
-        train the same cells at once and record them twice)."""
-        from stratbench.lock import output_lock
-
-        with output_lock(self.out):
-            return self._run(plans)
-
-    def _run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
-        self.write_sweep_meta(plans)
-        records = load_records(self.out)
-        env = local_environment(1)
-        display = Display(len(plans), self.console)
-        # SIGTERM (a job scheduler, `kill`) stops the sweep like Ctrl-C: the running cell's tree is killed
-        # rather than orphaned (cells run in their own sessions, so they would not get the signal).
+    def run(self, plans: list[Plan], calibration: list | None = None) -> dict[str, dict[str, Any]]:
+        """Run the calibration runs (``compare.calibration.CalibrationRun``, when given) and then every planned
+        cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording). Holds the output
+        folder's lock throughout: a second sweep on the same folder is refused (it would train the same cells
+        at once and record them twice)."""
         import threading
 
+        from stratbench.lock import output_lock
+
+        # SIGTERM (a job scheduler, `kill`) stops the sweep like Ctrl-C: the running cell's tree is killed
+        # rather than orphaned (cells run in their own sessions, so they would not get the signal).
         previous = None
         if threading.current_thread() is threading.main_thread():
             previous = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+        try:
+            with output_lock(self.out):
+                self.write_sweep_meta(plans)
+                if calibration:
+                    from stratbench.compare.calibration import run_calibration
+
+                    run_calibration(self, calibration)
+                return self._run(plans)
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+
+    def _run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
+        records = load_records(self.out)
+        env = local_environment(1)
+        display = Display(len(plans), self.console)
         try:
             for n, p in enumerate(plans, 1):
                 old = records.get(p.cell.id)
@@ -443,8 +460,6 @@ class SweepRunner:
             raise Interrupted("stopped between cells") from None
         finally:
             display.close()
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
         return records
 
     def run_repeats(self, cell: Cell, display: Display) -> dict[str, Any]:
@@ -466,17 +481,12 @@ class SweepRunner:
                 return rec
         return aggregate_repeats(runs)
 
-    def run_cell(self, cell: Cell, display: Display, run_dir: Path | None = None) -> dict[str, Any]:
-        """Run one cell in a fresh process tree and return its record; Ctrl-C kills the tree and re-raises."""
-        cell_dir = run_dir or self.out / CELLS_DIR / cell.id
-        if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
-            shutil.rmtree(cell_dir)
-        cell_dir.mkdir(parents=True)
-        config_path = cell_dir / "config.yaml"
-        atomic_write(config_path, yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
-        log_path = cell_dir / "train.log"
-        cmd = cell_command(cell, config_path)
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+    def run_process(self, cmd: list[str], log_path: Path, display: Display, what: str,
+                    env: dict[str, str] | None = None) -> tuple[int | None, float, bool, list[float]]:  # fmt: skip
+        """Run ``cmd`` in a fresh session with its output in ``log_path``, under the sweep's time limit: (exit
+        code, seconds, timed out, load averages seen). Ctrl-C kills the whole tree and raises ``Interrupted``
+        naming ``what``; ``env`` is added to this process's environment."""
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
         t0 = time.monotonic()
         timed_out = False
         with open(log_path, "wb") as log:
@@ -502,8 +512,23 @@ class SweepRunner:
                         break
             except KeyboardInterrupt:
                 kill_tree(proc)
-                raise Interrupted(f"stopped while running {cell.id}") from None
-        elapsed = time.monotonic() - t0
+                raise Interrupted(what) from None
+        return proc.returncode, time.monotonic() - t0, timed_out, loads
+
+    def run_cell(self, cell: Cell, display: Display, run_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Run one cell in a fresh process tree and return its record; Ctrl-C kills the tree and re-raises.
+        ``env``: variables added to its environment (a calibration run's OMP_NUM_THREADS)."""
+        cell_dir = run_dir or self.out / CELLS_DIR / cell.id
+        if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
+            shutil.rmtree(cell_dir)
+        cell_dir.mkdir(parents=True)
+        config_path = cell_dir / "config.yaml"
+        atomic_write(config_path, yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        log_path = cell_dir / "train.log"
+        returncode, elapsed, timed_out, loads = self.run_process(
+            cell_command(cell, config_path), log_path, display, f"stopped while running {cell.id}", env
+        )
         result = _read_result(cell_dir / "result.json")
         if timed_out:
             status, reason = (
@@ -511,9 +536,9 @@ class SweepRunner:
                 f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed",
             )
         else:
-            status, reason = classify(proc.returncode, result, log_path)
+            status, reason = classify(returncode, result, log_path)
         rec = make_record(
-            cell, status, reason, result, elapsed_s=elapsed, returncode=proc.returncode, cell_dir=cell_dir
+            cell, status, reason, result, elapsed_s=elapsed, returncode=returncode, cell_dir=cell_dir
         )
         # Timings only mean something on an otherwise idle machine: keep the load seen, the report flags it.
         rec["host_load_mean"] = sum(loads) / len(loads) if loads else None

@@ -1,0 +1,351 @@
+"""`compare --calibrate`: what a sweep measures before its cells, so that the report's predicted step of each
+multi-process cell is a prediction made on this machine before that cell was measured (docs/projection.md).
+
+For the sweep's runnable multi-process cells it plans, and the runner runs before any cell:
+
+* ``stratbench probe --nproc N`` for each world size N of those cells: this machine's collectives, compute
+  share, thread share and overlap, as a hardware profile (``calibration/probe-wN/probe.yaml``);
+* ``single`` at the cells' per-process batch and at their global batch, per precision, each with the threads a
+  cell's process gets (``launch.threads_per_process``; 1 on 2 cores with 2 processes): the achieved efficiency
+  and the fixed overhead per step (``projection.calibrate_one``);
+* each method (strategy and options) once on one process at the per-process batch, per precision: its own host
+  work per step (FSDP's hooks, ZeRO-3's fetches: ``Calibration.method_overhead_s``). Pipelines are left out
+  (``projection.method_run_refused``: on one process a pipeline is one stage, not the method).
+
+Train runs are capped at ``CALIBRATION_STEPS`` steps: they need a median step time, not a trained model. Their
+records go to ``calibration.jsonl``, not ``results.jsonl`` (they are not rows of the table), each naming the
+cells it calibrates (``calibration.for``); a rerun keeps what finished, like the cells. The report predicts a
+cell from the runs made for it (``basis_for``): where one of them failed or was refused, the predicted column
+says so instead of showing a number.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stratbench.compare.matrix import Cell, Matrix, Plan, plan_cell
+from stratbench.compare.runner import (
+    FINISHED,
+    append_record,
+    last_error_line,
+    load_records,
+    local_environment,
+    machine_of,
+)
+
+if TYPE_CHECKING:
+    from stratbench.compare.runner import Display, SweepRunner
+
+CALIBRATION = "calibration.jsonl"
+CAL_DIR = "calibration"
+CALIBRATION_STEPS = 30
+"""Steps of each calibration train run (or the cell's own max_steps when smaller); 3 are warm-up by default."""
+PROBE_SIZES_CPU = "1KiB,16KiB,128KiB,1MiB,4MiB"
+"""Probe payloads on a CPU (the quick preset's gradients are < 1 MiB; gloo at 32 MiB costs seconds per size)."""
+KINDS = ("probe", "single", "method")
+# Cell options that each calibration run sets itself.
+_OWN = ("batch_size", "grad_accum", "max_steps")
+
+
+@dataclass(frozen=True)
+class CalibrationRun:
+    """One run of the calibration: a `single` or one-process method run (``cell``), or the probe."""
+
+    kind: str
+    """probe, single (efficiency and fixed overhead) or method (one method's own overhead on one process)."""
+    cell: Cell | None = None
+    threads: int | None = None
+    """OMP_NUM_THREADS of a train run: the threads a cell's process gets."""
+    nproc: int = 1
+    """The probe's processes (the cells' world size)."""
+    device: str = "cpu"
+    sizes: str = ""
+    for_cells: tuple[str, ...] = ()
+    """Ids of the cells whose prediction rests on this run."""
+    status: str | None = None
+    """None: run it; skipped/failed: the run cannot be made here (``reason``), recorded as such."""
+    reason: str = ""
+
+    @property
+    def id(self) -> str:
+        if self.kind == "probe":
+            return f"probe-w{self.nproc}"
+        assert self.cell is not None
+        return f"{self.cell.id}_t{self.threads}"
+
+    @property
+    def what(self) -> str:
+        """One line for the terminal and the report: what the run measures."""
+        if self.kind == "probe":
+            return f"calibration: stratbench probe --nproc {self.nproc}"
+        assert self.cell is not None
+        return (f"calibration: {self.cell.name} {self.cell.precision} x1, batch {self.cell.batch_size}, "
+                f"{self.threads} thread{'s' if self.threads != 1 else ''}")  # fmt: skip
+
+
+@dataclass
+class CalibrationPlan:
+    runs: list[CalibrationRun] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    """Cells or methods left out of the calibration, and why."""
+
+
+def _multi_process(cell: Cell) -> bool:
+    from stratbench.strategies.base import all_strategies
+
+    cls = all_strategies().get(cell.method)
+    return cell.world_size > 1 and cls is not None and cls.needs_process_group
+
+
+def plan_calibration(
+    matrix: Matrix, plans: list[Plan], *, threads: int | None = None, max_steps: int = CALIBRATION_STEPS,
+    probe_sizes: str | None = None, allow_slow: bool = False,
+) -> CalibrationPlan:  # fmt: skip
+    """The calibration runs for the runnable multi-process cells of ``plans`` (see the module docstring).
+    ``threads``: the calibration runs' thread count (default: what a cell's process gets here)."""
+    from stratbench.config import TrainConfig, from_dict
+    from stratbench.dist import resolve_device
+    from stratbench.launch import threads_per_process
+    from stratbench.projection import method_run_refused
+    from stratbench.strategies.base import get_strategy
+
+    runnable = [p.cell for p in plans if p.status is None]
+    multi = [c for c in runnable if _multi_process(c)]
+    if not multi:
+        return CalibrationPlan(notes=["no runnable multi-process cell: nothing to calibrate"])
+    if max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+    runs: dict[str, tuple[CalibrationRun, set[str]]] = {}  # id -> the run, the cells it serves
+    refused: dict[str, list[str]] = {}  # reason -> cells without a method run
+    probes: dict[int, set[str]] = {}
+    # `single` per precision, config and threads: every batch any of those cells needs, serving all of them
+    groups: dict[str, tuple[Cell, int, set[int], set[str]]] = {}
+    device = "cpu"
+
+    def group_key(cell: Cell, t: int) -> str:
+        common = {k: v for k, v in cell.config.items() if k not in _OWN}
+        return json.dumps([cell.precision, t, common], sort_keys=True, default=str)
+
+    for cell in multi:
+        cfg = from_dict(TrainConfig, cell.train_config("unused"), where=f"cell {cell.id}")
+        device = resolve_device(cfg.device).type
+        t = threads or threads_per_process(cell.world_size)
+        dp = get_strategy(cell.method).data_parallel_size(cfg, cell.world_size)
+        per_process = max(1, cell.batch_size // max(1, dp))
+        common = {k: v for k, v in cell.config.items() if k not in _OWN}
+        steps = min(max_steps, int(cell.config.get("max_steps") or max_steps))
+        probes.setdefault(cell.world_size, set()).add(cell.id)
+        group = groups.setdefault(group_key(cell, t), (cell, steps, set(), set()))
+        group[2].update({per_process, cell.batch_size})
+        group[3].add(cell.id)
+        why = method_run_refused(cell.method)
+        if why:
+            refused.setdefault(why, []).append(f"{cell.name} {cell.precision}")
+            continue
+        accum = {"grad_accum": cell.config["grad_accum"]} if "grad_accum" in cell.config else {}
+        one = Cell(cell.method, cell.precision, 1, {**common, **accum, "batch_size": per_process, "max_steps": steps},
+                   dict(cell.options), cell.label)  # fmt: skip
+        run = CalibrationRun("method", one, t)
+        runs.setdefault(run.id, (run, set()))[1].add(cell.id)
+    # The sweep's own one-process `single` cells are predicted from the same runs (and the first probe's peak).
+    for cell in runnable:
+        if cell.world_size == 1 and cell.method == "single":
+            for key, group in groups.items():
+                if key == group_key(cell, json.loads(key)[1]):
+                    group[3].add(cell.id)
+                    probes[min(probes)].add(cell.id)
+    for key, (cell, steps, batches, served) in groups.items():
+        common = {k: v for k, v in cell.config.items() if k not in _OWN}
+        for batch in sorted(batches):
+            single = Cell("single", cell.precision, 1, {**common, "batch_size": batch, "max_steps": steps})
+            run = CalibrationRun("single", single, json.loads(key)[1])
+            runs.setdefault(run.id, (run, set()))[1].update(served)
+    notes = [f"{', '.join(names)}: no one-process run ({why}); predicted without a method overhead"
+             for why, names in refused.items()]  # fmt: skip
+    sizes = probe_sizes or (PROBE_SIZES_CPU if device == "cpu" else "")
+    out = [CalibrationRun("probe", nproc=n, device=device, sizes=sizes, for_cells=tuple(sorted(ids)))
+           for n, ids in sorted(probes.items())]  # fmt: skip
+    order = {k: i for i, k in enumerate(KINDS)}
+    for run, served in sorted(runs.values(), key=lambda x: order[x[0].kind]):
+        p = plan_cell(run.cell, matrix, allow_slow)  # what would refuse it here refuses it before it runs
+        out.append(CalibrationRun(run.kind, run.cell, run.threads, for_cells=tuple(sorted(served)),
+                                  status=p.status, reason=p.reason))  # fmt: skip
+    return CalibrationPlan(out, notes)
+
+
+# ------------------------------------------------------------------------------------------------
+# running
+
+
+def _record(run: CalibrationRun) -> dict[str, Any]:
+    """The fields every calibration record has beside what the run produced."""
+    return {"kind": run.kind, "for": list(run.for_cells), "threads": run.threads, "nproc": run.nproc,
+            "what": run.what, **({"profile": f"{CAL_DIR}/{run.id}/probe.yaml"} if run.kind == "probe" else {})}  # fmt: skip
+
+
+def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str, dict[str, Any]]:
+    """Run the calibration runs not already finished into ``runner.out/calibration/``, one fresh process tree
+    each under the sweep's time limit, and append each outcome to calibration.jsonl; a run kept from an earlier
+    sweep that now serves more cells is recorded again with them. Ctrl-C raises ``Interrupted``."""
+    from stratbench.compare.runner import Display
+
+    out = runner.out
+    records = load_records(out, CALIBRATION)
+    display = Display(len(runs), runner.console)
+    keep = ("ok",) if runner.retry else FINISHED
+    env = local_environment(1)
+    try:
+        for n, run in enumerate(runs, 1):
+            old = records.get(run.id)
+            if run.status is None and old and old.get("status") in keep:
+                served = sorted(set(old["calibration"]["for"]) | set(run.for_cells))
+                if served != old["calibration"]["for"]:
+                    old = {**old, "calibration": {**old["calibration"], "for": served}}
+                    append_record(out, old, CALIBRATION)
+                    records[run.id] = old
+                display.skip_only()
+                runner.console.print(f"  [dim]done before[/dim] {run.what}: {old['status']}", highlight=False,
+                                     soft_wrap=True)  # fmt: skip
+                continue
+            if run.status is not None:
+                rec = {"id": run.id, "status": run.status, "reason": run.reason, "machine": machine_of(env),
+                       "environment": env, "calibration": _record(run)}  # fmt: skip
+                append_record(out, rec, CALIBRATION)
+                records[run.id] = rec
+                display.end(run.what, run.status, run.reason, None, ran=False)
+                continue
+            display.begin(n, run.what, f"{CAL_DIR}/{run.id}/{'probe' if run.kind == 'probe' else 'train'}.log")
+            rec = _run_probe(runner, run, display) if run.kind == "probe" else _run_train(runner, run, display)
+            append_record(out, rec, CALIBRATION)
+            records[run.id] = rec
+            display.end(run.what, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
+    except KeyboardInterrupt:
+        from stratbench.compare.runner import Interrupted
+
+        raise Interrupted("stopped between calibration runs") from None
+    finally:
+        display.close()
+    return records
+
+
+def _run_train(runner: SweepRunner, run: CalibrationRun, display: Display) -> dict[str, Any]:
+    assert run.cell is not None
+    rec = runner.run_cell(run.cell, display, run_dir=runner.out / CAL_DIR / run.id,
+                          env={"OMP_NUM_THREADS": str(run.threads)})  # fmt: skip
+    rec["id"] = run.id
+    rec["calibration"] = _record(run)
+    return rec
+
+
+def probe_command(run: CalibrationRun, profile: Path) -> list[str]:
+    """`stratbench probe` of the run's processes, writing the profile to ``profile``."""
+    return [sys.executable, "-m", "stratbench", "probe", "--nproc", str(run.nproc), "--device", run.device,
+            "--output", str(profile)] + (["--sizes", run.sizes] if run.sizes else [])  # fmt: skip
+
+
+def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> dict[str, Any]:
+    import shutil
+    import time
+
+    from stratbench.errors import ConfigError
+    from stratbench.hardware import resolve
+
+    run_dir = runner.out / CAL_DIR / run.id
+    if run_dir.exists():
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    profile, log = run_dir / "probe.yaml", run_dir / "probe.log"
+    cmd = probe_command(run, profile)
+    code, elapsed, timed_out, loads = runner.run_process(cmd, log, display, f"stopped while running {run.id}")
+    status, reason = "ok", ""
+    if timed_out:
+        status, reason = "timeout", f"did not finish within the {runner.timeout_s:.0f} s limit; its processes were killed"
+    elif code != 0 or not profile.exists():
+        status, reason = "failed", last_error_line(log) or f"exited with code {code} without writing {profile.name}"
+    else:
+        try:
+            resolve(str(profile))
+        except ConfigError as exc:
+            status, reason = "failed", f"the profile it wrote does not load: {exc}"
+    env = local_environment(run.nproc)
+    return {"id": run.id, "status": status, "reason": reason, "machine": machine_of(env), "environment": env,
+            "calibration": _record(run), "elapsed_s": elapsed, "returncode": code,
+            "cell_dir": str(run_dir), "log": str(log), "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "host_load_mean": sum(loads) / len(loads) if loads else None}  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# the report's side
+
+
+def load_calibration_records(folder: str | Path) -> list[dict[str, Any]]:
+    """The latest record of each calibration run of a sweep folder, its probe profile's path made absolute
+    (``profile_path``), so that a report merging several folders finds each one's files."""
+    folder = Path(folder)
+    out = []
+    for rec in load_records(folder, CALIBRATION).values():
+        cal = rec.get("calibration")
+        if not isinstance(cal, dict) or cal.get("kind") not in KINDS:
+            continue
+        if cal.get("profile"):
+            rec = {**rec, "profile_path": str((folder / cal["profile"]).resolve())}
+        out.append(rec)
+    return out
+
+
+@dataclass
+class Basis:
+    """What a cell's prediction rests on: the probe profile and the ok calibration train runs made for it, or
+    ``problem``: why there is no prediction (a run failed, was refused, or is missing)."""
+
+    profile: str | None = None
+    nproc: int | None = None
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    problem: str = ""
+
+
+def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis | None:
+    """The calibration runs of ``rec``'s machine made for it (``calibration.for`` names its id); None when none
+    was (the sweep did not calibrate, or not this cell)."""
+    from stratbench.projection import method_run_refused
+
+    host = (rec.get("machine") or {}).get("hostname")
+    mine = [c for c in calibration if rec.get("id") in c["calibration"].get("for", [])
+            and (c.get("machine") or {}).get("hostname") == host]  # fmt: skip
+    if not mine:
+        return None
+    basis = Basis()
+
+    def bad(c: dict[str, Any]) -> str:
+        why = " ".join(str(c.get("reason") or "no reason recorded").split())
+        return f"its calibration run ({c['calibration'].get('what') or c['id']}) is {c.get('status')}: {why}"
+
+    probes = [c for c in mine if c["calibration"]["kind"] == "probe"]
+    singles = [c for c in mine if c["calibration"]["kind"] == "single"]
+    methods = [c for c in mine if c["calibration"]["kind"] == "method"]
+    failed = [c for c in mine if c.get("status") != "ok"]
+    if failed:
+        basis.problem = bad(failed[0]) + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+        return basis
+    if not probes:
+        basis.problem = "no probe of this machine was made for it (rerun with --calibrate)"
+        return basis
+    profile = probes[0].get("profile_path")
+    if not profile or not Path(profile).is_file():
+        basis.problem = f"the probe profile {profile or probes[0]['calibration'].get('profile')} is missing"
+        return basis
+    if not singles:
+        basis.problem = "no `single` calibration run was made for it (rerun with --calibrate)"
+        return basis
+    world = int(rec.get("world_size") or 1)
+    if world > 1 and rec.get("method") != "single" and not method_run_refused(str(rec.get("method"))) \
+            and not methods:  # fmt: skip
+        basis.problem = f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
+        return basis
+    basis.profile, basis.nproc = profile, int(probes[0]["calibration"].get("nproc") or 0)
+    basis.runs = singles + methods
+    return basis
