@@ -17,6 +17,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import torch
+
+from stratbench.metrics import _cpu_name
+
 
 def run(out: Path, breakdown: bool, strategy: str, nproc: int) -> float:
     cmd = [sys.executable, "-m", "stratbench", "train", "--output", str(out), "--strategy", strategy, "--nproc", str(nproc),
@@ -43,7 +47,8 @@ def main() -> None:
         f"# What --breakdown costs ({a.strategy}, {a.nproc} process(es), CPU)",
         "",
         f"`python benchmarks/breakdown_cost.py --repeats {a.repeats} --strategy {a.strategy} --nproc {a.nproc}` "
-        f"({dt.date.today()}): tinynet width 16, digits, global batch 64, 60 steps (3 warm-up), runs alternated.",
+        f"({dt.date.today()}): tinynet width 16, digits, global batch 64, 60 steps (3 warm-up), runs alternated,"
+        f" 1 thread per process. Machine: {_cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}.",
         "",
         "| --breakdown | step time min / median / max |",
         "|---|---|",
@@ -54,7 +59,7 @@ def main() -> None:
         " on a GPU each boundary also synchronises the device, which removes the overlap of the host's kernel"
         " launches with the device's work: measure it there before leaving it on.",
     ]
-    name = Path(__file__).parent / f"breakdown_cost_cpu_{a.strategy}_{dt.date.today()}.md"
+    name = Path(__file__).parent / f"breakdown_cost_cpu_{a.strategy}_w{a.nproc}_{dt.date.today()}.md"
     name.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
