@@ -86,8 +86,9 @@ def pytest_sessionfinish(session, exitstatus):
 def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, **kw) -> dict:
     """Train with the given flags and return result.json. Each rank runs `stratbench train` as a torchrun worker
     does, forked from the session's zygote (no launcher, torchrun or fresh interpreter: ~7 s less per 2-process
-    run); ``launcher=True`` or an ``env`` runs the whole command as a user does (launcher, torchrun, workers)."""
-    if launcher or kw:
+    run); ``launcher=True``, an ``env``, or STRATBENCH_TESTS_LAUNCHER=1 in the environment (every test, as before
+    the zygote: ~8 min more) runs the whole command as a user does (launcher, torchrun, workers)."""
+    if launcher or kw or os.environ.get("STRATBENCH_TESTS_LAUNCHER") == "1":
         run_stratbench("train", "--output", str(output), "--nproc", str(nproc), *args, timeout=timeout, **kw)
     else:
         run = zygote().start(["train", "--output", str(output), "--nproc", str(nproc), *args], nproc, name=Path(output).name)
