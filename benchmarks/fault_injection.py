@@ -48,10 +48,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import psutil
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from zygote import Zygote, ZygoteRun, check_checkpoint  # noqa: E402  (tests/zygote.py: the rank forker)
+from zygote import Zygote, ZygoteRun, check_checkpoint, run_processes  # noqa: E402  (tests/zygote.py: the rank forker)
 
 # The tiny problem of the tests (tests/conftest.py TINY), trained until killed.
 RUN = [
@@ -66,18 +64,6 @@ METHODS = {
     "deepspeed-z2": (["--strategy", "deepspeed", "--zero-stage", "2"], 2),
 }
 SWAP_ENV = "STRATBENCH_TEST_KILL_IN_SWAP"  # checkpoint.FAULT_SWAP_ENV (not imported: keeps this file torch-free)
-
-
-def run_processes(marker: str) -> list[int]:
-    """Pids of live processes whose command line mentions ``marker`` (the run's output folder)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
-                found.append(p.pid)
-        except psutil.Error:
-            pass
-    return found
 
 
 def kill_run(out: Path) -> None:

@@ -14,6 +14,7 @@ import torch
 import conftest
 from conftest import TINY, run_stratbench, stratbench_cmd
 from stratbench.cli import main
+from zygote import run_processes
 
 SHORT = [*TINY[: TINY.index("--max-steps")], "--max-steps", "4", *TINY[TINY.index("--max-steps") + 2 :]]
 LAYOUTS = {
@@ -157,20 +158,6 @@ def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
 LONG = [*SHORT, "--max-steps", "100000", "--epochs", "1000"]  # the later flag wins
 
 
-def _run_processes(marker: str) -> list[int]:
-    """Pids of processes whose command line mentions ``marker`` (the run's output folder)."""
-    import psutil
-
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
-                found.append(p.pid)
-        except psutil.Error:
-            pass
-    return found
-
-
 def _start_long_run(out: Path):
     import subprocess
     import time
@@ -179,7 +166,7 @@ def _start_long_run(out: Path):
     cmd = stratbench_cmd("train", "--output", str(out), "--nproc", "2", "--strategy", "ddp", *LONG)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
-    while len(_run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
+    while len(run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the run did not start its workers"
         time.sleep(0.5)
@@ -197,9 +184,9 @@ def _assert_nothing_left(marker: str, what: str) -> None:
     import time
 
     deadline = time.monotonic() + 10
-    while _run_processes(marker) and time.monotonic() < deadline:
+    while run_processes(marker) and time.monotonic() < deadline:
         time.sleep(0.2)
-    left = _run_processes(marker)
+    left = run_processes(marker)
     for pid in left:  # clean up before failing
         os.kill(pid, signal.SIGKILL)
     assert not left, f"processes still alive 10 s after {what}: {left}"
@@ -456,7 +443,7 @@ def test_a_sweep_killed_mid_cell_and_rerun_never_trains_the_cell_twice_at_once(t
     assert not load_records(out)  # killed mid-cell: not recorded
     rerun = _start_sweep(matrix, out, log)
     try:
-        training = _run_processes(str(cell_dir))  # the rerun's cell: `stratbench train --config CELL/config.yaml`
+        training = run_processes(str(cell_dir))  # the rerun's cell: `stratbench train --config CELL/config.yaml`
         assert len(training) == 1, training
         import csv
 
@@ -555,7 +542,7 @@ def test_a_killed_rank_leaves_result_json_failed_with_the_reason(tmp_path):
     out = tmp_path / "run"
     proc = _start_long_run(out)
     workers = [p for p in psutil.process_iter(["environ"]) if (p.info["environ"] or {}).get("RANK") == "1"
-               and p.pid in _run_processes(str(out))]  # fmt: skip
+               and p.pid in run_processes(str(out))]  # fmt: skip
     assert workers
     workers[0].send_signal(signal.SIGKILL)
     proc.wait(timeout=90)

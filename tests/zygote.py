@@ -258,3 +258,17 @@ def serve() -> None:
 
 if __name__ == "__main__":
     serve()
+
+
+def run_processes(marker: str) -> list[int]:
+    """Pids of live processes whose command line mentions ``marker`` (a run's output folder)."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if p.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(p.info["cmdline"] or []):
+                found.append(p.pid)
+        except psutil.Error:
+            pass
+    return found
