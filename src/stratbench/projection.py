@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -686,20 +687,14 @@ def predict_record(
     that precision) when there is one, else the documented default efficiency. On a CPU there is no peak to
     default to, so a calibration run is required (links, overlap and compute share: ``cpu-gloo``, measured by
     `stratbench probe` on a 2-core machine, or the probe file given as ``hardware``)."""
-    from stratbench.config import from_dict
 
-    try:
-        cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
+    def basis() -> tuple[System, dict[str, Calibration] | None]:
         system = system_for_record(rec, hardware)
         if system.gpu.kind == "cpu" and calibration_rec is None:
-            return RecordPrediction(reason="no single run of this precision in the sweep to calibrate the CPU on")
-        calibration = calibrate([calibration_rec], system, ["single"]) if calibration_rec else None
-        p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
-    except ConfigError as exc:
-        return RecordPrediction(reason=str(exc))
-    if p.status != "ok" or not p.step_s:
-        return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source)
+            raise ConfigError("no single run of this precision in the sweep to calibrate the CPU on")
+        return system, calibrate([calibration_rec], system, ["single"]) if calibration_rec else None
+
+    return _predict(rec, basis)
 
 
 def predict_calibrated(
@@ -710,16 +705,28 @@ def predict_calibrated(
     (`compare --calibrate`: `single` at two batch sizes and the record's method on one process, as result.json
     records) on the probe ``profile`` of the machine (or ``hardware`` where given): no measurement of the record
     itself enters it."""
-    from stratbench.config import from_dict
     from stratbench.hardware import resolve
+
+    def basis() -> tuple[System, dict[str, Calibration] | None]:
+        system = resolve(hardware or profile)
+        return system, calibrate(runs, system, names)
+
+    return _predict(rec, basis)
+
+
+def _predict(
+    rec: dict[str, Any], basis: Callable[[], tuple[System, dict[str, Calibration] | None]]
+) -> RecordPrediction:
+    """Project ``rec``'s config on the system and calibration ``basis`` gives; a ConfigError on the way (a
+    config, profile or calibration that does not load) becomes the prediction's reason."""
+    from stratbench.config import from_dict
 
     try:
         cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
-        system = resolve(hardware or profile)
-        calibration = calibrate(runs, system, names)
+        system, calibration = basis()
         p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
     except ConfigError as exc:
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
         return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(p.step_s, "", system.key, True, p.dominant, p.efficiency_source)
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source)

@@ -94,6 +94,11 @@ class CalibrationPlan:
     """Cells or methods left out of the calibration, and why."""
 
 
+def _common(cell: Cell) -> dict[str, Any]:
+    """The cell's options other than those each calibration run sets itself (batch, accumulation, steps)."""
+    return {k: v for k, v in cell.config.items() if k not in _OWN}
+
+
 def _multi_process(cell: Cell) -> bool:
     from stratbench.strategies.base import all_strategies
 
@@ -123,12 +128,11 @@ def plan_calibration(
     refused: dict[str, list[str]] = {}  # reason -> cells without a method run
     probes: dict[int, set[str]] = {}
     # `single` per precision, config and threads: every batch any of those cells needs, serving all of them
-    groups: dict[str, tuple[Cell, int, set[int], set[str]]] = {}
+    groups: dict[str, tuple[Cell, int, int, set[int], set[str]]] = {}  # cell, threads, steps, batches, cells
     device = "cpu"
 
     def group_key(cell: Cell, t: int) -> str:
-        common = {k: v for k, v in cell.config.items() if k not in _OWN}
-        return json.dumps([cell.precision, t, common], sort_keys=True, default=str)
+        return json.dumps([cell.precision, t, _common(cell)], sort_keys=True, default=str)
 
     for cell in multi:
         cfg = from_dict(TrainConfig, cell.train_config("unused"), where=f"cell {cell.id}")
@@ -136,18 +140,17 @@ def plan_calibration(
         t = threads or threads_per_process(cell.world_size)
         dp = get_strategy(cell.method).data_parallel_size(cfg, cell.world_size)
         per_process = max(1, cell.batch_size // max(1, dp))
-        common = {k: v for k, v in cell.config.items() if k not in _OWN}
         steps = min(max_steps, int(cell.config.get("max_steps") or max_steps))
         probes.setdefault(cell.world_size, set()).add(cell.id)
-        group = groups.setdefault(group_key(cell, t), (cell, steps, set(), set()))
-        group[2].update({per_process, cell.batch_size})
-        group[3].add(cell.id)
+        group = groups.setdefault(group_key(cell, t), (cell, t, steps, set(), set()))
+        group[3].update({per_process, cell.batch_size})
+        group[4].add(cell.id)
         why = method_run_refused(cell.method)
         if why:
             refused.setdefault(why, []).append(f"{cell.name} {cell.precision}")
             continue
         accum = {"grad_accum": cell.config["grad_accum"]} if "grad_accum" in cell.config else {}
-        one = Cell(cell.method, cell.precision, 1, {**common, **accum, "batch_size": per_process, "max_steps": steps},
+        one = Cell(cell.method, cell.precision, 1, {**_common(cell), **accum, "batch_size": per_process, "max_steps": steps},
                    dict(cell.options), cell.label)  # fmt: skip
         run = CalibrationRun("method", one, t)
         runs.setdefault(run.id, (run, set()))[1].add(cell.id)
@@ -155,14 +158,13 @@ def plan_calibration(
     for cell in runnable:
         if cell.world_size == 1 and cell.method == "single":
             for key, group in groups.items():
-                if key == group_key(cell, json.loads(key)[1]):
-                    group[3].add(cell.id)
+                if key == group_key(cell, group[1]):
+                    group[4].add(cell.id)
                     probes[min(probes)].add(cell.id)
-    for key, (cell, steps, batches, served) in groups.items():
-        common = {k: v for k, v in cell.config.items() if k not in _OWN}
+    for cell, t, steps, batches, served in groups.values():
         for batch in sorted(batches):
-            single = Cell("single", cell.precision, 1, {**common, "batch_size": batch, "max_steps": steps})
-            run = CalibrationRun("single", single, json.loads(key)[1])
+            single = Cell("single", cell.precision, 1, {**_common(cell), "batch_size": batch, "max_steps": steps})
+            run = CalibrationRun("single", single, t)
             runs.setdefault(run.id, (run, set()))[1].update(served)
     notes = [f"{', '.join(names)}: no one-process run ({why}); predicted without a method overhead"
              for why, names in refused.items()]  # fmt: skip
