@@ -47,6 +47,11 @@ def torchrun_error_path(cfg: TrainConfig) -> Path:
     return Path(cfg.output) / f".torchrun_error.node{cfg.node_rank}"
 
 
+MULTI_NODE_PORT = 29500
+"""The static rendezvous port of a multi-node run without --master-port (torchrun's own default): every node
+must agree on it, so it cannot be a free port picked on one of them."""
+
+
 def torchrun_command(cfg: TrainConfig, config_path: Path, command: tuple[str, ...] = ("train",)) -> list[str]:
     cmd = [
         sys.executable,
@@ -67,7 +72,7 @@ def torchrun_command(cfg: TrainConfig, config_path: Path, command: tuple[str, ..
         cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=stratbench"]
         cmd += [f"--rdzv-conf=join_timeout={cfg.dist_timeout_s}"]
     else:
-        port = cfg.master_port or (free_port() if cfg.nnodes == 1 else 29500)
+        port = cfg.master_port or (free_port() if cfg.nnodes == 1 else MULTI_NODE_PORT)
         cmd += [f"--node-rank={cfg.node_rank}", f"--master-addr={cfg.master_addr}", f"--master-port={port}"]
         cmd += [f"--rdzv-conf=timeout={cfg.dist_timeout_s}"]
     return [*cmd, "-m", "stratbench", *command, "--config", str(config_path)]

@@ -293,7 +293,7 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
     from stratbench._torchrun import RENDEZVOUS_FAILED
     from stratbench.checkpoint import atomic_write
     from stratbench.errors import StratbenchError
-    from stratbench.launch import torchrun_error_path
+    from stratbench.launch import MULTI_NODE_PORT, torchrun_error_path
 
     out = Path(cfg.output)
     path = out / "result.json"
@@ -301,7 +301,7 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
     if code == RENDEZVOUS_FAILED and rendezvous.exists():
         detail = rendezvous.read_text().strip()
         rendezvous.unlink()
-        port = cfg.master_port or (29500 if cfg.nnodes > 1 else None)  # launch.torchrun_command's choice
+        port = cfg.master_port or (MULTI_NODE_PORT if cfg.nnodes > 1 else None)  # torchrun_command's
         where = cfg.rdzv_endpoint or (f"{cfg.master_addr}:{port}" if port else cfg.master_addr)
         why = (f"the rendezvous of --nnodes {cfg.nnodes} (node {cfg.node_rank}, {where}) did not complete within "
                f"--dist-timeout-s {cfg.dist_timeout_s}: {detail}")  # fmt: skip
