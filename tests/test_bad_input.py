@@ -198,6 +198,9 @@ BAD = {
     ),
     "report-binary-results": (["report", "{sweep}"], "line 1"),
     "report-line-cut-in-the-middle": (["report", "{torn}"], "line 2"),
+    "report-binary-calibration": (["report", "{cal}"], "calibration.jsonl line 1"),
+    "report-calibration-for-not-a-list": (["report", "{calfor}"], "'for' is not a list"),
+    "estimate-hardware-file-not-text": (["estimate", "--time", "--hardware", "{garbage}"], "not text"),
     "bench-infer-output-dir": (["bench-infer", "--model", "tinynet", "--output", "{run}"], "is a folder"),
     "bench-infer-threads-zero": (["bench-infer", "--model", "tinynet", "--threads", "0"], "--threads"),
     "bench-infer-max-seconds-negative": (
@@ -247,6 +250,11 @@ def test_refused_with_one_line(capsys, tmp_path, finished_run, case):
     (tmp_path / "sweep" / "results.jsonl").write_bytes(b'\xcd\xff\x00binary\n{"id": "x"}\n')
     (tmp_path / "torn").mkdir()  # a line cut short, then more appended: not the torn last line a crash leaves
     (tmp_path / "torn" / "results.jsonl").write_text(f"{RECORD}\n{RECORD[:40]}\n{RECORD}\n")
+    for name, line in (("cal", b"\xcd\xff\x00binary\n"),
+                       ("calfor", b'{"id": "p", "calibration": {"kind": "probe", "for": "single-fp32-w1"}}\n')):
+        (tmp_path / name).mkdir()  # a sound results.jsonl beside a bad calibration.jsonl (compare --calibrate)
+        (tmp_path / name / "results.jsonl").write_text(RECORD + "\n")
+        (tmp_path / name / "calibration.jsonl").write_bytes(line)
     values = {
         "new": tmp_path / "new",
         "file": tmp_path / "file.txt",
@@ -255,6 +263,8 @@ def test_refused_with_one_line(capsys, tmp_path, finished_run, case):
         "garbage": tmp_path / "garbage.onnx",
         "sweep": tmp_path / "sweep",
         "torn": tmp_path / "torn",
+        "cal": tmp_path / "cal",
+        "calfor": tmp_path / "calfor",
         "tmp": tmp_path,
     }
     argv = [a.format(**values) for a in argv]

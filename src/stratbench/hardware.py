@@ -376,6 +376,8 @@ def _read_yaml(path: Path) -> Any:
         return yaml.safe_load(path.read_text())
     except OSError as exc:
         raise HardwareError(f"cannot read hardware file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise HardwareError(f"hardware file {path} is not text (byte {exc.start} is not UTF-8)") from exc
     except yaml.YAMLError as exc:
         raise HardwareError(f"hardware file {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
 

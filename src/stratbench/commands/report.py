@@ -46,16 +46,23 @@ def run(args: argparse.Namespace) -> int:
 
 
 def check_results_file(folder: Path) -> None:
-    """One line naming the first bad line of FOLDER/results.jsonl (binary, or not a JSON record). A last line
-    cut short (no newline: a sweep killed while appending it) is skipped, as the reader does, with a note naming
-    it; its cell counts as not recorded, and the next append drops it (``runner.append_record``)."""
+    """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
+    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
+    it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
+    append drops it (``runner.append_record``)."""
+    from stratbench.compare.calibration import CALIBRATION, record_problem
+    from stratbench.compare.runner import RESULTS
+
+    _check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
+    _check_records(folder / CALIBRATION, record_problem)
+
+
+def _check_records(path: Path, problem) -> None:
     import json
     import sys
 
-    from stratbench.compare.runner import RESULTS
     from stratbench.errors import ConfigError
 
-    path = folder / RESULTS
     if not path.exists():
         return
     try:
@@ -68,8 +75,9 @@ def check_results_file(folder: Path) -> None:
             continue
         try:
             record = json.loads(raw.decode("utf-8"))
-            if not isinstance(record, dict) or "id" not in record:
-                raise ValueError("not a cell record (no 'id')")
+            why = problem(record) if isinstance(record, dict) else "not a JSON object"
+            if why:
+                raise ValueError(why)
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             if n == len(lines) and not data.endswith(b"\n"):
                 print(f"note: {path} line {n} is cut short (a sweep stopped while writing it); skipped", file=sys.stderr)

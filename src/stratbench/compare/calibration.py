@@ -284,15 +284,30 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
 # the report's side
 
 
+def record_problem(rec: dict[str, Any]) -> str | None:
+    """What makes ``rec`` (a line of calibration.jsonl) no calibration record the report can read; None: it is
+    one. Its train results are checked where they are used (``projection.calibrate``: a bad one is a row's n/a)."""
+    cal = rec.get("calibration")
+    if "id" not in rec or not isinstance(cal, dict):
+        return "not a calibration record (no 'id' and 'calibration')"
+    if cal.get("kind") not in KINDS:
+        return f"calibration kind {cal.get('kind')!r} is not one of {', '.join(KINDS)}"
+    if not isinstance(cal.get("for"), list) or not all(isinstance(c, str) for c in cal["for"]):
+        return "its calibration 'for' is not a list of cell ids"
+    if not isinstance(cal.get("nproc", 1), int) or not isinstance(cal.get("profile", ""), str):
+        return "its calibration 'nproc' is not a whole number or its 'profile' not a path"
+    return None
+
+
 def load_calibration_records(folder: str | Path) -> list[dict[str, Any]]:
     """The latest record of each calibration run of a sweep folder, its probe profile's path made absolute
     (``profile_path``), so that a report merging several folders finds each one's files."""
     folder = Path(folder)
     out = []
     for rec in load_records(folder, CALIBRATION).values():
-        cal = rec.get("calibration")
-        if not isinstance(cal, dict) or cal.get("kind") not in KINDS:
+        if record_problem(rec):
             continue
+        cal = rec["calibration"]
         if cal.get("profile"):
             rec = {**rec, "profile_path": str((folder / cal["profile"]).resolve())}
         out.append(rec)
