@@ -1,25 +1,25 @@
-"""Run the README's "Quick tour" as a new user would, in a fresh folder, and write a report.
+"""Run the README's "Quick tour" and "Projecting to a cluster" as a new user would, in a fresh folder, and report.
 
-The commands are read from README.md (the bash block under "## Quick tour"; ``\\`` continuation lines joined,
-``# ...`` comments dropped), never copied here, so the check follows the README. Each line runs in order through
-bash (tilde expansion as in a shell) in one fresh temporary working folder, with:
+The commands are read from README.md (the first code block under each of ``SECTIONS``; ``\\`` continuation lines
+joined, ``# ...`` comments dropped), never copied here, so the check follows the README. Each line runs in order
+through bash (tilde expansion as in a shell) in one fresh temporary working folder, with:
 
-- ``stratbench`` on PATH: a console script like the one pip writes (``from stratbench.cli import main``), run by
-  this interpreter, importing stratbench from this checkout's ``src`` (PYTHONPATH); the working folder is not on
-  ``sys.path`` except as the tool itself puts it there (user builders are "found from the working directory");
-- HOME and TORCH_HOME pointed at fresh temporary folders;
-- the files the tour assumes the user already has, made here and listed in the report (``FIXTURES``): the
-  torchvision ImageNet weights file under its exact torch hub cache name, a tiny CIFAR-10 in the real
+- a clean environment (``clean_env``): the ``stratbench`` console script pip installed on PATH, a fresh HOME, a
+  UTF-8 locale, and nothing else: no PYTHONPATH, so neither the repository nor the working folder is on
+  ``sys.path`` except as stratbench itself puts it there (user builders are "found from the working directory");
+- the files the tour assumes the user already has, made here and listed in the report: the torchvision ImageNet
+  weights file under its exact torch hub cache name in ``~/.cache/torch``, a tiny CIFAR-10 in the real
   ``cifar-10-batches-py`` format, user modules, YAML/JSON configs, images, a second machine's sweep folder. Files
   that a tour line writes (checkpoints, ``model.pt``, reports) are never made here: a later line reads what an
   earlier one wrote, as it would for the user;
-- a few lines that would take far too long on a 2-core CPU get extra flags that shrink them (``SHRINK``); the
-  report lists exactly which line got which flags and why. Every other line runs exactly as written.
+- a few lines that would take far too long on a 2-core CPU get extra flags that shrink them (``SHRINK``; the
+  test, tests/test_readme_tour.py, uses ``FAST``, which shrinks more); the report lists exactly which line got
+  which flags and why. Every other line runs exactly as written.
 
 A line passes when it exits 0. A line that needs what this machine lacks (a GPU) passes only as a clear
 refusal: exit code 3 (stratbench's UnsupportedError) with a one-line reason; the report quotes that line.
 
-    PYTHONPATH=src nice -n 19 .venv/bin/python benchmarks/readme_tour.py \\
+    nice -n 19 .venv/bin/python benchmarks/readme_tour.py \\
         --report benchmarks/readme_tour_cpu_$(date +%F).md        # ~30 lines, ~20-30 min on 2 shared CPU cores
 
 tests/test_readme.py parses every tour line with stratbench's own CLI parser (no training), using
@@ -50,6 +50,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 HEADING = "## Quick tour"
+SECTIONS = (HEADING, "## Projecting to a cluster")
+"""The README's sections whose first code block a new user runs as written, in this order."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -88,11 +90,12 @@ def strip_comment(line: str) -> str:
     return line.rstrip()
 
 
-def tour_commands(readme: str) -> list[str]:
-    """The tour's commands, one string each: continuation lines joined, comments and blank lines dropped."""
+def tour_commands(readme: str, sections: tuple[str, ...] = SECTIONS) -> list[str]:
+    """The commands of each section's first code block, one string each: continuation lines joined, comments and
+    blank lines dropped."""
     commands: list[str] = []
     pending = ""
-    for raw in tour_block(readme):
+    for raw in (line for heading in sections for line in [*tour_block(readme, heading), ""]):
         line = strip_comment(raw)
         if line.endswith("\\"):
             pending += line[:-1].rstrip() + " "
@@ -167,8 +170,43 @@ SHRINK = (
 )
 
 
-def shrink_for(argv: list[str]) -> Shrink | None:
-    return next((s for s in SHRINK if s.matches(argv)), None)
+def _is(command: str):
+    return lambda a: a[:1] == [command]
+
+
+FAST = (
+    Shrink("resnet50 at 224 px, one tiny step", SHRINK[0].matches,
+           ("--epochs", "1", "--max-steps", "1", "--batch-size", "2", "--image-size", "64"),
+           "without native bf16 (an AVX2 CPU) one step of the recipe's bf16 ResNet-50 at 224 px took 170 s: one "
+           "step of 2 images at 64 px still runs the recipe, the model, the CIFAR-10 files and their resize"),
+    Shrink("train, short", _is("train"), ("--epochs", "1", "--max-steps", "3", "--batch-size", "8"),
+           "the test checks that each line works as written from a user's folder, not how it trains: 3 steps of 8 "
+           "samples (one evaluation, one checkpoint) run the same code path as 3 epochs"),
+    Shrink("compare with repeats, one short cell", SHRINK[1].matches, ("--only", "single", "--only", "fp32", "--max-steps", "3"),
+           "one cell (single, fp32) of 3 steps, 3 times: the repeats, their median and min-max columns"),
+    Shrink("compare, two short cells", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
+           ("--only", "single,ddp", "--only", "fp32", "--max-steps", "3"),
+           "two cells (single and ddp, fp32) of 3 steps each: the sweep, its processes, records and report"),
+    Shrink("bench-infer, two batch sizes", _is("bench-infer"),
+           ("--batch-sizes", "1,8", "--warmup", "1", "--iters", "3", "--min-iters", "2"),
+           "two batch sizes, a few iterations per backend: every backend still runs (and torch.compile compiles)"),
+    Shrink("probe, two payloads", _is("probe"), ("--sizes", "4KiB,1MiB", "--repeats", "3"),
+           "two payload sizes, 3 calls each: the processes, the collectives and the profile it writes"),
+)  # fmt: skip
+"""The test's shrinks (tests/test_readme_tour.py): the tour in a few minutes on 2 cores, every line still run."""
+
+
+def shrink_for(argv: list[str], shrinks: tuple[Shrink, ...] = SHRINK) -> Shrink | None:
+    return next((s for s in shrinks if s.matches(argv)), None)
+
+
+def plan_lines(commands: list[str], shrinks: tuple[Shrink, ...] = SHRINK) -> list[Line]:
+    """The tour's lines in order, each with the extra flags of the first shrink that matches it."""
+    lines = []
+    for n, cmd in enumerate(commands, 1):
+        s = shrink_for(tour_argv(cmd), shrinks)
+        lines.append(Line(n, cmd, s.flags if s else (), s))
+    return lines
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,53 +278,6 @@ use_cpu: false
 """
 GPU_SWEEP = REPO / "benchmarks" / "gpu_h100_2026-11-22" / "cells"
 
-# Loaded by every Python process of the tour (PYTHONPATH): torchvision md5-checks the files of the real CIFAR-10
-# archive, which a generated fixture cannot match, so the check is pointed at the fixture's own md5 sums (the
-# files are still checked, against the fixture). Applied when torchvision.datasets.cifar is first imported.
-SITECUSTOMIZE = """\
-import importlib.abc
-import json
-import os
-import sys
-
-_MD5 = json.loads(os.environ.get("README_TOUR_CIFAR10_MD5", "{}"))
-
-
-def _patch(module):
-    cls = module.CIFAR10
-    cls.train_list = [[name, _MD5.get(name, md5)] for name, md5 in cls.train_list]
-    cls.test_list = [[name, _MD5.get(name, md5)] for name, md5 in cls.test_list]
-    cls.meta = {**cls.meta, "md5": _MD5.get(cls.meta["filename"], cls.meta["md5"])}
-
-
-class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name != "torchvision.datasets.cifar":
-            return None
-        sys.meta_path.remove(self)
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return spec
-        run = spec.loader.exec_module
-
-        def exec_module(module):
-            run(module)
-            _patch(module)
-
-        spec.loader.exec_module = exec_module
-        return spec
-
-
-if _MD5:
-    sys.meta_path.insert(0, _Finder())
-"""
-
-
 def write_cifar10(root: Path, n_train: int = 200, n_test: int = 50) -> dict[str, str]:
     """A tiny CIFAR-10 in the real ``cifar-10-batches-py`` format (5 training batches, a test batch, the meta
     file; random pixels); returns each file's md5."""
@@ -324,7 +315,6 @@ def write_imagenet_weights(torch_home: Path, model: str) -> Path:
 
     import torch
 
-    sys.path.insert(0, str(REPO / "src"))
     from stratbench._torchvision import import_torchvision
 
     tv = import_torchvision()
@@ -354,7 +344,6 @@ def write_images(work: Path) -> list[str]:
 def write_gpu_sweep(folder: Path) -> int:
     """A sweep folder from another machine: the committed H100 cells (benchmarks/gpu_h100_2026-11-22/cells, one
     result.json each) as the results.jsonl lines ``stratbench compare`` appends."""
-    sys.path.insert(0, str(REPO / "src"))
     from stratbench.compare.runner import RESULTS, machine_of
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -395,108 +384,87 @@ def write_gpu_sweep(folder: Path) -> int:
     return len(lines)
 
 
-def make_fixtures(root: Path, commands: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The user's files, in ``root``; returns the environment for the tour and one line per fixture."""
-    home, work, torch_home, bin_dir, site = (root / n for n in ("home", "work", "torch_home", "bin", "site"))
-    for d in (home, work, torch_home, bin_dir, site):
+def stratbench_script() -> Path:
+    """The ``stratbench`` console script pip installed beside this interpreter (``make install``)."""
+    script = Path(sys.executable).parent / "stratbench"
+    if not script.is_file():
+        raise SystemExit(f"no stratbench console script beside {sys.executable}: run `make install` first")
+    return script
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    """What a new user's shell has: PATH with the venv's bin first, a HOME of their own, a UTF-8 locale; no
+    PYTHONPATH, no TORCH_HOME, nothing of the test runner's environment."""
+    path = os.pathsep.join([str(stratbench_script().parent), "/usr/local/bin", "/usr/bin", "/bin"])
+    return {"PATH": path, "HOME": str(home), "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "TMPDIR": str(home / "tmp")}
+
+
+def make_fixtures(root: Path, commands: list[str], *, cifar: tuple[int, int] = (200, 50)) -> tuple[dict[str, str], list[str]]:
+    """The user's files (``root/home`` is their HOME, ``root/work`` the folder they run the tour in); returns the
+    environment for the tour and one line per fixture. ``cifar``: training and test images of the CIFAR-10 copy."""
+    home, work = root / "home", root / "work"
+    for d in (home, work, home / "tmp"):
         d.mkdir(parents=True)
-    notes: list[str] = []
+    notes = [f"`stratbench` on PATH: the console script pip installed (`{stratbench_script()}`); a clean environment: "
+             "PATH, HOME, LANG only (no PYTHONPATH, no TORCH_HOME)"]  # fmt: skip
     argvs = [tour_argv(c) for c in commands]
+    notes += _data_fixtures(argvs, home, work, cifar)
+    notes += _user_files(commands, argvs, work)
+    return clean_env(home), notes
 
-    # stratbench on PATH, as pip's console script: the working folder is not on sys.path by itself.
-    script = bin_dir / "stratbench"
-    script.write_text(
-        f"#!{sys.executable}\nimport sys\n\nfrom stratbench.cli import main\n\nsys.exit(main())\n"
-    )
-    script.chmod(0o755)
-    notes.append(f"`stratbench` on PATH: a console script run by `{sys.executable}` (like pip's), "
-                 f"stratbench imported from `{REPO / 'src'}`")  # fmt: skip
 
-    md5: dict[str, str] = {}
-    cifar_dirs = []
-    for a in argvs:
-        if flag_value(a, "--data") == "cifar10":
-            d = flag_value(a, "--data-dir") or "data"
-            d = str(home) + d[1:] if d.startswith("~") else str(work / d)
-            if d not in cifar_dirs:
-                cifar_dirs.append(d)
-    for d in cifar_dirs:
-        md5 = write_cifar10(Path(d))
-        shown = (
-            "~" + d[len(str(home)) :] if d.startswith(str(home)) else "./" + str(Path(d).relative_to(work))
-        )
-        notes.append(f"`{shown}/cifar-10-batches-py`: a tiny CIFAR-10 in the real pickle format (200 training "
-                     f"images in 5 batch files, 50 test images, random pixels)")  # fmt: skip
-    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    if md5:
-        notes.append("torchvision's CIFAR-10 md5 check pointed at the fixture's md5 sums (a `sitecustomize.py` on "
-                     "PYTHONPATH patches `CIFAR10.train_list`/`test_list`/`meta` on import; the files are still "
-                     "checked, against the fixture)")  # fmt: skip
-
-    pretrained = sorted(
-        {
-            flag_value(a, "--model") or "tinynet"
-            for a in argvs
-            if flag_value(a, "--weights") in ("imagenet", "DEFAULT")
-        }
-    )
+def _data_fixtures(argvs: list[list[str]], home: Path, work: Path, cifar: tuple[int, int]) -> list[str]:
+    """CIFAR-10 copies where the tour's lines look for them, and the torch hub's ImageNet weights files."""
+    notes = []
+    for d in sorted({flag_value(a, "--data-dir") or "data" for a in argvs if flag_value(a, "--data") == "cifar10"}):
+        where = home / d[2:] if d.startswith("~/") else work / d
+        write_cifar10(where, *cifar)
+        notes.append(f"`{d}/cifar-10-batches-py`: a tiny CIFAR-10 in the real pickle format ({cifar[0]} training "
+                     f"images in 5 batch files, {cifar[1]} test images, random pixels)")  # fmt: skip
+    pretrained = sorted({flag_value(a, "--model") or "tinynet" for a in argvs
+                         if flag_value(a, "--weights") in ("imagenet", "DEFAULT")})  # fmt: skip
     for model in pretrained:
-        path = write_imagenet_weights(torch_home, model)
-        notes.append(f"`$TORCH_HOME/hub/checkpoints/{path.name}`: torchvision's {model} ImageNet (DEFAULT) weights "
-                     f"file under its exact torch hub name, a {model} state dict with the 1000-class head "
-                     f"({path.stat().st_size / 2**20:.0f} MiB, random values)")  # fmt: skip
+        path = write_imagenet_weights(home / ".cache" / "torch", model)
+        notes.append(f"`~/.cache/torch/hub/checkpoints/{path.name}` (the torch hub cache): torchvision's {model} "
+                     f"ImageNet (DEFAULT) weights file under its exact name, a {model} state dict with the "
+                     f"1000-class head ({path.stat().st_size / 2**20:.0f} MiB, random values)")  # fmt: skip
+    return notes
 
-    files = {
-        "mynet.py": USER_MODEL,
-        "mydata.py": USER_DATA,
-        "myloss.py": USER_LOSS,
-        "run.yaml": RUN_YAML,
-        "zero_stage2_config.json": json.dumps(SOURCE_ZERO2, indent=2),
-        "default_DDP.yml": SOURCE_DDP_YAML,
-    }
+
+USER_FILES = {
+    "mynet.py": (USER_MODEL, "`build(num_classes)`, a small CNN"),
+    "mydata.py": (USER_DATA, "`build(image_size, seed)` -> (train, val, class names), 160 random images"),
+    "myloss.py": (USER_LOSS, "`fn(logits, targets)`"),
+    "run.yaml": (RUN_YAML, "tinynet width 8 on digits, batch 32, 1 epoch, output runs/yaml"),
+    "zero_stage2_config.json": (json.dumps(SOURCE_ZERO2, indent=2),
+                                "the source's ZeRO-2 JSON (optimizer, scheduler, CPU offload, `auto` values)"),
+    "default_DDP.yml": (SOURCE_DDP_YAML, "the source's `accelerate config` YAML for DDP, 2 processes"),
+}  # fmt: skip
+
+
+def _user_files(commands: list[str], argvs: list[list[str]], work: Path) -> list[str]:
+    """The user's modules and config files that the tour names, images for predict, another machine's sweep."""
+    notes = []
     text = "\n".join(commands)
-    for name, content in files.items():
+    for name, (content, what) in USER_FILES.items():
         if name.removesuffix(".py") + (":" if name.endswith(".py") else "") in text:
             (work / name).write_text(content)
-            what = {
-                "mynet.py": "`build(num_classes)`, a small CNN",
-                "mydata.py": "`build(image_size, seed)` -> (train, val, class names), 160 random images",
-                "myloss.py": "`fn(logits, targets)` (named in a comment of the tour)",
-                "run.yaml": "tinynet width 8 on digits, batch 32, 1 epoch, output runs/yaml: "
-                + json.dumps(RUN_YAML.strip().replace("\n", "; ")),
-                "zero_stage2_config.json": "the source's ZeRO-2 JSON (optimizer, scheduler, CPU offload, `auto` values)",
-                "default_DDP.yml": "the source's `accelerate config` YAML for DDP, 2 processes",
-            }[name]
             notes.append(f"`{name}`: {what}")
     if any(a[:1] == ["predict"] for a in argvs):
         made = write_images(work)
         notes.append("images for predict: " + ", ".join(f"`{m}`" for m in made) + " (random pixels, 40x48)")
+    written = {flag_value(b, "--output") for b in argvs if b[:1] == ["compare"]}
     for a in argvs:
-        if a[:1] == ["report"]:
-            for d in a[1:]:
-                if d.startswith("-"):
-                    break
-                if d == flag_value(a, "--output"):
-                    continue
-                # A sweep no tour line writes is the other machine's.
-                if not any(b[:1] == ["compare"] and flag_value(b, "--output") == d for b in argvs):
-                    n = write_gpu_sweep(work / d)
-                    notes.append(f"`{d}`: a sweep folder from another machine: the {n} committed H100 cells of "
-                                 f"`benchmarks/gpu_h100_2026-11-22/cells` as `results.jsonl` records")  # fmt: skip
-
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in ("TORCH_HOME", "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI")
-    }
-    env.update(
-        HOME=str(home),
-        TORCH_HOME=str(torch_home),
-        PATH=f"{bin_dir}{os.pathsep}{env.get('PATH', '')}",
-        PYTHONPATH=f"{site}{os.pathsep}{REPO / 'src'}",
-        README_TOUR_CIFAR10_MD5=json.dumps(md5),
-    )
-    return env, notes
+        if a[:1] != ["report"]:
+            continue
+        for d in a[1:]:
+            if d.startswith("-"):
+                break
+            if d != flag_value(a, "--output") and d not in written:  # a sweep no tour line writes: another machine's
+                n = write_gpu_sweep(work / d)
+                notes.append(f"`{d}`: a sweep folder from another machine: the {n} committed H100 cells of "
+                             f"`benchmarks/gpu_h100_2026-11-22/cells` as `results.jsonl` records")  # fmt: skip
+    return notes
 
 
 # ------------------------------------------------------------------------------------------------
@@ -690,20 +658,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--stop-after", type=int, help="run only the first N lines (debugging)")
     ap.add_argument("--note", default="", help="a paragraph for the report (e.g. what earlier runs found)")
+    ap.add_argument("--fast", action="store_true", help="the test's shrinks (FAST): every line, a few steps each")
     args = ap.parse_args(argv)
 
     commands = tour_commands(Path(args.readme).read_text())
     if args.stop_after:
         commands = commands[: args.stop_after]
-    lines = []
-    for n, cmd in enumerate(commands, 1):
-        s = shrink_for(tour_argv(cmd))
-        lines.append(Line(n, cmd, s.flags if s else (), s))
+    lines = plan_lines(commands, FAST if args.fast else SHRINK)
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="readme_tour_"))
     root.mkdir(parents=True, exist_ok=bool(not args.keep))
     try:
-        env, notes = make_fixtures(root, commands)
+        env, notes = make_fixtures(root, commands, cifar=(40, 8) if args.fast else (200, 50))
         logs = root / "logs"
         logs.mkdir()
         t0 = time.monotonic()
@@ -717,7 +683,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
-    command = "PYTHONPATH=src nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(
+    command = "nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
     report = render(lines, notes, command.strip(), total, args.note)

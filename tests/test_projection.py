@@ -177,7 +177,11 @@ def test_user_file_extends_the_builtin_catalogue(tmp_path):
     [
         (("gpus", "mygpu", "memory"), None, "gpus.mygpu: missing 'memory'"),
         (("gpus", "mygpu", "memory_bandwidth"), "500 GX/s", "gpus.mygpu.memory_bandwidth: unknown unit"),
-        (("gpus", "mygpu", "peak_flops"), {"fp32": "-3 TFLOP/s"}, "not a number with a unit"),
+        (("gpus", "mygpu", "peak_flops"), {"fp32": "-3 TFLOP/s"}, "'-3 TFLOP/s' must be a positive, finite number"),
+        (("links", "mylink", "bandwidth"), -10, "-10 must be a positive, finite number"),
+        (("links", "mylink", "bandwidth"), float("inf"), "inf must be a positive, finite number"),
+        (("links", "mylink", "latency"), float("nan"), "nan must be a non-negative, finite number"),
+        (("gpus", "mygpu", "memory"), "inf GB", "'inf GB' must be a positive, finite number"),
         (("gpus", "mygpu", "peak_flops"), {"fp8": "3 TFLOP/s"}, "unknown precision 'fp8'"),
         (("gpus", "mygpu", "match"), "([", "is not a regular expression"),
         (("gpus", "mygpu", "memroy"), "16 GB", "unknown field 'memroy'"),

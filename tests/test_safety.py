@@ -577,9 +577,9 @@ def test_a_rank_that_only_saw_its_peer_vanish_is_not_the_reason(tmp_path):
     launcher keeps that text but names the cause (seen once in CI as a race with the test above)."""
     import json
 
-    from stratbench.commands.train import raise_failed
     from stratbench.config import TrainConfig
     from stratbench.errors import StratbenchError
+    from stratbench.job import raise_failed
 
     out = tmp_path / "run"
     out.mkdir()

@@ -193,6 +193,19 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full} is not on stratbench's allow-list")
 
 
+def restricted_pickle_load(path: Path, encoding: str = "ASCII") -> Any:
+    """A plain pickle read with the restricted unpickler: containers, strings, numbers and numpy arrays (torch's
+    weights-only allow-list and ``SAFE_GLOBALS``); anything that would call other code is refused in one line."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            return _with_imports(lambda: _RestrictedUnpickler(fh, encoding=encoding).load())
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
+    except Exception as exc:
+        raise _refuse(path, exc) from None
+
+
 def check_file(path: Path) -> None:
     """Raise CheckpointError unless ``path`` unpickles weights-only (a torch file or a plain pickle such as
     DCP's ``.metadata``). Tensor data is memory-mapped, not read, so this costs little."""
@@ -355,10 +368,27 @@ def save_full(path: Path, state: dict[str, Any]) -> None:
     atomic_save({"format": FORMAT, "version": VERSION, "layout": "full"} | state, path)
 
 
+def check_last_link(path: Path) -> None:
+    """Refuse a ``checkpoints/last`` link that leads out of its checkpoints folder: stratbench writes ``last`` as
+    a relative link to a step entry beside it, so a link elsewhere was made by something else (and following it
+    would read, or on the next save tidy, what the user never handed in)."""
+    path = Path(path)
+    for link in (path, *path.parents):
+        if link.name != LAST or link.parent.name != CHECKPOINTS or not link.is_symlink():
+            continue
+        target = Path(os.path.realpath(link))
+        if target.parent != Path(os.path.realpath(link.parent)):
+            raise CheckpointError(
+                f"{link} points outside its run's checkpoints folder (to {target}); stratbench's own `last` links "
+                "to a step entry beside it: give the checkpoint's path instead"
+            )
+
+
 def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     """Load a stratbench file, with one clear error for a missing, corrupt or foreign file. Weights-only
     (with ``SAFE_GLOBALS``) unless inside ``trusted(True)``."""
     path = Path(path)
+    check_last_link(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
@@ -386,6 +416,7 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
 def read_meta(path: Path) -> dict[str, Any]:
     """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded."""
     path = Path(path)
+    check_last_link(path)
     if path.is_dir():
         meta_path = path / META_FILE
         if not meta_path.exists():

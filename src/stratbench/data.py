@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, T
 
 from stratbench.config import TrainConfig
 from stratbench.errors import ConfigError, DataError
+from stratbench.user_code import call_user, import_builder
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -45,8 +46,6 @@ def default_image_size(cfg: TrainConfig) -> int:
 def check_data(cfg: TrainConfig) -> None:
     """Fail before any work starts when the data set is unknown or its folder is missing."""
     if ":" in cfg.data:
-        from stratbench.models import import_builder
-
         import_builder(cfg.data, "data")  # importable now, or one line naming the module
         return
     if cfg.data not in DATASETS:
@@ -83,8 +82,6 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
     (all of them with ``**kwargs``). Each dataset item is ``(image tensor C x H x W, integer label)``."""
     import inspect
 
-    from stratbench.models import import_builder
-
     builder = import_builder(cfg.data, "data")
     offered = {"image_size": cfg.image_size, "data_dir": cfg.data_dir, "seed": cfg.seed, "download": cfg.download}
     params = inspect.signature(builder).parameters.values()
@@ -92,7 +89,7 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
         kwargs = offered
     else:
         kwargs = {p.name: offered[p.name] for p in params if p.name in offered}
-    out = builder(**kwargs)
+    out = call_user(builder, cfg.data, "data", **kwargs)
     if isinstance(out, DataBundle):
         return out
     if not isinstance(out, tuple | list) or len(out) != 3:
@@ -107,7 +104,7 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
     for split, ds in (("train", train), ("val", val)):
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
-    sample = train[0]
+    sample = call_user(train.__getitem__, cfg.data, "data: the training set's item", 0)
     if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0]) and sample[0].dim() == 3):
         raise DataError(f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}")
     size = cfg.image_size or int(sample[0].shape[-1])
@@ -168,20 +165,49 @@ def _digits(cfg: TrainConfig) -> DataBundle:
 def _cifar10(cfg: TrainConfig) -> DataBundle:
     from stratbench._torchvision import import_torchvision
 
-    tv = import_torchvision()
-    T = tv.transforms
+    T = import_torchvision().transforms
     size = default_image_size(cfg)
     resize = [T.Resize(size, antialias=True)] if size != 32 else []
     norm = [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
     train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), *resize, *norm])
     val_tf = T.Compose([*resize, *norm])
     root = cfg.data_dir or "data"
-    try:
-        train = tv.datasets.CIFAR10(root, train=True, transform=train_tf, download=cfg.download)
-        val = tv.datasets.CIFAR10(root, train=False, transform=val_tf, download=cfg.download)
-    except RuntimeError as exc:  # torchvision: "Dataset not found or corrupted"
-        raise DataError(f"CIFAR-10 under {root!r} could not be read: {exc}") from None
+    train = cifar10_dataset(root, True, train_tf, cfg.download)
+    val = cifar10_dataset(root, False, val_tf, False)
     return DataBundle(train, val, 10, list(train.classes), size, CIFAR10_MEAN, CIFAR10_STD)
+
+
+def cifar10_dataset(root: str, train: bool, transform, download: bool = False):
+    """torchvision's CIFAR10 dataset (its items, transforms and download, which checks the archive's md5) over
+    the ``cifar-10-batches-py`` files read with the restricted unpickler: the folder is the user's, so its
+    pickles may hold numpy arrays and plain containers, nothing that runs code (torchvision itself calls
+    ``pickle.load`` on them, trusting only their md5 sums, which a re-packed copy does not match)."""
+    import numpy as np
+
+    from stratbench._torchvision import import_torchvision
+    from stratbench.checkpoint import restricted_pickle_load
+    from stratbench.errors import CheckpointError
+
+    cls = import_torchvision().datasets.CIFAR10
+    if download:
+        cls(root, train=train, download=True)  # fetches and md5-checks the official archive
+    folder = Path(root) / cls.base_folder
+    try:
+        batches = [restricted_pickle_load(folder / name, "latin1") for name, _ in (cls.train_list if train else cls.test_list)]
+        meta = restricted_pickle_load(folder / cls.meta["filename"], "latin1")
+        data = np.vstack([b["data"] for b in batches]).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
+        targets = [int(t) for b in batches for t in b.get("labels", b.get("fine_labels", []))]
+        classes = [str(c) for c in meta[cls.meta["key"]]]
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise DataError(f"CIFAR-10 under {str(root)!r} could not be read: {exc}") from None
+    if len(targets) != len(data) or not classes:
+        raise DataError(f"CIFAR-10 under {str(root)!r}: {len(data)} images but {len(targets)} labels")
+    dataset = cls.__new__(cls)  # torchvision's class, filled here instead of by its pickle.load
+    VisionDataset = import_torchvision().datasets.VisionDataset
+    VisionDataset.__init__(dataset, str(root), transform=transform)
+    dataset.train, dataset.data, dataset.targets, dataset.classes = train, data, targets, classes
+    dataset.class_to_idx = {c: i for i, c in enumerate(classes)}
+    return dataset
 
 
 def image_transforms(size: int, mean, std, train: bool):

@@ -138,6 +138,8 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
             raise ConfigError("--mlflow needs the mlflow extra: pip install 'stratbench[mlflow]'")
     if cfg.weights and not Path(cfg.weights).is_file():
         raise CheckpointError(f"weights file not found: {cfg.weights}")
+    if cfg.weights and not cfg.trust_checkpoint:
+        ckpt.check_file(Path(cfg.weights))  # loadable weights-only, or one line before anything is written
     for path in (cfg.init_from, cfg.resume_from if cfg.resume or cfg.resume_from else None):
         if path:
             ckpt.read_meta(Path(path))
@@ -311,7 +313,8 @@ class Trainer:
 
         def build() -> nn.Module:
             return build_model(
-                cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width
+                cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width,
+                sample_shape=(3, bundle.image_size, bundle.image_size),
             )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method

@@ -96,11 +96,50 @@ class ModelSpec:
         return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
 
     def build(self) -> nn.Module:
+        """The model; under a FakeTensorMode, a user model with lazy modules (which that mode cannot construct)
+        is built on the meta device and given fake parameters of the shapes its dry forward created."""
+        from torch._guards import detect_fake_mode
+
+        mode = detect_fake_mode()
+        if mode is not None and ":" in self.model and _has_lazy_modules(self):
+            from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+            with unset_fake_temporarily(), torch.device("meta"):
+                model = self._build()
+            return _with_fake_tensors(model)
+        return self._build()
+
+    def _build(self) -> nn.Module:
         from stratbench.models import build_model
 
         return build_model(
-            self.model, self.num_classes, cifar_stem=self.cifar_stem, norm=self.norm, width=self.width
+            self.model, self.num_classes, cifar_stem=self.cifar_stem, norm=self.norm, width=self.width,
+            sample_shape=(3, self.image_size, self.image_size),
         )
+
+
+@functools.cache
+def _has_lazy_modules(spec: ModelSpec) -> bool:
+    """Whether the user's model holds lazy modules (built once on the meta device, outside any fake mode)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    from stratbench.models import build_model, has_lazy_parameters
+
+    with unset_fake_temporarily(), torch.device("meta"):
+        return has_lazy_parameters(build_model(spec.model, spec.num_classes, width=spec.width, norm=spec.norm))
+
+
+def _with_fake_tensors(model: nn.Module) -> nn.Module:
+    """``model`` (on the meta device) with every parameter and buffer replaced by an empty tensor of the same
+    shape and dtype made in the active fake mode (fake CPU tensors: no memory, usable by the traces)."""
+    for module in model.modules():
+        for name, t in module._parameters.items():
+            if t is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype), t.requires_grad)
+        for name, t in module._buffers.items():
+            if t is not None:
+                module._buffers[name] = torch.empty(t.shape, dtype=t.dtype)
+    return model
 
 
 @dataclass

@@ -22,7 +22,7 @@ PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16")
 
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
-_NUM = r"([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)"
+_NUM = r"([-+]?(?:[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?|(?i:infinity|inf|nan)))"
 
 
 class HardwareError(ConfigError):
@@ -30,39 +30,46 @@ class HardwareError(ConfigError):
 
 
 def _number(text: Any, where: str, units: dict[str, float], example: str, zero_ok: bool = False) -> float:
-    """'67 TFLOP/s' -> 6.7e13 for the given unit suffixes (each may take a decimal or binary prefix)."""
+    """'67 TFLOP/s' -> 6.7e13 for the given unit suffixes (each may take a decimal or binary prefix). A negative,
+    infinite or NaN value is named as such, whether written as a YAML number or with a unit."""
     if isinstance(text, bool):
         raise HardwareError(f"{where}: {text!r} is not a number with a unit (write e.g. {example})")
     if isinstance(text, (int, float)):
-        value = float(text)
+        value = _in_range(float(text), text, where, zero_ok)
         if "" not in units:
             raise HardwareError(f"{where}: {text!r} needs a unit (write e.g. {example})")
-    else:
-        m = re.fullmatch(rf"\s*{_NUM}\s*([A-Za-z]*)(\S*)\s*", str(text))
-        if not m:
-            raise HardwareError(f"{where}: {text!r} is not a number with a unit (write e.g. {example})")
-        value, word, rest = float(m.group(1)), m.group(2), m.group(3)
-        unit = word + rest
-        scale = None
-        for suffix, factor in units.items():
-            if not unit.endswith(suffix) or (suffix == "" and unit):
-                continue
-            prefix = unit[: len(unit) - len(suffix)]
-            if prefix in _PREFIX:
-                scale = _PREFIX[prefix] * factor
-            elif prefix in _BIN:
-                scale = _BIN[prefix] * factor
-            if scale is not None:
-                break
-        if scale is None:
-            allowed = ", ".join(u for u in units if u) or "none"
-            raise HardwareError(f"{where}: unknown unit in {text!r} (units: {allowed}; write e.g. {example})")
-        value *= scale
+        return value
+    m = re.fullmatch(rf"\s*{_NUM}\s*([A-Za-z]*)(\S*)\s*", str(text))
+    if not m:
+        raise HardwareError(f"{where}: {text!r} is not a number with a unit (write e.g. {example})")
+    value = _in_range(float(m.group(1)), text, where, zero_ok)
+    unit = m.group(2) + m.group(3)
+    scale = _unit_scale(unit, units)
+    if scale is None:
+        allowed = ", ".join(u for u in units if u) or "none"
+        raise HardwareError(f"{where}: unknown unit in {text!r} (units: {allowed}; write e.g. {example})")
+    return value * scale
+
+
+def _in_range(value: float, text: Any, where: str, zero_ok: bool) -> float:
     if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
         raise HardwareError(
             f"{where}: {text!r} must be a {'non-negative' if zero_ok else 'positive'}, finite number"
         )
     return value
+
+
+def _unit_scale(unit: str, units: dict[str, float]) -> float | None:
+    """The factor of ``unit`` (a suffix of ``units`` after an optional decimal or binary prefix), or None."""
+    for suffix, factor in units.items():
+        if not unit.endswith(suffix) or (suffix == "" and unit):
+            continue
+        prefix = unit[: len(unit) - len(suffix)]
+        if prefix in _PREFIX:
+            return _PREFIX[prefix] * factor
+        if prefix in _BIN:
+            return _BIN[prefix] * factor
+    return None
 
 
 def flops(text: Any, where: str) -> float:

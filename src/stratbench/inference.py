@@ -78,6 +78,7 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
         cifar_stem=bool(meta.get("cifar_stem", False)),
         norm=meta.get("norm", "group"),
         width=int(meta.get("width", 16)),
+        sample_shape=(3, int(meta["image_size"]), int(meta["image_size"])) if meta.get("image_size") else None,
     )
 
 

@@ -8,37 +8,48 @@ whatever the training loss, so that runs with different losses report comparable
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch import nn
 
 from stratbench.config import TrainConfig
 from stratbench.errors import ConfigError
+from stratbench.user_code import call_user, check_signature, import_builder
 
 LOSSES = ("cross-entropy",)
 """Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
 
 
 def _resolve(spec: str) -> Callable:
-    from stratbench.models import import_builder
-
     fn = import_builder(spec, "loss", noun="loss")
     if isinstance(fn, type):  # an nn.Module class (import_builder refuses other classes)
-        try:
-            fn = fn()
-        except TypeError as exc:
-            raise ConfigError(
-                f"loss {spec!r}: the module class cannot be built without arguments ({exc})"
-            ) from None
-    try:
-        inspect.signature(fn).bind(None, None)
-    except TypeError as exc:
-        raise ConfigError(f"loss {spec!r} is not a loss: it must take (logits, targets) ({exc})") from None
-    except ValueError:
-        pass  # no signature to read: the first call checks it
+        check_signature(fn, spec, "loss", "loss class: it must build without arguments")
+        fn = call_user(fn, spec, "loss")
+    check_signature(fn, spec, "loss", "loss: it must take (logits, targets)", None, None)
     return fn
+
+
+class UserLoss:
+    """The user's ``fn(logits, targets)``, checked on every call: what it raises, and a result that is not a
+    scalar floating-point tensor (a per-sample vector, a float, a tuple), become one line naming the loss."""
+
+    def __init__(self, fn: Callable, spec: str) -> None:
+        self.fn, self.spec = fn, spec
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = call_user(self.fn, self.spec, "loss", logits, targets)
+        if not isinstance(out, torch.Tensor) or out.ndim != 0 or not out.is_floating_point():
+            what = (
+                f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                else f"a {type(out).__name__}"
+            )
+            raise ConfigError(
+                f"loss {self.spec!r} returned {what}; a loss returns one floating-point scalar tensor "
+                "(reduce it, e.g. with .mean())"
+            )
+        return out
 
 
 def check_loss(cfg: TrainConfig) -> None:
@@ -60,7 +71,7 @@ def build_loss(cfg: TrainConfig) -> Callable:
     """The loss function the loop calls as ``loss_fn(logits, targets)``."""
     check_loss(cfg)
     if ":" in cfg.loss:
-        return _resolve(cfg.loss)
+        return UserLoss(_resolve(cfg.loss), cfg.loss)
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
 
 

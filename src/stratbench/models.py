@@ -7,14 +7,15 @@ wrapping and activation checkpointing can act per block.
 
 from __future__ import annotations
 
-import importlib
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from stratbench.errors import CheckpointError, ConfigError
+from stratbench.user_code import call_user, check_signature, import_builder, one_line
 
 MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
 
@@ -88,57 +89,79 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
     return model
 
 
-def import_builder(spec: str, what: str = "model", noun: str = "builder"):
-    """``package.module:function`` -> the function. The module is looked up on sys.path and then in the
-    current working directory (what ``python -m`` puts first), so a user's file next to them is found without
-    PYTHONPATH - also by the console script and by launched workers, which inherit the working directory."""
-    import os
-    import sys
-
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{what} {spec!r}: a {noun} is given as 'package.module:function'")
-    cwd = os.getcwd()
-    if cwd not in sys.path and "" not in sys.path:
-        sys.path.insert(0, cwd)
-        importlib.invalidate_caches()
-    try:
-        builder = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ConfigError(
-            f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}; looked in {cwd} and sys.path)"
-        ) from None
-    if not callable(builder) or isinstance(builder, type) and not issubclass(builder, nn.Module):
-        raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a {noun} function")
+def user_builder(spec: str) -> Callable[..., nn.Module]:
+    """A user's model builder ('pkg.module:function'), imported and checked to take ``num_classes=`` before any
+    work (``--model os:system`` is refused here, not called)."""
+    builder = import_builder(spec, "model")
+    check_signature(builder, spec, "model", "model builder: it does not take num_classes=", num_classes=10)
     return builder
 
 
 def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
-    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module."""
-    try:
-        model = import_builder(spec, "model")(num_classes=num_classes)
-    except TypeError as exc:
-        raise ConfigError(f"model {spec!r} is not a model builder: calling it with num_classes= failed ({exc})") from None
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module; what it raises is one line."""
+    model = call_user(user_builder(spec), spec, "model", num_classes=num_classes)
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
     return model
 
 
+def has_lazy_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` holds lazy modules whose parameters exist only after a first forward (nn.LazyLinear)."""
+    from torch.nn.parameter import is_lazy
+
+    return any(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, name: str) -> nn.Module:
+    """Give lazy modules their parameters with a dry forward on one zero sample (in eval mode, no gradients),
+    as torch documents, so that counting, sharding and saving see real parameters. Seeded like the build: every
+    rank and every method gets the same initial weights."""
+    if sample_shape is None or not has_lazy_parameters(model):
+        return model  # no input shape known: the caller's first forward creates them
+    x = torch.zeros(1, *sample_shape)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:
+        raise ConfigError(
+            f"model {name!r} has lazy modules, and the dry forward on one sample of shape {tuple(x.shape)} that "
+            f"creates their parameters raised {one_line(exc)}"
+        ) from None
+    finally:
+        model.train(training)
+    if has_lazy_parameters(model):
+        raise ConfigError(f"model {name!r}: lazy modules still lack parameters after a forward on one sample")
+    return model
+
+
 def check_model(name: str) -> None:
-    if name not in MODELS and ":" not in name:
+    """A known model name, or a user builder that imports and takes ``num_classes=``."""
+    if ":" in name:
+        user_builder(name)
+    elif name not in MODELS:
         raise ConfigError(
             f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (or a builder as 'package.module:function')"
         )
 
 
 def build_model(
-    name: str, num_classes: int, *, cifar_stem: bool = False, norm: str = "group", width: int = 32
+    name: str,
+    num_classes: int,
+    *,
+    cifar_stem: bool = False,
+    norm: str = "group",
+    width: int = 32,
+    sample_shape: tuple[int, ...] | None = None,
 ) -> nn.Module:
+    """The model ``name`` with ``num_classes`` outputs; a user model with lazy modules gets its parameters from a
+    dry forward on one sample of ``sample_shape`` (C, H, W)."""
     check_model(name)
     if name == "tinynet":
         return TinyNet(num_classes, width=width, norm=norm)
     if ":" in name:
-        return _load_user_builder(name, num_classes)
+        return materialize_lazy(_load_user_builder(name, num_classes), sample_shape, name)
     return _resnet(name, num_classes, cifar_stem)
 
 

@@ -79,83 +79,57 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.compare.matrix import load_matrix, plan, select
-    from stratbench.compare.report import print_table, render_sweeps
-    from stratbench.compare.runner import Interrupted, SweepRunner, load_records
+    from stratbench.api import plan_sweep, run_sweep
+    from stratbench.compare.report import print_table
     from stratbench.errors import ConfigError
     from stratbench.report_table import table_console
 
-    if args.timeout is not None and args.timeout <= 0:
-        raise ConfigError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
-    if args.world_size is not None and args.world_size < 1:
-        raise ConfigError(f"--world-size must be >= 1, got {args.world_size}")
-    if args.hardware:
-        from stratbench.hardware import resolve
-
-        resolve(args.hardware)  # a bad profile is refused now, not after the sweep
     console = table_console()
-    matrix = load_matrix(args.preset, args.matrix, overrides_from(args), args.world_size)
-    cells = select(matrix.cells, args.only, args.skip)
-    plans = plan(matrix, cells, allow_slow=args.allow_slow)
-    out = Path(args.output or f"runs/compare-{matrix.name}")
-    timeout = args.timeout or matrix.timeout_s
-    from stratbench.commands.report import check_results_file
-
-    check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
-    calibration = None
-    if args.calibrate:
-        from stratbench.compare.calibration import plan_calibration
-
-        calibration = plan_calibration(matrix, plans, allow_slow=args.allow_slow)
-
+    sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
+                       timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
+                       hardware=args.hardware, world_size=args.world_size, **overrides_from(args))  # fmt: skip
     if args.dry_run:
-        done = load_records(out)
-        console.print(f"[bold]{matrix.name}[/bold]: {matrix.description}", highlight=False, soft_wrap=True)
-        console.print(
-            f"{len(plans)} cells; output {out}; time limit per cell {timeout:.0f} s",
-            highlight=False,
-            soft_wrap=True,
-        )
-        for n, p in enumerate(plans, 1):
-            c = p.cell
-            prev = done.get(c.id, {}).get("status")
-            what = (
-                ("run" if prev is None or prev == "skipped" else f"done ({prev}), kept")
-                if p.status is None
-                else f"{p.status}: {p.reason}"
-            )
-            console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} x{c.world_size}  batch {c.batch_size:<5} {c.id}  -> {what}",
-                          highlight=False, soft_wrap=True)  # fmt: skip
-        runnable = sum(p.status is None for p in plans)
-        console.print(f"{runnable} to run, {len(plans) - runnable} skipped or invalid here", highlight=False)
-        if calibration is not None:
-            _print_calibration(calibration, out, console)
+        _print_plan(sweep, console)
         return 0
-
-    runner = SweepRunner(matrix, out, timeout_s=timeout, retry=args.retry, console=console, repeats=args.repeats,
-                         command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
-    console.print(
-        f"[bold]stratbench compare[/bold] {matrix.name}: {len(plans)} cells -> {out}",
-        highlight=False,
-        soft_wrap=True,
-    )
-    interrupted = None
-    try:
-        runner.run(plans, calibration.runs if calibration else None)
-    except Interrupted as exc:
-        interrupted = exc
-    paths, records = render_sweeps([runner.out], runner.out, hardware=args.hardware)
-    print_table(records, console)
+    console.print(f"[bold]stratbench compare[/bold] {sweep.matrix.name}: {len(sweep.plans)} cells -> {sweep.output}",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    done = run_sweep(sweep, repeats=args.repeats, retry=args.retry, hardware=args.hardware, console=console,
+                     command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
+    print_table(done.records, console)
+    paths = done.report
     console.print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}", highlight=False, soft_wrap=True)
-    if interrupted:
+    if done.interrupted:
         console.print(
-            f"[yellow]interrupted[/yellow] ({interrupted}); finished cells are kept - rerun the same command to resume"
+            f"[yellow]interrupted[/yellow] ({done.interrupted}); finished cells are kept - rerun the same command to resume"
         )
         return 130
-    bad = [r for r in records if r.get("status") not in ("ok", "skipped")]
-    return 1 if bad else 0
+    return 1 if done.failed else 0
+
+
+def _print_plan(sweep, console) -> None:
+    """--dry-run: each cell, whether it runs here (or why not), and what a rerun keeps."""
+    from stratbench.compare.runner import load_records
+
+    done = load_records(sweep.output)
+    console.print(f"[bold]{sweep.matrix.name}[/bold]: {sweep.matrix.description}", highlight=False, soft_wrap=True)
+    console.print(f"{len(sweep.plans)} cells; output {sweep.output}; time limit per cell {sweep.timeout_s:.0f} s",
+                  highlight=False, soft_wrap=True)  # fmt: skip
+    for n, p in enumerate(sweep.plans, 1):
+        c = p.cell
+        prev = done.get(c.id, {}).get("status")
+        what = (
+            ("run" if prev is None or prev == "skipped" else f"done ({prev}), kept")
+            if p.status is None
+            else f"{p.status}: {p.reason}"
+        )
+        console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} x{c.world_size}  batch {c.batch_size:<5} {c.id}  -> {what}",
+                      highlight=False, soft_wrap=True)  # fmt: skip
+    runnable = sum(p.status is None for p in sweep.plans)
+    console.print(f"{runnable} to run, {len(sweep.plans) - runnable} skipped or invalid here", highlight=False)
+    if sweep.calibration is not None:
+        _print_calibration(sweep.calibration, sweep.output, console)
 
 
 def _print_calibration(calibration, out: Path, console) -> None:

@@ -123,12 +123,12 @@ MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers 
 MAX_BATCH = 100_000_000
 
 
-def config_for(args: argparse.Namespace, strategy: str):
-    from stratbench.commands.train import strategy_options_from_args
-    from stratbench.config import TrainConfig, canonical_precision, validate
+def check_common(args: argparse.Namespace) -> None:
+    """The values every row shares (precision, world size, batch): one line before any row is computed."""
+    from stratbench.config import canonical_precision
     from stratbench.errors import ConfigError
+    from stratbench.models import check_model
     from stratbench.precision import SPECS
-    from stratbench.strategies.base import get_strategy
 
     args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
     if args.precision not in SPECS:
@@ -139,6 +139,16 @@ def config_for(args: argparse.Namespace, strategy: str):
         raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
     if args.grad_accum < 1:
         raise ConfigError(f"--grad-accum must be >= 1, got {args.grad_accum}")
+    check_model(args.model)
+
+
+def config_for(args: argparse.Namespace, strategy: str):
+    """The TrainConfig of one row (``check_common`` has run)."""
+    from stratbench.commands.train import strategy_options_from_args
+    from stratbench.config import TrainConfig, validate
+    from stratbench.errors import ConfigError
+    from stratbench.strategies.base import get_strategy
+
     world = 1 if strategy == "single" else args.world_size
     if not args.max_batch and args.batch_size % (world * args.grad_accum):
         raise ConfigError(
@@ -186,40 +196,20 @@ def run(args: argparse.Namespace) -> int:
             "--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from"
         )
 
+    check_common(args)
     system, calibration = time_setup(args)
     if system is not None and not args.device_memory:
         device_memory = None
     if system is not None:
         device_memory = est.parse_bytes(args.device_memory)
-    results = []
-    for name in names:
-        world = 1 if name == "single" else args.world_size
-        cfg = config_for(args, name)
-        try:
-            if args.max_batch:
-                batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
-                results.append(
-                    {"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None}
-                )
-            else:
-                e = est.estimate(cfg, world, args.device_type)
-                results.append({"strategy": name, "estimate": e.to_dict()})
-        except est.NoMemoryModel as exc:
-            if args.strategy != "all":
-                raise
-            results.append({"strategy": name, "estimate": None, "no_model": str(exc)})
-        if system is not None:
-            from stratbench.projection import project
-
-            p = project(cfg, system, args.nodes, args.gpus_per_node, calibration, memory=False)
-            results[-1]["projection"] = p.to_dict()
-
+    results = [_row(args, name, system, calibration, device_memory) for name in names]
     if system is not None:
         single = next((r["projection"] for r in results if r["strategy"] == "single"), None)
         if single and single.get("throughput"):
             for r in results:  # strong scaling: the same global batch on one device
-                t = r["projection"].get("throughput")
-                r["projection"]["speedup_vs_single"] = t / single["throughput"] if t else None
+                if r.get("projection"):
+                    t = r["projection"].get("throughput")
+                    r["projection"]["speedup_vs_single"] = t / single["throughput"] if t else None
     if args.json:
         out: dict = {"device_memory": device_memory, "results": results}
         if system is not None:
@@ -308,7 +298,10 @@ def run(args: argparse.Namespace) -> int:
     for res in results:
         e = res["estimate"]
         if e is None:
-            why = "no memory model" if res.get("no_model") else "0 (even one sample per device does not fit)"
+            why = (
+                f"n/a: {res['na']}" if res.get("na")
+                else "no memory model" if res.get("no_model") else "0 (even one sample per device does not fit)"
+            )
             table.add_row(res["strategy"], why, *[""] * (len(cols) - 2))
             continue
         byname = {r["component"]: r["device_bytes"] for r in e["rows"]}
@@ -321,6 +314,42 @@ def run(args: argparse.Namespace) -> int:
         table.add_row(label, *([str(res["max_global_batch"])] if args.max_batch else []), *cells)
     console.print(table)
     return 0
+
+
+def _row(args: argparse.Namespace, name: str, system, calibration, device_memory) -> dict:
+    """One method's row: its memory estimate (or largest batch) and, with --time, its projection. With
+    ``--strategy all`` a method that cannot be built for this model and world is an n/a row with the reason,
+    and the others still print; its options are completed for the world (``Strategy.options_for_world``)."""
+    from stratbench import estimate as est
+    from stratbench.errors import ConfigError
+    from stratbench.strategies.base import get_strategy
+
+    world = 1 if name == "single" else args.world_size
+    try:
+        cfg = config_for(args, name)
+        if args.strategy == "all":
+            cfg = cfg.replace(strategy_options=get_strategy(name).options_for_world(cfg, world))
+            get_strategy(name).parse_options(cfg.strategy_options)
+        if args.max_batch:
+            batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
+            row = {"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None}
+        else:
+            row = {"strategy": name, "estimate": est.estimate(cfg, world, args.device_type).to_dict()}
+        if cfg.strategy_options:
+            row["options"] = cfg.strategy_options
+    except est.NoMemoryModel as exc:
+        if args.strategy != "all":
+            raise
+        row = {"strategy": name, "estimate": None, "no_model": str(exc)}
+    except ConfigError as exc:
+        if args.strategy != "all":
+            raise
+        return {"strategy": name, "estimate": None, "na": str(exc), "projection": None}
+    if system is not None:
+        from stratbench.projection import project
+
+        row["projection"] = project(cfg, system, args.nodes, args.gpus_per_node, calibration, memory=False).to_dict()
+    return row
 
 
 def hardware_summary(system, args: argparse.Namespace, calibration) -> dict:
@@ -367,6 +396,9 @@ def print_time_table(console, results, system, args, calibration, device_memory,
     for col in cols:
         table.add_column(col, justify="left" if col in ("method", "dominant") else "right", no_wrap=col == "method")
     for res in results:
+        if res.get("na"):
+            table.add_row(res["strategy"], "n/a", res["na"], *[""] * (len(cols) - 3))
+            continue
         p, e = res["projection"], res.get("estimate")
         mem = e["total_bytes"] if e else None
         fits = "-" if mem is None or not device_memory else ("yes" if mem <= device_memory else "NO")
@@ -383,7 +415,7 @@ def print_time_table(console, results, system, args, calibration, device_memory,
             fmt_bytes(mem) if mem is not None else "no memory model", fits,
         )  # fmt: skip
     console.print(table)
-    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results if p["projection"].get("efficiency")})
+    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results if (p.get("projection") or {}).get("efficiency")})
     for eff, src in effs:
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {src}")
     console.print(

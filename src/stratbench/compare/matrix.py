@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from stratbench.errors import ConfigError, StratbenchError, UnsupportedError
+from stratbench.strategies.pipeline import pipeline_layout
 
 STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")
 """Outcome of a cell: ok, failed (crash or bad config), oom, timeout, nan (loss became NaN/inf), skipped (cannot run here)."""
@@ -109,24 +110,6 @@ def _gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
-    """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
-    stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
-    the other factor data-parallel replicas (``pp``), and ``2 x stages`` micro-batches rounded up to a power of
-    two, at least 4 (``microbatches``: >= the stages, as 1F1B needs, and a divisor of a power-of-two batch).
-
-    More stages than 4 would mostly add bubble on ResNet's 6 pieces (stem and head are small), and one
-    process per stage at 8 GPUs is more stages than the pieces."""
-    pp = max(d for d in range(1, min(world, 4) + 1) if world % d == 0)
-    if pp == 1 and 1 < world <= pieces:
-        pp = world
-    m = 4
-    while m < 2 * pp:
-        m *= 2
-    # pp only when it is not the default (every process in one pipeline): the cells' ids stay what they were
-    return {"microbatches": m} | ({"pp": pp} if pp < world else {})
 
 
 def preset_quick(world_size: int | None = None) -> dict[str, Any]:

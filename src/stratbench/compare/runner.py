@@ -26,6 +26,7 @@ import yaml
 
 from stratbench.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
+from stratbench.errors import ConfigError
 
 RESULTS = "results.jsonl"
 SWEEP = "sweep.json"
@@ -600,3 +601,38 @@ def _read_result(path: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def check_results_file(folder: Path) -> None:
+    """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
+    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
+    it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
+    append drops it (``runner.append_record``)."""
+    from stratbench.compare.calibration import CALIBRATION, record_problem
+
+    _check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
+    _check_records(folder / CALIBRATION, record_problem)
+
+
+def _check_records(path: Path, problem) -> None:
+    if not path.exists():
+        return
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"cannot read {path}: {exc.strerror or exc}") from None
+    lines = data.splitlines()
+    for n, raw in enumerate(lines, 1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+            why = problem(record) if isinstance(record, dict) else "not a JSON object"
+            if why:
+                raise ValueError(why)
+        except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            if n == len(lines) and not data.endswith(b"\n"):
+                print(f"note: {path} line {n} is cut short (a sweep stopped while writing it); skipped", file=sys.stderr)
+                continue
+            first = str(exc).splitlines()[0][:120]
+            raise ConfigError(f"{path} line {n} is not a JSON record ({first}); fix or delete that line") from None

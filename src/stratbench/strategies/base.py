@@ -104,6 +104,12 @@ class Strategy:
         return None
 
     @classmethod
+    def options_for_world(cls, cfg: TrainConfig, world_size: int) -> dict[str, Any]:
+        """The options a comparison row of this method runs with on ``world_size`` devices: the user's own,
+        completed where the method's defaults would not fit that world (a pipeline's layout)."""
+        return dict(cfg.strategy_options)
+
+    @classmethod
     def data_parallel_size(cls, cfg: TrainConfig, world_size: int) -> int:
         """How many ways the global batch is split across processes (DataParallel splits inside one)."""
         return world_size

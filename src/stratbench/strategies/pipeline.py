@@ -169,6 +169,24 @@ def resolve_layout(options: PipelineOptions, world: int) -> Layout:
     return Layout(pp=pp, dp=world // pp, stages=stages, microbatches=m, schedule=options.schedule)
 
 
+def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
+    """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
+    stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
+    the other factor data-parallel replicas (``pp``), and ``2 x stages`` micro-batches rounded up to a power of
+    two, at least 4 (``microbatches``: >= the stages, as 1F1B needs, and a divisor of a power-of-two batch).
+
+    More stages than 4 would mostly add bubble on ResNet's 6 pieces (stem and head are small), and one
+    process per stage at 8 GPUs is more stages than the pieces."""
+    pp = max(d for d in range(1, min(world, 4) + 1) if world % d == 0)
+    if pp == 1 and 1 < world <= pieces:
+        pp = world
+    m = 4
+    while m < 2 * pp:
+        m *= 2
+    # pp only when it is not the default (every process in one pipeline): the cells' ids stay what they were
+    return {"microbatches": m} | ({"pp": pp} if pp < world else {})
+
+
 def _spec_split(cfg, stages: int, options) -> Any:
     from stratbench.estimate import ModelSpec
     from stratbench.pipeline_split import split_for_spec
@@ -298,6 +316,18 @@ class PipelineStrategy(Strategy):
         except ConfigError as exc:
             return str(exc)
         return None
+
+    @classmethod
+    def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
+        """Without --pp/--stages every process is one stage, which a model of fewer pieces than processes cannot
+        be cut into: then the compare presets' layout (``pipeline_layout``), the user's other options kept."""
+        from stratbench.estimate import ModelSpec
+        from stratbench.pipeline_split import piece_count
+
+        given = dict(cfg.strategy_options)
+        if given.get("pp") or given.get("stages") or given.get("split_points"):
+            return given
+        return pipeline_layout(world_size, piece_count(ModelSpec.from_config(cfg))) | given
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:

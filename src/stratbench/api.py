@@ -1,0 +1,192 @@
+"""stratbench from Python (a notebook, a script): what ``stratbench train``, ``compare`` and ``estimate`` do,
+returning results instead of printing tables.
+
+    from stratbench.api import TrainConfig, compare, estimate, train
+
+    result = train(strategy="ddp", nproc=2, precision="bf16-mixed", output="runs/ddp")  # result.json's content
+    result = train(TrainConfig(model="resnet18", data="synthetic"), epochs=1)          # a config, changed
+    sweep = compare("quick", output="runs/quick", only=["single,ddp"])                 # a Sweep: records + report
+    mem = estimate(model="resnet50", strategy="fsdp", world_size=4, batch_size=128)   # an Estimate
+
+Bad input raises ``stratbench.errors.StratbenchError`` (a ConfigError, UnsupportedError, ...) with the same
+one-line message the command prints, before any work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from stratbench import checkpoint as ckpt
+from stratbench.config import TrainConfig, from_dict
+from stratbench.errors import ConfigError
+
+__all__ = ["Sweep", "TrainConfig", "compare", "estimate", "plan_sweep", "run_sweep", "train", "train_config"]
+
+
+def train_config(config: TrainConfig | None = None, /, **options: Any) -> TrainConfig:
+    """``config`` (default: TrainConfig()) with ``options`` changed, checked and typed as the CLI would
+    (unknown names and bad values: one ConfigError naming them; a recipe is expanded)."""
+    if config is not None and not isinstance(config, TrainConfig):
+        raise ConfigError(f"train(): config must be a TrainConfig, not {type(config).__name__}")
+    base = config.to_dict() if config is not None else {}
+    return from_dict(TrainConfig, {**base, **options}, where="train()")
+
+
+def train(config: TrainConfig | None = None, /, **options: Any) -> dict[str, Any]:
+    """Train one model with one method, as ``stratbench train`` does (``nproc`` > 1 starts stratbench's launcher
+    and its worker processes); returns the run's result (what ``OUTPUT/result.json`` holds)."""
+    from stratbench.dist import launched_by_launcher
+    from stratbench.job import run_job
+
+    cfg = train_config(config, **options)
+    if launched_by_launcher():
+        raise ConfigError("stratbench.train() starts a whole run; it cannot run inside a launched worker")
+    with ckpt.trusted(cfg.trust_checkpoint):
+        result = run_job(cfg)
+    return result if result is not None else {}
+
+
+@dataclasses.dataclass
+class Sweep:
+    """A finished (or interrupted) comparison: every record of its folder and the report's files."""
+
+    output: Path
+    records: list[dict[str, Any]]
+    report: dict[str, Path]
+    """Paths of the report's files by kind: md, html, csv (and the charts)."""
+    interrupted: str | None = None
+
+    @property
+    def failed(self) -> list[dict[str, Any]]:
+        """Cells that ran and did not finish ok (failed, oom, timeout, nan)."""
+        return [r for r in self.records if r.get("status") not in ("ok", "skipped")]
+
+
+@dataclasses.dataclass
+class SweepPlan:
+    """What a comparison will run: the matrix, each cell's plan, the folder, the time limit, the calibration."""
+
+    matrix: Any
+    plans: list[Any]
+    output: Path
+    timeout_s: float
+    calibration: Any = None
+
+
+def plan_sweep(
+    preset: str | None = None,
+    *,
+    matrix: str | None = None,
+    output: str | Path | None = None,
+    only: list[str] | None = None,
+    skip: list[str] | None = None,
+    timeout: float | None = None,
+    allow_slow: bool = False,
+    calibrate: bool = False,
+    hardware: str | None = None,
+    world_size: int | None = None,
+    **options: Any,
+) -> SweepPlan:
+    """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
+    results file already in ``output`` and the calibration runs. ``options`` are training options for every cell."""
+    from stratbench.compare.matrix import load_matrix, plan, select
+    from stratbench.compare.runner import check_results_file
+
+    if timeout is not None and timeout <= 0:
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
+    if world_size is not None and world_size < 1:
+        raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if hardware:
+        from stratbench.hardware import resolve
+
+        resolve(hardware)  # a bad profile is refused now, not after the sweep
+    m = load_matrix(preset, matrix, _typed(options), world_size)
+    plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
+    out = Path(output or f"runs/compare-{m.name}")
+    check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
+    calibration = None
+    if calibrate:
+        from stratbench.compare.calibration import plan_calibration
+
+        calibration = plan_calibration(m, plans, allow_slow=allow_slow)
+    return SweepPlan(m, plans, out, timeout or m.timeout_s, calibration)
+
+
+def _typed(options: dict[str, Any]) -> dict[str, Any]:
+    """Training options for every cell, typed as TrainConfig declares them (unknown names: one line)."""
+    from stratbench.config import coerce
+
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ConfigError(f"compare(): unknown training option(s) {', '.join(map(repr, unknown))}")
+    return {k: coerce(k, v, fields[k].type) for k, v in options.items()}
+
+
+def run_sweep(
+    sweep: SweepPlan,
+    *,
+    repeats: int = 1,
+    retry: bool = False,
+    hardware: str | None = None,
+    console: Any = None,
+    command: list[str] | None = None,
+) -> Sweep:
+    """Run the planned cells (resuming: recorded cells are kept), then write the report; Ctrl-C stops the
+    sweep, keeps the finished cells and still writes the report (``Sweep.interrupted`` says why)."""
+    from stratbench.compare.report import render_sweeps
+    from stratbench.compare.runner import Interrupted, SweepRunner
+
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    runner = SweepRunner(sweep.matrix, sweep.output, timeout_s=sweep.timeout_s, retry=retry, console=console,
+                         repeats=repeats, command=command or ["python", *sys.argv])  # fmt: skip
+    interrupted = None
+    try:
+        runner.run(sweep.plans, sweep.calibration.runs if sweep.calibration else None)
+    except Interrupted as exc:
+        interrupted = str(exc)
+    paths, records = render_sweeps([runner.out], runner.out, hardware=hardware)
+    return Sweep(runner.out, records, paths, interrupted)
+
+
+def compare(
+    preset: str | None = None,
+    *,
+    repeats: int = 1,
+    retry: bool = False,
+    console: Any = None,
+    **plan_options: Any,
+) -> Sweep:
+    """Train every cell of a preset (``quick``, ``seed``, ...) or a ``matrix=`` YAML file side by side into
+    ``output`` and write one report, as ``stratbench compare`` does. ``only``/``skip`` select cells by name,
+    other keywords are ``plan_sweep``'s (timeout, calibrate, hardware, world_size) or training options for
+    every cell (``epochs=1``)."""
+    if repeats < 1:
+        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    sweep = plan_sweep(preset, **plan_options)
+    return run_sweep(sweep, repeats=repeats, retry=retry, hardware=plan_options.get("hardware"), console=console)
+
+
+def estimate(
+    model: str = "resnet50",
+    *,
+    strategy: str = "single",
+    world_size: int = 1,
+    device_type: str = "cuda",
+    **options: Any,
+):
+    """Memory per device of ``model`` trained with ``strategy`` on ``world_size`` devices, before training
+    (``stratbench.estimate.Estimate``: ``total_bytes``, ``peak_bytes``, ``rows``, ``to_dict()``). ``options``
+    are TrainConfig fields: batch_size (the global batch), precision, optimizer, image_size, strategy_options..."""
+    from stratbench import estimate as est
+    from stratbench.engine import check_config
+
+    if device_type not in ("cuda", "cpu"):
+        raise ConfigError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    cfg = train_config(None, model=model, strategy=strategy, data=options.pop("data", "synthetic"), **options)
+    check_config(cfg, world_size)
+    return est.estimate(cfg, world_size, device_type)
