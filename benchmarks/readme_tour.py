@@ -484,10 +484,12 @@ def make_fixtures(root: Path, commands: list[str]) -> tuple[dict[str, str], list
                     notes.append(f"`{d}`: a sweep folder from another machine: the {n} committed H100 cells of "
                                  f"`benchmarks/gpu_h100_2026-11-22/cells` as `results.jsonl` records")  # fmt: skip
 
+    # No W&B login reaches the tour (HOME is its own too): a README line with --wandb logs offline.
+    wandb_login = ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE")
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("TORCH_HOME", "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI")
+        if k not in ("TORCH_HOME", "XDG_CACHE_HOME", "MLFLOW_TRACKING_URI", *wandb_login)
     }
     env.update(
         HOME=str(home),
@@ -588,6 +590,7 @@ def versions() -> str:
         "onnx",
         "onnxruntime",
         "mlflow",
+        "wandb",
     ):
         for dist in (pkg, f"{pkg}-skinny"):  # mlflow's extra may be mlflow-skinny
             try:
