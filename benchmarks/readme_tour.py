@@ -556,6 +556,7 @@ def versions() -> str:
         "onnx",
         "onnxruntime",
         "mlflow",
+        "wandb",
     ):
         for dist in (pkg, f"{pkg}-skinny"):  # mlflow's extra may be mlflow-skinny
             try:

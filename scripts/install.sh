@@ -29,8 +29,8 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; 
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q -e ".[dev,mlflow]"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,mlflow,wandb]"
 else
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow]"
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb]"
 fi
 touch "$STAMP"

@@ -183,6 +183,17 @@ class TrainConfig:
     """MLflow tracking URI (e.g. sqlite:///runs/mlflow.db, http://host:5000, file:./mlruns); default: sqlite:///OUTPUT/mlflow.db."""
     mlflow_experiment: str = "stratbench"
     """MLflow experiment the run is logged under."""
+    wandb: bool = False
+    """Log the config, environment, per-step and validation metrics and the result summary to Weights & Biases
+    (the wandb extra), from the main rank; the run's files go under OUTPUT/wandb."""
+    wandb_project: str = "stratbench"
+    """W&B project the run is logged under."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) that owns the project; default: the login's default entity."""
+    wandb_mode: str = "auto"
+    """auto, online, offline or disabled. auto: WANDB_MODE if set, else online when a W&B login is present
+    (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or `wandb login`'s netrc entry), else offline, with a note on how
+    to `wandb sync` the run: a run never waits on a login prompt or the network."""
     progress: bool = True
     """Show a progress bar (rank 0)."""
     measure_flops: bool = True
@@ -232,6 +243,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "optimizer_impl": ("default", "foreach", "fused", "for-loop"),
     "lr_schedule": ("cosine", "constant"),
     "data_pipeline": ("auto", "loader", "device"),
+    "wandb_mode": ("auto", "online", "offline", "disabled"),
 }
 RECIPES = ("fast",)
 IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")

@@ -10,6 +10,7 @@ step statistics. Memory peaks are reset at the start of each phase.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import time
 import traceback
@@ -131,11 +132,10 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
     if reason:
         raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
-    if cfg.mlflow:
-        import importlib.util
-
-        if importlib.util.find_spec("mlflow") is None:
-            raise ConfigError("--mlflow needs the mlflow extra: pip install 'stratbench[mlflow]'")
+    if cfg.mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("--mlflow needs the mlflow extra: pip install 'stratbench[mlflow]'")
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb needs the wandb package: pip install 'stratbench[wandb]'")
     if cfg.weights and not Path(cfg.weights).is_file():
         raise CheckpointError(f"weights file not found: {cfg.weights}")
     if cfg.weights and not cfg.trust_checkpoint:
@@ -206,7 +206,8 @@ class Trainer:
         if env.is_main:
             self.out.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, self.out / "config.yaml")
-            sinks = build_sinks(cfg, self.out, resuming=bool(cfg.resume or cfg.resume_from))
+            resuming = bool(cfg.resume or cfg.resume_from)
+            sinks = build_sinks(cfg, self.out, resuming, header=self.result)
         metrics = RunMetrics(self.strategy, cfg, sinks)
         try:
             self._fit(metrics)
