@@ -188,3 +188,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def md_section(md: str, heading: str) -> list[str]:
+    """The lines of report.md's ``## heading...`` section, up to the next ``## `` heading (a compare report has
+    several tables; a test reads the one it checks)."""
+    lines = md.splitlines()
+    start = next(i for i, ln in enumerate(lines) if ln.startswith(f"## {heading}"))
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return lines[start + 1 : end]

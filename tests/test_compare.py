@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import run_stratbench
+from conftest import md_section, run_stratbench
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.matrix import build_matrix, plan, select
 from stratbench.compare.report import render_sweeps
@@ -76,10 +76,10 @@ def test_sweep_records_failed_cell_and_completes_others(sweep):
     assert "not a readable" in Path(badrec["log"]).read_text()
 
     md = (out / "report.md").read_text()
-    failed_rows = [ln for ln in md.splitlines() if ln.startswith("| single-badweights")]
-    assert len(failed_rows) == 1 and "failed: " in failed_rows[0] and "not a readable" in failed_rows[0]
-    assert " 0 |" not in failed_rows[0]  # nothing that was not measured shows as 0
-    ok_rows = [ln for ln in md.splitlines() if ln.startswith("| single |")]
+    failed = [ln for ln in md.splitlines() if ln.startswith("- single-badweights fp32 x1: failed — ")]
+    assert len(failed) == 1 and "not a readable" in failed[0]  # one line, with the reason
+    assert not [ln for ln in md.splitlines() if ln.startswith("| single-badweights")]  # not a row of empties (or 0s)
+    ok_rows = [ln for ln in md_section(md, "All measurements") if ln.startswith("| single |")]
     assert len(ok_rows) == 2 and all(ln.rstrip().endswith("| ok |") for ln in ok_rows)
     assert "1.00x (baseline)" in ok_rows[0]
     if not torch.cuda.is_available():
@@ -147,11 +147,14 @@ def test_report_rerender_and_merge(sweep, tmp_path):
     merged = tmp_path / "merged"
     run_stratbench("report", str(out), str(other), "--output", str(merged), timeout=300)
     md = (merged / "report.md").read_text()
-    header = next(ln for ln in md.splitlines() if ln.startswith("| machine"))
+    full = md_section(md, "All measurements")
+    header = next(ln for ln in full if ln.startswith("| machine"))
     assert "| method |" in header
-    rows = [ln for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| machine")]
-    assert len(rows) == 6
-    assert sum("other-host" in r for r in rows) == 3
+    rows = [ln for ln in full if ln.startswith("| ") and not ln.startswith("| machine")]
+    assert len(rows) == 4  # the completed cells; the failed one of each machine is a line of its own
+    assert sum("other-host" in r for r in rows) == 2
+    failed = [ln for ln in md_section(md, "Cells that did not complete") if ln.startswith("- single-badweights")]
+    assert len(failed) == 2 and sum(" on other-host " in ln for ln in failed) == 1
     # Each machine's rows are compared with that machine's own baseline.
     assert sum("1.00x (baseline)" in r for r in rows) == 2
     assert main(["report", str(out), str(other)]) == 2  # merging needs --output
@@ -279,7 +282,7 @@ def test_ctrl_c_keeps_finished_cells_and_resume_runs_the_rest(fake_cells, tmp_pa
     # A partial sweep renders: the cells not reached are listed as such.
     paths, records = render_sweeps([out], out)
     md = paths["md"].read_text()
-    assert md.count("| not run: ") == 2
+    assert md.count(": not run — the sweep stopped before this cell") == 2
     # Resume: the finished cell is not run again (its result stays), the others run.
     monkeypatch.setattr(runner_mod.Display, "tick", real_tick)
     first_result = out / "cells" / fake_cells.cells[0].id / "result.json"
@@ -341,14 +344,15 @@ def test_report_shows_breakdown_comm_and_memory_error_from_records(tmp_path):
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and chart.stat().st_size > 5000
     md = (out / "report.md").read_text()
     assert "![breakdown](chart_breakdown.png)" in md
-    header = next(ln for ln in md.splitlines() if ln.startswith("| method"))
+    full = md_section(md, "All measurements")
+    header = next(ln for ln in full if ln.startswith("| method"))
     cols = [c.strip() for c in header.strip("|").split("|")]
     for name in ("not compute (data wait + other)", "comm / step (wire, per rank; vs ddp)",
                  "allocator peak, measured (max over ranks)", "predicted peak (error)"):  # fmt: skip
         assert name in cols, cols
     assert cols.index("predicted peak (error)") == cols.index("allocator peak, measured (max over ranks)") + 1
     rows = {ln.split("|")[1].strip(): [c.strip() for c in ln.strip("|").split("|")]
-            for ln in md.splitlines() if ln.startswith("| ") and not ln.startswith("| method")}  # fmt: skip
+            for ln in full if ln.startswith("| ") and not ln.startswith("| method")}  # fmt: skip
     cell = {m: dict(zip(cols, rows[m], strict=True)) for m in ("single", "ddp", "fsdp")}
     # not compute = 1 - (forward + backward + optimizer) / step = 1 - 8/10, whatever "other" and the gap are
     assert all(cell[m]["not compute (data wait + other)"].startswith("20.0%") for m in cell)

@@ -4,13 +4,15 @@ CPU, whole method names in piped tables, and compare --repeats (median and sprea
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 
+import markupsafe
 import pytest
 import yaml
 
-from conftest import run_stratbench
+from conftest import md_section, run_stratbench
 from stratbench.compare import report as report_mod
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.matrix import Plan, build_matrix
@@ -77,7 +79,7 @@ def test_html_table_sortable_and_reasons_whole(records, tmp_path):
     assert "<script>" in page and "addEventListener('click'" in page and "th class='sortable'" in page
     assert "src=" not in page.split("<script>")[1].split("</script>")[0]  # inline, no CDN
     assert "http" not in page.split("<script>")[1].split("</script>")[0]
-    assert LONG_REASON.replace("'", "&#x27;") in page and "…" not in page
+    assert str(markupsafe.escape(LONG_REASON)) in page and "…" not in page
     # numbers sort by value: the throughput cells carry the raw number
     assert "data-v='7000.0'" in page and "data-v='1400.0'" in page
     md = paths["md"].read_text()
@@ -209,3 +211,137 @@ def test_reasons_with_brackets_print(tmp_path, capsys):
     Display(1, console).finish(cell, "failed", reason, 1.0, ran=True)
     print_table([{**_record("ddp", "fp32", 2, 0.9, 1.0, 1), "status": "failed", "reason": reason}], console)
     assert capsys.readouterr().out.count("pair.cc:553] Connection closed") == 2
+
+
+# ---- the report opens with the answer: What to use, a compact table, one line per cell that did not complete ----
+
+MiB = 2**20
+
+
+def _with_alloc(rec: dict, alloc_mib: float) -> dict:
+    """``rec`` with a measured allocator peak (compare's --measure-alloc) of ``alloc_mib`` MiB on every rank."""
+    rec["metrics"]["cpu_alloc_peak_bytes"] = [int(alloc_mib * MiB)] * rec["world_size"]
+    return rec
+
+
+@pytest.fixture()
+def picks() -> list[dict]:
+    """single fp32 (the baseline), ddp the fastest, fsdp the leanest, deepspeed-z3 in between; one cell skipped
+    (its reason holds markup), one failed with a log. Process RSS is 500 MiB everywhere, as on a CPU."""
+    return [
+        _with_alloc(_record("single", "fp32", 1, 0.93, 1000.0, 98_000), 8),
+        _with_alloc(_record("ddp", "fp32", 2, 0.92, 1800.0, 98_000), 6),
+        _with_alloc(_record("fsdp", "fp32", 2, 0.91, 700.0, 49_000), 2),
+        _with_alloc(_record("deepspeed-z3", "fp32", 2, 0.92, 500.0, 49_000), 4),
+        {**_record("accelerate-fsdp", "fp32", 2, 0, 1, 0), "status": "skipped", "reason": "needs a <GPU> & CUDA",
+         "metrics": {}},
+        {**_record("pipeline-1f1b", "bf16-mixed", 2, 0, 1, 0), "status": "failed",
+         "reason": "RuntimeError: boom\n  at step 3", "metrics": {}, "log": "/x/train.log"},
+    ]  # fmt: skip
+
+
+def _render(records: list[dict], out) -> tuple[str, str]:
+    """report.md and report.html of ``records``, written into ``out``."""
+    paths = report_mod.write_report(report_mod.Report("t", records, ["x"]), out)
+    return paths["md"].read_text(), paths["html"].read_text()
+
+
+def _line(lines: list[str], start: str) -> str:
+    """The first of ``lines`` that starts with ``start``."""
+    return next(ln for ln in lines if ln.startswith(start))
+
+
+def test_md_and_html_open_with_what_to_use_naming_the_fastest_and_leanest(picks, tmp_path):
+    md, page = _render(picks, tmp_path)
+    assert md.startswith("# t\n") and [ln for ln in md.splitlines()[1:] if ln.strip()][0] == "## What to use"
+    what = md_section(md, "What to use")
+    fastest = _line(what, "- **Fastest:**")
+    assert "`ddp fp32 x2` — 1800.0 samples/s, 1.80x the baseline" in fastest
+    assert "allocator peak 6.00 MiB per device (0.75x)" in fastest and "Runner-up" not in fastest  # 1000 is 44% slower
+    leanest = _line(what, "- **Leanest memory:**")
+    assert "`fsdp fp32 x2` — allocator peak 2.00 MiB per device, 0.25x the baseline; 700.0 samples/s (0.70x)" in leanest
+    assert "Process RSS is 500.00 MiB in every row" in leanest  # why the allocator peak, not RSS, ranks them
+    assert _line(what, "- **Baseline:**").startswith("- **Baseline:** `single fp32 x1` — 1000.0 samples/s")
+    accuracy = _line(what, "- **Accuracy:**")
+    assert "val accuracy 91.00–93.00% across 4 rows (lowest: fsdp fp32 x2, highest: single fp32 x1)" in accuracy
+    # HTML: the same block first, before any table
+    assert re.findall(r"<h2>(.*?)</h2>", page)[0] == "What to use"
+    assert page.index('id="what-to-use"') < page.index("<table")
+    answer = page.split('id="what-to-use"')[1].split("</section>")[0]
+    assert '<b>Fastest:</b> <span class="cell">ddp fp32 x2</span> — 1800.0 samples/s, 1.80x the baseline' in answer
+    assert '<b>Leanest memory:</b> <span class="cell">fsdp fp32 x2</span>' in answer
+
+
+def test_compact_table_and_one_line_per_cell_that_did_not_complete(picks, tmp_path):
+    md, page = _render(picks, tmp_path)
+    glance = [ln for ln in md_section(md, "Completed cells at a glance") if ln.startswith("| ")]
+    header = [c.strip() for c in glance[0].strip("|").split("|")]
+    assert len(header) <= 8 and header[:3] == ["method", "precision", "devices"] and "val accuracy" in header
+    assert [ln.split("|")[1].strip() for ln in glance[1:]] == ["single", "ddp", "fsdp", "deepspeed-z3"]
+    assert "| **1800.0** |" in glance[2] and "| **2.00 MiB** |" in glance[3]  # the picks, in bold
+    assert "¹" not in "".join(glance)  # no footnote marks in the compact table
+    assert [ln for ln in md_section(md, "Cells that did not complete (2)") if ln.strip()] == [
+        "- accelerate-fsdp fp32 x2: skipped — needs a <GPU> & CUDA",
+        "- pipeline-1f1b bf16-mixed x2: failed — RuntimeError: boom at step 3 (log: /x/train.log)",
+    ]
+    assert not [ln for ln in md.splitlines() if ln.startswith(("| accelerate-fsdp", "| pipeline-1f1b"))]
+    full = [ln for ln in md_section(md, "All measurements") if ln.startswith("| ")]
+    assert len(full) == 5 and len(full[0].split("|")) - 2 > 8  # the full table: every column, completed rows
+    # HTML: the compact table has the same <= 8 columns; the skipped cells are list items, escaped, never rows
+    compact = page.split('id="summary"')[1].split("</table>")[0]
+    assert 3 <= len(re.findall(r"<th[ >]", compact)) <= 8
+    problems = page.split('id="not-completed"')[1].split("</section>")[0]
+    assert problems.count("<li>") == 2 and "needs a &lt;GPU&gt; &amp; CUDA" in problems and "<GPU>" not in page
+    assert not [r for r in re.findall(r"<tr[ >].*?</tr>", page, re.S) if "accelerate-fsdp" in r or "pipeline-1f1b" in r]
+
+
+def test_html_tables_scroll_in_their_own_box_and_the_full_table_folds(picks, tmp_path):
+    _, page = _render(picks, tmp_path)
+    css = page.split("<style>")[1].split("</style>")[0]
+    assert re.search(r"\.scroll\{[^}]*overflow-x:auto", css) and re.search(r"img\{[^}]*max-width:100%", css)
+    assert page.count("<table") == 2 and page.count('<div class="scroll">\n<table') == 2
+    folded = page.split("<details")[1].split("</details>")[0]
+    assert "<summary>All measurements" in folded and 'id="results"' in folded and "allocator peak, measured" in folded
+
+
+def test_two_machines_keep_the_compact_table_at_8_columns(picks, tmp_path):
+    other = [{**r, "id": r["id"] + "_2", "machine": {"hostname": "box2", "device": "CPU"}} for r in picks]
+    md, _ = _render(picks + other, tmp_path)
+    header = next(ln for ln in md_section(md, "Completed cells at a glance") if ln.startswith("| "))
+    cols = [c.strip() for c in header.strip("|").split("|")]
+    assert len(cols) == 8 and cols[0] == "machine"
+    what = md_section(md, "What to use")
+    assert "**On box (CPU: test (2 cores)):**" in what and "**On box2 (CPU):**" in what
+    assert sum(ln.startswith("- **Fastest:** `ddp fp32 x2`") for ln in what) == 2  # each machine's own pick
+    assert "- accelerate-fsdp fp32 x2 on box2 (CPU): skipped — needs a <GPU> & CUDA" in md
+
+
+def test_what_to_use_says_so_in_one_line_without_completed_cells_or_baseline(picks, tmp_path):
+    md, page = _render([r for r in picks if r["status"] != "ok"], tmp_path / "none")
+    what = [ln for ln in md_section(md, "What to use") if ln.strip()]
+    assert len(what) == 1 and what[0].startswith("- **Nothing to compare:** no cell ran to completion")
+    assert "## Completed cells at a glance" not in md and "Nothing to compare" in page and 'id="summary"' not in page
+    md, _ = _render(picks[1:4], tmp_path / "nobase")
+    what = md_section(md, "What to use")
+    assert _line(what, "- **No baseline:**") and "baseline" not in _line(what, "- **Fastest:**")
+    assert _line(what, "- **Fastest:**").startswith("- **Fastest:** `ddp fp32 x2` — 1800.0 samples/s; ")
+    close = _with_alloc(_record("ddp", "bf16-mixed", 2, 0.92, 1750.0, 98_000), 6)
+    md, _ = _render([*picks[:2], close], tmp_path / "close")
+    assert "Runner-up: ddp bf16-mixed x2, 3% slower" in _line(md_section(md, "What to use"), "- **Fastest:**")
+
+
+def test_a_record_with_missing_or_unreadable_fields_still_renders(tmp_path):
+    bare = {"id": "bare", "method": "ddp", "status": "ok", "machine": {"hostname": "box", "device": "CPU: test (2 cores)"}}
+    bad = _record("fsdp", "fp32", 2, 0.9, 1.0, 1, world_size="two")
+    bad["metrics"] |= {"throughput_samples_per_s": "fast", "peak_memory_bytes": "lots", "val_accuracy": None,
+                       "evaluations": "x", "breakdown": [1], "loss_curve": ["a", 1.0]}  # fmt: skip
+    odd = _record("ddp-zero", "fp32", 2, 0.9, 800.0, 1, repeats={"n": 3, "metrics": {"throughput_samples_per_s": "x"}})
+    good = _with_alloc(_record("single", "fp32", 1, 0.9, 900.0, 1), 5)
+    md, page = _render([bare, bad, odd, good], tmp_path)
+    assert _line(md_section(md, "What to use"), "- **Fastest:**").startswith(
+        "- **Fastest:** `single fp32 x1` — the baseline itself; 900.0 samples/s"
+    )
+    glance = {ln.split("|")[1].strip(): ln for ln in md_section(md, "Completed cells at a glance") if ln.startswith("| ")}
+    assert "| n/a | n/a |" in glance["ddp"] and "| fsdp | fp32 | 1 | n/a |" in glance["fsdp"]
+    assert "this record could not be read (TypeError" in md  # ddp-zero's repeats: every measure n/a, noted why
+    assert page.count("<tr") >= 1 + 4

@@ -1,28 +1,34 @@
 """Records of a sweep (or several merged sweeps) -> report.md, report.csv, report.html and PNG charts.
 
-Every number comes from the cells' own result.json (copied into results.jsonl). What a machine cannot
-measure (GPU utilisation on a CPU, MFU without a known peak FLOP/s) is written ``n/a`` with a footnote saying
-why, and what a cell that did not complete never measured is ``–``; neither is ever shown as 0.
+Every number comes from the cells' own result.json (copied into results.jsonl). The report opens with the answer
+(``summary``: what to use, a compact table, one line per cell that did not complete), then the full table. What a
+machine cannot measure (GPU utilisation on a CPU, MFU without a known peak FLOP/s) is written ``n/a`` with a
+footnote saying why; a cell that did not complete is one line with its reason (empty in the csv, ``–`` in the
+terminal table); neither is ever shown as 0.
 """
 
 from __future__ import annotations
 
 import base64
 import csv
-import html
+import functools
 import json
+import math
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jinja2
+
 from stratbench.checkpoint import atomic_output, atomic_write
+from stratbench.compare import summary
+from stratbench.compare.rows import DASH, Row, is_baseline, machine_name, number
 from stratbench.compare.runner import SWEEP, load_records
 from stratbench.report_table import fmt_bytes
 
 NOT_RUN = "not run"
 SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
-DASH = "–"
 
 COLUMNS: list[tuple[str, str]] = [
     ("machine", "machine"),
@@ -115,25 +121,19 @@ class Footnotes:
         self.texts: list[str] = []
 
     def mark(self, text: str) -> str:
+        """The superscript of ``text``'s note, adding the note at its first use."""
         if text not in self.texts:
             self.texts.append(text)
-        i = self.texts.index(text)
-        return SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
+        return footnote_mark(self.texts.index(text))
 
 
-@dataclass
-class Row:
-    rec: dict[str, Any]
-    raw: dict[str, Any]
-    text: dict[str, str]
-
-
-def machine_name(rec: dict[str, Any]) -> str:
-    m = rec.get("machine") or {}
-    return f"{m.get('hostname', '?')} ({m.get('device', '?')})"
+def footnote_mark(i: int) -> str:
+    """The mark of the ``i``-th note (0-based): a superscript digit, then [10], [11], ..."""
+    return SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
 
 
 def _mean(xs: list[Any]) -> float | None:
+    """The mean of the values present (None when there are none)."""
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
 
@@ -149,9 +149,48 @@ def _predict(rec: dict[str, Any]) -> int | None:
     return predict_peak_bytes(config, int(rec.get("world_size") or 1), device_type=device_type)
 
 
-def is_baseline(rec: dict[str, Any]) -> bool:
-    return rec.get("method") == "single" and rec.get("label", "single") == "single" and rec.get("precision") == "fp32" \
-        and int(rec.get("world_size") or 1) == 1  # fmt: skip
+# What the report computes with, by the type it expects: a record holding another type there (a string for a
+# number, a list for a dict) reads as not having recorded it.
+DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding")
+NUMBER_FIELDS = ("world_size", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
+                 "host_load_mean", "host_cpu_count")  # fmt: skip
+NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "val_accuracy", "final_loss",
+                  "mfu", "flops_per_sample")  # fmt: skip
+NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
+                       "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
+
+
+def _clean_record(rec: Any) -> dict[str, Any]:
+    """A copy of ``rec`` whose fields the report reads have the type it expects, or are absent: one bad field
+    then shows as n/a in its own cell instead of stopping the whole report."""
+    rec = dict(rec) if isinstance(rec, dict) else {"status": "failed", "reason": f"not a record: {rec!r:.80}"}
+    for k in DICT_FIELDS:
+        if k in rec and not isinstance(rec[k], dict):
+            rec[k] = {}
+    for k in NUMBER_FIELDS:
+        if k in rec and number(rec[k]) is None:
+            rec[k] = None
+    m = dict(rec.get("metrics") or {})
+    for k in NUMBER_METRICS:
+        if k in m and number(m[k]) is None:
+            m[k] = None
+    for k in NUMBER_LIST_METRICS:
+        if k in m:
+            m[k] = [x for x in m[k] if number(x) is not None] if isinstance(m[k], list) else []
+    for k in ("breakdown", "comm"):
+        if k in m and not isinstance(m[k], dict):
+            m[k] = None
+    if "evaluations" in m:
+        evals = m["evaluations"] if isinstance(m["evaluations"], list) else []
+        m["evaluations"] = [e for e in evals if isinstance(e, dict)]
+    if "loss_curve" in m:
+        curve = m["loss_curve"] if isinstance(m["loss_curve"], list) else []
+        m["loss_curve"] = [x if number(x) is not None else math.nan for x in curve]
+    rec["metrics"] = m
+    if rec.get("sharding"):
+        rec["sharding"] = {k: v for k, v in rec["sharding"].items()
+                           if isinstance(v, list) and all(x is None or number(x) is not None for x in v)}  # fmt: skip
+    return rec
 
 
 def build_rows(
@@ -161,18 +200,32 @@ def build_rows(
     """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine.
     ``hardware``: the profile the predicted step uses (default: the sweep's probe, else the one of each record's
     device); ``calibration``: the sweeps' calibration records (compare --calibrate)."""
+    records = [_clean_record(rec) for rec in records]
     baselines: dict[str, float] = {}
     for rec in records:
         tp = (rec.get("metrics") or {}).get("throughput_samples_per_s")
         if rec.get("status") == "ok" and is_baseline(rec) and tp:
             baselines.setdefault(machine_name(rec), tp)
-    rows: list[Row] = []
-    for rec in records:
-        rows.append(_row(rec, notes, baselines))
+    rows = [_readable_row(rec, notes, baselines) for rec in records]
     _add_comm_ratio(rows)
     if predict:
         _add_predicted_step(rows, notes, hardware, calibration or [])
     return rows
+
+
+def _readable_row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
+    """``_row``, or, for a record whose fields have a shape nothing above foresaw, its identity with every measure
+    n/a and a footnote naming the error: one unreadable record must not stop the report of the others."""
+    try:
+        return _row(rec, notes, baselines)
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, ZeroDivisionError) as exc:
+        row = _identity(rec)
+        na = "n/a" + notes.mark(f"n/a: this record could not be read ({type(exc).__name__}: {exc})")
+        for k in METRIC_KEYS:
+            row.raw[k] = None
+            row.text[k] = na
+        row.raw["unreadable"] = True
+        return row
 
 
 def _calibration_key(rec: dict[str, Any]) -> tuple[str, str, str]:
@@ -209,7 +262,7 @@ def _add_predicted_step(
     for r in rows:
         r.raw["predicted_step"] = r.raw["step_error_pct"] = None
         r.raw["step_time"] = (r.rec.get("metrics") or {}).get("step_time_median_s")
-        if r.raw["status"] != "ok":
+        if r.raw["status"] != "ok" or r.raw.get("unreadable"):
             r.text["predicted_step"] = r.text.get("speedup", DASH)
             continue
         basis = basis_for(r.rec, calibration) if calibration else None
@@ -292,9 +345,12 @@ def _comm_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], not
     )
 
 
-def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
-    m = rec.get("metrics") or {}
-    ok = rec.get("status") == "ok"
+METRIC_KEYS = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "alloc_peak",
+               "predicted", "mfu", "not_compute", "comm", "val_accuracy", "final_loss", "step_time")  # fmt: skip
+
+
+def _identity(rec: dict[str, Any]) -> Row:
+    """A row with the columns that name the cell (machine, method, precision, init, devices, batches, status)."""
     world = int(rec.get("world_size") or 1)
     devices = max(world, int(rec.get("data_parallel_size") or 0))
     gbatch = rec.get("global_batch_size") or rec.get("batch_size")
@@ -308,26 +364,49 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         "batch_device": per_dev,
         "batch_global": gbatch,
         "status": rec.get("status"),
-        "reason": rec.get("reason") or "",
+        "reason": str(rec.get("reason") or ""),
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
     status = str(rec.get("status"))
     text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
-    if ok and raw["reason"]:
+    if status == "ok" and raw["reason"]:
         text["status"] = f"ok ({raw['reason']})"
-    metric_keys = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "alloc_peak",
-                   "predicted", "mfu", "not_compute", "comm", "val_accuracy", "final_loss")  # fmt: skip
-    if not ok:
-        dash = DASH + notes.mark(
-            f"{DASH}: the cell did not run to completion (see its status: skipped, failed, ...), so nothing was measured"
-        )
-        for k in metric_keys:
-            raw[k] = None
-            text[k] = dash
-        return Row(rec, raw, text)
+    return Row(rec, raw, text)
 
+
+def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
+    """Every column of one record, each measure with the footnote saying how it was measured or why it is n/a.
+    Notes are numbered in order of first use, so the order of the cells below is the order of the notes."""
+    row = _identity(rec)
+    raw, text = row.raw, row.text
+    if not row.ok:  # nothing was measured: the report lists the cell on one line, the csv leaves its cells empty
+        for k in METRIC_KEYS:
+            raw[k] = None
+            text[k] = DASH
+        return row
+    m = rec.get("metrics") or {}
     device_type = (rec.get("environment") or {}).get("device_type", "cpu")
-    # Peak memory: max over ranks; a process that drives several GPUs (DataParallel) lists every GPU.
+    _peak_memory_cell(m, raw, text, notes, int(rec.get("world_size") or 1))
+    _gpu_util_cell(m, raw, text, notes, device_type)
+    busy = _time_cells(rec, m, raw, text, notes)
+    _speedup_cell(rec, raw, text, notes, baselines.get(machine_name(rec)), busy)
+    _alloc_peak_cell(m, raw, text, notes)
+    _predicted_peak_cell(rec, raw, text, notes)
+    _mfu_cell(m, raw, text, notes, device_type)
+    _comm_cell(m, raw, text, notes)
+    _not_compute_cell(m, raw, text, notes)
+    acc = m.get("val_accuracy")
+    raw["val_accuracy"] = acc
+    text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
+    raw["final_loss"] = m.get("final_loss")
+    text["final_loss"] = _fmt(raw["final_loss"], ".4f")
+    raw["step_time"] = m.get("step_time_median_s")
+    _add_spread(rec, raw, text, notes)
+    return row
+
+
+def _peak_memory_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes, world: int) -> None:
+    """Peak memory per device: the max over ranks; a process that drives several GPUs (DataParallel) lists each."""
     peaks = [p for p in (m.get("peak_memory_bytes") or []) if p is not None]
     kind = m.get("peak_memory_kind", "")
     raw["peak_memory"] = max(peaks) if peaks else None
@@ -335,15 +414,20 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
     raw["peak_memory_kind"] = kind
     if not peaks:
         text["peak_memory"] = "n/a" + notes.mark("n/a: the run recorded no memory peak")
-    else:
-        shown = " / ".join(fmt_bytes(p) for p in peaks) if len(peaks) > world else fmt_bytes(max(peaks))
-        if kind == "cpu_peak_rss":
-            shown += notes.mark(
-                "on CPU the peak is the process's peak resident memory (RSS: weights, activations, optimizer "
-                "state plus the Python runtime and libraries, ~0.3-0.5 GiB), the largest over the ranks; on a GPU "
-                "it is torch.cuda.max_memory_allocated"
-            )
-        text["peak_memory"] = shown
+        return
+    shown = " / ".join(fmt_bytes(p) for p in peaks) if len(peaks) > world else fmt_bytes(max(peaks))
+    if kind == "cpu_peak_rss":
+        shown += notes.mark(
+            "on CPU the peak is the process's peak resident memory (RSS: weights, activations, optimizer "
+            "state plus the Python runtime and libraries, ~0.3-0.5 GiB), the largest over the ranks; on a GPU "
+            "it is torch.cuda.max_memory_allocated"
+        )
+    text["peak_memory"] = shown
+
+
+def _gpu_util_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes,
+                   device_type: str) -> None:  # fmt: skip
+    """GPU utilisation mean / peak over the run (NVML), n/a with the reason where it could not be read."""
     utils = [u for u in (m.get("gpu_util_mean_pct") or []) if u is not None]
     upeaks = [u for u in (m.get("gpu_util_peak_pct") or []) if u is not None]
     if utils:
@@ -352,17 +436,19 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         text["gpu_util"] = (
             f"{raw['gpu_util']:.0f}% / {raw['gpu_util_peak']:.0f}%" if upeaks else f"{raw['gpu_util']:.0f}%"
         )
-    else:
-        raw["gpu_util"] = None
-        why = (
-            "no NVIDIA GPU on this machine"
-            if device_type != "cuda"
-            else "NVML (nvidia-ml-py) was not available"
-        )
-        text["gpu_util"] = "n/a" + notes.mark(f"n/a: GPU utilisation is read from NVML: {why}")
+        return
+    raw["gpu_util"] = None
+    why = "no NVIDIA GPU on this machine" if device_type != "cuda" else "NVML (nvidia-ml-py) was not available"
+    text["gpu_util"] = "n/a" + notes.mark(f"n/a: GPU utilisation is read from NVML: {why}")
+
+
+def _time_cells(rec: dict[str, Any], m: dict[str, Any], raw: dict[str, Any], text: dict[str, str],
+                notes: Footnotes) -> str:  # fmt: skip
+    """Time per epoch, train time and throughput; returns the "machine was busy" mark ('' when it was not),
+    which the times and the speed-up carry."""
     train_time = m.get("train_time_s")
     evals = m.get("evaluations") or []
-    epochs_done = evals[-1].get("epoch") if evals else None
+    epochs_done = number(evals[-1].get("epoch")) if evals else None
     if train_time and epochs_done:
         raw["epoch_time"] = train_time / epochs_done
     else:
@@ -383,19 +469,26 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         )
     for k in ("epoch_time", "train_time", "throughput"):
         text[k] += busy
-    base = baselines.get(machine_name(rec))
+    return busy
+
+
+def _speedup_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes,
+                  base: float | None, busy: str) -> None:  # fmt: skip
+    """Throughput over the single fp32 row's on the same machine."""
+    tp = raw["throughput"]
     if tp and base:
         raw["speedup"] = tp / base
         text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "") + busy
     else:
         raw["speedup"] = None
-        text["speedup"] = "n/a" + notes.mark(
-            "n/a: no completed single fp32 row on this machine to compare with"
-        )
-    # The allocator peak (what the estimate predicts), measured: torch.cuda.max_memory_allocated on a GPU (the
-    # peak memory column itself), --measure-alloc's glibc reading on a CPU; then the estimate and its error.
+        text["speedup"] = "n/a" + notes.mark("n/a: no completed single fp32 row on this machine to compare with")
+
+
+def _alloc_peak_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+    """The allocator peak (what the estimate predicts), measured: torch.cuda.max_memory_allocated on a GPU (the
+    peak memory column itself), --measure-alloc's glibc reading on a CPU."""
     allocs = [a for a in m.get("cpu_alloc_peak_bytes") or [] if a]
-    if kind == "cuda_max_allocated" and raw["peak_memory"]:
+    if raw["peak_memory_kind"] == "cuda_max_allocated" and raw["peak_memory"]:
         raw["alloc_peak"] = raw["peak_memory"]
         text["alloc_peak"] = fmt_bytes(raw["alloc_peak"]) + notes.mark(
             "allocator peak on a GPU: torch.cuda.max_memory_allocated, the same figure as the peak memory column"
@@ -417,6 +510,10 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
             "n/a: no allocator measurement (on a CPU it needs --measure-alloc, on by default in compare cells, "
             "and glibc's mallinfo2)"
         )
+
+
+def _predicted_peak_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+    """stratbench.estimate's peak for the cell's config, and its error against the measured allocator peak."""
     pred = _predict(rec)
     raw["predicted"] = pred
     raw["prediction_error_pct"] = None
@@ -432,39 +529,35 @@ def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> 
         text["predicted"] = fmt_bytes(pred) + notes.mark(
             "the prediction is of tensor memory; on CPU the measured peak is process RSS, so no error % is given"
         )
+
+
+def _mfu_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes, device_type: str) -> None:
+    """Model FLOPs utilisation, n/a with the reason where it would mislead (a CPU, an unknown GPU, no FLOPs)."""
     mfu = m.get("mfu")
     raw["mfu"] = mfu
     if mfu is not None:
         text["mfu"] = f"{mfu * 100:.1f}%"
     elif device_type != "cuda":
-        text["mfu"] = "n/a" + notes.mark(
-            "n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table"
-        )
+        text["mfu"] = "n/a" + notes.mark("n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table")
     elif not m.get("flops_per_sample"):
         text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
     else:
-        text["mfu"] = "n/a" + notes.mark(
-            "n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)"
-        )
-    _comm_cell(m, raw, text, notes)
+        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)")
+
+
+def _not_compute_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+    """The share of the step outside forward, backward and the optimizer (metrics.breakdown)."""
     b = m.get("breakdown") or {}
-    raw["not_compute"] = b.get("not_compute_share")
+    raw["not_compute"] = number(b.get("not_compute_share"))
     if raw["not_compute"] is None:
         text["not_compute"] = "n/a" + notes.mark("n/a: the step's phases were not timed (--breakdown false)")
-    else:
-        text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
-            "not compute: the share of the step outside forward, backward and the optimizer step: waiting for the "
-            "batch, bookkeeping, and any gap no phase covers (metrics.breakdown; each phase timed on its own "
-            "clock reads; the chart chart_breakdown.png splits the step). Communication that DDP/FSDP overlap "
-            "with backward counts in backward"
-        )
-    acc = m.get("val_accuracy")
-    raw["val_accuracy"] = acc
-    text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
-    raw["final_loss"] = m.get("final_loss")
-    text["final_loss"] = _fmt(raw["final_loss"], ".4f")
-    _add_spread(rec, raw, text, notes)
-    return Row(rec, raw, text)
+        return
+    text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
+        "not compute: the share of the step outside forward, backward and the optimizer step: waiting for the "
+        "batch, bookkeeping, and any gap no phase covers (metrics.breakdown; each phase timed on its own "
+        "clock reads; the chart chart_breakdown.png splits the step). Communication that DDP/FSDP overlap "
+        "with backward counts in backward"
+    )
 
 
 # column -> (measure in the record's ``repeats``, the cell's text of a value, the bracket's text of a value)
@@ -590,6 +683,7 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
 
 
 def _problems(rows: list[Row]) -> list[Row]:
+    """The rows of cells that did not complete."""
     return [r for r in rows if r.raw["status"] != "ok"]
 
 
@@ -606,46 +700,93 @@ HOW_TO_READ = (
     "CPU cores their extra communication usually costs time, on GPUs with fast links it buys memory."
 )
 
+WHAT_TO_USE = "What to use"
+AT_A_GLANCE = "Completed cells at a glance"
+NOT_COMPLETED = "Cells that did not complete"
+ALL_MEASUREMENTS = "All measurements"
+
 
 def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> str:
-    cols = columns_for(rows)
+    """report.md: the answer first (what to use, a compact table, one line per cell that did not complete), then
+    the setup, the full table with its footnotes, how to read it, and the charts."""
     lines = [f"# {report.title}", ""]
-    if report.description:
-        lines += [report.description, ""]
-    settings = _settings(report.records)
-    if settings:
-        lines += [f"**Trained:** {settings}", ""]
-    for m in _machines(report.records):
-        lines.append(f"- **Machine:** {m}")
-    if report.command:
-        lines += ["", f"**Command:** `{report.command}`"]
-    lines += ["", f"**Sources:** {', '.join(report.sources)}", ""]
-    lines.append("| " + " | ".join(h for _, h in cols) + " |")
-    lines.append("|" + "|".join("---" for _ in cols) + "|")
-    for r in rows:
-        lines.append("| " + " | ".join(r.text[k].replace("|", "\\|") for k, _ in cols) + " |")
-    lines.append("")
-    for i, t in enumerate(notes.texts):
-        mark = SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
-        lines.append(f"{mark} {t}  ")
-    probs = _problems(rows)
-    if probs:
-        lines += ["", "## Cells that did not complete", ""]
-        for r in probs:
-            log = (
-                f" (log: `{r.rec['log']}`)"
-                if r.rec.get("log") and r.raw["status"] not in ("skipped", NOT_RUN)
-                else ""
-            )
-            lines.append(
-                f"- **{r.raw['method']} {r.raw['precision']} x{r.raw['devices']}** - {r.raw['status']}: {r.raw['reason']}{log}"
-            )
-    lines += ["", "## How to read this table", "", HOW_TO_READ, ""]
+    lines += _markdown_advice(rows)
+    lines += _markdown_compact(rows)
+    lines += _markdown_problems(rows)
+    lines += _markdown_setup(report)
+    lines += _markdown_full_table(rows, notes)
+    lines += ["## How to read this table", "", HOW_TO_READ, ""]
     if charts:
         lines += ["## Charts", ""]
         for name, p in charts.items():
             lines += [f"![{name}]({p.name})", ""]
     return "\n".join(lines)
+
+
+def _markdown_advice(rows: list[Row]) -> list[str]:
+    """## What to use: one bullet per pick, under a bold machine line when the report holds several."""
+    lines = [f"## {WHAT_TO_USE}", ""]
+    for group in summary.advice(rows):
+        if group.machine:
+            lines += [f"**On {group.machine}:**", ""]
+        lines += [f"- **{line.label}:** " + (f"`{line.subject}` — " if line.subject else "") + line.detail
+                  for line in group.lines]  # fmt: skip
+        lines.append("")
+    return lines
+
+
+def _markdown_compact(rows: list[Row]) -> list[str]:
+    """The compact table of the completed cells (the picks of What to use in bold); nothing when none completed."""
+    table = summary.compact_table(rows)
+    if not table.rows:
+        return []
+    lines = [f"## {AT_A_GLANCE}", "", "| " + " | ".join(h for _, h in table.columns) + " |",
+             "|" + "|".join("---" for _ in table.columns) + "|"]  # fmt: skip
+    for cells in table.rows:
+        texts = [(f"**{c.text}**" if c.pick else c.text).replace("|", "\\|") for c in cells]
+        lines.append("| " + " | ".join(texts) + " |")
+    return [*lines, ""]
+
+
+def _markdown_problems(rows: list[Row]) -> list[str]:
+    """One bullet per cell that did not complete, with its status and reason."""
+    problems = summary.problems(rows)
+    if not problems:
+        return []
+    return [f"## {NOT_COMPLETED} ({len(problems)})", "", *(f"- {p.line}" for p in problems), ""]
+
+
+def _markdown_setup(report: Report) -> list[str]:
+    """What was trained, on which machines, by which command, from which folders."""
+    lines = ["## Setup", ""]
+    if report.description:
+        lines += [report.description, ""]
+    settings = _settings(report.records)
+    if settings:
+        lines += [f"**Trained:** {settings}", ""]
+    machines = _machines(report.records)
+    lines += [f"- **Machine:** {m}" for m in machines]
+    if machines:
+        lines.append("")
+    if report.command:
+        lines += [f"**Command:** `{report.command}`", ""]
+    return [*lines, f"**Sources:** {', '.join(report.sources)}", ""]
+
+
+def _markdown_full_table(rows: list[Row], notes: Footnotes) -> list[str]:
+    """Every column of every completed cell, with the footnotes its cells point to."""
+    ok = [r for r in rows if r.ok]
+    lines = [f"## {ALL_MEASUREMENTS}", ""]
+    if not ok:
+        return [*lines, "No cell ran to completion, so nothing was measured.", ""]
+    cols = columns_for(rows)
+    lines.append("| " + " | ".join(h for _, h in cols) + " |")
+    lines.append("|" + "|".join("---" for _ in cols) + "|")
+    for r in ok:
+        lines.append("| " + " | ".join(r.text[k].replace("|", "\\|") for k, _ in cols) + " |")
+    lines.append("")
+    lines += [f"{footnote_mark(i)} {t}  " for i, t in enumerate(notes.texts)]
+    return [*lines, ""]
 
 
 CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices", "world_size", "batch_device", "batch_global",
@@ -689,115 +830,67 @@ def write_csv(rows: list[Row], path: Path) -> None:
             ])  # fmt: skip
 
 
+TEMPLATE = "report.html.j2"
+"""The HTML page's jinja2 template, a package data file beside this module (templates/)."""
+
+
 def render_html(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> str:
-    """One self-contained page: the table, footnotes, notes and the charts embedded as base64 PNG."""
-    e = html.escape
+    """One self-contained page from templates/report.html.j2 (autoescaped): the same sections as report.md, the
+    full table folded in a <details> element, every table in its own horizontally scrolling box, the charts
+    embedded as base64 PNG."""
+    template = _html_environment().get_template(TEMPLATE)
+    return template.render(**_html_context(report, rows, notes, charts))
+
+
+@functools.cache
+def _html_environment() -> jinja2.Environment:
+    """Autoescaping everywhere (a reason or a path may hold <, &, quotes); an unknown name in the template is an
+    error, not an empty string."""
+    return jinja2.Environment(
+        loader=jinja2.PackageLoader("stratbench.compare", "templates"), autoescape=True,
+        undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+    )  # fmt: skip
+
+
+def _html_context(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> dict[str, Any]:
+    """Everything the template shows, as plain strings and lists (no markup: the template escapes all of it)."""
+    return {
+        "title": report.title,
+        "headings": {"what": WHAT_TO_USE, "glance": AT_A_GLANCE, "problems": NOT_COMPLETED, "all": ALL_MEASUREMENTS},
+        "advice": summary.advice(rows),
+        "compact": summary.compact_table(rows),
+        "problems": summary.problems(rows),
+        "description": report.description,
+        "settings": _settings(report.records),
+        "machines": _machines(report.records),
+        "command": report.command,
+        "full": _html_full_table(rows),
+        "footnotes": [f"{footnote_mark(i)} {t}" for i, t in enumerate(notes.texts)],
+        "how_to_read": HOW_TO_READ.replace("`", ""),  # markdown's code marks; plain words on the page
+        "charts": [{"name": name, "data": base64.b64encode(p.read_bytes()).decode()} for name, p in charts.items()],
+        "sources": ", ".join(report.sources),
+    }
+
+
+LEFT = {"machine", "method", "precision", "init"}
+
+
+def _html_full_table(rows: list[Row]) -> dict[str, Any]:
+    """The full table's header and completed rows: per cell its class, its sort value, its text and (compare
+    --repeats) the range shown below it."""
     cols = columns_for(rows)
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>{e(report.title)}</title>",
-        "<style>body{font-family:system-ui,sans-serif;margin:1.2em;color:#222}"
-        "table{border-collapse:collapse;font-size:12.5px}th,td{border:1px solid #ccc;padding:3px 6px;text-align:right}"
-        "th{background:#f2f2f2;position:sticky;top:0}td.l{text-align:left}tr.ok{}tr.skipped td{color:#777}"
-        "tr.failed td,tr.oom td,tr.timeout td,tr.nan td{background:#fff3f3}"
-        "img{max-width:100%;border:1px solid #eee;margin:1em 0}code{background:#f5f5f5;padding:1px 4px}"
-        "td{white-space:nowrap}td.reason{text-align:left;white-space:normal;min-width:14em;max-width:26em}th.l{text-align:left}.spread{color:#777;font-size:11px}"
-        "th{vertical-align:bottom}th.sortable{cursor:pointer;user-select:none}"
-        "th.sortable:after{content:' \\2195';color:#aaa;font-size:11px}"
-        "th.asc:after{content:' \\25B2';color:#333}th.desc:after{content:' \\25BC';color:#333}</style>",
-        "</head><body>",
-        f"<h1>{e(report.title)}</h1>",
-    ]
-    if report.description:
-        parts.append(f"<p>{e(report.description)}</p>")
-    settings = _settings(report.records)
-    if settings:
-        parts.append(f"<p><b>Trained:</b> {e(settings)}</p>")
-    parts.append(
-        "<ul>" + "".join(f"<li><b>Machine:</b> {e(m)}</li>" for m in _machines(report.records)) + "</ul>"
-    )
-    if report.command:
-        parts.append(f"<p><b>Command:</b> <code>{e(report.command)}</code></p>")
-    parts.append("<p style='font-size:12px;color:#666'>Click a column header to sort by it (again to reverse).</p>")
-    left = {"machine", "method", "precision", "init"}
-    parts.append("<table id='results'><thead><tr>"
-                 + "".join(f"<th class='sortable{' l' if k in left or k == 'status' else ''}' title='sort by {e(h)}'>"
-                           f"{e(h)}</th>" for k, h in cols)
-                 + "</tr></thead><tbody>")  # fmt: skip
-    for n, r in enumerate(rows):
-        cls = e(str(r.raw["status"]).replace(" ", "-"))
-        tds = []
+    heads = [{"text": h, "cls": "sortable l" if k in LEFT or k == "status" else "sortable"} for k, h in cols]
+    body = []
+    for n, r in enumerate(r for r in rows if r.ok):
+        cells = []
         for k, _ in cols:
-            kind = "reason" if k == "status" else "l" if k in left else ""
-            attr = f" class='{kind}'" if kind else ""
-            key = _sort_key(r, k)
-            if key is not None:
-                attr += f" data-v='{e(key)}'"
-            if f"{k}__spread" in r.text:  # compare --repeats: median, and the range below it
-                body = f"{e(r.text[k + '__main'])}<br><span class='spread'>{e(r.text[k + '__spread'])}</span>"
-            else:
-                body = e(r.text[k])
-            tds.append(f"<td{attr}>{body}</td>")
-        parts.append(f"<tr class='{cls}' data-i='{n}'>{''.join(tds)}</tr>")
-    parts.append("</tbody></table>")
-    parts.append(SORT_SCRIPT)
-    if notes.texts:
-        parts.append("<p style='font-size:13px'>" + "<br>".join(
-            f"{SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f'[{i + 1}]'} {e(t)}" for i, t in enumerate(notes.texts)) + "</p>")  # fmt: skip
-    probs = _problems(rows)
-    if probs:
-        parts.append("<h2>Cells that did not complete</h2><ul>")
-        for r in probs:
-            parts.append(f"<li><b>{e(str(r.raw['method']))} {e(str(r.raw['precision']))} x{r.raw['devices']}</b> - "
-                         f"{e(str(r.raw['status']))}: {e(r.raw['reason'])}</li>")  # fmt: skip
-        parts.append("</ul>")
-    parts.append(f"<h2>How to read this table</h2><p>{e(HOW_TO_READ)}</p>")
-    if charts:
-        parts.append("<h2>Charts</h2>")
-        for name, p in charts.items():
-            data = base64.b64encode(p.read_bytes()).decode()
-            parts.append(f"<div><img alt='{e(name)}' src='data:image/png;base64,{data}'></div>")
-    parts.append(
-        f"<p style='color:#888;font-size:12px'>sources: {e(', '.join(report.sources))}</p></body></html>"
-    )
-    return "\n".join(parts)
+            spread = f"{k}__spread" in r.text  # compare --repeats: the median, and the range below it
+            cells.append({"cls": "reason" if k == "status" else "l" if k in LEFT else "",
+                          "sort": _sort_key(r, k), "main": r.text[k + "__main"] if spread else r.text[k],
+                          "spread": r.text[k + "__spread"] if spread else ""})  # fmt: skip
+        body.append({"cls": str(r.raw["status"]).replace(" ", "-"), "index": n, "cells": cells})
+    return {"heads": heads, "rows": body}
 
-
-# Sorts #results by the clicked column: numbers (data-v) numerically, then text; cells without a value
-# (n/a, –) last in both directions; a second click reverses. Inline so the report stays one offline file.
-SORT_SCRIPT = """<script>
-(function () {
-  var table = document.getElementById('results');
-  if (!table) return;
-  var heads = table.tHead.rows[0].cells;
-  function key(td) {
-    var v = td.getAttribute('data-v');
-    if (v === null) return null;
-    var n = parseFloat(v);
-    return isNaN(n) ? v.toLowerCase() : n;
-  }
-  Array.prototype.forEach.call(heads, function (th, col) {
-    th.addEventListener('click', function () {
-      var asc = !th.classList.contains('asc');
-      Array.prototype.forEach.call(heads, function (h) { h.classList.remove('asc', 'desc'); });
-      th.classList.add(asc ? 'asc' : 'desc');
-      var body = table.tBodies[0];
-      var rows = Array.prototype.slice.call(body.rows);
-      rows.sort(function (a, b) {
-        var x = key(a.cells[col]), y = key(b.cells[col]);
-        if (x === null || y === null) {
-          if (x === y) return a.getAttribute('data-i') - b.getAttribute('data-i');
-          return x === null ? 1 : -1;
-        }
-        if (typeof x !== typeof y) { x = String(x); y = String(y); }
-        var c = x < y ? -1 : x > y ? 1 : a.getAttribute('data-i') - b.getAttribute('data-i');
-        return asc ? c : -c;
-      });
-      rows.forEach(function (r) { body.appendChild(r); });
-    });
-  });
-})();
-</script>"""
 
 SORT_RAW = {"peak_memory": "peak_memory", "gpu_util": "gpu_util", "epoch_time": "epoch_time", "train_time": "train_time",
             "throughput": "throughput", "speedup": "speedup", "alloc_peak": "alloc_peak", "predicted": "predicted", "mfu": "mfu", "comm": "comm", "not_compute": "not_compute",
@@ -808,8 +901,8 @@ SORT_RAW = {"peak_memory": "peak_memory", "gpu_util": "gpu_util", "epoch_time": 
 def _sort_key(row: Row, key: str) -> str | None:
     """The value a column sorts by: the raw number for measures, the text for names; None = no value."""
     if key in SORT_RAW:
-        v = row.raw.get(SORT_RAW[key])
-        return None if v is None else repr(float(v))
+        v = number(row.raw.get(SORT_RAW[key]))
+        return None if v is None else repr(v)
     text = row.text.get(key)
     return None if text in (None, DASH, "") else str(text)
 
