@@ -33,6 +33,7 @@ from torch import nn
 
 from stratbench.config import TrainConfig, from_dict
 from stratbench.errors import ConfigError
+from stratbench.precision import cpu_native_16bit
 
 GiB = 1024**3
 MiB = 1024**2
@@ -610,8 +611,11 @@ def micro_batch(cfg: TrainConfig, world_size: int) -> int:
     return split_batch(cfg.batch_size, world_size, cfg.grad_accum)
 
 
-def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Estimate:
-    """The per-device breakdown for one method, on its most loaded rank."""
+def estimate(
+    cfg: TrainConfig, world_size: int, device_type: str = "cuda", native_16bit: dict[str, bool] | None = None
+) -> Estimate:
+    """The per-device breakdown for one method, on its most loaded rank (``native_16bit``: see
+    ``cpu_library_bytes``)."""
     from stratbench.precision import SPECS
 
     if device_type not in OVERHEAD:
@@ -645,7 +649,7 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
             share = s.params / max(1, info.total * SPECS[cfg.precision].param_dtype.itemsize)
             step_temp = int(cpu_step_scratch(cfg) * min(1.0, share))
     linear = bool(info.linear_names) if s.runs_linear is None else s.runs_linear
-    library, library_note = cpu_library_bytes(cfg.precision, linear) if device_type == "cpu" else (0, "")
+    library, library_note = cpu_library_bytes(cfg.precision, linear, native_16bit) if device_type == "cpu" else (0, "")
     runtime = s.cpu_runtime if device_type == "cpu" else 0
     kernel = library + runtime
     peak_fwd_bwd += kernel
@@ -700,11 +704,14 @@ def estimate(cfg: TrainConfig, world_size: int, device_type: str = "cuda") -> Es
     )
 
 
-def cpu_library_bytes(precision: str, runs_linear: bool = True) -> tuple[int, str]:
+def cpu_library_bytes(
+    precision: str, runs_linear: bool = True, native_16bit: dict[str, bool] | None = None
+) -> tuple[int, str]:
     """Bytes the CPU math libraries keep across steps for ``precision`` on this CPU (``CPU_LIBRARY_BYTES``) and a
     note naming the kernel path. torch runs bf16/fp16 convolutions and matrix products in oneDNN only where the
     CPU supports them natively (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), in its own kernels otherwise;
-    ``runs_linear``: the process runs a matrix product (an nn.Linear)."""
+    ``runs_linear``: the process runs a matrix product (an nn.Linear); ``native_16bit``: {"bf16": ..., "fp16": ...}
+    of the CPU the run used (``native_16bit_of`` its environment), this CPU's when None."""
     from stratbench.precision import SPECS
 
     compute = SPECS[precision].compute_dtype
@@ -713,21 +720,25 @@ def cpu_library_bytes(precision: str, runs_linear: bool = True) -> tuple[int, st
     if compute.itemsize >= 4:
         return CPU_LIBRARY_BYTES["fp32"], "oneDNN/MKL scratch and primitive cache, measured constant"
     name = str(compute).removeprefix("torch.")
-    if not cpu_native_16bit(compute):
+    key = "bf16" if compute == torch.bfloat16 else "fp16"
+    native = cpu_native_16bit(compute) if native_16bit is None else bool(native_16bit.get(key))
+    if not native:
         return CPU_LIBRARY_BYTES["16-bit reference"], f"no native {name} on this CPU: torch's own kernels"
     extra = CPU_LIBRARY_BYTES["16-bit matmul"] if runs_linear else 0
     note = f"oneDNN {name}, native on this CPU" + (" (+ its matrix-product buffers)" if runs_linear else "")
     return CPU_LIBRARY_BYTES["fp32"] + extra, note + ", measured constant"
 
 
-def cpu_native_16bit(dtype: torch.dtype) -> bool:
-    """Whether torch runs ``dtype`` (bf16 or fp16) convolutions and matrix products in oneDNN on this CPU."""
-    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
-    try:
-        enabled = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-        return bool(enabled and getattr(torch.ops.mkldnn, check)())
-    except (AttributeError, RuntimeError):
-        return False
+def native_16bit_of(environment: dict | None) -> dict[str, bool] | None:
+    """Whether the CPU a run's ``environment`` describes ran bf16/fp16 in oneDNN (written by the run since
+    2026-11-24; for older records, torch's rule: bf16 where its CPU capability is AVX512, fp16 never); None
+    when the environment says nothing (then the estimate asks this CPU)."""
+    env = environment or {}
+    if isinstance(env.get("cpu_native_16bit"), dict):
+        return {k: bool(v) for k, v in env["cpu_native_16bit"].items()}
+    if env.get("cpu_capability"):
+        return {"bf16": env["cpu_capability"] == "AVX512", "fp16": False}
+    return None
 
 
 def _device_type(cfg: TrainConfig) -> str:
@@ -736,12 +747,16 @@ def _device_type(cfg: TrainConfig) -> str:
     return cfg.device
 
 
-def predict_peak_bytes(config: dict, world_size: int, device_type: str | None = None) -> int | None:
-    """Predicted allocator peak per device for a run's config (``result["config"]``); None when the config
-    cannot be estimated (an unknown strategy, a model that cannot be built on fake tensors)."""
+def predict_peak_bytes(
+    config: dict, world_size: int, device_type: str | None = None, environment: dict | None = None
+) -> int | None:
+    """Predicted allocator peak per device for a run's config (``result["config"]``) on the CPU its
+    ``environment`` names (a report re-rendered on another machine gives the same numbers); None when the
+    config cannot be estimated (an unknown strategy, a model that cannot be built on fake tensors)."""
     try:
         cfg = from_dict(TrainConfig, dict(config))
-        return estimate(cfg, world_size, device_type or _device_type(cfg)).peak_bytes
+        native = native_16bit_of(environment)
+        return estimate(cfg, world_size, device_type or _device_type(cfg), native_16bit=native).peak_bytes
     except Exception:  # an estimate must never break the report it sits in
         return None
 

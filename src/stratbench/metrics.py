@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench.precision import cpu_native_16bit
+
 # Dense peak FLOP/s per device (no sparsity) come from the hardware profiles (src/stratbench/hardware.yaml: one
 # source of truth with the projection, every figure cited there). Each GPU entry's regular expression is searched
 # in torch.cuda.get_device_name(), so that "NVIDIA L40" does not take the L4's figures, "RTX A1000" not the
@@ -298,6 +300,8 @@ def environment(world_size: int, device: torch.device) -> dict[str, Any]:
         "isa_caps": {
             k: os.environ[k] for k in ("ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS") if k in os.environ
         },
+        # Whether bf16/fp16 ran in oneDNN on this CPU: the memory estimate of a re-rendered report depends on it.
+        "cpu_native_16bit": {"bf16": cpu_native_16bit(torch.bfloat16), "fp16": cpu_native_16bit(torch.float16)},
         "world_size": world_size,
         "device_type": device.type,
         "packages": {

@@ -223,12 +223,25 @@ class ParityRow:
     shape: tuple[int, ...]
     max_abs_diff: float
     same_argmax: float  # fraction of samples whose top class agrees
+    scale: float = 1.0
+    """max(1, largest |logit| of PyTorch's): the tolerance scales with it, as float rounding does."""
+
+    def ok(self, atol: float) -> bool:
+        return self.max_abs_diff <= allowed_diff(atol, self.scale)
+
+
+def allowed_diff(atol: float, scale: float) -> float:
+    """The largest logit difference ``atol`` allows at logits up to ``scale`` in magnitude: float32 rounds
+    relative to the size of a value, so an untrained or sharply trained model with logits of ~100 differs
+    100x more than one with logits of ~1 (``atol`` is the bound at unit scale)."""
+    return atol * max(1.0, scale)
 
 
 def parity(
     model: nn.Module, session: OrtModel, inputs: Sequence[tuple[str, torch.Tensor]]
 ) -> list[ParityRow]:
-    """Max abs difference of logits between PyTorch fp32 (CPU) and onnxruntime on each named input batch."""
+    """Max abs difference of logits between PyTorch fp32 (CPU) and onnxruntime on each named input batch, and the
+    logits' scale that the tolerance is relative to."""
     model = model.cpu().eval()
     rows = []
     with torch.inference_mode():
@@ -237,7 +250,8 @@ def parity(
             got = torch.from_numpy(session.run(x.numpy()))
             diff = (ref - got).abs().max().item() if ref.numel() else 0.0
             agree = (ref.argmax(1) == got.argmax(1)).double().mean().item()
-            rows.append(ParityRow(name, tuple(x.shape), diff, agree))
+            scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
+            rows.append(ParityRow(name, tuple(x.shape), diff, agree, scale))
     return rows
 
 

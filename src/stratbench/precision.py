@@ -170,3 +170,13 @@ def configure_tf32(enabled: bool, device: torch.device) -> None:
             )
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
+
+
+def cpu_native_16bit(dtype: torch.dtype) -> bool:
+    """Whether torch runs ``dtype`` (bf16 or fp16) convolutions and matrix products in oneDNN on this CPU."""
+    check = "_is_mkldnn_bf16_supported" if dtype == torch.bfloat16 else "_is_mkldnn_fp16_supported"
+    try:
+        enabled = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
+        return bool(enabled and getattr(torch.ops.mkldnn, check)())
+    except (AttributeError, RuntimeError):
+        return False

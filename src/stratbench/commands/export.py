@@ -33,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--atol", type=float, default=None,
-        help=f"largest allowed max abs difference of logits vs PyTorch (default {FP32_ATOL:g}, {FP16_ATOL:g} with --fp16)",
+        help=f"largest allowed max abs difference of logits vs PyTorch, per unit of the largest |logit| when that "
+        f"exceeds 1 (default {FP32_ATOL:g}, {FP16_ATOL:g} with --fp16)",
     )  # fmt: skip
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     parser.add_argument(
@@ -106,7 +107,7 @@ def _run(args: argparse.Namespace) -> int:
     from stratbench.dist import resolve_device
     from stratbench.errors import ConfigError
     from stratbench.inference import load_model
-    from stratbench.onnx_export import OrtModel, ParityError, export_onnx, parity, random_inputs
+    from stratbench.onnx_export import OrtModel, ParityError, allowed_diff, export_onnx, parity, random_inputs
     from stratbench.report_table import fmt_bytes
 
     atol = args.atol if args.atol is not None else (FP16_ATOL if args.fp16 else FP32_ATOL)
@@ -140,24 +141,26 @@ def _run(args: argparse.Namespace) -> int:
     real, notes = _real_inputs(loaded, args.real_samples, args.images)
     rows = parity(loaded.model, session, random_inputs(int(loaded.meta["image_size"])) + real)
     table = Table(title=f"parity: onnxruntime ({', '.join(session.providers)}) vs PyTorch fp32 (CPU)")
-    for col in ("input", "shape", "max abs diff", "same top-1", f"<= {atol:g}"):
+    for col in ("input", "shape", "max |logit|", "max abs diff", "same top-1", f"<= {atol:g} x max(1, |logit|)"):
         table.add_column(col)
     for r in rows:
         table.add_row(
             r.name,
             "x".join(map(str, r.shape)),
+            f"{r.scale:.3g}",
             f"{r.max_abs_diff:.3g}",
             f"{r.same_argmax:.1%}",
-            "yes" if r.max_abs_diff <= atol else "NO",
+            "yes" if r.ok(atol) else "NO",
         )
     Console().print(table)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    worst = max(r.max_abs_diff for r in rows)
-    print(f"max abs diff {worst:.3g} (tolerance {atol:g})")
-    if worst > atol:
+    worst = max(rows, key=lambda r: r.max_abs_diff / allowed_diff(atol, r.scale))
+    print(f"max abs diff {worst.max_abs_diff:.3g} (tolerance {atol:g} x max(1, |logit| {worst.scale:.3g}))")
+    if not worst.ok(atol):
         raise ParityError(
-            f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({result.path} kept for inspection)"
+            f"parity check failed: max abs diff {worst.max_abs_diff:.3g} > {allowed_diff(atol, worst.scale):.3g} "
+            f"(--atol {atol:g} x largest |logit| {worst.scale:.3g}) ({result.path} kept for inspection)"
         )
     return 0
 
@@ -183,7 +186,7 @@ def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
     import torch
 
     from stratbench.inference import build_from_meta, load_model
-    from stratbench.onnx_export import ParityError, random_inputs
+    from stratbench.onnx_export import ParityError, allowed_diff, random_inputs
     from stratbench.report_table import fmt_bytes
 
     loaded = load_model(args.checkpoint, "cpu")
@@ -217,12 +220,15 @@ def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
         reread = torch.load(out, map_location="cpu", weights_only=True)
     fresh = build_from_meta(loaded.meta).eval()
     fresh.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in reread.items()}, strict=True)
-    worst = 0.0
+    worst, scale = 0.0, 1.0
     with torch.no_grad():
         for _, x in random_inputs(int(loaded.meta["image_size"])):
-            worst = max(worst, (fresh(x) - loaded.model(x)).abs().max().item())
+            ref = loaded.model(x)
+            worst, scale = max(worst, (fresh(x) - ref).abs().max().item()), max(scale, ref.abs().max().item())
     print(f"reloaded with plain {'safetensors' if fmt == 'safetensors' else 'torch.load'} into a fresh "
-          f"{loaded.meta['model']}: max abs diff of logits {worst:.3g} (tolerance {atol:g})")  # fmt: skip
-    if worst > atol:
-        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > tolerance {atol:g} ({out} kept)")
+          f"{loaded.meta['model']}: max abs diff of logits {worst:.3g} (tolerance {atol:g} x max(1, |logit| "
+          f"{scale:.3g}))")  # fmt: skip
+    if worst > allowed_diff(atol, scale):
+        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > {allowed_diff(atol, scale):.3g} "
+                          f"(--atol {atol:g} x largest |logit| {scale:.3g}) ({out} kept)")  # fmt: skip
     return 0

@@ -145,8 +145,9 @@ def _predict(rec: dict[str, Any]) -> int | None:
     config = dict(rec.get("config") or {})
     if not config:
         return None
-    device_type = "cuda" if (rec.get("environment") or {}).get("device_type") == "cuda" else "cpu"
-    return predict_peak_bytes(config, int(rec.get("world_size") or 1), device_type=device_type)
+    environment = rec.get("environment") if isinstance(rec.get("environment"), dict) else {}
+    device_type = "cuda" if environment.get("device_type") == "cuda" else "cpu"
+    return predict_peak_bytes(config, int(rec.get("world_size") or 1), device_type, environment)
 
 
 # What the report computes with, by the type it expects: a record holding another type there (a string for a
