@@ -53,6 +53,7 @@ from stratbench.models import (
     load_weights,
 )
 from stratbench.precision import SPECS, Precision, configure_tf32, supported_on
+from stratbench.progress import progress_bar
 from stratbench.sinks import Sink, build_sinks
 from stratbench.strategies.base import Strategy, get_strategy
 from stratbench.train_state import TrainState
@@ -241,13 +242,12 @@ class Trainer:
             with metrics.train_phase():
                 while progress.batch_in_epoch < run.steps_per_epoch and progress.step < run.run_steps:
                     dt = self._step(run, batches, metrics)
-                    if bar is not None:
-                        bar.update(1)
-                        bar.set_postfix(
-                            epoch=progress.epoch,
-                            loss=f"{metrics.losses[-1]:.4f}",
-                            samples_s=f"{cfg.batch_size / dt:.0f}",
-                        )
+                    bar.set_postfix(  # before update: a plain progress line shows this step's loss
+                        {"epoch": progress.epoch, "loss": f"{metrics.losses[-1]:.4f}",
+                         "samples/s": f"{cfg.batch_size / dt:.0f}"},
+                        refresh=False,
+                    )  # fmt: skip
+                    bar.update(1)
                     if (
                         cfg.save_every_steps
                         and progress.step % cfg.save_every_steps == 0
@@ -262,8 +262,7 @@ class Trainer:
                 self._evaluate_and_log(run, metrics, epoch_done, bar)
             if (cfg.save_every_epoch and epoch_done) or last:
                 self._save(run)
-        if bar is not None:
-            bar.close()
+        bar.close()
         metrics.record_state_bytes(run.model, run.optimizer)
         summary, sharding = metrics.summary(run.flops)
         self.result["metrics"].update(summary)
@@ -393,7 +392,7 @@ class Trainer:
         metrics.log_eval(progress.step, ev)
         if self.env.is_main:
             line = f"epoch {ev['epoch']:.2f}: val_loss {ev['val_loss']:.4f}  val_accuracy {ev['val_accuracy']:.4f}"
-            bar.write(line) if bar is not None else print(line, flush=True)
+            bar.write(line)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, bundle: DataBundle) -> dict[str, float]:
@@ -473,20 +472,6 @@ class Trainer:
 
 
 def _progress(cfg: TrainConfig, env: DistEnv, total: int, initial: int):
-    if not (cfg.progress and env.is_main):
-        return None
-    import sys
-
-    from tqdm.auto import tqdm
-
-    # On a terminal: live updates. In a log file (CI, compare's per-cell logs): a line every 10 s at most.
-    interval = 0.1 if sys.stderr.isatty() else 10.0
-    return tqdm(
-        total=total,
-        initial=initial,
-        desc=f"{cfg.strategy}/{cfg.precision}",
-        unit="step",
-        dynamic_ncols=True,
-        mininterval=interval,
-        maxinterval=max(10.0, interval),
-    )
+    """Rank 0's progress display (stratbench.progress): tqdm on a terminal, a plain line every 10 s or 10% of
+    the steps on a file or a pipe (a CI log, compare's per-cell logs), nothing elsewhere or with --progress false."""
+    return progress_bar(cfg.progress and env.is_main, total, initial, f"{cfg.strategy}/{cfg.precision}")

@@ -92,11 +92,10 @@ def run(args: argparse.Namespace) -> int:
         return 0 if result.plan else 1
     from stratbench.report_table import table_console
 
-    console = table_console()  # piped: wide enough for whole method names
+    console = table_console()  # the terminal's width; piped: COLUMNS or 120
     console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
                   f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
-    for line in result.reasons:
-        console.print(f"  - {line}")
+    bullets(console, result.reasons)
     if result.plan is None:
         console.print("[red]no method fits[/]")
         return 1
@@ -105,9 +104,20 @@ def run(args: argparse.Namespace) -> int:
         f"({'bf16 needs no loss scaling' if precision.startswith('bf16') else 'fp16 with dynamic loss scaling'}), "
         f"estimated {fmt_bytes(result.estimate.total_bytes)} per device"
     )
-    console.print(f"next:  {result.train_command}")
-    console.print(f"then:  {result.compare_command}")
+    # one line each, however long (the terminal wraps them): a command to copy must not be cut by a newline
+    console.print(f"next:  {result.train_command}", soft_wrap=True, highlight=False)
+    console.print(f"then:  {result.compare_command}", soft_wrap=True, highlight=False)
     return 0
+
+
+def bullets(console, lines: list[str]) -> None:
+    """A bulleted list whose long items wrap under their own text (a hanging indent), not under the bullet."""
+    import textwrap
+
+    for line in lines:
+        text = textwrap.fill(line, max(20, console.width), initial_indent="  - ", subsequent_indent="    ",
+                             break_long_words=False, break_on_hyphens=False)  # flags and names whole
+        console.print(text, soft_wrap=True, markup=False)
 
 
 def check_devices_and_batch(devices: int, batch_size: int) -> None:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from stratbench.report_table import fit_table, fmt_bytes, name_cell, name_column, note_width, text_column
+
 NAME = "estimate"
 HELP = (
     "predict memory per device (parameters, gradients, optimizer, activations) for a method, before training"
@@ -48,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device-memory", help="memory of one device, e.g. 80GiB (default: detected GPU)")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
+    parser.add_argument(
+        "--wide", action="store_true", help="every column (each memory component), wider than the terminal"
+    )
     add_time_arguments(parser)
     from stratbench.commands.train import add_strategy_option_arguments
 
@@ -176,13 +181,11 @@ def detected_device_memory() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.table import Table
-
     from stratbench import estimate as est
     from stratbench.errors import ConfigError
-    from stratbench.report_table import fmt_bytes, table_console
+    from stratbench.report_table import table_console
 
-    console = table_console()  # piped: wide enough for whole method names
+    console = table_console(wide=args.wide)  # the terminal's width (piped: COLUMNS or 120); --wide: 220+
     from stratbench.strategies.base import all_strategies, get_strategy
 
     names = sorted(all_strategies()) if args.strategy == "all" else [get_strategy(args.strategy).name]
@@ -223,97 +226,109 @@ def run(args: argparse.Namespace) -> int:
     if system is not None:
         print_time_table(console, results, system, args, calibration, device_memory, title)
         return 0
-    if len(results) == 1 and not args.max_batch:
+    print_memory_table(console, results, args, device_memory, title)
+    return 0
+
+
+def print_memory_table(console, results: list[dict], args: argparse.Namespace, device_memory: int | None,
+                       title: str) -> None:  # fmt: skip
+    """One method: its components, and whether it fits. Several (or --max-batch): one row per method, the
+    columns that fit the console (all with --wide), then what --wide would add."""
+    if len(results) == 1 and not args.max_batch and results[0]["estimate"] is not None:
         e = results[0]["estimate"]
-        table = Table(title=f"memory per device: {e['strategy']} ({title}, micro-batch {e['micro_batch']})")
-        for col in ("component", "on device", "on host", "note"):
-            table.add_column(col, justify="right" if col.startswith("on") else "left")
-        for row in e["rows"]:
-            table.add_row(
-                row["component"],
-                fmt_bytes(row["device_bytes"]),
-                fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-",
-                row["note"],
-            )
-        table.add_section()
-        table.add_row(
-            "peak, forward/backward",
-            fmt_bytes(e["peak_fwd_bwd"]),
-            "",
-            "resident states + gathered + traced working peak",
-        )
-        table.add_row(
-            "peak, optimizer step",
-            fmt_bytes(e["peak_step"]),
-            "",
-            "resident states + gradients + step scratch",
-        )
-        table.add_row(
-            "predicted peak allocated",
-            fmt_bytes(e["peak_bytes"]),
-            "",
-            "compare with torch.cuda.max_memory_allocated",
-        )
-        table.add_row(
-            "per-process overhead",
-            fmt_bytes(e["overhead_bytes"]),
-            "",
-            f"{args.device_type} context + allocator slack",
-        )
-        table.add_row(
-            "[bold]total per device",
-            f"[bold]{fmt_bytes(e['total_bytes'])}",
-            fmt_bytes(e["host_bytes"]) if e["host_bytes"] else "-",
-            "what must fit",
-        )
-        console.print(table)
+        console.print(component_table(e, f"{title}, micro-batch {e['micro_batch']}", args.device_type))
         if device_memory:
             fits = "fits" if e["total_bytes"] <= device_memory else "does NOT fit"
             console.print(f"{fits} in {fmt_bytes(device_memory)} per device")
-        return 0
-    table = Table(
-        title=(
-            "largest global batch that fits " + fmt_bytes(device_memory) + ": "
-            if args.max_batch
-            else "memory per device: "
-        )
-        + title
-    )
-    cols = [
-        "method",
-        "params",
-        "grads",
-        "optimizer",
-        "master",
-        "buckets",
-        "gathered",
-        "fwd/bwd working",
-        "peak allocated",
-        "total per device",
-    ]
-    if args.max_batch:
-        cols.insert(1, "max global batch")
+        return
+
+    def build(drop: tuple[str, ...]):
+        return memory_table(results, title, device_memory, args.max_batch, args.world_size, args.wide, drop)
+
+    table, dropped = fit_table(console, build, MEMORY_DROP)
+    console.print(table)
+    if not args.wide:
+        more = ", ".join([*dropped, "master weights, buckets, gathered, working peak"])
+        console.print(f"--wide also shows: {more}", highlight=False)
+
+
+def component_table(e: dict, title: str, device_type: str):
+    """One method's memory per device, component by component, then its peaks, overhead and total."""
+    from rich.table import Table
+
+    table = Table(title=f"memory per device: {e['strategy']} ({title})")
+    for col in ("component", "on device", "on host", "note"):
+        text_column(table, col, justify="right" if col.startswith("on") else "left")
+    for row in e["rows"]:
+        host = fmt_bytes(row["host_bytes"]) if row["host_bytes"] else "-"
+        table.add_row(row["component"], fmt_bytes(row["device_bytes"]), host, row["note"])
+    table.add_section()
+    for label, key, note in (
+        ("peak, forward/backward", "peak_fwd_bwd", "resident states + gathered + traced working peak"),
+        ("peak, optimizer step", "peak_step", "resident states + gradients + step scratch"),
+        ("predicted peak allocated", "peak_bytes", "compare with torch.cuda.max_memory_allocated"),
+        ("per-process overhead", "overhead_bytes", f"{device_type} context + allocator slack"),
+    ):
+        table.add_row(label, fmt_bytes(e[key]), "", note)
+    host = fmt_bytes(e["host_bytes"]) if e["host_bytes"] else "-"
+    table.add_row("[bold]total per device", f"[bold]{fmt_bytes(e['total_bytes'])}", host, "what must fit")
+    return table
+
+
+MEMORY_COMPONENTS = {
+    "params": "parameters", "grads": "gradients", "optimizer": "optimizer states", "master": "fp32 master weights",
+    "buckets": "gradient buckets", "gathered": "gathered parameters", "fwd/bwd working": "forward/backward working peak",
+}  # fmt: skip
+"""Memory table column -> the estimate's component row it shows."""
+MEMORY_COMPACT = ("params", "grads", "optimizer")
+"""The components the compact memory table keeps: what sharding (ZeRO 1-3, FSDP) divides; --wide shows all."""
+MEMORY_DROP = ("peak allocated", "grads", "params", "optimizer")
+"""The compact memory table's columns a narrow terminal drops, first first (total per device and fits stay)."""
+NO_BATCH_FITS = "even one sample per device does not fit"
+
+
+def memory_table(results: list[dict], title: str, device_memory: int | None, max_batch: bool, world: int,
+                 wide: bool, drop: tuple[str, ...] = ()):  # fmt: skip
+    """One row per method: memory per device by component (the compact set unless ``wide``), peak, total, and
+    whether it fits ``device_memory`` (when known); with ``max_batch``, the largest global batch that fits;
+    without the columns in ``drop``. A method's world size is shown where it is not ``world`` (the title's); a
+    row without an estimate is the method's name with "n/a: why" under it, in one cell."""
+    from rich.table import Table
+
+    fitting = f"largest global batch that fits {fmt_bytes(device_memory)}"
+    table = Table(title=f"{fitting if max_batch else 'memory per device'}: {title}")
+    cols = [*(["max global batch"] if max_batch else []), *(MEMORY_COMPONENTS if wide else MEMORY_COMPACT),
+            "peak allocated", "total per device", *(["fits"] if device_memory and not max_batch else [])]  # fmt: skip
+    cols = [col for col in cols if col not in drop]
+    name_column(table, "method")
     for col in cols:
-        table.add_column(col, justify="left" if col == "method" else "right", no_wrap=col == "method")
+        text_column(table, col, justify="right")
+    width = note_width([_label(res, world) for res in results])
     for res in results:
         e = res["estimate"]
         if e is None:
-            why = (
-                f"n/a: {res['na']}" if res.get("na")
-                else "no memory model" if res.get("no_model") else "0 (even one sample per device does not fit)"
-            )
-            table.add_row(res["strategy"], why, *[""] * (len(cols) - 2))
+            why = res.get("na") or res.get("no_model")
+            none_fits = max_batch and not why  # --max-batch solved it: the answer is 0
+            cells = ["0" if none_fits and col == "max global batch" else "" for col in cols]
+            note = NO_BATCH_FITS if none_fits else f"n/a: {why or 'no estimate'}"
+            table.add_row(name_cell(_label(res, world), note, width), *cells)
             continue
         byname = {r["component"]: r["device_bytes"] for r in e["rows"]}
-        cells = [
-            fmt_bytes(byname["parameters"]), fmt_bytes(byname["gradients"]), fmt_bytes(byname["optimizer states"]),
-            fmt_bytes(byname["fp32 master weights"]), fmt_bytes(byname["gradient buckets"]), fmt_bytes(byname["gathered parameters"]),
-            fmt_bytes(byname["forward/backward working peak"]), fmt_bytes(e["peak_bytes"]), fmt_bytes(e["total_bytes"]),
-        ]  # fmt: skip
-        label = f"{res['strategy']} (x{e['world_size']})"
-        table.add_row(label, *([str(res["max_global_batch"])] if args.max_batch else []), *cells)
-    console.print(table)
-    return 0
+        cells = {col: fmt_bytes(byname[component]) for col, component in MEMORY_COMPONENTS.items()}
+        cells.update({"max global batch": str(res.get("max_global_batch")), "peak allocated": fmt_bytes(e["peak_bytes"]),
+                      "total per device": fmt_bytes(e["total_bytes"]),
+                      "fits": "yes" if device_memory and e["total_bytes"] <= device_memory else "NO"})  # fmt: skip
+        table.add_row(_label(res, world), *[cells[col] for col in cols])
+    return table
+
+
+def _label(res: dict, world: int) -> str:
+    """A row's method: its name, and its world size where that is not ``world`` (the title's), e.g. "single
+    (x1)" in a table for 4 devices."""
+    own = (res.get("projection") or {}).get("world") or (res.get("estimate") or {}).get("world_size")
+    options = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sorted((res.get("options") or {}).items()))
+    parts = [*([f"x{own}"] if own and own != world else []), *([options] if options else [])]
+    return f"{res['strategy']} ({'; '.join(parts)})" if parts else res["strategy"]
 
 
 def _row(args: argparse.Namespace, name: str, system, calibration, device_memory) -> dict:
@@ -380,46 +395,71 @@ def fmt_seconds(s: float | None) -> str:
     return f"{s * 1e6:.3g} us"
 
 
+TIME_COLUMNS = ("step", "samples/s", "speed-up", "scaling eff.", "compute", "comm (exposed)", "optimizer", "offload",
+                "dominant", "memory/device", "fits")  # fmt: skip
+TIME_COMPACT = ("step", "samples/s", "scaling eff.", "dominant", "memory/device", "fits")
+"""The columns of the compact --time table; --wide shows TIME_COLUMNS."""
+TIME_WIDE_ONLY = ("speed-up", "compute, communication, optimizer and offload time")
+TIME_DROP = ("dominant", "scaling eff.", "memory/device")
+"""The compact --time table's columns a narrow terminal drops, first first."""
+
+
 def print_time_table(console, results, system, args, calibration, device_memory, title) -> None:
-    """One row per method: projected step time and its parts, throughput, scaling, memory and whether it fits."""
-    from rich.table import Table
-
-    from stratbench.report_table import fmt_bytes
-
+    """The --time table, then where its compute efficiency and overlap come from and what its columns mean."""
     gpu = system.gpu
-    table = Table(
-        title=f"projected on {args.nodes} x {args.gpus_per_node} {gpu.name} ({system.key}; "
-        f"intra {system.intra_node.key}, inter {system.inter_node.key if system.inter_node else '-'}): {title}"
-    )
-    cols = ["method", "step", "samples/s", "speed-up", "scaling eff.", "compute", "comm (exposed)", "optimizer",
-            "offload", "dominant", "memory/device", "fits"]  # fmt: skip
-    for col in cols:
-        table.add_column(col, justify="left" if col in ("method", "dominant") else "right", no_wrap=col == "method")
-    for res in results:
-        if res.get("na"):
-            table.add_row(res["strategy"], "n/a", res["na"], *[""] * (len(cols) - 3))
-            continue
-        p, e = res["projection"], res.get("estimate")
-        mem = e["total_bytes"] if e else None
-        fits = "-" if mem is None or not device_memory else ("yes" if mem <= device_memory else "NO")
-        label = f"{res['strategy']} (x{p['world']})"
-        if p["status"] != "ok":
-            table.add_row(label, p["status"], p["reason"], *[""] * 8, fits)
-            continue
-        table.add_row(
-            label, fmt_seconds(p["step_s"]), f"{p['throughput']:,.0f}",
-            f"{p['speedup_vs_single']:.2f}x" if p.get("speedup_vs_single") else "-",
-            f"{p['scaling_efficiency']:.0%}" if p["scaling_efficiency"] is not None else "-",
-            fmt_seconds(p["compute_s"]), f"{fmt_seconds(p['comm_s'])} ({fmt_seconds(p['comm_exposed_s'])})",
-            fmt_seconds(p["optimizer_s"]), fmt_seconds(p["offload_s"]) if p["offload_s"] else "-", p["dominant"],
-            fmt_bytes(mem) if mem is not None else "no memory model", fits,
-        )  # fmt: skip
+
+    def build(drop: tuple[str, ...]):
+        return time_table(results, system, args, device_memory, title, args.wide, drop)
+
+    table, dropped = fit_table(console, build, TIME_DROP)
     console.print(table)
-    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results if (p.get("projection") or {}).get("efficiency")})
+    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results
+                   if (p.get("projection") or {}).get("efficiency")})  # fmt: skip
     for eff, src in effs:
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {src}")
     console.print(
         f"overlap of forward/backward communication with compute: {system.overlap:.0%} ({system.overlap_source}); "
         "scaling eff. = throughput / (devices x one device at the same per-device batch); "
         "speed-up = vs single at the same global batch"
+        + ("" if args.wide else f"; --wide also shows: {', '.join([*dropped, *TIME_WIDE_ONLY])}")
     )
+
+
+def time_table(results: list[dict], system, args: argparse.Namespace, device_memory: int | None, title: str,
+               wide: bool, drop: tuple[str, ...] = ()):  # fmt: skip
+    """One row per method: projected step time (and with ``wide`` its parts), throughput, scaling, memory per
+    device and whether it fits, without the columns in ``drop``. A method without a projection is its name with
+    "n/a: why" under it, in one cell."""
+    from rich.table import Table
+
+    inter = system.inter_node.key if system.inter_node else "-"
+    table = Table(title=f"projected on {args.nodes} x {args.gpus_per_node} {system.gpu.name} ({system.key}; "
+                        f"intra {system.intra_node.key}, inter {inter}): {title}")  # fmt: skip
+    cols = [col for col in (TIME_COLUMNS if wide else TIME_COMPACT) if col not in drop]
+    name_column(table, "method")
+    for col in cols:
+        text_column(table, col, justify="left" if col == "dominant" else "right")
+    world = args.world_size
+    width = note_width([_label(res, world) for res in results])
+    for res in results:
+        p, e = res.get("projection") or {}, res.get("estimate")
+        mem = e["total_bytes"] if e else None
+        fits = "-" if mem is None or not device_memory else ("yes" if mem <= device_memory else "NO")
+        memory = fmt_bytes(mem) if mem is not None else "no memory model"
+        if p.get("status") != "ok":
+            why = p.get("reason") or res.get("na") or p.get("status") or "no projection"
+            kept = {"memory/device": memory, "fits": fits}  # the memory is known without a projection
+            cell = name_cell(_label(res, world), f"n/a: {why}", width)
+            table.add_row(cell, *[kept.get(col, "") for col in cols])
+            continue
+        cells = {
+            "step": fmt_seconds(p["step_s"]), "samples/s": f"{p['throughput']:,.0f}",
+            "speed-up": f"{p['speedup_vs_single']:.2f}x" if p.get("speedup_vs_single") else "-",
+            "scaling eff.": f"{p['scaling_efficiency']:.0%}" if p["scaling_efficiency"] is not None else "-",
+            "compute": fmt_seconds(p["compute_s"]),
+            "comm (exposed)": f"{fmt_seconds(p['comm_s'])} ({fmt_seconds(p['comm_exposed_s'])})",
+            "optimizer": fmt_seconds(p["optimizer_s"]), "offload": fmt_seconds(p["offload_s"]) if p["offload_s"] else "-",
+            "dominant": p["dominant"], "memory/device": memory, "fits": fits,
+        }  # fmt: skip
+        table.add_row(_label(res, world), *[cells[col] for col in cols])
+    return table
