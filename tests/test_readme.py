@@ -59,7 +59,7 @@ def test_continuation_and_comments():
             "```",
         ]
     )
-    assert tour_commands(readme) == ["stratbench train --a 1", "stratbench estimate --b 2 --c '#3'"]
+    assert tour_commands(readme, ("## Quick tour",)) == ["stratbench train --a 1", "stratbench estimate --b 2 --c '#3'"]
 
 
 @pytest.mark.parametrize("command", TOUR, ids=[f"{i + 1}" for i in range(len(TOUR))])
