@@ -360,3 +360,17 @@ def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
     # a rank stepping half of every parameter (FSDP2 on 2 ranks) has half the scratch
     half = estimate(wide_mlp.replace(weight_decay=1e-4, strategy="fsdp"), 2, "cpu")
     assert _rows(half)["optimizer step scratch"] == pytest.approx(sgd / 2, rel=0.01)
+
+
+def test_a_report_predicts_with_the_cpu_its_cells_ran_on():
+    """The predicted peak of a bf16 CPU cell depends on whether oneDNN ran bf16 natively: it is read from the
+    record's environment (an AVX-512 sweep re-rendered on an AVX2 machine predicted 1.75-3 MiB less before)."""
+    from stratbench.estimate import native_16bit_of, predict_peak_bytes
+
+    config = {"model": "tinynet", "width": 8, "data": "digits", "batch_size": 64, "precision": "bf16-mixed"}
+    native = predict_peak_bytes(config, 1, "cpu", {"cpu_native_16bit": {"bf16": True, "fp16": False}})
+    reference = predict_peak_bytes(config, 1, "cpu", {"cpu_native_16bit": {"bf16": False, "fp16": False}})
+    assert native != reference
+    assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX512"}) == native  # an older record
+    assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX2"}) == reference
+    assert native_16bit_of({}) is None
