@@ -37,10 +37,11 @@ BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epo
 
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> dict:
-    """single fp32 + single bf16-mixed + a cell whose weights file is garbage (fails at run time, in the cell)."""
+    """single fp32 + single bf16-mixed + a cell whose weights file fits no tensor of the model (a readable
+    weights-only file, so it passes the checks before any work and fails at run time, in the cell)."""
     root = tmp_path_factory.mktemp("compare")
     bad = root / "bad_weights.pt"
-    bad.write_bytes(b"this is not a state dict")
+    torch.save({"not.a.layer": torch.ones(3)}, bad)
     matrix = {
         "name": "three",
         "base": BASE,
@@ -71,13 +72,13 @@ def test_sweep_records_failed_cell_and_completes_others(sweep):
         assert "CPU" in r["machine"]["device"] or "x " in r["machine"]["device"], r["machine"]["device"]
     badrec = by_label[("single-badweights", "fp32")]
     assert badrec["status"] == "failed"
-    assert "not a readable PyTorch state dict" in badrec["reason"]
+    assert "has no tensor that fits this model" in badrec["reason"]
     # The failure happened in the cell's own process and its log says so.
-    assert "not a readable" in Path(badrec["log"]).read_text()
+    assert "no tensor that fits" in Path(badrec["log"]).read_text()
 
     md = (out / "report.md").read_text()
     failed = [ln for ln in md.splitlines() if ln.startswith("- single-badweights fp32 x1: failed — ")]
-    assert len(failed) == 1 and "not a readable" in failed[0]  # one line, with the reason
+    assert len(failed) == 1 and "no tensor that fits" in failed[0]  # one line, with the reason
     assert not [ln for ln in md.splitlines() if ln.startswith("| single-badweights")]  # not a row of empties (or 0s)
     ok_rows = [ln for ln in md_section(md, "All measurements") if ln.startswith("| single |")]
     assert len(ok_rows) == 2 and all(ln.rstrip().endswith("| ok |") for ln in ok_rows)
