@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,9 +184,11 @@ FAST = (
            "samples (one evaluation, one checkpoint) run the same code path as 3 epochs"),
     Shrink("compare with repeats, one short cell", SHRINK[1].matches, ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps, 3 times: the repeats, their median and min-max columns"),
-    Shrink("compare --calibrate, one short cell", lambda a: a[:1] == ["compare"] and "--calibrate" in a,
-           ("--only", "single", "--only", "fp32", "--max-steps", "3"),
-           "one cell (single, fp32) of 3 steps: its calibration (the probe, single at both batches) runs first"),
+    Shrink("compare --calibrate, two short cells", lambda a: a[:1] == ["compare"] and "--calibrate" in a,
+           ("--only", "single,ddp", "--only", "fp32", "--max-steps", "6"),
+           "two cells (single and ddp, fp32) of 6 steps (3 after the 3 warm-up steps, which a calibration run needs "
+           "timed): their calibration (the probe, single at both batches, ddp on one process) runs first and "
+           "predicts the ddp row"),
     Shrink("compare, two short cells", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
            ("--only", "single,ddp", "--only", "fp32", "--max-steps", "3"),
            "two cells (single and ddp, fp32) of 3 steps each: the sweep, its processes, records and report"),
@@ -519,17 +520,19 @@ def _kill_tree(proc: subprocess.Popen) -> None:
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 
-def run_line(
-    line: Line, work: Path, env: dict[str, str], logs: Path, timeout: float, halt: threading.Event | None = None
-) -> None:
-    """Run one line through bash in ``work``; its output goes to ``logs/NN.log``. ``halt`` set: stop it."""
+def run_line(line: Line, work: Path, env: dict[str, str], logs: Path, timeout: float) -> None:
+    """Run one line through bash in ``work``; its output goes to ``logs/NN.log``; killed after ``timeout``."""
     log = logs / f"{line.n:02d}.log"
     t0 = time.monotonic()
     with open(log, "wb") as fh:
         proc = subprocess.Popen(
             ["bash", "-c", line.run_as], cwd=work, env=env, stdout=fh, stderr=subprocess.STDOUT
         )
-        line.rc = _wait(proc, t0 + timeout, halt)
+        try:
+            line.rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc)
+            line.rc = None
     line.seconds = time.monotonic() - t0
     text = _ANSI.sub("", log.read_bytes().decode("utf-8", "replace"))
     lines = [ln.rstrip() for ln in re.split(r"[\r\n]+", text) if ln.strip()]
@@ -544,17 +547,6 @@ def run_line(
         line.tail = lines[-15:]
 
 
-def _wait(proc: subprocess.Popen, deadline: float, halt: threading.Event | None) -> int | None:
-    """The exit code, or None after killing the process tree at ``deadline`` or when ``halt`` is set."""
-    while True:
-        try:
-            return proc.wait(timeout=1.0)
-        except subprocess.TimeoutExpired:
-            if time.monotonic() > deadline or (halt is not None and halt.is_set()):
-                _kill_tree(proc)
-                return None
-
-
 PYTHON_SECTION = "### From Python"
 
 
@@ -565,41 +557,30 @@ def python_line(readme: str, work: Path, n: int) -> Line:
     return Line(n, "python nb.py")
 
 
-class BackgroundTour(threading.Thread):
-    """The tour (``FAST`` shrinks, then the "From Python" block) in a thread of its own, in ``root``:
-    tests/conftest.py starts it when the test session begins, so that its minutes of mostly one-core work overlap
-    the rest of the suite, and tests/test_readme_tour.py reads the outcome. ``halt()`` kills the line running."""
+class Tour:
+    """The tour (``FAST`` shrinks, then the "From Python" block) in ``root`` as tests/test_readme_tour.py runs
+    it: fixtures, then every line in order; each line's outcome is on it, its output in ``logs``."""
 
     def __init__(self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST) -> None:
-        super().__init__(name="readme-tour", daemon=True)
         self.root, self.readme = Path(root), Path(readme).read_text()
         self.commands = tour_commands(self.readme)
         self.lines = plan_lines(self.commands, shrinks)
         self.env: dict[str, str] = {}
-        self.error: str | None = None
-        self._halt = threading.Event()
 
     @property
     def logs(self) -> Path:
         return self.root / "logs"
 
-    def run(self) -> None:
-        try:
-            self.env, _ = make_fixtures(self.root, self.commands, cifar=(40, 8))
-            self.logs.mkdir()
-            self.lines.append(python_line(self.readme, self.root / "work", len(self.lines) + 1))
-            for line in self.lines:
-                if self._halt.is_set():
-                    break
-                run_line(line, self.root / "work", self.env, self.logs, 600, self._halt)
-        except Exception:  # reported by the test that reads the tour
-            import traceback
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
 
-            self.error = traceback.format_exc()
-
-    def halt(self) -> None:
-        self._halt.set()
-        self.join(60)
+    def run(self, timeout: float = 600) -> None:
+        self.env, _ = make_fixtures(self.root, self.commands, cifar=(40, 8))
+        self.logs.mkdir()
+        self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1))
+        for line in self.lines:
+            run_line(line, self.work, self.env, self.logs, timeout)
 
 
 # ------------------------------------------------------------------------------------------------

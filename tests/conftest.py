@@ -81,66 +81,6 @@ def zygote() -> Zygote:
 def pytest_sessionfinish(session, exitstatus):
     if _ZYGOTE is not None:
         _ZYGOTE.close()
-    if _ASYNC_IO_BUILD is not None and _ASYNC_IO_BUILD.poll() is None:
-        _ASYNC_IO_BUILD.kill()  # nothing the suite starts outlives it
-        _ASYNC_IO_BUILD.wait()
-    if _TOUR is not None:
-        _TOUR.halt()
-        import shutil
-
-        shutil.rmtree(_TOUR.root, ignore_errors=True)
-
-
-ASYNC_IO_BUILD = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
-_ASYNC_IO_BUILD: subprocess.Popen | None = None
-
-
-def pytest_collection_finish(session):
-    """Start now, in the background, the two long jobs whose tests are selected: the README tour (~6 min of
-    mostly one core: its lines run one after another) and the build of DeepSpeed's async_io op (~4 min of 2
-    cores cold, at low priority). The suite as a whole leaves ~40% of the 2 cores idle (processes starting, ranks
-    waiting on each other), which they use instead of running alone inside their tests."""
-    if any("test_readme_tour.py" in item.nodeid for item in session.items):
-        start_readme_tour()
-    if any("nvme_offload_swaps" in item.nodeid for item in session.items):
-        _start_async_io_build()
-
-
-_TOUR = None
-
-
-def start_readme_tour():
-    """The session's run of the README tour (benchmarks/readme_tour.BackgroundTour), started on first call."""
-    global _TOUR
-    if _TOUR is None:
-        import tempfile
-
-        sys.path.insert(0, str(REPO / "benchmarks"))
-        from readme_tour import BackgroundTour
-
-        _TOUR = BackgroundTour(Path(tempfile.mkdtemp(prefix="stratbench-readme-tour-")))
-        _TOUR.start()
-    return _TOUR
-
-
-def _start_async_io_build() -> None:
-    """DeepSpeed's async_io op, built into stratbench's extensions cache where libaio allows; ``async_io_build()``
-    hands the process to the test that needs the op."""
-    global _ASYNC_IO_BUILD
-    from stratbench.strategies.deepspeed import _nvme_unavailable, extensions_cache_dir
-
-    if _nvme_unavailable({"offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}}):
-        return  # the test skips with the reason
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions_cache_dir()), OMP_NUM_THREADS="1")
-    _ASYNC_IO_BUILD = subprocess.Popen(
-        ["nice", "-n", "10", sys.executable, "-c", ASYNC_IO_BUILD], env=env,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-
-
-def async_io_build() -> subprocess.Popen | None:
-    """The background build of DeepSpeed's async_io op started for this session, if any."""
-    return _ASYNC_IO_BUILD
 
 
 def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, **kw) -> dict:

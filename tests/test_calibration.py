@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 
 from stratbench import projection
 from stratbench.compare import calibration as cal_mod
@@ -291,24 +290,3 @@ def test_failed_or_missing_calibration_gives_a_reason_not_a_number(tmp_path):
     assert "no one-process calibration run of ddp" in basis_for(cells[1], no_method).problem
     # another machine's calibration runs are not this machine's
     assert basis_for(cells[1] | {"machine": {"hostname": "elsewhere"}}, cal) is None
-
-
-# ------------------------------------------------------------------------------------------------
-# one real sweep
-
-
-@pytest.mark.slow
-def test_compare_calibrate_end_to_end(tmp_path):
-    """`compare --calibrate` on single + ddp fp32 (2 processes, 3 steps): probe, 2 single runs and ddp on one
-    process before the cells, all ok, and the report's ddp row predicted from them."""
-    from conftest import run_stratbench
-
-    mfile = tmp_path / "m.yaml"
-    mfile.write_text(yaml.safe_dump({"base": BASE, "world_size": 2, "cells": [{"method": ["single", "ddp"]}]}))
-    out = tmp_path / "sweep"
-    run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--calibrate", timeout=600)
-    cal = load_records(out, CALIBRATION)
-    assert sorted(r["calibration"]["kind"] for r in cal.values()) == ["method", "probe", "single", "single"]
-    assert all(r["status"] == "ok" for r in cal.values()), {k: r["reason"] for k, r in cal.items()}
-    rows = {r["method"]: r for r in csv.DictReader((out / "report.csv").open())}
-    assert float(rows["ddp"]["predicted_step_s"]) > 0 and "ddp: " in rows["ddp"]["predicted_step_basis"]

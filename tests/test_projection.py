@@ -432,24 +432,6 @@ def test_probe_loaded_latency_reaches_the_profile_and_reads_back(tmp_path):
 
 
 @pytest.mark.slow
-def test_probe_measures_two_gloo_processes_and_writes_a_profile_that_loads(tmp_path):
-    """`stratbench probe --nproc 2` end to end on gloo: every kind fitted, the loaded latency measured for each
-    (a call after a compute burst costs at least the idle call), the profile usable by --hardware."""
-    import json
-
-    from conftest import run_stratbench
-
-    out = tmp_path / "probe.yaml"
-    proc = run_stratbench("probe", "--nproc", "2", "--sizes", "1KiB,64KiB", "--repeats", "3", "--output",
-                          str(out), "--json", timeout=240)  # fmt: skip
-    data = json.loads(proc.stdout[proc.stdout.index("{"):])
-    loaded = data["measurements"]["loaded"]
-    assert set(loaded) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"} and loaded["burst_s"] > 0
-    system = hardware.resolve(str(out))
-    for kind, fit in system.intra_node.collectives.items():
-        assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind
-
-
 def test_probe_profile_records_the_per_process_share():
     from stratbench.commands.probe import build_profile
 

@@ -7,23 +7,38 @@ README tests once passed while two of these lines failed for a user: the test ru
 ``sys.path``.
 
 Long lines get the extra flags of ``readme_tour.FAST`` (a few steps each), shown with every failure; the
-benchmark (``benchmarks/readme_tour.py``) runs them with fewer cuts and writes a report. The tour runs in the
-background from the start of the session (tests/conftest.py), and this test waits for it."""
+benchmark (``benchmarks/readme_tour.py``) runs them with fewer cuts and writes a report. What two lines write is
+checked further here (they were separate end-to-end runs of the same commands): the probe's profile, and the
+calibration that `compare --calibrate` makes before its cells."""
 
 from __future__ import annotations
 
+import csv
+import sys
+from pathlib import Path
+
 import pytest
 
-from conftest import start_readme_tour
+from stratbench import hardware
+from stratbench.compare.calibration import CALIBRATION
+from stratbench.compare.runner import load_records
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from readme_tour import Tour, flag_value, tour_argv  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def tour(tmp_path_factory) -> Tour:
+    t = Tour(tmp_path_factory.mktemp("readme-tour"))
+    t.run()
+    return t
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
-def test_every_readme_command_works_as_written_from_a_users_folder():
-    tour = start_readme_tour()
-    tour.join(timeout=2000)
-    assert not tour.is_alive(), "the README tour did not finish within 2000 s"
-    assert tour.error is None, tour.error
+def test_every_readme_command_works_as_written_from_a_users_folder(tour):
     assert set(tour.env) == {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR"}
     assert any(line.command.startswith("stratbench probe") for line in tour.lines)  # the Projecting block is in
     assert tour.lines[-1].command == "python nb.py"  # the From Python block is in
@@ -33,9 +48,37 @@ def test_every_readme_command_works_as_written_from_a_users_folder():
         if line.outcome != "pass" and not line.outcome.startswith("refused")
     ]
     assert not bad, "\n".join(bad)
-    python = (tour.logs / f"{tour.lines[-1].n:02d}.log").read_text()
-    assert "ok" in python and "GiB per device" in python and "report.md" in python, python[-3000:]
     for line in tour.lines:
         if line.outcome.startswith("refused"):  # a GPU refusal is one line, no traceback
             text = (tour.logs / f"{line.n:02d}.log").read_text()
             assert "Traceback" not in text and len(text.strip().splitlines()) <= 2, text
+    python = (tour.logs / f"{tour.lines[-1].n:02d}.log").read_text()
+    assert "ok" in python and "GiB per device" in python and "report.md" in python, python[-3000:]
+
+
+def _written_by(tour: Tour, command: str, flag: str) -> Path:
+    line = next(ln for ln in tour.lines if ln.command.startswith(command))
+    assert line.outcome == "pass", f"`{line.run_as}`: {line.outcome}"
+    return tour.work / flag_value(tour_argv(line.run_as), flag)
+
+
+@pytest.mark.slow
+def test_the_probe_profile_loads_with_every_kind_fitted_and_loaded(tour):
+    """`stratbench probe --nproc 2` on gloo: every kind fitted, the loaded latency measured for each (a call after
+    a compute burst costs at least the idle call), the profile usable by --hardware."""
+    system = hardware.resolve(str(_written_by(tour, "stratbench probe", "--output")))
+    assert set(system.intra_node.collectives) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
+    for kind, fit in system.intra_node.collectives.items():
+        assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind
+
+
+@pytest.mark.slow
+def test_compare_calibrate_predicts_the_ddp_row_from_its_calibration(tour):
+    """`compare --calibrate` (single + ddp fp32, 2 processes, 3 steps): the probe, single at both batches and ddp
+    on one process ran before the cells, all ok, and the report's ddp row is predicted from them."""
+    out = _written_by(tour, "stratbench compare --preset quick --calibrate", "--output")
+    cal = load_records(out, CALIBRATION)
+    assert sorted(r["calibration"]["kind"] for r in cal.values()) == ["method", "probe", "single", "single"]
+    assert all(r["status"] == "ok" for r in cal.values()), {k: r["reason"] for k, r in cal.items()}
+    rows = {r["method"]: r for r in csv.DictReader((out / "report.csv").open())}
+    assert float(rows["ddp"]["predicted_step_s"]) > 0 and "ddp: " in rows["ddp"]["predicted_step_basis"]

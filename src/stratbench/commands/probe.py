@@ -169,14 +169,20 @@ def worker(args: argparse.Namespace) -> int:
     size = 1024
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
-    flop = 2 * size**3
 
     def mm_rate(dtype: torch.dtype, seconds: float = 0.6) -> float:
-        x, y = a.to(dtype), b.to(dtype)
+        # A dtype without fast kernels here (bf16 on a CPU without native bf16: 2.3 s per 1024x1024 matmul on an
+        # AVX2 EPYC, ~100x fp32) is timed on 256x256 matrices: its reference kernel's rate per FLOP, without
+        # spending half a minute of the probe on it.
+        m = SLOW_MM_SIZE
+        small = a[:m, :m].to(dtype)
+        torch.mm(small, small)
+        m = m if _timed(lambda: torch.mm(small, small), sync) > SLOW_MM_S else size
+        x, y = a[:m, :m].to(dtype), b[:m, :m].to(dtype)
         torch.mm(x, y)
-        reps, t = 1, _timed(lambda: torch.mm(x, y), sync)
+        t = _timed(lambda: torch.mm(x, y), sync)
         reps = max(1, int(seconds / max(t, 1e-6)))
-        return flop * reps / _timed(lambda: [torch.mm(x, y) for _ in range(reps)], sync)
+        return 2 * m**3 * reps / _timed(lambda: [torch.mm(x, y) for _ in range(reps)], sync)
 
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     threads = torch.get_num_threads()
@@ -271,6 +277,9 @@ def _collective(kind: str, size: int, n: int, device) -> tuple[Any, int]:
 
 
 LOADED_BURST_S = 2e-3
+SLOW_MM_SIZE = 256
+SLOW_MM_S = 5e-3
+"""A 256x256 matmul slower than this (below ~6.7 GFLOP/s) marks a dtype without fast kernels on this device."""
 """Compute before each call of the loaded measurement: about one layer's forward or backward of a small model."""
 
 
