@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from stratbench.metrics import _cpu_name
+from stratbench.measuring.metrics import _cpu_name
 
 
 def run(out: Path, breakdown: bool, strategy: str, nproc: int) -> float:

@@ -64,7 +64,7 @@ def main() -> None:
         "",
         f"Command: `python benchmarks/comm_volume.py --width {a.width} --precision {a.precision} --model {a.model}` "
         f"({dt.date.today()}). 2 processes, gloo, loopback; the collectives of step 3 recorded by torch.profiler "
-        "(stratbench.commvol); formula: each method's `comm_model` (docs/communication.md). Payload is the "
+        "(stratbench.measuring.commvol); formula: each method's `comm_model` (docs/communication.md). Payload is the "
         "full-size tensor of each call; wire = bytes each rank sends under the ring model.",
         "",
         "| method | kind | calls | measured payload | formula payload | error | wire / rank |",

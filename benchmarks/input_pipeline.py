@@ -3,8 +3,8 @@
 Each measurement makes ``--batches`` training batches of ``--batch-size`` after 2 warm-up batches and reads a
 synchronised clock when the last batch is on the training device (the loader's batches are copied there as
 the engine does: pinned memory + non_blocking on CUDA). Repeated ``--repeats`` times; min/median/max samples/s.
-The transforms are those of ``stratbench.data._cifar10`` (loader: per-image PIL RandomCrop(32, padding=4),
-RandomHorizontalFlip, Resize, ToTensor, Normalize in DataLoader workers; device: ``stratbench.device_data``).
+The transforms are those of ``stratbench.data.datasets._cifar10`` (loader: per-image PIL RandomCrop(32, padding=4),
+RandomHorizontalFlip, Resize, ToTensor, Normalize in DataLoader workers; device: ``stratbench.data.device``).
 Without ``--cifar-dir`` the images are random pixels in CIFAR-10's format (the transforms' cost does not
 depend on pixel values).
 
@@ -27,8 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from stratbench.config import TrainConfig
-from stratbench.data import build_data, make_train_batches, pipeline_of
+from stratbench.core.config import TrainConfig
+from stratbench.data.datasets import build_data, make_train_batches, pipeline_of
 
 
 def write_fake_cifar(root: Path, n_train: int, n_test: int = 100, seed: int = 0) -> Path:
@@ -53,7 +53,7 @@ def write_fake_cifar(root: Path, n_train: int, n_test: int = 100, seed: int = 0)
 
 def skip_cifar_md5() -> None:
     """torchvision md5-checks the real archive's files; generated files need the check skipped."""
-    from stratbench._torchvision import import_torchvision
+    from stratbench.models._torchvision import import_torchvision
 
     tv = import_torchvision()
     tv.datasets.CIFAR10._check_integrity = lambda self: True
@@ -88,7 +88,7 @@ def measure(
 
 def versions() -> str:
     import stratbench
-    from stratbench._torchvision import import_torchvision
+    from stratbench.models._torchvision import import_torchvision
 
     tv = import_torchvision()
     cpu = platform.processor() or platform.machine()

@@ -18,10 +18,10 @@ import time
 import torch
 from torch import nn
 
-from stratbench import engine
-from stratbench.config import TrainConfig
-from stratbench.data import build_data
-from stratbench.models import build_model
+from stratbench.core.config import TrainConfig
+from stratbench.data.datasets import build_data
+from stratbench.models.zoo import build_model
+from stratbench.training import engine
 
 
 def hand_loop(cfg: TrainConfig, device: torch.device) -> list[float]:

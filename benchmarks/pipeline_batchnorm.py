@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stratbench.metrics import _cpu_name
+from stratbench.measuring.metrics import _cpu_name
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

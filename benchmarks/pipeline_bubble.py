@@ -27,7 +27,7 @@ from pathlib import Path
 
 from torch import nn
 
-from stratbench.metrics import _cpu_name
+from stratbench.measuring.metrics import _cpu_name
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -1,6 +1,6 @@
 """The scaling picture no one here can afford to measure: projected throughput vs number of GPUs (1..1024) per
 method for one model on one hardware profile, with the points where a method does not fit in the device's memory
-drawn hollow on a dashed line (memory from `stratbench estimate`, time from `stratbench.projection`). Weak
+drawn hollow on a dashed line (memory from `stratbench estimate`, time from `stratbench.predicting.projection`). Weak
 scaling: the per-device batch is fixed, the global batch grows with the GPUs; 8 GPUs per node, then nodes.
 
     PYTHONPATH=src python benchmarks/projection_chart.py --hardware h100-sxm --model tinynet --width 4096 \
@@ -48,10 +48,10 @@ def main() -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from stratbench.config import TrainConfig
-    from stratbench.estimate import ModelSpec, model_info
-    from stratbench.hardware import resolve
-    from stratbench.projection import load_calibration, project
+    from stratbench.core.config import TrainConfig
+    from stratbench.predicting.estimate import ModelSpec, model_info
+    from stratbench.predicting.hardware import resolve
+    from stratbench.predicting.projection import load_calibration, project
 
     system = resolve(args.hardware)
     calibration = load_calibration(args.calibrate, system) if args.calibrate else None

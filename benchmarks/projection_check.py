@@ -86,9 +86,9 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
     from stratbench.compare.calibration import CAL_DIR, plan_calibration, run_calibration
     from stratbench.compare.matrix import Plan
     from stratbench.compare.runner import SweepRunner
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.hardware import resolve
-    from stratbench.projection import calibrate, method_key, project
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.predicting.hardware import resolve
+    from stratbench.predicting.projection import calibrate, method_key, project
 
     matrix, todo = cells()
     if args.only:
@@ -199,7 +199,7 @@ def report(summary: dict, reps: list[dict], args: argparse.Namespace) -> str:
 
     import torch
 
-    from stratbench.metrics import _cpu_name
+    from stratbench.measuring.metrics import _cpu_name
 
     lines = [
         "# Projection checked on this machine: predicted before measured (quick preset, 2 gloo processes)",

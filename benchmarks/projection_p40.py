@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
-from stratbench.config import TrainConfig
-from stratbench.hardware import builtin
-from stratbench.projection import calibrate, project
+from stratbench.core.config import TrainConfig
+from stratbench.predicting.hardware import builtin
+from stratbench.predicting.projection import calibrate, project
 
 # Table A (shared/SEED_DIGEST.md): method -> (stratbench strategy, options, optimizer, published seconds for 5 epochs)
 EPOCHS, TRAIN_IMAGES, BATCH = 5, 50_000, 128

@@ -322,7 +322,7 @@ def write_imagenet_weights(torch_home: Path, model: str) -> Path:
 
     import torch
 
-    from stratbench._torchvision import import_torchvision
+    from stratbench.models._torchvision import import_torchvision
 
     tv = import_torchvision()
     weights = tv.models.get_model_weights(model).DEFAULT

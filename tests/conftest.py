@@ -99,7 +99,7 @@ def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launch
 
 
 COMM = ["--comm-volume", "true", "--breakdown", "true", "--measure-alloc", "true"]
-"""Record the collectives of step 3 (stratbench.commvol), time each step's phases, and read the allocator through
+"""Record the collectives of step 3 (stratbench.measuring.commvol), time each step's phases, and read the allocator through
 step 2 (--measure-alloc) in an equivalence run: none changes a number the run computes."""
 
 
@@ -127,8 +127,8 @@ def assert_breakdown_adds_up(res: dict, schedule_as_backward: bool = False) -> d
 def assert_estimate_within(res: dict, tol: float = 0.10) -> float:
     """The memory estimate of the run's config (its busiest rank) is within ``tol`` of the allocator peak the
     run measured on itself (--measure-alloc, the largest over the ranks); returns the relative error."""
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.estimate import estimate
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.predicting.estimate import estimate
 
     measured = [a for a in res["metrics"]["cpu_alloc_peak_bytes"] if a]
     assert len(measured) == res["world_size"], res["metrics"]["cpu_alloc_peak_bytes"]

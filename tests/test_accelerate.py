@@ -108,7 +108,7 @@ def test_accelerate_ddp_from_the_users_yaml_matches_single_and_its_checkpoint_lo
 
     last = out / "checkpoints" / "last"
     assert (last / "accelerate" / "model.safetensors").is_file()  # accelerator.save_state
-    from stratbench.checkpoint import load_any
+    from stratbench.checkpoints.checkpoint import load_any
 
     state = load_any(last)
     assert set(state["optimizer"]["state"]) == set(state["model"])  # optimizer state keyed by parameter names
@@ -131,7 +131,7 @@ def test_accelerate_cpu_flag_that_starts_one_process_is_refused(tmp_path):
 
 
 def test_plugins_that_need_a_gpu_are_refused_on_cpu_in_one_line():
-    from stratbench.config import TrainConfig
+    from stratbench.core.config import TrainConfig
     from stratbench.strategies.base import get_strategy
 
     for name, needle in (("accelerate-fsdp", "FSDP plugin needs a CUDA GPU"), ("accelerate-deepspeed", "DeepSpeed plugin needs a CUDA GPU")):
@@ -143,7 +143,7 @@ def test_plugins_that_need_a_gpu_are_refused_on_cpu_in_one_line():
 
 
 def test_fsdp_launch_config_uses_todays_key_names(tmp_path):
-    from stratbench.config import TrainConfig
+    from stratbench.core.config import TrainConfig
     from stratbench.strategies.accelerate import write_accelerate_config
 
     cfg = TrainConfig(strategy="accelerate-fsdp", precision="bf16-mixed", device="cuda", output=str(tmp_path))
@@ -168,7 +168,7 @@ def _round_trip(cfg, world: int, tmp_path):
 
 def test_written_accelerate_yaml_round_trips_through_accelerate_config(tmp_path):
     """Every YAML stratbench writes reads back as the same method, precision, processes and plugin knobs."""
-    from stratbench.config import TrainConfig
+    from stratbench.core.config import TrainConfig
     from stratbench.strategies.base import get_strategy
 
     fsdp1 = {"fsdp_version": 1, "fsdp_sharding_strategy": "HYBRID_SHARD", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",

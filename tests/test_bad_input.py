@@ -119,7 +119,7 @@ def test_tf32_needs_a_gpu(capsys, tmp_path):
 def test_list_names_every_strategy_and_precision(capsys):
     assert main(["list", "--check"]) == 0
     out = capsys.readouterr().out
-    from stratbench.precision import SPECS
+    from stratbench.core.precision import SPECS
     from stratbench.strategies.base import all_strategies
 
     for name in [*all_strategies(), *SPECS]:
@@ -414,7 +414,7 @@ def _disk_full_on_torch_save(monkeypatch):
 def test_full_disk_while_saving_fails_in_one_line_and_keeps_the_previous_checkpoint(capsys, tmp_path, monkeypatch):
     import json
 
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     out = tmp_path / "run"
     assert main(["train", "--output", str(out), *TINY_ARGS]) == 0
@@ -447,7 +447,7 @@ def test_full_disk_while_consolidating_fails_in_one_line_and_replaces_nothing(ca
 
 
 def test_a_failed_export_leaves_the_previous_export_byte_identical(capsys, tmp_path, finished_run, monkeypatch):
-    from stratbench import onnx_export
+    from stratbench.inference import onnx_export
 
     good = tmp_path / "good.onnx"
     argv = ["export", "--checkpoint", str(finished_run / "checkpoints" / "last"), "--output", str(good),
@@ -473,8 +473,8 @@ def test_run_files_are_written_atomically(tmp_path, monkeypatch, writer):
     """A full disk while writing a run's config leaves the earlier file whole and no temporary file."""
     import errno
 
-    from stratbench import checkpoint as ckpt
-    from stratbench.config import TrainConfig, dump_yaml
+    from stratbench.checkpoints import checkpoint as ckpt
+    from stratbench.core.config import TrainConfig, dump_yaml
     from stratbench.strategies.accelerate import write_accelerate_config
 
     path = tmp_path / writer

@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from stratbench import projection
 from stratbench.compare import calibration as cal_mod
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.calibration import CALIBRATION, basis_for, load_calibration_records, plan_calibration
 from stratbench.compare.matrix import Plan, build_matrix, plan
 from stratbench.compare.report import Report, render_sweeps, write_report
 from stratbench.compare.runner import SweepRunner, load_records
-from stratbench.launch import threads_per_process
+from stratbench.launching.launch import threads_per_process
+from stratbench.predicting import projection
 
 BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 1, "max_steps": 3,
         "batch_size": 32, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
@@ -127,7 +127,7 @@ FAKE = textwrap.dedent(
 def _probe_yaml(path: Path) -> None:
     """A probe profile of a 2-core CPU (the shape `stratbench probe` writes)."""
     from stratbench.commands.probe import build_profile
-    from stratbench.hardware import dump
+    from stratbench.predicting.hardware import dump
 
     rows = [{"payload_bytes": b, "seconds": 3e-4 + b / 1e9} for b in (1024, 1 << 20)]
     data = {"ranks": 2, "device": "cpu", "cpu": "test", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.2,
@@ -237,8 +237,8 @@ def test_report_predicts_from_the_calibration_runs_and_probe(tmp_path):
     basis = basis_for(cells[1], cal)
     assert basis and not basis.problem and basis.profile == profile and [r["id"] for r in basis.runs] == ["s16", "s32", "d16"]
     # by hand: calibrate on the runs, project ddp on 2 processes of the probe's system
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.hardware import resolve
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.predicting.hardware import resolve
 
     system = resolve(profile)
     cals = projection.calibrate(basis.runs, system)

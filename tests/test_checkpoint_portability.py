@@ -30,13 +30,13 @@ def chain(tmp_path_factory, reference_run) -> dict:
 def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
     """In this process, without a process group: the `single` strategy loads ``path`` through its own
     load_checkpoint; returns the engine's val accuracy on the loaded weights, the model and optimizer state."""
-    from stratbench import checkpoint
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.data import build_data
-    from stratbench.dist import DistEnv, seed_everything
-    from stratbench.engine import Trainer, lr_lambda, optimizer_spec
-    from stratbench.models import build_model
+    from stratbench.checkpoints import checkpoint
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.core.dist import DistEnv, seed_everything
+    from stratbench.data.datasets import build_data
+    from stratbench.models.zoo import build_model
     from stratbench.strategies.base import get_strategy
+    from stratbench.training.engine import Trainer, lr_lambda, optimizer_spec
 
     saved = from_dict(TrainConfig, checkpoint.read_meta(path)["config"])
     cfg = saved.replace(strategy="single", strategy_options={}, nproc=1, output=str(path.parent / "unused"))
@@ -54,7 +54,7 @@ def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
 
 @pytest.mark.distributed
 def test_fsdp_writes_a_dcp_folder(chain):
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     folder = chain["folder"]
     assert folder.is_dir() and (folder / ".metadata").is_file()
@@ -88,7 +88,7 @@ def test_single_loads_the_sharded_folder(chain):
 
 @pytest.mark.distributed
 def test_consolidate_to_one_file_that_single_loads(chain):
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     out = chain["root"] / "consolidated.pt"
     run_stratbench("consolidate", str(chain["folder"]), str(out), timeout=120)

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from stratbench.comm import Collective, ceil_to, dim0_padded, total_wire, wire_factor
-from stratbench.commvol import parse_trace
-from stratbench.config import TrainConfig
-from stratbench.estimate import MemoryContext, ModelSpec, model_info
+from stratbench.core.config import TrainConfig
+from stratbench.measuring.comm import Collective, ceil_to, dim0_padded, total_wire, wire_factor
+from stratbench.measuring.commvol import parse_trace
+from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
 from stratbench.strategies.base import all_strategies
 
 

@@ -29,7 +29,7 @@ from stratbench.compare.runner import (
     last_error_line,
     load_records,
 )
-from stratbench.errors import ConfigError
+from stratbench.core.errors import ConfigError
 
 BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 1, "max_steps": 3,
         "batch_size": 32, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
@@ -302,7 +302,7 @@ def _synthetic_sweep(out: Path) -> dict[str, dict]:
     a step of 10 ms split 1 / 3 / 4 / 1 / 0.5 ms (data, forward, backward, optimizer, other; 0.5 ms in no
     phase), ddp sending 0.1 MiB per step and fsdp 0.15 MiB, and an allocator peak per rank."""
     from stratbench.compare.runner import SWEEP, append_record, local_environment, make_record
-    from stratbench.metrics import breakdown_report
+    from stratbench.measuring.metrics import breakdown_report
 
     out.mkdir(parents=True)
     matrix = build_matrix({"base": BASE, "world_size": 2,
@@ -336,7 +336,7 @@ def _synthetic_sweep(out: Path) -> dict[str, dict]:
 
 
 def test_report_shows_breakdown_comm_and_memory_error_from_records(tmp_path):
-    from stratbench.estimate import predict_peak_bytes
+    from stratbench.predicting.estimate import predict_peak_bytes
 
     out = tmp_path / "sweep"
     recs = _synthetic_sweep(out)

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 import torch
 
-from stratbench.config import TrainConfig
-from stratbench.data import build_data, split_batch
-from stratbench.errors import CheckpointError, ConfigError, DataError
-from stratbench.models import build_model, load_weights, residual_block_types
-from stratbench.precision import Precision
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.core.precision import Precision
+from stratbench.data.datasets import build_data, split_batch
+from stratbench.models.zoo import build_model, load_weights, residual_block_types
 
 
 def test_synthetic_is_deterministic():
@@ -52,7 +52,7 @@ def _write_cifar_fixture(root, n_train=20, n_test=10):
 
 
 def test_cifar10_reads_the_real_format(tmp_path, monkeypatch):
-    from stratbench._torchvision import import_torchvision
+    from stratbench.models._torchvision import import_torchvision
 
     cifar = import_torchvision().datasets.CIFAR10
     _write_cifar_fixture(tmp_path)

@@ -136,7 +136,7 @@ def test_zero_checkpoint_resumes_anywhere(runs, tmp_path_factory, fmt, resumer, 
 @pytest.mark.distributed
 def test_zero_full_checkpoint_is_name_keyed(runs):
     """The consolidated optimizer state has the layout every method writes: keyed by parameter names."""
-    from stratbench.checkpoint import load_file
+    from stratbench.checkpoints.checkpoint import load_file
 
     state = load_file(runs["root"] / "ddp-zero" / "checkpoints" / "last")
     names = list(state["model"])
@@ -168,8 +168,8 @@ def _preflight_error(*args: str) -> str:
     import argparse
 
     from stratbench.commands.train import add_config_arguments, resolve_config
-    from stratbench.engine import preflight
-    from stratbench.errors import UnsupportedError
+    from stratbench.core.errors import UnsupportedError
+    from stratbench.training.engine import preflight
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -198,8 +198,8 @@ def test_dp_state_dict_uses_plain_names():
     """DataParallel's ``module.`` prefix must not leak into checkpoints (on CPU it wraps without replicating)."""
     from torch import nn
 
-    from stratbench.dist import DistEnv
-    from stratbench.precision import Precision
+    from stratbench.core.dist import DistEnv
+    from stratbench.core.precision import Precision
     from stratbench.strategies.dp import DataParallelStrategy
 
     strategy = DataParallelStrategy(None, DistEnv(), Precision("fp32", torch.device("cpu")), None)

@@ -150,8 +150,8 @@ def test_conflicting_user_json_is_one_clear_error(tmp_path):
 
 
 def test_option_errors_and_refusals_need_no_processes():
-    from stratbench.config import TrainConfig
-    from stratbench.errors import ConfigError
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
 
     cpu = __import__("torch").device("cpu")
@@ -244,7 +244,7 @@ def test_deepspeed_schedule_state_round_trips():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    from stratbench.errors import CheckpointError
+    from stratbench.core.errors import CheckpointError
     from stratbench.strategies.deepspeed import _EngineLRSchedule
 
     def view() -> tuple[_EngineLRSchedule, torch.optim.Optimizer]:
@@ -267,8 +267,8 @@ def test_deepspeed_schedule_state_round_trips():
 
 
 def test_optimizer_and_scheduler_blocks_are_filled_and_checked_without_processes(tmp_path):
-    from stratbench.config import TrainConfig
-    from stratbench.errors import ConfigError
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.accelerate import AccelerateDeepSpeed
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
 
@@ -311,8 +311,8 @@ def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
     cannot be built (no libaio) the run is refused in one line naming the op and the package."""
     from deepspeed.ops.op_builder import AsyncIOBuilder
 
-    from stratbench.config import TrainConfig
-    from stratbench.errors import ConfigError
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
 
     cfg = TrainConfig(strategy="deepspeed", batch_size=32)
@@ -437,7 +437,7 @@ def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processe
     A checkpoint of an nvme-offloaded optimizer is refused in one line (its state is in raw swap files)."""
     import torch
 
-    from stratbench.errors import CheckpointError
+    from stratbench.core.errors import CheckpointError
     from stratbench.strategies.deepspeed import read_deepspeed_checkpoint
 
     swapped = tmp_path / "ckpt" / "deepspeed" / "offloaded_tensors" / "rank00"
@@ -446,7 +446,7 @@ def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processe
     with pytest.raises(CheckpointError, match="checkpoint of an --offload-optimizer nvme run"):
         read_deepspeed_checkpoint(tmp_path / "ckpt", {"deepspeed_tag": "deepspeed", "zero_stage": 3})
 
-    from stratbench.models import TinyNet
+    from stratbench.models.zoo import TinyNet
     from stratbench.strategies.deepspeed import aligned_gradient_pieces, size_nvme_param_buffers
 
     grads = [torch.arange(1000.0), torch.arange(300.0), torch.arange(512.0)]

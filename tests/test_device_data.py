@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from stratbench.config import (
+from stratbench.core.config import (
     TrainConfig,
     dump_yaml,
     expand_recipe,
@@ -25,7 +25,8 @@ from stratbench.config import (
     recipe_settings,
     validate,
 )
-from stratbench.data import (
+from stratbench.core.errors import ConfigError
+from stratbench.data.datasets import (
     build_data,
     in_memory_source,
     make_train_batches,
@@ -35,8 +36,7 @@ from stratbench.data import (
     train_loader,
     val_loader,
 )
-from stratbench.device_data import DeviceBatches, apply_augment, epoch_seed
-from stratbench.errors import ConfigError
+from stratbench.data.device import DeviceBatches, apply_augment, epoch_seed
 
 CPU = torch.device("cpu")
 
@@ -69,7 +69,7 @@ def cifar_root(tmp_path_factory):
 @pytest.fixture
 def cifar(cifar_root, monkeypatch):
     """build_data for the fixture (torchvision md5-checks the real archive's files: skipped for the fixture)."""
-    from stratbench._torchvision import import_torchvision
+    from stratbench.models._torchvision import import_torchvision
 
     tv = import_torchvision()
     monkeypatch.setattr(tv.datasets.CIFAR10, "_check_integrity", lambda self: True)
@@ -252,7 +252,7 @@ def test_accumulated_micro_batches_are_the_ranks_batches(pipeline):
 
 
 def test_virtual_rank_order_splits_each_step_as_ranks_would():
-    from stratbench.data import virtual_rank_order
+    from stratbench.data.datasets import virtual_rank_order
 
     assert virtual_rank_order(8, 8, 2) == [0, 2, 4, 6, 1, 3, 5, 7]
     # whole steps reordered, a partial last step kept as it is; one chunk: the identity

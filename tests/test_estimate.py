@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from conftest import TINY, assert_comm_matches_formula, train
-from stratbench.advise import advise
-from stratbench.config import TrainConfig
-from stratbench.estimate import (
+from stratbench.core.config import TrainConfig
+from stratbench.predicting.advise import advise
+from stratbench.predicting.estimate import (
     ModelSpec,
     estimate,
     max_batch,
@@ -83,7 +83,7 @@ def test_zero_partition_is_torchs():
 
 def _measured_saved_bytes(batch: int, precision_autocast: bool = False) -> tuple[int, int]:
     """Real CPU forward/backward of tinynet: unique bytes autograd saved (parameters excluded), and all grads."""
-    from stratbench.models import build_model
+    from stratbench.models.zoo import build_model
 
     torch.manual_seed(0)
     model = build_model("tinynet", 10, width=16)
@@ -170,9 +170,9 @@ def test_every_command_advise_recommends_passes_train_validation(capsys):
     command train refuses. The grid reaches every kind of plan, so no branch of advise goes unchecked."""
     import shlex
 
-    from stratbench import engine
     from stratbench.cli import build_parser, main
     from stratbench.commands.train import resolve_config
+    from stratbench.training import engine
 
     parser = build_parser()
     model = ["--model", "tinynet", "--width", "1024", "--image-size", "16"]
@@ -249,7 +249,7 @@ def test_cli_estimate_and_advise_json(capsys):
 @pytest.mark.parametrize("batch", [32, 64, 128])
 def test_resnet50_peak_within_10pct_on_gpu(precision, batch):
     """ResNet-50 224px, one GPU: the predicted peak is within 10% of torch.cuda.max_memory_allocated."""
-    from stratbench.models import build_model
+    from stratbench.models.zoo import build_model
 
     dev = torch.device("cuda")
     cfg = TrainConfig(model="resnet50", image_size=224, data="synthetic", num_classes=10, batch_size=batch, precision=precision, optimizer="sgd")
@@ -277,9 +277,9 @@ def test_resnet50_peak_within_10pct_on_gpu(precision, batch):
 def test_every_precision_has_an_estimate_that_scales_with_its_dtype():
     """The trace builds the fake model in the weights' dtype (converting fake parameters fails in torch 2.13):
     half weights hold half the bytes of fp32, fp64 twice as many."""
-    from stratbench.config import TrainConfig
-    from stratbench.estimate import estimate
-    from stratbench.precision import SPECS
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.precision import SPECS
+    from stratbench.predicting.estimate import estimate
 
     def params(precision: str) -> int:
         cfg = TrainConfig(model="tinynet", data="synthetic", image_size=32, batch_size=8, precision=precision)
@@ -348,7 +348,7 @@ def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
     """On a CPU torch's optimizers loop over the parameters; their temporaries for the largest one (weight
     decay's grad + wd * p, AdamW's denominator) are the step's scratch: measured +6 MiB on a 1.7M-parameter MLP
     where the first estimate had 0."""
-    from stratbench.estimate import cpu_step_scratch
+    from stratbench.predicting.estimate import cpu_step_scratch
 
     largest = max(model_info(ModelSpec.from_config(wide_mlp)).numels) * 4  # 4096 x 4096 fp32: 64 MiB
     sgd = cpu_step_scratch(wide_mlp.replace(weight_decay=1e-4))
@@ -365,7 +365,7 @@ def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
 def test_a_report_predicts_with_the_cpu_its_cells_ran_on():
     """The predicted peak of a bf16 CPU cell depends on whether oneDNN ran bf16 natively: it is read from the
     record's environment (an AVX-512 sweep re-rendered on an AVX2 machine predicted 1.75-3 MiB less before)."""
-    from stratbench.estimate import native_16bit_of, predict_peak_bytes
+    from stratbench.predicting.estimate import native_16bit_of, predict_peak_bytes
 
     config = {"model": "tinynet", "width": 8, "data": "digits", "batch_size": 64, "precision": "bf16-mixed"}
     native = predict_peak_bytes(config, 1, "cpu", {"cpu_native_16bit": {"bf16": True, "fp16": False}})

@@ -112,13 +112,13 @@ def test_bf16_mixed_trains(runs):
 
 # ---- in-process: wrapping plan, options, refusals ------------------------------------------------------
 def _tinynet() -> nn.Module:
-    from stratbench.models import build_model
+    from stratbench.models.zoo import build_model
 
     return build_model("tinynet", 10, cifar_stem=False, norm="group", width=8)
 
 
 def test_wrap_units_per_block_children_first():
-    from stratbench.models import TinyBlock
+    from stratbench.models.zoo import TinyBlock
     from stratbench.strategies.fsdp import wrap_units
 
     model = _tinynet()
@@ -140,7 +140,7 @@ def test_wrap_units_per_block_children_first():
 def test_wrap_units_through_activation_checkpointing():
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from stratbench.models import apply_activation_checkpointing
+    from stratbench.models.zoo import apply_activation_checkpointing
     from stratbench.strategies.fsdp import wrap_units
 
     model = _tinynet()
@@ -150,7 +150,7 @@ def test_wrap_units_through_activation_checkpointing():
 
 
 def test_wrap_unknown_class_names_the_classes_present():
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.fsdp import wrap_units
 
     with pytest.raises(ConfigError, match=r"no module of class Bottleneck.*Conv2d"):
@@ -158,7 +158,7 @@ def test_wrap_unknown_class_names_the_classes_present():
 
 
 def test_options_are_validated():
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.base import get_strategy
 
     with pytest.raises(ConfigError, match=r"unknown sharding 'zero3'; choose one of: full, grad-op, none"):

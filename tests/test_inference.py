@@ -79,7 +79,7 @@ def sharded_run(runs: dict, strategy: str) -> dict:
 @pytest.mark.parametrize("strategy", ["fsdp", "deepspeed"])
 def test_sharded_checkpoint_predicts_like_consolidated_single(strategy, sharded_runs, images, capsys):
     run = sharded_run(sharded_runs, strategy)
-    from stratbench.inference import load_model
+    from stratbench.inference.predictor import load_model
 
     sharded, single = load_model(run["folder"]), load_model(run["file"])
     assert sharded.layout != "full" and single.layout == "full"
@@ -119,7 +119,7 @@ def test_export_parity_tolerance_scales_with_the_logits(sharded_runs, tmp_path, 
     """fp32 rounds relative to a value's size: a model whose logits reach ~1e4 (an fsdp resnet18 after 3 steps
     of the README's tour reached 2.5e4) differs from onnxruntime by ~1e-2 absolute, 5e-7 relative. --atol is the
     bound per unit of the largest |logit| (it failed such a model before); a difference past it still fails."""
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     state = ckpt.load_any(Path(sharded_run(sharded_runs, "fsdp")["folder"]))
     for key in ("fc.weight", "fc.bias"):
@@ -146,8 +146,8 @@ def test_onnx_export_matches_pytorch_and_onnxruntime_evaluate_equals_torch(
     assert "onnx.checker: ok" in out and "max abs diff" in out
     assert onnx_file.is_file() and not list(tmp_path.glob("*.data"))  # one self-contained file
 
-    from stratbench.inference import load_image, load_model
-    from stratbench.onnx_export import OrtModel, parity, random_inputs, read_metadata
+    from stratbench.inference.onnx_export import OrtModel, parity, random_inputs, read_metadata
+    from stratbench.inference.predictor import load_image, load_model
 
     loaded = load_model(run["folder"])
     assert read_metadata(onnx_file)["class_names"] == loaded.class_names
@@ -267,7 +267,7 @@ def test_bench_infer_table_and_csv(sharded_runs, tmp_path, capsys):
 
 
 def test_percentile_nearest_rank():
-    from stratbench.inference import percentile
+    from stratbench.inference.predictor import percentile
 
     values = [float(v) for v in range(1, 101)]
     assert percentile(values, 50) == 50 and percentile(values, 95) == 95 and percentile(values, 99) == 99

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO, TINY, stratbench_cmd
-from stratbench.config import TrainConfig
-from stratbench.dist import free_port
-from stratbench.launch import torchrun_command
+from stratbench.core.config import TrainConfig
+from stratbench.core.dist import free_port
+from stratbench.launching.launch import torchrun_command
 
 SHORT = [*TINY, "--max-steps", "5", "--strategy", "ddp"]
 # Long enough that the kill lands mid-run (first checkpoint after 2 of 60 steps), short enough to finish.
@@ -43,7 +43,7 @@ def test_torchrun_command_flags():
     for flag in ("--nproc-per-node=4", "--nnodes=2", "--node-rank=1", "--master-addr=10.0.0.1", "--master-port=29400",
                  "--max-restarts=2", f"--rdzv-conf=timeout={cfg.dist_timeout_s}"):  # fmt: skip
         assert flag in cmd
-    assert cmd[1:3] == ["-m", "stratbench._torchrun"]  # torchrun, with a failed rendezvous in one line
+    assert cmd[1:3] == ["-m", "stratbench.launching._torchrun"]  # torchrun, with a failed rendezvous in one line
     assert cmd[-5:] == ["-m", "stratbench", "train", "--config", "c.yaml"]
     # A rendezvous that cannot complete fails after --dist-timeout-s, not torchrun's default 600 s.
     cmd = torchrun_command(cfg.replace(rdzv_endpoint="head:29400", dist_timeout_s=7), Path("c.yaml"))
@@ -121,7 +121,7 @@ def _worker_pids(output: Path) -> dict[int, int]:
             continue
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if marker.encode() not in args or b"stratbench._torchrun" in args:
+            if marker.encode() not in args or b"stratbench.launching._torchrun" in args:
                 continue
             environ = dict(
                 kv.split(b"=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in kv
@@ -198,7 +198,7 @@ def test_max_restarts_resumes_from_last_checkpoint(tmp_path):
 def test_needs_launch_under_slurm_and_torchrun(monkeypatch):
     """An srun task asking for --nproc N launches torchrun for its node; one that does not is a worker itself;
     a torchrun worker never launches again."""
-    from stratbench.launch import needs_launch
+    from stratbench.launching.launch import needs_launch
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

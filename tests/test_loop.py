@@ -57,11 +57,11 @@ def test_mlflow_sink_logs_a_run_found_by_search_runs(tmp_path):
 
 def test_train_state_round_trips():
     """state_dict / load_state_dict are symmetric: progress, scheduler, scaler state and the RNG come back."""
-    from stratbench.config import TrainConfig
-    from stratbench.dist import DistEnv
-    from stratbench.precision import Precision
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.dist import DistEnv
+    from stratbench.core.precision import Precision
     from stratbench.strategies.single import SingleDevice
-    from stratbench.train_state import Progress, TrainState
+    from stratbench.training.state import Progress, TrainState
 
     def make() -> TrainState:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=1.0)

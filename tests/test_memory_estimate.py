@@ -1,4 +1,4 @@
-"""The memory estimate against a measurement on this machine (stratbench.memprobe): glibc's bytes in use read
+"""The memory estimate against a measurement on this machine (stratbench.measuring.memprobe): glibc's bytes in use read
 after every op of a real training step, minus a baseline read before the model exists -- the quantity the
 estimate's peak predicts (model states + activations + temporaries), not process RSS."""
 
@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from stratbench.memprobe import malloc_in_use
+from stratbench.measuring.memprobe import malloc_in_use
 
 MLP = textwrap.dedent(
     """
@@ -33,9 +33,9 @@ CASES = {
 }
 PROBE = """
 import json, sys
-from stratbench.config import TrainConfig
-from stratbench.estimate import estimate
-from stratbench.memprobe import measure_cpu_step_peak
+from stratbench.core.config import TrainConfig
+from stratbench.predicting.estimate import estimate
+from stratbench.measuring.memprobe import measure_cpu_step_peak
 out = {}
 for name, kw in json.loads(sys.argv[1]).items():
     cfg = TrainConfig(**kw)
@@ -71,7 +71,7 @@ def test_two_rank_fsdp_estimate_within_10_percent_of_the_run_s_own_measurement(t
     """The run measures itself (--measure-alloc: step 2, every op, both ranks); the estimate of the busiest
     rank (2 largest units gathered + a reduce-scatter buffer, sharded states) is within 10% of it."""
     from conftest import train
-    from stratbench.estimate import predict_peak_bytes
+    from stratbench.predicting.estimate import predict_peak_bytes
 
     res = train(tmp_path / "fsdp", "--strategy", "fsdp", "--model", "resnet18", "--image-size", "32", "--data", "synthetic",
                 "--batch-size", "16", "--max-steps", "4", "--progress", "false", "--measure-flops", "false",
@@ -101,7 +101,7 @@ def test_two_rank_fsdp_estimate_within_10_percent_of_the_run_s_own_measurement(t
     ],
 )
 def test_peak_table_matches_whole_device_names(name, key, want):
-    from stratbench.metrics import peak_flops_for_name
+    from stratbench.measuring.metrics import peak_flops_for_name
 
     assert peak_flops_for_name(name, key) == want
 
@@ -115,7 +115,7 @@ def test_import_meter_counts_what_an_import_allocates_and_nothing_else(tmp_path,
     import importlib._bootstrap as bootstrap
     import sys
 
-    from stratbench.memprobe import ImportMeter
+    from stratbench.measuring.memprobe import ImportMeter
 
     (tmp_path / "sb_heavy_module.py").write_text("BLOCK = bytearray(3 * 2**20)\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -111,8 +111,8 @@ def test_each_stage_holds_only_its_parameters(runs):
         assert sum(res["sharding"]["param_bytes"]) == total * FP64 and min(res["sharding"]["param_bytes"]) > 0
         assert res["sharding"]["optimizer_state_bytes"] == res["sharding"]["param_bytes"]  # SGD momentum
         # the memory model (stratbench estimate) predicts exactly these per-rank bytes
-        from stratbench.config import TrainConfig
-        from stratbench.estimate import model_state_bytes
+        from stratbench.core.config import TrainConfig
+        from stratbench.predicting.estimate import model_state_bytes
 
         predicted = model_state_bytes(TrainConfig(**res["config"]), 2)
         for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
@@ -129,7 +129,7 @@ def test_pipeline_checkpoint_is_full_and_single_resumes_it(runs, capsys):
     """The step-10 checkpoint of the 1f1b run is a full state dict with the original names; `single` resumes
     it and continues the reference run exactly; predict loads the final one like single's own, and export
     writes single's weights from it (safetensors) and an ONNX file that matches PyTorch."""
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
     from stratbench.cli import main
 
     ckpts = runs["root"] / "1f1b" / "checkpoints"
@@ -304,8 +304,8 @@ def _preflight_error(world: int, *args: str) -> str:
     import argparse
 
     from stratbench.commands.train import add_config_arguments, resolve_config
-    from stratbench.engine import preflight
-    from stratbench.errors import StratbenchError
+    from stratbench.core.errors import StratbenchError
+    from stratbench.training.engine import preflight
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
@@ -359,7 +359,7 @@ def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
     no cell is refused for a layout the preset chose. At 8 GPUs the seed preset's ResNet-50 (6 pieces) runs 4
     stages x 2 replicas with 8 micro-batches, not 8 stages."""
     from stratbench.compare import matrix
-    from stratbench.config import TrainConfig, from_dict
+    from stratbench.core.config import TrainConfig, from_dict
     from stratbench.strategies.pipeline import PipelineStrategy, resolve_layout
 
     monkeypatch.setattr(matrix, "_gpu_count", lambda: gpus)
@@ -397,7 +397,7 @@ def test_model_parallel_refused_without_two_gpus(tmp_path):
 
 
 def test_balanced_cut_minimises_the_largest_stage():
-    from stratbench.pipeline_split import balanced_cut
+    from stratbench.models.split import balanced_cut
 
     def parts(costs, starts):
         bounds = [*starts, len(costs)]
@@ -410,8 +410,8 @@ def test_balanced_cut_minimises_the_largest_stage():
 
 
 def test_split_pieces_of_the_models_stratbench_builds():
-    from stratbench.models import build_model
-    from stratbench.pipeline_split import split_model
+    from stratbench.models.split import split_model
+    from stratbench.models.zoo import build_model
 
     with torch.device("meta"):
         resnet = build_model("resnet18", 10, cifar_stem=True)
@@ -420,7 +420,7 @@ def test_split_pieces_of_the_models_stratbench_builds():
     assert sum(s.params for s in split.stages) == sum(p.numel() for p in resnet.parameters())
     assert split.stages[0].out_numel == 64 * 32 * 32 and split.stages[-1].out_numel == 10
     # the pieces are costed with the counter of metrics.flops_per_sample (MFU): their FLOPs add up to the model's
-    from stratbench.metrics import flops_per_sample
+    from stratbench.measuring.metrics import flops_per_sample
 
     whole = flops_per_sample(lambda: build_model("resnet18", 10, cifar_stem=True), (3, 32, 32), 10)
     assert whole and sum(s.flops for s in split.stages) == whole
@@ -433,8 +433,8 @@ def test_split_pieces_of_the_models_stratbench_builds():
 def test_stages_compose_to_the_model_and_model_parallel_places_them():
     """The stage modules run in order equal the model's forward (fp64, exact), and model-parallel's placement
     (here on two CPU 'devices') keeps the forward and backward and the state dict names."""
-    from stratbench.models import build_model
-    from stratbench.pipeline_split import split_model, stage_module
+    from stratbench.models.split import split_model, stage_module
+    from stratbench.models.zoo import build_model
     from stratbench.strategies.model_parallel import place_stages
 
     torch.manual_seed(0)
@@ -453,8 +453,8 @@ def test_stages_compose_to_the_model_and_model_parallel_places_them():
 
 
 def test_memory_model_counts_the_micro_batches_in_flight():
-    from stratbench.config import TrainConfig
-    from stratbench.estimate import rank_states
+    from stratbench.core.config import TrainConfig
+    from stratbench.predicting.estimate import rank_states
 
     def acts(schedule: str, rank: int) -> int:
         cfg = TrainConfig(model="tinynet", image_size=32, data="synthetic", strategy="pipeline", batch_size=64,
@@ -469,8 +469,8 @@ def test_memory_model_counts_the_micro_batches_in_flight():
 
 
 def test_comm_model_sends_each_micro_batch_across_the_boundary():
-    from stratbench.config import TrainConfig
-    from stratbench.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.core.config import TrainConfig
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
     from stratbench.strategies.pipeline import PipelineStrategy
 
     opts = {"schedule": "1f1b", "pp": 2, "microbatches": 2}
@@ -491,9 +491,9 @@ def test_model_parallel_trains_like_single_with_cpu_stand_ins(tmp_path, monkeypa
     import argparse
 
     from stratbench.commands.train import add_config_arguments, resolve_config
-    from stratbench.dist import DistEnv
-    from stratbench.engine import Trainer
+    from stratbench.core.dist import DistEnv
     from stratbench.strategies.model_parallel import ModelParallelStrategy
+    from stratbench.training.engine import Trainer
 
     monkeypatch.setattr(ModelParallelStrategy, "devices", lambda self: [torch.device("cpu")] * 2)
     monkeypatch.setattr(ModelParallelStrategy, "synchronize", lambda self: None)
@@ -528,10 +528,10 @@ def test_batchnorm_sees_the_micro_batches_like_grad_accum(tmp_path, monkeypatch)
     statistics with the whole batch here, with uninitialised memory on later stages - NaN validation loss.)"""
     import argparse
 
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
     from stratbench.commands.train import add_config_arguments, resolve_config
-    from stratbench.dist import free_port
-    from stratbench.engine import run
+    from stratbench.core.dist import free_port
+    from stratbench.training.engine import run
 
     for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"),
                         ("MASTER_PORT", str(free_port()))):  # fmt: skip

@@ -1,4 +1,4 @@
-"""The step-time projection (stratbench.projection) and the hardware profiles it reads: the alpha-beta
+"""The step-time projection (stratbench.predicting.projection) and the hardware profiles it reads: the alpha-beta
 arithmetic, profile loading and validation, device-name matching, calibration, and a projection (or "no model")
 for every registered strategy. No GPU, no processes: all of it is arithmetic on fake-tensor shapes."""
 
@@ -10,9 +10,9 @@ import math
 import pytest
 import yaml
 
-from stratbench import hardware, projection
-from stratbench.config import TrainConfig
-from stratbench.hardware import HardwareError
+from stratbench.core.config import TrainConfig
+from stratbench.predicting import hardware, projection
+from stratbench.predicting.hardware import HardwareError
 
 TINY = {
     "model": "tinynet",
@@ -141,7 +141,7 @@ DEVICE_NAMES = {
 
 @pytest.mark.parametrize(("name", "key"), DEVICE_NAMES.items())
 def test_device_names_match_exactly_one_entry(name, key):
-    from stratbench.metrics import PEAK_FLOPS, peak_flops_for_name
+    from stratbench.measuring.metrics import PEAK_FLOPS, peak_flops_for_name
 
     cat = hardware.builtin()
     assert cat.ambiguous(name) == ([key] if key else [])
@@ -363,7 +363,7 @@ def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size(
     contention like the fixed overhead; a method without such a run (ddp) is projected as before."""
     import dataclasses
 
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     s = dataclasses.replace(
         hardware.builtin().system("cpu-gloo"), compute_share=0.3, thread_share=0.6, threads_per_process=1
@@ -410,7 +410,7 @@ def test_probe_loaded_latency_reaches_the_profile_and_reads_back(tmp_path):
     """The probe's loaded measurement (a small call right after a compute burst) becomes each kind's
     loaded_latency, less the bytes' share and never below the idle fit's latency; the file reads back."""
     from stratbench.commands.probe import build_profile
-    from stratbench.hardware import dump, load
+    from stratbench.predicting.hardware import dump, load
 
     rows = [{"payload_bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)]
     data = {"ranks": 2, "device": "cpu", "cpu": "x", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.5,
@@ -447,7 +447,7 @@ def test_probe_profile_records_the_per_process_share():
 
 
 def test_calibration_refuses_what_it_cannot_use():
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     s = hardware.builtin().system("p40-pcie3")
     bad = _result(tiny_cfg(), 0.1)
@@ -485,7 +485,7 @@ def test_more_devices_less_compute_per_device_and_memory_from_the_estimator():
 def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
     """A pipeline step: the busiest stage's FLOPs / (1 - (P-1)/(M+P-1)), not the whole model per device;
     model-parallel (one process, the devices in turn) computes the whole model."""
-    from stratbench.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
     from stratbench.strategies.pipeline import _spec_split
 
@@ -533,9 +533,9 @@ def test_estimate_time_cli_json(capsys):
 
 
 def test_advise_goal_speed_ranks_the_plans_that_fit(capsys):
-    from stratbench.advise import SPEED_TIE, advise
     from stratbench.cli import main
-    from stratbench.estimate import estimate
+    from stratbench.predicting.advise import SPEED_TIE, advise
+    from stratbench.predicting.estimate import estimate
 
     s = hardware.builtin().system("h100-sxm")
     base = tiny_cfg(model="tinynet", width=256, batch_size=64)

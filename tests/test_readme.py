@@ -65,7 +65,7 @@ def test_continuation_and_comments():
 @pytest.mark.parametrize("command", TOUR, ids=[f"{i + 1}" for i in range(len(TOUR))])
 def test_tour_line_parses(parser, command):
     from stratbench.commands.train import strategy_options_from_args
-    from stratbench.config import TrainConfig, collect_overrides, from_dict, validate
+    from stratbench.core.config import TrainConfig, collect_overrides, from_dict, validate
 
     argv = tour_argv(command)
     args = parse(parser, argv)
@@ -84,7 +84,7 @@ def test_a_renamed_flag_fails(parser):
     with pytest.raises(AssertionError, match="unrecognized arguments: --no-such-flag"):
         parse(parser, ["train", "--no-such-flag", "1"])
     from stratbench.commands.train import strategy_options_from_args
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     args = parse(parser, ["train", "--strategy", "ddp", "--zero-stage", "3"])
     with pytest.raises(ConfigError, match="--zero-stage"):
@@ -101,7 +101,7 @@ def test_what_a_line_reads_an_earlier_line_wrote(parser):
     """A checkpoint a tour line reads (``--checkpoint``, ``consolidate``'s input, ``--resume``) is the output of an
     earlier line, as a new user running the tour top to bottom has it (a train line without --output writes
     runs/train, which every such line overwrites)."""
-    from stratbench.config import TrainConfig
+    from stratbench.core.config import TrainConfig
 
     written: dict[str, int] = {}  # path -> the line that wrote it
     for n, command in enumerate(TOUR, 1):

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from stratbench import hardware
 from stratbench.compare.calibration import CALIBRATION
 from stratbench.compare.runner import load_records
+from stratbench.predicting import hardware
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

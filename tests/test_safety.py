@@ -145,8 +145,8 @@ def test_trust_checkpoint_is_the_explicit_unsafe_route(real_runs, tmp_path, caps
 
 
 def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
-    from stratbench.checkpoint import check_tag
-    from stratbench.errors import CheckpointError
+    from stratbench.checkpoints.checkpoint import check_tag
+    from stratbench.core.errors import CheckpointError
 
     assert check_tag(tmp_path, "deepspeed") == "deepspeed"
     for bad in ("../../etc", "/abs", "..", "", None):
@@ -206,7 +206,7 @@ def test_killed_launcher_or_agent_leaves_no_process(tmp_path, victim):
     if victim == "launcher-SIGTERM":
         proc.send_signal(signal.SIGTERM)
     else:
-        agents = [p for p in psutil.Process(proc.pid).children() if "stratbench._torchrun" in " ".join(p.cmdline())]
+        agents = [p for p in psutil.Process(proc.pid).children() if "stratbench.launching._torchrun" in " ".join(p.cmdline())]
         assert len(agents) == 1, agents
         agents[0].kill()
     proc.wait(timeout=30)
@@ -240,7 +240,7 @@ def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tm
 
 # ---- one swap helper, step-numbered checkpoints, resume after a kill between renames ----------------------
 def _save(out: Path, step: int) -> Path:
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     path = ckpt.save_path_for(out, step)
     ckpt.save_full(path, {"model": {"w": torch.full((2,), float(step))}, "progress": {"step": step}})
@@ -249,7 +249,7 @@ def _save(out: Path, step: int) -> Path:
 
 @pytest.mark.parametrize("keep", [1, 3])
 def test_publish_keeps_the_last_k_and_points_last_at_the_newest(tmp_path, keep):
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     for step in (10, 20, 30, 40):
         ckpt.publish(tmp_path, _save(tmp_path, step), keep_last=keep)
@@ -260,7 +260,7 @@ def test_publish_keeps_the_last_k_and_points_last_at_the_newest(tmp_path, keep):
 
 
 def test_publish_keeps_a_real_last_from_an_earlier_version(tmp_path):
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     ckpt.save_full(ckpt.last_checkpoint(tmp_path), {"progress": {"step": 5}})
     ckpt.publish(tmp_path, _save(tmp_path, 6), keep_last=2)
@@ -270,7 +270,7 @@ def test_publish_keeps_a_real_last_from_an_earlier_version(tmp_path):
 def test_publish_restores_a_swapped_out_entry_and_clears_what_killed_saves_left(tmp_path):
     """A kill between the two renames of a step entry's swap leaves it only as .step-N.old (resume reads it);
     the next publish puts it back, so --keep-last counts it, and deletes unfinished saves' temporary entries."""
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     p5 = _save(tmp_path, 5)
     ckpt.publish(tmp_path, p5, keep_last=2)
@@ -288,7 +288,7 @@ def test_publish_restores_a_swapped_out_entry_and_clears_what_killed_saves_left(
 def test_replace_path_never_drops_the_only_copy(tmp_path):
     """A kill between the two renames of a swap leaves only .NAME.old: the next swap keeps it until the new
     entry is in place, and resume reads it meanwhile."""
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     last = ckpt.last_checkpoint(tmp_path)
     ckpt.save_full(last, {"progress": {"step": 7}})
@@ -302,7 +302,7 @@ def test_replace_path_never_drops_the_only_copy(tmp_path):
 
 
 def test_atomic_output_leaves_the_previous_file_on_failure(tmp_path):
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     target = tmp_path / "report.csv"
     ckpt.atomic_write(target, "good\n")
@@ -357,7 +357,7 @@ def test_a_loss_that_turns_nan_stops_the_run_as_diverged(tmp_path, capsys, monke
     assert "at step 3" in err and "nan" in err, err
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "diverged" and "at step 3" in result["reason"], result
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     assert ckpt.load_any(ckpt.last_checkpoint(out))["progress"]["step"] == 2  # the last finite step's save
 
@@ -463,11 +463,11 @@ def test_second_sweep_on_the_same_folder_is_refused(tmp_path):
 
     from stratbench.compare.matrix import build_matrix
     from stratbench.compare.runner import SweepRunner
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     out = tmp_path / "sweep"
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"from stratbench.lock import output_lock\nwith output_lock({str(out)!r}):\n"
+        [sys.executable, "-c", f"from stratbench.core.lock import output_lock\nwith output_lock({str(out)!r}):\n"
          "    print('held', flush=True); import time; time.sleep(60)"],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -556,7 +556,7 @@ def test_dcp_non_tensor_entry_is_read_weights_only(tmp_path, capsys):
     and its own planners read them with weights_only=False: a crafted entry must be refused there too."""
     import torch.distributed.checkpoint as dcp
 
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     folder = tmp_path / "dcp"
     marker = tmp_path / "MARKER"
@@ -577,9 +577,9 @@ def test_a_rank_that_only_saw_its_peer_vanish_is_not_the_reason(tmp_path):
     launcher keeps that text but names the cause (seen once in CI as a race with the test above)."""
     import json
 
-    from stratbench.config import TrainConfig
-    from stratbench.errors import StratbenchError
-    from stratbench.job import raise_failed
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.errors import StratbenchError
+    from stratbench.launching.job import raise_failed
 
     out = tmp_path / "run"
     out.mkdir()

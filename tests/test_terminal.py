@@ -78,7 +78,7 @@ def test_a_row_without_numbers_is_its_name_and_the_reason(capsys, monkeypatch):
     from rich.console import Console
 
     from stratbench.commands.estimate import MEMORY_DROP, memory_table
-    from stratbench.report_table import fit_table
+    from stratbench.core.tables import fit_table
 
     results = json.loads(_output(capsys, [*COMMANDS["estimate"][:-2], "--json"]))["results"]
     why = "the model has fewer blocks than the 4 pipeline stages asked for; use --pp 2 or a deeper model"
@@ -106,7 +106,7 @@ class Clock:
 
 
 def test_line_progress_every_tenth_or_every_10_s_and_the_last_step():
-    from stratbench.progress import LineProgress
+    from stratbench.core.progress import LineProgress
 
     out, clock = io.StringIO(), Clock()
     bar = LineProgress(total=100, initial=0, desc="ddp/fp32", stream=out, clock=clock)
@@ -124,7 +124,7 @@ def test_line_progress_every_tenth_or_every_10_s_and_the_last_step():
 
 def test_line_progress_ends_with_the_step_it_stopped_at():
     """A run that stops before ``total`` (its epochs end first) still ends with a line for its last step."""
-    from stratbench.progress import LineProgress, fmt_eta
+    from stratbench.core.progress import LineProgress, fmt_eta
 
     out, clock = io.StringIO(), Clock()
     bar = LineProgress(total=50, initial=20, desc="single/fp32", stream=out, clock=clock)  # resumed at 20
@@ -139,7 +139,7 @@ def test_line_progress_ends_with_the_step_it_stopped_at():
 
 
 def test_progress_bar_is_tqdm_only_on_a_terminal():
-    from stratbench.progress import LineProgress, NullProgress, progress_bar
+    from stratbench.core.progress import LineProgress, NullProgress, progress_bar
 
     class Tty(io.StringIO):
         def isatty(self) -> bool:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import EQUIV, RTOL, assert_curves_match, run_stratbench, train
-from stratbench import checkpoint
+from stratbench.checkpoints import checkpoint
 
 QUICK = ["--model", "tinynet", "--data", "digits", "--progress", "false", "--measure-flops", "false"]
 

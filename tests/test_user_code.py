@@ -53,7 +53,7 @@ def user_folder(tmp_path, monkeypatch):
 def test_a_module_in_the_working_folder_is_found_after_everything_else(user_folder):
     """The working folder is appended to sys.path (found without PYTHONPATH), never put first: a user's file
     must not replace a module every other import gets."""
-    from stratbench.user_code import import_builder
+    from stratbench.core.user_code import import_builder
 
     (user_folder / "mynet_found.py").write_text("def build(num_classes):\n    return None\n")
     assert import_builder("mynet_found:build", "model")(num_classes=3) is None
@@ -88,7 +88,7 @@ def test_a_loss_that_is_not_a_scalar_is_one_line(user_folder, capsys):
 def test_a_model_with_lazy_modules_trains_and_is_estimated(user_folder, capsys):
     """nn.LazyLinear: a dry forward on one sample gives it its parameters before they are counted, sharded or
     saved (a ValueError traceback from torch before); the estimate sees the same model."""
-    from stratbench.estimate import ModelSpec, model_info
+    from stratbench.predicting.estimate import ModelSpec, model_info
 
     (user_folder / "lazynet.py").write_text(LAZY_NET)
     assert main(["train", "--model", "lazynet:build", "--output", "out", *SHORT]) == 0

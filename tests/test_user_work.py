@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from conftest import run_stratbench, train
-from stratbench.config import TrainConfig, from_dict
-from stratbench.errors import CheckpointError, ConfigError
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.errors import CheckpointError, ConfigError
 
 RESNET18_FILE = "resnet18-f37072fd.pth"  # torchvision's ResNet18_Weights.IMAGENET1K_V1, as torch.hub names it
 
@@ -292,7 +292,7 @@ def test_loss_choice_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
     import torch.nn.functional as F
 
     from stratbench.cli import main
-    from stratbench.losses import build_loss
+    from stratbench.training.losses import build_loss
 
     logits, y = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)), torch.tensor([0, 1, 2, 3, 0, 1])
     fn = build_loss(from_dict(TrainConfig, {"loss": "cross-entropy", "label_smoothing": 0.2}))

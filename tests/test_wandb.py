@@ -142,8 +142,8 @@ def test_a_failed_run_is_marked_failed_and_its_service_stopped(tmp_path, monkeyp
     """The sink alone, in this process: a run that did not end "ok" finishes with exit code 1 and its status,
     and close stops the service process that wandb.finish leaves running (and puts WANDB_MODE back)."""
     pytest.importorskip("wandb")
-    from stratbench.config import TrainConfig
-    from stratbench.sinks import WandbSink
+    from stratbench.core.config import TrainConfig
+    from stratbench.training.sinks import WandbSink
 
     monkeypatch.delenv("WANDB_MODE", raising=False)
     cfg = TrainConfig(output=str(tmp_path), wandb=True, wandb_mode="offline")
@@ -162,7 +162,7 @@ def test_a_failed_run_is_marked_failed_and_its_service_stopped(tmp_path, monkeyp
 
 # ---- the mode --------------------------------------------------------------------------------------
 def test_auto_mode_is_online_only_with_a_login(tmp_path, monkeypatch):
-    from stratbench.sinks import resolve_wandb_mode
+    from stratbench.training.sinks import resolve_wandb_mode
 
     for name in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
         monkeypatch.delenv(name, raising=False)

@@ -123,7 +123,7 @@ class ZygoteRun:
 
 def check_checkpoint(out: Path) -> dict:
     """What ``--resume`` would pick in ``out``, loaded weights-only: {"path", "step", "model"} or {"error"}."""
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     path = ckpt.resolve_resume(str(out), None)
     if path is None:
@@ -148,7 +148,7 @@ def serve() -> None:
         except ImportError:
             pass
     from stratbench import cli
-    from stratbench.dist import free_port
+    from stratbench.core.dist import free_port
     from stratbench.strategies.base import discover
 
     discover()

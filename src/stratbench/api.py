@@ -8,7 +8,7 @@ returning results instead of printing tables.
     sweep = compare("quick", output="runs/quick", only=["single,ddp"])                 # a Sweep: records + report
     mem = estimate(model="resnet50", strategy="fsdp", world_size=4, batch_size=128)   # an Estimate
 
-Bad input raises ``stratbench.errors.StratbenchError`` (a ConfigError, UnsupportedError, ...) with the same
+Bad input raises ``stratbench.core.errors.StratbenchError`` (a ConfigError, UnsupportedError, ...) with the same
 one-line message the command prints, before any work.
 """
 
@@ -19,9 +19,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from stratbench import checkpoint as ckpt
-from stratbench.config import TrainConfig, from_dict
-from stratbench.errors import ConfigError
+from stratbench.checkpoints import checkpoint as ckpt
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.errors import ConfigError
 
 __all__ = ["Sweep", "TrainConfig", "compare", "estimate", "plan_sweep", "run_sweep", "train", "train_config"]
 
@@ -38,8 +38,8 @@ def train_config(config: TrainConfig | None = None, /, **options: Any) -> TrainC
 def train(config: TrainConfig | None = None, /, **options: Any) -> dict[str, Any]:
     """Train one model with one method, as ``stratbench train`` does (``nproc`` > 1 starts stratbench's launcher
     and its worker processes); returns the run's result (what ``OUTPUT/result.json`` holds)."""
-    from stratbench.dist import launched_by_launcher
-    from stratbench.job import run_job
+    from stratbench.core.dist import launched_by_launcher
+    from stratbench.launching.job import run_job
 
     cfg = train_config(config, **options)
     if launched_by_launcher():
@@ -100,7 +100,7 @@ def plan_sweep(
     if world_size is not None and world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     if hardware:
-        from stratbench.hardware import resolve
+        from stratbench.predicting.hardware import resolve
 
         resolve(hardware)  # a bad profile is refused now, not after the sweep
     m = load_matrix(preset, matrix, _typed(options), world_size)
@@ -117,7 +117,7 @@ def plan_sweep(
 
 def _typed(options: dict[str, Any]) -> dict[str, Any]:
     """Training options for every cell, typed as TrainConfig declares them (unknown names: one line)."""
-    from stratbench.config import coerce
+    from stratbench.core.config import coerce
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(options) - set(fields))
@@ -180,10 +180,10 @@ def estimate(
     **options: Any,
 ):
     """Memory per device of ``model`` trained with ``strategy`` on ``world_size`` devices, before training
-    (``stratbench.estimate.Estimate``: ``total_bytes``, ``peak_bytes``, ``rows``, ``to_dict()``). ``options``
+    (``stratbench.predicting.estimate.Estimate``: ``total_bytes``, ``peak_bytes``, ``rows``, ``to_dict()``). ``options``
     are TrainConfig fields: batch_size (the global batch), precision, optimizer, image_size, strategy_options..."""
-    from stratbench import estimate as est
-    from stratbench.engine import check_config
+    from stratbench.predicting import estimate as est
+    from stratbench.training.engine import check_config
 
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")

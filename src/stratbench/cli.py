@@ -10,7 +10,7 @@ import pkgutil
 import sys
 
 from stratbench import __version__
-from stratbench.errors import StratbenchError
+from stratbench.core.errors import StratbenchError
 
 
 class OneLineParser(argparse.ArgumentParser):

@@ -36,18 +36,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from stratbench.advise import advise, default_precision
-    from stratbench.config import TrainConfig, validate
-    from stratbench.errors import ConfigError
-    from stratbench.estimate import parse_bytes
-    from stratbench.precision import SPECS
-    from stratbench.report_table import fmt_bytes
+    from stratbench.core.config import TrainConfig, validate
+    from stratbench.core.errors import ConfigError
+    from stratbench.core.precision import SPECS
+    from stratbench.core.tables import fmt_bytes
+    from stratbench.predicting.advise import advise, default_precision
+    from stratbench.predicting.estimate import parse_bytes
 
     has_gpu = torch.cuda.is_available()
     system = calibration = None
     if args.hardware:
-        from stratbench.hardware import resolve
-        from stratbench.projection import load_calibration
+        from stratbench.predicting.hardware import resolve
+        from stratbench.predicting.projection import load_calibration
 
         system = resolve(args.hardware)
         calibration = load_calibration(args.calibrate, system) if args.calibrate else None
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     if memory <= 0:
         raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
     bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
-    from stratbench.config import canonical_precision
+    from stratbench.core.config import canonical_precision
 
     precision = canonical_precision(args.precision) or default_precision("cuda", bf16_ok)
     if precision not in SPECS:
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             "compare_command": result.compare_command,
         }, indent=2))  # fmt: skip
         return 0 if result.plan else 1
-    from stratbench.report_table import table_console
+    from stratbench.core.tables import table_console
 
     console = table_console()  # the terminal's width; piped: COLUMNS or 120
     console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
@@ -122,7 +122,7 @@ def bullets(console, lines: list[str]) -> None:
 
 def check_devices_and_batch(devices: int, batch_size: int) -> None:
     """A device count stratbench plans for, and a global batch train can split evenly over it."""
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     if not 1 <= devices <= 4096:
         raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")

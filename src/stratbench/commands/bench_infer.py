@@ -40,10 +40,10 @@ def _int_list(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoint import add_trust_argument
+    from stratbench.checkpoints.checkpoint import add_trust_argument
 
     add_trust_argument(parser)
-    from stratbench.models import MODELS
+    from stratbench.models.zoo import MODELS
 
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
     src.add_argument("--checkpoint", help="checkpoint file or sharded folder of any method")
@@ -144,7 +144,7 @@ def _first_line(exc: BaseException) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import trusted
+    from stratbench.checkpoints.checkpoint import trusted
 
     with trusted(args.trust_checkpoint):
         return _run(args)
@@ -155,9 +155,9 @@ def _run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from stratbench.dist import resolve_device
-    from stratbench.errors import ConfigError
-    from stratbench.inference import build_from_meta, load_model, percentile
+    from stratbench.core.dist import resolve_device
+    from stratbench.core.errors import ConfigError
+    from stratbench.inference.predictor import build_from_meta, load_model, percentile
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
@@ -192,7 +192,7 @@ def _run(args: argparse.Namespace) -> int:
     if not args.checkpoint and not args.model:
         raise ConfigError("give --checkpoint CKPT, or --model NAME (random weights) with --image-size")
     if args.model:
-        from stratbench.models import check_model
+        from stratbench.models.zoo import check_model
 
         check_model(args.model)  # a built-in name or a user's 'package.module:function'
     if args.threads:
@@ -298,7 +298,7 @@ def _run(args: argparse.Namespace) -> int:
                 skipped(backend, "float32", ort_device, reason)
                 continue
             with tempfile.TemporaryDirectory(prefix="stratbench-bench-") as tmp:
-                from stratbench.onnx_export import OrtModel, export_onnx
+                from stratbench.inference.onnx_export import OrtModel, export_onnx
 
                 try:
                     exported = export_onnx(model, meta, Path(tmp) / "model.onnx")
@@ -318,7 +318,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.output:
         import io
 
-        from stratbench.checkpoint import atomic_write
+        from stratbench.checkpoints.checkpoint import atomic_write
 
         out = Path(args.output)
         with io.StringIO(newline="") as fh:
@@ -367,7 +367,7 @@ def _ort_reason(ort_device: str, device) -> str | None:
 def _print_header(name: str, size: int, device, threads: int) -> None:
     import torch
 
-    from stratbench.metrics import _cpu_name
+    from stratbench.measuring.metrics import _cpu_name
 
     where = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_name()}, {threads} threads"

@@ -21,7 +21,7 @@ _NOT_PASSED = ("output", "strategy", "precision", "nproc", "nnodes", "node_rank"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from stratbench.compare.matrix import PRESETS
-    from stratbench.config import TrainConfig, _base_type, field_docs
+    from stratbench.core.config import TrainConfig, _base_type, field_docs
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from(args: argparse.Namespace) -> dict:
     """The training options given on the command line, typed as TrainConfig declares them."""
-    from stratbench.config import TrainConfig, coerce
+    from stratbench.core.config import TrainConfig, coerce
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     out = {}
@@ -81,8 +81,8 @@ def overrides_from(args: argparse.Namespace) -> dict:
 def run(args: argparse.Namespace) -> int:
     from stratbench.api import plan_sweep, run_sweep
     from stratbench.compare.report import print_table
-    from stratbench.errors import ConfigError
-    from stratbench.report_table import table_console
+    from stratbench.core.errors import ConfigError
+    from stratbench.core.tables import table_console
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")

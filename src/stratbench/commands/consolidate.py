@@ -11,7 +11,7 @@ ORDER = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoint import add_trust_argument
+    from stratbench.checkpoints.checkpoint import add_trust_argument
 
     add_trust_argument(parser)
     parser.add_argument("checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
@@ -22,15 +22,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import trusted
+    from stratbench.checkpoints.checkpoint import trusted
 
     with trusted(args.trust_checkpoint):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import consolidate
-    from stratbench.report_table import fmt_bytes
+    from stratbench.checkpoints.checkpoint import consolidate
+    from stratbench.core.tables import fmt_bytes
 
     out = consolidate(Path(args.checkpoint), Path(args.output), force=args.force)
     print(f"wrote {out} ({fmt_bytes(out.stat().st_size)})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from stratbench.report_table import fit_table, fmt_bytes, name_cell, name_column, note_width, text_column
+from stratbench.core.tables import fit_table, fmt_bytes, name_cell, name_column, note_width, text_column
 
 NAME = "estimate"
 HELP = (
@@ -72,7 +72,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_time_arguments(parser: argparse.ArgumentParser) -> None:
-    """The step-time projection's flags (stratbench.projection), shared with `advise`."""
+    """The step-time projection's flags (stratbench.predicting.projection), shared with `advise`."""
     parser.add_argument(
         "--time",
         action="store_true",
@@ -99,9 +99,9 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
 
 def time_setup(args: argparse.Namespace):
     """(system, calibration) for --time, validated before any work; (None, None) without --time."""
-    from stratbench.errors import ConfigError
-    from stratbench.hardware import resolve
-    from stratbench.projection import load_calibration
+    from stratbench.core.errors import ConfigError
+    from stratbench.predicting.hardware import resolve
+    from stratbench.predicting.projection import load_calibration
 
     if not getattr(args, "time", False):
         return None, None
@@ -130,10 +130,10 @@ MAX_BATCH = 100_000_000
 
 def check_common(args: argparse.Namespace) -> None:
     """The values every row shares (precision, world size, batch): one line before any row is computed."""
-    from stratbench.config import canonical_precision
-    from stratbench.errors import ConfigError
-    from stratbench.models import check_model
-    from stratbench.precision import SPECS
+    from stratbench.core.config import canonical_precision
+    from stratbench.core.errors import ConfigError
+    from stratbench.core.precision import SPECS
+    from stratbench.models.zoo import check_model
 
     args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
     if args.precision not in SPECS:
@@ -150,8 +150,8 @@ def check_common(args: argparse.Namespace) -> None:
 def config_for(args: argparse.Namespace, strategy: str):
     """The TrainConfig of one row (``check_common`` has run)."""
     from stratbench.commands.train import strategy_options_from_args
-    from stratbench.config import TrainConfig, validate
-    from stratbench.errors import ConfigError
+    from stratbench.core.config import TrainConfig, validate
+    from stratbench.core.errors import ConfigError
     from stratbench.strategies.base import get_strategy
 
     world = 1 if strategy == "single" else args.world_size
@@ -181,9 +181,9 @@ def detected_device_memory() -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench import estimate as est
-    from stratbench.errors import ConfigError
-    from stratbench.report_table import table_console
+    from stratbench.core.errors import ConfigError
+    from stratbench.core.tables import table_console
+    from stratbench.predicting import estimate as est
 
     console = table_console(wide=args.wide)  # the terminal's width (piped: COLUMNS or 120); --wide: 220+
     from stratbench.strategies.base import all_strategies, get_strategy
@@ -335,8 +335,8 @@ def _row(args: argparse.Namespace, name: str, system, calibration, device_memory
     """One method's row: its memory estimate (or largest batch) and, with --time, its projection. With
     ``--strategy all`` a method that cannot be built for this model and world is an n/a row with the reason,
     and the others still print; its options are completed for the world (``Strategy.options_for_world``)."""
-    from stratbench import estimate as est
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
+    from stratbench.predicting import estimate as est
     from stratbench.strategies.base import get_strategy
 
     world = 1 if name == "single" else args.world_size
@@ -361,7 +361,7 @@ def _row(args: argparse.Namespace, name: str, system, calibration, device_memory
             raise
         return {"strategy": name, "estimate": None, "na": str(exc), "projection": None}
     if system is not None:
-        from stratbench.projection import project
+        from stratbench.predicting.projection import project
 
         row["projection"] = project(cfg, system, args.nodes, args.gpus_per_node, calibration, memory=False).to_dict()
     return row

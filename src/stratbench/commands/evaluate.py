@@ -13,11 +13,11 @@ ORDER = 61
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoint import add_trust_argument
+    from stratbench.checkpoints.checkpoint import add_trust_argument
 
     add_trust_argument(parser)
-    from stratbench.data import DATASETS
-    from stratbench.inference import add_backend_arguments
+    from stratbench.data.datasets import DATASETS
+    from stratbench.inference.predictor import add_backend_arguments
 
     parser.add_argument(
         "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
@@ -34,15 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import trusted
+    from stratbench.checkpoints.checkpoint import trusted
 
     with trusted(args.trust_checkpoint):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stratbench.errors import ConfigError
-    from stratbench.inference import evaluate, open_model, train_config_for, validation_set
+    from stratbench.core.errors import ConfigError
+    from stratbench.inference.predictor import evaluate, open_model, train_config_for, validation_set
 
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")

@@ -18,7 +18,7 @@ EXPORT_FORMATS = ("onnx", "safetensors", "state-dict")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoint import add_trust_argument
+    from stratbench.checkpoints.checkpoint import add_trust_argument
 
     add_trust_argument(parser)
     parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
@@ -56,8 +56,8 @@ def _real_inputs(loaded, n: int, image_paths: list[str]):
     """(name, batch) pairs of real inputs: validation samples of the training data, plus given images."""
     import torch
 
-    from stratbench.errors import StratbenchError
-    from stratbench.inference import (
+    from stratbench.core.errors import StratbenchError
+    from stratbench.inference.predictor import (
         ImageProblem,
         collect_images,
         load_image,
@@ -94,7 +94,7 @@ def bundle_name(loaded) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import trusted
+    from stratbench.checkpoints.checkpoint import trusted
 
     with trusted(args.trust_checkpoint):
         return _run(args)
@@ -104,11 +104,18 @@ def _run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from stratbench.dist import resolve_device
-    from stratbench.errors import ConfigError
-    from stratbench.inference import load_model
-    from stratbench.onnx_export import OrtModel, ParityError, allowed_diff, export_onnx, parity, random_inputs
-    from stratbench.report_table import fmt_bytes
+    from stratbench.core.dist import resolve_device
+    from stratbench.core.errors import ConfigError
+    from stratbench.core.tables import fmt_bytes
+    from stratbench.inference.onnx_export import (
+        OrtModel,
+        ParityError,
+        allowed_diff,
+        export_onnx,
+        parity,
+        random_inputs,
+    )
+    from stratbench.inference.predictor import load_model
 
     atol = args.atol if args.atol is not None else (FP16_ATOL if args.fp16 else FP32_ATOL)
     if not 0 < atol < float("inf"):
@@ -185,9 +192,9 @@ def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
 
     import torch
 
-    from stratbench.inference import build_from_meta, load_model
-    from stratbench.onnx_export import ParityError, allowed_diff, random_inputs
-    from stratbench.report_table import fmt_bytes
+    from stratbench.core.tables import fmt_bytes
+    from stratbench.inference.onnx_export import ParityError, allowed_diff, random_inputs
+    from stratbench.inference.predictor import build_from_meta, load_model
 
     loaded = load_model(args.checkpoint, "cpu")
     print(f"model: {loaded.describe()}", file=sys.stderr)

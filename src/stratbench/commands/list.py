@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from stratbench.dist import resolve_device
-    from stratbench.report_table import table_console
+    from stratbench.core.dist import resolve_device
+    from stratbench.core.tables import table_console
 
     device = resolve_device("auto")
     console = table_console(wide=args.wide)
@@ -44,8 +44,8 @@ def strategy_table(device, here: str | None, wide: bool):
     its launcher and options, and with ``here`` (a header) whether it can run on ``device``."""
     from rich.table import Table
 
-    from stratbench.config import TrainConfig
-    from stratbench.report_table import name_column, text_column
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.tables import name_column, text_column
     from stratbench.strategies.base import all_strategies
 
     table = Table(title="strategies (--strategy)")
@@ -72,8 +72,8 @@ def precision_table(device, here: str | None, wide: bool):
     ``here`` (a header) whether ``device`` supports it (or runs it slowly)."""
     from rich.table import Table
 
-    from stratbench.precision import SPECS, slow_on, supported_on
-    from stratbench.report_table import name_column, text_column
+    from stratbench.core.precision import SPECS, slow_on, supported_on
+    from stratbench.core.tables import name_column, text_column
 
     table = Table(title="precisions (--precision)")
     name_column(table, "name")

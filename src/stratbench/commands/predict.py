@@ -12,10 +12,10 @@ ORDER = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoint import add_trust_argument
+    from stratbench.checkpoints.checkpoint import add_trust_argument
 
     add_trust_argument(parser)
-    from stratbench.inference import add_backend_arguments
+    from stratbench.inference.predictor import add_backend_arguments
 
     parser.add_argument(
         "images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)"
@@ -32,15 +32,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoint import trusted
+    from stratbench.checkpoints.checkpoint import trusted
 
     with trusted(args.trust_checkpoint):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stratbench.errors import ConfigError, DataError
-    from stratbench.inference import collect_images, open_model, predict_files
+    from stratbench.core.errors import ConfigError, DataError
+    from stratbench.inference.predictor import collect_images, open_model, predict_files
 
     if args.top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")

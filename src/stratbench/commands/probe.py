@@ -3,7 +3,7 @@ between N local processes over a range of sizes, fit latency + bytes / bandwidth
 processes' compute (matmul) and memory bandwidth and how much communication hides under compute, and write it
 all as a hardware profile that `estimate --time --hardware FILE` and the projection read.
 
-The processes are started the way `train` starts them (stratbench.launch: torchrun, gloo on CPU, NCCL on GPUs).
+The processes are started the way `train` starts them (stratbench.launching.launch: torchrun, gloo on CPU, NCCL on GPUs).
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def parse_sizes(text: str) -> list[int]:
-    from stratbench.errors import ConfigError
-    from stratbench.estimate import parse_bytes
+    from stratbench.core.errors import ConfigError
+    from stratbench.predicting.estimate import parse_bytes
 
     try:
         sizes = sorted({parse_bytes(s) for s in text.split(",") if s.strip()})
@@ -63,9 +63,9 @@ def parse_sizes(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.raw:
         return worker(args)
-    from stratbench.config import TrainConfig
-    from stratbench.errors import ConfigError, StratbenchError
-    from stratbench.launch import launch
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.errors import ConfigError, StratbenchError
+    from stratbench.launching.launch import launch
 
     if not 2 <= args.nproc <= 64:
         raise ConfigError(f"--nproc must be between 2 and 64, got {args.nproc}")
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(raw.read_text())
     profile, fits = build_profile(data, args.name or f"local-{device}-{args.nproc}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from stratbench.hardware import dump
+    from stratbench.predicting.hardware import dump
 
     header = (
         f"# written by `stratbench probe --nproc {args.nproc} --device {device}` on {data['host']} at {data['when']}\n"
@@ -101,8 +101,8 @@ def run(args: argparse.Namespace) -> int:
         "# over the one-process rate; overlap = measured share of an all_reduce hidden under matmuls;\n"
         "# loaded_latency = a small call's cost right after a ~2 ms compute burst on every process (training's).\n"
     )
-    from stratbench.checkpoint import atomic_output
-    from stratbench.hardware import load
+    from stratbench.checkpoints.checkpoint import atomic_output
+    from stratbench.predicting.hardware import load
 
     # A temporary file, read back (what is written must load), then renamed: a failed probe keeps an earlier one.
     with atomic_output(out, ".yaml") as tmp:
@@ -131,7 +131,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from stratbench.dist import destroy_process_group, die_with_parent, init_process_group, read_env
+    from stratbench.core.dist import destroy_process_group, die_with_parent, init_process_group, read_env
 
     if os.environ.get("STRATBENCH_DIE_WITH_PARENT"):
         die_with_parent()
@@ -243,7 +243,7 @@ def worker(args: argparse.Namespace) -> int:
 
         import torch as _t
 
-        from stratbench.metrics import _cpu_name
+        from stratbench.measuring.metrics import _cpu_name
 
         out |= {
             "backend": dist.get_backend(), "device": device.type, "torch": _t.__version__, "cpu": _cpu_name(),
@@ -251,7 +251,7 @@ def worker(args: argparse.Namespace) -> int:
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "platform": platform.platform(),
             "gpus": [_t.cuda.get_device_name(i) for i in range(_t.cuda.device_count())] if device.type == "cuda" else [],
         }  # fmt: skip
-        from stratbench.checkpoint import atomic_write
+        from stratbench.checkpoints.checkpoint import atomic_write
 
         atomic_write(Path(args.raw), json.dumps(out))
     destroy_process_group()
@@ -358,8 +358,8 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The YAML mapping of a profile from the workers' measurements, and the fits per kind."""
-    from stratbench.comm import wire_factor
-    from stratbench.hardware import builtin, fmt_rate
+    from stratbench.measuring.comm import wire_factor
+    from stratbench.predicting.hardware import builtin, fmt_rate
 
     n = int(data["ranks"])
     fits: dict[str, Any] = {}
@@ -397,7 +397,7 @@ def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict
     if data["device"] == "cuda":
         gpu = builtin().gpu_for_device((data.get("gpus") or [""])[0])
         if gpu is None:
-            from stratbench.errors import ConfigError
+            from stratbench.core.errors import ConfigError
 
             raise ConfigError(
                 f"GPU {data['gpus'][0]!r} is not in the hardware profiles: add it to the written file"
@@ -444,8 +444,8 @@ def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict
 def print_report(data: dict[str, Any], fits: dict[str, Any], out: Path) -> None:
     from rich.table import Table
 
-    from stratbench.comm import wire_factor
-    from stratbench.report_table import fmt_bytes, table_console
+    from stratbench.core.tables import fmt_bytes, table_console
+    from stratbench.measuring.comm import wire_factor
 
     n = data["ranks"]
     console = table_console()

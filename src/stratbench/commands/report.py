@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from stratbench.compare.report import print_table, render_sweeps
     from stratbench.compare.runner import check_results_file
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     dirs = [Path(d) for d in args.dirs]
     for d in dirs:
@@ -33,11 +33,11 @@ def run(args: argparse.Namespace) -> int:
     for d in dirs:
         check_results_file(d)
     if args.hardware:
-        from stratbench.hardware import resolve
+        from stratbench.predicting.hardware import resolve
 
         resolve(args.hardware)
     out = Path(args.output) if args.output else dirs[0]
-    from stratbench.lock import check_output_folder
+    from stratbench.core.lock import check_output_folder
 
     check_output_folder(out, "--output" if args.output else "report folder (the sweep folder; --output names another)")
     paths, records = render_sweeps(dirs, out, args.title, args.hardware)

@@ -8,8 +8,14 @@ import os
 import sys
 from typing import Any
 
-from stratbench.config import TrainConfig, add_dataclass_arguments, collect_overrides, from_dict, load_yaml
-from stratbench.errors import ConfigError
+from stratbench.core.config import (
+    TrainConfig,
+    add_dataclass_arguments,
+    collect_overrides,
+    from_dict,
+    load_yaml,
+)
+from stratbench.core.errors import ConfigError
 
 NAME = "train"
 HELP = "train one model with one method and precision; writes OUTPUT/result.json"
@@ -37,7 +43,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per strategy option field (from every registered strategy's ``Options``); a field two strategies
     share gets one flag whose help gives each strategy's own description."""
-    from stratbench.config import _base_type, field_docs
+    from stratbench.core.config import _base_type, field_docs
     from stratbench.strategies.base import iter_option_fields
 
     group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
@@ -117,7 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench import checkpoint as ckpt
+    from stratbench.checkpoints import checkpoint as ckpt
 
     cfg = resolve_config(args)
     with ckpt.trusted(cfg.trust_checkpoint):
@@ -127,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
 def _run(cfg) -> int:
     """One run as the CLI does it: the job (launched or in this process), its result printed by the main process;
     a launched worker then leaves without the interpreter's teardown."""
-    from stratbench.dist import die_with_parent, launched_by_launcher, read_env
-    from stratbench.job import run_job
-    from stratbench.report_table import print_result
+    from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
+    from stratbench.core.tables import print_result
+    from stratbench.launching.job import run_job
 
     worker = launched_by_launcher()
     if worker:

@@ -112,10 +112,10 @@ def plan_calibration(
 ) -> CalibrationPlan:  # fmt: skip
     """The calibration runs for the runnable multi-process cells of ``plans`` (see the module docstring).
     ``threads``: the calibration runs' thread count (default: what a cell's process gets here)."""
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.dist import resolve_device
-    from stratbench.launch import threads_per_process
-    from stratbench.projection import method_run_refused
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.core.dist import resolve_device
+    from stratbench.launching.launch import threads_per_process
+    from stratbench.predicting.projection import method_run_refused
     from stratbench.strategies.base import get_strategy
 
     runnable = [p.cell for p in plans if p.status is None]
@@ -253,8 +253,8 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     import shutil
     import time
 
-    from stratbench.errors import ConfigError
-    from stratbench.hardware import resolve
+    from stratbench.core.errors import ConfigError
+    from stratbench.predicting.hardware import resolve
 
     run_dir = runner.out / CAL_DIR / run.id
     if run_dir.exists():
@@ -328,7 +328,7 @@ class Basis:
 def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis | None:
     """The calibration runs of ``rec``'s machine made for it (``calibration.for`` names its id); None when none
     was (the sweep did not calibrate, or not this cell)."""
-    from stratbench.projection import method_run_refused
+    from stratbench.predicting.projection import method_run_refused
 
     host = (rec.get("machine") or {}).get("hostname")
     mine = [c for c in calibration if rec.get("id") in c["calibration"].get("for", [])

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stratbench.errors import ConfigError, StratbenchError, UnsupportedError
+from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
 from stratbench.strategies.pipeline import pipeline_layout
 
 STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")
@@ -59,7 +59,7 @@ class Cell:
 
     @property
     def batch_size(self) -> int:
-        from stratbench.config import TrainConfig
+        from stratbench.core.config import TrainConfig
 
         return int(self.config.get("batch_size", TrainConfig.batch_size))
 
@@ -164,7 +164,7 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
 
     Like the source it fine-tunes torchvision's ImageNet weights when they are in the torch hub cache (or
     ``download`` is set); otherwise it starts from random weights, and the report's ``init`` column says which."""
-    from stratbench.models import pretrained_available
+    from stratbench.models.zoo import pretrained_available
 
     world = world_size or max(2, _gpu_count())
     pretrained = download or pretrained_available("resnet50", "imagenet")
@@ -310,7 +310,7 @@ def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
-    from stratbench.config import TrainConfig, canonical_precision, from_dict
+    from stratbench.core.config import TrainConfig, canonical_precision, from_dict
 
     if not isinstance(spec, dict):
         raise ConfigError(f"a comparison matrix must be a mapping, got {type(spec).__name__}")
@@ -394,7 +394,7 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
                 world_size: int | None = None) -> Matrix:  # fmt: skip
     """A preset by name or a YAML matrix file (exactly one of them)."""
     if path:
-        from stratbench.config import load_yaml
+        from stratbench.core.config import load_yaml
 
         return build_matrix(load_yaml(path), overrides, world_size)
     name = preset or "quick"
@@ -452,11 +452,11 @@ class Plan:
 
 def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
     """Decide, without starting any work, whether ``cell`` can run on this machine (and why not)."""
-    from stratbench import engine
-    from stratbench.config import TrainConfig, from_dict
-    from stratbench.dist import resolve_device
-    from stratbench.precision import SPECS, configure_tf32, slow_on
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.core.dist import resolve_device
+    from stratbench.core.precision import SPECS, configure_tf32, slow_on
     from stratbench.strategies.base import all_strategies
+    from stratbench.training import engine
 
     cls = all_strategies().get(cell.method)
     if cls is None:

@@ -21,11 +21,11 @@ from typing import Any
 
 import jinja2
 
-from stratbench.checkpoint import atomic_output, atomic_write
+from stratbench.checkpoints.checkpoint import atomic_output, atomic_write
 from stratbench.compare import summary
 from stratbench.compare.rows import DASH, Row, is_baseline, machine_name, number
 from stratbench.compare.runner import SWEEP, load_records
-from stratbench.report_table import fmt_bytes
+from stratbench.core.tables import fmt_bytes
 
 NOT_RUN = "not run"
 SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
@@ -73,7 +73,7 @@ class Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read DIR/results.jsonl (+ DIR/sweep.json for order and the cells not run yet)."""
-    from stratbench.errors import ConfigError
+    from stratbench.core.errors import ConfigError
 
     path = Path(path)
     records = load_records(path)
@@ -140,7 +140,7 @@ def _mean(xs: list[Any]) -> float | None:
 
 def _predict(rec: dict[str, Any]) -> int | None:
     """The estimator's peak for this cell's config (None where it has none; it never raises)."""
-    from stratbench.estimate import predict_peak_bytes
+    from stratbench.predicting.estimate import predict_peak_bytes
 
     config = dict(rec.get("config") or {})
     if not config:
@@ -230,7 +230,7 @@ def _readable_row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, fl
 
 
 def _calibration_key(rec: dict[str, Any]) -> tuple[str, str, str]:
-    from stratbench.projection import precision_key
+    from stratbench.predicting.projection import precision_key
 
     config = rec.get("config") or {}
     return machine_name(rec), precision_key(str(rec.get("precision")), bool(config.get("tf32"))), str(_model_of(rec))
@@ -247,12 +247,12 @@ UNCALIBRATED_CPU = (
 def _add_predicted_step(
     rows: list[Row], notes: Footnotes, hardware: str | None, calibration: list[dict[str, Any]]
 ) -> None:
-    """Beside each measured median step, what stratbench.projection predicts for it on the machine it ran on.
+    """Beside each measured median step, what stratbench.predicting.projection predicts for it on the machine it ran on.
     Where the sweep calibrated itself (compare --calibrate) from its calibration runs and probe profile, made
     for that cell before it ran; otherwise on a GPU from the device's profile, calibrated on the sweep's own
     `single` run of the same machine, precision and model; on a CPU not at all (docs/projection.md)."""
     from stratbench.compare.calibration import basis_for
-    from stratbench.projection import predict_calibrated, predict_record
+    from stratbench.predicting.projection import predict_calibrated, predict_record
 
     singles: dict[tuple[str, str, str], dict[str, Any]] = {}
     for r in rows:
@@ -277,7 +277,7 @@ def _add_predicted_step(
                      f"this machine's probe profile (`stratbench probe --nproc {basis.nproc}`, "
                      f"calibration/probe-w{basis.nproc}/probe.yaml)")  # fmt: skip
             how = (
-                f"predicted step: stratbench.projection on {where}, calibrated by this sweep's calibration runs "
+                f"predicted step: stratbench.predicting.projection on {where}, calibrated by this sweep's calibration runs "
                 "(compare --calibrate; calibration.jsonl): `single` at the per-process and the global batch with the "
                 "threads of a cell's process, and each method once on one process for its own overhead per step "
                 "(report.csv: predicted_step_basis). No measurement of the row itself enters its prediction; "
@@ -290,7 +290,7 @@ def _add_predicted_step(
             cal = singles.get(_calibration_key(r.rec))
             pred = predict_record(r.rec, cal, hardware)
             how = (
-                f"predicted step: stratbench.projection on the {pred.system} profile, "
+                f"predicted step: stratbench.predicting.projection on the {pred.system} profile, "
                 + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
                    else "at the profile's default efficiency (no single run of this precision in the sweep)")
                 + "; error = predicted / measured median step - 1 (docs/projection.md)"
@@ -514,7 +514,7 @@ def _alloc_peak_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str
 
 
 def _predicted_peak_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
-    """stratbench.estimate's peak for the cell's config, and its error against the measured allocator peak."""
+    """stratbench.predicting.estimate's peak for the cell's config, and its error against the measured allocator peak."""
     pred = _predict(rec)
     raw["predicted"] = pred
     raw["prediction_error_pct"] = None
@@ -523,7 +523,7 @@ def _predicted_peak_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[st
     elif raw["alloc_peak"]:
         raw["prediction_error_pct"] = (pred - raw["alloc_peak"]) / raw["alloc_peak"] * 100
         text["predicted"] = f"{fmt_bytes(pred)} ({raw['prediction_error_pct']:+.0f}%)" + notes.mark(
-            "predicted peak: stratbench.estimate for the cell's config, the busiest rank; error = predicted / "
+            "predicted peak: stratbench.predicting.estimate for the cell's config, the busiest rank; error = predicted / "
             "allocator peak - 1"
         )
     else:
@@ -543,7 +543,7 @@ def _mfu_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], note
     elif not m.get("flops_per_sample"):
         text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
     else:
-        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.metrics.PEAK_FLOPS)")
+        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.measuring.metrics.PEAK_FLOPS)")
 
 
 def _not_compute_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
@@ -637,7 +637,7 @@ def _init_of(rec: dict[str, Any]) -> str | None:
     cfg = rec.get("config")
     if not cfg:
         return None
-    from stratbench.models import describe_init
+    from stratbench.models.zoo import describe_init
 
     return describe_init(cfg.get("weights"))
 
@@ -1216,7 +1216,7 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
     """A compact version of the table for the terminal at the end of a sweep."""
     from rich.table import Table
 
-    from stratbench.report_table import table_console
+    from stratbench.core.tables import table_console
 
     console = console or table_console()
     notes = Footnotes()

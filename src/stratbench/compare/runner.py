@@ -24,9 +24,9 @@ from typing import Any
 
 import yaml
 
-from stratbench.checkpoint import atomic_write
+from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
-from stratbench.errors import ConfigError
+from stratbench.core.errors import ConfigError
 
 RESULTS = "results.jsonl"
 SWEEP = "sweep.json"
@@ -105,7 +105,7 @@ def local_environment(world_size: int) -> dict[str, Any]:
     """The environment block of this machine, for cells that produced no result.json."""
     import torch
 
-    from stratbench.metrics import environment
+    from stratbench.measuring.metrics import environment
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     return environment(world_size, device)
@@ -413,7 +413,7 @@ class SweepRunner:
         at once and record them twice)."""
         import threading
 
-        from stratbench.lock import output_lock
+        from stratbench.core.lock import output_lock
 
         # SIGTERM (a job scheduler, `kill`) stops the sweep like Ctrl-C: the running cell's tree is killed
         # rather than orphaned (cells run in their own sessions, so they would not get the signal).
@@ -495,7 +495,7 @@ class SweepRunner:
             log.flush()
             # The cell dies with the sweep even when the sweep is SIGKILLed (PR_SET_PDEATHSIG: SIGTERM, which
             # the cell's launcher forwards to its workers).
-            from stratbench.launch import _child_setup
+            from stratbench.launching.launch import _child_setup
 
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, preexec_fn=_child_setup)  # noqa: PLW1509  # fmt: skip

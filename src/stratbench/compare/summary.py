@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratbench.compare.rows import Row, is_baseline, number
-from stratbench.report_table import fmt_bytes
+from stratbench.core.tables import fmt_bytes
 
 NA = "n/a"
 CLOSE_PCT = 10.0

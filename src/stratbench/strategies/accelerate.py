@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench import checkpoint
-from stratbench.config import TrainConfig
-from stratbench.errors import CheckpointError, ConfigError, UnsupportedError
+from stratbench.checkpoints import checkpoint
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import CheckpointError, ConfigError, UnsupportedError
 from stratbench.strategies.base import Strategy, register
 from stratbench.strategies.deepspeed import DeepSpeedZeroOptions
 
@@ -251,7 +251,7 @@ class _Accelerate(Strategy):
 
     def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
         """accelerator.save_state into a folder (layout "accelerate") plus stratbench's header; atomic swap."""
-        from stratbench import checkpoint
+        from stratbench.checkpoints import checkpoint
 
         assert self.accelerator is not None
         path = Path(path)
@@ -283,7 +283,7 @@ class _Accelerate(Strategy):
 
     def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
         """Own layout, same method and world size: accelerator.load_state. Anything else: the full state."""
-        from stratbench import checkpoint
+        from stratbench.checkpoints import checkpoint
 
         assert self.accelerator is not None
         path = Path(path)
@@ -312,7 +312,7 @@ class AccelerateDDP(_Accelerate):
 
     @classmethod
     def comm_model(cls, ctx):
-        from stratbench.comm import replicated_grads
+        from stratbench.measuring.comm import replicated_grads
 
         return replicated_grads(ctx, "gradient buckets (DDP under accelerate)")
 
@@ -659,7 +659,7 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
 
 def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Full model (and, for DDP, optimizer keyed by parameter names) from an accelerate save_state folder."""
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     checkpoint.check_folder(path)  # zero_to_fp32 (accelerate-deepspeed) unpickles weights_only=False
     folder = Path(path) / ACCELERATE_DIR
@@ -698,7 +698,7 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
 
 
 def _register_layout() -> None:
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     checkpoint.register_layout("accelerate", read_accelerate_checkpoint)
 

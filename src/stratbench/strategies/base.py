@@ -25,14 +25,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratbench.config import TrainConfig, from_dict
-from stratbench.errors import ConfigError
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.errors import ConfigError
 
 if TYPE_CHECKING:
-    from stratbench.comm import Collective
-    from stratbench.dist import DistEnv
-    from stratbench.estimate import MemoryContext, RankMemory
-    from stratbench.precision import Precision
+    from stratbench.core.dist import DistEnv
+    from stratbench.core.precision import Precision
+    from stratbench.measuring.comm import Collective
+    from stratbench.predicting.estimate import MemoryContext, RankMemory
 
 
 class OptimizerFactory(Protocol):
@@ -280,7 +280,7 @@ class Strategy:
         self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
     ) -> Path:
         """Write a full checkpoint: every rank takes part in gathering, global rank 0 writes atomically."""
-        from stratbench import checkpoint
+        from stratbench.checkpoints import checkpoint
 
         state = {
             "model": self.model_state_dict(model),
@@ -293,7 +293,7 @@ class Strategy:
 
     def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
         """Load any stratbench checkpoint (full file or sharded folder) into this method's model/optimizer."""
-        from stratbench import checkpoint
+        from stratbench.checkpoints import checkpoint
 
         state = checkpoint.load_any(path)
         self.load_model_state_dict(model, state["model"])
@@ -304,13 +304,13 @@ class Strategy:
     # ---- measurement --------------------------------------------------------------------------
     @classmethod
     def memory_model(cls, ctx: MemoryContext, rank: int) -> RankMemory | None:
-        """Bytes of model states ``rank`` holds under this method (``stratbench.estimate`` adds the traced
+        """Bytes of model states ``rank`` holds under this method (``stratbench.predicting.estimate`` adds the traced
         activations). None: no memory model, which ``estimate`` reports as such rather than as 0."""
         return None
 
     @classmethod
     def comm_model(cls, ctx: MemoryContext) -> list[Collective] | None:
-        """The collectives one rank takes part in per optimizer step under this method (``stratbench.comm``),
+        """The collectives one rank takes part in per optimizer step under this method (``stratbench.measuring.comm``),
         from the same model shapes the memory model reads. None: no communication model (reported as such,
         never as 0); an empty list: the method does not communicate (one process)."""
         return None
@@ -318,7 +318,7 @@ class Strategy:
     @classmethod
     def compute_scale(cls, ctx: MemoryContext) -> float:
         """The step's compute on the critical path, as a share of one data-parallel replica doing its whole
-        batch's forward and backward on one device (``stratbench.projection``): 1 for every method that keeps
+        batch's forward and backward on one device (``stratbench.predicting.projection``): 1 for every method that keeps
         the whole model on each device; a pipeline's busiest stage plus its bubble is less."""
         return 1.0
 

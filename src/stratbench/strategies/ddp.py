@@ -54,7 +54,7 @@ class DDPStrategy(Strategy):
 
     @classmethod
     def comm_model(cls, ctx):
-        from stratbench.comm import replicated_grads
+        from stratbench.measuring.comm import replicated_grads
 
         return replicated_grads(ctx)
 

@@ -27,11 +27,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench import checkpoint
-from stratbench.config import TrainConfig
-from stratbench.data import split_batch
-from stratbench.errors import CheckpointError, ConfigError
-from stratbench.precision import Precision
+from stratbench.checkpoints import checkpoint
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import CheckpointError, ConfigError
+from stratbench.core.precision import Precision
+from stratbench.data.datasets import split_batch
 from stratbench.strategies.base import Strategy, register
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
@@ -576,7 +576,7 @@ class DeepSpeed(Strategy):
 
     @classmethod
     def comm_overlap(cls, ctx) -> float:
-        """Share of forward/backward traffic that can run under compute (stratbench.projection): none without
+        """Share of forward/backward traffic that can run under compute (stratbench.predicting.projection): none without
         ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
         return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
@@ -706,7 +706,7 @@ class DeepSpeed(Strategy):
     def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
         """Resume from a DeepSpeed checkpoint of the same world size and stage; weights of other layouts load
         only through --init-from (their optimizer state cannot be mapped onto ZeRO's partitions)."""
-        from stratbench import checkpoint
+        from stratbench.checkpoints import checkpoint
 
         assert self.engine is not None
         path = Path(path)
@@ -815,7 +815,12 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     """DeepSpeed's per-rank model states for a ``zero_optimization`` block: weights in the compute dtype, a flat
     fp32 master partition the optimizer steps, partitioned gradients from stage 2, partitioned weights in
     stage 3, and the reduce/prefetch buckets sized by its defaults."""
-    from stratbench.estimate import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
+    from stratbench.predicting.estimate import (
+        DS_PARAM_PERSISTENCE,
+        DS_PREFETCH_BUCKET,
+        DS_REDUCE_BUCKET,
+        RankMemory,
+    )
 
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     stage = int(zero.get("stage", 2))
@@ -876,7 +881,7 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
       before use and, with the default reuse distance, kept for backward), the gradients reduce-scattered
       (Φ), and an 8-byte fp64 all-reduce (the overflow check).
     Not modelled: gradient accumulation with stages 2/3 (reduced every micro-step)."""
-    from stratbench.comm import Collective, ceil_to
+    from stratbench.measuring.comm import Collective, ceil_to
 
     n, info = ctx.world, ctx.info
     if n <= 1:
@@ -905,7 +910,7 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
 def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: dict, extra: dict) -> Path:
     """engine.save_checkpoint into a temporary folder (every rank writes its partitions: a collective; across
     nodes the folder must be on a shared filesystem), rank 0 adds stratbench's header and swaps it into place."""
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     tmp = path.with_name(f".{path.name}.tmp")
     if strategy.env.is_main and tmp.exists():
@@ -996,7 +1001,7 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     short of DeepSpeed's universal checkpoint): the returned "optimizer" is empty, so another method
     resuming from it restores weights and progress and starts its optimizer state afresh.
     """
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
     _refuse_nvme_checkpoint(path, tag)
@@ -1031,7 +1036,7 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
 
 
 def _register_layout() -> None:
-    from stratbench import checkpoint
+    from stratbench.checkpoints import checkpoint
 
     checkpoint.register_layout("deepspeed", read_deepspeed_checkpoint)
 

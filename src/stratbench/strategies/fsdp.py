@@ -11,7 +11,7 @@ Sharding (``--sharding``):
   first mesh dimension) and gradients are all-reduced over it.
 
 Wrapping (``--wrap``): each unit is one ``fully_shard`` call, i.e. one all-gather/reduce-scatter group; by
-default one per residual block (``stratbench.models.residual_block_types``), then the root for what is left.
+default one per residual block (``stratbench.models.zoo.residual_block_types``), then the root for what is left.
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
@@ -29,9 +29,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench import sharded  # noqa: F401  (registers the "dcp" checkpoint layout reader on discovery)
-from stratbench.errors import ConfigError
-from stratbench.precision import Precision
+from stratbench.checkpoints import sharded  # noqa: F401  (registers the "dcp" checkpoint layout reader on discovery)
+from stratbench.core.errors import ConfigError
+from stratbench.core.precision import Precision
 from stratbench.strategies.base import Strategy, register
 
 SHARDING = ("full", "grad-op", "none")
@@ -105,7 +105,7 @@ def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
     if wrap == "size":
         return _size_units(model, min_params)
     if wrap == "block":
-        from stratbench.models import residual_block_types
+        from stratbench.models.zoo import residual_block_types
 
         types_ = residual_block_types(model)
         if not types_:
@@ -165,7 +165,7 @@ def fsdp2_comm(ctx, sharding: str):
     Gathers in the policy's param dtype (the compute dtype under autocast), reductions in fp32 then; with
     gradient accumulation full sharding gathers and reduce-scatters every micro-step, grad-op/none reduce
     once. Not modelled: BatchNorm units kept in fp32 under a half policy (they are gathered in fp32)."""
-    from stratbench.comm import Collective, dim0_padded
+    from stratbench.measuring.comm import Collective, dim0_padded
 
     n, info = ctx.world, ctx.info
     if n <= 1:
@@ -290,7 +290,7 @@ class FSDPStrategy(Strategy):
 def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
     """FSDP2's per-rank model states: every parameter split along dim 0 (torch.chunk: the last ranks may get
     fewer rows), gradients and optimizer state alike; units gathered whole around their forward/backward."""
-    from stratbench.estimate import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
+    from stratbench.predicting.estimate import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
 
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     total = info.total

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stratbench import sharded
+from stratbench.checkpoints import sharded
 from stratbench.strategies.base import Strategy, register
 from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, _choice, policy_precision, save_full_replacing
 
@@ -76,7 +76,7 @@ class FSDP1Strategy(Strategy):
     def memory_model(cls, ctx, rank):
         """One FlatParameter per Linear/Conv2d unit (plus the root), padded to a multiple of the shard group and
         split evenly; units gathered whole around their forward/backward."""
-        from stratbench.estimate import RankMemory
+        from stratbench.predicting.estimate import RankMemory
 
         opts, info, pd = ctx.options, ctx.info, ctx.param_bytes
         kind = opts.sharding_strategy
@@ -106,7 +106,7 @@ class FSDP1Strategy(Strategy):
         FULL_SHARD: all-gather before forward and again before backward, reduce-scatter; SHARD_GRAD_OP: one
         all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under autocast, reduced in fp32.
         HYBRID_SHARD (two process groups) has no model yet."""
-        from stratbench.comm import Collective, ceil_to
+        from stratbench.measuring.comm import Collective, ceil_to
 
         kind, n, info = ctx.options.sharding_strategy, ctx.world, ctx.info
         if kind == "HYBRID_SHARD":

@@ -3,7 +3,7 @@ passing through them one after the other: the source's "naive" model parallelism
 time (the bubble is (N-1)/N of each step); what it buys is memory: each GPU holds only its stages' weights,
 gradients and optimizer state. The pipeline strategy is the multi-process, micro-batched form.
 
-The split is ``stratbench.pipeline_split``'s (``--balance``, ``--split-points``, shared with pipeline). The
+The split is ``stratbench.models.split``'s (``--balance``, ``--split-points``, shared with pipeline). The
 model object is kept whole: its piece modules are moved to their devices and a forward pre-hook on each
 stage's first module moves the incoming activation there, so parameter names, state dicts and checkpoints are
 exactly the single-device ones; the logits come back to the first GPU, where the loss and the labels are.
@@ -16,8 +16,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from stratbench.errors import ConfigError
-from stratbench.pipeline_split import FLATTEN, Split, split_model
+from stratbench.core.errors import ConfigError
+from stratbench.models.split import FLATTEN, Split, split_model
 from stratbench.strategies.base import Strategy, register
 
 
@@ -33,7 +33,7 @@ class ModelParallelOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.pipeline_split import BALANCE
+        from stratbench.models.split import BALANCE
 
         if self.balance not in BALANCE:
             raise ConfigError(f"unknown balance {self.balance!r}; choose one of: {', '.join(BALANCE)}")
@@ -117,7 +117,7 @@ class ModelParallelStrategy(Strategy):
     @classmethod
     def memory_model(cls, ctx, rank):
         """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
-        from stratbench.estimate import RankMemory
+        from stratbench.predicting.estimate import RankMemory
         from stratbench.strategies.pipeline import _spec_split
 
         n = cls.n_devices(ctx.options) or 2
@@ -138,7 +138,7 @@ class ModelParallelStrategy(Strategy):
         return [torch.device("cuda", (first + k) % _cuda_count()) for k in range(n)]
 
     def move(self, model: nn.Module) -> nn.Module:
-        from stratbench.data import default_image_size
+        from stratbench.data.datasets import default_image_size
 
         size = default_image_size(self.cfg)
         devices = self.devices()

@@ -21,7 +21,7 @@ micro-batch's loss by the loss scale; the scaler's "found inf/NaN" is all-reduce
 stages, all replicas) before the optimizer step, so every stage skips the same steps and updates the scale
 identically (``ShardedGradScaler``: a GradScaler whose found-inf is summed over a process group).
 
-The model is split by ``stratbench.pipeline_split`` (printed at start, written into result.json under
+The model is split by ``stratbench.models.split`` (printed at start, written into result.json under
 ``pipeline.split``). Each process keeps the original model object with every piece it does not run removed,
 so parameter names (state dicts, optimizer state) are the original ones: checkpoints are full state dicts any
 method loads, gathered on rank 0.
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratbench.errors import CheckpointError, ConfigError
+from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.strategies.base import Strategy, register
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
@@ -68,7 +68,7 @@ class PipelineOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.pipeline_split import BALANCE
+        from stratbench.models.split import BALANCE
 
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
@@ -188,8 +188,8 @@ def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
 
 
 def _spec_split(cfg, stages: int, options) -> Any:
-    from stratbench.estimate import ModelSpec
-    from stratbench.pipeline_split import split_for_spec
+    from stratbench.models.split import split_for_spec
+    from stratbench.predicting.estimate import ModelSpec
 
     return split_for_spec(ModelSpec.from_config(cfg), stages, options.balance, options.points)
 
@@ -321,8 +321,8 @@ class PipelineStrategy(Strategy):
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
         """Without --pp/--stages every process is one stage, which a model of fewer pieces than processes cannot
         be cut into: then the compare presets' layout (``pipeline_layout``), the user's other options kept."""
-        from stratbench.estimate import ModelSpec
-        from stratbench.pipeline_split import piece_count
+        from stratbench.models.split import piece_count
+        from stratbench.predicting.estimate import ModelSpec
 
         given = dict(cfg.strategy_options)
         if given.get("pp") or given.get("stages") or given.get("split_points"):
@@ -346,8 +346,8 @@ class PipelineStrategy(Strategy):
         min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over
         the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every
         stage loads (the first splits it into micro-batches)."""
-        from stratbench.data import default_image_size
-        from stratbench.estimate import ModelSpec, RankMemory, trace_step
+        from stratbench.data.datasets import default_image_size
+        from stratbench.predicting.estimate import ModelSpec, RankMemory, trace_step
 
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
@@ -421,7 +421,7 @@ class PipelineStrategy(Strategy):
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
         not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
         and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
-        from stratbench.comm import Collective
+        from stratbench.measuring.comm import Collective
 
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
@@ -497,7 +497,7 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from stratbench.pipeline_split import drop_modules, split_model, stage_module
+        from stratbench.models.split import drop_modules, split_model, stage_module
 
         env = self.env
         self.layout = lay = resolve_layout(self.options, env.world_size)
@@ -506,7 +506,7 @@ class PipelineStrategy(Strategy):
         self.dp_group = self.mesh.get_group("dp")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        from stratbench.data import default_image_size
+        from stratbench.data.datasets import default_image_size
 
         size = default_image_size(self.cfg)
         self.split = split_model(

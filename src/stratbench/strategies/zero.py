@@ -4,7 +4,7 @@ parameters. ZeRO shards by whole parameters, so the shares are only roughly equa
 
 Checkpoints (``--checkpoint-format``): ``full`` (default) is one file holding the full optimizer state keyed by
 parameter names (the layout every other method writes), consolidated on rank 0 with ``consolidate_state_dict``;
-``sharded`` is a ``torch.distributed.checkpoint`` folder (``stratbench.sharded``) where each rank writes the
+``sharded`` is a ``torch.distributed.checkpoint`` folder (``stratbench.checkpoints.sharded``) where each rank writes the
 optimizer state of its own parameters, with no consolidation. Either loads into any method; loading hands each
 rank its own share.
 """
@@ -59,7 +59,7 @@ class DDPZeroStrategy(DDPStrategy):
     @classmethod
     def memory_model(cls, ctx, rank):
         """DDP's replicas and buckets; optimizer state only for this rank's share of whole parameters."""
-        from stratbench.estimate import zero_partition
+        from stratbench.predicting.estimate import zero_partition
 
         n = ctx.info.numels
         mine = zero_partition(n, ctx.world)[rank]
@@ -74,7 +74,7 @@ class DDPZeroStrategy(DDPStrategy):
     def comm_model(cls, ctx):
         """DDP's all-reduce, then after the step every parameter broadcast from the rank that stepped it (one
         call per parameter): Φ more per step."""
-        from stratbench.comm import Collective, replicated_grads
+        from stratbench.measuring.comm import Collective, replicated_grads
 
         rows = replicated_grads(ctx)
         if ctx.world > 1:
@@ -140,7 +140,7 @@ class DDPZeroStrategy(DDPStrategy):
 
     def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
         """Full file (consolidated on rank 0) or sharded folder (each rank writes its own optimizer shard)."""
-        from stratbench import sharded
+        from stratbench.checkpoints import sharded
 
         path = Path(path)
         if self.options.checkpoint_format == "full":

@@ -1,0 +1,1 @@
+"""Checkpoint files: the full-state file, the sharded (DCP) folder, weights-only loading, layouts across methods."""

@@ -1,0 +1,529 @@
+"""Run configuration: one dataclass with a docstring per field, loadable from YAML, overridable from the CLI.
+
+Strategy-specific options live in each strategy's own ``Options`` dataclass (see ``strategies/base.py``);
+the run config carries them as a plain ``strategy_options`` mapping that the strategy validates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import math
+import textwrap
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from stratbench.core.errors import ConfigError
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Return the attribute docstrings (a string literal right after a field) of a dataclass and its bases."""
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        docs.update(_own_field_docs(klass))
+    return docs
+
+
+@functools.cache
+def _own_field_docs(klass: type) -> dict[str, str]:
+    try:
+        source = textwrap.dedent(inspect.getsource(klass))
+    except (OSError, TypeError):
+        return {}
+    body = ast.parse(source).body[0].body  # type: ignore[attr-defined]
+    docs: dict[str, str] = {}
+    for node, nxt in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything one training run needs. ``--batch-size`` is the global batch across all devices."""
+
+    # --- what to train -------------------------------------------------------------------------
+    model: str = "tinynet"
+    """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
+    'package.module:function' (called with num_classes=N), found from the working directory."""
+    weights: str | None = None
+    """Pretrained weights loaded before training: a local state-dict file, or torchvision's by name ('imagenet' =
+    the model's DEFAULT, or an enum name such as IMAGENET1K_V2) from the torch hub cache ($TORCH_HOME/hub/
+    checkpoints; downloaded there only with --download). Tensors that do not fit (the 1000-class head) are
+    skipped."""
+    cifar_stem: bool = False
+    """ResNet only: 3x3 stride-1 first convolution and no max-pool (for 32x32 inputs)."""
+    norm: str = "group"
+    """tinynet only: normalisation layer, 'group' (GroupNorm) or 'none'."""
+    width: int = 16
+    """tinynet only: channels of the first stage (doubles per stage)."""
+    data: str = "digits"
+    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder, or a builder
+    'package.module:function' returning (train, val, class_names), found from the working directory."""
+    data_dir: str | None = None
+    """Folder of the data set (cifar10: holds cifar-10-batches-py; imagefolder: class subfolders)."""
+    download: bool = False
+    """Download what is missing (needs internet): cifar10 into --data-dir, --weights by name into the torch hub
+    cache."""
+    image_size: int | None = None
+    """Input resolution; default 32 for synthetic/digits/cifar10, 224 for imagefolder."""
+    num_classes: int = 10
+    """synthetic only: number of classes (other data sets define their own)."""
+    synthetic_samples: int = 2048
+    """synthetic only: number of training samples (validation gets a quarter of that)."""
+    val_fraction: float = 0.2
+    """digits/imagefolder without a val folder: fraction held out for validation (fixed split)."""
+    num_workers: int = 0
+    """DataLoader worker processes per rank (loader pipeline only)."""
+    data_pipeline: str = "auto"
+    """loader (DataLoader, per-image transforms on the host), device (the in-memory data set - synthetic, digits,
+    cifar10 - lives on the device and each batch is indexed, cropped, flipped, resized and normalised there in
+    one batched call) or auto (device on CUDA when the data set is in memory and fits, else loader)."""
+    pin_memory: bool = True
+    """Loader pipeline on CUDA: pinned host batches, so the copy to the device is non-blocking."""
+    # --- how to train --------------------------------------------------------------------------
+    strategy: str = "single"
+    """Training method (see `stratbench list`)."""
+    strategy_options: dict[str, Any] = field(default_factory=dict)
+    """Options of the chosen strategy (e.g. sharding, zero_stage); validated by the strategy."""
+    precision: str = "fp32"
+    """fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (Lightning's names 32-true, 64-true, 16-mixed,
+    bf16-mixed, 16-true, bf16-true are accepted too)."""
+    tf32: bool = False
+    """Allow TF32 matmuls/convolutions (NVIDIA Ampere or newer)."""
+    channels_last: bool = False
+    """Use the channels-last memory format for the model and inputs."""
+    compile: bool = False
+    """Compile the model with torch.compile."""
+    cudnn_benchmark: bool = False
+    """Let cuDNN time its convolution algorithms on the first batch and keep the fastest (fixed input shapes)."""
+    recipe: str | None = None
+    """A named bundle of speed settings, each filled in only where not set explicitly, written out in full in the
+    resolved config: fast = bf16-mixed (fp16-mixed without bf16), channels-last, device pipeline, fused
+    optimizer, cudnn.benchmark, and torch.compile on CUDA only (not measurable on CPU)."""
+    activation_checkpointing: bool = False
+    """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
+    device: str = "auto"
+    """auto (cuda when available, else cpu), cpu or cuda."""
+    # --- optimisation --------------------------------------------------------------------------
+    epochs: int = 3
+    """Number of passes over the training set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps in total (the LR schedule still spans all epochs)."""
+    batch_size: int = 64
+    """Global batch per optimizer step, summed over all devices and accumulation micro-steps."""
+    grad_accum: int = 1
+    """Micro-steps per optimizer step; the per-device micro-batch is batch_size / (world * grad_accum)."""
+    optimizer: str = "sgd"
+    """sgd (with momentum) or adamw."""
+    optimizer_impl: str = "default"
+    """Optimizer kernels: default (torch's choice: foreach on CUDA), foreach (one multi-tensor kernel per
+    operation), fused (one kernel for the whole update), for-loop (one kernel per parameter)."""
+    lr: float = 0.05
+    """Peak learning rate (the same for every method, so every method trains the same problem)."""
+    momentum: float = 0.9
+    """SGD momentum (0 disables it)."""
+    weight_decay: float = 5e-4
+    """Weight decay (decoupled for AdamW)."""
+    lr_schedule: str = "cosine"
+    """cosine or constant, after the warm-up."""
+    lr_warmup_steps: int = 0
+    """Linear LR warm-up from 0 over this many optimizer steps."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm to this value (after unscaling)."""
+    loss: str = "cross-entropy"
+    """Training loss: cross-entropy, or the user's own 'package.module:function' called as fn(logits, targets),
+    found from the working directory. The validation loss is cross-entropy either way."""
+    label_smoothing: float = 0.0
+    """cross-entropy only: label smoothing (torch's CrossEntropyLoss label_smoothing), from 0 to 1."""
+    seed: int = 0
+    """Seed for weights, data order and augmentation."""
+    # --- measurement and output ---------------------------------------------------------------
+    output: str = "runs/train"
+    """Folder for result.json, checkpoints, configs and TensorBoard logs."""
+    timing_warmup_steps: int = 3
+    """Optimizer steps at the start excluded from step-time statistics."""
+    eval_every_epoch: bool = True
+    """Evaluate on the validation split after each epoch (always after the last)."""
+    save_every_steps: int | None = None
+    """Also save a checkpoint every N optimizer steps."""
+    save_every_epoch: bool = True
+    """Save a checkpoint at the end of each epoch (and always at the end of training)."""
+    resume: bool | Literal["must"] = False
+    """Resume from OUTPUT/checkpoints/last (or --resume-from) if it exists, else start fresh; `must`: refuse to start when there is nothing to resume."""
+    resume_from: str | None = None
+    """Checkpoint to resume from (file or folder)."""
+    init_from: str | None = None
+    """Checkpoint whose model weights start the run (optimizer and progress are not restored)."""
+    trust_checkpoint: bool = False
+    """Load --resume-from/--init-from/OUTPUT checkpoints with full unpickling, which runs code a crafted file holds; by default every file is read weights-only and one that needs more is refused."""
+    keep_last: int = 1
+    """Checkpoints kept under OUTPUT/checkpoints as step-NNNNNNNN entries; `last` points at the newest."""
+    tensorboard: bool = False
+    """Write TensorBoard scalars under OUTPUT/tensorboard."""
+    mlflow: bool = False
+    """Log params, per-step metrics and the result to MLflow (the mlflow extra): a local store OUTPUT/mlflow.db unless --mlflow-tracking-uri."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow tracking URI (e.g. sqlite:///runs/mlflow.db, http://host:5000, file:./mlruns); default: sqlite:///OUTPUT/mlflow.db."""
+    mlflow_experiment: str = "stratbench"
+    """MLflow experiment the run is logged under."""
+    wandb: bool = False
+    """Log the config, environment, per-step and validation metrics and the result summary to Weights & Biases
+    (the wandb extra), from the main rank; the run's files go under OUTPUT/wandb."""
+    wandb_project: str = "stratbench"
+    """W&B project the run is logged under."""
+    wandb_entity: str | None = None
+    """W&B entity (user or team) that owns the project; default: the login's default entity."""
+    wandb_mode: str = "auto"
+    """auto, online, offline or disabled. auto: WANDB_MODE if set, else online when a W&B login is present
+    (WANDB_API_KEY, WANDB_IDENTITY_TOKEN_FILE or `wandb login`'s netrc entry), else offline, with a note on how
+    to `wandb sync` the run: a run never waits on a login prompt or the network."""
+    progress: bool = True
+    """Show a progress bar (rank 0)."""
+    measure_flops: bool = True
+    """Count FLOPs per sample once (on the meta device) to report achieved FLOP/s and MFU."""
+    breakdown: bool = False
+    """Time each step's phases (data wait, forward, backward, optimizer, other; each its own synchronised spans)
+    into metrics.breakdown, beside the step time; what no span covers is reported as unattributed."""
+    profile: int = 0
+    """Write a torch.profiler trace per rank of this many steps after the timing warm-up (and after the
+    --comm-volume steps) to OUTPUT/traces/rank{r}.json, the phases as named ranges (Perfetto, TensorBoard)."""
+    measure_alloc: bool = False
+    """CPU: measure the bytes the allocator hands out during step 2 (glibc mallinfo2 after every op, above a
+    baseline read before the model is built; stratbench.measuring.memprobe), the quantity the memory estimate predicts."""
+    comm_volume: bool = False
+    """Record every collective (calls, payload bytes, time per kind) from the third step to the end of the
+    timing warm-up (torch.profiler; outside the timed steps when the warm-up is >= 3) and check it against the
+    method's formula (metrics.comm)."""
+    # --- launching -----------------------------------------------------------------------------
+    nproc: int = 1
+    """Processes per node; > 1 makes stratbench start them through torchrun."""
+    nnodes: int = 1
+    """Number of nodes (passed to torchrun)."""
+    node_rank: int = 0
+    """Rank of this node (passed to torchrun)."""
+    master_addr: str = "127.0.0.1"
+    """Address of node 0 (passed to torchrun)."""
+    master_port: int = 0
+    """Port on node 0 (passed to torchrun); 0 picks a free port on one node and 29500 across nodes."""
+    rdzv_endpoint: str | None = None
+    """host:port of a c10d rendezvous (replaces master addr/port; needed for --max-restarts across nodes)."""
+    max_restarts: int = 0
+    """torchrun elastic restarts of the worker group; training resumes from the last checkpoint."""
+    dist_timeout_s: int = 300
+    """Timeout of collective operations; a rank that died makes the others fail after this long."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def replace(self, **changes: Any) -> TrainConfig:
+        return dataclasses.replace(self, **changes)
+
+
+CHOICES: dict[str, tuple[str, ...]] = {
+    "norm": ("group", "none"),
+    "device": ("auto", "cpu", "cuda"),
+    "optimizer": ("sgd", "adamw"),
+    "optimizer_impl": ("default", "foreach", "fused", "for-loop"),
+    "lr_schedule": ("cosine", "constant"),
+    "data_pipeline": ("auto", "loader", "device"),
+    "wandb_mode": ("auto", "online", "offline", "disabled"),
+}
+RECIPES = ("fast",)
+IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
+"""Data sets held in memory as tensors: the ones the device pipeline can serve."""
+
+
+FUSED_UNSUPPORTED = {("fsdp", "sgd"): "torch's fused SGD kernel has no DTensor sharding rule (FSDP2 parameters)"}
+"""(strategy, optimizer) pairs whose fused kernel fails, measured with torch 2.13 (fused AdamW works under fsdp)."""
+
+
+def recipe_settings(
+    name: str, cuda: bool, bf16: bool, strategy: str = "single", optimizer: str = "sgd"
+) -> dict[str, Any]:
+    """The TrainConfig values a recipe stands for on a machine with (``cuda``) or without a CUDA device and with
+    or without bf16 support. torch.compile is part of ``fast`` on CUDA only: its gain cannot be measured on a
+    CPU-only machine, and on CPU it costs compile time for no measured benefit. The optimizer is fused, or
+    foreach where the fused kernel does not work with the strategy (``FUSED_UNSUPPORTED``)."""
+    if name != "fast":
+        raise ConfigError(f"unknown recipe {name!r}; choose one of: {', '.join(RECIPES)}")
+    return {
+        "precision": "bf16-mixed" if bf16 else "fp16-mixed",
+        "channels_last": True,
+        "data_pipeline": "device",
+        "optimizer_impl": "foreach" if (strategy, optimizer) in FUSED_UNSUPPORTED else "fused",
+        "cudnn_benchmark": True,
+        "pin_memory": True,
+        "compile": cuda,
+    }
+
+
+def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
+    """Fill in the recipe's settings where ``data`` does not set them: every knob stays individually settable
+    (``--recipe fast --compile false``), and the result names every value, so the resolved config (config.yaml,
+    result.json) shows what the recipe did. Expanding twice changes nothing."""
+    name = data.get("recipe")
+    if name is None:
+        return data
+    import torch
+
+    device = data.get("device", "auto")
+    cuda = device in ("auto", "cuda") and torch.cuda.is_available()
+    bf16 = torch.cuda.is_bf16_supported() if cuda else True  # CPU autocast supports bf16
+    strategy, optimizer = data.get("strategy", TrainConfig.strategy), data.get("optimizer", TrainConfig.optimizer)
+    settings = recipe_settings(str(name), cuda, bf16, strategy, optimizer)
+    return {**settings, **data}
+
+
+def optimizer_impl_kwargs(impl: str) -> dict[str, Any]:
+    """Keyword arguments of torch.optim.SGD/AdamW for ``optimizer_impl`` (empty: torch's own choice)."""
+    return {
+        "default": {},
+        "foreach": {"foreach": True},
+        "fused": {"fused": True},
+        "for-loop": {"foreach": False},
+    }[impl]
+
+
+POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
+
+
+def _base_type(annotation: Any) -> type:
+    """The non-None type of a field annotation such as ``int | None``."""
+    hint = annotation
+    if isinstance(hint, str):
+        hint = eval(hint, vars(typing), {"Any": Any})  # noqa: S307 - annotations of our own dataclasses
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        hint = args[0]
+    origin = typing.get_origin(hint)
+    return origin or hint
+
+
+def _literal_words(annotation: Any) -> tuple[str, ...]:
+    """The words a ``bool | Literal[...]`` field takes besides true/false (``resume: must``)."""
+    hint = eval(annotation, vars(typing), {"Any": Any}) if isinstance(annotation, str) else annotation  # noqa: S307
+    return tuple(w for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
+
+
+def coerce(name: str, value: Any, annotation: Any) -> Any:
+    """Convert a YAML/CLI value to the field's type, with an error naming the field."""
+    typ = _base_type(annotation)
+    if value is None:
+        return None
+    try:
+        if typ is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text in ("1", "true", "yes", "on"):
+                return True
+            if text in ("0", "false", "no", "off"):
+                return False
+            words = _literal_words(annotation)
+            if text in words:
+                return text
+            if words:
+                raise ConfigError(f"{name}: cannot read {value!r}; use true, false or {', '.join(words)}")
+            raise ValueError
+        if typ in (int, float, str):
+            if typ is int and isinstance(value, float) and not value.is_integer():
+                raise ValueError
+            return typ(value)
+        return value
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}: cannot read {value!r} as {typ.__name__}") from None
+
+
+def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
+    """Build a dataclass from a mapping, rejecting unknown keys with the list of known ones."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
+        )
+    values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    if cls is TrainConfig:
+        values = _resolve_train_values(values)
+        values = expand_recipe(values)
+    return cls(**values)
+
+
+PRECISION_ALIASES = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "64-true": "fp64",
+    "64": "fp64",
+    "16-mixed": "fp16-mixed",
+    "16": "fp16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+    "16-true": "fp16-true",
+    "bf16-true": "bf16-true",
+}
+"""Lightning's precision names (``Trainer(precision=...)``, including its short legacy forms) -> stratbench's."""
+
+
+def canonical_precision(name: str) -> str:
+    """stratbench's name for a precision given in stratbench's or Lightning's spelling (``16-mixed`` -> ``fp16-mixed``)."""
+    return PRECISION_ALIASES.get(str(name).strip().lower(), name) if name is not None else name
+
+
+def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
+    """Names a user may give that stratbench resolves once, here: precision aliases and pretrained weights by
+    name (a torch hub cache file; downloaded only with ``download``)."""
+    if "precision" in values:
+        values["precision"] = canonical_precision(values["precision"])
+    weights = values.get("weights")
+    if weights:
+        from stratbench.models.zoo import is_weights_name, resolve_weights
+
+        if is_weights_name(weights):
+            model = values.get("model", TrainConfig.model)
+            values["weights"] = resolve_weights(model, weights, bool(values.get("download", False)))
+    return values
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file not found: {p}")
+    try:
+        data = yaml.safe_load(p.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {p} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {p} must hold a mapping of option: value, got {type(data).__name__}")
+    return data
+
+
+def dump_yaml(cfg: TrainConfig, path: str | Path) -> None:
+    """The resolved config as YAML, written atomically (a kill or a full disk leaves the earlier file whole)."""
+    from stratbench.checkpoints.checkpoint import atomic_write
+
+    atomic_write(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Checks that need no registry: choices, positive numbers, combinations."""
+    for name, allowed in CHOICES.items():
+        value = getattr(cfg, name)
+        if value not in allowed:
+            raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+    for name in POSITIVE:
+        value = getattr(cfg, name)
+        if value is None or value <= 0:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    for name, value in vars(cfg).items():  # nan/inf would pass every comparison below or none of them
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{name} must be a finite number, got {value!r}")
+    for name, (low, high) in RANGES.items():
+        value = getattr(cfg, name)
+        if value is None:
+            continue
+        if (low is not None and value < low) or (high is not None and value > high):
+            raise ConfigError(f"{name} must be {_range_text(low, high)}, got {value!r}")
+    if not 0 < cfg.lr <= 10:
+        raise ConfigError(f"lr must be positive and at most 10, got {cfg.lr!r}")
+    if not 0 < cfg.val_fraction < 1:
+        raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
+    if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
+        raise ConfigError(f"clip_grad_norm must be positive, got {cfg.clip_grad_norm!r}")
+    if cfg.node_rank >= cfg.nnodes:
+        raise ConfigError(f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+    why = FUSED_UNSUPPORTED.get((cfg.strategy, cfg.optimizer))
+    if cfg.optimizer_impl == "fused" and why:
+        raise ConfigError(
+            f"optimizer_impl 'fused' does not work with strategy {cfg.strategy!r} and optimizer {cfg.optimizer!r}: "
+            f"{why}; use foreach (or optimizer adamw)"
+        )
+    if cfg.recipe is not None and cfg.recipe not in RECIPES:
+        raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
+    if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
+        raise ConfigError(
+            f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
+            f"{cfg.data!r}; use data_pipeline loader or auto"
+        )
+
+
+# Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.
+RANGES: dict[str, tuple[float | None, float | None]] = {
+    "max_steps": (1, None),
+    "image_size": (8, 4096),
+    "width": (1, 4096),
+    "num_classes": (1, 1_000_000),
+    "synthetic_samples": (1, 100_000_000),
+    "num_workers": (0, 256),
+    "momentum": (0, 1),
+    "weight_decay": (0, 10),
+    "lr_warmup_steps": (0, None),
+    "label_smoothing": (0, 1),
+    "seed": (0, 2**32 - 1),  # numpy's seed range
+    "timing_warmup_steps": (0, None),
+    "profile": (0, 1000),
+    "save_every_steps": (1, None),
+    "keep_last": (1, 1000),
+    "nproc": (1, 4096),
+    "nnodes": (1, 100_000),
+    "node_rank": (0, None),
+    "master_port": (0, 65535),
+    "max_restarts": (0, 1000),
+    "dist_timeout_s": (1, 7 * 24 * 3600),
+}
+
+
+def _range_text(low: float | None, high: float | None) -> str:
+    if high is None:
+        return f">= {low}"
+    if low is None:
+        return f"<= {high}"
+    return f"between {low} and {high}"
+
+
+# ------------------------------------------------------------------------------------------------
+# argparse glue: every dataclass field becomes a --flag whose help is the field's docstring.
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, dest_prefix: str = "") -> None:
+    """Add one optional flag per field; unset flags stay ``None`` so they do not override YAML values."""
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        if f.name == "strategy_options":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = (docs.get(f.name, "") + f" (default: {default})").replace("%", "%%")
+        typ = _base_type(f.type)
+        dest = dest_prefix + f.name
+        if typ is bool:
+            parser.add_argument(
+                flag, dest=dest, nargs="?", const="true", default=None, metavar="BOOL", help=help_text
+            )
+        else:
+            parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
+
+
+def collect_overrides(ns: argparse.Namespace, cls: type, *, dest_prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(cls):
+        value = getattr(ns, dest_prefix + f.name, None)
+        if value is not None:
+            out[f.name] = value
+    return out

@@ -1,0 +1,81 @@
+"""One run per output folder: an exclusive ``fcntl`` lock on OUTPUT/.stratbench.lock, holding the holder's pid.
+
+The kernel releases the lock when the holder exits, however it dies, so a lock file left by a dead run is
+simply taken over. A run takes the lock once: the launcher that starts torchrun (its workers, whose parent
+holds it, see STRATBENCH_LOCKED), or global rank 0 of a run started by an external launcher.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from stratbench.core.errors import ConfigError
+
+LOCK_FILE = ".stratbench.lock"
+HELD_ENV = "STRATBENCH_LOCKED"
+
+
+def check_output_folder(folder: Path, flag: str = "--output") -> Path:
+    """``folder`` as a folder we can write, created if needed; one clear line otherwise."""
+    folder = Path(folder)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{flag} {folder} is an existing file; name a folder")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"cannot create {flag} folder {folder}: {exc.strerror or exc}") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} folder {folder} is not writable")
+    return folder
+
+
+def held_here(folder: Path) -> bool:
+    """True when a parent process of this one holds the lock of ``folder`` for this run."""
+    return os.environ.get(HELD_ENV) == str(Path(folder).resolve())
+
+
+@contextlib.contextmanager
+def output_lock(folder: Path, flag: str = "--output") -> Iterator[None]:
+    """Hold the exclusive lock of ``folder`` for the block; refuse with the holder's pid if another run has it.
+    Inside the block HELD_ENV names the folder, so processes this one starts know the lock is theirs."""
+    folder = check_output_folder(folder, flag)
+    if held_here(folder):
+        yield
+        return
+    try:
+        import fcntl
+    except ImportError:  # no fcntl (Windows): no lock, as before
+        yield
+        return
+    path = folder / LOCK_FILE
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ConfigError(f"cannot create the lock file {path}: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            raise ConfigError(
+                f"{flag} {folder} is in use by another stratbench run (pid {holder}); wait for it to finish, "
+                "stop it, or choose another folder"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        before = os.environ.get(HELD_ENV)
+        os.environ[HELD_ENV] = str(folder.resolve())
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(HELD_ENV, None)
+            else:
+                os.environ[HELD_ENV] = before
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, 0)
+    finally:
+        os.close(fd)  # releases the lock; the file stays (deleting it would race with a waiting run)

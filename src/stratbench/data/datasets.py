@@ -1,0 +1,488 @@
+"""Data sets (synthetic, digits, cifar10, imagefolder, a user's ``package.module:build``) and the samplers that split them across ranks.
+
+Every method uses the same ``DistributedSampler`` (world size 1 included), so rank r of N sees indices
+``perm[r::N]`` and one global batch is the same samples whatever the number of ranks: that is what makes
+losses comparable across methods.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError, DataError
+from stratbench.core.user_code import call_user, import_builder
+
+DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
+CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
+CIFAR10_STD = (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
+
+
+@dataclass
+class DataBundle:
+    train: Dataset
+    val: Dataset
+    num_classes: int
+    class_names: list[str]
+    image_size: int
+    mean: tuple[float, ...] = IMAGENET_MEAN
+    std: tuple[float, ...] = IMAGENET_STD
+    meta: dict = field(default_factory=dict)
+
+
+def default_image_size(cfg: TrainConfig) -> int:
+    return cfg.image_size or (224 if cfg.data == "imagefolder" else 32)
+
+
+def check_data(cfg: TrainConfig) -> None:
+    """Fail before any work starts when the data set is unknown or its folder is missing."""
+    if ":" in cfg.data:
+        import_builder(cfg.data, "data")  # importable now, or one line naming the module
+        return
+    if cfg.data not in DATASETS:
+        raise ConfigError(
+            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS)} (or a builder as 'package.module:function')"
+        )
+    if cfg.data == "cifar10":
+        root = Path(cfg.data_dir or "data")
+        if not (root / "cifar-10-batches-py").is_dir() and not cfg.download:
+            raise DataError(
+                f"CIFAR-10 not found: expected the folder {root / 'cifar-10-batches-py'} "
+                f"(extract {CIFAR10_URL} into {root}), or add --download when online"
+            )
+    if cfg.data == "imagefolder":
+        if not cfg.data_dir:
+            raise ConfigError("--data imagefolder needs --data-dir DIR (a folder of class subfolders)")
+        if not Path(cfg.data_dir).is_dir():
+            raise DataError(f"data dir {cfg.data_dir!r} does not exist")
+
+
+def build_data(cfg: TrainConfig) -> DataBundle:
+    check_data(cfg)
+    if ":" in cfg.data:
+        return _user_data(cfg)
+    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[cfg.data](
+        cfg
+    )
+
+
+def _user_data(cfg: TrainConfig) -> DataBundle:
+    """``--data package.module:build``: ``build(**kw)`` returns ``(train, val, class_names)`` (or a DataBundle).
+
+    The builder gets the keywords it declares among ``image_size``, ``data_dir``, ``seed`` and ``download``
+    (all of them with ``**kwargs``). Each dataset item is ``(image tensor C x H x W, integer label)``."""
+    import inspect
+
+    builder = import_builder(cfg.data, "data")
+    offered = {"image_size": cfg.image_size, "data_dir": cfg.data_dir, "seed": cfg.seed, "download": cfg.download}
+    params = inspect.signature(builder).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        kwargs = offered
+    else:
+        kwargs = {p.name: offered[p.name] for p in params if p.name in offered}
+    out = call_user(builder, cfg.data, "data", **kwargs)
+    if isinstance(out, DataBundle):
+        return out
+    if not isinstance(out, tuple | list) or len(out) != 3:
+        raise DataError(
+            f"data {cfg.data!r}: the builder must return (train_dataset, val_dataset, class_names), got "
+            f"{type(out).__name__}" + (f" of length {len(out)}" if isinstance(out, tuple | list) else "")
+        )
+    train, val, names = out
+    names = [str(n) for n in names]
+    if not names:
+        raise DataError(f"data {cfg.data!r}: class_names is empty")
+    for split, ds in (("train", train), ("val", val)):
+        if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
+            raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
+    sample = call_user(train.__getitem__, cfg.data, "data: the training set's item", 0)
+    if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0]) and sample[0].dim() == 3):
+        raise DataError(f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}")
+    size = cfg.image_size or int(sample[0].shape[-1])
+    return DataBundle(train, val, len(names), names, size, meta={"builder": cfg.data})
+
+
+class SyntheticImages(Dataset):
+    """Random images and labels from a fixed seed; a small bank of images is reused so that generating
+    data never limits throughput."""
+
+    def __init__(self, n: int, image_size: int, num_classes: int, seed: int, bank: int = 256) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.n = n
+        self.images = torch.randn(min(n, bank), 3, image_size, image_size, generator=g)
+        self.labels = torch.randint(0, num_classes, (n,), generator=g)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        return self.images[i % len(self.images)], self.labels[i]
+
+
+def _synthetic(cfg: TrainConfig) -> DataBundle:
+    size = default_image_size(cfg)
+    train = SyntheticImages(cfg.synthetic_samples, size, cfg.num_classes, cfg.seed)
+    val = SyntheticImages(max(cfg.synthetic_samples // 4, 1), size, cfg.num_classes, cfg.seed + 1)
+    names = [f"class_{i}" for i in range(cfg.num_classes)]
+    return DataBundle(train, val, cfg.num_classes, names, size, (0.0,) * 3, (1.0,) * 3)
+
+
+def _digits(cfg: TrainConfig) -> DataBundle:
+    """scikit-learn's 1,797 real 8x8 digits, bilinearly resized to image_size and repeated to 3 channels."""
+    from sklearn.datasets import load_digits
+
+    size = default_image_size(cfg)
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
+    mean, std = x.mean().item(), x.std().item()
+    x = ((x - mean) / std).repeat(1, 3, 1, 1).contiguous()
+    y = torch.tensor(digits.target, dtype=torch.long)
+    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # fixed split, not --seed
+    n_val = int(round(len(x) * cfg.val_fraction))
+    val_idx, train_idx = perm[:n_val], perm[n_val:]
+    return DataBundle(
+        TensorDataset(x[train_idx], y[train_idx]),
+        TensorDataset(x[val_idx], y[val_idx]),
+        10,
+        [str(i) for i in range(10)],
+        size,
+        (mean,) * 3,
+        (std,) * 3,
+        meta={"digits_raw_mean": mean, "digits_raw_std": std},
+    )
+
+
+def _cifar10(cfg: TrainConfig) -> DataBundle:
+    from stratbench.models._torchvision import import_torchvision
+
+    T = import_torchvision().transforms
+    size = default_image_size(cfg)
+    resize = [T.Resize(size, antialias=True)] if size != 32 else []
+    norm = [T.ToTensor(), T.Normalize(CIFAR10_MEAN, CIFAR10_STD)]
+    train_tf = T.Compose([T.RandomCrop(32, padding=4), T.RandomHorizontalFlip(), *resize, *norm])
+    val_tf = T.Compose([*resize, *norm])
+    root = cfg.data_dir or "data"
+    train = cifar10_dataset(root, True, train_tf, cfg.download)
+    val = cifar10_dataset(root, False, val_tf, False)
+    return DataBundle(train, val, 10, list(train.classes), size, CIFAR10_MEAN, CIFAR10_STD)
+
+
+def cifar10_dataset(root: str, train: bool, transform, download: bool = False):
+    """torchvision's CIFAR10 dataset (its items, transforms and download, which checks the archive's md5) over
+    the ``cifar-10-batches-py`` files read with the restricted unpickler: the folder is the user's, so its
+    pickles may hold numpy arrays and plain containers, nothing that runs code (torchvision itself calls
+    ``pickle.load`` on them, trusting only their md5 sums, which a re-packed copy does not match)."""
+    import numpy as np
+
+    from stratbench.checkpoints.checkpoint import restricted_pickle_load
+    from stratbench.core.errors import CheckpointError
+    from stratbench.models._torchvision import import_torchvision
+
+    cls = import_torchvision().datasets.CIFAR10
+    if download:
+        cls(root, train=train, download=True)  # fetches and md5-checks the official archive
+    folder = Path(root) / cls.base_folder
+    try:
+        batches = [restricted_pickle_load(folder / name, "latin1") for name, _ in (cls.train_list if train else cls.test_list)]
+        meta = restricted_pickle_load(folder / cls.meta["filename"], "latin1")
+        data = np.vstack([b["data"] for b in batches]).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
+        targets = [int(t) for b in batches for t in b.get("labels", b.get("fine_labels", []))]
+        classes = [str(c) for c in meta[cls.meta["key"]]]
+    except (CheckpointError, KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise DataError(f"CIFAR-10 under {str(root)!r} could not be read: {exc}") from None
+    if len(targets) != len(data) or not classes:
+        raise DataError(f"CIFAR-10 under {str(root)!r}: {len(data)} images but {len(targets)} labels")
+    dataset = cls.__new__(cls)  # torchvision's class, filled here instead of by its pickle.load
+    VisionDataset = import_torchvision().datasets.VisionDataset
+    VisionDataset.__init__(dataset, str(root), transform=transform)
+    dataset.train, dataset.data, dataset.targets, dataset.classes = train, data, targets, classes
+    dataset.class_to_idx = {c: i for i, c in enumerate(classes)}
+    return dataset
+
+
+def image_transforms(size: int, mean, std, train: bool):
+    from stratbench.models._torchvision import import_torchvision
+
+    T = import_torchvision().transforms
+    if train:
+        ops = [T.RandomResizedCrop(size, antialias=True), T.RandomHorizontalFlip()]
+    else:
+        ops = [T.Resize(int(size * 256 / 224), antialias=True), T.CenterCrop(size)]
+    return T.Compose([*ops, T.ToTensor(), T.Normalize(mean, std)])
+
+
+def _imagefolder(cfg: TrainConfig) -> DataBundle:
+    """DIR/train and DIR/val if both exist, else DIR's class folders with a fixed val split."""
+    from stratbench.models._torchvision import import_torchvision
+
+    tv = import_torchvision()
+    root = Path(cfg.data_dir or ".")
+    size = default_image_size(cfg)
+    train_tf = image_transforms(size, IMAGENET_MEAN, IMAGENET_STD, train=True)
+    val_tf = image_transforms(size, IMAGENET_MEAN, IMAGENET_STD, train=False)
+    try:
+        if (root / "train").is_dir() and (root / "val").is_dir():
+            train = tv.datasets.ImageFolder(root / "train", transform=train_tf)
+            val = tv.datasets.ImageFolder(root / "val", transform=val_tf)
+            classes = train.classes
+        else:
+            full_train = tv.datasets.ImageFolder(root, transform=train_tf)
+            full_val = tv.datasets.ImageFolder(root, transform=val_tf)
+            perm = torch.randperm(len(full_train), generator=torch.Generator().manual_seed(1234)).tolist()
+            n_val = max(1, int(round(len(perm) * cfg.val_fraction)))
+            train = torch.utils.data.Subset(full_train, perm[n_val:])
+            val = torch.utils.data.Subset(full_val, perm[:n_val])
+            classes = full_train.classes
+    except (FileNotFoundError, RuntimeError) as exc:
+        raise DataError(f"image folder {str(root)!r}: {exc}") from None
+    return DataBundle(train, val, len(classes), list(classes), size, IMAGENET_MEAN, IMAGENET_STD)
+
+
+class ShardSampler(Sampler[int]):
+    """Evaluation sampler: rank r takes indices r, r+N, ..., so every sample is seen exactly once overall
+    (``DistributedSampler`` would pad with repeats that count twice). Ranks with fewer samples are padded with
+    -1 (weight 0 in ``PaddedEval``), so that every rank runs the same number of batches: sharded methods
+    gather parameters in each forward, a collective every rank must join."""
+
+    def __init__(self, length: int, rank: int, world_size: int) -> None:
+        self.indices = list(range(rank, length, world_size))
+        self.indices += [-1] * (math.ceil(length / world_size) - len(self.indices))
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class PaddedEval(Dataset):
+    """(x, y, valid) with valid=0 for the padding index -1."""
+
+    def __init__(self, ds: Dataset) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int):
+        x, y = self.ds[max(i, 0)]
+        return x, y, torch.tensor(0.0 if i < 0 else 1.0)
+
+
+def virtual_rank_order(n: int, step_samples: int, chunks: int) -> list[int]:
+    """Positions 0..n-1 of one rank's sample stream, reordered within each step's ``step_samples`` so that the
+    step's ``chunks`` consecutive micro-batches are the shares that ``chunks`` data-parallel ranks would take of
+    it: micro-batch k holds the step's samples k, k + chunks, k + 2 x chunks, ... (DistributedSampler's split).
+
+    So one device accumulating A micro-batches (``--grad-accum A``, or a pipeline's M micro-batches) computes on
+    exactly the micro-batches of A ranks, and its summed gradients equal the ranks' all-reduced ones bit for bit
+    (two-operand sums, power-of-two scaling): ``single --grad-accum 2`` reproduces 2-rank ``ddp`` in any
+    precision, on any CPU. The set of samples in each step is unchanged; a last, partial step keeps its order."""
+    if chunks <= 1 or step_samples <= chunks:
+        return list(range(n))
+    if step_samples % chunks:
+        raise ConfigError(f"a step of {step_samples} samples per rank does not split into {chunks} micro-batches")
+    order: list[int] = []
+    full = n - n % step_samples
+    for base in range(0, full, step_samples):
+        order += [base + j for k in range(chunks) for j in range(k, step_samples, chunks)]
+    return order + list(range(full, n))
+
+
+class SkipSampler(Sampler[int]):
+    """Wraps a sampler: drops its first ``skip`` indices (resuming in the middle of an epoch; whole steps) and
+    orders each step's indices as ``chunks`` data-parallel ranks would split them (``virtual_rank_order``)."""
+
+    def __init__(self, sampler: DistributedSampler, step_samples: int = 1, chunks: int = 1) -> None:
+        self.sampler = sampler
+        self.skip = 0
+        self.step_samples, self.chunks = step_samples, chunks
+
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        self.sampler.set_epoch(epoch)
+        self.skip = skip
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(self.sampler)[self.skip :]
+        return iter([indices[i] for i in virtual_rank_order(len(indices), self.step_samples, self.chunks)])
+
+    def __len__(self) -> int:
+        return len(self.sampler) - self.skip
+
+
+def train_loader(
+    ds: Dataset,
+    micro_batch: int,
+    rank: int,
+    world: int,
+    seed: int,
+    workers: int,
+    pin: bool,
+    step_samples: int = 1,
+    chunks: int = 1,
+) -> tuple[DataLoader, SkipSampler]:
+    """Training micro-batches of ``micro_batch`` samples for ``rank`` of ``world``; each step's
+    ``step_samples`` come in the order ``virtual_rank_order`` gives them for ``chunks`` micro-batches."""
+    base = DistributedSampler(ds, num_replicas=world, rank=rank, shuffle=True, seed=seed, drop_last=True)
+    sampler = SkipSampler(base, step_samples, chunks)
+    loader = DataLoader(
+        ds,
+        batch_size=micro_batch,
+        sampler=sampler,
+        drop_last=True,
+        num_workers=workers,
+        pin_memory=pin,
+        persistent_workers=workers > 0,
+    )
+    return loader, sampler
+
+
+def val_loader(ds: Dataset, batch: int, rank: int, world: int, workers: int, pin: bool) -> DataLoader:
+    return DataLoader(
+        PaddedEval(ds),
+        batch_size=batch,
+        sampler=ShardSampler(len(ds), rank, world),
+        num_workers=workers,
+        pin_memory=pin,
+    )
+
+
+def steps_per_epoch(n_train: int, world: int, micro_batch: int, grad_accum: int) -> int:
+    per_rank = n_train // world
+    return (per_rank // micro_batch) // grad_accum
+
+
+def split_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
+    """Per-device micro-batch; error when the global batch does not divide."""
+    denom = dp_size * grad_accum
+    if global_batch % denom:
+        raise ConfigError(
+            f"batch_size {global_batch} is the global batch and must divide by world size x grad_accum "
+            f"= {dp_size} x {grad_accum} = {denom}; try {max(denom, global_batch // denom * denom)}"
+        )
+    return global_batch // denom
+
+
+# ------------------------------------------------------------------------------------------------
+# the device pipeline (stratbench.data.device): which data sets it serves, and the one call the engine makes
+
+
+def in_memory_source(cfg: TrainConfig, ds: Dataset, train: bool):
+    """The data set as tensors plus the augmentation its loader transforms perform (``device_data``), or None
+    where the data set is not held in memory (imagefolder decodes files)."""
+    from stratbench.data.device import Augment, InMemorySource
+
+    if cfg.data == "synthetic" and isinstance(ds, SyntheticImages):
+        return InMemorySource(ds.images, ds.labels, Augment(), bank=True)  # no transforms: raw tensors
+    if cfg.data == "digits" and isinstance(ds, TensorDataset):
+        return InMemorySource(ds.tensors[0], ds.tensors[1], Augment())  # resized and normalised at load
+    if cfg.data == "cifar10" and hasattr(ds, "data") and hasattr(ds, "targets"):
+        # _cifar10's transforms: train RandomCrop(32, padding=4), RandomHorizontalFlip(), [Resize], ToTensor,
+        # Normalize; val [Resize], ToTensor, Normalize. The uint8 images stay uint8 until the device.
+        images = torch.from_numpy(ds.data).permute(0, 3, 1, 2).contiguous()
+        size = default_image_size(cfg)
+        aug = Augment(
+            crop_padding=4 if train else 0,
+            flip=train,
+            resize=None if size == 32 else size,
+            scale=1 / 255,
+            mean=CIFAR10_MEAN,
+            std=CIFAR10_STD,
+        )
+        return InMemorySource(images, torch.as_tensor(ds.targets, dtype=torch.long), aug)
+    return None
+
+
+def select_pipeline(cfg: TrainConfig, device: torch.device, source_bytes: int | None = None) -> str:
+    """'device' or 'loader' for this run. auto: device on CUDA for an in-memory data set that takes at most a
+    quarter of the device's memory (``source_bytes``), loader elsewhere (on CPU the loader is what was
+    measured and tested; the device pipeline runs there when asked for)."""
+    from stratbench.core.config import IN_MEMORY_DATA
+
+    if cfg.data_pipeline == "device":
+        if cfg.data not in IN_MEMORY_DATA:
+            raise ConfigError(
+                f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
+                f"{cfg.data!r}; use data_pipeline loader or auto"
+            )
+        return "device"
+    if cfg.data_pipeline == "loader" or device.type != "cuda" or cfg.data not in IN_MEMORY_DATA:
+        return "loader"
+    if source_bytes is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        if source_bytes > total // 4:
+            return "loader"
+    return "device"
+
+
+def make_train_batches(
+    cfg: TrainConfig,
+    bundle: DataBundle,
+    device: torch.device,
+    rank: int,
+    world: int,
+    micro: int,
+    chunks: int | None = None,
+):
+    """(batches, sampler): iterating ``batches`` yields (x, y) micro-batches; ``sampler.set_epoch(epoch,
+    skip=samples_to_skip)`` starts an epoch. One step's ``grad_accum`` micro-batches hold its samples split as
+    ``chunks`` data-parallel ranks would take them (default ``cfg.grad_accum``; a pipeline passes its
+    micro-batch count: ``virtual_rank_order``). The device pipeline's tensors are already on ``device`` (the
+    engine's ``.to(device, non_blocking=True)`` is then a no-op); the loader's are pinned on CUDA."""
+    chunks = chunks or cfg.grad_accum
+    step_samples = micro * cfg.grad_accum
+    source = _device_source(cfg, bundle.train, device, train=True)
+    if source is not None:
+        from stratbench.data.device import DeviceBatches
+
+        batches = DeviceBatches(
+            source, micro, rank, world, cfg.seed, device, channels_last=cfg.channels_last,
+            step_samples=step_samples, chunks=chunks,
+        )  # fmt: skip
+        return batches, batches
+    pin = cfg.pin_memory and device.type == "cuda"
+    return train_loader(bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin, step_samples, chunks)
+
+
+def make_val_batches(
+    cfg: TrainConfig, bundle: DataBundle, device: torch.device, rank: int, world: int, batch: int
+):
+    """Evaluation batches (x, y, valid) with ``ShardSampler``'s order, from the pipeline training uses."""
+    source = _device_source(cfg, bundle.val, device, train=False)
+    if source is not None:
+        from stratbench.data.device import DeviceEvalBatches
+
+        return DeviceEvalBatches(source, batch, rank, world, device, channels_last=cfg.channels_last)
+    pin = cfg.pin_memory and device.type == "cuda"
+    return val_loader(bundle.val, batch, rank, world, cfg.num_workers, pin)
+
+
+def _device_source(cfg: TrainConfig, ds: Dataset, device: torch.device, train: bool):
+    """The in-memory source when the device pipeline serves this run, else None (the loader does)."""
+    if select_pipeline(cfg, device) == "loader":
+        return None
+    source = in_memory_source(cfg, ds, train)
+    if source is None:
+        if cfg.data_pipeline == "device":
+            raise DataError(
+                f"data_pipeline 'device': the {cfg.data} data set is not held in memory as tensors"
+            )
+        return None
+    return source if select_pipeline(cfg, device, source.nbytes) == "device" else None
+
+
+def pipeline_of(batches) -> str:
+    """'device' or 'loader': which pipeline ``make_train_batches``/``make_val_batches`` chose (for result.json)."""
+    from stratbench.data.device import DeviceBatches, DeviceEvalBatches
+
+    return "device" if isinstance(batches, DeviceBatches | DeviceEvalBatches) else "loader"

@@ -1,0 +1,1 @@
+"""Starting a run: one process or torchrun, the job around it (locks, resume, memory check), the torchrun entry."""

@@ -1,0 +1,196 @@
+"""One training job, as `stratbench train` and ``stratbench.train()`` run it: every check before any work, then
+either stratbench's own launcher (torchrun, one process per device) or the loop in this process, and a failure
+turned into one line (and a result.json that says why)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from stratbench.checkpoints import checkpoint as ckpt
+from stratbench.core.config import TrainConfig
+from stratbench.core.dist import read_env
+from stratbench.core.errors import CheckpointError, ConfigError, StratbenchError, is_out_of_memory
+from stratbench.core.lock import held_here, output_lock
+from stratbench.core.tables import fmt_bytes
+from stratbench.launching import launch
+from stratbench.launching._torchrun import RENDEZVOUS_FAILED
+from stratbench.launching.launch import MULTI_NODE_PORT, torchrun_error_path
+from stratbench.training import engine
+
+
+def run_job(cfg: TrainConfig, worker: bool = False) -> dict[str, Any] | None:
+    """Train ``cfg`` and return its result (result.json's content); None on a launching node other than node 0,
+    which writes no result. ``worker``: this process is one rank that stratbench's launcher started."""
+    engine.preflight(cfg)
+    # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
+    check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
+    check_memory(cfg)
+    if launch.needs_launch(cfg):
+        # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
+        started_at = time.time() - 1.0  # file times may be coarser than time.time()
+        with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
+            code = launch.launch(cfg)
+        if code != 0:
+            raise_failed(cfg, code, started_at)
+        return json.loads((Path(cfg.output) / "result.json").read_text()) if cfg.node_rank == 0 else None
+    # Started by an external launcher: global rank 0 takes the lock (unless our own launcher holds it).
+    locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
+    with output_lock(cfg.output) if locking else contextlib.nullcontext():
+        return _run_here(cfg)
+
+
+def _run_here(cfg: TrainConfig) -> dict[str, Any]:
+    """The loop in this process; a full disk and an out-of-memory error become one line."""
+    try:
+        return engine.run(cfg)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+            raise
+        # A full disk or a folder that became read-only while saving: the previous checkpoint is intact
+        # (every writer swaps a complete new one in); result.json says "failed" with this reason.
+        raise StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}") from None
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one too
+        if not is_out_of_memory(exc):
+            raise
+        text = str(exc)
+        # result.json says "oom" with the reason (the engine wrote it); the user gets one line.
+        first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
+        raise StratbenchError(
+            f"out of memory ({first}); lower --batch-size or --image-size (see `stratbench estimate`)"
+        ) from None
+
+
+RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
+INIT_KEYS = ("model", "width", "norm", "cifar_stem")
+RESUME_NOTE_KEYS = ("precision", "batch_size", "grad_accum", "lr")
+"""A resume may change these (e.g. continue a bf16-mixed run in fp32 on another machine), but then the rest of the
+run is not the run that was saved: a note names each change."""
+
+
+def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
+    """Before any work: a checkpoint to resume from (or start from) must fit this run's model and optimizer,
+    and ``--resume`` with nothing to resume says that it starts fresh (``--resume must`` refuses)."""
+    checks = []
+    if cfg.resume or cfg.resume_from:
+        path = ckpt.resolve_resume(cfg.output, cfg.resume_from)
+        if path is None:
+            if cfg.resume == "must":
+                raise CheckpointError(f"--resume must: nothing to resume in {Path(cfg.output) / 'checkpoints'}")
+            if not quiet:
+                print(f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh", file=sys.stderr)
+        else:
+            checks.append((path, RESUME_KEYS, "resume from"))
+    if cfg.init_from:
+        checks.append((Path(cfg.init_from), INIT_KEYS, "start from"))
+    mine = cfg.to_dict()
+    for path, keys, verb in checks:
+        meta = ckpt.read_meta(path)
+        if meta.get("layout") == "deepspeed":  # an nvme-offload checkpoint: refused before any process starts
+            from stratbench.strategies.deepspeed import DS_TAG, _refuse_nvme_checkpoint
+
+            _refuse_nvme_checkpoint(path, ckpt.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
+        saved = meta.get("config") or {}
+        differ = [k for k in keys if k in saved and saved[k] != mine[k]]
+        if differ:
+            was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)
+            now = ", ".join(f"--{k.replace('_', '-')} {mine[k]}" for k in differ)
+            raise CheckpointError(f"cannot {verb} {path}: it was saved with {was}; this run has {now}")
+        changed = [k for k in RESUME_NOTE_KEYS if verb == "resume from" and k in saved and saved[k] != mine[k]]
+        if changed and not quiet:
+            what = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {mine[k]}" for k in changed)
+            print(f"note: resuming {path} with {what}: the rest of the run differs from the run that was saved",
+                  file=sys.stderr)  # fmt: skip
+
+
+def check_memory(cfg: TrainConfig) -> None:
+    """Refuse a batch whose input and first activation alone exceed the free memory of this machine (CPU),
+    rather than start and be killed."""
+    import psutil
+
+    if cfg.device == "cuda" or cfg.image_size is None:
+        return
+    micro = max(1, cfg.batch_size // (cfg.nproc * cfg.grad_accum))
+    need = micro * (3 + cfg.width) * cfg.image_size**2 * 4 * cfg.nproc
+    free = psutil.virtual_memory().available
+    if need > free:
+        raise ConfigError(
+            f"--image-size {cfg.image_size} with --batch-size {cfg.batch_size} needs more than {fmt_bytes(need)} for "
+            f"one batch's input and first activation; {fmt_bytes(free)} is free (see `stratbench estimate`)"
+        )
+
+
+PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe", "NCCL communicator was aborted")
+"""What a surviving rank's error says when another rank died (gloo, NCCL)."""
+
+
+def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
+    """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
+    torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
+
+    out = Path(cfg.output)
+    path = out / "result.json"
+    rendezvous = torchrun_error_path(cfg)
+    if code == RENDEZVOUS_FAILED and rendezvous.exists():
+        detail = rendezvous.read_text().strip()
+        rendezvous.unlink()
+        port = cfg.master_port or (MULTI_NODE_PORT if cfg.nnodes > 1 else None)  # torchrun_command's
+        where = cfg.rdzv_endpoint or (f"{cfg.master_addr}:{port}" if port else cfg.master_addr)
+        why = (f"the rendezvous of --nnodes {cfg.nnodes} (node {cfg.node_rank}, {where}) did not complete within "
+               f"--dist-timeout-s {cfg.dist_timeout_s}: {detail}")  # fmt: skip
+        if cfg.node_rank == 0:
+            ckpt.atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
+        raise StratbenchError(f"training did not start: {why}")
+    res = None
+    if path.exists():
+        try:
+            res = json.loads(path.read_text())
+        except ValueError:
+            res = None
+    if isinstance(res, dict) and res.get("status") not in (None, "ok", "running"):
+        seen = str(res.get("reason", ""))
+        if any(marker in seen for marker in PEER_LOST):
+            # A surviving rank only saw its peer vanish; the cause is the worker that exited or was killed.
+            seen = f"a worker exited or was killed during training; torchrun stopped the others (rank 0 saw: {seen})"
+            if cfg.node_rank == 0:
+                res["reason"] = seen
+                ckpt.atomic_write(path, json.dumps(res, indent=2, default=str))
+        reason = f": {seen}"
+    else:
+        config = out / "config.yaml"  # written by rank 0 when training starts
+        started = config.exists() and config.stat().st_mtime >= started_at
+        if started:
+            why = "a worker exited or was killed during training; torchrun stopped the others"
+        else:
+            why = (
+                "a worker exited or was killed before training started (or a rendezvous did not complete "
+                f"within --dist-timeout-s {cfg.dist_timeout_s})"
+            )
+        reason = f": {why}"
+        if cfg.node_rank == 0:
+            ckpt.atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
+    raise StratbenchError(
+        f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
+    )
+
+
+def _launcher_record(cfg: TrainConfig, why: str, code: int) -> dict[str, Any]:
+    """result.json of a launched run whose workers wrote none (killed, or never started)."""
+    return {
+        "status": "failed",
+        "reason": f"{why} (torchrun exit code {code})",
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "model": cfg.model,
+        "data": cfg.data,
+        "world_size": cfg.nproc * cfg.nnodes,
+        "config": cfg.to_dict(),
+        "written_by": "launcher",
+        "written_at": time.time(),
+        "metrics": {},
+    }

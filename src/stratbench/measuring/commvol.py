@@ -1,0 +1,294 @@
+"""Communication volume, measured: every collective a rank issues during a few optimizer steps.
+
+Route: ``torch.profiler``. Every collective of every library ends in a ``c10d::`` operator of the dispatcher --
+``torch.distributed``'s Python functions, DDP's C++ reducer (its bucket all_reduces do not pass through Python),
+FSDP1/FSDP2's ``_allgather_base_`` / ``_reduce_scatter_base_``, ZeroRedundancyOptimizer's broadcasts,
+``deepspeed.comm`` (a thin layer over ``torch.distributed``) and accelerate -- and the profiler records each with
+its argument shapes, on gloo and on NCCL alike. Python-level hooks would miss the reducer; backend hooks
+(NCCL's flight recorder) do not exist for gloo. So the ``c10d::`` event gives the logical collective (its kind,
+its payload in elements, one call), and the backend's own event (``gloo:all_reduce``, ``nccl:all_reduce``, ...),
+which runs on the backend's worker thread, gives the element type and the time the transfer took.
+
+The recorder runs only around chosen steps (the engine uses the warm-up steps after the first, which the step
+timer excludes anyway), so its cost never lands in a measured step time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stratbench.measuring.comm import Collective, wire_factor
+
+# c10d operator -> (kind, which argument holds the payload, whether that argument is a per-rank input that the
+# payload multiplies by the group size).
+_OPS: dict[str, tuple[str, int, bool]] = {
+    "c10d::allreduce_": ("all_reduce", 0, False),
+    "c10d::allreduce_coalesced_": ("all_reduce", 0, False),
+    "c10d::allgather_": ("all_gather", 1, True),
+    "c10d::allgather_coalesced_": ("all_gather", 1, True),
+    "c10d::_allgather_base_": ("all_gather", 0, False),
+    "c10d::allgather_into_tensor_coalesced_": ("all_gather", 0, False),
+    "c10d::reduce_scatter_": ("reduce_scatter", 1, False),
+    "c10d::_reduce_scatter_base_": ("reduce_scatter", 1, False),
+    "c10d::reduce_scatter_tensor_coalesced_": ("reduce_scatter", 1, False),
+    "c10d::broadcast_": ("broadcast", 0, False),
+    "c10d::send": ("send_recv", 0, False),
+    "c10d::recv_": ("send_recv", 0, False),
+    "c10d::recv_any_source_": ("send_recv", 0, False),
+    "c10d::alltoall_base_": ("all_to_all", 1, False),
+    "c10d::alltoall_": ("all_to_all", 1, False),
+    "c10d::reduce_": ("all_reduce", 0, False),
+    "c10d::gather_": ("all_gather", 1, True),
+    "c10d::scatter_": ("broadcast", 1, False),
+}
+_IGNORED = {"c10d::barrier", "c10d::monitored_barrier_"}
+_RECEIVES = {"c10d::recv_", "c10d::recv_any_source_"}
+"""Point-to-point receives: the tensor is the sender's payload (counted on the sending rank), so a receive adds
+its time to send_recv but neither a call nor bytes: a rank's send_recv row is what it sends, as the formulas."""
+_DTYPE_BYTES = {
+    "float": 4, "double": 8, "c10::Half": 2, "c10::BFloat16": 2, "long": 8, "long int": 8, "int": 4,
+    "unsigned char": 1, "signed char": 1, "bool": 1, "short": 2, "c10::Float8_e4m3fn": 1, "c10::Float8_e5m2": 1,
+}  # fmt: skip
+_SCALAR_TYPE_BYTES = {
+    "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1,
+    "Bool": 1, "Float8_e4m3fn": 1, "Float8_e5m2": 1, "Float8_e4m3fnuz": 1, "Float8_e5m2fnuz": 1,
+}  # fmt: skip
+"""NCCL's ``record_param_comms`` events name the element type as ``c10::toString(ScalarType)`` ("Float",
+"BFloat16"), not as the op events' C++ type names ("float", "c10::BFloat16")."""
+_BACKEND_PREFIXES = ("gloo:", "nccl:", "record_param_comms")
+
+
+def _numel(dims: Any, scalar_if_empty: bool = False) -> int:
+    """Elements in a profiler ``Input Dims`` entry: a shape (``[]`` is a 0-d tensor when the argument is one),
+    or a list of shapes (a TensorList, whose ``[]`` entries are 0-d tensors), possibly nested."""
+    if not isinstance(dims, list):
+        return 1
+    if not dims:
+        return 1 if scalar_if_empty else 0
+    if all(isinstance(d, int) for d in dims):
+        n = 1
+        for d in dims:
+            n *= d
+        return n
+    return sum(_numel(d, scalar_if_empty=True) for d in dims)
+
+
+@dataclass
+class _Call:
+    kind: str
+    numel: int
+    ts: float
+    itemsize: int | None = None
+    dur_us: float = 0.0
+    received: bool = False
+
+
+@dataclass
+class CommMeasurement:
+    """What one rank sent during ``steps`` optimizer steps, per collective kind, averaged per step."""
+
+    steps: int
+    group_size: int
+    rows: dict[str, dict[str, float]] = field(default_factory=dict)
+    unknown_dtype_calls: int = 0
+    inferred_dtype_calls: int = 0
+
+    def per_step(self) -> list[Collective]:
+        return [
+            Collective(kind, round(r["payload_bytes"]), round(r["calls"]), "other", self.group_size)
+            for kind, r in sorted(self.rows.items())
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "group_size": self.group_size,
+            "per_step": {
+                kind: r | {"wire_bytes": r["payload_bytes"] * wire_factor(kind, self.group_size)}
+                for kind, r in sorted(self.rows.items())
+            },
+            "unknown_dtype_calls": self.unknown_dtype_calls,
+            "inferred_dtype_calls": self.inferred_dtype_calls,
+        }
+
+
+def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> CommMeasurement:
+    """Collectives in a Chrome trace (``export_chrome_trace``), as one rank's volume per step."""
+    calls: list[_Call] = []
+    transport: list[dict[str, Any]] = []
+    outer_end: dict[Any, float] = {}  # per thread: where the last counted c10d call ends
+    for e in sorted(events, key=lambda e: float(e.get("ts", 0))):
+        name = e.get("name", "")
+        if e.get("ph") != "X":
+            continue
+        if name in _OPS:
+            # A c10d call inside another one on the same thread is the same collective dispatched again (a
+            # Python dispatch mode, a wrapper process group): count the outer one only.
+            ts, tid = float(e.get("ts", 0)), (e.get("pid"), e.get("tid"))
+            if ts < outer_end.get(tid, float("-inf")):
+                continue
+            outer_end[tid] = ts + float(e.get("dur", 0) or 0)
+        args = e.get("args", {})
+        if name in _OPS:
+            kind, arg, per_rank = _OPS[name]
+            dims, types = args.get("Input Dims", []), args.get("Input type", [])
+            type_ = types[arg] if arg < len(types) else ""
+            numel = _numel(dims[arg], scalar_if_empty=type_ in _DTYPE_BYTES) if arg < len(dims) else 0
+            if per_rank:
+                numel *= group_size
+            itemsize = _DTYPE_BYTES.get(type_)
+            calls.append(_Call(kind, numel, float(e.get("ts", 0)), itemsize, received=name in _RECEIVES))
+        elif name.startswith(_BACKEND_PREFIXES) and name not in ("gloo:barrier", "nccl:barrier"):
+            transport.append(e)
+    _attach_transport(calls, transport, group_size)
+    m = CommMeasurement(steps=steps, group_size=group_size)
+    # A call whose backend event was not found (seen under load: the worker thread's event of one broadcast
+    # missing from the window) takes the element size of the same kind's other calls in these steps, when they
+    # all agree; it is counted as inferred. Only a call with nothing to infer from stays unknown.
+    sizes: dict[str, set[int]] = defaultdict(set)
+    for c in calls:
+        if c.itemsize is not None:
+            sizes[c.kind].add(c.itemsize)
+    for c in calls:
+        if c.itemsize is None and len(sizes[c.kind]) == 1:
+            c.itemsize = next(iter(sizes[c.kind]))
+            m.inferred_dtype_calls += 1
+    acc: dict[str, dict[str, float]] = defaultdict(
+        lambda: {"calls": 0.0, "payload_bytes": 0.0, "time_s": 0.0}
+    )
+    for c in calls:
+        if c.itemsize is None:
+            m.unknown_dtype_calls += 1
+            c.itemsize = 4
+        row = acc[c.kind]
+        row["time_s"] += c.dur_us * 1e-6 / steps
+        if not c.received:
+            row["calls"] += 1 / steps
+            row["payload_bytes"] += c.numel * c.itemsize / steps
+    m.rows = dict(acc)
+    return m
+
+
+def _transport_numel_and_itemsize(e: dict[str, Any]) -> tuple[int, int | None]:
+    args = e.get("args", {})
+    if "In msg nelems" in args:  # NCCL's record_param_comms
+        dtype = str(args.get("dtype", "")).strip('"')
+        return int(args.get("In msg nelems", 0)), _SCALAR_TYPE_BYTES.get(dtype, _DTYPE_BYTES.get(dtype))
+    dims, types = args.get("Input Dims", []), args.get("Input type", [])
+    numel = sum(_numel(d, scalar_if_empty=t in _DTYPE_BYTES) for d, t in zip(dims, types, strict=False))
+    itemsize = next((_DTYPE_BYTES[t] for t in types if t in _DTYPE_BYTES), None)
+    return numel, itemsize
+
+
+def _attach_transport(calls: list[_Call], transport: list[dict[str, Any]], group_size: int) -> None:
+    """Give each logical call the element type and duration of the backend event that carried it: the first
+    unused backend event, in time order, whose element count is the call's (or its per-rank part)."""
+    used = [False] * len(transport)
+    transport = sorted(transport, key=lambda e: float(e.get("ts", 0)))
+    sizes = [_transport_numel_and_itemsize(e) for e in transport]
+    for c in sorted(calls, key=lambda c: c.ts):
+        candidates = {c.numel, c.numel // max(group_size, 1)}
+        for i, e in enumerate(transport):
+            if used[i] or float(e.get("ts", 0)) + 1 < c.ts:
+                continue
+            numel, itemsize = sizes[i]
+            if numel in candidates:
+                used[i] = True
+                c.dur_us = float(e.get("dur", 0))
+                if c.itemsize is None:
+                    c.itemsize = itemsize
+                break
+
+
+class CommRecorder:
+    """Profile the collectives of the steps between ``start()`` and ``stop(steps)``."""
+
+    def __init__(self, group_size: int) -> None:
+        self.group_size = group_size
+        self._prof: torch.profiler.profile | None = None
+        self.result: CommMeasurement | None = None
+
+    def start(self) -> None:
+        self._prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
+        )
+        self._prof.__enter__()
+
+    @property
+    def active(self) -> bool:
+        return self._prof is not None
+
+    def stop(self, steps: int) -> CommMeasurement:
+        assert self._prof is not None, "CommRecorder.stop() before start()"
+        prof, self._prof = self._prof, None
+        prof.__exit__(None, None, None)
+        fd, path = tempfile.mkstemp(suffix=".json", prefix="stratbench-comm-")
+        os.close(fd)
+        try:
+            prof.export_chrome_trace(path)
+            with open(path) as f:
+                events = json.load(f).get("traceEvents", [])
+        finally:
+            os.unlink(path)
+        self.result = parse_trace(events, steps, self.group_size)
+        return self.result
+
+
+def predicted_rows(cfg: Any, world_size: int) -> tuple[list[Collective] | None, str]:
+    """The method's formula (``Strategy.comm_model``) for this run, or None and why."""
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+
+    cls = get_strategy(cfg.strategy)
+    try:
+        info = model_info(ModelSpec.from_config(cfg))
+    except Exception as exc:  # a user model the fake-tensor build cannot trace
+        return None, f"the model's shapes could not be read ({type(exc).__name__}: {exc})"
+    ctx = MemoryContext(cfg, world_size, info, cls.parse_options(cfg.strategy_options), "cpu")
+    rows = cls.comm_model(ctx)
+    if rows is None:
+        return None, f"strategy {cfg.strategy!r} has no communication model (Strategy.comm_model)"
+    return rows, ""
+
+
+def comm_report(cfg: Any, world_size: int, per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
+    """``metrics.comm`` of result.json: measured per rank, the formula, and per kind the error of the formula
+    against the busiest rank's measured payload."""
+    out: dict[str, Any] = {
+        "route": "torch.profiler: c10d operators (kind, payload) and the backend's events (dtype, time)",
+        "measured_per_rank": per_rank,
+    }
+    measured = [r for r in per_rank if r]
+    if not measured:
+        out["note"] = "not measured: the run had fewer than 3 steps"
+        return out
+    kinds = sorted({k for r in measured for k in r["per_step"]})
+
+    def busiest(kind: str, key: str) -> float:
+        return max(r["per_step"].get(kind, {}).get(key, 0.0) for r in measured)
+
+    out["measured"] = {
+        k: {key: busiest(k, key) for key in ("calls", "payload_bytes", "wire_bytes", "time_s")} for k in kinds
+    }
+    out["wire_bytes_per_step"] = max(sum(v["wire_bytes"] for v in r["per_step"].values()) for r in measured)
+    rows, why = predicted_rows(cfg, world_size)
+    if rows is None:
+        out["predicted"], out["predicted_note"] = None, why
+        return out
+    out["predicted"] = [r.to_dict() for r in rows]
+    out["predicted_wire_bytes_per_step"] = sum(r.wire_bytes for r in rows)
+    check = {}
+    for k in sorted(set(kinds) | {r.kind for r in rows}):
+        want = sum(r.payload_bytes for r in rows if r.kind == k)
+        got = busiest(k, "payload_bytes") if k in kinds else 0.0
+        err = (got - want) / want * 100 if want else (0.0 if got == 0 else None)
+        check[k] = {"measured_payload_bytes": got, "predicted_payload_bytes": want, "error_pct": err}
+    out["check"] = check
+    return out

@@ -1,0 +1,327 @@
+"""Splitting a model into pipeline stages: its pieces in forward order, their cost, and the balanced cut.
+
+A *piece* is the smallest unit a stage boundary can fall between: for the models stratbench builds, the
+natural sections of their ``forward`` (ResNet: stem, layer1-4, head; tinynet: stem, each residual block,
+head), and for an ``nn.Sequential`` user model, each of its children. A piece names the original modules it
+runs, in order, so that a stage is rebuilt from the original module objects (the original parameter names
+survive: checkpoints stay portable) and the sequence of pieces computes exactly the model's forward.
+
+The cut is either explicit (``--split-points layer2,layer4``: a new stage begins at each named piece, as
+``torch.distributed.pipelining.SplitPoint.BEGINNING``) or balanced: the contiguous partition into S stages
+that minimises the most expensive stage, where a piece costs its parameter count (``--balance params``: memory)
+or its forward+backward FLOPs (``--balance flops``: time, counted on the meta device by ``metrics.flop_counter``,
+the counter of ``metrics.flops_per_sample``: the pieces' FLOPs add up to the model's).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.core.errors import ConfigError
+
+FLATTEN = "<flatten>"
+"""A parameter-free ``torch.flatten(x, 1)`` that the model's forward calls between two modules (ResNet and
+tinynet before their ``fc``): the stage gets an ``nn.Flatten`` in its place."""
+
+BALANCE = ("params", "flops")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One unit of the split: a label and the fully-qualified names of the modules it applies, in order."""
+
+    name: str
+    modules: tuple[str, ...]
+
+
+@dataclass
+class PieceCost:
+    name: str
+    params: int
+    flops: float
+    """Forward + backward FLOPs per sample."""
+    out_numel: int
+    """Elements per sample of the activation this piece hands on (what a stage boundary after it sends)."""
+    saved_bytes: float = 0.0
+    """Bytes per sample of the tensors autograd saves for this piece's backward (its activations), in the
+    weights' dtype; parameters and the piece's input excluded (the input is the previous piece's output)."""
+    input_saved_bytes: float = 0.0
+    """Bytes per sample of the piece's input, when its backward keeps it (a stage's first piece adds it)."""
+
+
+@dataclass
+class Stage:
+    index: int
+    pieces: list[str]
+    modules: list[str]
+    params: int
+    flops: float
+    out_numel: int
+    """Elements per sample of the stage's output (the activation sent to the next stage; logits for the last)."""
+    saved_bytes: float = 0.0
+    """Bytes per sample of the activations the stage keeps for its backward (see PieceCost.saved_bytes)."""
+
+
+@dataclass
+class Split:
+    """The stages of one split, with what was asked for; ``to_dict`` goes into result.json."""
+
+    model: str
+    balance: str
+    split_points: list[str]
+    stages: list[Stage]
+    pieces: list[PieceCost] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "balance": self.balance,
+            "split_points": self.split_points,
+            "stages": [asdict(s) for s in self.stages],
+            "total_params": sum(s.params for s in self.stages),
+        }
+
+    def lines(self) -> list[str]:
+        """The split as printed at start: stage -> pieces, parameters, FLOPs per sample."""
+        total_p = sum(s.params for s in self.stages) or 1
+        total_f = sum(s.flops for s in self.stages) or 1.0
+        out = [f"pipeline split of {self.model} ({len(self.stages)} stages, balance {self.balance}):"]
+        for s in self.stages:
+            out.append(
+                f"  stage {s.index}: {', '.join(s.pieces):<34} params {s.params:>11,} ({100 * s.params / total_p:4.1f}%)"
+                f"  fwd+bwd {s.flops / 1e6:10.2f} MFLOP/sample ({100 * s.flops / total_f:4.1f}%)"
+            )
+        return out
+
+
+# ------------------------------------------------------------------------------------------------
+# the pieces of a model
+
+
+def pieces_of(model: nn.Module) -> list[Piece]:
+    """The pieces of a model stratbench knows how to split, in forward order; ConfigError otherwise."""
+    from stratbench.models.zoo import TinyNet
+
+    if isinstance(model, TinyNet):
+        blocks = [Piece(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))]
+        return [Piece("stem", ("stem",)), *blocks, Piece("head", ("pool", FLATTEN, "fc"))]
+    if _is_torchvision_resnet(model):
+        layers = [Piece(f"layer{i}", (f"layer{i}",)) for i in range(1, 5)]
+        return [
+            Piece("stem", ("conv1", "bn1", "relu", "maxpool")),
+            *layers,
+            Piece("head", ("avgpool", FLATTEN, "fc")),
+        ]
+    if isinstance(model, nn.Sequential):
+        if len(model) < 2:
+            raise ConfigError(f"the model is an nn.Sequential of {len(model)} module: nothing to split")
+        return [Piece(name, (name,)) for name, _ in model.named_children()]
+    raise ConfigError(
+        f"cannot split a {type(model).__name__} into pipeline stages: stratbench splits resnet*, tinynet and "
+        "nn.Sequential models (a user builder can return an nn.Sequential of its layers)"
+    )
+
+
+def _is_torchvision_resnet(model: nn.Module) -> bool:
+    if type(model).__name__ != "ResNet":
+        return False
+    try:
+        from stratbench.models._torchvision import import_torchvision
+
+        return isinstance(model, import_torchvision().models.ResNet)
+    except Exception:
+        return False
+
+
+def piece_module(model: nn.Module, piece: Piece) -> nn.Module:
+    """The piece as one module over the original module objects (shared, not copied)."""
+    mods = [nn.Flatten(1) if name == FLATTEN else model.get_submodule(name) for name in piece.modules]
+    return mods[0] if len(mods) == 1 else nn.Sequential(*mods)
+
+
+def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, ...]) -> list[PieceCost]:
+    """Parameters, forward+backward FLOPs per sample and output size per sample of each piece, by running
+    the pieces one after the other on meta tensors (the model itself may be on meta or any device), in the
+    dtype of the model's weights."""
+    import copy
+
+    from stratbench.measuring.metrics import flop_counter
+
+    meta = model if _on_meta(model) else copy.deepcopy(model).to("meta")
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+    costs = []
+    x = torch.empty(2, *sample_shape, device="meta", dtype=dtype)
+    for i, piece in enumerate(pieces):
+        mod = piece_module(meta, piece)
+        params = sum(p.numel() for p in piece_module(model, piece).parameters())
+        x = x.detach().requires_grad_(i > 0)
+        counter = flop_counter()
+        own = {id(t.untyped_storage()) for t in (*mod.parameters(), *mod.buffers())}
+        saved: dict[int, int] = {}
+        in_key = id(x.untyped_storage())
+
+        def pack(t: torch.Tensor, own=own, saved=saved) -> torch.Tensor:
+            st = t.untyped_storage()  # counted per storage: views of one tensor are saved once
+            if id(st) not in own:
+                saved[id(st)] = st.nbytes()
+            return t
+
+        try:
+            with counter:
+                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                    out = mod(x)
+                out.float().sum().backward()
+        except Exception as exc:
+            raise ConfigError(
+                f"cannot trace piece {piece.name!r} on the meta device to cost it ({type(exc).__name__}: {exc})"
+            ) from None
+        held_input = saved.pop(in_key, 0)
+        flops = counter.get_total_flops() / 2
+        costs.append(
+            PieceCost(piece.name, params, flops, out[0].numel(), sum(saved.values()) / 2, held_input / 2)
+        )
+        x = out
+    return costs
+
+
+def _on_meta(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------------
+# the cut
+
+
+def balanced_cut(costs: list[float], stages: int) -> list[int]:
+    """Start index of each stage (the first is 0) of the contiguous partition of ``costs`` into ``stages``
+    non-empty parts whose largest part is smallest (dynamic programming; ties: the earliest cut)."""
+    n = len(costs)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    inf = float("inf")
+    # best[k][i]: smallest max-part cost of the first i pieces in k parts; cut[k][i]: where part k begins
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                value = max(best[k - 1][j], prefix[i] - prefix[j])
+                if value < best[k][i]:
+                    best[k][i], cut[k][i] = value, j
+    starts, i = [], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_model(
+    model: nn.Module,
+    stages: int,
+    *,
+    balance: str = "params",
+    split_points: list[str] | None = None,
+    sample_shape: tuple[int, ...] = (3, 32, 32),
+    name: str = "",
+) -> Split:
+    """The split of ``model`` into ``stages`` stages; ConfigError naming the problem when it cannot be done."""
+    if balance not in BALANCE:
+        raise ConfigError(f"unknown balance {balance!r}; choose one of: {', '.join(BALANCE)}")
+    if stages < 1:
+        raise ConfigError(f"stages must be >= 1, got {stages}")
+    pieces = pieces_of(model)
+    labels = [p.name for p in pieces]
+    if stages > len(pieces):
+        raise ConfigError(
+            f"{stages} stages need {stages - 1} split points, but {name or 'the model'} has only "
+            f"{len(pieces) - 1} ({len(pieces)} pieces: {', '.join(labels)})"
+        )
+    costs = piece_costs(model, pieces, sample_shape)
+    points = [p.strip() for p in (split_points or []) if p.strip()]
+    if points:
+        unknown = [p for p in points if p not in labels[1:]]
+        if unknown:
+            raise ConfigError(
+                f"split point {unknown[0]!r} is not a piece a stage can begin at; choose among: "
+                f"{', '.join(labels[1:])}"
+            )
+        if len(points) != stages - 1:
+            raise ConfigError(
+                f"{len(points)} split points ({', '.join(points)}) make {len(points) + 1} stages, not {stages}"
+            )
+        starts = [0, *(labels.index(p) for p in points)]
+        if starts != sorted(set(starts)):
+            raise ConfigError(f"split points must be distinct and in forward order: {', '.join(labels[1:])}")
+    else:
+        key = (lambda c: float(c.params)) if balance == "params" else (lambda c: c.flops)
+        starts = balanced_cut([key(c) for c in costs], stages)
+    bounds = [*starts, len(pieces)]
+    out = []
+    for s in range(stages):
+        part = range(bounds[s], bounds[s + 1])
+        out.append(
+            Stage(
+                index=s,
+                pieces=[labels[i] for i in part],
+                modules=[m for i in part for m in pieces[i].modules],
+                params=sum(costs[i].params for i in part),
+                flops=sum(costs[i].flops for i in part),
+                out_numel=costs[bounds[s + 1] - 1].out_numel,
+                saved_bytes=costs[part[0]].input_saved_bytes + sum(costs[i].saved_bytes for i in part),
+            )
+        )
+    return Split(name or type(model).__name__, balance, points, out, costs)
+
+
+def stage_module(model: nn.Module, stage: Stage) -> nn.Sequential:
+    """The stage as an ``nn.Sequential`` over the original module objects of its pieces."""
+    return nn.Sequential(
+        *(nn.Flatten(1) if name == FLATTEN else model.get_submodule(name) for name in stage.modules)
+    )
+
+
+def drop_modules(model: nn.Module, keep: set[str]) -> None:
+    """Remove from ``model`` every top-level piece module not named in ``keep`` (set to None: its parameters
+    are freed and it leaves the state dict), so that the model holds only this rank's stages under their
+    original names."""
+    for name in {m for m in _all_piece_modules(model) if m not in keep}:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        parent._modules[child] = None
+
+
+def _all_piece_modules(model: nn.Module) -> list[str]:
+    return [m for p in pieces_of(model) for m in p.modules if m != FLATTEN]
+
+
+# ------------------------------------------------------------------------------------------------
+# from a run config (preflight, estimate): the split of the model the run will build, on the meta device
+
+
+@functools.cache
+def piece_count(spec) -> int:
+    """How many pieces the model ``spec`` (an ``estimate.ModelSpec``) builds can be split into (meta device)."""
+    with torch.device("meta"):
+        return len(pieces_of(spec.build()))
+
+
+@functools.cache
+def split_for_spec(spec, stages: int, balance: str, split_points: tuple[str, ...]) -> Split:
+    """The split of the model ``spec`` (an ``estimate.ModelSpec``) builds, costed on the meta device."""
+    with torch.device("meta"):
+        model = spec.build()
+    return split_model(
+        model,
+        stages,
+        balance=balance,
+        split_points=list(split_points),
+        sample_shape=(3, spec.image_size, spec.image_size),
+        name=spec.model,
+    )

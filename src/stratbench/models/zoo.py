@@ -1,0 +1,294 @@
+"""Models: torchvision ResNets (optionally with a CIFAR stem) and ``tinynet``, a small BatchNorm-free CNN.
+
+BatchNorm statistics differ between one device and several, so the cross-method equivalence tests use
+``tinynet`` (GroupNorm or no normalisation). Each model's residual block classes are known, so that FSDP
+wrapping and activation checkpointing can act per block.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stratbench.core.errors import CheckpointError, ConfigError
+from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
+
+MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
+
+
+class TinyBlock(nn.Module):
+    """conv-norm-relu x2 with a residual connection (projection when the shape changes)."""
+
+    def __init__(self, cin: int, cout: int, stride: int, norm: str) -> None:
+        super().__init__()
+
+        def norm_layer(c: int) -> nn.Module:
+            return nn.GroupNorm(min(8, c), c) if norm == "group" else nn.Identity()
+
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=norm == "none")
+        self.norm1 = norm_layer(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=norm == "none")
+        self.norm2 = norm_layer(cout)
+        self.act = nn.ReLU(inplace=False)
+        self.shortcut = (
+            nn.Identity() if stride == 1 and cin == cout else nn.Conv2d(cin, cout, 1, stride, bias=False)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.act(self.norm1(self.conv1(x)))
+        out = self.norm2(self.conv2(out))
+        return self.act(out + self.shortcut(x))
+
+
+class TinyNet(nn.Module):
+    """stem conv + 3 residual stages (width, 2w, 4w) + 4x4 average pool + linear."""
+
+    def __init__(self, num_classes: int = 10, width: int = 32, norm: str = "group") -> None:
+        super().__init__()
+        stem_norm = nn.GroupNorm(min(8, width), width) if norm == "group" else nn.Identity()
+        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, 1, 1, bias=norm == "none"), stem_norm, nn.ReLU())
+        self.blocks = nn.Sequential(
+            TinyBlock(width, width, 1, norm),
+            TinyBlock(width, 2 * width, 2, norm),
+            TinyBlock(2 * width, 4 * width, 2, norm),
+        )
+        # A 4x4 pooled map, not global pooling: on small digits the layout matters, and a global average
+        # of a 3-stage net's features trains far slower.
+        self.pool = nn.AdaptiveAvgPool2d(4)
+        self.fc = nn.Linear(4 * width * 16, num_classes)
+        for m in self.modules():  # ResNet's initialisation: without it training stalls for an epoch or two
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.flatten(self.pool(self.blocks(self.stem(x))), 1))
+
+
+def residual_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
+    """The block classes to wrap (FSDP) or checkpoint: one unit per residual block."""
+    from stratbench.models._torchvision import import_torchvision
+
+    resnet = import_torchvision().models.resnet
+    candidates = (TinyBlock, resnet.BasicBlock, resnet.Bottleneck)
+    present = {type(m) for m in model.modules()}
+    found = tuple(c for c in candidates if c in present)
+    return found or tuple(getattr(model, "_stratbench_block_types", ()))
+
+
+def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
+    from stratbench.models._torchvision import import_torchvision
+
+    model = getattr(import_torchvision().models, name)(weights=None, num_classes=num_classes)
+    if cifar_stem:
+        model.conv1 = nn.Conv2d(3, 64, 3, 1, 1, bias=False)
+        model.maxpool = nn.Identity()
+    return model
+
+
+def user_builder(spec: str) -> Callable[..., nn.Module]:
+    """A user's model builder ('pkg.module:function'), imported and checked to take ``num_classes=`` before any
+    work (``--model os:system`` is refused here, not called)."""
+    builder = import_builder(spec, "model")
+    check_signature(builder, spec, "model", "model builder: it does not take num_classes=", num_classes=10)
+    return builder
+
+
+def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module; what it raises is one line."""
+    model = call_user(user_builder(spec), spec, "model", num_classes=num_classes)
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def has_lazy_parameters(model: nn.Module) -> bool:
+    """Whether ``model`` holds lazy modules whose parameters exist only after a first forward (nn.LazyLinear)."""
+    from torch.nn.parameter import is_lazy
+
+    return any(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
+
+
+def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, name: str) -> nn.Module:
+    """Give lazy modules their parameters with a dry forward on one zero sample (in eval mode, no gradients),
+    as torch documents, so that counting, sharding and saving see real parameters. Seeded like the build: every
+    rank and every method gets the same initial weights."""
+    if sample_shape is None or not has_lazy_parameters(model):
+        return model  # no input shape known: the caller's first forward creates them
+    x = torch.zeros(1, *sample_shape)
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(x)
+    except Exception as exc:
+        raise ConfigError(
+            f"model {name!r} has lazy modules, and the dry forward on one sample of shape {tuple(x.shape)} that "
+            f"creates their parameters raised {one_line(exc)}"
+        ) from None
+    finally:
+        model.train(training)
+    if has_lazy_parameters(model):
+        raise ConfigError(f"model {name!r}: lazy modules still lack parameters after a forward on one sample")
+    return model
+
+
+def check_model(name: str) -> None:
+    """A known model name, or a user builder that imports and takes ``num_classes=``."""
+    if ":" in name:
+        user_builder(name)
+    elif name not in MODELS:
+        raise ConfigError(
+            f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (or a builder as 'package.module:function')"
+        )
+
+
+def build_model(
+    name: str,
+    num_classes: int,
+    *,
+    cifar_stem: bool = False,
+    norm: str = "group",
+    width: int = 32,
+    sample_shape: tuple[int, ...] | None = None,
+) -> nn.Module:
+    """The model ``name`` with ``num_classes`` outputs; a user model with lazy modules gets its parameters from a
+    dry forward on one sample of ``sample_shape`` (C, H, W)."""
+    check_model(name)
+    if name == "tinynet":
+        return TinyNet(num_classes, width=width, norm=norm)
+    if ":" in name:
+        return materialize_lazy(_load_user_builder(name, num_classes), sample_shape, name)
+    return _resnet(name, num_classes, cifar_stem)
+
+
+# ``--weights`` names resolved through torchvision's weights API (``imagenet`` = the model's DEFAULT enum).
+PRETRAINED_ALIASES = {"imagenet": "DEFAULT"}
+
+
+def is_weights_name(value: str | None) -> bool:
+    """True for ``imagenet`` or a torchvision enum name (``IMAGENET1K_V2``) that is not an existing file."""
+    if not value or Path(value).exists():
+        return False
+    return value.lower() in PRETRAINED_ALIASES or value == value.upper() and value.replace("_", "").isalnum()
+
+
+def torchvision_weights(model: str, name: str):
+    """The torchvision ``WeightsEnum`` member for ``model`` and ``name`` (``imagenet``, ``DEFAULT``, ``IMAGENET1K_V1``)."""
+    if model not in MODELS or model == "tinynet":
+        tv_models = ", ".join(m for m in MODELS if m != "tinynet")
+        raise ConfigError(f"--weights {name}: pretrained weights exist only for torchvision models ({tv_models}), not {model!r}")
+    from stratbench.models._torchvision import import_torchvision
+
+    enum = import_torchvision().models.get_model_weights(model)
+    key = PRETRAINED_ALIASES.get(name.lower(), name)
+    try:
+        return enum[key]
+    except KeyError:
+        allowed = ", ".join(["imagenet", "DEFAULT", *(w.name for w in enum)])
+        raise ConfigError(f"unknown weights {name!r} for {model}; choose one of: {allowed} (or a local file)") from None
+
+
+def weights_cache_file(weights) -> Path:
+    """Where torch.hub keeps a torchvision weights file: ``$TORCH_HOME/hub/checkpoints/<name from the URL>``."""
+    from urllib.parse import urlparse
+
+    return Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+
+
+def resolve_weights(model: str, weights: str | None, download: bool = False) -> str | None:
+    """Turn a weights name into the local file to load: the torch hub cache file when it is there, a
+    download into that cache with ``download`` (torchvision checks the file's hash), else a one-line error
+    naming the file and the folder. Local paths and ``None`` are returned unchanged."""
+    if not is_weights_name(weights):
+        return weights
+    member = torchvision_weights(model, weights)
+    path = weights_cache_file(member)
+    if not path.is_file():
+        if not download:
+            raise CheckpointError(
+                f"pretrained weights {model} {member.name} are not in the torch hub cache: put {path.name} "
+                f"({member.url}) into {path.parent}, or add --download when online"
+            )
+        try:
+            member.get_state_dict(progress=False, check_hash=True)  # load_state_dict_from_url: fills the cache
+        except Exception as exc:
+            raise CheckpointError(f"downloading {member.url} into {path.parent} failed: {exc}") from None
+    return str(path)
+
+
+def pretrained_available(model: str, weights: str = "imagenet") -> bool:
+    """Whether the weights file of ``model``/``weights`` is already in the torch hub cache (no download)."""
+    try:
+        return weights_cache_file(torchvision_weights(model, weights)).is_file()
+    except ConfigError:
+        return False
+
+
+def describe_init(weights: str | None) -> str:
+    """How a run's model started, for the report: random, imagenet (a torchvision ImageNet file), or the file name."""
+    if not weights:
+        return "random"
+    name = Path(weights).name
+    if name.lower() in PRETRAINED_ALIASES or name == "DEFAULT" or name.startswith("IMAGENET"):
+        return "imagenet"
+    if re.fullmatch(r"(resnet\d+|wide_resnet\d+_\d+|resnext\d+_\w+)-[0-9a-f]{8,}\.pth", name):
+        return "imagenet"
+    return name
+
+
+def load_weights(model: nn.Module, path: str) -> list[str]:
+    """Load a local state dict (e.g. torchvision's ImageNet ResNet-50 file). Tensors whose shape does not
+    match (the 1000-class head on a 10-class model) are skipped and returned, so the caller can say so."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"weights file not found: {p}")
+    try:
+        state = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(f"weights file {p} is not a readable PyTorch state dict: {exc}") from None
+    if isinstance(state, dict) and "model" in state and isinstance(state["model"], dict):
+        state = state["model"]  # a stratbench checkpoint
+    if not isinstance(state, dict):
+        raise CheckpointError(f"weights file {p} holds a {type(state).__name__}, not a state dict")
+    own = model.state_dict()
+    usable = {k: v for k, v in state.items() if k in own and own[k].shape == v.shape}
+    if not usable:
+        raise CheckpointError(
+            f"weights file {p} has no tensor that fits this model (keys like {next(iter(state), '-')!r})"
+        )
+    skipped = sorted(k for k in state if k not in usable)
+    model.load_state_dict(usable, strict=False)
+    return skipped
+
+
+def apply_activation_checkpointing(model: nn.Module) -> int:
+    """Recompute each residual block's activations in the backward pass; returns the number of blocks."""
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        apply_activation_checkpointing as _apply,
+    )
+
+    types_ = residual_block_types(model)
+    if not types_:
+        raise ConfigError("activation checkpointing: this model has no residual block type to checkpoint")
+    _apply(
+        model,
+        checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
+        ),
+        check_fn=lambda m: isinstance(m, types_),
+    )
+    return sum(isinstance(m, types_) for m in model.modules())
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

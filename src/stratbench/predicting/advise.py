@@ -1,0 +1,212 @@
+"""The FairScale "do you really need FSDP or DeepSpeed?" flow as code: try the simplest method first and move
+to sharding, activation checkpointing and offload only when the memory estimate says the simpler one does not
+fit. Every step is decided by ``stratbench.predicting.estimate``, not by rules of thumb about model size.
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass, field
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.tables import fmt_bytes
+from stratbench.predicting.estimate import Estimate, estimate
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One candidate: a strategy with its options, and whether it recomputes activations."""
+
+    strategy: str
+    options: tuple[tuple[str, object], ...] = ()
+    activation_checkpointing: bool = False
+    why: str = ""
+
+    @property
+    def label(self) -> str:
+        opts = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in self.options)
+        return " ".join(
+            x
+            for x in (
+                self.strategy,
+                opts,
+                "+ activation checkpointing" if self.activation_checkpointing else "",
+            )
+            if x
+        )
+
+
+@dataclass
+class Advice:
+    plan: Plan | None
+    precision: str
+    estimate: Estimate | None
+    reasons: list[str] = field(default_factory=list)
+    tried: list[tuple[Plan, Estimate]] = field(default_factory=list)
+    train_command: str = ""
+    compare_command: str = ""
+    ranking: list[dict] = field(default_factory=list)
+    """goal speed with hardware: every plan with its memory, whether it fits and its projected step time."""
+
+
+def candidates(devices: int) -> list[Plan]:
+    """Simplest first: each later plan trades speed (communication, recomputation, host transfers) for memory."""
+    if devices == 1:
+        return [
+            Plan("single", why="one device, no communication: the baseline"),
+            Plan("single", activation_checkpointing=True, why="recompute each block's activations in backward (~30% slower)"),
+            Plan("deepspeed", (("zero_stage", 2), ("offload_optimizer", "cpu")), why="ZeRO-Offload: optimizer states and step on the CPU, the one method that saves memory on one GPU"),
+            Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-Infinity-style: parameters on the CPU too"),
+        ]  # fmt: skip
+    return [
+        Plan("ddp", why="a full replica per device, gradients all-reduced: the fastest multi-device method when it fits"),
+        Plan("ddp-zero", why="DDP + ZeroRedundancyOptimizer: optimizer state sharded (ZeRO-1), same communication as DDP"),
+        Plan("fsdp", (("sharding", "grad-op"),), why="FSDP grad-op (ZeRO-2): gradients and optimizer sharded, one all-gather per step"),
+        Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
+        Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
+        Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu")), True, why="ZeRO-3 + optimizer offload: optimizer states and step on the CPU"),
+        Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-3 + parameter offload: only the working set stays on the device"),
+    ]  # fmt: skip
+
+
+def default_precision(device_type: str, bf16_ok: bool) -> str:
+    """bf16-mixed where supported (no loss scaling, half the activation memory), fp16-mixed on older GPUs."""
+    if device_type != "cuda":
+        return "fp32"  # CPU fp16 is ~100x slower and CPU bf16 gains little: keep fp32
+    return "bf16-mixed" if bf16_ok else "fp16-mixed"
+
+
+def advise(
+    base: TrainConfig,
+    devices: int,
+    device_memory: int,
+    goal: str = "speed",
+    device_type: str = "cuda",
+    headroom: float = 0.9,
+    system=None,
+    calibration=None,
+) -> Advice:
+    """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory; with
+    ``goal="speed"`` and a hardware ``system`` (stratbench.predicting.hardware), the plan with the shortest projected step
+    time among those that fit."""
+    if goal not in ("fit", "speed"):
+        from stratbench.core.errors import ConfigError
+
+        raise ConfigError(f"unknown goal {goal!r}; choose one of: fit, speed")
+    if goal == "speed" and system is not None:
+        return _fastest(base, devices, device_memory, device_type, headroom, system, calibration)
+    budget = int(device_memory * headroom)
+    plans = candidates(devices)
+    if goal == "fit" and devices > 1:
+        # Only memory matters: keep DDP's speed when it fits, otherwise go straight to the sharded plans.
+        plans = plans[:1] + plans[3:]
+    advice = Advice(None, base.precision, None)
+    reasons = advice.reasons
+    reasons.append(
+        f"budget: {headroom:.0%} of {fmt_bytes(device_memory)} per device = {fmt_bytes(budget)} (the rest is headroom "
+        "for allocator fragmentation and cuDNN workspaces)"
+    )
+    for plan in plans:
+        world = 1 if plan.strategy == "single" else devices
+        cfg = base.replace(
+            strategy=plan.strategy,
+            strategy_options=dict(plan.options),
+            activation_checkpointing=plan.activation_checkpointing,
+        )
+        est = estimate(cfg, world, device_type)
+        advice.tried.append((plan, est))
+        if est.total_bytes <= budget:
+            advice.plan, advice.estimate = plan, est
+            reasons.append(
+                f"{plan.label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})"
+            )
+            break
+        reasons.append(f"{plan.label}: {fmt_bytes(est.total_bytes)} per device does not fit")
+    if advice.plan is None:
+        reasons.append(
+            "nothing fits at this batch: lower --batch-size and use --grad-accum to keep the global batch, "
+            "or use more devices"
+        )
+        return advice
+    if devices > 1 and advice.plan.strategy == "ddp":
+        reasons.append("DDP fits, so FSDP/DeepSpeed would only add communication: you do not need them")
+    if devices == 1 and advice.plan.strategy == "single" and not advice.plan.activation_checkpointing:
+        reasons.append("the model and batch fit one device: no sharding or offload needed")
+    advice.train_command, advice.compare_command = commands(base, advice.plan, devices)
+    return advice
+
+
+SPEED_TIE = 0.03
+"""Projected step times within this fraction of the fastest count as a tie (the simpler plan wins)."""
+
+
+def _fastest(base, devices, device_memory, device_type, headroom, system, calibration) -> Advice:
+    """Every candidate plan estimated and projected on ``system``; the fastest that fits wins."""
+    from stratbench.core.errors import ConfigError
+    from stratbench.predicting.projection import project
+
+    gpn = min(devices, system.gpus_per_node)
+    if devices % gpn:
+        raise ConfigError(
+            f"--devices {devices} is not a whole number of {system.key} nodes of {system.gpus_per_node}"
+        )
+    nodes = devices // gpn
+    budget = int(device_memory * headroom)
+    advice = Advice(None, base.precision, None)
+    advice.reasons.append(
+        f"budget: {headroom:.0%} of {fmt_bytes(device_memory)} per device = {fmt_bytes(budget)}; step times projected "
+        f"on {nodes} x {gpn} {system.gpu.name} ({system.key}, stratbench.predicting.projection)"
+    )
+    fitting = []
+    for plan in candidates(devices):
+        world = 1 if plan.strategy == "single" else devices
+        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
+                           activation_checkpointing=plan.activation_checkpointing, nnodes=nodes)  # fmt: skip
+        est = estimate(cfg, world, device_type)
+        advice.tried.append((plan, est))
+        p = project(cfg, system, nodes, gpn, calibration, memory=False)
+        fits = est.total_bytes <= budget
+        advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
+                               "step_s": p.step_s, "status": p.status, "dominant": p.dominant})  # fmt: skip
+        time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
+        advice.reasons.append(
+            f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
+        )
+        if fits and p.step_s:
+            fitting.append((plan, est, p))
+    if not fitting:
+        advice.reasons.append("nothing that fits has a projection: lower --batch-size or use more devices")
+        return advice
+    # The projection cannot tell apart steps a few percent apart: the simplest plan within SPEED_TIE wins.
+    fastest = min(p.step_s for _, _, p in fitting)
+    best = next(x for x in fitting if x[2].step_s <= fastest * (1 + SPEED_TIE))
+    advice.plan, advice.estimate = best[0], best[1]
+    advice.reasons.append(
+        f"chosen: {best[0].label}, the simplest plan that fits within {SPEED_TIE:.0%} of the shortest projected "
+        f"step ({fastest * 1e3:.1f} ms; {best[0].why})"
+    )
+    advice.train_command, advice.compare_command = commands(base, best[0], devices)
+    return advice
+
+
+def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
+    """The exact `stratbench train` and `stratbench compare` command lines to run next."""
+    args = ["stratbench", "train", "--model", base.model]
+    if base.model == "tinynet":
+        args += ["--width", str(base.width)]
+    args += ["--image-size", str(base.image_size), "--batch-size", str(base.batch_size)]
+    if base.grad_accum > 1:
+        args += ["--grad-accum", str(base.grad_accum)]
+    args += ["--precision", base.precision, "--optimizer", base.optimizer, "--strategy", plan.strategy]
+    for k, v in plan.options:
+        args += [f"--{k.replace('_', '-')}", str(v)]
+    if plan.activation_checkpointing:
+        args += ["--activation-checkpointing", "true"]
+    if plan.strategy != "single":
+        args += ["--nproc", str(devices)]
+    train = shlex.join(args)
+    others = "single,ddp,fsdp" if plan.strategy in ("single", "ddp") else f"ddp,{plan.strategy}"
+    compare = shlex.join(
+        ["stratbench", "compare", "--preset", "seed", "--data", "synthetic", "--only", others]
+    )
+    return train, compare

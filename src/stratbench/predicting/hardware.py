@@ -1,0 +1,443 @@
+"""Hardware profiles: GPUs, links and systems (nodes) as data, read from ``hardware.yaml`` in the package and
+from user files (``--hardware FILE``), validated before any work with one-line errors.
+
+This is the one source of truth for device peaks: ``stratbench.measuring.metrics`` takes its MFU peak table from here,
+and ``stratbench.predicting.projection`` prices compute, communication and memory traffic with the same numbers. See the
+header of ``hardware.yaml`` for what every field means and where every number comes from.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratbench.core.errors import ConfigError
+
+BUILTIN = Path(__file__).with_name("hardware.yaml")
+PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16")
+
+_PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+_NUM = r"([-+]?(?:[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?|(?i:infinity|inf|nan)))"
+
+
+class HardwareError(ConfigError):
+    """A hardware profile that is missing a number or has a bad one (one line, naming file, entry and field)."""
+
+
+def _number(text: Any, where: str, units: dict[str, float], example: str, zero_ok: bool = False) -> float:
+    """'67 TFLOP/s' -> 6.7e13 for the given unit suffixes (each may take a decimal or binary prefix). A negative,
+    infinite or NaN value is named as such, whether written as a YAML number or with a unit."""
+    if isinstance(text, bool):
+        raise HardwareError(f"{where}: {text!r} is not a number with a unit (write e.g. {example})")
+    if isinstance(text, (int, float)):
+        value = _in_range(float(text), text, where, zero_ok)
+        if "" not in units:
+            raise HardwareError(f"{where}: {text!r} needs a unit (write e.g. {example})")
+        return value
+    m = re.fullmatch(rf"\s*{_NUM}\s*([A-Za-z]*)(\S*)\s*", str(text))
+    if not m:
+        raise HardwareError(f"{where}: {text!r} is not a number with a unit (write e.g. {example})")
+    value = _in_range(float(m.group(1)), text, where, zero_ok)
+    unit = m.group(2) + m.group(3)
+    scale = _unit_scale(unit, units)
+    if scale is None:
+        allowed = ", ".join(u for u in units if u) or "none"
+        raise HardwareError(f"{where}: unknown unit in {text!r} (units: {allowed}; write e.g. {example})")
+    return value * scale
+
+
+def _in_range(value: float, text: Any, where: str, zero_ok: bool) -> float:
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero_ok):
+        raise HardwareError(
+            f"{where}: {text!r} must be a {'non-negative' if zero_ok else 'positive'}, finite number"
+        )
+    return value
+
+
+def _unit_scale(unit: str, units: dict[str, float]) -> float | None:
+    """The factor of ``unit`` (a suffix of ``units`` after an optional decimal or binary prefix), or None."""
+    for suffix, factor in units.items():
+        if not unit.endswith(suffix) or (suffix == "" and unit):
+            continue
+        prefix = unit[: len(unit) - len(suffix)]
+        if prefix in _PREFIX:
+            return _PREFIX[prefix] * factor
+        if prefix in _BIN:
+            return _BIN[prefix] * factor
+    return None
+
+
+def flops(text: Any, where: str) -> float:
+    return _number(text, where, {"FLOP/s": 1.0, "FLOPS": 1.0}, "67 TFLOP/s")
+
+
+def nbytes(text: Any, where: str) -> float:
+    return _number(text, where, {"B": 1.0}, "80 GB")
+
+
+def bandwidth(text: Any, where: str) -> float:
+    """Bytes per second from 'B/s' (bytes) or 'b/s' (bits) with a prefix: '3.35 TB/s', '400 Gb/s'."""
+    return _number(text, where, {"B/s": 1.0, "b/s": 0.125}, "3.35 TB/s or 400 Gb/s")
+
+
+def seconds(text: Any, where: str) -> float:
+    return _number(text, where, {"us": 1e-6, "ms": 1e-3, "ns": 1e-9, "s": 1.0}, "5.7 us", zero_ok=True)
+
+
+def fraction(value: Any, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise HardwareError(f"{where}: {value!r} must be a fraction between 0 and 1")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Gpu:
+    key: str
+    name: str
+    match: str
+    """Regular expression searched (case-insensitively) in the device name torch reports."""
+    peak_flops: dict[str, float]
+    memory_bytes: float
+    memory_bandwidth: float
+    efficiency: dict[str, float] = field(default_factory=dict)
+    """Fraction of peak a training step reaches, per precision key (defaults filled in)."""
+    kind: str = "cuda"
+    """cuda, or cpu for a profile `stratbench probe` measured on processes sharing a CPU."""
+
+    def peak(self, key: str) -> float | None:
+        return self.peak_flops.get(key)
+
+    def matches(self, device_name: str) -> bool:
+        return re.search(self.match, device_name, flags=re.IGNORECASE) is not None
+
+
+@dataclass(frozen=True)
+class CollectiveFit:
+    """A measured alpha-beta fit of one collective kind (from `stratbench probe`): a call on ``ranks`` ranks
+    costs ``latency`` + wire bytes / ``bandwidth``."""
+
+    latency: float
+    bandwidth: float
+    ranks: int
+    loaded_latency: float | None = None
+    """A small call's cost right after a compute burst on every rank (the probe's ``loaded_latency``): what a
+    collective costs inside training, where it also waits for the peer's slower compute and, on a CPU, for a
+    core; the projection prices each call's latency at it where it is given."""
+
+    @property
+    def call_latency(self) -> float:
+        return max(self.latency, self.loaded_latency or 0.0)
+
+
+@dataclass(frozen=True)
+class Link:
+    key: str
+    bandwidth: float
+    """Bytes/s per direction per device."""
+    latency: float
+    """Seconds per ring step (alpha)."""
+    efficiency: float = 1.0
+    """Fraction of ``bandwidth`` a collective library reaches."""
+    collectives: dict[str, CollectiveFit] = field(default_factory=dict)
+    """Measured per-kind fits that replace the ring model's bandwidth and latency (probe profiles)."""
+
+    @property
+    def effective_bandwidth(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class System:
+    key: str
+    gpu: Gpu
+    gpus_per_node: int
+    intra_node: Link
+    inter_node: Link | None
+    host: Link
+    nics_per_node: int = 1
+    host_memory_bandwidth: float = 0.0
+    call_latency: float = 0.0
+    overlap: float = 0.8
+    overlap_source: str = "default"
+    compute_share: float = 1.0
+    """Fraction of the device's single-process peak each device gets when every device of a node runs (1 on
+    GPUs; below 1 on a CPU whose cores the processes share, as measured by `stratbench probe`)."""
+    thread_share: float | None = None
+    """CPU profiles: the fraction of the all-core peak that one process with ``threads_per_process`` threads
+    reaches when it runs alone (measured by `stratbench probe`); a calibration run with that many threads is
+    counted against it instead of the ideal threads / cores."""
+    threads_per_process: int | None = None
+    source: str = "built-in"
+
+    def inter_bandwidth_per_device(self) -> float:
+        """The node's inter-node bandwidth shared by its devices (rail-aligned NICs: one per device)."""
+        if self.inter_node is None:
+            raise HardwareError(f"system {self.key!r} has no inter_node link: it cannot span several nodes")
+        return self.inter_node.effective_bandwidth * self.nics_per_node / self.gpus_per_node
+
+
+@dataclass
+class Catalogue:
+    gpus: dict[str, Gpu]
+    links: dict[str, Link]
+    systems: dict[str, System]
+    default_efficiency: dict[str, float]
+    default_overlap: float
+    default_system: str | None = None
+
+    def system(self, name: str) -> System:
+        if name not in self.systems:
+            raise HardwareError(
+                f"unknown hardware {name!r}; choose one of: {', '.join(self.systems)} (or a YAML file)"
+            )
+        return self.systems[name]
+
+    def gpu_for_device(self, device_name: str) -> Gpu | None:
+        """The one GPU entry whose ``match`` finds ``device_name`` (None when none does)."""
+        found = [g for g in self.gpus.values() if g.kind == "cuda" and g.matches(device_name)]
+        return found[0] if found else None
+
+    def ambiguous(self, device_name: str) -> list[str]:
+        return [g.key for g in self.gpus.values() if g.kind == "cuda" and g.matches(device_name)]
+
+
+_TOP = {"version", "defaults", "gpus", "links", "systems", "default_system"}
+_GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind"}
+_LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
+_SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
+             "call_latency", "overlap", "compute_share", "thread_share",
+             "threads_per_process"}  # fmt: skip
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise HardwareError(f"{where}: expected a mapping, got {type(value).__name__}")
+    return value
+
+
+def _check_keys(entry: dict[str, Any], allowed: set[str], required: set[str], where: str) -> None:
+    unknown = sorted(set(entry) - allowed)
+    if unknown:
+        raise HardwareError(f"{where}: unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    missing = sorted(required - set(entry))
+    if missing:
+        raise HardwareError(f"{where}: missing {missing[0]!r}")
+
+
+def _parse_gpu(key: str, e: dict[str, Any], where: str, defaults: dict[str, float]) -> Gpu:
+    e = _mapping(e, where)
+    _check_keys(e, _GPU_KEYS, {"name", "match", "peak_flops", "memory", "memory_bandwidth"}, where)
+    try:
+        re.compile(str(e["match"]))
+    except re.error as exc:
+        raise HardwareError(f"{where}.match: {e['match']!r} is not a regular expression ({exc})") from exc
+    peaks = _mapping(e["peak_flops"], f"{where}.peak_flops")
+    if not peaks:
+        raise HardwareError(f"{where}.peak_flops: give at least one precision ({', '.join(PRECISION_KEYS)})")
+    for k in list(peaks) + list(_mapping(e.get("efficiency", {}), f"{where}.efficiency")):
+        if k not in PRECISION_KEYS:
+            raise HardwareError(f"{where}: unknown precision {k!r}; allowed: {', '.join(PRECISION_KEYS)}")
+    eff = dict(defaults)
+    eff.update({k: fraction(v, f"{where}.efficiency.{k}") for k, v in e.get("efficiency", {}).items()})
+    kind = e.get("kind", "cuda")
+    if kind not in ("cuda", "cpu"):
+        raise HardwareError(f"{where}.kind: {kind!r}; allowed: cuda, cpu")
+    return Gpu(
+        key=key,
+        name=str(e["name"]),
+        match=str(e["match"]),
+        peak_flops={k: flops(v, f"{where}.peak_flops.{k}") for k, v in peaks.items()},
+        memory_bytes=nbytes(e["memory"], f"{where}.memory"),
+        memory_bandwidth=bandwidth(e["memory_bandwidth"], f"{where}.memory_bandwidth"),
+        efficiency=eff,
+        kind=kind,
+    )
+
+
+def _parse_link(key: str, e: dict[str, Any], where: str) -> Link:
+    e = _mapping(e, where)
+    _check_keys(e, _LINK_KEYS, {"bandwidth", "latency"}, where)
+    fits = {}
+    from stratbench.measuring.comm import KINDS
+
+    for kind, fit in _mapping(e.get("collectives", {}), f"{where}.collectives").items():
+        w = f"{where}.collectives.{kind}"
+        if kind not in KINDS:
+            raise HardwareError(f"{w}: unknown collective; allowed: {', '.join(KINDS)}")
+        fit = _mapping(fit, w)
+        _check_keys(fit, {"latency", "bandwidth", "ranks", "loaded_latency"}, {"latency", "bandwidth", "ranks"}, w)
+        ranks = fit["ranks"]
+        if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+            raise HardwareError(f"{w}.ranks: {ranks!r} must be an integer >= 2")
+        loaded = fit.get("loaded_latency")
+        fits[kind] = CollectiveFit(
+            seconds(fit["latency"], f"{w}.latency"), bandwidth(fit["bandwidth"], f"{w}.bandwidth"), ranks,
+            None if loaded is None else seconds(loaded, f"{w}.loaded_latency"),
+        )  # fmt: skip
+    return Link(
+        key=key,
+        bandwidth=bandwidth(e["bandwidth"], f"{where}.bandwidth"),
+        latency=seconds(e["latency"], f"{where}.latency"),
+        efficiency=fraction(e.get("efficiency", 1.0), f"{where}.efficiency"),
+        collectives=fits,
+    )
+
+
+def _positive_int(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise HardwareError(f"{where}: {value!r} must be a positive integer")
+    return value
+
+
+def _parse_system(key: str, e: dict[str, Any], where: str, cat: Catalogue, source: str) -> System:
+    e = _mapping(e, where)
+    _check_keys(e, _SYS_KEYS, {"gpu", "gpus_per_node", "intra_node", "host"}, where)
+
+    def ref(table: dict, name: Any, what: str) -> Any:
+        if name not in table:
+            noun = "gpu" if what == "gpu" else "link"
+            raise HardwareError(f"{where}.{what}: unknown {noun} {name!r}; choose one of: {', '.join(table)}")
+        return table[name]
+
+    gpus_per_node = _positive_int(e["gpus_per_node"], f"{where}.gpus_per_node")
+    inter = ref(cat.links, e["inter_node"], "inter_node") if e.get("inter_node") else None
+    return System(
+        key=key,
+        gpu=ref(cat.gpus, e["gpu"], "gpu"),
+        gpus_per_node=gpus_per_node,
+        intra_node=ref(cat.links, e["intra_node"], "intra_node"),
+        inter_node=inter,
+        host=ref(cat.links, e["host"], "host"),
+        nics_per_node=_positive_int(e.get("nics_per_node", 1), f"{where}.nics_per_node"),
+        host_memory_bandwidth=bandwidth(e["host_memory_bandwidth"], f"{where}.host_memory_bandwidth")
+        if "host_memory_bandwidth" in e
+        else 0.0,
+        call_latency=seconds(e["call_latency"], f"{where}.call_latency") if "call_latency" in e else 0.0,
+        overlap=fraction(e.get("overlap", cat.default_overlap), f"{where}.overlap"),
+        overlap_source="measured (probe)" if "overlap" in e else "default",
+        compute_share=fraction(e.get("compute_share", 1.0), f"{where}.compute_share"),
+        thread_share=fraction(e["thread_share"], f"{where}.thread_share") if "thread_share" in e else None,
+        threads_per_process=_positive_int(e["threads_per_process"], f"{where}.threads_per_process")
+        if "threads_per_process" in e
+        else None,
+        source=source,
+    )
+
+
+def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
+    """A catalogue from one file's mapping, added to ``base`` (same keys replace base entries)."""
+    where0 = f"hardware file {source}"
+    data = _mapping(data, where0)
+    unknown = sorted(set(data) - _TOP)
+    if unknown:
+        raise HardwareError(f"{where0}: unknown section {unknown[0]!r}; allowed: {', '.join(sorted(_TOP))}")
+    defaults = _mapping(data.get("defaults", {}), f"{where0}: defaults")
+    if base is None:
+        eff_defaults = {
+            k: fraction(v, f"{where0}: defaults.efficiency.{k}")
+            for k, v in _mapping(defaults.get("efficiency", {}), f"{where0}: defaults.efficiency").items()
+        }
+        missing = [k for k in PRECISION_KEYS if k not in eff_defaults]
+        if missing:
+            raise HardwareError(f"{where0}: defaults.efficiency: missing {missing[0]!r}")
+        if "overlap" not in defaults:
+            raise HardwareError(f"{where0}: defaults: missing 'overlap'")
+        overlap = fraction(defaults["overlap"], f"{where0}: defaults.overlap")
+        cat = Catalogue({}, {}, {}, eff_defaults, overlap)
+    else:
+        cat = Catalogue(
+            dict(base.gpus),
+            dict(base.links),
+            dict(base.systems),
+            dict(base.default_efficiency),
+            base.default_overlap,
+        )
+        if defaults:
+            raise HardwareError(
+                f"{where0}: 'defaults' belong to the built-in file; set efficiency per gpu and overlap per system"
+            )
+    for key, e in _mapping(data.get("gpus", {}) or {}, f"{where0}: gpus").items():
+        cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat.default_efficiency)
+    for key, e in _mapping(data.get("links", {}) or {}, f"{where0}: links").items():
+        cat.links[key] = _parse_link(key, e, f"{where0}: links.{key}")
+    for key, e in _mapping(data.get("systems", {}) or {}, f"{where0}: systems").items():
+        cat.systems[key] = _parse_system(key, e, f"{where0}: systems.{key}", cat, source)
+    default_system = data.get("default_system")
+    if default_system is not None and default_system not in cat.systems:
+        raise HardwareError(
+            f"{where0}: default_system {default_system!r} is not one of its systems ({', '.join(cat.systems)})"
+        )
+    cat.default_system = default_system
+    return cat
+
+
+def _read_yaml(path: Path) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise HardwareError(f"cannot read hardware file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise HardwareError(f"hardware file {path} is not text (byte {exc.start} is not UTF-8)") from exc
+    except yaml.YAMLError as exc:
+        raise HardwareError(f"hardware file {path} is not valid YAML: {str(exc).splitlines()[0]}") from exc
+
+
+@functools.cache
+def builtin() -> Catalogue:
+    return parse(_read_yaml(BUILTIN), BUILTIN.name)
+
+
+def load(user_file: str | Path | None = None) -> Catalogue:
+    """The built-in catalogue, extended by a user file when given."""
+    if user_file is None:
+        return builtin()
+    path = Path(user_file)
+    return parse(_read_yaml(path), str(path), builtin())
+
+
+def resolve(spec: str) -> System:
+    """``--hardware``: a built-in system name, a YAML file (its ``default_system``, or its only system), or
+    ``FILE:SYSTEM``."""
+    path, name = spec, ""
+    if not Path(spec).is_file() and ":" in spec:
+        path, _, name = spec.rpartition(":")
+    if Path(path).is_file():
+        data = _read_yaml(Path(path))
+        cat = parse(data, path, builtin())
+        own = list((data.get("systems") or {}) if isinstance(data, dict) else {})
+        name = name or cat.default_system or (own[0] if len(own) == 1 else "")
+        if not name:
+            raise HardwareError(
+                f"hardware file {path} defines {len(own)} systems: name one as {path}:SYSTEM or set default_system"
+            )
+        return cat.system(name)
+    if Path(path).suffix in (".yaml", ".yml") or "/" in path:
+        raise HardwareError(f"hardware file {path} does not exist")
+    return builtin().system(spec)
+
+
+def peak_flops_for_name(device_name: str, key: str) -> float | None:
+    """Dense peak FLOP/s of the built-in GPU whose pattern matches this device name; None when unknown."""
+    gpu = builtin().gpu_for_device(device_name)
+    return gpu.peak(key) if gpu else None
+
+
+def dump(data: dict[str, Any]) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=110)
+
+
+def fmt_rate(value: float, unit: str) -> str:
+    """6.7e13, 'FLOP/s' -> '67 TFLOP/s' (three significant digits) for writing profiles back."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.4g} {prefix}{unit}"
+    return f"{value:.4g} {unit}"

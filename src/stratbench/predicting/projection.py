@@ -1,0 +1,732 @@
+"""What a training method would cost on hardware you do not have: step time, throughput, scaling efficiency and
+memory per device, from quantities that transfer between machines.
+
+Per optimizer step and device (docs/projection.md has every formula and why):
+
+* **compute** = FLOPs per sample (counted by ``torch.utils.flop_counter``) x samples per device / (dense peak of
+  the precision x achieved efficiency x the device's share of its node), + a fixed per-step overhead where a
+  calibration measured one. Forward is 1/3 of it, backward 2/3; activation checkpointing adds one forward.
+* **communication** from the method's own ``comm_model`` rows (kind, payload, calls, phase, group): an
+  alpha-beta ring cost, ``calls x call latency + steps x alpha + wire factor x payload / bandwidth``, and
+  hierarchical when the group spans nodes (intra-node reduce-scatter, inter-node all-reduce of 1/g of the
+  payload over the node's NICs, intra-node all-gather). Forward- and backward-phase traffic (DDP's buckets,
+  FSDP's prefetched gathers) hides under that phase's compute up to ``overlap`` (a stated fraction of the
+  system, measured by ``stratbench probe``; never 100%) x the strategy's own ``comm_overlap``; optimizer-phase
+  traffic is exposed.
+* **optimizer step** = bytes the step reads and writes (the rank's share of parameters and gradients, its
+  optimizer states and master copies) / memory bandwidth; on the host's memory bandwidth when the optimizer is
+  offloaded.
+* **CPU offload** = bytes crossing the host link per step (gradients down and parameters up for an offloaded
+  optimizer, parameters twice for offloaded parameters) / host-link bandwidth, not overlapped.
+
+A strategy without ``comm_model`` (or a model whose FLOPs cannot be counted) is reported as "no model",
+never as 0.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
+from stratbench.measuring.comm import wire_factor
+from stratbench.predicting.hardware import Gpu, HardwareError, Link, System
+
+FORWARD_SHARE = 1.0 / 3.0
+"""Forward FLOPs as a share of forward+backward (backward computes two products per forward one)."""
+
+
+def precision_key(precision: str, tf32: bool = False) -> str:
+    """The peak-table key of a precision's compute dtype (as ``metrics.peak_flops``)."""
+    if precision == "fp64":
+        return "fp64"
+    if "bf16" in precision:
+        return "bf16"
+    if "fp16" in precision:
+        return "fp16"
+    return "tf32" if tf32 else "fp32"
+
+
+@functools.cache
+def _flops(spec) -> float | None:
+    from stratbench.measuring.metrics import flops_per_sample
+
+    return flops_per_sample(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
+
+
+def model_flops(cfg: TrainConfig) -> float | None:
+    """Forward+backward FLOPs of one sample of the config's model (counted on the meta device, cached)."""
+    from stratbench.predicting.estimate import ModelSpec
+
+    return _flops(ModelSpec.from_config(cfg))
+
+
+# ------------------------------------------------------------------------------------------------
+# Communication: the alpha-beta ring model, hierarchical across nodes.
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Latency steps of a ring algorithm over ``n`` ranks (NCCL's nsteps in src/graph/tuning.cc)."""
+    if n <= 1:
+        return 0
+    if kind == "all_reduce":
+        return 2 * (n - 1)
+    if kind == "send_recv":
+        return 1
+    return n - 1
+
+
+def ring_time(kind: str, payload: float, n: int, bandwidth: float, step_latency: float) -> float:
+    """One call of a ring collective of ``payload`` bytes over ``n`` ranks on links of ``bandwidth`` bytes/s:
+    ``steps x alpha + wire_factor x payload / bandwidth`` (all_reduce: 2(n-1) alpha + 2(n-1)/n B / bw)."""
+    if n <= 1:
+        return 0.0
+    return ring_steps(kind, n) * step_latency + wire_factor(kind, n) * payload / bandwidth
+
+
+def _on_link(kind: str, payload: float, n: int, link: Link, bandwidth: float | None = None) -> float:
+    """A ring over ``n`` ranks on ``link``: a measured per-kind fit (probe) where the link has one, otherwise
+    the link's latency and effective bandwidth (``bandwidth`` overrides it, e.g. a NIC shared per device)."""
+    if n <= 1:
+        return 0.0
+    fit = link.collectives.get(kind)
+    if fit is not None and bandwidth is None:
+        # The fit's latency is a whole call at fit.ranks (in training where the probe measured that); scale it
+        # by the ring's step count.
+        latency = fit.call_latency * ring_steps(kind, n) / max(1, ring_steps(kind, fit.ranks))
+        return latency + wire_factor(kind, n) * payload / fit.bandwidth
+    return ring_time(kind, payload, n, bandwidth or link.effective_bandwidth, link.latency)
+
+
+def collective_time(kind: str, payload: float, calls: int, group: int, system: System) -> float:
+    """Seconds for ``calls`` calls moving ``payload`` bytes in all over ``group`` ranks of ``system``, packed
+    onto as few nodes as possible."""
+    if group <= 1 or calls <= 0:
+        return 0.0
+    g = min(group, system.gpus_per_node)
+    m = math.ceil(group / g)
+    fixed = calls * system.call_latency
+    per_call = payload / calls
+    intra = system.intra_node
+    if m == 1:
+        # The per-kind fit's latency is per call: price each call, not the sum as one.
+        return fixed + calls * _on_link(kind, per_call, g, intra)
+    inter = system.inter_node
+    if inter is None:
+        raise HardwareError(f"system {system.key!r} has no inter_node link: {group} ranks need {m} nodes")
+    nic = system.inter_bandwidth_per_device()
+    if kind == "all_reduce":
+        # Reduce-scatter within the node, all-reduce of each device's 1/g across nodes, all-gather within.
+        t = (
+            _on_link("reduce_scatter", per_call, g, intra)
+            + _on_link("all_reduce", per_call / g, m, inter, nic)
+            + _on_link("all_gather", per_call, g, intra)
+        )
+    elif kind in ("all_gather", "reduce_scatter", "broadcast"):
+        t = _on_link(kind, per_call, g, intra) + _on_link(kind, per_call / g, m, inter, nic)
+    elif kind == "send_recv":
+        t = inter.latency + per_call / nic
+    else:  # all_to_all: the share for peers on the node over the intra link, the rest over the NICs
+        t = (g - 1) / group * per_call / intra.effective_bandwidth + (group - g) / group * per_call / nic
+        t += (g - 1) * intra.latency + (m - 1) * inter.latency
+    return fixed + calls * t
+
+
+# ------------------------------------------------------------------------------------------------
+# Calibration: achieved efficiency from a measured single-device run.
+
+
+@dataclass
+class Calibration:
+    """Achieved fraction of the device's dense peak (and a fixed per-step overhead) measured on real runs."""
+
+    efficiency: float
+    key: str
+    """Precision key it was measured in (fp32, tf32, bf16, ...)."""
+    overhead_s: float = 0.0
+    device: str = ""
+    source: str = ""
+    points: list[dict[str, float]] = field(default_factory=list)
+    thread_share: float = 1.0
+    """Share of the profile's peak the calibration runs had (CPU runs with fewer threads than cores)."""
+    method_overhead_s: dict[str, float] = field(default_factory=dict)
+    """Per method (``method_key``): seconds per micro-step its one-device run took beyond what this calibration
+    predicts for `single` at that batch: the method's own host work (hooks, flat-parameter copies, gathers
+    through a 1-rank group, wrappers) that no FLOP or collective term counts."""
+    method_sources: dict[str, str] = field(default_factory=dict)
+
+
+def method_key(cfg: TrainConfig) -> str:
+    """The method a run measured, as a calibration names it: the strategy and its options (ZeRO stage, FSDP
+    sharding, schedule, ...) except file paths, e.g. ``deepspeed[zero_stage=3]``."""
+    opts = {k: v for k, v in sorted((cfg.strategy_options or {}).items()) if not str(k).endswith("path")}
+    if not opts:
+        return cfg.strategy
+    return cfg.strategy + "[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
+
+
+def _result_config(result: dict[str, Any], where: str) -> TrainConfig:
+    from stratbench.core.config import from_dict
+
+    if result.get("status") not in (None, "ok"):
+        raise ConfigError(
+            f"{where}: the run's status is {result.get('status')!r}; calibrate on a run that finished"
+        )
+    if "config" not in result or "metrics" not in result:
+        raise ConfigError(f"{where}: not a stratbench result.json (no 'config'/'metrics')")
+    cfg = from_dict(TrainConfig, dict(result["config"]))
+    return cfg
+
+
+def optimizer_bytes(
+    cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda"
+) -> tuple[float, float]:
+    """(bytes the optimizer step moves through device memory, through host memory) on ``rank``."""
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+
+    cls = get_strategy(cfg.strategy)
+    info = model_info(ModelSpec.from_config(cfg))
+    ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
+    rm = cls.memory_model(ctx, rank)
+    if rm is None:
+        return 0.0, 0.0
+    full = info.total * ctx.param_bytes
+    slots = ctx.opt_slots
+    optim = rm.optim + rm.host_optim
+    if slots and optim:
+        state_elem = 4 if (rm.master or rm.host_master) else ctx.param_bytes
+        share = min(1.0, optim / (slots * info.total * state_elem))
+    else:
+        share = min(1.0, (rm.grads + rm.host_grads) / full) if full else 0.0
+    moved = 3 * share * full + 2 * optim + 2 * (rm.master + rm.host_master)  # params r+w, grads r, states r+w
+    if rm.host_optim or rm.host_master:
+        return 0.0, moved
+    return moved, 0.0
+
+
+def offload_bytes(cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda") -> float:
+    """Bytes crossing the host link per step: the rank's gradients down and parameters up for an offloaded
+    optimizer, the offloaded parameters twice (forward and backward) for parameter offload."""
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+
+    cls = get_strategy(cfg.strategy)
+    info = model_info(ModelSpec.from_config(cfg))
+    ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
+    rm = cls.memory_model(ctx, rank)
+    if rm is None:
+        return 0.0
+    moved = 0.0
+    if rm.host_optim or rm.host_master:
+        slots = ctx.opt_slots
+        state_elem = 4 if (rm.master or rm.host_master) else ctx.param_bytes
+        elems = (rm.optim + rm.host_optim) / (slots * state_elem) if slots else info.total / world
+        moved += elems * (4 + ctx.param_bytes)  # fp32 gradients down, updated parameters up
+    if rm.host_params:
+        moved += 2 * rm.host_params
+    return moved
+
+
+Calibrations = dict[str, Calibration]
+"""One calibration per precision key (fp32, bf16, ...): a projection in a precision nothing calibrated uses the
+documented default, shown as such."""
+
+
+def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | None = None) -> Calibrations:
+    """Calibrations per precision key from measured one-device runs: those of `single` give the efficiency and
+    fixed overhead (``calibrate_one``); those of another method on one device (e.g. `--strategy fsdp --nproc 1`)
+    give that method's extra host time per step (``Calibration.method_overhead_s``), which a projection of the
+    method then adds on any number of devices."""
+    names = names or [f"result {i}" for i in range(len(results))]
+    groups: dict[str, tuple[list, list]] = {}
+    methods: list[tuple[dict[str, Any], str, TrainConfig]] = []
+    for result, name in zip(results, names, strict=True):
+        cfg = _result_config(result, name)
+        if cfg.strategy != "single":
+            methods.append((result, name, cfg))
+            continue
+        rs, ns = groups.setdefault(precision_key(cfg.precision, cfg.tf32), ([], []))
+        rs.append(result)
+        ns.append(name)
+    cals = {k: calibrate_one(rs, system, ns) for k, (rs, ns) in groups.items()}
+    extras: dict[tuple[str, str], list[float]] = {}
+    for result, name, cfg in methods:
+        key, mkey = precision_key(cfg.precision, cfg.tf32), method_key(cfg)
+        world = int(result.get("world_size", cfg.nproc))
+        if world != 1:
+            raise ConfigError(
+                f"{name}: a calibration run uses one device; this {cfg.strategy} run had world size {world}"
+                " (run it with --nproc 1 to measure the method's own overhead)"
+            )
+        refused = method_run_refused(cfg.strategy)
+        if refused:
+            raise ConfigError(f"{name}: {refused}: calibrate with `single` runs only")
+        cal = cals.get(key)
+        if cal is None:
+            raise ConfigError(
+                f"{name}: a {mkey} run calibrates that method's overhead on top of a `single` calibration run"
+                f" in {key}; give one (allowed precisions so far: {', '.join(sorted(cals)) or 'none'})"
+            )
+        step = _step_time(result, name)
+        extras.setdefault((key, mkey), []).append((step - _single_step(cfg, cal, system, result)) / cfg.grad_accum)
+    for (key, mkey), xs in extras.items():
+        cal = cals[key]
+        # a method cannot take less than the FLOPs: a negative extra only removes fixed overhead
+        cal.method_overhead_s[mkey] = max(-cal.overhead_s, statistics.fmean(xs))
+        cal.method_sources[mkey] = (
+            f"{mkey}: {cal.method_overhead_s[mkey] * 1e3:+.1f} ms per step beyond `single`, measured on one device"
+            f" ({len(xs)} run{'s' if len(xs) > 1 else ''})"
+        )
+    return cals
+
+
+def method_run_refused(strategy: str) -> str | None:
+    """Why a one-device run of ``strategy`` cannot calibrate that method's own overhead (None: it can)."""
+    if strategy == "pipeline":
+        return (
+            "a pipeline on one device is one stage, not the method (its stages are the devices);"
+            " its projection models the stages and the bubble"
+        )
+    return None
+
+
+def _step_time(result: dict[str, Any], where: str) -> float:
+    step = result["metrics"].get("step_time_median_s") or result["metrics"].get("step_time_mean_s")
+    if not step:
+        raise ConfigError(f"{where}: no measured step time (metrics.step_time_median_s)")
+    return float(step)
+
+
+def _thread_share(result: dict[str, Any], system: System) -> float:
+    """The share of a CPU profile's all-core peak a run's process had (1.0 on a GPU)."""
+    env = result.get("environment", {})
+    if env.get("device_type") == "cuda" or system.gpu.kind != "cpu":
+        return 1.0
+    # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
+    # The probe measured that share for its processes' thread count; other counts get threads / cores.
+    threads, cores = env.get("torch_threads"), env.get("cpu_count")
+    if threads and threads == system.threads_per_process and system.thread_share:
+        return system.thread_share
+    if threads and cores and threads < cores:
+        return threads / cores
+    return 1.0
+
+
+def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dict[str, Any]) -> float:
+    """What ``cal`` predicts for `single` at ``cfg``'s batch, precision and threads: one device, no method."""
+    flops = model_flops(cfg)
+    if not flops:
+        raise ConfigError(f"the FLOPs of model {cfg.model!r} cannot be counted")
+    gpu = system.gpu
+    work, t_opt = _single_work(cfg, gpu, flops)
+    # work is the whole step's batch (its grad_accum micro-batches together); the fixed overhead is per micro-step
+    compute = work / (gpu.peak(cal.key) * cal.efficiency * _thread_share(result, system))
+    return cal.overhead_s * cfg.grad_accum + compute + t_opt
+
+
+def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float]:
+    """`single` on ``gpu`` at ``cfg``'s batch: one micro-batch's FLOPs (recomputation included) and the seconds of
+    its optimizer step (the optimizer state's bytes over the memory bandwidth)."""
+    single = cfg.replace(strategy="single", strategy_options={})
+    dev_bytes, _ = optimizer_bytes(single, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
+    return flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1), dev_bytes / gpu.memory_bandwidth
+
+
+def calibrate_one(
+    results: list[dict[str, Any]], system: System, names: list[str] | None = None
+) -> Calibration:
+    """Achieved efficiency from measured single-device runs of one model and precision. One run: efficiency =
+    FLOPs x batch / ((step time - modelled optimizer step) x peak). Runs at two or more batch sizes: a
+    least-squares line step = overhead + batch x FLOPs / (peak x efficiency), which also gives the fixed
+    per-step overhead (Python, kernel launches) that dominates small models."""
+    from stratbench.predicting.hardware import builtin
+
+    if not results:
+        raise ConfigError("--calibrate needs at least one result.json")
+    names = names or [f"result {i}" for i in range(len(results))]
+    points = []
+    key = None
+    device_gpu: Gpu | None = None
+    model = None
+    shares: set[float] = set()
+    for result, where in zip(results, names, strict=True):
+        cfg = _result_config(result, where)
+        world = int(result.get("world_size", cfg.nproc))
+        if world != 1:
+            raise ConfigError(
+                f"{where}: a calibration run must use one device (world size {world}); run --strategy single"
+            )
+        step = _step_time(result, where)
+        k = precision_key(cfg.precision, cfg.tf32)
+        env = result.get("environment", {})
+        if env.get("device_type") == "cuda":
+            dev_name = (env.get("gpus") or [""])[0]
+            gpu = builtin().gpu_for_device(dev_name)
+            if system.gpu.kind == "cuda" and system.gpu.matches(dev_name):
+                gpu = system.gpu
+            if gpu is None:
+                raise ConfigError(
+                    f"{where}: device {dev_name!r} is not in the hardware profiles; add it with --hardware FILE"
+                )
+        else:
+            if system.gpu.kind != "cpu":
+                raise ConfigError(
+                    f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
+                )
+            gpu = system.gpu
+        thread_share = _thread_share(result, system)
+        if key not in (None, k) or model not in (None, (cfg.model, cfg.image_size, cfg.width)):
+            raise ConfigError(f"{where}: calibration runs must share one model and precision")
+        if device_gpu is not None and gpu.key != device_gpu.key:
+            raise ConfigError(f"{where}: calibration runs must come from one device type")
+        key, model, device_gpu = k, (cfg.model, cfg.image_size, cfg.width), gpu
+        flops = model_flops(cfg)
+        if not flops:
+            raise ConfigError(f"{where}: the FLOPs of model {cfg.model!r} cannot be counted")
+        if gpu.peak(k) is None:
+            raise ConfigError(f"{where}: no {k} peak for {gpu.name} in the hardware profiles")
+        work, t_opt = _single_work(cfg, gpu, flops)
+        shares.add(thread_share)
+        # in units of the profile's peak: FLOPs run on a share of the cores count as more of its time
+        points.append({"batch": cfg.batch_size, "step_s": float(step), "optimizer_s": t_opt,
+                       "flop": work / thread_share, "thread_share": thread_share})  # fmt: skip
+    assert key is not None and device_gpu is not None
+    peak = device_gpu.peak(key)
+    batches = {p["batch"] for p in points}
+    if len(batches) >= 2:
+        xs = [p["flop"] for p in points]
+        ys = [p["step_s"] - p["optimizer_s"] for p in points]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+        if slope <= 0:
+            raise ConfigError(
+                "calibration runs: the step time does not grow with the batch; measure larger batches"
+            )
+        overhead = max(0.0, my - slope * mx)
+        efficiency = 1.0 / (slope * peak)
+        how = f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step"
+    else:
+        overhead = 0.0
+        efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
+        how = f"batch {points[0]['batch']}, step {statistics.fmean(p['step_s'] for p in points) * 1e3:.1f} ms"
+    if shares != {1.0}:
+        how += "; peak x " + "/".join(f"{x:.2f}" for x in sorted(shares)) + " (the run's threads' share of all cores)"
+    return Calibration(
+        efficiency=efficiency,
+        key=key,
+        overhead_s=overhead,
+        device=device_gpu.key,
+        source=f"calibrated on {device_gpu.name} ({', '.join(names)}; {how})",
+        points=points,
+        thread_share=statistics.fmean(shares),
+    )
+
+
+def load_calibration(paths: list[str], system: System) -> Calibrations:
+    import json
+
+    results = []
+    for p in paths:
+        try:
+            results.append(json.loads(Path(p).read_text()))
+        except OSError as exc:
+            raise ConfigError(f"--calibrate {p}: cannot read it ({exc.strerror})") from exc
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"--calibrate {p}: not JSON ({exc.msg} at line {exc.lineno})") from exc
+    return calibrate(results, system, list(paths))
+
+
+# ------------------------------------------------------------------------------------------------
+# The projection of one method.
+
+
+@dataclass
+class MethodProjection:
+    method: str
+    world: int
+    nodes: int
+    status: str = "ok"
+    """ok, or "no model" (no comm_model / uncountable FLOPs), or "error" with the reason."""
+    reason: str = ""
+    step_s: float | None = None
+    throughput: float | None = None
+    scaling_efficiency: float | None = None
+    compute_s: float = 0.0
+    overhead_s: float = 0.0
+    comm_s: float = 0.0
+    comm_exposed_s: float = 0.0
+    optimizer_s: float = 0.0
+    offload_s: float = 0.0
+    dominant: str = ""
+    memory_bytes: int | None = None
+    fits: bool | None = None
+    efficiency: float | None = None
+    efficiency_source: str = ""
+    overlap: float | None = None
+    comm_rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _world_for(strategy: str, devices: int) -> int:
+    return 1 if strategy == "single" else devices
+
+
+def project(
+    cfg: TrainConfig,
+    system: System,
+    nodes: int = 1,
+    gpus_per_node: int | None = None,
+    calibration: Calibrations | None = None,
+    memory: bool = True,
+    label: str | None = None,
+) -> MethodProjection:
+    """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``."""
+    import dataclasses
+
+    from stratbench.predicting.estimate import MemoryContext, ModelSpec, NoMemoryModel, estimate, model_info
+    from stratbench.strategies.base import get_strategy
+
+    gpn = gpus_per_node or system.gpus_per_node
+    if gpn != system.gpus_per_node:
+        system = dataclasses.replace(system, gpus_per_node=gpn)
+    world = _world_for(cfg.strategy, nodes * gpn)
+    out = MethodProjection(label or cfg.strategy, world, nodes if world > 1 else 1)
+    cls = get_strategy(cfg.strategy)
+    device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
+    info = model_info(ModelSpec.from_config(cfg))
+    ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
+    rows = cls.comm_model(ctx)
+    if rows is None:
+        out.status, out.reason = (
+            "no model",
+            f"{cfg.strategy} has no communication model (Strategy.comm_model)",
+        )
+        return out
+    flops = model_flops(cfg)
+    if not flops:
+        out.status, out.reason = "no model", f"the FLOPs of model {cfg.model!r} cannot be counted"
+        return out
+    key = precision_key(cfg.precision, cfg.tf32)
+    gpu = system.gpu
+    peak = gpu.peak(key)
+    if peak is None:
+        out.status, out.reason = "error", f"{gpu.name} has no {key} peak in the hardware profiles"
+        return out
+    cal = (calibration or {}).get(key)
+    if cal is not None:
+        eff, out.efficiency_source, overhead = cal.efficiency, cal.source, cal.overhead_s
+        if cal.device != gpu.key:
+            out.efficiency_source += f"; applied to {gpu.name}"
+    else:
+        eff, overhead = gpu.efficiency[key], 0.0
+        out.efficiency_source = "default" + (
+            f" (calibrated: {', '.join(calibration)} only)" if calibration else ""
+        )
+    out.efficiency = eff
+    mkey = method_key(cfg)
+    if cal is not None and mkey in cal.method_overhead_s:
+        overhead += cal.method_overhead_s[mkey]
+        out.efficiency_source += "; " + cal.method_sources[mkey]
+    share = system.compute_share if min(world, gpn) > 1 else 1.0
+    dp = cls.data_parallel_size(cfg, world)
+    samples = cfg.batch_size / dp
+    ac = 1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0
+    # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
+    flop_time = flops * samples * ac * cls.compute_scale(ctx) / (peak * eff * share)
+    forward = flop_time * FORWARD_SHARE / ac
+    backward = flop_time - forward
+    if cal is not None and gpu.kind == "cpu" and share < 1.0:
+        # On a CPU the fixed per-step work (Python, dispatch) runs on the same shared cores as the FLOPs: it
+        # slows down by as much when every process runs (calibrated share / the share each process gets).
+        overhead *= cal.thread_share / share
+    out.overhead_s = overhead * cfg.grad_accum
+    out.compute_s = flop_time + out.overhead_s
+
+    # Communication, per phase, and what hides under compute.
+    overlap_fn = getattr(cls, "comm_overlap", None)
+    method_overlap = float(overlap_fn(ctx)) if callable(overlap_fn) else 1.0
+    f = system.overlap * method_overlap
+    out.overlap = f
+    by_phase: dict[str, float] = {}
+    for r in rows:
+        t = collective_time(r.kind, r.payload_bytes, r.calls, r.group_size, system)
+        by_phase[r.phase] = by_phase.get(r.phase, 0.0) + t
+        out.comm_rows.append(r.to_dict() | {"seconds": t})
+    out.comm_s = sum(by_phase.values())
+    exposed = 0.0
+    for phase, t in by_phase.items():
+        under = {"forward": forward, "backward": backward}.get(phase, 0.0)
+        exposed += t - min(f * t, under)
+    out.comm_exposed_s = exposed
+
+    dev_bytes, host_bytes = optimizer_bytes(cfg, world, 0, device_type)
+    host_bw = system.host_memory_bandwidth / gpn if system.host_memory_bandwidth else 0.0
+    out.optimizer_s = dev_bytes / gpu.memory_bandwidth
+    if host_bytes:
+        if not host_bw:
+            out.status, out.reason = (
+                "error",
+                f"system {system.key!r} has no host_memory_bandwidth (CPU optimizer step)",
+            )
+            return out
+        out.optimizer_s += host_bytes / host_bw
+    link = offload_bytes(cfg, world, 0, device_type)
+    out.offload_s = link / system.host.effective_bandwidth if link else 0.0
+
+    out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s
+    out.throughput = cfg.batch_size / out.step_s
+    terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
+             "offload": out.offload_s}  # fmt: skip
+    out.dominant = max(terms, key=terms.get)
+    if world > 1:
+        one = project(
+            cfg.replace(strategy="single", strategy_options={}, batch_size=max(1, round(samples))),
+            system, 1, gpn, calibration, memory=False,
+        )  # fmt: skip
+        if one.throughput:  # vs every device doing a replica's share alone (a pipeline's stages are devices too)
+            out.scaling_efficiency = out.throughput / (world * one.throughput)
+    else:
+        out.scaling_efficiency = 1.0
+    if memory:
+        try:
+            e = estimate(cfg, world, device_type)
+            out.memory_bytes = e.total_bytes
+            out.fits = e.total_bytes <= gpu.memory_bytes
+        except NoMemoryModel:
+            out.memory_bytes, out.fits = None, None
+    return out
+
+
+def project_all(
+    cfg: TrainConfig,
+    system: System,
+    nodes: int = 1,
+    gpus_per_node: int | None = None,
+    calibration: Calibrations | None = None,
+    strategies: list[str] | None = None,
+    memory: bool = True,
+) -> list[MethodProjection]:
+    """One projection per registered strategy (or the named ones); errors become rows, not exceptions."""
+    from stratbench.strategies.base import all_strategies
+
+    out = []
+    for name in strategies or sorted(all_strategies()):
+        try:
+            out.append(
+                project(
+                    cfg.replace(strategy=name, strategy_options={}),
+                    system,
+                    nodes,
+                    gpus_per_node,
+                    calibration,
+                    memory,
+                )
+            )
+        except ConfigError as exc:
+            out.append(MethodProjection(name, 0, nodes, status="error", reason=str(exc)))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Predicted beside measured: a compare record's step time, projected on the machine it ran on.
+
+CPU_SYSTEM = "cpu-gloo"
+"""The built-in profile of processes sharing a CPU over gloo (hardware.yaml): what a compare sweep on a CPU
+predicts its own rows with when no probe profile is given."""
+
+
+def system_for_record(rec: dict[str, Any], hardware: str | None = None) -> System:
+    """The profile of the machine a compare record ran on: ``hardware`` (a system name or a probe file) when
+    given; otherwise the built-in system of the record's GPU, or ``cpu-gloo`` on a CPU."""
+    from stratbench.predicting.hardware import builtin, resolve
+
+    if hardware:
+        return resolve(hardware)
+    env = rec.get("environment") or {}
+    if env.get("device_type") != "cuda":
+        return builtin().system(CPU_SYSTEM)
+    name = (env.get("gpus") or [""])[0]
+    gpu = builtin().gpu_for_device(name)
+    if gpu is None:
+        raise ConfigError(f"GPU {name!r} is not in the hardware profiles (add it with --hardware FILE)")
+    for system in builtin().systems.values():
+        if system.gpu.key == gpu.key:
+            return system
+    raise ConfigError(f"no built-in system has the {gpu.name} (give one with --hardware FILE)")
+
+
+@dataclass
+class RecordPrediction:
+    """What the projection says of one finished compare record: ``step_s`` None with ``reason`` where it has
+    nothing to say."""
+
+    step_s: float | None = None
+    reason: str = ""
+    system: str = ""
+    calibrated: bool = False
+    dominant: str = ""
+    basis: str = ""
+    """What the prediction rests on: the efficiency's source (calibration runs, method overhead) or "default"."""
+
+
+def predict_record(
+    rec: dict[str, Any], calibration_rec: dict[str, Any] | None, hardware: str | None = None
+) -> RecordPrediction:
+    """The projected seconds per optimizer step of a finished compare record, on the machine it ran on.
+
+    On a GPU: the record's device profile, calibrated on ``calibration_rec`` (the same sweep's ``single`` run of
+    that precision) when there is one, else the documented default efficiency. On a CPU there is no peak to
+    default to, so a calibration run is required (links, overlap and compute share: ``cpu-gloo``, measured by
+    `stratbench probe` on a 2-core machine, or the probe file given as ``hardware``)."""
+
+    def basis() -> tuple[System, dict[str, Calibration] | None]:
+        system = system_for_record(rec, hardware)
+        if system.gpu.kind == "cpu" and calibration_rec is None:
+            raise ConfigError("no single run of this precision in the sweep to calibrate the CPU on")
+        return system, calibrate([calibration_rec], system, ["single"]) if calibration_rec else None
+
+    return _predict(rec, basis)
+
+
+def predict_calibrated(
+    rec: dict[str, Any], runs: list[dict[str, Any]], profile: str, hardware: str | None = None,
+    names: list[str] | None = None,
+) -> RecordPrediction:  # fmt: skip
+    """The projected seconds per optimizer step of a finished compare record from calibration runs made for it
+    (`compare --calibrate`: `single` at two batch sizes and the record's method on one process, as result.json
+    records) on the probe ``profile`` of the machine (or ``hardware`` where given): no measurement of the record
+    itself enters it."""
+    from stratbench.predicting.hardware import resolve
+
+    def basis() -> tuple[System, dict[str, Calibration] | None]:
+        system = resolve(hardware or profile)
+        return system, calibrate(runs, system, names)
+
+    return _predict(rec, basis)
+
+
+def _predict(
+    rec: dict[str, Any], basis: Callable[[], tuple[System, dict[str, Calibration] | None]]
+) -> RecordPrediction:
+    """Project ``rec``'s config on the system and calibration ``basis`` gives; a ConfigError on the way (a
+    config, profile or calibration that does not load) becomes the prediction's reason."""
+    from stratbench.core.config import from_dict
+
+    try:
+        cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
+        system, calibration = basis()
+        p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
+    except ConfigError as exc:
+        return RecordPrediction(reason=str(exc))
+    if p.status != "ok" or not p.step_s:
+        return RecordPrediction(reason=p.reason or p.status, system=system.key)
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source)

@@ -1,0 +1,1 @@
+"""The one training loop (engine) and what it feeds: loss, train state, result sinks (CSV, TensorBoard, MLflow, W&B)."""

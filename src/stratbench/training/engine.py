@@ -1,0 +1,477 @@
+"""The one training loop. It talks only to a Strategy (and, through it, a Precision), a TrainState and a
+RunMetrics object; no method-specific code and no logger.
+
+Order of set-up, the same for every method: seed -> data -> model (same init on every rank) -> weights ->
+activation checkpointing -> strategy.setup (convert precision, move, wrap, build optimizer on the wrapped
+parameters) -> compile -> resume. Timing: each optimizer step is timed from a synchronised clock, data loading
+included, evaluation and checkpointing excluded; the first ``timing_warmup_steps`` steps are left out of the
+step statistics. Memory peaks are reset at the start of each phase.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.checkpoints import checkpoint as ckpt
+from stratbench.core.config import TrainConfig, dump_yaml, optimizer_impl_kwargs, validate
+from stratbench.core.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
+from stratbench.core.errors import (
+    CheckpointError,
+    ConfigError,
+    DivergedError,
+    StratbenchError,
+    UnsupportedError,
+    is_out_of_memory,
+)
+from stratbench.core.precision import SPECS, Precision, configure_tf32, supported_on
+from stratbench.core.progress import progress_bar
+from stratbench.data.datasets import (
+    DataBundle,
+    build_data,
+    check_data,
+    make_train_batches,
+    make_val_batches,
+    pipeline_of,
+    split_batch,
+    steps_per_epoch,
+)
+from stratbench.measuring.metrics import RunMetrics, environment, flops_per_sample
+from stratbench.models.zoo import (
+    apply_activation_checkpointing,
+    build_model,
+    check_model,
+    count_parameters,
+    load_weights,
+)
+from stratbench.strategies.base import Strategy, get_strategy
+from stratbench.training.losses import build_loss, check_loss, describe_loss
+from stratbench.training.sinks import Sink, build_sinks
+from stratbench.training.state import TrainState
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer class and keyword arguments; callable on parameters. Strategies that build the optimizer
+    themselves (ZeroRedundancyOptimizer, DeepSpeed) read ``cls`` and ``kwargs``."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    if cfg.optimizer == "sgd":
+        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+        return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    warm = cfg.lr_warmup_steps
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
+
+
+def world_size_of(cfg: TrainConfig) -> int:
+    """Processes the run will have: nproc x nnodes when stratbench starts them, else the launcher's
+    WORLD_SIZE (torchrun, deepspeed) or SLURM_NTASKS (srun, one task per device)."""
+    import os
+
+    from stratbench.launching.launch import needs_launch
+
+    if needs_launch(cfg):
+        return cfg.nproc * cfg.nnodes
+    for name in ("WORLD_SIZE", "SLURM_NTASKS"):
+        if name in os.environ:
+            return int(os.environ[name])
+    return cfg.nproc * cfg.nnodes
+
+
+def check_config(cfg: TrainConfig, world: int) -> type[Strategy]:
+    """The checks of a run's options that do not depend on this machine (values, combinations, the strategy's
+    options, the batch split over ``world`` processes): what any command stratbench recommends must pass."""
+    validate(cfg)
+    check_model(cfg.model)
+    check_data(cfg)
+    check_loss(cfg)
+    if cfg.precision not in SPECS:
+        raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
+    strategy_cls = get_strategy(cfg.strategy)
+    strategy_cls.parse_options(cfg.strategy_options)
+    split_batch(cfg.batch_size, strategy_cls.data_parallel_size(cfg, world), cfg.grad_accum)
+    return strategy_cls
+
+
+def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]:
+    """Every check that needs no data or model: bad input fails here, before any work starts."""
+    world = world_size if world_size is not None else world_size_of(cfg)
+    strategy_cls = check_config(cfg, world)
+    from stratbench.core.dist import resolve_device
+
+    device = resolve_device(cfg.device)
+    reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
+    if reason:
+        raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
+    if cfg.mlflow and importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("--mlflow needs the mlflow extra: pip install 'stratbench[mlflow]'")
+    if cfg.wandb and importlib.util.find_spec("wandb") is None:
+        raise ConfigError("--wandb needs the wandb package: pip install 'stratbench[wandb]'")
+    if cfg.weights and not Path(cfg.weights).is_file():
+        raise CheckpointError(f"weights file not found: {cfg.weights}")
+    if cfg.weights and not cfg.trust_checkpoint:
+        ckpt.check_file(Path(cfg.weights))  # loadable weights-only, or one line before anything is written
+    for path in (cfg.init_from, cfg.resume_from if cfg.resume or cfg.resume_from else None):
+        if path:
+            ckpt.read_meta(Path(path))
+    if cfg.resume and not cfg.resume_from:
+        found = ckpt.resolve_resume(cfg.output, None)
+        if found is not None:
+            ckpt.read_meta(found)
+    return strategy_cls
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train in this process (one rank of a launched group, or the only process) and return the result."""
+    strategy_cls = preflight(cfg)
+    env = read_env(cfg.device)
+    if strategy_cls.needs_process_group:
+        init_process_group(env, cfg.dist_timeout_s)
+    elif env.world_size > 1:
+        raise ConfigError(
+            f"strategy {cfg.strategy!r} runs in one process; it was launched as {env.world_size}"
+        )
+    try:
+        return Trainer(cfg, env, strategy_cls).fit()
+    finally:
+        if strategy_cls.needs_process_group:
+            destroy_process_group()
+
+
+@dataclass
+class Run:
+    """What set-up produced: the data, the wrapped model and optimizer, the train state and the step budget."""
+
+    bundle: DataBundle
+    loader: Any
+    sampler: Any
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    state: TrainState
+    meta: dict[str, Any]
+    micro_batch: int
+    steps_per_epoch: int
+    run_steps: int
+    flops: float | None
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, env: DistEnv, strategy_cls: type[Strategy]) -> None:
+        self.cfg = cfg
+        self.env = env
+        self.out = Path(cfg.output)
+        configure_tf32(cfg.tf32, env.device)
+        torch.backends.cudnn.benchmark = cfg.cudnn_benchmark
+        precision = Precision(cfg.precision, env.device)
+        self.strategy = strategy_cls(cfg, env, precision, strategy_cls.parse_options(cfg.strategy_options))
+        self.loss_fn = build_loss(cfg)
+        self.result: dict[str, Any] = {}
+
+    # ------------------------------------------------------------------------------------------
+    def fit(self) -> dict[str, Any]:
+        """Train, and write the result (whatever happened) through the sinks of the main rank."""
+        cfg, env = self.cfg, self.env
+        t_start = time.perf_counter()
+        self.result = self._result_header()
+        sinks: list[Sink] = []
+        if env.is_main:
+            self.out.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, self.out / "config.yaml")
+            resuming = bool(cfg.resume or cfg.resume_from)
+            sinks = build_sinks(cfg, self.out, resuming, header=self.result)
+        metrics = RunMetrics(self.strategy, cfg, sinks)
+        try:
+            self._fit(metrics)
+            self.result["status"] = "ok"
+        except torch.OutOfMemoryError as exc:
+            self._fail("oom", f"out of memory: {str(exc).splitlines()[0]}")
+            raise
+        except DivergedError as exc:
+            self._fail("diverged", str(exc))
+            raise
+        except StratbenchError as exc:
+            self._fail("failed", str(exc))
+            raise
+        except Exception as exc:
+            text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+            self._fail("oom" if is_out_of_memory(exc) else "failed", text)
+            raise
+        finally:
+            self.result["metrics"]["wall_time_s"] = time.perf_counter() - t_start
+            for sink in sinks:
+                sink.close(self.result)
+        return self.result
+
+    def _fit(self, metrics: RunMetrics) -> None:
+        cfg = self.cfg
+        run = self._setup(metrics)
+        progress = run.state.progress
+        bar = _progress(cfg, self.env, run.run_steps, progress.step)
+        while progress.epoch < cfg.epochs and progress.step < run.run_steps:
+            batches = self._epoch_batches(run)
+            with metrics.train_phase():
+                while progress.batch_in_epoch < run.steps_per_epoch and progress.step < run.run_steps:
+                    dt = self._step(run, batches, metrics)
+                    bar.set_postfix(  # before update: a plain progress line shows this step's loss
+                        {"epoch": progress.epoch, "loss": f"{metrics.losses[-1]:.4f}",
+                         "samples/s": f"{cfg.batch_size / dt:.0f}"},
+                        refresh=False,
+                    )  # fmt: skip
+                    bar.update(1)
+                    if (
+                        cfg.save_every_steps
+                        and progress.step % cfg.save_every_steps == 0
+                        and progress.step < run.run_steps
+                    ):
+                        self._save(run)
+            epoch_done = progress.batch_in_epoch >= run.steps_per_epoch
+            if epoch_done:
+                progress.epoch, progress.batch_in_epoch = progress.epoch + 1, 0
+            last = progress.step >= run.run_steps or progress.epoch >= cfg.epochs
+            if (cfg.eval_every_epoch and epoch_done) or last:
+                self._evaluate_and_log(run, metrics, epoch_done, bar)
+            if (cfg.save_every_epoch and epoch_done) or last:
+                self._save(run)
+        bar.close()
+        metrics.record_state_bytes(run.model, run.optimizer)
+        summary, sharding = metrics.summary(run.flops)
+        self.result["metrics"].update(summary)
+        self.result["sharding"] = sharding
+        self.result.update(self.strategy.report())
+
+    def _step(self, run: Run, batches: Iterator, metrics: RunMetrics) -> float:
+        """One optimizer step, timed: load the micro-batches, forward/backward (the strategy's schedule), step."""
+        cfg, strategy, progress = self.cfg, self.strategy, run.state.progress
+        metrics.step_start()
+        with metrics.phase("data"):
+            micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
+        loss = strategy.run_step(run.model, micro, self.loss_fn)
+        if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
+            with metrics.phase("other"):
+                metrics.record_state_bytes(run.model, run.optimizer)
+        with metrics.phase("optimizer"):
+            strategy.optimizer_step(run.optimizer, cfg.clip_grad_norm)
+        with metrics.phase("other"):
+            lr = run.state.scheduler.get_last_lr()[0]
+            run.state.scheduler.step()
+        dt = metrics.step_end(progress.step + 1, progress.epoch, loss, lr)
+        value = metrics.losses[-1]
+        if not math.isfinite(value) and not strategy.precision.scaler.is_enabled():
+            raise DivergedError(
+                f"the loss became {value} at step {progress.step + 1} (lr {lr:g}); lower --lr or use --clip-grad-norm"
+            )
+        progress.step += 1
+        progress.batch_in_epoch += 1
+        return dt
+
+    # ---- set-up --------------------------------------------------------------------------------
+    def _setup(self, metrics: RunMetrics | None = None) -> Run:
+        cfg, env, strategy = self.cfg, self.env, self.strategy
+        seed_everything(cfg.seed)
+        bundle = build_data(cfg)
+        shard, shards = strategy.data_shard()
+        micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
+        # The host DataLoader, or the device-side pipeline (--data-pipeline; the default on CUDA for in-memory data).
+        loader, sampler = make_train_batches(cfg, bundle, env.device, shard, shards, micro, strategy.step_chunks())
+        self.result["data_pipeline"] = pipeline_of(loader)
+        spe = steps_per_epoch(len(bundle.train), shards, micro, cfg.grad_accum)
+        if spe == 0:
+            raise ConfigError(
+                f"the training set ({len(bundle.train)} samples) is smaller than one global batch ({cfg.batch_size})"
+            )
+        total_steps = spe * cfg.epochs
+
+        def build() -> nn.Module:
+            return build_model(
+                cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width,
+                sample_shape=(3, bundle.image_size, bundle.image_size),
+            )
+
+        seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
+        if metrics is not None:
+            metrics.before_model(build)
+        model = build()
+        meta = self._model_meta(bundle, model)
+        if cfg.weights:
+            self.result["weights_skipped"] = load_weights(model, cfg.weights)
+        if cfg.init_from:
+            model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
+        flops = (
+            flops_per_sample(build, (3, bundle.image_size, bundle.image_size), bundle.num_classes)
+            if cfg.measure_flops
+            else None
+        )
+        if cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        strategy.total_steps = total_steps
+        model, optimizer = strategy.setup(model, optimizer_spec(cfg))
+        if cfg.compile:
+            model = torch.compile(model)
+        scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
+        self.result.update(strategy.optimizer_report(optimizer))
+        state = TrainState(scheduler, strategy)
+        resume_path = (
+            ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
+        )
+        if resume_path is not None:
+            state.load_state_dict(strategy.load_checkpoint(resume_path, model, optimizer))
+            self.result["resumed_from"] = {"path": str(resume_path), "step": state.progress.step}
+        run_steps = min(total_steps, cfg.max_steps or total_steps)
+        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
+
+    def _model_meta(self, bundle: DataBundle, model: nn.Module) -> dict[str, Any]:
+        """What inference needs to rebuild and feed the model; saved in every checkpoint."""
+        cfg = self.cfg
+        meta = {
+            "model": cfg.model,
+            "num_classes": bundle.num_classes,
+            "class_names": bundle.class_names,
+            "image_size": bundle.image_size,
+            "mean": list(bundle.mean),
+            "std": list(bundle.std),
+            "cifar_stem": cfg.cifar_stem,
+            "norm": cfg.norm,
+            "width": cfg.width,
+            "data": cfg.data,
+            "num_parameters": count_parameters(model),
+        }
+        self.result["model_meta"] = meta
+        return meta
+
+    def _epoch_batches(self, run: Run) -> Iterator:
+        """The data of the current epoch, from where its progress says (a resumed run skips what it saw)."""
+        p = run.state.progress
+        run.sampler.set_epoch(p.epoch, skip=p.batch_in_epoch * run.micro_batch * self.cfg.grad_accum)
+        return iter(run.loader)
+
+    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = batch
+        x = x.to(self.env.device, non_blocking=True)
+        if self.cfg.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        return x, y.to(self.env.device, non_blocking=True)
+
+    # ---- evaluation and checkpoints -------------------------------------------------------------
+    def _evaluate_and_log(self, run: Run, metrics: RunMetrics, epoch_done: bool, bar) -> None:
+        progress = run.state.progress
+        with metrics.eval_phase():
+            ev = self.evaluate(run.model, run.bundle)
+        ev["epoch"] = (
+            progress.epoch if epoch_done else progress.epoch + progress.batch_in_epoch / run.steps_per_epoch
+        )
+        metrics.log_eval(progress.step, ev)
+        if self.env.is_main:
+            line = f"epoch {ev['epoch']:.2f}: val_loss {ev['val_loss']:.4f}  val_accuracy {ev['val_accuracy']:.4f}"
+            bar.write(line)
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, bundle: DataBundle) -> dict[str, float]:
+        """Validation loss/accuracy; each sample counted once over all ranks, every rank runs the same number
+        of batches (padding has weight 0), so sharded methods' collectives stay in step."""
+        cfg, env, strategy = self.cfg, self.env, self.strategy
+        shard, shards = strategy.data_shard()
+        micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
+        loader = make_val_batches(cfg, bundle, env.device, shard, shards, micro)
+        model.eval()
+        totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
+        for x, y, valid in loader:
+            x, y = self._to_device((x, y))
+            valid = valid.to(env.device)
+            x = strategy.precision.convert_input(x)
+            with strategy.precision.autocast():
+                logits = model(x)
+            losses = nn.functional.cross_entropy(strategy.precision.loss_input(logits), y, reduction="none")
+            totals[0] += (losses * valid).sum().double()
+            totals[1] += ((logits.argmax(1) == y) * valid).sum().double()
+            totals[2] += valid.sum().double()
+        strategy.all_reduce(totals, "sum")
+        totals /= env.world_size // shards  # processes sharing a shard (a pipeline's stages) counted it alike
+        model.train()
+        return {
+            "val_loss": (totals[0] / totals[2]).item(),
+            "val_accuracy": (totals[1] / totals[2]).item(),
+            "val_samples": int(totals[2].item()),
+        }
+
+    def _save(self, run: Run) -> None:
+        t0 = time.perf_counter()
+        extra = run.state.state_dict() | {
+            "strategy": self.cfg.strategy,
+            "precision_name": self.cfg.precision,
+            "config": self.cfg.to_dict(),
+            "meta": run.meta,
+        }
+        # A step-numbered entry, then `last` points at it once every rank has written its part; entries beyond
+        # the newest --keep-last are pruned only after that, so a complete checkpoint always exists.
+        path = ckpt.save_path_for(self.out, run.state.progress.step)
+        self.strategy.save_checkpoint(path, run.model, run.optimizer, extra)
+        if self.env.is_main:
+            ckpt.publish(self.out, path, self.cfg.keep_last)
+        self.strategy.barrier()
+        metrics = self.result["metrics"]
+        metrics["checkpoint_time_s"] = metrics.get("checkpoint_time_s", 0.0) + time.perf_counter() - t0
+
+    # ---- the result --------------------------------------------------------------------------
+    def _fail(self, status: str, reason: str) -> None:
+        self.result["status"] = status
+        self.result["reason"] = reason
+        self.result["traceback"] = traceback.format_exc(limit=8)
+
+    def _result_header(self) -> dict[str, Any]:
+        cfg, env = self.cfg, self.env
+        dp = type(self.strategy).data_parallel_size(cfg, env.world_size)
+        micro = split_batch(cfg.batch_size, dp, cfg.grad_accum)
+        return {
+            "status": "running",
+            "strategy": cfg.strategy,
+            "precision": cfg.precision,
+            "model": cfg.model,
+            "data": cfg.data,
+            "world_size": env.world_size,
+            "data_parallel_size": dp,
+            "global_batch_size": cfg.batch_size,
+            "per_device_batch_size": micro * cfg.grad_accum,
+            "micro_batch_size": micro,
+            "grad_accum": cfg.grad_accum,
+            "loss": describe_loss(cfg),
+            "batch_semantics": "batch_size is the global batch per optimizer step, over all devices and micro-steps",
+            "config": cfg.to_dict(),
+            "environment": environment(env.world_size, env.device),
+            "metrics": {},
+        }
+
+
+def _progress(cfg: TrainConfig, env: DistEnv, total: int, initial: int):
+    """Rank 0's progress display (stratbench.core.progress): tqdm on a terminal, a plain line every 10 s or 10% of
+    the steps on a file or a pipe (a CI log, compare's per-cell logs), nothing elsewhere or with --progress false."""
+    return progress_bar(cfg.progress and env.is_main, total, initial, f"{cfg.strategy}/{cfg.precision}")

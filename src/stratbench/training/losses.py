@@ -1,0 +1,83 @@
+"""The training loss: cross-entropy (optionally with label smoothing) or the user's own function.
+
+A user loss is given as ``package.module:function`` and found like ``--model``/``--data`` builders (sys.path,
+then the working directory). It is called as ``fn(logits, targets)`` and returns a scalar tensor; an
+``nn.Module`` class is instantiated without arguments first. The validation loss stays plain cross-entropy
+whatever the training loss, so that runs with different losses report comparable validation numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
+from stratbench.core.user_code import call_user, check_signature, import_builder
+
+LOSSES = ("cross-entropy",)
+"""Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
+
+
+def _resolve(spec: str) -> Callable:
+    fn = import_builder(spec, "loss", noun="loss")
+    if isinstance(fn, type):  # an nn.Module class (import_builder refuses other classes)
+        check_signature(fn, spec, "loss", "loss class: it must build without arguments")
+        fn = call_user(fn, spec, "loss")
+    check_signature(fn, spec, "loss", "loss: it must take (logits, targets)", None, None)
+    return fn
+
+
+class UserLoss:
+    """The user's ``fn(logits, targets)``, checked on every call: what it raises, and a result that is not a
+    scalar floating-point tensor (a per-sample vector, a float, a tuple), become one line naming the loss."""
+
+    def __init__(self, fn: Callable, spec: str) -> None:
+        self.fn, self.spec = fn, spec
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        out = call_user(self.fn, self.spec, "loss", logits, targets)
+        if not isinstance(out, torch.Tensor) or out.ndim != 0 or not out.is_floating_point():
+            what = (
+                f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                else f"a {type(out).__name__}"
+            )
+            raise ConfigError(
+                f"loss {self.spec!r} returned {what}; a loss returns one floating-point scalar tensor "
+                "(reduce it, e.g. with .mean())"
+            )
+        return out
+
+
+def check_loss(cfg: TrainConfig) -> None:
+    """Before any work: a known loss name, or an importable user loss taking (logits, targets)."""
+    if ":" in cfg.loss:
+        if cfg.label_smoothing:
+            raise ConfigError(
+                f"--label-smoothing applies to cross-entropy only; the loss {cfg.loss!r} is the user's own"
+            )
+        _resolve(cfg.loss)
+    elif cfg.loss not in LOSSES:
+        raise ConfigError(
+            f"unknown loss {cfg.loss!r}; choose one of: {', '.join(LOSSES)} (with --label-smoothing X), "
+            "or a function as 'package.module:function'"
+        )
+
+
+def build_loss(cfg: TrainConfig) -> Callable:
+    """The loss function the loop calls as ``loss_fn(logits, targets)``."""
+    check_loss(cfg)
+    if ":" in cfg.loss:
+        return UserLoss(_resolve(cfg.loss), cfg.loss)
+    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def describe_loss(cfg: TrainConfig) -> dict[str, Any]:
+    """What result.json records about the loss."""
+    out: dict[str, Any] = {"name": cfg.loss, "validation_loss": "cross-entropy"}
+    if ":" not in cfg.loss:
+        out["label_smoothing"] = cfg.label_smoothing
+    return out
