@@ -76,6 +76,12 @@ class Strategy:
     """One line for `stratbench list`: what the method needs."""
     launcher: ClassVar[str] = "python"
     """How it is normally launched (python, torchrun, deepspeed, accelerate)."""
+    baseline: ClassVar[bool] = False
+    """The method every other one is compared with (speed-up 1.0x): one process on one device."""
+    comm_reference: ClassVar[bool] = False
+    """The method whose communication per step the report's "comm / step (vs ...)" column divides by."""
+    spans_devices: ClassVar[bool] = True
+    """False for a method that uses one device whatever the world size it is asked about."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
@@ -108,6 +114,11 @@ class Strategy:
         """The options a comparison row of this method runs with on ``world_size`` devices: the user's own,
         completed where the method's defaults would not fit that world (a pipeline's layout)."""
         return dict(cfg.strategy_options)
+
+    @classmethod
+    def devices_for_world(cls, world_size: int) -> int:
+        """How many devices a row of this method uses when a comparison offers it ``world_size``."""
+        return world_size if cls.spans_devices else 1
 
     @classmethod
     def data_parallel_size(cls, cfg: TrainConfig, world_size: int) -> int:
@@ -362,6 +373,18 @@ def get_strategy(name: str) -> type[Strategy]:
     if name not in REGISTRY:
         raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
     return REGISTRY[name]
+
+
+def baseline_name() -> str:
+    """The name of the baseline method (``Strategy.baseline``)."""
+    discover()
+    return next(name for name, cls in REGISTRY.items() if cls.baseline)
+
+
+def comm_reference_name() -> str:
+    """The name of the method communication is compared with (``Strategy.comm_reference``)."""
+    discover()
+    return next(name for name, cls in REGISTRY.items() if cls.comm_reference)
 
 
 def all_strategies() -> dict[str, type[Strategy]]:

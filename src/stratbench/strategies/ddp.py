@@ -30,6 +30,7 @@ class DDPOptions:
 @register
 class DDPStrategy(Strategy):
     name = "ddp"
+    comm_reference = True
     description = "DistributedDataParallel: one process per device, gradients all-reduced"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); SyncBatchNorm needs CUDA"
     launcher = "torchrun"

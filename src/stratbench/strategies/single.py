@@ -10,6 +10,8 @@ class SingleDevice(Strategy):
     name = "single"
     description = "one process, one device (CPU or one GPU); the baseline"
     requirements = "any device, one process"
+    baseline = True
+    spans_devices = False
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
