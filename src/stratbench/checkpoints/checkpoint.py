@@ -18,12 +18,9 @@ Layouts
 from __future__ import annotations
 
 import contextlib
-import fnmatch
 import importlib
 import os
 import pickle
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +28,15 @@ from typing import Any
 import torch
 
 from stratbench.core.errors import CheckpointError
+from stratbench.core.files import (  # noqa: F401  (re-exported: every writer's one swap)
+    FAULT_SWAP_ENV,
+    atomic_output,
+    atomic_write,
+    fsync_dir,
+    remove_path,
+    replace_path,
+    temp_path_for,
+)
 
 FORMAT = "stratbench"
 VERSION = 1
@@ -38,6 +44,7 @@ META_FILE = "stratbench_meta.pt"
 
 LayoutReader = Callable[[Path, dict[str, Any]], dict[str, Any]]
 _LAYOUTS: dict[str, LayoutReader] = {}
+_LAYOUT_SOURCES: list[Callable[[], None]] = []
 
 
 # Classes that DeepSpeed, accelerate and torch.distributed.checkpoint put into their pickles, none of which
@@ -251,7 +258,9 @@ def check_folder(path: Path) -> None:
 def check_tag(path: Path, tag: Any) -> str:
     """A DeepSpeed tag read from a checkpoint's header: one plain folder name inside ``path``."""
     if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise CheckpointError(f"checkpoint {path} names DeepSpeed tag {tag!r}; expected one folder name inside it")
+        raise CheckpointError(
+            f"checkpoint {path} names DeepSpeed tag {tag!r}; expected one folder name inside it"
+        )
     return tag
 
 
@@ -260,99 +269,11 @@ def register_layout(name: str, reader: LayoutReader) -> None:
     _LAYOUTS[name] = reader
 
 
-def _remove(path: Path) -> None:
-    """Delete a file, link or folder if it is there."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-FAULT_SWAP_ENV = "STRATBENCH_TEST_KILL_IN_SWAP"
-"""Fault injection, for tests only (benchmarks/fault_injection.py): set to a glob, a swap whose target's name
-matches it SIGKILLs this process's group between its two renames (the previous entry already moved to
-``.NAME.old``, the new one not yet in place), the window a random kill almost never hits."""
-
-
-def _fault_between_renames(path: Path) -> None:
-    pattern = os.environ.get(FAULT_SWAP_ENV)
-    if not pattern or not fnmatch.fnmatchcase(path.name, pattern):
-        return
-    import signal
-
-    group = os.getpgrp()
-    if group != os.getpgid(os.getppid()):  # the run's own group (a test starts each run in one): all its ranks
-        os.killpg(group, signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def replace_path(new: Path, path: Path) -> Path:
-    """Put ``new`` (a complete file or folder) at ``path``, replacing what is there; the one swap every
-    checkpoint writer uses. The previous entry stays whole as ``.NAME.old`` until ``new`` is in place, and an
-    ``.NAME.old`` is never deleted while ``path`` is missing (a kill between the two renames of an earlier
-    swap left it as the only copy: ``resolve_resume`` reads it)."""
-    new, path = Path(new), Path(path)
-    old = path.with_name(f".{path.name}.old")
-    if path.exists() or path.is_symlink():
-        _remove(old)  # ``path`` is whole, so an older copy is redundant
-        os.replace(path, old)
-        _fault_between_renames(path)
-    os.replace(new, path)
-    _fsync_dir(path.parent)
-    _remove(old)
-    return path
-
-
-def temp_path_for(path: Path, suffix: str = ".tmp") -> Path:
-    """A free name next to ``path`` (same folder, so that the final rename is atomic)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
-    return Path(tmp)
-
-
-@contextlib.contextmanager
-def atomic_output(path: Path, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path next to ``path`` to write (file or folder); on success it replaces ``path``
-    (``replace_path``), on any error it is deleted and ``path`` is left as it was. An OSError that names no
-    file or the temporary one (a full disk seen by torch.save) is raised naming ``path``, what the user asked for."""
-    tmp = temp_path_for(path, ".tmp" + suffix)
-    tmp.unlink()  # the writer creates it (a file or a folder)
-    try:
-        yield tmp
-        if not (tmp.exists() or tmp.is_symlink()):
-            raise FileNotFoundError(f"nothing was written to {tmp}")
-        replace_path(tmp, path)
-    except OSError as exc:
-        _remove(tmp)
-        if exc.errno is not None and (exc.filename is None or str(exc.filename).startswith(str(tmp))):
-            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-        raise
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def atomic_write(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` atomically: a temporary file, fsync, rename (reports, CSV, JSON)."""
-    payload = data.encode() if isinstance(data, str) else data
-    with atomic_output(path) as tmp:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return Path(path)
+def add_layout_source(find_readers: Callable[[], None]) -> None:
+    """Register a function that registers layout readers (the method files above this layer do it on import;
+    ``strategies.base`` adds its ``discover``), called before a sharded folder's layout is looked up."""
+    if find_readers not in _LAYOUT_SOURCES:
+        _LAYOUT_SOURCES.append(find_readers)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -434,9 +355,8 @@ def load_any(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
         return load_file(path, weights_only=weights_only)
     meta = read_meta(path)
     layout = meta.get("layout")
-    from stratbench.strategies.base import discover
-
-    discover()  # strategies register their layout readers on import
+    for find_readers in _LAYOUT_SOURCES:
+        find_readers()  # e.g. strategies.base.discover: each method file registers its layout reader on import
     if layout not in _LAYOUTS:
         raise CheckpointError(
             f"checkpoint {path} has layout {layout!r}; readable layouts: {', '.join(['full', *sorted(_LAYOUTS)])}"
@@ -519,12 +439,12 @@ def publish(output: Path, path: Path, keep_last: int = 1) -> Path:
     link.unlink()
     os.symlink(os.path.relpath(path, last.parent), link)
     os.replace(link, last)
-    _fsync_dir(last.parent)
+    fsync_dir(last.parent)
     _tidy(last.parent)
     current = path.resolve()
     entries = [p for p in step_entries(output) if p.resolve() != current]
     for stale in entries[: max(0, len(entries) - (keep_last - 1))]:
-        _remove(stale)
+        remove_path(stale)
     return last
 
 
@@ -536,15 +456,21 @@ def _tidy(folder: Path) -> None:
     finished writing (no save is in progress)."""
     for p in sorted(Path(folder).iterdir()):
         name = p.name
-        if not name.startswith((f".{STEP_PREFIX}", f".{LAST}.")) or not name.endswith((".old", ".tmp", ".link")):
+        if not name.startswith((f".{STEP_PREFIX}", f".{LAST}.")) or not name.endswith(
+            (".old", ".tmp", ".link")
+        ):
             continue
         if name.startswith(f".{LAST}.") and not name.endswith(".link"):
             continue  # .last.old (an earlier stratbench's swap of a real `last`): resume may still need it
         entry = p.with_name(name[1:-4])
-        if name.endswith(".old") and _step_of(entry) is not None and not (entry.exists() or entry.is_symlink()):
+        if (
+            name.endswith(".old")
+            and _step_of(entry) is not None
+            and not (entry.exists() or entry.is_symlink())
+        ):
             os.replace(p, entry)
         else:
-            _remove(p)
+            remove_path(p)
 
 
 def resolve_resume(output: str, resume_from: str | None) -> Path | None:

@@ -30,7 +30,9 @@ from typing import TYPE_CHECKING, Any
 from stratbench.compare.matrix import Cell, Matrix, Plan, plan_cell
 from stratbench.compare.runner import (
     FINISHED,
+    RESULTS,
     append_record,
+    check_records,
     last_error_line,
     load_records,
     local_environment,
@@ -163,7 +165,9 @@ def plan_calibration(
                     probes[min(probes)].add(cell.id)
     for cell, t, steps, batches, served in groups.values():
         for batch in sorted(batches):
-            single = Cell("single", cell.precision, 1, {**_common(cell), "batch_size": batch, "max_steps": steps})
+            single = Cell(
+                "single", cell.precision, 1, {**_common(cell), "batch_size": batch, "max_steps": steps}
+            )
             run = CalibrationRun("single", single, t)
             runs.setdefault(run.id, (run, set()))[1].update(served)
     notes = [f"{', '.join(names)}: no one-process run ({why}); predicted without a method overhead"
@@ -220,8 +224,12 @@ def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str
                 records[run.id] = rec
                 display.end(run.what, run.status, run.reason, None, ran=False)
                 continue
-            display.begin(n, run.what, f"{CAL_DIR}/{run.id}/{'probe' if run.kind == 'probe' else 'train'}.log")
-            rec = _run_probe(runner, run, display) if run.kind == "probe" else _run_train(runner, run, display)
+            display.begin(
+                n, run.what, f"{CAL_DIR}/{run.id}/{'probe' if run.kind == 'probe' else 'train'}.log"
+            )
+            rec = (
+                _run_probe(runner, run, display) if run.kind == "probe" else _run_train(runner, run, display)
+            )
             append_record(out, rec, CALIBRATION)
             records[run.id] = rec
             display.end(run.what, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
@@ -254,7 +262,7 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     import time
 
     from stratbench.core.errors import ConfigError
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
 
     run_dir = runner.out / CAL_DIR / run.id
     if run_dir.exists():
@@ -265,9 +273,15 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     code, elapsed, timed_out, loads = runner.run_process(cmd, log, display, f"stopped while running {run.id}")
     status, reason = "ok", ""
     if timed_out:
-        status, reason = "timeout", f"did not finish within the {runner.timeout_s:.0f} s limit; its processes were killed"
+        status, reason = (
+            "timeout",
+            f"did not finish within the {runner.timeout_s:.0f} s limit; its processes were killed",
+        )
     elif code != 0 or not profile.exists():
-        status, reason = "failed", last_error_line(log) or f"exited with code {code} without writing {profile.name}"
+        status, reason = (
+            "failed",
+            last_error_line(log) or f"exited with code {code} without writing {profile.name}",
+        )
     else:
         try:
             resolve(str(profile))
@@ -361,8 +375,19 @@ def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis |
     world = int(rec.get("world_size") or 1)
     if world > 1 and rec.get("method") != "single" and not method_run_refused(str(rec.get("method"))) \
             and not methods:  # fmt: skip
-        basis.problem = f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
+        basis.problem = (
+            f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
+        )
         return basis
     basis.profile, basis.nproc = profile, int(probes[0]["calibration"].get("nproc") or 0)
     basis.runs = singles + methods
     return basis
+
+
+def check_results_file(folder: Path) -> None:
+    """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
+    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
+    it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
+    append drops it (``runner.append_record``)."""
+    check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
+    check_records(folder / CALIBRATION, record_problem)

@@ -87,7 +87,7 @@ def advise(
     calibration=None,
 ) -> Advice:
     """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory; with
-    ``goal="speed"`` and a hardware ``system`` (stratbench.predicting.hardware), the plan with the shortest projected step
+    ``goal="speed"`` and a hardware ``system`` (stratbench.measuring.hardware), the plan with the shortest projected step
     time among those that fit."""
     if goal not in ("fit", "speed"):
         from stratbench.core.errors import ConfigError

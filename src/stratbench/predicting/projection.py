@@ -36,7 +36,7 @@ from typing import Any
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import wire_factor
-from stratbench.predicting.hardware import Gpu, HardwareError, Link, System
+from stratbench.measuring.hardware import Gpu, HardwareError, Link, System
 
 FORWARD_SHARE = 1.0 / 3.0
 """Forward FLOPs as a share of forward+backward (backward computes two products per forward one)."""
@@ -55,7 +55,7 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 
 @functools.cache
 def _flops(spec) -> float | None:
-    from stratbench.measuring.metrics import flops_per_sample
+    from stratbench.models.flops import flops_per_sample
 
     return flops_per_sample(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
 
@@ -346,7 +346,7 @@ def calibrate_one(
     FLOPs x batch / ((step time - modelled optimizer step) x peak). Runs at two or more batch sizes: a
     least-squares line step = overhead + batch x FLOPs / (peak x efficiency), which also gives the fixed
     per-step overhead (Python, kernel launches) that dominates small models."""
-    from stratbench.predicting.hardware import builtin
+    from stratbench.measuring.hardware import builtin
 
     if not results:
         raise ConfigError("--calibrate needs at least one result.json")
@@ -647,7 +647,7 @@ predicts its own rows with when no probe profile is given."""
 def system_for_record(rec: dict[str, Any], hardware: str | None = None) -> System:
     """The profile of the machine a compare record ran on: ``hardware`` (a system name or a probe file) when
     given; otherwise the built-in system of the record's GPU, or ``cpu-gloo`` on a CPU."""
-    from stratbench.predicting.hardware import builtin, resolve
+    from stratbench.measuring.hardware import builtin, resolve
 
     if hardware:
         return resolve(hardware)
@@ -705,7 +705,7 @@ def predict_calibrated(
     (`compare --calibrate`: `single` at two batch sizes and the record's method on one process, as result.json
     records) on the probe ``profile`` of the machine (or ``hardware`` where given): no measurement of the record
     itself enters it."""
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
 
     def basis() -> tuple[System, dict[str, Calibration] | None]:
         system = resolve(hardware or profile)

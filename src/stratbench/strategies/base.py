@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratbench.checkpoints import checkpoint as checkpoint_files
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 
@@ -406,15 +410,9 @@ def discover() -> None:
     global _DISCOVERED
     if _DISCOVERED:
         return
-    import importlib
-    import pkgutil
-
-    import stratbench.strategies as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name != "base":
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
-    from importlib.metadata import entry_points
+            importlib.import_module(f"{__package__}.{info.name}")
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
@@ -424,3 +422,6 @@ def discover() -> None:
                 f"strategy plug-in {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
             ) from exc
     _DISCOVERED = True
+
+
+checkpoint_files.add_layout_source(discover)  # a sharded folder's reader is in its method's file
