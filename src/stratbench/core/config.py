@@ -21,8 +21,8 @@ from typing import Any, Literal
 
 import yaml
 
-from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.core.errors import ConfigError
+from stratbench.core.files import atomic_write
 from stratbench.models.zoo import is_weights_name, resolve_weights
 
 

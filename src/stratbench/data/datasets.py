@@ -13,9 +13,9 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from stratbench.checkpoints.checkpoint import restricted_pickle_load
 from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler, virtual_rank_order  # noqa: F401

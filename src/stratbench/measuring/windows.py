@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from stratbench.checkpoints.checkpoint import atomic_output
+from stratbench.core.files import atomic_output
 from stratbench.measuring.commvol import CommRecorder
 from stratbench.measuring.memprobe import ImportMeter, malloc_in_use
 
