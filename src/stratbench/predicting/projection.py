@@ -329,9 +329,8 @@ def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float
     its optimizer step (the optimizer state's bytes over the memory bandwidth)."""
     single = cfg.replace(strategy=baseline_name(), strategy_options={})
     dev_bytes, _ = optimizer_bytes(single, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
-    return flops * cfg.batch_size * (
-        4 / 3 if cfg.activation_checkpointing else 1
-    ), dev_bytes / gpu.memory_bandwidth
+    work = flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1)
+    return work, dev_bytes / gpu.memory_bandwidth
 
 
 def calibrate_one(
@@ -378,11 +377,8 @@ def calibrate_one(
     assert key is not None and device_gpu is not None
     overhead, efficiency, how = _fit_points(points, device_gpu.peak(key))
     if shares != {1.0}:
-        how += (
-            "; peak x "
-            + "/".join(f"{x:.2f}" for x in sorted(shares))
-            + " (the run's threads' share of all cores)"
-        )
+        peaks = "/".join(f"{x:.2f}" for x in sorted(shares))
+        how += f"; peak x {peaks} (the run's threads' share of all cores)"
     return Calibration(
         efficiency=efficiency,
         key=key,
@@ -421,11 +417,8 @@ def _fit_points(points: list[dict[str, float]], peak: float) -> tuple[float, flo
     batches = {p["batch"] for p in points}
     if len(batches) < 2:
         efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
-        return (
-            0.0,
-            efficiency,
-            f"batch {points[0]['batch']}, step {statistics.fmean(p['step_s'] for p in points) * 1e3:.1f} ms",
-        )
+        step_ms = statistics.fmean(p["step_s"] for p in points) * 1e3
+        return 0.0, efficiency, f"batch {points[0]['batch']}, step {step_ms:.1f} ms"
     xs = [p["flop"] for p in points]
     ys = [p["step_s"] - p["optimizer_s"] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
@@ -435,11 +428,8 @@ def _fit_points(points: list[dict[str, float]], peak: float) -> tuple[float, flo
             "calibration runs: the step time does not grow with the batch; measure larger batches"
         )
     overhead = max(0.0, my - slope * mx)
-    return (
-        overhead,
-        1.0 / (slope * peak),
-        f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step",
-    )
+    how = f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step"
+    return overhead, 1.0 / (slope * peak), how
 
 
 def load_calibration(paths: list[str], system: System) -> Calibrations:
