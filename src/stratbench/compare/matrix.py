@@ -193,7 +193,7 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
             "batch_size": 128,
             "num_workers": 4,
             **({"weights": "imagenet"} if pretrained else {}),
-        },  # fmt: skip
+        },
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 4 * 3600,
