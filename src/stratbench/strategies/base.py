@@ -401,7 +401,9 @@ def comm_reference_name() -> str:
 def strategy_for_layout(layout: str | None) -> type[Strategy] | None:
     """The method that owns checkpoint layout ``layout`` (``Strategy.checkpoint_layout``); None: no method does."""
     discover()
-    return next((cls for cls in REGISTRY.values() if layout is not None and cls.checkpoint_layout == layout), None)
+    return next(
+        (cls for cls in REGISTRY.values() if layout is not None and cls.checkpoint_layout == layout), None
+    )
 
 
 def all_strategies() -> dict[str, type[Strategy]]:
