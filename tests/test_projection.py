@@ -12,8 +12,8 @@ import yaml
 
 from stratbench.core.config import TrainConfig
 from stratbench.measuring import hardware
-from stratbench.predicting import projection
 from stratbench.measuring.hardware import HardwareError
+from stratbench.predicting import projection
 
 TINY = {
     "model": "tinynet",

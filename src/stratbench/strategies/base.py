@@ -86,6 +86,12 @@ class Strategy:
     """The method whose communication per step the report's "comm / step (vs ...)" column divides by."""
     spans_devices: ClassVar[bool] = True
     """False for a method that uses one device whatever the world size it is asked about."""
+    calibration_refused: ClassVar[str] = ""
+    """Why a run of this method on one device cannot calibrate the method's own overhead per step ("": it can;
+    ``stratbench.predicting.projection.calibrate``, ``compare --calibrate``)."""
+    checkpoint_layout: ClassVar[str | None] = None
+    """The checkpoint layout (``stratbench_meta.pt``'s "layout") whose pre-launch check this class owns
+    (``check_checkpoint``); None: none."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
@@ -112,6 +118,11 @@ class Strategy:
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
         """None when the method can run here with this config, else one line naming the requirement."""
         return None
+
+    @classmethod
+    def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
+        """Refuse (CheckpointError), before any process starts, a checkpoint in ``checkpoint_layout`` that no run
+        can resume or start from; ``meta`` is its header. Nothing by default."""
 
     @classmethod
     def options_for_world(cls, cfg: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -389,6 +400,14 @@ def comm_reference_name() -> str:
     """The name of the method communication is compared with (``Strategy.comm_reference``)."""
     discover()
     return next(name for name, cls in REGISTRY.items() if cls.comm_reference)
+
+
+def strategy_for_layout(layout: str | None) -> type[Strategy] | None:
+    """The method that owns checkpoint layout ``layout`` (``Strategy.checkpoint_layout``); None: no method does."""
+    discover()
+    return next(
+        (cls for cls in REGISTRY.values() if layout is not None and cls.checkpoint_layout == layout), None
+    )
 
 
 def all_strategies() -> dict[str, type[Strategy]]:
