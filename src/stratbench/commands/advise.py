@@ -4,11 +4,24 @@ from __future__ import annotations
 
 import argparse
 import json
+import textwrap
+
+import torch
 
 from stratbench.commands.estimate import add_model_arguments
+from stratbench.core.config import TrainConfig, canonical_precision, validate
+from stratbench.core.errors import ConfigError
+from stratbench.core.precision import SPECS
+from stratbench.core.tables import fmt_bytes, table_console
+from stratbench.measuring.hardware import System, resolve
+from stratbench.predicting.advise import Advice, advise, default_precision
+from stratbench.predicting.estimate import parse_bytes
+from stratbench.predicting.projection import load_calibration
 
 NAME = "advise"
-HELP = "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
+HELP = (
+    "recommend a training method and precision for a model and devices (do you really need FSDP/DeepSpeed?)"
+)
 ORDER = 41
 
 
@@ -16,10 +29,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
     parser.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
-    parser.add_argument("--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)")
+    parser.add_argument(
+        "--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)"
+    )
     parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")
-    parser.add_argument("--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit")
+    parser.add_argument(
+        "--goal", default="speed", choices=("fit", "speed"), help="fastest method that fits, or just fit"
+    )
     parser.add_argument(
         "--hardware",
         help="with --goal speed: rank the plans that fit by projected step time on this system (h100-sxm, "
@@ -34,40 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from stratbench.core.config import TrainConfig, validate
-    from stratbench.core.errors import ConfigError
-    from stratbench.core.precision import SPECS
-    from stratbench.core.tables import fmt_bytes
-    from stratbench.predicting.advise import advise, default_precision
-    from stratbench.predicting.estimate import parse_bytes
-
-    has_gpu = torch.cuda.is_available()
-    system = calibration = None
-    if args.hardware:
-        from stratbench.measuring.hardware import resolve
-        from stratbench.predicting.projection import load_calibration
-
-        system = resolve(args.hardware)
-        calibration = load_calibration(args.calibrate, system) if args.calibrate else None
-    elif args.calibrate:
-        raise ConfigError("--calibrate needs --hardware (the system whose step time it calibrates)")
-    devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
-    if devices is not None:  # checked before memory: a refused batch is named even where no GPU is detected
-        check_devices_and_batch(devices, args.batch_size)
-    memory = parse_bytes(args.device_memory) if args.device_memory else (
-        torch.cuda.get_device_properties(0).total_memory if has_gpu
-        else int(system.gpu.memory_bytes) if system is not None else None
-    )
-    if devices is None or memory is None:
-        raise ConfigError("no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB")
-    if memory <= 0:
-        raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
-    bf16_ok = torch.cuda.is_bf16_supported() if has_gpu else True
-    from stratbench.core.config import canonical_precision
-
-    precision = canonical_precision(args.precision) or default_precision("cuda", bf16_ok)
+    system, calibration = hardware_setup(args)
+    devices, memory = devices_and_memory(args, system)
+    precision = canonical_precision(args.precision) or default_precision("cuda", _bf16_supported())
     if precision not in SPECS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
     base = TrainConfig(
@@ -78,27 +64,70 @@ def run(args: argparse.Namespace) -> int:
     validate(base)
     result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration)
     if args.json:
-        print(json.dumps({
-            "method": result.plan.strategy if result.plan else None,
-            "options": dict(result.plan.options) if result.plan else None,
-            "activation_checkpointing": result.plan.activation_checkpointing if result.plan else None,
-            "precision": precision,
-            "estimated_bytes_per_device": result.estimate.total_bytes if result.estimate else None,
-            "ranking": result.ranking,
-            "reasons": result.reasons,
-            "train_command": result.train_command,
-            "compare_command": result.compare_command,
-        }, indent=2))  # fmt: skip
-        return 0 if result.plan else 1
-    from stratbench.core.tables import table_console
+        print_json(result, precision)
+    else:
+        print_advice(args, result, precision, devices, memory)
+    return 0 if result.plan else 1
 
+
+def hardware_setup(args: argparse.Namespace) -> tuple[System | None, dict | None]:
+    """(system, calibration) with --hardware (--calibrate needs it), else (None, None)."""
+    if not args.hardware:
+        if args.calibrate:
+            raise ConfigError("--calibrate needs --hardware (the system whose step time it calibrates)")
+        return None, None
+    system = resolve(args.hardware)
+    return system, load_calibration(args.calibrate, system) if args.calibrate else None
+
+
+def devices_and_memory(args: argparse.Namespace, system: System | None) -> tuple[int, int]:
+    """The devices to plan for and the memory of one: given, else the detected GPUs', else (memory only) the
+    hardware system's GPU's."""
+    has_gpu = torch.cuda.is_available()
+    devices = args.devices if args.devices is not None else (torch.cuda.device_count() if has_gpu else None)
+    if devices is not None:  # checked before memory: a refused batch is named even where no GPU is detected
+        check_devices_and_batch(devices, args.batch_size)
+    memory = parse_bytes(args.device_memory) if args.device_memory else (
+        torch.cuda.get_device_properties(0).total_memory if has_gpu
+        else int(system.gpu.memory_bytes) if system is not None else None
+    )  # fmt: skip
+    if devices is None or memory is None:
+        raise ConfigError(
+            "no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB"
+        )
+    if memory <= 0:
+        raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
+    return devices, memory
+
+
+def _bf16_supported() -> bool:
+    """The detected GPU has bf16 (no GPU: the plan is for one that has)."""
+    return torch.cuda.is_bf16_supported() if torch.cuda.is_available() else True
+
+
+def print_json(result: Advice, precision: str) -> None:
+    plan = result.plan
+    print(json.dumps({
+        "method": plan.strategy if plan else None,
+        "options": dict(plan.options) if plan else None,
+        "activation_checkpointing": plan.activation_checkpointing if plan else None,
+        "precision": precision,
+        "estimated_bytes_per_device": result.estimate.total_bytes if result.estimate else None,
+        "ranking": result.ranking,
+        "reasons": result.reasons,
+        "train_command": result.train_command,
+        "compare_command": result.compare_command,
+    }, indent=2))  # fmt: skip
+
+
+def print_advice(args: argparse.Namespace, result: Advice, precision: str, devices: int, memory: int) -> None:
     console = table_console()  # the terminal's width; piped: COLUMNS or 120
     console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
                   f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
     bullets(console, result.reasons)
     if result.plan is None:
         console.print("[red]no method fits[/]")
-        return 1
+        return
     console.print(
         f"[bold green]recommended:[/] {result.plan.label}, precision {precision} "
         f"({'bf16 needs no loss scaling' if precision.startswith('bf16') else 'fp16 with dynamic loss scaling'}), "
@@ -107,23 +136,24 @@ def run(args: argparse.Namespace) -> int:
     # one line each, however long (the terminal wraps them): a command to copy must not be cut by a newline
     console.print(f"next:  {result.train_command}", soft_wrap=True, highlight=False)
     console.print(f"then:  {result.compare_command}", soft_wrap=True, highlight=False)
-    return 0
 
 
 def bullets(console, lines: list[str]) -> None:
     """A bulleted list whose long items wrap under their own text (a hanging indent), not under the bullet."""
-    import textwrap
-
     for line in lines:
-        text = textwrap.fill(line, max(20, console.width), initial_indent="  - ", subsequent_indent="    ",
-                             break_long_words=False, break_on_hyphens=False)  # flags and names whole
+        text = textwrap.fill(
+            line,
+            max(20, console.width),
+            initial_indent="  - ",
+            subsequent_indent="    ",
+            break_long_words=False,
+            break_on_hyphens=False,
+        )  # flags and names whole
         console.print(text, soft_wrap=True, markup=False)
 
 
 def check_devices_and_batch(devices: int, batch_size: int) -> None:
     """A device count stratbench plans for, and a global batch train can split evenly over it."""
-    from stratbench.core.errors import ConfigError
-
     if not 1 <= devices <= 4096:
         raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
     if batch_size < 1:

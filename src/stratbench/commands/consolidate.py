@@ -5,14 +5,15 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stratbench.checkpoints.checkpoint import add_trust_argument, consolidate, trusted
+from stratbench.core.tables import fmt_bytes
+
 NAME = "consolidate"
 HELP = "turn a sharded checkpoint folder into one full checkpoint file that every method (and single) loads"
 ORDER = 30
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoints.checkpoint import add_trust_argument
-
     add_trust_argument(parser)
     parser.add_argument("checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)")
     parser.add_argument(
@@ -22,16 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoints.checkpoint import trusted
-
     with trusted(args.trust_checkpoint):
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoints.checkpoint import consolidate
-    from stratbench.core.tables import fmt_bytes
-
-    out = consolidate(Path(args.checkpoint), Path(args.output), force=args.force)
+        out = consolidate(Path(args.checkpoint), Path(args.output), force=args.force)
     print(f"wrote {out} ({fmt_bytes(out.stat().st_size)})")
     return 0

@@ -5,7 +5,28 @@ from __future__ import annotations
 import argparse
 import json
 
-from stratbench.core.tables import fit_table, fmt_bytes, name_cell, name_column, note_width, text_column
+import torch
+from rich.table import Table
+
+from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
+from stratbench.core.config import TrainConfig, canonical_precision, validate
+from stratbench.core.errors import ConfigError
+from stratbench.core.precision import SPECS
+from stratbench.core.tables import (
+    fit_table,
+    fmt_bytes,
+    name_cell,
+    name_column,
+    note_width,
+    table_console,
+    text_column,
+)
+from stratbench.measuring.hardware import resolve
+from stratbench.models.zoo import check_model
+from stratbench.predicting import estimate as est
+from stratbench.predicting.projection import load_calibration
+from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows
+from stratbench.strategies.base import all_strategies, get_strategy
 
 NAME = "estimate"
 HELP = (
@@ -24,7 +45,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--grad-accum", type=int, default=1, help="micro-steps per optimizer step")
     parser.add_argument(
-        "--precision", default="fp32", help="fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (or Lightning's names)"
+        "--precision",
+        default="fp32",
+        help="fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (or Lightning's names)",
     )
     parser.add_argument(
         "--strategy",
@@ -54,8 +77,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--wide", action="store_true", help="every column (each memory component), wider than the terminal"
     )
     add_time_arguments(parser)
-    from stratbench.commands.train import add_strategy_option_arguments
-
     add_strategy_option_arguments(parser)  # the same method flags as `train`, from each strategy's Options
 
 
@@ -85,7 +106,9 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         "a YAML profile file (e.g. one written by `stratbench probe`), or FILE:SYSTEM",
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
-    parser.add_argument("--gpus-per-node", type=int, default=None, help="devices per node for --time (default: the system's)")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="devices per node for --time (default: the system's)"
+    )
     parser.add_argument(
         "--calibrate",
         action="append",
@@ -99,10 +122,6 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
 
 def time_setup(args: argparse.Namespace):
     """(system, calibration) for --time, validated before any work; (None, None) without --time."""
-    from stratbench.core.errors import ConfigError
-    from stratbench.measuring.hardware import resolve
-    from stratbench.predicting.projection import load_calibration
-
     if not getattr(args, "time", False):
         return None, None
     system = resolve(args.hardware or "h100-sxm")
@@ -130,11 +149,6 @@ MAX_BATCH = 100_000_000
 
 def check_common(args: argparse.Namespace) -> None:
     """The values every row shares (precision, world size, batch): one line before any row is computed."""
-    from stratbench.core.config import canonical_precision
-    from stratbench.core.errors import ConfigError
-    from stratbench.core.precision import SPECS
-    from stratbench.models.zoo import check_model
-
     args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
     if args.precision not in SPECS:
         raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
@@ -147,14 +161,22 @@ def check_common(args: argparse.Namespace) -> None:
     check_model(args.model)
 
 
-def config_for(args: argparse.Namespace, strategy: str):
-    """The TrainConfig of one row (``check_common`` has run)."""
-    from stratbench.commands.train import strategy_options_from_args
-    from stratbench.core.config import TrainConfig, validate
-    from stratbench.core.errors import ConfigError
-    from stratbench.strategies.base import get_strategy
+def methods_to_estimate(args: argparse.Namespace) -> list[str]:
+    """The methods to estimate (every one with ``--strategy all``); a method that uses one device whatever the
+    world size is refused with a larger one (``Strategy.spans_devices``)."""
+    if args.strategy == "all":
+        return sorted(all_strategies())
+    strategy = get_strategy(args.strategy)
+    if not strategy.spans_devices and args.world_size > 1:
+        raise ConfigError(
+            f"{strategy.name} runs on one device; --world-size {args.world_size} needs ddp, fsdp, ... (or --strategy all)"
+        )
+    return [strategy.name]
 
-    world = 1 if strategy == "single" else args.world_size
+
+def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
+    """The TrainConfig of one row (``check_common`` has run)."""
+    world = get_strategy(strategy).devices_for_world(args.world_size)
     if not args.max_batch and args.batch_size % (world * args.grad_accum):
         raise ConfigError(
             f"--batch-size {args.batch_size} is not divisible by world size x grad accum ({world} x {args.grad_accum}); "
@@ -173,50 +195,33 @@ def config_for(args: argparse.Namespace, strategy: str):
 
 
 def detected_device_memory() -> int | None:
-    import torch
-
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.core.errors import ConfigError
-    from stratbench.core.tables import table_console
-    from stratbench.predicting import estimate as est
-
     console = table_console(wide=args.wide)  # the terminal's width (piped: COLUMNS or 120); --wide: 220+
-    from stratbench.strategies.base import all_strategies, get_strategy
-
-    names = sorted(all_strategies()) if args.strategy == "all" else [get_strategy(args.strategy).name]
-    if args.strategy == "single" and args.world_size > 1:
-        raise ConfigError(
-            f"single runs on one device; --world-size {args.world_size} needs ddp, fsdp, ... (or --strategy all)"
-        )
+    names = methods_to_estimate(args)
     device_memory = est.parse_bytes(args.device_memory) if args.device_memory else detected_device_memory()
     if args.max_batch and device_memory is None:
         raise ConfigError(
             "--max-batch needs --device-memory (e.g. 80GiB): no GPU was detected to read it from"
         )
-
     check_common(args)
     system, calibration = time_setup(args)
-    if system is not None and not args.device_memory:
-        device_memory = None
     if system is not None:
         device_memory = est.parse_bytes(args.device_memory)
-    results = [_row(args, name, system, calibration, device_memory) for name in names]
-    if system is not None:
-        single = next((r["projection"] for r in results if r["strategy"] == "single"), None)
-        if single and single.get("throughput"):
-            for r in results:  # strong scaling: the same global batch on one device
-                if r.get("projection"):
-                    t = r["projection"].get("throughput")
-                    r["projection"]["speedup_vs_single"] = t / single["throughput"] if t else None
+    settings = RowSettings(
+        world_size=args.world_size, device_type=args.device_type, every_method=args.strategy == "all",
+        max_batch=args.max_batch, device_memory=device_memory, system=system, calibration=calibration,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+    )  # fmt: skip
+    results = method_rows(names, lambda name: config_for(args, name), settings)
     if args.json:
         out: dict = {"device_memory": device_memory, "results": results}
         if system is not None:
-            out["hardware"] = hardware_summary(system, args, calibration)
+            out["hardware"] = hardware_summary(system, args.nodes, args.gpus_per_node, calibration)
         print(json.dumps(out, indent=2))
         return 0
     title = (
@@ -254,8 +259,6 @@ def print_memory_table(console, results: list[dict], args: argparse.Namespace, d
 
 def component_table(e: dict, title: str, device_type: str):
     """One method's memory per device, component by component, then its peaks, overhead and total."""
-    from rich.table import Table
-
     table = Table(title=f"memory per device: {e['strategy']} ({title})")
     for col in ("component", "on device", "on host", "note"):
         text_column(table, col, justify="right" if col.startswith("on") else "left")
@@ -293,8 +296,6 @@ def memory_table(results: list[dict], title: str, device_memory: int | None, max
     whether it fits ``device_memory`` (when known); with ``max_batch``, the largest global batch that fits;
     without the columns in ``drop``. A method's world size is shown where it is not ``world`` (the title's); a
     row without an estimate is the method's name with "n/a: why" under it, in one cell."""
-    from rich.table import Table
-
     fitting = f"largest global batch that fits {fmt_bytes(device_memory)}"
     table = Table(title=f"{fitting if max_batch else 'memory per device'}: {title}")
     cols = [*(["max global batch"] if max_batch else []), *(MEMORY_COMPONENTS if wide else MEMORY_COMPACT),
@@ -329,60 +330,6 @@ def _label(res: dict, world: int) -> str:
     options = ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sorted((res.get("options") or {}).items()))
     parts = [*([f"x{own}"] if own and own != world else []), *([options] if options else [])]
     return f"{res['strategy']} ({'; '.join(parts)})" if parts else res["strategy"]
-
-
-def _row(args: argparse.Namespace, name: str, system, calibration, device_memory) -> dict:
-    """One method's row: its memory estimate (or largest batch) and, with --time, its projection. With
-    ``--strategy all`` a method that cannot be built for this model and world is an n/a row with the reason,
-    and the others still print; its options are completed for the world (``Strategy.options_for_world``)."""
-    from stratbench.core.errors import ConfigError
-    from stratbench.predicting import estimate as est
-    from stratbench.strategies.base import get_strategy
-
-    world = 1 if name == "single" else args.world_size
-    try:
-        cfg = config_for(args, name)
-        if args.strategy == "all":
-            cfg = cfg.replace(strategy_options=get_strategy(name).options_for_world(cfg, world))
-            get_strategy(name).parse_options(cfg.strategy_options)
-        if args.max_batch:
-            batch, e = est.max_batch(cfg, world, device_memory, args.device_type)
-            row = {"strategy": name, "max_global_batch": batch, "estimate": e.to_dict() if e else None}
-        else:
-            row = {"strategy": name, "estimate": est.estimate(cfg, world, args.device_type).to_dict()}
-        if cfg.strategy_options:
-            row["options"] = cfg.strategy_options
-    except est.NoMemoryModel as exc:
-        if args.strategy != "all":
-            raise
-        row = {"strategy": name, "estimate": None, "no_model": str(exc)}
-    except ConfigError as exc:
-        if args.strategy != "all":
-            raise
-        return {"strategy": name, "estimate": None, "na": str(exc), "projection": None}
-    if system is not None:
-        from stratbench.predicting.projection import project
-
-        row["projection"] = project(cfg, system, args.nodes, args.gpus_per_node, calibration, memory=False).to_dict()
-    return row
-
-
-def hardware_summary(system, args: argparse.Namespace, calibration) -> dict:
-    return {
-        "system": system.key,
-        "source": system.source,
-        "gpu": system.gpu.name,
-        "nodes": args.nodes,
-        "gpus_per_node": args.gpus_per_node,
-        "intra_node": system.intra_node.key,
-        "inter_node": system.inter_node.key if system.inter_node else None,
-        "overlap": system.overlap,
-        "overlap_source": system.overlap_source,
-        "calibration": None if calibration is None else {
-            k: {"efficiency": c.efficiency, "overhead_s": c.overhead_s, "source": c.source, "points": c.points}
-            for k, c in calibration.items()
-        },
-    }  # fmt: skip
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -430,8 +377,6 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
     """One row per method: projected step time (and with ``wide`` its parts), throughput, scaling, memory per
     device and whether it fits, without the columns in ``drop``. A method without a projection is its name with
     "n/a: why" under it, in one cell."""
-    from rich.table import Table
-
     inter = system.inter_node.key if system.inter_node else "-"
     table = Table(title=f"projected on {args.nodes} x {args.gpus_per_node} {system.gpu.name} ({system.key}; "
                         f"intra {system.intra_node.key}, inter {inter}): {title}")  # fmt: skip

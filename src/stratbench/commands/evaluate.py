@@ -7,18 +7,24 @@ import json
 import sys
 import time
 
+from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
+from stratbench.core.errors import ConfigError
+from stratbench.data.datasets import DATASETS
+from stratbench.inference.predictor import (
+    add_backend_arguments,
+    evaluate,
+    open_model,
+    train_config_for,
+    validation_set,
+)
+
 NAME = "evaluate"
 HELP = "accuracy and loss of a checkpoint (any method, or an ONNX export) on a data set's validation split"
 ORDER = 61
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoints.checkpoint import add_trust_argument
-
     add_trust_argument(parser)
-    from stratbench.data.datasets import DATASETS
-    from stratbench.inference.predictor import add_backend_arguments
-
     parser.add_argument(
         "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
     )
@@ -34,16 +40,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoints.checkpoint import trusted
-
     with trusted(args.trust_checkpoint):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stratbench.core.errors import ConfigError
-    from stratbench.inference.predictor import evaluate, open_model, train_config_for, validation_set
-
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
     with open_model(args.checkpoint, args.backend, args.onnx, args.device) as opened:

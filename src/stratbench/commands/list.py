@@ -5,6 +5,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+import torch
+from rich.table import Table
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.dist import resolve_device
+from stratbench.core.precision import SPECS, slow_on, supported_on
+from stratbench.core.tables import name_column, table_console, text_column
+from stratbench.strategies.base import all_strategies
+
 NAME = "list"
 HELP = "list the training methods (strategies) and precisions, with what each needs"
 ORDER = 20
@@ -18,11 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from stratbench.core.dist import resolve_device
-    from stratbench.core.tables import table_console
-
     device = resolve_device("auto")
     console = table_console(wide=args.wide)
     here = f"here ({device.type}, {torch.cuda.device_count()} GPU)" if args.check else None
@@ -42,12 +46,6 @@ def short(description: str) -> str:
 def strategy_table(device, here: str | None, wide: bool):
     """One row per registered strategy: name, what it is (short unless ``wide``), with ``wide`` what it needs,
     its launcher and options, and with ``here`` (a header) whether it can run on ``device``."""
-    from rich.table import Table
-
-    from stratbench.core.config import TrainConfig
-    from stratbench.core.tables import name_column, text_column
-    from stratbench.strategies.base import all_strategies
-
     table = Table(title="strategies (--strategy)")
     name_column(table, "name")
     for col in ("what it is", "needs", "launcher", "options") if wide else ("what it is",):
@@ -70,11 +68,6 @@ def strategy_table(device, here: str | None, wide: bool):
 def precision_table(device, here: str | None, wide: bool):
     """One row per precision: name, what it is (short unless ``wide``), weight and compute dtypes, and with
     ``here`` (a header) whether ``device`` supports it (or runs it slowly)."""
-    from rich.table import Table
-
-    from stratbench.core.precision import SPECS, slow_on, supported_on
-    from stratbench.core.tables import name_column, text_column
-
     table = Table(title="precisions (--precision)")
     name_column(table, "name")
     for col in ("what it is", "weights", "compute"):

@@ -6,17 +6,17 @@ import argparse
 import json
 import sys
 
+from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
+from stratbench.core.errors import ConfigError, DataError
+from stratbench.inference.predictor import add_backend_arguments, collect_images, open_model, predict_files
+
 NAME = "predict"
 HELP = "top-k classes with probabilities for images or folders of images, from a checkpoint of any method"
 ORDER = 60
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.checkpoints.checkpoint import add_trust_argument
-
     add_trust_argument(parser)
-    from stratbench.inference.predictor import add_backend_arguments
-
     parser.add_argument(
         "images", nargs="+", metavar="IMAGE_OR_DIR", help="image files and/or folders (searched recursively)"
     )
@@ -32,16 +32,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoints.checkpoint import trusted
-
     with trusted(args.trust_checkpoint):
         return _run(args)
 
 
 def _run(args: argparse.Namespace) -> int:
-    from stratbench.core.errors import ConfigError, DataError
-    from stratbench.inference.predictor import collect_images, open_model, predict_files
-
     if args.top_k < 1:
         raise ConfigError(f"--top-k must be at least 1, got {args.top_k}")
     if args.batch_size < 1:

@@ -5,14 +5,24 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from stratbench.compare.calibration import check_results_file
+from stratbench.compare.report import print_table, render_sweeps
+from stratbench.core.errors import ConfigError
+from stratbench.core.lock import check_output_folder
+from stratbench.measuring.hardware import resolve
+
 NAME = "report"
 HELP = "re-render the report of a compare sweep folder, or merge several sweep folders into one report"
 ORDER = 6
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare")
-    parser.add_argument("--output", help="report folder (default: the sweep folder itself; required with several)")
+    parser.add_argument(
+        "dirs", nargs="+", metavar="DIR", help="sweep folder(s) written by stratbench compare"
+    )
+    parser.add_argument(
+        "--output", help="report folder (default: the sweep folder itself; required with several)"
+    )
     parser.add_argument("--title", help="report title (default: from the sweeps' names)")
     parser.add_argument("--hardware", metavar="SYSTEM|FILE",
                         help="profile for the predicted-step column (a built-in system or a `stratbench probe` "
@@ -20,26 +30,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.compare.calibration import check_results_file
-    from stratbench.compare.report import print_table, render_sweeps
-    from stratbench.core.errors import ConfigError
-
     dirs = [Path(d) for d in args.dirs]
     for d in dirs:
         if not d.is_dir():
             raise ConfigError(f"sweep folder not found: {d}")
     if len(dirs) > 1 and not args.output:
-        raise ConfigError("merging several sweeps needs --output DIR (the folders' own reports are left as they are)")
+        raise ConfigError(
+            "merging several sweeps needs --output DIR (the folders' own reports are left as they are)"
+        )
     for d in dirs:
         check_results_file(d)
     if args.hardware:
-        from stratbench.measuring.hardware import resolve
-
         resolve(args.hardware)
     out = Path(args.output) if args.output else dirs[0]
-    from stratbench.core.lock import check_output_folder
-
-    check_output_folder(out, "--output" if args.output else "report folder (the sweep folder; --output names another)")
+    check_output_folder(
+        out, "--output" if args.output else "report folder (the sweep folder; --output names another)"
+    )
     paths, records = render_sweeps(dirs, out, args.title, args.hardware)
     print_table(records)
     print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
