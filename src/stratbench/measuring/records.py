@@ -254,3 +254,58 @@ def _clean_metrics(m: dict[str, Any]) -> dict[str, Any]:
 def as_run_record(rec: RunRecord | dict[str, Any]) -> RunRecord:
     """``rec`` itself, or a record a caller holds as JSON parsed."""
     return rec if isinstance(rec, RunRecord) else RunRecord.from_dict(rec)
+
+
+# ------------------------------------------------------------------------------------------------
+# a calibration run
+
+
+class RecordError(ValueError):
+    """A line that is no record of its kind (it says why)."""
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """One line of calibration.jsonl: a run made before the cells (``kind``: the machine's probe, ``single`` at a
+    batch size, or a method on one process) for the cells it names, with its outcome and result (``run``)."""
+
+    run: RunRecord
+    kind: str
+    for_cells: list[str]
+    """The ids of the cells whose predicted step rests on this run."""
+    nproc: int = 1
+    """The processes of the probe (a cell's world size)."""
+    threads: int | None = None
+    """The threads of the run's process (a cell's process's share of the cores)."""
+    profile: str = ""
+    """A probe's profile, relative to the sweep folder."""
+    what: str = ""
+    """How the sweep names the run (``single fp32 batch 32``, ...)."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CalibrationRecord:
+        """Parse one line; a RecordError saying why where it is no calibration record (its train results are
+        checked where they are used: a bad one is a row's n/a)."""
+        why = calibration_problem(d)
+        if why:
+            raise RecordError(why)
+        cal = d["calibration"]
+        threads = cal.get("threads")
+        return cls(
+            RunRecord.from_dict(d), cal["kind"], list(cal["for"]), cal.get("nproc", 1),
+            threads if isinstance(threads, int) else None, cal.get("profile", ""), str(cal.get("what") or ""),
+        )  # fmt: skip
+
+
+def calibration_problem(d: Any) -> str | None:
+    """What makes ``d`` (a line of calibration.jsonl) no calibration record the report can read; None: it is one."""
+    cal = d.get("calibration") if isinstance(d, dict) else None
+    if not isinstance(d, dict) or "id" not in d or not isinstance(cal, dict):
+        return "not a calibration record (no 'id' and 'calibration')"
+    if cal.get("kind") not in CALIBRATION_KINDS:
+        return f"calibration kind {cal.get('kind')!r} is not one of {', '.join(CALIBRATION_KINDS)}"
+    if not isinstance(cal.get("for"), list) or not all(isinstance(c, str) for c in cal["for"]):
+        return "its calibration 'for' is not a list of cell ids"
+    if not isinstance(cal.get("nproc", 1), int) or not isinstance(cal.get("profile", ""), str):
+        return "its calibration 'nproc' is not a whole number or its 'profile' not a path"
+    return None
