@@ -100,7 +100,9 @@ class Metrics:
     """Per optimizer step; an unreadable value is NaN (a gap in the chart)."""
 
     @classmethod
-    def from_dict(cls, m: dict[str, Any]) -> Metrics:
+    def from_dict(cls, m: Any) -> Metrics:
+        """A result.json's ``metrics``, each measure of the wrong type read as not recorded."""
+        m = _clean_metrics(_dict(m))
         kind = m.get("peak_memory_kind", "")
         return cls(
             **{k: _num(m.get(k)) for k in NUMBER_METRICS},
@@ -224,7 +226,7 @@ def _clean(rec: Any) -> dict[str, Any]:
     for k in NUMBER_FIELDS:
         if k in rec:
             rec[k] = _num(rec[k])
-    rec["metrics"] = _clean_metrics(dict(rec.get("metrics") or {}))
+    rec["metrics"] = _clean_metrics(_dict(rec.get("metrics")))
     if rec.get("sharding"):
         rec["sharding"] = {k: v for k, v in rec["sharding"].items()
                            if isinstance(v, list) and all(x is None or number(x) is not None for x in v)}  # fmt: skip
@@ -232,6 +234,7 @@ def _clean(rec: Any) -> dict[str, Any]:
 
 
 def _clean_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """``m`` (a copy) with each measure the report reads of the type it expects, or None (an empty list)."""
     for k in NUMBER_METRICS:
         if k in m:
             m[k] = _num(m[k])
