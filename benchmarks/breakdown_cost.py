@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from stratbench.measuring.metrics import _cpu_name
+from stratbench.measuring.environment import cpu_name
 
 
 def run(out: Path, breakdown: bool, strategy: str, nproc: int) -> float:
@@ -48,7 +48,7 @@ def main() -> None:
         "",
         f"`python benchmarks/breakdown_cost.py --repeats {a.repeats} --strategy {a.strategy} --nproc {a.nproc}` "
         f"({dt.date.today()}): tinynet width 16, digits, global batch 64, 60 steps (3 warm-up), runs alternated,"
-        f" 1 thread per process. Machine: {_cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}.",
+        f" 1 thread per process. Machine: {cpu_name()}, {os.cpu_count()} cores; torch {torch.__version__}.",
         "",
         "| --breakdown | step time min / median / max |",
         "|---|---|",

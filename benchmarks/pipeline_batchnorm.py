@@ -28,7 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from stratbench.measuring.metrics import _cpu_name
+from stratbench.measuring.environment import cpu_name
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -155,7 +155,7 @@ def write_report(rows, configs, seeds, args, started, loads) -> None:
     lines = [
         "# BatchNorm under pipeline parallelism: accuracy effect of micro-batching (CPU)",
         "",
-        f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({_cpu_name()}), {os.cpu_count()} cores (load "
+        f"Measured {started:%Y-%m-%d %H:%M} UTC on {platform.machine()} ({cpu_name()}), {os.cpu_count()} cores (load "
         f"average {min(loads):.1f} to {max(loads):.1f}, of which this benchmark's own processes are at most 2; nothing "
         "below is a time), "
         f"Python {platform.python_version()}, torch {torch.__version__}, stratbench at commit "

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from torch import nn
 
-from stratbench.measuring.metrics import _cpu_name
+from stratbench.measuring.environment import cpu_name
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -113,7 +113,7 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
         "# Pipeline bubble vs micro-batches (2 stages, CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or 'x86_64'} "
-        f"({_cpu_name()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
+        f"({cpu_name()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
         f"during the runs {min(r['load'] for r in rows):.1f} to {max(r['load'] for r in rows):.1f} (the 2 stage "
         f"processes count up to 2 of it; more is other jobs sharing the cores); torch {torch.__version__}, "
         "2 gloo processes (1 thread each).",

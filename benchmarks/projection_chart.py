@@ -49,8 +49,8 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     from stratbench.core.config import TrainConfig
+    from stratbench.measuring.hardware import resolve
     from stratbench.predicting.estimate import ModelSpec, model_info
-    from stratbench.predicting.hardware import resolve
     from stratbench.predicting.projection import load_calibration, project
 
     system = resolve(args.hardware)

@@ -87,7 +87,7 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
     from stratbench.compare.matrix import Plan
     from stratbench.compare.runner import SweepRunner
     from stratbench.core.config import TrainConfig, from_dict
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
     from stratbench.predicting.projection import calibrate, method_key, project
 
     matrix, todo = cells()
@@ -199,13 +199,13 @@ def report(summary: dict, reps: list[dict], args: argparse.Namespace) -> str:
 
     import torch
 
-    from stratbench.measuring.metrics import _cpu_name
+    from stratbench.measuring.environment import cpu_name
 
     lines = [
         "# Projection checked on this machine: predicted before measured (quick preset, 2 gloo processes)",
         "",
         f"Command: `PYTHONPATH=src python benchmarks/projection_check.py {' '.join(sys.argv[1:])}`",
-        f"Machine: {_cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.platform()}; "
+        f"Machine: {cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {platform.platform()}; "
         f"{len(reps)} repeat(s), {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}. " + (args.note or ""),
         "",
         "Each repeat: `single` calibration runs (fp32 and bf16-mixed, global batch and per-process batch), "

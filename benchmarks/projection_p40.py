@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from stratbench.core.config import TrainConfig
-from stratbench.predicting.hardware import builtin
+from stratbench.measuring.hardware import builtin
 from stratbench.predicting.projection import calibrate, project
 
 # Table A (shared/SEED_DIGEST.md): method -> (stratbench strategy, options, optimizer, published seconds for 5 epochs)

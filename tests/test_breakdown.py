@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import TINY, assert_breakdown_adds_up, run_stratbench, train
-from stratbench.measuring.metrics import PhaseClock, breakdown_report
+from stratbench.measuring.clock import PhaseClock, breakdown_report
 
 
 def test_phases_add_up_and_traces_name_them(tmp_path):

@@ -10,6 +10,7 @@ import os
 import shutil
 import sys
 import textwrap
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,13 @@ import torch
 
 from stratbench.compare import calibration as cal_mod
 from stratbench.compare import runner as runner_mod
-from stratbench.compare.calibration import CALIBRATION, basis_for, load_calibration_records, plan_calibration
+from stratbench.compare.calibration import (
+    CALIBRATION,
+    basis_for,
+    load_calibration_records,
+    plan_calibration,
+    run_calibration,
+)
 from stratbench.compare.matrix import Plan, build_matrix, plan
 from stratbench.compare.report import Report, render_sweeps, write_report
 from stratbench.compare.runner import SweepRunner, load_records
@@ -42,7 +49,9 @@ def _matrix(**kw):
 # the plan
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="plans a CPU calibration (threads, probe sizes, fp16 skipped)")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="plans a CPU calibration (threads, probe sizes, fp16 skipped)"
+)
 def test_plan_calibrates_each_multi_process_method_with_a_cell_process_threads(monkeypatch):
     """The probe of the world size, `single` at the per-process and global batch per precision, each method
     once on one process at the per-process batch (ZeRO-3 with its stage, grad_accum kept), pipelines left out
@@ -57,24 +66,39 @@ def test_plan_calibrates_each_multi_process_method_with_a_cell_process_threads(m
     t = threads_per_process(2)
     assert t == max(1, (os.cpu_count() or 1) // 2)
     probe, *train = calib.runs
-    assert (probe.kind, probe.nproc, probe.device, probe.sizes) == ("probe", 2, "cpu", cal_mod.PROBE_SIZES_CPU)
+    assert (probe.kind, probe.nproc, probe.device, probe.sizes) == (
+        "probe",
+        2,
+        "cpu",
+        cal_mod.PROBE_SIZES_CPU,
+    )
     assert fp16 not in runnable and set(probe.for_cells) == runnable
     singles = {(r.cell.precision, r.cell.batch_size): r for r in train if r.kind == "single"}
     assert set(singles) == {("fp32", 16), ("fp32", 32), ("bf16-mixed", 16), ("bf16-mixed", 32)}
     for r in singles.values():
         assert (r.cell.method, r.cell.world_size, r.threads, r.status) == ("single", 1, t, None)
         assert r.cell.config["max_steps"] == 3 and "grad_accum" not in r.cell.config  # the cells' 3 < 30
-        assert r.id.endswith(f"_t{t}") and r.cell.config["breakdown"] is True  # what a cell records, it records
+        assert (
+            r.id.endswith(f"_t{t}") and r.cell.config["breakdown"] is True
+        )  # what a cell records, it records
     fp32 = {c.id for (n, p), c in cell.items() if p == "fp32"}
     assert set(singles["fp32", 16].for_cells) == fp32 & runnable  # single, ddp, ddp-accum, z3, pipeline
     methods = {(r.cell.name, r.cell.precision): r for r in train if r.kind == "method"}
-    assert set(methods) == {("ddp", "fp32"), ("ddp", "bf16-mixed"), ("ddp-accum", "fp32"), ("deepspeed-z3", "fp32")}
+    assert set(methods) == {
+        ("ddp", "fp32"),
+        ("ddp", "bf16-mixed"),
+        ("ddp-accum", "fp32"),
+        ("deepspeed-z3", "fp32"),
+    }
     for (name, precision), r in methods.items():
         assert (r.cell.world_size, r.cell.batch_size, r.threads) == (1, 16, t)
         assert r.for_cells == (cell[name, precision].id,)
     assert methods["deepspeed-z3", "fp32"].cell.options == {"zero_stage": 3}
     assert methods["ddp-accum", "fp32"].cell.config["grad_accum"] == 2
-    assert len(calib.notes) == 1 and "pipeline-gpipe fp32: no one-process run (a pipeline on one device" in calib.notes[0]
+    assert (
+        len(calib.notes) == 1
+        and "pipeline-gpipe fp32: no one-process run (a pipeline on one device" in calib.notes[0]
+    )
     # threads follow the user's OMP_NUM_THREADS, as the launcher's do; --calibrate of a sweep without
     # multi-process cells plans nothing and says so
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
@@ -93,7 +117,11 @@ def test_plan_records_what_cannot_run_here_instead_of_running_it(monkeypatch):
     assert {r.cell.config["max_steps"] for r in calib.runs if r.cell} == {20}
 
     def refuse(cell, matrix, allow_slow=False):
-        return Plan(cell, "skipped", f"{cell.method} cannot run here") if cell.method == "ddp" else Plan(cell, None)
+        return (
+            Plan(cell, "skipped", f"{cell.method} cannot run here")
+            if cell.method == "ddp"
+            else Plan(cell, None)
+        )
 
     monkeypatch.setattr(cal_mod, "plan_cell", refuse)
     calib = plan_calibration(m, [Plan(c, None) for c in m.cells])
@@ -127,7 +155,7 @@ FAKE = textwrap.dedent(
 def _probe_yaml(path: Path) -> None:
     """A probe profile of a 2-core CPU (the shape `stratbench probe` writes)."""
     from stratbench.commands.probe import build_profile
-    from stratbench.predicting.hardware import dump
+    from stratbench.measuring.hardware import dump
 
     rows = [{"payload_bytes": b, "seconds": 3e-4 + b / 1e9} for b in (1024, 1 << 20)]
     data = {"ranks": 2, "device": "cpu", "cpu": "test", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.2,
@@ -149,7 +177,9 @@ def fake_runs(monkeypatch, tmp_path):
     probe_script = tmp_path / "fake_probe.py"
     probe_script.write_text(f"import shutil, sys\nshutil.copy({str(template)!r}, sys.argv[1])\n")
     monkeypatch.setattr(runner_mod, "cell_command", lambda cell, cfg: [sys.executable, str(script), str(cfg)])
-    monkeypatch.setattr(cal_mod, "probe_command", lambda run, profile: [sys.executable, str(probe_script), str(profile)])
+    monkeypatch.setattr(
+        cal_mod, "probe_command", lambda run, profile: [sys.executable, str(probe_script), str(profile)]
+    )
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     m = build_matrix({"base": BASE, "world_size": 2, "cells": [
         {"method": ["single", "ddp"]}, {"method": "deepspeed", "options": {"zero_stage": 3}}]})  # fmt: skip
@@ -160,7 +190,7 @@ def fake_runs(monkeypatch, tmp_path):
 def test_calibration_runs_first_apart_from_the_cells_and_resume(fake_runs, tmp_path):
     m, plans, calib = fake_runs
     out = tmp_path / "sweep"
-    SweepRunner(m, out, timeout_s=60).run(plans, calib.runs)
+    SweepRunner(m, out, timeout_s=60).run(plans, partial(run_calibration, runs=calib.runs))
     cells, cal = load_records(out), load_records(out, CALIBRATION)
     assert set(cells) == {c.id for c in m.cells} and set(cal) == {r.id for r in calib.runs}
     assert not set(cells) & set(cal)  # calibration runs are not rows of the table
@@ -179,10 +209,10 @@ def test_calibration_runs_first_apart_from_the_cells_and_resume(fake_runs, tmp_p
     assert max(rec["recorded_at"] for rec in cal.values()) <= first_cell
     # a rerun keeps what finished (the failed run too, as cells) and runs nothing
     stamps = {p: p.stat().st_mtime_ns for p in (out / "calibration").glob("*/*")}
-    SweepRunner(m, out, timeout_s=60).run(plans, calib.runs)
+    SweepRunner(m, out, timeout_s=60).run(plans, partial(run_calibration, runs=calib.runs))
     assert {p: p.stat().st_mtime_ns for p in (out / "calibration").glob("*/*")} == stamps
     # --retry reruns the failed one only
-    SweepRunner(m, out, timeout_s=60, retry=True).run(plans, calib.runs)
+    SweepRunner(m, out, timeout_s=60, retry=True).run(plans, partial(run_calibration, runs=calib.runs))
     changed = [p for p in (out / "calibration").glob("*/*") if p.stat().st_mtime_ns != stamps.get(p)]
     assert changed and {p.parent.name for p in changed} == {ds.id}
     # the report: ddp predicted from its runs; deepspeed-z3's says why not
@@ -235,22 +265,31 @@ def test_report_predicts_from_the_calibration_runs_and_probe(tmp_path):
     cells, cal = _calibrated_sweep(tmp_path)
     profile = str(tmp_path / "calibration/probe-w2/probe.yaml")
     basis = basis_for(cells[1], cal)
-    assert basis and not basis.problem and basis.profile == profile and [r["id"] for r in basis.runs] == ["s16", "s32", "d16"]
+    assert (
+        basis
+        and not basis.problem
+        and basis.profile == profile
+        and [r["id"] for r in basis.runs] == ["s16", "s32", "d16"]
+    )
     # by hand: calibrate on the runs, project ddp on 2 processes of the probe's system
     from stratbench.core.config import TrainConfig, from_dict
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
 
     system = resolve(profile)
     cals = projection.calibrate(basis.runs, system)
     assert cals["fp32"].method_overhead_s["ddp"] == pytest.approx(0.024 - 0.020, rel=1e-6)
-    want = projection.project(from_dict(TrainConfig, cells[1]["config"]), system, 1, 2, cals, memory=False).step_s
+    want = projection.project(
+        from_dict(TrainConfig, cells[1]["config"]), system, 1, 2, cals, memory=False
+    ).step_s
     paths = write_report(Report("t", cells, ["x"], calibration=cal), tmp_path / "r")
     rows = {r["method"]: r for r in csv.DictReader(paths["csv"].open())}
     assert float(rows["ddp"]["predicted_step_s"]) == pytest.approx(want)
     assert float(rows["ddp"]["predicted_step_error_pct"]) == pytest.approx((want / 0.015 - 1) * 100)
     assert "ddp: +4.0 ms per step beyond `single`" in rows["ddp"]["predicted_step_basis"]
     # the sweep's own single cell is predicted too (not its own calibration any more)
-    assert float(rows["single"]["predicted_step_s"]) > 0 and rows["single"]["predicted_step_error_pct"] != "n/a"
+    assert (
+        float(rows["single"]["predicted_step_s"]) > 0 and rows["single"]["predicted_step_error_pct"] != "n/a"
+    )
     md = paths["md"].read_text()
     assert "this machine's probe profile (`stratbench probe --nproc 2`" in md and "(calibration)" not in md
     # re-rendering the folder (`stratbench report DIR`), also after it moved: the same numbers
@@ -275,7 +314,9 @@ def test_failed_or_missing_calibration_gives_a_reason_not_a_number(tmp_path):
     assert "n/a (predicted step): its calibration run (d16) is failed: exited with code 1" in md
     # the probe file gone: every row says so
     (tmp_path / "calibration/probe-w2/probe.yaml").unlink()
-    paths = write_report(Report("t", cells, ["x"], calibration=load_calibration_records(tmp_path)), tmp_path / "r")
+    paths = write_report(
+        Report("t", cells, ["x"], calibration=load_calibration_records(tmp_path)), tmp_path / "r"
+    )
     assert "probe-w2/probe.yaml is missing" in paths["md"].read_text()
     assert {r["predicted_step_s"] for r in csv.DictReader(paths["csv"].open())} == {"n/a"}
     # a cell that no calibration run names (added later), and a CPU sweep without calibration: uncalibrated

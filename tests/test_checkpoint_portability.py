@@ -33,10 +33,11 @@ def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
     from stratbench.checkpoints import checkpoint
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.core.dist import DistEnv, seed_everything
+    from stratbench.core.optim import lr_lambda, optimizer_spec
     from stratbench.data.datasets import build_data
     from stratbench.models.zoo import build_model
     from stratbench.strategies.base import get_strategy
-    from stratbench.training.engine import Trainer, lr_lambda, optimizer_spec
+    from stratbench.training.engine import Trainer
 
     saved = from_dict(TrainConfig, checkpoint.read_meta(path)["config"])
     cfg = saved.replace(strategy="single", strategy_options={}, nproc=1, output=str(path.parent / "unused"))

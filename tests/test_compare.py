@@ -302,7 +302,7 @@ def _synthetic_sweep(out: Path) -> dict[str, dict]:
     a step of 10 ms split 1 / 3 / 4 / 1 / 0.5 ms (data, forward, backward, optimizer, other; 0.5 ms in no
     phase), ddp sending 0.1 MiB per step and fsdp 0.15 MiB, and an allocator peak per rank."""
     from stratbench.compare.runner import SWEEP, append_record, local_environment, make_record
-    from stratbench.measuring.metrics import breakdown_report
+    from stratbench.measuring.clock import breakdown_report
 
     out.mkdir(parents=True)
     matrix = build_matrix({"base": BASE, "world_size": 2,

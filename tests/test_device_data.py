@@ -252,7 +252,7 @@ def test_accumulated_micro_batches_are_the_ranks_batches(pipeline):
 
 
 def test_virtual_rank_order_splits_each_step_as_ranks_would():
-    from stratbench.data.datasets import virtual_rank_order
+    from stratbench.data.sampling import virtual_rank_order
 
     assert virtual_rank_order(8, 8, 2) == [0, 2, 4, 6, 1, 3, 5, 7]
     # whole steps reordered, a partial last step kept as it is; one chunk: the identity

@@ -198,7 +198,7 @@ def test_max_restarts_resumes_from_last_checkpoint(tmp_path):
 def test_needs_launch_under_slurm_and_torchrun(monkeypatch):
     """An srun task asking for --nproc N launches torchrun for its node; one that does not is a worker itself;
     a torchrun worker never launches again."""
-    from stratbench.launching.launch import needs_launch
+    from stratbench.core.dist import needs_launch
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

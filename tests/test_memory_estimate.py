@@ -101,7 +101,7 @@ def test_two_rank_fsdp_estimate_within_10_percent_of_the_run_s_own_measurement(t
     ],
 )
 def test_peak_table_matches_whole_device_names(name, key, want):
-    from stratbench.measuring.metrics import peak_flops_for_name
+    from stratbench.measuring.hardware import peak_flops_for_name
 
     assert peak_flops_for_name(name, key) == want
 

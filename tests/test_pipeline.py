@@ -420,7 +420,7 @@ def test_split_pieces_of_the_models_stratbench_builds():
     assert sum(s.params for s in split.stages) == sum(p.numel() for p in resnet.parameters())
     assert split.stages[0].out_numel == 64 * 32 * 32 and split.stages[-1].out_numel == 10
     # the pieces are costed with the counter of metrics.flops_per_sample (MFU): their FLOPs add up to the model's
-    from stratbench.measuring.metrics import flops_per_sample
+    from stratbench.models.flops import flops_per_sample
 
     whole = flops_per_sample(lambda: build_model("resnet18", 10, cifar_stem=True), (3, 32, 32), 10)
     assert whole and sum(s.flops for s in split.stages) == whole

@@ -11,8 +11,9 @@ import pytest
 import yaml
 
 from stratbench.core.config import TrainConfig
-from stratbench.predicting import hardware, projection
-from stratbench.predicting.hardware import HardwareError
+from stratbench.measuring import hardware
+from stratbench.measuring.hardware import HardwareError
+from stratbench.predicting import projection
 
 TINY = {
     "model": "tinynet",
@@ -141,13 +142,12 @@ DEVICE_NAMES = {
 
 @pytest.mark.parametrize(("name", "key"), DEVICE_NAMES.items())
 def test_device_names_match_exactly_one_entry(name, key):
-    from stratbench.measuring.metrics import PEAK_FLOPS, peak_flops_for_name
+    from stratbench.measuring.hardware import peak_flops_for_name
 
     cat = hardware.builtin()
     assert cat.ambiguous(name) == ([key] if key else [])
     want = cat.gpus[key].peak("fp32") if key else None
     assert peak_flops_for_name(name, "fp32") == want  # MFU reads the same table
-    assert len(PEAK_FLOPS) == sum(1 for g in cat.gpus.values() if g.kind == "cuda")
 
 
 def _write(tmp_path, data) -> str:
@@ -410,7 +410,7 @@ def test_probe_loaded_latency_reaches_the_profile_and_reads_back(tmp_path):
     """The probe's loaded measurement (a small call right after a compute burst) becomes each kind's
     loaded_latency, less the bytes' share and never below the idle fit's latency; the file reads back."""
     from stratbench.commands.probe import build_profile
-    from stratbench.predicting.hardware import dump, load
+    from stratbench.measuring.hardware import dump, load
 
     rows = [{"payload_bytes": b, "seconds": 1e-4 + b / 1e9} for b in (4096, 1 << 20)]
     data = {"ranks": 2, "device": "cpu", "cpu": "x", "cpu_count": 2, "threads_per_process": 1, "overlap": 0.5,

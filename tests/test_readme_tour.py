@@ -21,7 +21,7 @@ import pytest
 
 from stratbench.compare.calibration import CALIBRATION
 from stratbench.compare.runner import load_records
-from stratbench.predicting import hardware
+from stratbench.measuring import hardware
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))

@@ -16,12 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
-from stratbench.core.config import TrainConfig, from_dict
+from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
+from stratbench.compare.matrix import load_matrix, plan, select
+from stratbench.compare.report import render_sweeps
+from stratbench.compare.runner import Interrupted, SweepRunner
+from stratbench.core.config import TrainConfig, coerce, from_dict
+from stratbench.core.dist import launched_by_launcher
 from stratbench.core.errors import ConfigError
+from stratbench.launching.job import run_job
+from stratbench.measuring.hardware import resolve
+from stratbench.predicting import estimate as est
+from stratbench.training.engine import check_config
 
 __all__ = ["Sweep", "TrainConfig", "compare", "estimate", "plan_sweep", "run_sweep", "train", "train_config"]
 
@@ -38,8 +48,6 @@ def train_config(config: TrainConfig | None = None, /, **options: Any) -> TrainC
 def train(config: TrainConfig | None = None, /, **options: Any) -> dict[str, Any]:
     """Train one model with one method, as ``stratbench train`` does (``nproc`` > 1 starts stratbench's launcher
     and its worker processes); returns the run's result (what ``OUTPUT/result.json`` holds)."""
-    from stratbench.core.dist import launched_by_launcher
-    from stratbench.launching.job import run_job
 
     cfg = train_config(config, **options)
     if launched_by_launcher():
@@ -92,16 +100,12 @@ def plan_sweep(
 ) -> SweepPlan:
     """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
     results file already in ``output`` and the calibration runs. ``options`` are training options for every cell."""
-    from stratbench.compare.matrix import load_matrix, plan, select
-    from stratbench.compare.runner import check_results_file
 
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
     if world_size is not None and world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
     if hardware:
-        from stratbench.predicting.hardware import resolve
-
         resolve(hardware)  # a bad profile is refused now, not after the sweep
     m = load_matrix(preset, matrix, _typed(options), world_size)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
@@ -109,15 +113,12 @@ def plan_sweep(
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
     calibration = None
     if calibrate:
-        from stratbench.compare.calibration import plan_calibration
-
         calibration = plan_calibration(m, plans, allow_slow=allow_slow)
     return SweepPlan(m, plans, out, timeout or m.timeout_s, calibration)
 
 
 def _typed(options: dict[str, Any]) -> dict[str, Any]:
     """Training options for every cell, typed as TrainConfig declares them (unknown names: one line)."""
-    from stratbench.core.config import coerce
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(options) - set(fields))
@@ -137,8 +138,6 @@ def run_sweep(
 ) -> Sweep:
     """Run the planned cells (resuming: recorded cells are kept), then write the report; Ctrl-C stops the
     sweep, keeps the finished cells and still writes the report (``Sweep.interrupted`` says why)."""
-    from stratbench.compare.report import render_sweeps
-    from stratbench.compare.runner import Interrupted, SweepRunner
 
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
@@ -146,7 +145,9 @@ def run_sweep(
                          repeats=repeats, command=command or ["python", *sys.argv])  # fmt: skip
     interrupted = None
     try:
-        runner.run(sweep.plans, sweep.calibration.runs if sweep.calibration else None)
+        runner.run(
+            sweep.plans, partial(run_calibration, runs=sweep.calibration.runs) if sweep.calibration else None
+        )
     except Interrupted as exc:
         interrupted = str(exc)
     paths, records = render_sweeps([runner.out], runner.out, hardware=hardware)
@@ -168,7 +169,9 @@ def compare(
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     sweep = plan_sweep(preset, **plan_options)
-    return run_sweep(sweep, repeats=repeats, retry=retry, hardware=plan_options.get("hardware"), console=console)
+    return run_sweep(
+        sweep, repeats=repeats, retry=retry, hardware=plan_options.get("hardware"), console=console
+    )
 
 
 def estimate(
@@ -182,8 +185,6 @@ def estimate(
     """Memory per device of ``model`` trained with ``strategy`` on ``world_size`` devices, before training
     (``stratbench.predicting.estimate.Estimate``: ``total_bytes``, ``peak_bytes``, ``rows``, ``to_dict()``). ``options``
     are TrainConfig fields: batch_size (the global batch), precision, optimizer, image_size, strategy_options..."""
-    from stratbench.predicting import estimate as est
-    from stratbench.training.engine import check_config
 
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")

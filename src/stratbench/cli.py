@@ -9,6 +9,7 @@ import importlib
 import pkgutil
 import sys
 
+import stratbench.commands as pkg
 from stratbench import __version__
 from stratbench.core.errors import StratbenchError
 
@@ -22,7 +23,6 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    import stratbench.commands as pkg
 
     parser = OneLineParser(
         prog="stratbench",

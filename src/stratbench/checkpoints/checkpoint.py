@@ -17,20 +17,37 @@ Layouts
 
 from __future__ import annotations
 
-import contextlib
-import fnmatch
-import importlib
 import os
 import pickle
-import shutil
-import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stratbench.core.errors import CheckpointError
+from stratbench.core.files import (  # noqa: F401  (re-exported: every writer's one swap)
+    FAULT_SWAP_ENV,
+    atomic_output,
+    atomic_write,
+    fsync_dir,
+    remove_path,
+    replace_path,
+    temp_path_for,
+)
+from stratbench.core.safe_load import (  # noqa: F401  (re-exported: the loaders' one entry)
+    SAFE_GLOBALS,
+    _refuse,
+    add_trust_argument,
+    check_file,
+    check_folder,
+    check_tag,
+    is_trusted,
+    restricted_pickle_load,
+    safe_globals,
+    safe_torch_load,
+    trusted,
+)
 
 FORMAT = "stratbench"
 VERSION = 1
@@ -38,221 +55,7 @@ META_FILE = "stratbench_meta.pt"
 
 LayoutReader = Callable[[Path, dict[str, Any]], dict[str, Any]]
 _LAYOUTS: dict[str, LayoutReader] = {}
-
-
-# Classes that DeepSpeed, accelerate and torch.distributed.checkpoint put into their pickles, none of which
-# runs code when rebuilt (plain data classes, an enum, numpy arrays of the RNG state, pathlib paths).
-SAFE_GLOBALS = (
-    "deepspeed.runtime.fp16.loss_scaler.LossScaler",
-    "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
-    "deepspeed.utils.tensor_fragment.fragment_address",
-    "deepspeed.runtime.zero.config.ZeroStageEnum",
-    "numpy.dtype",
-    "numpy.ndarray",
-    "numpy._core.multiarray._reconstruct",
-    "numpy.core.multiarray._reconstruct",
-    "numpy.dtypes.UInt32DType",
-    "numpy.dtypes.Float64DType",
-    "numpy.dtypes.Int64DType",
-    "pathlib.PosixPath",
-    "pathlib.WindowsPath",
-    "torch.distributed.checkpoint.metadata.Metadata",
-    "torch.distributed.checkpoint.metadata.MetadataIndex",
-    "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-    "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-    "torch.distributed.checkpoint.metadata.TensorProperties",
-    "torch.distributed.checkpoint.metadata.StorageMeta",
-    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-    "torch.distributed.checkpoint.filesystem._StorageInfo",
-)
-# Files in checkpoint folders that nothing unpickles: safetensors (a JSON header + raw bytes), DeepSpeed's
-# `latest` tag file and the scripts it copies (never run by stratbench), DCP's data files (whose
-# non-tensor entries are read through ``SafeLoadPlanner``), and DeepSpeed's NVMe swap files (raw tensor bytes
-# under offloaded_tensors/; the deepspeed layout refuses those checkpoints in one line).
-_NOT_PICKLED = (".safetensors", ".py", ".json", ".yaml", ".yml", ".txt", ".distcp", ".md", ".swp")
-_NOT_PICKLED_NAMES = ("latest", "latest_universal")
-
-_trust = False
-
-
-@contextlib.contextmanager
-def trusted(enabled: bool) -> Iterator[None]:
-    """Within this block, load checkpoints with full unpickling (``--trust-checkpoint``) when ``enabled``."""
-    global _trust
-    before, _trust = _trust, bool(enabled)
-    try:
-        yield
-    finally:
-        _trust = before
-
-
-def is_trusted() -> bool:
-    return _trust
-
-
-def add_trust_argument(parser: Any) -> None:
-    """``--trust-checkpoint`` for a command that loads checkpoints."""
-    parser.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="load the checkpoint with full unpickling, which runs any code a crafted file holds: only for files "
-        "from a source you trust (default: weights-only; a file that needs more is refused)",
-    )
-
-
-def _safe_globals() -> list[Any]:
-    """The allow-listed classes of the libraries already imported (importing DeepSpeed costs seconds: it is
-    imported only when a file names one of its classes, see ``_with_imports``)."""
-    import sys
-
-    found = []
-    for name in SAFE_GLOBALS:
-        module, _, attr = name.rpartition(".")
-        if module.split(".")[0] not in sys.modules:
-            continue
-        try:
-            found.append((getattr(importlib.import_module(module), attr), name))
-        except (ImportError, AttributeError):
-            continue  # a library (or a version of it) that is not installed cannot be in a file we can read
-    return found
-
-
-def _with_imports(load: Callable[[], Any]) -> Any:
-    """``load()``; if it fails on an allow-listed class of a library not imported yet, import it and retry."""
-    import sys
-
-    try:
-        return load()
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        missing = {n.split(".")[0] for n in SAFE_GLOBALS if n in text and n.split(".")[0] not in sys.modules}
-        if not missing:
-            raise
-        for package in missing:
-            with contextlib.suppress(ImportError):
-                importlib.import_module(package)
-        return load()
-
-
-def safe_globals() -> contextlib.AbstractContextManager:
-    """torch's weights-only unpickler, extended by ``SAFE_GLOBALS`` for the duration of the block."""
-    return torch.serialization.safe_globals(_safe_globals())
-
-
-_CODE_SIGNS = ("Unsupported global", "Trying to call", "GLOBAL", "Unsupported class", "REDUCE", "BUILD")
-
-
-def _refuse(path: Path, exc: BaseException) -> CheckpointError:
-    """One line for a file the weights-only unpickler rejected: "would run code" when it names a callable or
-    class, "corrupt" otherwise (garbage bytes also fail to unpickle)."""
-    text = str(exc).strip()
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    hit = next((ln for ln in lines if any(sign in ln for sign in _CODE_SIGNS)), None)
-    if hit is None:
-        first = lines[-1] if lines else type(exc).__name__
-        return CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({first[:200]})")
-    found = f" ({hit.rstrip('.')[:200]})"
-    return CheckpointError(
-        f"refusing to load {path}: it is not loadable weights-only{found}; loading it would run code from the file. "
-        "If you trust where it came from, pass --trust-checkpoint"
-    )
-
-
-def safe_torch_load(source: Any, *, name: Path | str | None = None, mmap: bool = False) -> Any:
-    """``torch.load`` weights-only with ``SAFE_GLOBALS`` (full unpickling inside ``trusted(True)``)."""
-    if _trust:
-        return torch.load(source, map_location="cpu", weights_only=False)
-
-    def load() -> Any:
-        if hasattr(source, "seek"):
-            source.seek(0)
-        with safe_globals():
-            return torch.load(source, map_location="cpu", weights_only=True, mmap=mmap)
-
-    try:
-        return _with_imports(load)
-    except pickle.UnpicklingError as exc:
-        raise _refuse(Path(str(name if name is not None else source)), exc) from None
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    """Python's documented "restricting globals" unpickler for plain pickles (DCP's ``.metadata``, protocol 4
-    with frames, which torch's weights-only unpickler does not parse): only torch's weights-only allow-list and
-    ``SAFE_GLOBALS`` can be named, so nothing else can be called."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        from torch._weights_only_unpickler import _get_allowed_globals
-
-        full = f"{module}.{name}"
-        allowed = _get_allowed_globals() | {n: obj for obj, n in _safe_globals()}
-        if full in allowed:
-            return allowed[full]
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {full} is not on stratbench's allow-list")
-
-
-def restricted_pickle_load(path: Path, encoding: str = "ASCII") -> Any:
-    """A plain pickle read with the restricted unpickler: containers, strings, numbers and numpy arrays (torch's
-    weights-only allow-list and ``SAFE_GLOBALS``); anything that would call other code is refused in one line."""
-    path = Path(path)
-    try:
-        with open(path, "rb") as fh:
-            return _with_imports(lambda: _RestrictedUnpickler(fh, encoding=encoding).load())
-    except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except Exception as exc:
-        raise _refuse(path, exc) from None
-
-
-def check_file(path: Path) -> None:
-    """Raise CheckpointError unless ``path`` unpickles weights-only (a torch file or a plain pickle such as
-    DCP's ``.metadata``). Tensor data is memory-mapped, not read, so this costs little."""
-    path = Path(path)
-    with open(path, "rb") as fh:
-        head = fh.read(4)
-    try:
-        _with_imports(lambda: _check(path, head))
-    except Exception as exc:
-        raise _refuse(path, exc) from None
-
-
-def _check(path: Path, head: bytes) -> None:
-    with safe_globals():
-        if head == b"PK\x03\x04":  # torch's zip format
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-            return
-        with open(path, "rb") as fh:  # a plain pickle (protocol 0 starts with any opcode, so try them all)
-            _RestrictedUnpickler(fh).load()
-            at_end = fh.read(1) == b""
-        if not at_end:  # more after the first pickle: torch's legacy (pre-zip) format
-            torch.load(path, map_location="cpu", weights_only=True)
-
-
-def check_folder(path: Path) -> None:
-    """``check_file`` every file in a checkpoint folder that some loader unpickles (links followed once),
-    unless inside ``trusted(True)``."""
-    if _trust:
-        return
-    seen: set[str] = set()
-    for root, dirs, files in os.walk(path, followlinks=True):
-        real = os.path.realpath(root)
-        if real in seen:
-            dirs[:] = []
-            continue
-        seen.add(real)
-        for name in sorted(files):
-            if name.endswith(_NOT_PICKLED) or name in _NOT_PICKLED_NAMES:
-                continue
-            check_file(Path(root) / name)
-
-
-def check_tag(path: Path, tag: Any) -> str:
-    """A DeepSpeed tag read from a checkpoint's header: one plain folder name inside ``path``."""
-    if not isinstance(tag, str) or not tag or tag in (".", "..") or "/" in tag or "\\" in tag or "\0" in tag:
-        raise CheckpointError(f"checkpoint {path} names DeepSpeed tag {tag!r}; expected one folder name inside it")
-    return tag
+_LAYOUT_SOURCES: list[Callable[[], None]] = []
 
 
 def register_layout(name: str, reader: LayoutReader) -> None:
@@ -260,99 +63,11 @@ def register_layout(name: str, reader: LayoutReader) -> None:
     _LAYOUTS[name] = reader
 
 
-def _remove(path: Path) -> None:
-    """Delete a file, link or folder if it is there."""
-    path = Path(path)
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-def _fsync_dir(folder: Path) -> None:
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-FAULT_SWAP_ENV = "STRATBENCH_TEST_KILL_IN_SWAP"
-"""Fault injection, for tests only (benchmarks/fault_injection.py): set to a glob, a swap whose target's name
-matches it SIGKILLs this process's group between its two renames (the previous entry already moved to
-``.NAME.old``, the new one not yet in place), the window a random kill almost never hits."""
-
-
-def _fault_between_renames(path: Path) -> None:
-    pattern = os.environ.get(FAULT_SWAP_ENV)
-    if not pattern or not fnmatch.fnmatchcase(path.name, pattern):
-        return
-    import signal
-
-    group = os.getpgrp()
-    if group != os.getpgid(os.getppid()):  # the run's own group (a test starts each run in one): all its ranks
-        os.killpg(group, signal.SIGKILL)
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-def replace_path(new: Path, path: Path) -> Path:
-    """Put ``new`` (a complete file or folder) at ``path``, replacing what is there; the one swap every
-    checkpoint writer uses. The previous entry stays whole as ``.NAME.old`` until ``new`` is in place, and an
-    ``.NAME.old`` is never deleted while ``path`` is missing (a kill between the two renames of an earlier
-    swap left it as the only copy: ``resolve_resume`` reads it)."""
-    new, path = Path(new), Path(path)
-    old = path.with_name(f".{path.name}.old")
-    if path.exists() or path.is_symlink():
-        _remove(old)  # ``path`` is whole, so an older copy is redundant
-        os.replace(path, old)
-        _fault_between_renames(path)
-    os.replace(new, path)
-    _fsync_dir(path.parent)
-    _remove(old)
-    return path
-
-
-def temp_path_for(path: Path, suffix: str = ".tmp") -> Path:
-    """A free name next to ``path`` (same folder, so that the final rename is atomic)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent)
-    os.close(fd)
-    return Path(tmp)
-
-
-@contextlib.contextmanager
-def atomic_output(path: Path, suffix: str = "") -> Iterator[Path]:
-    """Yield a temporary path next to ``path`` to write (file or folder); on success it replaces ``path``
-    (``replace_path``), on any error it is deleted and ``path`` is left as it was. An OSError that names no
-    file or the temporary one (a full disk seen by torch.save) is raised naming ``path``, what the user asked for."""
-    tmp = temp_path_for(path, ".tmp" + suffix)
-    tmp.unlink()  # the writer creates it (a file or a folder)
-    try:
-        yield tmp
-        if not (tmp.exists() or tmp.is_symlink()):
-            raise FileNotFoundError(f"nothing was written to {tmp}")
-        replace_path(tmp, path)
-    except OSError as exc:
-        _remove(tmp)
-        if exc.errno is not None and (exc.filename is None or str(exc.filename).startswith(str(tmp))):
-            raise OSError(exc.errno, exc.strerror or str(exc), str(path)) from exc
-        raise
-    except BaseException:
-        _remove(tmp)
-        raise
-
-
-def atomic_write(path: Path, data: bytes | str) -> Path:
-    """Write ``data`` to ``path`` atomically: a temporary file, fsync, rename (reports, CSV, JSON)."""
-    payload = data.encode() if isinstance(data, str) else data
-    with atomic_output(path) as tmp:
-        with open(tmp, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-    return Path(path)
+def add_layout_source(find_readers: Callable[[], None]) -> None:
+    """Register a function that registers layout readers (the method files above this layer do it on import;
+    ``strategies.base`` adds its ``discover``), called before a sharded folder's layout is looked up."""
+    if find_readers not in _LAYOUT_SOURCES:
+        _LAYOUT_SOURCES.append(find_readers)
 
 
 def atomic_save(obj: Any, path: Path) -> None:
@@ -392,7 +107,7 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
     try:
-        if weights_only and not _trust:
+        if weights_only and not is_trusted():
             obj = safe_torch_load(path)
         else:
             obj = torch.load(path, map_location="cpu", weights_only=False)
@@ -434,9 +149,8 @@ def load_any(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
         return load_file(path, weights_only=weights_only)
     meta = read_meta(path)
     layout = meta.get("layout")
-    from stratbench.strategies.base import discover
-
-    discover()  # strategies register their layout readers on import
+    for find_readers in _LAYOUT_SOURCES:
+        find_readers()  # e.g. strategies.base.discover: each method file registers its layout reader on import
     if layout not in _LAYOUTS:
         raise CheckpointError(
             f"checkpoint {path} has layout {layout!r}; readable layouts: {', '.join(['full', *sorted(_LAYOUTS)])}"
@@ -519,12 +233,12 @@ def publish(output: Path, path: Path, keep_last: int = 1) -> Path:
     link.unlink()
     os.symlink(os.path.relpath(path, last.parent), link)
     os.replace(link, last)
-    _fsync_dir(last.parent)
+    fsync_dir(last.parent)
     _tidy(last.parent)
     current = path.resolve()
     entries = [p for p in step_entries(output) if p.resolve() != current]
     for stale in entries[: max(0, len(entries) - (keep_last - 1))]:
-        _remove(stale)
+        remove_path(stale)
     return last
 
 
@@ -536,15 +250,21 @@ def _tidy(folder: Path) -> None:
     finished writing (no save is in progress)."""
     for p in sorted(Path(folder).iterdir()):
         name = p.name
-        if not name.startswith((f".{STEP_PREFIX}", f".{LAST}.")) or not name.endswith((".old", ".tmp", ".link")):
+        if not name.startswith((f".{STEP_PREFIX}", f".{LAST}.")) or not name.endswith(
+            (".old", ".tmp", ".link")
+        ):
             continue
         if name.startswith(f".{LAST}.") and not name.endswith(".link"):
             continue  # .last.old (an earlier stratbench's swap of a real `last`): resume may still need it
         entry = p.with_name(name[1:-4])
-        if name.endswith(".old") and _step_of(entry) is not None and not (entry.exists() or entry.is_symlink()):
+        if (
+            name.endswith(".old")
+            and _step_of(entry) is not None
+            and not (entry.exists() or entry.is_symlink())
+        ):
             os.replace(p, entry)
         else:
-            _remove(p)
+            remove_path(p)
 
 
 def resolve_resume(output: str, resume_from: str | None) -> Path | None:

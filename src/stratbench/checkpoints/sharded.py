@@ -30,7 +30,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-_remove = checkpoint._remove
+_remove = checkpoint.remove_path
 
 
 def module_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -106,7 +106,9 @@ def _safe_planner(base: type) -> type:
 
     class Safe(base):
         def load_bytes(self, read_item, value) -> None:
-            obj = checkpoint.safe_torch_load(value, name=f"a non-tensor entry {read_item.dest_index.fqn!r} of a .distcp file")
+            obj = checkpoint.safe_torch_load(
+                value, name=f"a non-tensor entry {read_item.dest_index.fqn!r} of a .distcp file"
+            )
             if self.flatten_state_dict:
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
             else:
@@ -119,7 +121,11 @@ def _safe_planner(base: type) -> type:
 def is_dcp(path: Path) -> bool:
     """True when ``path`` is a stratbench checkpoint folder in the ``dcp`` layout."""
     path = Path(path)
-    return path.is_dir() and (path / checkpoint.META_FILE).exists() and checkpoint.read_meta(path).get("layout") == LAYOUT
+    return (
+        path.is_dir()
+        and (path / checkpoint.META_FILE).exists()
+        and checkpoint.read_meta(path).get("layout") == LAYOUT
+    )
 
 
 def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
@@ -141,7 +147,10 @@ def load_sharded(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
         dcp.load(state, checkpoint_id=path, planner=_safe_planner(DefaultLoadPlanner)())
     except CheckpointError:
         raise
-    except (Exception, CheckpointException) as exc:  # DCP reports a missing key or a shape mismatch as a long CheckpointException
+    except (
+        Exception,
+        CheckpointException,
+    ) as exc:  # DCP reports a missing key or a shape mismatch as a long CheckpointException
         refused = _refusal_inside(exc)
         if refused is not None:
             raise refused from None

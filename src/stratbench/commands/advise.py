@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     has_gpu = torch.cuda.is_available()
     system = calibration = None
     if args.hardware:
-        from stratbench.predicting.hardware import resolve
+        from stratbench.measuring.hardware import resolve
         from stratbench.predicting.projection import load_calibration
 
         system = resolve(args.hardware)

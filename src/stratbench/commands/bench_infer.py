@@ -367,10 +367,10 @@ def _ort_reason(ort_device: str, device) -> str | None:
 def _print_header(name: str, size: int, device, threads: int) -> None:
     import torch
 
-    from stratbench.measuring.metrics import _cpu_name
+    from stratbench.measuring.environment import cpu_name
 
     where = (
-        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{_cpu_name()}, {threads} threads"
+        torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {threads} threads"
     )
     print(f"bench-infer: {name} {size}x{size} on {device.type} ({where})", file=sys.stderr)
 

@@ -100,7 +100,7 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
 def time_setup(args: argparse.Namespace):
     """(system, calibration) for --time, validated before any work; (None, None) without --time."""
     from stratbench.core.errors import ConfigError
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
     from stratbench.predicting.projection import load_calibration
 
     if not getattr(args, "time", False):

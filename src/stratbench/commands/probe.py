@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         data = json.loads(raw.read_text())
     profile, fits = build_profile(data, args.name or f"local-{device}-{args.nproc}")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from stratbench.predicting.hardware import dump
+    from stratbench.measuring.hardware import dump
 
     header = (
         f"# written by `stratbench probe --nproc {args.nproc} --device {device}` on {data['host']} at {data['when']}\n"
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         "# loaded_latency = a small call's cost right after a ~2 ms compute burst on every process (training's).\n"
     )
     from stratbench.checkpoints.checkpoint import atomic_output
-    from stratbench.predicting.hardware import load
+    from stratbench.measuring.hardware import load
 
     # A temporary file, read back (what is written must load), then renamed: a failed probe keeps an earlier one.
     with atomic_output(out, ".yaml") as tmp:
@@ -243,10 +243,10 @@ def worker(args: argparse.Namespace) -> int:
 
         import torch as _t
 
-        from stratbench.measuring.metrics import _cpu_name
+        from stratbench.measuring.environment import cpu_name
 
         out |= {
-            "backend": dist.get_backend(), "device": device.type, "torch": _t.__version__, "cpu": _cpu_name(),
+            "backend": dist.get_backend(), "device": device.type, "torch": _t.__version__, "cpu": cpu_name(),
             "cpu_count": os.cpu_count(), "threads_per_process": threads, "host": socket.gethostname(),
             "when": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "platform": platform.platform(),
             "gpus": [_t.cuda.get_device_name(i) for i in range(_t.cuda.device_count())] if device.type == "cuda" else [],
@@ -359,7 +359,7 @@ def fit_alpha_beta(points: list[tuple[float, float]]) -> tuple[float, float]:
 def build_profile(data: dict[str, Any], name: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """The YAML mapping of a profile from the workers' measurements, and the fits per kind."""
     from stratbench.measuring.comm import wire_factor
-    from stratbench.predicting.hardware import builtin, fmt_rate
+    from stratbench.measuring.hardware import builtin, fmt_rate
 
     n = int(data["ranks"])
     fits: dict[str, Any] = {}

@@ -20,8 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from stratbench.compare.calibration import check_results_file
     from stratbench.compare.report import print_table, render_sweeps
-    from stratbench.compare.runner import check_results_file
     from stratbench.core.errors import ConfigError
 
     dirs = [Path(d) for d in args.dirs]
@@ -33,7 +33,7 @@ def run(args: argparse.Namespace) -> int:
     for d in dirs:
         check_results_file(d)
     if args.hardware:
-        from stratbench.predicting.hardware import resolve
+        from stratbench.measuring.hardware import resolve
 
         resolve(args.hardware)
     out = Path(args.output) if args.output else dirs[0]

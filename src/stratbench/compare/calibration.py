@@ -30,12 +30,19 @@ from typing import TYPE_CHECKING, Any
 from stratbench.compare.matrix import Cell, Matrix, Plan, plan_cell
 from stratbench.compare.runner import (
     FINISHED,
+    RESULTS,
     append_record,
+    check_records,
     last_error_line,
     load_records,
     local_environment,
     machine_of,
 )
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.dist import resolve_device
+from stratbench.launching.launch import threads_per_process
+from stratbench.predicting.projection import method_run_refused
+from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 
 if TYPE_CHECKING:
     from stratbench.compare.runner import Display, SweepRunner
@@ -47,6 +54,9 @@ CALIBRATION_STEPS = 30
 PROBE_SIZES_CPU = "1KiB,16KiB,128KiB,1MiB,4MiB"
 """Probe payloads on a CPU (the quick preset's gradients are < 1 MiB; gloo at 32 MiB costs seconds per size)."""
 KINDS = ("probe", "single", "method")
+"""What a calibration run measures: this machine's links (probe), the baseline method's efficiency and fixed
+overhead (single, after the baseline's name: the kind calibration.jsonl records), one method's own overhead."""
+PROBE, SINGLE, METHOD = KINDS
 # Cell options that each calibration run sets itself.
 _OWN = ("batch_size", "grad_accum", "max_steps")
 
@@ -100,8 +110,6 @@ def _common(cell: Cell) -> dict[str, Any]:
 
 
 def _multi_process(cell: Cell) -> bool:
-    from stratbench.strategies.base import all_strategies
-
     cls = all_strategies().get(cell.method)
     return cell.world_size > 1 and cls is not None and cls.needs_process_group
 
@@ -112,71 +120,89 @@ def plan_calibration(
 ) -> CalibrationPlan:  # fmt: skip
     """The calibration runs for the runnable multi-process cells of ``plans`` (see the module docstring).
     ``threads``: the calibration runs' thread count (default: what a cell's process gets here)."""
-    from stratbench.core.config import TrainConfig, from_dict
-    from stratbench.core.dist import resolve_device
-    from stratbench.launching.launch import threads_per_process
-    from stratbench.predicting.projection import method_run_refused
-    from stratbench.strategies.base import get_strategy
-
     runnable = [p.cell for p in plans if p.status is None]
     multi = [c for c in runnable if _multi_process(c)]
     if not multi:
         return CalibrationPlan(notes=["no runnable multi-process cell: nothing to calibrate"])
     if max_steps < 1:
         raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-    runs: dict[str, tuple[CalibrationRun, set[str]]] = {}  # id -> the run, the cells it serves
-    refused: dict[str, list[str]] = {}  # reason -> cells without a method run
-    probes: dict[int, set[str]] = {}
-    # `single` per precision, config and threads: every batch any of those cells needs, serving all of them
-    groups: dict[str, tuple[Cell, int, int, set[int], set[str]]] = {}  # cell, threads, steps, batches, cells
-    device = "cpu"
-
-    def group_key(cell: Cell, t: int) -> str:
-        return json.dumps([cell.precision, t, _common(cell)], sort_keys=True, default=str)
-
+    needs = _Needs()
     for cell in multi:
+        needs.add(cell, threads or threads_per_process(cell.world_size), max_steps)
+    # The sweep's own one-process baseline cells are predicted from the same runs (and the first probe's peak).
+    for cell in runnable:
+        if cell.world_size == 1 and cell.method == baseline_name():
+            needs.serve(cell)
+    return needs.plan(matrix, probe_sizes, allow_slow)
+
+
+def _group_key(cell: Cell, threads: int) -> str:
+    """The baseline runs a cell needs, as a key: its precision, threads and options other than the batch."""
+    return json.dumps([cell.precision, threads, _common(cell)], sort_keys=True, default=str)
+
+
+@dataclass
+class _Needs:
+    """What the multi-process cells of a sweep need calibrated, gathered cell by cell (``plan_calibration``)."""
+
+    runs: dict[str, tuple[CalibrationRun, set[str]]] = field(default_factory=dict)
+    """Run id -> the run and the ids of the cells it serves."""
+    refused: dict[str, list[str]] = field(default_factory=dict)
+    """Reason -> the cells whose method has no one-process run."""
+    probes: dict[int, set[str]] = field(default_factory=dict)
+    """World size -> the cells its probe serves."""
+    groups: dict[str, tuple[Cell, int, int, set[int], set[str]]] = field(default_factory=dict)
+    """Baseline runs per precision, options and threads (``_group_key``): a cell, threads, steps, every batch
+    those cells need, the cells they serve."""
+    device: str = "cpu"
+
+    def add(self, cell: Cell, threads: int, max_steps: int) -> None:
+        """The probe of ``cell``'s world size, the baseline at its per-process and global batch, and its method
+        on one process at the per-process batch (unless the method refuses: ``method_run_refused``)."""
         cfg = from_dict(TrainConfig, cell.train_config("unused"), where=f"cell {cell.id}")
-        device = resolve_device(cfg.device).type
-        t = threads or threads_per_process(cell.world_size)
+        self.device = resolve_device(cfg.device).type
         dp = get_strategy(cell.method).data_parallel_size(cfg, cell.world_size)
         per_process = max(1, cell.batch_size // max(1, dp))
         steps = min(max_steps, int(cell.config.get("max_steps") or max_steps))
-        probes.setdefault(cell.world_size, set()).add(cell.id)
-        group = groups.setdefault(group_key(cell, t), (cell, t, steps, set(), set()))
+        self.probes.setdefault(cell.world_size, set()).add(cell.id)
+        group = self.groups.setdefault(_group_key(cell, threads), (cell, threads, steps, set(), set()))
         group[3].update({per_process, cell.batch_size})
         group[4].add(cell.id)
         why = method_run_refused(cell.method)
         if why:
-            refused.setdefault(why, []).append(f"{cell.name} {cell.precision}")
-            continue
+            self.refused.setdefault(why, []).append(f"{cell.name} {cell.precision}")
+            return
         accum = {"grad_accum": cell.config["grad_accum"]} if "grad_accum" in cell.config else {}
         one = Cell(cell.method, cell.precision, 1, {**_common(cell), **accum, "batch_size": per_process, "max_steps": steps},
                    dict(cell.options), cell.label)  # fmt: skip
-        run = CalibrationRun("method", one, t)
-        runs.setdefault(run.id, (run, set()))[1].add(cell.id)
-    # The sweep's own one-process `single` cells are predicted from the same runs (and the first probe's peak).
-    for cell in runnable:
-        if cell.world_size == 1 and cell.method == "single":
-            for key, group in groups.items():
-                if key == group_key(cell, group[1]):
-                    group[4].add(cell.id)
-                    probes[min(probes)].add(cell.id)
-    for cell, t, steps, batches, served in groups.values():
-        for batch in sorted(batches):
-            single = Cell("single", cell.precision, 1, {**_common(cell), "batch_size": batch, "max_steps": steps})
-            run = CalibrationRun("single", single, t)
-            runs.setdefault(run.id, (run, set()))[1].update(served)
-    notes = [f"{', '.join(names)}: no one-process run ({why}); predicted without a method overhead"
-             for why, names in refused.items()]  # fmt: skip
-    sizes = probe_sizes or (PROBE_SIZES_CPU if device == "cpu" else "")
-    out = [CalibrationRun("probe", nproc=n, device=device, sizes=sizes, for_cells=tuple(sorted(ids)))
-           for n, ids in sorted(probes.items())]  # fmt: skip
-    order = {k: i for i, k in enumerate(KINDS)}
-    for run, served in sorted(runs.values(), key=lambda x: order[x[0].kind]):
-        p = plan_cell(run.cell, matrix, allow_slow)  # what would refuse it here refuses it before it runs
-        out.append(CalibrationRun(run.kind, run.cell, run.threads, for_cells=tuple(sorted(served)),
-                                  status=p.status, reason=p.reason))  # fmt: skip
-    return CalibrationPlan(out, notes)
+        run = CalibrationRun(METHOD, one, threads)
+        self.runs.setdefault(run.id, (run, set()))[1].add(cell.id)
+
+    def serve(self, cell: Cell) -> None:
+        """A one-process baseline cell is predicted from the baseline runs of its group and the first probe."""
+        for key, group in self.groups.items():
+            if key == _group_key(cell, group[1]):
+                group[4].add(cell.id)
+                self.probes[min(self.probes)].add(cell.id)
+
+    def plan(self, matrix: Matrix, probe_sizes: str | None, allow_slow: bool) -> CalibrationPlan:
+        """The runs, probes first, each planned as a cell would be (what would refuse it here refuses it now)."""
+        for cell, t, steps, batches, served in self.groups.values():
+            for batch in sorted(batches):
+                config = {**_common(cell), "batch_size": batch, "max_steps": steps}
+                run = CalibrationRun(SINGLE, Cell(baseline_name(), cell.precision, 1, config), t)
+                self.runs.setdefault(run.id, (run, set()))[1].update(served)
+        notes = [f"{', '.join(names)}: no one-process run ({why}); predicted without a method overhead"
+                 for why, names in self.refused.items()]  # fmt: skip
+        sizes = probe_sizes or (PROBE_SIZES_CPU if self.device == "cpu" else "")
+        out = [CalibrationRun(PROBE, nproc=n, device=self.device, sizes=sizes, for_cells=tuple(sorted(ids)))
+               for n, ids in sorted(self.probes.items())]  # fmt: skip
+        order = {k: i for i, k in enumerate(KINDS)}
+        for run, served in sorted(self.runs.values(), key=lambda x: order[x[0].kind]):
+            p = plan_cell(run.cell, matrix, allow_slow)
+            out.append(CalibrationRun(run.kind, run.cell, run.threads, for_cells=tuple(sorted(served)),
+                                      status=p.status, reason=p.reason))  # fmt: skip
+        return CalibrationPlan(out, notes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -220,8 +246,12 @@ def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str
                 records[run.id] = rec
                 display.end(run.what, run.status, run.reason, None, ran=False)
                 continue
-            display.begin(n, run.what, f"{CAL_DIR}/{run.id}/{'probe' if run.kind == 'probe' else 'train'}.log")
-            rec = _run_probe(runner, run, display) if run.kind == "probe" else _run_train(runner, run, display)
+            display.begin(
+                n, run.what, f"{CAL_DIR}/{run.id}/{'probe' if run.kind == 'probe' else 'train'}.log"
+            )
+            rec = (
+                _run_probe(runner, run, display) if run.kind == "probe" else _run_train(runner, run, display)
+            )
             append_record(out, rec, CALIBRATION)
             records[run.id] = rec
             display.end(run.what, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
@@ -254,7 +284,7 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     import time
 
     from stratbench.core.errors import ConfigError
-    from stratbench.predicting.hardware import resolve
+    from stratbench.measuring.hardware import resolve
 
     run_dir = runner.out / CAL_DIR / run.id
     if run_dir.exists():
@@ -265,9 +295,15 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     code, elapsed, timed_out, loads = runner.run_process(cmd, log, display, f"stopped while running {run.id}")
     status, reason = "ok", ""
     if timed_out:
-        status, reason = "timeout", f"did not finish within the {runner.timeout_s:.0f} s limit; its processes were killed"
+        status, reason = (
+            "timeout",
+            f"did not finish within the {runner.timeout_s:.0f} s limit; its processes were killed",
+        )
     elif code != 0 or not profile.exists():
-        status, reason = "failed", last_error_line(log) or f"exited with code {code} without writing {profile.name}"
+        status, reason = (
+            "failed",
+            last_error_line(log) or f"exited with code {code} without writing {profile.name}",
+        )
     else:
         try:
             resolve(str(profile))
@@ -328,8 +364,6 @@ class Basis:
 def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis | None:
     """The calibration runs of ``rec``'s machine made for it (``calibration.for`` names its id); None when none
     was (the sweep did not calibrate, or not this cell)."""
-    from stratbench.predicting.projection import method_run_refused
-
     host = (rec.get("machine") or {}).get("hostname")
     mine = [c for c in calibration if rec.get("id") in c["calibration"].get("for", [])
             and (c.get("machine") or {}).get("hostname") == host]  # fmt: skip
@@ -341,9 +375,7 @@ def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis |
         why = " ".join(str(c.get("reason") or "no reason recorded").split())
         return f"its calibration run ({c['calibration'].get('what') or c['id']}) is {c.get('status')}: {why}"
 
-    probes = [c for c in mine if c["calibration"]["kind"] == "probe"]
-    singles = [c for c in mine if c["calibration"]["kind"] == "single"]
-    methods = [c for c in mine if c["calibration"]["kind"] == "method"]
+    probes, singles, methods = ([c for c in mine if c["calibration"]["kind"] == kind] for kind in KINDS)
     failed = [c for c in mine if c.get("status") != "ok"]
     if failed:
         basis.problem = bad(failed[0]) + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
@@ -359,10 +391,21 @@ def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis |
         basis.problem = "no `single` calibration run was made for it (rerun with --calibrate)"
         return basis
     world = int(rec.get("world_size") or 1)
-    if world > 1 and rec.get("method") != "single" and not method_run_refused(str(rec.get("method"))) \
+    if world > 1 and rec.get("method") != baseline_name() and not method_run_refused(str(rec.get("method"))) \
             and not methods:  # fmt: skip
-        basis.problem = f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
+        basis.problem = (
+            f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
+        )
         return basis
     basis.profile, basis.nproc = profile, int(probes[0]["calibration"].get("nproc") or 0)
     basis.runs = singles + methods
     return basis
+
+
+def check_results_file(folder: Path) -> None:
+    """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
+    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
+    it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
+    append drops it (``runner.append_record``)."""
+    check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
+    check_records(folder / CALIBRATION, record_problem)

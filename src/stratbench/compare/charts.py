@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from stratbench.checkpoints.checkpoint import atomic_output
 from stratbench.compare.rows import Row
+from stratbench.core.files import atomic_output
 
 
 def _num(v: float) -> str:

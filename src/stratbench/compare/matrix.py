@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stratbench.core.config import TrainConfig, canonical_precision, from_dict, load_yaml
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
 from stratbench.strategies.pipeline import pipeline_layout
 
@@ -59,8 +60,6 @@ class Cell:
 
     @property
     def batch_size(self) -> int:
-        from stratbench.core.config import TrainConfig
-
         return int(self.config.get("batch_size", TrainConfig.batch_size))
 
     @property
@@ -168,7 +167,15 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
 
     world = world_size or max(2, _gpu_count())
     pretrained = download or pretrained_available("resnet50", "imagenet")
-    multi = ["ddp", "accelerate-ddp", "fsdp", "accelerate-fsdp", "ddp-zero", "deepspeed", "accelerate-deepspeed"]
+    multi = [
+        "ddp",
+        "accelerate-ddp",
+        "fsdp",
+        "accelerate-fsdp",
+        "ddp-zero",
+        "deepspeed",
+        "accelerate-deepspeed",
+    ]
     init = (
         "torchvision's ImageNet weights, as the source"
         if pretrained
@@ -178,8 +185,15 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
         "name": "seed",
         "description": f"the source template's experiment: ResNet-50 ({init}) on "
         f"CIFAR-10 at 224x224, 5 epochs, global batch 128; multi-device methods on {world} GPUs",
-        "base": {"model": "resnet50", "data": "cifar10", "image_size": 224, "epochs": 5, "batch_size": 128,
-                 "num_workers": 4, **({"weights": "imagenet"} if pretrained else {})},  # fmt: skip
+        "base": {
+            "model": "resnet50",
+            "data": "cifar10",
+            "image_size": 224,
+            "epochs": 5,
+            "batch_size": 128,
+            "num_workers": 4,
+            **({"weights": "imagenet"} if pretrained else {}),
+        },
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 4 * 3600,
@@ -310,25 +324,7 @@ def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
-    from stratbench.core.config import TrainConfig, canonical_precision, from_dict
-
-    if not isinstance(spec, dict):
-        raise ConfigError(f"a comparison matrix must be a mapping, got {type(spec).__name__}")
-    known = {"name", "description", "base", "world_size", "gpu_only", "timeout_s", "cells",
-             "methods", "precisions", "world_sizes", "batch_sizes"}  # fmt: skip
-    unknown = sorted(set(spec) - known)
-    if unknown:
-        raise ConfigError(
-            f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(known))}"
-        )
-    base = CELL_DEFAULTS | dict(spec.get("base") or {})
-    base.update(overrides or {})
-    for key in SWEEP_OWNED:
-        if key in base:
-            raise ConfigError(
-                f"matrix base: {key!r} is set per cell by compare; give it in a cell entry instead"
-            )
-    from_dict(TrainConfig, base, where="matrix base")  # unknown keys / bad types fail here, naming the key
+    base = _matrix_base(spec, overrides)
     default_world = int(world_size or spec.get("world_size") or 2)
     entries = spec.get("cells")
     if entries is None:
@@ -340,43 +336,7 @@ def build_matrix(
     cells: list[Cell] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries):
-        if not isinstance(entry, dict) or "method" not in entry:
-            raise ConfigError(
-                f"matrix cell entry {n + 1} must be a mapping with at least 'method', got {entry!r}"
-            )
-        bad = sorted(set(entry) - set(ENTRY_KEYS))
-        if bad:
-            raise ConfigError(
-                f"matrix cell entry {n + 1}: unknown key(s) {', '.join(bad)}; known: {', '.join(ENTRY_KEYS)}"
-            )
-        extra = dict(entry.get("config") or {})
-        for key in SWEEP_OWNED:
-            if key in extra:
-                raise ConfigError(
-                    f"matrix cell entry {n + 1}: 'config' cannot set {key!r}; use the entry's own keys"
-                )
-        for method, precision, world, batch, options in itertools.product(
-            _as_list(entry["method"]),
-            _as_list(entry.get("precision", "fp32")),
-            _as_list(entry.get("world_size")),
-            _as_list(entry.get("batch_size")),
-            _as_list(entry.get("options") or {}),
-        ):
-            config = {**base, **extra}
-            # Command-line overrides win over cell entries too: the user asked for them for every cell.
-            config.update(overrides or {})
-            if batch is not None and not (overrides and "batch_size" in overrides):
-                config["batch_size"] = int(batch)
-            label = str(entry.get("label") or "")
-            if label:
-                try:
-                    label = label.format(**options)
-                except (KeyError, IndexError):
-                    raise ConfigError(
-                        f"matrix cell entry {n + 1}: label {label!r} names an option not in {options}"
-                    ) from None
-            world = int(world) if world is not None else _default_world(str(method), default_world)
-            cell = Cell(str(method), canonical_precision(str(precision)), world, config, dict(options), label)
+        for cell in _expand_entry(n + 1, entry, base, overrides, default_world):
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
                 cells.append(cell)
@@ -390,16 +350,84 @@ def build_matrix(
     )
 
 
+MATRIX_KEYS = ("name", "description", "base", "world_size", "gpu_only", "timeout_s", "cells", "methods",
+               "precisions", "world_sizes", "batch_sizes")  # fmt: skip
+
+
+def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The options every cell shares (the cell defaults, the matrix's base, the command line's overrides),
+    checked: a matrix with unknown keys, or a base that sets what compare sets per cell, is refused."""
+    if not isinstance(spec, dict):
+        raise ConfigError(f"a comparison matrix must be a mapping, got {type(spec).__name__}")
+    unknown = sorted(set(spec) - set(MATRIX_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"matrix: unknown key(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(MATRIX_KEYS))}"
+        )
+    base = CELL_DEFAULTS | dict(spec.get("base") or {})
+    base.update(overrides or {})
+    for key in SWEEP_OWNED:
+        if key in base:
+            raise ConfigError(
+                f"matrix base: {key!r} is set per cell by compare; give it in a cell entry instead"
+            )
+    from_dict(TrainConfig, base, where="matrix base")  # unknown keys / bad types fail here, naming the key
+    return base
+
+
+def _expand_entry(
+    n: int, entry: Any, base: dict[str, Any], overrides: dict[str, Any] | None, default_world: int
+) -> list[Cell]:
+    """The cells of cell entry ``n`` (from 1): the product of its list values."""
+    if not isinstance(entry, dict) or "method" not in entry:
+        raise ConfigError(f"matrix cell entry {n} must be a mapping with at least 'method', got {entry!r}")
+    bad = sorted(set(entry) - set(ENTRY_KEYS))
+    if bad:
+        raise ConfigError(
+            f"matrix cell entry {n}: unknown key(s) {', '.join(bad)}; known: {', '.join(ENTRY_KEYS)}"
+        )
+    extra = dict(entry.get("config") or {})
+    for key in SWEEP_OWNED:
+        if key in extra:
+            raise ConfigError(f"matrix cell entry {n}: 'config' cannot set {key!r}; use the entry's own keys")
+    cells = []
+    for method, precision, world, batch, options in itertools.product(
+        _as_list(entry["method"]),
+        _as_list(entry.get("precision", "fp32")),
+        _as_list(entry.get("world_size")),
+        _as_list(entry.get("batch_size")),
+        _as_list(entry.get("options") or {}),
+    ):
+        config = {**base, **extra}
+        # Command-line overrides win over cell entries too: the user asked for them for every cell.
+        config.update(overrides or {})
+        if batch is not None and not (overrides and "batch_size" in overrides):
+            config["batch_size"] = int(batch)
+        label = str(entry.get("label") or "")
+        if label:
+            try:
+                label = label.format(**options)
+            except (KeyError, IndexError):
+                raise ConfigError(
+                    f"matrix cell entry {n}: label {label!r} names an option not in {options}"
+                ) from None
+        world = int(world) if world is not None else _default_world(str(method), default_world)
+        cells.append(
+            Cell(str(method), canonical_precision(str(precision)), world, config, dict(options), label)
+        )
+    return cells
+
+
 def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
                 world_size: int | None = None) -> Matrix:  # fmt: skip
     """A preset by name or a YAML matrix file (exactly one of them)."""
     if path:
-        from stratbench.core.config import load_yaml
-
         return build_matrix(load_yaml(path), overrides, world_size)
     name = preset or "quick"
     if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)")
+        raise ConfigError(
+            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)"
+        )
     if name == "seed":
         spec = preset_seed(world_size, bool((overrides or {}).get("download")))
     elif name in WORLD_PRESETS:
@@ -452,7 +480,6 @@ class Plan:
 
 def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
     """Decide, without starting any work, whether ``cell`` can run on this machine (and why not)."""
-    from stratbench.core.config import TrainConfig, from_dict
     from stratbench.core.dist import resolve_device
     from stratbench.core.precision import SPECS, configure_tf32, slow_on
     from stratbench.strategies.base import all_strategies

@@ -23,13 +23,13 @@ from typing import Any
 
 import jinja2
 
-from stratbench.checkpoints.checkpoint import atomic_output, atomic_write
 from stratbench.compare import summary
 from stratbench.compare.calibration import basis_for, load_calibration_records
 from stratbench.compare.charts import write_charts
 from stratbench.compare.rows import DASH, Row, is_baseline, is_baseline_run, is_comm_reference
 from stratbench.compare.runner import SWEEP, load_run_records
 from stratbench.core.errors import ConfigError
+from stratbench.core.files import atomic_output, atomic_write
 from stratbench.core.tables import fmt_bytes, table_console
 from stratbench.measuring.records import Machine, RunRecord, as_run_record, number
 from stratbench.models.zoo import describe_init

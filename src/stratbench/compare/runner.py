@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,9 @@ import yaml
 from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
 from stratbench.core.errors import ConfigError
+from stratbench.core.lock import output_lock
+from stratbench.launching.launch import _child_setup
+from stratbench.measuring.environment import environment
 from stratbench.measuring.records import SCHEMA, RunRecord
 
 RESULTS = "results.jsonl"
@@ -112,8 +116,6 @@ def machine_of(environment: dict[str, Any] | None) -> dict[str, str]:
 def local_environment(world_size: int) -> dict[str, Any]:
     """The environment block of this machine, for cells that produced no result.json."""
     import torch
-
-    from stratbench.measuring.metrics import environment
 
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     return environment(world_size, device)
@@ -415,14 +417,14 @@ class SweepRunner:
         }
         atomic_write(self.out / SWEEP, json.dumps(meta, indent=2, default=str))
 
-    def run(self, plans: list[Plan], calibration: list | None = None) -> dict[str, dict[str, Any]]:
-        """Run the calibration runs (``compare.calibration.CalibrationRun``, when given) and then every planned
-        cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording). Holds the output
+    def run(
+        self, plans: list[Plan], before: Callable[[SweepRunner], Any] | None = None
+    ) -> dict[str, dict[str, Any]]:
+        """Call ``before(self)`` (the calibration runs: ``compare.calibration.run_calibration``), when given, and
+        then run every planned cell not already finished; raises ``Interrupted`` on Ctrl-C (after recording). Holds the output
         folder's lock throughout: a second sweep on the same folder is refused (it would train the same cells
         at once and record them twice)."""
         import threading
-
-        from stratbench.core.lock import output_lock
 
         # SIGTERM (a job scheduler, `kill`) stops the sweep like Ctrl-C: the running cell's tree is killed
         # rather than orphaned (cells run in their own sessions, so they would not get the signal).
@@ -432,10 +434,8 @@ class SweepRunner:
         try:
             with output_lock(self.out):
                 self.write_sweep_meta(plans)
-                if calibration:
-                    from stratbench.compare.calibration import run_calibration
-
-                    run_calibration(self, calibration)
+                if before is not None:
+                    before(self)
                 return self._run(plans)
         finally:
             if previous is not None:
@@ -449,7 +449,12 @@ class SweepRunner:
             for n, p in enumerate(plans, 1):
                 old = records.get(p.cell.id)
                 keep = ("ok",) if self.retry else FINISHED
-                if p.status is None and old and old.get("status") in keep and _repeats_of(old) >= self.repeats:
+                if (
+                    p.status is None
+                    and old
+                    and old.get("status") in keep
+                    and _repeats_of(old) >= self.repeats
+                ):
                     display.skip_only()
                     self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
                                        f"x{p.cell.world_size}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
@@ -462,7 +467,9 @@ class SweepRunner:
                     display.finish(p.cell, p.status, p.reason, None, ran=False)
                     continue
                 display.start(n, p.cell)
-                rec = self.run_cell(p.cell, display) if self.repeats == 1 else self.run_repeats(p.cell, display)
+                rec = (
+                    self.run_cell(p.cell, display) if self.repeats == 1 else self.run_repeats(p.cell, display)
+                )
                 append_record(self.out, rec)
                 records[p.cell.id] = rec
                 display.finish(p.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
@@ -504,7 +511,6 @@ class SweepRunner:
             log.flush()
             # The cell dies with the sweep even when the sweep is SIGKILLed (PR_SET_PDEATHSIG: SIGTERM, which
             # the cell's launcher forwards to its workers).
-            from stratbench.launching.launch import _child_setup
 
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     env=env, start_new_session=True, preexec_fn=_child_setup)  # noqa: PLW1509  # fmt: skip
@@ -561,7 +567,9 @@ REPEATED = {
     "train_time_s": lambda m: m.get("train_time_s"),
     "throughput_samples_per_s": lambda m: m.get("throughput_samples_per_s"),
     "step_time_mean_s": lambda m: m.get("step_time_mean_s"),
-    "peak_memory_bytes": lambda m: max((p for p in m.get("peak_memory_bytes") or [] if p is not None), default=None),
+    "peak_memory_bytes": lambda m: max(
+        (p for p in m.get("peak_memory_bytes") or [] if p is not None), default=None
+    ),
     "val_accuracy": lambda m: m.get("val_accuracy"),
     "final_loss": lambda m: m.get("final_loss"),
 }
@@ -612,18 +620,7 @@ def _read_result(path: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def check_results_file(folder: Path) -> None:
-    """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
-    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
-    it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
-    append drops it (``runner.append_record``)."""
-    from stratbench.compare.calibration import CALIBRATION, record_problem
-
-    _check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
-    _check_records(folder / CALIBRATION, record_problem)
-
-
-def _check_records(path: Path, problem) -> None:
+def check_records(path: Path, problem) -> None:
     if not path.exists():
         return
     try:
@@ -641,7 +638,12 @@ def _check_records(path: Path, problem) -> None:
                 raise ValueError(why)
         except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             if n == len(lines) and not data.endswith(b"\n"):
-                print(f"note: {path} line {n} is cut short (a sweep stopped while writing it); skipped", file=sys.stderr)
+                print(
+                    f"note: {path} line {n} is cut short (a sweep stopped while writing it); skipped",
+                    file=sys.stderr,
+                )
                 continue
             first = str(exc).splitlines()[0][:120]
-            raise ConfigError(f"{path} line {n} is not a JSON record ({first}); fix or delete that line") from None
+            raise ConfigError(
+                f"{path} line {n} is not a JSON record ({first}); fix or delete that line"
+            ) from None

@@ -22,6 +22,8 @@ from typing import Any, Literal
 import yaml
 
 from stratbench.core.errors import ConfigError
+from stratbench.core.files import atomic_write
+from stratbench.models.zoo import is_weights_name, resolve_weights
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -250,7 +252,9 @@ IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
 """Data sets held in memory as tensors: the ones the device pipeline can serve."""
 
 
-FUSED_UNSUPPORTED = {("fsdp", "sgd"): "torch's fused SGD kernel has no DTensor sharding rule (FSDP2 parameters)"}
+FUSED_UNSUPPORTED = {
+    ("fsdp", "sgd"): "torch's fused SGD kernel has no DTensor sharding rule (FSDP2 parameters)"
+}
 """(strategy, optimizer) pairs whose fused kernel fails, measured with torch 2.13 (fused AdamW works under fsdp)."""
 
 
@@ -286,7 +290,10 @@ def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
     device = data.get("device", "auto")
     cuda = device in ("auto", "cuda") and torch.cuda.is_available()
     bf16 = torch.cuda.is_bf16_supported() if cuda else True  # CPU autocast supports bf16
-    strategy, optimizer = data.get("strategy", TrainConfig.strategy), data.get("optimizer", TrainConfig.optimizer)
+    strategy, optimizer = (
+        data.get("strategy", TrainConfig.strategy),
+        data.get("optimizer", TrainConfig.optimizer),
+    )
     settings = recipe_settings(str(name), cuda, bf16, strategy, optimizer)
     return {**settings, **data}
 
@@ -301,7 +308,16 @@ def optimizer_impl_kwargs(impl: str) -> dict[str, Any]:
     }[impl]
 
 
-POSITIVE = ("epochs", "batch_size", "grad_accum", "nproc", "nnodes", "width", "num_classes", "synthetic_samples")
+POSITIVE = (
+    "epochs",
+    "batch_size",
+    "grad_accum",
+    "nproc",
+    "nnodes",
+    "width",
+    "num_classes",
+    "synthetic_samples",
+)
 
 
 def _base_type(annotation: Any) -> type:
@@ -319,7 +335,9 @@ def _base_type(annotation: Any) -> type:
 def _literal_words(annotation: Any) -> tuple[str, ...]:
     """The words a ``bool | Literal[...]`` field takes besides true/false (``resume: must``)."""
     hint = eval(annotation, vars(typing), {"Any": Any}) if isinstance(annotation, str) else annotation  # noqa: S307
-    return tuple(w for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a))
+    return tuple(
+        w for a in typing.get_args(hint) if typing.get_origin(a) is typing.Literal for w in typing.get_args(a)
+    )
 
 
 def coerce(name: str, value: Any, annotation: Any) -> Any:
@@ -359,7 +377,9 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
         raise ConfigError(
             f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
         )
-    values = {k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()}
+    values = {
+        k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()
+    }
     if cls is TrainConfig:
         values = _resolve_train_values(values)
         values = expand_recipe(values)
@@ -393,8 +413,6 @@ def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
         values["precision"] = canonical_precision(values["precision"])
     weights = values.get("weights")
     if weights:
-        from stratbench.models.zoo import is_weights_name, resolve_weights
-
         if is_weights_name(weights):
             model = values.get("model", TrainConfig.model)
             values["weights"] = resolve_weights(model, weights, bool(values.get("download", False)))
@@ -416,7 +434,6 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
 
 def dump_yaml(cfg: TrainConfig, path: str | Path) -> None:
     """The resolved config as YAML, written atomically (a kill or a full disk leaves the earlier file whole)."""
-    from stratbench.checkpoints.checkpoint import atomic_write
 
     atomic_write(Path(path), yaml.safe_dump(cfg.to_dict(), sort_keys=False))
 
@@ -447,7 +464,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
         raise ConfigError(f"clip_grad_norm must be positive, got {cfg.clip_grad_norm!r}")
     if cfg.node_rank >= cfg.nnodes:
-        raise ConfigError(f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}")
+        raise ConfigError(
+            f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}"
+        )
     why = FUSED_UNSUPPORTED.get((cfg.strategy, cfg.optimizer))
     if cfg.optimizer_impl == "fused" and why:
         raise ConfigError(

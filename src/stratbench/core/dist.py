@@ -12,6 +12,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError, UnsupportedError
+
 
 @dataclass(frozen=True)
 class DistEnv:
@@ -53,8 +56,6 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            from stratbench.core.errors import UnsupportedError
-
             raise UnsupportedError("device 'cuda' asked for, but torch sees no CUDA device on this machine")
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
@@ -120,8 +121,6 @@ def init_process_group(env: DistEnv, timeout_s: int = 300) -> None:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     if "MASTER_ADDR" not in os.environ:
-        from stratbench.core.errors import ConfigError
-
         raise ConfigError("MASTER_ADDR is not set: export MASTER_ADDR/MASTER_PORT (node 0) before srun")
     os.environ.setdefault("MASTER_PORT", "29500")  # torchrun's default; srun sets no port of its own
     if env.device.type == "cuda":
@@ -190,3 +189,14 @@ def set_rng_state(state: dict) -> None:
 
 def _to_tuple(x):
     return tuple(_to_tuple(i) for i in x) if isinstance(x, list | tuple) else x
+
+
+def needs_launch(cfg: TrainConfig) -> bool:
+    """True when this is the user's command and several processes must be started for it."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return False  # a worker of torchrun / the deepspeed launcher
+    if cfg.nproc > 1 or cfg.nnodes > 1:
+        # Asking for processes per node means this is a per-node launcher, also inside an `srun` task
+        # (whose SLURM_PROCID would otherwise make it look like one worker).
+        return True
+    return False

@@ -37,4 +37,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA raises torch.OutOfMemoryError; a failed CPU allocation is a plain RuntimeError saying so."""
     import torch
 
-    return isinstance(exc, torch.OutOfMemoryError) or (isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc))
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )

@@ -88,7 +88,9 @@ def import_builder(spec: str, what: str = "model", noun: str = "builder") -> Cal
         raise ConfigError(f"{what} {spec!r}: importing {module_name!r} raised {one_line(exc)}") from None
     builder = getattr(module, attr, None)
     if builder is None:
-        raise ConfigError(f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({_where(module)} has no {attr!r})")
+        raise ConfigError(
+            f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({_where(module)} has no {attr!r})"
+        )
     if not callable(builder) or isinstance(builder, type) and not issubclass(builder, nn.Module):
         raise ConfigError(f"{what} {spec!r}: {attr!r} is a {type(builder).__name__}, not a {noun} function")
     return builder

@@ -7,17 +7,19 @@ losses comparable across methods.
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, TensorDataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
-from stratbench.core.config import TrainConfig
-from stratbench.core.errors import ConfigError, DataError
+from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
+from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.user_code import call_user, import_builder
+from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
+from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler, virtual_rank_order  # noqa: F401
+from stratbench.models._torchvision import import_torchvision
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -70,9 +72,9 @@ def build_data(cfg: TrainConfig) -> DataBundle:
     check_data(cfg)
     if ":" in cfg.data:
         return _user_data(cfg)
-    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[cfg.data](
-        cfg
-    )
+    return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[
+        cfg.data
+    ](cfg)
 
 
 def _user_data(cfg: TrainConfig) -> DataBundle:
@@ -83,7 +85,12 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
     import inspect
 
     builder = import_builder(cfg.data, "data")
-    offered = {"image_size": cfg.image_size, "data_dir": cfg.data_dir, "seed": cfg.seed, "download": cfg.download}
+    offered = {
+        "image_size": cfg.image_size,
+        "data_dir": cfg.data_dir,
+        "seed": cfg.seed,
+        "download": cfg.download,
+    }
     params = inspect.signature(builder).parameters.values()
     if any(p.kind is p.VAR_KEYWORD for p in params):
         kwargs = offered
@@ -105,8 +112,15 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
     sample = call_user(train.__getitem__, cfg.data, "data: the training set's item", 0)
-    if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0]) and sample[0].dim() == 3):
-        raise DataError(f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}")
+    if not (
+        isinstance(sample, tuple | list)
+        and len(sample) == 2
+        and torch.is_tensor(sample[0])
+        and sample[0].dim() == 3
+    ):
+        raise DataError(
+            f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}"
+        )
     size = cfg.image_size or int(sample[0].shape[-1])
     return DataBundle(train, val, len(names), names, size, meta={"builder": cfg.data})
 
@@ -163,7 +177,6 @@ def _digits(cfg: TrainConfig) -> DataBundle:
 
 
 def _cifar10(cfg: TrainConfig) -> DataBundle:
-    from stratbench.models._torchvision import import_torchvision
 
     T = import_torchvision().transforms
     size = default_image_size(cfg)
@@ -184,16 +197,15 @@ def cifar10_dataset(root: str, train: bool, transform, download: bool = False):
     ``pickle.load`` on them, trusting only their md5 sums, which a re-packed copy does not match)."""
     import numpy as np
 
-    from stratbench.checkpoints.checkpoint import restricted_pickle_load
-    from stratbench.core.errors import CheckpointError
-    from stratbench.models._torchvision import import_torchvision
-
     cls = import_torchvision().datasets.CIFAR10
     if download:
         cls(root, train=train, download=True)  # fetches and md5-checks the official archive
     folder = Path(root) / cls.base_folder
     try:
-        batches = [restricted_pickle_load(folder / name, "latin1") for name, _ in (cls.train_list if train else cls.test_list)]
+        batches = [
+            restricted_pickle_load(folder / name, "latin1")
+            for name, _ in (cls.train_list if train else cls.test_list)
+        ]
         meta = restricted_pickle_load(folder / cls.meta["filename"], "latin1")
         data = np.vstack([b["data"] for b in batches]).reshape(-1, 3, 32, 32).transpose((0, 2, 3, 1))
         targets = [int(t) for b in batches for t in b.get("labels", b.get("fine_labels", []))]
@@ -211,7 +223,6 @@ def cifar10_dataset(root: str, train: bool, transform, download: bool = False):
 
 
 def image_transforms(size: int, mean, std, train: bool):
-    from stratbench.models._torchvision import import_torchvision
 
     T = import_torchvision().transforms
     if train:
@@ -223,7 +234,6 @@ def image_transforms(size: int, mean, std, train: bool):
 
 def _imagefolder(cfg: TrainConfig) -> DataBundle:
     """DIR/train and DIR/val if both exist, else DIR's class folders with a fixed val split."""
-    from stratbench.models._torchvision import import_torchvision
 
     tv = import_torchvision()
     root = Path(cfg.data_dir or ".")
@@ -246,78 +256,6 @@ def _imagefolder(cfg: TrainConfig) -> DataBundle:
     except (FileNotFoundError, RuntimeError) as exc:
         raise DataError(f"image folder {str(root)!r}: {exc}") from None
     return DataBundle(train, val, len(classes), list(classes), size, IMAGENET_MEAN, IMAGENET_STD)
-
-
-class ShardSampler(Sampler[int]):
-    """Evaluation sampler: rank r takes indices r, r+N, ..., so every sample is seen exactly once overall
-    (``DistributedSampler`` would pad with repeats that count twice). Ranks with fewer samples are padded with
-    -1 (weight 0 in ``PaddedEval``), so that every rank runs the same number of batches: sharded methods
-    gather parameters in each forward, a collective every rank must join."""
-
-    def __init__(self, length: int, rank: int, world_size: int) -> None:
-        self.indices = list(range(rank, length, world_size))
-        self.indices += [-1] * (math.ceil(length / world_size) - len(self.indices))
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class PaddedEval(Dataset):
-    """(x, y, valid) with valid=0 for the padding index -1."""
-
-    def __init__(self, ds: Dataset) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int):
-        x, y = self.ds[max(i, 0)]
-        return x, y, torch.tensor(0.0 if i < 0 else 1.0)
-
-
-def virtual_rank_order(n: int, step_samples: int, chunks: int) -> list[int]:
-    """Positions 0..n-1 of one rank's sample stream, reordered within each step's ``step_samples`` so that the
-    step's ``chunks`` consecutive micro-batches are the shares that ``chunks`` data-parallel ranks would take of
-    it: micro-batch k holds the step's samples k, k + chunks, k + 2 x chunks, ... (DistributedSampler's split).
-
-    So one device accumulating A micro-batches (``--grad-accum A``, or a pipeline's M micro-batches) computes on
-    exactly the micro-batches of A ranks, and its summed gradients equal the ranks' all-reduced ones bit for bit
-    (two-operand sums, power-of-two scaling): ``single --grad-accum 2`` reproduces 2-rank ``ddp`` in any
-    precision, on any CPU. The set of samples in each step is unchanged; a last, partial step keeps its order."""
-    if chunks <= 1 or step_samples <= chunks:
-        return list(range(n))
-    if step_samples % chunks:
-        raise ConfigError(f"a step of {step_samples} samples per rank does not split into {chunks} micro-batches")
-    order: list[int] = []
-    full = n - n % step_samples
-    for base in range(0, full, step_samples):
-        order += [base + j for k in range(chunks) for j in range(k, step_samples, chunks)]
-    return order + list(range(full, n))
-
-
-class SkipSampler(Sampler[int]):
-    """Wraps a sampler: drops its first ``skip`` indices (resuming in the middle of an epoch; whole steps) and
-    orders each step's indices as ``chunks`` data-parallel ranks would split them (``virtual_rank_order``)."""
-
-    def __init__(self, sampler: DistributedSampler, step_samples: int = 1, chunks: int = 1) -> None:
-        self.sampler = sampler
-        self.skip = 0
-        self.step_samples, self.chunks = step_samples, chunks
-
-    def set_epoch(self, epoch: int, skip: int = 0) -> None:
-        self.sampler.set_epoch(epoch)
-        self.skip = skip
-
-    def __iter__(self) -> Iterator[int]:
-        indices = list(self.sampler)[self.skip :]
-        return iter([indices[i] for i in virtual_rank_order(len(indices), self.step_samples, self.chunks)])
-
-    def __len__(self) -> int:
-        return len(self.sampler) - self.skip
 
 
 def train_loader(
@@ -380,7 +318,6 @@ def split_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
 def in_memory_source(cfg: TrainConfig, ds: Dataset, train: bool):
     """The data set as tensors plus the augmentation its loader transforms perform (``device_data``), or None
     where the data set is not held in memory (imagefolder decodes files)."""
-    from stratbench.data.device import Augment, InMemorySource
 
     if cfg.data == "synthetic" and isinstance(ds, SyntheticImages):
         return InMemorySource(ds.images, ds.labels, Augment(), bank=True)  # no transforms: raw tensors
@@ -407,7 +344,6 @@ def select_pipeline(cfg: TrainConfig, device: torch.device, source_bytes: int | 
     """'device' or 'loader' for this run. auto: device on CUDA for an in-memory data set that takes at most a
     quarter of the device's memory (``source_bytes``), loader elsewhere (on CPU the loader is what was
     measured and tested; the device pipeline runs there when asked for)."""
-    from stratbench.core.config import IN_MEMORY_DATA
 
     if cfg.data_pipeline == "device":
         if cfg.data not in IN_MEMORY_DATA:
@@ -443,15 +379,15 @@ def make_train_batches(
     step_samples = micro * cfg.grad_accum
     source = _device_source(cfg, bundle.train, device, train=True)
     if source is not None:
-        from stratbench.data.device import DeviceBatches
-
         batches = DeviceBatches(
             source, micro, rank, world, cfg.seed, device, channels_last=cfg.channels_last,
             step_samples=step_samples, chunks=chunks,
         )  # fmt: skip
         return batches, batches
     pin = cfg.pin_memory and device.type == "cuda"
-    return train_loader(bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin, step_samples, chunks)
+    return train_loader(
+        bundle.train, micro, rank, world, cfg.seed, cfg.num_workers, pin, step_samples, chunks
+    )
 
 
 def make_val_batches(
@@ -460,8 +396,6 @@ def make_val_batches(
     """Evaluation batches (x, y, valid) with ``ShardSampler``'s order, from the pipeline training uses."""
     source = _device_source(cfg, bundle.val, device, train=False)
     if source is not None:
-        from stratbench.data.device import DeviceEvalBatches
-
         return DeviceEvalBatches(source, batch, rank, world, device, channels_last=cfg.channels_last)
     pin = cfg.pin_memory and device.type == "cuda"
     return val_loader(bundle.val, batch, rank, world, cfg.num_workers, pin)
@@ -483,6 +417,5 @@ def _device_source(cfg: TrainConfig, ds: Dataset, device: torch.device, train: b
 
 def pipeline_of(batches) -> str:
     """'device' or 'loader': which pipeline ``make_train_batches``/``make_val_batches`` chose (for result.json)."""
-    from stratbench.data.device import DeviceBatches, DeviceEvalBatches
 
     return "device" if isinstance(batches, DeviceBatches | DeviceEvalBatches) else "loader"

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
+from stratbench.data.sampling import ShardSampler, virtual_rank_order
+
 
 @dataclass(frozen=True)
 class Augment:
@@ -197,7 +199,6 @@ class DeviceBatches:
     def epoch_plan(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
         """This rank's indices for the epoch (after ``skip``, each step's in ``data.virtual_rank_order``) and
         their augmentation parameters, on the device: the loader's order and draws, by construction."""
-        from stratbench.data.datasets import virtual_rank_order
 
         self.sampler.set_epoch(self.epoch)
         idx = torch.tensor(list(self.sampler), dtype=torch.long)[self.skip :]
@@ -243,7 +244,6 @@ class DeviceEvalBatches:
     ) -> None:
         if source.augment.random:
             raise ValueError("evaluation data must not be randomly augmented")
-        from stratbench.data.datasets import ShardSampler
 
         self.source = source.to(device)
         self.batch = batch

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from stratbench.checkpoints.checkpoint import atomic_output
 from stratbench.core.errors import CheckpointError, StratbenchError, UnsupportedError
 
 META_PROP = "stratbench_meta"
@@ -63,14 +64,15 @@ def export_onnx(
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise StratbenchError(f"unknown exporter {exporter!r}; choose one of: auto, dynamo, torchscript")
-    from stratbench.checkpoints.checkpoint import atomic_output
 
     output = Path(output)
     if output.is_dir():
         raise StratbenchError(f"--output {output} is a folder; name the .onnx file to write")
     # Written under a temporary name, checked, then renamed: a failed export leaves an earlier file intact.
     with atomic_output(output, suffix=".onnx") as tmp:
-        result = _export_checked(model, meta, tmp, fp16=fp16, opset=opset, exporter=exporter, extra_metadata=extra_metadata)
+        result = _export_checked(
+            model, meta, tmp, fp16=fp16, opset=opset, exporter=exporter, extra_metadata=extra_metadata
+        )
     return dataclasses.replace(result, path=output)
 
 

@@ -23,7 +23,12 @@ import torch
 from torch import nn
 
 from stratbench.checkpoints import checkpoint as ckpt
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.dist import resolve_device
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.data.datasets import build_data
+from stratbench.inference.onnx_export import OrtModel, export_onnx, read_metadata
+from stratbench.models.zoo import build_model
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 META_KEYS = ("model", "num_classes", "class_names", "image_size", "mean", "std")
@@ -70,7 +75,6 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def build_from_meta(meta: dict[str, Any]) -> nn.Module:
     """The untrained model that the checkpoint's ``meta`` describes (same constructor the training loop used)."""
-    from stratbench.models.zoo import build_model
 
     return build_model(
         meta["model"],
@@ -78,7 +82,9 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
         cifar_stem=bool(meta.get("cifar_stem", False)),
         norm=meta.get("norm", "group"),
         width=int(meta.get("width", 16)),
-        sample_shape=(3, int(meta["image_size"]), int(meta["image_size"])) if meta.get("image_size") else None,
+        sample_shape=(3, int(meta["image_size"]), int(meta["image_size"]))
+        if meta.get("image_size")
+        else None,
     )
 
 
@@ -236,7 +242,6 @@ def torch_runner(model: nn.Module, device: torch.device | str = "cpu") -> Runner
 
 def onnx_runner(onnx_path: str | Path, device: str = "cpu", threads: int | None = None) -> Runner:
     """Batch -> fp32 logits, through an onnxruntime session of an exported model."""
-    from stratbench.inference.onnx_export import OrtModel
 
     session = OrtModel(onnx_path, device=device, threads=threads)
 
@@ -287,7 +292,6 @@ def train_config_for(
     """A TrainConfig for the data set the checkpoint was trained on, or for ``data``/``data_dir`` when given.
     Unknown keys (a checkpoint from a newer stratbench) are dropped rather than refused: only the data
     fields matter here. The image size is always the one the model was trained at."""
-    from stratbench.core.config import TrainConfig, from_dict
 
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     values = {k: v for k, v in loaded_config.items() if k in known}
@@ -303,7 +307,6 @@ def train_config_for(
 
 def validation_set(cfg, meta: dict[str, Any]):
     """The validation split of ``cfg``'s data set, checked against the model's number of classes."""
-    from stratbench.data.datasets import build_data
 
     bundle = build_data(cfg)
     if bundle.num_classes != int(meta["num_classes"]):
@@ -367,7 +370,6 @@ def open_model(
     torch needs the checkpoint. onnxruntime uses ``onnx`` when given (its stored meta replaces the checkpoint's
     if there is no checkpoint), otherwise exports the checkpoint to a temporary file first.
     """
-    from stratbench.core.dist import resolve_device
 
     resolve_backend(backend)
     dev = resolve_device(device)
@@ -384,7 +386,6 @@ def open_model(
             loaded.meta, loaded.config, torch_runner(loaded.model, dev), f"torch ({dev}): {loaded.describe()}"
         )
         return
-    from stratbench.inference.onnx_export import export_onnx, read_metadata
 
     ort_device = "cuda" if dev.type == "cuda" else "cpu"
     with tempfile.TemporaryDirectory(prefix="stratbench-onnx-") as tmp:

@@ -21,6 +21,7 @@ from stratbench.core.tables import fmt_bytes
 from stratbench.launching import launch
 from stratbench.launching._torchrun import RENDEZVOUS_FAILED
 from stratbench.launching.launch import MULTI_NODE_PORT, torchrun_error_path
+from stratbench.strategies.base import strategy_for_layout
 from stratbench.training import engine
 
 
@@ -81,9 +82,14 @@ def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
         path = ckpt.resolve_resume(cfg.output, cfg.resume_from)
         if path is None:
             if cfg.resume == "must":
-                raise CheckpointError(f"--resume must: nothing to resume in {Path(cfg.output) / 'checkpoints'}")
+                raise CheckpointError(
+                    f"--resume must: nothing to resume in {Path(cfg.output) / 'checkpoints'}"
+                )
             if not quiet:
-                print(f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh", file=sys.stderr)
+                print(
+                    f"note: --resume: no checkpoint in {ckpt.last_checkpoint(Path(cfg.output))} yet; starting fresh",
+                    file=sys.stderr,
+                )
         else:
             checks.append((path, RESUME_KEYS, "resume from"))
     if cfg.init_from:
@@ -91,17 +97,18 @@ def check_resume(cfg: TrainConfig, quiet: bool = False) -> None:
     mine = cfg.to_dict()
     for path, keys, verb in checks:
         meta = ckpt.read_meta(path)
-        if meta.get("layout") == "deepspeed":  # an nvme-offload checkpoint: refused before any process starts
-            from stratbench.strategies.deepspeed import DS_TAG, _refuse_nvme_checkpoint
-
-            _refuse_nvme_checkpoint(path, ckpt.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
+        owner = strategy_for_layout(meta.get("layout"))
+        if owner is not None:  # a method's own layout it cannot load (deepspeed's nvme offload): refused now
+            owner.check_checkpoint(path, meta)
         saved = meta.get("config") or {}
         differ = [k for k in keys if k in saved and saved[k] != mine[k]]
         if differ:
             was = ", ".join(f"--{k.replace('_', '-')} {saved[k]}" for k in differ)
             now = ", ".join(f"--{k.replace('_', '-')} {mine[k]}" for k in differ)
             raise CheckpointError(f"cannot {verb} {path}: it was saved with {was}; this run has {now}")
-        changed = [k for k in RESUME_NOTE_KEYS if verb == "resume from" and k in saved and saved[k] != mine[k]]
+        changed = [
+            k for k in RESUME_NOTE_KEYS if verb == "resume from" and k in saved and saved[k] != mine[k]
+        ]
         if changed and not quiet:
             what = ", ".join(f"--{k.replace('_', '-')} {saved[k]} -> {mine[k]}" for k in changed)
             print(f"note: resuming {path} with {what}: the rest of the run differs from the run that was saved",
@@ -125,7 +132,13 @@ def check_memory(cfg: TrainConfig) -> None:
         )
 
 
-PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "remote worker", "Broken pipe", "NCCL communicator was aborted")
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "remote worker",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
 """What a surviving rank's error says when another rank died (gloo, NCCL)."""
 
 

@@ -17,19 +17,9 @@ import time
 from pathlib import Path
 
 from stratbench.core.config import TrainConfig, dump_yaml
-from stratbench.core.dist import free_port
+from stratbench.core.dist import free_port, needs_launch  # noqa: F401  (job.py asks launch.needs_launch)
+from stratbench.core.errors import StratbenchError
 from stratbench.launching._torchrun import ERROR_FILE_ENV
-
-
-def needs_launch(cfg: TrainConfig) -> bool:
-    """True when this is the user's command and several processes must be started for it."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return False  # a worker of torchrun / the deepspeed launcher
-    if cfg.nproc > 1 or cfg.nnodes > 1:
-        # Asking for processes per node means this is a per-node launcher, also inside an `srun` task
-        # (whose SLURM_PROCID would otherwise make it look like one worker).
-        return True
-    return False
 
 
 def threads_per_process(nproc: int, environ: dict[str, str] | None = None) -> int:
@@ -200,8 +190,6 @@ def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
     if received:
-        from stratbench.core.errors import StratbenchError
-
         name = signal.Signals(received[0]).name
         err = StratbenchError(f"stopped by {name}: the workers of this run were stopped")
         err.exit_code = 128 + received[0]

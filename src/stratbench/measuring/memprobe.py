@@ -110,10 +110,10 @@ def measure_cpu_step_peak(cfg: Any, steps: int = 2) -> dict[str, int]:
     return the peak bytes in use above the baseline during the last one (the first creates optimizer state)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
+    from stratbench.core.optim import optimizer_spec
     from stratbench.core.precision import Precision
     from stratbench.data.datasets import default_image_size
     from stratbench.predicting.estimate import ModelSpec, micro_batch
-    from stratbench.training.engine import optimizer_spec
 
     if malloc_in_use() is None:
         raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc >= 2.33)")
@@ -137,7 +137,9 @@ def measure_cpu_step_peak(cfg: Any, steps: int = 2) -> dict[str, int]:
         model = precision.convert_module(spec.build())
         optimizer = optimizer_spec(cfg)(model.parameters())
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: readings.append((malloc_in_use() or 0) - meter.bytes))
+            p.register_post_accumulate_grad_hook(
+                lambda p: readings.append((malloc_in_use() or 0) - meter.bytes)
+            )
         for step in range(steps):
             readings.clear()
             with Sample() if step == steps - 1 else _null():

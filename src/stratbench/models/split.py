@@ -9,8 +9,8 @@ survive: checkpoints stay portable) and the sequence of pieces computes exactly 
 The cut is either explicit (``--split-points layer2,layer4``: a new stage begins at each named piece, as
 ``torch.distributed.pipelining.SplitPoint.BEGINNING``) or balanced: the contiguous partition into S stages
 that minimises the most expensive stage, where a piece costs its parameter count (``--balance params``: memory)
-or its forward+backward FLOPs (``--balance flops``: time, counted on the meta device by ``metrics.flop_counter``,
-the counter of ``metrics.flops_per_sample``: the pieces' FLOPs add up to the model's).
+or its forward+backward FLOPs (``--balance flops``: time, counted on the meta device by ``flops.flop_counter``,
+the counter of ``flops.flops_per_sample``: the pieces' FLOPs add up to the model's).
 """
 
 from __future__ import annotations
@@ -23,6 +23,9 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
+from stratbench.models._torchvision import import_torchvision
+from stratbench.models.flops import flop_counter
+from stratbench.models.zoo import TinyNet
 
 FLATTEN = "<flatten>"
 """A parameter-free ``torch.flatten(x, 1)`` that the model's forward calls between two modules (ResNet and
@@ -105,7 +108,6 @@ class Split:
 
 def pieces_of(model: nn.Module) -> list[Piece]:
     """The pieces of a model stratbench knows how to split, in forward order; ConfigError otherwise."""
-    from stratbench.models.zoo import TinyNet
 
     if isinstance(model, TinyNet):
         blocks = [Piece(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))]
@@ -131,8 +133,6 @@ def _is_torchvision_resnet(model: nn.Module) -> bool:
     if type(model).__name__ != "ResNet":
         return False
     try:
-        from stratbench.models._torchvision import import_torchvision
-
         return isinstance(model, import_torchvision().models.ResNet)
     except Exception:
         return False
@@ -149,8 +149,6 @@ def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, 
     the pieces one after the other on meta tensors (the model itself may be on meta or any device), in the
     dtype of the model's weights."""
     import copy
-
-    from stratbench.measuring.metrics import flop_counter
 
     meta = model if _on_meta(model) else copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)

@@ -16,6 +16,7 @@ from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
+from stratbench.models._torchvision import import_torchvision
 
 MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
 
@@ -70,7 +71,6 @@ class TinyNet(nn.Module):
 
 def residual_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
     """The block classes to wrap (FSDP) or checkpoint: one unit per residual block."""
-    from stratbench.models._torchvision import import_torchvision
 
     resnet = import_torchvision().models.resnet
     candidates = (TinyBlock, resnet.BasicBlock, resnet.Bottleneck)
@@ -80,7 +80,6 @@ def residual_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
 
 
 def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
-    from stratbench.models._torchvision import import_torchvision
 
     model = getattr(import_torchvision().models, name)(weights=None, num_classes=num_classes)
     if cifar_stem:
@@ -180,8 +179,9 @@ def torchvision_weights(model: str, name: str):
     """The torchvision ``WeightsEnum`` member for ``model`` and ``name`` (``imagenet``, ``DEFAULT``, ``IMAGENET1K_V1``)."""
     if model not in MODELS or model == "tinynet":
         tv_models = ", ".join(m for m in MODELS if m != "tinynet")
-        raise ConfigError(f"--weights {name}: pretrained weights exist only for torchvision models ({tv_models}), not {model!r}")
-    from stratbench.models._torchvision import import_torchvision
+        raise ConfigError(
+            f"--weights {name}: pretrained weights exist only for torchvision models ({tv_models}), not {model!r}"
+        )
 
     enum = import_torchvision().models.get_model_weights(model)
     key = PRETRAINED_ALIASES.get(name.lower(), name)
@@ -189,7 +189,9 @@ def torchvision_weights(model: str, name: str):
         return enum[key]
     except KeyError:
         allowed = ", ".join(["imagenet", "DEFAULT", *(w.name for w in enum)])
-        raise ConfigError(f"unknown weights {name!r} for {model}; choose one of: {allowed} (or a local file)") from None
+        raise ConfigError(
+            f"unknown weights {name!r} for {model}; choose one of: {allowed} (or a local file)"
+        ) from None
 
 
 def weights_cache_file(weights) -> Path:
@@ -214,7 +216,9 @@ def resolve_weights(model: str, weights: str | None, download: bool = False) -> 
                 f"({member.url}) into {path.parent}, or add --download when online"
             )
         try:
-            member.get_state_dict(progress=False, check_hash=True)  # load_state_dict_from_url: fills the cache
+            member.get_state_dict(
+                progress=False, check_hash=True
+            )  # load_state_dict_from_url: fills the cache
         except Exception as exc:
             raise CheckpointError(f"downloading {member.url} into {path.parent} failed: {exc}") from None
     return str(path)

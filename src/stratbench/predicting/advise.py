@@ -9,8 +9,14 @@ import shlex
 from dataclasses import dataclass, field
 
 from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.predicting.estimate import Estimate, estimate
+from stratbench.predicting.projection import project
+from stratbench.strategies.base import comm_reference_name, get_strategy
+
+COMPARE_SIMPLEST = "single,ddp,fsdp"
+"""The methods `stratbench compare` runs after advise chose the baseline or DDP: whether sharding would pay."""
 
 
 @dataclass(frozen=True)
@@ -21,6 +27,8 @@ class Plan:
     options: tuple[tuple[str, object], ...] = ()
     activation_checkpointing: bool = False
     why: str = ""
+    enough: str = ""
+    """Said when this plan is chosen by fitting: the simplest plans say that nothing more is needed."""
 
     @property
     def label(self) -> str:
@@ -53,13 +61,13 @@ def candidates(devices: int) -> list[Plan]:
     """Simplest first: each later plan trades speed (communication, recomputation, host transfers) for memory."""
     if devices == 1:
         return [
-            Plan("single", why="one device, no communication: the baseline"),
+            Plan("single", why="one device, no communication: the baseline", enough="the model and batch fit one device: no sharding or offload needed"),
             Plan("single", activation_checkpointing=True, why="recompute each block's activations in backward (~30% slower)"),
             Plan("deepspeed", (("zero_stage", 2), ("offload_optimizer", "cpu")), why="ZeRO-Offload: optimizer states and step on the CPU, the one method that saves memory on one GPU"),
             Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-Infinity-style: parameters on the CPU too"),
         ]  # fmt: skip
     return [
-        Plan("ddp", why="a full replica per device, gradients all-reduced: the fastest multi-device method when it fits"),
+        Plan("ddp", why="a full replica per device, gradients all-reduced: the fastest multi-device method when it fits", enough="DDP fits, so FSDP/DeepSpeed would only add communication: you do not need them"),
         Plan("ddp-zero", why="DDP + ZeroRedundancyOptimizer: optimizer state sharded (ZeRO-1), same communication as DDP"),
         Plan("fsdp", (("sharding", "grad-op"),), why="FSDP grad-op (ZeRO-2): gradients and optimizer sharded, one all-gather per step"),
         Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
@@ -87,11 +95,9 @@ def advise(
     calibration=None,
 ) -> Advice:
     """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory; with
-    ``goal="speed"`` and a hardware ``system`` (stratbench.predicting.hardware), the plan with the shortest projected step
+    ``goal="speed"`` and a hardware ``system`` (stratbench.measuring.hardware), the plan with the shortest projected step
     time among those that fit."""
     if goal not in ("fit", "speed"):
-        from stratbench.core.errors import ConfigError
-
         raise ConfigError(f"unknown goal {goal!r}; choose one of: fit, speed")
     if goal == "speed" and system is not None:
         return _fastest(base, devices, device_memory, device_type, headroom, system, calibration)
@@ -107,7 +113,7 @@ def advise(
         "for allocator fragmentation and cuDNN workspaces)"
     )
     for plan in plans:
-        world = 1 if plan.strategy == "single" else devices
+        world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = base.replace(
             strategy=plan.strategy,
             strategy_options=dict(plan.options),
@@ -128,10 +134,8 @@ def advise(
             "or use more devices"
         )
         return advice
-    if devices > 1 and advice.plan.strategy == "ddp":
-        reasons.append("DDP fits, so FSDP/DeepSpeed would only add communication: you do not need them")
-    if devices == 1 and advice.plan.strategy == "single" and not advice.plan.activation_checkpointing:
-        reasons.append("the model and batch fit one device: no sharding or offload needed")
+    if advice.plan.enough:
+        reasons.append(advice.plan.enough)
     advice.train_command, advice.compare_command = commands(base, advice.plan, devices)
     return advice
 
@@ -142,9 +146,6 @@ SPEED_TIE = 0.03
 
 def _fastest(base, devices, device_memory, device_type, headroom, system, calibration) -> Advice:
     """Every candidate plan estimated and projected on ``system``; the fastest that fits wins."""
-    from stratbench.core.errors import ConfigError
-    from stratbench.predicting.projection import project
-
     gpn = min(devices, system.gpus_per_node)
     if devices % gpn:
         raise ConfigError(
@@ -159,7 +160,7 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
     )
     fitting = []
     for plan in candidates(devices):
-        world = 1 if plan.strategy == "single" else devices
+        world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
                            activation_checkpointing=plan.activation_checkpointing, nnodes=nodes)  # fmt: skip
         est = estimate(cfg, world, device_type)
@@ -202,10 +203,14 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:
         args += ["--activation-checkpointing", "true"]
-    if plan.strategy != "single":
+    cls = get_strategy(plan.strategy)
+    if cls.spans_devices:
         args += ["--nproc", str(devices)]
     train = shlex.join(args)
-    others = "single,ddp,fsdp" if plan.strategy in ("single", "ddp") else f"ddp,{plan.strategy}"
+    # the baseline or DDP chosen: does sharding pay at all? Another method: against DDP, the reference
+    others = (
+        COMPARE_SIMPLEST if cls.baseline or cls.comm_reference else f"{comm_reference_name()},{plan.strategy}"
+    )
     compare = shlex.join(
         ["stratbench", "compare", "--preset", "seed", "--data", "synthetic", "--only", others]
     )

@@ -362,8 +362,8 @@ def cpu_step_scratch(cfg: TrainConfig) -> int:
     by running two steps of the real optimizer on fake parameters (the first creates the state) and keeping
     the live bytes of the second. On a CPU torch's optimizers take the per-parameter loop, so this is the
     temporaries of the largest parameter (e.g. weight decay's ``grad + wd * param``, AdamW's denominator)."""
+    from stratbench.core.optim import optimizer_spec
     from stratbench.core.precision import SPECS
-    from stratbench.training.engine import optimizer_spec
 
     opt = optimizer_spec(cfg)
     try:

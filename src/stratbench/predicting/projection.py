@@ -25,7 +25,9 @@ never as 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import json
 import math
 import statistics
 from collections.abc import Callable
@@ -33,10 +35,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stratbench.core.config import TrainConfig
+from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
-from stratbench.measuring.comm import wire_factor
-from stratbench.predicting.hardware import Gpu, HardwareError, Link, System
+from stratbench.measuring.comm import Collective, wire_factor
+from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
+from stratbench.predicting.estimate import MemoryContext, ModelSpec, NoMemoryModel, estimate, model_info
+from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 
 FORWARD_SHARE = 1.0 / 3.0
 """Forward FLOPs as a share of forward+backward (backward computes two products per forward one)."""
@@ -55,15 +59,13 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 
 @functools.cache
 def _flops(spec) -> float | None:
-    from stratbench.measuring.metrics import flops_per_sample
+    from stratbench.models.flops import flops_per_sample
 
     return flops_per_sample(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
 
 
 def model_flops(cfg: TrainConfig) -> float | None:
     """Forward+backward FLOPs of one sample of the config's model (counted on the meta device, cached)."""
-    from stratbench.predicting.estimate import ModelSpec
-
     return _flops(ModelSpec.from_config(cfg))
 
 
@@ -172,8 +174,6 @@ def method_key(cfg: TrainConfig) -> str:
 
 
 def _result_config(result: dict[str, Any], where: str) -> TrainConfig:
-    from stratbench.core.config import from_dict
-
     if result.get("status") not in (None, "ok"):
         raise ConfigError(
             f"{where}: the run's status is {result.get('status')!r}; calibrate on a run that finished"
@@ -188,9 +188,6 @@ def optimizer_bytes(
     cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda"
 ) -> tuple[float, float]:
     """(bytes the optimizer step moves through device memory, through host memory) on ``rank``."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
-    from stratbench.strategies.base import get_strategy
-
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
@@ -214,9 +211,6 @@ def optimizer_bytes(
 def offload_bytes(cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda") -> float:
     """Bytes crossing the host link per step: the rank's gradients down and parameters up for an offloaded
     optimizer, the offloaded parameters twice (forward and backward) for parameter offload."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
-    from stratbench.strategies.base import get_strategy
-
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
@@ -249,7 +243,7 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
     methods: list[tuple[dict[str, Any], str, TrainConfig]] = []
     for result, name in zip(results, names, strict=True):
         cfg = _result_config(result, name)
-        if cfg.strategy != "single":
+        if cfg.strategy != baseline_name():
             methods.append((result, name, cfg))
             continue
         rs, ns = groups.setdefault(precision_key(cfg.precision, cfg.tf32), ([], []))
@@ -275,7 +269,9 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
                 f" in {key}; give one (allowed precisions so far: {', '.join(sorted(cals)) or 'none'})"
             )
         step = _step_time(result, name)
-        extras.setdefault((key, mkey), []).append((step - _single_step(cfg, cal, system, result)) / cfg.grad_accum)
+        extras.setdefault((key, mkey), []).append(
+            (step - _single_step(cfg, cal, system, result)) / cfg.grad_accum
+        )
     for (key, mkey), xs in extras.items():
         cal = cals[key]
         # a method cannot take less than the FLOPs: a negative extra only removes fixed overhead
@@ -288,13 +284,10 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
 
 
 def method_run_refused(strategy: str) -> str | None:
-    """Why a one-device run of ``strategy`` cannot calibrate that method's own overhead (None: it can)."""
-    if strategy == "pipeline":
-        return (
-            "a pipeline on one device is one stage, not the method (its stages are the devices);"
-            " its projection models the stages and the bubble"
-        )
-    return None
+    """Why a one-device run of ``strategy`` cannot calibrate that method's own overhead (None: it can, or the
+    method is not installed here: ``Strategy.calibration_refused``)."""
+    cls = all_strategies().get(strategy)
+    return (cls.calibration_refused or None) if cls is not None else None
 
 
 def _step_time(result: dict[str, Any], where: str) -> float:
@@ -334,9 +327,10 @@ def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dic
 def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float]:
     """`single` on ``gpu`` at ``cfg``'s batch: one micro-batch's FLOPs (recomputation included) and the seconds of
     its optimizer step (the optimizer state's bytes over the memory bandwidth)."""
-    single = cfg.replace(strategy="single", strategy_options={})
+    single = cfg.replace(strategy=baseline_name(), strategy_options={})
     dev_bytes, _ = optimizer_bytes(single, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
-    return flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1), dev_bytes / gpu.memory_bandwidth
+    work = flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1)
+    return work, dev_bytes / gpu.memory_bandwidth
 
 
 def calibrate_one(
@@ -346,8 +340,6 @@ def calibrate_one(
     FLOPs x batch / ((step time - modelled optimizer step) x peak). Runs at two or more batch sizes: a
     least-squares line step = overhead + batch x FLOPs / (peak x efficiency), which also gives the fixed
     per-step overhead (Python, kernel launches) that dominates small models."""
-    from stratbench.predicting.hardware import builtin
-
     if not results:
         raise ConfigError("--calibrate needs at least one result.json")
     names = names or [f"result {i}" for i in range(len(results))]
@@ -365,22 +357,7 @@ def calibrate_one(
             )
         step = _step_time(result, where)
         k = precision_key(cfg.precision, cfg.tf32)
-        env = result.get("environment", {})
-        if env.get("device_type") == "cuda":
-            dev_name = (env.get("gpus") or [""])[0]
-            gpu = builtin().gpu_for_device(dev_name)
-            if system.gpu.kind == "cuda" and system.gpu.matches(dev_name):
-                gpu = system.gpu
-            if gpu is None:
-                raise ConfigError(
-                    f"{where}: device {dev_name!r} is not in the hardware profiles; add it with --hardware FILE"
-                )
-        else:
-            if system.gpu.kind != "cpu":
-                raise ConfigError(
-                    f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
-                )
-            gpu = system.gpu
+        gpu = _run_device(result, where, system)
         thread_share = _thread_share(result, system)
         if key not in (None, k) or model not in (None, (cfg.model, cfg.image_size, cfg.width)):
             raise ConfigError(f"{where}: calibration runs must share one model and precision")
@@ -398,26 +375,10 @@ def calibrate_one(
         points.append({"batch": cfg.batch_size, "step_s": float(step), "optimizer_s": t_opt,
                        "flop": work / thread_share, "thread_share": thread_share})  # fmt: skip
     assert key is not None and device_gpu is not None
-    peak = device_gpu.peak(key)
-    batches = {p["batch"] for p in points}
-    if len(batches) >= 2:
-        xs = [p["flop"] for p in points]
-        ys = [p["step_s"] - p["optimizer_s"] for p in points]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-        if slope <= 0:
-            raise ConfigError(
-                "calibration runs: the step time does not grow with the batch; measure larger batches"
-            )
-        overhead = max(0.0, my - slope * mx)
-        efficiency = 1.0 / (slope * peak)
-        how = f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step"
-    else:
-        overhead = 0.0
-        efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
-        how = f"batch {points[0]['batch']}, step {statistics.fmean(p['step_s'] for p in points) * 1e3:.1f} ms"
+    overhead, efficiency, how = _fit_points(points, device_gpu.peak(key))
     if shares != {1.0}:
-        how += "; peak x " + "/".join(f"{x:.2f}" for x in sorted(shares)) + " (the run's threads' share of all cores)"
+        peaks = "/".join(f"{x:.2f}" for x in sorted(shares))
+        how += f"; peak x {peaks} (the run's threads' share of all cores)"
     return Calibration(
         efficiency=efficiency,
         key=key,
@@ -429,9 +390,49 @@ def calibrate_one(
     )
 
 
-def load_calibration(paths: list[str], system: System) -> Calibrations:
-    import json
+def _run_device(result: dict[str, Any], where: str, system: System) -> Gpu:
+    """The profile of the device a calibration run ran on: its GPU (``system``'s own where the names match), or
+    ``system``'s CPU for a CPU run (a CPU run calibrates only a CPU profile)."""
+    env = result.get("environment", {})
+    if env.get("device_type") != "cuda":
+        if system.gpu.kind != "cpu":
+            raise ConfigError(
+                f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
+            )
+        return system.gpu
+    dev_name = (env.get("gpus") or [""])[0]
+    gpu = builtin().gpu_for_device(dev_name)
+    if system.gpu.kind == "cuda" and system.gpu.matches(dev_name):
+        gpu = system.gpu
+    if gpu is None:
+        raise ConfigError(
+            f"{where}: device {dev_name!r} is not in the hardware profiles; add it with --hardware FILE"
+        )
+    return gpu
 
+
+def _fit_points(points: list[dict[str, float]], peak: float) -> tuple[float, float, str]:
+    """(fixed seconds per step, efficiency, how they were found) from calibration points: a least-squares line
+    over two or more batch sizes, else the mean efficiency of one batch's runs with no fixed overhead."""
+    batches = {p["batch"] for p in points}
+    if len(batches) < 2:
+        efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
+        step_ms = statistics.fmean(p["step_s"] for p in points) * 1e3
+        return 0.0, efficiency, f"batch {points[0]['batch']}, step {step_ms:.1f} ms"
+    xs = [p["flop"] for p in points]
+    ys = [p["step_s"] - p["optimizer_s"] for p in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    if slope <= 0:
+        raise ConfigError(
+            "calibration runs: the step time does not grow with the batch; measure larger batches"
+        )
+    overhead = max(0.0, my - slope * mx)
+    how = f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step"
+    return overhead, 1.0 / (slope * peak), how
+
+
+def load_calibration(paths: list[str], system: System) -> Calibrations:
     results = []
     for p in paths:
         try:
@@ -476,10 +477,6 @@ class MethodProjection:
         return asdict(self)
 
 
-def _world_for(strategy: str, devices: int) -> int:
-    return 1 if strategy == "single" else devices
-
-
 def project(
     cfg: TrainConfig,
     system: System,
@@ -490,17 +487,12 @@ def project(
     label: str | None = None,
 ) -> MethodProjection:
     """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``."""
-    import dataclasses
-
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, NoMemoryModel, estimate, model_info
-    from stratbench.strategies.base import get_strategy
-
     gpn = gpus_per_node or system.gpus_per_node
     if gpn != system.gpus_per_node:
         system = dataclasses.replace(system, gpus_per_node=gpn)
-    world = _world_for(cfg.strategy, nodes * gpn)
-    out = MethodProjection(label or cfg.strategy, world, nodes if world > 1 else 1)
     cls = get_strategy(cfg.strategy)
+    world = cls.devices_for_world(nodes * gpn)
+    out = MethodProjection(label or cfg.strategy, world, nodes if world > 1 else 1)
     device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
@@ -516,11 +508,48 @@ def project(
         out.status, out.reason = "no model", f"the FLOPs of model {cfg.model!r} cannot be counted"
         return out
     key = precision_key(cfg.precision, cfg.tf32)
-    gpu = system.gpu
-    peak = gpu.peak(key)
+    peak = system.gpu.peak(key)
     if peak is None:
-        out.status, out.reason = "error", f"{gpu.name} has no {key} peak in the hardware profiles"
+        out.status, out.reason = "error", f"{system.gpu.name} has no {key} peak in the hardware profiles"
         return out
+    eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
+    samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
+    # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
+    flops_on_path = flops * samples * (1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0)
+    forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.compute_scale(ctx), peak * eff,
+                                 overhead, cal)  # fmt: skip
+    overlap_fn = getattr(cls, "comm_overlap", None)
+    _communication(
+        out, rows, system, float(overlap_fn(ctx)) if callable(overlap_fn) else 1.0, forward, backward
+    )
+    if not _optimizer_and_offload(out, cfg, world, system, device_type):
+        return out
+    out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s
+    out.throughput = cfg.batch_size / out.step_s
+    terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
+             "offload": out.offload_s}  # fmt: skip
+    out.dominant = max(terms, key=terms.get)
+    out.scaling_efficiency = _scaling_efficiency(cfg, system, world, samples, calibration, out.throughput)
+    if memory:
+        out.memory_bytes, out.fits = _memory(cfg, world, device_type, system.gpu)
+    return out
+
+
+def _memory(cfg: TrainConfig, world: int, device_type: str, gpu: Gpu) -> tuple[int | None, bool | None]:
+    """(estimated bytes per device, whether they fit ``gpu``); (None, None) for a method without a memory model."""
+    try:
+        e = estimate(cfg, world, device_type)
+    except NoMemoryModel:
+        return None, None
+    return e.total_bytes, e.total_bytes <= gpu.memory_bytes
+
+
+def _efficiency(
+    out: MethodProjection, gpu: Gpu, key: str, calibration: Calibrations | None, mkey: str
+) -> tuple[float, float, Calibration | None]:
+    """(achieved share of the peak, fixed seconds per micro-step, the calibration of ``key`` or None): calibrated
+    where ``calibration`` has ``key`` (plus the method's own overhead where it measured one), else the profile's
+    default; the source goes on ``out``."""
     cal = (calibration or {}).get(key)
     if cal is not None:
         eff, out.efficiency_source, overhead = cal.efficiency, cal.source, cal.overhead_s
@@ -532,28 +561,38 @@ def project(
             f" (calibrated: {', '.join(calibration)} only)" if calibration else ""
         )
     out.efficiency = eff
-    mkey = method_key(cfg)
     if cal is not None and mkey in cal.method_overhead_s:
         overhead += cal.method_overhead_s[mkey]
         out.efficiency_source += "; " + cal.method_sources[mkey]
-    share = system.compute_share if min(world, gpn) > 1 else 1.0
-    dp = cls.data_parallel_size(cfg, world)
-    samples = cfg.batch_size / dp
+    return eff, overhead, cal
+
+
+def _compute(
+    out: MethodProjection, cfg: TrainConfig, system: System, world: int, flops: float, achieved: float,
+    overhead: float, cal: Calibration | None,
+) -> tuple[float, float]:  # fmt: skip
+    """``out``'s compute seconds per step: ``flops`` on the critical path over the ``achieved`` FLOP/s (shared
+    between the devices of a node), plus the fixed overhead per micro-step; returns the forward and backward
+    seconds that communication can hide under."""
+    share = system.compute_share if min(world, system.gpus_per_node) > 1 else 1.0
+    flop_time = flops / (achieved * share)
     ac = 1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0
-    # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
-    flop_time = flops * samples * ac * cls.compute_scale(ctx) / (peak * eff * share)
     forward = flop_time * FORWARD_SHARE / ac
-    backward = flop_time - forward
-    if cal is not None and gpu.kind == "cpu" and share < 1.0:
+    if cal is not None and system.gpu.kind == "cpu" and share < 1.0:
         # On a CPU the fixed per-step work (Python, dispatch) runs on the same shared cores as the FLOPs: it
         # slows down by as much when every process runs (calibrated share / the share each process gets).
         overhead *= cal.thread_share / share
     out.overhead_s = overhead * cfg.grad_accum
     out.compute_s = flop_time + out.overhead_s
+    return forward, flop_time - forward
 
-    # Communication, per phase, and what hides under compute.
-    overlap_fn = getattr(cls, "comm_overlap", None)
-    method_overlap = float(overlap_fn(ctx)) if callable(overlap_fn) else 1.0
+
+def _communication(
+    out: MethodProjection, rows: list[Collective], system: System, method_overlap: float, forward: float,
+    backward: float,
+) -> None:  # fmt: skip
+    """``out``'s communication per step, and what of it stays exposed: forward- and backward-phase traffic hides
+    under that phase's compute up to the system's overlap x the method's own (``comm_overlap``)."""
     f = system.overlap * method_overlap
     out.overlap = f
     by_phase: dict[str, float] = {}
@@ -568,42 +607,41 @@ def project(
         exposed += t - min(f * t, under)
     out.comm_exposed_s = exposed
 
+
+def _optimizer_and_offload(
+    out: MethodProjection, cfg: TrainConfig, world: int, system: System, device_type: str
+) -> bool:
+    """``out``'s optimizer step (bytes over device or host memory bandwidth) and host-link transfers; False (with
+    ``out``'s status "error") where the system lacks the host bandwidth a CPU optimizer step needs."""
     dev_bytes, host_bytes = optimizer_bytes(cfg, world, 0, device_type)
-    host_bw = system.host_memory_bandwidth / gpn if system.host_memory_bandwidth else 0.0
-    out.optimizer_s = dev_bytes / gpu.memory_bandwidth
+    host_bw = system.host_memory_bandwidth / system.gpus_per_node if system.host_memory_bandwidth else 0.0
+    out.optimizer_s = dev_bytes / system.gpu.memory_bandwidth
     if host_bytes:
         if not host_bw:
             out.status, out.reason = (
                 "error",
                 f"system {system.key!r} has no host_memory_bandwidth (CPU optimizer step)",
             )
-            return out
+            return False
         out.optimizer_s += host_bytes / host_bw
     link = offload_bytes(cfg, world, 0, device_type)
     out.offload_s = link / system.host.effective_bandwidth if link else 0.0
+    return True
 
-    out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s
-    out.throughput = cfg.batch_size / out.step_s
-    terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
-             "offload": out.offload_s}  # fmt: skip
-    out.dominant = max(terms, key=terms.get)
-    if world > 1:
-        one = project(
-            cfg.replace(strategy="single", strategy_options={}, batch_size=max(1, round(samples))),
-            system, 1, gpn, calibration, memory=False,
-        )  # fmt: skip
-        if one.throughput:  # vs every device doing a replica's share alone (a pipeline's stages are devices too)
-            out.scaling_efficiency = out.throughput / (world * one.throughput)
-    else:
-        out.scaling_efficiency = 1.0
-    if memory:
-        try:
-            e = estimate(cfg, world, device_type)
-            out.memory_bytes = e.total_bytes
-            out.fits = e.total_bytes <= gpu.memory_bytes
-        except NoMemoryModel:
-            out.memory_bytes, out.fits = None, None
-    return out
+
+def _scaling_efficiency(
+    cfg: TrainConfig, system: System, world: int, samples: float, calibration: Calibrations | None,
+    throughput: float,
+) -> float | None:  # fmt: skip
+    """Throughput over ``world`` devices each running the baseline on a replica's share of the batch alone (a
+    pipeline's stages are devices too); None where the baseline has no projection."""
+    if world <= 1:
+        return 1.0
+    one = project(
+        cfg.replace(strategy=baseline_name(), strategy_options={}, batch_size=max(1, round(samples))),
+        system, 1, system.gpus_per_node, calibration, memory=False,
+    )  # fmt: skip
+    return throughput / (world * one.throughput) if one.throughput else None
 
 
 def project_all(
@@ -616,8 +654,6 @@ def project_all(
     memory: bool = True,
 ) -> list[MethodProjection]:
     """One projection per registered strategy (or the named ones); errors become rows, not exceptions."""
-    from stratbench.strategies.base import all_strategies
-
     out = []
     for name in strategies or sorted(all_strategies()):
         try:
@@ -647,8 +683,6 @@ predicts its own rows with when no probe profile is given."""
 def system_for_record(rec: dict[str, Any], hardware: str | None = None) -> System:
     """The profile of the machine a compare record ran on: ``hardware`` (a system name or a probe file) when
     given; otherwise the built-in system of the record's GPU, or ``cpu-gloo`` on a CPU."""
-    from stratbench.predicting.hardware import builtin, resolve
-
     if hardware:
         return resolve(hardware)
     env = rec.get("environment") or {}
@@ -692,7 +726,7 @@ def predict_record(
         system = system_for_record(rec, hardware)
         if system.gpu.kind == "cpu" and calibration_rec is None:
             raise ConfigError("no single run of this precision in the sweep to calibrate the CPU on")
-        return system, calibrate([calibration_rec], system, ["single"]) if calibration_rec else None
+        return system, calibrate([calibration_rec], system, [baseline_name()]) if calibration_rec else None
 
     return _predict(rec, basis)
 
@@ -705,7 +739,6 @@ def predict_calibrated(
     (`compare --calibrate`: `single` at two batch sizes and the record's method on one process, as result.json
     records) on the probe ``profile`` of the machine (or ``hardware`` where given): no measurement of the record
     itself enters it."""
-    from stratbench.predicting.hardware import resolve
 
     def basis() -> tuple[System, dict[str, Calibration] | None]:
         system = resolve(hardware or profile)
@@ -719,8 +752,6 @@ def _predict(
 ) -> RecordPrediction:
     """Project ``rec``'s config on the system and calibration ``basis`` gives; a ConfigError on the way (a
     config, profile or calibration that does not load) becomes the prediction's reason."""
-    from stratbench.core.config import from_dict
-
     try:
         cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
         system, calibration = basis()
@@ -729,4 +760,6 @@ def _predict(
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
         return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source)
+    return RecordPrediction(
+        p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source
+    )

@@ -17,7 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib
+import pkgutil
 from collections.abc import Callable, Iterable, Iterator
+from importlib.metadata import entry_points
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
@@ -25,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratbench.checkpoints import checkpoint as checkpoint_files
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 
@@ -82,6 +86,12 @@ class Strategy:
     """The method whose communication per step the report's "comm / step (vs ...)" column divides by."""
     spans_devices: ClassVar[bool] = True
     """False for a method that uses one device whatever the world size it is asked about."""
+    calibration_refused: ClassVar[str] = ""
+    """Why a run of this method on one device cannot calibrate the method's own overhead per step ("": it can;
+    ``stratbench.predicting.projection.calibrate``, ``compare --calibrate``)."""
+    checkpoint_layout: ClassVar[str | None] = None
+    """The checkpoint layout (``stratbench_meta.pt``'s "layout") whose pre-launch check this class owns
+    (``check_checkpoint``); None: none."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
@@ -108,6 +118,11 @@ class Strategy:
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
         """None when the method can run here with this config, else one line naming the requirement."""
         return None
+
+    @classmethod
+    def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
+        """Refuse (CheckpointError), before any process starts, a checkpoint in ``checkpoint_layout`` that no run
+        can resume or start from; ``meta`` is its header. Nothing by default."""
 
     @classmethod
     def options_for_world(cls, cfg: TrainConfig, world_size: int) -> dict[str, Any]:
@@ -387,6 +402,14 @@ def comm_reference_name() -> str:
     return next(name for name, cls in REGISTRY.items() if cls.comm_reference)
 
 
+def strategy_for_layout(layout: str | None) -> type[Strategy] | None:
+    """The method that owns checkpoint layout ``layout`` (``Strategy.checkpoint_layout``); None: no method does."""
+    discover()
+    return next(
+        (cls for cls in REGISTRY.values() if layout is not None and cls.checkpoint_layout == layout), None
+    )
+
+
 def all_strategies() -> dict[str, type[Strategy]]:
     discover()
     return dict(REGISTRY)
@@ -406,15 +429,9 @@ def discover() -> None:
     global _DISCOVERED
     if _DISCOVERED:
         return
-    import importlib
-    import pkgutil
-
-    import stratbench.strategies as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
+    for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
         if info.name != "base":
-            importlib.import_module(f"{pkg.__name__}.{info.name}")
-    from importlib.metadata import entry_points
+            importlib.import_module(f"{__package__}.{info.name}")
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         try:
@@ -424,3 +441,6 @@ def discover() -> None:
                 f"strategy plug-in {ep.name!r} ({ep.value}) failed to load: {type(exc).__name__}: {exc}"
             ) from exc
     _DISCOVERED = True
+
+
+checkpoint_files.add_layout_source(discover)  # a sharded folder's reader is in its method's file

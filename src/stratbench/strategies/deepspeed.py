@@ -506,6 +506,12 @@ class DeepSpeed(Strategy):
     needs_process_group = True
     requirements = "pip install deepspeed; 1+ processes (CPU with gloo, or one GPU each)"
     launcher = "deepspeed"
+    checkpoint_layout = "deepspeed"
+
+    @classmethod
+    def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
+        """An --offload-optimizer nvme checkpoint cannot be resumed or started from (``_refuse_nvme_checkpoint``)."""
+        _refuse_nvme_checkpoint(path, checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
 
     @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:

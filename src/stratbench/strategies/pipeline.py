@@ -280,6 +280,10 @@ class PipelineStrategy(Strategy):
     launcher = "torchrun"
     needs_process_group = True
     Options = PipelineOptions
+    calibration_refused = (
+        "a pipeline on one device is one stage, not the method (its stages are the devices);"
+        " its projection models the stages and the bubble"
+    )
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)

@@ -48,6 +48,7 @@ class DDPZeroStrategy(DDPStrategy):
     description = "DDP + ZeroRedundancyOptimizer: optimizer state sharded over ranks (ZeRO-1)"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA)"
     Options = ZeroOptions
+    comm_reference = False  # DDP's subclass; the reference is DDP itself
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):

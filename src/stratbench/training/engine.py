@@ -23,8 +23,16 @@ import torch
 from torch import nn
 
 from stratbench.checkpoints import checkpoint as ckpt
-from stratbench.core.config import TrainConfig, dump_yaml, optimizer_impl_kwargs, validate
-from stratbench.core.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
+from stratbench.core.config import TrainConfig, dump_yaml, validate
+from stratbench.core.dist import (
+    DistEnv,
+    destroy_process_group,
+    init_process_group,
+    needs_launch,
+    read_env,
+    resolve_device,
+    seed_everything,
+)
 from stratbench.core.errors import (
     CheckpointError,
     ConfigError,
@@ -33,6 +41,7 @@ from stratbench.core.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
+from stratbench.core.optim import OptimizerSpec, lr_lambda, optimizer_spec  # noqa: F401
 from stratbench.core.precision import SPECS, Precision, configure_tf32, supported_on
 from stratbench.core.progress import progress_bar
 from stratbench.data.datasets import (
@@ -45,7 +54,9 @@ from stratbench.data.datasets import (
     split_batch,
     steps_per_epoch,
 )
-from stratbench.measuring.metrics import RunMetrics, environment, flops_per_sample
+from stratbench.measuring.environment import environment
+from stratbench.measuring.metrics import RunMetrics
+from stratbench.models.flops import flops_per_sample
 from stratbench.models.zoo import (
     apply_activation_checkpointing,
     build_model,
@@ -59,46 +70,10 @@ from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
 
 
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Optimizer class and keyword arguments; callable on parameters. Strategies that build the optimizer
-    themselves (ZeroRedundancyOptimizer, DeepSpeed) read ``cls`` and ``kwargs``."""
-
-    cls: type[torch.optim.Optimizer]
-    kwargs: dict[str, Any]
-
-    def __call__(self, params) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
-
-
-def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
-    if cfg.optimizer == "sgd":
-        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
-        return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
-    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
-
-
-def lr_lambda(cfg: TrainConfig, total_steps: int):
-    warm = cfg.lr_warmup_steps
-
-    def f(step: int) -> float:
-        if warm and step < warm:
-            return (step + 1) / warm
-        if cfg.lr_schedule == "constant":
-            return 1.0
-        progress = (step - warm) / max(1, total_steps - warm)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return f
-
-
 def world_size_of(cfg: TrainConfig) -> int:
     """Processes the run will have: nproc x nnodes when stratbench starts them, else the launcher's
     WORLD_SIZE (torchrun, deepspeed) or SLURM_NTASKS (srun, one task per device)."""
     import os
-
-    from stratbench.launching.launch import needs_launch
 
     if needs_launch(cfg):
         return cfg.nproc * cfg.nnodes
@@ -127,7 +102,6 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     """Every check that needs no data or model: bad input fails here, before any work starts."""
     world = world_size if world_size is not None else world_size_of(cfg)
     strategy_cls = check_config(cfg, world)
-    from stratbench.core.dist import resolve_device
 
     device = resolve_device(cfg.device)
     reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
@@ -302,7 +276,9 @@ class Trainer:
         shard, shards = strategy.data_shard()
         micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
         # The host DataLoader, or the device-side pipeline (--data-pipeline; the default on CUDA for in-memory data).
-        loader, sampler = make_train_batches(cfg, bundle, env.device, shard, shards, micro, strategy.step_chunks())
+        loader, sampler = make_train_batches(
+            cfg, bundle, env.device, shard, shards, micro, strategy.step_chunks()
+        )
         self.result["data_pipeline"] = pipeline_of(loader)
         spe = steps_per_epoch(len(bundle.train), shards, micro, cfg.grad_accum)
         if spe == 0:
@@ -313,7 +289,11 @@ class Trainer:
 
         def build() -> nn.Module:
             return build_model(
-                cfg.model, bundle.num_classes, cifar_stem=cfg.cifar_stem, norm=cfg.norm, width=cfg.width,
+                cfg.model,
+                bundle.num_classes,
+                cifar_stem=cfg.cifar_stem,
+                norm=cfg.norm,
+                width=cfg.width,
                 sample_shape=(3, bundle.image_size, bundle.image_size),
             )
 

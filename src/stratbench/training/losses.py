@@ -42,7 +42,8 @@ class UserLoss:
         out = call_user(self.fn, self.spec, "loss", logits, targets)
         if not isinstance(out, torch.Tensor) or out.ndim != 0 or not out.is_floating_point():
             what = (
-                f"a {out.dtype} tensor of shape {tuple(out.shape)}" if isinstance(out, torch.Tensor)
+                f"a {out.dtype} tensor of shape {tuple(out.shape)}"
+                if isinstance(out, torch.Tensor)
                 else f"a {type(out).__name__}"
             )
             raise ConfigError(

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlsplit
 
+from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 
@@ -253,7 +254,6 @@ class ResultSink:
         pass
 
     def close(self, result: dict[str, Any]) -> None:
-        from stratbench.checkpoints.checkpoint import atomic_write
 
         atomic_write(self.path, json.dumps(result, indent=2, default=str))
 

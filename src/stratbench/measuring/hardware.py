@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from stratbench.core.errors import ConfigError
+from stratbench.measuring.comm import KINDS
 
 BUILTIN = Path(__file__).with_name("hardware.yaml")
 PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16")
@@ -263,14 +264,15 @@ def _parse_link(key: str, e: dict[str, Any], where: str) -> Link:
     e = _mapping(e, where)
     _check_keys(e, _LINK_KEYS, {"bandwidth", "latency"}, where)
     fits = {}
-    from stratbench.measuring.comm import KINDS
 
     for kind, fit in _mapping(e.get("collectives", {}), f"{where}.collectives").items():
         w = f"{where}.collectives.{kind}"
         if kind not in KINDS:
             raise HardwareError(f"{w}: unknown collective; allowed: {', '.join(KINDS)}")
         fit = _mapping(fit, w)
-        _check_keys(fit, {"latency", "bandwidth", "ranks", "loaded_latency"}, {"latency", "bandwidth", "ranks"}, w)
+        _check_keys(
+            fit, {"latency", "bandwidth", "ranks", "loaded_latency"}, {"latency", "bandwidth", "ranks"}, w
+        )
         ranks = fit["ranks"]
         if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
             raise HardwareError(f"{w}.ranks: {ranks!r} must be an integer >= 2")

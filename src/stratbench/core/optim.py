@@ -1,0 +1,46 @@
+"""The optimizer and learning-rate schedule a config asks for, shared by the training loop and the memory
+estimate (which traces the same optimizer's step on fake tensors)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stratbench.core.config import TrainConfig, optimizer_impl_kwargs
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """Optimizer class and keyword arguments; callable on parameters. Strategies that build the optimizer
+    themselves (ZeroRedundancyOptimizer, DeepSpeed) read ``cls`` and ``kwargs``."""
+
+    cls: type[torch.optim.Optimizer]
+    kwargs: dict[str, Any]
+
+    def __call__(self, params) -> torch.optim.Optimizer:
+        return self.cls(params, **self.kwargs)
+
+
+def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
+    if cfg.optimizer == "sgd":
+        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
+        return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
+    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
+    return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
+
+
+def lr_lambda(cfg: TrainConfig, total_steps: int):
+    warm = cfg.lr_warmup_steps
+
+    def f(step: int) -> float:
+        if warm and step < warm:
+            return (step + 1) / warm
+        if cfg.lr_schedule == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, total_steps - warm)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+    return f
