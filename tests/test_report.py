@@ -13,6 +13,7 @@ import pytest
 import yaml
 
 from conftest import md_section, run_stratbench
+from stratbench.compare import charts
 from stratbench.compare import report as report_mod
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.matrix import Plan, build_matrix
@@ -88,7 +89,7 @@ def test_html_table_sortable_and_reasons_whole(records, tmp_path):
 
 def test_charts_curves_zoomed_accuracy_and_state_bytes(records, tmp_path, monkeypatch):
     calls = {}
-    real_bar, real_mem = report_mod._bar_chart, report_mod._memory_and_state_chart
+    real_bar, real_mem = charts._bar_chart, charts._memory_and_state_chart
 
     def bar(data, path, *a, zoom=False, **kw):
         calls[path.name] = zoom
@@ -98,17 +99,17 @@ def test_charts_curves_zoomed_accuracy_and_state_bytes(records, tmp_path, monkey
         calls[path.name] = "state"
         return real_mem(data, path, *a, **kw)
 
-    monkeypatch.setattr(report_mod, "_bar_chart", bar)
-    monkeypatch.setattr(report_mod, "_memory_and_state_chart", mem)
+    monkeypatch.setattr(charts, "_bar_chart", bar)
+    monkeypatch.setattr(charts, "_memory_and_state_chart", mem)
     paths = report_mod.write_report(report_mod.Report("t", records, ["x"]), tmp_path)
     assert calls["chart_accuracy.png"] is True and calls["chart_memory.png"] == "state"
     assert calls["chart_throughput.png"] is False
     for name in ("curves", "memory", "accuracy"):
         assert paths[f"chart:{name}"].read_bytes()[:4] == b"\x89PNG"
-    lo, hi = report_mod._zoom([91.09, 92.48, 92.76])
+    lo, hi = charts._zoom([91.09, 92.48, 92.76])
     assert 89.5 < lo < 91.09 and 92.76 < hi < 94  # around the data, not 0-100
     rows = report_mod.build_rows(records, report_mod.Footnotes())
-    assert report_mod._state_bytes(rows[1]) == {"param_bytes": 49_000, "grad_bytes": 49_000,
+    assert charts._state_bytes(rows[1]) == {"param_bytes": 49_000, "grad_bytes": 49_000,
                                                 "optimizer_state_bytes": 49_000, "master_param_bytes": 0}  # fmt: skip
 
 

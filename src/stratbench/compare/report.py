@@ -1,19 +1,21 @@
 """Records of a sweep (or several merged sweeps) -> report.md, report.csv, report.html and PNG charts.
 
-Every number comes from the cells' own result.json (copied into results.jsonl). The report opens with the answer
-(``summary``: what to use, a compact table, one line per cell that did not complete), then the full table. What a
-machine cannot measure (GPU utilisation on a CPU, MFU without a known peak FLOP/s) is written ``n/a`` with a
-footnote saying why; a cell that did not complete is one line with its reason (empty in the csv, ``–`` in the
-terminal table); neither is ever shown as 0.
+Every number comes from the cells' own result.json (copied into results.jsonl), read as typed records
+(``measuring.records.RunRecord``); each column of the table is one small function of the record, and ``charts``
+draws the PNGs. The report opens with the answer (``summary``: what to use, a compact table, one line per cell
+that did not complete), then the full table. What a machine cannot measure (GPU utilisation on a CPU, MFU
+without a known peak FLOP/s) is written ``n/a`` with a footnote saying why; a cell that did not complete is one
+line with its reason (empty in the csv, ``–`` in the terminal table); neither is ever shown as 0.
 """
 
 from __future__ import annotations
 
 import base64
 import csv
+import dataclasses
 import functools
 import json
-import math
+import platform
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,11 +23,23 @@ from typing import Any
 
 import jinja2
 
-from stratbench.checkpoints.checkpoint import atomic_output, atomic_write
 from stratbench.compare import summary
-from stratbench.compare.rows import DASH, Row, is_baseline, machine_name, number
-from stratbench.compare.runner import SWEEP, load_records
-from stratbench.core.tables import fmt_bytes
+from stratbench.compare.calibration import basis_for, load_calibration_records
+from stratbench.compare.charts import write_charts
+from stratbench.compare.rows import DASH, Row, is_baseline, is_baseline_run, is_comm_reference
+from stratbench.compare.runner import SWEEP, load_run_records
+from stratbench.core.errors import ConfigError
+from stratbench.core.files import atomic_output, atomic_write
+from stratbench.core.tables import fmt_bytes, table_console
+from stratbench.measuring.records import Machine, RunRecord, as_run_record, number
+from stratbench.models.zoo import describe_init
+from stratbench.predicting.estimate import predict_peak_bytes
+from stratbench.predicting.projection import (
+    RecordPrediction,
+    precision_key,
+    predict_calibrated,
+    predict_record,
+)
 
 NOT_RUN = "not run"
 SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
@@ -65,7 +79,7 @@ class Sweep:
     """The records of one output folder, in the order of its matrix; cells never reached are ``not run``."""
 
     path: Path
-    records: list[dict[str, Any]]
+    records: list[RunRecord]
     meta: dict[str, Any] = field(default_factory=dict)
     calibration: list[dict[str, Any]] = field(default_factory=list)
     """Its calibration runs (compare --calibrate: calibration.jsonl), not rows of the table."""
@@ -73,41 +87,44 @@ class Sweep:
 
 def load_sweep(path: str | Path) -> Sweep:
     """Read DIR/results.jsonl (+ DIR/sweep.json for order and the cells not run yet)."""
-    from stratbench.core.errors import ConfigError
-
     path = Path(path)
-    records = load_records(path)
-    meta: dict[str, Any] = {}
-    if (path / SWEEP).exists():
-        try:
-            meta = json.loads((path / SWEEP).read_text())
-        except ValueError:
-            meta = {}
+    records = load_run_records(path)
+    meta = _sweep_meta(path)
     if not records and not meta:
         raise ConfigError(
             f"{path} holds no sweep (no results.jsonl or sweep.json); run `stratbench compare --output {path}`"
         )
-    ordered: list[dict[str, Any]] = []
-    machine = next(iter(records.values()))["machine"] if records else _this_machine()
+    return Sweep(path, _in_matrix_order(records, meta), meta, load_calibration_records(path))
+
+
+def _sweep_meta(path: Path) -> dict[str, Any]:
+    """DIR/sweep.json (the matrix's cells, name, description, command); empty where absent or unreadable."""
+    if not (path / SWEEP).exists():
+        return {}
+    try:
+        return json.loads((path / SWEEP).read_text())
+    except ValueError:
+        return {}
+
+
+def _in_matrix_order(records: dict[str, RunRecord], meta: dict[str, Any]) -> list[RunRecord]:
+    """The records in the order of the matrix's cells, a ``not run`` record for each cell of the latest matrix the
+    sweep never reached, then the cells of an earlier matrix in the same folder."""
+    records = dict(records)
+    ordered: list[RunRecord] = []
+    machine = next(iter(records.values())).machine if records else Machine(platform.node(), "unknown")
     latest = set(meta.get("latest") or [c["id"] for c in meta.get("cells", [])])
     for cell in meta.get("cells", []):
         rec = records.pop(cell["id"], None)
         if rec is None and cell["id"] not in latest:
             continue  # a cell of an earlier, different matrix in this folder that never ran
         if rec is None:
-            rec = {**cell, "status": NOT_RUN, "reason": "the sweep stopped before this cell (rerun the same command to resume)",
-                   "machine": machine, "metrics": {}, "config": {}, "environment": {}}  # fmt: skip
+            rec = RunRecord.from_dict({
+                **cell, "status": NOT_RUN, "reason": "the sweep stopped before this cell (rerun the same command to resume)",
+                "machine": dataclasses.asdict(machine), "metrics": {}, "config": {}, "environment": {}})  # fmt: skip
         ordered.append(rec)
     ordered.extend(records.values())  # cells of an earlier matrix in the same folder
-    from stratbench.compare.calibration import load_calibration_records
-
-    return Sweep(path, ordered, meta, load_calibration_records(path))
-
-
-def _this_machine() -> dict[str, str]:
-    import platform
-
-    return {"hostname": platform.node(), "device": "unknown"}
+    return ordered
 
 
 # ------------------------------------------------------------------------------------------------
@@ -138,83 +155,27 @@ def _mean(xs: list[Any]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
 
-def _predict(rec: dict[str, Any]) -> int | None:
-    """The estimator's peak for this cell's config (None where it has none; it never raises)."""
-    from stratbench.predicting.estimate import predict_peak_bytes
-
-    config = dict(rec.get("config") or {})
-    if not config:
-        return None
-    environment = rec.get("environment") if isinstance(rec.get("environment"), dict) else {}
-    device_type = "cuda" if environment.get("device_type") == "cuda" else "cpu"
-    return predict_peak_bytes(config, int(rec.get("world_size") or 1), device_type, environment)
-
-
-# What the report computes with, by the type it expects: a record holding another type there (a string for a
-# number, a list for a dict) reads as not having recorded it.
-DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding")
-NUMBER_FIELDS = ("world_size", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
-                 "host_load_mean", "host_cpu_count")  # fmt: skip
-NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "val_accuracy", "final_loss",
-                  "mfu", "flops_per_sample")  # fmt: skip
-NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
-                       "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
-
-
-def _clean_record(rec: Any) -> dict[str, Any]:
-    """A copy of ``rec`` whose fields the report reads have the type it expects, or are absent: one bad field
-    then shows as n/a in its own cell instead of stopping the whole report."""
-    rec = dict(rec) if isinstance(rec, dict) else {"status": "failed", "reason": f"not a record: {rec!r:.80}"}
-    for k in DICT_FIELDS:
-        if k in rec and not isinstance(rec[k], dict):
-            rec[k] = {}
-    for k in NUMBER_FIELDS:
-        if k in rec and number(rec[k]) is None:
-            rec[k] = None
-    m = dict(rec.get("metrics") or {})
-    for k in NUMBER_METRICS:
-        if k in m and number(m[k]) is None:
-            m[k] = None
-    for k in NUMBER_LIST_METRICS:
-        if k in m:
-            m[k] = [x for x in m[k] if number(x) is not None] if isinstance(m[k], list) else []
-    for k in ("breakdown", "comm"):
-        if k in m and not isinstance(m[k], dict):
-            m[k] = None
-    if "evaluations" in m:
-        evals = m["evaluations"] if isinstance(m["evaluations"], list) else []
-        m["evaluations"] = [e for e in evals if isinstance(e, dict)]
-    if "loss_curve" in m:
-        curve = m["loss_curve"] if isinstance(m["loss_curve"], list) else []
-        m["loss_curve"] = [x if number(x) is not None else math.nan for x in curve]
-    rec["metrics"] = m
-    if rec.get("sharding"):
-        rec["sharding"] = {k: v for k, v in rec["sharding"].items()
-                           if isinstance(v, list) and all(x is None or number(x) is not None for x in v)}  # fmt: skip
-    return rec
-
-
 def build_rows(
-    records: list[dict[str, Any]], notes: Footnotes, hardware: str | None = None, predict: bool = True,
-    calibration: list[dict[str, Any]] | None = None,
+    records: list[RunRecord] | list[dict[str, Any]], notes: Footnotes, hardware: str | None = None,
+    predict: bool = True, calibration: list[dict[str, Any]] | None = None,
 ) -> list[Row]:  # fmt: skip
     """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine.
     ``hardware``: the profile the predicted step uses (default: the sweep's probe, else the one of each record's
     device); ``calibration``: the sweeps' calibration records (compare --calibrate)."""
-    records = [_clean_record(rec) for rec in records]
+    runs = [as_run_record(rec) for rec in records]
     baselines: dict[str, float] = {}
-    for rec in records:
-        tp = (rec.get("metrics") or {}).get("throughput_samples_per_s")
-        if rec.get("status") == "ok" and is_baseline(rec) and tp:
-            baselines.setdefault(machine_name(rec), tp)
-    rows = [_readable_row(rec, notes, baselines) for rec in records]
+    for rec in runs:
+        tp = rec.metrics.throughput_samples_per_s
+        if rec.ok and is_baseline(rec) and tp:
+            baselines.setdefault(rec.machine.name, tp)
+    rows = [_readable_row(rec, notes, baselines) for rec in runs]
     _add_comm_ratio(rows)
     if predict:
         _add_predicted_step(rows, notes, hardware, calibration or [])
     return rows
 
 
-def _readable_row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
+def _readable_row(rec: RunRecord, notes: Footnotes, baselines: dict[str, float]) -> Row:
     """``_row``, or, for a record whose fields have a shape nothing above foresaw, its identity with every measure
     n/a and a footnote naming the error: one unreadable record must not stop the report of the others."""
     try:
@@ -229,11 +190,17 @@ def _readable_row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, fl
         return row
 
 
-def _calibration_key(rec: dict[str, Any]) -> tuple[str, str, str]:
-    from stratbench.predicting.projection import precision_key
+# ------------------------------------------------------------------------------------------------
+# the predicted step
 
-    config = rec.get("config") or {}
-    return machine_name(rec), precision_key(str(rec.get("precision")), bool(config.get("tf32"))), str(_model_of(rec))
+
+def _calibration_key(rec: RunRecord) -> tuple[str, str, str]:
+    """Machine, precision and model: a GPU row's prediction is calibrated on the baseline run sharing them."""
+    return (
+        rec.machine.name,
+        precision_key(str(rec.precision), bool(rec.config.get("tf32"))),
+        str(rec.model_name),
+    )
 
 
 UNCALIBRATED_CPU = (
@@ -251,186 +218,182 @@ def _add_predicted_step(
     Where the sweep calibrated itself (compare --calibrate) from its calibration runs and probe profile, made
     for that cell before it ran; otherwise on a GPU from the device's profile, calibrated on the sweep's own
     `single` run of the same machine, precision and model; on a CPU not at all (docs/projection.md)."""
-    from stratbench.compare.calibration import basis_for
-    from stratbench.predicting.projection import predict_calibrated, predict_record
-
-    singles: dict[tuple[str, str, str], dict[str, Any]] = {}
+    singles: dict[tuple[str, str, str], RunRecord] = {}
     for r in rows:
-        rec = r.rec
-        if rec.get("status") == "ok" and rec.get("method") == "single" and int(rec.get("world_size") or 1) == 1 \
-                and rec.get("label", "single") == "single" and (rec.get("metrics") or {}).get("step_time_median_s"):  # fmt: skip
-            singles.setdefault(_calibration_key(rec), rec)
+        if r.rec.ok and is_baseline_run(r.rec) and r.rec.metrics.step_time_median_s:
+            singles.setdefault(_calibration_key(r.rec), r.rec)
     for r in rows:
         r.raw["predicted_step"] = r.raw["step_error_pct"] = None
-        r.raw["step_time"] = (r.rec.get("metrics") or {}).get("step_time_median_s")
+        r.raw["step_time"] = r.rec.metrics.step_time_median_s
         if r.raw["status"] != "ok" or r.raw.get("unreadable"):
             r.text["predicted_step"] = r.text.get("speedup", DASH)
             continue
-        basis = basis_for(r.rec, calibration) if calibration else None
-        cal = None
-        if basis is not None:
-            if basis.problem:
-                r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {basis.problem}")
-                continue
-            pred = predict_calibrated(r.rec, basis.runs, basis.profile or "", hardware, [c["id"] for c in basis.runs])
-            where = (f"the {hardware} profile given with --hardware" if hardware else
-                     f"this machine's probe profile (`stratbench probe --nproc {basis.nproc}`, "
-                     f"calibration/probe-w{basis.nproc}/probe.yaml)")  # fmt: skip
-            how = (
-                f"predicted step: stratbench.predicting.projection on {where}, calibrated by this sweep's calibration runs "
-                "(compare --calibrate; calibration.jsonl): `single` at the per-process and the global batch with the "
-                "threads of a cell's process, and each method once on one process for its own overhead per step "
-                "(report.csv: predicted_step_basis). No measurement of the row itself enters its prediction; "
-                "error = predicted / measured median step - 1 (docs/projection.md)"
-            )
-        elif (r.rec.get("environment") or {}).get("device_type") != "cuda":
-            r.text["predicted_step"] = "n/a" + notes.mark(UNCALIBRATED_CPU)
-            continue
-        else:
-            cal = singles.get(_calibration_key(r.rec))
-            pred = predict_record(r.rec, cal, hardware)
-            how = (
-                f"predicted step: stratbench.predicting.projection on the {pred.system} profile, "
-                + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
-                   else "at the profile's default efficiency (no single run of this precision in the sweep)")
-                + "; error = predicted / measured median step - 1 (docs/projection.md)"
-            )  # fmt: skip
-        r.raw["predicted_dominant"] = pred.dominant
-        r.raw["predicted_basis"] = pred.basis
-        if pred.step_s is None:
-            r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {pred.reason}")
-            continue
-        r.raw["predicted_step"] = pred.step_s
-        measured = r.raw["step_time"]
-        text = f"{pred.step_s * 1e3:.1f} ms"
-        if cal is r.rec:
-            text += " (calibration)"
-        elif measured:
-            r.raw["step_error_pct"] = (pred.step_s / measured - 1) * 100
-            text += f" ({r.raw['step_error_pct']:+.0f}%)"
-        r.text["predicted_step"] = text + notes.mark(how)
+        _predicted_step_cell(r, notes, hardware, calibration, singles)
+
+
+def _predicted_step_cell(r: Row, notes: Footnotes, hardware: str | None, calibration: list[dict[str, Any]],
+                         singles: dict[tuple[str, str, str], RunRecord]) -> None:  # fmt: skip
+    """One completed row's prediction: from the calibration runs made for it, else (on a GPU) from its device's
+    profile and the sweep's own baseline run; n/a with the reason where there is none."""
+    basis = basis_for(r.rec.fields, calibration) if calibration else None
+    if basis is not None and basis.problem:
+        r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {basis.problem}")
+    elif basis is not None:
+        pred = predict_calibrated(
+            r.rec.fields, basis.runs, basis.profile or "", hardware, [c["id"] for c in basis.runs]
+        )
+        _show_prediction(r, pred, _calibrated_note(hardware, basis.nproc), notes)
+    elif not r.rec.on_gpu:
+        r.text["predicted_step"] = "n/a" + notes.mark(UNCALIBRATED_CPU)
+    else:
+        cal = singles.get(_calibration_key(r.rec))
+        pred = predict_record(r.rec.fields, cal.fields if cal else None, hardware)
+        _show_prediction(r, pred, _profile_note(pred), notes, calibration_row=cal is r.rec)
+
+
+def _calibrated_note(hardware: str | None, nproc: int | None) -> str:
+    """The footnote of a step predicted from the sweep's own calibration runs."""
+    where = (f"the {hardware} profile given with --hardware" if hardware else
+             f"this machine's probe profile (`stratbench probe --nproc {nproc}`, calibration/probe-w{nproc}/probe.yaml)")  # fmt: skip
+    return (
+        f"predicted step: stratbench.predicting.projection on {where}, calibrated by this sweep's calibration runs "
+        "(compare --calibrate; calibration.jsonl): `single` at the per-process and the global batch with the "
+        "threads of a cell's process, and each method once on one process for its own overhead per step "
+        "(report.csv: predicted_step_basis). No measurement of the row itself enters its prediction; "
+        "error = predicted / measured median step - 1 (docs/projection.md)"
+    )
+
+
+def _profile_note(pred: RecordPrediction) -> str:
+    """The footnote of a GPU row's step predicted from its device's profile."""
+    return (
+        f"predicted step: stratbench.predicting.projection on the {pred.system} profile, "
+        + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
+           else "at the profile's default efficiency (no single run of this precision in the sweep)")
+        + "; error = predicted / measured median step - 1 (docs/projection.md)"
+    )  # fmt: skip
+
+
+def _show_prediction(
+    r: Row, pred: RecordPrediction, note: str, notes: Footnotes, calibration_row: bool = False
+) -> None:
+    """The predicted step and its error against the measured median step (none for the row the prediction was
+    calibrated on), or n/a with the projection's reason."""
+    r.raw["predicted_dominant"] = pred.dominant
+    r.raw["predicted_basis"] = pred.basis
+    if pred.step_s is None:
+        r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {pred.reason}")
+        return
+    r.raw["predicted_step"] = pred.step_s
+    measured = r.raw["step_time"]
+    text = f"{pred.step_s * 1e3:.1f} ms"
+    if calibration_row:
+        text += " (calibration)"
+    elif measured:
+        r.raw["step_error_pct"] = (pred.step_s / measured - 1) * 100
+        text += f" ({r.raw['step_error_pct']:+.0f}%)"
+    r.text["predicted_step"] = text + notes.mark(note)
 
 
 def _add_comm_ratio(rows: list[Row]) -> None:
-    """Each row's measured bytes on the wire per step as a multiple of the ddp row's (same machine, precision)."""
-    ddp = {
-        (machine_name(r.rec), r.raw["precision"]): r.raw["comm"]
+    """Each row's measured bytes on the wire per step as a multiple of the reference method's (``ddp``; same
+    machine and precision)."""
+    reference = {
+        (r.rec.machine.name, r.raw["precision"]): r.raw["comm"]
         for r in rows
-        if r.rec.get("method") == "ddp" and r.raw.get("comm")
+        if is_comm_reference(r.rec) and r.raw.get("comm")
     }
     for r in rows:
-        base = ddp.get((machine_name(r.rec), r.raw["precision"]))
+        base = reference.get((r.rec.machine.name, r.raw["precision"]))
         if r.raw.get("comm") is not None and base:
             r.raw["comm_vs_ddp"] = r.raw["comm"] / base
             r.text["comm"] = r.text["comm"].replace(" MiB", f" MiB ({r.raw['comm_vs_ddp']:.2f}x)", 1)
 
 
-def _comm_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
-    """Measured MiB on the wire per rank and step (ring model over the measured payloads), and the largest
-    error of the method's formula over its collective kinds."""
-    comm = m.get("comm")
-    raw["comm"] = raw["comm_formula_error_pct"] = None
-    if not comm or "wire_bytes_per_step" not in comm:
-        text["comm"] = "n/a" + notes.mark("n/a: collectives were not recorded (--comm-volume false)")
-        return
-    raw["comm"] = comm["wire_bytes_per_step"]
-    text["comm"] = f"{raw['comm'] / 2**20:.2f} MiB"
-    errors = [abs(c["error_pct"]) for c in (comm.get("check") or {}).values() if c.get("error_pct") is not None]
-    if errors:
-        raw["comm_formula_error_pct"] = max(errors)
-        text["comm"] += f", formula {raw['comm_formula_error_pct']:.1f}%"
-    text["comm"] += notes.mark(
-        "comm / step: bytes each rank sends per optimizer step under the ring model, from every collective "
-        "torch.profiler recorded in step 3 (docs/communication.md); x: its multiple of ddp's; formula: the "
-        "largest error of the method's comm_model over its collective kinds"
-    )
+# ------------------------------------------------------------------------------------------------
+# the columns of one row: each reads the record and writes its raw value and text into the row
 
 
 METRIC_KEYS = ("peak_memory", "gpu_util", "epoch_time", "train_time", "throughput", "speedup", "alloc_peak",
                "predicted", "mfu", "not_compute", "comm", "val_accuracy", "final_loss", "step_time")  # fmt: skip
 
 
-def _identity(rec: dict[str, Any]) -> Row:
+def _identity(rec: RunRecord) -> Row:
     """A row with the columns that name the cell (machine, method, precision, init, devices, batches, status)."""
-    world = int(rec.get("world_size") or 1)
-    devices = max(world, int(rec.get("data_parallel_size") or 0))
-    gbatch = rec.get("global_batch_size") or rec.get("batch_size")
-    per_dev = rec.get("per_device_batch_size") or (gbatch // devices if gbatch else None)
     raw: dict[str, Any] = {
-        "machine": machine_name(rec),
-        "method": rec.get("label") or rec.get("method"),
-        "precision": rec.get("precision"),
+        "machine": rec.machine.name,
+        "method": rec.name,
+        "precision": rec.precision,
         "init": _init_of(rec),
-        "devices": devices,
-        "batch_device": per_dev,
-        "batch_global": gbatch,
-        "status": rec.get("status"),
-        "reason": str(rec.get("reason") or ""),
+        "devices": rec.devices,
+        "batch_device": rec.per_device_batch,
+        "batch_global": rec.global_batch,
+        "status": rec.status,
+        "reason": rec.reason,
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
-    status = str(rec.get("status"))
-    text["status"] = status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
+    status = str(rec.status)
+    text["status"] = (
+        status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
+    )
     if status == "ok" and raw["reason"]:
         text["status"] = f"ok ({raw['reason']})"
     return Row(rec, raw, text)
 
 
-def _row(rec: dict[str, Any], notes: Footnotes, baselines: dict[str, float]) -> Row:
+def _row(rec: RunRecord, notes: Footnotes, baselines: dict[str, float]) -> Row:
     """Every column of one record, each measure with the footnote saying how it was measured or why it is n/a.
     Notes are numbered in order of first use, so the order of the cells below is the order of the notes."""
     row = _identity(rec)
-    raw, text = row.raw, row.text
-    if not row.ok:  # nothing was measured: the report lists the cell on one line, the csv leaves its cells empty
+    if not row.ok:
+        # nothing was measured: the report lists the cell on one line, the csv leaves its cells empty
         for k in METRIC_KEYS:
-            raw[k] = None
-            text[k] = DASH
+            row.raw[k] = None
+            row.text[k] = DASH
         return row
-    m = rec.get("metrics") or {}
-    device_type = (rec.get("environment") or {}).get("device_type", "cpu")
-    _peak_memory_cell(m, raw, text, notes, int(rec.get("world_size") or 1))
-    _gpu_util_cell(m, raw, text, notes, device_type)
-    busy = _time_cells(rec, m, raw, text, notes)
-    _speedup_cell(rec, raw, text, notes, baselines.get(machine_name(rec)), busy)
-    _alloc_peak_cell(m, raw, text, notes)
-    _predicted_peak_cell(rec, raw, text, notes)
-    _mfu_cell(m, raw, text, notes, device_type)
-    _comm_cell(m, raw, text, notes)
-    _not_compute_cell(m, raw, text, notes)
-    acc = m.get("val_accuracy")
-    raw["val_accuracy"] = acc
-    text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
-    raw["final_loss"] = m.get("final_loss")
-    text["final_loss"] = _fmt(raw["final_loss"], ".4f")
-    raw["step_time"] = m.get("step_time_median_s")
-    _add_spread(rec, raw, text, notes)
+    _peak_memory_cell(rec, row, notes)
+    _gpu_util_cell(rec, row, notes)
+    _epoch_time_cell(rec, row, notes)
+    _train_time_cell(rec, row, notes)
+    _throughput_cell(rec, row, notes)
+    _speedup_cell(rec, row, notes, baselines.get(rec.machine.name))
+    _alloc_peak_cell(rec, row, notes)
+    _predicted_peak_cell(rec, row, notes)
+    _mfu_cell(rec, row, notes)
+    _comm_cell(rec, row, notes)
+    _not_compute_cell(rec, row, notes)
+    _accuracy_cell(rec, row)
+    _loss_cell(rec, row)
+    row.raw["step_time"] = rec.metrics.step_time_median_s
+    _add_spread(rec, row, notes)
     return row
 
 
-def _peak_memory_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes, world: int) -> None:
+def _peak_memory_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """Peak memory per device: the max over ranks; a process that drives several GPUs (DataParallel) lists each."""
-    peaks = [p for p in (m.get("peak_memory_bytes") or []) if p is not None]
-    kind = m.get("peak_memory_kind", "")
-    raw["peak_memory"] = max(peaks) if peaks else None
-    raw["peak_memory_per_device"] = peaks
-    raw["peak_memory_kind"] = kind
+    peaks = [p for p in rec.metrics.peak_memory_bytes if p is not None]
+    kind = rec.metrics.peak_memory_kind
+    row.raw["peak_memory"] = max(peaks) if peaks else None
+    row.raw["peak_memory_per_device"] = peaks
+    row.raw["peak_memory_kind"] = kind
     if not peaks:
-        text["peak_memory"] = "n/a" + notes.mark("n/a: the run recorded no memory peak")
+        row.text["peak_memory"] = "n/a" + notes.mark("n/a: the run recorded no memory peak")
         return
-    shown = " / ".join(fmt_bytes(p) for p in peaks) if len(peaks) > world else fmt_bytes(max(peaks))
+    shown = " / ".join(fmt_bytes(p) for p in peaks) if len(peaks) > rec.world else fmt_bytes(max(peaks))
     if kind == "cpu_peak_rss":
         shown += notes.mark(
             "on CPU the peak is the process's peak resident memory (RSS: weights, activations, optimizer "
             "state plus the Python runtime and libraries, ~0.3-0.5 GiB), the largest over the ranks; on a GPU "
             "it is torch.cuda.max_memory_allocated"
         )
-    text["peak_memory"] = shown
+    row.text["peak_memory"] = shown
 
 
-def _gpu_util_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes,
-                   device_type: str) -> None:  # fmt: skip
+def _gpu_util_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """GPU utilisation mean / peak over the run (NVML), n/a with the reason where it could not be read."""
-    utils = [u for u in (m.get("gpu_util_mean_pct") or []) if u is not None]
-    upeaks = [u for u in (m.get("gpu_util_peak_pct") or []) if u is not None]
+    utils = [u for u in rec.metrics.gpu_util_mean_pct if u is not None]
+    upeaks = [u for u in rec.metrics.gpu_util_peak_pct if u is not None]
+    raw, text = row.raw, row.text
     if utils:
         raw["gpu_util"] = _mean(utils)
         raw["gpu_util_peak"] = max(upeaks) if upeaks else None
@@ -439,56 +402,62 @@ def _gpu_util_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str],
         )
         return
     raw["gpu_util"] = None
-    why = "no NVIDIA GPU on this machine" if device_type != "cuda" else "NVML (nvidia-ml-py) was not available"
+    why = "NVML (nvidia-ml-py) was not available" if rec.on_gpu else "no NVIDIA GPU on this machine"
     text["gpu_util"] = "n/a" + notes.mark(f"n/a: GPU utilisation is read from NVML: {why}")
 
 
-def _time_cells(rec: dict[str, Any], m: dict[str, Any], raw: dict[str, Any], text: dict[str, str],
-                notes: Footnotes) -> str:  # fmt: skip
-    """Time per epoch, train time and throughput; returns the "machine was busy" mark ('' when it was not),
-    which the times and the speed-up carry."""
-    train_time = m.get("train_time_s")
-    evals = m.get("evaluations") or []
-    epochs_done = number(evals[-1].get("epoch")) if evals else None
-    if train_time and epochs_done:
-        raw["epoch_time"] = train_time / epochs_done
-    else:
-        raw["epoch_time"] = _mean(m.get("epoch_time_s") or [])
-    text["epoch_time"] = _fmt(raw["epoch_time"], ".2f", " s")
-    raw["train_time"] = train_time
-    text["train_time"] = _fmt(train_time, ".2f", " s")
-    tp = m.get("throughput_samples_per_s")
-    raw["throughput"] = tp
-    text["throughput"] = _fmt(tp, ".1f")
-    load, cores = rec.get("host_load_mean"), rec.get("host_cpu_count") or 1
-    busy = ""
-    if load is not None and load > 1.5 * cores:
-        busy = notes.mark(
-            "the machine was busy with other work while this cell ran (mean 1-minute load average above 1.5x its "
-            "cores; each cell's value is host_load_mean in report.csv): its times are inflated and its speed-up "
-            "is not a property of the method"
-        )
-    for k in ("epoch_time", "train_time", "throughput"):
-        text[k] += busy
-    return busy
+def _busy_mark(rec: RunRecord, notes: Footnotes) -> str:
+    """The "machine was busy" mark the times and the speed-up carry ('' when it was not)."""
+    load, cores = rec.host_load_mean, rec.host_cpu_count or 1
+    if load is None or load <= 1.5 * cores:
+        return ""
+    return notes.mark(
+        "the machine was busy with other work while this cell ran (mean 1-minute load average above 1.5x its "
+        "cores; each cell's value is host_load_mean in report.csv): its times are inflated and its speed-up "
+        "is not a property of the method"
+    )
 
 
-def _speedup_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes,
-                  base: float | None, busy: str) -> None:  # fmt: skip
+def _epoch_time_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
+    """Train time over the epochs evaluated (the mean recorded epoch time where there is none)."""
+    m = rec.metrics
+    epochs_done = number(m.evaluations[-1].get("epoch")) if m.evaluations else None
+    epoch_time = m.train_time_s / epochs_done if m.train_time_s and epochs_done else _mean(m.epoch_time_s)
+    row.raw["epoch_time"] = epoch_time
+    row.text["epoch_time"] = _fmt(epoch_time, ".2f", " s") + _busy_mark(rec, notes)
+
+
+def _train_time_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
+    """Seconds of training, evaluation and checkpoints excluded."""
+    row.raw["train_time"] = rec.metrics.train_time_s
+    row.text["train_time"] = _fmt(rec.metrics.train_time_s, ".2f", " s") + _busy_mark(rec, notes)
+
+
+def _throughput_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
+    """Samples per second (global batch over the step time)."""
+    row.raw["throughput"] = rec.metrics.throughput_samples_per_s
+    row.text["throughput"] = _fmt(rec.metrics.throughput_samples_per_s, ".1f") + _busy_mark(rec, notes)
+
+
+def _speedup_cell(rec: RunRecord, row: Row, notes: Footnotes, base: float | None) -> None:
     """Throughput over the single fp32 row's on the same machine."""
-    tp = raw["throughput"]
+    tp = row.raw["throughput"]
     if tp and base:
-        raw["speedup"] = tp / base
-        text["speedup"] = f"{raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "") + busy
+        row.raw["speedup"] = tp / base
+        row.text["speedup"] = (f"{row.raw['speedup']:.2f}x" + (" (baseline)" if is_baseline(rec) else "")
+                               + _busy_mark(rec, notes))  # fmt: skip
     else:
-        raw["speedup"] = None
-        text["speedup"] = "n/a" + notes.mark("n/a: no completed single fp32 row on this machine to compare with")
+        row.raw["speedup"] = None
+        row.text["speedup"] = "n/a" + notes.mark(
+            "n/a: no completed single fp32 row on this machine to compare with"
+        )
 
 
-def _alloc_peak_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+def _alloc_peak_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """The allocator peak (what the estimate predicts), measured: torch.cuda.max_memory_allocated on a GPU (the
     peak memory column itself), --measure-alloc's glibc reading on a CPU."""
-    allocs = [a for a in m.get("cpu_alloc_peak_bytes") or [] if a]
+    raw, text = row.raw, row.text
+    allocs = [a for a in rec.metrics.cpu_alloc_peak_bytes if a]
     if raw["peak_memory_kind"] == "cuda_max_allocated" and raw["peak_memory"]:
         raw["alloc_peak"] = raw["peak_memory"]
         text["alloc_peak"] = fmt_bytes(raw["alloc_peak"]) + notes.mark(
@@ -496,7 +465,7 @@ def _alloc_peak_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str
         )
     elif allocs:
         raw["alloc_peak"] = max(allocs)
-        imports = [b for b in m.get("cpu_alloc_import_bytes") or [] if b]
+        imports = [b for b in rec.metrics.cpu_alloc_import_bytes if b]
         text["alloc_peak"] = fmt_bytes(raw["alloc_peak"]) + notes.mark(
             "allocator peak on a CPU: the bytes glibc's malloc handed out during step 2 (mallinfo2 after every op, "
             "above a baseline read before the model was built; --measure-alloc), the largest over the ranks: the "
@@ -513,8 +482,9 @@ def _alloc_peak_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str
         )
 
 
-def _predicted_peak_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+def _predicted_peak_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """stratbench.predicting.estimate's peak for the cell's config, and its error against the measured allocator peak."""
+    raw, text = row.raw, row.text
     pred = _predict(rec)
     raw["predicted"] = pred
     raw["prediction_error_pct"] = None
@@ -532,33 +502,83 @@ def _predicted_peak_cell(rec: dict[str, Any], raw: dict[str, Any], text: dict[st
         )
 
 
-def _mfu_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes, device_type: str) -> None:
+def _predict(rec: RunRecord) -> int | None:
+    """The estimator's peak for this cell's config (None where it has none; it never raises)."""
+    if not rec.config:
+        return None
+    return predict_peak_bytes(dict(rec.config), rec.world, "cuda" if rec.on_gpu else "cpu", rec.environment)
+
+
+def _mfu_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """Model FLOPs utilisation, n/a with the reason where it would mislead (a CPU, an unknown GPU, no FLOPs)."""
-    mfu = m.get("mfu")
-    raw["mfu"] = mfu
+    mfu = rec.metrics.mfu
+    row.raw["mfu"] = mfu
     if mfu is not None:
-        text["mfu"] = f"{mfu * 100:.1f}%"
-    elif device_type != "cuda":
-        text["mfu"] = "n/a" + notes.mark("n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table")
-    elif not m.get("flops_per_sample"):
-        text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
+        row.text["mfu"] = f"{mfu * 100:.1f}%"
+    elif not rec.on_gpu:
+        row.text["mfu"] = "n/a" + notes.mark(
+            "n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table"
+        )
+    elif not rec.metrics.flops_per_sample:
+        row.text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
     else:
-        text["mfu"] = "n/a" + notes.mark("n/a: no peak FLOP/s known for this GPU model (stratbench.measuring.metrics.PEAK_FLOPS)")
+        row.text["mfu"] = "n/a" + notes.mark(
+            "n/a: no peak FLOP/s known for this GPU model (stratbench.measuring.metrics.PEAK_FLOPS)"
+        )
 
 
-def _not_compute_cell(m: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
-    """The share of the step outside forward, backward and the optimizer (metrics.breakdown)."""
-    b = m.get("breakdown") or {}
-    raw["not_compute"] = number(b.get("not_compute_share"))
-    if raw["not_compute"] is None:
-        text["not_compute"] = "n/a" + notes.mark("n/a: the step's phases were not timed (--breakdown false)")
+def _comm_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
+    """Measured MiB on the wire per rank and step (ring model over the measured payloads), and the largest
+    error of the method's formula over its collective kinds."""
+    raw, text = row.raw, row.text
+    comm = rec.metrics.comm
+    raw["comm"] = raw["comm_formula_error_pct"] = None
+    if not comm or "wire_bytes_per_step" not in comm:
+        text["comm"] = "n/a" + notes.mark("n/a: collectives were not recorded (--comm-volume false)")
         return
-    text["not_compute"] = f"{raw['not_compute'] * 100:.1f}%" + notes.mark(
+    raw["comm"] = comm["wire_bytes_per_step"]
+    text["comm"] = f"{raw['comm'] / 2**20:.2f} MiB"
+    errors = [
+        abs(c["error_pct"]) for c in (comm.get("check") or {}).values() if c.get("error_pct") is not None
+    ]
+    if errors:
+        raw["comm_formula_error_pct"] = max(errors)
+        text["comm"] += f", formula {raw['comm_formula_error_pct']:.1f}%"
+    text["comm"] += notes.mark(
+        "comm / step: bytes each rank sends per optimizer step under the ring model, from every collective "
+        "torch.profiler recorded in step 3 (docs/communication.md); x: its multiple of ddp's; formula: the "
+        "largest error of the method's comm_model over its collective kinds"
+    )
+
+
+def _not_compute_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
+    """The share of the step outside forward, backward and the optimizer (metrics.breakdown)."""
+    share = number((rec.metrics.breakdown or {}).get("not_compute_share"))
+    row.raw["not_compute"] = share
+    if share is None:
+        row.text["not_compute"] = "n/a" + notes.mark(
+            "n/a: the step's phases were not timed (--breakdown false)"
+        )
+        return
+    row.text["not_compute"] = f"{share * 100:.1f}%" + notes.mark(
         "not compute: the share of the step outside forward, backward and the optimizer step: waiting for the "
         "batch, bookkeeping, and any gap no phase covers (metrics.breakdown; each phase timed on its own "
         "clock reads; the chart chart_breakdown.png splits the step). Communication that DDP/FSDP overlap "
         "with backward counts in backward"
     )
+
+
+def _accuracy_cell(rec: RunRecord, row: Row) -> None:
+    """Validation accuracy after the last epoch, in %."""
+    acc = rec.metrics.val_accuracy
+    row.raw["val_accuracy"] = acc
+    row.text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
+
+
+def _loss_cell(rec: RunRecord, row: Row) -> None:
+    """The training loss of the last step."""
+    row.raw["final_loss"] = rec.metrics.final_loss
+    row.text["final_loss"] = _fmt(rec.metrics.final_loss, ".4f")
 
 
 # column -> (measure in the record's ``repeats``, the cell's text of a value, the bracket's text of a value)
@@ -571,17 +591,19 @@ SPREAD = {
 }
 
 
-def _add_spread(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], notes: Footnotes) -> None:
+def _add_spread(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """A cell run N times (compare --repeats): its values are medians; show the smallest and largest run."""
-    rep = rec.get("repeats") or {}
-    n = int(rep.get("n") or 1)
+    raw, text = row.raw, row.text
+    n = int(rec.repeats.get("n") or 1)
     raw["repeats"] = n
     if n < 2:
         return
-    mark = notes.mark(f"median of {n} runs of the cell (compare --repeats {n}); the smallest-largest run in brackets "
-                      "(in the HTML table below the value; none: every run gave the same value)")
+    mark = notes.mark(
+        f"median of {n} runs of the cell (compare --repeats {n}); the smallest-largest run in brackets "
+        "(in the HTML table below the value; none: every run gave the same value)"
+    )
     for col, (key, cell, short) in SPREAD.items():
-        s = (rep.get("metrics") or {}).get(key)
+        s = (rec.repeats.get("metrics") or {}).get(key)
         if not s or raw.get(col) is None:
             continue
         raw[f"{col}_min"], raw[f"{col}_max"] = s["min"], s["max"]
@@ -594,12 +616,8 @@ def _add_spread(rec: dict[str, Any], raw: dict[str, Any], text: dict[str, str], 
             text[f"{col}__main"], text[f"{col}__spread"] = f"{cell(s['median'])}{rest}{mark}", f"{lo}–{hi}"
 
 
-def _num(v: float) -> str:
-    """Three significant figures without scientific notation (chart labels)."""
-    return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
-
-
 def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
+    """``x`` formatted with ``spec`` and ``suffix``, or n/a where it was not measured."""
     return "n/a" if x is None else f"{x:{spec}}{suffix}"
 
 
@@ -610,7 +628,8 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 @dataclass
 class Report:
     title: str
-    records: list[dict[str, Any]]
+    records: list[RunRecord]
+    """The rows, in table order (a record given as JSON is parsed)."""
     sources: list[str]
     description: str = ""
     command: str = ""
@@ -620,32 +639,28 @@ class Report:
     calibration: list[dict[str, Any]] = field(default_factory=list)
     """The sweeps' calibration records (compare --calibrate), which the predicted-step column rests on."""
 
+    def __post_init__(self) -> None:
+        self.records = [as_run_record(rec) for rec in self.records]
+
 
 def columns_for(rows: list[Row]) -> list[tuple[str, str]]:
     multi = len({r.raw["machine"] for r in rows}) > 1
     # init (imagenet | random) matters where pretrained weights exist or were used: torchvision models
-    pretrainable = any(r.raw.get("init") not in (None, "random") or str(_model_of(r.rec)).startswith("resnet") for r in rows)
+    pretrainable = any(
+        r.raw.get("init") not in (None, "random") or str(r.rec.model_name).startswith("resnet") for r in rows
+    )
     return [c for c in COLUMNS if (c[0] != "machine" or multi) and (c[0] != "init" or pretrainable)]
 
 
-def _model_of(rec: dict[str, Any]) -> str | None:
-    return (rec.get("config") or {}).get("model") or rec.get("model")
-
-
-def _init_of(rec: dict[str, Any]) -> str | None:
+def _init_of(rec: RunRecord) -> str | None:
     """imagenet (a torchvision ImageNet weights file), random, or the weights file's name; None when unknown."""
-    cfg = rec.get("config")
-    if not cfg:
-        return None
-    from stratbench.models.zoo import describe_init
-
-    return describe_init(cfg.get("weights"))
+    return describe_init(rec.config.get("weights")) if rec.config else None
 
 
-def _settings(records: list[dict[str, Any]]) -> str:
+def _settings(records: list[RunRecord]) -> str:
     """One line naming what every cell trained (from the first record that ran)."""
     for rec in records:
-        cfg = rec.get("config") or {}
+        cfg = rec.config
         if cfg.get("model"):
             bits = [f"model {cfg['model']}" + (f" (width {cfg.get('width')})" if cfg.get("model") == "tinynet" else ""),
                     f"data {cfg.get('data')}" + (f" at {cfg['image_size']}x{cfg['image_size']}" if cfg.get("image_size") else ""),
@@ -655,12 +670,13 @@ def _settings(records: list[dict[str, Any]]) -> str:
     return ""
 
 
-def _machines(records: list[dict[str, Any]]) -> list[str]:
+def _machines(records: list[RunRecord]) -> list[str]:
+    """One line per machine: its name, torch, python, CUDA and the versions of the libraries methods wrap."""
     out: list[str] = []
     for rec in records:
-        env = rec.get("environment") or {}
+        env = rec.environment
         pk = env.get("packages") or {}
-        line = (f"{machine_name(rec)}; torch {env.get('torch')}, python {env.get('python')}"
+        line = (f"{rec.machine.name}; torch {env.get('torch')}, python {env.get('python')}"
                 + (f", CUDA {env['cuda']}" if env.get("cuda") and env.get("device_type") == "cuda" else "")
                 + "".join(f", {k} {v}" for k, v in pk.items() if v and k in ("deepspeed", "accelerate")))  # fmt: skip
         if env and line not in out:
@@ -813,9 +829,9 @@ def write_csv(rows: list[Row], path: Path) -> None:
 
             raw = r.raw
             w.writerow([
-                raw["machine"], r.rec.get("id"), r.rec.get("method"), raw["method"], raw["precision"], raw["init"] or "",
+                raw["machine"], r.rec.id, r.rec.method, raw["method"], raw["precision"], raw["init"] or "",
                 raw["devices"],
-                r.rec.get("world_size"), raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
+                r.rec.world_size, raw["batch_device"], raw["batch_global"], v(raw.get("peak_memory")),
                 ";".join(str(p) for p in raw.get("peak_memory_per_device") or []), raw.get("peak_memory_kind", ""),
                 v(raw.get("gpu_util")), v(raw.get("gpu_util_peak")), v(raw.get("epoch_time")), v(raw.get("train_time")),
                 v(raw.get("throughput")), v(raw.get("speedup")), v(raw.get("step_time")), v(raw.get("predicted_step")),
@@ -825,7 +841,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
                 v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
-                r.rec.get("host_load_mean", ""), r.rec.get("host_cpu_count", ""), raw.get("repeats", 1),
+                r.rec.host_load_mean, r.rec.host_cpu_count, raw.get("repeats", 1),
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
                 raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
             ])  # fmt: skip
@@ -853,11 +869,18 @@ def _html_environment() -> jinja2.Environment:
     )  # fmt: skip
 
 
-def _html_context(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> dict[str, Any]:
+def _html_context(
+    report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]
+) -> dict[str, Any]:
     """Everything the template shows, as plain strings and lists (no markup: the template escapes all of it)."""
     return {
         "title": report.title,
-        "headings": {"what": WHAT_TO_USE, "glance": AT_A_GLANCE, "problems": NOT_COMPLETED, "all": ALL_MEASUREMENTS},
+        "headings": {
+            "what": WHAT_TO_USE,
+            "glance": AT_A_GLANCE,
+            "problems": NOT_COMPLETED,
+            "all": ALL_MEASUREMENTS,
+        },
         "advice": summary.advice(rows),
         "compact": summary.compact_table(rows),
         "problems": summary.problems(rows),
@@ -868,7 +891,9 @@ def _html_context(report: Report, rows: list[Row], notes: Footnotes, charts: dic
         "full": _html_full_table(rows),
         "footnotes": [f"{footnote_mark(i)} {t}" for i, t in enumerate(notes.texts)],
         "how_to_read": HOW_TO_READ.replace("`", ""),  # markdown's code marks; plain words on the page
-        "charts": [{"name": name, "data": base64.b64encode(p.read_bytes()).decode()} for name, p in charts.items()],
+        "charts": [
+            {"name": name, "data": base64.b64encode(p.read_bytes()).decode()} for name, p in charts.items()
+        ],
         "sources": ", ".join(report.sources),
     }
 
@@ -909,314 +934,12 @@ def _sort_key(row: Row, key: str) -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# charts
-
-PRECISION_COLOURS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#c44e52", "fp16-mixed": "#55a868",
-                     "fp16-true": "#8172b3"}  # fmt: skip
-
-
-def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
-    """One horizontal bar chart per measure, one bar per completed cell, coloured by precision, values printed."""
-    ok = [r for r in rows if r.raw["status"] == "ok"]
-    multi = len({r.raw["machine"] for r in rows}) > 1
-    cpu = any(r.raw.get("peak_memory_kind") == "cpu_peak_rss" for r in ok)
-    gpu = any(r.raw.get("peak_memory_kind") == "cuda_max_allocated" for r in ok)
-    mem_what = (
-        "GPU allocator peak"
-        if gpu and not cpu
-        else "process peak RSS on CPU"
-        if cpu and not gpu
-        else "GPU allocator peak / CPU process RSS"
-    )
-    specs = [
-        ("memory", "peak_memory", lambda x: x / 2**20, f"peak memory per device, MiB (largest rank; {mem_what})",
-         "Peak memory per device (lower is better)", ".0f"),
-        ("throughput", "throughput", lambda x: x, "throughput, samples/s (global batch / step time)",
-         "Training throughput (higher is better)", ""),
-        ("train_time", "train_time", lambda x: x, "train time, seconds (evaluation and checkpoints excluded)",
-         "Time to train (lower is better)", ""),
-        ("accuracy", "val_accuracy", lambda x: x * 100, "validation accuracy, % (after the last epoch)",
-         "Validation accuracy (higher is better)", ".2f"),
-    ]  # fmt: skip
-    first = ok[0].rec if ok else {}
-    cfg = first.get("config") or {}
-    machines = sorted({r.raw["machine"] for r in ok})
-    where = machines[0] if len(machines) == 1 else f"{len(machines)} machines"
-    subtitle = f"{title} - {cfg.get('model', '?')} on {cfg.get('data', '?')}, global batch {cfg.get('batch_size', '?')} - {where}"
-    paths: dict[str, Path] = {}
-    for name, key, scale, xlabel, heading, spec in specs:
-        data = [(r, scale(r.raw[key])) for r in ok if r.raw.get(key) is not None]
-        path = out / f"chart_{name}.png"
-        if not data:
-            path.unlink(missing_ok=True)
-            continue
-        if name == "memory" and cpu and any(_state_bytes(r) for r, _ in data):
-            # On CPU the RSS is mostly the Python runtime: show what each rank really holds beside it.
-            _memory_and_state_chart(data, path, xlabel, f"{heading}\n{subtitle}", multi)
-        else:
-            _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy")
-        paths[name] = path
-    path = out / "chart_breakdown.png"
-    if _breakdown_chart(ok, path, f"Where each step's time goes (mean per step, slowest rank)\n{subtitle}", multi):
-        paths["breakdown"] = path
-    else:
-        path.unlink(missing_ok=True)
-    path = out / "chart_curves.png"
-    if _curves_chart(ok, path, f"Training loss and validation accuracy per method\n{subtitle}", multi):
-        paths = {"curves": path, **paths}  # first in the report: how each method trained
-    else:
-        path.unlink(missing_ok=True)
-    return paths
-
-
-STATE_PARTS = (("param_bytes", "parameters", "#4c72b0"), ("grad_bytes", "gradients", "#dd8452"),
-               ("optimizer_state_bytes", "optimizer state", "#55a868"),
-               ("master_param_bytes", "fp32 master copy", "#8172b3"))  # fmt: skip
-
-
-def _state_bytes(row: Row) -> dict[str, int] | None:
-    """Model-state bytes (result.json ``sharding``) of the rank that holds the most, by part; None if absent."""
-    sharding = row.rec.get("sharding") or {}
-    per_rank = [sum((sharding.get(k) or [0] * (i + 1))[i] or 0 for k, _, _ in STATE_PARTS)
-                for i in range(max((len(v) for v in sharding.values() if isinstance(v, list)), default=0))]  # fmt: skip
-    if not per_rank:
-        return None
-    top = max(range(len(per_rank)), key=per_rank.__getitem__)
-    return {k: int((sharding.get(k) or [0] * (top + 1))[top] or 0) for k, _, _ in STATE_PARTS}
-
-
-def _label(row: Row, multi: bool) -> str:
-    lab = f"{row.raw['method']} · {row.raw['precision']} · {row.raw['devices']} dev"
-    if multi:
-        lab += f"\n{row.rec.get('machine', {}).get('hostname', '?')}"
-    return lab
-
-
-def _memory_and_state_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, multi: bool) -> None:
-    """Two panels with the same rows: process peak RSS (left) and the model-state bytes per rank (right,
-    stacked: parameters, gradients, optimizer state), where ZeRO/FSDP's savings show even when RSS hides them."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    labels = [_label(r, multi) for r, _ in data]
-    colours = [PRECISION_COLOURS.get(str(r.raw["precision"]), "#937860") for r, _ in data]
-    states = [_state_bytes(r) or {} for r, _ in data]
-    top_state = max((sum(s.values()) for s in states), default=0)
-    unit, div = ("MiB", 2**20) if top_state >= 2**20 else ("KiB", 2**10)
-    height = max(3.2, 1.7 + 0.38 * len(data) * (1.6 if multi else 1.0))
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, height), dpi=110, sharey=True,
-                                   gridspec_kw={"width_ratios": [1, 1.15]})  # fmt: skip
-    y = list(range(len(data)))
-    values = [v for _, v in data]
-    ax1.barh(y, values, color=colours)
-    ax1.set_yticks(y, labels, fontsize=9)
-    ax1.invert_yaxis()
-    top = max(values) if values else 1.0
-    ax1.set_xlim(0, top * 1.2 if top > 0 else 1)
-    for yi, v in zip(y, values, strict=True):
-        ax1.text(v + top * 0.01, yi, f"{v:.0f}", va="center", fontsize=8.5)
-    ax1.set_xlabel(xlabel, fontsize=9)
-    ax1.set_title("process peak RSS (incl. ~0.4 GiB runtime)", fontsize=10)
-    left = [0.0] * len(data)
-    for key, name, colour in STATE_PARTS:
-        part = [s.get(key, 0) / div for s in states]
-        if not any(part):
-            continue
-        ax2.barh(y, part, left=left, color=colour, label=name)
-        left = [a + b for a, b in zip(left, part, strict=True)]
-    top2 = max(left) if left else 1.0
-    ax2.set_xlim(0, top2 * 1.22 if top2 > 0 else 1)
-    for yi, v in zip(y, left, strict=True):
-        ax2.text(v + top2 * 0.01, yi, _num(v), va="center", fontsize=8.5)
-    ax2.set_xlabel(f"{unit} held by the largest rank (result.json 'sharding')", fontsize=9)
-    ax2.set_title("model state per rank: what ZeRO / FSDP shard", fontsize=10)
-    from matplotlib.patches import Patch
-
-    parts = ax2.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), title="model state",
-                       title_fontsize=8)  # fmt: skip
-    ax2.add_artist(parts)
-    seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
-    ax2.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen],
-               title="precision (left bars)", fontsize=8, title_fontsize=8, loc="lower left",
-               bbox_to_anchor=(1.01, 0.0))  # fmt: skip
-    for ax in (ax1, ax2):
-        ax.grid(axis="x", alpha=0.3)
-        ax.set_axisbelow(True)
-    sup = fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    with atomic_output(Path(path), ".png") as tmp:
-        fig.savefig(tmp, bbox_inches="tight", bbox_extra_artists=[parts, sup])  # legends sit outside the axes
-    plt.close(fig)
-
-
-PHASE_COLOURS = {"data": "#937860", "forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868",
-                 "other": "#c7c7c7"}  # fmt: skip
-
-
-def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bool:
-    """One stacked bar per cell: its step time split into data wait, forward, backward, optimizer and other
-    (metrics.breakdown, the rank with the longest step). False when no cell recorded a breakdown."""
-    data = []
-    for r in rows:
-        b = (r.rec.get("metrics") or {}).get("breakdown") or {}
-        ranks = [x for x in b.get("per_rank_s") or [] if x]
-        if ranks:
-            data.append((r, max(ranks, key=lambda x: x["step"])))
-    if not data:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(11, max(3.2, 1.7 + 0.38 * len(data))), dpi=110)
-    y = list(range(len(data)))
-    left = [0.0] * len(data)
-    for phase, colour in PHASE_COLOURS.items():
-        part = [x.get(phase, 0.0) * 1000 for _, x in data]
-        ax.barh(y, part, left=left, color=colour, label=phase)
-        left = [a + b for a, b in zip(left, part, strict=True)]
-    top = max(left) or 1.0
-    for yi, (_, x), v in zip(y, data, left, strict=True):
-        compute = sum(x.get(p, 0) for p in ("forward", "backward", "optimizer"))
-        not_compute = (1 - compute / x["step"]) * 100 if x["step"] else 0
-        ax.text(v + top * 0.01, yi, f"{x['step'] * 1000:.1f} ms ({not_compute:.0f}% not compute)", va="center", fontsize=8)
-    ax.set_yticks(y, [_label(r, multi) for r, _ in data], fontsize=9)
-    ax.invert_yaxis()
-    ax.set_xlim(0, top * 1.35)
-    ax.set_xlabel("ms per optimizer step (synchronised phase clocks; warm-up excluded)", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_axisbelow(True)
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    with atomic_output(Path(path), ".png") as tmp:
-        fig.savefig(tmp)
-    plt.close(fig)
-    return True
-
-
-LINESTYLES = {"fp32": "-", "bf16-mixed": "--", "fp16-mixed": "-.", "bf16-true": ":", "fp16-true": (0, (5, 1, 1, 1))}
-
-
-def _curves_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bool:
-    """Training loss per optimizer step (left) and validation accuracy per epoch (right), one line per completed
-    cell: colour = method, line style = precision. Returns False when no cell recorded a curve."""
-    curves = [(r, (r.rec.get("metrics") or {}).get("loss_curve") or [], (r.rec.get("metrics") or {}).get("evaluations") or [])
-              for r in rows]  # fmt: skip
-    curves = [c for c in curves if c[1] or c[2]]
-    if not curves:
-        return False
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    methods = list(dict.fromkeys(str(r.raw["method"]) for r, _, _ in curves))
-    palette = plt.get_cmap("tab10" if len(methods) <= 10 else "tab20").colors
-    colour = {m: palette[i % len(palette)] for i, m in enumerate(methods)}
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.6), dpi=110)
-    longest = max(len(loss) for _, loss, _ in curves)
-    window = max(1, longest // 25)  # a light moving average: per-step losses of small batches are noisy
-    accs: list[float] = []
-    for r, loss, evals in curves:
-        style = dict(color=colour[str(r.raw["method"])], linestyle=LINESTYLES.get(str(r.raw["precision"]), "-"),
-                     linewidth=1.4, alpha=0.9, label=_label(r, multi).replace("\n", " "))  # fmt: skip
-        if loss:
-            smooth = [sum(loss[max(0, i - window + 1): i + 1]) / len(loss[max(0, i - window + 1): i + 1])
-                      for i in range(len(loss))]  # fmt: skip
-            ax1.plot(range(1, len(loss) + 1), smooth, **style)
-        pts = [(e.get("epoch"), e.get("val_accuracy")) for e in evals if e.get("val_accuracy") is not None]
-        if pts:
-            xs, ys = zip(*pts, strict=True)
-            ys = [v * 100 for v in ys]
-            accs.extend(ys)
-            ax2.plot(xs, ys, marker="o", markersize=4, **style)
-    ax1.set_xlabel("optimizer step", fontsize=9)
-    ax1.set_ylabel("training loss" + (f" (moving average over {window} steps)" if window > 1 else ""), fontsize=9)
-    ax1.set_title("training loss", fontsize=10)
-    ax2.set_xlabel("epoch", fontsize=9)
-    from matplotlib.ticker import MaxNLocator
-
-    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
-    ax2.set_ylabel("validation accuracy, %", fontsize=9)
-    ax2.set_title("validation accuracy (axis zoomed to the data)", fontsize=10)
-    if accs:
-        lo, hi = _zoom(accs)
-        ax2.set_ylim(lo, hi)
-    for ax in (ax1, ax2):
-        ax.grid(alpha=0.3)
-    handles, labels = ax1.get_legend_handles_labels() if ax1.lines else ax2.get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(4, len(labels)), fontsize=8, frameon=False,
-               title="method · precision · devices (colour = method, line style = precision)", title_fontsize=8)  # fmt: skip
-    fig.suptitle(title, fontsize=11)
-    rows_of_legend = (len(labels) + 3) // 4
-    fig.tight_layout(rect=(0, min(0.45, 0.05 + 0.045 * rows_of_legend), 1, 1))
-    with atomic_output(Path(path), ".png") as tmp:
-        fig.savefig(tmp)
-    plt.close(fig)
-    return True
-
-
-def _zoom(values: list[float], lo_cap: float = 0.0, hi_cap: float = 100.0) -> tuple[float, float]:
-    """Axis limits around the data (a percentage), with margins, so that 91 vs 93% is visible."""
-    lo, hi = min(values), max(values)
-    pad = max(0.5, (hi - lo) * 0.25)
-    return max(lo_cap, lo - pad), min(hi_cap + pad * 0.5, hi + pad)
-
-
-def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool,
-               zoom: bool = False) -> None:  # fmt: skip
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    labels = [_label(r, multi) for r, _ in data]
-    values = [v for _, v in data]
-    colours = [PRECISION_COLOURS.get(str(r.raw["precision"]), "#937860") for r, _ in data]
-    height = max(2.8, 1.5 + 0.38 * len(data) * (1.6 if multi else 1.0))
-    fig, ax = plt.subplots(figsize=(10, height), dpi=110)
-    y = list(range(len(data)))
-    ax.barh(y, values, color=colours)
-    ax.set_yticks(y, labels, fontsize=9)
-    ax.invert_yaxis()  # first cell at the top, as in the table
-    ax.set_xlabel(xlabel, fontsize=10)
-    ax.set_title(title, fontsize=11)
-    top = max(values) if values else 1.0
-    ax.set_xlim(0, top * 1.18 if top > 0 else 1)
-    step = top * 0.01
-    if zoom and values:  # accuracy: the axis spans the data, so that 91% vs 93% is visible (not 0-100)
-        lo, hi = _zoom(values)
-        hi += (hi - lo) * 0.12  # room for the labels
-        ax.set_xlim(lo, hi)
-        step = (hi - lo) * 0.01
-        ax.set_xlabel(f"{xlabel} - axis starts at {lo:.1f}%", fontsize=10)
-    for yi, v in zip(y, values, strict=True):
-        ax.text(v + step, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
-    ax.grid(axis="x", alpha=0.3)
-    ax.set_axisbelow(True)
-    seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
-    ax.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen], title="precision",
-              fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
-    fig.tight_layout()
-    with atomic_output(Path(path), ".png") as tmp:
-        fig.savefig(tmp)
-    plt.close(fig)
-
-
-# ------------------------------------------------------------------------------------------------
 # terminal
 
 
-def print_table(records: list[dict[str, Any]], console=None) -> None:
+def print_table(records: list[RunRecord] | list[dict[str, Any]], console=None) -> None:
     """A compact version of the table for the terminal at the end of a sweep."""
     from rich.table import Table
-
-    from stratbench.core.tables import table_console
 
     console = console or table_console()
     notes = Footnotes()
@@ -1247,7 +970,8 @@ def print_table(records: list[dict[str, Any]], console=None) -> None:
 def render_sweeps(
     dirs: list[Path], out: Path, title: str | None = None, hardware: str | None = None
 ) -> tuple[dict[str, Path], list[dict[str, Any]]]:
-    """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``."""
+    """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``; returns its
+    paths and the records as JSON (what ``api.Sweep.records`` holds)."""
     sweeps = [load_sweep(d) for d in dirs]
     records = [r for s in sweeps for r in s.records]
     if title is None:
@@ -1256,5 +980,7 @@ def render_sweeps(
     description = sweeps[0].meta.get("description", "") if len(sweeps) == 1 else ""
     command = " ".join(sweeps[0].meta.get("command") or []) if len(sweeps) == 1 else ""
     calibration = [c for s in sweeps for c in s.calibration]
-    report = Report(title, records, [str(s.path) for s in sweeps], description, command, hardware, calibration)
-    return write_report(report, out), records
+    report = Report(
+        title, records, [str(s.path) for s in sweeps], description, command, hardware, calibration
+    )
+    return write_report(report, out), [rec.fields for rec in records]

@@ -31,6 +31,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.lock import output_lock
 from stratbench.launching.launch import _child_setup
 from stratbench.measuring.environment import environment
+from stratbench.measuring.records import SCHEMA, RunRecord
 
 RESULTS = "results.jsonl"
 SWEEP = "sweep.json"
@@ -49,7 +50,8 @@ class Interrupted(Exception):
 
 def load_records(out: Path, name: str = RESULTS) -> dict[str, dict[str, Any]]:
     """Latest record per cell id from ``out/results.jsonl`` (or ``out/NAME``: the calibration runs'
-    ``calibration.jsonl``); a torn last line from a killed sweep is ignored."""
+    ``calibration.jsonl``), as written: what a resumed sweep checks and rewrites; a torn last line from a killed
+    sweep is ignored. ``load_run_records`` parses them for the readers."""
     path = Path(out) / name
     records: dict[str, dict[str, Any]] = {}
     if not path.exists():
@@ -66,6 +68,12 @@ def load_records(out: Path, name: str = RESULTS) -> dict[str, dict[str, Any]]:
             records.pop(rec["id"], None)  # re-insert so that dict order follows the latest write
             records[rec["id"]] = rec
     return records
+
+
+def load_run_records(out: Path) -> dict[str, RunRecord]:
+    """The latest record per cell id of ``out/results.jsonl``, parsed (old files too: a field a record lacks or
+    holds in another type reads as not recorded)."""
+    return {cell: RunRecord.from_dict(rec) for cell, rec in load_records(out).items()}
 
 
 def append_record(out: Path, record: dict[str, Any], name: str = RESULTS) -> None:
@@ -128,6 +136,7 @@ def make_record(
     result = result or {}
     env = result.get("environment") or environment or local_environment(cell.world_size)
     return {
+        "schema": SCHEMA,
         "id": cell.id,
         "method": cell.method,
         "label": cell.name,

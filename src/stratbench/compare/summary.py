@@ -10,8 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stratbench.compare.rows import Row, is_baseline, number
+from stratbench.compare.rows import Row, is_baseline
 from stratbench.core.tables import fmt_bytes
+from stratbench.measuring.records import number
 
 NA = "n/a"
 CLOSE_PCT = 10.0
@@ -287,7 +288,7 @@ def problems(rows: list[Row]) -> list[Problem]:
             continue
         status = str(r.raw.get("status"))
         reason = " ".join(str(r.raw.get("reason") or "no reason recorded").split())
-        log = r.rec.get("log") if status not in ("skipped", "not run") else None
+        log = r.rec.log if status not in ("skipped", "not run") else None
         name = r.name + (f" on {r.raw.get('machine')}" if multi else "")
         out.append(Problem(name, status, reason, str(log) if log else None))
     return out

@@ -1,0 +1,314 @@
+"""What one run recorded, as typed records parsed once where they are read: ``RunRecord`` (a line of a sweep's
+results.jsonl: a compare cell, its outcome, its result.json) and ``CalibrationRecord`` (a line of calibration.jsonl:
+a run made before the cells to calibrate their predicted step).
+
+A record is JSON written by one version of stratbench and read by later ones, so reading never fails on a field:
+a missing field is its default, and a field of the wrong type (a string for a number, a list for a dict) reads as
+not recorded, so one bad field shows as n/a in its own report cell instead of stopping the report. ``schema`` says
+which shape a record has; records from before the field existed have the same shape as version 1 (fields added
+since then default when absent).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+SCHEMA = 1
+"""The shape of the records written today (``schema`` in each line; absent: 1)."""
+
+CALIBRATION_KINDS = ("probe", "single", "method")
+"""What a calibration run measures: the machine's probe, ``single`` at a batch size, or a method on one process."""
+
+
+def number(x: Any) -> float | None:
+    """``x`` as a finite float, or None for a missing or unreadable value (a string, a bool, NaN), so that one
+    bad field of a record shows as n/a instead of stopping the report."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) else None
+
+
+def _num(x: Any) -> Any:
+    """``x`` as recorded (an int stays an int: the csv writes it as it was) where it is a finite number, else None."""
+    return x if number(x) is not None else None
+
+
+def _text(x: Any) -> str | None:
+    return None if x is None else str(x)
+
+
+def _numbers(x: Any) -> list[Any]:
+    """The finite numbers of a recorded list (anything else: none)."""
+    return [v for v in x if number(v) is not None] if isinstance(x, list) else []
+
+
+def _dict(x: Any) -> dict[str, Any]:
+    return dict(x) if isinstance(x, dict) else {}
+
+
+# ------------------------------------------------------------------------------------------------
+# a run
+
+
+@dataclass(frozen=True)
+class Machine:
+    """Where a record ran: hostname and a one-line device description (``?`` where not recorded)."""
+
+    hostname: str = "?"
+    device: str = "?"
+
+    @classmethod
+    def from_dict(cls, d: Any) -> Machine:
+        d = _dict(d)
+        return cls(str(d.get("hostname", "?")), str(d.get("device", "?")))
+
+    @property
+    def name(self) -> str:
+        """``hostname (device)``: records are only compared within one machine."""
+        return f"{self.hostname} ({self.device})"
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The measures of a run's result.json the report computes with; each None (or empty) where not recorded.
+    Every other measure stays in ``RunRecord.fields['metrics']``."""
+
+    train_time_s: float | None = None
+    throughput_samples_per_s: float | None = None
+    step_time_median_s: float | None = None
+    val_accuracy: float | None = None
+    final_loss: float | None = None
+    mfu: float | None = None
+    flops_per_sample: float | None = None
+    peak_memory_bytes: list[float] = field(default_factory=list)
+    """Per rank (a process driving several GPUs: per device)."""
+    peak_memory_kind: str = ""
+    """``cpu_peak_rss`` or ``cuda_max_allocated``."""
+    gpu_util_mean_pct: list[float] = field(default_factory=list)
+    gpu_util_peak_pct: list[float] = field(default_factory=list)
+    epoch_time_s: list[float] = field(default_factory=list)
+    cpu_alloc_peak_bytes: list[float] = field(default_factory=list)
+    cpu_alloc_import_bytes: list[float] = field(default_factory=list)
+    breakdown: dict[str, Any] | None = None
+    """Phase times per step (``per_rank_s``, ``not_compute_share``): metrics.breakdown."""
+    comm: dict[str, Any] | None = None
+    """Bytes on the wire per step and the formula's check (``wire_bytes_per_step``, ``check``)."""
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
+    loss_curve: list[float] = field(default_factory=list)
+    """Per optimizer step; an unreadable value is NaN (a gap in the chart)."""
+
+    @classmethod
+    def from_dict(cls, m: Any) -> Metrics:
+        """A result.json's ``metrics``, each measure of the wrong type read as not recorded."""
+        m = _clean_metrics(_dict(m))
+        kind = m.get("peak_memory_kind", "")
+        return cls(
+            **{k: _num(m.get(k)) for k in NUMBER_METRICS},
+            **{k: list(m.get(k) or []) for k in NUMBER_LIST_METRICS},
+            peak_memory_kind="" if kind is None else str(kind),
+            breakdown=m.get("breakdown"),
+            comm=m.get("comm"),
+            evaluations=list(m.get("evaluations") or []),
+            loss_curve=list(m.get("loss_curve") or []),
+        )
+
+
+NUMBER_FIELDS = ("world_size", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
+                 "host_load_mean", "host_cpu_count")  # fmt: skip
+NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "val_accuracy", "final_loss",
+                  "mfu", "flops_per_sample")  # fmt: skip
+NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
+                       "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
+DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding")
+
+
+@dataclass(frozen=True)
+class RunRecord:
+    """One line of results.jsonl: a cell (method, precision, world size, batch), its outcome and what it measured.
+    The numbers are as recorded (an int stays an int) or None where absent or unreadable."""
+
+    id: str | None = None
+    method: str | None = None
+    label: str | None = None
+    """The cell's name: the method's (also where the record has none), or a variant such as ``deepspeed-z3``."""
+    precision: str | None = None
+    status: str | None = None
+    """ok, failed, oom, timeout, nan, skipped, or ``not run`` (a cell the sweep never reached)."""
+    reason: str = ""
+    world_size: int | None = None
+    data_parallel_size: int | None = None
+    batch_size: int | None = None
+    global_batch_size: int | None = None
+    per_device_batch_size: int | None = None
+    host_load_mean: float | None = None
+    """The mean 1-minute load average while the cell ran (its times are inflated above 1.5x the cores)."""
+    host_cpu_count: int | None = None
+    machine: Machine = field(default_factory=Machine)
+    environment: dict[str, Any] = field(default_factory=dict)
+    config: dict[str, Any] = field(default_factory=dict)
+    metrics: Metrics = field(default_factory=Metrics)
+    repeats: dict[str, Any] = field(default_factory=dict)
+    """compare --repeats: ``n`` runs, and ``metrics``: per measure its median, min, max over the runs."""
+    sharding: dict[str, list[float | None]] = field(default_factory=dict)
+    """Model-state bytes per rank by part (param_bytes, grad_bytes, optimizer_state_bytes, master_param_bytes)."""
+    model: str | None = None
+    log: str | None = None
+    schema: int = SCHEMA
+    fields: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+    """The whole line, its fields above that held the wrong type dropped: what readers of the JSON take."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> RunRecord:
+        """Parse one line (a JSON object); anything else is a failed record saying so."""
+        rec = _clean(d)
+        m = rec["metrics"]
+        return cls(
+            id=_text(rec.get("id")), method=_text(rec.get("method")), label=_text(rec["label"] if "label" in rec else rec.get("method")),
+            precision=_text(rec.get("precision")), status=_text(rec.get("status")), reason=str(rec.get("reason") or ""),
+            **{k: rec.get(k) for k in NUMBER_FIELDS},
+            machine=Machine.from_dict(rec.get("machine")), environment=rec.get("environment") or {},
+            config=rec.get("config") or {}, metrics=Metrics.from_dict(m), repeats=rec.get("repeats") or {},
+            sharding=rec.get("sharding") or {}, model=_text(rec.get("model")),
+            log=str(rec["log"]) if rec.get("log") else None, schema=_schema(rec.get("schema")), fields=rec,
+        )  # fmt: skip
+
+    @property
+    def name(self) -> str | None:
+        """What the report calls the cell: its label, else its method."""
+        return self.label or self.method
+
+    @property
+    def world(self) -> int:
+        """The number of processes (1 where not recorded)."""
+        return int(self.world_size or 1)
+
+    @property
+    def devices(self) -> int:
+        """How many devices share the global batch (a DataParallel process drives several)."""
+        return max(self.world, int(self.data_parallel_size or 0))
+
+    @property
+    def global_batch(self) -> Any:
+        return self.global_batch_size or self.batch_size
+
+    @property
+    def per_device_batch(self) -> Any:
+        gbatch = self.global_batch
+        return self.per_device_batch_size or (gbatch // self.devices if gbatch else None)
+
+    @property
+    def on_gpu(self) -> bool:
+        """Whether the run trained on CUDA devices (its environment says so)."""
+        return self.environment.get("device_type") == "cuda"
+
+    @property
+    def model_name(self) -> str | None:
+        """The model trained: the config's, else the record's own field."""
+        return _text(self.config.get("model") or self.model)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def _schema(x: Any) -> int:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x >= 1 else 1
+
+
+def _clean(rec: Any) -> dict[str, Any]:
+    """A copy of ``rec`` whose fields the report reads have the type it expects, or are absent."""
+    rec = dict(rec) if isinstance(rec, dict) else {"status": "failed", "reason": f"not a record: {rec!r:.80}"}
+    for k in DICT_FIELDS:
+        if k in rec and not isinstance(rec[k], dict):
+            rec[k] = {}
+    for k in NUMBER_FIELDS:
+        if k in rec:
+            rec[k] = _num(rec[k])
+    rec["metrics"] = _clean_metrics(_dict(rec.get("metrics")))
+    if rec.get("sharding"):
+        rec["sharding"] = {k: v for k, v in rec["sharding"].items()
+                           if isinstance(v, list) and all(x is None or number(x) is not None for x in v)}  # fmt: skip
+    return rec
+
+
+def _clean_metrics(m: dict[str, Any]) -> dict[str, Any]:
+    """``m`` (a copy) with each measure the report reads of the type it expects, or None (an empty list)."""
+    for k in NUMBER_METRICS:
+        if k in m:
+            m[k] = _num(m[k])
+    for k in NUMBER_LIST_METRICS:
+        if k in m:
+            m[k] = _numbers(m[k])
+    for k in ("breakdown", "comm"):
+        if k in m and not isinstance(m[k], dict):
+            m[k] = None
+    if "evaluations" in m:
+        m["evaluations"] = (
+            [e for e in m["evaluations"] if isinstance(e, dict)] if isinstance(m["evaluations"], list) else []
+        )
+    if "loss_curve" in m:
+        curve = m["loss_curve"] if isinstance(m["loss_curve"], list) else []
+        m["loss_curve"] = [x if number(x) is not None else math.nan for x in curve]
+    return m
+
+
+def as_run_record(rec: RunRecord | dict[str, Any]) -> RunRecord:
+    """``rec`` itself, or a record a caller holds as JSON parsed."""
+    return rec if isinstance(rec, RunRecord) else RunRecord.from_dict(rec)
+
+
+# ------------------------------------------------------------------------------------------------
+# a calibration run
+
+
+class RecordError(ValueError):
+    """A line that is no record of its kind (it says why)."""
+
+
+@dataclass(frozen=True)
+class CalibrationRecord:
+    """One line of calibration.jsonl: a run made before the cells (``kind``: the machine's probe, ``single`` at a
+    batch size, or a method on one process) for the cells it names, with its outcome and result (``run``)."""
+
+    run: RunRecord
+    kind: str
+    for_cells: list[str]
+    """The ids of the cells whose predicted step rests on this run."""
+    nproc: int = 1
+    """The processes of the probe (a cell's world size)."""
+    threads: int | None = None
+    """The threads of the run's process (a cell's process's share of the cores)."""
+    profile: str = ""
+    """A probe's profile, relative to the sweep folder."""
+    what: str = ""
+    """How the sweep names the run (``single fp32 batch 32``, ...)."""
+
+    @classmethod
+    def from_dict(cls, d: Any) -> CalibrationRecord:
+        """Parse one line; a RecordError saying why where it is no calibration record (its train results are
+        checked where they are used: a bad one is a row's n/a)."""
+        why = calibration_problem(d)
+        if why:
+            raise RecordError(why)
+        cal = d["calibration"]
+        threads = cal.get("threads")
+        return cls(
+            RunRecord.from_dict(d), cal["kind"], list(cal["for"]), cal.get("nproc", 1),
+            threads if isinstance(threads, int) else None, cal.get("profile", ""), str(cal.get("what") or ""),
+        )  # fmt: skip
+
+
+def calibration_problem(d: Any) -> str | None:
+    """What makes ``d`` (a line of calibration.jsonl) no calibration record the report can read; None: it is one."""
+    cal = d.get("calibration") if isinstance(d, dict) else None
+    if not isinstance(d, dict) or "id" not in d or not isinstance(cal, dict):
+        return "not a calibration record (no 'id' and 'calibration')"
+    if cal.get("kind") not in CALIBRATION_KINDS:
+        return f"calibration kind {cal.get('kind')!r} is not one of {', '.join(CALIBRATION_KINDS)}"
+    if not isinstance(cal.get("for"), list) or not all(isinstance(c, str) for c in cal["for"]):
+        return "its calibration 'for' is not a list of cell ids"
+    if not isinstance(cal.get("nproc", 1), int) or not isinstance(cal.get("profile", ""), str):
+        return "its calibration 'nproc' is not a whole number or its 'profile' not a path"
+    return None

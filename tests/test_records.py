@@ -1,0 +1,115 @@
+"""The typed records of a sweep (measuring/records.py): an old results.jsonl line still loads, a field of the wrong
+type reads as not recorded, numbers stay as written, today's records carry the schema, and a calibration line
+parses or says why it cannot."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stratbench.compare.calibration import record_problem
+from stratbench.compare.matrix import build_matrix
+from stratbench.compare.rows import is_baseline, is_baseline_run, is_comm_reference
+from stratbench.compare.runner import append_record, load_run_records, make_record
+from stratbench.measuring.records import (
+    SCHEMA,
+    CalibrationRecord,
+    RecordError,
+    RunRecord,
+    calibration_problem,
+)
+
+# A line as the first compare sweeps wrote it: no schema, label, data_parallel_size or per_device_batch_size.
+OLD_LINE = {
+    "id": "single_fp32_w1_b64_0", "method": "single", "precision": "fp32", "world_size": 1, "batch_size": 64,
+    "status": "ok", "reason": "", "machine": {"hostname": "vm", "device": "CPU: x (2 cores)"},
+    "environment": {"device_type": "cpu"}, "config": {"model": "tinynet", "batch_size": 64},
+    "metrics": {"train_time_s": 2, "throughput_samples_per_s": 640.5, "peak_memory_bytes": [100, None, 300]},
+}  # fmt: skip
+
+
+def test_an_old_line_loads_with_defaults_and_today_s_records_carry_the_schema(tmp_path):
+    rec = RunRecord.from_dict(OLD_LINE)
+    assert rec.schema == 1 and rec.label == "single" and rec.name == "single" and rec.ok
+    assert rec.devices == 1 and rec.global_batch == 64 and rec.per_device_batch == 64 and not rec.on_gpu
+    assert rec.machine.name == "vm (CPU: x (2 cores))" and rec.model_name == "tinynet"
+    assert rec.metrics.train_time_s == 2 and isinstance(
+        rec.metrics.train_time_s, int
+    )  # as written: the csv shows 2
+    assert rec.metrics.peak_memory_bytes == [100, 300] and rec.metrics.val_accuracy is None
+    assert rec.metrics.evaluations == [] and rec.repeats == {} and rec.log is None
+    assert is_baseline(rec) and is_baseline_run(rec) and not is_comm_reference(rec)
+    cell = build_matrix(
+        {"base": {"model": "tinynet"}, "cells": [{"method": "ddp", "precision": "bf16-mixed"}]}
+    ).cells[0]
+    new = make_record(cell, "skipped", "not here", environment={"device_type": "cpu"})
+    assert new["schema"] == SCHEMA
+    append_record(tmp_path, OLD_LINE)
+    append_record(tmp_path, new)
+    with open(tmp_path / "results.jsonl", "a") as fh:
+        fh.write('{"id": "torn", "sta')  # a sweep killed while writing its last line
+    loaded = load_run_records(tmp_path)
+    assert list(loaded) == [OLD_LINE["id"], cell.id]
+    assert loaded[cell.id].status == "skipped" and loaded[cell.id].reason == "not here"
+    assert is_comm_reference(loaded[cell.id]) and not is_baseline_run(loaded[cell.id])
+
+
+def test_fields_of_the_wrong_type_read_as_not_recorded():
+    line = {
+        **OLD_LINE, "label": "single-variant", "world_size": "two", "machine": [1], "environment": "cuda",
+        "repeats": {"n": 3}, "sharding": {"param_bytes": [1, None], "grad_bytes": ["x"]}, "host_load_mean": True,
+        "metrics": {"throughput_samples_per_s": "fast", "val_accuracy": float("nan"), "mfu": True,
+                    "epoch_time_s": "x", "breakdown": [1], "comm": "x", "evaluations": [{"epoch": 1}, 2],
+                    "loss_curve": [1.0, "a"], "peak_memory_kind": None},
+    }  # fmt: skip
+    rec = RunRecord.from_dict(line)
+    assert rec.world_size is None and rec.world == 1 and rec.host_load_mean is None
+    assert rec.machine.name == "? (?)" and rec.environment == {} and not rec.on_gpu
+    m = rec.metrics
+    assert m.throughput_samples_per_s is None and m.val_accuracy is None and m.mfu is None
+    assert m.epoch_time_s == [] and m.breakdown is None and m.comm is None and m.peak_memory_kind == ""
+    assert m.evaluations == [{"epoch": 1}] and m.loss_curve[0] == 1.0 and m.loss_curve[1] != m.loss_curve[1]
+    assert rec.sharding == {"param_bytes": [1, None]} and rec.repeats == {"n": 3}
+    assert not is_baseline_run(rec)  # a variant of single, not the baseline itself
+    assert (
+        rec.fields["world_size"] is None and rec.fields["metrics"]["breakdown"] is None
+    )  # what JSON readers get
+    assert RunRecord.from_dict(["not", "a", "record"]).status == "failed"
+    assert RunRecord.from_dict({**OLD_LINE, "schema": 2}).schema == 2
+
+
+@pytest.mark.parametrize(
+    "line",
+    [
+        {"id": "p", "status": "ok", "calibration": {"kind": "probe", "for": ["a", "b"], "nproc": 2, "threads": 1,
+                                                    "what": "probe x2", "profile": "calibration/p/probe.yaml"}},
+        {"id": "s", "status": "failed", "reason": "boom", "calibration": {"kind": "single", "for": ["a"]}},
+        {"id": "x", "calibration": {"kind": "warm-up", "for": []}},
+        {"id": "x", "calibration": {"kind": "single", "for": "a"}},
+        {"id": "x", "calibration": {"kind": "probe", "for": [], "nproc": "2"}},
+        {"id": "x", "calibration": "single"},
+        {"calibration": {"kind": "single", "for": []}},
+        "a line",
+    ],
+)  # fmt: skip
+def test_a_calibration_line_parses_or_says_why_as_the_sweep_s_check_does(line):
+    if isinstance(line, dict):
+        assert calibration_problem(line) == record_problem(json.loads(json.dumps(line)))
+    why = calibration_problem(line)
+    if why:
+        with pytest.raises(RecordError, match="calibration"):
+            CalibrationRecord.from_dict(line)
+        return
+    rec = CalibrationRecord.from_dict(line)
+    assert rec.kind == line["calibration"]["kind"] and rec.for_cells == line["calibration"]["for"]
+    assert rec.run.id == line["id"] and rec.run.status == line["status"]
+    if rec.kind == "probe":
+        assert (rec.nproc, rec.threads, rec.what, rec.profile) == (
+            2,
+            1,
+            "probe x2",
+            "calibration/p/probe.yaml",
+        )
+    else:
+        assert (rec.nproc, rec.threads, rec.profile, rec.run.reason) == (1, None, "", "boom")
