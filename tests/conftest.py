@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from stratbench.cli import main
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,6 +189,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def fails(capsys, *argv: str) -> str:
+    """Run the CLI in process with ``argv``: it must exit non-zero with exactly one line on stderr (returned)."""
+    code = main(list(argv))
+    err = capsys.readouterr().err.strip()
+    assert code != 0
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+BIG_LOSS = """import torch.nn.functional as F
+
+
+def loss(logits, targets):
+    return 2.0**10 * F.cross_entropy(logits, targets)
+"""
+"""A user's loss module (``--loss bigloss:loss``): cross-entropy times 2**10, so fp16-mixed overflows and skips steps."""
 
 
 def md_section(md: str, heading: str) -> list[str]:

@@ -497,7 +497,7 @@ FAULT_SEED = int(os.environ.get("STRATBENCH_FAULT_SEED", "14"))
 def _fault_injection():
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(conftest.REPO / "benchmarks"))
     import fault_injection
 
     return fault_injection

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO
 from stratbench.cli import main
 
 LAZY_NET = """\
@@ -138,7 +139,7 @@ class _Runs:
 def test_a_cifar10_copy_is_read_without_running_its_pickles(user_folder, capsys):
     """CIFAR-10's files are pickles; torchvision trusts them by md5 only. stratbench reads them with the restricted
     unpickler: a re-packed copy (other md5 sums) loads, one whose pickle names a callable is refused in one line."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from readme_tour import write_cifar10
 
     write_cifar10(user_folder / "data", 20, 10)

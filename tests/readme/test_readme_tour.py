@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from stratbench.compare.calibration import CALIBRATION
 from stratbench.compare.runner import load_records
 from stratbench.predicting import hardware
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from readme_tour import Tour, flag_value, tour_argv  # noqa: E402
