@@ -193,9 +193,9 @@ def pytest_collection_modifyitems(config, items):
 
 def fails(capsys, *argv: str) -> str:
     """Run the CLI in process with ``argv``: it must exit non-zero with exactly one line on stderr (returned)."""
-    code = main(list(argv))
+    code = main([str(a) for a in argv])
     err = capsys.readouterr().err.strip()
-    assert code != 0
+    assert code != 0, err
     assert len(err.splitlines()) == 1, err
     return err
 
