@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import async_io_build
 from stratbench.cli import main
 from zygote import Zygote
 
@@ -79,9 +80,16 @@ def zygote() -> Zygote:
     return _ZYGOTE
 
 
+def pytest_collection_finish(session):
+    """An nvme test selected: DeepSpeed's async_io op starts building in the background (tests/async_io_build.py)."""
+    if not session.config.option.collectonly and any("nvme_offload_swaps" in i.nodeid for i in session.items):
+        async_io_build.start()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _ZYGOTE is not None:
         _ZYGOTE.close()
+    async_io_build.stop()
 
 
 def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, **kw) -> dict:
