@@ -84,7 +84,8 @@ def test_compare_repeats_records_every_run_and_reports_their_median(tour):
     out = _written_by(tour, command, "--output")
     (rec,) = load_records(out).values()
     assert rec["status"] == "ok" and rec["repeats"]["n"] == 3
-    assert len(rec["repeats"]["metrics"]["throughput_samples_per_s"]["values"]) == 3
+    # 3 steps, all warm-up: no throughput, but each run's time
+    assert len(rec["repeats"]["metrics"]["train_time_s"]["values"]) == 3
     assert "repeat 3/3" in (tour.logs / f"{_line(tour, command).n:02d}.log").read_text()
     assert "median of 3 runs" in (out / "report.md").read_text()
 
