@@ -29,7 +29,7 @@ and DeepSpeed once (tests/zygote.py): each rank runs the code a torchrun worker 
         --max-delay-s 1 --seed 0 --report benchmarks/fault_injection_zygote_cpu_2026-11-23.md   # 85 s
 
 (2 shared cores, load 5-8 from other jobs for the second; the first predates --keep-last 2 and swap kills.)
-tests/test_safety.py runs the zygote chain: 20 kills, 4 of them inside a swap.
+tests/checkpoints/test_safety.py runs the zygote chain: 20 kills, 4 of them inside a swap.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@
 #   pipeline   benchmarks/input_pipeline.py on CUDA: loader vs device, 32 and 224 px       ~2 min -> pipeline.md
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
-#              and fp16-mixed: tests/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
+#              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
 #   "env precision seed", "methods", "fast source pipeline", "tests".
 #

@@ -13,7 +13,7 @@ through bash (tilde expansion as in a shell) in one fresh temporary working fold
   that a tour line writes (checkpoints, ``model.pt``, reports) are never made here: a later line reads what an
   earlier one wrote, as it would for the user;
 - a few lines that would take far too long on a 2-core CPU get extra flags that shrink them (``SHRINK``; the
-  test, tests/test_readme_tour.py, uses ``FAST``, which shrinks more); the report lists exactly which line got
+  test, tests/readme/test_readme_tour.py, uses ``FAST``, which shrinks more); the report lists exactly which line got
   which flags and why. Every other line runs exactly as written.
 
 A line passes when it exits 0. A line that needs what this machine lacks (a GPU) passes only as a clear
@@ -22,7 +22,7 @@ refusal: exit code 3 (stratbench's UnsupportedError) with a one-line reason; the
     nice -n 19 .venv/bin/python benchmarks/readme_tour.py \\
         --report benchmarks/readme_tour_cpu_$(date +%F).md        # ~30 lines, ~20-30 min on 2 shared CPU cores
 
-tests/test_readme.py parses every tour line with stratbench's own CLI parser (no training), using
+tests/readme/test_readme.py parses every tour line with stratbench's own CLI parser (no training), using
 ``tour_commands`` from here.
 """
 
@@ -200,7 +200,7 @@ FAST = (
     Shrink("probe, two payloads", _is("probe"), ("--sizes", "4KiB,1MiB", "--repeats", "3"),
            "two payload sizes, 3 calls each: the processes, the collectives and the profile it writes"),
 )  # fmt: skip
-"""The test's shrinks (tests/test_readme_tour.py): the tour in a few minutes on 2 cores, every line still run."""
+"""The test's shrinks (tests/readme/test_readme_tour.py): the tour in a few minutes on 2 cores, every line still run."""
 
 
 def shrink_for(argv: list[str], shrinks: tuple[Shrink, ...] = SHRINK) -> Shrink | None:
@@ -255,7 +255,7 @@ batch_size: 32
 epochs: 1
 output: runs/yaml
 """
-# The source's ZeRO-2 JSON (tests/test_deepspeed.py SEED_ZERO2), with its optimizer and scheduler blocks.
+# The source's ZeRO-2 JSON (tests/strategies/test_deepspeed.py SEED_ZERO2), with its optimizer and scheduler blocks.
 SOURCE_ZERO2 = {
     "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000, "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto", "weight_decay": "auto"}},
@@ -268,7 +268,7 @@ SOURCE_ZERO2 = {
     "gradient_accumulation_steps": "auto", "gradient_clipping": "auto", "steps_per_print": 2000,
     "train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
 }  # fmt: skip
-# The source's default_DDP.yml as `accelerate config` writes it (tests/test_accelerate.py), 2 processes.
+# The source's default_DDP.yml as `accelerate config` writes it (tests/strategies/test_accelerate.py), 2 processes.
 SOURCE_DDP_YAML = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
@@ -558,7 +558,7 @@ def python_line(readme: str, work: Path, n: int) -> Line:
 
 
 class Tour:
-    """The tour (``FAST`` shrinks, then the "From Python" block) in ``root`` as tests/test_readme_tour.py runs
+    """The tour (``FAST`` shrinks, then the "From Python" block) in ``root`` as tests/readme/test_readme_tour.py runs
     it: fixtures, then every line in order; each line's outcome is on it, its output in ``logs``."""
 
     def __init__(self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import async_io_build
+from stratbench.cli import main
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -78,9 +80,16 @@ def zygote() -> Zygote:
     return _ZYGOTE
 
 
+def pytest_collection_finish(session):
+    """An nvme test selected: DeepSpeed's async_io op starts building in the background (tests/async_io_build.py)."""
+    if not session.config.option.collectonly and any("nvme_offload_swaps" in i.nodeid for i in session.items):
+        async_io_build.start()
+
+
 def pytest_sessionfinish(session, exitstatus):
     if _ZYGOTE is not None:
         _ZYGOTE.close()
+    async_io_build.stop()
 
 
 def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, **kw) -> dict:
@@ -188,6 +197,24 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def fails(capsys, *argv: str) -> str:
+    """Run the CLI in process with ``argv``: it must exit non-zero with exactly one line on stderr (returned)."""
+    code = main([str(a) for a in argv])
+    err = capsys.readouterr().err.strip()
+    assert code != 0, err
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+BIG_LOSS = """import torch.nn.functional as F
+
+
+def loss(logits, targets):
+    return 2.0**10 * F.cross_entropy(logits, targets)
+"""
+"""A user's loss module (``--loss bigloss:loss``): cross-entropy times 2**10, so fp16-mixed overflows and skips steps."""
 
 
 def md_section(md: str, heading: str) -> list[str]:

@@ -7,7 +7,7 @@ reports its thread count, which must be 1. Each run's ranks form a process group
 the environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT, ...) and calls ``stratbench.cli.main(argv)``, the entry a torchrun
 worker runs (a 1-process run gets no rank variables: the CLI then trains in its own process, as `stratbench
-train` does). What it skips is the launcher and torchrun, which tests/test_launch.py and tests/test_safety.py run
+train` does). What it skips is the launcher and torchrun, which tests/launching/test_launch.py and tests/checkpoints/test_safety.py run
 as real processes. Each rank dies with the zygote (PR_SET_PDEATHSIG), and the zygote exits, killing what is
 left, when its stdin closes.
 

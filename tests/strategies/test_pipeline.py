@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from conftest import (
+    BIG_LOSS,
     COMM,
     EQUIV,
     RTOL,
@@ -246,12 +247,6 @@ def test_pipeline_x_data_parallel_2x2(runs):
     assert p[0] == p[2] and p[1] == p[3] and p[0] + p[1] == res["model_meta"]["num_parameters"] * FP64
 
 
-BIG_LOSS = """import torch.nn.functional as F
-
-
-def loss(logits, targets):
-    return 2.0**10 * F.cross_entropy(logits, targets)
-"""
 RTOL_SAME_KERNELS = 1e-6
 """Mixed precision, a pipeline against `single --grad-accum M`: every kernel call has the same shapes and inputs
 in both (each stage computes its pieces' slice of single's micro-step on the same micro-batch, the loss divided

@@ -576,7 +576,7 @@ def _cell(method: str, precision: str, world: int, step_s: float, device: str = 
 
 
 def test_compare_report_shows_predicted_step_and_error(tmp_path):
-    """Without the sweep's own calibration (compare --calibrate: tests/test_calibration.py), a GPU row is
+    """Without the sweep's own calibration (compare --calibrate: tests/compare/test_calibration.py), a GPU row is
     predicted on its device's profile, calibrated on the sweep's single run of its precision or at the default
     efficiency; a CPU row is n/a, uncalibrated (calibrated on the all-core single run with another machine's
     probe it was 35-80% off), never a number."""

@@ -13,14 +13,13 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+import async_io_build
 from conftest import (
     COMM,
     RTOL_FP32_SAME_MICRO_BATCHES,
@@ -350,23 +349,15 @@ NVME_BIG_PARAM = 256 * 256 * 3 * 3
 
 
 @pytest.fixture(scope="module")
-def async_io_op(tmp_path_factory) -> float:
+def async_io_op() -> float:
     """Skip where DeepSpeed's async_io op cannot be built (no libaio: `make install` installs libaio-dev as root);
-    else JIT-build it (with the pin_memory op it loads) into stratbench's extensions cache, once: cold it took
-    minutes on 2 cores (see docs/deepspeed_accelerate.md), cached about a second. Returns the seconds it took."""
-    import time
-
-    from stratbench.strategies.deepspeed import _nvme_unavailable, extensions_cache_dir
-
-    probe = tmp_path_factory.mktemp("nvme-probe")
-    reason = _nvme_unavailable({"offload_optimizer": {"device": "nvme", "nvme_path": str(probe)}})
+    else wait for its build (with the pin_memory op it loads) into stratbench's extensions cache, which conftest
+    started in the background when the session began (tests/async_io_build.py): cold it takes minutes on 2 cores
+    (see docs/deepspeed_accelerate.md), cached about a second. Returns the seconds since it started."""
+    reason = async_io_build.unavailable()
     if reason:
         pytest.skip(reason)
-    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(extensions_cache_dir()), OMP_NUM_THREADS="1")
-    code = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
-    start = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True, timeout=1500)
-    return time.monotonic() - start
+    return async_io_build.wait()
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import REPO, fails
 from stratbench.cli import main
 
 LAZY_NET = """\
@@ -30,14 +31,6 @@ VECTOR_LOSS = (
     "    return F.cross_entropy(logits, targets, reduction='none')\n"
 )
 SHORT = ["--epochs", "1", "--max-steps", "2", "--batch-size", "16", "--progress", "false", "--measure-flops", "false"]
-
-
-def _one_line(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert code != 0, err
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 @pytest.fixture
@@ -62,26 +55,26 @@ def test_a_module_in_the_working_folder_is_found_after_everything_else(user_fold
 
 def test_a_file_named_like_a_standard_module_is_refused_in_one_line(user_folder, capsys):
     (user_folder / "json.py").write_text("def build(num_classes):\n    raise SystemExit('never called')\n")
-    err = _one_line(capsys, "train", "--model", "json:build", "--output", "out")
+    err = fails(capsys, "train", "--model", "json:build", "--output", "out")
     assert "json.py" in err and "standard-library module 'json'" in err and "rename" in err
     assert not (user_folder / "out").exists()
 
 
 def test_a_builder_that_raises_is_one_line_naming_it(user_folder, capsys):
     (user_folder / "boom.py").write_text(BOOM)
-    err = _one_line(capsys, "train", "--model", "boom:build", "--output", "out", *SHORT)
+    err = fails(capsys, "train", "--model", "boom:build", "--output", "out", *SHORT)
     assert "model 'boom:build': build(num_classes=10) raised ValueError: no layer of width -1 (boom.py:2)" in err
 
 
 def test_a_data_builder_that_raises_is_one_line_naming_it(user_folder, capsys):
     (user_folder / "baddata.py").write_text("def build(seed=0):\n    return {}['train']\n")
-    err = _one_line(capsys, "train", "--data", "baddata:build", "--output", "out", *SHORT)
+    err = fails(capsys, "train", "--data", "baddata:build", "--output", "out", *SHORT)
     assert "data 'baddata:build': build(seed=0) raised KeyError: 'train' (baddata.py:2)" in err
 
 
 def test_a_loss_that_is_not_a_scalar_is_one_line(user_folder, capsys):
     (user_folder / "vloss.py").write_text(VECTOR_LOSS)
-    err = _one_line(capsys, "train", "--loss", "vloss:fn", "--output", "out", *SHORT)
+    err = fails(capsys, "train", "--loss", "vloss:fn", "--output", "out", *SHORT)
     assert "loss 'vloss:fn' returned a torch.float32 tensor of shape (16,)" in err and ".mean()" in err
 
 
@@ -104,7 +97,7 @@ def test_weights_that_are_not_loadable_weights_only_write_nothing(user_folder, c
     torch.save({"w": torch.ones(2), "run": os.getcwd}, user_folder / "code.pt")  # a callable: code on load
     (user_folder / "garbage.pt").write_bytes(b"not a torch file")
     for name, words in (("code.pt", "not loadable weights-only"), ("garbage.pt", "corrupt or not a PyTorch file")):
-        err = _one_line(capsys, "train", "--weights", name, "--output", "out", *SHORT)
+        err = fails(capsys, "train", "--weights", name, "--output", "out", *SHORT)
         assert name in err and words in err
         assert not (user_folder / "out").exists()  # no config.yaml, metrics.csv or result.json
 
@@ -121,7 +114,7 @@ def test_a_last_link_out_of_the_run_is_refused(user_folder, capsys):
         last.symlink_to(target)
         for argv in (["evaluate", "--checkpoint", "run/checkpoints/last"],
                      ["train", "--resume", "--output", "run", *SHORT]):  # fmt: skip
-            err = _one_line(capsys, *argv)
+            err = fails(capsys, *argv)
             assert "points outside its run's checkpoints folder" in err and str(target) in err
     last.unlink()
     last.symlink_to(next(p.name for p in last.parent.iterdir() if p.name.startswith("step-")))
@@ -138,7 +131,7 @@ class _Runs:
 def test_a_cifar10_copy_is_read_without_running_its_pickles(user_folder, capsys):
     """CIFAR-10's files are pickles; torchvision trusts them by md5 only. stratbench reads them with the restricted
     unpickler: a re-packed copy (other md5 sums) loads, one whose pickle names a callable is refused in one line."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(REPO / "benchmarks"))
     from readme_tour import write_cifar10
 
     write_cifar10(user_folder / "data", 20, 10)
@@ -146,7 +139,7 @@ def test_a_cifar10_copy_is_read_without_running_its_pickles(user_folder, capsys)
     capsys.readouterr()
     bad = user_folder / "data" / "cifar-10-batches-py" / "data_batch_3"
     bad.write_bytes(pickle.dumps({"data": _Runs(), "labels": [0]}, protocol=2))
-    err = _one_line(capsys, "train", "--data", "cifar10", "--output", "bad", *SHORT)
+    err = fails(capsys, "train", "--data", "cifar10", "--output", "bad", *SHORT)
     assert "data_batch_3" in err and "os.system" in err or "posix.system" in err
     assert not (user_folder / "pwned").exists()
 

@@ -77,8 +77,7 @@ def test_pipeline_over_nccl_on_two_gpus(tmp_path, precision):
     needs_gpus(2)
     import os
 
-    from conftest import EQUIV
-    from test_pipeline import BIG_LOSS
+    from conftest import BIG_LOSS, EQUIV
 
     args = [*EQUIV, "--precision", precision, "--device", "cuda", "--dist-timeout-s", "120"]
     env, rtol = None, 1e-9

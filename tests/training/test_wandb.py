@@ -16,8 +16,7 @@ import psutil
 import pytest
 import torch
 
-from conftest import TINY, run_stratbench
-from stratbench.cli import main
+from conftest import TINY, fails, run_stratbench
 
 QUICK = [*TINY, "--max-steps", "6"]
 
@@ -181,22 +180,14 @@ def test_auto_mode_is_online_only_with_a_login(tmp_path, monkeypatch):
 
 
 # ---- bad input ---------------------------------------------------------------------------------------
-def _fails(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert code != 0
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 def test_wandb_without_the_package_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # `import wandb` fails; find_spec finds nothing
     out = tmp_path / "run"
-    err = _fails(capsys, "train", "--output", str(out), *QUICK, "--wandb")
+    err = fails(capsys, "train", "--output", str(out), *QUICK, "--wandb")
     assert err == "stratbench train: error: --wandb needs the wandb package: pip install 'stratbench[wandb]'"
     assert not out.exists(), "refused before any work"
 
 
 def test_unknown_wandb_mode_names_the_allowed_ones(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path / "run"), *QUICK, "--wandb", "--wandb-mode", "cloud")
+    err = fails(capsys, "train", "--output", str(tmp_path / "run"), *QUICK, "--wandb", "--wandb-mode", "cloud")
     assert "'cloud'" in err and "auto, online, offline, disabled" in err

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import TINY, run_stratbench, stratbench_cmd
+from conftest import TINY, fails, run_stratbench, stratbench_cmd
 from stratbench.cli import main
 from zygote import run_processes
 
@@ -74,14 +74,6 @@ def _crafted(real_runs: dict[str, Path], kind: str, root: Path) -> tuple[Path, P
     return run, marker
 
 
-def _one_line_error(capsys, *argv: str) -> str:
-    code = main([str(a) for a in argv])
-    err = capsys.readouterr().err.strip()
-    assert code != 0, err
-    assert len(err.splitlines()) == 1, err
-    return err
-
-
 @pytest.mark.parametrize("kind", sorted(TAMPER))
 def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind):
     run, marker = _crafted(real_runs, kind, tmp_path)
@@ -101,7 +93,7 @@ def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind)
         ("train", "--output", run, "--resume", *SHORT),
     ]
     for argv in commands:
-        err = _one_line_error(capsys, *argv)
+        err = fails(capsys, *argv)
         assert not marker.exists(), f"{argv[0]} ran the payload"
         # "refusing" for a named callable; the meta file may fail earlier as "not a stratbench checkpoint".
         assert "refusing to load" in err or "not a stratbench checkpoint" in err, (argv, err)
@@ -227,7 +219,7 @@ def test_second_run_on_the_same_folder_is_refused_and_a_stale_lock_taken_over(tm
     out = tmp_path / "run"
     proc = _start_long_run(out)
     try:
-        err = _one_line_error(capsys, "train", "--output", out, *SHORT)
+        err = fails(capsys, "train", "--output", out, *SHORT)
         assert f"pid {proc.pid}" in err and "in use" in err
     finally:
         proc.send_signal(signal.SIGKILL)
@@ -383,10 +375,10 @@ def test_resume_must_refuses_when_there_is_nothing_to_resume(tmp_path, capsys):
     import json
 
     out = tmp_path / "run"
-    err = _one_line_error(capsys, "train", "--output", out, *SHORT, "--resume", "must")
+    err = fails(capsys, "train", "--output", out, *SHORT, "--resume", "must")
     assert "--resume must" in err and str(out / "checkpoints") in err
     assert not (out / "result.json").exists() and not (out / "checkpoints").exists()
-    err = _one_line_error(capsys, "train", "--output", out, *SHORT, "--resume", "maybe")
+    err = fails(capsys, "train", "--output", out, *SHORT, "--resume", "maybe")
     assert "'maybe'" in err and "must" in err
     assert main(["train", "--output", str(out), *SHORT]) == 0
     assert main(["train", "--output", str(out), *SHORT, "--max-steps", "6", "--resume", "must"]) == 0
@@ -497,7 +489,7 @@ FAULT_SEED = int(os.environ.get("STRATBENCH_FAULT_SEED", "14"))
 def _fault_injection():
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    sys.path.insert(0, str(conftest.REPO / "benchmarks"))
     import fault_injection
 
     return fault_injection
@@ -566,7 +558,7 @@ def test_dcp_non_tensor_entry_is_read_weights_only(tmp_path, capsys):
         no_dist=True,
     )
     ckpt.save_full(folder / ckpt.META_FILE, {"layout": "dcp", "progress": {"step": 1}})
-    err = _one_line_error(capsys, "consolidate", folder, tmp_path / "out.pt")
+    err = fails(capsys, "consolidate", folder, tmp_path / "out.pt")
     assert "refusing to load" in err and not marker.exists()
     assert main(["consolidate", "--trust-checkpoint", str(folder), str(tmp_path / "out.pt")]) == 0
     assert marker.exists()

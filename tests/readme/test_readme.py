@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO
+
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from readme_tour import tour_argv, tour_commands  # noqa: E402

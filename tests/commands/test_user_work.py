@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import run_stratbench, train
+from conftest import REPO, run_stratbench, train
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import CheckpointError, ConfigError
 
@@ -183,9 +183,7 @@ def _run_in(work: Path, cmd: list[str], *args: str, check: bool = True):
     import subprocess
 
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = str(
-        Path(__file__).resolve().parents[1] / "src"
-    )  # stratbench only, not the user's folder
+    env["PYTHONPATH"] = str(REPO / "src")  # stratbench only, not the user's folder
     proc = subprocess.run([*cmd, *args], cwd=work, env=env, capture_output=True, text=True, timeout=300)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

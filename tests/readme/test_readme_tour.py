@@ -19,11 +19,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import REPO
 from stratbench.compare.calibration import CALIBRATION
 from stratbench.compare.runner import load_records
 from stratbench.measuring import hardware
 
-REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 from readme_tour import Tour, flag_value, tour_argv  # noqa: E402
@@ -56,8 +56,12 @@ def test_every_readme_command_works_as_written_from_a_users_folder(tour):
     assert "ok" in python and "GiB per device" in python and "report.md" in python, python[-3000:]
 
 
+def _line(tour: Tour, command: str):
+    return next(ln for ln in tour.lines if ln.command.startswith(command))
+
+
 def _written_by(tour: Tour, command: str, flag: str) -> Path:
-    line = next(ln for ln in tour.lines if ln.command.startswith(command))
+    line = _line(tour, command)
     assert line.outcome == "pass", f"`{line.run_as}`: {line.outcome}"
     return tour.work / flag_value(tour_argv(line.run_as), flag)
 
@@ -70,6 +74,20 @@ def test_the_probe_profile_loads_with_every_kind_fitted_and_loaded(tour):
     assert set(system.intra_node.collectives) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     for kind, fit in system.intra_node.collectives.items():
         assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind
+
+
+@pytest.mark.slow
+def test_compare_repeats_records_every_run_and_reports_their_median(tour):
+    """`compare --repeats 3` (one cell, single fp32, 3 steps, 3 times): each repeat announced, the record holds
+    the 3 runs' values and the report their median and spread."""
+    command = "stratbench compare --preset quick --repeats 3"
+    out = _written_by(tour, command, "--output")
+    (rec,) = load_records(out).values()
+    assert rec["status"] == "ok" and rec["repeats"]["n"] == 3
+    # 3 steps, all warm-up: no throughput, but each run's time
+    assert len(rec["repeats"]["metrics"]["train_time_s"]["values"]) == 3
+    assert "repeat 3/3" in (tour.logs / f"{_line(tour, command).n:02d}.log").read_text()
+    assert "median of 3 runs" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow

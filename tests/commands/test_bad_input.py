@@ -9,15 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import fails
 from stratbench.cli import main
-
-
-def _fails(capsys, *argv: str) -> str:
-    code = main(list(argv))
-    err = capsys.readouterr().err.strip()
-    assert code != 0
-    assert len(err.splitlines()) == 1, err
-    return err
 
 
 @pytest.mark.parametrize(
@@ -31,7 +24,7 @@ def _fails(capsys, *argv: str) -> str:
     ],
 )
 def test_unknown_choice(capsys, tmp_path, flag, value, allowed):
-    err = _fails(capsys, "train", "--output", str(tmp_path), flag, value)
+    err = fails(capsys, "train", "--output", str(tmp_path), flag, value)
     assert repr(value) in err and allowed in err
 
 
@@ -39,17 +32,17 @@ def test_unknown_choice(capsys, tmp_path, flag, value, allowed):
     ("flag", "value"), [("--batch-size", "0"), ("--epochs", "-1"), ("--grad-accum", "0")]
 )
 def test_non_positive(capsys, tmp_path, flag, value):
-    err = _fails(capsys, "train", "--output", str(tmp_path), flag, value)
+    err = fails(capsys, "train", "--output", str(tmp_path), flag, value)
     assert flag[2:].replace("-", "_") in err and value in err
 
 
 def test_not_a_number(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path), "--epochs", "three")
+    err = fails(capsys, "train", "--output", str(tmp_path), "--epochs", "three")
     assert "'three'" in err and "int" in err
 
 
 def test_missing_cifar_dir_says_where_to_put_it(capsys, tmp_path):
-    err = _fails(
+    err = fails(
         capsys,
         "train",
         "--output",
@@ -63,7 +56,7 @@ def test_missing_cifar_dir_says_where_to_put_it(capsys, tmp_path):
 
 
 def test_missing_imagefolder(capsys, tmp_path):
-    err = _fails(
+    err = fails(
         capsys,
         "train",
         "--output",
@@ -77,42 +70,42 @@ def test_missing_imagefolder(capsys, tmp_path):
 
 
 def test_batch_must_divide(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path), "--batch-size", "30", "--grad-accum", "4")
+    err = fails(capsys, "train", "--output", str(tmp_path), "--batch-size", "30", "--grad-accum", "4")
     assert "30" in err and "global" in err
 
 
 def test_corrupt_checkpoint(capsys, tmp_path):
     bad = tmp_path / "bad.pt"
     bad.write_bytes(b"this is not a checkpoint")
-    err = _fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(bad))
+    err = fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(bad))
     assert "corrupt" in err and str(bad) in err
 
 
 def test_foreign_checkpoint(capsys, tmp_path):
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {"w": torch.ones(1)}}, foreign)
-    err = _fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(foreign))
+    err = fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(foreign))
     assert "not a stratbench checkpoint" in err
 
 
 def test_missing_checkpoint_and_weights(capsys, tmp_path):
-    err = _fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(tmp_path / "gone.pt"))
+    err = fails(capsys, "train", "--output", str(tmp_path / "o"), "--resume-from", str(tmp_path / "gone.pt"))
     assert "not found" in err
-    err = _fails(capsys, "train", "--output", str(tmp_path / "o"), "--weights", str(tmp_path / "w.pt"))
+    err = fails(capsys, "train", "--output", str(tmp_path / "o"), "--weights", str(tmp_path / "w.pt"))
     assert "not found" in err
 
 
 def test_unknown_yaml_key(capsys, tmp_path):
     cfg = tmp_path / "c.yaml"
     cfg.write_text("epochz: 3\n")
-    err = _fails(capsys, "train", "--config", str(cfg))
+    err = fails(capsys, "train", "--config", str(cfg))
     assert "'epochz'" in err and "epochs" in err
 
 
 def test_tf32_needs_a_gpu(capsys, tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
-    err = _fails(capsys, "train", "--output", str(tmp_path), "--tf32")
+    err = fails(capsys, "train", "--output", str(tmp_path), "--tf32")
     assert "tf32" in err.lower() and "cpu" in err
 
 
