@@ -49,7 +49,7 @@ def main() -> int:
     import matplotlib.pyplot as plt
 
     from stratbench.core.config import TrainConfig
-    from stratbench.predicting.estimate import ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.predicting.hardware import resolve
     from stratbench.predicting.projection import load_calibration, project
 

@@ -6,6 +6,7 @@ import argparse
 import json
 
 from stratbench.core.tables import fit_table, fmt_bytes, name_cell, name_column, note_width, text_column
+from stratbench.strategies.costs import NoMemoryModel
 
 NAME = "estimate"
 HELP = (
@@ -352,7 +353,7 @@ def _row(args: argparse.Namespace, name: str, system, calibration, device_memory
             row = {"strategy": name, "estimate": est.estimate(cfg, world, args.device_type).to_dict()}
         if cfg.strategy_options:
             row["options"] = cfg.strategy_options
-    except est.NoMemoryModel as exc:
+    except NoMemoryModel as exc:
         if args.strategy != "all":
             raise
         row = {"strategy": name, "estimate": None, "no_model": str(exc)}

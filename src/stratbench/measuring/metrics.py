@@ -521,7 +521,8 @@ class RunMetrics:
         if self.comm is not None:
             from stratbench.measuring.commvol import comm_report
 
-            metrics["comm"] = comm_report(cfg, env.world_size, [r["comm"] for r in ranks])
+            predicted = strategy.cost.predicted_comm(cfg, env.world_size, strategy.options)
+            metrics["comm"] = comm_report([r["comm"] for r in ranks], predicted)
         sharding = {k: [r["state_bytes"].get(k) for r in ranks] for k in local["state_bytes"]}
         return metrics, sharding
 

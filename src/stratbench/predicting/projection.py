@@ -62,7 +62,7 @@ def _flops(spec) -> float | None:
 
 def model_flops(cfg: TrainConfig) -> float | None:
     """Forward+backward FLOPs of one sample of the config's model (counted on the meta device, cached)."""
-    from stratbench.predicting.estimate import ModelSpec
+    from stratbench.measuring.model_trace import ModelSpec
 
     return _flops(ModelSpec.from_config(cfg))
 
@@ -188,13 +188,14 @@ def optimizer_bytes(
     cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda"
 ) -> tuple[float, float]:
     """(bytes the optimizer step moves through device memory, through host memory) on ``rank``."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext
 
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rm = cls.memory_model(ctx, rank)
+    rm = cls.cost.memory_model(ctx, rank)
     if rm is None:
         return 0.0, 0.0
     full = info.total * ctx.param_bytes
@@ -214,13 +215,14 @@ def optimizer_bytes(
 def offload_bytes(cfg: TrainConfig, world: int, rank: int = 0, device_type: str = "cuda") -> float:
     """Bytes crossing the host link per step: the rank's gradients down and parameters up for an offloaded
     optimizer, the offloaded parameters twice (forward and backward) for parameter offload."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext
 
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rm = cls.memory_model(ctx, rank)
+    rm = cls.cost.memory_model(ctx, rank)
     if rm is None:
         return 0.0
     moved = 0.0
@@ -492,8 +494,10 @@ def project(
     """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``."""
     import dataclasses
 
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, NoMemoryModel, estimate, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
+    from stratbench.predicting.estimate import estimate
     from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext, NoMemoryModel
 
     gpn = gpus_per_node or system.gpus_per_node
     if gpn != system.gpus_per_node:
@@ -504,7 +508,7 @@ def project(
     device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rows = cls.comm_model(ctx)
+    rows = cls.cost.comm_model(ctx)
     if rows is None:
         out.status, out.reason = (
             "no model",
@@ -541,7 +545,7 @@ def project(
     samples = cfg.batch_size / dp
     ac = 1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0
     # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
-    flop_time = flops * samples * ac * cls.compute_scale(ctx) / (peak * eff * share)
+    flop_time = flops * samples * ac * cls.cost.compute_scale(ctx) / (peak * eff * share)
     forward = flop_time * FORWARD_SHARE / ac
     backward = flop_time - forward
     if cal is not None and gpu.kind == "cpu" and share < 1.0:
@@ -552,8 +556,7 @@ def project(
     out.compute_s = flop_time + out.overhead_s
 
     # Communication, per phase, and what hides under compute.
-    overlap_fn = getattr(cls, "comm_overlap", None)
-    method_overlap = float(overlap_fn(ctx)) if callable(overlap_fn) else 1.0
+    method_overlap = float(cls.cost.comm_overlap(ctx))
     f = system.overlap * method_overlap
     out.overlap = f
     by_phase: dict[str, float] = {}

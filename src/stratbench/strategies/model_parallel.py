@@ -18,7 +18,9 @@ from torch import nn
 
 from stratbench.core.errors import ConfigError
 from stratbench.models.split import FLATTEN, Split, split_model
-from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.base import CostModel, Strategy, register
+from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.pipeline import _spec_split
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,6 +78,25 @@ def place_stages(model: nn.Module, split: Split, devices: list[torch.device]) ->
     return handles
 
 
+class ModelParallelCost(CostModel):
+    """The stages of one model on several GPUs of one process: the busiest GPU's states; no collectives."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
+        n = ModelParallelStrategy.n_devices(ctx.options) or 2
+        split = _spec_split(ctx.cfg, n, ctx.options)
+        local = max(s.params for s in split.stages)
+        pd = ctx.param_bytes
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m.sharding_note = f"the largest of {n} stages (one per GPU)"
+        return m
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return []  # device-to-device copies inside one process, no collective
+
+
 @register
 class ModelParallelStrategy(Strategy):
     name = "model-parallel"
@@ -102,8 +123,6 @@ class ModelParallelStrategy(Strategy):
             return f"--devices {options.devices}: only {found} CUDA GPUs are visible"
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
-        from stratbench.strategies.pipeline import _spec_split
-
         try:
             _spec_split(cfg, cls.n_devices(options), options)
         except ConfigError as exc:
@@ -114,23 +133,7 @@ class ModelParallelStrategy(Strategy):
     def data_parallel_size(cls, cfg, world_size: int) -> int:
         return 1
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
-        from stratbench.predicting.estimate import RankMemory
-        from stratbench.strategies.pipeline import _spec_split
-
-        n = cls.n_devices(ctx.options) or 2
-        split = _spec_split(ctx.cfg, n, ctx.options)
-        local = max(s.params for s in split.stages)
-        pd = ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
-        m.sharding_note = f"the largest of {n} stages (one per GPU)"
-        return m
-
-    @classmethod
-    def comm_model(cls, ctx):
-        return []  # device-to-device copies inside one process, no collective
+    cost = ModelParallelCost
 
     def devices(self) -> list[torch.device]:
         n = self.n_devices(self.options)

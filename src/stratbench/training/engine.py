@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from stratbench.checkpoints import checkpoint as ckpt
-from stratbench.core.config import TrainConfig, dump_yaml, optimizer_impl_kwargs, validate
+from stratbench.core.config import TrainConfig, dump_yaml, validate
 from stratbench.core.dist import DistEnv, destroy_process_group, init_process_group, read_env, seed_everything
 from stratbench.core.errors import (
     CheckpointError,
@@ -33,6 +33,7 @@ from stratbench.core.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
+from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS, Precision, configure_tf32, supported_on
 from stratbench.core.progress import progress_bar
 from stratbench.data.datasets import (
@@ -57,26 +58,6 @@ from stratbench.strategies.base import Strategy, get_strategy
 from stratbench.training.losses import build_loss, check_loss, describe_loss
 from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
-
-
-@dataclass(frozen=True)
-class OptimizerSpec:
-    """Optimizer class and keyword arguments; callable on parameters. Strategies that build the optimizer
-    themselves (ZeroRedundancyOptimizer, DeepSpeed) read ``cls`` and ``kwargs``."""
-
-    cls: type[torch.optim.Optimizer]
-    kwargs: dict[str, Any]
-
-    def __call__(self, params) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
-
-
-def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
-    if cfg.optimizer == "sgd":
-        kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
-        return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
-    kwargs = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
 
 
 def lr_lambda(cfg: TrainConfig, total_steps: int):
@@ -344,7 +325,7 @@ class Trainer:
             ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
         )
         if resume_path is not None:
-            state.load_state_dict(strategy.load_checkpoint(resume_path, model, optimizer))
+            state.load_state_dict(strategy.checkpoint_io.load_checkpoint(resume_path, model, optimizer))
             self.result["resumed_from"] = {"path": str(resume_path), "step": state.progress.step}
         run_steps = min(total_steps, cfg.max_steps or total_steps)
         return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
@@ -434,7 +415,7 @@ class Trainer:
         # A step-numbered entry, then `last` points at it once every rank has written its part; entries beyond
         # the newest --keep-last are pruned only after that, so a complete checkpoint always exists.
         path = ckpt.save_path_for(self.out, run.state.progress.step)
-        self.strategy.save_checkpoint(path, run.model, run.optimizer, extra)
+        self.strategy.checkpoint_io.save_checkpoint(path, run.model, run.optimizer, extra)
         if self.env.is_main:
             ckpt.publish(self.out, path, self.cfg.keep_last)
         self.strategy.barrier()
