@@ -695,8 +695,6 @@ def _deepspeed_options(ds: dict[str, Any], src: str, out: dict[str, Any]) -> dic
 
 def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Full model (and, for DDP, optimizer keyed by parameter names) from an accelerate save_state folder."""
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.check_folder(path)  # zero_to_fp32 (accelerate-deepspeed) unpickles weights_only=False
     folder = Path(path) / ACCELERATE_DIR
     model_file = folder / "model.safetensors"
@@ -734,8 +732,6 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
 
 
 def _register_layout() -> None:
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.register_layout("accelerate", read_accelerate_checkpoint)
 
 

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
@@ -110,8 +111,6 @@ class CheckpointIO:
         self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
     ) -> Path:
         """Write a full checkpoint: every rank takes part in gathering, global rank 0 writes atomically."""
-        from stratbench.checkpoints import checkpoint
-
         state = {
             "model": self.model_state_dict(model),
             "optimizer": self.optimizer_state_dict(model, optimizer),
@@ -123,8 +122,6 @@ class CheckpointIO:
 
     def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
         """Load any stratbench checkpoint (full file or sharded folder) into this method's model/optimizer."""
-        from stratbench.checkpoints import checkpoint
-
         state = checkpoint.load_any(path)
         self.load_model_state_dict(model, state["model"])
         if optimizer is not None and state.get("optimizer"):

@@ -739,8 +739,6 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     short of DeepSpeed's universal checkpoint): the returned "optimizer" is empty, so another method
     resuming from it restores weights and progress and starts its optimizer state afresh.
     """
-    from stratbench.checkpoints import checkpoint
-
     tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
     _refuse_nvme_checkpoint(path, tag)
     # zero_to_fp32 and DeepSpeed's stage-0 file are read with weights_only=False: check every file first
@@ -774,8 +772,6 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
 
 
 def _register_layout() -> None:
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.register_layout("deepspeed", read_deepspeed_checkpoint)
 
 

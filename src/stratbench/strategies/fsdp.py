@@ -33,6 +33,7 @@ from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoin
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, dim0_padded
+from stratbench.models.zoo import residual_block_types
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
 
@@ -107,8 +108,6 @@ def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
     if wrap == "size":
         return _size_units(model, min_params)
     if wrap == "block":
-        from stratbench.models.zoo import residual_block_types
-
         types_ = residual_block_types(model)
         if not types_:
             raise ConfigError(

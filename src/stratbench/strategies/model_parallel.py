@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
-from stratbench.models.split import FLATTEN, Split, split_model
+from stratbench.data.datasets import default_image_size
+from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
 from stratbench.strategies.pipeline import _spec_split
@@ -35,8 +36,6 @@ class ModelParallelOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.models.split import BALANCE
-
         if self.balance not in BALANCE:
             raise ConfigError(f"unknown balance {self.balance!r}; choose one of: {', '.join(BALANCE)}")
         if not isinstance(self.devices, int) or self.devices < 0 or self.devices == 1:
@@ -141,8 +140,6 @@ class ModelParallelStrategy(Strategy):
         return [torch.device("cuda", (first + k) % _cuda_count()) for k in range(n)]
 
     def move(self, model: nn.Module) -> nn.Module:
-        from stratbench.data.datasets import default_image_size
-
         size = default_image_size(self.cfg)
         devices = self.devices()
         self.split = split_model(

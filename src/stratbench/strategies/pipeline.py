@@ -48,7 +48,14 @@ from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.data.datasets import default_image_size
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, trace_step
-from stratbench.models.split import piece_count, split_for_spec
+from stratbench.models.split import (
+    BALANCE,
+    drop_modules,
+    piece_count,
+    split_for_spec,
+    split_model,
+    stage_module,
+)
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
 
@@ -73,8 +80,6 @@ class PipelineOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.models.split import BALANCE
-
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.balance not in BALANCE:
@@ -567,8 +572,6 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from stratbench.models.split import drop_modules, split_model, stage_module
-
         env = self.env
         self.layout = lay = resolve_layout(self.options, env.world_size)
         self.mesh = init_device_mesh(env.device.type, (lay.dp, lay.pp), mesh_dim_names=("dp", "pp"))
@@ -576,8 +579,6 @@ class PipelineStrategy(Strategy):
         self.dp_group = self.mesh.get_group("dp")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        from stratbench.data.datasets import default_image_size
-
         size = default_image_size(self.cfg)
         self.split = split_model(
             model,
