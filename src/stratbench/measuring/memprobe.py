@@ -137,7 +137,9 @@ def measure_cpu_step_peak(cfg: Any, steps: int = 2) -> dict[str, int]:
         model = precision.convert_module(spec.build())
         optimizer = optimizer_spec(cfg)(model.parameters())
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: readings.append((malloc_in_use() or 0) - meter.bytes))
+            p.register_post_accumulate_grad_hook(
+                lambda p: readings.append((malloc_in_use() or 0) - meter.bytes)
+            )
         for step in range(steps):
             readings.clear()
             with Sample() if step == steps - 1 else _null():

@@ -61,10 +61,14 @@ OVERHEAD: dict[str, dict[str, float]] = {
 # the start of step 2 above the baseline, minus the model states) on tinynet width 8 and 32, ResNet-18 and a
 # 3-Linear MLP, 1 and 2 ranks, AMD EPYC with AVX512-BF16, 2026-11-23 (docs/memory.md, "CPU runtime rows").
 CPU_LIBRARY_BYTES: dict[str, int] = {
-    "fp32": 2 * MiB,  # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit: 1.93 on a stage with no Linear)
-    "fp64": 2 * MiB,  # MKL (oneDNN has no fp64) and im2col: 0.85-3.68 MiB (tinynet 16 px to ResNet-18 32 px)
-    "16-bit matmul": 5 * MiB // 4,  # + oneDNN's bf16 matrix products: +1.23-1.50 MiB over fp32, 1 or 3 Linears
-    "16-bit reference": MiB // 4,  # torch's own kernels, no native 16-bit (oneDNN off): 0.03-0.35 MiB
+    # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit: 1.93 on a stage with no Linear)
+    "fp32": 2 * MiB,
+    # MKL (oneDNN has no fp64) and im2col: 0.85-3.68 MiB (tinynet 16 px to ResNet-18 32 px)
+    "fp64": 2 * MiB,
+    # + oneDNN's bf16 matrix products: +1.23-1.50 MiB over fp32, 1 or 3 Linears
+    "16-bit matmul": 5 * MiB // 4,
+    # torch's own kernels, no native 16-bit (oneDNN off): 0.03-0.35 MiB
+    "16-bit reference": MiB // 4,
 }
 
 
@@ -166,7 +170,9 @@ def estimate(
     peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
     step_temp = _step_scratch(cfg, s, info, device_type)
     linear = bool(info.linear_names) if s.runs_linear is None else s.runs_linear
-    library, library_note = cpu_library_bytes(cfg.precision, linear, native_16bit) if device_type == "cpu" else (0, "")
+    library, library_note = (
+        cpu_library_bytes(cfg.precision, linear, native_16bit) if device_type == "cpu" else (0, "")
+    )
     runtime = s.cpu_runtime if device_type == "cpu" else 0
     kernel = library + runtime
     peak_fwd_bwd += kernel

@@ -53,7 +53,12 @@ FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYB
 FSDP_WRAP = ("SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP", "NO_WRAP")
 FSDP_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 FSDP_STATE_DICT = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-FSDP1_ONLY = ("fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_sync_module_states", "fsdp_use_orig_params")
+FSDP1_ONLY = (
+    "fsdp_backward_prefetch",
+    "fsdp_forward_prefetch",
+    "fsdp_sync_module_states",
+    "fsdp_use_orig_params",
+)
 """Knobs of FSDP1 that FSDP2 does not have (accelerate drops or refuses them under fsdp_version 2)."""
 
 
@@ -89,16 +94,25 @@ class AccelerateFsdpOptions:
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version!r}")
-        self.fsdp_sharding_strategy = _fsdp_choice("fsdp_sharding_strategy", self.fsdp_sharding_strategy, FSDP_SHARDING)
-        self.fsdp_auto_wrap_policy = _fsdp_choice("fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP)
-        self.fsdp_state_dict_type = _fsdp_choice("fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT)
+        self.fsdp_sharding_strategy = _fsdp_choice(
+            "fsdp_sharding_strategy", self.fsdp_sharding_strategy, FSDP_SHARDING
+        )
+        self.fsdp_auto_wrap_policy = _fsdp_choice(
+            "fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP
+        )
+        self.fsdp_state_dict_type = _fsdp_choice(
+            "fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT
+        )
         if self.fsdp_backward_prefetch is not None:
             self.fsdp_backward_prefetch = _fsdp_choice(
                 "fsdp_backward_prefetch", self.fsdp_backward_prefetch, FSDP_BACKWARD_PREFETCH
             )
         if self.fsdp_min_num_params < 0:
             raise ConfigError(f"fsdp_min_num_params must be >= 0, got {self.fsdp_min_num_params}")
-        if self.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and not (self.fsdp_transformer_layer_cls_to_wrap or "").strip():
+        if (
+            self.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+            and not (self.fsdp_transformer_layer_cls_to_wrap or "").strip()
+        ):
             raise ConfigError(
                 "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs fsdp_transformer_layer_cls_to_wrap (module class names)"
             )
@@ -119,7 +133,11 @@ class AccelerateFsdpOptions:
 def _fsdp_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     """accelerate's spelling: case-insensitive names, or 1-based numbers (torch's enum values) as old YAMLs write."""
     text = str(value).strip().upper()
-    if text.isdigit() and 1 <= int(text) <= len(allowed) and name in ("fsdp_sharding_strategy", "fsdp_backward_prefetch"):
+    if (
+        text.isdigit()
+        and 1 <= int(text) <= len(allowed)
+        and name in ("fsdp_sharding_strategy", "fsdp_backward_prefetch")
+    ):
         return allowed[int(text) - 1]
     if text not in allowed:
         raise ConfigError(f"{name} must be one of: {', '.join(allowed)}; got {value!r}")
@@ -544,7 +562,9 @@ def _fsdp_yaml(cfg: TrainConfig) -> dict[str, Any]:
         "fsdp_offload_params": opts.fsdp_offload_params,
         # FSDP2: a bool; FSDP1: the sharding strategy's name (accelerate's key for both today).
         "fsdp_reshard_after_forward": (
-            opts.fsdp_sharding_strategy == "FULL_SHARD" if opts.fsdp_version == 2 else opts.fsdp_sharding_strategy
+            opts.fsdp_sharding_strategy == "FULL_SHARD"
+            if opts.fsdp_version == 2
+            else opts.fsdp_sharding_strategy
         ),
         "fsdp_state_dict_type": opts.fsdp_state_dict_type,
         "fsdp_cpu_ram_efficient_loading": opts.fsdp_cpu_ram_efficient_loading,
@@ -625,7 +645,9 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
     src = f"--accelerate-config {p}"
     unknown = sorted(set(doc) - ACCELERATE_IGNORED)
     if unknown:
-        raise ConfigError(f"{src}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(ACCELERATE_IGNORED))}")
+        raise ConfigError(
+            f"{src}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(ACCELERATE_IGNORED))}"
+        )
     kind = str(doc.get("distributed_type", "NO")).upper()
     if kind not in ACCELERATE_STRATEGY:
         raise ConfigError(
@@ -643,7 +665,11 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
     processes = int(doc.get("num_processes", 1) or 1)
     if processes < 1 or processes % machines:
         raise ConfigError(f"{src}: num_processes {processes} is not a multiple of num_machines {machines}")
-    out |= {"nproc": processes // machines, "nnodes": machines, "node_rank": int(doc.get("machine_rank", 0) or 0)}
+    out |= {
+        "nproc": processes // machines,
+        "nnodes": machines,
+        "node_rank": int(doc.get("machine_rank", 0) or 0),
+    }
     if doc.get("main_process_ip"):
         out["master_addr"] = str(doc["main_process_ip"])
     if doc.get("main_process_port"):
@@ -662,12 +688,18 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
 def _fsdp_options(fsdp: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:
     """accelerate-fsdp's options from an accelerate YAML's ``fsdp_config`` (its activation checkpointing goes
     to ``out``, the train values)."""
-    extra = sorted(set(fsdp) - set(FSDP_KEYS) - {"fsdp_reshard_after_forward", "fsdp_activation_checkpointing"})
+    extra = sorted(
+        set(fsdp) - set(FSDP_KEYS) - {"fsdp_reshard_after_forward", "fsdp_activation_checkpointing"}
+    )
     if extra:
-        raise ConfigError(f"{src}: unknown fsdp_config key(s) {', '.join(extra)}; known: {', '.join(FSDP_KEYS)}")
+        raise ConfigError(
+            f"{src}: unknown fsdp_config key(s) {', '.join(extra)}; known: {', '.join(FSDP_KEYS)}"
+        )
     options = {FSDP_KEYS[k]: v for k, v in fsdp.items() if k in FSDP_KEYS}
     if isinstance(options.get("fsdp_transformer_layer_cls_to_wrap"), list):
-        options["fsdp_transformer_layer_cls_to_wrap"] = ",".join(options["fsdp_transformer_layer_cls_to_wrap"])
+        options["fsdp_transformer_layer_cls_to_wrap"] = ",".join(
+            options["fsdp_transformer_layer_cls_to_wrap"]
+        )
     options.setdefault("fsdp_version", 1)  # accelerate's default when the YAML does not say
     reshard = fsdp.get("fsdp_reshard_after_forward")
     if reshard is not None:
@@ -682,9 +714,16 @@ def _fsdp_options(fsdp: dict[str, Any], src: str, out: dict[str, Any]) -> dict[s
 def _deepspeed_options(ds: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:
     """accelerate-deepspeed's options from an accelerate YAML's ``deepspeed_config`` (its accumulation and
     clipping go to ``out``, the train values)."""
-    extra = sorted(set(ds) - set(DEEPSPEED_KEYS) - DEEPSPEED_IGNORED - {"gradient_accumulation_steps", "gradient_clipping"})
+    extra = sorted(
+        set(ds)
+        - set(DEEPSPEED_KEYS)
+        - DEEPSPEED_IGNORED
+        - {"gradient_accumulation_steps", "gradient_clipping"}
+    )
     if extra:
-        raise ConfigError(f"{src}: unknown deepspeed_config key(s) {', '.join(extra)}; known: {', '.join(DEEPSPEED_KEYS)}")
+        raise ConfigError(
+            f"{src}: unknown deepspeed_config key(s) {', '.join(extra)}; known: {', '.join(DEEPSPEED_KEYS)}"
+        )
     options = {DEEPSPEED_KEYS[k]: v for k, v in ds.items() if k in DEEPSPEED_KEYS}
     if "gradient_accumulation_steps" in ds:
         out["grad_accum"] = int(ds["gradient_accumulation_steps"])
@@ -710,7 +749,9 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
         ds_dir = folder / "pytorch_model"
         latest = ds_dir / "latest"
         if not latest.is_file():
-            raise CheckpointError(f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)")
+            raise CheckpointError(
+                f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)"
+            )
         # The tag names a folder inside this one (a crafted '../..' would make zero_to_fp32 read files elsewhere).
         tag = checkpoint.check_tag(ds_dir, latest.read_text().strip())
         return {"model": get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag), "optimizer": {}}

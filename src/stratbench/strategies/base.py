@@ -414,7 +414,8 @@ class Strategy:
 
 
 _COMPANION_METHODS = frozenset(
-    [n for n in vars(CostModel) if not n.startswith("_")] + [n for n in vars(CheckpointIO) if not n.startswith("_")]
+    [n for n in vars(CostModel) if not n.startswith("_")]
+    + [n for n in vars(CheckpointIO) if not n.startswith("_")]
 )
 """What a Strategy no longer defines itself: a plug-in written against the old interface fails loudly."""
 

@@ -72,7 +72,8 @@ class _DeepSpeedPrecision(Precision):
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # DeepSpeed's own dynamic loss scaler
-        self.input_dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name, torch.float32)
+        half = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+        self.input_dtype = half.get(name, torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module  # fp16/bf16: DeepSpeed casts the module itself
@@ -387,7 +388,11 @@ class DeepSpeed(Strategy):
         offloaded = "offload_optimizer" in ds["zero_optimization"]
         block = ds.get("optimizer")
         kernel = None
-        if block is not None and block["type"].lower() != "sgd" and not block["params"].get("torch_adam", False):
+        if (
+            block is not None
+            and block["type"].lower() != "sgd"
+            and not block["params"].get("torch_adam", False)
+        ):
             # DeepSpeed's choice for a config Adam without torch_adam: DeepSpeedCPUAdam under ZeRO-Offload,
             # else FusedAdam (CUDA).
             kernel = "cpu_adam" if offloaded else "fused_adam"
@@ -396,9 +401,13 @@ class DeepSpeed(Strategy):
             if device.type == "cuda" and not offloaded:
                 return "--ds-optimizer cpu-adam steps on the CPU: it needs --offload-optimizer cpu on a GPU"
         if kernel == "fused_adam" and device.type != "cuda":
-            how = "the JSON's optimizer block without \"torch_adam\": true" if user_block else "--ds-optimizer fused"
+            how = (
+                'the JSON\'s optimizer block without "torch_adam": true'
+                if user_block
+                else "--ds-optimizer fused"
+            )
             return (
-                f"{how} means DeepSpeed's CUDA FusedAdam: it needs a GPU (on CPU set \"torch_adam\": true, or "
+                f'{how} means DeepSpeed\'s CUDA FusedAdam: it needs a GPU (on CPU set "torch_adam": true, or '
                 "offload the optimizer for DeepSpeedCPUAdam)"
             )
         return _kernel_unavailable(kernel) if kernel else None
@@ -428,7 +437,9 @@ class DeepSpeed(Strategy):
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
-            checkpoint.atomic_write(out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n")
+            checkpoint.atomic_write(
+                out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n"
+            )
         return model
 
     def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
@@ -476,7 +487,9 @@ class DeepSpeed(Strategy):
         if block is not None:
             opt["built_by"] = "deepspeed (config optimizer block)"
             opt["config"] = block
-        opt["wrapper"] = f"{type(self.engine.optimizer).__module__}.{type(self.engine.optimizer).__qualname__}"
+        opt["wrapper"] = (
+            f"{type(self.engine.optimizer).__module__}.{type(self.engine.optimizer).__qualname__}"
+        )
         sched = self.engine.lr_scheduler
         if sched is not None:
             report["lr_schedule"] = {
@@ -502,7 +515,8 @@ class DeepSpeed(Strategy):
     def optimizer_step(self, optimizer, clip) -> bool:
         """engine.step(): DeepSpeed unscales, clips (gradient_clipping from --clip-grad-norm), steps, zeroes."""
         assert self.engine is not None
-        self.applied_lr = list(self.engine.get_lr())  # engine.step() moves a config scheduler on to the next lr
+        # engine.step() moves a config scheduler on to the next lr
+        self.applied_lr = list(self.engine.get_lr())
         self.engine.step()
         self.precision.skipped_steps = int(self.engine.skipped_steps)
         return bool(self.engine.was_step_applied())

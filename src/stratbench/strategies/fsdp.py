@@ -184,9 +184,8 @@ def fsdp2_comm(ctx, sharding: str):
     if sharding == "full":
         rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
     reduces = micro if sharding == "full" else 1
-    rows.append(
-        Collective("reduce_scatter", elems * reduce_bytes * reduces, units * reduces, "backward", n, "gradients")
-    )
+    reduced = elems * reduce_bytes * reduces
+    rows.append(Collective("reduce_scatter", reduced, units * reduces, "backward", n, "gradients"))
     return rows
 
 
@@ -324,7 +323,8 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         # reduce dtype) while the unsharded gradients still exist (measured: ResNet-18 on 2 CPU ranks was 11-12%
         # above the estimate without it, 2-5% with it).
         reduce_bytes = 4 if ctx.pspec.autocast else pd
-        m.gathered = (total if sharding == "grad-op" else sum(units[:2])) * gathered_dtype + units[0] * reduce_bytes
+        unsharded = total if sharding == "grad-op" else sum(units[:2])
+        m.gathered = unsharded * gathered_dtype + units[0] * reduce_bytes
         m.gather_note = (
             "all unsharded from forward to backward"
             if sharding == "grad-op"

@@ -93,14 +93,22 @@ class FSDP1Cost(CostModel):
         units = [sum(info.numels[i] for i in u) for u in info.layer_units if u]
         elems, micro = sum(ceil_to(u, n) for u in units), ctx.cfg.grad_accum
         calls = len(units) * micro
-        rows = [Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")]
+        rows = [
+            Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")
+        ]
         if kind == "FULL_SHARD":
             # The root unit (the parameters outside every Linear/Conv2d, e.g. norms) stays gathered from forward
             # to backward: only the wrapped units are gathered again.
-            root = ceil_to(sum(info.numels[i] for i in info.layer_units[-1]), n) if info.layer_units[-1] else 0
+            root = (
+                ceil_to(sum(info.numels[i] for i in info.layer_units[-1]), n) if info.layer_units[-1] else 0
+            )
             again = (elems - root) * gather_bytes * micro
-            rows.append(Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again"))
-        rows.append(Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients"))
+            rows.append(
+                Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again")
+            )
+        rows.append(
+            Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients")
+        )
         return rows
 
 

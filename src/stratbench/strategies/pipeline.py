@@ -328,7 +328,8 @@ class PipelineCost(CostModel):
         if ctx.cfg.precision != "fp32":  # the split is costed in fp32; bf16-mixed saves 0.54x of it (tinynet)
             spec = ModelSpec.from_config(ctx.cfg)
             full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
-            scale = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes / (full or 1)
+            mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
+            scale = mixed / (full or 1)
         per_mb = sum(s.saved_bytes for s in mine) * micro * scale
         flight = lay.in_flight(pp_rank)
         size = default_image_size(ctx.cfg)
@@ -680,7 +681,9 @@ class PipelineStrategy(Strategy):
                 dist.barrier(group=self.pp_group, device_ids=ids)
             wall = time.perf_counter() - t0
             compute = sum(s.compute_s for s in self.stages)
-            self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
+            self.step_records.append(
+                {"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)}
+            )
             self._after_eval = False
             if self.layout.dp > 1:
                 self._all_reduce_grads()

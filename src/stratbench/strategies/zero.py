@@ -69,7 +69,9 @@ class ZeroCost(DDPCost):
             params = ctx.info.numels
             note = "updated parameters broadcast from their owner rank"
             rows.append(
-                Collective("broadcast", sum(params) * ctx.param_bytes, len(params), "optimizer", ctx.world, note)
+                Collective(
+                    "broadcast", sum(params) * ctx.param_bytes, len(params), "optimizer", ctx.world, note
+                )
             )
         return rows
 
@@ -84,7 +86,9 @@ class ZeroCheckpointIO(CheckpointIO):
         params = [p for group in optimizer.param_groups for p in group["params"]]
         missing = [i for i, p in enumerate(params) if id(p) not in names]
         if missing:
-            raise RuntimeError(f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model")
+            raise RuntimeError(
+                f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model"
+            )
         return [names[id(p)] for p in params]
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -97,12 +101,17 @@ class ZeroCheckpointIO(CheckpointIO):
         return {
             "state": {names[i]: _to_cpu(v) for i, v in state["state"].items() if v is not None},
             "param_groups": [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": [names[i] for i in group["params"]],
+                }
                 for group in state["param_groups"]
             ],
         }
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         """Load a name-keyed full optimizer state (from any method): each rank keeps its own parameters' share."""
         names = self._index_names(model, optimizer)
         index = {n: i for i, n in enumerate(names)}
@@ -124,7 +133,9 @@ class ZeroCheckpointIO(CheckpointIO):
         }
         optimizer.load_state_dict(indexed)
 
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
         """Full file (consolidated on rank 0) or sharded folder (each rank writes its own optimizer shard)."""
         path = Path(path)
         if self.strategy.options.checkpoint_format == "full":
@@ -133,7 +144,10 @@ class ZeroCheckpointIO(CheckpointIO):
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # Replicated model tensors are written once (DCP de-duplicates equal keys); optimizer keys are disjoint.
-        state = {"model": get_model_state_dict(model), "optimizer": self._local_optimizer_state(model, optimizer)}
+        state = {
+            "model": get_model_state_dict(model),
+            "optimizer": self._local_optimizer_state(model, optimizer),
+        }
         return sharded.save_sharded(path, None, None, extra, is_main=self.strategy.env.is_main, state=state)
 
     def _local_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -143,7 +157,10 @@ class ZeroCheckpointIO(CheckpointIO):
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
-        return {"state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()}, "param_groups": groups}
+        return {
+            "state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()},
+            "param_groups": groups,
+        }
 
 
 @register
@@ -167,7 +184,9 @@ class DDPZeroStrategy(DDPStrategy):
         """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs)
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs
+        )
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Parameters and gradients are replicated; optimizer state is counted from this rank's local shard."""
