@@ -152,9 +152,8 @@ def estimate(
     info = model_info(spec)
     if cfg.precision not in SPECS:
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
-    world = world_size
-    mb = micro_batch(cfg, world)
-    states = [rank_states(cfg, world, r, info, device_type) for r in range(world)]
+    mb = micro_batch(cfg, world_size)
+    states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
     s = max(
         states,
         key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0),
@@ -189,7 +188,7 @@ def estimate(
     return Estimate(
         strategy=cfg.strategy,
         precision=cfg.precision,
-        world_size=world,
+        world_size=world_size,
         micro_batch=mb,
         device_type=device_type,
         rows=rows,
@@ -200,7 +199,7 @@ def estimate(
         total_bytes=int(peak + overhead),
         host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
         num_parameters=info.total,
-        per_rank_states=model_state_bytes(cfg, world),
+        per_rank_states=model_state_bytes(cfg, world_size),
     )
 
 
