@@ -50,7 +50,7 @@ def main() -> int:
 
     from stratbench.core.config import TrainConfig
     from stratbench.measuring.hardware import resolve
-    from stratbench.predicting.estimate import ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.predicting.projection import load_calibration, project
 
     system = resolve(args.hardware)

@@ -48,7 +48,7 @@ def single_loads(path: Path) -> tuple[float, dict[str, torch.Tensor], dict]:
     model, optimizer = trainer.strategy.setup(model, optimizer_spec(cfg))
     # As in the engine: the scheduler exists before the load (it adds initial_lr to the param groups).
     torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg, 100))
-    trainer.strategy.load_checkpoint(path, model, optimizer)
+    trainer.strategy.checkpoint_io.load_checkpoint(path, model, optimizer)
     accuracy = trainer.evaluate(model, bundle)["val_accuracy"]
     return accuracy, {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
 

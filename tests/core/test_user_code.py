@@ -81,7 +81,7 @@ def test_a_loss_that_is_not_a_scalar_is_one_line(user_folder, capsys):
 def test_a_model_with_lazy_modules_trains_and_is_estimated(user_folder, capsys):
     """nn.LazyLinear: a dry forward on one sample gives it its parameters before they are counted, sharded or
     saved (a ValueError traceback from torch before); the estimate sees the same model."""
-    from stratbench.predicting.estimate import ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
 
     (user_folder / "lazynet.py").write_text(LAZY_NET)
     assert main(["train", "--model", "lazynet:build", "--output", "out", *SHORT]) == 0

@@ -9,8 +9,9 @@ import pytest
 from stratbench.core.config import TrainConfig
 from stratbench.measuring.comm import Collective, ceil_to, dim0_padded, total_wire, wire_factor
 from stratbench.measuring.commvol import parse_trace
-from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.strategies.base import all_strategies
+from stratbench.strategies.costs import MemoryContext
 
 
 def test_ring_wire_factors():
@@ -72,7 +73,7 @@ def test_every_strategy_has_a_formula_or_says_it_has_none():
         ctx = MemoryContext(
             TrainConfig(**{**cfg.__dict__, "strategy": name}), 2, info, cls.parse_options({}), "cpu"
         )
-        rows = cls.comm_model(ctx)
+        rows = cls.cost.comm_model(ctx)
         if name in ("single", "model-parallel"):
             assert rows == []  # one process (model-parallel: device-to-device copies inside it)
         elif name == "pipeline":  # 2 stages, no replicas: activations forward, their gradients back

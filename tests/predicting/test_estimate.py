@@ -10,19 +10,17 @@ import torch
 
 from conftest import TINY, assert_comm_matches_formula, train
 from stratbench.core.config import TrainConfig
+from stratbench.measuring.model_trace import ModelSpec, model_info, trace_step
 from stratbench.predicting.advise import advise
 from stratbench.predicting.estimate import (
-    ModelSpec,
     estimate,
     max_batch,
-    model_info,
     model_state_bytes,
     parse_bytes,
     predict_peak_bytes,
-    trace_step,
-    zero_partition,
 )
 from stratbench.strategies.base import all_strategies
+from stratbench.strategies.costs import zero_partition
 
 # (id, strategy, extra flags, world size): the methods of compare's quick preset.
 QUICK = [
@@ -348,7 +346,7 @@ def test_cpu_optimizer_step_scratch_is_traced_not_zero(wide_mlp):
     """On a CPU torch's optimizers loop over the parameters; their temporaries for the largest one (weight
     decay's grad + wd * p, AdamW's denominator) are the step's scratch: measured +6 MiB on a 1.7M-parameter MLP
     where the first estimate had 0."""
-    from stratbench.predicting.estimate import cpu_step_scratch
+    from stratbench.measuring.model_trace import cpu_step_scratch
 
     largest = max(model_info(ModelSpec.from_config(wide_mlp)).numels) * 4  # 4096 x 4096 fp32: 64 MiB
     sgd = cpu_step_scratch(wide_mlp.replace(weight_decay=1e-4))

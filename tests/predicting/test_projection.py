@@ -218,14 +218,16 @@ def test_unknown_system_and_missing_file():
 
 
 def test_every_registered_strategy_is_projected_or_says_no_model():
-    from stratbench.strategies.base import REGISTRY, Strategy, all_strategies, register
+    from stratbench.strategies.base import REGISTRY, CostModel, Strategy, all_strategies, register
 
-    class NoCostModel(Strategy):  # a new strategy without comm_model
-        name = "test-no-cost-model"
-
+    class MemoryOnly(CostModel):  # a new strategy's cost model without comm_model
         @classmethod
         def memory_model(cls, ctx, rank):
             return ctx.replicated(buckets=False)
+
+    class NoCostModel(Strategy):
+        name = "test-no-cost-model"
+        cost = MemoryOnly
 
     register(NoCostModel)
     try:
@@ -485,8 +487,9 @@ def test_more_devices_less_compute_per_device_and_memory_from_the_estimator():
 def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
     """A pipeline step: the busiest stage's FLOPs / (1 - (P-1)/(M+P-1)), not the whole model per device;
     model-parallel (one process, the devices in turn) computes the whole model."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext
     from stratbench.strategies.pipeline import _spec_split
 
     s = hardware.builtin().system("h100-sxm")
@@ -501,7 +504,7 @@ def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
         busiest = max(st.flops for st in stages) / sum(st.flops for st in stages)
         assert 0.5 <= busiest < 1.0
         bubble = 1 / (mb + 1)
-        assert cls.compute_scale(ctx) == pytest.approx(busiest / (1 - bubble))
+        assert cls.cost.compute_scale(ctx) == pytest.approx(busiest / (1 - bubble))
         compute = p.compute_s - p.overhead_s
         assert compute == pytest.approx((single.compute_s - single.overhead_s) * busiest / (1 - bubble))
         assert p.overlap == 0.0 and p.comm_exposed_s == pytest.approx(p.comm_s)

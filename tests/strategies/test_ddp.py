@@ -207,5 +207,5 @@ def test_dp_state_dict_uses_plain_names():
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.randn(4, 2)).sum().backward()
     opt.step()
-    assert list(strategy.model_state_dict(model)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    assert list(strategy.optimizer_state_dict(model, opt)["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert list(strategy.checkpoint_io.model_state_dict(model)) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert list(strategy.checkpoint_io.optimizer_state_dict(model, opt)["state"]) == ["0.weight", "0.bias", "2.weight", "2.bias"]

@@ -151,7 +151,8 @@ def test_conflicting_user_json_is_one_clear_error(tmp_path):
 def test_option_errors_and_refusals_need_no_processes():
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
-    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
+    from stratbench.strategies.deepspeed_config import build_ds_config
 
     cpu = __import__("torch").device("cpu")
     cfg = TrainConfig(strategy="deepspeed", batch_size=32, precision="fp16-mixed", clip_grad_norm=1.0, grad_accum=2)
@@ -269,7 +270,8 @@ def test_optimizer_and_scheduler_blocks_are_filled_and_checked_without_processes
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
     from stratbench.strategies.accelerate import AccelerateDeepSpeed
-    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
+    from stratbench.strategies.deepspeed_config import build_ds_config
 
     cpu = __import__("torch").device("cpu")
     user = tmp_path / "ds.json"
@@ -312,7 +314,8 @@ def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
 
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
-    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions, build_ds_config
+    from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
+    from stratbench.strategies.deepspeed_config import build_ds_config
 
     cfg = TrainConfig(strategy="deepspeed", batch_size=32)
     with pytest.raises(ConfigError, match="--offload-optimizer nvme needs --nvme-path DIR"):

@@ -465,7 +465,8 @@ def test_memory_model_counts_the_micro_batches_in_flight():
 
 def test_comm_model_sends_each_micro_batch_across_the_boundary():
     from stratbench.core.config import TrainConfig
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
+    from stratbench.measuring.model_trace import ModelSpec, model_info
+    from stratbench.strategies.costs import MemoryContext
     from stratbench.strategies.pipeline import PipelineStrategy
 
     opts = {"schedule": "1f1b", "pp": 2, "microbatches": 2}
@@ -474,7 +475,7 @@ def test_comm_model_sends_each_micro_batch_across_the_boundary():
     ctx = MemoryContext(
         cfg, 4, model_info(ModelSpec.from_config(cfg)), PipelineStrategy.parse_options(opts), "cpu"
     )
-    rows = {r.kind: r for r in PipelineStrategy.comm_model(ctx)}
+    rows = {r.kind: r for r in PipelineStrategy.cost.comm_model(ctx)}
     # 2 replicas x 2 micro-batches of 8; tinynet (width 16) split by parameters after blocks.1: 32 x 16 x 16 floats
     assert rows["send_recv"].payload_bytes == 2 * 8 * 32 * 16 * 16 * 4 and rows["send_recv"].calls == 2
     assert rows["all_reduce"].group_size == 2 and rows["broadcast"].payload_bytes == 8

@@ -122,17 +122,30 @@ def test_every_registered_strategy_has_a_list_row_and_an_estimate_row():
 
 
 PLUGIN = '''
-from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+
+
+class ThrowawayCost(CostModel):
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=False)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return []  # one process: no collectives
+
+
+class ThrowawayCheckpointIO(CheckpointIO):
+    def save_checkpoint(self, path, model, optimizer, extra):
+        return super().save_checkpoint(path, model, optimizer, extra | {"saved_by": "throwaway"})
 
 
 @register
 class Throwaway(Strategy):
     name = "throwaway"
     description = "a test plug-in: one process, like single"
-
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        return ctx.replicated(buckets=False)
+    cost = ThrowawayCost
+    checkpoint_io_class = ThrowawayCheckpointIO
 
 
 @register
@@ -158,15 +171,27 @@ def plugin_env(tmp_path) -> dict[str, str]:
 
 
 def test_a_plugin_strategy_reaches_list_train_estimate_and_compare(tmp_path, plugin_env):
+    """One file outside the package (its runtime, cost model and checkpoint I/O) reaches every command: a train
+    run that saves through its checkpoint I/O, an estimate row, a projection row and a compare cell."""
+    from stratbench.checkpoints import checkpoint
+
     assert "throwaway" in run_stratbench("list", env=plugin_env, timeout=120).stdout
     res = train(tmp_path / "run", "--strategy", "throwaway", *QUICK, "--max-steps", "3", env=plugin_env)
     assert res["status"] == "ok" and res["strategy"] == "throwaway" and res["metrics"]["steps"] == 3
+    assert checkpoint.read_meta(tmp_path / "run" / "checkpoints" / "last")["saved_by"] == "throwaway"
     est = json.loads(run_stratbench("estimate", "--strategy", "all", "--model", "tinynet", "--image-size", "32",
                                     "--num-classes", "10", "--batch-size", "32", "--json", env=plugin_env,
                                     timeout=120).stdout)  # fmt: skip
     rows = {r["strategy"]: r for r in est["results"]}
     assert rows["throwaway"]["estimate"]["peak_bytes"] == rows["single"]["estimate"]["peak_bytes"]
     assert rows["throwaway-nomodel"]["estimate"] is None and "no memory model" in rows["throwaway-nomodel"]["no_model"]
+    timed = json.loads(run_stratbench("estimate", "--strategy", "all", "--model", "tinynet", "--image-size", "32",
+                                      "--num-classes", "10", "--batch-size", "32", "--time", "--hardware", "h100-sxm",
+                                      "--gpus-per-node", "1", "--json", env=plugin_env, timeout=120).stdout)  # fmt: skip
+    projected = {r["strategy"]: r["projection"] for r in timed["results"]}
+    mine, single = projected["throwaway"], projected["single"]
+    assert mine["status"] == "ok" and mine["comm_s"] == 0 and mine["step_s"] == pytest.approx(single["step_s"])
+    assert projected["throwaway-nomodel"]["status"] == "no model"
     code = (
         "from stratbench.compare.matrix import build_matrix, plan; "
         "m = build_matrix({'cells': [{'method': 'throwaway', 'precision': 'fp32'}]}); "

@@ -1,5 +1,6 @@
-"""The optimizer and learning-rate schedule a config asks for, shared by the training loop and the memory
-estimate (which traces the same optimizer's step on fake tensors)."""
+"""The optimizer and learning-rate schedule a run's config asks for: ``OptimizerSpec`` (a class and keyword
+arguments) the loop calls on the wrapped model's parameters, strategies that build the optimizer themselves read,
+and the memory estimate traces on fake tensors; ``lr_lambda`` (warm-up, then constant or cosine)."""
 
 from __future__ import annotations
 

@@ -241,26 +241,12 @@ class CommRecorder:
         return self.result
 
 
-def predicted_rows(cfg: Any, world_size: int) -> tuple[list[Collective] | None, str]:
-    """The method's formula (``Strategy.comm_model``) for this run, or None and why."""
-    from stratbench.predicting.estimate import MemoryContext, ModelSpec, model_info
-    from stratbench.strategies.base import get_strategy
-
-    cls = get_strategy(cfg.strategy)
-    try:
-        info = model_info(ModelSpec.from_config(cfg))
-    except Exception as exc:  # a user model the fake-tensor build cannot trace
-        return None, f"the model's shapes could not be read ({type(exc).__name__}: {exc})"
-    ctx = MemoryContext(cfg, world_size, info, cls.parse_options(cfg.strategy_options), "cpu")
-    rows = cls.comm_model(ctx)
-    if rows is None:
-        return None, f"strategy {cfg.strategy!r} has no communication model (Strategy.comm_model)"
-    return rows, ""
-
-
-def comm_report(cfg: Any, world_size: int, per_rank: list[dict[str, Any] | None]) -> dict[str, Any]:
-    """``metrics.comm`` of result.json: measured per rank, the formula, and per kind the error of the formula
-    against the busiest rank's measured payload."""
+def comm_report(
+    per_rank: list[dict[str, Any] | None], predicted: tuple[list[Collective] | None, str]
+) -> dict[str, Any]:
+    """``metrics.comm`` of result.json: measured per rank, the formula (``predicted``: the method's collectives
+    for this run, or None and why; ``CostModel.predicted_comm``), and per kind the error of the formula against
+    the busiest rank's measured payload."""
     out: dict[str, Any] = {
         "route": "torch.profiler: c10d operators (kind, payload) and the backend's events (dtype, time)",
         "measured_per_rank": per_rank,
@@ -278,7 +264,7 @@ def comm_report(cfg: Any, world_size: int, per_rank: list[dict[str, Any] | None]
         k: {key: busiest(k, key) for key in ("calls", "payload_bytes", "wire_bytes", "time_s")} for k in kinds
     }
     out["wire_bytes_per_step"] = max(sum(v["wire_bytes"] for v in r["per_step"].values()) for r in measured)
-    rows, why = predicted_rows(cfg, world_size)
+    rows, why = predicted
     if rows is None:
         out["predicted"], out["predicted_note"] = None, why
         return out

@@ -19,6 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench.core.optim import optimizer_spec
+from stratbench.core.precision import Precision
+from stratbench.data.datasets import default_image_size
+from stratbench.measuring.model_trace import ModelSpec, micro_batch
+
 
 class _MallInfo2(ctypes.Structure):
     _fields_ = [
@@ -109,11 +114,6 @@ def measure_cpu_step_peak(cfg: Any, steps: int = 2) -> dict[str, int]:
     """Train ``steps`` steps of ``cfg`` (single process, CPU, synthetic batches of the run's micro-batch) and
     return the peak bytes in use above the baseline during the last one (the first creates optimizer state)."""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from stratbench.core.optim import optimizer_spec
-    from stratbench.core.precision import Precision
-    from stratbench.data.datasets import default_image_size
-    from stratbench.predicting.estimate import ModelSpec, micro_batch
 
     if malloc_in_use() is None:
         raise RuntimeError("measuring CPU memory needs glibc's mallinfo2 (Linux, glibc >= 2.33)")

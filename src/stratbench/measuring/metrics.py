@@ -234,4 +234,5 @@ class RunMetrics:
         if getattr(cfg, "breakdown", False):
             metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
         if self.comm is not None:
-            metrics["comm"] = comm_report(cfg, env.world_size, [r["comm"] for r in ranks])
+            predicted = strategy.cost.predicted_comm(cfg, env.world_size, strategy.options)
+            metrics["comm"] = comm_report([r["comm"] for r in ranks], predicted)

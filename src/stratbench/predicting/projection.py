@@ -39,8 +39,10 @@ from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
-from stratbench.predicting.estimate import MemoryContext, ModelSpec, NoMemoryModel, estimate, model_info
+from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
+from stratbench.strategies.costs import MemoryContext, NoMemoryModel
 
 FORWARD_SHARE = 1.0 / 3.0
 """Forward FLOPs as a share of forward+backward (backward computes two products per forward one)."""
@@ -191,7 +193,7 @@ def optimizer_bytes(
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rm = cls.memory_model(ctx, rank)
+    rm = cls.cost.memory_model(ctx, rank)
     if rm is None:
         return 0.0, 0.0
     full = info.total * ctx.param_bytes
@@ -214,7 +216,7 @@ def offload_bytes(cfg: TrainConfig, world: int, rank: int = 0, device_type: str 
     cls = get_strategy(cfg.strategy)
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rm = cls.memory_model(ctx, rank)
+    rm = cls.cost.memory_model(ctx, rank)
     if rm is None:
         return 0.0
     moved = 0.0
@@ -496,7 +498,7 @@ def project(
     device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
-    rows = cls.comm_model(ctx)
+    rows = cls.cost.comm_model(ctx)
     if rows is None:
         out.status, out.reason = (
             "no model",
@@ -516,12 +518,9 @@ def project(
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
     # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
     flops_on_path = flops * samples * (1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0)
-    forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.compute_scale(ctx), peak * eff,
+    forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), peak * eff,
                                  overhead, cal)  # fmt: skip
-    overlap_fn = getattr(cls, "comm_overlap", None)
-    _communication(
-        out, rows, system, float(overlap_fn(ctx)) if callable(overlap_fn) else 1.0, forward, backward
-    )
+    _communication(out, rows, system, float(cls.cost.comm_overlap(ctx)), forward, backward)
     if not _optimizer_and_offload(out, cfg, world, system, device_type):
         return out
     out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s

@@ -13,6 +13,7 @@ from stratbench.measuring.hardware import System
 from stratbench.predicting import estimate as est
 from stratbench.predicting.projection import project
 from stratbench.strategies.base import baseline_name, get_strategy
+from stratbench.strategies.costs import NoMemoryModel
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,7 @@ def method_row(name: str, config_for: Callable[[str], TrainConfig], settings: Ro
             cfg = cfg.replace(strategy_options=strategy.options_for_world(cfg, world))
             strategy.parse_options(cfg.strategy_options)
         row = _memory(name, cfg, world, settings)
-    except est.NoMemoryModel as exc:
+    except NoMemoryModel as exc:
         if not settings.every_method:
             raise
         row = {"strategy": name, "estimate": None, "no_model": str(exc)}

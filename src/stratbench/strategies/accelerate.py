@@ -26,8 +26,21 @@ from torch import nn
 from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError, UnsupportedError
-from stratbench.strategies.base import Strategy, register
-from stratbench.strategies.deepspeed import DeepSpeedZeroOptions
+from stratbench.measuring.comm import replicated_grads
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.deepspeed import (
+    DeepSpeedOptions,
+    DeepSpeedZeroOptions,
+    _avoid_shm_op_build,
+    _deepspeed_state_bytes,
+    _nvme_unavailable,
+    build_ds_config,
+    deepspeed_comm,
+    deepspeed_memory,
+    deepspeed_overlap,
+    save_engine_checkpoint,
+)
+from stratbench.strategies.fsdp import fsdp2_comm, fsdp2_memory
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """stratbench precision -> accelerate's mixed_precision (accelerate has no pure fp16/bf16 mode)."""
@@ -40,7 +53,12 @@ FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYB
 FSDP_WRAP = ("SIZE_BASED_WRAP", "TRANSFORMER_BASED_WRAP", "NO_WRAP")
 FSDP_BACKWARD_PREFETCH = ("BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH")
 FSDP_STATE_DICT = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
-FSDP1_ONLY = ("fsdp_backward_prefetch", "fsdp_forward_prefetch", "fsdp_sync_module_states", "fsdp_use_orig_params")
+FSDP1_ONLY = (
+    "fsdp_backward_prefetch",
+    "fsdp_forward_prefetch",
+    "fsdp_sync_module_states",
+    "fsdp_use_orig_params",
+)
 """Knobs of FSDP1 that FSDP2 does not have (accelerate drops or refuses them under fsdp_version 2)."""
 
 
@@ -76,16 +94,25 @@ class AccelerateFsdpOptions:
     def __post_init__(self) -> None:
         if self.fsdp_version not in (1, 2):
             raise ConfigError(f"fsdp_version must be 1 or 2, got {self.fsdp_version!r}")
-        self.fsdp_sharding_strategy = _fsdp_choice("fsdp_sharding_strategy", self.fsdp_sharding_strategy, FSDP_SHARDING)
-        self.fsdp_auto_wrap_policy = _fsdp_choice("fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP)
-        self.fsdp_state_dict_type = _fsdp_choice("fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT)
+        self.fsdp_sharding_strategy = _fsdp_choice(
+            "fsdp_sharding_strategy", self.fsdp_sharding_strategy, FSDP_SHARDING
+        )
+        self.fsdp_auto_wrap_policy = _fsdp_choice(
+            "fsdp_auto_wrap_policy", self.fsdp_auto_wrap_policy, FSDP_WRAP
+        )
+        self.fsdp_state_dict_type = _fsdp_choice(
+            "fsdp_state_dict_type", self.fsdp_state_dict_type, FSDP_STATE_DICT
+        )
         if self.fsdp_backward_prefetch is not None:
             self.fsdp_backward_prefetch = _fsdp_choice(
                 "fsdp_backward_prefetch", self.fsdp_backward_prefetch, FSDP_BACKWARD_PREFETCH
             )
         if self.fsdp_min_num_params < 0:
             raise ConfigError(f"fsdp_min_num_params must be >= 0, got {self.fsdp_min_num_params}")
-        if self.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP" and not (self.fsdp_transformer_layer_cls_to_wrap or "").strip():
+        if (
+            self.fsdp_auto_wrap_policy == "TRANSFORMER_BASED_WRAP"
+            and not (self.fsdp_transformer_layer_cls_to_wrap or "").strip()
+        ):
             raise ConfigError(
                 "fsdp_auto_wrap_policy TRANSFORMER_BASED_WRAP needs fsdp_transformer_layer_cls_to_wrap (module class names)"
             )
@@ -106,7 +133,11 @@ class AccelerateFsdpOptions:
 def _fsdp_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
     """accelerate's spelling: case-insensitive names, or 1-based numbers (torch's enum values) as old YAMLs write."""
     text = str(value).strip().upper()
-    if text.isdigit() and 1 <= int(text) <= len(allowed) and name in ("fsdp_sharding_strategy", "fsdp_backward_prefetch"):
+    if (
+        text.isdigit()
+        and 1 <= int(text) <= len(allowed)
+        and name in ("fsdp_sharding_strategy", "fsdp_backward_prefetch")
+    ):
         return allowed[int(text) - 1]
     if text not in allowed:
         raise ConfigError(f"{name} must be one of: {', '.join(allowed)}; got {value!r}")
@@ -116,6 +147,10 @@ def _fsdp_choice(name: str, value: Any, allowed: tuple[str, ...]) -> str:
 @dataclasses.dataclass(kw_only=True)
 class AccelerateDeepSpeedOptions(DeepSpeedZeroOptions):
     """Options of accelerate-deepspeed: DeepSpeed's ZeRO options (the optimizer is always the torch one)."""
+
+
+def _inner(optimizer):
+    return getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> the torch optimizer
 
 
 def single_process_launch_reason(world_size: int) -> str | None:
@@ -141,11 +176,72 @@ def single_process_launch_reason(world_size: int) -> str | None:
     return None
 
 
+class AccelerateCheckpointIO(CheckpointIO):
+    """accelerator.save_state in a folder (layout "accelerate") plus stratbench's header; a resume of the same
+    method and world size through accelerator.load_state, anything else through the full state dicts (the
+    torch optimizer under accelerate's wrapper)."""
+
+    def optimizer_state_dict(self, model, optimizer):
+        return super().optimizer_state_dict(model, _inner(optimizer))
+
+    def load_optimizer_state_dict(self, model, optimizer, state):
+        super().load_optimizer_state_dict(model, _inner(optimizer), state)
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
+        """accelerator.save_state into a folder (layout "accelerate") plus stratbench's header; atomic swap."""
+        strategy = self.strategy
+        assert strategy.accelerator is not None
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        if strategy.env.is_main:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            # Made before the barrier: save_state creates it on the main process only, and the other ranks may
+            # write their RNG files into it before the main process gets there.
+            (tmp / ACCELERATE_DIR).mkdir(parents=True)
+        strategy.barrier()
+        strategy.accelerator.save_state(str(tmp / ACCELERATE_DIR))  # a collective for sharded plugins
+        # Every rank writes its own files (RNG states) into tmp: the main process must not move it into place
+        # before they have all finished (seen: rank 1 writing into a folder rank 0 had already renamed).
+        strategy.barrier()
+        if strategy.env.is_main:
+            names = [n for n, _ in strategy.unwrap(model).named_parameters()]
+            header = {
+                "format": checkpoint.FORMAT,
+                "version": checkpoint.VERSION,
+                "layout": "accelerate",
+                "accelerate_strategy": strategy.name,
+                "param_names": names,
+            }
+            checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
+            checkpoint.replace_path(tmp, path)
+        strategy.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
+        """Own layout, same method and world size: accelerator.load_state. Anything else: the full state."""
+        strategy = self.strategy
+        assert strategy.accelerator is not None
+        path = Path(path)
+        meta = checkpoint.read_meta(path)
+        same = (
+            meta.get("layout") == "accelerate"
+            and meta.get("accelerate_strategy") == strategy.name
+            and meta.get("world_size") == strategy.env.world_size
+        )
+        if same and optimizer is not None:
+            checkpoint.check_folder(path)  # accelerate unpickles its RNG and custom states weights_only=False
+            strategy.accelerator.load_state(str(path / ACCELERATE_DIR))
+            return meta
+        return super().load_checkpoint(path, model, optimizer)
+
+
 class _Accelerate(Strategy):
     """Shared implementation; subclasses pick the plugin."""
 
     needs_process_group = True
     launcher = "accelerate"
+    checkpoint_io_class = AccelerateCheckpointIO
 
     @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
@@ -231,73 +327,25 @@ class _Accelerate(Strategy):
         return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
 
     # ---- state ----------------------------------------------------------------------------------
-    @staticmethod
-    def _inner(optimizer):
-        return getattr(optimizer, "optimizer", optimizer)  # AcceleratedOptimizer -> the torch optimizer
-
     def optimizer_report(self, optimizer) -> dict[str, Any]:
-        report = super().optimizer_report(self._inner(optimizer))
+        report = super().optimizer_report(_inner(optimizer))
         report["optimizer"]["wrapper"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
         return report
 
-    def optimizer_state_dict(self, model, optimizer):
-        return super().optimizer_state_dict(model, self._inner(optimizer))
-
-    def load_optimizer_state_dict(self, model, optimizer, state):
-        super().load_optimizer_state_dict(model, self._inner(optimizer), state)
-
     def state_bytes(self, model, optimizer):
-        return super().state_bytes(model, self._inner(optimizer))
+        return super().state_bytes(model, _inner(optimizer))
 
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
-        """accelerator.save_state into a folder (layout "accelerate") plus stratbench's header; atomic swap."""
-        from stratbench.checkpoints import checkpoint
 
-        assert self.accelerator is not None
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        if self.env.is_main:
-            if tmp.exists():
-                shutil.rmtree(tmp)
-            # Made before the barrier: save_state creates it on the main process only, and the other ranks may
-            # write their RNG files into it before the main process gets there.
-            (tmp / ACCELERATE_DIR).mkdir(parents=True)
-        self.barrier()
-        self.accelerator.save_state(str(tmp / ACCELERATE_DIR))  # a collective for sharded plugins
-        # Every rank writes its own files (RNG states) into tmp: the main process must not move it into place
-        # before they have all finished (seen: rank 1 writing into a folder rank 0 had already renamed).
-        self.barrier()
-        if self.env.is_main:
-            names = [n for n, _ in self.unwrap(model).named_parameters()]
-            header = {
-                "format": checkpoint.FORMAT,
-                "version": checkpoint.VERSION,
-                "layout": "accelerate",
-                "accelerate_strategy": self.name,
-                "param_names": names,
-            }
-            checkpoint.atomic_save(header | extra, tmp / checkpoint.META_FILE)
-            checkpoint.replace_path(tmp, path)
-        self.barrier()
-        return path
+class AccelerateDDPCost(CostModel):
+    """DDP under accelerate: a replica and buckets per rank, the gradients all-reduced."""
 
-    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
-        """Own layout, same method and world size: accelerator.load_state. Anything else: the full state."""
-        from stratbench.checkpoints import checkpoint
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=True)
 
-        assert self.accelerator is not None
-        path = Path(path)
-        meta = checkpoint.read_meta(path)
-        same = (
-            meta.get("layout") == "accelerate"
-            and meta.get("accelerate_strategy") == self.name
-            and meta.get("world_size") == self.env.world_size
-        )
-        if same and optimizer is not None:
-            checkpoint.check_folder(path)  # accelerate unpickles its RNG and custom states weights_only=False
-            self.accelerator.load_state(str(path / ACCELERATE_DIR))
-            return meta
-        return super().load_checkpoint(path, model, optimizer)
+    @classmethod
+    def comm_model(cls, ctx):
+        return replicated_grads(ctx, "gradient buckets (DDP under accelerate)")
 
 
 @register
@@ -306,15 +354,23 @@ class AccelerateDDP(_Accelerate):
     description = "accelerate.Accelerator, DDP (the source's default_DDP.yml)"
     requirements = "pip install accelerate; 1+ processes (CPU with gloo, or one GPU each)"
 
+    cost = AccelerateDDPCost
+
+
+class AccelerateFSDPCost(CostModel):
+    """accelerate's FSDP plugin costed as FSDP2 (``fsdp2_memory``, ``fsdp2_comm``)."""
+
     @classmethod
     def memory_model(cls, ctx, rank):
-        return ctx.replicated(buckets=True)
+        # Per-parameter sharding (FSDP2's layout; FSDP1's flat units pad a little more); its size-based or
+        # class-based units are approximated by blocks.
+        opts = ctx.options
+        sharding = {"FULL_SHARD": "full", "NO_SHARD": "none"}.get(opts.fsdp_sharding_strategy, "grad-op")
+        return fsdp2_memory(ctx, rank, sharding, opts.fsdp_offload_params)
 
     @classmethod
     def comm_model(cls, ctx):
-        from stratbench.measuring.comm import replicated_grads
-
-        return replicated_grads(ctx, "gradient buckets (DDP under accelerate)")
+        return fsdp2_comm(ctx, "full")  # FSDP2, reshard_after_forward (FULL_SHARD); units do not change bytes
 
 
 @register
@@ -332,21 +388,7 @@ class AccelerateFSDP(_Accelerate):
             return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
         return super().check_supported(cfg, device, world_size)
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        from stratbench.strategies.fsdp import fsdp2_memory
-
-        # Per-parameter sharding (FSDP2's layout; FSDP1's flat units pad a little more); its size-based or
-        # class-based units are approximated by blocks.
-        opts = ctx.options
-        sharding = {"FULL_SHARD": "full", "NO_SHARD": "none"}.get(opts.fsdp_sharding_strategy, "grad-op")
-        return fsdp2_memory(ctx, rank, sharding, opts.fsdp_offload_params)
-
-    @classmethod
-    def comm_model(cls, ctx):
-        from stratbench.strategies.fsdp import fsdp2_comm
-
-        return fsdp2_comm(ctx, "full")  # FSDP2, reshard_after_forward (FULL_SHARD); units do not change bytes
+    cost = AccelerateFSDPCost
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import FullyShardedDataParallelPlugin
@@ -380,6 +422,39 @@ def fsdp_plugin_kwargs(opts: AccelerateFsdpOptions) -> dict[str, Any]:
     return kw
 
 
+class AccelerateDeepSpeedCost(CostModel):
+    """DeepSpeed's cost model for the config accelerate's DeepSpeedPlugin gets (the torch optimizer)."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        ds = build_ds_config(
+            ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world, config_optimizer=False
+        )
+        return deepspeed_memory(ctx, ds["zero_optimization"])
+
+    @classmethod
+    def comm_model(cls, ctx):
+        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        return deepspeed_comm(ctx, ds["zero_optimization"])
+
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
+        return deepspeed_overlap(ds["zero_optimization"])
+
+
+class AccelerateDeepSpeedCheckpointIO(AccelerateCheckpointIO):
+    """DeepSpeed's engine checkpoint (the prepared model is the engine); no resume."""
+
+    def save_checkpoint(self, path, model, optimizer, extra):
+        return save_engine_checkpoint(self.strategy, model, Path(path), self.strategy.ds_config, extra)
+
+    def load_checkpoint(self, path, model, optimizer):
+        raise CheckpointError(
+            "accelerate-deepspeed resumes are not supported; start from the weights with --init-from"
+        )
+
+
 @register
 class AccelerateDeepSpeed(_Accelerate):
     name = "accelerate-deepspeed"
@@ -388,8 +463,6 @@ class AccelerateDeepSpeed(_Accelerate):
     Options = AccelerateDeepSpeedOptions
 
     def _ds_options(self):
-        from stratbench.strategies.deepspeed import DeepSpeedOptions
-
         return DeepSpeedOptions(**dataclasses.asdict(self.options))
 
     @classmethod
@@ -400,41 +473,17 @@ class AccelerateDeepSpeed(_Accelerate):
 
         if importlib.util.find_spec("deepspeed") is None:
             return "needs the deepspeed package (pip install deepspeed)"
-        from stratbench.strategies.deepspeed import DeepSpeedOptions, _nvme_unavailable, build_ds_config
-
         opts = cls.parse_options(cfg.strategy_options)
         ds = build_ds_config(
             cfg, DeepSpeedOptions(**dataclasses.asdict(opts)), world_size, config_optimizer=False
         )  # conflicts -> ConfigError
         return _nvme_unavailable(ds["zero_optimization"]) or super().check_supported(cfg, device, world_size)
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_memory
-
-        ds = build_ds_config(
-            ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world, config_optimizer=False
-        )
-        return deepspeed_memory(ctx, ds["zero_optimization"])
-
-    @classmethod
-    def comm_model(cls, ctx):
-        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_comm
-
-        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
-        return deepspeed_comm(ctx, ds["zero_optimization"])
-
-    @classmethod
-    def comm_overlap(cls, ctx) -> float:
-        from stratbench.strategies.deepspeed import DeepSpeedOptions, build_ds_config, deepspeed_overlap
-
-        ds = build_ds_config(ctx.cfg, DeepSpeedOptions(**dataclasses.asdict(ctx.options)), ctx.world)
-        return deepspeed_overlap(ds["zero_optimization"])
+    cost = AccelerateDeepSpeedCost
+    checkpoint_io_class = AccelerateDeepSpeedCheckpointIO
 
     def _plugins(self) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
-
-        from stratbench.strategies.deepspeed import _avoid_shm_op_build, build_ds_config
 
         _avoid_shm_op_build()
         ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size, config_optimizer=False)
@@ -458,19 +507,7 @@ class AccelerateDeepSpeed(_Accelerate):
         engine = self.model
         return bool(engine.was_step_applied())
 
-    def save_checkpoint(self, path, model, optimizer, extra):
-        from stratbench.strategies.deepspeed import save_engine_checkpoint
-
-        return save_engine_checkpoint(self, model, Path(path), self.ds_config, extra)
-
-    def load_checkpoint(self, path, model, optimizer):
-        raise CheckpointError(
-            "accelerate-deepspeed resumes are not supported; start from the weights with --init-from"
-        )
-
     def state_bytes(self, model, optimizer):
-        from stratbench.strategies.deepspeed import _deepspeed_state_bytes
-
         return _deepspeed_state_bytes(model, int(self.ds_config["zero_optimization"]["stage"]))
 
 
@@ -503,29 +540,7 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
         doc["main_process_ip"] = cfg.master_addr
         doc["main_process_port"] = cfg.master_port or 29500
     if strategy == "accelerate-fsdp":
-        opts = AccelerateFSDP.parse_options(cfg.strategy_options)
-        fsdp: dict[str, Any] = {
-            "fsdp_version": opts.fsdp_version,
-            "fsdp_auto_wrap_policy": opts.fsdp_auto_wrap_policy,
-            "fsdp_offload_params": opts.fsdp_offload_params,
-            # FSDP2: a bool; FSDP1: the sharding strategy's name (accelerate's key for both today).
-            "fsdp_reshard_after_forward": (
-                opts.fsdp_sharding_strategy == "FULL_SHARD" if opts.fsdp_version == 2 else opts.fsdp_sharding_strategy
-            ),
-            "fsdp_state_dict_type": opts.fsdp_state_dict_type,
-            "fsdp_cpu_ram_efficient_loading": opts.fsdp_cpu_ram_efficient_loading,
-            "fsdp_activation_checkpointing": cfg.activation_checkpointing,
-        }
-        if opts.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP":
-            fsdp["fsdp_min_num_params"] = opts.fsdp_min_num_params
-        if opts.fsdp_transformer_layer_cls_to_wrap:
-            fsdp["fsdp_transformer_layer_cls_to_wrap"] = opts.fsdp_transformer_layer_cls_to_wrap
-        if opts.fsdp_version == 1:
-            fsdp["fsdp_backward_prefetch"] = opts.fsdp_backward_prefetch or "NO_PREFETCH"
-            fsdp["fsdp_forward_prefetch"] = bool(opts.fsdp_forward_prefetch)
-            fsdp["fsdp_sync_module_states"] = bool(opts.fsdp_sync_module_states)
-            fsdp["fsdp_use_orig_params"] = bool(opts.fsdp_use_orig_params)
-        doc["fsdp_config"] = fsdp
+        doc["fsdp_config"] = _fsdp_yaml(cfg)
     if strategy == "accelerate-deepspeed":
         doc["deepspeed_config"] = {
             "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
@@ -536,6 +551,35 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
         "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
         + yaml.safe_dump(doc, sort_keys=False),
     )
+
+
+def _fsdp_yaml(cfg: TrainConfig) -> dict[str, Any]:
+    """The ``fsdp_config`` block of the accelerate YAML for this run's accelerate-fsdp options."""
+    opts = AccelerateFSDP.parse_options(cfg.strategy_options)
+    fsdp: dict[str, Any] = {
+        "fsdp_version": opts.fsdp_version,
+        "fsdp_auto_wrap_policy": opts.fsdp_auto_wrap_policy,
+        "fsdp_offload_params": opts.fsdp_offload_params,
+        # FSDP2: a bool; FSDP1: the sharding strategy's name (accelerate's key for both today).
+        "fsdp_reshard_after_forward": (
+            opts.fsdp_sharding_strategy == "FULL_SHARD"
+            if opts.fsdp_version == 2
+            else opts.fsdp_sharding_strategy
+        ),
+        "fsdp_state_dict_type": opts.fsdp_state_dict_type,
+        "fsdp_cpu_ram_efficient_loading": opts.fsdp_cpu_ram_efficient_loading,
+        "fsdp_activation_checkpointing": cfg.activation_checkpointing,
+    }
+    if opts.fsdp_auto_wrap_policy == "SIZE_BASED_WRAP":
+        fsdp["fsdp_min_num_params"] = opts.fsdp_min_num_params
+    if opts.fsdp_transformer_layer_cls_to_wrap:
+        fsdp["fsdp_transformer_layer_cls_to_wrap"] = opts.fsdp_transformer_layer_cls_to_wrap
+    if opts.fsdp_version == 1:
+        fsdp["fsdp_backward_prefetch"] = opts.fsdp_backward_prefetch or "NO_PREFETCH"
+        fsdp["fsdp_forward_prefetch"] = bool(opts.fsdp_forward_prefetch)
+        fsdp["fsdp_sync_module_states"] = bool(opts.fsdp_sync_module_states)
+        fsdp["fsdp_use_orig_params"] = bool(opts.fsdp_use_orig_params)
+    return fsdp
 
 
 ACCELERATE_STRATEGY = {
@@ -601,7 +645,9 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
     src = f"--accelerate-config {p}"
     unknown = sorted(set(doc) - ACCELERATE_IGNORED)
     if unknown:
-        raise ConfigError(f"{src}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(ACCELERATE_IGNORED))}")
+        raise ConfigError(
+            f"{src}: unknown key(s) {', '.join(unknown)}; known: {', '.join(sorted(ACCELERATE_IGNORED))}"
+        )
     kind = str(doc.get("distributed_type", "NO")).upper()
     if kind not in ACCELERATE_STRATEGY:
         raise ConfigError(
@@ -619,7 +665,11 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
     processes = int(doc.get("num_processes", 1) or 1)
     if processes < 1 or processes % machines:
         raise ConfigError(f"{src}: num_processes {processes} is not a multiple of num_machines {machines}")
-    out |= {"nproc": processes // machines, "nnodes": machines, "node_rank": int(doc.get("machine_rank", 0) or 0)}
+    out |= {
+        "nproc": processes // machines,
+        "nnodes": machines,
+        "node_rank": int(doc.get("machine_rank", 0) or 0),
+    }
     if doc.get("main_process_ip"):
         out["master_addr"] = str(doc["main_process_ip"])
     if doc.get("main_process_port"):
@@ -628,39 +678,62 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
         out["device"] = "cpu"
     options: dict[str, Any] = {}
     if kind == "FSDP":
-        fsdp = dict(doc.get("fsdp_config") or {})
-        extra = sorted(set(fsdp) - set(FSDP_KEYS) - {"fsdp_reshard_after_forward", "fsdp_activation_checkpointing"})
-        if extra:
-            raise ConfigError(f"{src}: unknown fsdp_config key(s) {', '.join(extra)}; known: {', '.join(FSDP_KEYS)}")
-        options = {FSDP_KEYS[k]: v for k, v in fsdp.items() if k in FSDP_KEYS}
-        if isinstance(options.get("fsdp_transformer_layer_cls_to_wrap"), list):
-            options["fsdp_transformer_layer_cls_to_wrap"] = ",".join(options["fsdp_transformer_layer_cls_to_wrap"])
-        options.setdefault("fsdp_version", 1)  # accelerate's default when the YAML does not say
-        reshard = fsdp.get("fsdp_reshard_after_forward")
-        if reshard is not None:
-            if isinstance(reshard, bool) or str(reshard).lower() in ("true", "false"):
-                reshard = "FULL_SHARD" if str(reshard).lower() == "true" else "SHARD_GRAD_OP"
-            options["fsdp_sharding_strategy"] = reshard
-        if fsdp.get("fsdp_activation_checkpointing"):
-            out["activation_checkpointing"] = True
+        options = _fsdp_options(dict(doc.get("fsdp_config") or {}), src, out)
     elif kind == "DEEPSPEED":
-        ds = dict(doc.get("deepspeed_config") or {})
-        extra = sorted(set(ds) - set(DEEPSPEED_KEYS) - DEEPSPEED_IGNORED - {"gradient_accumulation_steps", "gradient_clipping"})
-        if extra:
-            raise ConfigError(f"{src}: unknown deepspeed_config key(s) {', '.join(extra)}; known: {', '.join(DEEPSPEED_KEYS)}")
-        options = {DEEPSPEED_KEYS[k]: v for k, v in ds.items() if k in DEEPSPEED_KEYS}
-        if "gradient_accumulation_steps" in ds:
-            out["grad_accum"] = int(ds["gradient_accumulation_steps"])
-        if ds.get("gradient_clipping"):
-            out["clip_grad_norm"] = float(ds["gradient_clipping"])
+        options = _deepspeed_options(dict(doc.get("deepspeed_config") or {}), src, out)
     out["strategy_options"] = options
     return out
 
 
+def _fsdp_options(fsdp: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:
+    """accelerate-fsdp's options from an accelerate YAML's ``fsdp_config`` (its activation checkpointing goes
+    to ``out``, the train values)."""
+    extra = sorted(
+        set(fsdp) - set(FSDP_KEYS) - {"fsdp_reshard_after_forward", "fsdp_activation_checkpointing"}
+    )
+    if extra:
+        raise ConfigError(
+            f"{src}: unknown fsdp_config key(s) {', '.join(extra)}; known: {', '.join(FSDP_KEYS)}"
+        )
+    options = {FSDP_KEYS[k]: v for k, v in fsdp.items() if k in FSDP_KEYS}
+    if isinstance(options.get("fsdp_transformer_layer_cls_to_wrap"), list):
+        options["fsdp_transformer_layer_cls_to_wrap"] = ",".join(
+            options["fsdp_transformer_layer_cls_to_wrap"]
+        )
+    options.setdefault("fsdp_version", 1)  # accelerate's default when the YAML does not say
+    reshard = fsdp.get("fsdp_reshard_after_forward")
+    if reshard is not None:
+        if isinstance(reshard, bool) or str(reshard).lower() in ("true", "false"):
+            reshard = "FULL_SHARD" if str(reshard).lower() == "true" else "SHARD_GRAD_OP"
+        options["fsdp_sharding_strategy"] = reshard
+    if fsdp.get("fsdp_activation_checkpointing"):
+        out["activation_checkpointing"] = True
+    return options
+
+
+def _deepspeed_options(ds: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:
+    """accelerate-deepspeed's options from an accelerate YAML's ``deepspeed_config`` (its accumulation and
+    clipping go to ``out``, the train values)."""
+    extra = sorted(
+        set(ds)
+        - set(DEEPSPEED_KEYS)
+        - DEEPSPEED_IGNORED
+        - {"gradient_accumulation_steps", "gradient_clipping"}
+    )
+    if extra:
+        raise ConfigError(
+            f"{src}: unknown deepspeed_config key(s) {', '.join(extra)}; known: {', '.join(DEEPSPEED_KEYS)}"
+        )
+    options = {DEEPSPEED_KEYS[k]: v for k, v in ds.items() if k in DEEPSPEED_KEYS}
+    if "gradient_accumulation_steps" in ds:
+        out["grad_accum"] = int(ds["gradient_accumulation_steps"])
+    if ds.get("gradient_clipping"):
+        out["clip_grad_norm"] = float(ds["gradient_clipping"])
+    return options
+
+
 def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     """Full model (and, for DDP, optimizer keyed by parameter names) from an accelerate save_state folder."""
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.check_folder(path)  # zero_to_fp32 (accelerate-deepspeed) unpickles weights_only=False
     folder = Path(path) / ACCELERATE_DIR
     model_file = folder / "model.safetensors"
@@ -676,7 +749,9 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
         ds_dir = folder / "pytorch_model"
         latest = ds_dir / "latest"
         if not latest.is_file():
-            raise CheckpointError(f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)")
+            raise CheckpointError(
+                f"{ds_dir} has no 'latest' file naming its DeepSpeed tag (incomplete checkpoint?)"
+            )
         # The tag names a folder inside this one (a crafted '../..' would make zero_to_fp32 read files elsewhere).
         tag = checkpoint.check_tag(ds_dir, latest.read_text().strip())
         return {"model": get_fp32_state_dict_from_zero_checkpoint(str(ds_dir), tag=tag), "optimizer": {}}
@@ -698,8 +773,6 @@ def read_accelerate_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, An
 
 
 def _register_layout() -> None:
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.register_layout("accelerate", read_accelerate_checkpoint)
 
 

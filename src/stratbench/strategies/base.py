@@ -1,13 +1,18 @@
 """The strategy interface every training method implements, and the registry the CLI, the comparison matrix
 and the parametrised tests all read.
 
-A strategy is one module holding one ``Strategy`` subclass decorated with ``@register``. It declares its
-options as a small dataclass (``Options``; each field becomes a ``--flag``), what it needs
-(``check_supported``), its memory model (``memory_model``, read by ``stratbench estimate``), and overrides what
-differs from the defaults here: ``wrap``/``build_optimizer`` for set-up, ``accumulate``/``backward``/
-``optimizer_step`` for the step (or ``run_step`` to own the whole forward/backward schedule, as a pipeline
-does), and the checkpoint methods. ``SingleDevice``-style no-op collectives mean the loop never asks "am I
-distributed?".
+A method is one module holding a ``Strategy`` subclass decorated with ``@register`` and, beside it, its two
+companions (as Lightning Fabric splits its ``Strategy`` from its ``CheckpointIO``):
+
+* the **runtime** (``Strategy``): its options (``Options``, a small dataclass whose fields become ``--flags``),
+  what it needs (``check_supported``), set-up (``wrap``/``build_optimizer``), the step (``accumulate``/
+  ``backward``/``optimizer_step``, or ``run_step`` to own the whole forward/backward schedule, as a pipeline
+  does) and collectives. ``SingleDevice``-style no-op collectives mean the loop never asks "am I distributed?";
+* its **checkpoint I/O** (``CheckpointIO`` subclass named by ``checkpoint_io_class``; ``strategy.checkpoint_io``
+  is the one bound to the runtime): full state dicts, save and load in the method's layout;
+* its **cost model** (``CostModel`` subclass named by ``cost``): memory per rank, the collectives of one step and
+  the compute on the critical path, computed before any run from a ``MemoryContext`` (``strategies.costs``),
+  read by ``stratbench.predicting`` (estimate, projection, advise) and the measured-vs-formula communication check.
 
 Strategies outside the package register through the ``stratbench.strategies`` entry-point group (a module
 that defines and ``@register``s a subclass); ``discover()`` loads them next to the built-in ones.
@@ -28,15 +33,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from stratbench.checkpoints import checkpoint as checkpoint_files
+from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
+from stratbench.measuring.comm import Collective
+from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.strategies.costs import MemoryContext, RankMemory
 
 if TYPE_CHECKING:
     from stratbench.core.dist import DistEnv
     from stratbench.core.precision import Precision
-    from stratbench.measuring.comm import Collective
-    from stratbench.predicting.estimate import MemoryContext, RankMemory
 
 
 class OptimizerFactory(Protocol):
@@ -68,6 +74,112 @@ def register(cls: type[Strategy]) -> type[Strategy]:
     return cls
 
 
+class CheckpointIO:
+    """How a method saves and loads checkpoints (Lightning Fabric's ``CheckpointIO``), bound to the runtime it
+    serves (``strategy.checkpoint_io``): full state dicts keyed by parameter names, portable across methods, and
+    the method's own layout on disk. The default gathers full state dicts (a collective for sharded methods)
+    and writes one file from global rank 0; a method with its own layout (sharded folders, DeepSpeed's engine
+    checkpoint) subclasses this in its own module."""
+
+    def __init__(self, strategy: Strategy) -> None:
+        self.strategy = strategy
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full, unwrapped, fp32-or-native state dict on CPU. A collective for sharded methods."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Full optimizer state keyed by parameter names (portable across methods). A collective."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        return get_optimizer_state_dict(
+            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        """Write a full checkpoint: every rank takes part in gathering, global rank 0 writes atomically."""
+        state = {
+            "model": self.model_state_dict(model),
+            "optimizer": self.optimizer_state_dict(model, optimizer),
+        }
+        if self.strategy.env.is_main:
+            checkpoint.save_full(path, state | extra)
+        self.strategy.barrier()
+        return path
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        """Load any stratbench checkpoint (full file or sharded folder) into this method's model/optimizer."""
+        state = checkpoint.load_any(path)
+        self.load_model_state_dict(model, state["model"])
+        if optimizer is not None and state.get("optimizer"):
+            self.load_optimizer_state_dict(model, optimizer, state["optimizer"])
+        return state
+
+
+class CostModel:
+    """What a method costs, computed before it runs from the shapes of the model (``MemoryContext``): the
+    model states each rank holds, the collectives of one optimizer step and the compute on the critical path.
+    Stateless (classmethods), so that ``stratbench.predicting`` asks the class (``strategy_cls.cost``) without
+    building a runtime. The defaults say "no model" (None), which every reader reports as such, never as 0."""
+
+    @classmethod
+    def memory_model(cls, ctx: MemoryContext, rank: int) -> RankMemory | None:
+        """Bytes of model states ``rank`` holds under this method (``stratbench.predicting.estimate`` adds the
+        traced activations). None: no memory model, which ``estimate`` reports as such rather than as 0."""
+        return None
+
+    @classmethod
+    def comm_model(cls, ctx: MemoryContext) -> list[Collective] | None:
+        """The collectives one rank takes part in per optimizer step (``stratbench.measuring.comm``), from the
+        same model shapes the memory model reads. None: no communication model (reported as such, never as 0);
+        an empty list: the method does not communicate (one process)."""
+        return None
+
+    @classmethod
+    def compute_scale(cls, ctx: MemoryContext) -> float:
+        """The step's compute on the critical path, as a share of one data-parallel replica doing its whole
+        batch's forward and backward on one device (``stratbench.predicting.projection``): 1 for every method
+        that keeps the whole model on each device; a pipeline's busiest stage plus its bubble is less."""
+        return 1.0
+
+    @classmethod
+    def comm_overlap(cls, ctx: MemoryContext) -> float:
+        """The share of the overlappable communication this method can hide under compute (1: all of what the
+        system allows; a method that reduces only after backward: 0)."""
+        return 1.0
+
+    @classmethod
+    def predicted_comm(
+        cls, cfg: TrainConfig, world_size: int, options: Any, device_type: str = "cpu"
+    ) -> tuple[list[Collective] | None, str]:
+        """The communication formula (``comm_model``) for one run of this method with its parsed ``options``,
+        or None and why: what the run's measured collectives are checked against (``measuring.commvol``)."""
+        try:
+            info = model_info(ModelSpec.from_config(cfg))
+        except Exception as exc:  # a user model the fake-tensor build cannot trace
+            return None, f"the model's shapes could not be read ({type(exc).__name__}: {exc})"
+        rows = cls.comm_model(MemoryContext(cfg, world_size, info, options, device_type))
+        if rows is None:
+            return None, f"strategy {cfg.strategy!r} has no communication model (Strategy.cost.comm_model)"
+        return rows, ""
+
+
 class Strategy:
     """Base class. Subclasses override what differs; defaults implement one process on one device."""
 
@@ -97,11 +209,28 @@ class Strategy:
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
     channels-last activations (their output follows the input's memory format)."""
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        moved = sorted(set(vars(cls)) & _COMPANION_METHODS)
+        if moved:
+            raise TypeError(
+                f"strategy {cls.__qualname__} defines {', '.join(moved)}: these belong to its companions, a "
+                "CostModel subclass (memory/comm/compute) set as `cost` and a CheckpointIO subclass set as "
+                "`checkpoint_io_class` (see stratbench.strategies.base)"
+            )
+
+    # ---- its companions, defined in the same module -------------------------------------------
+    checkpoint_io_class: ClassVar[type[CheckpointIO]] = CheckpointIO
+    """Its checkpoint I/O; ``self.checkpoint_io`` is one bound to this runtime."""
+    cost: ClassVar[type[CostModel]] = CostModel
+    """Its cost model (memory, communication, compute scale), asked by the class before any run."""
+
     def __init__(self, cfg: TrainConfig, env: DistEnv, precision: Precision, options: Any) -> None:
         self.cfg = cfg
         self.env = env
         self.precision = precision
         self.options = options
+        self.checkpoint_io: CheckpointIO = self.checkpoint_io_class(self)
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.phase: Callable[[str], contextlib.AbstractContextManager] = _no_phase
@@ -275,79 +404,7 @@ class Strategy:
         if self.env.device.type == "cuda":
             torch.cuda.synchronize(self.env.device)
 
-    # ---- state ----------------------------------------------------------------------------------
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full, unwrapped, fp32-or-native state dict on CPU. A collective for sharded methods."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Full optimizer state keyed by parameter names (portable across methods). A collective."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        return get_optimizer_state_dict(
-            model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True))
-
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
-
-    def save_checkpoint(
-        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
-    ) -> Path:
-        """Write a full checkpoint: every rank takes part in gathering, global rank 0 writes atomically."""
-        from stratbench.checkpoints import checkpoint
-
-        state = {
-            "model": self.model_state_dict(model),
-            "optimizer": self.optimizer_state_dict(model, optimizer),
-        }
-        if self.env.is_main:
-            checkpoint.save_full(path, state | extra)
-        self.barrier()
-        return path
-
-    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-        """Load any stratbench checkpoint (full file or sharded folder) into this method's model/optimizer."""
-        from stratbench.checkpoints import checkpoint
-
-        state = checkpoint.load_any(path)
-        self.load_model_state_dict(model, state["model"])
-        if optimizer is not None and state.get("optimizer"):
-            self.load_optimizer_state_dict(model, optimizer, state["optimizer"])
-        return state
-
     # ---- measurement --------------------------------------------------------------------------
-    @classmethod
-    def memory_model(cls, ctx: MemoryContext, rank: int) -> RankMemory | None:
-        """Bytes of model states ``rank`` holds under this method (``stratbench.predicting.estimate`` adds the traced
-        activations). None: no memory model, which ``estimate`` reports as such rather than as 0."""
-        return None
-
-    @classmethod
-    def comm_model(cls, ctx: MemoryContext) -> list[Collective] | None:
-        """The collectives one rank takes part in per optimizer step under this method (``stratbench.measuring.comm``),
-        from the same model shapes the memory model reads. None: no communication model (reported as such,
-        never as 0); an empty list: the method does not communicate (one process)."""
-        return None
-
-    @classmethod
-    def compute_scale(cls, ctx: MemoryContext) -> float:
-        """The step's compute on the critical path, as a share of one data-parallel replica doing its whole
-        batch's forward and backward on one device (``stratbench.predicting.projection``): 1 for every method that keeps
-        the whole model on each device; a pipeline's busiest stage plus its bubble is less."""
-        return 1.0
-
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
         return {
@@ -368,6 +425,13 @@ class Strategy:
     def memory_devices(self) -> list[torch.device]:
         """Devices whose memory this process should report (DataParallel reports every GPU)."""
         return [self.env.device]
+
+
+_COMPANION_METHODS = frozenset(
+    [n for n in vars(CostModel) if not n.startswith("_")]
+    + [n for n in vars(CheckpointIO) if not n.startswith("_")]
+)
+"""What a Strategy no longer defines itself: a plug-in written against the old interface fails loudly."""
 
 
 def _no_phase(name: str) -> contextlib.AbstractContextManager:
@@ -443,4 +507,4 @@ def discover() -> None:
     _DISCOVERED = True
 
 
-checkpoint_files.add_layout_source(discover)  # a sharded folder's reader is in its method's file
+checkpoint.add_layout_source(discover)  # a sharded folder's reader is in its method's file

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from stratbench.strategies.base import Strategy, register
+from stratbench.measuring.comm import replicated_grads
+from stratbench.strategies.base import CostModel, Strategy, register
 
 
 @dataclass(kw_only=True)
@@ -25,6 +26,18 @@ class DDPOptions:
     """Tell DDP the set of used parameters never changes between steps (enables some optimisations)."""
     find_unused_parameters: bool = False
     """Search the autograd graph for parameters that got no gradient (needed when some are unused)."""
+
+
+class DDPCost(CostModel):
+    """A full replica per rank plus the reducer's buckets; the gradients all-reduced once per step."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=True)  # the reducer's buckets are a second copy of the gradients
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return replicated_grads(ctx)
 
 
 @register
@@ -48,16 +61,7 @@ class DDPStrategy(Strategy):
             return f"--bucket-cap-mb must be > 0, got {options.bucket_cap_mb}"
         return None
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        return ctx.replicated(buckets=True)  # the reducer's buckets are a second copy of the gradients
-
-
-    @classmethod
-    def comm_model(cls, ctx):
-        from stratbench.measuring.comm import replicated_grads
-
-        return replicated_grads(ctx)
+    cost = DDPCost
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel

@@ -31,23 +31,14 @@ from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.precision import Precision
-from stratbench.data.datasets import split_batch
-from stratbench.strategies.base import Strategy, register
+from stratbench.measuring.comm import Collective, ceil_to
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
+from stratbench.strategies.deepspeed_config import build_ds_config, load_user_json
 
-OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 DS_TAG = "deepspeed"
 """Tag (sub-folder) DeepSpeed writes its files under inside a stratbench checkpoint folder."""
-
-# DeepSpeed's fp16 dynamic loss scaling, with the values the source documents (loss_scale 0 = dynamic).
-FP16_BLOCK = {
-    "enabled": True,
-    "loss_scale": 0,
-    "loss_scale_window": 1000,
-    "hysteresis": 2,
-    "min_loss_scale": 1,
-    "initial_scale_power": 16,
-}
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -74,261 +65,6 @@ class DeepSpeedOptions(DeepSpeedZeroOptions):
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
 
 
-def _load_user_json(path: str) -> dict[str, Any]:
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"--deepspeed-config: file not found: {p}")
-    try:
-        data = json.loads(p.read_text())
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"--deepspeed-config {p} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"--deepspeed-config {p} must hold a JSON object, got {type(data).__name__}")
-    return data
-
-
-def _is_auto(value: Any) -> bool:
-    """HF-style "auto" values mean 'fill in from the trainer': stratbench fills them in."""
-    return value == "auto"
-
-
-def _offload_device(block: Any) -> str | None:
-    if block is None:
-        return None
-    if not isinstance(block, dict):
-        raise ConfigError(f"--deepspeed-config: an offload block must be an object, got {block!r}")
-    device = block.get("device", "none")
-    return "none" if device in (None, "none") else str(device)
-
-
-CONFIG_OPTIMIZERS = ("Adam", "AdamW", "SGD")
-"""Optimizer types a DeepSpeed JSON's ``optimizer`` block may name (DeepSpeed builds them; case-insensitive)."""
-CONFIG_SCHEDULERS = ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR")
-"""Scheduler types a DeepSpeed JSON's ``scheduler`` block may name (DeepSpeed builds and steps them)."""
-
-
-def _optimizer_block(user: dict[str, Any], cfg: TrainConfig, opts: DeepSpeedOptions, src: str) -> dict[str, Any]:
-    """The JSON's optimizer block as DeepSpeed will build it: "auto" (HF-style) values filled in from stratbench's
-    options (--lr, --weight-decay, --momentum), and Adam/AdamW as torch's own implementation unless the block
-    (or --ds-optimizer fused/cpu-adam) asks for DeepSpeed's JIT-compiled kernels."""
-    block = user["optimizer"]
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-        raise ConfigError(f'{src}: the optimizer block must be an object with a "type", got {block!r}')
-    names = {n.lower(): n for n in CONFIG_OPTIMIZERS}
-    kind = names.get(block["type"].lower())
-    if kind is None:
-        raise ConfigError(
-            f"{src}: optimizer type {block['type']!r} is not supported; choose one of: {', '.join(CONFIG_OPTIMIZERS)}"
-        )
-    params = dict(block.get("params") or {})
-    fill = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
-    if kind == "SGD":
-        fill["momentum"] = cfg.momentum
-    else:
-        fill |= {"betas": [0.9, 0.999], "eps": 1e-8}
-    for key, value in fill.items():
-        if key not in params or _is_auto(params[key]):
-            params[key] = value
-    for key, value in params.items():
-        if _is_auto(value):
-            raise ConfigError(f'{src}: optimizer.params.{key} is "auto" and stratbench has no value for it; give a number')
-    if kind != "SGD" and "torch_adam" not in params:
-        params["torch_adam"] = opts.ds_optimizer == "torch"  # no kernel build unless asked for
-    if kind == "SGD" and opts.ds_optimizer != "torch":
-        raise ConfigError(f"{src}: --ds-optimizer {opts.ds_optimizer} is an Adam kernel; the JSON asks for SGD")
-    return {"type": block["type"], "params": params}
-
-
-def _scheduler_block(user: dict[str, Any], cfg: TrainConfig, lr: float, total_steps: int | None, src: str) -> dict[str, Any]:
-    """The JSON's scheduler block as DeepSpeed will build it: "auto" or missing warm-up values from --lr-warmup-steps
-    (at least 1: DeepSpeed refuses 0) and the optimizer's lr, total_num_steps from the run's optimizer steps."""
-    block = user["scheduler"]
-    if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-        raise ConfigError(f'{src}: the scheduler block must be an object with a "type", got {block!r}')
-    kind = block["type"]
-    if kind not in CONFIG_SCHEDULERS:
-        raise ConfigError(
-            f"{src}: scheduler type {kind!r} is not supported; choose one of: {', '.join(CONFIG_SCHEDULERS)}"
-        )
-    params = dict(block.get("params") or {})
-    fill: dict[str, Any] = {"warmup_num_steps": max(1, cfg.lr_warmup_steps)}
-    if kind == "WarmupCosineLR":
-        fill["warmup_min_ratio"] = 0.0
-    else:
-        fill |= {"warmup_min_lr": 0.0, "warmup_max_lr": lr}
-    if kind != "WarmupLR":
-        fill["total_num_steps"] = total_steps if total_steps is not None else "auto"
-    for key, value in fill.items():
-        if key not in params or _is_auto(params[key]):
-            params[key] = value
-    for key, value in params.items():
-        if _is_auto(value) and not (key == "total_num_steps" and total_steps is None):
-            raise ConfigError(f'{src}: scheduler.params.{key} is "auto" and stratbench has no value for it; give a number')
-    steps = params.get("warmup_num_steps")
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps <= 0:
-        raise ConfigError(f"{src}: scheduler.params.warmup_num_steps must be a positive integer, got {steps!r}")
-    return {"type": kind, "params": params}
-
-
-def build_ds_config(
-    cfg: TrainConfig,
-    opts: DeepSpeedOptions,
-    world_size: int,
-    total_steps: int | None = None,
-    *,
-    config_optimizer: bool = True,
-) -> dict[str, Any]:
-    """The DeepSpeed config for this run: stratbench's options merged with the user's JSON, conflicts as errors.
-
-    The JSON's ``optimizer`` and ``scheduler`` blocks (the source's configs carry both) are kept: DeepSpeed
-    builds that optimizer and LR scheduler and steps the scheduler in ``engine.step()``. Their "auto" values
-    are filled in from stratbench's options; ``total_steps`` (the run's optimizer steps, known once the data is
-    loaded) fills a decay schedule's ``total_num_steps``. ``config_optimizer=False`` refuses the blocks (a
-    caller that always passes its own torch optimizer)."""
-    user = _load_user_json(opts.deepspeed_config) if opts.deepspeed_config else {}
-    src = f"--deepspeed-config {opts.deepspeed_config}"
-    micro = split_batch(cfg.batch_size, world_size, cfg.grad_accum)
-
-    def agree(key: str, theirs: Any, ours: Any, flag: str) -> None:
-        if theirs is None or _is_auto(theirs) or theirs == ours:
-            return
-        raise ConfigError(
-            f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}"
-        )
-
-    if not config_optimizer:
-        for block in ("optimizer", "scheduler"):
-            if block in user:
-                raise ConfigError(
-                    f"{src}: the {block!r} block is not accepted here; this method builds the {block} from "
-                    "--optimizer/--lr/--lr-schedule (remove the block, or use --strategy deepspeed)"
-                )
-    optimizer_block = _optimizer_block(user, cfg, opts, src) if "optimizer" in user else None
-    scheduler_block = None
-    if "scheduler" in user:
-        lr = optimizer_block["params"]["lr"] if optimizer_block else cfg.lr
-        scheduler_block = _scheduler_block(user, cfg, lr, total_steps, src)
-    agree("train_batch_size", user.get("train_batch_size"), cfg.batch_size, "--batch-size (global batch)")
-    agree(
-        "train_micro_batch_size_per_gpu",
-        user.get("train_micro_batch_size_per_gpu"),
-        micro,
-        f"--batch-size {cfg.batch_size} / (world {world_size} x --grad-accum {cfg.grad_accum})",
-    )
-    agree(
-        "gradient_accumulation_steps", user.get("gradient_accumulation_steps"), cfg.grad_accum, "--grad-accum"
-    )
-    clip = float(cfg.clip_grad_norm or 0.0)
-    theirs_clip = user.get("gradient_clipping")
-    agree(
-        "gradient_clipping",
-        None if theirs_clip is None or _is_auto(theirs_clip) else float(theirs_clip),
-        clip,
-        "--clip-grad-norm",
-    )
-
-    want = {"fp16": cfg.precision == "fp16-mixed", "bf16": cfg.precision == "bf16-mixed"}
-    for key, enabled in want.items():
-        block = user.get(key)
-        if (
-            isinstance(block, dict)
-            and "enabled" in block
-            and not _is_auto(block["enabled"])
-            and bool(block["enabled"]) != enabled
-        ):
-            raise ConfigError(
-                f"{src}: {key}.enabled is {block['enabled']!r} but --precision {cfg.precision} means {key} "
-                f"{'on' if enabled else 'off'}; set the precision with --precision only"
-            )
-
-    zero = dict(user.get("zero_optimization") or {})
-    # HF-style "auto" bucket sizes and thresholds are derived from a transformer's hidden size by the HF
-    # integration; here they fall back to DeepSpeed's own defaults.
-    zero = {k: v for k, v in zero.items() if k == "stage" or not _is_auto(v)}
-    stage = zero.get("stage")
-    if opts.zero_stage is not None:
-        agree("zero_optimization.stage", stage, opts.zero_stage, "--zero-stage")
-        stage = opts.zero_stage
-    stage = 2 if stage is None or _is_auto(stage) else stage
-    if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
-    zero["stage"] = stage
-    for key, flag, value in (
-        ("offload_optimizer", "--offload-optimizer", opts.offload_optimizer),
-        ("offload_param", "--offload-params", opts.offload_params),
-    ):
-        theirs = _offload_device(zero.get(key))
-        if value is not None:
-            agree(f"zero_optimization.{key}.device", theirs, value, flag)
-        device = value if value is not None else (theirs or "none")
-        if device not in OFFLOAD_CHOICES:
-            raise ConfigError(f"{flag} must be one of: {', '.join(OFFLOAD_CHOICES)}; got {device!r}")
-        if device == "none":
-            zero.pop(key, None)
-        else:
-            # pin_memory needs an accelerator; on CPU the tensors already live in host memory.
-            zero[key] = {**(zero.get(key) or {}), "device": device, "pin_memory": torch.cuda.is_available()}
-        if device == "nvme":
-            path = opts.nvme_path or zero[key].get("nvme_path")
-            if not path:
-                raise ConfigError(f"{flag} nvme needs --nvme-path DIR (a folder on the NVMe drive)")
-            if stage != 3:
-                raise ConfigError(f"{flag} nvme (ZeRO-Infinity) needs --zero-stage 3, got stage {stage}")
-            zero[key]["nvme_path"] = str(path)
-    if "offload_param" in zero and stage != 3:
-        raise ConfigError(
-            f"--offload-params cpu needs --zero-stage 3 (parameters are partitioned only in ZeRO-3), got stage {stage}"
-        )
-    if "offload_optimizer" in zero and stage == 0:
-        raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
-
-    ds: dict[str, Any] = {k: v for k, v in user.items() if k not in ("fp16", "bf16", "optimizer", "scheduler")}
-    ds.update(
-        {
-            "train_batch_size": cfg.batch_size,
-            "train_micro_batch_size_per_gpu": micro,
-            "gradient_accumulation_steps": cfg.grad_accum,
-            "gradient_clipping": clip,
-            "zero_optimization": zero,
-            "steps_per_print": user.get("steps_per_print", 10**9),  # stratbench prints its own progress
-        }
-    )
-    if want["fp16"]:
-        ds["fp16"] = {
-            **FP16_BLOCK,
-            **{k: v for k, v in (user.get("fp16") or {}).items() if not _is_auto(v)},
-            "enabled": True,
-        }
-    if want["bf16"]:
-        ds["bf16"] = {
-            **{k: v for k, v in (user.get("bf16") or {}).items() if not _is_auto(v)},
-            "enabled": True,
-        }
-    if scheduler_block is not None:
-        ds["scheduler"] = scheduler_block
-    if optimizer_block is not None:
-        ds["optimizer"] = optimizer_block
-        # torch's Adam/AdamW/SGD under ZeRO: "untested" to DeepSpeed (SGD), and stepped on the CPU under
-        # ZeRO-Offload instead of DeepSpeedCPUAdam when torch_adam is set.
-        ds.setdefault("zero_allow_untested_optimizer", True)
-        if optimizer_block["params"].get("torch_adam", True):
-            ds.setdefault("zero_force_ds_cpu_optimizer", False)
-    elif opts.ds_optimizer == "torch":
-        # A client torch optimizer: DeepSpeed must be told that ZeRO may wrap it (SGD is "untested"), and that
-        # ZeRO-Offload may step it on the CPU instead of forcing DeepSpeedCPUAdam (a JIT-compiled kernel).
-        ds.setdefault("zero_allow_untested_optimizer", True)
-        ds.setdefault("zero_force_ds_cpu_optimizer", False)
-    elif opts.ds_optimizer == "fused":
-        ds["optimizer"] = {
-            "type": "AdamW",
-            "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": False},
-        }
-        ds.setdefault("zero_allow_untested_optimizer", True)
-    else:
-        ds.setdefault("zero_allow_untested_optimizer", True)
-    return ds
-
-
 class _DeepSpeedPrecision(Precision):
     """The user's precision as DeepSpeed runs it: DeepSpeed casts the module (fp16/bf16 block, fp32 master
     weights in the optimizer) and scales the loss, so inputs follow the module's dtype and nothing autocasts."""
@@ -336,7 +72,8 @@ class _DeepSpeedPrecision(Precision):
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name, device)
         self.scaler = torch.amp.GradScaler(device.type, enabled=False)  # DeepSpeed's own dynamic loss scaler
-        self.input_dtype = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}.get(name, torch.float32)
+        half = {"fp16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+        self.input_dtype = half.get(name, torch.float32)
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         return module  # fp16/bf16: DeepSpeed casts the module itself
@@ -497,6 +234,114 @@ def _zero_init_keeps_dtype():
         cls._set_dtype = original
 
 
+class DeepSpeedCost(CostModel):
+    """DeepSpeed's ZeRO stage, offload and buckets, read from the config the run would build
+    (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``)."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        ds = build_ds_config(ctx.cfg, ctx.options, ctx.world)
+        block = ds.get("optimizer")
+        if block is not None:  # the JSON's optimizer, not --optimizer, decides the optimizer state
+            sgd = block["type"].lower() == "sgd"
+            momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
+            cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
+            ctx = dataclasses.replace(ctx, cfg=cfg)
+        return deepspeed_memory(ctx, ds["zero_optimization"])
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        """Share of forward/backward traffic that can run under compute (stratbench.predicting.projection): none without
+        ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
+        return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
+
+class DeepSpeedCheckpointIO(CheckpointIO):
+    """DeepSpeed's own (sharded) engine checkpoint plus stratbench's header; full state dicts gathered from
+    ZeRO-3's partitions; weights of any other layout through --init-from only."""
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """Full fp32-or-native model state on CPU; under ZeRO-3 every rank gathers the partitions (a collective)."""
+        module = self.strategy.unwrap(model)
+        if self.strategy._stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
+        """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
+        strategy = self.strategy
+        assert strategy.engine is not None
+        return save_engine_checkpoint(strategy, strategy.engine, Path(path), strategy.ds_config, extra)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
+        """Resume from a DeepSpeed checkpoint of the same world size and stage; weights of other layouts load
+        only through --init-from (their optimizer state cannot be mapped onto ZeRO's partitions)."""
+        strategy, engine = self.strategy, self.strategy.engine
+        assert engine is not None
+        path = Path(path)
+        meta = checkpoint.read_meta(path)
+        if meta.get("layout") != "deepspeed":
+            if optimizer is not None:
+                raise CheckpointError(
+                    f"deepspeed resumes only from its own checkpoints; {path} has layout {meta.get('layout')!r}: "
+                    "start from its weights with --init-from instead"
+                )
+            state = checkpoint.load_any(path)
+            self._load_weights(state["model"])
+            return state
+        world, stage = strategy.env.world_size, strategy._stage()
+        if meta.get("world_size") != world or meta.get("zero_stage") != stage:
+            raise CheckpointError(
+                f"{path} was saved by deepspeed with world size {meta.get('world_size')} and ZeRO stage "
+                f"{meta.get('zero_stage')}; this run has world size {world} and stage {stage}. "
+                f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
+            )
+        saved = (meta.get("scheduler") or {}).get("deepspeed_scheduler")
+        ours = type(engine.lr_scheduler).__name__ if engine.lr_scheduler is not None else None
+        if saved != ours:
+
+            def name(kind: str | None) -> str:
+                return f"DeepSpeed's {kind}" if kind else "stratbench's"
+
+            raise CheckpointError(
+                f"{path} was trained with {name(saved)} LR schedule, this run uses {name(ours)}: resume with the "
+                "same --deepspeed-config scheduler block, or start from its weights with --init-from"
+            )
+        # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
+        tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
+        _refuse_nvme_checkpoint(path, tag)
+        checkpoint.check_folder(path)
+        load_path, _ = engine.load_checkpoint(
+            str(path),
+            tag=tag,
+            load_optimizer_states=optimizer is not None,
+            load_lr_scheduler_states=engine.lr_scheduler is not None,
+        )
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
+        if engine.lr_scheduler is not None:
+            _apply_scheduler_lr(engine.lr_scheduler)
+        return meta
+
+    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        module = self.strategy.unwrap(self.strategy.engine)
+        if self.strategy._stage() == 3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
+                if self.strategy.env.is_main:
+                    module.load_state_dict(state)
+        else:
+            module.load_state_dict(state)
+
+
 @register
 class DeepSpeed(Strategy):
     name = "deepspeed"
@@ -541,7 +386,7 @@ class DeepSpeed(Strategy):
         reason = _nvme_unavailable(ds["zero_optimization"])
         if reason:
             return reason
-        user_block = bool(opts.deepspeed_config) and "optimizer" in _load_user_json(opts.deepspeed_config)
+        user_block = bool(opts.deepspeed_config) and "optimizer" in load_user_json(opts.deepspeed_config)
         if opts.ds_optimizer != "torch" and not user_block and cfg.optimizer != "adamw":
             raise ConfigError(
                 f"--ds-optimizer {opts.ds_optimizer} is an Adam kernel; it needs --optimizer adamw (got {cfg.optimizer})"
@@ -549,7 +394,11 @@ class DeepSpeed(Strategy):
         offloaded = "offload_optimizer" in ds["zero_optimization"]
         block = ds.get("optimizer")
         kernel = None
-        if block is not None and block["type"].lower() != "sgd" and not block["params"].get("torch_adam", False):
+        if (
+            block is not None
+            and block["type"].lower() != "sgd"
+            and not block["params"].get("torch_adam", False)
+        ):
             # DeepSpeed's choice for a config Adam without torch_adam: DeepSpeedCPUAdam under ZeRO-Offload,
             # else FusedAdam (CUDA).
             kernel = "cpu_adam" if offloaded else "fused_adam"
@@ -558,33 +407,19 @@ class DeepSpeed(Strategy):
             if device.type == "cuda" and not offloaded:
                 return "--ds-optimizer cpu-adam steps on the CPU: it needs --offload-optimizer cpu on a GPU"
         if kernel == "fused_adam" and device.type != "cuda":
-            how = "the JSON's optimizer block without \"torch_adam\": true" if user_block else "--ds-optimizer fused"
+            how = (
+                'the JSON\'s optimizer block without "torch_adam": true'
+                if user_block
+                else "--ds-optimizer fused"
+            )
             return (
-                f"{how} means DeepSpeed's CUDA FusedAdam: it needs a GPU (on CPU set \"torch_adam\": true, or "
+                f'{how} means DeepSpeed\'s CUDA FusedAdam: it needs a GPU (on CPU set "torch_adam": true, or '
                 "offload the optimizer for DeepSpeedCPUAdam)"
             )
         return _kernel_unavailable(kernel) if kernel else None
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        ds = build_ds_config(ctx.cfg, ctx.options, ctx.world)
-        block = ds.get("optimizer")
-        if block is not None:  # the JSON's optimizer, not --optimizer, decides the optimizer state
-            sgd = block["type"].lower() == "sgd"
-            momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
-            cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
-            ctx = dataclasses.replace(ctx, cfg=cfg)
-        return deepspeed_memory(ctx, ds["zero_optimization"])
-
-    @classmethod
-    def comm_model(cls, ctx):
-        return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
-
-    @classmethod
-    def comm_overlap(cls, ctx) -> float:
-        """Share of forward/backward traffic that can run under compute (stratbench.predicting.projection): none without
-        ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
-        return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+    cost = DeepSpeedCost
+    checkpoint_io_class = DeepSpeedCheckpointIO
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
@@ -608,7 +443,9 @@ class DeepSpeed(Strategy):
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
-            checkpoint.atomic_write(out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n")
+            checkpoint.atomic_write(
+                out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n"
+            )
         return model
 
     def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
@@ -656,7 +493,9 @@ class DeepSpeed(Strategy):
         if block is not None:
             opt["built_by"] = "deepspeed (config optimizer block)"
             opt["config"] = block
-        opt["wrapper"] = f"{type(self.engine.optimizer).__module__}.{type(self.engine.optimizer).__qualname__}"
+        opt["wrapper"] = (
+            f"{type(self.engine.optimizer).__module__}.{type(self.engine.optimizer).__qualname__}"
+        )
         sched = self.engine.lr_scheduler
         if sched is not None:
             report["lr_schedule"] = {
@@ -682,7 +521,8 @@ class DeepSpeed(Strategy):
     def optimizer_step(self, optimizer, clip) -> bool:
         """engine.step(): DeepSpeed unscales, clips (gradient_clipping from --clip-grad-norm), steps, zeroes."""
         assert self.engine is not None
-        self.applied_lr = list(self.engine.get_lr())  # engine.step() moves a config scheduler on to the next lr
+        # engine.step() moves a config scheduler on to the next lr
+        self.applied_lr = list(self.engine.get_lr())
         self.engine.step()
         self.precision.skipped_steps = int(self.engine.skipped_steps)
         return bool(self.engine.was_step_applied())
@@ -690,85 +530,8 @@ class DeepSpeed(Strategy):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         raise NotImplementedError("DeepSpeed clips inside engine.step() (gradient_clipping in its config)")
 
-    # ---- state ----------------------------------------------------------------------------------
     def _stage(self) -> int:
         return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """Full fp32-or-native model state on CPU; under ZeRO-3 every rank gathers the partitions (a collective)."""
-        module = self.unwrap(model)
-        if self._stage() == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
-        """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
-        assert self.engine is not None
-        return save_engine_checkpoint(self, self.engine, Path(path), self.ds_config, extra)
-
-    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
-        """Resume from a DeepSpeed checkpoint of the same world size and stage; weights of other layouts load
-        only through --init-from (their optimizer state cannot be mapped onto ZeRO's partitions)."""
-        from stratbench.checkpoints import checkpoint
-
-        assert self.engine is not None
-        path = Path(path)
-        meta = checkpoint.read_meta(path)
-        if meta.get("layout") != "deepspeed":
-            if optimizer is not None:
-                raise CheckpointError(
-                    f"deepspeed resumes only from its own checkpoints; {path} has layout {meta.get('layout')!r}: "
-                    "start from its weights with --init-from instead"
-                )
-            state = checkpoint.load_any(path)
-            self._load_weights(state["model"])
-            return state
-        if meta.get("world_size") != self.env.world_size or meta.get("zero_stage") != self._stage():
-            raise CheckpointError(
-                f"{path} was saved by deepspeed with world size {meta.get('world_size')} and ZeRO stage "
-                f"{meta.get('zero_stage')}; this run has world size {self.env.world_size} and stage {self._stage()}. "
-                f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
-            )
-        saved = (meta.get("scheduler") or {}).get("deepspeed_scheduler")
-        ours = type(self.engine.lr_scheduler).__name__ if self.engine.lr_scheduler is not None else None
-        if saved != ours:
-
-            def name(kind: str | None) -> str:
-                return f"DeepSpeed's {kind}" if kind else "stratbench's"
-
-            raise CheckpointError(
-                f"{path} was trained with {name(saved)} LR schedule, this run uses {name(ours)}: resume with the "
-                "same --deepspeed-config scheduler block, or start from its weights with --init-from"
-            )
-        # DeepSpeed's loader unpickles with weights_only=False: every file is checked weights-only first.
-        tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
-        _refuse_nvme_checkpoint(path, tag)
-        checkpoint.check_folder(path)
-        load_path, _ = self.engine.load_checkpoint(
-            str(path),
-            tag=tag,
-            load_optimizer_states=optimizer is not None,
-            load_lr_scheduler_states=self.engine.lr_scheduler is not None,
-        )
-        if load_path is None:
-            raise CheckpointError(f"DeepSpeed could not load the checkpoint in {path}")
-        if self.engine.lr_scheduler is not None:
-            _apply_scheduler_lr(self.engine.lr_scheduler)
-        return meta
-
-    def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        module = self.unwrap(self.engine)
-        if self._stage() == 3:
-            import deepspeed
-
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
-                if self.env.is_main:
-                    module.load_state_dict(state)
-        else:
-            module.load_state_dict(state)
 
     # ---- measurement --------------------------------------------------------------------------
     def state_bytes(self, model: nn.Module, optimizer) -> dict[str, int]:
@@ -821,13 +584,6 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     """DeepSpeed's per-rank model states for a ``zero_optimization`` block: weights in the compute dtype, a flat
     fp32 master partition the optimizer steps, partitioned gradients from stage 2, partitioned weights in
     stage 3, and the reduce/prefetch buckets sized by its defaults."""
-    from stratbench.predicting.estimate import (
-        DS_PARAM_PERSISTENCE,
-        DS_PREFETCH_BUCKET,
-        DS_REDUCE_BUCKET,
-        RankMemory,
-    )
-
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     stage = int(zero.get("stage", 2))
     total = info.total
@@ -887,8 +643,6 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
       before use and, with the default reuse distance, kept for backward), the gradients reduce-scattered
       (Φ), and an 8-byte fp64 all-reduce (the overflow check).
     Not modelled: gradient accumulation with stages 2/3 (reduced every micro-step)."""
-    from stratbench.measuring.comm import Collective, ceil_to
-
     n, info = ctx.world, ctx.info
     if n <= 1:
         return []
@@ -916,8 +670,6 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
 def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: dict, extra: dict) -> Path:
     """engine.save_checkpoint into a temporary folder (every rank writes its partitions: a collective; across
     nodes the folder must be on a shared filesystem), rank 0 adds stratbench's header and swaps it into place."""
-    from stratbench.checkpoints import checkpoint
-
     tmp = path.with_name(f".{path.name}.tmp")
     if strategy.env.is_main and tmp.exists():
         shutil.rmtree(tmp)
@@ -1007,8 +759,6 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     short of DeepSpeed's universal checkpoint): the returned "optimizer" is empty, so another method
     resuming from it restores weights and progress and starts its optimizer state afresh.
     """
-    from stratbench.checkpoints import checkpoint
-
     tag = checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG))
     _refuse_nvme_checkpoint(path, tag)
     # zero_to_fp32 and DeepSpeed's stage-0 file are read with weights_only=False: check every file first
@@ -1042,8 +792,6 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
 
 
 def _register_layout() -> None:
-    from stratbench.checkpoints import checkpoint
-
     checkpoint.register_layout("deepspeed", read_deepspeed_checkpoint)
 
 

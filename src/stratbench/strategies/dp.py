@@ -13,11 +13,39 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 
 
 def _cuda_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+class DataParallelCost(CostModel):
+    """GPU 0 holds every state (no communication model: the scatter/gather inside one process is not modelled)."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        # One process: GPU 0 holds the parameters, gradients and optimizer state; replicas are transient.
+        return ctx.replicated(buckets=False)
+
+
+class DataParallelCheckpointIO(CheckpointIO):
+    """torch.distributed.checkpoint.state_dict strips DDP's ``module.`` but not DataParallel's: the inner
+    module is passed so that checkpoints keep the plain names every other method uses."""
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return super().model_state_dict(self.strategy.unwrap(model))
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return super().optimizer_state_dict(self.strategy.unwrap(model), optimizer)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        super().load_model_state_dict(self.strategy.unwrap(model), state)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        super().load_optimizer_state_dict(self.strategy.unwrap(model), optimizer, state)
 
 
 @register
@@ -46,10 +74,8 @@ class DataParallelStrategy(Strategy):
         """The batch is split over the visible GPUs inside the one process."""
         return max(1, _cuda_count())
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        # One process: GPU 0 holds the parameters, gradients and optimizer state; replicas are transient.
-        return ctx.replicated(buckets=False)
+    cost = DataParallelCost
+    checkpoint_io_class = DataParallelCheckpointIO
 
     def wrap(self, model: nn.Module) -> nn.Module:
         # The parameters live on GPU 0 (the process's device); replicas are broadcast each forward.
@@ -63,19 +89,3 @@ class DataParallelStrategy(Strategy):
         for device in self.memory_devices():
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-
-    # torch.distributed.checkpoint.state_dict strips DDP's ``module.`` but not DataParallel's: pass the
-    # inner module so that checkpoints keep the plain names every other method uses.
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        return super().model_state_dict(self.unwrap(model))
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return super().optimizer_state_dict(self.unwrap(model), optimizer)
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        super().load_model_state_dict(self.unwrap(model), state)
-
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
-        super().load_optimizer_state_dict(self.unwrap(model), optimizer, state)

@@ -29,10 +29,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.checkpoints import sharded  # noqa: F401  (registers the "dcp" checkpoint layout reader on discovery)
+from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoint layout reader on discovery
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
-from stratbench.strategies.base import Strategy, register
+from stratbench.measuring.comm import Collective, dim0_padded
+from stratbench.models.zoo import residual_block_types
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
 
 SHARDING = ("full", "grad-op", "none")
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -105,8 +108,6 @@ def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
     if wrap == "size":
         return _size_units(model, min_params)
     if wrap == "block":
-        from stratbench.models.zoo import residual_block_types
-
         types_ = residual_block_types(model)
         if not types_:
             raise ConfigError(
@@ -165,8 +166,6 @@ def fsdp2_comm(ctx, sharding: str):
     Gathers in the policy's param dtype (the compute dtype under autocast), reductions in fp32 then; with
     gradient accumulation full sharding gathers and reduce-scatters every micro-step, grad-op/none reduce
     once. Not modelled: BatchNorm units kept in fp32 under a half policy (they are gathered in fp32)."""
-    from stratbench.measuring.comm import Collective, dim0_padded
-
     n, info = ctx.world, ctx.info
     if n <= 1:
         return []
@@ -185,10 +184,40 @@ def fsdp2_comm(ctx, sharding: str):
     if sharding == "full":
         rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
     reduces = micro if sharding == "full" else 1
-    rows.append(
-        Collective("reduce_scatter", elems * reduce_bytes * reduces, units * reduces, "backward", n, "gradients")
-    )
+    reduced = elems * reduce_bytes * reduces
+    rows.append(Collective("reduce_scatter", reduced, units * reduces, "backward", n, "gradients"))
     return rows
+
+
+class FSDPCost(CostModel):
+    """FSDP2 with the run's ``--sharding`` and ``--cpu-offload`` (``fsdp2_memory``, ``fsdp2_comm``)."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return fsdp2_comm(ctx, ctx.options.sharding)
+
+
+class FSDPCheckpointIO(CheckpointIO):
+    """``sharded`` (default): a ``torch.distributed.checkpoint`` folder, each rank writing its own shards and
+    reading them back whatever world size wrote them; ``full``: the base's one file, gathered on rank 0 (an
+    earlier sharded folder at the path is replaced only once the new file is complete)."""
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        if self.strategy.options.checkpoint_format == "full":
+            return super().save_checkpoint(path, model, optimizer, extra)
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=self.strategy.env.is_main)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if sharded.is_dcp(path):  # each rank reads its own shards, whatever world size wrote them
+            return sharded.load_sharded(path, model, optimizer)
+        return super().load_checkpoint(path, model, optimizer)
+
 
 @register
 class FSDPStrategy(Strategy):
@@ -211,16 +240,10 @@ class FSDPStrategy(Strategy):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
         return None
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        return fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
+    cost = FSDPCost
+    checkpoint_io_class = FSDPCheckpointIO
 
     # ---- set-up -------------------------------------------------------------------------------
-
-    @classmethod
-    def comm_model(cls, ctx):
-        return fsdp2_comm(ctx, ctx.options.sharding)
-
     def mesh(self):
         """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one)."""
         from torch.distributed.device_mesh import init_device_mesh
@@ -273,25 +296,10 @@ class FSDPStrategy(Strategy):
     # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
     # reduced over the mesh), so every rank scales its shards by the same global factor.
 
-    # ---- checkpoints --------------------------------------------------------------------------
-    def save_checkpoint(
-        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
-    ) -> Path:
-        if self.options.checkpoint_format == "full":
-            return save_full_replacing(self, path, model, optimizer, extra)
-        return sharded.save_sharded(path, model, optimizer, extra, is_main=self.env.is_main)
-
-    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-        if sharded.is_dcp(path):  # each rank reads its own shards, whatever world size wrote them
-            return sharded.load_sharded(path, model, optimizer)
-        return super().load_checkpoint(path, model, optimizer)
-
 
 def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
     """FSDP2's per-rank model states: every parameter split along dim 0 (torch.chunk: the last ranks may get
     fewer rows), gradients and optimizer state alike; units gathered whole around their forward/backward."""
-    from stratbench.predicting.estimate import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
-
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     total = info.total
     if sharding == "none":
@@ -315,7 +323,8 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         # reduce dtype) while the unsharded gradients still exist (measured: ResNet-18 on 2 CPU ranks was 11-12%
         # above the estimate without it, 2-5% with it).
         reduce_bytes = 4 if ctx.pspec.autocast else pd
-        m.gathered = (total if sharding == "grad-op" else sum(units[:2])) * gathered_dtype + units[0] * reduce_bytes
+        unsharded = total if sharding == "grad-op" else sum(units[:2])
+        m.gathered = unsharded * gathered_dtype + units[0] * reduce_bytes
         m.gather_note = (
             "all unsharded from forward to backward"
             if sharding == "grad-op"
@@ -338,9 +347,3 @@ def _gradient_sync(model: nn.Module, enabled: bool) -> Iterator[None]:
         yield
     finally:
         model.set_requires_gradient_sync(True)
-
-
-def save_full_replacing(strategy: Strategy, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
-    """The base full-file save; a sharded folder an earlier save left at ``path`` is replaced only once the
-    new file is complete (``checkpoint.atomic_save`` swaps a folder out through ``replace_path``)."""
-    return Strategy.save_checkpoint(strategy, path, model, optimizer, extra)

@@ -19,9 +19,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stratbench.checkpoints import sharded
-from stratbench.strategies.base import Strategy, register
-from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, _choice, policy_precision, save_full_replacing
+from stratbench.measuring.comm import Collective, ceil_to
+from stratbench.strategies.base import CostModel, Strategy, register
+from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, FSDPCheckpointIO, _choice, policy_precision
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -43,6 +44,105 @@ class FSDP1Options:
         self.sharding_strategy = str(self.sharding_strategy).upper().replace("-", "_")
         _choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
         _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+
+
+class FSDP1Cost(CostModel):
+    """FSDP1's flat parameters, one per Linear/Conv2d unit (and the root), with the run's sharding strategy."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """One FlatParameter per Linear/Conv2d unit (plus the root), padded to a multiple of the shard group and
+        split evenly; units gathered whole around their forward/backward."""
+        opts, info, pd = ctx.options, ctx.info, ctx.param_bytes
+        kind = opts.sharding_strategy
+        shards = {"NO_SHARD": 1, "HYBRID_SHARD": max(1, ctx.world // ctx.cfg.nnodes)}.get(kind, ctx.world)
+        units = [u for u in info.layer_units if u]
+        local = sum(-(-sum(info.numels[i] for i in u) // shards) for u in units)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m.step_scalars = 4 * len(units) if ctx.adam else 0
+        at_rest = " at rest" if kind == "SHARD_GRAD_OP" else ""
+        m.sharding_note = "replicated" if shards == 1 else f"sharded 1/{shards}{at_rest}"
+        if shards > 1:
+            m.gathered = (info.total if kind == "SHARD_GRAD_OP" else 2 * info.largest_layer) * pd
+            m.gather_note = (
+                "all unsharded from forward to backward" if at_rest else "2 layers (current + prefetch)"
+            )
+        elif opts.cpu_offload:
+            m.gathered, m.gather_note = info.total * pd, "offloaded parameters copied to the device"
+        if opts.cpu_offload:
+            m.offload_params_to_host(with_grads_and_optim=True)
+            m.step_scratch = 0
+        return m
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """One FlatParameter per Linear/Conv2d unit (and the root), each padded to a multiple of the shard group.
+        FULL_SHARD: all-gather before forward and again before backward, reduce-scatter; SHARD_GRAD_OP: one
+        all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under autocast, reduced in fp32.
+        HYBRID_SHARD (two process groups) has no model yet."""
+        kind, n, info = ctx.options.sharding_strategy, ctx.world, ctx.info
+        if kind == "HYBRID_SHARD":
+            return None
+        if n <= 1:
+            return []
+        spec = ctx.pspec
+        gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
+        reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+        if kind == "NO_SHARD":
+            return [Collective("all_reduce", info.total * reduce_bytes, 1, "backward", n, "flat parameters")]
+        units = [sum(info.numels[i] for i in u) for u in info.layer_units if u]
+        elems, micro = sum(ceil_to(u, n) for u in units), ctx.cfg.grad_accum
+        calls = len(units) * micro
+        rows = [
+            Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")
+        ]
+        if kind == "FULL_SHARD":
+            # The root unit (the parameters outside every Linear/Conv2d, e.g. norms) stays gathered from forward
+            # to backward: only the wrapped units are gathered again.
+            root = (
+                ceil_to(sum(info.numels[i] for i in info.layer_units[-1]), n) if info.layer_units[-1] else 0
+            )
+            again = (elems - root) * gather_bytes * micro
+            rows.append(
+                Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again")
+            )
+        rows.append(
+            Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients")
+        )
+        return rows
+
+
+class FSDP1CheckpointIO(FSDPCheckpointIO):
+    """FSDP2's layouts (sharded folder or one full file) with FSDP1's full state dicts, FSDP1's deprecation
+    chatter silenced."""
+
+    def _full_options(self):
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        # offload_to_cpu=True full state dicts fail on CPU with FSDP1; there the gathered state already is on CPU.
+        return StateDictOptions(full_state_dict=True, cpu_offload=self.strategy.env.device.type == "cuda")
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        with _quiet():
+            return get_model_state_dict(model, options=self._full_options())
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        with _quiet():
+            return get_optimizer_state_dict(model, optimizer, options=self._full_options())
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        with _quiet():
+            return super().save_checkpoint(path, model, optimizer, extra)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        with _quiet():
+            return super().load_checkpoint(path, model, optimizer)
 
 
 @register
@@ -72,64 +172,8 @@ class FSDP1Strategy(Strategy):
             return f"fsdp1 HYBRID_SHARD needs the world size ({world_size}) to be a multiple of the node count ({cfg.nnodes})"
         return None
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        """One FlatParameter per Linear/Conv2d unit (plus the root), padded to a multiple of the shard group and
-        split evenly; units gathered whole around their forward/backward."""
-        from stratbench.predicting.estimate import RankMemory
-
-        opts, info, pd = ctx.options, ctx.info, ctx.param_bytes
-        kind = opts.sharding_strategy
-        shards = {"NO_SHARD": 1, "HYBRID_SHARD": max(1, ctx.world // ctx.cfg.nnodes)}.get(kind, ctx.world)
-        units = [u for u in info.layer_units if u]
-        local = sum(-(-sum(info.numels[i] for i in u) // shards) for u in units)
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
-        m.step_scalars = 4 * len(units) if ctx.adam else 0
-        at_rest = " at rest" if kind == "SHARD_GRAD_OP" else ""
-        m.sharding_note = "replicated" if shards == 1 else f"sharded 1/{shards}{at_rest}"
-        if shards > 1:
-            m.gathered = (info.total if kind == "SHARD_GRAD_OP" else 2 * info.largest_layer) * pd
-            m.gather_note = (
-                "all unsharded from forward to backward" if at_rest else "2 layers (current + prefetch)"
-            )
-        elif opts.cpu_offload:
-            m.gathered, m.gather_note = info.total * pd, "offloaded parameters copied to the device"
-        if opts.cpu_offload:
-            m.offload_params_to_host(with_grads_and_optim=True)
-            m.step_scratch = 0
-        return m
-
-
-    @classmethod
-    def comm_model(cls, ctx):
-        """One FlatParameter per Linear/Conv2d unit (and the root), each padded to a multiple of the shard group.
-        FULL_SHARD: all-gather before forward and again before backward, reduce-scatter; SHARD_GRAD_OP: one
-        all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under autocast, reduced in fp32.
-        HYBRID_SHARD (two process groups) has no model yet."""
-        from stratbench.measuring.comm import Collective, ceil_to
-
-        kind, n, info = ctx.options.sharding_strategy, ctx.world, ctx.info
-        if kind == "HYBRID_SHARD":
-            return None
-        if n <= 1:
-            return []
-        spec = ctx.pspec
-        gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
-        reduce_bytes = 4 if spec.autocast else ctx.param_bytes
-        if kind == "NO_SHARD":
-            return [Collective("all_reduce", info.total * reduce_bytes, 1, "backward", n, "flat parameters")]
-        units = [sum(info.numels[i] for i in u) for u in info.layer_units if u]
-        elems, micro = sum(ceil_to(u, n) for u in units), ctx.cfg.grad_accum
-        calls = len(units) * micro
-        rows = [Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")]
-        if kind == "FULL_SHARD":
-            # The root unit (the parameters outside every Linear/Conv2d, e.g. norms) stays gathered from forward
-            # to backward: only the wrapped units are gathered again.
-            root = ceil_to(sum(info.numels[i] for i in info.layer_units[-1]), n) if info.layer_units[-1] else 0
-            again = (elems - root) * gather_bytes * micro
-            rows.append(Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again"))
-        rows.append(Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients"))
-        return rows
+    cost = FSDP1Cost
+    checkpoint_io_class = FSDP1CheckpointIO
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import CPUOffload, MixedPrecision, ShardingStrategy
@@ -173,39 +217,6 @@ class FSDP1Strategy(Strategy):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         # The flat gradient shards' norm must be reduced over the ranks: FSDP1's own method does it.
         return self.model.clip_grad_norm_(max_norm)
-
-    # ---- state --------------------------------------------------------------------------------
-    def _full_options(self):
-        from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-        # offload_to_cpu=True full state dicts fail on CPU with FSDP1; there the gathered state already is on CPU.
-        return StateDictOptions(full_state_dict=True, cpu_offload=self.env.device.type == "cuda")
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        with _quiet():
-            return get_model_state_dict(model, options=self._full_options())
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        with _quiet():
-            return get_optimizer_state_dict(model, optimizer, options=self._full_options())
-
-    def save_checkpoint(
-        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
-    ) -> Path:
-        if self.options.checkpoint_format == "full":
-            return save_full_replacing(self, path, model, optimizer, extra)
-        with _quiet():
-            return sharded.save_sharded(path, model, optimizer, extra, is_main=self.env.is_main)
-
-    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
-        with _quiet():
-            if sharded.is_dcp(path):
-                return sharded.load_sharded(path, model, optimizer)
-            return super().load_checkpoint(path, model, optimizer)
 
 
 @contextlib.contextmanager

@@ -17,8 +17,11 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
-from stratbench.models.split import FLATTEN, Split, split_model
-from stratbench.strategies.base import Strategy, register
+from stratbench.data.datasets import default_image_size
+from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
+from stratbench.strategies.base import CostModel, Strategy, register
+from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.pipeline import _spec_split
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -33,8 +36,6 @@ class ModelParallelOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.models.split import BALANCE
-
         if self.balance not in BALANCE:
             raise ConfigError(f"unknown balance {self.balance!r}; choose one of: {', '.join(BALANCE)}")
         if not isinstance(self.devices, int) or self.devices < 0 or self.devices == 1:
@@ -76,6 +77,25 @@ def place_stages(model: nn.Module, split: Split, devices: list[torch.device]) ->
     return handles
 
 
+class ModelParallelCost(CostModel):
+    """The stages of one model on several GPUs of one process: the busiest GPU's states; no collectives."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
+        n = ModelParallelStrategy.n_devices(ctx.options) or 2
+        split = _spec_split(ctx.cfg, n, ctx.options)
+        local = max(s.params for s in split.stages)
+        pd = ctx.param_bytes
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m.sharding_note = f"the largest of {n} stages (one per GPU)"
+        return m
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return []  # device-to-device copies inside one process, no collective
+
+
 @register
 class ModelParallelStrategy(Strategy):
     name = "model-parallel"
@@ -102,8 +122,6 @@ class ModelParallelStrategy(Strategy):
             return f"--devices {options.devices}: only {found} CUDA GPUs are visible"
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
-        from stratbench.strategies.pipeline import _spec_split
-
         try:
             _spec_split(cfg, cls.n_devices(options), options)
         except ConfigError as exc:
@@ -114,23 +132,7 @@ class ModelParallelStrategy(Strategy):
     def data_parallel_size(cls, cfg, world_size: int) -> int:
         return 1
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
-        from stratbench.predicting.estimate import RankMemory
-        from stratbench.strategies.pipeline import _spec_split
-
-        n = cls.n_devices(ctx.options) or 2
-        split = _spec_split(ctx.cfg, n, ctx.options)
-        local = max(s.params for s in split.stages)
-        pd = ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
-        m.sharding_note = f"the largest of {n} stages (one per GPU)"
-        return m
-
-    @classmethod
-    def comm_model(cls, ctx):
-        return []  # device-to-device copies inside one process, no collective
+    cost = ModelParallelCost
 
     def devices(self) -> list[torch.device]:
         n = self.n_devices(self.options)
@@ -138,8 +140,6 @@ class ModelParallelStrategy(Strategy):
         return [torch.device("cuda", (first + k) % _cuda_count()) for k in range(n)]
 
     def move(self, model: nn.Module) -> nn.Module:
-        from stratbench.data.datasets import default_image_size
-
         size = default_image_size(self.cfg)
         devices = self.devices()
         self.split = split_model(

@@ -45,7 +45,19 @@ import torch.distributed as dist
 from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
-from stratbench.strategies.base import Strategy, register
+from stratbench.data.datasets import default_image_size
+from stratbench.measuring.comm import Collective
+from stratbench.measuring.model_trace import ModelSpec, trace_step
+from stratbench.models.split import (
+    BALANCE,
+    drop_modules,
+    piece_count,
+    split_for_spec,
+    split_model,
+    stage_module,
+)
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.costs import RankMemory
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -68,8 +80,6 @@ class PipelineOptions:
     """Explicit split, comma-separated pieces where a stage begins, e.g. layer2,layer4 (see the printed split for the pieces)."""
 
     def __post_init__(self) -> None:
-        from stratbench.models.split import BALANCE
-
         if self.schedule not in SCHEDULES:
             raise ConfigError(f"unknown schedule {self.schedule!r}; choose one of: {', '.join(SCHEDULES)}")
         if self.balance not in BALANCE:
@@ -188,9 +198,6 @@ def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
 
 
 def _spec_split(cfg, stages: int, options) -> Any:
-    from stratbench.models.split import split_for_spec
-    from stratbench.predicting.estimate import ModelSpec
-
     return split_for_spec(ModelSpec.from_config(cfg), stages, options.balance, options.points)
 
 
@@ -267,6 +274,222 @@ def _timed_stage_class():
     return TimedStage
 
 
+class PipelineCost(CostModel):
+    """The stages each pipeline rank holds (``_spec_split`` of the run's layout), the micro-batches in flight,
+    the stage-to-stage sends and the schedule's bubble."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        """The stages of ``rank``: their parameters, gradients and optimizer state (nothing else is held), a
+        flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight
+        (``_activations``)."""
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pp_rank = rank % lay.pp
+        ids = lay.stages_of(pp_rank)
+        mine = [split.stages[i] for i in ids]
+        local = sum(s.params for s in mine)
+        pd = ctx.param_bytes
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        total = sum(s.params for s in split.stages) or 1
+        m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
+        m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
+        # receives across, allocated at the first step and reused: the input activations of a stage after
+        # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
+        # the 2-stage fp64 test problem).
+        act_bytes = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
+        boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
+            split.stages[i].out_numel for i in ids if i < lay.stages - 1
+        )
+        recv = lay.microbatches * boundary * micro * act_bytes
+        notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
+        if lay.dp > 1:
+            notes.append(f"flat gradient all-reduce over {lay.dp} replicas")
+        m.buckets, m.bucket_note = recv + (local * pd if lay.dp > 1 else 0), " + ".join(notes)
+        m.activations, m.activation_note = cls._activations(ctx, lay, mine, pp_rank, micro)
+        held = [name for s in mine for name in s.modules]
+        m.runs_linear = any(
+            lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in held
+        )
+        return m
+
+    @classmethod
+    def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
+        """The bytes autograd saves per sample in each piece (traced on the meta device by the splitter, in
+        fp32; scaled to the run's precision by the ratio of the whole model's traced saved bytes, since autocast
+        keeps some ops in fp32) x the micro-batch x the most micro-batches a stage holds at once: all M for
+        gpipe (every forward runs before the first backward), min(M, P - r) for 1f1b on pipeline rank r (its
+        warm-up forwards), the interleaved warm-up spread over the rank's stages for interleaved-1f1b, 1 for
+        naive; plus the step's whole input batch, which every stage loads (the first splits it into
+        micro-batches). Returns the bytes and their note."""
+        scale = 1.0
+        if ctx.cfg.precision != "fp32":  # the split is costed in fp32; bf16-mixed saves 0.54x of it (tinynet)
+            spec = ModelSpec.from_config(ctx.cfg)
+            full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
+            mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
+            scale = mixed / (full or 1)
+        per_mb = sum(s.saved_bytes for s in mine) * micro * scale
+        flight = lay.in_flight(pp_rank)
+        size = default_image_size(ctx.cfg)
+        # The loader's fp32 images of the whole step, and their copy in the weights' dtype where the precision
+        # converts the input (fp64, *-true).
+        images = ctx.cfg.batch_size // lay.dp * 3 * size * size
+        pd = ctx.param_bytes
+        batch_input = images * 4 + (images * pd if ctx.pspec.param_dtype != torch.float32 else 0)
+        note = (
+            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank}) "
+            "+ the step's input batch"
+        )
+        return int(per_mb * flight) + batch_input, note
+
+    @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """The busiest pipeline rank's share of the replica's FLOPs (its stages in the split), stretched by the
+        schedule's bubble: step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        total = sum(s.flops for s in split.stages)
+        if not total:
+            return 1.0
+        busiest = max(sum(split.stages[i].flops for i in lay.stages_of(r)) for r in range(lay.pp)) / total
+        return busiest / (1.0 - lay.bubble_theory())
+
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        """Share of the stage-to-stage traffic that runs under compute: none (a stage waits for the activation
+        it needs; the schedule's sends sit on the critical path), which the bubble term does not include."""
+        return 0.0
+
+    @classmethod
+    def comm_model(cls, ctx):
+        """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
+        next stage and the input gradient it sends back to the previous one (it receives the mirror image,
+        not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
+        and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
+        lay = resolve_layout(ctx.options, ctx.world)
+        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        pd = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else ctx.param_bytes
+        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        out_b, in_b, ids = cls._busiest_sender(lay, split, micro * pd)
+        m = lay.microbatches
+        rows: list[Collective] = []
+        if out_b:
+            sends = m * sum(i < lay.stages - 1 for i in ids)
+            note = f"sent: activations of {m} micro-batches to the next stage"
+            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note))
+        if in_b:
+            sends = m * sum(i > 0 for i in ids)
+            note = f"sent: input gradients of {m} micro-batches to the previous stage"
+            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note))
+        if lay.pp > 1:
+            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        if ctx.pspec.loss_scaling:
+            note = "the loss scaler's found-inf flag (fp32)"
+            rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
+        if lay.dp > 1:
+            local = sum(split.stages[i].params for i in ids)
+            note = "stage gradients over the replicas"
+            rows.append(Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note))
+        return rows
+
+    @staticmethod
+    def _busiest_sender(lay: Layout, split: Any, sample_bytes: int) -> tuple[int, int, list[int]]:
+        """(bytes sent forward, bytes sent backward per micro-batch, its stages) of the pipeline rank that sends
+        the most (the last such rank on ties); ``sample_bytes``: the micro-batch x the activations' itemsize."""
+        best = None
+        for r in range(lay.pp):
+            ids = lay.stages_of(r)
+            # boundaries this rank sends across: after each of its stages but the last, before each but the first
+            out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * sample_bytes
+            in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * sample_bytes
+            key = (out_b + in_b, r)
+            if best is None or key > best[0]:
+                best = (key, out_b, in_b, ids)
+        _, out_b, in_b, ids = best
+        return out_b, in_b, ids
+
+
+class PipelineCheckpointIO(CheckpointIO):
+    """Full state dicts with the original names, assembled on rank 0 from every stage's part (the first
+    replica's), and this rank's part taken from any method's full state dict on load."""
+
+    def _gather_to_main(self, local: dict) -> list[dict] | None:
+        """Every pipeline rank's part on global rank 0 (replicas other than the first send nothing)."""
+        part = local if self.strategy.dp_rank == 0 else None
+        if self.strategy.env.world_size == 1:
+            return [local]
+        parts: list | None = [None] * self.strategy.env.world_size if self.strategy.env.is_main else None
+        dist.gather_object(part, parts, dst=0)
+        return [p for p in parts if p is not None] if parts is not None else None
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full state dict, original names, on rank 0 (a collective; other ranks get {})."""
+        local = {k: v.detach().cpu() for k, v in self.strategy.unwrap(model).state_dict().items()}
+        parts = self._gather_to_main(local)
+        if parts is None:
+            return {}
+        merged = {k: v for p in parts for k, v in p.items()}
+        missing = [k for k in self.strategy.full_names if k not in merged]
+        if missing:
+            raise RuntimeError(f"pipeline state dict: no stage holds {missing[:3]}")
+        return {k: merged[k] for k in self.strategy.full_names}
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The full optimizer state keyed by original parameter names, on rank 0 (a collective)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        local = get_optimizer_state_dict(
+            self.strategy.unwrap(model), optimizer, options=StateDictOptions(full_state_dict=False)
+        )
+        local = {
+            "state": {k: {n: _cpu(v) for n, v in s.items()} for k, s in local["state"].items()},
+            "param_groups": local["param_groups"],
+        }
+        parts = self._gather_to_main(local)
+        if parts is None:
+            return {}
+        order = {k: i for i, k in enumerate(self.strategy.full_names)}
+        state = {k: v for p in parts for k, v in p["state"].items()}
+        groups = []
+        for gi, group in enumerate(parts[0]["param_groups"]):
+            names = [n for p in parts for n in p["param_groups"][gi]["params"]]
+            groups.append(group | {"params": sorted(names, key=lambda n: order.get(n, len(order)))})
+        return {
+            "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
+            "param_groups": groups,
+        }
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load this rank's part of a full state dict (any method's), by original names."""
+        module = self.strategy.unwrap(model)
+        own = module.state_dict()
+        missing = [k for k in own if k not in state]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint has no {missing[0]!r} (and {len(missing) - 1} more of this stage's tensors)"
+            )
+        module.load_state_dict({k: state[k] for k in own}, strict=True)
+
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        module = self.strategy.unwrap(model)
+        own = {n for n, _ in module.named_parameters()}
+        local = {
+            "state": {k: v for k, v in state.get("state", {}).items() if k in own},
+            "param_groups": [
+                g | {"params": [n for n in g["params"] if n in own]} for g in state.get("param_groups", [])
+            ],
+        }
+        set_optimizer_state_dict(
+            module, optimizer, local, options=StateDictOptions(full_state_dict=False, strict=False)
+        )
+
+
 @register
 class PipelineStrategy(Strategy):
     name = "pipeline"
@@ -325,9 +548,6 @@ class PipelineStrategy(Strategy):
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
         """Without --pp/--stages every process is one stage, which a model of fewer pieces than processes cannot
         be cut into: then the compare presets' layout (``pipeline_layout``), the user's other options kept."""
-        from stratbench.models.split import piece_count
-        from stratbench.predicting.estimate import ModelSpec
-
         given = dict(cfg.strategy_options)
         if given.get("pp") or given.get("stages") or given.get("split_points"):
             return given
@@ -338,152 +558,8 @@ class PipelineStrategy(Strategy):
         """The replicas of the pipeline (a layout that does not fit ``world_size`` is refused here, first)."""
         return resolve_layout(cls.parse_options(cfg.strategy_options), world_size).dp
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        """The stages of ``rank``: their parameters, gradients and optimizer state (nothing else is held), a
-        flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight.
-
-        Activations: the bytes autograd saves per sample in each piece (traced on the meta device by the
-        splitter, in fp32; scaled to the run's precision by the ratio of the whole model's traced saved bytes,
-        since autocast keeps some ops in fp32) x the micro-batch x the most
-        micro-batches a stage holds at once: all M for gpipe (every forward runs before the first backward),
-        min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over
-        the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every
-        stage loads (the first splits it into micro-batches)."""
-        from stratbench.data.datasets import default_image_size
-        from stratbench.predicting.estimate import ModelSpec, RankMemory, trace_step
-
-        lay = resolve_layout(ctx.options, ctx.world)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        pp_rank = rank % lay.pp
-        mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
-        local = sum(s.params for s in mine)
-        pd = ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
-        total = sum(s.params for s in split.stages) or 1
-        m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
-        m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
-        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
-        # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
-        # receives across, allocated at the first step and reused: the input activations of a stage after
-        # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
-        # the 2-stage fp64 test problem).
-        act_bytes = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
-        ids = lay.stages_of(pp_rank)
-        boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
-            split.stages[i].out_numel for i in ids if i < lay.stages - 1
-        )
-        recv = lay.microbatches * boundary * micro * act_bytes
-        notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
-        if lay.dp > 1:
-            notes.append(f"flat gradient all-reduce over {lay.dp} replicas")
-        m.buckets, m.bucket_note = recv + (local * pd if lay.dp > 1 else 0), " + ".join(notes)
-        scale = 1.0
-        if ctx.cfg.precision != "fp32":  # the split is costed in fp32; bf16-mixed saves 0.54x of it (tinynet)
-            spec = ModelSpec.from_config(ctx.cfg)
-            full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
-            scale = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes / (full or 1)
-        per_mb = sum(s.saved_bytes for s in mine) * micro * scale
-        flight = lay.in_flight(pp_rank)
-        size = default_image_size(ctx.cfg)
-        # The loader's fp32 images of the whole step, and their copy in the weights' dtype where the precision
-        # converts the input (fp64, *-true).
-        images = ctx.cfg.batch_size // lay.dp * 3 * size * size
-        batch_input = images * 4 + (images * pd if ctx.pspec.param_dtype != torch.float32 else 0)
-        m.activations = int(per_mb * flight) + batch_input
-        m.activation_note = (
-            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank}) "
-            "+ the step's input batch"
-        )
-        held = [name for s in mine for name in s.modules]
-        m.runs_linear = any(
-            lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in held
-        )
-        return m
-
-    @classmethod
-    def compute_scale(cls, ctx) -> float:
-        """The busiest pipeline rank's share of the replica's FLOPs (its stages in the split), stretched by the
-        schedule's bubble: step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
-        lay = resolve_layout(ctx.options, ctx.world)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        total = sum(s.flops for s in split.stages)
-        if not total:
-            return 1.0
-        busiest = max(sum(split.stages[i].flops for i in lay.stages_of(r)) for r in range(lay.pp)) / total
-        return busiest / (1.0 - lay.bubble_theory())
-
-    @classmethod
-    def comm_overlap(cls, ctx) -> float:
-        """Share of the stage-to-stage traffic that runs under compute: none (a stage waits for the activation
-        it needs; the schedule's sends sit on the critical path), which the bubble term does not include."""
-        return 0.0
-
-    @classmethod
-    def comm_model(cls, ctx):
-        """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
-        next stage and the input gradient it sends back to the previous one (it receives the mirror image,
-        not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
-        and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
-        from stratbench.measuring.comm import Collective
-
-        lay = resolve_layout(ctx.options, ctx.world)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        pd = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else ctx.param_bytes
-        micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
-        rows: list[Collective] = []
-        best = None
-        for r in range(lay.pp):
-            ids = lay.stages_of(r)
-            # boundaries this rank sends across: after each of its stages but the last, before each but the first
-            out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * micro * pd
-            in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * micro * pd
-            key = (out_b + in_b, r)
-            if best is None or key > best[0]:
-                best = (key, r, out_b, in_b, ids)
-        _, r, out_b, in_b, ids = best
-        m = lay.microbatches
-        if out_b:
-            rows.append(
-                Collective(
-                    "send_recv",
-                    out_b * m,
-                    m * sum(i < lay.stages - 1 for i in ids),
-                    "forward",
-                    2,
-                    f"sent: activations of {m} micro-batches to the next stage",
-                )
-            )
-        if in_b:
-            rows.append(
-                Collective(
-                    "send_recv",
-                    in_b * m,
-                    m * sum(i > 0 for i in ids),
-                    "backward",
-                    2,
-                    f"sent: input gradients of {m} micro-batches to the previous stage",
-                )
-            )
-        if lay.pp > 1:
-            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
-        if ctx.pspec.loss_scaling:
-            rows.append(
-                Collective("all_reduce", 4, 1, "optimizer", ctx.world, "the loss scaler's found-inf flag (fp32)")
-            )
-        if lay.dp > 1:
-            local = sum(split.stages[i].params for i in ids)
-            rows.append(
-                Collective(
-                    "all_reduce",
-                    local * ctx.param_bytes,
-                    1,
-                    "backward",
-                    lay.dp,
-                    "stage gradients over the replicas",
-                )
-            )
-        return rows
+    cost = PipelineCost
+    checkpoint_io_class = PipelineCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """Every stage of one pipeline reads the same batches: the data is sharded over the replicas only."""
@@ -501,8 +577,6 @@ class PipelineStrategy(Strategy):
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from stratbench.models.split import drop_modules, split_model, stage_module
-
         env = self.env
         self.layout = lay = resolve_layout(self.options, env.world_size)
         self.mesh = init_device_mesh(env.device.type, (lay.dp, lay.pp), mesh_dim_names=("dp", "pp"))
@@ -510,8 +584,6 @@ class PipelineStrategy(Strategy):
         self.dp_group = self.mesh.get_group("dp")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        from stratbench.data.datasets import default_image_size
-
         size = default_image_size(self.cfg)
         self.split = split_model(
             model,
@@ -613,7 +685,9 @@ class PipelineStrategy(Strategy):
                 dist.barrier(group=self.pp_group, device_ids=ids)
             wall = time.perf_counter() - t0
             compute = sum(s.compute_s for s in self.stages)
-            self.step_records.append({"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)})
+            self.step_records.append(
+                {"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)}
+            )
             self._after_eval = False
             if self.layout.dp > 1:
                 self._all_reduce_grads()
@@ -681,81 +755,6 @@ class PipelineStrategy(Strategy):
         if self.layout.pp > 1:
             dist.broadcast(logits, group=self.pp_group, group_src=self.layout.pp - 1)
         return logits[:n]
-
-    # ---- state ----------------------------------------------------------------------------------
-    def _gather_to_main(self, local: dict) -> list[dict] | None:
-        """Every pipeline rank's part on global rank 0 (replicas other than the first send nothing)."""
-        part = local if self.dp_rank == 0 else None
-        if self.env.world_size == 1:
-            return [local]
-        parts: list | None = [None] * self.env.world_size if self.env.is_main else None
-        dist.gather_object(part, parts, dst=0)
-        return [p for p in parts if p is not None] if parts is not None else None
-
-    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The full state dict, original names, on rank 0 (a collective; other ranks get {})."""
-        local = {k: v.detach().cpu() for k, v in self.unwrap(model).state_dict().items()}
-        parts = self._gather_to_main(local)
-        if parts is None:
-            return {}
-        merged = {k: v for p in parts for k, v in p.items()}
-        missing = [k for k in self.full_names if k not in merged]
-        if missing:
-            raise RuntimeError(f"pipeline state dict: no stage holds {missing[:3]}")
-        return {k: merged[k] for k in self.full_names}
-
-    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The full optimizer state keyed by original parameter names, on rank 0 (a collective)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
-        local = get_optimizer_state_dict(
-            self.unwrap(model), optimizer, options=StateDictOptions(full_state_dict=False)
-        )
-        local = {
-            "state": {k: {n: _cpu(v) for n, v in s.items()} for k, s in local["state"].items()},
-            "param_groups": local["param_groups"],
-        }
-        parts = self._gather_to_main(local)
-        if parts is None:
-            return {}
-        order = {k: i for i, k in enumerate(self.full_names)}
-        state = {k: v for p in parts for k, v in p["state"].items()}
-        groups = []
-        for gi, group in enumerate(parts[0]["param_groups"]):
-            names = [n for p in parts for n in p["param_groups"][gi]["params"]]
-            groups.append(group | {"params": sorted(names, key=lambda n: order.get(n, len(order)))})
-        return {
-            "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
-            "param_groups": groups,
-        }
-
-    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load this rank's part of a full state dict (any method's), by original names."""
-        module = self.unwrap(model)
-        own = module.state_dict()
-        missing = [k for k in own if k not in state]
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint has no {missing[0]!r} (and {len(missing) - 1} more of this stage's tensors)"
-            )
-        module.load_state_dict({k: state[k] for k in own}, strict=True)
-
-    def load_optimizer_state_dict(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
-    ) -> None:
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        module = self.unwrap(model)
-        own = {n for n, _ in module.named_parameters()}
-        local = {
-            "state": {k: v for k, v in state.get("state", {}).items() if k in own},
-            "param_groups": [
-                g | {"params": [n for n in g["params"] if n in own]} for g in state.get("param_groups", [])
-            ],
-        }
-        set_optimizer_state_dict(
-            module, optimizer, local, options=StateDictOptions(full_state_dict=False, strict=False)
-        )
 
     # ---- measurement --------------------------------------------------------------------------
     def bubble(self) -> dict[str, Any]:

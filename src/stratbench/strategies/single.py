@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
-from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.base import CostModel, Strategy, register
+
+
+class SingleCost(CostModel):
+    """Every state on the one device; no collectives."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return ctx.replicated(buckets=False)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return []  # one process: no collectives
 
 
 @register
@@ -21,10 +33,4 @@ class SingleDevice(Strategy):
             )
         return None
 
-    @classmethod
-    def memory_model(cls, ctx, rank):
-        return ctx.replicated(buckets=False)
-
-    @classmethod
-    def comm_model(cls, ctx):
-        return []  # one process: no collectives
+    cost = SingleCost

@@ -19,8 +19,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.strategies.base import OptimizerFactory, register
-from stratbench.strategies.ddp import DDPOptions, DDPStrategy
+from stratbench.checkpoints import sharded
+from stratbench.measuring.comm import Collective
+from stratbench.strategies.base import CheckpointIO, OptimizerFactory, _local_bytes, register
+from stratbench.strategies.costs import zero_partition
+from stratbench.strategies.ddp import DDPCost, DDPOptions, DDPStrategy
 
 CHECKPOINT_FORMATS = ("full", "sharded")
 
@@ -42,82 +45,73 @@ class ZeroOptions(DDPOptions):
     """full (one file, optimizer state consolidated on rank 0) or sharded (a torch.distributed.checkpoint folder, each rank writes its shard)."""
 
 
-@register
-class DDPZeroStrategy(DDPStrategy):
-    name = "ddp-zero"
-    description = "DDP + ZeroRedundancyOptimizer: optimizer state sharded over ranks (ZeRO-1)"
-    requirements = "torch.distributed (gloo on CPU, nccl on CUDA)"
-    Options = ZeroOptions
-    comm_reference = False  # DDP's subclass; the reference is DDP itself
-
-    @classmethod
-    def check_supported(cls, cfg, device, world_size):
-        options = cls.parse_options(cfg.strategy_options)
-        if options.checkpoint_format not in CHECKPOINT_FORMATS:
-            return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
-        return super().check_supported(cfg, device, world_size)
+class ZeroCost(DDPCost):
+    """DDP's replicas, buckets and all-reduce; optimizer state for this rank's share of whole parameters only,
+    and the updated parameters broadcast from their owners."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
         """DDP's replicas and buckets; optimizer state only for this rank's share of whole parameters."""
-        from stratbench.predicting.estimate import zero_partition
-
         n = ctx.info.numels
         mine = zero_partition(n, ctx.world)[rank]
-        m = ctx.replicated(buckets=True)
+        m = super().memory_model(ctx, rank)
         m.optim = ctx.opt_slots * sum(n[i] for i in mine) * ctx.param_bytes
         m.step_scalars = 4 * len(mine) if ctx.adam else 0
         m.sharding_note = "optimizer state sharded by whole parameters"
         return m
 
-
     @classmethod
     def comm_model(cls, ctx):
         """DDP's all-reduce, then after the step every parameter broadcast from the rank that stepped it (one
         call per parameter): Φ more per step."""
-        from stratbench.measuring.comm import Collective, replicated_grads
-
-        rows = replicated_grads(ctx)
+        rows = super().comm_model(ctx)
         if ctx.world > 1:
             params = ctx.info.numels
             note = "updated parameters broadcast from their owner rank"
             rows.append(
-                Collective("broadcast", sum(params) * ctx.param_bytes, len(params), "optimizer", ctx.world, note)
+                Collective(
+                    "broadcast", sum(params) * ctx.param_bytes, len(params), "optimizer", ctx.world, note
+                )
             )
         return rows
 
-    def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
-        """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
-        from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs)
+class ZeroCheckpointIO(CheckpointIO):
+    """Optimizer state keyed by portable parameter names: consolidated on rank 0 (``full``) or each rank's own
+    shard in a ``torch.distributed.checkpoint`` folder (``sharded``); loading hands each rank its share."""
 
-    # ---- state ----------------------------------------------------------------------------------
     def _index_names(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
         """Portable name of each parameter in ZeRO's global index order (the order of its param_groups)."""
-        names = {id(p): _clean_name(n) for n, p in self.unwrap(model).named_parameters()}
+        names = {id(p): _clean_name(n) for n, p in self.strategy.unwrap(model).named_parameters()}
         params = [p for group in optimizer.param_groups for p in group["params"]]
         missing = [i for i, p in enumerate(params) if id(p) not in names]
         if missing:
-            raise RuntimeError(f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model")
+            raise RuntimeError(
+                f"ddp-zero: optimizer parameters {missing[:5]} are not parameters of the model"
+            )
         return [names[id(p)] for p in params]
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """Gather every rank's shard on rank 0 (a collective) and key it by parameter name; {} on other ranks."""
         optimizer.consolidate_state_dict(to=0)
-        if not self.env.is_main:
+        if not self.strategy.env.is_main:
             return {}
         names = self._index_names(model, optimizer)
         state = optimizer.state_dict()
         return {
             "state": {names[i]: _to_cpu(v) for i, v in state["state"].items() if v is not None},
             "param_groups": [
-                {**{k: v for k, v in group.items() if k != "params"}, "params": [names[i] for i in group["params"]]}
+                {
+                    **{k: v for k, v in group.items() if k != "params"},
+                    "params": [names[i] for i in group["params"]],
+                }
                 for group in state["param_groups"]
             ],
         }
 
-    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+    def load_optimizer_state_dict(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
         """Load a name-keyed full optimizer state (from any method): each rank keeps its own parameters' share."""
         names = self._index_names(model, optimizer)
         index = {n: i for i, n in enumerate(names)}
@@ -139,33 +133,64 @@ class DDPZeroStrategy(DDPStrategy):
         }
         optimizer.load_state_dict(indexed)
 
-    def save_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict) -> Path:
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
         """Full file (consolidated on rank 0) or sharded folder (each rank writes its own optimizer shard)."""
-        from stratbench.checkpoints import sharded
-
         path = Path(path)
-        if self.options.checkpoint_format == "full":
+        if self.strategy.options.checkpoint_format == "full":
             # An earlier sharded folder at ``path`` is swapped out only once the new file is complete.
             return super().save_checkpoint(path, model, optimizer, extra)
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         # Replicated model tensors are written once (DCP de-duplicates equal keys); optimizer keys are disjoint.
-        state = {"model": get_model_state_dict(model), "optimizer": self._local_optimizer_state(model, optimizer)}
-        return sharded.save_sharded(path, None, None, extra, is_main=self.env.is_main, state=state)
+        state = {
+            "model": get_model_state_dict(model),
+            "optimizer": self._local_optimizer_state(model, optimizer),
+        }
+        return sharded.save_sharded(path, None, None, extra, is_main=self.strategy.env.is_main, state=state)
 
     def _local_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """This rank's shard of the optimizer state, keyed by parameter names, plus the (replicated) groups."""
-        names = {id(p): _clean_name(n) for n, p in self.unwrap(model).named_parameters()}
+        names = {id(p): _clean_name(n) for n, p in self.strategy.unwrap(model).named_parameters()}
         groups = [
             {**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(p)] for p in g["params"]]}
             for g in optimizer.param_groups
         ]
-        return {"state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()}, "param_groups": groups}
+        return {
+            "state": {names[id(p)]: dict(s) for p, s in optimizer.optim.state.items()},
+            "param_groups": groups,
+        }
+
+
+@register
+class DDPZeroStrategy(DDPStrategy):
+    name = "ddp-zero"
+    description = "DDP + ZeroRedundancyOptimizer: optimizer state sharded over ranks (ZeRO-1)"
+    requirements = "torch.distributed (gloo on CPU, nccl on CUDA)"
+    Options = ZeroOptions
+    comm_reference = False  # DDP's subclass; the reference is DDP itself
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        options = cls.parse_options(cfg.strategy_options)
+        if options.checkpoint_format not in CHECKPOINT_FORMATS:
+            return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
+        return super().check_supported(cfg, device, world_size)
+
+    cost = ZeroCost
+    checkpoint_io_class = ZeroCheckpointIO
+
+    def build_optimizer(self, model: nn.Module, make_optimizer: OptimizerFactory) -> torch.optim.Optimizer:
+        """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        return ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs
+        )
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Parameters and gradients are replicated; optimizer state is counted from this rank's local shard."""
-        from stratbench.strategies.base import _local_bytes
-
         # Not super().state_bytes: ZeroRedundancyOptimizer.state (the exposed one) is not the live state (after
         # a load it even holds None for other ranks' parameters); the local optimizer's state is.
         counts = {

@@ -324,7 +324,7 @@ class Trainer:
             ckpt.resolve_resume(cfg.output, cfg.resume_from) if (cfg.resume or cfg.resume_from) else None
         )
         if resume_path is not None:
-            state.load_state_dict(strategy.load_checkpoint(resume_path, model, optimizer))
+            state.load_state_dict(strategy.checkpoint_io.load_checkpoint(resume_path, model, optimizer))
             self.result["resumed_from"] = {"path": str(resume_path), "step": state.progress.step}
         run_steps = min(total_steps, cfg.max_steps or total_steps)
         return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
@@ -414,7 +414,7 @@ class Trainer:
         # A step-numbered entry, then `last` points at it once every rank has written its part; entries beyond
         # the newest --keep-last are pruned only after that, so a complete checkpoint always exists.
         path = ckpt.save_path_for(self.out, run.state.progress.step)
-        self.strategy.save_checkpoint(path, run.model, run.optimizer, extra)
+        self.strategy.checkpoint_io.save_checkpoint(path, run.model, run.optimizer, extra)
         if self.env.is_main:
             ckpt.publish(self.out, path, self.cfg.keep_last)
         self.strategy.barrier()

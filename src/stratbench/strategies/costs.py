@@ -1,0 +1,155 @@
+"""The types and formulas the strategies' cost models share: what one rank holds (``RankMemory``), what a cost
+model reads (``MemoryContext``), the sharding arithmetic (ZeroRedundancyOptimizer's partition, FSDP2's dim-0
+chunks) and the library defaults that size buffers.
+
+A leaf below the strategies and the estimate: it imports nothing of either (docs/memory.md gives every formula).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
+from stratbench.core.precision import SPECS
+from stratbench.measuring.model_trace import ModelInfo
+
+MiB = 1024**2
+
+# FSDP2 on CPU: DTensor's sharding propagation runs each new op on fake tensors, which record their stack; the
+# source lines of those frames stay in Python's linecache, and its cache of op schemas stays too. Not tensor
+# memory (on a GPU it is host memory), but malloc's on a CPU: 0.31-0.34 MiB above the other methods, measured
+# at 2 ranks (tinynet, fp32 and bf16-mixed; tracemalloc names linecache and torch/distributed/tensor).
+CPU_FSDP2_RUNTIME_BYTES = MiB // 3
+
+# DeepSpeed defaults that size its buffers (elements), from deepspeed/runtime/zero/config.py.
+DS_REDUCE_BUCKET = 500_000_000
+DS_PARAM_PERSISTENCE = 100_000
+DS_PREFETCH_BUCKET = 50_000_000
+
+
+# ------------------------------------------------------------------------------------------------
+# Sharding arithmetic the strategies' memory models share.
+
+
+def zero_partition(numels: list[int], world: int) -> list[list[int]]:
+    """ZeroRedundancyOptimizer's partition (torch/distributed/optim/zero_redundancy_optimizer.py): parameters
+    sorted by size, largest first, each given to the rank with the fewest elements so far (first on ties)."""
+    sizes = [0] * world
+    owned: list[list[int]] = [[] for _ in range(world)]
+    for i in sorted(range(len(numels)), key=lambda i: numels[i], reverse=True):  # stable, like torch's sorted
+        r = sizes.index(min(sizes))
+        owned[r].append(i)
+        sizes[r] += numels[i]
+    return owned
+
+
+def chunk_rows(dim0: int, world: int, rank: int) -> int:
+    """Rows of a dim-0 torch.chunk that rank holds (FSDP2's sharding: the last ranks may get fewer or none)."""
+    size = -(-dim0 // world)
+    return max(0, min(dim0, (rank + 1) * size) - rank * size)
+
+
+@dataclass
+class RankMemory:
+    """Model-state bytes of one rank, split by where they live, as a strategy's ``memory_model`` gives them."""
+
+    params: int = 0
+    grads: int = 0
+    optim: int = 0
+    master: int = 0
+    buckets: int = 0
+    host_params: int = 0
+    host_grads: int = 0
+    host_optim: int = 0
+    host_master: int = 0
+    step_scalars: int = 0
+    """AdamW's per-parameter ``step`` counters (0-dim float32 tensors kept on the CPU)."""
+    gathered: int = 0
+    """Unsharded parameters held transiently around a unit's forward/backward (current + prefetched)."""
+    gather_note: str = ""
+    sharding_note: str = ""
+    bucket_note: str = ""
+    grads_whole_in_backward: bool = False
+    """True where every gradient stays until a reduction at the end of backward (DeepSpeed ZeRO 0/1)."""
+    step_scratch: int | None = None
+    """Optimizer-step temporaries; None: the foreach kernels' rule (one parameter-sized list on CUDA)."""
+    activations: int | None = None
+    """Activations the method computes itself (a pipeline stage: its micro-batches in flight); None: the whole
+    model traced at the per-device micro-batch."""
+    activation_note: str = ""
+    runs_linear: bool | None = None
+    """Whether this rank runs an nn.Linear (a CPU's 16-bit matrix products keep buffers); None: the whole model
+    runs on every rank, so it does if the model has one."""
+    cpu_runtime: int = 0
+    cpu_runtime_note: str = ""
+    """Memory the method's own runtime keeps on a CPU outside tensors (FSDP2's DTensor caches)."""
+
+    def offload_params_to_host(self, with_grads_and_optim: bool = False) -> None:
+        self.host_params, self.params = self.host_params + self.params, 0
+        if with_grads_and_optim:
+            self.host_grads, self.grads = self.host_grads + self.grads, 0
+            self.host_optim, self.optim = self.host_optim + self.optim, 0
+
+    def offload_optimizer_to_host(self) -> None:
+        self.host_optim, self.optim = self.host_optim + self.optim, 0
+        self.host_master, self.master = self.host_master + self.master, 0
+
+
+@dataclass
+class MemoryContext:
+    """What a strategy's memory model reads: the run config, world size, model shapes and parsed options."""
+
+    cfg: TrainConfig
+    world: int
+    info: ModelInfo
+    options: Any
+    device_type: str = "cuda"
+
+    @property
+    def pspec(self):
+        return SPECS[self.cfg.precision]
+
+    @property
+    def param_bytes(self) -> int:
+        """Bytes per element of the weights the model holds."""
+        return self.pspec.param_dtype.itemsize
+
+    @property
+    def half(self) -> bool:
+        return self.pspec.compute_dtype.itemsize < 4
+
+    @property
+    def opt_slots(self) -> int:
+        return opt_slots(self.cfg)
+
+    @property
+    def adam(self) -> bool:
+        return self.cfg.optimizer == "adamw"
+
+    def replicated(self, buckets: bool) -> RankMemory:
+        """Every rank holds everything (single, DataParallel, DDP); DDP adds a bucket copy of the gradients."""
+        n, pd = self.info.numels, self.param_bytes
+        total = sum(n)
+        with_buckets = buckets and self.world > 1
+        return RankMemory(
+            params=total * pd,
+            grads=total * pd,
+            optim=self.opt_slots * total * pd,
+            step_scalars=4 * len(n) if self.adam else 0,
+            buckets=total * pd if with_buckets else 0,
+            bucket_note="DDP all-reduce buckets" if with_buckets else "",
+            sharding_note="replicated" if self.world > 1 else "",
+        )
+
+
+def opt_slots(cfg: TrainConfig) -> int:
+    """Optimizer state tensors per parameter: AdamW two, momentum SGD one, plain SGD none."""
+    if cfg.optimizer == "adamw":
+        return 2
+    return 1 if cfg.momentum else 0
+
+
+class NoMemoryModel(ConfigError):
+    """The strategy has no memory model: the estimate says so instead of reporting 0."""
