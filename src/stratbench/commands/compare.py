@@ -8,6 +8,15 @@ import shlex
 import sys
 from pathlib import Path
 
+from stratbench.api import plan_sweep, run_sweep
+from stratbench.compare.calibration import CALIBRATION
+from stratbench.compare.matrix import PRESETS
+from stratbench.compare.report import print_table
+from stratbench.compare.runner import load_records
+from stratbench.core.config import TrainConfig, _base_type, coerce, field_docs
+from stratbench.core.errors import ConfigError
+from stratbench.core.tables import table_console
+
 NAME = "compare"
 HELP = (
     "train every method side by side (a preset or a YAML matrix) and write one report (md, csv, html, charts)"
@@ -20,8 +29,6 @@ _NOT_PASSED = ("output", "strategy", "precision", "nproc", "nnodes", "node_rank"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from stratbench.compare.matrix import PRESETS
-    from stratbench.core.config import TrainConfig, _base_type, field_docs
 
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
@@ -67,7 +74,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def overrides_from(args: argparse.Namespace) -> dict:
     """The training options given on the command line, typed as TrainConfig declares them."""
-    from stratbench.core.config import TrainConfig, coerce
 
     fields = {f.name: f for f in dataclasses.fields(TrainConfig)}
     out = {}
@@ -79,10 +85,6 @@ def overrides_from(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.api import plan_sweep, run_sweep
-    from stratbench.compare.report import print_table
-    from stratbench.core.errors import ConfigError
-    from stratbench.core.tables import table_console
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
@@ -110,7 +112,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _print_plan(sweep, console) -> None:
     """--dry-run: each cell, whether it runs here (or why not), and what a rerun keeps."""
-    from stratbench.compare.runner import load_records
 
     done = load_records(sweep.output)
     console.print(f"[bold]{sweep.matrix.name}[/bold]: {sweep.matrix.description}", highlight=False, soft_wrap=True)
@@ -134,8 +135,6 @@ def _print_plan(sweep, console) -> None:
 
 def _print_calibration(calibration, out: Path, console) -> None:
     """--dry-run --calibrate: the calibration runs, before the cells, and what is left out."""
-    from stratbench.compare.calibration import CALIBRATION
-    from stratbench.compare.runner import load_records
 
     done = load_records(out, CALIBRATION)
     console.print(f"calibration ({len(calibration.runs)} runs before the cells, records in {out / CALIBRATION}):",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from stratbench.cli import main
+
 NAME = "demo"
 HELP = "the quick offline comparison on this machine: every CPU-capable method on tinynet/digits, one report"
 ORDER = 1
@@ -16,6 +18,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.cli import main
 
     return main(["compare", "--preset", "quick", "--output", args.output])

@@ -8,14 +8,22 @@ import os
 import sys
 from typing import Any
 
+from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.core.config import (
     TrainConfig,
+    _base_type,
     add_dataclass_arguments,
     collect_overrides,
+    field_docs,
     from_dict,
     load_yaml,
 )
+from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
 from stratbench.core.errors import ConfigError
+from stratbench.core.tables import print_result
+from stratbench.launching.job import run_job
+from stratbench.strategies.accelerate import read_accelerate_config
+from stratbench.strategies.base import get_strategy, iter_option_fields
 
 NAME = "train"
 HELP = "train one model with one method and precision; writes OUTPUT/result.json"
@@ -43,8 +51,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per strategy option field (from every registered strategy's ``Options``); a field two strategies
     share gets one flag whose help gives each strategy's own description."""
-    from stratbench.core.config import _base_type, field_docs
-    from stratbench.strategies.base import iter_option_fields
 
     group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
     fields: dict[str, dataclasses.Field] = {}
@@ -79,7 +85,6 @@ def strategy_options_from_args(
 ) -> dict[str, Any]:
     """The strategy-option flags given on the command line that belong to ``strategy``. ``strict``: a flag of
     another strategy is an error naming the allowed ones (``estimate --strategy all`` passes each its own)."""
-    from stratbench.strategies.base import get_strategy
 
     given = {
         k[len(_OPT_PREFIX) :]: v for k, v in vars(args).items() if k.startswith(_OPT_PREFIX) and v is not None
@@ -102,7 +107,6 @@ def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
     if getattr(args, "config", None):
         data.update(load_yaml(args.config))
     if getattr(args, "accelerate_config", None):
-        from stratbench.strategies.accelerate import read_accelerate_config
 
         accel = read_accelerate_config(args.accelerate_config)
         accel["strategy_options"] = {**(data.get("strategy_options") or {}), **accel["strategy_options"]}
@@ -123,7 +127,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stratbench.checkpoints import checkpoint as ckpt
 
     cfg = resolve_config(args)
     with ckpt.trusted(cfg.trust_checkpoint):
@@ -133,9 +136,6 @@ def run(args: argparse.Namespace) -> int:
 def _run(cfg) -> int:
     """One run as the CLI does it: the job (launched or in this process), its result printed by the main process;
     a launched worker then leaves without the interpreter's teardown."""
-    from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
-    from stratbench.core.tables import print_result
-    from stratbench.launching.job import run_job
 
     worker = launched_by_launcher()
     if worker:

@@ -31,6 +31,8 @@ from stratbench.compare.matrix import Cell, Matrix, Plan, plan_cell
 from stratbench.compare.runner import (
     FINISHED,
     RESULTS,
+    Display,
+    Interrupted,
     append_record,
     check_records,
     last_error_line,
@@ -40,7 +42,9 @@ from stratbench.compare.runner import (
 )
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.dist import resolve_device
+from stratbench.core.errors import ConfigError
 from stratbench.launching.launch import threads_per_process
+from stratbench.measuring.hardware import resolve
 from stratbench.predicting.projection import method_run_refused
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 
@@ -219,7 +223,6 @@ def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str
     """Run the calibration runs not already finished into ``runner.out/calibration/``, one fresh process tree
     each under the sweep's time limit, and append each outcome to calibration.jsonl; a run kept from an earlier
     sweep that now serves more cells is recorded again with them. Ctrl-C raises ``Interrupted``."""
-    from stratbench.compare.runner import Display
 
     out = runner.out
     records = load_records(out, CALIBRATION)
@@ -256,7 +259,6 @@ def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str
             records[run.id] = rec
             display.end(run.what, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
     except KeyboardInterrupt:
-        from stratbench.compare.runner import Interrupted
 
         raise Interrupted("stopped between calibration runs") from None
     finally:
@@ -283,8 +285,6 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
     import shutil
     import time
 
-    from stratbench.core.errors import ConfigError
-    from stratbench.measuring.hardware import resolve
 
     run_dir = runner.out / CAL_DIR / run.id
     if run_dir.exists():

@@ -27,8 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from stratbench.core.config import TrainConfig, canonical_precision, from_dict, load_yaml
+from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
+from stratbench.core.precision import SPECS, configure_tf32, slow_on
+from stratbench.models.zoo import pretrained_available
+from stratbench.strategies.base import all_strategies
 from stratbench.strategies.pipeline import pipeline_layout
+from stratbench.training import engine
 
 STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")
 """Outcome of a cell: ok, failed (crash or bad config), oom, timeout, nan (loss became NaN/inf), skipped (cannot run here)."""
@@ -163,7 +168,6 @@ def preset_seed(world_size: int | None = None, download: bool = False) -> dict[s
 
     Like the source it fine-tunes torchvision's ImageNet weights when they are in the torch hub cache (or
     ``download`` is set); otherwise it starts from random weights, and the report's ``init`` column says which."""
-    from stratbench.models.zoo import pretrained_available
 
     world = world_size or max(2, _gpu_count())
     pretrained = download or pretrained_available("resnet50", "imagenet")
@@ -306,7 +310,6 @@ def _as_list(value: Any) -> list[Any]:
 
 def _default_world(method: str, default: int) -> int:
     """Multi-process methods get the matrix's world size; one-process methods one process."""
-    from stratbench.strategies.base import all_strategies
 
     cls = all_strategies().get(method)
     if cls is None:  # not installed: assume it is one of the distributed methods (they are the optional ones)
@@ -480,10 +483,6 @@ class Plan:
 
 def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
     """Decide, without starting any work, whether ``cell`` can run on this machine (and why not)."""
-    from stratbench.core.dist import resolve_device
-    from stratbench.core.precision import SPECS, configure_tf32, slow_on
-    from stratbench.strategies.base import all_strategies
-    from stratbench.training import engine
 
     cls = all_strategies().get(cell.method)
     if cls is None:

@@ -40,6 +40,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.models.flops import flops_per_sample
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel
@@ -61,7 +62,6 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 
 @functools.cache
 def _flops(spec) -> float | None:
-    from stratbench.models.flops import flops_per_sample
 
     return flops_per_sample(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
 
