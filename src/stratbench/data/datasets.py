@@ -316,7 +316,7 @@ def split_batch(global_batch: int, dp_size: int, grad_accum: int) -> int:
 
 
 def in_memory_source(cfg: TrainConfig, ds: Dataset, train: bool):
-    """The data set as tensors plus the augmentation its loader transforms perform (``device_data``), or None
+    """The data set as tensors plus the augmentation its loader transforms perform (``data.device``), or None
     where the data set is not held in memory (imagefolder decodes files)."""
 
     if cfg.data == "synthetic" and isinstance(ds, SyntheticImages):

@@ -305,14 +305,14 @@ def _all_piece_modules(model: nn.Module) -> list[str]:
 
 @functools.cache
 def piece_count(spec) -> int:
-    """How many pieces the model ``spec`` (an ``estimate.ModelSpec``) builds can be split into (meta device)."""
+    """How many pieces the model ``spec`` (a ``model_trace.ModelSpec``) builds can be split into (meta device)."""
     with torch.device("meta"):
         return len(pieces_of(spec.build()))
 
 
 @functools.cache
 def split_for_spec(spec, stages: int, balance: str, split_points: tuple[str, ...]) -> Split:
-    """The split of the model ``spec`` (an ``estimate.ModelSpec``) builds, costed on the meta device."""
+    """The split of the model ``spec`` (a ``model_trace.ModelSpec``) builds, costed on the meta device."""
     with torch.device("meta"):
         model = spec.build()
     return split_model(

@@ -50,7 +50,7 @@ FORWARD_SHARE = 1.0 / 3.0
 
 
 def precision_key(precision: str, tf32: bool = False) -> str:
-    """The peak-table key of a precision's compute dtype (as ``metrics.peak_flops``)."""
+    """The peak-table key of a precision's compute dtype (as ``environment.peak_flops``)."""
     if precision == "fp64":
         return "fp64"
     if "bf16" in precision:
