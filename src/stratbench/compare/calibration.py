@@ -45,6 +45,12 @@ from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError
 from stratbench.launching.launch import threads_per_process
 from stratbench.measuring.hardware import resolve
+from stratbench.measuring.records import (
+    CALIBRATION_KINDS,
+    CalibrationRecord,
+    RecordError,
+    calibration_problem,
+)
 from stratbench.predicting.projection import method_run_refused
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 
@@ -57,7 +63,7 @@ CALIBRATION_STEPS = 30
 """Steps of each calibration train run (or the cell's own max_steps when smaller); 3 are warm-up by default."""
 PROBE_SIZES_CPU = "1KiB,16KiB,128KiB,1MiB,4MiB"
 """Probe payloads on a CPU (the quick preset's gradients are < 1 MiB; gloo at 32 MiB costs seconds per size)."""
-KINDS = ("probe", "single", "method")
+KINDS = CALIBRATION_KINDS
 """What a calibration run measures: this machine's links (probe), the baseline method's efficiency and fixed
 overhead (single, after the baseline's name: the kind calibration.jsonl records), one method's own overhead."""
 PROBE, SINGLE, METHOD = KINDS
@@ -320,32 +326,18 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
 # the report's side
 
 
-def record_problem(rec: dict[str, Any]) -> str | None:
-    """What makes ``rec`` (a line of calibration.jsonl) no calibration record the report can read; None: it is
-    one. Its train results are checked where they are used (``projection.calibrate``: a bad one is a row's n/a)."""
-    cal = rec.get("calibration")
-    if "id" not in rec or not isinstance(cal, dict):
-        return "not a calibration record (no 'id' and 'calibration')"
-    if cal.get("kind") not in KINDS:
-        return f"calibration kind {cal.get('kind')!r} is not one of {', '.join(KINDS)}"
-    if not isinstance(cal.get("for"), list) or not all(isinstance(c, str) for c in cal["for"]):
-        return "its calibration 'for' is not a list of cell ids"
-    if not isinstance(cal.get("nproc", 1), int) or not isinstance(cal.get("profile", ""), str):
-        return "its calibration 'nproc' is not a whole number or its 'profile' not a path"
-    return None
-
-
 def load_calibration_records(folder: str | Path) -> list[dict[str, Any]]:
     """The latest record of each calibration run of a sweep folder, its probe profile's path made absolute
     (``profile_path``), so that a report merging several folders finds each one's files."""
     folder = Path(folder)
     out = []
     for rec in load_records(folder, CALIBRATION).values():
-        if record_problem(rec):
+        try:
+            parsed = CalibrationRecord.from_dict(rec)
+        except RecordError:
             continue
-        cal = rec["calibration"]
-        if cal.get("profile"):
-            rec = {**rec, "profile_path": str((folder / cal["profile"]).resolve())}
+        if parsed.profile:
+            rec = {**rec, "profile_path": str((folder / parsed.profile).resolve())}
         out.append(rec)
     return out
 
@@ -408,4 +400,4 @@ def check_results_file(folder: Path) -> None:
     it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
     append drops it (``runner.append_record``)."""
     check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
-    check_records(folder / CALIBRATION, record_problem)
+    check_records(folder / CALIBRATION, calibration_problem)
