@@ -29,7 +29,12 @@ from pathlib import Path
 from stratbench.strategies.deepspeed import _nvme_unavailable, extensions_cache_dir
 
 LOAD = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
-BUILD = f"""import os
+BUILD = f"""import ctypes, os, signal
+try:  # interrupted when the test session dies, however it dies (PR_SET_PDEATHSIG): no build outlives it
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # also where a shell started us with SIGINT ignored
+    ctypes.CDLL(None).prctl(1, int(signal.SIGINT), 0, 0, 0)
+except (OSError, AttributeError):
+    pass
 try:  # the lowest weight for this session's scheduler group (Linux autogroup), where there is one
     with open("/proc/self/autogroup", "w") as f:
         f.write("19")
