@@ -4,7 +4,7 @@ that runs on this machine. Writes benchmarks/comm_volume_<device>_<date>.md.
     python benchmarks/comm_volume.py [--width 8] [--precision fp32] [--out DIR]
 
 Each method trains the test problem (tinynet, digits, global batch 32) for 4 steps with --comm-volume; the
-collectives of step 3 are recorded (torch.profiler) and compared per kind with Strategy.comm_model.
+collectives of step 3 are recorded (torch.profiler) and compared per kind with the method's CostModel.comm_model.
 """
 
 from __future__ import annotations

@@ -502,7 +502,7 @@ def project(
     if rows is None:
         out.status, out.reason = (
             "no model",
-            f"{cfg.strategy} has no communication model (Strategy.comm_model)",
+            f"{cfg.strategy} has no communication model (CostModel.comm_model)",
         )
         return out
     flops = model_flops(cfg)
@@ -516,7 +516,7 @@ def project(
         return out
     eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
-    # a pipeline's busiest stage and its bubble (Strategy.compute_scale); 1 for whole-model methods
+    # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
     flops_on_path = flops * samples * (1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0)
     forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), peak * eff,
                                  overhead, cal)  # fmt: skip
