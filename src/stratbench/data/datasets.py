@@ -18,7 +18,7 @@ from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
-from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler, virtual_rank_order  # noqa: F401
+from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
 from stratbench.models._torchvision import import_torchvision
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")

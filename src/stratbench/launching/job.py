@@ -14,7 +14,7 @@ from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.core.config import TrainConfig
-from stratbench.core.dist import read_env
+from stratbench.core.dist import needs_launch, read_env
 from stratbench.core.errors import CheckpointError, ConfigError, StratbenchError, is_out_of_memory
 from stratbench.core.lock import held_here, output_lock
 from stratbench.core.tables import fmt_bytes
@@ -32,7 +32,7 @@ def run_job(cfg: TrainConfig, worker: bool = False) -> dict[str, Any] | None:
     # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
     check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
     check_memory(cfg)
-    if launch.needs_launch(cfg):
+    if needs_launch(cfg):
         # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
         started_at = time.time() - 1.0  # file times may be coarser than time.time()
         with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():

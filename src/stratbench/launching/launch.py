@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from stratbench.core.config import TrainConfig, dump_yaml
-from stratbench.core.dist import free_port, needs_launch  # noqa: F401  (job.py asks launch.needs_launch)
+from stratbench.core.dist import free_port
 from stratbench.core.errors import StratbenchError
 from stratbench.launching._torchrun import ERROR_FILE_ENV
 

@@ -41,7 +41,7 @@ from stratbench.core.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
-from stratbench.core.optim import OptimizerSpec, lr_lambda, optimizer_spec  # noqa: F401
+from stratbench.core.optim import lr_lambda, optimizer_spec
 from stratbench.core.precision import SPECS, Precision, configure_tf32, supported_on
 from stratbench.core.progress import progress_bar
 from stratbench.data.datasets import (
