@@ -103,6 +103,22 @@ def leftovers(out: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name != "last" and not p.name.startswith("step-"))
 
 
+def swap_pair(out: Path) -> tuple[Path, Path] | str:
+    """The entries a swap kill uses: ``newer``, the one ``last`` points at, and ``older``, the step before it.
+    Not simply the two newest entries: a kill after a save's rename and before ``last`` moved leaves a complete
+    newer entry that ``last`` does not name; a swap of that one leaves ``last`` whole, and resume rightly takes
+    it, not the ``.old`` copy."""
+    last = out / "checkpoints" / "last"
+    names = sorted(p.name for p in (out / "checkpoints").glob("step-*"))
+    if not last.exists():
+        return f"no `last` to take the swap pair from: {names}"
+    newer = last.resolve()
+    older = newer.with_name(f"step-{int(newer.name[5:]) - 1:08d}")
+    if not older.exists():
+        return f"no step entry before {newer.name} to resume from: {names}"
+    return older, newer
+
+
 # ---- two ways to start a run -----------------------------------------------------------------------------
 class ProcessRun:
     """``stratbench train`` as the user runs it (launcher, torchrun, workers)."""
@@ -204,13 +220,14 @@ def kill_chain(
         records.append(rec)
         args, env = [*base, "--resume"], {}
         if rec.kind == "swap":
-            entries = sorted((out / "checkpoints").glob("step-*"))
-            if len(entries) < 2 or int(entries[-1].name[5:]) != int(entries[-2].name[5:]) + 1:
-                rec.problems.append(f"no two consecutive step entries to swap: {[p.name for p in entries]}")
+            pair = swap_pair(out)
+            if isinstance(pair, str):
+                rec.problems.append(pair)
                 return records
+            older, newer = pair
             # Resume from the older entry: the first save re-writes the newer one, a swap with a previous entry.
-            rec.resumed_from, rec.delay_s = int(entries[-2].name[5:]), 0.0
-            args, env = [*base, "--resume-from", str(entries[-2])], {SWAP_ENV: entries[-1].name}
+            rec.resumed_from, rec.delay_s = int(older.name[5:]), 0.0
+            args, env = [*base, "--resume-from", str(older)], {SWAP_ENV: newer.name}
         run = runs.start(out, args, nproc, env)
         if rec.kind == "swap":
             try:

@@ -581,3 +581,17 @@ def test_a_rank_that_only_saw_its_peer_vanish_is_not_the_reason(tmp_path):
         raise_failed(TrainConfig(output=str(out), nproc=2), 1)
     result = json.loads((out / "result.json").read_text())
     assert result["status"] == "failed" and "killed" in result["reason"] and "Connection closed by peer" in result["reason"]
+
+
+def test_swap_kill_pairs_the_entry_last_names_with_the_step_before_it(tmp_path):
+    """A kill after a save's rename and before `last` moved leaves a newer entry `last` does not name (step 14
+    here): the swap kill must re-write the entry `last` names, so that resume has to read its `.old` copy."""
+    fi = _fault_injection()
+    folder = tmp_path / "checkpoints"
+    for step in (12, 13, 14):
+        (folder / f"step-{step:08d}").mkdir(parents=True)
+    (folder / "last").symlink_to("step-00000013")
+    older, newer = fi.swap_pair(tmp_path)
+    assert (older.name, newer.name) == ("step-00000012", "step-00000013")
+    (folder / "step-00000012").rmdir()
+    assert "no step entry before step-00000013" in fi.swap_pair(tmp_path)
