@@ -2,7 +2,8 @@
 
 The commands are read from README.md (the first code block under each of ``SECTIONS``; ``\\`` continuation lines
 joined, ``# ...`` comments dropped), never copied here, so the check follows the README. Each line runs in order
-through bash (tilde expansion as in a shell) in one fresh temporary working folder, with:
+through bash (tilde expansion as in a shell) in one fresh temporary working folder (``--jobs 2``, as the test: two
+lines at a time where they touch no common file or folder, ``dependencies``), with:
 
 - a clean environment (``clean_env``): the ``stratbench`` console script pip installed on PATH, a fresh HOME, a
   UTF-8 locale, and nothing else: no PYTHONPATH, so neither the repository nor the working folder is on
@@ -44,6 +45,8 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -489,6 +492,7 @@ class Line:
     outcome: str = ""
     tail: list[str] = field(default_factory=list)
     refusal: str = ""
+    script: str = ""  # a python line: the script's text (what it touches is read from it)
 
     @property
     def run_as(self) -> str:
@@ -547,22 +551,105 @@ def run_line(line: Line, work: Path, env: dict[str, str], logs: Path, timeout: f
         line.tail = lines[-15:]
 
 
+DEFAULT_OUTPUTS = {"train": "runs/train", "probe": "probe.yaml"}
+"""Where a command writes when its line names no --output (compare: runs/compare-PRESET)."""
+_PATHLIKE = re.compile(r"[/~]|\.(pt|pth|onnx|safetensors|csv|ya?ml|json|png|jpe?g|py)$")
+
+
+def _place(token: str) -> str | None:
+    """The file or folder of the user's a token names, as far as lines can share it: the first two parts of a path
+    (``runs/ddp/checkpoints/last`` -> ``runs/ddp``), the module file of ``mod:fn``; None for a token that names
+    none (a number, a model name, a size)."""
+    if token.startswith("-") or not token:
+        return None
+    if re.fullmatch(r"[A-Za-z_][\w.]*:[A-Za-z_]\w*", token):
+        return token.split(":")[0].replace(".", "/") + ".py"
+    if not _PATHLIKE.search(token):
+        return None
+    return "/".join(Path(token.removeprefix("./")).parts[:2])
+
+
+def touches(line: Line) -> set[str] | None:
+    """The files and folders of the user's that ``line`` reads or writes (named in it, or a command's default
+    output); None for a line that is not a stratbench command and whose files are not known (a barrier)."""
+    if line.script:  # a python script: the paths of its string literals
+        return {p for lit in re.findall(r"[\"']([^\"'\s]+)[\"']", line.script) if (p := _place(lit))}
+    try:
+        argv = tour_argv(line.run_as)
+    except ValueError:
+        return None
+    places = {p for tok in argv[1:] for part in tok.split("=", 1)[-1:] if (p := _place(part))}
+    if not flag_value(argv, "--output"):
+        preset = flag_value(argv, "--preset")
+        default = DEFAULT_OUTPUTS.get(argv[0])
+        if argv[0] == "compare" and preset:
+            default = f"runs/compare-{preset}"
+        if default:
+            places.add(default)
+    return places
+
+
+def dependencies(lines: list[Line]) -> dict[int, set[int]]:
+    """For each line, the earlier lines it must wait for: those touching a file or folder it touches (a later line
+    reads what an earlier one wrote, as the user's would; two lines never write one place at once). A line whose
+    files are unknown waits for every earlier line, and every later line waits for it."""
+    deps: dict[int, set[int]] = {}
+    for i, line in enumerate(lines):
+        mine = touches(line)
+        deps[line.n] = set()
+        for earlier in lines[:i]:
+            theirs = touches(earlier)
+            if mine is None or theirs is None or mine & theirs:
+                deps[line.n].add(earlier.n)
+    return deps
+
+
+def run_lines(
+    lines: list[Line], work: Path, env: dict[str, str], logs: Path, timeout: float, jobs: int = 1,
+    announce: Callable[[Line, bool], None] | None = None,
+) -> None:  # fmt: skip
+    """Run the lines, ``jobs`` at a time: each starts, in README order, once the lines it depends on have ended
+    (``dependencies``). ``announce(line, ended)`` is called as each line starts and ends."""
+    deps, done = dependencies(lines), set()
+    pending = list(lines)
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        running: dict[Future, Line] = {}
+        while pending or running:
+            ready = [ln for ln in pending if deps[ln.n] <= done]
+            for line in ready[: max(1, jobs) - len(running)]:
+                pending.remove(line)
+                if announce:
+                    announce(line, False)
+                running[pool.submit(run_line, line, work, env, logs, timeout)] = line
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                fut.result()
+                line = running.pop(fut)
+                done.add(line.n)
+                if announce:
+                    announce(line, True)
+
+
 PYTHON_SECTION = "### From Python"
 
 
 def python_line(readme: str, work: Path, n: int) -> Line:
     """The README's "From Python" block as the script a user saves in their folder (``nb.py``), as a line to run
     with the venv's ``python``."""
-    (work / "nb.py").write_text("\n".join(tour_block(readme, PYTHON_SECTION)) + "\n")
-    return Line(n, "python nb.py")
+    script = "\n".join(tour_block(readme, PYTHON_SECTION)) + "\n"
+    (work / "nb.py").write_text(script)
+    return Line(n, "python nb.py", script=script)
 
 
 class Tour:
     """The tour (``FAST`` shrinks, then the "From Python" block) in ``root`` as tests/readme/test_readme_tour.py runs
-    it: fixtures, then every line in order; each line's outcome is on it, its output in ``logs``."""
+    it: fixtures, then every line, ``jobs`` at a time where they share no file (``run_lines``); each line's
+    outcome is on it, its output in ``logs``."""
 
-    def __init__(self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST) -> None:
-        self.root, self.readme = Path(root), Path(readme).read_text()
+    def __init__(
+        self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST, jobs: int = 2
+    ) -> None:
+        self.root, self.readme, self.jobs = Path(root), Path(readme).read_text(), jobs
         self.commands = tour_commands(self.readme)
         self.lines = plan_lines(self.commands, shrinks)
         self.env: dict[str, str] = {}
@@ -579,8 +666,7 @@ class Tour:
         self.env, _ = make_fixtures(self.root, self.commands, cifar=(40, 8))
         self.logs.mkdir()
         self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1))
-        for line in self.lines:
-            run_line(line, self.work, self.env, self.logs, timeout)
+        run_lines(self.lines, self.work, self.env, self.logs, timeout, jobs=self.jobs)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -704,6 +790,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stop-after", type=int, help="run only the first N lines (debugging)")
     ap.add_argument("--note", default="", help="a paragraph for the report (e.g. what earlier runs found)")
     ap.add_argument("--fast", action="store_true", help="the test's shrinks (FAST): every line, a few steps each")
+    ap.add_argument("--jobs", type=int, default=1, help="lines run at once where they share no file (default 1)")
     args = ap.parse_args(argv)
 
     commands = tour_commands(Path(args.readme).read_text())
@@ -718,12 +805,16 @@ def main(argv: list[str] | None = None) -> int:
         logs = root / "logs"
         logs.mkdir()
         t0 = time.monotonic()
-        for ln in lines:
-            print(f"[{ln.n}/{len(lines)}] {ln.run_as}", flush=True)
-            run_line(ln, root / "work", env, logs, args.timeout)
-            print(f"    -> {ln.outcome} (exit {ln.rc}, {ln.seconds:.1f} s)", flush=True)
+
+        def announce(ln: Line, ended: bool) -> None:
+            if not ended:
+                print(f"[{ln.n}/{len(lines)}] {ln.run_as}", flush=True)
+                return
+            print(f"    [{ln.n}] -> {ln.outcome} (exit {ln.rc}, {ln.seconds:.1f} s)", flush=True)
             for t in ln.tail:
                 print(textwrap.indent(t, "       "), flush=True)
+
+        run_lines(lines, root / "work", env, logs, args.timeout, args.jobs, announce)
         total = time.monotonic() - t0
     finally:
         if not args.keep:

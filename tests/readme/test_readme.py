@@ -128,3 +128,27 @@ def test_what_a_line_reads_an_earlier_line_wrote(parser):
         for path in writes:
             if path:
                 written[_run_folder(path)] = n
+
+
+def test_tour_lines_that_share_a_file_run_in_order_and_the_others_side_by_side():
+    """The test runs the tour two lines at a time (readme_tour.run_lines): a line waits for every earlier line
+    touching a file or folder it names (what it reads was written as the user's would be), no two lines write one
+    place at once, and a line whose files are unknown waits for all before it."""
+    import readme_tour as rt
+
+    lines = rt.plan_lines(TOUR, rt.FAST)
+    deps = rt.dependencies(lines)
+
+    def n(prefix: str) -> int:
+        return next(ln.n for ln in lines if ln.command.startswith(prefix))
+
+    assert n("stratbench train --strategy fsdp") in deps[n("stratbench consolidate runs/fsdp")]
+    assert n("stratbench consolidate") in deps[n("stratbench evaluate --checkpoint model.pt")]
+    ddp = [ln.n for ln in lines if "--output runs/ddp" in ln.command]
+    assert len(ddp) == 2 and set(ddp) <= deps[n("stratbench predict --checkpoint runs/ddp")]
+    assert n("stratbench compare --preset quick --output runs/quick") in deps[n("stratbench report runs/quick")]
+    plain = [ln.n for ln in lines if ln.command.startswith("stratbench train") and "--output" not in ln.command]
+    assert all(set(plain[:i]) <= deps[m] for i, m in enumerate(plain))  # one after another in runs/train
+    assert not deps[n("stratbench estimate")] and not deps[n("stratbench compare --preset quick --calibrate")]
+    late = [rt.Line(1, "stratbench list"), rt.Line(2, "cp a b"), rt.Line(3, "stratbench list")]
+    assert rt.dependencies(late) == {1: set(), 2: {1}, 3: {2}}

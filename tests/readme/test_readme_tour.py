@@ -2,7 +2,8 @@
 a new user runs them: the ``stratbench`` console script pip installed (and the venv's ``python``), from an empty
 folder of their own holding only the files the README assumes (their modules, configs, data, images), in a clean
 environment (PATH, HOME and a locale; no PYTHONPATH, so neither the repository nor the folder is on ``sys.path``
-unless stratbench puts it there). Each line must exit 0, or, where it needs a GPU, be refused in one line. The
+unless stratbench puts it there), two lines at a time where they share no file (a line that reads what another
+writes waits for it). Each line must exit 0, or, where it needs a GPU, be refused in one line. The
 README tests once passed while two of these lines failed for a user: the test runner had put the folder on
 ``sys.path``.
 
