@@ -79,7 +79,7 @@ class Metrics:
     throughput_samples_per_s: float | None = None
     step_time_median_s: float | None = None
     step_time_mean_s: float | None = None
-    """Where a run has no median (older records), the projection's calibration takes the mean step."""
+    """What the projection's calibration takes where a run recorded no readable median."""
     val_accuracy: float | None = None
     final_loss: float | None = None
     mfu: float | None = None
