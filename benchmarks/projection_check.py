@@ -88,6 +88,7 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
     from stratbench.compare.runner import SweepRunner
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.measuring.hardware import resolve
+    from stratbench.measuring.records import RunRecord
     from stratbench.predicting.projection import calibrate, method_key, project
 
     matrix, todo = cells()
@@ -117,7 +118,7 @@ def one_repeat(rep: int, out: Path, args: argparse.Namespace) -> dict:
             f"not calibrated: {rec['reason'][:160]}"  # fmt: skip
     system = resolve(by_kind["probe"][0]["cell_dir"] + "/probe.yaml")
     ok = [rec for rec in by_kind["single"] + by_kind["method"] if rec["status"] == "ok"]
-    calibration = calibrate(ok, system, [rec["id"] for rec in ok])
+    calibration = calibrate([RunRecord.from_dict(rec) for rec in ok], system, [rec["id"] for rec in ok])
     # 3. predictions, written before anything is measured
     predictions = {}
     for cell in todo:

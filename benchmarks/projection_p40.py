@@ -15,6 +15,7 @@ import math
 
 from stratbench.core.config import TrainConfig
 from stratbench.measuring.hardware import builtin
+from stratbench.measuring.records import RunRecord
 from stratbench.predicting.projection import calibrate, project
 
 # Table A (shared/SEED_DIGEST.md): method -> (stratbench strategy, options, optimizer, published seconds for 5 epochs)
@@ -56,7 +57,7 @@ def main() -> None:
         "environment": {"device_type": "cuda", "gpus": ["Tesla P40"]},
         "metrics": {"step_time_median_s": single_step},
     }  # fmt: skip
-    cal = calibrate([result], system, ["table A row 1 (1 GPU fp32, 1979 s)"])
+    cal = calibrate([RunRecord.from_dict(result)], system, ["table A row 1 (1 GPU fp32, 1979 s)"])
     c = cal["fp32"]
     print(f"calibration: {STEPS} steps, {single_step * 1e3:.1f} ms/step -> {c.efficiency:.1%} of the P40's "
           f"{system.gpu.peak('fp32') / 1e12:.2f} TFLOP/s fp32")  # fmt: skip

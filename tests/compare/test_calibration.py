@@ -29,6 +29,7 @@ from stratbench.compare.matrix import Plan, build_matrix, plan
 from stratbench.compare.report import Report, render_sweeps, write_report
 from stratbench.compare.runner import SweepRunner, load_records
 from stratbench.launching.launch import threads_per_process
+from stratbench.measuring.records import CalibrationRecord, RunRecord
 from stratbench.predicting import projection
 
 BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 1, "max_steps": 3,
@@ -239,16 +240,20 @@ def _rec(id_: str, method: str, world: int, step_s: float, batch: int = 32, prec
                         "train_time_s": 1.0}}  # fmt: skip
 
 
-def _calibrated_sweep(folder: Path, method_status: str = "ok") -> tuple[list[dict], list[dict]]:
+def _calibrated_sweep(
+    folder: Path, method_status: str = "ok", **method_run
+) -> tuple[list[dict], list[CalibrationRecord]]:
     """single and ddp cells (fp32), and the calibration compare --calibrate records for them: a probe, single at
-    batches 16 and 32 (1 thread), ddp on one process at 16 (written to FOLDER as a sweep would)."""
+    batches 16 and 32 (1 thread), ddp on one process at 16 (``method_run``: fields of its line replaced),
+    written to FOLDER as a sweep would."""
     cells = [_rec("single_c", "single", 1, 0.012), _rec("ddp_c", "ddp", 2, 0.015)]
     served = ["ddp_c", "single_c"]
     runs = [
         _rec("s16", "single", 1, 0.020, 16, threads=1) | {"calibration": {"kind": "single", "for": served}},
         _rec("s32", "single", 1, 0.030, 32, threads=1) | {"calibration": {"kind": "single", "for": served}},
         _rec("d16", "ddp", 1, 0.024, 16, threads=1) | {"calibration": {"kind": "method", "for": ["ddp_c"]},
-                                                       "status": method_status, "reason": "exited with code 1"},
+                                                       "status": method_status,
+                                                       "reason": "exited with code 1", **method_run},
         {"id": "probe-w2", "status": "ok", "reason": "", "machine": {"hostname": "box"},
          "calibration": {"kind": "probe", "for": served, "nproc": 2, "profile": "calibration/probe-w2/probe.yaml"}},
     ]  # fmt: skip
@@ -264,12 +269,12 @@ def _calibrated_sweep(folder: Path, method_status: str = "ok") -> tuple[list[dic
 def test_report_predicts_from_the_calibration_runs_and_probe(tmp_path):
     cells, cal = _calibrated_sweep(tmp_path)
     profile = str(tmp_path / "calibration/probe-w2/probe.yaml")
-    basis = basis_for(cells[1], cal)
+    basis = basis_for(RunRecord.from_dict(cells[1]), cal)
     assert (
         basis
         and not basis.problem
         and basis.profile == profile
-        and [r["id"] for r in basis.runs] == ["s16", "s32", "d16"]
+        and [r.id for r in basis.runs] == ["s16", "s32", "d16"]
     )
     # by hand: calibrate on the runs, project ddp on 2 processes of the probe's system
     from stratbench.core.config import TrainConfig, from_dict
@@ -321,13 +326,35 @@ def test_failed_or_missing_calibration_gives_a_reason_not_a_number(tmp_path):
     assert {r["predicted_step_s"] for r in csv.DictReader(paths["csv"].open())} == {"n/a"}
     # a cell that no calibration run names (added later), and a CPU sweep without calibration: uncalibrated
     late = _rec("late", "fsdp", 2, 0.03)
-    assert basis_for(late, cal) is None
+    assert basis_for(RunRecord.from_dict(late), cal) is None
     paths = write_report(Report("t", [*cells, late], ["x"]), tmp_path / "u")
     assert {r["predicted_step_s"] for r in csv.DictReader(paths["csv"].open())} == {"n/a"}
     assert "uncalibrated" in paths["md"].read_text() and "--calibrate" in paths["md"].read_text()
     # a method run with no run at all of its method (only singles name it): the missing run is named
     _probe_yaml(tmp_path / "calibration/probe-w2/probe.yaml")
-    no_method = [c for c in cal if c["id"] != "d16"]
-    assert "no one-process calibration run of ddp" in basis_for(cells[1], no_method).problem
+    no_method = [c for c in cal if c.run.id != "d16"]
+    ddp = RunRecord.from_dict(cells[1])
+    assert "no one-process calibration run of ddp" in basis_for(ddp, no_method).problem
     # another machine's calibration runs are not this machine's
-    assert basis_for(cells[1] | {"machine": {"hostname": "elsewhere"}}, cal) is None
+    assert basis_for(RunRecord.from_dict(cells[1] | {"machine": {"hostname": "elsewhere"}}), cal) is None
+
+
+def test_a_bad_typed_field_of_a_calibration_run_reads_as_not_recorded(tmp_path):
+    """A calibration line whose measures have the wrong type (its step time a string, its environment a list)
+    parses: the step time is not recorded, so the row that run serves says so (n/a and the reason) while the
+    rows it does not serve keep their prediction; the report is written, not stopped."""
+    cells, cal = _calibrated_sweep(tmp_path, metrics={"step_time_median_s": "fast"}, environment=["cpu"])
+    d16 = next(c.run for c in cal if c.run.id == "d16")
+    assert d16.metrics.step_time_median_s is None and d16.environment == {}
+    paths = write_report(Report("t", cells, ["x"], calibration=cal), tmp_path / "r")
+    rows = {r["method"]: r for r in csv.DictReader(paths["csv"].open())}
+    assert rows["ddp"]["predicted_step_s"] == "n/a" and float(rows["single"]["predicted_step_s"]) > 0
+    why = "n/a (predicted step): d16: no measured step time (metrics.step_time_median_s)"
+    assert why in paths["md"].read_text()
+    # the same run with its mean step recorded (where it has no readable median) calibrates the row
+    mean = {"step_time_median_s": "fast", "step_time_mean_s": 0.024}
+    cells, cal = _calibrated_sweep(tmp_path / "mean", metrics=mean)
+    paths = write_report(Report("t", cells, ["x"], calibration=cal), tmp_path / "mean-r")
+    rows = {r["method"]: r for r in csv.DictReader(paths["csv"].open())}
+    assert "ddp: +4.0 ms per step beyond `single`" in rows["ddp"]["predicted_step_basis"]
+    assert float(rows["ddp"]["predicted_step_s"]) > 0

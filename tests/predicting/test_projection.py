@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import yaml
@@ -13,6 +14,7 @@ import yaml
 from stratbench.core.config import TrainConfig
 from stratbench.measuring import hardware
 from stratbench.measuring.hardware import HardwareError
+from stratbench.measuring.records import RunRecord
 from stratbench.predicting import projection
 
 TINY = {
@@ -269,12 +271,15 @@ def test_overlap_hides_backward_comm_up_to_the_stated_fraction():
     assert ds.overlap == 0.0
 
 
-def _result(cfg: TrainConfig, step_s: float, device: str = "Tesla P40") -> dict:
-    return {
+def _result(
+    cfg: TrainConfig, step_s: float, device: str = "Tesla P40", env: dict | None = None, **fields
+) -> RunRecord:
+    """A calibration run's record (a result.json parsed); ``fields`` replace its own (e.g. world_size)."""
+    return RunRecord.from_dict({
         "status": "ok", "world_size": 1, "config": cfg.to_dict(),
-        "environment": {"device_type": "cuda", "gpus": [device]},
+        "environment": env or {"device_type": "cuda", "gpus": [device]},
         "metrics": {"step_time_median_s": step_s},
-    }  # fmt: skip
+    } | fields)  # fmt: skip
 
 
 def test_calibration_from_one_run_and_from_two_batch_sizes():
@@ -314,10 +319,8 @@ def test_cpu_calibration_counts_the_threads_of_the_run_against_the_all_core_peak
     s = dataclasses.replace(s, compute_share=0.5)
     cfg = tiny_cfg(batch_size=32)
 
-    def run(threads: int) -> dict:
-        r = _result(cfg, 0.02)
-        r["environment"] = {"device_type": "cpu", "torch_threads": threads, "cpu_count": 2}
-        return r
+    def run(threads: int) -> RunRecord:
+        return _result(cfg, 0.02, env={"device_type": "cpu", "torch_threads": threads, "cpu_count": 2})
 
     all_cores = projection.calibrate([run(2)], s)["fp32"]
     one = projection.calibrate([run(1)], s)["fp32"]
@@ -342,10 +345,9 @@ def test_cpu_contention_from_the_probe_slows_flops_and_fixed_overhead_alike():
     )
     cfg = tiny_cfg()
 
-    def run(batch: int, step: float) -> dict:
-        r = _result(cfg.replace(batch_size=batch), step)
-        r["environment"] = {"device_type": "cpu", "torch_threads": 1, "cpu_count": 2}
-        return r
+    def run(batch: int, step: float, threads: int = 1, cores: int = 2) -> RunRecord:
+        env = {"device_type": "cpu", "torch_threads": threads, "cpu_count": cores}
+        return _result(cfg.replace(batch_size=batch), step, env=env)
 
     cal = projection.calibrate([run(32, 0.030), run(64, 0.050)], s)["fp32"]
     assert cal.thread_share == 0.6 and cal.overhead_s > 0
@@ -354,8 +356,7 @@ def test_cpu_contention_from_the_probe_slows_flops_and_fixed_overhead_alike():
     assert p.compute_s == pytest.approx((0.030 - t_opt) * 0.6 / 0.3, rel=1e-6)
     assert p.overhead_s == pytest.approx(cal.overhead_s * 2)
     # a 1-thread calibration counted with a thread count the probe did not measure: threads / cores
-    other = projection.calibrate([run(32, 0.030) | {"environment": {"device_type": "cpu", "torch_threads": 2,
-                                                                   "cpu_count": 4}}], s)["fp32"]  # fmt: skip
+    other = projection.calibrate([run(32, 0.030, threads=2, cores=4)], s)["fp32"]
     assert other.thread_share == 0.5
 
 
@@ -372,10 +373,9 @@ def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size(
     )
     cfg = tiny_cfg()
 
-    def run(batch: int, step: float, **kw) -> dict:
-        r = _result(cfg.replace(batch_size=batch, **kw), step)
-        r["environment"] = {"device_type": "cpu", "torch_threads": 1, "cpu_count": 2}
-        return r
+    def run(batch: int, step: float, world_size: int = 1, **kw) -> RunRecord:
+        env = {"device_type": "cpu", "torch_threads": 1, "cpu_count": 2}
+        return _result(cfg.replace(batch_size=batch, **kw), step, env=env, world_size=world_size)
 
     singles = [run(32, 0.030), run(64, 0.050)]
     base = projection.calibrate(singles, s)["fp32"]
@@ -398,7 +398,7 @@ def test_a_methods_one_device_run_calibrates_its_own_overhead_on_any_world_size(
     assert projection.method_key(z3) == "deepspeed[zero_stage=3]"
     # refused: a multi-device run of the method; a method run with no `single` run of its precision
     with pytest.raises(ConfigError, match="world size 2 .*--nproc 1"):
-        projection.calibrate([*singles, run(32, 0.036, strategy="fsdp") | {"world_size": 2}], s)
+        projection.calibrate([*singles, run(32, 0.036, 2, strategy="fsdp")], s)
     with pytest.raises(ConfigError, match="`single` calibration run in bf16; give one .*: fp32"):
         projection.calibrate([*singles, run(32, 0.036, strategy="fsdp", precision="bf16-mixed")], s)
     with pytest.raises(ConfigError, match="a pipeline on one device is one stage"):
@@ -452,14 +452,43 @@ def test_calibration_refuses_what_it_cannot_use():
     from stratbench.core.errors import ConfigError
 
     s = hardware.builtin().system("p40-pcie3")
-    bad = _result(tiny_cfg(), 0.1)
     with pytest.raises(ConfigError, match="one device"):
-        projection.calibrate([bad | {"world_size": 2}], s)
+        projection.calibrate([_result(tiny_cfg(), 0.1, world_size=2)], s)
     with pytest.raises(ConfigError, match="not in the hardware profiles"):
         projection.calibrate([_result(tiny_cfg(), 0.1, device="NVIDIA RTX A1000")], s)
-    cpu = bad | {"environment": {"device_type": "cpu"}}
+    cpu = _result(tiny_cfg(), 0.1, env={"device_type": "cpu"})
     with pytest.raises(ConfigError, match="CPU run calibrates a CPU profile"):
         projection.calibrate([cpu], s)
+
+
+def test_calibrate_files_are_parsed_once_and_refused_with_one_line(tmp_path):
+    """`--calibrate FILE`: each result.json is read and parsed into a record once; a file that cannot be read,
+    is not JSON, is no result.json (no 'config'/'metrics', or not an object) or did not finish is refused with
+    one line naming it; one whose measure has the wrong type reads it as not recorded."""
+    from stratbench.core.errors import ConfigError
+
+    s = hardware.builtin().system("p40-pcie3")
+    cfg = tiny_cfg(batch_size=64)
+    good = {"status": "ok", "world_size": 1, "config": cfg.to_dict(),
+            "environment": {"device_type": "cuda", "gpus": ["Tesla P40"]},
+            "metrics": {"step_time_median_s": 0.01}}  # fmt: skip
+    files = {"good": good, "list": [good], "nocfg": {"status": "ok", "metrics": {}},
+             "failed": {**good, "status": "failed"}, "strcfg": {**good, "config": "tinynet"},
+             "strstep": {**good, "metrics": {"step_time_median_s": "10 ms"}}}  # fmt: skip
+    for name, content in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    (tmp_path / "torn.json").write_text('{"status": ')
+    loaded = projection.load_calibration([str(tmp_path / "good.json")], s)["fp32"]
+    direct = projection.calibrate([_result(cfg, 0.01)], s)["fp32"]
+    assert loaded.efficiency == pytest.approx(direct.efficiency)
+    for name, why in [("missing", "cannot read it"), ("torn", "not JSON"),
+                      ("list", "not a stratbench result.json (no 'config'/'metrics')"),
+                      ("nocfg", "not a stratbench result.json"), ("strcfg", "not a stratbench result.json"),
+                      ("failed", "the run's status is 'failed'; calibrate on a run that finished"),
+                      ("strstep", "no measured step time")]:  # fmt: skip
+        with pytest.raises(ConfigError, match="^(--calibrate )?" + re.escape(str(tmp_path / name))) as exc:
+            projection.load_calibration([str(tmp_path / f"{name}.json")], s)
+        assert why in str(exc.value) and "\n" not in str(exc.value), (name, exc.value)
 
 
 def test_more_devices_less_compute_per_device_and_memory_from_the_estimator():
@@ -601,7 +630,8 @@ def test_compare_report_shows_predicted_step_and_error(tmp_path):
     md = paths["md"].read_text()
     assert "uncalibrated. On a CPU the projection needs this machine's probe" in md and "--calibrate" in md
     assert float(rows["single", "fp32", "gpu"]["predicted_step_s"]) == pytest.approx(0.010)  # gives itself back
-    pred = projection.predict_record(records[3], records[2])
+    runs = [RunRecord.from_dict(r) for r in records]
+    pred = projection.predict_record(runs[3], runs[2])
     assert pred.step_s and pred.calibrated and pred.system == "h100-sxm"
     ddp = rows["ddp", "fp32", "gpu"]
     assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
@@ -613,8 +643,9 @@ def test_compare_report_shows_predicted_step_and_error(tmp_path):
     assert "default efficiency" in md and "h100-sxm profile" in md
     assert "predicted step (error)" in paths["html"].read_text()
     # predict_record itself, on a CPU record: calibrated on the single run on cpu-gloo, or a probe file given
-    cpu = projection.predict_record(records[1], records[0])
+    cpu = projection.predict_record(runs[1], runs[0])
     assert cpu.step_s and cpu.system == "cpu-gloo"
-    assert projection.predict_record(records[1], records[0], hardware="cpu-gloo").step_s == pytest.approx(cpu.step_s)
-    assert projection.predict_record(records[1], None).reason.startswith("no single run of this precision")
-    assert projection.predict_record(records[1], records[0], hardware="h100-sxm").step_s is None
+    given = projection.predict_record(runs[1], runs[0], hardware="cpu-gloo")
+    assert given.step_s == pytest.approx(cpu.step_s)
+    assert projection.predict_record(runs[1], None).reason.startswith("no single run of this precision")
+    assert projection.predict_record(runs[1], runs[0], hardware="h100-sxm").step_s is None

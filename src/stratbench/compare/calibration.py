@@ -21,8 +21,11 @@ says so instead of showing a number.
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import shutil
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -49,6 +52,7 @@ from stratbench.measuring.records import (
     CALIBRATION_KINDS,
     CalibrationRecord,
     RecordError,
+    RunRecord,
     calibration_problem,
 )
 from stratbench.predicting.projection import method_run_refused
@@ -265,7 +269,6 @@ def run_calibration(runner: SweepRunner, runs: list[CalibrationRun]) -> dict[str
             records[run.id] = rec
             display.end(run.what, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
     except KeyboardInterrupt:
-
         raise Interrupted("stopped between calibration runs") from None
     finally:
         display.close()
@@ -288,10 +291,6 @@ def probe_command(run: CalibrationRun, profile: Path) -> list[str]:
 
 
 def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> dict[str, Any]:
-    import shutil
-    import time
-
-
     run_dir = runner.out / CAL_DIR / run.id
     if run_dir.exists():
         shutil.rmtree(run_dir)
@@ -326,9 +325,10 @@ def _run_probe(runner: SweepRunner, run: CalibrationRun, display: Display) -> di
 # the report's side
 
 
-def load_calibration_records(folder: str | Path) -> list[dict[str, Any]]:
-    """The latest record of each calibration run of a sweep folder, its probe profile's path made absolute
-    (``profile_path``), so that a report merging several folders finds each one's files."""
+def load_calibration_records(folder: str | Path) -> list[CalibrationRecord]:
+    """The latest record of each calibration run of a sweep folder, parsed once, its probe profile's path made
+    absolute (``CalibrationRecord.profile_path``), so that a report merging several folders finds each one's
+    files. A line that is no calibration record is left out (``check_results_file`` names it)."""
     folder = Path(folder)
     out = []
     for rec in load_records(folder, CALIBRATION).values():
@@ -337,8 +337,8 @@ def load_calibration_records(folder: str | Path) -> list[dict[str, Any]]:
         except RecordError:
             continue
         if parsed.profile:
-            rec = {**rec, "profile_path": str((folder / parsed.profile).resolve())}
-        out.append(rec)
+            parsed = dataclasses.replace(parsed, profile_path=str((folder / parsed.profile).resolve()))
+        out.append(parsed)
     return out
 
 
@@ -349,48 +349,44 @@ class Basis:
 
     profile: str | None = None
     nproc: int | None = None
-    runs: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[RunRecord] = field(default_factory=list)
     problem: str = ""
 
 
-def basis_for(rec: dict[str, Any], calibration: list[dict[str, Any]]) -> Basis | None:
+def _failed(c: CalibrationRecord) -> str:
+    why = " ".join((c.run.reason or "no reason recorded").split())
+    return f"its calibration run ({c.what or c.run.id}) is {c.run.status}: {why}"
+
+
+def basis_for(rec: RunRecord, calibration: list[CalibrationRecord]) -> Basis | None:
     """The calibration runs of ``rec``'s machine made for it (``calibration.for`` names its id); None when none
     was (the sweep did not calibrate, or not this cell)."""
-    host = (rec.get("machine") or {}).get("hostname")
-    mine = [c for c in calibration if rec.get("id") in c["calibration"].get("for", [])
-            and (c.get("machine") or {}).get("hostname") == host]  # fmt: skip
+    host = rec.machine.hostname
+    mine = [c for c in calibration if rec.id in c.for_cells and c.run.machine.hostname == host]
     if not mine:
         return None
     basis = Basis()
-
-    def bad(c: dict[str, Any]) -> str:
-        why = " ".join(str(c.get("reason") or "no reason recorded").split())
-        return f"its calibration run ({c['calibration'].get('what') or c['id']}) is {c.get('status')}: {why}"
-
-    probes, singles, methods = ([c for c in mine if c["calibration"]["kind"] == kind] for kind in KINDS)
-    failed = [c for c in mine if c.get("status") != "ok"]
+    probes, singles, methods = ([c for c in mine if c.kind == kind] for kind in KINDS)
+    failed = [c for c in mine if not c.run.ok]
     if failed:
-        basis.problem = bad(failed[0]) + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+        basis.problem = _failed(failed[0]) + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
         return basis
     if not probes:
         basis.problem = "no probe of this machine was made for it (rerun with --calibrate)"
         return basis
-    profile = probes[0].get("profile_path")
+    profile = probes[0].profile_path
     if not profile or not Path(profile).is_file():
-        basis.problem = f"the probe profile {profile or probes[0]['calibration'].get('profile')} is missing"
+        basis.problem = f"the probe profile {profile or probes[0].profile or '(no path recorded)'} is missing"
         return basis
     if not singles:
         basis.problem = "no `single` calibration run was made for it (rerun with --calibrate)"
         return basis
-    world = int(rec.get("world_size") or 1)
-    if world > 1 and rec.get("method") != baseline_name() and not method_run_refused(str(rec.get("method"))) \
-            and not methods:  # fmt: skip
-        basis.problem = (
-            f"no one-process calibration run of {rec.get('label') or rec.get('method')} was made for it"
-        )
+    own_run = rec.world > 1 and rec.method != baseline_name() and not method_run_refused(str(rec.method))
+    if own_run and not methods:
+        basis.problem = f"no one-process calibration run of {rec.name} was made for it"
         return basis
-    basis.profile, basis.nproc = profile, int(probes[0]["calibration"].get("nproc") or 0)
-    basis.runs = singles + methods
+    basis.profile, basis.nproc = profile, int(probes[0].nproc or 0)
+    basis.runs = [c.run for c in singles + methods]
     return basis
 
 

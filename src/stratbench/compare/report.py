@@ -31,7 +31,7 @@ from stratbench.compare.runner import SWEEP, load_run_records
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_output, atomic_write
 from stratbench.core.tables import fmt_bytes, table_console
-from stratbench.measuring.records import Machine, RunRecord, as_run_record, number
+from stratbench.measuring.records import CalibrationRecord, Machine, RunRecord, as_run_record, number
 from stratbench.models.zoo import describe_init
 from stratbench.predicting.estimate import predict_peak_bytes
 from stratbench.predicting.projection import (
@@ -81,7 +81,7 @@ class Sweep:
     path: Path
     records: list[RunRecord]
     meta: dict[str, Any] = field(default_factory=dict)
-    calibration: list[dict[str, Any]] = field(default_factory=list)
+    calibration: list[CalibrationRecord] = field(default_factory=list)
     """Its calibration runs (compare --calibrate: calibration.jsonl), not rows of the table."""
 
 
@@ -157,7 +157,7 @@ def _mean(xs: list[Any]) -> float | None:
 
 def build_rows(
     records: list[RunRecord] | list[dict[str, Any]], notes: Footnotes, hardware: str | None = None,
-    predict: bool = True, calibration: list[dict[str, Any]] | None = None,
+    predict: bool = True, calibration: list[CalibrationRecord] | None = None,
 ) -> list[Row]:  # fmt: skip
     """Raw values and display strings for every record; baseline = the ok `single` fp32 row of the same machine.
     ``hardware``: the profile the predicted step uses (default: the sweep's probe, else the one of each record's
@@ -212,7 +212,7 @@ UNCALIBRATED_CPU = (
 
 
 def _add_predicted_step(
-    rows: list[Row], notes: Footnotes, hardware: str | None, calibration: list[dict[str, Any]]
+    rows: list[Row], notes: Footnotes, hardware: str | None, calibration: list[CalibrationRecord]
 ) -> None:
     """Beside each measured median step, what stratbench.predicting.projection predicts for it on the machine it ran on.
     Where the sweep calibrated itself (compare --calibrate) from its calibration runs and probe profile, made
@@ -231,23 +231,23 @@ def _add_predicted_step(
         _predicted_step_cell(r, notes, hardware, calibration, singles)
 
 
-def _predicted_step_cell(r: Row, notes: Footnotes, hardware: str | None, calibration: list[dict[str, Any]],
+def _predicted_step_cell(r: Row, notes: Footnotes, hardware: str | None, calibration: list[CalibrationRecord],
                          singles: dict[tuple[str, str, str], RunRecord]) -> None:  # fmt: skip
     """One completed row's prediction: from the calibration runs made for it, else (on a GPU) from its device's
     profile and the sweep's own baseline run; n/a with the reason where there is none."""
-    basis = basis_for(r.rec.fields, calibration) if calibration else None
+    basis = basis_for(r.rec, calibration) if calibration else None
     if basis is not None and basis.problem:
         r.text["predicted_step"] = "n/a" + notes.mark(f"n/a (predicted step): {basis.problem}")
     elif basis is not None:
         pred = predict_calibrated(
-            r.rec.fields, basis.runs, basis.profile or "", hardware, [c["id"] for c in basis.runs]
+            r.rec, basis.runs, basis.profile or "", hardware, [str(c.id) for c in basis.runs]
         )
         _show_prediction(r, pred, _calibrated_note(hardware, basis.nproc), notes)
     elif not r.rec.on_gpu:
         r.text["predicted_step"] = "n/a" + notes.mark(UNCALIBRATED_CPU)
     else:
         cal = singles.get(_calibration_key(r.rec))
-        pred = predict_record(r.rec.fields, cal.fields if cal else None, hardware)
+        pred = predict_record(r.rec, cal, hardware)
         _show_prediction(r, pred, _profile_note(pred), notes, calibration_row=cal is r.rec)
 
 
@@ -636,7 +636,7 @@ class Report:
     hardware: str | None = None
     """The profile of the predicted-step column (a system name or probe file); None: the sweep's probe, else each
     record's device's."""
-    calibration: list[dict[str, Any]] = field(default_factory=list)
+    calibration: list[CalibrationRecord] = field(default_factory=list)
     """The sweeps' calibration records (compare --calibrate), which the predicted-step column rests on."""
 
     def __post_init__(self) -> None:

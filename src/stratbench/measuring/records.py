@@ -78,6 +78,8 @@ class Metrics:
     train_time_s: float | None = None
     throughput_samples_per_s: float | None = None
     step_time_median_s: float | None = None
+    step_time_mean_s: float | None = None
+    """What the projection's calibration takes where a run recorded no readable median."""
     val_accuracy: float | None = None
     final_loss: float | None = None
     mfu: float | None = None
@@ -117,8 +119,8 @@ class Metrics:
 
 NUMBER_FIELDS = ("world_size", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
                  "host_load_mean", "host_cpu_count")  # fmt: skip
-NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "val_accuracy", "final_loss",
-                  "mfu", "flops_per_sample")  # fmt: skip
+NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "step_time_mean_s",
+                  "val_accuracy", "final_loss", "mfu", "flops_per_sample")  # fmt: skip
 NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
                        "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
 DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding")
@@ -204,6 +206,12 @@ class RunRecord:
         return self.environment.get("device_type") == "cuda"
 
     @property
+    def gpu_name(self) -> str:
+        """The name of the first GPU the run's environment lists ('' where none is, or the list is unreadable)."""
+        gpus = self.environment.get("gpus")
+        return str(gpus[0]) if isinstance(gpus, list) and gpus and gpus[0] is not None else ""
+
+    @property
     def model_name(self) -> str | None:
         """The model trained: the config's, else the record's own field."""
         return _text(self.config.get("model") or self.model)
@@ -284,6 +292,9 @@ class CalibrationRecord:
     """A probe's profile, relative to the sweep folder."""
     what: str = ""
     """How the sweep names the run (``single fp32 batch 32``, ...)."""
+    profile_path: str | None = None
+    """``profile`` made absolute by the reader that knows the sweep folder (``compare.calibration``), so that a
+    report merging several folders finds each one's file; None where not resolved."""
 
     @classmethod
     def from_dict(cls, d: Any) -> CalibrationRecord:

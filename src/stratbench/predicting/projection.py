@@ -40,6 +40,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.measuring.records import RunRecord, number
 from stratbench.models.flops import flops_per_sample
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
@@ -175,15 +176,26 @@ def method_key(cfg: TrainConfig) -> str:
     return cfg.strategy + "[" + ",".join(f"{k}={v}" for k, v in opts.items()) + "]"
 
 
-def _result_config(result: dict[str, Any], where: str) -> TrainConfig:
-    if result.get("status") not in (None, "ok"):
-        raise ConfigError(
-            f"{where}: the run's status is {result.get('status')!r}; calibrate on a run that finished"
-        )
-    if "config" not in result or "metrics" not in result:
-        raise ConfigError(f"{where}: not a stratbench result.json (no 'config'/'metrics')")
-    cfg = from_dict(TrainConfig, dict(result["config"]))
-    return cfg
+def _check_status(status: Any, where: str) -> None:
+    if status not in (None, "ok"):
+        raise ConfigError(f"{where}: the run's status is {status!r}; calibrate on a run that finished")
+
+
+def _not_a_result(where: str) -> ConfigError:
+    return ConfigError(f"{where}: not a stratbench result.json (no 'config'/'metrics')")
+
+
+def _result_config(rec: RunRecord, where: str) -> TrainConfig:
+    """The config a calibration run trained (a ConfigError where it did not finish or recorded none)."""
+    _check_status(rec.status, where)
+    if not rec.config:
+        raise _not_a_result(where)
+    return from_dict(TrainConfig, dict(rec.config))
+
+
+def _run_world(rec: RunRecord, cfg: TrainConfig) -> int:
+    """The processes a calibration run had: its record's world size, else its config's."""
+    return int(rec.world_size) if rec.world_size is not None else cfg.nproc
 
 
 def optimizer_bytes(
@@ -235,14 +247,14 @@ Calibrations = dict[str, Calibration]
 documented default, shown as such."""
 
 
-def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | None = None) -> Calibrations:
+def calibrate(results: list[RunRecord], system: System, names: list[str] | None = None) -> Calibrations:
     """Calibrations per precision key from measured one-device runs: those of `single` give the efficiency and
     fixed overhead (``calibrate_one``); those of another method on one device (e.g. `--strategy fsdp --nproc 1`)
     give that method's extra host time per step (``Calibration.method_overhead_s``), which a projection of the
     method then adds on any number of devices."""
     names = names or [f"result {i}" for i in range(len(results))]
     groups: dict[str, tuple[list, list]] = {}
-    methods: list[tuple[dict[str, Any], str, TrainConfig]] = []
+    methods: list[tuple[RunRecord, str, TrainConfig]] = []
     for result, name in zip(results, names, strict=True):
         cfg = _result_config(result, name)
         if cfg.strategy != baseline_name():
@@ -255,7 +267,7 @@ def calibrate(results: list[dict[str, Any]], system: System, names: list[str] | 
     extras: dict[tuple[str, str], list[float]] = {}
     for result, name, cfg in methods:
         key, mkey = precision_key(cfg.precision, cfg.tf32), method_key(cfg)
-        world = int(result.get("world_size", cfg.nproc))
+        world = _run_world(result, cfg)
         if world != 1:
             raise ConfigError(
                 f"{name}: a calibration run uses one device; this {cfg.strategy} run had world size {world}"
@@ -292,21 +304,21 @@ def method_run_refused(strategy: str) -> str | None:
     return (cls.calibration_refused or None) if cls is not None else None
 
 
-def _step_time(result: dict[str, Any], where: str) -> float:
-    step = result["metrics"].get("step_time_median_s") or result["metrics"].get("step_time_mean_s")
+def _step_time(result: RunRecord, where: str) -> float:
+    step = result.metrics.step_time_median_s or result.metrics.step_time_mean_s
     if not step:
         raise ConfigError(f"{where}: no measured step time (metrics.step_time_median_s)")
     return float(step)
 
 
-def _thread_share(result: dict[str, Any], system: System) -> float:
+def _thread_share(result: RunRecord, system: System) -> float:
     """The share of a CPU profile's all-core peak a run's process had (1.0 on a GPU)."""
-    env = result.get("environment", {})
-    if env.get("device_type") == "cuda" or system.gpu.kind != "cpu":
+    if result.on_gpu or system.gpu.kind != "cpu":
         return 1.0
     # A CPU profile's peak is a matmul on every core; a run with fewer threads had that share of it.
     # The probe measured that share for its processes' thread count; other counts get threads / cores.
-    threads, cores = env.get("torch_threads"), env.get("cpu_count")
+    env = result.environment
+    threads, cores = number(env.get("torch_threads")), number(env.get("cpu_count"))
     if threads and threads == system.threads_per_process and system.thread_share:
         return system.thread_share
     if threads and cores and threads < cores:
@@ -314,7 +326,7 @@ def _thread_share(result: dict[str, Any], system: System) -> float:
     return 1.0
 
 
-def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: dict[str, Any]) -> float:
+def _single_step(cfg: TrainConfig, cal: Calibration, system: System, result: RunRecord) -> float:
     """What ``cal`` predicts for `single` at ``cfg``'s batch, precision and threads: one device, no method."""
     flops = model_flops(cfg)
     if not flops:
@@ -335,9 +347,7 @@ def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float
     return work, dev_bytes / gpu.memory_bandwidth
 
 
-def calibrate_one(
-    results: list[dict[str, Any]], system: System, names: list[str] | None = None
-) -> Calibration:
+def calibrate_one(results: list[RunRecord], system: System, names: list[str] | None = None) -> Calibration:
     """Achieved efficiency from measured single-device runs of one model and precision. One run: efficiency =
     FLOPs x batch / ((step time - modelled optimizer step) x peak). Runs at two or more batch sizes: a
     least-squares line step = overhead + batch x FLOPs / (peak x efficiency), which also gives the fixed
@@ -352,7 +362,7 @@ def calibrate_one(
     shares: set[float] = set()
     for result, where in zip(results, names, strict=True):
         cfg = _result_config(result, where)
-        world = int(result.get("world_size", cfg.nproc))
+        world = _run_world(result, cfg)
         if world != 1:
             raise ConfigError(
                 f"{where}: a calibration run must use one device (world size {world}); run --strategy single"
@@ -392,17 +402,16 @@ def calibrate_one(
     )
 
 
-def _run_device(result: dict[str, Any], where: str, system: System) -> Gpu:
+def _run_device(result: RunRecord, where: str, system: System) -> Gpu:
     """The profile of the device a calibration run ran on: its GPU (``system``'s own where the names match), or
     ``system``'s CPU for a CPU run (a CPU run calibrates only a CPU profile)."""
-    env = result.get("environment", {})
-    if env.get("device_type") != "cuda":
+    if not result.on_gpu:
         if system.gpu.kind != "cpu":
             raise ConfigError(
                 f"{where}: a CPU run calibrates a CPU profile (made by `stratbench probe`), not {system.key!r}"
             )
         return system.gpu
-    dev_name = (env.get("gpus") or [""])[0]
+    dev_name = result.gpu_name
     gpu = builtin().gpu_for_device(dev_name)
     if system.gpu.kind == "cuda" and system.gpu.matches(dev_name):
         gpu = system.gpu
@@ -435,15 +444,27 @@ def _fit_points(points: list[dict[str, float]], peak: float) -> tuple[float, flo
 
 
 def load_calibration(paths: list[str], system: System) -> Calibrations:
-    results = []
+    """``--calibrate FILE...``: the calibrations from the result.json files at ``paths``, each parsed once."""
+    raw = []
     for p in paths:
         try:
-            results.append(json.loads(Path(p).read_text()))
+            raw.append(json.loads(Path(p).read_text()))
         except OSError as exc:
             raise ConfigError(f"--calibrate {p}: cannot read it ({exc.strerror})") from exc
         except json.JSONDecodeError as exc:
             raise ConfigError(f"--calibrate {p}: not JSON ({exc.msg} at line {exc.lineno})") from exc
+    results = [_result_record(r, str(p)) for r, p in zip(raw, paths, strict=True)]
     return calibrate(results, system, list(paths))
+
+
+def _result_record(raw: Any, where: str) -> RunRecord:
+    """A result.json's JSON as a record, checked first for what only the JSON shows: a result.json has its
+    ``config`` and ``metrics`` (a record reads either absent as empty)."""
+    if isinstance(raw, dict):
+        _check_status(raw.get("status"), where)
+    if not isinstance(raw, dict) or "config" not in raw or "metrics" not in raw:
+        raise _not_a_result(where)
+    return RunRecord.from_dict(raw)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -679,15 +700,14 @@ CPU_SYSTEM = "cpu-gloo"
 predicts its own rows with when no probe profile is given."""
 
 
-def system_for_record(rec: dict[str, Any], hardware: str | None = None) -> System:
+def system_for_record(rec: RunRecord, hardware: str | None = None) -> System:
     """The profile of the machine a compare record ran on: ``hardware`` (a system name or a probe file) when
     given; otherwise the built-in system of the record's GPU, or ``cpu-gloo`` on a CPU."""
     if hardware:
         return resolve(hardware)
-    env = rec.get("environment") or {}
-    if env.get("device_type") != "cuda":
+    if not rec.on_gpu:
         return builtin().system(CPU_SYSTEM)
-    name = (env.get("gpus") or [""])[0]
+    name = rec.gpu_name
     gpu = builtin().gpu_for_device(name)
     if gpu is None:
         raise ConfigError(f"GPU {name!r} is not in the hardware profiles (add it with --hardware FILE)")
@@ -712,7 +732,7 @@ class RecordPrediction:
 
 
 def predict_record(
-    rec: dict[str, Any], calibration_rec: dict[str, Any] | None, hardware: str | None = None
+    rec: RunRecord, calibration_rec: RunRecord | None, hardware: str | None = None
 ) -> RecordPrediction:
     """The projected seconds per optimizer step of a finished compare record, on the machine it ran on.
 
@@ -731,7 +751,7 @@ def predict_record(
 
 
 def predict_calibrated(
-    rec: dict[str, Any], runs: list[dict[str, Any]], profile: str, hardware: str | None = None,
+    rec: RunRecord, runs: list[RunRecord], profile: str, hardware: str | None = None,
     names: list[str] | None = None,
 ) -> RecordPrediction:  # fmt: skip
     """The projected seconds per optimizer step of a finished compare record from calibration runs made for it
@@ -747,14 +767,14 @@ def predict_calibrated(
 
 
 def _predict(
-    rec: dict[str, Any], basis: Callable[[], tuple[System, dict[str, Calibration] | None]]
+    rec: RunRecord, basis: Callable[[], tuple[System, dict[str, Calibration] | None]]
 ) -> RecordPrediction:
     """Project ``rec``'s config on the system and calibration ``basis`` gives; a ConfigError on the way (a
     config, profile or calibration that does not load) becomes the prediction's reason."""
     try:
-        cfg = from_dict(TrainConfig, dict(rec.get("config") or {}))
+        cfg = from_dict(TrainConfig, dict(rec.config))
         system, calibration = basis()
-        p = project(cfg, system, 1, max(1, int(rec.get("world_size") or 1)), calibration, memory=False)
+        p = project(cfg, system, 1, max(1, rec.world), calibration, memory=False)
     except ConfigError as exc:
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
