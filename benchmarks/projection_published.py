@@ -1,0 +1,320 @@
+"""Held-out check of the step-time projection against published training throughputs no one here made
+(src/stratbench/measuring/published.yaml, each number with its source). Two tables, markdown:
+
+* **scaling**: each multi-GPU entry predicted from its own 1-GPU figure only (the same source and setup, calibrated
+  as `--calibrate` would a result.json of that run), or, where the source has no 1-GPU figure, anchored on its
+  smallest multi-GPU figure (the efficiency that reproduces it); published vs predicted with the error;
+* **single GPU, default efficiency**: every 1-GPU figure against the projection with hardware.yaml's default
+  efficiency (no calibration), and the efficiency the figure implies.
+
+    PYTHONPATH=src python benchmarks/projection_published.py
+
+Nothing is measured on this machine: the inputs are the published numbers, the models' counted FLOPs and shapes
+(transformers through benchmarks/published_models.py) and the hardware profiles (built-in, and
+benchmarks/published_hardware.yaml for DGX-1). No figure here sets a default: hardware.yaml's defaults are its
+stated assumptions, so this is a held-out validation of the model as it is.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
+from stratbench.measuring.hardware import System, resolve
+from stratbench.measuring.records import RunRecord
+from stratbench.predicting.projection import Calibration, Calibrations, calibrate, precision_key, project
+
+HERE = Path(__file__).resolve().parent
+HARDWARE = HERE / "published_hardware.yaml"
+"""Systems the published runs used that hardware.yaml lacks (DGX-1 V100)."""
+
+UNITS = ("img/s", "sequences/s", "tokens/s per GPU")
+"""Units published.yaml may use: samples per second over all GPUs, or tokens per second per GPU."""
+
+PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp16-mixed", False),
+              "bf16": ("bf16-mixed", False)}  # fmt: skip
+"""published.yaml's precision -> (stratbench precision, tf32). fp8 has no stratbench precision."""
+
+MODELS = {"resnet50": "resnet50", "bert-large": "published_models:bert_large_s{seq_len}",
+          "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b"}  # fmt: skip
+"""published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py for transformers)."""
+
+OPTIMIZERS = {"convnet": "sgd", "transformer": "adamw"}
+"""SGD with momentum (ResNet-50); LAMB, BertAdam and AdamW keep two states per parameter, as adamw does."""
+
+DEVICE_NAMES = {"a100-sxm": "NVIDIA A100-SXM4-80GB", "v100-sxm2": "Tesla V100-SXM2-32GB",
+                "h100-sxm": "NVIDIA H100 80GB HBM3", "h200-sxm": "NVIDIA H200"}  # fmt: skip
+"""A torch.cuda device name per GPU profile, for the result.json a published 1-GPU figure is turned into."""
+
+REQUIRED = ("id", "model", "family", "framework", "method", "gpu", "system", "precision", "batch_per_gpu", "gpus",
+            "nodes", "throughput", "unit", "source")  # fmt: skip
+SOURCE_FIELDS = ("repo", "path", "table", "row")
+
+
+def load_published(path: Path | None = None) -> list[dict[str, Any]]:
+    """The entries of published.yaml (the packaged file unless ``path``)."""
+    if path is None:
+        text = resources.files("stratbench.measuring").joinpath("published.yaml").read_text()
+    else:
+        text = path.read_text()
+    return yaml.safe_load(text)["entries"]
+
+
+def check_entry(e: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
+    """What is wrong with one entry of ``entries`` (an empty list: nothing)."""
+    ids = {x["id"] for x in entries}
+    anchors = {x.get("anchor") for x in entries}
+    bad = [f"no {k}" for k in REQUIRED if e.get(k) in (None, "")]
+    src = e.get("source") or {}
+    bad += [f"source has no {k}" for k in SOURCE_FIELDS if not src.get(k)]
+    if e.get("unit") not in UNITS:
+        bad.append(f"unknown unit {e.get('unit')!r} (known: {', '.join(UNITS)})")
+    if e.get("family") not in OPTIMIZERS:
+        bad.append(f"unknown family {e.get('family')!r}")
+    if e.get("model") not in MODELS:
+        bad.append(f"unknown model {e.get('model')!r}")
+    for ref in ("baseline", "anchor"):
+        if e.get(ref) and e[ref] not in ids:
+            bad.append(f"{ref} {e[ref]!r} is no entry's id")
+    if e.get("gpus", 0) > 1 and not (e.get("baseline") or e.get("anchor")) and e.get("id") not in anchors:
+        bad.append(
+            "a multi-GPU entry needs a baseline (its 1-GPU entry) or an anchor, or is another's anchor"
+        )
+    return bad
+
+
+def samples_per_step(e: dict[str, Any]) -> int:
+    """Samples (images, sequences) one GPU processes per optimizer step."""
+    return int(e["batch_per_gpu"]) * int(e.get("accumulation", 1))
+
+
+def samples_per_s(e: dict[str, Any], value: float | None = None) -> float:
+    """The entry's throughput (or ``value`` in its unit) as samples per second over all its GPUs."""
+    v = float(e["throughput"] if value is None else value)
+    return v * e["gpus"] / e["seq_len"] if e["unit"] == "tokens/s per GPU" else v
+
+
+def in_unit(e: dict[str, Any], samples: float) -> float:
+    """Samples per second over all GPUs in the entry's unit."""
+    return samples * e["seq_len"] / e["gpus"] if e["unit"] == "tokens/s per GPU" else samples
+
+
+def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = None) -> TrainConfig:
+    """The stratbench run of entry ``e`` on ``gpus`` devices (default: its own) with ``strategy`` (its method)."""
+    if e["precision"] not in PRECISIONS:
+        raise ConfigError(f"precision {e['precision']!r} has no stratbench equivalent")
+    precision, tf32 = PRECISIONS[e["precision"]]
+    gpus = gpus or e["gpus"]
+    model = MODELS[e["model"]].format(seq_len=e.get("seq_len"))
+    # a token model reads its tokens from an image of 3 x side x side values
+    side = e.get("image_size") or math.ceil(math.sqrt(e["seq_len"] / 3))
+    return TrainConfig(
+        model=model, image_size=side, num_classes=1000, data="synthetic", precision=precision, tf32=tf32,
+        batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
+        optimizer=OPTIMIZERS[e["family"]], strategy=strategy or e["method"],
+    )  # fmt: skip
+
+
+def system_of(e: dict[str, Any]) -> System:
+    """The hardware profile entry ``e`` is projected on."""
+    try:
+        return resolve(e["system"])
+    except Exception:  # not built in: the benchmark's own file
+        return resolve(f"{HARDWARE}:{e['system']}")
+
+
+def calibration_from(base: dict[str, Any], system: System) -> Calibrations:
+    """What `--calibrate` makes of the 1-GPU run ``base`` describes: its step = samples per step / throughput."""
+    cfg = config(base, "single", 1)
+    result = {
+        "status": "ok", "world_size": 1, "config": cfg.to_dict(),
+        "environment": {"device_type": "cuda", "gpus": [DEVICE_NAMES[system.gpu.key]]},
+        "metrics": {"step_time_median_s": samples_per_step(base) / samples_per_s(base)},
+    }  # fmt: skip
+    return calibrate(
+        [RunRecord.from_dict(result)], system, [f"{base['id']} ({base['throughput']:g} {base['unit']})"]
+    )
+
+
+def anchored_calibration(anchor: dict[str, Any], system: System) -> Calibrations:
+    """The efficiency with which the projection reproduces the multi-GPU figure ``anchor`` (bisection: throughput
+    grows with efficiency), for a source with no 1-GPU figure."""
+    cfg = config(anchor)
+    key = precision_key(cfg.precision, cfg.tf32)
+    target = samples_per_s(anchor)
+
+    def throughput(eff: float) -> float:
+        cal = {key: Calibration(eff, key, device=system.gpu.key, source=f"anchored on {anchor['id']}")}
+        p = _project(anchor, cfg, system, cal)
+        return p.throughput or 0.0
+
+    lo, hi = 1e-4, 1.0
+    if throughput(hi) < target:
+        raise ConfigError(f"no efficiency up to 1 reproduces {anchor['id']}")
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if throughput(mid) < target else (lo, mid)
+    eff = math.sqrt(lo * hi)
+    return {
+        key: Calibration(eff, key, device=system.gpu.key, source=f"anchored on {anchor['id']} ({eff:.1%})")
+    }
+
+
+def _project(e: dict[str, Any], cfg: TrainConfig, system: System, cal: Calibrations | None):
+    return project(cfg, system, nodes=e["nodes"], gpus_per_node=e["gpus"] // e["nodes"], calibration=cal,
+                   memory=False)  # fmt: skip
+
+
+@dataclass
+class Prediction:
+    """One multi-GPU entry: published and predicted throughput in its unit, or why there is no prediction."""
+
+    entry: dict[str, Any]
+    basis: str
+    published: float
+    predicted: float | None = None
+    reason: str = ""
+    efficiency: float | None = None
+
+    @property
+    def error(self) -> float | None:
+        return None if self.predicted is None else self.predicted / self.published - 1
+
+
+def predict(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> Prediction:
+    """Entry ``e`` predicted from its own 1-GPU figure (``baseline``) or anchored on ``anchor``; n/a with the reason
+    where stratbench cannot express the setup."""
+    ref = by_id.get(e.get("baseline") or e.get("anchor") or "")
+    basis = (f"1 GPU: {ref['throughput']:g}" if e.get("baseline") else f"{ref['gpus']} GPUs: {ref['throughput']:g}"
+             ) if ref else "-"  # fmt: skip
+    out = Prediction(e, basis, float(e["throughput"]))
+    if e.get("not_projectable"):
+        out.reason = e["not_projectable"]
+        return out
+    try:
+        system = system_of(e)
+        cal = calibration_from(ref, system) if e.get("baseline") else anchored_calibration(ref, system)
+        p = _project(e, config(e), system, cal)
+    except ConfigError as exc:
+        out.reason = str(exc)
+        return out
+    if p.status != "ok" or not p.throughput:
+        out.reason = p.reason or p.status
+        return out
+    out.predicted, out.efficiency = in_unit(e, p.throughput), p.efficiency
+    return out
+
+
+def single_default(e: dict[str, Any]) -> tuple[float | None, float | None, str]:
+    """(the default efficiency's projection of 1-GPU entry ``e`` in its unit, the efficiency the published figure
+    implies, why none) ."""
+    try:
+        system = system_of(e)
+        p = _project(e, config(e, "single", 1), system, None)
+        implied = calibration_from(e, system)
+    except ConfigError as exc:
+        return None, None, str(exc)
+    if p.status != "ok" or not p.throughput:
+        return None, None, p.reason or p.status
+    return in_unit(e, p.throughput), next(iter(implied.values())).efficiency, ""
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:+.1%}"
+
+
+def _summary(label: str, errors: list[float], goal: float | None = None) -> str:
+    """One line: count, median absolute and worst error, signed mean, and how many are within ``goal``."""
+    if not errors:
+        return f"{label}: no entries"
+    worst = max(errors, key=abs)
+    line = (f"{label}: {len(errors)} entries, median absolute error {statistics.median(map(abs, errors)):.1%}, "
+            f"worst {worst:+.1%}, mean (signed) {statistics.fmean(errors):+.1%}, "
+            f"over-predicted {sum(x > 0 for x in errors)} of {len(errors)}")  # fmt: skip
+    if goal is not None:
+        line += (
+            f"; within issue 33's goal of {goal:.0%}: {sum(abs(x) <= goal for x in errors)} of {len(errors)}"
+        )
+    return line
+
+
+def scaling_table(entries: list[dict[str, Any]]) -> list[Prediction]:
+    """Print the multi-GPU table; returns its rows."""
+    by_id = {e["id"]: e for e in entries}
+    rows = [predict(e, by_id) for e in entries if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))]
+    print("| entry | model | GPU | precision | GPUs (nodes) | method | basis | published | predicted | error |"
+          " published scaling vs basis | predicted scaling | calibrated efficiency |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        e = r.entry
+        ref = by_id.get(e.get("baseline") or e.get("anchor") or "")
+        pub_s = pred_s = "-"
+        if ref is not None:
+            one = samples_per_s(ref) / ref["gpus"] * e["gpus"]  # the basis' rate per GPU on every GPU
+            pub_s = f"{samples_per_s(e) / one:.1%}"
+            pred_s = "-" if r.predicted is None else f"{samples_per_s(e, r.predicted) / one:.1%}"
+        pred = f"{r.predicted:,.0f}" if r.predicted is not None else f"n/a: {r.reason}"
+        print(f"| {e['id']} | {e['model']}{' s' + str(e['seq_len']) if e.get('seq_len') else ''} | {e['gpu']} | "
+              f"{e['precision']} | {e['gpus']} ({e['nodes']}) | {e['method']} | {r.basis} | "
+              f"{e['throughput']:,g} {e['unit']} | {pred} | {_pct(r.error)} | {pub_s} | {pred_s} | "
+              f"{'-' if r.efficiency is None else f'{r.efficiency:.1%}'} |")  # fmt: skip
+    return rows
+
+
+def single_table(entries: list[dict[str, Any]]) -> list[float]:
+    """Print the 1-GPU table (default efficiency vs published); returns the errors."""
+    print("| entry | model | GPU | precision | batch/GPU | published | default projection | error | "
+          "implied efficiency | default efficiency |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    errors = []
+    for e in entries:
+        if e["gpus"] != 1:
+            continue
+        pred, implied, why = single_default(e)
+        err = None if pred is None else pred / e["throughput"] - 1
+        if err is not None:
+            errors.append(err)
+        default = system_of(e).gpu.efficiency.get(precision_key(*PRECISIONS[e["precision"]]))
+        print(f"| {e['id']} | {e['model']}{' s' + str(e['seq_len']) if e.get('seq_len') else ''} | {e['gpu']} | "
+              f"{e['precision']} | {samples_per_step(e)} | {e['throughput']:,g} {e['unit']} | "
+              f"{f'{pred:,.0f}' if pred is not None else 'n/a: ' + why} | {_pct(err)} | "
+              f"{'-' if implied is None else f'{implied:.1%}'} | {default:.0%} |")  # fmt: skip
+    return errors
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE))  # published_models, the transformers' builders
+    entries = load_published()
+    problems = {e["id"]: check_entry(e, entries) for e in entries}
+    if any(problems.values()):
+        raise SystemExit(f"published.yaml: {[(k, v) for k, v in problems.items() if v]}")
+    print(
+        f"## Multi-GPU: predicted from each entry's own 1-GPU figure ({len(entries)} entries in published.yaml)"
+    )
+    print()
+    rows = scaling_table(entries)
+    print()
+    ok = [r for r in rows if r.error is not None]
+    print("- " + _summary("8 GPUs (one node)", [r.error for r in ok if r.entry["gpus"] == 8], 0.10))
+    print("- " + _summary("16-32 GPUs", [r.error for r in ok if 8 < r.entry["gpus"] < 64]))
+    print("- " + _summary(">= 64 GPUs", [r.error for r in ok if r.entry["gpus"] >= 64], 0.15))
+    print(f"- n/a: {len(rows) - len(ok)} of {len(rows)}")
+    print()
+    print("## One GPU: hardware.yaml's default efficiency vs each published 1-GPU figure")
+    print()
+    errors = single_table(entries)
+    print()
+    print("- " + _summary("default efficiency, 1 GPU", errors))
+
+
+if __name__ == "__main__":
+    main()

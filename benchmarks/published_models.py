@@ -1,0 +1,121 @@
+"""The transformers of src/stratbench/measuring/published.yaml as stratbench model builders
+(``--model published_models:bert_large_s128``), so that the projection can count their FLOPs and parameters.
+
+stratbench's models take an image batch (N, 3, H, W); these read the first ``seq_len`` values of each sample as
+token ids (all zero: what matters here is the shapes, counted on the meta device, not what the model computes), and
+flatten their per-token logits into one row per sample for the cross-entropy the FLOP counter runs. Shapes as the
+sources give them: BERT-large from NVIDIA/DeepLearningExamples PyTorch/LanguageModeling/BERT/bert_configs/large.json
+(24 layers, hidden 1024, 16 heads, intermediate 4096, vocabulary 30522, 512 positions, 2 token types; the MLM
+decoder tied to the word embeddings and run on the masked positions only, modeling.py BertPreTrainingHeads with
+sequence_output_is_dense, at most max_predictions_per_seq = 20 / 80 of them at length 128 / 512,
+scripts/run_pretraining.sh); Llama 3 8B from pytorch/torchtitan
+torchtitan/models/llama3/__init__.py (dim 4096, 32 layers, 32 heads, 8 KV heads, FFN hidden
+compute_ffn_hidden_dim(4096, multiple_of=1024, ffn_dim_multiplier=1.3) = 14336) and model.py (vocabulary 128256,
+untied output). Differences that move FLOPs and parameters by less than 1%: no NSP head and pooler, no rotary embedding.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class Block(nn.Module):
+    """A pre-norm transformer layer: attention (grouped-query where ``kv_heads`` < ``heads``) and an MLP (SwiGLU
+    where ``gated``)."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int, hidden: int, gated: bool, causal: bool) -> None:
+        super().__init__()
+        bias = not gated  # BERT's layers have biases, Llama's none
+        self.heads, self.kv_heads, self.head_dim, self.causal = heads, kv_heads, dim // heads, causal
+        norm = nn.RMSNorm if gated else nn.LayerNorm
+        self.norm1, self.norm2 = norm(dim), norm(dim)
+        self.q = nn.Linear(dim, dim, bias=bias)
+        self.kv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=bias)
+        self.out = nn.Linear(dim, dim, bias=bias)
+        self.up = nn.Linear(dim, hidden * (2 if gated else 1), bias=bias)
+        self.down = nn.Linear(hidden, dim, bias=bias)
+        self.gated = gated
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.norm1(x)
+        q = self.q(h).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.kv(h).view(b, s, 2, self.kv_heads, self.head_dim).unbind(2)
+        k, v = (t.transpose(1, 2).repeat_interleave(self.heads // self.kv_heads, dim=1) for t in (k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        h = self.up(self.norm2(x))
+        if self.gated:
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return x + self.down(h)
+
+
+class TokenModel(nn.Module):
+    """Embeddings, ``layers`` blocks, a final norm and a per-token head (``head_out`` outputs, or the vocabulary,
+    tied to the embeddings where ``tie``)."""
+
+    def __init__(self, seq_len: int, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int,
+                 gated: bool, positions: int = 0, head_out: int = 0, tie: bool = False, predictions: int = 0,
+                 ) -> None:  # fmt: skip
+        super().__init__()
+        self.seq_len, self.predictions = seq_len, predictions
+        self.embed = nn.Embedding(vocab, dim)
+        self.positions = nn.Embedding(positions, dim) if positions else None
+        self.types = nn.Embedding(2, dim) if positions else None
+        self.blocks = nn.ModuleList(
+            Block(dim, heads, kv_heads, hidden, gated, causal=gated) for _ in range(layers)
+        )
+        self.norm = nn.RMSNorm(dim) if gated else nn.LayerNorm(dim)
+        self.transform = None if gated or head_out else nn.Linear(dim, dim)  # BERT's MLM head transform
+        self.head = nn.Linear(dim, head_out or vocab, bias=not gated)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        tokens = torch.zeros_like(images.flatten(1)[:, : self.seq_len], dtype=torch.long)
+        x = self.embed(tokens)
+        if self.positions is not None:
+            x = x + self.positions.weight[: self.seq_len] + self.types.weight[0]
+        for block in self.blocks:
+            x = block(x)
+        x = self.norm(x)
+        if self.predictions:  # the MLM head sees the masked positions only
+            x = x[:, : self.predictions]
+        if self.transform is not None:
+            x = F.gelu(self.transform(x))
+        return self.head(x).flatten(1)
+
+
+def _bert(seq_len: int, head_out: int = 0, predictions: int = 0) -> nn.Module:
+    return TokenModel(seq_len, 30522, 1024, 24, 16, 16, 4096, gated=False, positions=512, head_out=head_out,
+                      tie=not head_out, predictions=predictions)  # fmt: skip
+
+
+def bert_large_s128(num_classes: int = 0) -> nn.Module:
+    """BERT-large pre-training at sequence length 128, 20 masked positions (``num_classes`` is ignored: the head is
+    the MLM decoder)."""
+    return _bert(128, predictions=20)
+
+
+def bert_large_s512(num_classes: int = 0) -> nn.Module:
+    """BERT-large pre-training at sequence length 512, 80 masked positions."""
+    return _bert(512, predictions=80)
+
+
+def bert_large_squad(num_classes: int = 0) -> nn.Module:
+    """BERT-large with the SQuAD span head (start and end logits per token) at sequence length 384."""
+    return _bert(384, head_out=2)
+
+
+def llama3_8b(num_classes: int = 0) -> nn.Module:
+    """Llama 3 8B at sequence length 8192 (torchtitan's llama3_8b.toml)."""
+    return TokenModel(8192, 128256, 4096, 32, 32, 8, 14336, gated=True)
+
+
+SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192}
+"""Tokens per sample of each builder: the image side must hold them (3 x H x W >= seq_len)."""

@@ -1,0 +1,84 @@
+"""The published-results table (src/stratbench/measuring/published.yaml) is well-formed, shipped with the package,
+and the held-out benchmark (benchmarks/projection_published.py) predicts one of its entries."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from importlib import resources
+
+import pytest
+import yaml
+
+import conftest
+
+
+@pytest.fixture(scope="module")
+def bench():
+    """benchmarks/projection_published.py as a module (and benchmarks/ on sys.path for its model builders)."""
+    folder = str(conftest.REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module("projection_published")
+    finally:
+        sys.path.remove(folder)
+
+
+def test_published_yaml_is_package_data_and_safe_yaml() -> None:
+    text = resources.files("stratbench.measuring").joinpath("published.yaml").read_text()
+    data = yaml.safe_load(text)
+    assert data["version"] == 1 and len(data["entries"]) >= 20
+    pyproject = (conftest.REPO / "pyproject.toml").read_text()
+    assert "measuring/published.yaml" in pyproject
+
+
+def test_every_entry_has_fields_a_source_and_a_known_unit(bench) -> None:
+    entries = bench.load_published()
+    ids = [e["id"] for e in entries]
+    assert len(ids) == len(set(ids)), "ids must be unique"
+    problems = {e["id"]: bench.check_entry(e, entries) for e in entries}
+    assert not any(problems.values()), {k: v for k, v in problems.items() if v}
+    for e in entries:
+        assert e["unit"] in bench.UNITS
+        assert e["throughput"] > 0 and e["gpus"] >= e["nodes"] >= 1
+        assert e["source"]["row"].startswith("|"), f"{e['id']}: quote the table row as printed"
+        ref = e.get("baseline")
+        if ref:  # a 1-GPU basis from the same source and setup
+            base = next(x for x in entries if x["id"] == ref)
+            assert base["gpus"] == 1 and base["source"]["path"] == e["source"]["path"]
+            assert (base["model"], base["gpu"], base["precision"]) == (e["model"], e["gpu"], e["precision"])
+
+
+def test_the_multi_gpu_evidence_covers_what_issue_33_asks(bench) -> None:
+    multi = [e for e in bench.load_published() if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))]
+    assert len(multi) >= 6
+    assert {e["family"] for e in multi} == {"convnet", "transformer"}
+    assert {"ddp", "fsdp"} <= {e["method"] for e in multi}
+    assert any(e["nodes"] > 1 for e in multi) and any(e["gpus"] >= 64 for e in multi)
+    assert len({e["gpu"] for e in multi}) >= 3
+
+
+def test_check_entry_names_what_is_missing(bench) -> None:
+    entries = bench.load_published()
+    bad = dict(entries[0], unit="furlongs/s", source={"repo": "x"})
+    del bad["gpus"]
+    problems = bench.check_entry(bad, entries)
+    assert "no gpus" in problems and any("unknown unit" in p for p in problems)
+    assert any("source has no row" in p for p in problems)
+
+
+def test_predict_one_entry_from_its_own_one_gpu_figure(bench) -> None:
+    entries = bench.load_published()
+    by_id = {e["id"]: e for e in entries}
+    entry = by_id["dle-rn50-v100-16-fp32-8gpu"]
+    row = bench.predict(entry, by_id)
+    assert row.reason == "" and row.predicted is not None
+    # calibrated on the 1-GPU figure (367 img/s), 8 GPUs cannot beat 8 x 367 nor fall far below the published 2,855
+    assert 0.8 * entry["throughput"] < row.predicted <= 8 * 367 * 1.0001
+    assert row.error == pytest.approx(row.predicted / entry["throughput"] - 1)
+
+
+def test_an_entry_stratbench_cannot_express_is_na_with_its_reason(bench) -> None:
+    by_id = {e["id"]: e for e in bench.load_published()}
+    row = bench.predict(by_id["torchtitan-llama3-8b-h200-fp8-64gpu"], by_id)
+    assert row.predicted is None and "fp8" in row.reason
