@@ -44,9 +44,10 @@ PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp1
               "bf16": ("bf16-mixed", False)}  # fmt: skip
 """published.yaml's precision -> (stratbench precision, tf32). fp8 has no stratbench precision."""
 
-MODELS = {"resnet50": "resnet50", "bert-large": "published_models:bert_large_s{seq_len}",
+MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext101_32x4d",
+          "bert-large": "published_models:bert_large_s{seq_len}",
           "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b"}  # fmt: skip
-"""published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py for transformers)."""
+"""published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none)."""
 
 OPTIMIZERS = {"convnet": "sgd", "transformer": "adamw"}
 """SGD with momentum (ResNet-50); LAMB, BertAdam and AdamW keep two states per parameter, as adamw does."""

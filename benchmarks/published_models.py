@@ -1,5 +1,9 @@
-"""The transformers of src/stratbench/measuring/published.yaml as stratbench model builders
+"""The models of src/stratbench/measuring/published.yaml that stratbench does not build itself, as model builders
 (``--model published_models:bert_large_s128``), so that the projection can count their FLOPs and parameters.
+
+ResNeXt-101 32x4d as NVIDIA/DeepLearningExamples PyTorch/Classification/ConvNets/image_classification/models/resnet.py
+builds it (Bottleneck layers [3, 4, 23, 3], widths [128, 256, 512, 1024], expansion 2, cardinality 32): torchvision's
+ResNet with groups=32 and width_per_group=4 has the same shapes.
 
 stratbench's models take an image batch (N, 3, H, W); these read the first ``seq_len`` values of each sample as
 token ids (all zero: what matters here is the shapes, counted on the meta device, not what the model computes), and
@@ -19,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torchvision.models.resnet import Bottleneck, ResNet
 
 
 class Block(nn.Module):
@@ -115,6 +120,11 @@ def bert_large_squad(num_classes: int = 0) -> nn.Module:
 def llama3_8b(num_classes: int = 0) -> nn.Module:
     """Llama 3 8B at sequence length 8192 (torchtitan's llama3_8b.toml)."""
     return TokenModel(8192, 128256, 4096, 32, 32, 8, 14336, gated=True)
+
+
+def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
+    """ResNeXt-101 32x4d (DeepLearningExamples' ConvNets)."""
+    return ResNet(Bottleneck, [3, 4, 23, 3], num_classes=num_classes, groups=32, width_per_group=4)
 
 
 SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192}
