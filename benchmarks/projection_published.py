@@ -29,9 +29,16 @@ import yaml
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.measuring.hardware import System, resolve
+from stratbench.measuring.hardware import HardwareError, System, resolve
 from stratbench.measuring.records import RunRecord
-from stratbench.predicting.projection import Calibration, Calibrations, calibrate, precision_key, project
+from stratbench.predicting.projection import (
+    Calibration,
+    Calibrations,
+    MethodProjection,
+    calibrate,
+    precision_key,
+    project,
+)
 
 HERE = Path(__file__).resolve().parent
 HARDWARE = HERE / "published_hardware.yaml"
@@ -129,7 +136,7 @@ def system_of(e: dict[str, Any]) -> System:
     """The hardware profile entry ``e`` is projected on."""
     try:
         return resolve(e["system"])
-    except Exception:  # not built in: the benchmark's own file
+    except HardwareError:  # not built in: the benchmark's own file
         return resolve(f"{HARDWARE}:{e['system']}")
 
 
@@ -170,7 +177,10 @@ def anchored_calibration(anchor: dict[str, Any], system: System) -> Calibrations
     }
 
 
-def _project(e: dict[str, Any], cfg: TrainConfig, system: System, cal: Calibrations | None):
+def _project(
+    e: dict[str, Any], cfg: TrainConfig, system: System, cal: Calibrations | None
+) -> MethodProjection:
+    """``cfg`` on entry ``e``'s nodes and GPUs per node (no memory estimate: fit is not what is checked)."""
     return project(cfg, system, nodes=e["nodes"], gpus_per_node=e["gpus"] // e["nodes"], calibration=cal,
                    memory=False)  # fmt: skip
 
