@@ -158,7 +158,9 @@ def estimate(
         states,
         key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0),
     )
-    trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
+    trace = trace_step(
+        spec, mb, s.trace_precision or cfg.precision, cfg.activation_checkpointing, device_type
+    )
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets

@@ -65,6 +65,10 @@ class DeepSpeedOptions(DeepSpeedZeroOptions):
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
 
 
+DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
+"""The run's precision -> the one DeepSpeed's forward/backward runs in: its fp16/bf16 block casts the module."""
+
+
 class _DeepSpeedPrecision(Precision):
     """The user's precision as DeepSpeed runs it: DeepSpeed casts the module (fp16/bf16 block, fp32 master
     weights in the optimizer) and scales the loss, so inputs follow the module's dtype and nothing autocasts."""
@@ -609,6 +613,10 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     elif stage >= 2 and world > 1:
         m.buckets, m.bucket_note = min(bucket, total) * bit, "DeepSpeed reduce bucket"
     m.sharding_note = f"ZeRO-{stage}"
+    # DeepSpeed casts the module to fp16/bf16 and feeds it 16-bit inputs, no autocast: traced as that 16-bit
+    # model, not as autocast over fp32 weights, whose per-forward weight casts (2 bytes per parameter, saved
+    # for backward) a DeepSpeed run never makes.
+    m.trace_precision = DS_TRACE_PRECISION.get(ctx.cfg.precision)
     m.grads_whole_in_backward = stage <= 1  # every gradient waits for the reduction at the end of backward
     if stage == 3:
         persistent = sum(x for x in info.numels if x < DS_PARAM_PERSISTENCE)
