@@ -142,7 +142,7 @@ def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
 PARAM_HEAVY = [
     "--model", "tinynet", "--width", "64", "--norm", "none", "--data", "digits", "--image-size", "16",
     "--batch-size", "8", "--epochs", "1", "--max-steps", "2", "--progress", "false", "--measure-flops", "false",
-    "--timing-warmup-steps", "1", "--measure-alloc", "true",
+    "--timing-warmup-steps", "1", "--measure-alloc", "true", "--val-fraction", "0.02", "--save-every-epoch", "false",
 ]  # fmt: skip
 
 

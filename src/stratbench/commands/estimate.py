@@ -385,8 +385,8 @@ def print_time_table(console, results, system, args, calibration, device_memory,
 
     table, dropped = fit_table(console, build, TIME_DROP)
     console.print(table)
-    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_from"], p["projection"]["efficiency_source"])
-                   for p in results if (p.get("projection") or {}).get("efficiency")})  # fmt: skip
+    projections = [p["projection"] for p in results if (p.get("projection") or {}).get("efficiency")]
+    effs = sorted({(p["efficiency"], p["efficiency_from"], p["efficiency_source"]) for p in projections})
     for eff, origin, src in effs:
         said = src if src.startswith(origin) else f"{origin}, {src}"  # default / hardware file / calibration
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}")
