@@ -372,3 +372,54 @@ def test_a_report_predicts_with_the_cpu_its_cells_ran_on():
     assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX512"}) == native  # an older record
     assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX2"}) == reference
     assert native_16bit_of({}) is None
+
+
+# ---- issue 33: DeepSpeed's fp16/bf16 forward is a 16-bit model's, not autocast over fp32 weights -------------
+STACK_7B = """
+from torch import nn
+
+def build(num_classes):  # 7.57B parameters: a 28-layer stack of 16384 x 16384 Linears (the ZeRO paper's 7.5B)
+    layers = [nn.Flatten(), nn.Linear(3 * 32 * 32, 16384)]
+    for _ in range(28):
+        layers += [nn.ReLU(), nn.Linear(16384, 16384)]
+    return nn.Sequential(*layers, nn.ReLU(), nn.Linear(16384, num_classes))
+"""
+
+
+@pytest.mark.skipif("deepspeed" not in all_strategies(), reason="deepspeed strategy not registered")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "fp16-mixed"])
+def test_deepspeed_half_activations_scale_with_the_batch_not_the_parameters(wide_mlp, precision):
+    """DeepSpeed casts the module to 16 bit and runs it without autocast, so its activations are a 16-bit
+    model's (``*-true``) at the same micro-batch and grow with the batch. The estimate traced autocast over
+    fp32 weights instead and counted the weight casts backward keeps (2 bytes per parameter of each layer whose
+    input needs a gradient: 33.8 MB here, against 0.18 MB of real activations at micro-batch 8) as activations
+    at every batch (issue 33: 0.55 GB for a 0.27B stack at batch 64 and 128 alike)."""
+    true = precision.replace("-mixed", "-true")
+    params = model_info(ModelSpec.from_config(wide_mlp)).total
+    saved = {}
+    for micro in (8, 64):
+        ds = wide_mlp.replace(strategy="deepspeed", strategy_options={"zero_stage": 3}, precision=precision)
+        saved[micro] = _rows(estimate(ds.replace(batch_size=8 * micro), 8, "cuda"))["activations saved for backward"]
+        single = _rows(estimate(wide_mlp.replace(precision=true, batch_size=micro), 1, "cuda"))
+        assert saved[micro] == single["activations saved for backward"], (micro, saved, single)
+    assert saved[8] < 0.05 * 2 * params, (saved, 2 * params)  # no weight-sized term
+    assert 6 <= saved[64] / saved[8] <= 8, saved  # linear in the batch (a few fixed bytes: the loss)
+
+
+@pytest.mark.skipif("deepspeed" not in all_strategies(), reason="deepspeed strategy not registered")
+def test_deepspeed_7b_on_64_gpus_matches_the_zero_paper(tmp_path, monkeypatch):
+    """The ZeRO paper's 7.5B model on 64 GPUs, Adam, mixed precision: model states 120 / 16.6 / 1.9 GB for
+    stages 0 / 2 / 3 (16Φ, 2Φ + 14Φ/N, 16Φ/N), and at micro-batch 1 ZeRO-3 needs ~4 GB per device in all, not
+    the ~20 GB the phantom weight casts (2 bytes x 7.57B = 15 GB of "activations") made of it."""
+    (tmp_path / "sb_stack_7b.py").write_text(STACK_7B)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    base = TrainConfig(model="sb_stack_7b:build", data="synthetic", num_classes=10, image_size=32, batch_size=64,
+                       optimizer="adamw", precision="bf16-mixed", strategy="deepspeed")  # fmt: skip
+    paper = {0: 120e9, 2: 16.6e9, 3: 1.9e9}
+    for stage, want in paper.items():
+        e = estimate(base.replace(strategy_options={"zero_stage": stage}), 64, "cuda")
+        rows = {r.component: r.device_bytes + r.host_bytes for r in e.rows}
+        states = sum(rows[k] for k in ("parameters", "gradients", "optimizer states", "fp32 master weights"))
+        assert states == pytest.approx(want, rel=0.03), (stage, states)
+        assert rows["activations saved for backward"] < 0.01e9, (stage, rows)
+    assert 3e9 < e.total_bytes < 5e9, e.total_bytes  # ZeRO-3: was 20.35e9

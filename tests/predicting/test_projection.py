@@ -649,3 +649,80 @@ def test_compare_report_shows_predicted_step_and_error(tmp_path):
     assert given.step_s == pytest.approx(cpu.step_s)
     assert projection.predict_record(runs[1], None).reason.startswith("no single run of this precision")
     assert projection.predict_record(runs[1], runs[0], hardware="h100-sxm").step_s is None
+
+
+# ------------------------------------------------------------------------------------------------
+# issue 33: --tf32 for estimate/advise, and where the efficiency comes from, from the CLI in process.
+
+TIME_ARGS = ["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
+             "--batch-size", "32", "--time", "--gpus-per-node", "1"]  # fmt: skip
+MY_GPU = {
+    "version": 1, "default_system": "my-node",
+    "gpus": {"my-gpu": {"name": "NVIDIA H100 custom", "match": r"\bH100 custom\b", "memory": "80 GB",
+                        "peak_flops": {"fp32": "67 TFLOP/s", "tf32": "494.7 TFLOP/s", "bf16": "989.4 TFLOP/s"},
+                        "memory_bandwidth": "3350 GB/s", "efficiency": {"bf16": 0.3}}},
+    "systems": {"my-node": {"gpu": "my-gpu", "gpus_per_node": 8, "intra_node": "nvlink4", "inter_node": "ib-ndr",
+                            "nics_per_node": 8, "host": "pcie5-x16", "host_memory_bandwidth": "200 GB/s",
+                            "call_latency": "8.4 us"}},
+}  # fmt: skip
+
+
+def _projection(capsys, *argv: str) -> dict:
+    from stratbench.cli import main
+
+    assert main([*TIME_ARGS, *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)["results"][0]["projection"]
+
+
+def test_efficiency_source_is_default_hardware_file_or_calibration(tmp_path, capsys):
+    """The JSON's ``efficiency_from`` (and the text's line) names where the efficiency comes from: the built-in
+    default, the user's --hardware file (which the JSON called "default"), or --calibrate runs."""
+    from stratbench.cli import main
+
+    hw = tmp_path / "my.yaml"
+    hw.write_text(yaml.safe_dump(MY_GPU))
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm")
+    assert (p["efficiency_from"], p["efficiency_source"], p["efficiency"]) == ("default", "default", 0.4)
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", str(hw))
+    assert p["efficiency_from"] == "hardware file" and p["efficiency"] == 0.3, p
+    assert p["efficiency_source"] == f"hardware file {hw} (gpus.my-gpu.efficiency.bf16)"
+    p = _projection(capsys, "--precision", "fp32", "--hardware", str(hw))  # the file sets bf16 only
+    assert (p["efficiency_from"], p["efficiency"]) == ("default", 0.5), p
+    run = tmp_path / "result.json"
+    run.write_text(json.dumps({
+        "status": "ok", "world_size": 1, "config": tiny_cfg(precision="bf16-mixed").to_dict(),
+        "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]},
+        "metrics": {"step_time_median_s": 0.01},
+    }))  # fmt: skip
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", str(hw), "--calibrate", str(run))
+    assert p["efficiency_from"] == "calibration" and p["efficiency_source"].startswith("calibrated on"), p
+    assert main([*TIME_ARGS, "--precision", "bf16-mixed", "--hardware", str(hw)]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the text, unwrapped
+    assert f"compute efficiency 30.0% of NVIDIA H100 custom's dense peak: hardware file {hw}" in out, out
+
+
+def test_tf32_projects_fp32_at_the_tf32_peak_and_is_refused_where_train_refuses_it(capsys):
+    """--tf32 (train's flag, TrainConfig.tf32) prices fp32 at the GPU's tf32 peak and default efficiency; a
+    16-bit precision keeps its own peak (train accepts --tf32 with it too); a GPU without TF32 or a CPU is one
+    line, as train refuses TF32 there."""
+    from conftest import fails
+    from stratbench.cli import main
+
+    h100 = hardware.builtin().system("h100-sxm").gpu
+    fp32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm")
+    tf32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm", "--tf32")
+    want = (h100.peak("fp32") * h100.efficiency["fp32"]) / (h100.peak("tf32") * h100.efficiency["tf32"])
+    assert tf32["compute_s"] == pytest.approx(fp32["compute_s"] * want) and tf32["step_s"] < fp32["step_s"] / 4
+    assert tf32["efficiency"] == h100.efficiency["tf32"] and tf32 != fp32
+    bf16 = {_projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", *f)["step_s"]
+            for f in ([], ["--tf32", "true"])}  # fmt: skip
+    assert len(bf16) == 1
+    assert main(["advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
+                 "--batch-size", "32", "--devices", "1", "--precision", "fp32", "--hardware", "h100-sxm",
+                 "--tf32", "--json"]) == 0  # fmt: skip
+    advice = json.loads(capsys.readouterr().out)
+    assert "--tf32 true" in advice["train_command"], advice
+    assert {r["efficiency_from"] for r in advice["ranking"]} == {"default"}, advice["ranking"]
+    assert "Tesla P40 has no TF32" in fails(capsys, *TIME_ARGS, "--hardware", "p40-pcie3", "--tf32")
+    assert "not a CPU" in fails(capsys, "estimate", "--model", "tinynet", "--device-type", "cpu", "--tf32")
+    assert "'maybe'" in fails(capsys, *TIME_ARGS, "--hardware", "h100-sxm", "--tf32", "maybe")

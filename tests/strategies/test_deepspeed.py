@@ -136,6 +136,28 @@ def test_bf16_trains_under_every_zero_stage(tmp_path, stage, reference_run):
     assert_estimate_within(res)
 
 
+# A model whose weights outweigh its activations (tinynet width 64 at 16 px: 1.26M parameters, micro-batch 4)
+# and a reduce bucket of 5e5 elements, so that the bf16 rows measure the states, the step's gradient copies and
+# the activations rather than DeepSpeed's default 0.93 GiB bucket (which is 97% of the TINY runs' peak).
+PARAM_HEAVY = [
+    "--model", "tinynet", "--width", "64", "--norm", "none", "--data", "digits", "--image-size", "16",
+    "--batch-size", "8", "--epochs", "1", "--max-steps", "2", "--progress", "false", "--measure-flops", "false",
+    "--timing-warmup-steps", "1", "--measure-alloc", "true", "--val-fraction", "0.02", "--save-every-epoch", "false",
+]  # fmt: skip
+
+
+def test_bf16_memory_estimate_holds_when_the_bucket_does_not_hide_it(tmp_path):
+    """bf16-mixed ZeRO-2 on 2 ranks, 2 steps: the estimate within 10% of the allocator peak of step 2
+    (docs/memory.md, "DeepSpeed rows": -0.7% measured, ZeRO-1 -0.6%; 13.35 MiB, at the step's fp32 copy of the
+    flattened bf16 gradient partition, which the estimate missed: -9.7%). One run (ZeRO-1 takes the same step
+    code); ZeRO-3, fp32 and offload rows are not within 10% on CPU: docs/memory.md says why."""
+    bucket = tmp_path / "bucket.json"
+    bucket.write_text(json.dumps({"zero_optimization": {"reduce_bucket_size": 500_000}}))
+    res = train(tmp_path / "z2", *DS, "--zero-stage", "2", "--precision", "bf16-mixed",
+                "--deepspeed-config", str(bucket), *PARAM_HEAVY, nproc=2, timeout=TIMEOUT)  # fmt: skip
+    assert_estimate_within(res)
+
+
 def test_conflicting_user_json_is_one_clear_error(tmp_path):
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"train_batch_size": 64, "zero_optimization": {"stage": 2}}))

@@ -8,7 +8,7 @@ import textwrap
 
 import torch
 
-from stratbench.commands.estimate import add_model_arguments
+from stratbench.commands.estimate import add_model_arguments, add_tf32_argument, check_tf32
 from stratbench.core.config import TrainConfig, canonical_precision, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS
@@ -47,11 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measured single-device run(s) for the projection's compute efficiency (and one-device runs of "
         "other methods for their own overhead)",
     )  # fmt: skip
+    add_tf32_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
 
 def run(args: argparse.Namespace) -> int:
     system, calibration = hardware_setup(args)
+    tf32 = check_tf32(args, system)
     devices, memory = devices_and_memory(args, system)
     precision = canonical_precision(args.precision) or default_precision("cuda", _bf16_supported())
     if precision not in SPECS:
@@ -59,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     base = TrainConfig(
         model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
         cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, precision=precision,
-        optimizer=args.optimizer,
+        tf32=tf32, optimizer=args.optimizer,
     )  # fmt: skip
     validate(base)
     result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration)

@@ -9,7 +9,7 @@ import torch
 from rich.table import Table
 
 from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
-from stratbench.core.config import TrainConfig, canonical_precision, validate
+from stratbench.core.config import TrainConfig, canonical_precision, coerce, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS
 from stratbench.core.tables import (
@@ -105,6 +105,7 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         help="a system from the hardware profiles (h100-sxm, a100-sxm, h100-pcie, l40s-pcie, p40-pcie3), "
         "a YAML profile file (e.g. one written by `stratbench probe`), or FILE:SYSTEM",
     )
+    add_tf32_argument(parser)
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node for --time (default: the system's)"
@@ -118,6 +119,29 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         "repeat it with runs at other batch sizes to also fit a fixed per-step overhead, and with one-device "
         "runs of other methods (--nproc 1) to add each method's own overhead per step",
     )
+
+
+def add_tf32_argument(parser: argparse.ArgumentParser) -> None:
+    """``--tf32`` as `train` takes it (TrainConfig.tf32): the projection prices fp32 at the profile's tf32 peak."""
+    parser.add_argument(
+        "--tf32", nargs="?", const="true", default="false", metavar="BOOL",
+        help="a run with TF32 matmuls/convolutions (train --tf32): fp32 is projected at the GPU's tf32 peak",
+    )  # fmt: skip
+
+
+def check_tf32(args: argparse.Namespace, system) -> bool:
+    """``--tf32`` read as `train` reads it; one line where `train` would refuse it (TF32 needs an NVIDIA GPU of
+    the Ampere generation or newer): on a CPU, or on a profile whose GPU has no tf32 peak."""
+    if not coerce("--tf32", args.tf32, bool):
+        return False
+    if getattr(args, "device_type", "cuda") == "cpu" or (system is not None and system.gpu.kind == "cpu"):
+        raise ConfigError("--tf32 needs an NVIDIA GPU of the Ampere generation or newer, not a CPU")
+    if system is not None and system.gpu.peak("tf32") is None:
+        raise ConfigError(
+            f"--tf32: {system.gpu.name} has no TF32 (no tf32 peak in its hardware profile); it needs an NVIDIA "
+            "GPU of the Ampere generation or newer"
+        )
+    return True
 
 
 def time_setup(args: argparse.Namespace):
@@ -185,7 +209,7 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
     cfg = TrainConfig(
         model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
         cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,
-        precision=args.precision, strategy=strategy, nnodes=args.nnodes,
+        precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
@@ -210,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
         )
     check_common(args)
     system, calibration = time_setup(args)
+    args.tf32 = check_tf32(args, system)
     if system is not None:
         device_memory = est.parse_bytes(args.device_memory)
     settings = RowSettings(
@@ -360,10 +385,11 @@ def print_time_table(console, results, system, args, calibration, device_memory,
 
     table, dropped = fit_table(console, build, TIME_DROP)
     console.print(table)
-    effs = sorted({(p["projection"]["efficiency"], p["projection"]["efficiency_source"]) for p in results
-                   if (p.get("projection") or {}).get("efficiency")})  # fmt: skip
-    for eff, src in effs:
-        console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {src}")
+    projections = [p["projection"] for p in results if (p.get("projection") or {}).get("efficiency")]
+    effs = sorted({(p["efficiency"], p["efficiency_from"], p["efficiency_source"]) for p in projections})
+    for eff, origin, src in effs:
+        said = src if src.startswith(origin) else f"{origin}, {src}"  # default / hardware file / calibration
+        console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}")
     console.print(
         f"overlap of forward/backward communication with compute: {system.overlap:.0%} ({system.overlap_source}); "
         "scaling eff. = throughput / (devices x one device at the same per-device batch); "

@@ -107,6 +107,8 @@ class Gpu:
     memory_bandwidth: float
     efficiency: dict[str, float] = field(default_factory=dict)
     """Fraction of peak a training step reaches, per precision key (defaults filled in)."""
+    efficiency_source: dict[str, str] = field(default_factory=dict)
+    """Precision key -> the user's hardware file that set its efficiency; a key not here has the default."""
     kind: str = "cuda"
     """cuda, or cpu for a profile `stratbench probe` measured on processes sharing a CPU."""
 
@@ -230,7 +232,10 @@ def _check_keys(entry: dict[str, Any], allowed: set[str], required: set[str], wh
         raise HardwareError(f"{where}: missing {missing[0]!r}")
 
 
-def _parse_gpu(key: str, e: dict[str, Any], where: str, defaults: dict[str, float]) -> Gpu:
+def _parse_gpu(
+    key: str, e: dict[str, Any], where: str, defaults: dict[str, float], user_file: str | None = None
+) -> Gpu:
+    """One ``gpus`` entry; ``user_file``: the user's hardware file it comes from (None: the built-in one)."""
     e = _mapping(e, where)
     _check_keys(e, _GPU_KEYS, {"name", "match", "peak_flops", "memory", "memory_bandwidth"}, where)
     try:
@@ -245,6 +250,7 @@ def _parse_gpu(key: str, e: dict[str, Any], where: str, defaults: dict[str, floa
             raise HardwareError(f"{where}: unknown precision {k!r}; allowed: {', '.join(PRECISION_KEYS)}")
     eff = dict(defaults)
     eff.update({k: fraction(v, f"{where}.efficiency.{k}") for k, v in e.get("efficiency", {}).items()})
+    eff_source = {k: f"hardware file {user_file}" for k in e.get("efficiency", {})} if user_file else {}
     kind = e.get("kind", "cuda")
     if kind not in ("cuda", "cpu"):
         raise HardwareError(f"{where}.kind: {kind!r}; allowed: cuda, cpu")
@@ -256,6 +262,7 @@ def _parse_gpu(key: str, e: dict[str, Any], where: str, defaults: dict[str, floa
         memory_bytes=nbytes(e["memory"], f"{where}.memory"),
         memory_bandwidth=bandwidth(e["memory_bandwidth"], f"{where}.memory_bandwidth"),
         efficiency=eff,
+        efficiency_source=eff_source,
         kind=kind,
     )
 
@@ -364,7 +371,8 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
                 f"{where0}: 'defaults' belong to the built-in file; set efficiency per gpu and overlap per system"
             )
     for key, e in _mapping(data.get("gpus", {}) or {}, f"{where0}: gpus").items():
-        cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat.default_efficiency)
+        user_file = None if base is None else source
+        cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat.default_efficiency, user_file)
     for key, e in _mapping(data.get("links", {}) or {}, f"{where0}: links").items():
         cat.links[key] = _parse_link(key, e, f"{where0}: links.{key}")
     for key, e in _mapping(data.get("systems", {}) or {}, f"{where0}: systems").items():

@@ -168,7 +168,8 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         p = project(cfg, system, nodes, gpn, calibration, memory=False)
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
-                               "step_s": p.step_s, "status": p.status, "dominant": p.dominant})  # fmt: skip
+                               "step_s": p.step_s, "status": p.status, "dominant": p.dominant,
+                               "efficiency_from": p.efficiency_from})  # fmt: skip
         time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
         advice.reasons.append(
             f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
@@ -198,7 +199,8 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
     args += ["--image-size", str(base.image_size), "--batch-size", str(base.batch_size)]
     if base.grad_accum > 1:
         args += ["--grad-accum", str(base.grad_accum)]
-    args += ["--precision", base.precision, "--optimizer", base.optimizer, "--strategy", plan.strategy]
+    args += ["--precision", base.precision, *(["--tf32", "true"] if base.tf32 else []), "--optimizer",
+             base.optimizer, "--strategy", plan.strategy]  # fmt: skip
     for k, v in plan.options:
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:

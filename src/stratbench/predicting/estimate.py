@@ -154,11 +154,11 @@ def estimate(
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
     mb = micro_batch(cfg, world_size)
     states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
-    s = max(
-        states,
-        key=lambda x: x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0),
+    s = max(states, key=_held_bytes)
+    # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
+    trace = trace_step(
+        spec, mb, s.trace_precision or cfg.precision, cfg.activation_checkpointing, device_type
     )
-    trace = trace_step(spec, mb, cfg.precision, cfg.activation_checkpointing, device_type)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
@@ -201,6 +201,12 @@ def estimate(
         num_parameters=info.total,
         per_rank_states=model_state_bytes(cfg, world_size),
     )
+
+
+def _held_bytes(x: RankMemory) -> int:
+    """A rank's device bytes of model states, buckets, gathered parameters and own activations (the busiest
+    rank is the one the estimate reports)."""
+    return x.params + x.grads + x.optim + x.master + x.buckets + x.gathered + (x.activations or 0)
 
 
 def _step_scratch(cfg: TrainConfig, s: RankMemory, info: ModelInfo, device_type: str) -> int:

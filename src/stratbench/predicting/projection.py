@@ -493,6 +493,9 @@ class MethodProjection:
     fits: bool | None = None
     efficiency: float | None = None
     efficiency_source: str = ""
+    efficiency_from: str = ""
+    """Where the efficiency comes from: "default", "hardware file" (the user's --hardware file set it) or
+    "calibration" (--calibrate runs); ``efficiency_source`` says which file or runs."""
     overlap: float | None = None
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -573,13 +576,16 @@ def _efficiency(
     cal = (calibration or {}).get(key)
     if cal is not None:
         eff, out.efficiency_source, overhead = cal.efficiency, cal.source, cal.overhead_s
+        out.efficiency_from = "calibration"
         if cal.device != gpu.key:
             out.efficiency_source += f"; applied to {gpu.name}"
     else:
         eff, overhead = gpu.efficiency[key], 0.0
-        out.efficiency_source = "default" + (
-            f" (calibrated: {', '.join(calibration)} only)" if calibration else ""
-        )
+        user_file = gpu.efficiency_source.get(key)
+        out.efficiency_from = "hardware file" if user_file else "default"
+        out.efficiency_source = (
+            f"{user_file} (gpus.{gpu.key}.efficiency.{key})" if user_file else "default"
+        ) + (f" (calibrated: {', '.join(calibration)} only)" if calibration else "")
     out.efficiency = eff
     if cal is not None and mkey in cal.method_overhead_s:
         overhead += cal.method_overhead_s[mkey]

@@ -79,6 +79,10 @@ class RankMemory:
     """Activations the method computes itself (a pipeline stage: its micro-batches in flight); None: the whole
     model traced at the per-device micro-batch."""
     activation_note: str = ""
+    trace_precision: str | None = None
+    """The precision the method's forward/backward really runs in, where it is not the run's: DeepSpeed converts
+    the model to fp16/bf16 itself and runs it without autocast (its activations are a ``*-true`` run's, with no
+    autocast weight casts); None: the run's precision."""
     runs_linear: bool | None = None
     """Whether this rank runs an nn.Linear (a CPU's 16-bit matrix products keep buffers); None: the whole model
     runs on every rank, so it does if the model has one."""
