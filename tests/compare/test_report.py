@@ -12,7 +12,8 @@ import markupsafe
 import pytest
 import yaml
 
-from conftest import fails, md_section, run_stratbench
+from conftest import fails, md_section
+from stratbench.cli import main
 from stratbench.compare import charts
 from stratbench.compare import report as report_mod
 from stratbench.compare import runner as runner_mod
@@ -113,18 +114,24 @@ def test_charts_curves_zoomed_accuracy_and_state_bytes(records, tmp_path, monkey
                                                 "optimizer_state_bytes": 49_000, "master_param_bytes": 0}  # fmt: skip
 
 
-def test_piped_tables_keep_method_names_whole(records, tmp_path):
+def test_piped_tables_keep_method_names_whole(records, tmp_path, capsys, monkeypatch):
+    """stdout not a terminal (capsys: as a pipe or a CI log) and no COLUMNS: tables keep every name whole."""
+    monkeypatch.delenv("COLUMNS", raising=False)
     out = tmp_path / "sweep"
     out.mkdir()
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    proc = run_stratbench("report", str(out), env={"COLUMNS": ""})  # stdout is a pipe here
-    assert "accelerate-fsdp" in proc.stdout and "deepspeed-z3" in proc.stdout and "…" not in proc.stdout
-    est = run_stratbench("estimate", "--model", "resnet18", "--strategy", "all", "--world-size", "2")
+
+    def printed(*argv: str) -> str:
+        assert main(list(argv)) == 0
+        return capsys.readouterr().out
+
+    text = printed("report", str(out))
+    assert "accelerate-fsdp" in text and "deepspeed-z3" in text and "…" not in text
+    est = printed("estimate", "--model", "resnet18", "--strategy", "all", "--world-size", "2")
     for name in ("ddp-zero", "deepspeed", "fsdp"):
-        assert name in est.stdout
-    assert "…" not in est.stdout
-    adv = run_stratbench("advise", "--model", "resnet18", "--devices", "2", "--device-memory", "8GiB")
-    assert "…" not in adv.stdout
+        assert name in est
+    assert "…" not in est
+    assert "…" not in printed("advise", "--model", "resnet18", "--devices", "2", "--device-memory", "8GiB")
 
 
 FAKE_REPEAT = textwrap.dedent(

@@ -170,38 +170,53 @@ def plugin_env(tmp_path) -> dict[str, str]:
     return {"PYTHONPATH": path}
 
 
+PLUGIN_COMMANDS = """
+import contextlib, io, json, sys
+from stratbench.cli import main
+from stratbench.compare.matrix import build_matrix, plan
+
+out = {}
+for key, argv in json.loads(sys.argv[1]).items():
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = main(argv)
+    out[key] = [code, printed.getvalue()]
+m = build_matrix({"cells": [{"method": "throwaway", "precision": "fp32"}]})
+out["plan"] = [[p.cell.method, p.cell.world_size, p.status] for p in plan(m)]
+print(json.dumps(out))
+"""
+"""The plug-in's commands, one after another in one fresh interpreter of the plug-in's environment (its entry
+point found as an installed distribution's), each through ``stratbench.cli.main``: one start-up instead of four."""
+
+
 def test_a_plugin_strategy_reaches_list_train_estimate_and_compare(tmp_path, plugin_env):
     """One file outside the package (its runtime, cost model and checkpoint I/O) reaches every command: a train
     run that saves through its checkpoint I/O, an estimate row, a projection row and a compare cell."""
+    import subprocess
+
     from stratbench.checkpoints import checkpoint
 
-    assert "throwaway" in run_stratbench("list", env=plugin_env, timeout=120).stdout
     res = train(tmp_path / "run", "--strategy", "throwaway", *QUICK, "--max-steps", "3", env=plugin_env)
     assert res["status"] == "ok" and res["strategy"] == "throwaway" and res["metrics"]["steps"] == 3
     assert checkpoint.read_meta(tmp_path / "run" / "checkpoints" / "last")["saved_by"] == "throwaway"
-    est = json.loads(run_stratbench("estimate", "--strategy", "all", "--model", "tinynet", "--image-size", "32",
-                                    "--num-classes", "10", "--batch-size", "32", "--json", env=plugin_env,
-                                    timeout=120).stdout)  # fmt: skip
-    rows = {r["strategy"]: r for r in est["results"]}
+    estimate = ["estimate", "--strategy", "all", "--model", "tinynet", "--image-size", "32", "--num-classes", "10",
+                "--batch-size", "32", "--json"]  # fmt: skip
+    commands = {"list": ["list"], "estimate": estimate,
+                "timed": [*estimate, "--time", "--hardware", "h100-sxm", "--gpus-per-node", "1"]}  # fmt: skip
+    proc = subprocess.run([sys.executable, "-c", PLUGIN_COMMANDS, json.dumps(commands)], capture_output=True,
+                          text=True, timeout=180, env=dict(os.environ, **plugin_env), cwd=tmp_path)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert all(out[k][0] == 0 for k in commands), {k: out[k] for k in commands}
+    assert "throwaway" in out["list"][1]
+    rows = {r["strategy"]: r for r in json.loads(out["estimate"][1])["results"]}
     assert rows["throwaway"]["estimate"]["peak_bytes"] == rows["single"]["estimate"]["peak_bytes"]
     assert rows["throwaway-nomodel"]["estimate"] is None and "no memory model" in rows["throwaway-nomodel"]["no_model"]
-    timed = json.loads(run_stratbench("estimate", "--strategy", "all", "--model", "tinynet", "--image-size", "32",
-                                      "--num-classes", "10", "--batch-size", "32", "--time", "--hardware", "h100-sxm",
-                                      "--gpus-per-node", "1", "--json", env=plugin_env, timeout=120).stdout)  # fmt: skip
-    projected = {r["strategy"]: r["projection"] for r in timed["results"]}
+    projected = {r["strategy"]: r["projection"] for r in json.loads(out["timed"][1])["results"]}
     mine, single = projected["throwaway"], projected["single"]
     assert mine["status"] == "ok" and mine["comm_s"] == 0 and mine["step_s"] == pytest.approx(single["step_s"])
     assert projected["throwaway-nomodel"]["status"] == "no model"
-    code = (
-        "from stratbench.compare.matrix import build_matrix, plan; "
-        "m = build_matrix({'cells': [{'method': 'throwaway', 'precision': 'fp32'}]}); "
-        "print([(p.cell.method, p.cell.world_size, p.status) for p in plan(m)])"
-    )
-    import subprocess
-
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, **plugin_env), check=True)  # fmt: skip
-    assert proc.stdout.strip() == "[('throwaway', 1, None)]"
+    assert out["plan"] == [["throwaway", 1, None]]
 
 
 def test_a_broken_plugin_is_one_clear_line(tmp_path, plugin_env):
