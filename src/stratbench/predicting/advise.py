@@ -169,7 +169,7 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
                                "step_s": p.step_s, "status": p.status, "dominant": p.dominant,
-                               "efficiency_from": p.efficiency_from})  # fmt: skip
+                               "efficiency_from": p.efficiency_from, "uncalibrated": p.uncalibrated})  # fmt: skip
         time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
         advice.reasons.append(
             f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
