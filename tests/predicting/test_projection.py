@@ -790,3 +790,42 @@ def test_every_default_in_the_data_names_its_evidence():
     bad["default_efficiency"]["entries"][-1]["published"] = [sorted(held)[0]]
     with pytest.raises(hardware.HardwareError, match="is held out"):
         hardware.parse(bad, "hardware.yaml")
+
+
+ATTENTION_NET = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.embed = nn.Linear(48, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        t = self.embed(x.flatten(2).transpose(1, 2).reshape(x.shape[0], -1, 48))
+        return self.head((t + self.attn(t, t, t, need_weights=False)[0]).mean(1))
+
+
+def build(num_classes):
+    return Net(num_classes)
+
+
+def mlp(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, num_classes))
+'''
+
+
+def test_a_transformer_gets_the_transformer_default_and_an_mlp_the_flagged_assumption(tmp_path, monkeypatch):
+    (tmp_path / "sb_attention_net.py").write_text(ATTENTION_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a100 = hardware.builtin().system("a100-sxm")
+    cfg = TrainConfig(model="sb_attention_net:build", data="synthetic", num_classes=10, image_size=8, batch_size=8,
+                      precision="bf16-mixed")  # fmt: skip
+    p = projection.project(cfg, a100, gpus_per_node=1, memory=False)
+    assert (p.model_family, p.efficiency, p.uncalibrated) == ("transformer", 0.567, True), p
+    assert "BERT-large pre-training" in p.efficiency_source and "fp16 default" in p.efficiency_note
+    q = projection.project(cfg.replace(model="sb_attention_net:mlp"), a100, gpus_per_node=1, memory=False)
+    assert (q.model_family, q.efficiency) == (None, 0.4) and "model family unknown" in q.efficiency_source, q

@@ -602,8 +602,8 @@ def _efficiency(
         d = gpu.default_efficiency(key, out.model_family)
         eff, overhead = d.value, 0.0
         out.efficiency_from, out.uncalibrated, out.efficiency_note = "default", True, d.note
-        family = out.model_family or "model of unknown family"
-        out.efficiency_source = f"default for {family} {key} on {gpu.name}: {d.source}" + (
+        what = f"{out.model_family} {key}" if out.model_family else f"{key} (model family unknown)"
+        out.efficiency_source = f"default for {what} on {gpu.name}: {d.source}" + (
             f" [{d.note}]" if d.note else ""
         )
     if cal is None and calibration:
