@@ -1,22 +1,28 @@
 """Held-out check of the step-time projection against published training throughputs no one here made
-(src/stratbench/measuring/published.yaml, each number with its source). Two tables, markdown:
+(src/stratbench/measuring/published.yaml, each number with its source). Three tables, markdown:
 
 * **scaling**: each multi-GPU entry predicted from its own 1-GPU figure only (the same source and setup, calibrated
   as `--calibrate` would a result.json of that run), or, where the source has no 1-GPU figure, anchored on its
   smallest multi-GPU figure (the efficiency that reproduces it); published vs predicted with the error;
+* **the defaults**: every evidence-based default of hardware.yaml (``default_efficiency``) recomputed from the
+  evidence it names; the script fails where the data drifts from its evidence by more than 0.001;
 * **single GPU, default efficiency**: every 1-GPU figure against the projection with hardware.yaml's default
-  efficiency (no calibration), and the efficiency the figure implies.
+  efficiency for its GPU, precision and model family (no calibration) and with the old per-precision constant, the
+  efficiency the figure implies, and its role: a figure that *sets* a default, or one *held out* from all of them
+  (the errors are summarised separately).
 
     PYTHONPATH=src python benchmarks/projection_published.py
 
 Nothing is measured on this machine: the inputs are the published numbers, the models' counted FLOPs and shapes
 (transformers through benchmarks/published_models.py) and the hardware profiles (built-in, and
-benchmarks/published_hardware.yaml for DGX-1). No figure here sets a default: hardware.yaml's defaults are its
-stated assumptions, so this is a held-out validation of the model as it is.
+benchmarks/published_hardware.yaml for DGX-1). Which figures set defaults is hardware.yaml's ``default_efficiency``
+(ResNet-50 and BERT-large pre-training; ResNeXt-101 and SQuAD held out); the multi-GPU rows are calibrated on their
+own figures and use no default.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import sys
@@ -29,7 +35,7 @@ import yaml
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.measuring.hardware import HardwareError, System, resolve
+from stratbench.measuring.hardware import HardwareError, System, builtin, resolve
 from stratbench.measuring.records import RunRecord
 from stratbench.predicting.projection import (
     Calibration,
@@ -225,18 +231,65 @@ def predict(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> Prediction:
     return out
 
 
-def single_default(e: dict[str, Any]) -> tuple[float | None, float | None, str]:
-    """(the default efficiency's projection of 1-GPU entry ``e`` in its unit, the efficiency the published figure
-    implies, why none) ."""
+def single_default(e: dict[str, Any]) -> tuple[float | None, float | None, float | None, str]:
+    """(the default efficiency's projection of 1-GPU entry ``e`` in its unit, the projection with the old
+    per-precision constant (defaults.efficiency, before issue 33), the efficiency the published figure implies,
+    why none)."""
     try:
         system = system_of(e)
-        p = _project(e, config(e, "single", 1), system, None)
+        cfg = config(e, "single", 1)
+        p = _project(e, cfg, system, None)
+        key = precision_key(cfg.precision, cfg.tf32)
+        old = Calibration(
+            builtin().default_efficiency[key], key, device=system.gpu.key, source="old constant"
+        )
+        q = _project(e, cfg, system, {key: old})
         implied = calibration_from(e, system)
     except ConfigError as exc:
-        return None, None, str(exc)
+        return None, None, None, str(exc)
     if p.status != "ok" or not p.throughput:
-        return None, None, p.reason or p.status
-    return in_unit(e, p.throughput), next(iter(implied.values())).efficiency, ""
+        return None, None, None, p.reason or p.status
+    return (
+        in_unit(e, p.throughput),
+        in_unit(e, q.throughput or 0.0),
+        next(iter(implied.values())).efficiency,
+        "",
+    )
+
+
+def role(e: dict[str, Any]) -> str:
+    """What entry ``e`` is to the defaults: "sets" (an evidence of hardware.yaml's default_efficiency), "held
+    out" (listed there as such) or "neither"."""
+    cat = builtin()
+    if any(e["id"] in d.evidence for d in cat.evidence.values()):
+        return "sets"
+    return "held out" if e["id"] in cat.held_out else "neither"
+
+
+def check_defaults(entries: list[dict[str, Any]]) -> list[str]:
+    """Recompute every evidence-based default of hardware.yaml from its evidence (median implied efficiency of
+    its published figures, an anchored multi-GPU figure, or the project's run); a line per default, and
+    SystemExit where the data drifts from its evidence by more than 0.001."""
+    by_id = {e["id"]: e for e in entries}
+    lines, bad = [], []
+    for (gpu, family, key), d in sorted(builtin().evidence.items()):
+        values = []
+        for ev in d.evidence:
+            if ev in by_id:
+                e = by_id[ev]
+                system = system_of(e)
+                cal = calibration_from(e, system) if e["gpus"] == 1 else anchored_calibration(e, system)
+            else:  # the project's own run
+                run = RunRecord.from_dict(json.loads((HERE.parent / ev).read_text()))
+                cal = calibrate([run], resolve(gpu), [ev])
+            values.append(cal[key].efficiency)
+        derived = statistics.median(values)
+        ok = abs(derived - d.value) <= 0.001
+        bad += [] if ok else [f"{gpu} {key} {family}: data {d.value} vs evidence {derived:.4f}"]
+        lines.append(f"| {gpu} | {key} | {family} | {d.value:.1%} | {derived:.2%} | {d.source} |")
+    if bad:
+        raise SystemExit(f"hardware.yaml default_efficiency drifts from its evidence: {bad}")
+    return lines
 
 
 def _pct(x: float | None) -> str:
@@ -281,24 +334,32 @@ def scaling_table(entries: list[dict[str, Any]]) -> list[Prediction]:
     return rows
 
 
-def single_table(entries: list[dict[str, Any]]) -> list[float]:
-    """Print the 1-GPU table (default efficiency vs published); returns the errors."""
-    print("| entry | model | GPU | precision | batch/GPU | published | default projection | error | "
-          "implied efficiency | default efficiency |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    errors = []
+def single_table(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[float]]]:
+    """Print the 1-GPU table (the evidence-based default and the old constant vs published); returns the errors
+    per role (sets / held out / neither) and basis (new / old)."""
+    print("| entry | role | model | GPU | precision | batch/GPU | published | default projection | error | "
+          "old constant's error | implied efficiency | default efficiency | default's basis |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    errors: dict[str, dict[str, list[float]]] = {}
     for e in entries:
         if e["gpus"] != 1:
             continue
-        pred, implied, why = single_default(e)
+        pred, old, implied, why = single_default(e)
         err = None if pred is None else pred / e["throughput"] - 1
-        if err is not None:
-            errors.append(err)
-        default = system_of(e).gpu.efficiency.get(precision_key(*PRECISIONS[e["precision"]]))
-        print(f"| {e['id']} | {e['model']}{' s' + str(e['seq_len']) if e.get('seq_len') else ''} | {e['gpu']} | "
-              f"{e['precision']} | {samples_per_step(e)} | {e['throughput']:,g} {e['unit']} | "
-              f"{f'{pred:,.0f}' if pred is not None else 'n/a: ' + why} | {_pct(err)} | "
-              f"{'-' if implied is None else f'{implied:.1%}'} | {default:.0%} |")  # fmt: skip
+        old_err = None if old is None else old / e["throughput"] - 1
+        r = role(e)
+        if err is not None and old_err is not None:
+            errors.setdefault(r, {"new": [], "old": []})
+            errors[r]["new"].append(err)
+            errors[r]["old"].append(old_err)
+        cfg = config(e, "single", 1)
+        p = _project(e, cfg, system_of(e), None)
+        basis = "; ".join(x for x in (p.model_family or "no family", p.efficiency_note) if x)
+        print(f"| {e['id']} | {r} | {e['model']}{' s' + str(e['seq_len']) if e.get('seq_len') else ''} | "
+              f"{e['gpu']} | {e['precision']} | {samples_per_step(e)} | {e['throughput']:,g} {e['unit']} | "
+              f"{f'{pred:,.0f}' if pred is not None else 'n/a: ' + why} | {_pct(err)} | {_pct(old_err)} | "
+              f"{'-' if implied is None else f'{implied:.1%}'} | "
+              f"{'-' if p.efficiency is None else f'{p.efficiency:.1%}'} | {basis} |")  # fmt: skip
     return errors
 
 
@@ -320,11 +381,24 @@ def main() -> None:
     print("- " + _summary(">= 64 GPUs", [r.error for r in ok if r.entry["gpus"] >= 64], 0.15))
     print(f"- n/a: {len(rows) - len(ok)} of {len(rows)}")
     print()
+    print("## The defaults and their evidence (hardware.yaml default_efficiency, recomputed here)")
+    print()
+    print("| GPU | precision | family | default | recomputed from the evidence | source |")
+    print("|---|---|---|---|---|---|")
+    print("\n".join(check_defaults(entries)))
+    print()
     print("## One GPU: hardware.yaml's default efficiency vs each published 1-GPU figure")
+    print()
+    print("role: *sets* = a figure a default is set from; *held out* = kept out of every default (ResNeXt-101 and "
+          "SQuAD: another model of the same family on the same GPU and precision); *neither*: see published.yaml. "
+          "Old constant = the per-precision default before issue 33 (fp32 50%, tf32/bf16/fp16 40%).")  # fmt: skip
     print()
     errors = single_table(entries)
     print()
-    print("- " + _summary("default efficiency, 1 GPU", errors))
+    for r in ("sets", "held out", "neither"):
+        for basis, label in (("new", "evidence-based default"), ("old", "old per-precision constant")):
+            if r in errors:
+                print("- " + _summary(f"{r}, {label}", errors[r][basis]))
 
 
 if __name__ == "__main__":

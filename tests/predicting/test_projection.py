@@ -11,6 +11,7 @@ import re
 import pytest
 import yaml
 
+import conftest
 from stratbench.core.config import TrainConfig
 from stratbench.measuring import hardware
 from stratbench.measuring.hardware import HardwareError
@@ -637,7 +638,7 @@ def test_compare_report_shows_predicted_step_and_error(tmp_path):
     assert float(ddp["predicted_step_s"]) == pytest.approx(pred.step_s)
     assert float(ddp["predicted_step_error_pct"]) == pytest.approx((pred.step_s / 0.004 - 1) * 100)
     bf16 = rows["ddp", "bf16-mixed", "gpu"]
-    assert float(bf16["predicted_step_s"]) > 0 and bf16["predicted_dominant"] and bf16["predicted_step_basis"] == "default"
+    assert float(bf16["predicted_step_s"]) > 0 and bf16["predicted_dominant"] and bf16["predicted_step_basis"].startswith("default for convnet bf16")
     assert "predicted step (error)" in md and "(calibration)" in md
     assert f"{pred.step_s * 1e3:.1f} ms ({(pred.step_s / 0.004 - 1) * 100:+.0f}%)" in md
     assert "default efficiency" in md and "h100-sxm profile" in md
@@ -682,12 +683,14 @@ def test_efficiency_source_is_default_hardware_file_or_calibration(tmp_path, cap
     hw = tmp_path / "my.yaml"
     hw.write_text(yaml.safe_dump(MY_GPU))
     p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm")
-    assert (p["efficiency_from"], p["efficiency_source"], p["efficiency"]) == ("default", "default", 0.4)
+    assert (p["efficiency_from"], p["efficiency"], p["uncalibrated"]) == ("default", 0.082, True), p
+    assert p["efficiency_source"].startswith("default for convnet bf16 on NVIDIA H100 SXM5 80GB"), p
     p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", str(hw))
-    assert p["efficiency_from"] == "hardware file" and p["efficiency"] == 0.3, p
+    assert p["efficiency_from"] == "hardware file" and p["efficiency"] == 0.3 and not p["uncalibrated"], p
     assert p["efficiency_source"] == f"hardware file {hw} (gpus.my-gpu.efficiency.bf16)"
     p = _projection(capsys, "--precision", "fp32", "--hardware", str(hw))  # the file sets bf16 only
-    assert (p["efficiency_from"], p["efficiency"]) == ("default", 0.5), p
+    assert (p["efficiency_from"], p["efficiency"]) == ("default", 0.5), p  # no evidence, no like: the assumption
+    assert "assumption" in p["efficiency_source"] and p["efficiency_note"] == "no evidence for convnet fp32", p
     run = tmp_path / "result.json"
     run.write_text(json.dumps({
         "status": "ok", "world_size": 1, "config": tiny_cfg(precision="bf16-mixed").to_dict(),
@@ -711,9 +714,10 @@ def test_tf32_projects_fp32_at_the_tf32_peak_and_is_refused_where_train_refuses_
     h100 = hardware.builtin().system("h100-sxm").gpu
     fp32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm")
     tf32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm", "--tf32")
-    want = (h100.peak("fp32") * h100.efficiency["fp32"]) / (h100.peak("tf32") * h100.efficiency["tf32"])
-    assert tf32["compute_s"] == pytest.approx(fp32["compute_s"] * want) and tf32["step_s"] < fp32["step_s"] / 4
-    assert tf32["efficiency"] == h100.efficiency["tf32"] and tf32 != fp32
+    eff = {k: h100.default_efficiency(k, "convnet").value for k in ("fp32", "tf32")}  # tinynet is a convnet
+    want = (h100.peak("fp32") * eff["fp32"]) / (h100.peak("tf32") * eff["tf32"])
+    assert tf32["compute_s"] == pytest.approx(fp32["compute_s"] * want) and tf32["step_s"] < fp32["step_s"] / 2
+    assert tf32["efficiency"] == eff["tf32"] and tf32 != fp32
     bf16 = {_projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", *f)["step_s"]
             for f in ([], ["--tf32", "true"])}  # fmt: skip
     assert len(bf16) == 1
@@ -726,3 +730,102 @@ def test_tf32_projects_fp32_at_the_tf32_peak_and_is_refused_where_train_refuses_
     assert "Tesla P40 has no TF32" in fails(capsys, *TIME_ARGS, "--hardware", "p40-pcie3", "--tf32")
     assert "not a CPU" in fails(capsys, "estimate", "--model", "tinynet", "--device-type", "cpu", "--tf32")
     assert "'maybe'" in fails(capsys, *TIME_ARGS, "--hardware", "h100-sxm", "--tf32", "maybe")
+
+
+# ------------------------------------------------------------------------------------------------
+# Default efficiency from evidence, per (GPU, precision, model family) (issue 33 item 1).
+
+
+def test_the_default_is_chosen_per_gpu_precision_and_family_with_its_source():
+    gpus = hardware.builtin().gpus
+    a100 = gpus["a100-sxm"]
+    d = a100.default_efficiency("tf32", "transformer")
+    assert (d.value, d.note) == (0.604, "") and "dle-bert-pretrain-s128-a100-tf32-1gpu" in d.evidence
+    assert "median implied efficiency of 2 BERT-large pre-training figures" in d.source
+    assert a100.default_efficiency("tf32", "convnet").value == 0.146  # a convnet reaches far less there
+    bf16 = a100.default_efficiency("bf16", "convnet")  # no bf16 figure: fp16's, same tensor-core peak, said so
+    assert bf16.value == a100.default_efficiency("fp16", "convnet").value and "fp16 default" in bf16.note
+    h200 = gpus["h200-sxm"].default_efficiency("bf16", "convnet")  # no H200 evidence: the like GPU's, said so
+    assert h200.value == gpus["h100-sxm"].default_efficiency("bf16", "convnet").value
+    assert "h100-sxm's default" in h200.note and "result.json" in h200.source
+    for family, why in (("transformer", "no evidence for transformer fp32"), (None, "model family unknown")):
+        guess = a100.default_efficiency("fp32", family)  # no figure at all: the per-precision assumption, flagged
+        assert guess.value == 0.5 and guess.evidence == () and why in guess.note, guess
+
+
+def test_uncalibrated_flag_and_source_in_json_absent_when_calibrated(tmp_path, capsys):
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm")
+    assert (p["uncalibrated"], p["efficiency_from"], p["model_family"]) == (True, "default", "convnet"), p
+    assert p["efficiency"] == 0.082 and p["efficiency_note"] == ""
+    assert p["efficiency_source"].startswith("default for convnet bf16 on NVIDIA H100 SXM5 80GB: implied efficiency")
+    run = tmp_path / "result.json"
+    run.write_text(json.dumps({
+        "status": "ok", "world_size": 1, "config": tiny_cfg(precision="bf16-mixed").to_dict(),
+        "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]},
+        "metrics": {"step_time_median_s": 0.01},
+    }))  # fmt: skip
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", "--calibrate", str(run))
+    assert (p["uncalibrated"], p["efficiency_from"]) == (False, "calibration"), p
+
+
+def test_every_default_in_the_data_names_its_evidence():
+    data = yaml.safe_load(hardware.BUILTIN.read_text())["default_efficiency"]
+    published = {e["id"]: e for e in yaml.safe_load(hardware.PUBLISHED.read_text())["entries"]}
+    held = set(data["held_out"])
+    assert held and held <= set(published) and all(published[h]["gpus"] == 1 for h in held)
+    seen = set()
+    for e in data["entries"]:
+        evidence = [*e.get("published", []), *e.get("runs", [])]
+        assert evidence and e["how"], e
+        assert not held & set(e.get("published", [])), e
+        assert all(pid in published for pid in e.get("published", [])), e
+        assert all((conftest.REPO / r).is_file() for r in e.get("runs", [])), e
+        seen.add((e["gpu"], e["precision"], e["family"]))
+    assert len(seen) == len(data["entries"]) and {f for _, _, f in seen} == set(hardware.FAMILIES)
+    bad = yaml.safe_load(hardware.BUILTIN.read_text())
+    bad["default_efficiency"]["entries"].append({"gpu": "l4", "precision": "bf16", "family": "convnet",
+                                                 "value": 0.3, "how": "a guess"})  # fmt: skip
+    with pytest.raises(hardware.HardwareError, match="names no evidence"):
+        hardware.parse(bad, "hardware.yaml")
+    bad["default_efficiency"]["entries"][-1]["published"] = [sorted(held)[0]]
+    with pytest.raises(hardware.HardwareError, match="is held out"):
+        hardware.parse(bad, "hardware.yaml")
+
+
+ATTENTION_NET = '''
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.embed = nn.Linear(48, 32)
+        self.attn = nn.MultiheadAttention(32, 4, batch_first=True)
+        self.head = nn.Linear(32, num_classes)
+
+    def forward(self, x):
+        t = self.embed(x.flatten(2).transpose(1, 2).reshape(x.shape[0], -1, 48))
+        return self.head((t + self.attn(t, t, t, need_weights=False)[0]).mean(1))
+
+
+def build(num_classes):
+    return Net(num_classes)
+
+
+def mlp(num_classes):
+    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, num_classes))
+'''
+
+
+def test_a_transformer_gets_the_transformer_default_and_an_mlp_the_flagged_assumption(tmp_path, monkeypatch):
+    (tmp_path / "sb_attention_net.py").write_text(ATTENTION_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    a100 = hardware.builtin().system("a100-sxm")
+    cfg = TrainConfig(model="sb_attention_net:build", data="synthetic", num_classes=10, image_size=8, batch_size=8,
+                      precision="bf16-mixed")  # fmt: skip
+    p = projection.project(cfg, a100, gpus_per_node=1, memory=False)
+    assert (p.model_family, p.efficiency, p.uncalibrated) == ("transformer", 0.567, True), p
+    assert "BERT-large pre-training" in p.efficiency_source and "fp16 default" in p.efficiency_note
+    q = projection.project(cfg.replace(model="sb_attention_net:mlp"), a100, gpus_per_node=1, memory=False)
+    assert (q.model_family, q.efficiency) == (None, 0.4) and "model family unknown" in q.efficiency_source, q

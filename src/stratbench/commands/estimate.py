@@ -389,6 +389,8 @@ def print_time_table(console, results, system, args, calibration, device_memory,
     effs = sorted({(p["efficiency"], p["efficiency_from"], p["efficiency_source"]) for p in projections})
     for eff, origin, src in effs:
         said = src if src.startswith(origin) else f"{origin}, {src}"  # default / hardware file / calibration
+        if origin == "default":  # evidence from other runs, not this model's: say so
+            said = f"UNCALIBRATED, {said}; --calibrate result.json from one real run replaces it"
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}")
     console.print(
         f"overlap of forward/backward communication with compute: {system.overlap:.0%} ({system.overlap_source}); "

@@ -269,7 +269,8 @@ def _profile_note(pred: RecordPrediction) -> str:
     return (
         f"predicted step: stratbench.predicting.projection on the {pred.system} profile, "
         + ("calibrated on this sweep's single run of the same precision" if pred.calibrated
-           else "at the profile's default efficiency (no single run of this precision in the sweep)")
+           else "at the profile's default efficiency for the model's family, uncalibrated (no single run of this "
+                "precision in the sweep; report.csv: predicted_step_basis names the default's evidence)")
         + "; error = predicted / measured median step - 1 (docs/projection.md)"
     )  # fmt: skip
 

@@ -8,6 +8,7 @@ header of ``hardware.yaml`` for what every field means and where every number co
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -19,7 +20,11 @@ from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import KINDS
 
 BUILTIN = Path(__file__).with_name("hardware.yaml")
+PUBLISHED = Path(__file__).with_name("published.yaml")
+"""Published training throughputs (their ids are the evidence ``default_efficiency`` entries name)."""
 PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16")
+FAMILIES = ("convnet", "transformer")
+"""Model families with their own default efficiencies (``stratbench.models.family`` decides a model's)."""
 
 _PREFIX = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BIN = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
@@ -97,6 +102,19 @@ def fraction(value: Any, where: str) -> float:
 
 
 @dataclass(frozen=True)
+class DefaultEfficiency:
+    """A default compute efficiency for one (GPU, precision, model family) and the evidence behind it."""
+
+    value: float
+    source: str
+    """In words: what set it, e.g. "median implied efficiency of 2 published 1-GPU figures (ids)"."""
+    evidence: tuple[str, ...] = ()
+    """published.yaml ids and project run files that set it (empty: an assumption)."""
+    note: str = ""
+    """Empty where the (GPU, precision, family) has its own evidence; else the fallback rule that gave it."""
+
+
+@dataclass(frozen=True)
 class Gpu:
     key: str
     name: str
@@ -111,9 +129,31 @@ class Gpu:
     """Precision key -> the user's hardware file that set its efficiency; a key not here has the default."""
     kind: str = "cuda"
     """cuda, or cpu for a profile `stratbench probe` measured on processes sharing a CPU."""
+    like: str | None = None
+    """The GPU whose evidence-based defaults this one borrows where it has none of its own (hardware.yaml)."""
+    family_efficiency: dict[tuple[str, str], DefaultEfficiency] = field(default_factory=dict)
+    """(family, precision key) -> the default efficiency and its evidence (resolved with the fallback rules)."""
 
     def peak(self, key: str) -> float | None:
         return self.peak_flops.get(key)
+
+    def default_efficiency(self, key: str, family: str | None) -> DefaultEfficiency:
+        """The default efficiency of a ``family`` model in precision ``key``: the evidence-based default where
+        the data has one (own or by the fallback rules), else the per-precision assumption, flagged."""
+        found = self.family_efficiency.get((family or "", key))
+        if found is not None:
+            return found
+        why = (
+            f"no evidence for {family} {key}"
+            if family
+            else "model family unknown (neither convnet nor transformer)"
+        )
+        return DefaultEfficiency(
+            self.efficiency[key],
+            f"assumption: {self.efficiency[key]:.0%} for {key} (defaults.efficiency)",
+            (),
+            why,
+        )
 
     def matches(self, device_name: str) -> bool:
         return re.search(self.match, device_name, flags=re.IGNORECASE) is not None
@@ -192,6 +232,10 @@ class Catalogue:
     default_efficiency: dict[str, float]
     default_overlap: float
     default_system: str | None = None
+    evidence: dict[tuple[str, str, str], DefaultEfficiency] = field(default_factory=dict)
+    """(gpu key, family, precision key) -> the evidence-based default of hardware.yaml's ``default_efficiency``."""
+    held_out: tuple[str, ...] = ()
+    """published.yaml ids kept out of every default (the held-out check of benchmarks/projection_published.py)."""
 
     def system(self, name: str) -> System:
         if name not in self.systems:
@@ -209,8 +253,9 @@ class Catalogue:
         return [g.key for g in self.gpus.values() if g.kind == "cuda" and g.matches(device_name)]
 
 
-_TOP = {"version", "defaults", "gpus", "links", "systems", "default_system"}
-_GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind"}
+_TOP = {"version", "defaults", "default_efficiency", "gpus", "links", "systems", "default_system"}
+_GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind", "like"}
+_EVIDENCE_KEYS = {"gpu", "precision", "family", "value", "published", "runs", "how"}
 _LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
 _SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
              "call_latency", "overlap", "compute_share", "thread_share",
@@ -232,10 +277,9 @@ def _check_keys(entry: dict[str, Any], allowed: set[str], required: set[str], wh
         raise HardwareError(f"{where}: missing {missing[0]!r}")
 
 
-def _parse_gpu(
-    key: str, e: dict[str, Any], where: str, defaults: dict[str, float], user_file: str | None = None
-) -> Gpu:
+def _parse_gpu(key: str, e: dict[str, Any], where: str, cat: Catalogue, user_file: str | None = None) -> Gpu:
     """One ``gpus`` entry; ``user_file``: the user's hardware file it comes from (None: the built-in one)."""
+    defaults = cat.default_efficiency
     e = _mapping(e, where)
     _check_keys(e, _GPU_KEYS, {"name", "match", "peak_flops", "memory", "memory_bandwidth"}, where)
     try:
@@ -254,17 +298,91 @@ def _parse_gpu(
     kind = e.get("kind", "cuda")
     if kind not in ("cuda", "cpu"):
         raise HardwareError(f"{where}.kind: {kind!r}; allowed: cuda, cpu")
+    like = e.get("like")
+    if like is not None and like not in cat.gpus:
+        raise HardwareError(
+            f"{where}.like: {like!r} is not a gpu defined before it; choose one of: {', '.join(cat.gpus)}"
+        )
+    peak_flops = {k: flops(v, f"{where}.peak_flops.{k}") for k, v in peaks.items()}
     return Gpu(
         key=key,
         name=str(e["name"]),
         match=str(e["match"]),
-        peak_flops={k: flops(v, f"{where}.peak_flops.{k}") for k, v in peaks.items()},
+        peak_flops=peak_flops,
         memory_bytes=nbytes(e["memory"], f"{where}.memory"),
         memory_bandwidth=bandwidth(e["memory_bandwidth"], f"{where}.memory_bandwidth"),
         efficiency=eff,
         efficiency_source=eff_source,
         kind=kind,
+        like=like,
+        family_efficiency=_family_defaults(key, peak_flops, like, cat),
     )
+
+
+def _family_defaults(
+    key: str, peaks: dict[str, float], like: str | None, cat: Catalogue
+) -> dict[tuple[str, str], DefaultEfficiency]:
+    """The evidence-based default of each (family, precision) of GPU ``key``, by the documented rules, in order:
+    (1) its own evidence; (2) bf16 and fp16 share evidence where their peaks are equal (the same tensor cores);
+    (3) the ``like`` GPU's default, said so. A (family, precision) none of them reaches has no entry here: the
+    per-precision assumption, flagged (``Gpu.default_efficiency``)."""
+    out: dict[tuple[str, str], DefaultEfficiency] = {}
+    for family in FAMILIES:
+        for p in peaks:
+            own = cat.evidence.get((key, family, p))
+            other = {"bf16": "fp16", "fp16": "bf16"}.get(p)
+            twin = cat.evidence.get((key, family, other)) if other and peaks.get(other) == peaks[p] else None
+            if own is not None:
+                out[(family, p)] = own
+            elif twin is not None:
+                note = f"no {p} evidence for {family} on {key}: its {other} default (same tensor-core peak)"
+                out[(family, p)] = dataclasses.replace(twin, note=note)
+            elif like is not None and (family, p) in cat.gpus[like].family_efficiency:
+                base = cat.gpus[like].family_efficiency[(family, p)]
+                note = f"no evidence for {family} {p} on {key}: {like}'s default (gpus.{key}.like)"
+                out[(family, p)] = dataclasses.replace(base, note=note)
+    return out
+
+
+def _parse_evidence(data: Any, where: str, cat: Catalogue) -> None:
+    """hardware.yaml's ``default_efficiency``: ``held_out`` (published ids no default may use) and ``entries``,
+    each a (gpu, precision, family) with its value, the evidence that set it (``published`` ids of
+    published.yaml and/or project ``runs``) and ``how``."""
+    data = _mapping(data, where)
+    _check_keys(data, {"held_out", "entries"}, {"held_out", "entries"}, where)
+    known = _published_ids()
+    held = tuple(str(x) for x in data["held_out"] or ())
+    for h in held:
+        if h not in known:
+            raise HardwareError(f"{where}.held_out: {h!r} is not an id of published.yaml")
+    for i, e in enumerate(data["entries"] or ()):
+        w = f"{where}.entries[{i}]"
+        e = _mapping(e, w)
+        _check_keys(e, _EVIDENCE_KEYS, {"gpu", "precision", "family", "value", "how"}, w)
+        if e["precision"] not in PRECISION_KEYS or e["family"] not in FAMILIES:
+            raise HardwareError(f"{w}: precision {e['precision']!r} / family {e['family']!r} is not one of "
+                                f"{', '.join(PRECISION_KEYS)} / {', '.join(FAMILIES)}")  # fmt: skip
+        published, runs = list(e.get("published") or ()), list(e.get("runs") or ())
+        if not published and not runs:
+            raise HardwareError(f"{w}: names no evidence (give published ids and/or project runs)")
+        for pid in published:
+            if pid not in known:
+                raise HardwareError(f"{w}.published: {pid!r} is not an id of published.yaml")
+            if pid in held:
+                raise HardwareError(f"{w}.published: {pid!r} is held out (default_efficiency.held_out)")
+        cat.evidence[(str(e["gpu"]), e["family"], e["precision"])] = DefaultEfficiency(
+            fraction(e["value"], f"{w}.value"),
+            f"{e['how']} ({', '.join(published + runs)})",
+            tuple(published + runs),
+        )
+    cat.held_out = held
+
+
+@functools.cache
+def _published_ids() -> frozenset[str]:
+    import yaml
+
+    return frozenset(e["id"] for e in yaml.safe_load(PUBLISHED.read_text())["entries"])
 
 
 def _parse_link(key: str, e: dict[str, Any], where: str) -> Link:
@@ -358,6 +476,8 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
             raise HardwareError(f"{where0}: defaults: missing 'overlap'")
         overlap = fraction(defaults["overlap"], f"{where0}: defaults.overlap")
         cat = Catalogue({}, {}, {}, eff_defaults, overlap)
+        _parse_evidence(data.get("default_efficiency", {"held_out": [], "entries": []}),
+                        f"{where0}: default_efficiency", cat)  # fmt: skip
     else:
         cat = Catalogue(
             dict(base.gpus),
@@ -365,14 +485,17 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
             dict(base.systems),
             dict(base.default_efficiency),
             base.default_overlap,
+            evidence=dict(base.evidence),
+            held_out=base.held_out,
         )
-        if defaults:
+        if defaults or "default_efficiency" in data:
             raise HardwareError(
-                f"{where0}: 'defaults' belong to the built-in file; set efficiency per gpu and overlap per system"
+                f"{where0}: 'defaults' and 'default_efficiency' belong to the built-in file; set efficiency per gpu and "
+                "overlap per system"
             )
     for key, e in _mapping(data.get("gpus", {}) or {}, f"{where0}: gpus").items():
         user_file = None if base is None else source
-        cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat.default_efficiency, user_file)
+        cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat, user_file)
     for key, e in _mapping(data.get("links", {}) or {}, f"{where0}: links").items():
         cat.links[key] = _parse_link(key, e, f"{where0}: links.{key}")
     for key, e in _mapping(data.get("systems", {}) or {}, f"{where0}: systems").items():

@@ -1,5 +1,5 @@
 """FLOPs of a model: forward+backward per sample, counted by torch's FLOP counter on the meta device (MFU in
-the run record, the pipeline split's ``--balance flops``)."""
+the run record, the pipeline split's ``--balance flops``, the model's family in ``family``)."""
 
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ def flop_counter():
     return FlopCounterMode(display=False)
 
 
-def flops_per_sample(
+def flops_by_op(
     build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
-) -> float | None:
-    """Forward+backward FLOPs of one sample, counted by ``flop_counter`` on the meta device (nothing is
-    allocated, so this works for any model size)."""
+) -> tuple[dict[str, float], set[type[nn.Module]]] | None:
+    """(forward+backward FLOPs of one sample per op name, e.g. ``aten.convolution``; the model's module classes),
+    counted on the meta device (nothing is allocated, so this works for any model size); None where the model
+    cannot be traced there."""
     try:
         with torch.device("meta"):
             model = build()
@@ -32,6 +33,15 @@ def flops_per_sample(
         with counter:
             loss = nn.functional.cross_entropy(model(x), y)
             loss.backward()
-        return counter.get_total_flops() / 2
+        counts = counter.get_flop_counts().get("Global", {})
+        return {str(op): n / 2 for op, n in counts.items()}, {type(m) for m in model.modules()}
     except Exception:  # a user model the meta device cannot trace: no MFU rather than a wrong one
         return None
+
+
+def flops_per_sample(
+    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
+) -> float | None:
+    """Forward+backward FLOPs of one sample, counted by ``flop_counter`` on the meta device."""
+    counted = flops_by_op(build, sample_shape, num_classes)
+    return None if counted is None else sum(counted[0].values())

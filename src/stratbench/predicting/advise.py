@@ -169,7 +169,7 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
                                "step_s": p.step_s, "status": p.status, "dominant": p.dominant,
-                               "efficiency_from": p.efficiency_from})  # fmt: skip
+                               "efficiency_from": p.efficiency_from, "uncalibrated": p.uncalibrated})  # fmt: skip
         time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
         advice.reasons.append(
             f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
@@ -187,6 +187,11 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         f"chosen: {best[0].label}, the simplest plan that fits within {SPEED_TIE:.0%} of the shortest projected "
         f"step ({fastest * 1e3:.1f} ms; {best[0].why})"
     )
+    if best[2].uncalibrated:  # the ranking holds; the absolute step times are evidence from other models' runs
+        advice.reasons.append(
+            f"step times UNCALIBRATED: {best[2].efficiency_source}; --calibrate result.json from one real run "
+            "replaces it"
+        )
     advice.train_command, advice.compare_command = commands(base, best[0], devices)
     return advice
 

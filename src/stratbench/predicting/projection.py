@@ -41,7 +41,8 @@ from stratbench.measuring.comm import Collective, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.measuring.records import RunRecord, number
-from stratbench.models.flops import flops_per_sample
+from stratbench.models.family import family_of
+from stratbench.models.flops import flops_by_op
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel
@@ -62,14 +63,20 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 
 
 @functools.cache
-def _flops(spec) -> float | None:
-
-    return flops_per_sample(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
+def _counted(spec: ModelSpec) -> tuple[float | None, str | None]:
+    """(forward+backward FLOPs per sample, family) of a model: one count on the meta device gives both."""
+    counted = flops_by_op(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
+    return (None if counted is None else sum(counted[0].values())), family_of(counted)
 
 
 def model_flops(cfg: TrainConfig) -> float | None:
     """Forward+backward FLOPs of one sample of the config's model (counted on the meta device, cached)."""
-    return _flops(ModelSpec.from_config(cfg))
+    return _counted(ModelSpec.from_config(cfg))[0]
+
+
+def model_family(cfg: TrainConfig) -> str | None:
+    """convnet, transformer or None for the config's model (``stratbench.models.family``'s rule, cached)."""
+    return _counted(ModelSpec.from_config(cfg))[1]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -496,6 +503,13 @@ class MethodProjection:
     efficiency_from: str = ""
     """Where the efficiency comes from: "default", "hardware file" (the user's --hardware file set it) or
     "calibration" (--calibrate runs); ``efficiency_source`` says which file or runs."""
+    uncalibrated: bool = False
+    """True where the efficiency is a built-in default (``efficiency_from`` "default"): evidence from other
+    models' published runs, not a measurement of this one; ``efficiency_source`` names that evidence."""
+    model_family: str | None = None
+    """convnet, transformer or None (``stratbench.models.family``): which default applies."""
+    efficiency_note: str = ""
+    """For a default without evidence of its own (GPU, precision, family): the fallback rule that gave it."""
     overlap: float | None = None
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
 
@@ -538,6 +552,7 @@ def project(
     if peak is None:
         out.status, out.reason = "error", f"{system.gpu.name} has no {key} peak in the hardware profiles"
         return out
+    out.model_family = model_family(cfg)
     eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
     # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
@@ -579,13 +594,20 @@ def _efficiency(
         out.efficiency_from = "calibration"
         if cal.device != gpu.key:
             out.efficiency_source += f"; applied to {gpu.name}"
-    else:
+    elif gpu.efficiency_source.get(key):
         eff, overhead = gpu.efficiency[key], 0.0
-        user_file = gpu.efficiency_source.get(key)
-        out.efficiency_from = "hardware file" if user_file else "default"
-        out.efficiency_source = (
-            f"{user_file} (gpus.{gpu.key}.efficiency.{key})" if user_file else "default"
-        ) + (f" (calibrated: {', '.join(calibration)} only)" if calibration else "")
+        out.efficiency_from = "hardware file"
+        out.efficiency_source = f"{gpu.efficiency_source[key]} (gpus.{gpu.key}.efficiency.{key})"
+    else:
+        d = gpu.default_efficiency(key, out.model_family)
+        eff, overhead = d.value, 0.0
+        out.efficiency_from, out.uncalibrated, out.efficiency_note = "default", True, d.note
+        what = f"{out.model_family} {key}" if out.model_family else f"{key} (model family unknown)"
+        out.efficiency_source = f"default for {what} on {gpu.name}: {d.source}" + (
+            f" [{d.note}]" if d.note else ""
+        )
+    if cal is None and calibration:
+        out.efficiency_source += f" (calibrated: {', '.join(calibration)} only)"
     out.efficiency = eff
     if cal is not None and mkey in cal.method_overhead_s:
         overhead += cal.method_overhead_s[mkey]
