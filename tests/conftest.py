@@ -67,6 +67,21 @@ def run_stratbench(
     return proc
 
 
+def cli(*args: str) -> str:
+    """Run a command in this process through ``stratbench.cli.main`` (a fresh interpreter's work minus its
+    start-up, for tests about what a command does rather than about starting it) and return what it printed; a
+    non-zero exit fails the test with what it wrote to stderr."""
+    import contextlib
+    import io
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    if code != 0:
+        raise AssertionError(f"stratbench {' '.join(map(str, args))} exited {code}\n{err.getvalue()[-4000:]}")
+    return out.getvalue()
+
+
 _ZYGOTE: Zygote | None = None
 
 
@@ -92,15 +107,23 @@ def pytest_sessionfinish(session, exitstatus):
     async_io_build.stop()
 
 
-def train(output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, **kw) -> dict:
+def train(
+    output: Path, *args: str, nproc: int = 1, timeout: float = 300, launcher: bool = False, cwd: Path | None = None,
+    **kw,
+) -> dict:  # fmt: skip
     """Train with the given flags and return result.json. Each rank runs `stratbench train` as a torchrun worker
     does, forked from the session's zygote (no launcher, torchrun or fresh interpreter: ~7 s less per 2-process
-    run); ``launcher=True``, an ``env``, or STRATBENCH_TESTS_LAUNCHER=1 in the environment (every test, as before
-    the zygote: ~8 min more) runs the whole command as a user does (launcher, torchrun, workers)."""
+    run), in ``cwd`` where given (a user's folder: their modules are found there); ``launcher=True``, an ``env``,
+    or STRATBENCH_TESTS_LAUNCHER=1 in the environment (every test, as before the zygote: ~8 min more) runs the
+    whole command as a user does (launcher, torchrun, workers)."""
+    kw = {k: v for k, v in kw.items() if v is not None}
     if launcher or kw or os.environ.get("STRATBENCH_TESTS_LAUNCHER") == "1":
+        if cwd is not None:
+            kw["env"] = {**kw.get("env", {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))}
         run_stratbench("train", "--output", str(output), "--nproc", str(nproc), *args, timeout=timeout, **kw)
     else:
-        run = zygote().start(["train", "--output", str(output), "--nproc", str(nproc), *args], nproc, name=Path(output).name)
+        argv = ["train", "--output", str(output), "--nproc", str(nproc), *args]
+        run = zygote().start(argv, nproc, name=Path(output).name, cwd=cwd)
         code = run.wait(timeout)
         if code != 0:
             raise AssertionError(f"stratbench train {' '.join(args)} (nproc {nproc}) exited {code}\n{run.log_tail(6000)}")

@@ -61,11 +61,15 @@ class Zygote:
         self.proc.stdin.flush()
         return self._read()
 
-    def start(self, argv: list[str], nproc: int, env: dict[str, str] | None = None, name: str = "run") -> ZygoteRun:
-        """Fork ``nproc`` ranks, each running ``stratbench ARGV`` with ``env`` added (its output to a log)."""
+    def start(
+        self, argv: list[str], nproc: int, env: dict[str, str] | None = None, name: str = "run", cwd: Path | None = None
+    ) -> ZygoteRun:
+        """Fork ``nproc`` ranks, each running ``stratbench ARGV`` with ``env`` added, in ``cwd`` where given (its
+        output to a log)."""
         self.runs += 1
         log = self.logs / f"{name}-{self.runs}"
-        pids = self.ask(op="start", argv=argv, nproc=nproc, env=env or {}, log=str(log))["pids"]
+        cwd = str(cwd) if cwd is not None else None
+        pids = self.ask(op="start", argv=argv, nproc=nproc, env=env or {}, log=str(log), cwd=cwd)["pids"]
         return ZygoteRun(self, pids, log)
 
     def checkpoint(self, out: Path) -> dict:
@@ -160,8 +164,9 @@ def serve() -> None:
         replies.write(json.dumps(obj) + "\n")
         replies.flush()
 
-    def child(log: str, env: dict[str, str], run) -> None:
-        """In a forked child: output to ``log``, die with the zygote, run ``run()``, exit with its code."""
+    def child(log: str, env: dict[str, str], run, cwd: str | None = None) -> None:
+        """In a forked child: output to ``log``, die with the zygote, in ``cwd`` (where given) run ``run()``, exit
+        with its code."""
         code = 1
         try:
             import ctypes
@@ -169,6 +174,8 @@ def serve() -> None:
             ctypes.CDLL(None).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
             replies.close()
             os.environ.update(env)
+            if cwd:
+                os.chdir(cwd)
             fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -201,7 +208,7 @@ def serve() -> None:
             pid = os.fork()
             if pid == 0:
                 os.setpgid(0, leader)
-                child(f"{req['log']}.rank{rank}.log", env, lambda: cli.main(req["argv"]))
+                child(f"{req['log']}.rank{rank}.log", env, lambda: cli.main(req["argv"]), req.get("cwd"))
             leader = leader or pid
             try:
                 os.setpgid(pid, leader)  # also here: the child may not have run yet

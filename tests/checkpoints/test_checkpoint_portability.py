@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EQUIV, RTOL, assert_curves_match, run_stratbench, train
+from conftest import EQUIV, RTOL, assert_curves_match, cli, train
 
 pytestmark = pytest.mark.equivalence
 
@@ -92,7 +92,7 @@ def test_consolidate_to_one_file_that_single_loads(chain):
     from stratbench.checkpoints import checkpoint
 
     out = chain["root"] / "consolidated.pt"
-    run_stratbench("consolidate", str(chain["folder"]), str(out), timeout=120)
+    cli("consolidate", chain["folder"], out)
     full = checkpoint.load_file(out)  # weights_only: a plain full checkpoint
     assert full["layout"] == "full" and full["progress"]["step"] == 10
     folder_state = checkpoint.load_any(chain["folder"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import md_section, run_stratbench
+from conftest import cli, md_section, run_stratbench
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.matrix import build_matrix, plan, select
 from stratbench.compare.report import render_sweeps
@@ -146,7 +146,7 @@ def test_report_rerender_and_merge(sweep, tmp_path):
         lines.append(json.dumps(rec))
     (other / "results.jsonl").write_text("\n".join(lines) + "\n")
     merged = tmp_path / "merged"
-    run_stratbench("report", str(out), str(other), "--output", str(merged), timeout=300)
+    cli("report", out, other, "--output", merged)
     md = (merged / "report.md").read_text()
     full = md_section(md, "All measurements")
     header = next(ln for ln in full if ln.startswith("| machine"))

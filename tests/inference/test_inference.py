@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import run_stratbench, train
+from conftest import cli as run_in_process
+from conftest import train
 from stratbench.cli import main
 from stratbench.strategies.base import all_strategies
 
@@ -70,7 +71,7 @@ def sharded_run(runs: dict, strategy: str) -> dict:
         folder = out / "checkpoints" / "last"
         assert folder.is_dir(), f"{strategy} wrote {folder} as a file, not a sharded folder"
         file = out / "consolidated.pt"
-        run_stratbench("consolidate", str(folder), str(file), timeout=200)
+        run_in_process("consolidate", folder, file)
         runs[strategy] = {"folder": folder, "file": file, "result": result}
     return runs[strategy]
 

@@ -25,6 +25,7 @@ from conftest import (
     assert_comm_matches_formula,
     assert_curves_match,
     assert_estimate_within,
+    cli,
     run_stratbench,
 )
 
@@ -113,8 +114,8 @@ def test_accelerate_ddp_from_the_users_yaml_matches_single_and_its_checkpoint_lo
     state = load_any(last)
     assert set(state["optimizer"]["state"]) == set(state["model"])  # optimizer state keyed by parameter names
     consolidated = tmp_path / "acc.pt"
-    run_stratbench("consolidate", str(last), str(consolidated), timeout=120)
-    ev = json.loads(run_stratbench("evaluate", "--checkpoint", str(consolidated), "--device", "cpu", "--json", timeout=120).stdout)
+    cli("consolidate", last, consolidated)
+    ev = json.loads(cli("evaluate", "--checkpoint", consolidated, "--device", "cpu", "--json"))
     assert ev["val_accuracy"] == res["metrics"]["val_accuracy"]
 
 

@@ -28,6 +28,7 @@ from conftest import (
     assert_comm_matches_formula,
     assert_curves_match,
     assert_estimate_within,
+    cli,
     run_stratbench,
     train,
 )
@@ -109,8 +110,8 @@ def test_zero3_resume_equals_uninterrupted_and_consolidates_for_single(tmp_path,
     _half(second["sharding"]["optimizer_state_bytes"], _fp32(full["optimizer_state_bytes"][0]))
 
     consolidated = tmp_path / "z3.pt"
-    run_stratbench("consolidate", str(meta_dir), str(consolidated), timeout=120)
-    ev = json.loads(run_stratbench("evaluate", "--checkpoint", str(consolidated), "--device", "cpu", "--json", timeout=120).stdout)
+    cli("consolidate", meta_dir, consolidated)
+    ev = json.loads(cli("evaluate", "--checkpoint", consolidated, "--device", "cpu", "--json"))
     assert ev["val_accuracy"] == second["metrics"]["val_accuracy"]
 
 

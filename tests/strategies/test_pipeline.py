@@ -264,17 +264,13 @@ def test_mixed_precision_matches_single_and_stages_skip_together(precision, tmp_
     stage 1 7, when each stage had its own scaler); with the found-inf all-reduced, every rank skips the steps
     `single` skips and ends with its loss scale. Width 4 at 16 px: fp16 convolution backward is ~100x slower
     than fp32 on a CPU."""
-    import os
-
     args = [*TINY, "--width", "4", "--image-size", "16", "--precision", precision, "--dist-timeout-s", "60"]
-    env = None
-    if precision == "fp16-mixed":
+    if precision == "fp16-mixed":  # the user's loss module, found in the folder the run starts in
         (tmp_path / "bigloss.py").write_text(BIG_LOSS)
         args += ["--loss", "bigloss:loss", "--lr", str(0.02 / 2**10), "--weight-decay", "0"]
-        env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
-    ref = train(tmp_path / "single", *args, "--strategy", "single", "--grad-accum", "4", env=env)
+    ref = train(tmp_path / "single", *args, "--strategy", "single", "--grad-accum", "4", cwd=tmp_path)
     res = train(tmp_path / "pipeline", *args, "--strategy", "pipeline", "--schedule", "1f1b", "--microbatches", "4",
-                "--comm-volume", "true", nproc=2, env=env)  # fmt: skip
+                "--comm-volume", "true", nproc=2, cwd=tmp_path)  # fmt: skip
     _ok(res)
     # what each stage sent in step 3: 16-bit activations (and their gradients), the loss, fp16's found-inf flag
     comm = assert_comm_matches_formula(res)

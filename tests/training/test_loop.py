@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EQUIV, REPO, RTOL, TINY, assert_curves_match, run_stratbench, train
+from conftest import EQUIV, REPO, RTOL, TINY, assert_curves_match, cli, run_stratbench, train
 
 QUICK = [*TINY, "--max-steps", "6"]
 
@@ -109,12 +109,11 @@ def test_every_registered_strategy_has_a_list_row_and_an_estimate_row():
     from stratbench.strategies.base import all_strategies
 
     names = sorted(all_strategies())
-    listed = run_stratbench("list", timeout=120).stdout
+    listed = cli("list")
     for name in names:
         assert name in listed, f"{name} missing from `stratbench list`"
-    est = json.loads(run_stratbench("estimate", "--strategy", "all", "--world-size", "2", "--model", "tinynet",
-                                    "--image-size", "32", "--num-classes", "10", "--batch-size", "32", "--json",
-                                    timeout=120).stdout)  # fmt: skip
+    est = json.loads(cli("estimate", "--strategy", "all", "--world-size", "2", "--model", "tinynet",
+                         "--image-size", "32", "--num-classes", "10", "--batch-size", "32", "--json"))  # fmt: skip
     rows = {r["strategy"]: r for r in est["results"]}
     assert sorted(rows) == names
     for name, row in rows.items():
