@@ -187,14 +187,15 @@ FAST = (
            "samples (one evaluation, one checkpoint) run the same code path as 3 epochs"),
     Shrink("compare with repeats, one short cell", SHRINK[1].matches, ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps, 3 times: the repeats, their median and min-max columns"),
-    Shrink("compare --calibrate, two short cells", lambda a: a[:1] == ["compare"] and "--calibrate" in a,
-           ("--only", "single,ddp", "--only", "fp32", "--max-steps", "6"),
-           "two cells (single and ddp, fp32) of 6 steps (3 after the 3 warm-up steps, which a calibration run needs "
-           "timed): their calibration (the probe, single at both batches, ddp on one process) runs first and "
-           "predicts the ddp row"),
-    Shrink("compare, two short cells", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
-           ("--only", "single,ddp", "--only", "fp32", "--max-steps", "3"),
-           "two cells (single and ddp, fp32) of 3 steps each: the sweep, its processes, records and report"),
+    Shrink("compare --calibrate, one short 2-process cell", lambda a: a[:1] == ["compare"] and "--calibrate" in a,
+           ("--only", "ddp", "--only", "fp32", "--max-steps", "6"),
+           "one cell (ddp, fp32, 2 processes) of 6 steps (3 after the 3 warm-up steps, which a calibration run needs "
+           "timed): its calibration (the probe, single at both batches, ddp on one process) runs first and "
+           "predicts the row"),
+    Shrink("compare, one short cell", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
+           ("--only", "single", "--only", "fp32", "--max-steps", "3"),
+           "one cell (single, fp32) of 3 steps: the sweep, its process, record and report (the --calibrate line "
+           "and the From Python block run 2-process cells)"),
     Shrink("bench-infer, two batch sizes", _is("bench-infer"),
            ("--batch-sizes", "1,8", "--warmup", "1", "--iters", "3", "--min-iters", "2",
             "--backends", "eager-fp32,onnxruntime-cpu"),

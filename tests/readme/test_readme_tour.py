@@ -93,8 +93,8 @@ def test_compare_repeats_records_every_run_and_reports_their_median(tour):
 
 @pytest.mark.slow
 def test_compare_calibrate_predicts_the_ddp_row_from_its_calibration(tour):
-    """`compare --calibrate` (single + ddp fp32, 2 processes, 3 steps): the probe, single at both batches and ddp
-    on one process ran before the cells, all ok, and the report's ddp row is predicted from them."""
+    """`compare --calibrate` (the ddp fp32 cell, 2 processes, 6 steps): the probe, single at both batches and ddp
+    on one process ran before the cell, all ok, and the report's ddp row is predicted from them."""
     out = _written_by(tour, "stratbench compare --preset quick --calibrate", "--output")
     cal = load_records(out, CALIBRATION)
     assert sorted(r["calibration"]["kind"] for r in cal.values()) == ["method", "probe", "single", "single"]
