@@ -11,7 +11,7 @@ from rich.table import Table
 from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
 from stratbench.core.config import TrainConfig, canonical_precision, coerce, validate
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import SPECS
+from stratbench.core.precision import SPECS, TF32_GPUS
 from stratbench.core.tables import (
     fit_table,
     fmt_bytes,
@@ -135,11 +135,10 @@ def check_tf32(args: argparse.Namespace, system) -> bool:
     if not coerce("--tf32", args.tf32, bool):
         return False
     if getattr(args, "device_type", "cuda") == "cpu" or (system is not None and system.gpu.kind == "cpu"):
-        raise ConfigError("--tf32 needs an NVIDIA GPU of the Ampere generation or newer, not a CPU")
+        raise ConfigError(f"--tf32 needs {TF32_GPUS}, not a CPU")
     if system is not None and system.gpu.peak("tf32") is None:
         raise ConfigError(
-            f"--tf32: {system.gpu.name} has no TF32 (no tf32 peak in its hardware profile); it needs an NVIDIA "
-            "GPU of the Ampere generation or newer"
+            f"--tf32: {system.gpu.name} has no TF32 (no tf32 peak in its hardware profile); it needs {TF32_GPUS}"
         )
     return True
 

@@ -161,13 +161,15 @@ class Precision:
         self.skipped_steps = int(state.get("skipped", 0))
 
 
+TF32_GPUS = "an NVIDIA GPU of the Ampere generation or newer"
+"""Where TF32 exists: `train` refuses --tf32 elsewhere, and estimate/advise refuse it for such a profile."""
+
+
 def configure_tf32(enabled: bool, device: torch.device) -> None:
     if enabled:
         if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 8:
             where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-            raise UnsupportedError(
-                f"--tf32 needs an NVIDIA GPU of the Ampere generation or newer; this device is {where}"
-            )
+            raise UnsupportedError(f"--tf32 needs {TF32_GPUS}; this device is {where}")
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
 

@@ -380,9 +380,7 @@ def _parse_evidence(data: Any, where: str, cat: Catalogue) -> None:
 
 @functools.cache
 def _published_ids() -> frozenset[str]:
-    import yaml
-
-    return frozenset(e["id"] for e in yaml.safe_load(PUBLISHED.read_text())["entries"])
+    return frozenset(e["id"] for e in _read_yaml(PUBLISHED)["entries"])
 
 
 def _parse_link(key: str, e: dict[str, Any], where: str) -> Link:

@@ -21,7 +21,6 @@ from torch import nn
 
 from stratbench.models.flops import flops_by_op
 
-FAMILIES = ("convnet", "transformer")
 ATTENTION_MODULES = (nn.MultiheadAttention, nn.TransformerEncoderLayer, nn.TransformerDecoderLayer)
 """Modules that make a model a transformer wherever they appear."""
 
