@@ -53,14 +53,15 @@ def stratbench_cmd(*args: str) -> list[str]:
 
 
 def run_stratbench(
-    *args: str, timeout: float = 300, env: dict | None = None, check: bool = True, prefix: list[str] | None = None
-) -> subprocess.CompletedProcess:
-    """Run the CLI in a fresh interpreter (after ``prefix``, e.g. a setpriv command); on failure show its output
-    in the assertion."""
+    *args: str, timeout: float = 300, env: dict | None = None, check: bool = True, prefix: list[str] | None = None,
+    cwd: Path | None = None,
+) -> subprocess.CompletedProcess:  # fmt: skip
+    """Run the CLI in a fresh interpreter (after ``prefix``, e.g. a setpriv command), in ``cwd`` (default: the
+    repository); on failure show its output in the assertion."""
     full_env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     full_env.update(env or {})
     proc = subprocess.run(
-        [*(prefix or []), *stratbench_cmd(*args)], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=REPO
+        [*(prefix or []), *stratbench_cmd(*args)], capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd or REPO
     )
     if check and proc.returncode != 0:
         raise AssertionError(f"stratbench {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -118,9 +119,7 @@ def train(
     whole command as a user does (launcher, torchrun, workers)."""
     kw = {k: v for k, v in kw.items() if v is not None}
     if launcher or kw or os.environ.get("STRATBENCH_TESTS_LAUNCHER") == "1":
-        if cwd is not None:
-            kw["env"] = {**kw.get("env", {}), "PYTHONPATH": os.pathsep.join(filter(None, [str(cwd), os.environ.get("PYTHONPATH")]))}
-        run_stratbench("train", "--output", str(output), "--nproc", str(nproc), *args, timeout=timeout, **kw)
+        run_stratbench("train", "--output", str(output), "--nproc", str(nproc), *args, timeout=timeout, cwd=cwd, **kw)
     else:
         argv = ["train", "--output", str(output), "--nproc", str(nproc), *args]
         run = zygote().start(argv, nproc, name=Path(output).name, cwd=cwd)

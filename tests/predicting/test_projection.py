@@ -272,15 +272,22 @@ def test_overlap_hides_backward_comm_up_to_the_stated_fraction():
     assert ds.overlap == 0.0
 
 
-def _result(
+def _result_json(
     cfg: TrainConfig, step_s: float, device: str = "Tesla P40", env: dict | None = None, **fields
-) -> RunRecord:
-    """A calibration run's record (a result.json parsed); ``fields`` replace its own (e.g. world_size)."""
-    return RunRecord.from_dict({
+) -> dict:
+    """A calibration run's result.json; ``fields`` replace its own (e.g. world_size)."""
+    return {
         "status": "ok", "world_size": 1, "config": cfg.to_dict(),
         "environment": env or {"device_type": "cuda", "gpus": [device]},
         "metrics": {"step_time_median_s": step_s},
-    } | fields)  # fmt: skip
+    } | fields  # fmt: skip
+
+
+def _result(
+    cfg: TrainConfig, step_s: float, device: str = "Tesla P40", env: dict | None = None, **fields
+) -> RunRecord:
+    """A calibration run's record (its result.json parsed)."""
+    return RunRecord.from_dict(_result_json(cfg, step_s, device, env, **fields))
 
 
 def test_calibration_from_one_run_and_from_two_batch_sizes():
@@ -692,11 +699,7 @@ def test_efficiency_source_is_default_hardware_file_or_calibration(tmp_path, cap
     assert (p["efficiency_from"], p["efficiency"]) == ("default", 0.5), p  # no evidence, no like: the assumption
     assert "assumption" in p["efficiency_source"] and p["efficiency_note"] == "no evidence for convnet fp32", p
     run = tmp_path / "result.json"
-    run.write_text(json.dumps({
-        "status": "ok", "world_size": 1, "config": tiny_cfg(precision="bf16-mixed").to_dict(),
-        "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]},
-        "metrics": {"step_time_median_s": 0.01},
-    }))  # fmt: skip
+    run.write_text(json.dumps(_result_json(tiny_cfg(precision="bf16-mixed"), 0.01, "NVIDIA H100 80GB HBM3")))
     p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", str(hw), "--calibrate", str(run))
     assert p["efficiency_from"] == "calibration" and p["efficiency_source"].startswith("calibrated on"), p
     assert main([*TIME_ARGS, "--precision", "bf16-mixed", "--hardware", str(hw)]) == 0
@@ -759,11 +762,7 @@ def test_uncalibrated_flag_and_source_in_json_absent_when_calibrated(tmp_path, c
     assert p["efficiency"] == 0.082 and p["efficiency_note"] == ""
     assert p["efficiency_source"].startswith("default for convnet bf16 on NVIDIA H100 SXM5 80GB: implied efficiency")
     run = tmp_path / "result.json"
-    run.write_text(json.dumps({
-        "status": "ok", "world_size": 1, "config": tiny_cfg(precision="bf16-mixed").to_dict(),
-        "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]},
-        "metrics": {"step_time_median_s": 0.01},
-    }))  # fmt: skip
+    run.write_text(json.dumps(_result_json(tiny_cfg(precision="bf16-mixed"), 0.01, "NVIDIA H100 80GB HBM3")))
     p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", "--calibrate", str(run))
     assert (p["uncalibrated"], p["efficiency_from"]) == (False, "calibration"), p
 
