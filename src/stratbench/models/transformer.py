@@ -1,0 +1,366 @@
+"""A decoder-only transformer family (GPT-2-small-class to Llama 3 8B), pure torch with random weights.
+
+The architecture is Llama's: pre-norm RMSNorm blocks, rotary positions, grouped-query causal attention through
+``scaled_dot_product_attention``, a SwiGLU MLP, no biases. The blocks live in ``Transformer.layers`` and map a
+hidden state to a hidden state, so FSDP wraps, activation checkpointing recomputes and a pipeline cuts per
+block. The model holds parameters only (no buffers: rotary angles are computed in ``forward``), so that it can
+be built on the meta device and materialised later (``to_empty`` then ``init_weights``, and ``tie_weights``
+when the head is tied, since ``to_empty`` gives the two modules separate tensors).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from stratbench.core.errors import ConfigError
+
+INITS = ("gpt2", "llama")
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """The shape and initialisation of one transformer (frozen: ``SIZES`` cannot be changed by a caller);
+    ``check`` says what is wrong in one line."""
+
+    vocab_size: int = 256
+    """Token ids run from 0 to vocab_size - 1 (the data decides: byte-level text has 256)."""
+    dim: int = 192
+    """Width of the residual stream (the embedding size)."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads; each has dim / n_heads channels."""
+    n_kv_heads: int | None = None
+    """Key/value heads (grouped-query attention shares each among n_heads / n_kv_heads query heads);
+    None means n_heads (plain multi-head attention)."""
+    ffn_hidden: int = 512
+    """Hidden width of the SwiGLU MLP (three dim x ffn_hidden matrices)."""
+    max_seq_len: int = 256
+    """The longest sequence the model accepts (a longer one is refused, not silently extrapolated)."""
+    norm_eps: float = 1e-5
+    """RMSNorm's epsilon."""
+    rope_theta: float = 10000.0
+    """Base of the rotary frequencies (Llama 3: 500000, for long contexts)."""
+    tie_embeddings: bool = True
+    """Whether the output head is the token embedding matrix (GPT-2, Llama 3.2 1B) or its own (Llama 3 8B)."""
+    init: str = "gpt2"
+    """Weight initialisation: ``gpt2`` (normal 0.02, residual projections scaled by the depth) or ``llama``
+    (torchtitan's: truncated normal, per-layer depth scaling, unit-variance embedding)."""
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)  # frozen: set once, here
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def check(self) -> TransformerConfig:
+        """Raise a one-line ConfigError naming the first bad value and what is allowed; return self."""
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "max_seq_len"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"transformer {name} must be a positive integer, not {value!r}")
+        for name in ("norm_eps", "rope_theta"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"transformer {name} must be positive, not {getattr(self, name)!r}")
+        if self.init not in INITS:
+            raise ConfigError(f"unknown transformer init {self.init!r}; choose one of: {', '.join(INITS)}")
+        self._check_heads()
+        return self
+
+    def _check_heads(self) -> None:
+        """Heads must split dim evenly into an even head size (rotary rotates channel pairs), and the query
+        heads must split evenly among the key/value heads."""
+        fitting = [h for h in range(1, self.dim + 1) if self.dim % h == 0 and (self.dim // h) % 2 == 0]
+        allowed = ", ".join(map(str, fitting)) or "none (dim is odd)"
+        if self.dim % self.n_heads:
+            raise ConfigError(
+                f"transformer n_heads {self.n_heads} does not divide dim {self.dim}; choose one of: {allowed}"
+            )
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"transformer head dim {self.head_dim} (dim {self.dim} / n_heads {self.n_heads}) is odd, and "
+                f"rotary positions rotate channel pairs; choose n_heads among: {allowed}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            kv = ", ".join(str(h) for h in range(1, self.n_heads + 1) if self.n_heads % h == 0)
+            raise ConfigError(
+                f"transformer n_kv_heads {self.n_kv_heads} does not divide n_heads {self.n_heads}; "
+                f"choose one of: {kv}"
+            )
+
+
+SIZES: dict[str, TransformerConfig] = {
+    # ~1.8M parameters at vocab 256: a few steps a second on two CPU cores.
+    "gpt-tiny": TransformerConfig(
+        vocab_size=256, dim=192, n_layers=4, n_heads=4, ffn_hidden=512, max_seq_len=256, init="gpt2"
+    ),
+    # GPT-2 small's width and depth (Radford et al. 2019); SwiGLU 3 x 768 x 2048 = GPT-2's 2 x 768 x 3072, and
+    # vocab 50304 = 50257 padded to a multiple of 64 (nanoGPT). Rotary instead of learned positions and no
+    # biases: 123.6M parameters against GPT-2's 124.4M.
+    "gpt2-small": TransformerConfig(
+        vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048, max_seq_len=1024, init="gpt2"
+    ),
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters. Llama 3.1's rope scaling
+    # for 128k contexts is not implemented; max_seq_len is the 8192 it was pre-trained at.
+    "llama-1b": TransformerConfig(
+        vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
+        max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True, init="llama",
+    ),
+    # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json): 8,030,261,248 parameters.
+    "llama-8b": TransformerConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+        max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False, init="llama",
+    ),
+}  # fmt: skip
+
+
+def transformer_config(
+    name: str, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> TransformerConfig:
+    """The named size with its vocabulary and context overridden where given (the data decides both)."""
+    if name not in SIZES:
+        raise ConfigError(f"unknown transformer size {name!r}; choose one of: {', '.join(SIZES)}")
+    overrides = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
+    return replace(SIZES[name], **{k: v for k, v in overrides.items() if v is not None}).check()
+
+
+# ------------------------------------------------------------------------------------------------
+# the model
+
+
+def rotary_angles(
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of position x frequency, (seq_len, head_dim / 2), computed afresh in each forward: a buffer
+    would not survive building on the meta device, and this costs T x head_dim / 2 elements per block."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    angles = torch.arange(seq_len, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate each adjacent channel pair of ``x`` (batch, seq, heads, head_dim) by its position's angle, in
+    ``cos``'s dtype (fp32 at least, as Llama does for bf16), returned in ``x``'s dtype. Adjacent pairs are
+    Meta's Llama layout (``view_as_complex``), written out in real numbers for meta tensors and DeepSpeed."""
+    x0, x1 = x.to(cos.dtype).unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+def repeat_kv(x: torch.Tensor, n_rep: int) -> torch.Tensor:
+    """(batch, seq, kv_heads, head_dim) -> (batch, seq, kv_heads * n_rep, head_dim): each key/value head serves
+    n_rep consecutive query heads (grouped-query attention, Ainslie et al. 2023)."""
+    if n_rep == 1:
+        return x
+    b, t, h, d = x.shape
+    return x[:, :, :, None, :].expand(b, t, h, n_rep, d).reshape(b, t, h * n_rep, d)
+
+
+class Attention(nn.Module):
+    """Causal grouped-query self-attention with rotary positions; no biases."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.rope_theta = cfg.rope_theta
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        angle_dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64, bf16 rotates in fp32
+        cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        n_rep = self.n_heads // self.n_kv_heads
+        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+        )
+        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU (Shazeer 2020): w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attention(norm(x)), then + mlp(norm(.)). Hidden state in, hidden state out, so that
+    a pipeline stage boundary can fall between any two blocks."""
+
+    def __init__(self, cfg: TransformerConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_id = layer_id  # llama init scales this block's output projections by its depth
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    """tokens (batch, seq) -> embedding -> ``layers`` -> RMSNorm -> head -> logits (batch, seq, vocab)."""
+
+    _stratbench_block_types = (TransformerBlock,)
+    """Read by ``zoo.residual_block_types``: the unit of FSDP wrapping and activation checkpointing."""
+
+    def __init__(self, cfg: TransformerConfig) -> None:
+        super().__init__()
+        # The modules' own default inits draw from the generator; rewinding it before ``init_weights`` makes
+        # a direct build and a meta build + ``materialize`` draw the same numbers: the same weights per seed.
+        rng = torch.get_rng_state()
+        self.config = cfg.check()
+        self.vocab_size, self.max_seq_len = cfg.vocab_size, cfg.max_seq_len
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg, i) for i in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.tie_weights()
+        torch.set_rng_state(rng)
+        self.init_weights()
+
+    def materialize(self, device: torch.device | str) -> Transformer:
+        """A model built on the meta device, given storage on ``device`` and its seeded initial weights: the
+        same weights as a direct build under the same seed (on CPU)."""
+        self.to_empty(device=device)
+        self.tie_weights()
+        self.init_weights()
+        return self
+
+    def tie_weights(self) -> None:
+        """Make the head's weight the embedding's Parameter (one tensor, one gradient) when the config ties
+        them; call it again after ``to_empty``, which gives each module its own tensor."""
+        if self.config.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Initialise every parameter by the config's scheme (a no-op on the meta device; after ``to_empty``
+        it gives the weights a seeded start, the same on every rank)."""
+        for module in self.modules():
+            if isinstance(module, nn.RMSNorm):
+                module.reset_parameters()
+        (init_gpt2 if self.config.init == "gpt2" else init_llama)(self)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.dim() != 2:
+            raise ConfigError(
+                f"the transformer takes token ids of shape (batch, seq), not shape {tuple(tokens.shape)}"
+            )
+        if tokens.shape[1] > self.max_seq_len:
+            raise ConfigError(
+                f"a sequence of {tokens.shape[1]} tokens is longer than the model's max_seq_len {self.max_seq_len}"
+            )
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+
+# ------------------------------------------------------------------------------------------------
+# initialisation
+
+
+def _output_projections(block: TransformerBlock) -> tuple[nn.Linear, nn.Linear]:
+    """The two linears that write into the residual stream: their variance adds up over the depth."""
+    return block.attention.wo, block.feed_forward.w2
+
+
+def init_gpt2(model: Transformer) -> None:
+    """GPT-2 (Radford et al. 2019) as nanoGPT writes it: normal(0, 0.02) for every linear and the embedding,
+    and std 0.02 / sqrt(2 n_layers) for the projections into the residual stream, whose 2 n_layers
+    contributions add up. A tied head is the embedding, drawn once."""
+    residual_std = 0.02 / math.sqrt(2 * model.config.n_layers)
+    for module in model.modules():
+        if isinstance(module, nn.Linear | nn.Embedding) and module.weight is not model.tok_embeddings.weight:
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+    for block in model.layers:
+        for linear in _output_projections(block):
+            nn.init.normal_(linear.weight, mean=0.0, std=residual_std)
+    nn.init.normal_(model.tok_embeddings.weight, mean=0.0, std=0.02)
+
+
+def init_llama(model: Transformer) -> None:
+    """torchtitan's Llama 3 scheme (torchtitan/models/llama3/model/model.py ``init_weights``, depth_init=True):
+    embedding normal(0, 1); wq, wk, wv, w1 trunc_normal(0, 0.02); wo, w2 and w3 of block i
+    trunc_normal(0, 0.02 / sqrt(2 (i + 1))) (torchtitan puts w3 with the depth-scaled ones too); output head
+    trunc_normal(0, dim^-0.5) cut at 3 std, which makes the initial logits unit-variance after the final norm.
+    torchtitan has no tied Llama: a tied matrix takes the head's init, since a unit-variance head would give
+    logits of std sqrt(dim), while the embedding's scale is normalised away by each block's pre-norm."""
+    for block in model.layers:
+        depth_std = 0.02 / math.sqrt(2 * (block.layer_id + 1))
+        attn, ffn = block.attention, block.feed_forward
+        for linear in (attn.wq, attn.wk, attn.wv, ffn.w1):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=0.02)
+        for linear in (attn.wo, ffn.w2, ffn.w3):
+            nn.init.trunc_normal_(linear.weight, mean=0.0, std=depth_std)
+    if not model.config.tie_embeddings:
+        nn.init.normal_(model.tok_embeddings.weight, mean=0.0, std=1.0)
+    head_std = model.config.dim**-0.5
+    nn.init.trunc_normal_(model.output.weight, mean=0.0, std=head_std, a=-3 * head_std, b=3 * head_std)
+
+
+def build_transformer(
+    name: str, vocab_size: int | None = None, max_seq_len: int | None = None
+) -> Transformer:
+    """The named size (``SIZES``) with its vocabulary and context overridden where given; under
+    ``with torch.device("meta"):`` nothing is allocated (llama-8b builds in seconds)."""
+    return Transformer(transformer_config(name, vocab_size, max_seq_len))
+
+
+# ------------------------------------------------------------------------------------------------
+# counts
+
+
+def parameter_count(cfg: TransformerConfig) -> int:
+    """Parameters of ``Transformer(cfg)`` from its shape (a tied head counts once)."""
+    # the head, tied or not, is in matmul_parameters; an untied embedding comes on top
+    untied_embedding = 0 if cfg.tie_embeddings else cfg.vocab_size * cfg.dim
+    norms = (2 * cfg.n_layers + 1) * cfg.dim
+    return matmul_parameters(cfg) + untied_embedding + norms
+
+
+def matmul_parameters(cfg: TransformerConfig) -> int:
+    """Parameters that take part in a matmul: every linear weight including the output head (tied or not: the
+    tied head multiplies by the embedding matrix), not the embedding lookup, which is a gather."""
+    qo = 2 * cfg.dim * cfg.n_heads * cfg.head_dim
+    kv = 2 * cfg.dim * cfg.n_kv_heads * cfg.head_dim
+    mlp = 3 * cfg.dim * cfg.ffn_hidden
+    return cfg.n_layers * (qo + kv + mlp) + cfg.dim * cfg.vocab_size
+
+
+def flops_per_token(cfg: TransformerConfig, seq_len: int) -> float:
+    """Training (forward + backward) FLOPs per token at sequence length ``seq_len``:
+    ``6 N + 12 n_layers dim seq_len`` (Kaplan et al. 2020, table 1; PaLM, Chowdhery et al. 2022, appendix B).
+
+    N is ``matmul_parameters`` (2 FLOPs per weight per token forward, 4 backward). The second term is the
+    attention score and value matmuls (QK^T and AV: 2 x 2 x seq_len x dim forward per token per layer, times 3
+    for training), counted over the full seq_len x seq_len square, as ``torch.utils.flop_counter`` counts
+    ``scaled_dot_product_attention`` on the meta device (its math path), though a causal kernel can skip half.
+    Norms, rotary, softmax and the loss (O(dim) per token) are not counted, as the counter does not."""
+    if seq_len <= 0:
+        raise ConfigError(f"flops_per_token: seq_len must be a positive integer, not {seq_len!r}")
+    return 6.0 * matmul_parameters(cfg) + 12.0 * cfg.n_layers * cfg.dim * seq_len
