@@ -2,6 +2,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
+# The suite in 2 worker processes (pytest-xdist), a test file at a time each; TEST_JOBS=0 runs it in this process.
+TEST_JOBS ?= 2
 
 .PHONY: install demo test lint clean
 
@@ -12,7 +14,7 @@ demo: install
 	$(VENV)/bin/stratbench demo --output runs/demo
 
 test: install
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests

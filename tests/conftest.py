@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 
-import async_io_build
 from stratbench.cli import main
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))  # scripts/async_io_build.py: DeepSpeed's async_io op for the nvme tests
+
+import async_io_build  # noqa: E402
 
 # The tiny problem the fast tests train: tinynet on real digits, 20 steps, no normalisation layer (GroupNorm at
 # width 8 divides float rounding noise by sqrt(eps) on the digits' flat background: any change of summation order
@@ -97,7 +99,7 @@ def zygote() -> Zygote:
 
 
 def pytest_collection_finish(session):
-    """An nvme test selected: DeepSpeed's async_io op starts building in the background (tests/async_io_build.py)."""
+    """An nvme test selected: DeepSpeed's async_io op starts building in the background (scripts/async_io_build.py)."""
     if not session.config.option.collectonly and any("nvme_offload_swaps" in i.nodeid for i in session.items):
         async_io_build.start()
 
@@ -212,7 +214,14 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("reference") / "single-fp32-accum2", "--strategy", "single", *TINY, "--grad-accum", "2")
 
 
+LONG_FIRST = ("readme/test_readme_tour.py", "checkpoints/test_safety.py", "launching/test_launch.py")
+"""Test files that take minutes, started first: under ``make test``'s 2 workers (``--dist loadfile``: a file at a
+time per worker, handed out in collection order) the README tour (~5 min alone) must not be the last file left."""
+
+
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

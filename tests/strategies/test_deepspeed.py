@@ -378,7 +378,7 @@ NVME_BIG_PARAM = 256 * 256 * 3 * 3
 def async_io_op() -> float:
     """Skip where DeepSpeed's async_io op cannot be built (no libaio: `make install` installs libaio-dev as root);
     else wait for its build (with the pin_memory op it loads) into stratbench's extensions cache, which conftest
-    started in the background when the session began (tests/async_io_build.py): cold it takes minutes on 2 cores
+    started in the background when the session began (scripts/async_io_build.py): cold it takes minutes on 2 cores
     (see docs/deepspeed_accelerate.md), cached about a second. Returns the seconds since it started."""
     reason = async_io_build.unavailable()
     if reason:

@@ -1,8 +1,10 @@
-"""DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload), built for the nvme tests in the background.
+"""DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload): built by ``make install`` (``python
+scripts/async_io_build.py``, in the foreground, as DeepSpeed's ``DS_BUILD_AIO=1`` pre-builds it for a pip install),
+else for the nvme tests in the background.
 
 Cold, the build is 15 C++ files that each parse torch's headers: 610 s on this shared 2-core VM, then cached in
-stratbench's extensions folder (``extensions_cache_dir``) for every later session. conftest starts it when the
-session's tests are collected, if an nvme test is among them; the tests in strategies/ run late, so it has the
+stratbench's extensions folder (``extensions_cache_dir``) for every later session. conftest starts it (a load, where
+install built it) when the session's tests are collected, if an nvme test is among them; the tests in strategies/ run late, so it has the
 rest of the suite to use what the suite leaves idle (processes starting, ranks waiting on each other).
 
 Two things keep it out of the other tests' way and shorten it, without changing what the tests run:
@@ -139,3 +141,25 @@ def _session(sid: int) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def main() -> int:
+    """Build the op now (``make install``), or say in one line why not; never fails the install: without the op,
+    only --offload-optimizer/--offload-params nvme is refused, in one line, and the nvme tests build it."""
+    reason = unavailable()
+    if reason is not None:
+        print(f"install: DeepSpeed's async_io op (nvme offload) not built: {reason}")
+        return 0
+    started = time.monotonic()
+    print("install: building DeepSpeed's async_io op for nvme offload (once; minutes on 2 cores) ...", flush=True)
+    proc = subprocess.run([sys.executable, "-c", LOAD], env=_build_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
+        print(f"install: building DeepSpeed's async_io op failed ({tail[0][:200]}); nvme offload will build it")
+        return 0
+    print(f"install: DeepSpeed's async_io op built in {time.monotonic() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
