@@ -90,7 +90,20 @@ class TrainConfig:
     synthetic_samples: int = 2048
     """synthetic only: number of training samples (validation gets a quarter of that)."""
     val_fraction: float = 0.2
-    """digits/imagefolder without a val folder: fraction held out for validation (fixed split)."""
+    """digits/imagefolder without a val folder, text data: fraction held out for validation (fixed split; of text,
+    the stream's last part)."""
+    seq_len: int = 256
+    """Text data (text, tokens:PATH, synthetic-tokens): tokens per sample; each sample's targets are the same
+    tokens shifted by one."""
+    tokenizer: str | None = None
+    """Text data: a Hugging Face tokenizer.json to encode the text with (default: UTF-8 bytes, vocabulary 256)."""
+    vocab_size: int | None = None
+    """Text data: the model's vocabulary (default: the tokenizer's; of token files, their largest id + 1)."""
+    token_dtype: str = "uint16"
+    """tokens:PATH: the integer type of the .bin files, uint16 (nanoGPT's) or uint32."""
+    eval_samples: int | None = None
+    """Evaluate on the first this many validation samples (default: all of an image set, 256 samples of text
+    data, as nanoGPT estimates its validation loss on a fixed number of batches)."""
     num_workers: int = 0
     """DataLoader worker processes per rank (loader pipeline only)."""
     data_pipeline: str = "auto"
@@ -489,6 +502,9 @@ RANGES: dict[str, tuple[float | None, float | None]] = {
     "width": (1, 4096),
     "num_classes": (1, 1_000_000),
     "synthetic_samples": (1, 100_000_000),
+    "seq_len": (1, 1_048_576),
+    "vocab_size": (2, 16_777_216),
+    "eval_samples": (1, None),
     "num_workers": (0, 256),
     "momentum": (0, 1),
     "weight_decay": (0, 10),

@@ -150,6 +150,10 @@ def result_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
         ("final train loss", fmt_num(m.get("final_loss"), ".4f")),
         ("val accuracy", fmt_num(m.get("val_accuracy") and m["val_accuracy"] * 100, ".2f", "%")),
     ]
+    if m.get("tokens_per_sample"):  # a language model: tokens/s, next-token accuracy and perplexity
+        rows[7] = ("throughput", rows[7][1] + f" ({fmt_num(m.get('throughput_tokens_per_s'), ',.0f')} tokens/s)")
+        rows[-1] = ("val next-token accuracy", rows[-1][1])
+        rows.append(("val perplexity", fmt_num(m.get("val_perplexity"), ".2f")))
     return rows
 
 

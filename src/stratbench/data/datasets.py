@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
@@ -19,6 +20,7 @@ from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
+from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data
 from stratbench.models._torchvision import import_torchvision
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
@@ -31,6 +33,10 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 @dataclass
 class DataBundle:
+    """A run's training and validation sets and what the model needs to know of them. Image data: items are
+    (image C x H x W, class); ``num_classes`` classes. Text data (``seq_len`` set): items are (tokens, next
+    tokens), ``seq_len`` ids each; ``num_classes`` is the vocabulary and ``codec`` turns text into ids and back."""
+
     train: Dataset
     val: Dataset
     num_classes: int
@@ -39,6 +45,21 @@ class DataBundle:
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     meta: dict = field(default_factory=dict)
+    seq_len: int | None = None
+    codec: Any = None
+
+    @property
+    def is_text(self) -> bool:
+        return self.seq_len is not None
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels."""
+        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
+
+    @property
+    def sample_dtype(self) -> torch.dtype:
+        return torch.long if self.is_text else torch.float32
 
 
 def default_image_size(cfg: TrainConfig) -> int:
@@ -47,12 +68,16 @@ def default_image_size(cfg: TrainConfig) -> int:
 
 def check_data(cfg: TrainConfig) -> None:
     """Fail before any work starts when the data set is unknown or its folder is missing."""
+    if is_text_data(cfg.data):
+        check_text_data(cfg)
+        return
     if ":" in cfg.data:
         import_builder(cfg.data, "data")  # importable now, or one line naming the module
         return
     if cfg.data not in DATASETS:
         raise ConfigError(
-            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS)} (or a builder as 'package.module:function')"
+            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS + TEXT_SOURCES)} (or a builder "
+            "as 'package.module:function')"
         )
     if cfg.data == "cifar10":
         root = Path(cfg.data_dir or "data")
@@ -70,11 +95,38 @@ def check_data(cfg: TrainConfig) -> None:
 
 def build_data(cfg: TrainConfig) -> DataBundle:
     check_data(cfg)
+    if is_text_data(cfg.data):
+        return _text_data(cfg)
     if ":" in cfg.data:
         return _user_data(cfg)
     return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[
         cfg.data
     ](cfg)
+
+
+def check_text_data(cfg: TrainConfig) -> None:
+    """Text data's files before any work: a tokens:PATH that exists, a tokenizer file that exists."""
+    path = cfg.data.partition(":")[2] or (cfg.data_dir if cfg.data.startswith("tokens") else None)
+    if cfg.data.startswith("tokens") and path and not Path(path).exists():
+        raise DataError(f"token data {path!r} does not exist (a folder with train.bin and val.bin, or a .bin file)")
+    if cfg.data == "text" and cfg.data_dir and not Path(cfg.data_dir).is_dir():
+        raise DataError(f"data dir {cfg.data_dir!r} does not exist (a folder of .txt/.md/.py files)")
+    if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
+        raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist (a Hugging Face tokenizer.json)")
+
+
+def _text_data(cfg: TrainConfig) -> DataBundle:
+    """``text``, ``tokens:PATH`` or ``synthetic-tokens`` (data.text) in windows of ``--seq-len`` tokens; the
+    vocabulary plays the part of the classes (the model's output width)."""
+    text = build_text_data(
+        cfg.data, cfg.seq_len, data_dir=cfg.data_dir, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
+        seed=cfg.seed, synthetic_tokens=cfg.synthetic_samples * cfg.seq_len, vocab_size=cfg.vocab_size,
+        token_dtype=cfg.token_dtype,
+    )  # fmt: skip
+    return DataBundle(
+        text.train, text.val, text.vocab_size, [], 0, (), (), meta=text.meta, seq_len=text.seq_len,
+        codec=text.codec,
+    )  # fmt: skip
 
 
 def _user_data(cfg: TrainConfig) -> DataBundle:
@@ -394,11 +446,20 @@ def make_val_batches(
     cfg: TrainConfig, bundle: DataBundle, device: torch.device, rank: int, world: int, batch: int
 ):
     """Evaluation batches (x, y, valid) with ``ShardSampler``'s order, from the pipeline training uses."""
-    source = _device_source(cfg, bundle.val, device, train=False)
-    if source is not None:
+    source = None if cfg.eval_samples else _device_source(cfg, bundle.val, device, train=False)
+    if source is not None:  # (a subset, --eval-samples, is read by the loader)
         return DeviceEvalBatches(source, batch, rank, world, device, channels_last=cfg.channels_last)
     pin = cfg.pin_memory and device.type == "cuda"
-    return val_loader(bundle.val, batch, rank, world, cfg.num_workers, pin)
+    return val_loader(eval_subset(cfg, bundle), batch, rank, world, cfg.num_workers, pin)
+
+
+def eval_subset(cfg: TrainConfig, bundle: DataBundle) -> Dataset:
+    """The validation samples evaluated: the first ``--eval-samples`` (text data: ``TEXT_EVAL_SAMPLES`` unless
+    told), else all."""
+    limit = cfg.eval_samples or (TEXT_EVAL_SAMPLES if bundle.is_text else None)
+    if limit is None or limit >= len(bundle.val):
+        return bundle.val
+    return torch.utils.data.Subset(bundle.val, range(limit))
 
 
 def _device_source(cfg: TrainConfig, ds: Dataset, device: torch.device, train: bool):

@@ -105,6 +105,16 @@ def _token_array(tokens: Any) -> np.ndarray:
     return array
 
 
+def is_text_data(spec: str) -> bool:
+    """Whether ``--data spec`` names text (one of ``TEXT_SOURCES``), not images or a user's builder."""
+    return spec in ("text", "tokens", "synthetic-tokens") or spec.startswith("tokens:")
+
+
+TEXT_EVAL_SAMPLES = 256
+"""Validation windows a text run evaluates on unless told otherwise (``--eval-samples``): a fixed estimate of the
+validation loss, as nanoGPT's ``eval_iters`` batches, rather than a pass over 20% of the corpus at every epoch."""
+
+
 def check_seq_len(seq_len: int) -> int:
     return _whole(seq_len, "seq_len", "tokens")
 

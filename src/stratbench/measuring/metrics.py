@@ -32,6 +32,8 @@ class RunMetrics:
         self.strategy = strategy
         self.cfg = cfg
         self.sinks = sinks
+        self.tokens_per_sample: int | None = None
+        """Text data: tokens per sample (the engine sets it once the data is known): tokens/s in the summary."""
         self.devices = strategy.memory_devices()
         self.timer = StepTimer(strategy.synchronize, cfg.timing_warmup_steps)
         self.util = UtilisationSampler(self.devices)
@@ -153,6 +155,7 @@ class RunMetrics:
         ranks = self.strategy.all_gather_object(local)
         metrics = self._step_metrics(ranks, local, losses, flops)
         self._add_optional(metrics, ranks, flops)
+        self._add_tokens(metrics)
         sharding = {k: [r["state_bytes"].get(k) for r in ranks] for k in local["state_bytes"]}
         return metrics, sharding
 
@@ -217,6 +220,19 @@ class RunMetrics:
             "flops_per_sample": flops,
             "mfu": None,
         }
+
+    def _add_tokens(self, metrics: dict[str, Any]) -> None:
+        """Text data: what language-model runs are compared by, tokens/s and the validation perplexity (each
+        sample is ``seq_len`` predicted tokens)."""
+        seq = self.tokens_per_sample
+        if seq is None:
+            return
+        samples = metrics["throughput_samples_per_s"]
+        metrics["tokens_per_sample"] = seq
+        metrics["throughput_tokens_per_s"] = samples * seq if samples else None
+        metrics["flops_per_token"] = metrics["flops_per_sample"] / seq if metrics["flops_per_sample"] else None
+        evals = self.evaluations
+        metrics["val_perplexity"] = evals[-1].get("val_perplexity") if evals else None
 
     def _add_optional(self, metrics: dict[str, Any], ranks: list[dict], flops: float | None) -> None:
         """MFU, the CPU allocator's peaks, the phase breakdown and the communication volume, where measured."""

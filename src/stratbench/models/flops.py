@@ -18,6 +18,14 @@ def flop_counter():
     return FlopCounterMode(display=False)
 
 
+def example_input(n: int, sample_shape: tuple[int, ...]) -> torch.Tensor:
+    """``n`` samples of ``sample_shape`` (on the current default device): token ids (zeros) for a 1-d shape
+    (seq_len,), pixels for (C, H, W)."""
+    if len(sample_shape) == 1:
+        return torch.zeros(n, *sample_shape, dtype=torch.long)
+    return torch.empty(n, *sample_shape)
+
+
 def flops_by_op(
     build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
 ) -> tuple[dict[str, float], set[type[nn.Module]]] | None:
@@ -27,11 +35,12 @@ def flops_by_op(
     try:
         with torch.device("meta"):
             model = build()
-            x = torch.empty(2, *sample_shape)
-            y = torch.zeros(2, dtype=torch.long)
+            x = example_input(2, sample_shape)
         counter = flop_counter()
         with counter:
-            loss = nn.functional.cross_entropy(model(x), y)
+            logits = model(x)
+            y = torch.zeros(logits.shape[:-1], dtype=torch.long, device="meta")  # a class, or a token per position
+            loss = nn.functional.cross_entropy(logits.flatten(0, -2), y.flatten())
             loss.backward()
         counts = counter.get_flop_counts().get("Global", {})
         return {str(op): n / 2 for op, n in counts.items()}, {type(m) for m in model.modules()}

@@ -97,9 +97,11 @@ class TransformerConfig:
 
 
 SIZES: dict[str, TransformerConfig] = {
-    # ~1.8M parameters at vocab 256: a few steps a second on two CPU cores.
+    # ~1.9M parameters at vocab 256: a few steps a second on two CPU cores. Untied, so that a pipeline can put
+    # the embedding and the head on different stages (a tied pair would need its gradients summed across them).
     "gpt-tiny": TransformerConfig(
-        vocab_size=256, dim=192, n_layers=4, n_heads=4, ffn_hidden=512, max_seq_len=256, init="gpt2"
+        vocab_size=256, dim=192, n_layers=4, n_heads=4, ffn_hidden=512, max_seq_len=256, tie_embeddings=False,
+        init="gpt2",
     ),
     # GPT-2 small's width and depth (Radford et al. 2019); SwiGLU 3 x 768 x 2048 = GPT-2's 2 x 768 x 3072, and
     # vocab 50304 = 50257 padded to a multiple of 64 (nanoGPT). Rotary instead of learned positions and no

@@ -17,8 +17,11 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.models._torchvision import import_torchvision
+from stratbench.models.transformer import SIZES, build_transformer
 
-MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
+IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
+MODELS = (*IMAGE_MODELS, *SIZES)
+"""Built-in models: image classifiers, then the decoder-only transformers (``models.transformer.SIZES``)."""
 
 
 class TinyBlock(nn.Module):
@@ -88,17 +91,30 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
     return model
 
 
-def user_builder(spec: str) -> Callable[..., nn.Module]:
-    """A user's model builder ('pkg.module:function'), imported and checked to take ``num_classes=`` before any
-    work (``--model os:system`` is refused here, not called)."""
+def is_language_model(name: str) -> bool:
+    """Whether ``name`` is a built-in language model (it takes token ids; its output width is the vocabulary)."""
+    return name in SIZES
+
+
+def _output_keyword(text: bool) -> str:
+    """What a user's builder is called with: ``vocab_size=`` for text data, ``num_classes=`` for images."""
+    return "vocab_size" if text else "num_classes"
+
+
+def user_builder(spec: str, text: bool = False) -> Callable[..., nn.Module]:
+    """A user's model builder ('pkg.module:function'), imported and checked to take ``num_classes=`` (text data:
+    ``vocab_size=``) before any work (``--model os:system`` is refused here, not called)."""
     builder = import_builder(spec, "model")
-    check_signature(builder, spec, "model", "model builder: it does not take num_classes=", num_classes=10)
+    key = _output_keyword(text)
+    check_signature(builder, spec, "model", f"model builder: it does not take {key}=", **{key: 10})
     return builder
 
 
-def _load_user_builder(spec: str, num_classes: int) -> nn.Module:
-    """``my_pkg.my_module:build`` -> ``build(num_classes=...)``: any user nn.Module; what it raises is one line."""
-    model = call_user(user_builder(spec), spec, "model", num_classes=num_classes)
+def _load_user_builder(spec: str, num_classes: int, text: bool = False) -> nn.Module:
+    """``my_pkg.my_module:build`` -> ``build(num_classes=...)`` (text: ``build(vocab_size=...)``): any user
+    nn.Module; what it raises is one line."""
+    key = _output_keyword(text)
+    model = call_user(user_builder(spec, text), spec, "model", **{key: num_classes})
     if not isinstance(model, nn.Module):
         raise ConfigError(f"model {spec!r}: the builder returned {type(model).__name__}, not an nn.Module")
     return model
@@ -117,7 +133,7 @@ def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, nam
     rank and every method gets the same initial weights."""
     if sample_shape is None or not has_lazy_parameters(model):
         return model  # no input shape known: the caller's first forward creates them
-    x = torch.zeros(1, *sample_shape)
+    x = torch.zeros(1, *sample_shape, dtype=torch.long if len(sample_shape) == 1 else torch.float32)
     training = model.training
     model.eval()
     try:
@@ -135,13 +151,33 @@ def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, nam
     return model
 
 
-def check_model(name: str) -> None:
-    """A known model name, or a user builder that imports and takes ``num_classes=``."""
+def check_model(name: str, text: bool | None = None, seq_len: int | None = None) -> None:
+    """A known model name, or a user builder that imports and takes ``num_classes=`` (``vocab_size=`` for text);
+    with ``text`` known, a built-in model that fits the data (a transformer on text, a classifier on images, no
+    window longer than the transformer's context)."""
     if ":" in name:
-        user_builder(name)
-    elif name not in MODELS:
+        user_builder(name, bool(text))
+        return
+    if name not in MODELS:
         raise ConfigError(
             f"unknown model {name!r}; choose one of: {', '.join(MODELS)} (or a builder as 'package.module:function')"
+        )
+    if text is None:
+        return
+    if is_language_model(name) and not text:
+        raise ConfigError(
+            f"model {name!r} is a language model: it trains on text data (--data text, tokens:PATH or "
+            "synthetic-tokens), not on images"
+        )
+    if text and not is_language_model(name):
+        raise ConfigError(
+            f"model {name!r} classifies images; text data needs a language model: {', '.join(SIZES)} (or a "
+            "builder taking vocab_size=)"
+        )
+    if seq_len is not None and seq_len > SIZES[name].max_seq_len:
+        raise ConfigError(
+            f"--seq-len {seq_len} is longer than {name}'s context of {SIZES[name].max_seq_len} tokens; choose "
+            f"--seq-len at most {SIZES[name].max_seq_len}"
         )
 
 
@@ -153,14 +189,19 @@ def build_model(
     norm: str = "group",
     width: int = 32,
     sample_shape: tuple[int, ...] | None = None,
+    seq_len: int | None = None,
 ) -> nn.Module:
-    """The model ``name`` with ``num_classes`` outputs; a user model with lazy modules gets its parameters from a
-    dry forward on one sample of ``sample_shape`` (C, H, W)."""
-    check_model(name)
+    """The model ``name`` with ``num_classes`` outputs (text data, ``seq_len`` given: a vocabulary of
+    ``num_classes``); a user model with lazy modules gets its parameters from a dry forward on one sample of
+    ``sample_shape`` ((C, H, W) or (seq_len,))."""
+    text = seq_len is not None
+    check_model(name, text, seq_len)
     if name == "tinynet":
         return TinyNet(num_classes, width=width, norm=norm)
+    if is_language_model(name):
+        return build_transformer(name, vocab_size=num_classes)
     if ":" in name:
-        return materialize_lazy(_load_user_builder(name, num_classes), sample_shape, name)
+        return materialize_lazy(_load_user_builder(name, num_classes, text), sample_shape, name)
     return _resnet(name, num_classes, cifar_stem)
 
 
@@ -177,8 +218,8 @@ def is_weights_name(value: str | None) -> bool:
 
 def torchvision_weights(model: str, name: str):
     """The torchvision ``WeightsEnum`` member for ``model`` and ``name`` (``imagenet``, ``DEFAULT``, ``IMAGENET1K_V1``)."""
-    if model not in MODELS or model == "tinynet":
-        tv_models = ", ".join(m for m in MODELS if m != "tinynet")
+    if model not in IMAGE_MODELS or model == "tinynet":
+        tv_models = ", ".join(m for m in IMAGE_MODELS if m != "tinynet")
         raise ConfigError(
             f"--weights {name}: pretrained weights exist only for torchvision models ({tv_models}), not {model!r}"
         )

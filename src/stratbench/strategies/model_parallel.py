@@ -18,6 +18,7 @@ from torch import nn
 
 from stratbench.core.errors import ConfigError
 from stratbench.data.datasets import default_image_size
+from stratbench.data.text import is_text_data
 from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
@@ -110,6 +111,8 @@ class ModelParallelStrategy(Strategy):
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
+        if is_text_data(cfg.data):
+            return "model-parallel stages of a language model are not built yet: image models only"
         found = _cuda_count()
         if found < 2:
             return f"needs >= 2 CUDA GPUs, found {found}"

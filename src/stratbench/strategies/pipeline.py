@@ -46,6 +46,7 @@ from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.data.datasets import default_image_size
+from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, trace_step
 from stratbench.models.split import (
@@ -523,6 +524,8 @@ class PipelineStrategy(Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"pipeline runs on cpu or cuda devices, not {device.type}"
+        if is_text_data(cfg.data):
+            return "pipeline stages of a language model (split between its blocks) are not built yet: image models only"
         options = cls.parse_options(cfg.strategy_options)
         try:
             lay = resolve_layout(options, world_size)

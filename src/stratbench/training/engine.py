@@ -54,6 +54,7 @@ from stratbench.data.datasets import (
     split_batch,
     steps_per_epoch,
 )
+from stratbench.data.text import is_text_data
 from stratbench.measuring.environment import environment
 from stratbench.measuring.metrics import RunMetrics
 from stratbench.models.flops import flops_per_sample
@@ -65,7 +66,7 @@ from stratbench.models.zoo import (
     load_weights,
 )
 from stratbench.strategies.base import Strategy, get_strategy
-from stratbench.training.losses import build_loss, check_loss, describe_loss
+from stratbench.training.losses import build_loss, check_loss, describe_loss, per_sample_eval
 from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
 
@@ -87,7 +88,8 @@ def check_config(cfg: TrainConfig, world: int) -> type[Strategy]:
     """The checks of a run's options that do not depend on this machine (values, combinations, the strategy's
     options, the batch split over ``world`` processes): what any command stratbench recommends must pass."""
     validate(cfg)
-    check_model(cfg.model)
+    text = is_text_data(cfg.data)
+    check_model(cfg.model, text, cfg.seq_len if text else None)
     check_data(cfg)
     check_loss(cfg)
     if cfg.precision not in SPECS:
@@ -209,6 +211,7 @@ class Trainer:
     def _fit(self, metrics: RunMetrics) -> None:
         cfg = self.cfg
         run = self._setup(metrics)
+        metrics.tokens_per_sample = run.bundle.seq_len
         progress = run.state.progress
         bar = _progress(cfg, self.env, run.run_steps, progress.step)
         while progress.epoch < cfg.epochs and progress.step < run.run_steps:
@@ -294,7 +297,8 @@ class Trainer:
                 cifar_stem=cfg.cifar_stem,
                 norm=cfg.norm,
                 width=cfg.width,
-                sample_shape=(3, bundle.image_size, bundle.image_size),
+                sample_shape=bundle.sample_shape,
+                seq_len=bundle.seq_len,
             )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
@@ -306,11 +310,7 @@ class Trainer:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
             model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
-        flops = (
-            flops_per_sample(build, (3, bundle.image_size, bundle.image_size), bundle.num_classes)
-            if cfg.measure_flops
-            else None
-        )
+        flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes) if cfg.measure_flops else None
         if cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         strategy.total_steps = total_steps
@@ -345,6 +345,8 @@ class Trainer:
             "data": cfg.data,
             "num_parameters": count_parameters(model),
         }
+        if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
+            meta |= {"seq_len": bundle.seq_len, "vocab_size": bundle.num_classes, "tokenizer": cfg.tokenizer}
         self.result["model_meta"] = meta
         return meta
 
@@ -372,6 +374,8 @@ class Trainer:
         metrics.log_eval(progress.step, ev)
         if self.env.is_main:
             line = f"epoch {ev['epoch']:.2f}: val_loss {ev['val_loss']:.4f}  val_accuracy {ev['val_accuracy']:.4f}"
+            if "val_perplexity" in ev:
+                line += f"  val_perplexity {ev['val_perplexity']:.2f}"
             bar.write(line)
 
     @torch.no_grad()
@@ -390,18 +394,22 @@ class Trainer:
             x = strategy.precision.convert_input(x)
             with strategy.precision.autocast():
                 logits = model(x)
-            losses = nn.functional.cross_entropy(strategy.precision.loss_input(logits), y, reduction="none")
+            losses, correct = per_sample_eval(strategy.precision.loss_input(logits), y)
             totals[0] += (losses * valid).sum().double()
-            totals[1] += ((logits.argmax(1) == y) * valid).sum().double()
+            totals[1] += (correct * valid).sum().double()
             totals[2] += valid.sum().double()
         strategy.all_reduce(totals, "sum")
         totals /= env.world_size // shards  # processes sharing a shard (a pipeline's stages) counted it alike
         model.train()
-        return {
+        out = {
             "val_loss": (totals[0] / totals[2]).item(),
             "val_accuracy": (totals[1] / totals[2]).item(),
             "val_samples": int(totals[2].item()),
         }
+        if bundle.is_text:  # accuracy is next-token accuracy; perplexity is what language models report
+            out["val_perplexity"] = math.exp(min(out["val_loss"], 700.0))
+            out["val_tokens"] = out["val_samples"] * bundle.seq_len
+        return out
 
     def _save(self, run: Run) -> None:
         t0 = time.perf_counter()

@@ -17,6 +17,7 @@ from torch import nn
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder
+from stratbench.data.text import is_text_data
 
 LOSSES = ("cross-entropy",)
 """Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
@@ -68,12 +69,33 @@ def check_loss(cfg: TrainConfig) -> None:
         )
 
 
+class TokenCrossEntropy(nn.CrossEntropyLoss):
+    """Cross-entropy over every position of a language model's output: logits (batch, seq, vocab) and targets
+    (batch, seq) flattened to (batch x seq) predictions, averaged over the tokens (each window has the same
+    length, so the mean of micro-batch means is the global batch's mean, as for images)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward(logits.flatten(0, -2), targets.flatten())
+
+
 def build_loss(cfg: TrainConfig) -> Callable:
-    """The loss function the loop calls as ``loss_fn(logits, targets)``."""
+    """The loss function the loop calls as ``loss_fn(logits, targets)``: cross-entropy per sample, or per token
+    of text data; a user's loss gets the model's output as it is."""
     check_loss(cfg)
     if ":" in cfg.loss:
         return UserLoss(_resolve(cfg.loss), cfg.loss)
+    if is_text_data(cfg.data):
+        return TokenCrossEntropy(label_smoothing=cfg.label_smoothing)
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+def per_sample_eval(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cross-entropy, share of correct predictions) per sample, in fp32 or wider: of a classifier, the sample's
+    loss and 0/1; of a language model, the means over the sample's tokens (next-token accuracy)."""
+    losses = nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+    correct = (logits.argmax(-1) == targets).to(losses.dtype).flatten()
+    n = targets.shape[0]
+    return losses.view(n, -1).mean(1), correct.view(n, -1).mean(1)
 
 
 def describe_loss(cfg: TrainConfig) -> dict[str, Any]:
