@@ -438,6 +438,10 @@ def _throughput_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """Samples per second (global batch over the step time)."""
     row.raw["throughput"] = rec.metrics.throughput_samples_per_s
     row.text["throughput"] = _fmt(rec.metrics.throughput_samples_per_s, ".1f") + _busy_mark(rec, notes)
+    metrics = rec.fields.get("metrics")
+    tokens = number(metrics.get("throughput_tokens_per_s")) if isinstance(metrics, dict) else None
+    if tokens is not None:  # a language model: its samples are windows of tokens
+        row.text["throughput"] += f" ({tokens:,.0f} tokens/s)"
 
 
 def _speedup_cell(rec: RunRecord, row: Row, notes: Footnotes, base: float | None) -> None:
