@@ -5,11 +5,13 @@ language models are compared by: tokens/s, FLOPs per token (the 6N + attention f
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
-from conftest import RTOL, RTOL_FP32_SAME_MICRO_BATCHES, assert_curves_match, fails, train
+from conftest import RTOL, RTOL_FP32_SAME_MICRO_BATCHES, assert_curves_match, cli, fails, train
+from stratbench.cli import main
 from stratbench.models.transformer import SIZES, flops_per_token
 
 SEQ = 32
@@ -112,3 +114,28 @@ def test_text_and_model_must_fit_in_one_line(capsys):
     assert "--seq-len 512 is longer than gpt-tiny's context of 256 tokens" in err
     err = fails(capsys, "train", "--model", "gpt-tiny", "--data", "tokens:/nonexistent/folder")
     assert "token data '/nonexistent/folder' does not exist" in err
+
+
+def test_after_training_evaluate_generate_and_export_safetensors(single, root, capsys):
+    """The single run's checkpoint: `evaluate` gives the perplexity of its validation windows, `predict --prompt`
+    continues text (greedy: the same twice; top-k sampling: other text with another seed), `export` writes
+    safetensors that a fresh gpt-tiny loads to the same logits; ONNX is refused in one line."""
+    last = root / "single" / "checkpoints" / "last"
+    out = json.loads(cli("evaluate", "--checkpoint", last, "--eval-samples", "16", "--json"))
+    assert out["val_samples"] == 16 and out["val_perplexity"] == pytest.approx(math.exp(out["val_loss"]))
+    assert out["val_loss"] == pytest.approx(single["metrics"]["val_loss"], rel=1e-6)  # the same 16 windows
+    greedy = [json.loads(cli("predict", "--checkpoint", last, "--prompt", "def ", "--json")) for _ in range(2)]
+    assert greedy[0] == greedy[1] and len(greedy[0]["ids"]) == 64 and all(0 <= i < 256 for i in greedy[0]["ids"])
+    sampled = {
+        json.loads(cli("predict", "--checkpoint", last, "--prompt", "def ", "--top-k", "20", "--seed", str(s),
+                       "--max-new-tokens", "16", "--json"))["generated"]
+        for s in range(3)
+    }  # fmt: skip
+    assert len(sampled) > 1
+    assert "reloaded with plain safetensors" in cli("export", "--checkpoint", last, "--output", root / "m.safetensors")
+    assert main(["export", "--checkpoint", str(last), "--output", str(root / "m.onnx")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()  # the loaded model's line, then the refusal
+    assert "ONNX export of a language model (gpt-tiny) is not built yet" in err[-1] and "Traceback" not in err
+    assert not (root / "m.onnx").exists()
+    err = fails(capsys, "predict", "--checkpoint", last, "some.png")
+    assert "this checkpoint is a language model: give --prompt TEXT" in err

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
 from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
 from stratbench.core.errors import ConfigError
-from stratbench.data.datasets import DATASETS
+from stratbench.data.datasets import DATASETS, eval_subset
 from stratbench.inference.predictor import (
     add_backend_arguments,
     evaluate,
@@ -36,6 +37,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_backend_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=256, help="samples per forward pass")
+    parser.add_argument(
+        "--eval-samples", type=int, default=None,
+        help="the first N validation samples (default: all of an image set, 256 windows of text, as training)",
+    )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print the result as JSON on stdout")
 
 
@@ -47,19 +52,25 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.batch_size < 1:
         raise ConfigError(f"--batch-size must be at least 1, got {args.batch_size}")
+    if args.eval_samples is not None and args.eval_samples < 1:
+        raise ConfigError(f"--eval-samples must be at least 1, got {args.eval_samples}")
     with open_model(args.checkpoint, args.backend, args.onnx, args.device) as opened:
         cfg = train_config_for(opened.config, opened.meta, data=args.data, data_dir=args.data_dir)
+        cfg.eval_samples = args.eval_samples
         bundle = validation_set(cfg, opened.meta)
         t0 = time.perf_counter()
-        result = evaluate(opened.runner, bundle.val, args.batch_size)
+        result = evaluate(opened.runner, eval_subset(cfg, bundle), args.batch_size)
         seconds = time.perf_counter() - t0
     result |= {"data": cfg.data, "backend": args.backend, "seconds": seconds}
+    if bundle.is_text:  # a language model: next-token accuracy, and the perplexity it is compared by
+        result["val_perplexity"] = math.exp(min(result["val_loss"], 700.0))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"model: {opened.description}", file=sys.stderr)
+        ppl = f"  perplexity {result['val_perplexity']:.3f}" if "val_perplexity" in result else ""
         print(
             f"{cfg.data} validation ({result['val_samples']} samples, {args.backend}): "
-            f"accuracy {result['val_accuracy']:.4f}  loss {result['val_loss']:.6f}  ({seconds:.2f} s)"
+            f"accuracy {result['val_accuracy']:.4f}  loss {result['val_loss']:.6f}{ppl}  ({seconds:.2f} s)"
         )
     return 0

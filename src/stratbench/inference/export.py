@@ -107,6 +107,15 @@ def write_weights(loaded: LoadedModel, out: Path, fmt: str, dtype: torch.dtype) 
     return len(state)
 
 
+def _random_samples(meta: dict[str, Any]) -> list[torch.Tensor]:
+    """Random batches of 1 and 7 samples the model takes: token ids of its window for a language model (a
+    seeded draw from its vocabulary), else images (``random_inputs``)."""
+    if not meta.get("seq_len"):
+        return [x for _, x in random_inputs(int(meta["image_size"]))]
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, int(meta["num_classes"]), (b, int(meta["seq_len"])), generator=g) for b in (1, 7)]
+
+
 def reload_difference(loaded: LoadedModel, out: Path, fmt: str) -> tuple[float, float]:
     """Read ``out`` back with plain torch / safetensors into a freshly built model of the same architecture:
     (largest absolute difference of its logits from the checkpoint's on random inputs, largest |logit|, at least
@@ -124,7 +133,7 @@ def reload_difference(loaded: LoadedModel, out: Path, fmt: str) -> tuple[float, 
     )
     worst, scale = 0.0, 1.0
     with torch.no_grad():
-        for _, x in random_inputs(int(loaded.meta["image_size"])):
+        for x in _random_samples(loaded.meta):
             ref = loaded.model(x)
             worst, scale = max(worst, (fresh(x) - ref).abs().max().item()), max(scale, ref.abs().max().item())
     return worst, scale

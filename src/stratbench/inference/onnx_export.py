@@ -64,6 +64,10 @@ def export_onnx(
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise StratbenchError(f"unknown exporter {exporter!r}; choose one of: auto, dynamo, torchscript")
+    if meta.get("seq_len"):
+        raise StratbenchError(
+            f"ONNX export of a language model ({meta.get('model')}) is not built yet; export it to .safetensors"
+        )
 
     output = Path(output)
     if output.is_dir():

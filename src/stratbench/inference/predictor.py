@@ -29,6 +29,7 @@ from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.data.datasets import build_data
 from stratbench.inference.onnx_export import OrtModel, export_onnx, read_metadata
 from stratbench.models.zoo import build_model
+from stratbench.training.losses import per_sample_eval
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".gif", ".tif", ".tiff", ".webp", ".ppm", ".pgm")
 META_KEYS = ("model", "num_classes", "class_names", "image_size", "mean", "std")
@@ -56,8 +57,13 @@ class LoadedModel:
     def describe(self) -> str:
         """One line naming what was loaded (printed by the commands so the user sees what they got)."""
         step = self.progress.get("step")
+        shape = (
+            f"vocabulary {self.meta['num_classes']}, {self.meta['seq_len']}-token windows"
+            if self.meta.get("seq_len")
+            else f"{self.meta['num_classes']} classes, {self.meta['image_size']}px"
+        )
         return (
-            f"{self.meta['model']} ({self.meta['num_classes']} classes, {self.meta['image_size']}px) from "
+            f"{self.meta['model']} ({shape}) from "
             f"{self.source} [{self.layout} checkpoint of strategy {self.strategy or '?'}"
             + (f", step {step}" if step is not None else "")
             + "]"
@@ -82,10 +88,16 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
         cifar_stem=bool(meta.get("cifar_stem", False)),
         norm=meta.get("norm", "group"),
         width=int(meta.get("width", 16)),
-        sample_shape=(3, int(meta["image_size"]), int(meta["image_size"]))
-        if meta.get("image_size")
-        else None,
+        sample_shape=_sample_shape(meta),
+        seq_len=int(meta["seq_len"]) if meta.get("seq_len") else None,
     )
+
+
+def _sample_shape(meta: dict[str, Any]) -> tuple[int, ...] | None:
+    """One input sample's shape as the model was trained on it: (seq_len,) token ids or (3, H, W) pixels."""
+    if meta.get("seq_len"):
+        return (int(meta["seq_len"]),)
+    return (3, int(meta["image_size"]), int(meta["image_size"])) if meta.get("image_size") else None
 
 
 def check_meta(meta: Any, source: Path | str) -> dict[str, Any]:
@@ -301,7 +313,8 @@ def train_config_for(
         values["data_dir"] = None  # the training data's folder does not belong to another data set
     if data_dir is not None:
         values["data_dir"] = data_dir
-    values["image_size"] = int(meta["image_size"])
+    if meta.get("image_size"):
+        values["image_size"] = int(meta["image_size"])
     return from_dict(TrainConfig, values, where="checkpoint config")
 
 
@@ -321,11 +334,11 @@ def evaluate(runner: Runner, dataset: Iterable, batch_size: int = 256) -> dict[s
     from torch.utils.data import DataLoader
 
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False)
-    loss_sum, correct, count = 0.0, 0, 0
+    loss_sum, correct, count = 0.0, 0.0, 0
     for x, y in loader:
-        logits = runner(x).double()
-        loss_sum += nn.functional.cross_entropy(logits, y, reduction="sum").item()
-        correct += int((logits.argmax(1) == y).sum())
+        losses, right = per_sample_eval(runner(x).double(), y)  # a language model: means over each window
+        loss_sum += losses.sum().item()
+        correct += right.sum().item()
         count += len(y)
     if count == 0:
         raise DataError("the validation split is empty")

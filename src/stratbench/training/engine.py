@@ -346,7 +346,10 @@ class Trainer:
             "num_parameters": count_parameters(model),
         }
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
-            meta |= {"seq_len": bundle.seq_len, "vocab_size": bundle.num_classes, "tokenizer": cfg.tokenizer}
+            meta |= {
+                "seq_len": bundle.seq_len, "vocab_size": bundle.num_classes, "tokenizer": cfg.tokenizer,
+                "codec": bundle.codec.name if bundle.codec is not None else None,
+            }  # fmt: skip
         self.result["model_meta"] = meta
         return meta
 
