@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import time
 
@@ -18,6 +17,7 @@ from stratbench.inference.predictor import (
     train_config_for,
     validation_set,
 )
+from stratbench.training.losses import perplexity
 
 NAME = "evaluate"
 HELP = "accuracy and loss of a checkpoint (any method, or an ONNX export) on a data set's validation split"
@@ -63,7 +63,7 @@ def _run(args: argparse.Namespace) -> int:
         seconds = time.perf_counter() - t0
     result |= {"data": cfg.data, "backend": args.backend, "seconds": seconds}
     if bundle.is_text:  # a language model: next-token accuracy, and the perplexity it is compared by
-        result["val_perplexity"] = math.exp(min(result["val_loss"], 700.0))
+        result["val_perplexity"] = perplexity(result["val_loss"])
     if args.json:
         print(json.dumps(result, indent=2))
     else:

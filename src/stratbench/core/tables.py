@@ -132,6 +132,8 @@ def result_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
     peaks = m.get("peak_memory_bytes") or []
     kind = m.get("peak_memory_kind", "")
     util = m.get("gpu_util_mean_pct") or []
+    text = bool(m.get("tokens_per_sample"))  # a language model: tokens/s, next-token accuracy and perplexity
+    tokens = f" ({fmt_num(m.get('throughput_tokens_per_s'), ',.0f')} tokens/s)" if text else ""
     rows = [
         ("status", res.get("status", "?") + (f" ({res['reason']})" if res.get("reason") else "")),
         ("method", f"{res.get('strategy')} / {res.get('precision')}"),
@@ -143,16 +145,17 @@ def result_rows(res: dict[str, Any]) -> list[tuple[str, str]]:
             "step time (mean, warm-up excluded)",
             fmt_num(m.get("step_time_mean_s") and m["step_time_mean_s"] * 1e3, ".1f", " ms"),
         ),
-        ("throughput", fmt_num(m.get("throughput_samples_per_s"), ".1f", " samples/s")),
+        ("throughput", fmt_num(m.get("throughput_samples_per_s"), ".1f", " samples/s") + tokens),
         (f"peak memory per rank ({kind})", ", ".join(fmt_bytes(p) for p in peaks) or "n/a"),
         ("GPU utilisation mean", ", ".join(fmt_num(u, ".0f", "%") for u in util) or "n/a (no NVIDIA GPU)"),
         ("MFU", fmt_num(m.get("mfu") and m["mfu"] * 100, ".1f", "%") if m.get("mfu") is not None else "n/a"),
         ("final train loss", fmt_num(m.get("final_loss"), ".4f")),
-        ("val accuracy", fmt_num(m.get("val_accuracy") and m["val_accuracy"] * 100, ".2f", "%")),
+        (
+            "val next-token accuracy" if text else "val accuracy",
+            fmt_num(m.get("val_accuracy") and m["val_accuracy"] * 100, ".2f", "%"),
+        ),
     ]
-    if m.get("tokens_per_sample"):  # a language model: tokens/s, next-token accuracy and perplexity
-        rows[7] = ("throughput", rows[7][1] + f" ({fmt_num(m.get('throughput_tokens_per_s'), ',.0f')} tokens/s)")
-        rows[-1] = ("val next-token accuracy", rows[-1][1])
+    if text:
         rows.append(("val perplexity", fmt_num(m.get("val_perplexity"), ".2f")))
     return rows
 

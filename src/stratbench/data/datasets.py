@@ -20,7 +20,7 @@ from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
-from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data
+from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data, token_path
 from stratbench.models._torchvision import import_torchvision
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
@@ -56,10 +56,6 @@ class DataBundle:
     def sample_shape(self) -> tuple[int, ...]:
         """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels."""
         return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
-
-    @property
-    def sample_dtype(self) -> torch.dtype:
-        return torch.long if self.is_text else torch.float32
 
 
 def default_image_size(cfg: TrainConfig) -> int:
@@ -106,8 +102,8 @@ def build_data(cfg: TrainConfig) -> DataBundle:
 
 def check_text_data(cfg: TrainConfig) -> None:
     """Text data's files before any work: a tokens:PATH that exists, a tokenizer file that exists."""
-    path = cfg.data.partition(":")[2] or (cfg.data_dir if cfg.data.startswith("tokens") else None)
-    if cfg.data.startswith("tokens") and path and not Path(path).exists():
+    path = token_path(cfg.data, cfg.data_dir) if cfg.data.startswith("tokens") else ""
+    if path and not Path(path).exists():
         raise DataError(f"token data {path!r} does not exist (a folder with train.bin and val.bin, or a .bin file)")
     if cfg.data == "text" and cfg.data_dir and not Path(cfg.data_dir).is_dir():
         raise DataError(f"data dir {cfg.data_dir!r} does not exist (a folder of .txt/.md/.py files)")

@@ -110,6 +110,11 @@ def is_text_data(spec: str) -> bool:
     return spec in ("text", "tokens", "synthetic-tokens") or spec.startswith("tokens:")
 
 
+def token_path(spec: str, data_dir: str | os.PathLike | None) -> str:
+    """The PATH of ``tokens:PATH`` (a bare ``tokens`` reads ``data_dir``); empty where neither names one."""
+    return spec.partition(":")[2] or (str(data_dir) if data_dir is not None else "")
+
+
 TEXT_EVAL_SAMPLES = 256
 """Validation windows a text run evaluates on unless told otherwise (``--eval-samples``): a fixed estimate of the
 validation loss, as nanoGPT's ``eval_iters`` batches, rather than a pass over 20% of the corpus at every epoch."""
@@ -268,7 +273,7 @@ def build_text_data(
     if spec == "text":
         return _text(seq_len, data_dir, tokenizer, val_fraction, vocab_size, text_bytes)
     if spec == "tokens" or spec.startswith("tokens:"):
-        path = spec.partition(":")[2] or (str(data_dir) if data_dir is not None else "")
+        path = token_path(spec, data_dir)
         if not path:
             raise ConfigError(
                 "data 'tokens' needs a path: tokens:PATH (a folder with train.bin and val.bin, or a .bin)"

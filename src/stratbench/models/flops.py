@@ -19,11 +19,9 @@ def flop_counter():
 
 
 def example_input(n: int, sample_shape: tuple[int, ...]) -> torch.Tensor:
-    """``n`` samples of ``sample_shape`` (on the current default device): token ids (zeros) for a 1-d shape
+    """``n`` zero samples of ``sample_shape`` (on the current default device): token ids for a 1-d shape
     (seq_len,), pixels for (C, H, W)."""
-    if len(sample_shape) == 1:
-        return torch.zeros(n, *sample_shape, dtype=torch.long)
-    return torch.empty(n, *sample_shape)
+    return torch.zeros(n, *sample_shape, dtype=torch.long if len(sample_shape) == 1 else torch.float32)
 
 
 def flops_by_op(

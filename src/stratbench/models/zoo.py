@@ -17,6 +17,7 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.models._torchvision import import_torchvision
+from stratbench.models.flops import example_input
 from stratbench.models.transformer import SIZES, build_transformer
 
 IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
@@ -133,7 +134,7 @@ def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, nam
     rank and every method gets the same initial weights."""
     if sample_shape is None or not has_lazy_parameters(model):
         return model  # no input shape known: the caller's first forward creates them
-    x = torch.zeros(1, *sample_shape, dtype=torch.long if len(sample_shape) == 1 else torch.float32)
+    x = example_input(1, sample_shape)
     training = model.training
     model.eval()
     try:

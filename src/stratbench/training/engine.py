@@ -66,7 +66,7 @@ from stratbench.models.zoo import (
     load_weights,
 )
 from stratbench.strategies.base import Strategy, get_strategy
-from stratbench.training.losses import build_loss, check_loss, describe_loss, per_sample_eval
+from stratbench.training.losses import build_loss, check_loss, describe_loss, per_sample_eval, perplexity
 from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
 
@@ -410,7 +410,7 @@ class Trainer:
             "val_samples": int(totals[2].item()),
         }
         if bundle.is_text:  # accuracy is next-token accuracy; perplexity is what language models report
-            out["val_perplexity"] = math.exp(min(out["val_loss"], 700.0))
+            out["val_perplexity"] = perplexity(out["val_loss"])
             out["val_tokens"] = out["val_samples"] * bundle.seq_len
         return out
 

@@ -8,6 +8,7 @@ whatever the training loss, so that runs with different losses report comparable
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -96,6 +97,11 @@ def per_sample_eval(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.
     correct = (logits.argmax(-1) == targets).to(losses.dtype).flatten()
     n = targets.shape[0]
     return losses.view(n, -1).mean(1), correct.view(n, -1).mean(1)
+
+
+def perplexity(mean_loss: float) -> float:
+    """exp(mean cross-entropy per token), capped where exp overflows a float (a diverged model)."""
+    return math.exp(min(mean_loss, 700.0))
 
 
 def describe_loss(cfg: TrainConfig) -> dict[str, Any]:
