@@ -138,16 +138,18 @@ step 2 (--measure-alloc) in an equivalence run: none changes a number the run co
 
 def assert_breakdown_adds_up(res: dict, schedule_as_backward: bool = False) -> dict:
     """metrics.breakdown: on every rank the five phases, each timed on its own spans, add up to the step time
-    the step timer measured independently (within 2%: a part of the step no span covers, or a span timed twice,
+    the step timer measured independently (within 2% on the median step: a part of the step no span covers, or a span timed twice,
     breaks it), and each phase the method runs was timed. ``schedule_as_backward``: a pipeline times its whole
     schedule (forwards and backwards interleaved) as backward, so its forward is 0."""
     b = res["metrics"]["breakdown"]
     assert b["phases"] == ["data", "forward", "backward", "optimizer", "other"], b["phases"]
     for r in b["per_rank_s"]:
         total = sum(r[p] for p in b["phases"])
-        assert abs(total - r["step"]) <= 0.02 * r["step"], (
-            f"phases add up to {total * 1e3:.3f} ms, the step took {r['step'] * 1e3:.3f} ms "
-            f"({(total - r['step']) / r['step']:+.1%}): {r}"
+        # On the median step: a step the other test worker's processes preempted between two spans (a few ms,
+        # on 2 cores) is not a span missing, which shows on every step.
+        assert abs(r["unattributed_median"]) <= 0.02 * r["step_median"], (
+            f"phases add up to {(r['step_median'] - r['unattributed_median']) * 1e3:.3f} ms on the median step, "
+            f"which took {r['step_median'] * 1e3:.3f} ms ({-r['unattributed_median'] / r['step_median']:+.1%}): {r}"
         )
         assert abs(r["unattributed"] - (r["step"] - total)) <= 1e-9, r
         timed = ("backward", "optimizer", "other") if schedule_as_backward else ("forward", "backward", "optimizer", "other")

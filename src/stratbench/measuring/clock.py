@@ -62,7 +62,8 @@ class PhaseClock:
     """Times the named spans of each step on the step timer's synchronised clock, each phase on its own clock
     reads (nothing is derived from the step time), so that the phases adding up to the step time the
     ``StepTimer`` measured is a check: a part of the step no span covers, or spans timed twice (nested), show as
-    ``unattributed`` (step - sum of phases). Warm-up and traced steps are left out. Each span is also a
+    ``unattributed`` (step - sum of phases; its median over the steps as well, which one preempted step does not
+    move). Warm-up and traced steps are left out. Each span is also a
     ``record_function`` range, so it shows by name in a profiler trace."""
 
     def __init__(self, sync: Callable[[], None]) -> None:
@@ -86,8 +87,13 @@ class PhaseClock:
     def summary(self) -> dict[str, Any] | None:
         if not self.steps:
             return None
-        return {k: statistics.fmean(r[k] for r in self.steps) for k in (*PHASES, "step", "unattributed")} | {
-            "measured_steps": len(self.steps)
+        means = {k: statistics.fmean(r[k] for r in self.steps) for k in (*PHASES, "step", "unattributed")}
+        # A step the scheduler preempted between two spans puts its lost time in that step's unattributed part
+        # only; a span missing (or timed twice) puts it in every step's. The median step tells them apart.
+        return means | {
+            "unattributed_median": statistics.median(r["unattributed"] for r in self.steps),
+            "step_median": statistics.median(r["step"] for r in self.steps),
+            "measured_steps": len(self.steps),
         }
 
 
@@ -118,7 +124,8 @@ class _Span:
 
 def breakdown_report(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     """``metrics.breakdown``: per rank the mean seconds of each phase per step and of the step itself; over
-    ranks the mean share of each phase, of the part no phase covered (``unattributed``), and the share that is
+    ranks the mean share of each phase, of the part no phase covered (``unattributed``; also on each rank's
+    median step, which a step preempted by another process does not move), and the share that is
     not compute (everything but forward, backward and the optimizer step)."""
     ranks = [r for r in per_rank if r]
     if not ranks:
@@ -126,10 +133,12 @@ def breakdown_report(per_rank: list[dict[str, Any] | None]) -> dict[str, Any] | 
     timed = [r for r in ranks if r["step"] > 0]
     share = {p: statistics.fmean(r[p] / r["step"] for r in timed) for p in PHASES} if timed else {}
     unattributed = statistics.fmean(r.get("unattributed", 0.0) / r["step"] for r in timed) if timed else 0.0
+    median = [r["unattributed_median"] / r["step_median"] for r in timed if r.get("step_median")]
     return {
         "phases": list(PHASES),
         "per_rank_s": per_rank,
         "share": share,
         "unattributed_share": unattributed,
+        "unattributed_median_share": statistics.fmean(median) if median else None,
         "not_compute_share": 1.0 - sum(share.get(p, 0.0) for p in COMPUTE_PHASES) if share else None,
     }
