@@ -22,7 +22,7 @@ from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
-from stratbench.compare.matrix import load_matrix, plan, select
+from stratbench.compare.matrix import bytes_of, load_matrix, plan, select
 from stratbench.compare.report import render_sweeps
 from stratbench.compare.runner import Interrupted, SweepRunner
 from stratbench.core.config import TrainConfig, coerce, from_dict
@@ -96,10 +96,13 @@ def plan_sweep(
     calibrate: bool = False,
     hardware: str | None = None,
     world_size: int | None = None,
+    device_memory: str | int | None = None,
     **options: Any,
 ) -> SweepPlan:
     """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
-    results file already in ``output`` and the calibration runs. ``options`` are training options for every cell."""
+    results file already in ``output`` and the calibration runs. ``options`` are training options for every cell;
+    ``device_memory`` (bytes or a size such as ``2GiB``) replaces the matrix's budget per device: a cell whose
+    estimate exceeds it is recorded as 'does not fit (estimate X of Y)' instead of being run."""
 
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
@@ -108,6 +111,8 @@ def plan_sweep(
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
     m = load_matrix(preset, matrix, _typed(options), world_size)
+    if device_memory is not None:
+        m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
     out = Path(output or f"runs/compare-{m.name}")
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted

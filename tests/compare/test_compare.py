@@ -29,7 +29,9 @@ from stratbench.compare.runner import (
     last_error_line,
     load_records,
 )
+from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
+from stratbench.predicting.estimate import estimate
 
 BASE = {"model": "tinynet", "width": 8, "data": "digits", "image_size": 16, "epochs": 1, "max_steps": 3,
         "batch_size": 32, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
@@ -193,6 +195,35 @@ def test_plan_marks_unavailable_and_invalid_cells():
     assert plans[0].status == "skipped" and plans[0].reason == "strategy not-installed is not available in this install"
     assert plans[1].status == "failed" and "batch_size" in plans[1].reason
     assert plans[2].status is None
+
+
+def test_cells_over_the_device_memory_budget_are_marked_and_not_run(tmp_path):
+    """A budget between ddp's estimate and fsdp's: ddp (states replicated) is planned as 'does not fit
+    (estimate X of Y per device)', fsdp (states sharded over 2 ranks) runs; the budget comes from the matrix
+    or from compare's --device-memory (a bad size: one line, nothing written)."""
+    base = {**BASE, "optimizer": "adamw", "width": 32}
+    totals = {}
+    for method in ("ddp", "fsdp"):
+        cfg = from_dict(TrainConfig, {**base, "strategy": method, "nproc": 2})
+        totals[method] = estimate(cfg, 2, "cpu").total_bytes
+    assert totals["fsdp"] < totals["ddp"], totals
+    budget = (totals["fsdp"] + totals["ddp"]) // 2
+    m = build_matrix({"base": base, "device_memory": budget, "cells": [{"method": ["ddp", "fsdp"]}]})
+    ddp, fsdp = plan(m)
+    assert ddp.status == "skipped" and ddp.reason.startswith("does not fit (estimate "), ddp.reason
+    assert ddp.reason.endswith(" per device)") and " of " in ddp.reason
+    assert fsdp.status is None, fsdp.reason
+    mfile = tmp_path / "m.yaml"
+    mfile.write_text(yaml.safe_dump({"base": base, "cells": [{"method": ["ddp", "fsdp"]}]}))
+    out = tmp_path / "never"
+    proc = run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--dry-run",
+                          "--device-memory", str(budget), timeout=300)  # fmt: skip
+    assert "ddp" in proc.stdout and "does not fit (estimate" in proc.stdout and "1 to run" in proc.stdout
+    proc = run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--device-memory", "lots",
+                          check=False, timeout=300)  # fmt: skip
+    err = proc.stderr.strip().splitlines()
+    assert proc.returncode != 0 and len(err) == 1 and "'lots'" in err[0], proc.stderr
+    assert not out.exists()
 
 
 def test_classify_from_result_and_log(tmp_path):

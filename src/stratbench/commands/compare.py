@@ -59,6 +59,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "The quick preset: ~20 short runs more (docs/projection.md)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
+    parser.add_argument("--device-memory", metavar="SIZE",
+                        help="memory of one device, e.g. 2GiB: a cell whose memory estimate exceeds it is recorded as "
+                        "'does not fit (estimate X of Y)' instead of being run (default: the preset's, or no limit)")  # fmt: skip
     group = parser.add_argument_group("training options passed to every cell (override the matrix's base)")
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     console = table_console()
     sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
                        timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
-                       hardware=args.hardware, world_size=args.world_size, **overrides_from(args))  # fmt: skip
+                       hardware=args.hardware, world_size=args.world_size, device_memory=args.device_memory,
+                       **overrides_from(args))  # fmt: skip
     if args.dry_run:
         _print_plan(sweep, console)
         return 0

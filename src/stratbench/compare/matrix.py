@@ -30,7 +30,9 @@ from stratbench.core.config import TrainConfig, canonical_precision, from_dict, 
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
 from stratbench.core.precision import SPECS, configure_tf32, slow_on
+from stratbench.core.tables import fmt_bytes
 from stratbench.models.zoo import pretrained_available
+from stratbench.predicting.estimate import estimate, parse_bytes
 from stratbench.strategies.base import all_strategies
 from stratbench.strategies.pipeline import pipeline_layout
 from stratbench.training import engine
@@ -104,6 +106,9 @@ class Matrix:
     base: dict[str, Any] = field(default_factory=dict)
     gpu_only: bool = False
     timeout_s: float = 900.0
+    device_memory: int | None = None
+    """Memory of one device (bytes): a cell whose estimate exceeds it is not run but recorded as 'does not fit
+    (estimate X of Y)' (``--device-memory`` or the matrix's ``device_memory``)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -290,13 +295,148 @@ def preset_gpu_fast(world_size: int | None = None) -> dict[str, Any]:
     }
 
 
+LLM_QUICK_BASE: dict[str, Any] = {
+    "model": "gpt-tiny",
+    "data": "text",
+    "seq_len": 128,
+    "batch_size": 16,
+    "max_steps": 40,
+    "optimizer": "adamw",
+    "lr": 1e-3,
+    "eval_samples": 64,
+    "timing_warmup_steps": 3,
+}
+"""gpt-tiny on the standard library's bytes: 40 steps of 16 windows of 128 tokens, AdamW (its two state slots
+make the model states the part of memory sharding divides)."""
+
+SMALL_DS_BUCKET = 1_000_000
+"""DeepSpeed's reduce bucket for the tiny model: 1M elements (4 MB in fp32) instead of its default 5e8 (1.86 GiB
+allocated whole on every rank, more than everything else a gpt-tiny rank holds)."""
+
+
+def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
+    """Every CPU-capable method with 2 processes on gpt-tiny and real text; < 10 min on 2 cores."""
+    world = world_size or 2
+    ds = [{"zero_stage": s, "reduce_bucket_size": SMALL_DS_BUCKET} for s in (1, 2, 3)]
+    offload = {"zero_stage": 2, "offload_optimizer": "cpu", "reduce_bucket_size": SMALL_DS_BUCKET}
+    return {
+        "name": "llm-quick",
+        "description": "gpt-tiny (1.87M parameters, 4 blocks) on byte-level text of the Python standard library, "
+        "sequence 128, global batch 16, 40 steps of AdamW; every method that runs on a CPU with "
+        f"{world} processes, fp32 (bf16-mixed on one process)",
+        "base": dict(LLM_QUICK_BASE),
+        "world_size": world,
+        "timeout_s": 300,
+        "cells": [
+            {"method": "single", "precision": ["fp32", "bf16-mixed"]},
+            {"method": ["ddp", "ddp-zero", "fsdp", "fsdp1", "accelerate-ddp"], "precision": "fp32"},
+            {
+                "method": "fsdp",
+                "precision": "fp32",
+                "config": {"activation_checkpointing": True},
+                "label": "fsdp+ac",
+            },
+            {"method": "deepspeed", "precision": "fp32", "options": ds, "label": "deepspeed-z{zero_stage}"},
+            {"method": "deepspeed", "precision": "fp32", "options": offload, "label": "deepspeed-z2-offload"},
+            # Rows that need what this machine may lack; listed so the report says why they are missing.
+            {"method": "dp", "precision": "fp32", "world_size": 1},
+            {"method": ["accelerate-fsdp", "accelerate-deepspeed"], "precision": "fp32"},
+        ],
+    }
+
+
+def preset_llm_fit(world_size: int | None = None) -> dict[str, Any]:
+    """Where a method stops fitting: llm-quick's model and data with a per-device memory budget that the
+    replicated methods exceed and the sharded ones keep within; the cells over it are not run."""
+    spec = preset_llm_quick(world_size)
+    return spec | {
+        "name": "llm-fit",
+        "description": f"{spec['description']}; a budget of 40 MiB per device: a method whose memory estimate "
+        "exceeds it is marked 'does not fit' and not run",
+        "device_memory": "40MiB",
+        "cells": [
+            {"method": ["single", "ddp", "ddp-zero", "fsdp"], "precision": "fp32"},
+            {
+                "method": "fsdp",
+                "precision": "fp32",
+                "config": {"activation_checkpointing": True},
+                "label": "fsdp+ac",
+            },
+            {
+                "method": "deepspeed",
+                "precision": "fp32",
+                "label": "deepspeed-z{zero_stage}",
+                "options": [{"zero_stage": s, "reduce_bucket_size": SMALL_DS_BUCKET} for s in (1, 2, 3)],
+            },  # fmt: skip
+        ],
+    }
+
+
+def preset_llm() -> dict[str, Any]:
+    """The 1B-class Llama at sequence 2048 on the GPUs here, bf16-mixed, each method within the device's memory."""
+    world = max(1, _gpu_count())
+    return {
+        "name": "llm",
+        "description": f"llama-1b (1.24B parameters) on synthetic tokens (vocabulary 128256), sequence 2048, global "
+        f"batch {4 * world}, 30 steps of AdamW in bf16-mixed; every method on {world} GPU(s); a method whose "
+        "memory estimate exceeds the device is marked 'does not fit' and not run",
+        "base": {
+            "model": "llama-1b",
+            "data": "synthetic-tokens",
+            "vocab_size": 128256,
+            "seq_len": 2048,
+            "batch_size": 4 * world,
+            "max_steps": 30,
+            "optimizer": "adamw",
+            "lr": 3e-4,
+            "eval_samples": 16,
+            "timing_warmup_steps": 5,
+        },
+        "world_size": world,
+        "gpu_only": True,
+        "timeout_s": 1800,
+        "device_memory": "auto",
+        "cells": [
+            {"method": "single", "precision": "bf16-mixed"},
+            {
+                "method": "single",
+                "precision": "bf16-mixed",
+                "config": {"activation_checkpointing": True},
+                "label": "single+ac",
+            },  # fmt: skip
+            {"method": ["ddp", "fsdp", "fsdp1"], "precision": "bf16-mixed"},
+            {
+                "method": "fsdp",
+                "precision": "bf16-mixed",
+                "config": {"activation_checkpointing": True},
+                "label": "fsdp+ac",
+            },  # fmt: skip
+            {
+                "method": "deepspeed",
+                "precision": "bf16-mixed",
+                "options": [{"zero_stage": s} for s in (1, 2, 3)],
+                "label": "deepspeed-z{zero_stage}",
+            },  # fmt: skip
+            {
+                "method": "deepspeed",
+                "precision": "bf16-mixed",
+                "options": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
+                "label": "deepspeed-z3-offload",
+            },  # fmt: skip
+        ],
+    }
+
+
 PRESETS = {
     "quick": preset_quick,
     "seed": preset_seed,
     "gpu-precision": preset_gpu_precision,
     "gpu-fast": preset_gpu_fast,
+    "llm-quick": preset_llm_quick,
+    "llm-fit": preset_llm_fit,
+    "llm": preset_llm,
 }
-WORLD_PRESETS = ("quick", "seed", "gpu-fast")
+WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit")
 """Presets built for the world size (``--world-size``; seed and gpu-fast default to the GPUs here)."""
 
 
@@ -350,11 +490,24 @@ def build_matrix(
         base=base,
         gpu_only=bool(spec.get("gpu_only", False)),
         timeout_s=float(spec.get("timeout_s") or 900),
+        device_memory=bytes_of(spec.get("device_memory")),
     )
 
 
-MATRIX_KEYS = ("name", "description", "base", "world_size", "gpu_only", "timeout_s", "cells", "methods",
-               "precisions", "world_sizes", "batch_sizes")  # fmt: skip
+def bytes_of(value: Any) -> int | None:
+    """A device memory budget: bytes, a size such as ``24GiB``, or ``auto``: the memory of this machine's GPU
+    (no budget without one). Anything else: one line naming it."""
+    if value is None:
+        return None
+    if str(value).strip().lower() == "auto":
+        import torch
+
+        return torch.cuda.get_device_properties(0).total_memory if torch.cuda.is_available() else None
+    return parse_bytes(str(value))
+
+
+MATRIX_KEYS = ("name", "description", "base", "world_size", "gpu_only", "timeout_s", "device_memory", "cells",
+               "methods", "precisions", "world_sizes", "batch_sizes")  # fmt: skip
 
 
 def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -507,6 +660,10 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
             )
         engine.preflight(cfg, world_size=cell.world_size)
         configure_tf32(cfg.tf32, device)  # --tf32 needs an Ampere GPU; only flips flags in this idle process
+        if matrix.device_memory is not None:
+            unfit = does_not_fit(cfg, cell.world_size, device.type, matrix.device_memory)
+            if unfit:
+                return Plan(cell, "skipped", unfit)
     except UnsupportedError as exc:
         return Plan(cell, "skipped", str(exc))
     except ConfigError as exc:
@@ -514,6 +671,18 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
     except StratbenchError as exc:  # missing data set, unreadable weights file, ...
         return Plan(cell, "failed", str(exc))
     return Plan(cell, None)
+
+
+def does_not_fit(cfg: TrainConfig, world_size: int, device_type: str, device_memory: int) -> str | None:
+    """'does not fit (estimate X of Y)' when the memory estimate's device total for the busiest rank exceeds
+    ``device_memory``; None when it fits, or when the estimate cannot be made (the run then shows what happens)."""
+    try:
+        total = estimate(cfg, world_size, device_type).total_bytes
+    except Exception:  # noqa: BLE001 - a model the estimate cannot trace still runs; its row shows what happened
+        return None
+    if total <= device_memory:
+        return None
+    return f"does not fit (estimate {fmt_bytes(total)} of {fmt_bytes(device_memory)} per device)"
 
 
 def plan(matrix: Matrix, cells: list[Cell] | None = None, allow_slow: bool = False) -> list[Plan]:

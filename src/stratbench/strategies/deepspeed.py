@@ -53,6 +53,8 @@ class DeepSpeedZeroOptions:
     """ZeRO-3 only: offload parameters: none, cpu or nvme (default: none, or the device in --deepspeed-config)."""
     deepspeed_config: str | None = None
     """A DeepSpeed JSON merged into the generated config; its conflicts with stratbench's options are errors."""
+    reduce_bucket_size: int | None = None
+    """Elements of ZeRO's gradient reduce bucket, which stages 1-3 allocate whole (DeepSpeed's default 5e8: 1.86 GiB in fp32, whatever the model's size): lower it for small models."""
     nvme_path: str | None = None
     """Folder for --offload-optimizer/--offload-params nvme (ZeRO-Infinity, ZeRO-3 only; needs DeepSpeed's async_io op, i.e. libaio)."""
 

@@ -240,6 +240,14 @@ def _zero_block(user: dict[str, Any], opts: DeepSpeedOptions, src: str) -> dict[
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     zero["stage"] = stage
+    if opts.reduce_bucket_size is not None:
+        if opts.reduce_bucket_size < 1:
+            raise ConfigError(
+                f"--reduce-bucket-size must be a positive number of elements, got {opts.reduce_bucket_size}"
+            )
+        _agree(src, "zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), opts.reduce_bucket_size,
+               "--reduce-bucket-size")  # fmt: skip
+        zero["reduce_bucket_size"] = opts.reduce_bucket_size
     _offload(zero, "offload_optimizer", "--offload-optimizer", opts.offload_optimizer, opts.nvme_path, src)
     _offload(zero, "offload_param", "--offload-params", opts.offload_params, opts.nvme_path, src)
     if "offload_param" in zero and stage != 3:
