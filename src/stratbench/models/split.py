@@ -1,14 +1,14 @@
 """Splitting a model into pipeline stages: its pieces in forward order, their cost, and the balanced cut.
 
-A *piece* is the smallest unit a stage boundary can fall between: for the models stratbench builds, the
-natural sections of their ``forward`` (ResNet: stem, layer1-4, head; tinynet: stem, each residual block,
-head; the transformer: the token embedding, each block, and the final norm with the output head), and for an
-``nn.Sequential`` user model, each of its children. A piece names the original modules it
-runs, in order, so that a stage is rebuilt from the original module objects (the original parameter names
-survive: checkpoints stay portable) and the sequence of pieces computes exactly the model's forward. A
-transformer block computes its rotary angles in its own forward (``transformer.Attention``), so a stage of blocks
-needs nothing from the embedding's stage but the hidden state: token ids (batch, seq) enter the first stage,
-hidden states (batch, seq, dim) cross the boundaries, logits (batch, seq, vocab) leave the last.
+A *piece* is the smallest unit a stage boundary can fall between: for the models stratbench builds, the natural
+sections of their ``forward`` (ResNet: stem, layer1-4, head; tinynet: stem, each residual block, head; the
+transformer: the token embedding, each block, and the final norm with the output head), and for an
+``nn.Sequential`` user model, each of its children. A piece names the original modules it runs, in order, so
+that a stage is rebuilt from the original module objects (the original parameter names survive: checkpoints
+stay portable) and the sequence of pieces computes exactly the model's forward. A transformer block computes
+its rotary angles in its own forward (``transformer.Attention``), so a stage of blocks needs nothing from the
+embedding's stage but the hidden state: token ids (batch, seq) enter the first stage, hidden states (batch,
+seq, dim) cross the boundaries, logits (batch, seq, vocab) leave the last.
 
 The cut is either explicit (``--split-points layer2,layer4``: a new stage begins at each named piece, as
 ``torch.distributed.pipelining.SplitPoint.BEGINNING``) or balanced: the contiguous partition into S stages
@@ -249,7 +249,8 @@ def split_model(
     name: str = "",
 ) -> Split:
     """The split of ``model`` into ``stages`` stages (``tokens``: it takes token ids of ``sample_shape``
-    (seq_len,)); ConfigError naming the problem when it cannot be done, before anything is costed."""
+    (seq_len,)); ConfigError naming the problem when it cannot be done (a bad stage count or split point
+    before anything is costed)."""
     if balance not in BALANCE:
         raise ConfigError(f"unknown balance {balance!r}; choose one of: {', '.join(BALANCE)}")
     if stages < 1:
