@@ -1,10 +1,14 @@
 """Splitting a model into pipeline stages: its pieces in forward order, their cost, and the balanced cut.
 
-A *piece* is the smallest unit a stage boundary can fall between: for the models stratbench builds, the
-natural sections of their ``forward`` (ResNet: stem, layer1-4, head; tinynet: stem, each residual block,
-head), and for an ``nn.Sequential`` user model, each of its children. A piece names the original modules it
-runs, in order, so that a stage is rebuilt from the original module objects (the original parameter names
-survive: checkpoints stay portable) and the sequence of pieces computes exactly the model's forward.
+A *piece* is the smallest unit a stage boundary can fall between: for the models stratbench builds, the natural
+sections of their ``forward`` (ResNet: stem, layer1-4, head; tinynet: stem, each residual block, head; the
+transformer: the token embedding, each block, and the final norm with the output head), and for an
+``nn.Sequential`` user model, each of its children. A piece names the original modules it runs, in order, so
+that a stage is rebuilt from the original module objects (the original parameter names survive: checkpoints
+stay portable) and the sequence of pieces computes exactly the model's forward. A transformer block computes
+its rotary angles in its own forward (``transformer.Attention``), so a stage of blocks needs nothing from the
+embedding's stage but the hidden state: token ids (batch, seq) enter the first stage, hidden states (batch,
+seq, dim) cross the boundaries, logits (batch, seq, vocab) leave the last.
 
 The cut is either explicit (``--split-points layer2,layer4``: a new stage begins at each named piece, as
 ``torch.distributed.pipelining.SplitPoint.BEGINNING``) or balanced: the contiguous partition into S stages
@@ -24,7 +28,8 @@ from torch import nn
 
 from stratbench.core.errors import ConfigError
 from stratbench.models._torchvision import import_torchvision
-from stratbench.models.flops import flop_counter
+from stratbench.models.flops import example_input, flop_counter
+from stratbench.models.transformer import Transformer
 from stratbench.models.zoo import TinyNet
 
 FLATTEN = "<flatten>"
@@ -50,6 +55,8 @@ class PieceCost:
     """Forward + backward FLOPs per sample."""
     out_numel: int
     """Elements per sample of the activation this piece hands on (what a stage boundary after it sends)."""
+    out_shape: tuple[int, ...] = ()
+    """Shape per sample of that activation: (C, H, W), (classes,), (seq, dim), (seq, vocab)."""
     saved_bytes: float = 0.0
     """Bytes per sample of the tensors autograd saves for this piece's backward (its activations), in the
     weights' dtype; parameters and the piece's input excluded (the input is the previous piece's output)."""
@@ -66,6 +73,8 @@ class Stage:
     flops: float
     out_numel: int
     """Elements per sample of the stage's output (the activation sent to the next stage; logits for the last)."""
+    out_shape: tuple[int, ...] = ()
+    """Shape per sample of the stage's output."""
     saved_bytes: float = 0.0
     """Bytes per sample of the activations the stage keeps for its backward (see PieceCost.saved_bytes)."""
 
@@ -112,6 +121,9 @@ def pieces_of(model: nn.Module) -> list[Piece]:
     if isinstance(model, TinyNet):
         blocks = [Piece(f"blocks.{i}", (f"blocks.{i}",)) for i in range(len(model.blocks))]
         return [Piece("stem", ("stem",)), *blocks, Piece("head", ("pool", FLATTEN, "fc"))]
+    if isinstance(model, Transformer):
+        blocks = [Piece(f"layers.{i}", (f"layers.{i}",)) for i in range(len(model.layers))]
+        return [Piece("tok_embeddings", ("tok_embeddings",)), *blocks, Piece("head", ("norm", "output"))]
     if _is_torchvision_resnet(model):
         layers = [Piece(f"layer{i}", (f"layer{i}",)) for i in range(1, 5)]
         return [
@@ -124,8 +136,8 @@ def pieces_of(model: nn.Module) -> list[Piece]:
             raise ConfigError(f"the model is an nn.Sequential of {len(model)} module: nothing to split")
         return [Piece(name, (name,)) for name, _ in model.named_children()]
     raise ConfigError(
-        f"cannot split a {type(model).__name__} into pipeline stages: stratbench splits resnet*, tinynet and "
-        "nn.Sequential models (a user builder can return an nn.Sequential of its layers)"
+        f"cannot split a {type(model).__name__} into pipeline stages: stratbench splits resnet*, tinynet, the "
+        "built-in transformers and nn.Sequential models (a user builder can return an nn.Sequential of its layers)"
     )
 
 
@@ -144,16 +156,19 @@ def piece_module(model: nn.Module, piece: Piece) -> nn.Module:
     return mods[0] if len(mods) == 1 else nn.Sequential(*mods)
 
 
-def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, ...]) -> list[PieceCost]:
+def piece_costs(
+    model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, ...], tokens: bool = False
+) -> list[PieceCost]:
     """Parameters, forward+backward FLOPs per sample and output size per sample of each piece, by running
     the pieces one after the other on meta tensors (the model itself may be on meta or any device), in the
-    dtype of the model's weights."""
+    dtype of the model's weights; ``tokens``: the model takes token ids of ``sample_shape`` (seq_len,)."""
     import copy
 
     meta = model if _on_meta(model) else copy.deepcopy(model).to("meta")
     dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
     costs = []
-    x = torch.empty(2, *sample_shape, device="meta", dtype=dtype)
+    with torch.device("meta"):
+        x = example_input(2, sample_shape) if tokens else torch.empty(2, *sample_shape, dtype=dtype)
     for i, piece in enumerate(pieces):
         mod = piece_module(meta, piece)
         params = sum(p.numel() for p in piece_module(model, piece).parameters())
@@ -180,8 +195,11 @@ def piece_costs(model: nn.Module, pieces: list[Piece], sample_shape: tuple[int, 
             ) from None
         held_input = saved.pop(in_key, 0)
         flops = counter.get_total_flops() / 2
+        shape = tuple(out.shape[1:])
         costs.append(
-            PieceCost(piece.name, params, flops, out[0].numel(), sum(saved.values()) / 2, held_input / 2)
+            PieceCost(
+                piece.name, params, flops, out[0].numel(), shape, sum(saved.values()) / 2, held_input / 2
+            )
         )
         x = out
     return costs
@@ -227,55 +245,89 @@ def split_model(
     balance: str = "params",
     split_points: list[str] | None = None,
     sample_shape: tuple[int, ...] = (3, 32, 32),
+    tokens: bool = False,
     name: str = "",
 ) -> Split:
-    """The split of ``model`` into ``stages`` stages; ConfigError naming the problem when it cannot be done."""
+    """The split of ``model`` into ``stages`` stages (``tokens``: it takes token ids of ``sample_shape``
+    (seq_len,)); ConfigError naming the problem when it cannot be done (a bad stage count or split point
+    before anything is costed)."""
     if balance not in BALANCE:
         raise ConfigError(f"unknown balance {balance!r}; choose one of: {', '.join(BALANCE)}")
     if stages < 1:
         raise ConfigError(f"stages must be >= 1, got {stages}")
     pieces = pieces_of(model)
     labels = [p.name for p in pieces]
+    name = name or type(model).__name__
     if stages > len(pieces):
         raise ConfigError(
-            f"{stages} stages need {stages - 1} split points, but {name or 'the model'} has only "
-            f"{len(pieces) - 1} ({len(pieces)} pieces: {', '.join(labels)})"
+            f"{stages} stages need {stages - 1} split points, but {name} has only {len(pieces) - 1}: "
+            f"{name} has {len(pieces)} pieces ({', '.join(labels)}), so at most {len(pieces)} stages"
         )
-    costs = piece_costs(model, pieces, sample_shape)
     points = [p.strip() for p in (split_points or []) if p.strip()]
-    if points:
-        unknown = [p for p in points if p not in labels[1:]]
-        if unknown:
-            raise ConfigError(
-                f"split point {unknown[0]!r} is not a piece a stage can begin at; choose among: "
-                f"{', '.join(labels[1:])}"
-            )
-        if len(points) != stages - 1:
-            raise ConfigError(
-                f"{len(points)} split points ({', '.join(points)}) make {len(points) + 1} stages, not {stages}"
-            )
-        starts = [0, *(labels.index(p) for p in points)]
-        if starts != sorted(set(starts)):
-            raise ConfigError(f"split points must be distinct and in forward order: {', '.join(labels[1:])}")
-    else:
+    starts = _explicit_starts(points, labels, stages) if points else None
+    costs = piece_costs(model, pieces, sample_shape, tokens)
+    if starts is None:
         key = (lambda c: float(c.params)) if balance == "params" else (lambda c: c.flops)
         starts = balanced_cut([key(c) for c in costs], stages)
     bounds = [*starts, len(pieces)]
+    _check_disjoint(model, pieces, bounds, name)
     out = []
     for s in range(stages):
         part = range(bounds[s], bounds[s + 1])
+        last = costs[bounds[s + 1] - 1]
         out.append(
             Stage(
                 index=s,
                 pieces=[labels[i] for i in part],
                 modules=[m for i in part for m in pieces[i].modules],
-                params=sum(costs[i].params for i in part),
+                params=_unique_params(model, [pieces[i] for i in part]),
                 flops=sum(costs[i].flops for i in part),
-                out_numel=costs[bounds[s + 1] - 1].out_numel,
+                out_numel=last.out_numel,
+                out_shape=last.out_shape,
                 saved_bytes=costs[part[0]].input_saved_bytes + sum(costs[i].saved_bytes for i in part),
             )
         )
-    return Split(name or type(model).__name__, balance, points, out, costs)
+    return Split(name, balance, points, out, costs)
+
+
+def _explicit_starts(points: list[str], labels: list[str], stages: int) -> list[int]:
+    """The first piece of each stage for ``--split-points`` (pieces where a stage begins)."""
+    unknown = [p for p in points if p not in labels[1:]]
+    if unknown:
+        raise ConfigError(
+            f"split point {unknown[0]!r} is not a piece a stage can begin at; choose among: {', '.join(labels[1:])}"
+        )
+    if len(points) != stages - 1:
+        raise ConfigError(
+            f"{len(points)} split points ({', '.join(points)}) make {len(points) + 1} stages, not {stages}"
+        )
+    starts = [0, *(labels.index(p) for p in points)]
+    if starts != sorted(set(starts)):
+        raise ConfigError(f"split points must be distinct and in forward order: {', '.join(labels[1:])}")
+    return starts
+
+
+def _unique_params(model: nn.Module, pieces: list[Piece]) -> int:
+    """Parameters of a stage, a tied weight its pieces share counted once."""
+    unique = {id(p): p for piece in pieces for p in piece_module(model, piece).parameters()}
+    return sum(p.numel() for p in unique.values())
+
+
+def _check_disjoint(model: nn.Module, pieces: list[Piece], bounds: list[int], name: str) -> None:
+    """Each stage holds its own parameters: a parameter two stages would share (a head tied to the token
+    embedding, gpt2-small's and llama-1b's) would get two gradients, each stage's own, and drift apart."""
+    owner: dict[int, tuple[int, str]] = {}
+    names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    for s in range(len(bounds) - 1):
+        for piece in pieces[bounds[s] : bounds[s + 1]]:
+            for p in piece_module(model, piece).parameters():
+                stage, first = owner.setdefault(id(p), (s, piece.name))
+                if stage != s:
+                    raise ConfigError(
+                        f"{name}'s pieces {first} and {piece.name} share the parameter {names[id(p)]!r} (a tied "
+                        f"weight), and this split puts them in stages {stage} and {s}: a stage holds its own "
+                        "parameters; use one stage or a model without tied weights (gpt-tiny, llama-8b)"
+                    )
 
 
 def stage_module(model: nn.Module, stage: Stage) -> nn.Sequential:
@@ -305,14 +357,23 @@ def _all_piece_modules(model: nn.Module) -> list[str]:
 
 @functools.cache
 def piece_count(spec) -> int:
-    """How many pieces the model ``spec`` (a ``model_trace.ModelSpec``) builds can be split into (meta device)."""
+    """How many pieces the model ``spec`` builds (``spec.build()``: a hashable description of the run's model)
+    can be split into (meta device)."""
     with torch.device("meta"):
         return len(pieces_of(spec.build()))
 
 
 @functools.cache
-def split_for_spec(spec, stages: int, balance: str, split_points: tuple[str, ...]) -> Split:
-    """The split of the model ``spec`` (a ``model_trace.ModelSpec``) builds, costed on the meta device."""
+def split_for_spec(
+    spec,
+    stages: int,
+    balance: str,
+    split_points: tuple[str, ...],
+    sample_shape: tuple[int, ...],
+    tokens: bool = False,
+) -> Split:
+    """The split of the model ``spec`` builds (``spec.build()``, ``spec.model`` its name), costed on the meta
+    device on samples of ``sample_shape`` (``tokens``: token ids)."""
     with torch.device("meta"):
         model = spec.build()
     return split_model(
@@ -320,6 +381,7 @@ def split_for_spec(spec, stages: int, balance: str, split_points: tuple[str, ...
         stages,
         balance=balance,
         split_points=list(split_points),
-        sample_shape=(3, spec.image_size, spec.image_size),
+        sample_shape=sample_shape,
+        tokens=tokens,
         name=spec.model,
     )

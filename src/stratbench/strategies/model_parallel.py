@@ -17,12 +17,10 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
-from stratbench.data.datasets import default_image_size
-from stratbench.data.text import is_text_data
 from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
-from stratbench.strategies.pipeline import _spec_split
+from stratbench.strategies.pipeline import _spec_split, sample_of
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -111,8 +109,6 @@ class ModelParallelStrategy(Strategy):
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
-        if is_text_data(cfg.data):
-            return "model-parallel stages of a language model are not built yet: image models only"
         found = _cuda_count()
         if found < 2:
             return f"needs >= 2 CUDA GPUs, found {found}"
@@ -143,14 +139,15 @@ class ModelParallelStrategy(Strategy):
         return [torch.device("cuda", (first + k) % _cuda_count()) for k in range(n)]
 
     def move(self, model: nn.Module) -> nn.Module:
-        size = default_image_size(self.cfg)
+        shape, tokens = sample_of(self.cfg)
         devices = self.devices()
         self.split = split_model(
             model,
             len(devices),
             balance=self.options.balance,
             split_points=list(self.options.points),
-            sample_shape=(3, size, size),
+            sample_shape=shape,
+            tokens=tokens,
             name=self.cfg.model,
         )
         if self.env.is_main:

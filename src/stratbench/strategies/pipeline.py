@@ -51,12 +51,14 @@ from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, trace_step
 from stratbench.models.split import (
     BALANCE,
+    Split,
     drop_modules,
     piece_count,
     split_for_spec,
     split_model,
     stage_module,
 )
+from stratbench.models.zoo import build_model
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
 
@@ -198,8 +200,42 @@ def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
     return {"microbatches": m} | ({"pp": pp} if pp < world else {})
 
 
-def _spec_split(cfg, stages: int, options) -> Any:
-    return split_for_spec(ModelSpec.from_config(cfg), stages, options.balance, options.points)
+@dataclasses.dataclass(frozen=True)
+class LanguageModelSpec:
+    """A language model as a run on text data builds it, for its split on the meta device (hashable: splits
+    are cached). The vocabulary is ``--vocab-size``, else byte-level text's 256: a tokenizer's or token files'
+    own vocabulary is known once the data is read, and changes the sizes of the embedding and the head, not
+    the pieces (the run splits the model it built)."""
+
+    model: str
+    vocab_size: int
+    seq_len: int
+
+    def build(self) -> nn.Module:
+        return build_model(self.model, self.vocab_size, sample_shape=(self.seq_len,), seq_len=self.seq_len)
+
+
+def sample_of(cfg) -> tuple[tuple[int, ...], bool]:
+    """One input sample's shape and whether it is token ids, as the run's ``DataBundle.sample_shape`` and
+    ``is_text`` will say (a strategy splits the model before the loop builds the data): (seq_len,) token ids
+    on text data, (3, H, W) pixels otherwise."""
+    if is_text_data(cfg.data):
+        return (cfg.seq_len,), True
+    size = default_image_size(cfg)
+    return (3, size, size), False
+
+
+def _run_spec(cfg) -> Any:
+    """What builds the run's model on the meta device (``spec.build()``, hashable)."""
+    if is_text_data(cfg.data):
+        return LanguageModelSpec(cfg.model, cfg.vocab_size or 256, cfg.seq_len)
+    return ModelSpec.from_config(cfg)
+
+
+def _spec_split(cfg, stages: int, options) -> Split:
+    """The split of the model the run ``cfg`` builds, costed on the meta device (the check, the cost model)."""
+    shape, tokens = sample_of(cfg)
+    return split_for_spec(_run_spec(cfg), stages, options.balance, options.points, shape, tokens)
 
 
 class StageModule(nn.Sequential):
@@ -319,31 +355,42 @@ class PipelineCost(CostModel):
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
         """The bytes autograd saves per sample in each piece (traced on the meta device by the splitter, in
-        fp32; scaled to the run's precision by the ratio of the whole model's traced saved bytes, since autocast
-        keeps some ops in fp32) x the micro-batch x the most micro-batches a stage holds at once: all M for
-        gpipe (every forward runs before the first backward), min(M, P - r) for 1f1b on pipeline rank r (its
-        warm-up forwards), the interleaved warm-up spread over the rank's stages for interleaved-1f1b, 1 for
-        naive; plus the step's whole input batch, which every stage loads (the first splits it into
-        micro-batches). Returns the bytes and their note."""
-        scale = 1.0
-        if ctx.cfg.precision != "fp32":  # the split is costed in fp32; bf16-mixed saves 0.54x of it (tinynet)
-            spec = ModelSpec.from_config(ctx.cfg)
-            full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
-            mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
-            scale = mixed / (full or 1)
-        per_mb = sum(s.saved_bytes for s in mine) * micro * scale
+        fp32; scaled to the run's precision, ``_precision_scale``) x the micro-batch x the most micro-batches a
+        stage holds at once: all M for gpipe (every forward runs before the first backward), min(M, P - r) for
+        1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over the rank's stages
+        for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the
+        first splits it into micro-batches). Returns the bytes and their note."""
+        per_mb = sum(s.saved_bytes for s in mine) * micro * cls._precision_scale(ctx, micro)
         flight = lay.in_flight(pp_rank)
-        size = default_image_size(ctx.cfg)
-        # The loader's fp32 images of the whole step, and their copy in the weights' dtype where the precision
-        # converts the input (fp64, *-true).
-        images = ctx.cfg.batch_size // lay.dp * 3 * size * size
-        pd = ctx.param_bytes
-        batch_input = images * 4 + (images * pd if ctx.pspec.param_dtype != torch.float32 else 0)
+        shape, tokens = sample_of(ctx.cfg)
+        values = ctx.cfg.batch_size // lay.dp * math.prod(shape)
+        if tokens:  # the loader's int64 token ids and as many int64 next-token targets
+            batch_input = 2 * values * 8
+        else:  # the loader's fp32 images, and their copy in the weights' dtype where the precision converts them
+            converted = ctx.pspec.param_dtype != torch.float32
+            batch_input = values * 4 + (values * ctx.param_bytes if converted else 0)
         note = (
             f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank}) "
             "+ the step's input batch"
         )
         return int(per_mb * flight) + batch_input, note
+
+    @staticmethod
+    def _precision_scale(ctx, micro: int) -> float:
+        """The run's saved bytes over fp32's (the split is costed in fp32): of an image model, the ratio of the
+        whole model's traced saved bytes, since autocast keeps some ops in fp32 (bf16-mixed saves 0.54x on
+        tinynet); of a language model, whose whole-model trace (``model_trace.trace_step``) is not built yet,
+        the ratio of the activations' itemsizes (without autocast every saved tensor but the token ids is in
+        the weights' dtype; under autocast an underestimate, as autocast keeps the norms and softmax in fp32)."""
+        if ctx.cfg.precision == "fp32":
+            return 1.0
+        if sample_of(ctx.cfg)[1]:
+            pspec = ctx.pspec
+            return (pspec.compute_dtype if pspec.autocast else pspec.param_dtype).itemsize / 4
+        spec = ModelSpec.from_config(ctx.cfg)
+        full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
+        mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
+        return mixed / (full or 1)
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
@@ -499,7 +546,8 @@ class PipelineStrategy(Strategy):
         "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel"
     )
     requirements = (
-        "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, nn.Sequential)"
+        "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, the transformers, "
+        "nn.Sequential)"
     )
     launcher = "torchrun"
     needs_process_group = True
@@ -524,8 +572,6 @@ class PipelineStrategy(Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"pipeline runs on cpu or cuda devices, not {device.type}"
-        if is_text_data(cfg.data):
-            return "pipeline stages of a language model (split between its blocks) are not built yet: image models only"
         options = cls.parse_options(cfg.strategy_options)
         try:
             lay = resolve_layout(options, world_size)
@@ -554,7 +600,7 @@ class PipelineStrategy(Strategy):
         given = dict(cfg.strategy_options)
         if given.get("pp") or given.get("stages") or given.get("split_points"):
             return given
-        return pipeline_layout(world_size, piece_count(ModelSpec.from_config(cfg))) | given
+        return pipeline_layout(world_size, piece_count(_run_spec(cfg))) | given
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
@@ -587,19 +633,20 @@ class PipelineStrategy(Strategy):
         self.dp_group = self.mesh.get_group("dp")
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
-        size = default_image_size(self.cfg)
+        shape, tokens = sample_of(self.cfg)
         self.split = split_model(
             model,
             lay.stages,
             balance=self.options.balance,
             split_points=list(self.options.points),
-            sample_shape=(3, size, size),
+            sample_shape=shape,
+            tokens=tokens,
             name=self.cfg.model,
         )
         if env.is_main:
             print("\n".join(self.split.lines()), flush=True)
         self.full_names = list(model.state_dict())
-        self.num_classes = self.split.stages[-1].out_numel
+        self.out_shape = self.split.stages[-1].out_shape  # per sample: (classes,) or (seq, vocab)
         self.stage_ids = lay.stages_of(self.pp_rank)
         modules = [stage_module(model, self.split.stages[i]) for i in self.stage_ids]
         drop_modules(model, {m for i in self.stage_ids for m in self.split.stages[i].modules})
@@ -747,12 +794,14 @@ class PipelineStrategy(Strategy):
         if n < size:
             x = torch.cat([x, x.new_zeros((size - n, *x.shape[1:]))])
         args = (x,) if self.holds_first else ()
-        target = torch.zeros(size, dtype=torch.long, device=x.device) if self.holds_last else None
+        # the schedule's loss needs a target: a class per sample, a token per position
+        target = torch.zeros(size, *self.out_shape[:-1], dtype=torch.long, device=x.device)
+        target = target if self.holds_last else None
         self._after_eval = True
         self._unscaled = {}
         out = self.schedule.eval(*args, target=target)
         dtype = torch.float64 if self.precision.spec.param_dtype == torch.float64 else torch.float32
-        logits = torch.empty(size, self.num_classes, dtype=dtype, device=x.device)
+        logits = torch.empty(size, *self.out_shape, dtype=dtype, device=x.device)
         if self.holds_last:
             logits.copy_(out)
         if self.layout.pp > 1:
