@@ -23,6 +23,7 @@ import yaml
 
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_write
+from stratbench.models.hf import canonical_name, check_vocab, is_hf_name
 from stratbench.models.zoo import is_weights_name, resolve_weights
 
 
@@ -63,7 +64,9 @@ class TrainConfig:
     # --- what to train -------------------------------------------------------------------------
     model: str = "tinynet"
     """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
-    'package.module:function' (called with num_classes=N), found from the working directory."""
+    'package.module:function' (called with num_classes=N), found from the working directory; text data: gpt-tiny,
+    gpt2-small, llama-1b, llama-8b, or a Hugging Face causal LM 'hf:FOLDER' (a config.json, optionally safetensors
+    weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the hf extra)."""
     weights: str | None = None
     """Pretrained weights loaded before training: a local state-dict file, or torchvision's by name ('imagenet' =
     the model's DEFAULT, or an enum name such as IMAGENET1K_V2) from the torch hub cache ($TORCH_HOME/hub/
@@ -82,7 +85,7 @@ class TrainConfig:
     """Folder of the data set (cifar10: holds cifar-10-batches-py; imagefolder: class subfolders)."""
     download: bool = False
     """Download what is missing (needs internet): cifar10 into --data-dir, --weights by name into the torch hub
-    cache."""
+    cache, an hf:OWNER/NAME model into the Hugging Face cache (without it, Hugging Face models are read offline)."""
     image_size: int | None = None
     """Input resolution; default 32 for synthetic/digits/cifar10, 224 for imagefolder."""
     num_classes: int = 10
@@ -420,8 +423,11 @@ def canonical_precision(name: str) -> str:
 
 
 def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
-    """Names a user may give that stratbench resolves once, here: precision aliases and pretrained weights by
-    name (a torch hub cache file; downloaded only with ``download``)."""
+    """Names a user may give that stratbench resolves once, here: precision aliases, pretrained weights by
+    name (a torch hub cache file; downloaded only with ``download``) and a Hugging Face model (``hf:FOLDER``
+    made absolute; a hub name fetched into its cache only with ``download``)."""
+    if isinstance(values.get("model"), str):
+        values["model"] = canonical_name(values["model"], bool(values.get("download", False)))
     if "precision" in values:
         values["precision"] = canonical_precision(values["precision"])
     weights = values.get("weights")
@@ -486,6 +492,8 @@ def validate(cfg: TrainConfig) -> None:
             f"optimizer_impl 'fused' does not work with strategy {cfg.strategy!r} and optimizer {cfg.optimizer!r}: "
             f"{why}; use foreach (or optimizer adamw)"
         )
+    if cfg.vocab_size is not None and is_hf_name(cfg.model):
+        check_vocab(cfg.model, cfg.vocab_size)  # the head's width is the model's, not the data's
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:

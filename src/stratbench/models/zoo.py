@@ -18,6 +18,7 @@ from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.models._torchvision import import_torchvision
 from stratbench.models.flops import example_input
+from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
 from stratbench.models.transformer import SIZES, build_transformer
 
 IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
@@ -93,8 +94,9 @@ def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
 
 
 def is_language_model(name: str) -> bool:
-    """Whether ``name`` is a built-in language model (it takes token ids; its output width is the vocabulary)."""
-    return name in SIZES
+    """Whether ``name`` is a built-in or Hugging Face language model (it takes token ids; its output width is the
+    vocabulary)."""
+    return name in SIZES or is_hf_name(name)
 
 
 def _output_keyword(text: bool) -> str:
@@ -156,6 +158,9 @@ def check_model(name: str, text: bool | None = None, seq_len: int | None = None)
     """A known model name, or a user builder that imports and takes ``num_classes=`` (``vocab_size=`` for text);
     with ``text`` known, a built-in model that fits the data (a transformer on text, a classifier on images, no
     window longer than the transformer's context)."""
+    if is_hf_name(name):  # before the builder test: 'hf:NAME' holds a colon too
+        check_hf_model(name, text, seq_len)
+        return
     if ":" in name:
         user_builder(name, bool(text))
         return
@@ -200,6 +205,8 @@ def build_model(
     check_model(name, text, seq_len)
     if name == "tinynet":
         return TinyNet(num_classes, width=width, norm=norm)
+    if is_hf_name(name):
+        return build_hf(name, num_classes, seq_len)
     if is_language_model(name):
         return build_transformer(name, vocab_size=num_classes)
     if ":" in name:
