@@ -449,7 +449,7 @@ def test_a_failed_export_leaves_the_previous_export_byte_identical(capsys, tmp_p
     before = good.read_bytes()
     capsys.readouterr()
 
-    def crash(kind, model, example, output, opset):
+    def crash(kind, model, example, output, *rest):
         Path(output).write_bytes(before[: len(before) // 3])  # a partial file, then the exporter fails
         raise RuntimeError("exporter crashed halfway")
 

@@ -12,7 +12,6 @@ import math
 import pytest
 
 from conftest import RTOL, RTOL_FP32_SAME_MICRO_BATCHES, assert_curves_match, cli, fails, train
-from stratbench.cli import main
 from stratbench.models.transformer import SIZES, flops_per_token
 
 SEQ = 32
@@ -118,7 +117,7 @@ def test_text_and_model_must_fit_in_one_line(capsys):
 def test_after_training_evaluate_generate_and_export_safetensors(single, root, capsys):
     """The single run's checkpoint: `evaluate` gives the perplexity of its validation windows, `predict --prompt`
     continues text (greedy: the same twice; top-k sampling: other text with another seed), `export` writes
-    safetensors that a fresh gpt-tiny loads to the same logits; ONNX is refused in one line."""
+    safetensors that a fresh gpt-tiny loads to the same logits (ONNX: tests/inference/test_lm_export.py)."""
     last = root / "single" / "checkpoints" / "last"
     out = json.loads(cli("evaluate", "--checkpoint", last, "--eval-samples", "16", "--json"))
     assert out["val_samples"] == 16 and out["val_perplexity"] == pytest.approx(math.exp(out["val_loss"]))
@@ -132,9 +131,5 @@ def test_after_training_evaluate_generate_and_export_safetensors(single, root, c
     }  # fmt: skip
     assert len(sampled) > 1
     assert "reloaded with plain safetensors" in cli("export", "--checkpoint", last, "--output", root / "m.safetensors")
-    assert main(["export", "--checkpoint", str(last), "--output", str(root / "m.onnx")]) != 0
-    err = capsys.readouterr().err.strip().splitlines()  # the loaded model's line, then the refusal
-    assert "ONNX export of a language model (gpt-tiny) is not built yet" in err[-1] and "Traceback" not in err
-    assert not (root / "m.onnx").exists()
     err = fails(capsys, "predict", "--checkpoint", last, "some.png")
     assert "this checkpoint is a language model: give --prompt TEXT" in err

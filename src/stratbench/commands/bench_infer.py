@@ -1,5 +1,6 @@
 """stratbench bench-infer: inference latency (p50/p95/p99) and throughput per batch size for PyTorch eager
-(fp32, bf16, fp16 where the device has them), torch.compile and onnxruntime (CPU, and CUDA when present).
+(fp32, bf16, fp16 where the device has them), torch.compile and onnxruntime (CPU, and CUDA when present); a
+language model's batches are sequences of ``--seq-len`` tokens, and its throughput is also in tokens/s.
 How each case is timed: stratbench.inference.bench.
 """
 
@@ -17,14 +18,27 @@ from rich.table import Table
 from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError
-from stratbench.inference.bench import BACKENDS, BenchSettings, InferenceBench, Row, random_model, write_csv
+from stratbench.inference.bench import (
+    BACKENDS,
+    LM_LIMIT,
+    BenchSettings,
+    InferenceBench,
+    Row,
+    random_model,
+    write_csv,
+)
+from stratbench.inference.onnx_export import context_length, is_language
 from stratbench.inference.predictor import load_model
 from stratbench.measuring.environment import cpu_name
-from stratbench.models.zoo import MODELS, check_model
+from stratbench.models.transformer import SIZES
+from stratbench.models.zoo import MODELS, check_model, is_language_model
 
 NAME = "bench-infer"
 HELP = "inference latency p50/p95/p99 and throughput per batch size: eager fp32/bf16/fp16, torch.compile, onnxruntime"
 ORDER = 63
+DEFAULT_CLASSES = 1000
+DEFAULT_SEQ_LEN = 128
+"""A language model's tokens per sequence with --model (random weights), capped at its context."""
 
 
 def _int_list(text: str) -> list[int]:
@@ -50,8 +64,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--image-size", type=int, default=224, help="input size without a checkpoint (default 224)"
     )
     src.add_argument(
-        "--num-classes", type=int, default=1000, help="classes without a checkpoint (default 1000)"
-    )
+        "--num-classes", type=int, default=None,
+        help=f"classes without a checkpoint (default {DEFAULT_CLASSES}; a language model: its vocabulary, default "
+        "its size's own)",
+    )  # fmt: skip
+    src.add_argument(
+        "--seq-len", type=int, default=None,
+        help="a language model's tokens per sequence (default: the checkpoint's training window; with --model "
+        f"{DEFAULT_SEQ_LEN}, or its context if shorter); at most the model's context",
+    )  # fmt: skip
     src.add_argument("--width", type=int, default=16, help="tinynet width without a checkpoint")
     parser.add_argument(
         "--batch-sizes", type=_int_list, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)"
@@ -92,23 +113,52 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         threads = torch.get_num_threads()
         device = resolve_device(args.device)
-        if args.checkpoint:
-            loaded = load_model(args.checkpoint, "cpu")
-            model, meta = loaded.model, loaded.meta
-            print(f"model: {loaded.describe()}", file=sys.stderr)
-        else:
-            model, meta = random_model(args.model, args.num_classes, args.image_size, args.width)
-        name, size = str(meta["model"]), int(meta["image_size"])
-        _print_header(name, size, device, threads)
+        model, meta, seq_len = _model(args)
+        what = _shape(meta, seq_len)
+        _print_header(what, device, threads)
         settings = BenchSettings(
-            args.batch_sizes, args.warmup, args.iters, args.min_iters, args.max_seconds, args.threads
+            args.batch_sizes, args.warmup, args.iters, args.min_iters, args.max_seconds, args.threads, seq_len
         )
         rows = InferenceBench(model, meta, device, settings, threads, on_row=_print_row).run(backends)
-        _print_table(rows, name, size, device, threads)
+        _print_table(rows, what, device, threads)
+        if seq_len:
+            print(f"note: {LM_LIMIT}", file=sys.stderr)
         if args.output:
             write_csv(rows, Path(args.output))
             print(f"wrote {Path(args.output)}", file=sys.stderr)
         return 0 if any(r.status == "ok" for r in rows) else 1
+
+
+def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None]:
+    """The model (a checkpoint's, or random weights), its meta, and a language model's tokens per sequence
+    (checked against its context: one line, before any measuring)."""
+    if args.model:
+        text = is_language_model(args.model)
+        seq_len = (args.seq_len or min(DEFAULT_SEQ_LEN, SIZES[args.model].max_seq_len)) if text else None
+        vocab = SIZES[args.model].vocab_size if text else DEFAULT_CLASSES
+        model, meta = random_model(
+            args.model, args.num_classes or vocab, args.image_size, args.width, seq_len
+        )
+        return model, meta, seq_len
+    loaded = load_model(args.checkpoint, "cpu")
+    meta, seq_len = loaded.meta, None
+    if not is_language(meta) and args.seq_len is not None:
+        raise ConfigError(f"--seq-len is for language models; {meta['model']} classifies images")
+    if is_language(meta):
+        seq_len, context = args.seq_len or int(meta["seq_len"]), context_length(loaded.model, meta)
+        if seq_len > context:
+            raise ConfigError(
+                f"--seq-len {seq_len} is longer than {meta['model']}'s context of {context} tokens; choose "
+                f"--seq-len at most {context}"
+            )
+    print(f"model: {loaded.describe()}", file=sys.stderr)
+    return loaded.model, meta, seq_len
+
+
+def _shape(meta: dict, seq_len: int | None) -> str:
+    """``gpt-tiny, 64-token sequences`` or ``resnet18 224x224``: what one sample is."""
+    size = int(meta["image_size"])
+    return f"{meta['model']}, {seq_len}-token sequences" if seq_len else f"{meta['model']} {size}x{size}"
 
 
 def check_args(args: argparse.Namespace) -> list[str]:
@@ -129,7 +179,7 @@ def check_args(args: argparse.Namespace) -> list[str]:
     if not 8 <= args.image_size <= 4096:
         raise ConfigError(f"--image-size must be between 8 and 4096, got {args.image_size}")
     for flag, value in (("--num-classes", args.num_classes), ("--width", args.width)):
-        if not 1 <= value <= 1_000_000:
+        if value is not None and not 1 <= value <= 1_000_000:
             raise ConfigError(f"{flag} must be between 1 and 1000000, got {value}")
     if any(not 1 <= b <= 1_000_000 for b in args.batch_sizes):
         raise ConfigError(f"--batch-sizes must each be between 1 and 1000000, got {args.batch_sizes}")
@@ -139,8 +189,16 @@ def check_args(args: argparse.Namespace) -> list[str]:
         raise ConfigError("give --checkpoint or --model, not both")
     if not args.checkpoint and not args.model:
         raise ConfigError("give --checkpoint CKPT, or --model NAME (random weights) with --image-size")
+    if args.seq_len is not None and not 1 <= args.seq_len <= 1_000_000:
+        raise ConfigError(f"--seq-len must be between 1 and 1000000, got {args.seq_len}")
     if args.model:
         check_model(args.model)  # a built-in name or a user's 'package.module:function'
+        if args.seq_len is not None and not is_language_model(args.model):
+            raise ConfigError(
+                f"--seq-len is for language models ({', '.join(SIZES)}); {args.model} takes images"
+            )
+        if is_language_model(args.model):
+            check_model(args.model, text=True, seq_len=args.seq_len)  # no longer than the model's context
     return backends
 
 
@@ -154,18 +212,19 @@ def check_output(out: Path) -> None:
         raise ConfigError(f"--output {out}: {existing} is not writable")
 
 
-def _print_header(name: str, size: int, device, threads: int) -> None:
+def _print_header(what: str, device, threads: int) -> None:
     where = (
         torch.cuda.get_device_name(device) if device.type == "cuda" else f"{cpu_name()}, {threads} threads"
     )
-    print(f"bench-infer: {name} {size}x{size} on {device.type} ({where})", file=sys.stderr)
+    print(f"bench-infer: {what} on {device.type} ({where})", file=sys.stderr)
 
 
 def _print_row(r: Row) -> None:
     if r.status == "ok":
+        tokens = f" {r.throughput_tokens_per_s:10.0f} tokens/s" if r.throughput_tokens_per_s else ""
         print(
-            f"  {r.backend:<16} bs {r.batch_size:<4} p50 {r.p50_ms:9.2f} ms  {r.throughput_samples_per_s:9.1f} samples/s "
-            f"({r.iterations} iters, warm-up {r.warmup_s:.1f} s)",
+            f"  {r.backend:<16} bs {r.batch_size:<4} p50 {r.p50_ms:9.2f} ms  {r.throughput_samples_per_s:9.1f} samples/s"
+            f"{tokens} ({r.iterations} iters, warm-up {r.warmup_s:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
@@ -173,13 +232,13 @@ def _print_row(r: Row) -> None:
         print(f"  {r.backend:<16} bs {r.batch_size:<4} {r.status}: {r.reason}", file=sys.stderr, flush=True)
 
 
-def _print_table(rows: list[Row], name: str, size: int, device, threads: int) -> None:
-    table = Table(
-        title=f"inference: {name} {size}x{size}, {device.type}, {threads} threads (latency per batch)"
-    )
+def _print_table(rows: list[Row], what: str, device, threads: int) -> None:
+    table = Table(title=f"inference: {what}, {device.type}, {threads} threads (latency per batch)")
+    tokens = any(r.seq_len for r in rows)
     for col, justify in (
         ("backend", "left"), ("dtype", "left"), ("batch", "right"), ("p50 ms", "right"), ("p95 ms", "right"),
-        ("p99 ms", "right"), ("samples/s", "right"), ("iters", "right"), ("note", "left"),
+        ("p99 ms", "right"), ("samples/s", "right"), *([("tokens/s", "right")] if tokens else []),
+        ("iters", "right"), ("note", "left"),
     ):  # fmt: skip
         table.add_column(col, justify=justify)
 
@@ -189,7 +248,7 @@ def _print_table(rows: list[Row], name: str, size: int, device, threads: int) ->
     for r in rows:
         table.add_row(
             r.backend, r.dtype, str(r.batch_size), f(r.p50_ms), f(r.p95_ms), f(r.p99_ms),
-            f(r.throughput_samples_per_s, ".1f"), str(r.iterations or "-"),
-            "" if r.status == "ok" else f"{r.status}: {r.reason}",
+            f(r.throughput_samples_per_s, ".1f"), *([f(r.throughput_tokens_per_s, ".0f")] if tokens else []),
+            str(r.iterations or "-"), "" if r.status == "ok" else f"{r.status}: {r.reason}",
         )  # fmt: skip
     Console(width=200).print(table)

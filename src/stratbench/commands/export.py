@@ -1,5 +1,6 @@
-"""stratbench export: a checkpoint (any method) -> one ONNX file with a dynamic batch axis, checked with
-onnx.checker and against PyTorch on random and real inputs; or (``--format safetensors|state-dict``) a plain
+"""stratbench export: a checkpoint (any method) -> one ONNX file with a dynamic batch axis (a language model:
+``input_ids`` with dynamic batch and sequence axes), checked with onnx.checker and against PyTorch on random and
+real inputs; or (``--format safetensors|state-dict``) a plain
 weights file that any PyTorch user loads into the bare model without stratbench."""
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.inference.export import format_for, onnx_parity, reload_difference, write_weights
-from stratbench.inference.onnx_export import OrtModel, ParityError, ParityRow, allowed_diff, export_onnx
+from stratbench.inference.onnx_export import (
+    OrtModel,
+    ParityError,
+    ParityRow,
+    allowed_diff,
+    describe_signature,
+    export_onnx,
+    is_language,
+)
 from stratbench.inference.predictor import load_model
 
 NAME = "export"
@@ -52,8 +61,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch.onnx exporter; auto = dynamo, falling back to TorchScript if it fails",
     )  # fmt: skip
     parser.add_argument(
-        "--real-samples", type=int, default=64, help="validation samples used as real parity inputs"
-    )
+        "--real-samples", type=int, default=64,
+        help="validation samples (a language model: token windows) used as real parity inputs",
+    )  # fmt: skip
     parser.add_argument(
         "--images", nargs="*", default=[], help="image files or folders to use as extra real parity inputs"
     )
@@ -97,6 +107,11 @@ def export_checked_onnx(args: argparse.Namespace, atol: float) -> int:
     """Export, then compare onnxruntime's logits with PyTorch's; a failed comparison keeps the file and raises."""
     device = resolve_device(args.device)
     loaded = load_model(args.checkpoint, "cpu")
+    if args.images and is_language(loaded.meta):
+        raise ConfigError(
+            f"--images: {loaded.meta['model']} is a language model (it takes token ids); its real parity inputs "
+            "are validation windows of its text (--real-samples)"
+        )
     print(f"model: {loaded.describe()}", file=sys.stderr)
     result = export_onnx(
         loaded.model, loaded.meta, args.output, fp16=args.fp16, opset=args.opset, exporter=args.exporter,
@@ -106,6 +121,7 @@ def export_checked_onnx(args: argparse.Namespace, atol: float) -> int:
         f"wrote {result.path} ({fmt_bytes(result.size_bytes)}, {result.dtype}, {result.exporter} exporter, "
         f"{result.seconds:.1f} s); onnx.checker: ok"
     )
+    print(f"inputs: {describe_signature(result.signature)}")
     session = OrtModel(result.path, device="cuda" if device.type == "cuda" else "cpu")
     rows, notes = onnx_parity(loaded, session, args.real_samples, args.images)
     print_parity(rows, session, atol)

@@ -4,6 +4,9 @@ Each (backend, batch size) case runs ``warmup`` untimed iterations first (torch.
 timed iterations until ``iters`` are done or ``max_seconds`` have passed (at least ``min_iters``). Each iteration
 is timed on its own with the device synchronised before and after, input already on the device; throughput is
 samples / total timed seconds. A backend that cannot run here is a row that says why.
+
+A language model's input is ``batch`` sequences of ``seq_len`` random token ids, one forward over all of them (the
+prefill of generation), and its rows add tokens / s; generating token by token with a KV cache is not measured.
 """
 
 from __future__ import annotations
@@ -18,19 +21,23 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
 
 from stratbench.checkpoints.checkpoint import atomic_write
-from stratbench.inference.onnx_export import OrtModel, export_onnx
+from stratbench.inference.onnx_export import OrtModel, export_onnx, is_language
 from stratbench.inference.predictor import build_from_meta, percentile
 
 BACKENDS = ("eager-fp32", "eager-bf16", "eager-fp16", "compile", "onnxruntime-cpu", "onnxruntime-cuda")
 CSV_FIELDS = (
     "model", "image_size", "backend", "dtype", "device", "batch_size", "status", "iterations", "warmup",
     "warmup_s", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "throughput_samples_per_s", "threads", "reason",
+    "seq_len", "throughput_tokens_per_s",
 )  # fmt: skip
+LM_LIMIT = (
+    "a language model's iteration is one forward over batch x seq-len tokens (the prefill); token-by-token "
+    "generation with a KV cache is not measured"
+)
 
 
 @dataclass
@@ -52,6 +59,9 @@ class Row:
     throughput_samples_per_s: float | None = None
     threads: int | None = None
     reason: str = ""
+    seq_len: int | None = None
+    """A language model's tokens per sequence (None: an image model)."""
+    throughput_tokens_per_s: float | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
     def summarise(self) -> None:
@@ -63,6 +73,8 @@ class Row:
         self.p50_ms, self.p95_ms, self.p99_ms = (percentile(ms, q) for q in (50, 95, 99))
         self.mean_ms = sum(ms) / len(ms)
         self.throughput_samples_per_s = int(self.batch_size) * len(ms) / sum(self.times)
+        if self.seq_len:
+            self.throughput_tokens_per_s = self.throughput_samples_per_s * self.seq_len
 
 
 @dataclass(frozen=True)
@@ -76,6 +88,8 @@ class BenchSettings:
     max_seconds: float = 20.0
     threads: int | None = None
     """onnxruntime's threads (None: its default); PyTorch's are set by the caller."""
+    seq_len: int | None = None
+    """A language model's tokens per sequence (the caller checks it against the model's context)."""
 
 
 def measure(
@@ -109,10 +123,13 @@ def first_line(exc: BaseException) -> str:
 
 
 def random_model(
-    model: str, num_classes: int, image_size: int, width: int
+    model: str, num_classes: int, image_size: int, width: int, seq_len: int | None = None
 ) -> tuple[nn.Module, dict[str, Any]]:
-    """A model with random weights (seed 0) and the metadata a checkpoint would carry for it."""
+    """A model with random weights (seed 0) and the metadata a checkpoint would carry for it (``seq_len``: a
+    language model's window, ``num_classes`` its vocabulary)."""
     meta = {"model": model, "num_classes": num_classes, "image_size": image_size, "width": width}
+    if seq_len:
+        meta |= {"image_size": 0, "seq_len": seq_len, "vocab_size": num_classes, "codec": None}
     torch.manual_seed(0)
     return build_from_meta(meta).eval(), meta
 
@@ -136,6 +153,7 @@ class InferenceBench:
         self.size = int(meta["image_size"])
         self.name = str(meta["model"])
         self.meta = meta
+        self.seq_len = settings.seq_len if is_language(meta) else None
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.rows: list[Row] = []
 
@@ -165,7 +183,7 @@ class InferenceBench:
         """One row per batch size; a failed torch.compile is said once, the other batch sizes skipped."""
         s = self.settings
         for bs in s.batch_sizes:
-            row = Row(self.name, self.size, backend, dtype, dev, bs, warmup=s.warmup, threads=self.threads)
+            row = self.row(backend, dtype, dev, bs, warmup=s.warmup)
             try:
                 fn = make(bs)
                 row.warmup_s, row.times = measure(
@@ -181,33 +199,36 @@ class InferenceBench:
             if row.status == "failed" and backend == "compile":
                 # Compilation failures do not depend on the batch size: say it once, skip the rest.
                 for rest in s.batch_sizes[s.batch_sizes.index(bs) + 1 :]:
-                    self.rows.append(Row(self.name, self.size, backend, dtype, dev, rest, status="skipped",
-                                         reason="torch.compile failed above", threads=self.threads))  # fmt: skip
+                    self.rows.append(self.row(backend, dtype, dev, rest, status="skipped",
+                                              reason="torch.compile failed above"))  # fmt: skip
                 return
 
+    def row(self, backend: str, dtype: str, dev: str, batch_size: int | str, **fields: Any) -> Row:
+        """A row of this model (its input size or sequence length, the threads) for one case."""
+        return Row(self.name, self.size, backend, dtype, dev, batch_size, threads=self.threads,
+                   seq_len=self.seq_len, **fields)  # fmt: skip
+
     def skipped(self, backend: str, dtype: str, dev: str, reason: str) -> None:
-        row = Row(
-            self.name,
-            self.size,
-            backend,
-            dtype,
-            dev,
-            "-",
-            status="skipped",
-            reason=reason,
-            threads=self.threads,
-        )
+        row = self.row(backend, dtype, dev, "-", status="skipped", reason=reason)
         self.rows.append(row)
         self.on_row(row)
 
+    def sample(self, bs: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """A random batch of ``bs`` inputs (seed 0): images in ``dtype``, or a language model's token ids."""
+        g = torch.Generator().manual_seed(0)
+        if self.seq_len:
+            vocab = int(self.meta["num_classes"])
+            return torch.randint(0, vocab, (bs, self.seq_len), generator=g).to(device)
+        return torch.randn(bs, 3, self.size, self.size, generator=g).to(device=device, dtype=dtype)
+
     def eager(self, dtype: torch.dtype, compiled: bool = False) -> Maker:
         """PyTorch on the device in ``dtype`` (a copy of the model), through torch.compile with ``compiled``."""
-        device, size = self.device, self.size
+        device = self.device
         m = copy.deepcopy(self.model).to(device=device, dtype=dtype).eval()
         runner = torch.compile(m) if compiled else m
 
         def make(bs: int) -> Callable[[], Any]:
-            x = torch.randn(bs, 3, size, size, device=device, dtype=dtype)
+            x = self.sample(bs, device, dtype)
 
             def fn() -> Any:
                 with torch.inference_mode():
@@ -223,7 +244,6 @@ class InferenceBench:
         if reason:
             self.skipped(backend, "float32", ort_device, reason)
             return
-        size = self.size
         with tempfile.TemporaryDirectory(prefix="stratbench-bench-") as tmp:
             try:
                 exported = export_onnx(self.model, self.meta, Path(tmp) / "model.onnx")
@@ -233,7 +253,7 @@ class InferenceBench:
                 return
 
             def make_ort(bs: int) -> Callable[[], Any]:
-                x = np.random.default_rng(0).standard_normal((bs, 3, size, size), dtype=np.float32)
+                x = self.sample(bs, torch.device("cpu"), torch.float32).numpy()
                 return lambda: session.run(x)
 
             self.case(backend, "float32", ort_device, make_ort)

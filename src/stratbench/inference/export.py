@@ -12,7 +12,15 @@ from typing import Any
 import torch
 
 from stratbench.core.errors import StratbenchError
-from stratbench.inference.onnx_export import OrtModel, ParityRow, parity, random_inputs
+from stratbench.inference.onnx_export import (
+    OrtModel,
+    ParityRow,
+    context_length,
+    is_language,
+    parity,
+    random_inputs,
+    random_tokens,
+)
 from stratbench.inference.predictor import (
     ImageProblem,
     LoadedModel,
@@ -79,10 +87,23 @@ def real_inputs(
 
 def onnx_parity(loaded: LoadedModel, session: OrtModel, real_samples: int,
                 images: list[str]) -> tuple[list[ParityRow], list[str]]:  # fmt: skip
-    """The ONNX model's logits against PyTorch's on random inputs and the real ones (``real_inputs``); and the
-    notes on real inputs that were skipped."""
+    """The ONNX model's logits against PyTorch's on random inputs (a language model's: token ids of the shapes
+    ``token_shapes``) and the real ones (``real_inputs``: a language model's validation windows); and the notes on
+    real inputs that were skipped."""
     real, notes = real_inputs(loaded, real_samples, images)
-    return parity(loaded.model, session, random_inputs(int(loaded.meta["image_size"])) + real), notes
+    meta = loaded.meta
+    if is_language(meta):
+        shapes = token_shapes(int(meta["seq_len"]), context_length(loaded.model, meta))
+        random = random_tokens(int(meta["num_classes"]), shapes)
+    else:
+        random = random_inputs(int(meta["image_size"]))
+    return parity(loaded.model, session, random + real), notes
+
+
+def token_shapes(seq_len: int, context: int) -> list[tuple[int, int]]:
+    """(batch, seq) of a language model's random parity inputs: one sequence of 5 tokens, 3 of the training
+    window, 2 of the whole context: two batch sizes and up to three lengths, so both dynamic axes are exercised."""
+    return list(dict.fromkeys([(1, min(5, context)), (3, seq_len), (2, context)]))
 
 
 def write_weights(loaded: LoadedModel, out: Path, fmt: str, dtype: torch.dtype) -> int:
@@ -113,7 +134,9 @@ def _random_samples(meta: dict[str, Any]) -> list[torch.Tensor]:
     if not meta.get("seq_len"):
         return [x for _, x in random_inputs(int(meta["image_size"]))]
     g = torch.Generator().manual_seed(0)
-    return [torch.randint(0, int(meta["num_classes"]), (b, int(meta["seq_len"])), generator=g) for b in (1, 7)]
+    return [
+        torch.randint(0, int(meta["num_classes"]), (b, int(meta["seq_len"])), generator=g) for b in (1, 7)
+    ]
 
 
 def reload_difference(loaded: LoadedModel, out: Path, fmt: str) -> tuple[float, float]:

@@ -1,12 +1,13 @@
-"""ONNX export with a dynamic batch axis, ``onnx.checker``, an onnxruntime session wrapper and the parity
-check against PyTorch.
+"""ONNX export with dynamic axes, ``onnx.checker``, an onnxruntime session wrapper and the parity check
+against PyTorch.
 
 The exporter is torch's dynamo exporter (``torch.onnx.export(dynamo=True)``, needs onnxscript) with
-``dynamic_shapes`` on the batch axis - without it onnxruntime rejects any other batch size - and
-``external_data=False`` so a model under 2 GB is one self-contained file. If the dynamo exporter fails
-the TorchScript exporter is tried (``dynamic_axes``), and the file records which one was used.
-The model's meta (classes, preprocessing) is stored in the ONNX metadata, so an exported file is usable
-without its checkpoint.
+``dynamic_shapes`` on the batch axis (and, for a language model, the sequence axis up to the model's context) -
+without it onnxruntime rejects any other size - and ``external_data=False`` so a model under 2 GB is one
+self-contained file. If the dynamo exporter fails the TorchScript exporter is tried (``dynamic_axes``), and the
+file records which one was used (the built-in transformers export through dynamo only: TorchScript has no
+``aten::rms_norm``). The model's meta (classes, preprocessing; a language model's window, context and codec) and
+its inputs and outputs are stored in the ONNX metadata, so an exported file is usable without its checkpoint.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from stratbench.core.errors import CheckpointError, StratbenchError, Unsupported
 
 META_PROP = "stratbench_meta"
 INPUT_NAME = "input"
+TOKENS_NAME = "input_ids"
 OUTPUT_NAME = "logits"
+MAX_BATCH = 65536
 PROTOBUF_LIMIT = 2 * 1024**3 - 1
 
 
@@ -45,6 +48,59 @@ class ExportResult:
     dtype: str
     seconds: float
     size_bytes: int
+    signature: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The file's inputs and outputs (``signature_of``), as stored in its metadata."""
+
+
+def is_language(meta: dict[str, Any]) -> bool:
+    """Whether the checkpoint's meta is a language model's (it records the token window it was trained on)."""
+    return bool(meta.get("seq_len"))
+
+
+def context_length(model: nn.Module, meta: dict[str, Any]) -> int:
+    """The longest token sequence a language model takes: its ``max_seq_len`` (the built-in transformers), else
+    the window it was trained on (a user's model: nothing says it takes more)."""
+    return int(getattr(model, "max_seq_len", 0) or meta["seq_len"])
+
+
+def codec_note(meta: dict[str, Any]) -> str:
+    """How text becomes the token ids a language model takes (the codec its training data used)."""
+    if meta.get("tokenizer"):
+        return f"the Hugging Face tokenizer {meta['tokenizer']} (encode without special tokens)"
+    if meta.get("codec", "bytes") == "bytes" and int(meta["num_classes"]) == 256:
+        return "UTF-8 bytes of the text, one id (0..255) per byte"
+    return f"token ids 0..{int(meta['num_classes']) - 1} as in the training data's token files (no tokenizer)"
+
+
+def signature_of(model: nn.Module, meta: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """The exported model's input and output: names, element types and axes (a name is a dynamic axis), stored in
+    its metadata so that a user knows what to feed it; a language model's also says its codec."""
+    out_type = str(dtype).removeprefix("torch.")
+    if not is_language(meta):
+        size = int(meta["image_size"])
+        return {
+            "inputs": [{"name": INPUT_NAME, "dtype": out_type, "shape": ["batch", 3, size, size]}],
+            "outputs": [
+                {"name": OUTPUT_NAME, "dtype": out_type, "shape": ["batch", int(meta["num_classes"])]}
+            ],
+        }
+    return {
+        "inputs": [{"name": TOKENS_NAME, "dtype": "int64", "shape": ["batch", "seq"],
+                    "seq_max": context_length(model, meta)}],
+        "outputs": [{"name": OUTPUT_NAME, "dtype": out_type, "shape": ["batch", "seq", int(meta["num_classes"])]}],
+        "tokens": codec_note(meta),
+    }  # fmt: skip
+
+
+def describe_signature(sig: dict[str, Any]) -> str:
+    """One line: ``input_ids int64 [batch, seq <= 256] -> logits float32 [batch, seq, 256]``."""
+
+    def one(t: dict[str, Any]) -> str:
+        dims = [f"{d} <= {t['seq_max']}" if d == "seq" and "seq_max" in t else str(d) for d in t["shape"]]
+        return f"{t['name']} {t['dtype']} [{', '.join(dims)}]"
+
+    line = f"{one(sig['inputs'][0])} -> {one(sig['outputs'][0])}"
+    return line + (f"; tokens: {sig['tokens']}" if "tokens" in sig else "")
 
 
 def export_onnx(
@@ -57,18 +113,14 @@ def export_onnx(
     exporter: str = "auto",
     extra_metadata: dict[str, Any] | None = None,
 ) -> ExportResult:
-    """Export ``model`` (eval mode, CPU) to one ONNX file with a dynamic batch axis, then ``onnx.checker``.
+    """Export ``model`` (eval mode, CPU) to one ONNX file with a dynamic batch axis (and sequence axis, for a
+    language model), then ``onnx.checker``.
 
     ``fp16``: weights and input in float16 (for GPUs; onnxruntime's CPU provider lacks many fp16 kernels).
     ``exporter``: "dynamo", "torchscript", or "auto" (dynamo, falling back to torchscript on failure).
     """
     if exporter not in ("auto", "dynamo", "torchscript"):
         raise StratbenchError(f"unknown exporter {exporter!r}; choose one of: auto, dynamo, torchscript")
-    if meta.get("seq_len"):
-        raise StratbenchError(
-            f"ONNX export of a language model ({meta.get('model')}) is not built yet; export it to .safetensors"
-        )
-
     output = Path(output)
     if output.is_dir():
         raise StratbenchError(f"--output {output} is a folder; name the .onnx file to write")
@@ -87,14 +139,13 @@ def _export_checked(model, meta, output: Path, *, fp16, opset, exporter, extra_m
 
     dtype = torch.float16 if fp16 else torch.float32
     model = _copy_for_export(model, dtype)
-    size = int(meta["image_size"])
-    example = torch.randn(2, 3, size, size, dtype=dtype)
+    sig = signature_of(model, meta, dtype)
     t0 = time.perf_counter()
     errors: list[str] = []
     used = None
     for kind in ["dynamo", "torchscript"] if exporter == "auto" else [exporter]:
         try:
-            _export(kind, model, example, output, opset)
+            _export(kind, model, _example(sig, meta, dtype), output, opset, sig)
             used = kind
             break
         except Exception as exc:  # exporter failures come as many types; the message is what matters
@@ -108,7 +159,7 @@ def _export_checked(model, meta, output: Path, *, fp16, opset, exporter, extra_m
     props = {
         META_PROP: json.dumps(
             meta
-            | {"onnx_exporter": used, "onnx_dtype": str(dtype).removeprefix("torch.")}
+            | {"onnx_exporter": used, "onnx_dtype": str(dtype).removeprefix("torch."), "onnx_io": sig}
             | (extra_metadata or {})
         )
     }
@@ -125,7 +176,7 @@ def _export_checked(model, meta, output: Path, *, fp16, opset, exporter, extra_m
     except Exception as exc:
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
         raise UnsupportedError(f"the ONNX export of {meta['model']} failed onnx.checker ({first})") from None
-    return ExportResult(output, used, str(dtype).removeprefix("torch."), seconds, output.stat().st_size)
+    return ExportResult(output, used, str(dtype).removeprefix("torch."), seconds, output.stat().st_size, sig)
 
 
 def _copy_for_export(model: nn.Module, dtype: torch.dtype) -> nn.Module:
@@ -135,34 +186,42 @@ def _copy_for_export(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return m.to(dtype)
 
 
-def _export(kind: str, model: nn.Module, example: torch.Tensor, output: Path, opset: int | None) -> None:
-    kwargs: dict[str, Any] = {"input_names": [INPUT_NAME], "output_names": [OUTPUT_NAME]}
+def _example(sig: dict[str, Any], meta: dict[str, Any], dtype: torch.dtype) -> torch.Tensor:
+    """The input the exporter traces: 2 samples (a size of 1 would be specialised, not kept dynamic); a language
+    model's are 16 tokens (fewer when its context is shorter)."""
+    if not is_language(meta):
+        size = int(meta["image_size"])
+        return torch.randn(2, 3, size, size, dtype=dtype)
+    seq = min(16, int(sig["inputs"][0]["seq_max"]))
+    return torch.randint(0, int(meta["num_classes"]), (2, seq), generator=torch.Generator().manual_seed(0))
+
+
+def _dynamic_axes(sig: dict[str, Any]) -> dict[int, tuple[str, int]]:
+    """Input axis -> (name, largest size) of each dynamic axis: the batch, and a language model's sequence."""
+    spec = sig["inputs"][0]
+    return {i: (d, MAX_BATCH if d == "batch" else int(spec["seq_max"]))
+            for i, d in enumerate(spec["shape"]) if isinstance(d, str)}  # fmt: skip
+
+
+def _export(kind: str, model: nn.Module, example: torch.Tensor, output: Path, opset: int | None,
+            sig: dict[str, Any]) -> None:  # fmt: skip
+    in_name = sig["inputs"][0]["name"]
+    kwargs: dict[str, Any] = {"input_names": [in_name], "output_names": [OUTPUT_NAME]}
     if opset is not None:
         kwargs["opset_version"] = opset
+    dynamic = _dynamic_axes(sig)
     # The exporters print progress lines and warnings; the command prints its own summary instead.
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if kind == "dynamo":
-            batch = torch.export.Dim("batch", min=1, max=65536)
-            torch.onnx.export(
-                model,
-                (example,),
-                str(output),
-                dynamo=True,
-                dynamic_shapes=({0: batch},),
-                external_data=False,
-                verbose=False,
-                **kwargs,
-            )
+            dims = {i: torch.export.Dim(name, min=1, max=top) for i, (name, top) in dynamic.items()}
+            torch.onnx.export(model, (example,), str(output), dynamo=True, dynamic_shapes=(dims,),
+                              external_data=False, verbose=False, **kwargs)  # fmt: skip
         else:
-            torch.onnx.export(
-                model,
-                (example,),
-                str(output),
-                dynamo=False,
-                dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
-                **kwargs,
-            )
+            # the output's leading axes are the input's (batch; a language model's sequence too)
+            axes = {i: name for i, (name, _) in dynamic.items()}
+            torch.onnx.export(model, (example,), str(output), dynamo=False,
+                              dynamic_axes={in_name: axes, OUTPUT_NAME: axes}, **kwargs)  # fmt: skip
 
 
 def read_metadata(path: str | Path) -> dict[str, Any]:
@@ -186,7 +245,8 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 class OrtModel:
-    """An onnxruntime session on CPU (or CUDA): float32 numpy batch in, float32 logits out."""
+    """An onnxruntime session on CPU (or CUDA): a numpy batch in (pixels, or a language model's int64 token ids;
+    cast to the file's input type), float32 logits out."""
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
         import onnxruntime as ort
@@ -215,7 +275,8 @@ class OrtModel:
             raise CheckpointError(f"onnxruntime cannot load {path}: {first}") from None
         inp = self.session.get_inputs()[0]
         self.input_name = inp.name
-        self.input_dtype = np.float16 if "float16" in inp.type else np.float32
+        types = {"tensor(int64)": np.int64, "tensor(float16)": np.float16}
+        self.input_dtype = types.get(inp.type, np.float32)
         self.providers = self.session.get_providers()
 
     def run(self, x: np.ndarray) -> np.ndarray:
@@ -228,7 +289,7 @@ class ParityRow:
     name: str
     shape: tuple[int, ...]
     max_abs_diff: float
-    same_argmax: float  # fraction of samples whose top class agrees
+    same_argmax: float  # fraction of samples (a language model: of positions) whose top class agrees
     scale: float = 1.0
     """max(1, largest |logit| of PyTorch's): the tolerance scales with it, as float rounding does."""
 
@@ -252,10 +313,10 @@ def parity(
     rows = []
     with torch.inference_mode():
         for name, x in inputs:
-            ref = model(x.float()).float()
+            ref = model(x.float() if x.is_floating_point() else x).float()
             got = torch.from_numpy(session.run(x.numpy()))
             diff = (ref - got).abs().max().item() if ref.numel() else 0.0
-            agree = (ref.argmax(1) == got.argmax(1)).double().mean().item()
+            agree = (ref.argmax(-1) == got.argmax(-1)).double().mean().item()
             scale = max(1.0, ref.abs().max().item()) if ref.numel() else 1.0
             rows.append(ParityRow(name, tuple(x.shape), diff, agree, scale))
     return rows
@@ -269,3 +330,11 @@ def random_inputs(
     return [
         (f"random batch {b}", torch.randn(b, 3, image_size, image_size, generator=g)) for b in batch_sizes
     ]
+
+
+def random_tokens(
+    vocab_size: int, shapes: Sequence[tuple[int, int]], seed: int = 0
+) -> list[tuple[str, torch.Tensor]]:
+    """Seeded random token ids of each (batch, seq) shape: several of both exercise the two dynamic axes."""
+    g = torch.Generator().manual_seed(seed)
+    return [(f"random tokens {b}x{t}", torch.randint(0, vocab_size, (b, t), generator=g)) for b, t in shapes]

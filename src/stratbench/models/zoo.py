@@ -173,7 +173,7 @@ def check_model(name: str, text: bool | None = None, seq_len: int | None = None)
     if is_language_model(name) and not text:
         raise ConfigError(
             f"model {name!r} is a language model: train it on text data (--data text, tokens:PATH or "
-            "synthetic-tokens); estimate, advise, evaluate, predict, export and bench-infer take image models only "
+            "synthetic-tokens); estimate, advise, evaluate and predict take image models only "
             "so far"
         )
     if text and not is_language_model(name):
