@@ -8,11 +8,19 @@ import textwrap
 
 import torch
 
-from stratbench.commands.estimate import add_model_arguments, add_tf32_argument, check_tf32
+from stratbench.commands.estimate import (
+    add_model_arguments,
+    add_tf32_argument,
+    check_model_arguments,
+    check_tf32,
+    describe_input,
+    model_fields,
+)
 from stratbench.core.config import TrainConfig, canonical_precision, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS
 from stratbench.core.tables import fmt_bytes, table_console
+from stratbench.data.datasets import check_data
 from stratbench.measuring.hardware import System, resolve
 from stratbench.predicting.advise import Advice, advise, default_precision
 from stratbench.predicting.estimate import parse_bytes
@@ -58,12 +66,12 @@ def run(args: argparse.Namespace) -> int:
     precision = canonical_precision(args.precision) or default_precision("cuda", _bf16_supported())
     if precision not in SPECS:
         raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
+    check_model_arguments(args)
     base = TrainConfig(
-        model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
-        cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, precision=precision,
-        tf32=tf32, optimizer=args.optimizer,
+        **model_fields(args), batch_size=args.batch_size, precision=precision, tf32=tf32, optimizer=args.optimizer,
     )  # fmt: skip
     validate(base)
+    check_data(base)
     result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration)
     if args.json:
         print_json(result, precision)
@@ -124,7 +132,7 @@ def print_json(result: Advice, precision: str) -> None:
 
 def print_advice(args: argparse.Namespace, result: Advice, precision: str, devices: int, memory: int) -> None:
     console = table_console()  # the terminal's width; piped: COLUMNS or 120
-    console.print(f"[bold]{args.model}[/] {args.image_size}px, global batch {args.batch_size}, {args.optimizer}, "
+    console.print(f"[bold]{describe_input(args)}[/], global batch {args.batch_size}, {args.optimizer}, "
                   f"{devices} x {fmt_bytes(memory)}, goal: {args.goal}")  # fmt: skip
     bullets(console, result.reasons)
     if result.plan is None:

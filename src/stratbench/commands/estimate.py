@@ -21,6 +21,8 @@ from stratbench.core.tables import (
     table_console,
     text_column,
 )
+from stratbench.data.datasets import check_data
+from stratbench.data.text import is_text_data
 from stratbench.measuring.hardware import resolve
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
@@ -82,14 +84,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default="resnet50", help="tinynet, resnet18/34/50, or a builder 'pkg.module:build'"
-    )
+        "--model", default="resnet50",
+        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt2-small, llama-1b, llama-8b: give it text "
+        "--data), or a builder 'pkg.module:build'",
+    )  # fmt: skip
+    parser.add_argument(
+        "--data", default="synthetic",
+        help="synthetic (images of --image-size, --num-classes), or text for a language model: text, "
+        "synthetic-tokens, tokens:PATH (--seq-len tokens per sample)",
+    )  # fmt: skip
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=1000)
+    parser.add_argument("--seq-len", type=int, default=256, help="text data: tokens per sample")
+    parser.add_argument(
+        "--vocab-size", type=int, default=None,
+        help="text data: the model's vocabulary (default: as train decides it, from the data: 256 for bytes "
+        "and synthetic tokens, of token files their largest id + 1)",
+    )  # fmt: skip
     parser.add_argument(
         "--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs"
     )
     parser.add_argument("--width", type=int, default=16, help="tinynet width")
+
+
+def check_model_arguments(args: argparse.Namespace) -> bool:
+    """The model and its data (a transformer on text, a classifier on images, a window no longer than the
+    transformer's context): one line before any work. Returns whether the data is text."""
+    text = is_text_data(args.data)
+    if not text and args.data != "synthetic":
+        raise ConfigError(
+            f"--data {args.data!r}: the estimate takes synthetic (images) or text data for a language model: "
+            "text, synthetic-tokens, tokens:PATH"
+        )
+    if text and not 1 <= args.seq_len <= MAX_SEQ_LEN:
+        raise ConfigError(f"--seq-len must be between 1 and {MAX_SEQ_LEN}, got {args.seq_len}")
+    check_model(args.model, text, args.seq_len if text else None)
+    return text
+
+
+def model_fields(args: argparse.Namespace) -> dict:
+    """The TrainConfig fields of the model and its data, as `train` would take them."""
+    fields = {"model": args.model, "data": args.data, "width": args.width, "cifar_stem": args.cifar_stem}
+    if is_text_data(args.data):
+        return {**fields, "seq_len": args.seq_len, "vocab_size": args.vocab_size}
+    return {**fields, "data": "synthetic", "image_size": args.image_size, "num_classes": args.num_classes}
+
+
+def describe_input(args: argparse.Namespace, results: list[dict] | None = None) -> str:
+    """The title's words for the model's input: its pixels, or its window and vocabulary."""
+    if not is_text_data(args.data):
+        return f"{args.model} {args.image_size}px"
+    vocab = next((r["estimate"]["vocab_size"] for r in results or [] if r.get("estimate")), args.vocab_size)
+    return f"{args.model} {args.seq_len} tokens/sample" + (f", vocab {vocab:,}" if vocab else "")
 
 
 def add_time_arguments(parser: argparse.ArgumentParser) -> None:
@@ -166,6 +212,7 @@ def time_setup(args: argparse.Namespace):
     return system, calibration
 
 
+MAX_SEQ_LEN = 1_048_576  # TrainConfig's range for seq_len
 MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
 MAX_BATCH = 100_000_000
 
@@ -181,7 +228,7 @@ def check_common(args: argparse.Namespace) -> None:
         raise ConfigError(f"--batch-size must be between 1 and {MAX_BATCH}, got {args.batch_size}")
     if args.grad_accum < 1:
         raise ConfigError(f"--grad-accum must be >= 1, got {args.grad_accum}")
-    check_model(args.model)
+    check_model_arguments(args)
 
 
 def methods_to_estimate(args: argparse.Namespace) -> list[str]:
@@ -206,13 +253,13 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
             "train refuses it too"
         )
     cfg = TrainConfig(
-        model=args.model, image_size=args.image_size, num_classes=args.num_classes, data="synthetic",
-        cifar_stem=args.cifar_stem, width=args.width, batch_size=args.batch_size, grad_accum=args.grad_accum,
+        **model_fields(args), batch_size=args.batch_size, grad_accum=args.grad_accum,
         precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
     )  # fmt: skip
     validate(cfg)
+    check_data(cfg)  # tokens:PATH that is not there: one line
     get_strategy(strategy).parse_options(cfg.strategy_options)  # bad option values: one line, before any work
     return cfg
 
@@ -249,7 +296,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, indent=2))
         return 0
     title = (
-        f"{args.model} {args.image_size}px, global batch {args.batch_size}, {args.precision}, {args.optimizer}, "
+        f"{describe_input(args, results)}, global batch {args.batch_size}, {args.precision}, {args.optimizer}, "
         f"world size {args.world_size}, {args.device_type}"
     )
     if system is not None:
@@ -269,6 +316,7 @@ def print_memory_table(console, results: list[dict], args: argparse.Namespace, d
         if device_memory:
             fits = "fits" if e["total_bytes"] <= device_memory else "does NOT fit"
             console.print(f"{fits} in {fmt_bytes(device_memory)} per device")
+        print_formula_lines(console, results)
         return
 
     def build(drop: tuple[str, ...]):
@@ -279,6 +327,30 @@ def print_memory_table(console, results: list[dict], args: argparse.Namespace, d
     if not args.wide:
         more = ", ".join([*dropped, "master weights, buckets, gathered, working peak"])
         console.print(f"--wide also shows: {more}", highlight=False)
+    print_formula_lines(console, results)
+
+
+def formula_lines(results: list[dict]) -> list[str]:
+    """One line per micro-batch of the rows: a built-in transformer's activations by the published formula
+    against the traced ones (the total uses the trace; docs/memory.md says why)."""
+    seen: dict[int, str] = {}
+    for res in results:
+        e = res.get("estimate") or {}
+        f = e.get("activation_formula")
+        if not f or e["micro_batch"] in seen:
+            continue
+        diff = "" if f["difference"] is None else f" ({f['difference']:+.1%})"
+        seen[e["micro_batch"]] = (
+            f"cross-check, activations saved for backward at micro-batch {e['micro_batch']}: "
+            f"{fmt_bytes(f['bytes'])} by the published formula (Korthikanti et al. 2022, adapted: docs/memory.md){diff} against {fmt_bytes(f['traced_bytes'])} traced; "
+            "the total uses the trace"
+        )
+    return list(seen.values())
+
+
+def print_formula_lines(console, results: list[dict]) -> None:
+    for line in formula_lines(results):
+        console.print(line, highlight=False, soft_wrap=True)
 
 
 def component_table(e: dict, title: str, device_type: str):
@@ -397,6 +469,7 @@ def print_time_table(console, results, system, args, calibration, device_memory,
         "speed-up = vs single at the same global batch"
         + ("" if args.wide else f"; --wide also shows: {', '.join([*dropped, *TIME_WIDE_ONLY])}")
     )
+    print_formula_lines(console, results)
 
 
 def time_table(results: list[dict], system, args: argparse.Namespace, device_memory: int | None, title: str,
@@ -425,7 +498,8 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
             table.add_row(cell, *[kept.get(col, "") for col in cols])
             continue
         cells = {
-            "step": fmt_seconds(p["step_s"]), "samples/s": f"{p['throughput']:,.0f}",
+            "step": fmt_seconds(p["step_s"]), "samples/s": f"{p['throughput']:,.0f}" + (
+                f" ({p['tokens_per_s']:,.0f} tokens/s)" if p.get("tokens_per_s") else ""),
             "speed-up": f"{p['speedup_vs_single']:.2f}x" if p.get("speedup_vs_single") else "-",
             "scaling eff.": f"{p['scaling_efficiency']:.0%}" if p["scaling_efficiency"] is not None else "-",
             "compute": fmt_seconds(p["compute_s"]),

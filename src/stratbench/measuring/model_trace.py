@@ -19,6 +19,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS
 from stratbench.data.datasets import default_image_size, split_batch
+from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
 from stratbench.models.zoo import (
     apply_activation_checkpointing,
     build_model,
@@ -36,7 +37,9 @@ ROUND_BYTES = {"cuda": 512, "cpu": 1}
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """What identifies a model build (hashable, so traces are cached per model)."""
+    """What identifies a model build (hashable, so traces are cached per model): an image classifier with
+    ``num_classes`` outputs on ``image_size`` pixels, or, with ``seq_len``, a language model whose inputs are
+    ``seq_len`` token ids (int64) per sample and whose output width ``num_classes`` is its vocabulary."""
 
     model: str
     num_classes: int
@@ -44,19 +47,42 @@ class ModelSpec:
     cifar_stem: bool = False
     norm: str = "group"
     width: int = 32
+    seq_len: int | None = None
+    """Text data: tokens per sample (None: an image model)."""
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> ModelSpec:
+        if is_text_data(cfg.data):  # the image-only fields keep their defaults: one cache entry per LM build
+            return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
         classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10
         return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
 
+    @property
+    def is_text(self) -> bool:
+        return self.seq_len is not None
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels (as ``DataBundle.sample_shape``)."""
+        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
+
+    def example_batch(self, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(inputs, targets) of one micro-batch as the loop feeds them: int64 token ids and the next token per
+        position, or pixels in the weights' dtype (``Precision.convert_input``) and one class per sample."""
+        if self.seq_len is not None:
+            tokens = torch.zeros(batch, self.seq_len, dtype=torch.long)
+            return tokens, torch.zeros(batch, self.seq_len, dtype=torch.long)
+        x = torch.empty(batch, 3, self.image_size, self.image_size, dtype=dtype)
+        return x, torch.zeros(batch, dtype=torch.long)
+
     def build(self) -> nn.Module:
-        """The model; under a FakeTensorMode, a user model with lazy modules (which that mode cannot construct)
-        is built on the meta device and given fake parameters of the shapes its dry forward created."""
+        """The model; under a FakeTensorMode, a language model or a user model with lazy modules (which that
+        mode cannot construct: Llama's ``trunc_normal_`` init tests a mask, a data-dependent branch; a lazy
+        module needs a dry forward) is built on the meta device and given fake parameters of the same shapes."""
         from torch._guards import detect_fake_mode
 
         mode = detect_fake_mode()
-        if mode is not None and ":" in self.model and _has_lazy_modules(self):
+        if mode is not None and (self.is_text or ":" in self.model and _has_lazy_modules(self)):
             from torch._subclasses.fake_tensor import unset_fake_temporarily
 
             with unset_fake_temporarily(), torch.device("meta"):
@@ -64,15 +90,52 @@ class ModelSpec:
             return _with_fake_tensors(model)
         return self._build()
 
-    def _build(self) -> nn.Module:
+    def _build(self, materialize: bool = True) -> nn.Module:
+        """``materialize``: give lazy modules their parameters (a dry forward on one sample)."""
         return build_model(
             self.model,
             self.num_classes,
             cifar_stem=self.cifar_stem,
             norm=self.norm,
             width=self.width,
-            sample_shape=(3, self.image_size, self.image_size),
+            sample_shape=self.sample_shape if materialize else None,
+            seq_len=self.seq_len,
         )
+
+
+def text_vocab(cfg: TrainConfig) -> int:
+    """The vocabulary a run of ``cfg`` gives its language model, decided by the data as ``data.text`` decides it:
+    ``vocab_size`` where given (at least the tokenizer's, or 256 for byte-level text), else the tokenizer's,
+    256 for byte-level text and synthetic tokens, and of token files without either their largest id + 1 (read
+    from the files, as a run reads them)."""
+    if cfg.data == "synthetic-tokens":
+        return cfg.vocab_size or ByteCodec.vocab_size
+    least = _tokenizer_vocab(cfg.tokenizer) if cfg.tokenizer else None
+    if least is None and cfg.data == "text":
+        least = ByteCodec.vocab_size
+    if cfg.vocab_size is not None:
+        if least is not None and cfg.vocab_size < least:
+            what = f"tokenizer {cfg.tokenizer!r}" if cfg.tokenizer else "byte-level text"
+            raise ConfigError(f"vocab_size {cfg.vocab_size} is smaller than the {least} tokens of {what}")
+        return cfg.vocab_size
+    if least is not None:
+        return least
+    return _token_file_vocab(cfg.data, cfg.data_dir, cfg.seq_len, cfg.val_fraction, cfg.token_dtype)
+
+
+@functools.cache
+def _tokenizer_vocab(path: str) -> int:
+    return load_tokenizer(path).vocab_size
+
+
+@functools.cache
+def _token_file_vocab(
+    data: str, data_dir: str | None, seq_len: int, val_fraction: float, token_dtype: str
+) -> int:
+    text = build_text_data(
+        data, seq_len, data_dir=data_dir, val_fraction=val_fraction, token_dtype=token_dtype
+    )
+    return text.vocab_size
 
 
 @functools.cache
@@ -81,21 +144,26 @@ def _has_lazy_modules(spec: ModelSpec) -> bool:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     with unset_fake_temporarily(), torch.device("meta"):
-        return has_lazy_parameters(
-            build_model(spec.model, spec.num_classes, width=spec.width, norm=spec.norm)
-        )
+        return has_lazy_parameters(spec._build(materialize=False))
 
 
 def _with_fake_tensors(model: nn.Module) -> nn.Module:
     """``model`` (on the meta device) with every parameter and buffer replaced by an empty tensor of the same
-    shape and dtype made in the active fake mode (fake CPU tensors: no memory, usable by the traces)."""
+    shape and dtype made in the active fake mode (fake CPU tensors: no memory, usable by the traces). A tensor
+    shared by two modules (a head tied to the embedding) stays one tensor."""
+    made: dict[int, torch.Tensor] = {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            empty = torch.empty(t.shape, dtype=t.dtype)
+            made[id(t)] = nn.Parameter(empty, t.requires_grad) if isinstance(t, nn.Parameter) else empty
+        return made[id(t)]
+
     for module in model.modules():
-        for name, t in module._parameters.items():
-            if t is not None:
-                module._parameters[name] = nn.Parameter(torch.empty(t.shape, dtype=t.dtype), t.requires_grad)
-        for name, t in module._buffers.items():
-            if t is not None:
-                module._buffers[name] = torch.empty(t.shape, dtype=t.dtype)
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = fake(t)
     return model
 
 
@@ -263,14 +331,7 @@ def trace_step(
     pspec = SPECS[precision]
     live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
     with FakeTensorMode(allow_non_fake_inputs=True):
-        # Built in the weights' dtype: converting fake parameters afterwards (module.to) fails in torch 2.13
-        # ("Couldn't swap Conv2d.weight"), which broke every fp16-true/bf16-true/fp64 estimate.
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(pspec.param_dtype)
-        try:
-            model = spec.build()
-        finally:
-            torch.set_default_dtype(default_dtype)
+        model = _build_in(spec, pspec.param_dtype)
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         own = {id(p.untyped_storage()) for p in model.parameters()} | {
@@ -294,17 +355,39 @@ def trace_step(
             else torch.autocast("cpu", enabled=False)
         )
         with _dispatch_mode(live):
-            x = torch.empty(batch, 3, spec.image_size, spec.image_size, dtype=pspec.param_dtype)
-            y = torch.zeros(batch, dtype=torch.long)
+            x, y = spec.example_batch(batch, pspec.param_dtype)
             live.track(x)
             live.track(y)
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
-                loss = nn.functional.cross_entropy(model(x).float(), y)
+                # the logits stay alive through backward, as the loop keeps them (Strategy.forward_loss returns
+                # them): a language model's are (batch, seq_len, vocab), often the largest tensor of the step
+                logits = model(x)
+                loss = _loss(logits, y)
             loss.backward()
+            del logits
         grad_bytes = sum(
             p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
         )
     return Trace(batch, live.nongrad_t, live.grad_t, sum(saved.values()), grad_bytes)
+
+
+def _build_in(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
+    """The model built with ``dtype`` weights (inside the caller's fake mode). Built in the weights' dtype:
+    converting fake parameters afterwards (module.to) fails in torch 2.13 ("Couldn't swap Conv2d.weight")."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return spec.build()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy as the loop computes it: half logits upcast to fp32 (``Precision.loss_input``), a language
+    model's (batch, seq, vocab) flattened to one prediction per token (``losses.TokenCrossEntropy``)."""
+    if logits.dtype not in (torch.float32, torch.float64):
+        logits = logits.float()
+    return nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten())
 
 
 def cpu_step_scratch(cfg: TrainConfig) -> int:
@@ -329,12 +412,7 @@ def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: 
 
     live = _LiveBytes(1)
     with FakeTensorMode(allow_non_fake_inputs=True):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            model = spec.build()
-        finally:
-            torch.set_default_dtype(default_dtype)
+        model = _build_in(spec, dtype)
         params = list(model.parameters())
         for p in params:
             p.grad = torch.zeros_like(p)

@@ -172,9 +172,8 @@ def check_model(name: str, text: bool | None = None, seq_len: int | None = None)
         return
     if is_language_model(name) and not text:
         raise ConfigError(
-            f"model {name!r} is a language model: train it on text data (--data text, tokens:PATH or "
-            "synthetic-tokens); estimate, advise, evaluate and predict take image models only "
-            "so far"
+            f"model {name!r} is a language model: give it text data (--data text, tokens:PATH or "
+            "synthetic-tokens, with --seq-len)"
         )
     if text and not is_language_model(name):
         raise ConfigError(

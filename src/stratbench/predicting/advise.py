@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
+from stratbench.data.text import is_text_data
 from stratbench.predicting.estimate import Estimate, estimate
 from stratbench.predicting.projection import project
 from stratbench.strategies.base import comm_reference_name, get_strategy
@@ -198,10 +199,8 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
 
 def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
     """The exact `stratbench train` and `stratbench compare` command lines to run next."""
-    args = ["stratbench", "train", "--model", base.model]
-    if base.model == "tinynet":
-        args += ["--width", str(base.width)]
-    args += ["--image-size", str(base.image_size), "--batch-size", str(base.batch_size)]
+    args = ["stratbench", "train", "--model", base.model, *data_flags(base)]
+    args += ["--batch-size", str(base.batch_size)]
     if base.grad_accum > 1:
         args += ["--grad-accum", str(base.grad_accum)]
     args += ["--precision", base.precision, *(["--tf32", "true"] if base.tf32 else []), "--optimizer",
@@ -218,7 +217,17 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
     others = (
         COMPARE_SIMPLEST if cls.baseline or cls.comm_reference else f"{comm_reference_name()},{plan.strategy}"
     )
-    compare = shlex.join(
-        ["stratbench", "compare", "--preset", "seed", "--data", "synthetic", "--only", others]
-    )
+    # a language model is the preset's model no more: the sweep gets the model and its text data
+    data = ["--model", base.model, *data_flags(base)] if is_text_data(base.data) else ["--data", "synthetic"]
+    compare = shlex.join(["stratbench", "compare", "--preset", "seed", *data, "--only", others])
     return train, compare
+
+
+def data_flags(base: TrainConfig) -> list[str]:
+    """The flags of the model's input in a train command: the text data, window and vocabulary of a language
+    model, or the image size (and tinynet's width)."""
+    if is_text_data(base.data):
+        vocab = ["--vocab-size", str(base.vocab_size)] if base.vocab_size is not None else []
+        return ["--data", base.data, "--seq-len", str(base.seq_len), *vocab]
+    width = ["--width", str(base.width)] if base.model == "tinynet" else []
+    return [*width, "--image-size", str(base.image_size)]

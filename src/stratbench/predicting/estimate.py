@@ -39,6 +39,9 @@ from stratbench.measuring.model_trace import (
     model_info,
     trace_step,
 )
+from stratbench.models.transformer import transformer_config
+from stratbench.models.zoo import is_language_model
+from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory, opt_slots
 
@@ -104,6 +107,12 @@ class Estimate:
     host_bytes: int = 0
     num_parameters: int = 0
     per_rank_states: list[dict[str, int]] = field(default_factory=list)
+    seq_len: int | None = None
+    """A language model: tokens per sample (None: an image model)."""
+    vocab_size: int | None = None
+    activation_formula: dict[str, Any] | None = None
+    """A built-in transformer: the published formula's activations (``activation_formula``) beside the traced
+    ones (``traced_bytes``) and its ``difference`` from them; a stated cross-check, not part of the total."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -156,9 +165,8 @@ def estimate(
     states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
     s = max(states, key=_held_bytes)
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
-    trace = trace_step(
-        spec, mb, s.trace_precision or cfg.precision, cfg.activation_checkpointing, device_type
-    )
+    run_as = s.trace_precision or cfg.precision
+    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
@@ -173,13 +181,11 @@ def estimate(
         cpu_library_bytes(cfg.precision, linear, native_16bit) if device_type == "cpu" else (0, "")
     )
     runtime = s.cpu_runtime if device_type == "cpu" else 0
-    kernel = library + runtime
-    peak_fwd_bwd += kernel
-    peak_step = resident + s.grads + step_temp + kernel
+    peak_fwd_bwd += library + runtime
+    peak_step = resident + s.grads + step_temp + library + runtime
     peak = max(peak_fwd_bwd, peak_step)
     ov = OVERHEAD[device_type]
     overhead = int(ov["context_bytes"] + ov["allocator_slack"] * peak)
-
     rows = _state_rows(cfg, s, saved, saved_note, fwd_bwd_traced, step_temp)
     if device_type == "cpu":
         rows.append(Row("CPU math-library buffers", int(library), 0, library_note))
@@ -200,7 +206,27 @@ def estimate(
         host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
         num_parameters=info.total,
         per_rank_states=model_state_bytes(cfg, world_size),
+        seq_len=spec.seq_len,
+        vocab_size=spec.num_classes if spec.is_text else None,
+        activation_formula=formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes),
     )
+
+
+def formula_check(
+    spec: ModelSpec, micro_batch: int, precision: str, recompute: bool, traced: int
+) -> dict[str, Any] | None:
+    """A built-in transformer's activations by the published formula (``activation_formula``) at this
+    micro-batch, with the traced bytes and the formula's relative difference from them; None for other models
+    (a user's language model has no known shape to put into it)."""
+    if not (spec.is_text and is_language_model(spec.model)):
+        return None
+    shape = transformer_config(spec.model, vocab_size=spec.num_classes)
+    f = formula_activations(shape, micro_batch, spec.seq_len, precision, recompute)
+    return {
+        **f.to_dict(),
+        "traced_bytes": traced,
+        "difference": (f.bytes - traced) / traced if traced else None,
+    }
 
 
 def _held_bytes(x: RankMemory) -> int:
@@ -310,33 +336,53 @@ def predict_peak_bytes(
 def max_batch(
     cfg: TrainConfig, world_size: int, device_memory: int, device_type: str = "cuda", limit: int = 1 << 20
 ) -> tuple[int, Estimate | None]:
-    """Largest global batch (a multiple of world size x grad accumulation) whose device total fits."""
+    """Largest global batch (a multiple of world size x grad accumulation) whose device total fits.
+
+    Memory grows about linearly with the batch, so the search starts at the linear solution through the
+    first two multiples and brackets the answer around it with growing steps, then bisects: a few traces, each
+    of which costs seconds for a billion-parameter model, rather than a doubling search from 1."""
     step = world_size * cfg.grad_accum
+    seen: dict[int, Estimate] = {}
 
-    def fits(b: int) -> Estimate | None:
-        e = estimate(cfg.replace(batch_size=b), world_size, device_type)
-        return e if e.total_bytes <= device_memory else None
+    def at(k: int) -> Estimate:
+        if k not in seen:
+            seen[k] = estimate(cfg.replace(batch_size=k * step), world_size, device_type)
+        return seen[k]
 
-    if fits(step) is None:
+    def fits(k: int) -> bool:
+        return at(k).total_bytes <= device_memory
+
+    if not fits(1):
         return 0, None
-    # Two small traces give the per-sample cost; start the search near the linear solution.
-    lo, hi = 1, 2
-    e1 = estimate(cfg.replace(batch_size=step), world_size, device_type)
-    e2 = estimate(cfg.replace(batch_size=2 * step), world_size, device_type)
-    per = max(1, e2.total_bytes - e1.total_bytes)
-    guess = max(1, int((device_memory - e1.total_bytes) / per) + 1)
-    lo, hi = 1, max(2, min(limit, guess))
-    while fits(hi * step) is not None and hi < limit:
-        lo, hi = hi, min(limit, hi * 2)
-    if fits(hi * step) is not None:
-        return hi * step, fits(hi * step)
+    if limit == 1:
+        return step, at(1)
+    per = max(1, at(2).total_bytes - at(1).total_bytes)
+    guess = min(limit, max(1, 1 + (device_memory - at(1).total_bytes) // per))
+    lo, hi = _bracket(fits, guess, limit)
     while hi - lo > 1:  # fits(lo) and not fits(hi)
         mid = (lo + hi) // 2
-        if fits(mid * step) is not None:
-            lo = mid
-        else:
-            hi = mid
-    return lo * step, fits(lo * step)
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo * step, at(lo)
+
+
+def _bracket(fits, guess: int, limit: int) -> tuple[int, int]:
+    """(lo, hi) with fits(lo) and not fits(hi), found from ``guess`` with steps that double (fits(1) holds);
+    hi = limit + 1 when even ``limit`` fits."""
+    gap = 1
+    if fits(guess):
+        lo = guess
+        while lo < limit:
+            hi = min(limit, lo + gap)
+            if not fits(hi):
+                return lo, hi
+            lo, gap = hi, gap * 2
+        return limit, limit + 1
+    hi = guess
+    while True:
+        lo = max(1, hi - gap)
+        if fits(lo):
+            return lo, hi
+        hi, gap = lo, gap * 2
 
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,

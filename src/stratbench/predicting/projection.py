@@ -37,6 +37,7 @@ from typing import Any
 
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
+from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
@@ -65,7 +66,7 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 @functools.cache
 def _counted(spec: ModelSpec) -> tuple[float | None, str | None]:
     """(forward+backward FLOPs per sample, family) of a model: one count on the meta device gives both."""
-    counted = flops_by_op(spec.build, (3, spec.image_size, spec.image_size), spec.num_classes)
+    counted = flops_by_op(spec.build, spec.sample_shape, spec.num_classes)
     return (None if counted is None else sum(counted[0].values())), family_of(counted)
 
 
@@ -488,6 +489,9 @@ class MethodProjection:
     reason: str = ""
     step_s: float | None = None
     throughput: float | None = None
+    """Samples (a language model's: windows of seq_len tokens) per second."""
+    tokens_per_s: float | None = None
+    """A language model's throughput in tokens per second (None for an image model)."""
     scaling_efficiency: float | None = None
     compute_s: float = 0.0
     overhead_s: float = 0.0
@@ -564,6 +568,7 @@ def project(
         return out
     out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s
     out.throughput = cfg.batch_size / out.step_s
+    out.tokens_per_s = out.throughput * cfg.seq_len if is_text_data(cfg.data) else None
     terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
              "offload": out.offload_s}  # fmt: skip
     out.dominant = max(terms, key=terms.get)
