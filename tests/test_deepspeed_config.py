@@ -15,7 +15,7 @@ import torch
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.strategies.deepspeed import DeepSpeedOptions
+from stratbench.strategies.deepspeed import DeepSpeedOptions, deepspeed_memory
 from stratbench.strategies.deepspeed_config import build_ds_config
 
 SNAPSHOT = Path(__file__).with_name("snapshots") / "deepspeed_config.json"
@@ -229,3 +229,23 @@ def test_the_snapshot_covers_every_case_and_both_outcomes():
     assert 10 < len(errors) < len(snapshot) - 30  # conflicts refused, and most cases build a config
     stages = {v["zero_optimization"]["stage"] for v in snapshot.values() if "error" not in v}
     assert stages == {0, 1, 2, 3}
+
+
+def test_reduce_bucket_size_is_written_checked_and_counted(tmp_path):
+    """--reduce-bucket-size goes into zero_optimization, must be positive and agree with the JSON's; the
+    memory model counts the bucket it sets (stages 1-3 allocate it whole), not DeepSpeed's 5e8 default."""
+    ds = build(_case({}, {"zero_stage": 2, "reduce_bucket_size": 1_000_000}), tmp_path)
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 1_000_000
+    bad = build(_case({}, {"zero_stage": 2, "reduce_bucket_size": 0}), tmp_path)
+    assert bad["error"] == "--reduce-bucket-size must be a positive number of elements, got 0"
+    clash = build(_case({}, {"reduce_bucket_size": 10}, user={"zero_optimization": {"reduce_bucket_size": 20}}),
+                  tmp_path)  # fmt: skip
+    assert "zero_optimization.reduce_bucket_size is 20 but --reduce-bucket-size gives 10" in clash["error"]
+
+    class Info:
+        total, numels, largest_layer = 1000, [1000], 1000
+
+    class Ctx:
+        info, world, param_bytes, half, opt_slots, adam, cfg = Info(), 2, 4, False, 0, False, TrainConfig()
+
+    assert deepspeed_memory(Ctx(), ds["zero_optimization"]).buckets == 1_000_000 * 4

@@ -319,6 +319,7 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
     world = world_size or 2
     ds = [{"zero_stage": s, "reduce_bucket_size": SMALL_DS_BUCKET} for s in (1, 2, 3)]
     offload = {"zero_stage": 2, "offload_optimizer": "cpu", "reduce_bucket_size": SMALL_DS_BUCKET}
+    pipe = pipeline_layout(world, pieces=6)  # gpt-tiny's pieces: tok_embeddings, layers.0-3, head
     return {
         "name": "llm-quick",
         "description": "gpt-tiny (1.87M parameters, 4 blocks) on byte-level text of the Python standard library, "
@@ -338,6 +339,12 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
             },
             {"method": "deepspeed", "precision": "fp32", "options": ds, "label": "deepspeed-z{zero_stage}"},
             {"method": "deepspeed", "precision": "fp32", "options": offload, "label": "deepspeed-z2-offload"},
+            {
+                "method": "pipeline",
+                "precision": "fp32",
+                "options": [{"schedule": s, **pipe} for s in ("gpipe", "1f1b")],
+                "label": "pipeline-{schedule}",
+            },
             # Rows that need what this machine may lack; listed so the report says why they are missing.
             {"method": "dp", "precision": "fp32", "world_size": 1},
             {"method": ["accelerate-fsdp", "accelerate-deepspeed"], "precision": "fp32"},
@@ -351,9 +358,12 @@ def preset_llm_fit(world_size: int | None = None) -> dict[str, Any]:
     spec = preset_llm_quick(world_size)
     return spec | {
         "name": "llm-fit",
-        "description": f"{spec['description']}; a budget of 40 MiB per device: a method whose memory estimate "
-        "exceeds it is marked 'does not fit' and not run",
-        "device_memory": "40MiB",
+        "description": "gpt-tiny (1.87M parameters) on byte-level text of the Python standard library, sequence 32, "
+        "global batch 4, 40 steps of AdamW in fp32, so that the model states (16 bytes a parameter) are most of "
+        f"a rank's memory; {spec['world_size']} processes under a budget of 26 MiB per device: a method whose "
+        "memory estimate exceeds it is marked 'does not fit' and not run",
+        "base": spec["base"] | {"batch_size": 4, "seq_len": 32},
+        "device_memory": "26MiB",
         "cells": [
             {"method": ["single", "ddp", "ddp-zero", "fsdp"], "precision": "fp32"},
             {
@@ -367,7 +377,7 @@ def preset_llm_fit(world_size: int | None = None) -> dict[str, Any]:
                 "precision": "fp32",
                 "label": "deepspeed-z{zero_stage}",
                 "options": [{"zero_stage": s, "reduce_bucket_size": SMALL_DS_BUCKET} for s in (1, 2, 3)],
-            },  # fmt: skip
+            },
         ],
     }
 

@@ -240,14 +240,7 @@ def _zero_block(user: dict[str, Any], opts: DeepSpeedOptions, src: str) -> dict[
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     zero["stage"] = stage
-    if opts.reduce_bucket_size is not None:
-        if opts.reduce_bucket_size < 1:
-            raise ConfigError(
-                f"--reduce-bucket-size must be a positive number of elements, got {opts.reduce_bucket_size}"
-            )
-        _agree(src, "zero_optimization.reduce_bucket_size", zero.get("reduce_bucket_size"), opts.reduce_bucket_size,
-               "--reduce-bucket-size")  # fmt: skip
-        zero["reduce_bucket_size"] = opts.reduce_bucket_size
+    _sized(zero, src, "reduce_bucket_size", "--reduce-bucket-size", opts.reduce_bucket_size)
     _offload(zero, "offload_optimizer", "--offload-optimizer", opts.offload_optimizer, opts.nvme_path, src)
     _offload(zero, "offload_param", "--offload-params", opts.offload_params, opts.nvme_path, src)
     if "offload_param" in zero and stage != 3:
@@ -257,6 +250,16 @@ def _zero_block(user: dict[str, Any], opts: DeepSpeedOptions, src: str) -> dict[
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
     return zero
+
+
+def _sized(zero: dict[str, Any], src: str, key: str, flag: str, value: int | None) -> None:
+    """A size the options give (elements): positive, agreeing with the JSON's, written into ``zero`` (in place)."""
+    if value is None:
+        return
+    if value < 1:
+        raise ConfigError(f"{flag} must be a positive number of elements, got {value}")
+    _agree(src, f"zero_optimization.{key}", zero.get(key), value, flag)
+    zero[key] = value
 
 
 def _offload(
