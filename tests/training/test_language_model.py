@@ -1,7 +1,7 @@
 """The built-in transformer (gpt-tiny) on real text (the Python standard library's source, byte-level) under every
 method that runs on CPU: each trains exactly the model `single` trains (fp64 within conftest.RTOL; DeepSpeed, which
-has no fp64, in fp32 against one process with the same micro-batches: ZeRO-2 bit for bit, ZeRO-3 within fp32
-rounding), and a run reports what
+has no fp64, in fp32 against one process with the same micro-batches: ZeRO-1, ZeRO-2 and ZeRO-2 with the optimizer
+offloaded to the host bit for bit, ZeRO-3 within fp32 rounding), and a run reports what
 language models are compared by: tokens/s, FLOPs per token (the 6N + attention formula), validation perplexity."""
 
 from __future__ import annotations
@@ -84,10 +84,20 @@ def test_every_method_trains_the_transformer_single_trains(root, single64, metho
     assert res["metrics"]["val_loss"] == pytest.approx(single64["metrics"]["val_loss"], rel=RTOL)
 
 
+ZERO_BIT_FOR_BIT = {
+    "zero1": ["--zero-stage", "1"],
+    "zero2": ["--zero-stage", "2"],
+    "zero2-offload": ["--zero-stage", "2", "--offload-optimizer", "cpu"],
+}
+
+
 @pytest.mark.distributed
 @pytest.mark.equivalence
-def test_deepspeed_zero2_trains_the_transformer_one_process_trains_on_the_same_micro_batches(root, single_accum2):
-    res = train(root / "zero2", "--strategy", "deepspeed", "--zero-stage", "2", *LM32, nproc=2, timeout=240)
+@pytest.mark.parametrize("case", list(ZERO_BIT_FOR_BIT))
+def test_deepspeed_zero1_2_and_offload_train_the_transformer_one_process_trains_on_the_same_micro_batches(
+    root, single_accum2, case
+):
+    res = train(root / case, "--strategy", "deepspeed", *ZERO_BIT_FOR_BIT[case], *LM32, nproc=2, timeout=240)
     assert res["status"] == "ok", res.get("reason")
     ref = single_accum2["metrics"]["loss_curve"]
     assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL_FP32_SAME_MICRO_BATCHES)

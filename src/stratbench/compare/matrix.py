@@ -324,13 +324,12 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
         "name": "llm-quick",
         "description": "gpt-tiny (1.87M parameters, 4 blocks) on byte-level text of the Python standard library, "
         "sequence 128, global batch 16, 40 steps of AdamW; every method that runs on a CPU with "
-        f"{world} processes, fp32 (bf16-mixed on one process)",
+        f"{world} processes, fp32 (bf16 on a CPU without native bf16: ~4.4 s a step, 18x fp32)",
         "base": dict(LLM_QUICK_BASE),
         "world_size": world,
         "timeout_s": 300,
         "cells": [
-            {"method": "single", "precision": ["fp32", "bf16-mixed"]},
-            {"method": ["ddp", "ddp-zero", "fsdp", "fsdp1", "accelerate-ddp"], "precision": "fp32"},
+            {"method": ["single", "ddp", "ddp-zero", "fsdp", "fsdp1", "accelerate-ddp"], "precision": "fp32"},
             {
                 "method": "fsdp",
                 "precision": "fp32",

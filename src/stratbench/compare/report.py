@@ -440,6 +440,7 @@ def _throughput_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     row.text["throughput"] = _fmt(rec.metrics.throughput_samples_per_s, ".1f") + _busy_mark(rec, notes)
     metrics = rec.fields.get("metrics")
     tokens = number(metrics.get("throughput_tokens_per_s")) if isinstance(metrics, dict) else None
+    row.raw["throughput_tokens"] = tokens
     if tokens is not None:  # a language model: its samples are windows of tokens
         row.text["throughput"] += f" ({tokens:,.0f} tokens/s)"
 
@@ -574,10 +575,16 @@ def _not_compute_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
 
 
 def _accuracy_cell(rec: RunRecord, row: Row) -> None:
-    """Validation accuracy after the last epoch, in %."""
+    """Validation accuracy after the last epoch, in %; a language model's is next-token accuracy, and its
+    validation perplexity follows it."""
     acc = rec.metrics.val_accuracy
     row.raw["val_accuracy"] = acc
     row.text["val_accuracy"] = _fmt(acc * 100 if acc is not None else None, ".2f", "%")
+    metrics = rec.fields.get("metrics")
+    ppl = number(metrics.get("val_perplexity")) if isinstance(metrics, dict) else None
+    row.raw["val_perplexity"] = ppl
+    if ppl is not None:
+        row.text["val_accuracy"] += f" (perplexity {ppl:.2f})"
 
 
 def _loss_cell(rec: RunRecord, row: Row) -> None:
@@ -818,7 +825,8 @@ CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices"
               "alloc_peak_bytes", "alloc_import_bytes", "predicted_peak_bytes", "prediction_error_pct", "mfu", "not_compute_share", "comm_wire_bytes_per_step", "comm_vs_ddp",
               "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
-              "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max"]  # fmt: skip
+              "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max", "throughput_tokens_per_s",
+              "val_perplexity"]  # fmt: skip
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -849,7 +857,13 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 r.rec.host_load_mean, r.rec.host_cpu_count, raw.get("repeats", 1),
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
                 raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
+                _blank(raw.get("throughput_tokens")), _blank(raw.get("val_perplexity")),
             ])  # fmt: skip
+
+
+def _blank(x: Any) -> Any:
+    """A column only some rows have (a language model's tokens/s and perplexity): empty where a row has none."""
+    return "" if x is None else x
 
 
 TEMPLATE = "report.html.j2"
