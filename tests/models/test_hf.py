@@ -184,6 +184,12 @@ def test_bad_models_are_refused_in_one_line_with_nothing_written(tmp_path, capsy
         capsys, "train", *lm(llama), "--data", "synthetic-tokens", "--vocab-size", "512", "--output", out
     )
     assert "vocabulary of 512 tokens is larger than" in err and "vocab_size 320" in err
+    tokenizers = pytest.importorskip("tokenizers", reason="the tokenizers package is not installed")
+    words = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(400)}, unk_token="w0"))
+    words.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    words.save(str(tmp_path / "tokenizer.json"))
+    err = fails(capsys, "train", *lm(llama), "--tokenizer", tmp_path / "tokenizer.json", "--output", out)
+    assert "vocabulary of 400 tokens is larger than" in err and "vocab_size 320" in err
     assert not out.exists()
     with pytest.raises(ConfigError, match="vocabulary of 512 tokens is larger than .* vocab_size 320"):
         build_model(llama, 512, seq_len=SEQ)  # a tokenizer's vocabulary, known when the data is built

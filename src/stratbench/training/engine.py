@@ -57,7 +57,9 @@ from stratbench.data.datasets import (
 from stratbench.data.text import is_text_data
 from stratbench.measuring.environment import environment
 from stratbench.measuring.metrics import RunMetrics
+from stratbench.measuring.model_trace import text_vocab
 from stratbench.models.flops import flops_per_sample
+from stratbench.models.hf import check_vocab, is_hf_name
 from stratbench.models.zoo import (
     apply_activation_checkpointing,
     build_model,
@@ -91,6 +93,8 @@ def check_config(cfg: TrainConfig, world: int) -> type[Strategy]:
     text = is_text_data(cfg.data)
     check_model(cfg.model, text, cfg.seq_len if text else None)
     check_data(cfg)
+    if text and cfg.tokenizer and cfg.vocab_size is None and is_hf_name(cfg.model):
+        check_vocab(cfg.model, text_vocab(cfg))  # a tokenizer's vocabulary the model's head must cover
     check_loss(cfg)
     if cfg.precision not in SPECS:
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
