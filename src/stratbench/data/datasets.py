@@ -31,8 +31,25 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
+class SampleShape:
+    """``is_text`` and ``sample_shape`` of a class with ``seq_len`` (None: images) and ``image_size`` fields: the
+    data bundle, and the model build the estimate traces."""
+
+    seq_len: int | None
+    image_size: int
+
+    @property
+    def is_text(self) -> bool:
+        return self.seq_len is not None
+
+    @property
+    def sample_shape(self) -> tuple[int, ...]:
+        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels."""
+        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
+
+
 @dataclass
-class DataBundle:
+class DataBundle(SampleShape):
     """A run's training and validation sets and what the model needs to know of them. Image data: items are
     (image C x H x W, class); ``num_classes`` classes. Text data (``seq_len`` set): items are (tokens, next
     tokens), ``seq_len`` ids each; ``num_classes`` is the vocabulary and ``codec`` turns text into ids and back."""
@@ -48,14 +65,6 @@ class DataBundle:
     seq_len: int | None = None
     codec: Any = None
 
-    @property
-    def is_text(self) -> bool:
-        return self.seq_len is not None
-
-    @property
-    def sample_shape(self) -> tuple[int, ...]:
-        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels."""
-        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
 
 
 def default_image_size(cfg: TrainConfig) -> int:

@@ -18,7 +18,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS
-from stratbench.data.datasets import default_image_size, split_batch
+from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
 from stratbench.models.zoo import (
     apply_activation_checkpointing,
@@ -36,7 +36,7 @@ ROUND_BYTES = {"cuda": 512, "cpu": 1}
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelSpec(SampleShape):
     """What identifies a model build (hashable, so traces are cached per model): an image classifier with
     ``num_classes`` outputs on ``image_size`` pixels, or, with ``seq_len``, a language model whose inputs are
     ``seq_len`` token ids (int64) per sample and whose output width ``num_classes`` is its vocabulary."""
@@ -56,15 +56,6 @@ class ModelSpec:
             return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
         classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10
         return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
-
-    @property
-    def is_text(self) -> bool:
-        return self.seq_len is not None
-
-    @property
-    def sample_shape(self) -> tuple[int, ...]:
-        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels (as ``DataBundle.sample_shape``)."""
-        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
 
     def example_batch(self, batch: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets) of one micro-batch as the loop feeds them: int64 token ids and the next token per
