@@ -1,0 +1,120 @@
+"""tp (Megatron tensor parallelism on DTensor) on the built-in transformer, 2 gloo processes on CPU: it trains
+exactly the model `single` trains (fp64 within conftest.RTOL, gradient clipping on), each rank holds half of the
+split attention/MLP matrices, the collectives measured are the Megatron formula's, and its sharded checkpoint
+resumes under tp and loads into single; models without a plan and head counts that do not divide are refused
+in one line before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import (
+    COMM,
+    RTOL,
+    assert_breakdown_adds_up,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    fails,
+    train,
+)
+from stratbench.models.transformer import SIZES
+
+SEQ, BATCH, STEPS = 32, 8, 6
+LM64 = [
+    "--model", "gpt-tiny", "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
+    "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "16", "--progress", "false",
+    "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
+]  # fmt: skip
+TP = ["--strategy", "tp"]
+CFG = SIZES["gpt-tiny"]
+F64 = 8
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("tp")
+    single = train(root / "single", "--strategy", "single", *LM64, "--max-steps", str(STEPS))
+    tp = train(root / "tp", *TP, *LM64, "--max-steps", str(STEPS), *COMM, nproc=2)
+    return {"root": root, "single": single, "tp": tp}
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_tp_trains_the_model_single_trains(runs):
+    res, ref = runs["tp"], runs["single"]["metrics"]["loss_curve"]
+    assert res["status"] == "ok" and res["world_size"] == 2 and res["data_parallel_size"] == 1
+    assert res["micro_batch_size"] == BATCH, "every rank of the tensor-parallel group takes the whole batch"
+    assert ref[-1] < 0.9 * ref[0], "the reference must train, or equal curves prove nothing"
+    assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+    assert res["mesh"] == {"tp": 2}
+
+
+def _split_and_replicated() -> tuple[int, int]:
+    """Elements of gpt-tiny that tp splits (q, k, v, o, gate, up, down of every block) and that it replicates
+    (embedding, head, norms)."""
+    split = CFG.n_layers * (4 * CFG.dim * CFG.dim + 3 * CFG.dim * CFG.ffn_hidden)
+    replicated = 2 * CFG.vocab_size * CFG.dim + (2 * CFG.n_layers + 1) * CFG.dim
+    return split, replicated
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_half_the_split_weights_and_the_cost_model_says_so(runs):
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.measuring.model_trace import ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext
+
+    split, replicated = _split_and_replicated()
+    assert runs["single"]["sharding"]["param_bytes"] == [(split + replicated) * F64]
+    per_rank = runs["tp"]["sharding"]["param_bytes"]
+    assert per_rank == [(split // 2 + replicated) * F64] * 2, per_rank
+    assert runs["tp"]["sharding"]["grad_bytes"] == per_rank
+    cfg = from_dict(TrainConfig, dict(runs["tp"]["config"]))
+    ctx = MemoryContext(cfg, 2, model_info(ModelSpec.from_config(cfg)), None, "cpu")
+    memory = get_strategy("tp").cost.memory_model(ctx, 0)
+    assert memory.params == memory.grads == per_rank[0] and memory.optim == 2 * per_rank[0]
+
+
+@pytest.mark.distributed
+def test_collectives_are_megatrons_two_all_reduces_per_block_each_way(runs):
+    """Forward: after wo and w2; backward: the attention's and the MLP's input gradient; each (b, s, dim) in
+    fp64; plus the one all-reduce of the clipping's per-parameter norms (39 parameters)."""
+    comm = assert_comm_matches_formula(runs["tp"])
+    activation = BATCH * SEQ * CFG.dim * F64
+    per_way = 2 * CFG.n_layers
+    measured = comm["measured"]["all_reduce"]
+    assert measured["calls"] == 2 * per_way + 1, measured
+    assert measured["payload_bytes"] == 2 * per_way * activation + (9 * CFG.n_layers + 3) * F64, measured
+    assert set(comm["measured"]) == {"all_reduce"}
+    assert_breakdown_adds_up(runs["tp"])
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_the_sharded_checkpoint_resumes_under_tp_and_loads_into_single(runs):
+    """3 steps under tp, saved as a DCP folder (each rank its slices); tp and single each resume it and go on
+    exactly as the uninterrupted single run does (weights, AdamW moments, schedule and data position back)."""
+    root, ref = runs["root"], runs["single"]["metrics"]["loss_curve"]
+    train(root / "tp3", *TP, *LM64, "--max-steps", "3", nproc=2)
+    folder = root / "tp3" / "checkpoints" / "last"
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2
+    resumed = train(
+        root / "tp-resumed", *TP, *LM64, "--max-steps", str(STEPS), "--resume-from", str(folder), nproc=2
+    )
+    assert resumed["resumed_from"]["step"] == 3
+    assert_curves_match(resumed["metrics"]["loss_curve"], ref[3:], RTOL)
+    single = train(root / "single-resumed", "--strategy", "single", *LM64, "--max-steps", str(STEPS),
+                   "--resume-from", str(folder))  # fmt: skip
+    assert single["resumed_from"]["step"] == 3
+    assert_curves_match(single["metrics"]["loss_curve"], ref[3:], RTOL)
+
+
+def test_a_model_without_a_plan_and_heads_that_do_not_divide_are_refused_in_one_line(capsys, tmp_path):
+    out = tmp_path / "refused"
+    err = fails(capsys, "train", *TP, "--nproc", "2", "--model", "resnet18", "--data", "synthetic",
+                "--output", out)  # fmt: skip
+    assert "model 'resnet18' has no tensor-parallel plan" in err and "tp_plan()" in err
+    err = fails(capsys, "train", *TP, "--nproc", "3", *LM64, "--output", out)
+    assert "n_heads 4 and n_kv_heads 4 of gpt-tiny must both divide by 3; --nproc that fit: 1, 2, 4" in err
+    assert not out.exists(), "refused before anything is written"
