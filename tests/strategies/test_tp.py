@@ -118,3 +118,48 @@ def test_a_model_without_a_plan_and_heads_that_do_not_divide_are_refused_in_one_
     err = fails(capsys, "train", *TP, "--nproc", "3", *LM64, "--output", out)
     assert "n_heads 4 and n_kv_heads 4 of gpt-tiny must both divide by 3; --nproc that fit: 1, 2, 4" in err
     assert not out.exists(), "refused before anything is written"
+
+
+USER_MODEL = """\
+import torch
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+
+class Mlp(nn.Module):
+    def __init__(self, num_classes):
+        super().__init__()
+        self.stem = nn.Linear(3 * 8 * 8, 32)  # left out of the plan: replicated
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, num_classes)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(torch.relu(self.stem(x.flatten(1))))))
+
+    def tp_plan(self):
+        return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+def build(num_classes):
+    return Mlp(num_classes)
+"""
+USER = [
+    "--model", "mlp:build", "--data", "digits", "--image-size", "8", "--batch-size", "32", "--epochs", "1",
+    "--max-steps", "6", "--optimizer", "adamw", "--lr", "0.01", "--precision", "fp64", "--progress", "false",
+    "--measure-flops", "false", "--timing-warmup-steps", "1",
+]  # fmt: skip
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_a_users_model_brings_its_own_plan(tmp_path):
+    """tp_plan(): up column-parallel (its bias split too), down row-parallel (its bias added once, replicated),
+    the stem the plan leaves replicated; the same loss curve as single."""
+    (tmp_path / "mlp.py").write_text(USER_MODEL)
+    single = train(tmp_path / "single", "--strategy", "single", *USER, cwd=tmp_path)
+    res = train(tmp_path / "tp", *TP, *USER, nproc=2, cwd=tmp_path)
+    ref = single["metrics"]["loss_curve"]
+    assert ref[-1] < 0.9 * ref[0], ref
+    assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    stem, up, down = 192 * 32 + 32, 32 * 64 + 64, 64 * 10
+    assert res["sharding"]["param_bytes"] == [(stem + up // 2 + down // 2 + 10) * F64] * 2
