@@ -91,6 +91,17 @@ def test_collectives_are_megatrons_two_all_reduces_per_block_each_way(runs):
 
 
 @pytest.mark.distributed
+def test_bf16_mixed_sends_the_forward_in_bf16_and_the_backward_in_fp32(runs):
+    """Under autocast the row-parallel outputs are bf16 and the input gradients fp32 (the residual stream's)."""
+    lm32 = [a if a != "fp64" else "bf16-mixed" for a in LM64]
+    res = train(runs["root"] / "tp-bf16", *TP, *lm32, "--max-steps", "3", *COMM, nproc=2)
+    comm = assert_comm_matches_formula(res)
+    activation = BATCH * SEQ * CFG.dim
+    norms = (9 * CFG.n_layers + 3) * 4
+    assert comm["measured"]["all_reduce"]["payload_bytes"] == 2 * CFG.n_layers * activation * (2 + 4) + norms
+
+
+@pytest.mark.distributed
 @pytest.mark.equivalence
 def test_the_sharded_checkpoint_resumes_under_tp_and_loads_into_single(runs):
     """3 steps under tp, saved as a DCP folder (each rank its slices); tp and single each resume it and go on

@@ -163,7 +163,9 @@ def transformer_comm(ctx) -> list[Collective] | None:
     """Megatron's tensor-parallel traffic per optimizer step, per block and micro-batch: forward all-reduces
     the row-parallel outputs of attention (wo) and MLP (w2), backward all-reduces the gradient of the attention's
     and the MLP's input (their column-parallel projections' input gradients summed locally first): each a
-    (b, s, dim) activation in the compute dtype, b the micro-batch (every rank takes the whole batch). The
+    (b, s, dim) activation, b the micro-batch (every rank takes the whole batch): forward in the compute dtype
+    (the row-parallel matmul's output), backward in the residual stream's dtype, the weights' (under autocast the
+    gradient of the bf16 cast is fp32 before the sum; measured: bf16-mixed sends 2 bytes forward, 4 back). The
     replicated embedding, norms and head need no communication (every rank computes the same values and
     gradients). With --clip-grad-norm, ``clip_grad_norm_`` on DTensors stacks one norm per parameter and
     all-reduces them once (measured: 39 scalars for gpt-tiny's 39 parameters). A model of the user's: no model
@@ -176,13 +178,12 @@ def transformer_comm(ctx) -> list[Collective] | None:
         return []
     cfg, n = ctx.cfg, ctx.world
     micro = cfg.grad_accum
-    activation = (cfg.batch_size // micro) * cfg.seq_len * tc.dim * ctx.pspec.compute_dtype.itemsize
+    elements = (cfg.batch_size // micro) * cfg.seq_len * tc.dim
+    forward, backward = elements * ctx.pspec.compute_dtype.itemsize, elements * ctx.param_bytes
     calls = 2 * tc.n_layers * micro
     rows = [
-        Collective("all_reduce", calls * activation, calls, "forward", n, "row-parallel outputs (wo, w2)"),
-        Collective(
-            "all_reduce", calls * activation, calls, "backward", n, "attention and MLP input gradients"
-        ),
+        Collective("all_reduce", calls * forward, calls, "forward", n, "row-parallel outputs (wo, w2)"),
+        Collective("all_reduce", calls * backward, calls, "backward", n, "attention and MLP input gradients"),
     ]
     if cfg.clip_grad_norm:
         norms = len(shapes.numels) * ctx.param_bytes
