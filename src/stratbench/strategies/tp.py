@@ -31,9 +31,10 @@ import torch
 from torch import nn
 
 from stratbench.checkpoints import sharded
+from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec
-from stratbench.models.transformer import Transformer, TransformerConfig
+from stratbench.models.transformer import Attention, FeedForward, Transformer, TransformerConfig
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
 
@@ -55,14 +56,14 @@ def transformer_plan(model: Transformer) -> dict[str, Any]:
         )
 
     plan: dict[str, Any] = {}
-    for i in range(len(model.layers)):
-        block = f"layers.{i}"
-        plan[f"{block}.attention"] = one_input()
-        plan[f"{block}.feed_forward"] = one_input()
-        for name in ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3"):
-            plan[f"{block}.{name}"] = ColwiseParallel()
-        for name in ("attention.wo", "feed_forward.w2"):
-            plan[f"{block}.{name}"] = RowwiseParallel()
+    for name, module in model.named_modules():  # by type: names under an activation-checkpointing wrapper too
+        if isinstance(module, Attention | FeedForward):
+            cols, rows = (
+                (("wq", "wk", "wv"), ("wo",)) if isinstance(module, Attention) else (("w1", "w3"), ("w2",))
+            )
+            plan[name] = one_input()
+            plan.update({f"{name}.{c}": ColwiseParallel() for c in cols})
+            plan.update({f"{name}.{r}": RowwiseParallel() for r in rows})
     return plan
 
 
@@ -276,8 +277,13 @@ class TPStrategy(Strategy):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import parallelize_module
 
+        plan = model_plan(model)
+        names = [name for name, _ in model.named_modules()]
+        unmatched = [key for key in plan if not fnmatch.filter(names, key)]
+        if unmatched:  # parallelize_module would skip them silently: the weights would stay whole
+            raise ConfigError(f"tp plan names no module of the model: {', '.join(unmatched)}")
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh, model_plan(model))
+        parallelize_module(model, mesh, plan)
         _replicate_rest(model, mesh)
         return model
 
