@@ -176,3 +176,13 @@ def test_a_users_model_brings_its_own_plan(tmp_path):
     assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
     stem, up, down = 192 * 32 + 32, 32 * 64 + 64, 64 * 10
     assert res["sharding"]["param_bytes"] == [(stem + up // 2 + down // 2 + 10) * F64] * 2
+
+
+def test_a_plan_naming_no_module_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
+    """parallelize_module skips a key that matches nothing: the weights would silently stay whole."""
+    (tmp_path / "mlp_typo.py").write_text(USER_MODEL.replace('"down": Rowwise', '"dwn": Rowwise'))
+    monkeypatch.chdir(tmp_path)
+    user = [a if a != "mlp:build" else "mlp_typo:build" for a in USER]
+    err = fails(capsys, "train", *TP, *user, "--nproc", "2", "--output", tmp_path / "out")
+    assert "the plan of model 'mlp_typo:build' names no module of it: dwn" in err
+    assert not (tmp_path / "out").exists()

@@ -110,6 +110,8 @@ class TPShapes:
     names: tuple[str, ...]
     transformer: TransformerConfig | None
     has_plan: bool
+    unmatched: tuple[str, ...] = ()
+    """Plan keys that name no module of the model."""
 
     def local_numel(self, world: int) -> int:
         return sum(n // world if d is not None else n for n, d in zip(self.numels, self.split, strict=True))
@@ -139,7 +141,14 @@ def tp_shapes(spec: ModelSpec) -> TPShapes:
         names=tuple(n for n, _ in named),
         transformer=model.config if isinstance(model, Transformer) else None,
         has_plan=plan is not None,
+        unmatched=tuple(unmatched_keys(model, plan or {})),
     )
+
+
+def unmatched_keys(model: nn.Module, plan: dict[str, Any]) -> list[str]:
+    """The plan's keys that name no module (``parallelize_module`` skips them silently: weights left whole)."""
+    names = [name for name, _ in model.named_modules()]
+    return [key for key in plan if not fnmatch.filter(names, key)]
 
 
 def unsupported(cfg, world: int) -> str | None:
@@ -147,6 +156,8 @@ def unsupported(cfg, world: int) -> str | None:
     shapes = tp_shapes(ModelSpec.from_config(cfg))
     if not shapes.has_plan:
         return f"tp: model {cfg.model!r} has no tensor-parallel plan; {HOW_TO_PLAN}"
+    if shapes.unmatched:
+        return f"tp: the plan of model {cfg.model!r} names no module of it: {', '.join(shapes.unmatched)}"
     tc = shapes.transformer
     if tc is not None and (tc.n_heads % world or tc.n_kv_heads % world):
         fits = [t for t in range(1, tc.n_heads + 1) if tc.n_heads % t == 0 and tc.n_kv_heads % t == 0]
@@ -278,10 +289,9 @@ class TPStrategy(Strategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan = model_plan(model)
-        names = [name for name, _ in model.named_modules()]
-        unmatched = [key for key in plan if not fnmatch.filter(names, key)]
-        if unmatched:  # parallelize_module would skip them silently: the weights would stay whole
-            raise ConfigError(f"tp plan names no module of the model: {', '.join(unmatched)}")
+        unmatched = unmatched_keys(model, plan)
+        if unmatched:  # checked before any work too (check_supported), on the model as built, unwrapped
+            raise ConfigError(f"tp: the plan names no module of the model: {', '.join(unmatched)}")
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
         parallelize_module(model, mesh, plan)
         _replicate_rest(model, mesh)
