@@ -15,8 +15,9 @@ on every rank. A model of the user's gives its own plan with a ``tp_plan()`` met
 leaves hold their parameters replicated, as above.
 
 Not built yet: sequence parallelism, 2D/3D meshes (fsdp/pipeline x tp), a vocabulary-parallel embedding and
-head with a loss-parallel cross-entropy, and the activation part of the memory estimate (traced as one whole
-model per rank: an over-estimate for tp).
+head with a loss-parallel cross-entropy, and tp's own activation memory in the estimate: the memory model gives
+the per-rank model states, the activations are traced as one whole model per rank, and on gpt-tiny (fp64, 2
+ranks, batch 8 x 32 tokens) that estimate was 18% under the measured allocator peak (42.5 against 51.7 MiB).
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ class TPCost(CostModel):
         m.step_scalars = 4 * len(shapes.numels) if ctx.adam else 0
         m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
         m.sharding_note = f"split weights 1/{ctx.world}, embedding, norms and head replicated"
-        m.activation_note = "traced as the whole model (tp's split activations not modelled yet)"
+        m.activation_note = "traced as one whole model (tp's activations not modelled yet)"
         return m
 
     @classmethod
