@@ -117,9 +117,6 @@ class TPShapes:
     def local_numel(self, world: int) -> int:
         return sum(n // world if d is not None else n for n, d in zip(self.numels, self.split, strict=True))
 
-    def split_numel(self) -> int:
-        return sum(n for n, d in zip(self.numels, self.split, strict=True) if d is not None)
-
 
 @functools.cache
 def tp_shapes(spec: ModelSpec) -> TPShapes:
@@ -132,7 +129,7 @@ def tp_shapes(spec: ModelSpec) -> TPShapes:
         d = _split_dim(module, style)
         if d is not None:
             dims[id(module.weight)] = (d, module.weight.shape[d])
-            if d == 0 and module.bias is not None:  # a row-parallel bias is added once, replicated
+            if d == 0 and module.bias is not None:  # split with the outputs; a row-parallel bias stays whole
                 dims[id(module.bias)] = (0, module.bias.shape[0])
     named = list(model.named_parameters())
     return TPShapes(
