@@ -179,13 +179,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim)
+        # -1 heads: the projections' output decides, so a tensor-parallel rank (strategies.tp) whose wq/wk/wv
+        # compute n_heads / T and n_kv_heads / T heads runs this same code.
+        q = self.wq(x).view(b, t, -1, self.head_dim)
+        k = self.wk(x).view(b, t, -1, self.head_dim)
+        v = self.wv(x).view(b, t, -1, self.head_dim)
         angle_dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64, bf16 rotates in fp32
         cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        n_rep = self.n_heads // self.n_kv_heads
+        n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
