@@ -45,7 +45,6 @@ import torch.distributed as dist
 from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
-from stratbench.data.datasets import default_image_size
 from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, trace_step
@@ -58,7 +57,6 @@ from stratbench.models.split import (
     split_model,
     stage_module,
 )
-from stratbench.models.zoo import build_model
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
 
@@ -200,42 +198,28 @@ def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
     return {"microbatches": m} | ({"pp": pp} if pp < world else {})
 
 
-@dataclasses.dataclass(frozen=True)
-class LanguageModelSpec:
-    """A language model as a run on text data builds it, for its split on the meta device (hashable: splits
-    are cached). The vocabulary is ``--vocab-size``, else byte-level text's 256: a tokenizer's or token files'
-    own vocabulary is known once the data is read, and changes the sizes of the embedding and the head, not
-    the pieces (the run splits the model it built)."""
-
-    model: str
-    vocab_size: int
-    seq_len: int
-
-    def build(self) -> nn.Module:
-        return build_model(self.model, self.vocab_size, sample_shape=(self.seq_len,), seq_len=self.seq_len)
+def _run_spec(cfg) -> ModelSpec:
+    """The run's model as the splitter builds it on the meta device (hashable: splits are cached). A language
+    model's vocabulary is ``--vocab-size``, else byte-level text's 256, without reading the data: a tokenizer's
+    or token files' own vocabulary sizes the embedding and the head, not the pieces (the run splits the model
+    it built)."""
+    if is_text_data(cfg.data):
+        return ModelSpec(cfg.model, cfg.vocab_size or 256, 0, seq_len=cfg.seq_len)
+    return ModelSpec.from_config(cfg)
 
 
 def sample_of(cfg) -> tuple[tuple[int, ...], bool]:
-    """One input sample's shape and whether it is token ids, as the run's ``DataBundle.sample_shape`` and
-    ``is_text`` will say (a strategy splits the model before the loop builds the data): (seq_len,) token ids
-    on text data, (3, H, W) pixels otherwise."""
-    if is_text_data(cfg.data):
-        return (cfg.seq_len,), True
-    size = default_image_size(cfg)
-    return (3, size, size), False
-
-
-def _run_spec(cfg) -> Any:
-    """What builds the run's model on the meta device (``spec.build()``, hashable)."""
-    if is_text_data(cfg.data):
-        return LanguageModelSpec(cfg.model, cfg.vocab_size or 256, cfg.seq_len)
-    return ModelSpec.from_config(cfg)
+    """One input sample's shape and whether it is token ids, as the run's ``DataBundle`` will say (a strategy
+    splits the model before the loop builds the data): (seq_len,) token ids on text data, (3, H, W) pixels
+    otherwise."""
+    spec = _run_spec(cfg)
+    return spec.sample_shape, spec.is_text
 
 
 def _spec_split(cfg, stages: int, options) -> Split:
     """The split of the model the run ``cfg`` builds, costed on the meta device (the check, the cost model)."""
-    shape, tokens = sample_of(cfg)
-    return split_for_spec(_run_spec(cfg), stages, options.balance, options.points, shape, tokens)
+    spec = _run_spec(cfg)
+    return split_for_spec(spec, stages, options.balance, options.points, spec.sample_shape, spec.is_text)
 
 
 class StageModule(nn.Sequential):
@@ -377,17 +361,11 @@ class PipelineCost(CostModel):
 
     @staticmethod
     def _precision_scale(ctx, micro: int) -> float:
-        """The run's saved bytes over fp32's (the split is costed in fp32): of an image model, the ratio of the
-        whole model's traced saved bytes, since autocast keeps some ops in fp32 (bf16-mixed saves 0.54x on
-        tinynet); of a language model, whose whole-model trace (``model_trace.trace_step``) is not built yet,
-        the ratio of the activations' itemsizes (without autocast every saved tensor but the token ids is in
-        the weights' dtype; under autocast an underestimate, as autocast keeps the norms and softmax in fp32)."""
+        """The run's saved bytes over fp32's (the split is costed in fp32): the ratio of the whole model's
+        traced saved bytes, since autocast keeps some ops in fp32 (bf16-mixed saves 0.54x on tinynet)."""
         if ctx.cfg.precision == "fp32":
             return 1.0
-        if sample_of(ctx.cfg)[1]:
-            pspec = ctx.pspec
-            return (pspec.compute_dtype if pspec.autocast else pspec.param_dtype).itemsize / 4
-        spec = ModelSpec.from_config(ctx.cfg)
+        spec = _run_spec(ctx.cfg)
         full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
         mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
         return mixed / (full or 1)
