@@ -9,7 +9,7 @@ import torch
 from rich.table import Table
 
 from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
-from stratbench.core.config import TrainConfig, canonical_precision, coerce, validate
+from stratbench.core.config import RANGES, TrainConfig, canonical_precision, coerce, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS, TF32_GPUS
 from stratbench.core.tables import (
@@ -116,8 +116,9 @@ def check_model_arguments(args: argparse.Namespace) -> bool:
             f"--data {args.data!r}: the estimate takes synthetic (images) or text data for a language model: "
             "text, synthetic-tokens, tokens:PATH"
         )
-    if text and not 1 <= args.seq_len <= MAX_SEQ_LEN:
-        raise ConfigError(f"--seq-len must be between 1 and {MAX_SEQ_LEN}, got {args.seq_len}")
+    low, high = RANGES["seq_len"]
+    if text and not low <= args.seq_len <= high:
+        raise ConfigError(f"--seq-len must be between {low} and {high}, got {args.seq_len}")
     check_model(args.model, text, args.seq_len if text else None)
     return text
 
@@ -212,7 +213,6 @@ def time_setup(args: argparse.Namespace):
     return system, calibration
 
 
-MAX_SEQ_LEN = 1_048_576  # TrainConfig's range for seq_len
 MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
 MAX_BATCH = 100_000_000
 

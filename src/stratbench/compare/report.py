@@ -857,13 +857,8 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 r.rec.host_load_mean, r.rec.host_cpu_count, raw.get("repeats", 1),
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
                 raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
-                _blank(raw.get("throughput_tokens")), _blank(raw.get("val_perplexity")),
+                v(raw.get("throughput_tokens"), ""), v(raw.get("val_perplexity"), ""),  # language-model rows only
             ])  # fmt: skip
-
-
-def _blank(x: Any) -> Any:
-    """A column only some rows have (a language model's tokens/s and perplexity): empty where a row has none."""
-    return "" if x is None else x
 
 
 TEMPLATE = "report.html.j2"
