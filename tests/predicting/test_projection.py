@@ -317,6 +317,22 @@ def test_calibration_from_one_run_and_from_two_batch_sizes():
     assert q.efficiency_source.startswith("default")
 
 
+def test_a_calibration_whose_step_does_not_grow_with_the_batch_falls_back_to_the_largest_batch_and_says_so():
+    """A busy machine slowed the smaller batch's few timed steps: the line over the two batches falls, so the
+    efficiency comes from the largest batch alone, with no fixed overhead, and the source names the steps."""
+    s = hardware.builtin().system("p40-pcie3")
+    cfg = tiny_cfg(batch_size=64)
+    flops = projection.model_flops(cfg)
+    t_opt = projection.optimizer_bytes(cfg, 1)[0] / s.gpu.memory_bandwidth
+    eff, big = 0.3, flops * 128 / (11.76e12 * 0.3) + t_opt
+    runs = [_result(cfg.replace(batch_size=32), big * 1.5), _result(cfg.replace(batch_size=128), big)]
+    cal = projection.calibrate(runs, s)["fp32"]
+    assert cal.efficiency == pytest.approx(eff, rel=1e-6) and cal.overhead_s == 0
+    assert "did not grow with the batch" in cal.source and "batch 128" in cal.source
+    p = projection.project(cfg.replace(batch_size=128), s, calibration={"fp32": cal}, memory=False)
+    assert p.step_s == pytest.approx(big) and "did not grow" in p.efficiency_source
+
+
 def test_cpu_calibration_counts_the_threads_of_the_run_against_the_all_core_peak():
     """A CPU profile's peak is a matmul on every core; a 1-thread run on 2 cores had half of it, so the same
     step time means twice the efficiency, and a 2-process projection (compute_share of the profile) of that

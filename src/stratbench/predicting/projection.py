@@ -432,23 +432,33 @@ def _run_device(result: RunRecord, where: str, system: System) -> Gpu:
 
 def _fit_points(points: list[dict[str, float]], peak: float) -> tuple[float, float, str]:
     """(fixed seconds per step, efficiency, how they were found) from calibration points: a least-squares line
-    over two or more batch sizes, else the mean efficiency of one batch's runs with no fixed overhead."""
+    over two or more batch sizes, else the mean efficiency of one batch's runs with no fixed overhead. Where the
+    line does not rise (a busy machine slowed the smaller batch's few timed steps) the largest batch's runs alone
+    give the efficiency, and ``how`` says so: one noisy point must not leave a whole column without prediction."""
     batches = {p["batch"] for p in points}
     if len(batches) < 2:
-        efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
-        step_ms = statistics.fmean(p["step_s"] for p in points) * 1e3
-        return 0.0, efficiency, f"batch {points[0]['batch']}, step {step_ms:.1f} ms"
+        return _one_batch(points, peak)
     xs = [p["flop"] for p in points]
     ys = [p["step_s"] - p["optimizer_s"] for p in points]
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     if slope <= 0:
-        raise ConfigError(
-            "calibration runs: the step time does not grow with the batch; measure larger batches"
+        steps = ", ".join(f"batch {p['batch']}: {p['step_s'] * 1e3:.1f} ms" for p in points)
+        _, efficiency, how = _one_batch([p for p in points if p["batch"] == max(batches)], peak)
+        return 0.0, efficiency, (
+            f"{how}; the step time did not grow with the batch ({steps}: a busy machine?), so no fixed overhead "
+            "was fitted; measure more steps or larger batches"
         )
     overhead = max(0.0, my - slope * mx)
     how = f"fit over batches {sorted(batches)}: {overhead * 1e3:.1f} ms fixed per step"
     return overhead, 1.0 / (slope * peak), how
+
+
+def _one_batch(points: list[dict[str, float]], peak: float) -> tuple[float, float, str]:
+    """The mean efficiency of one batch size's calibration runs, with no fixed overhead."""
+    efficiency = statistics.fmean(p["flop"] / ((p["step_s"] - p["optimizer_s"]) * peak) for p in points)
+    step_ms = statistics.fmean(p["step_s"] for p in points) * 1e3
+    return 0.0, efficiency, f"batch {points[0]['batch']}, step {step_ms:.1f} ms"
 
 
 def load_calibration(paths: list[str], system: System) -> Calibrations:
