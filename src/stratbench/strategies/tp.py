@@ -258,6 +258,21 @@ def _replicate_rest(model: nn.Module, mesh) -> None:
             distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def apply_tp(model: nn.Module, mesh) -> None:
+    """Split ``model`` in place over the one-dimensional ``mesh`` (the tp dimension of a larger mesh under 2D/3D):
+    its plan's modules become DTensor slices, the rest replicated DTensors on the same mesh."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = model_plan(model)
+    if plan is None:  # checked before any work too (check_supported)
+        raise ConfigError(f"tp: the model has no tensor-parallel plan; {HOW_TO_PLAN}")
+    unmatched = unmatched_keys(model, plan)
+    if unmatched:  # checked before any work too (check_supported), on the model as built, unwrapped
+        raise ConfigError(f"tp: the plan names no module of the model: {', '.join(unmatched)}")
+    parallelize_module(model, mesh, plan)
+    _replicate_rest(model, mesh)
+
+
 @register
 class TPStrategy(Strategy):
     name = "tp"
@@ -284,15 +299,9 @@ class TPStrategy(Strategy):
 
     def wrap(self, model: nn.Module) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor.parallel import parallelize_module
 
-        plan = model_plan(model)
-        unmatched = unmatched_keys(model, plan)
-        if unmatched:  # checked before any work too (check_supported), on the model as built, unwrapped
-            raise ConfigError(f"tp: the plan names no module of the model: {', '.join(unmatched)}")
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
-        parallelize_module(model, mesh, plan)
-        _replicate_rest(model, mesh)
+        apply_tp(model, mesh)
         return model
 
     def report(self) -> dict[str, Any]:
