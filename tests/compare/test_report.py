@@ -343,3 +343,18 @@ def test_a_record_with_missing_or_unreadable_fields_still_renders(tmp_path):
     assert "| n/a | n/a |" in glance["ddp"] and "| fsdp | fp32 | 1 | n/a |" in glance["fsdp"]
     assert "this record could not be read (TypeError" in md  # ddp-zero's repeats: every measure n/a, noted why
     assert page.count("<tr") >= 1 + 4
+
+
+def test_a_rows_mesh_names_its_devices_in_the_table_and_the_csv(tmp_path):
+    """A method that reports a named mesh (result.json "mesh") shows it beside its devices; the others, and a mesh
+    of a bad type, show the devices alone."""
+    import csv
+
+    tp = _record("fsdp", "fp32", 4, 0.9, 900.0, 1, mesh={"dp": 2, "tp": 2})
+    bad = _record("tp", "fp32", 2, 0.9, 800.0, 1, mesh={"tp": "two"})
+    md, page = _render([_record("single", "fp32", 1, 0.9, 1000.0, 1), tp, bad], tmp_path)
+    rows = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| ")}
+    assert "| 4 (dp2 x tp2) |" in rows["fsdp"] and "| 2 |" in rows["tp"] and "(" not in rows["tp"].split("|")[3]
+    assert "4 (dp2 x tp2)" in page
+    by_label = {r["label"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
+    assert by_label["fsdp"]["mesh"] == "dp2xtp2" and by_label["tp"]["mesh"] == "" and by_label["single"]["mesh"] == ""

@@ -333,6 +333,8 @@ def _identity(rec: RunRecord) -> Row:
         "reason": rec.reason,
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
+    if rec.layout:
+        text["devices"] += f" ({rec.layout})"
     status = str(rec.status)
     text["status"] = (
         status if not raw["reason"] or status == "ok" else f"{status}: {' '.join(raw['reason'].split())}"
@@ -718,7 +720,8 @@ def _problems(rows: list[Row]) -> list[Row]:
 
 HOW_TO_READ = (
     "Each row is one run of the same model and data with one method and precision, in its own processes. "
-    "`devices` is how many devices (GPUs, or CPU processes) share the global batch; the global batch is the "
+    "`devices` is how many devices (GPUs, or CPU processes) share the global batch, with the method's device "
+    "mesh where it splits more than the data (dp2 x tp2: 2 data-parallel groups of 2 tensor-parallel ranks); the global batch is the "
     "same for every row, so all rows train the same problem and their accuracies are comparable (the test suite "
     "checks that every data-parallel method trains the same model as single: loss curves over 20 steps within "
     "1e-9 relative in fp64, and within 1e-5 in fp32 against a single-device run with the same micro-batch "
@@ -826,7 +829,7 @@ CSV_FIELDS = ["machine", "id", "method", "label", "precision", "init", "devices"
               "comm_formula_error_pct", "val_accuracy", "final_loss", "status", "reason",
               "host_load_mean", "host_cpu_count", "repeats", "train_time_min_s", "train_time_max_s",
               "throughput_min", "throughput_max", "val_accuracy_min", "val_accuracy_max", "throughput_tokens_per_s",
-              "val_perplexity"]  # fmt: skip
+              "val_perplexity", "mesh"]  # fmt: skip
 
 
 def write_csv(rows: list[Row], path: Path) -> None:
@@ -858,6 +861,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
                 raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
                 v(raw.get("throughput_tokens"), ""), v(raw.get("val_perplexity"), ""),  # language-model rows only
+                r.rec.layout.replace(" ", ""),  # the method's named mesh ("dpxtp"), blank where it reports none
             ])  # fmt: skip
 
 

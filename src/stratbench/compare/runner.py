@@ -157,6 +157,7 @@ def make_record(
         "data": result.get("data", cell.config.get("data")),
         "metrics": result.get("metrics") or {},
         "sharding": result.get("sharding") or {},
+        "mesh": result.get("mesh") or {},
         "elapsed_s": elapsed_s,
         "returncode": returncode,
         "cell_dir": str(cell_dir) if cell_dir else None,

@@ -123,7 +123,13 @@ NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_
                   "val_accuracy", "final_loss", "mfu", "flops_per_sample")  # fmt: skip
 NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
                        "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
-DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding")
+DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding", "mesh")
+
+
+def _mesh(x: Any) -> dict[str, int]:
+    """A record's ``mesh``: its dimensions whose size is a positive integer, in their order."""
+    items = x.items() if isinstance(x, dict) else ()
+    return {str(k): v for k, v in items if isinstance(v, int) and not isinstance(v, bool) and v > 0}
 
 
 @dataclass(frozen=True)
@@ -155,6 +161,8 @@ class RunRecord:
     """compare --repeats: ``n`` runs, and ``metrics``: per measure its median, min, max over the runs."""
     sharding: dict[str, list[float | None]] = field(default_factory=dict)
     """Model-state bytes per rank by part (param_bytes, grad_bytes, optimizer_state_bytes, master_param_bytes)."""
+    mesh: dict[str, int] = field(default_factory=dict)
+    """The method's named device-mesh dimensions (dp, pp, tp) and their sizes, where it reports one."""
     model: str | None = None
     log: str | None = None
     schema: int = SCHEMA
@@ -172,7 +180,7 @@ class RunRecord:
             **{k: rec.get(k) for k in NUMBER_FIELDS},
             machine=Machine.from_dict(rec.get("machine")), environment=rec.get("environment") or {},
             config=rec.get("config") or {}, metrics=Metrics.from_dict(m), repeats=rec.get("repeats") or {},
-            sharding=rec.get("sharding") or {}, model=_text(rec.get("model")),
+            sharding=rec.get("sharding") or {}, mesh=_mesh(rec.get("mesh")), model=_text(rec.get("model")),
             log=str(rec["log"]) if rec.get("log") else None, schema=_schema(rec.get("schema")), fields=rec,
         )  # fmt: skip
 
@@ -185,6 +193,11 @@ class RunRecord:
     def world(self) -> int:
         """The number of processes (1 where not recorded)."""
         return int(self.world_size or 1)
+
+    @property
+    def layout(self) -> str:
+        """The mesh as the report names it ("dp2 x tp2"), "" where the method reports none."""
+        return " x ".join(f"{k}{v}" for k, v in self.mesh.items())
 
     @property
     def devices(self) -> int:
