@@ -117,6 +117,9 @@ def test_list_names_every_strategy_and_precision(capsys):
 
     for name in [*all_strategies(), *SPECS]:
         assert name in out
+    # a method judged on a model it applies to (tp: the default image model has no tp plan) says which
+    tp = next(ln for ln in out.splitlines() if ln.startswith("│ tp "))
+    assert "yes (on gpt-tiny)" in tp, tp
 
 
 # ---- every input that used to end in a traceback, a hang or a silent acceptance (issue 14) ----------------

@@ -59,8 +59,10 @@ def strategy_table(device, here: str | None, wide: bool):
             row += [cls.requirements, cls.launcher, opts]
         if here:
             world = 2 if cls.needs_process_group else 1
-            reason = cls.check_supported(TrainConfig(strategy=name, nproc=world), device, world)
-            row.append("yes" if reason is None else f"no: {reason}")
+            cfg = TrainConfig(strategy=name, nproc=world, **cls.check_settings)
+            reason = cls.check_supported(cfg, device, world)
+            on = f" (on {cfg.model})" if cls.check_settings else ""
+            row.append(f"yes{on}" if reason is None else f"no{on}: {reason}")
         table.add_row(*row)
     return table
 

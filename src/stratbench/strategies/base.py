@@ -201,6 +201,9 @@ class Strategy:
     calibration_refused: ClassVar[str] = ""
     """Why a run of this method on one device cannot calibrate the method's own overhead per step ("": it can;
     ``stratbench.predicting.projection.calibrate``, ``compare --calibrate``)."""
+    check_settings: ClassVar[dict[str, Any]] = {}
+    """The config settings `stratbench list --check` judges the method with where the default model is not one it
+    applies to (tp: a built-in transformer on text), so that "here" says whether this machine runs it."""
     checkpoint_layout: ClassVar[str | None] = None
     """The checkpoint layout (``stratbench_meta.pt``'s "layout") whose pre-launch check this class owns
     (``check_checkpoint``); None: none."""

@@ -280,6 +280,7 @@ class TPStrategy(Strategy):
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); a model with a tensor-parallel plan"
     launcher = "torchrun"
     needs_process_group = True
+    check_settings = {"model": "gpt-tiny", "data": "text"}  # the default image model has no tp plan
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
