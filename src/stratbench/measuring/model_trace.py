@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -313,8 +314,10 @@ def trace_step(
     precision: str,
     activation_checkpointing: bool = False,
     device_type: str = "cuda",
+    transform: Callable[[nn.Module], None] | None = None,
 ) -> Trace:
-    """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding)."""
+    """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding);
+    ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     if precision not in SPECS:
@@ -323,6 +326,8 @@ def trace_step(
     live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
+        if transform is not None:
+            transform(model)
         if activation_checkpointing:
             apply_activation_checkpointing(model)
         own = {id(p.untyped_storage()) for p in model.parameters()} | {

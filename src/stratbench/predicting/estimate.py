@@ -34,6 +34,7 @@ from stratbench.core.precision import SPECS, cpu_native_16bit
 from stratbench.measuring.model_trace import (
     ModelInfo,
     ModelSpec,
+    Trace,
     cpu_step_scratch,
     micro_batch,
     model_info,
@@ -161,16 +162,16 @@ def estimate(
     info = model_info(spec)
     if cfg.precision not in SPECS:
         raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
-    mb = micro_batch(cfg, world_size)
     states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
     s = max(states, key=_held_bytes)
+    mb = micro_batch(cfg, s.data_ranks or world_size)
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
     run_as = s.trace_precision or cfg.precision
-    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type)
+    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
-    fwd_bwd_traced = trace.peak(grad_fraction)
+    fwd_bwd_traced = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     saved, saved_note = trace.saved_bytes, f"traced at micro-batch {mb}"
     if s.activations is not None:  # the method's own count (pipeline stages); gradients as they appear
         saved, saved_note, fwd_bwd_traced = s.activations, s.activation_note, s.activations + s.grads
@@ -210,6 +211,12 @@ def estimate(
         vocab_size=spec.num_classes if spec.is_text else None,
         activation_formula=formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes),
     )
+
+
+def _working_peak(trace: Trace, grad_fraction: float, kept_grads: int) -> int:
+    """The traced forward/backward peak with ``grad_fraction`` of the gradients as they appear; with
+    accumulation (``kept_grads`` > 0) the micro-steps after the first start with the kept gradients whole."""
+    return max(trace.peak(grad_fraction), max(trace.nongrad, default=0) + kept_grads)
 
 
 def formula_check(

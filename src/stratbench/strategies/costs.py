@@ -7,8 +7,11 @@ A leaf below the strategies and the estimate: it imports nothing of either (docs
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
@@ -79,6 +82,12 @@ class RankMemory:
     """Activations the method computes itself (a pipeline stage: its micro-batches in flight); None: the whole
     model traced at the per-device micro-batch."""
     activation_note: str = ""
+    data_ranks: int | None = None
+    """How many ways the global batch is split per micro-step, where it is not the world size (tensor-parallel
+    ranks all compute the same batch: 1); the traced micro-batch is the batch over these and accumulation."""
+    trace_transform: Callable[[nn.Module], None] | None = None
+    """Applied in place to the model before it is traced, where a rank computes a slice of it (a tensor-parallel
+    rank's narrowed matrices); hashable (the traces are cached), e.g. a frozen dataclass with ``__call__``."""
     trace_precision: str | None = None
     """The precision the method's forward/backward really runs in, where it is not the run's: DeepSpeed converts
     the model to fp16/bf16 itself and runs it without autocast (its activations are a ``*-true`` run's, with no
