@@ -34,6 +34,7 @@ from stratbench.checkpoints import sharded
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec
+from stratbench.models.flops import flops_per_sample
 from stratbench.models.transformer import Attention, FeedForward, Transformer, TransformerConfig
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
@@ -249,6 +250,33 @@ class TPCost(CostModel):
     @classmethod
     def comm_model(cls, ctx):
         return transformer_comm(ctx)
+
+    @classmethod
+    def comm_overlap(cls, ctx) -> float:
+        """None of it: each all-reduce sits between a row-parallel matmul and the op that needs its sum (no
+        asynchronous or micro-pipelined TP here), so it is on the critical path."""
+        return 0.0
+
+    @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """A rank's share of the whole batch's FLOPs: its slice of the split matrices and attention heads plus the
+        replicated rest (embedding, norms, head), counted on the meta device (``LocalSlice``)."""
+        return local_flop_share(ModelSpec.from_config(ctx.cfg), ctx.world)
+
+
+@functools.cache
+def local_flop_share(spec: ModelSpec, world: int) -> float:
+    """The forward+backward FLOPs of one tp rank's slice of the model over the whole model's (1.0 where either
+    cannot be counted: no saving is claimed)."""
+    whole = flops_per_sample(spec.build, spec.sample_shape, spec.num_classes)
+
+    def build_slice() -> nn.Module:
+        model = spec.build()
+        LocalSlice(world)(model)
+        return model
+
+    local = flops_per_sample(build_slice, spec.sample_shape, spec.num_classes)
+    return local / whole if whole and local else 1.0
 
 
 class TPCheckpointIO(CheckpointIO):
