@@ -105,13 +105,16 @@ def test_collectives_are_fsdps_over_dp_and_megatrons_over_tp(runs):
 @pytest.mark.equivalence
 def test_the_sharded_checkpoint_resumes_under_fsdp_tp_another_mesh_and_single(runs):
     """The DCP folder written after step 2 (each rank its dp shard of its tp slice) resumes under fsdp x tp on
-    the same (2, 2) mesh, on a (dp 1, tp 2) mesh of 2 processes, and under single: each goes on exactly as the
-    uninterrupted single run (weights, AdamW moments, schedule and data position back)."""
+    the same (2, 2) mesh (with grad-op sharding and activation checkpointing, which must not change a number),
+    on a (dp 1, tp 2) mesh of 2 processes, and under single: each goes on exactly as the uninterrupted single
+    run (weights, AdamW moments, schedule and data position back)."""
     root, ref = runs["root"], runs["single"]["metrics"]["loss_curve"]
     folder = root / "fsdp-tp" / "checkpoints" / f"step-{SAVED:08d}"
     assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 4
     resume = [*LM64, "--max-steps", str(STEPS), "--resume-from", str(folder)]
-    same = train(root / "resumed-2x2", *FSDP_TP, *resume, nproc=4)
+    same = train(root / "resumed-2x2", *FSDP_TP, *resume, "--sharding", "grad-op", "--activation-checkpointing",
+                 nproc=4)  # fmt: skip
+    assert same["sharding"]["param_bytes"] == runs["fsdp-tp"]["sharding"]["param_bytes"]
     other = train(root / "resumed-1x2", *FSDP_TP, *resume, nproc=2)
     assert other["mesh"] == {"dp": 1, "tp": 2} and other["micro_batch_size"] == BATCH
     single = train(root / "resumed-single", "--strategy", "single", *resume)
