@@ -13,6 +13,10 @@ Sharding (``--sharding``):
 Wrapping (``--wrap``): each unit is one ``fully_shard`` call, i.e. one all-gather/reduce-scatter group; by
 default one per residual block (``stratbench.models.zoo.residual_block_types``), then the root for what is left.
 
+2D parallelism (``--tp T``): a (dp = world/T, tp = T) device mesh; the model's tensor-parallel plan (the tp
+method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards each rank's slices over ``dp``
+(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism_2d.md).
+
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
 sharding. BatchNorm under a half policy gets its own unit that keeps fp32 (CPU BatchNorm rejects bf16 weights).
@@ -33,9 +37,11 @@ from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoin
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, dim0_padded
+from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.zoo import residual_block_types
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
+from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
+from stratbench.strategies.tp import apply_tp, tp_shapes, transformer_comm, unsupported
 
 SHARDING = ("full", "grad-op", "none")
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -55,6 +61,8 @@ class FSDPOptions:
     """fsdp: keep the sharded parameters, gradients and optimizer state in CPU memory (FSDP2's CPUOffloadPolicy; runs on CPU too)."""
     checkpoint_format: str = "sharded"
     """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
+    tp: int = 1
+    """fsdp: tensor-parallel degree T (2D parallelism): the ranks form a (dp = world/T, tp = T) mesh; the model's tensor-parallel plan (as the tp method's) splits each block's matrices over tp, then FSDP2 shards them over dp. 1: FSDP alone."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING)
@@ -63,6 +71,8 @@ class FSDPOptions:
             raise ConfigError("wrap must be block, size, none or comma-separated module class names; got ''")
         if self.wrap_min_params <= 0:
             raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
+        if self.tp < 1:
+            raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -189,15 +199,103 @@ def fsdp2_comm(ctx, sharding: str):
     return rows
 
 
+def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
+    """One line saying why ``--tp`` cannot run with this world, model and these options, or None."""
+    t = options.tp
+    if t == 1 or world_unfit(t, world):
+        return world_unfit(t, world)
+    why = unsupported(cfg, t)  # the tp method's line, whose degree is its --nproc: here it is --tp
+    return f"fsdp --tp {t}: " + why.replace("--nproc that fit", "--tp that fit") if why else None
+
+
+def world_unfit(t: int, world: int) -> str | None:
+    """One line when ``world`` processes do not form a (world / t, t) mesh, else None."""
+    if world % t == 0:
+        return None
+    fits = [d for d in range(1, world + 1) if world % d == 0]
+    return (
+        f"fsdp --tp {t}: {world} processes do not divide by {t}; --tp that fit: {', '.join(map(str, fits))}"
+    )
+
+
+def tp_local(ctx) -> MemoryContext:
+    """The model as one rank of a tensor-parallel group holds it, over the dp dimension of the mesh: each split
+    parameter 1/T (its dim 0 too where split along it: column-parallel), the rest whole; world = world / T.
+    FSDP2 then chunks these local tensors along dim 0 over dp, as ``fsdp2_memory``/``fsdp2_comm`` price them."""
+    t, info = ctx.options.tp, ctx.info
+    split = tp_shapes(ModelSpec.from_config(ctx.cfg)).split
+    local = dataclasses.replace(
+        info,
+        numels=[n // t if d is not None else n for n, d in zip(info.numels, split, strict=True)],
+        dim0=[d0 // t if d == 0 else d0 for d0, d in zip(info.dim0, split, strict=True)],
+    )
+    return dataclasses.replace(ctx, world=ctx.world // t, info=local)
+
+
+def fsdp_tp_comm(ctx) -> list[Collective] | None:
+    """fsdp x tp per optimizer step: FSDP2's all-gathers and reduce-scatters (``fsdp2_comm``) over the dp group
+    of each rank's tensor-parallel slices, Megatron's all-reduces over the tp group (``tp_rows``) and, with
+    --clip-grad-norm, the per-parameter norms all-reduced over each mesh dimension the gradients are sharded
+    on, in turn (DTensor: one all-reduce per dimension; not over dp for --sharding none, whose gradients are
+    replicated there). A model of the user's: None (its plan's traffic is not derived)."""
+    dp = tp_local(ctx)
+    megatron = tp_rows(ctx, dp.world)
+    if megatron is None:
+        return None
+    rows = fsdp2_comm(dp, ctx.options.sharding) + megatron
+    if ctx.cfg.clip_grad_norm and dp.world > 1 and ctx.options.sharding != "none":
+        norms = len(ctx.info.numels) * ctx.param_bytes
+        rows.append(Collective("all_reduce", norms, 1, "optimizer", dp.world, "per-parameter norms over dp"))
+    return rows
+
+
+def tp_rows(ctx, dp: int) -> list[Collective] | None:
+    """Megatron's all-reduces (``transformer_comm``) over the tp group at the replica's batch (global / dp).
+    FSDP's policy runs no autocast: the residual stream is in the compute dtype, so the backward all-reduces
+    carry it too (tp alone under autocast sends the weights' dtype back). Activation checkpointing runs each
+    block's forward again in backward, up to the last tensor backward needs (torch's early stop): the
+    attention's wo all-reduce runs again, the MLP's w2 (the block's last op) does not."""
+    cfg, t = ctx.cfg, ctx.options.tp
+    rows = transformer_comm(
+        dataclasses.replace(ctx, world=t, cfg=dataclasses.replace(cfg, batch_size=cfg.batch_size // dp))
+    )
+    if rows is None:
+        return None
+    scale = ctx.pspec.compute_dtype.itemsize / ctx.param_bytes
+    rows = [
+        dataclasses.replace(r, payload_bytes=round(r.payload_bytes * scale)) if r.phase == "backward" else r
+        for r in rows
+    ]
+    if cfg.activation_checkpointing:
+        fwd = next(r for r in rows if r.phase == "forward")  # wo and w2 of every block and micro-step
+        again = Collective(
+            "all_reduce", fwd.payload_bytes // 2, fwd.calls // 2, "backward", t, "wo recomputed"
+        )
+        rows.append(again)
+    return rows
+
+
 class FSDPCost(CostModel):
-    """FSDP2 with the run's ``--sharding`` and ``--cpu-offload`` (``fsdp2_memory``, ``fsdp2_comm``)."""
+    """FSDP2 with the run's ``--sharding`` and ``--cpu-offload`` (``fsdp2_memory``, ``fsdp2_comm``); with
+    ``--tp`` the same over the dp dimension of each rank's tensor-parallel slices (``tp_local``)."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
-        return fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
+        opts = ctx.options
+        if opts.tp == 1:
+            return fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+        dp = tp_local(ctx)
+        m = fsdp2_memory(dp, rank // opts.tp, opts.sharding, opts.cpu_offload)
+        m.sharding_note = (
+            f"split weights 1/{opts.tp} over tp, then {m.sharding_note} over dp (N = {dp.world})"
+        )
+        m.activation_note = "traced as one whole model per rank (tp's activations not modelled yet)"
+        return m
 
     @classmethod
     def comm_model(cls, ctx):
+        if ctx.options.tp > 1:
+            return fsdp_tp_comm(ctx)
         return fsdp2_comm(ctx, ctx.options.sharding)
 
 
@@ -238,20 +336,61 @@ class FSDPStrategy(Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
-        return None
+        return tp_unsupported(cfg, cls.parse_options(cfg.strategy_options), world_size)
+
+    @classmethod
+    def data_parallel_size(cls, cfg, world_size: int) -> int:
+        """The replicas the batch is split over: the mesh's dp dimension (world / --tp; refused here, first, when
+        --tp does not divide the world)."""
+        t = cls.parse_options(cfg.strategy_options).tp
+        why = world_unfit(t, world_size)
+        if why:
+            raise ConfigError(why)
+        return world_size // t
 
     cost = FSDPCost
     checkpoint_io_class = FSDPCheckpointIO
 
+    def data_shard(self) -> tuple[int, int]:
+        """The rank's dp coordinate: the ranks of one tensor-parallel group read the same batches."""
+        t = self.options.tp
+        return self.env.rank // t, self.env.world_size // t
+
+    def report(self) -> dict[str, Any]:
+        """With --tp, the mesh in result.json: its named dimensions and their sizes."""
+        return {"mesh": self.mesh_shape} if self.options.tp > 1 else {}
+
     # ---- set-up -------------------------------------------------------------------------------
     def mesh(self):
-        """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one)."""
+        """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one).
+        With --tp T a last dimension ``tp`` of size T (consecutive ranks form one tensor-parallel group) and the
+        data-parallel ranks before it: (dp = world/T, tp), or (replicate = world/T, shard = 1, tp) for none."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        kind = self.env.device.type
+        kind, world, t = self.env.device.type, self.env.world_size, self.options.tp
+        if t > 1 and self.options.sharding == "none":
+            return init_device_mesh(kind, (world // t, 1, t), mesh_dim_names=("replicate", "shard", "tp"))
+        if t > 1:
+            return init_device_mesh(kind, (world // t, t), mesh_dim_names=("dp", "tp"))
         if self.options.sharding == "none":
-            return init_device_mesh(kind, (self.env.world_size, 1), mesh_dim_names=("replicate", "shard"))
-        return init_device_mesh(kind, (self.env.world_size,), mesh_dim_names=("shard",))
+            return init_device_mesh(kind, (world, 1), mesh_dim_names=("replicate", "shard"))
+        return init_device_mesh(kind, (world,), mesh_dim_names=("shard",))
+
+    def shard_mesh(self, model: nn.Module):
+        """The mesh FSDP2 shards over. With --tp the model is split over the mesh's tp dimension first
+        (torchtitan's order: TP, then FSDP over the data-parallel dimensions), and the mesh is printed once."""
+        mesh = self.mesh()
+        if self.options.tp == 1:
+            return mesh
+        self.mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
+        apply_tp(model, mesh["tp"])
+        if self.env.is_main:
+            dims = " x ".join(f"{k} {v}" for k, v in self.mesh_shape.items())
+            print(
+                f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} (the ranks of one tp group read the same data)"
+            )
+        data_dims = mesh.mesh_dim_names[:-1]
+        return mesh[data_dims[0]] if len(data_dims) == 1 else mesh[data_dims]
 
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
@@ -261,7 +400,7 @@ class FSDPStrategy(Strategy):
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
-        mesh = self.mesh()
+        mesh = self.shard_mesh(model)
         if spec.autocast:  # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
             mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
         else:

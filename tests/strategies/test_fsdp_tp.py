@@ -1,0 +1,141 @@
+"""fsdp --tp: 2D parallelism (FSDP2 over the mesh's dp dimension, Megatron tensor parallelism over tp) on the
+built-in transformer, 4 gloo processes on CPU as a (dp 2, tp 2) mesh: it trains exactly the model `single`
+trains (fp64, gradient clipping on), each rank holds 1/4 of the split matrices and 1/2 of the replicated rest
+as the cost model says, the collectives measured per kind are FSDP's over dp plus Megatron's over tp, and its
+sharded checkpoint resumes under fsdp x tp, under a (dp 1, tp 2) mesh and under single; a world, a model or a
+degree that does not fit is refused in one line before any work."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import (
+    COMM,
+    RTOL,
+    assert_breakdown_adds_up,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    fails,
+    train,
+)
+from stratbench.models.transformer import SIZES
+
+SEQ, BATCH, STEPS, SAVED = 32, 8, 4, 2
+LM64 = [
+    "--model", "gpt-tiny", "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
+    "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "16", "--progress", "false",
+    "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
+]  # fmt: skip
+FSDP_TP = ["--strategy", "fsdp", "--tp", "2"]
+CFG = SIZES["gpt-tiny"]
+F64 = 8
+PARAMS = 9 * CFG.n_layers + 3
+"""gpt-tiny's parameter tensors: per block 7 matrices and 2 norms, then the embedding, the final norm, the head."""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """single, and fsdp --tp 2 on 4 processes saving its sharded checkpoint after step 2 (kept beside the last)."""
+    root = tmp_path_factory.mktemp("fsdp_tp")
+    steps = ["--max-steps", str(STEPS)]
+    single = train(root / "single", "--strategy", "single", *LM64, *steps)
+    save = ["--save-every-steps", str(SAVED), "--keep-last", "2"]
+    two_d = train(root / "fsdp-tp", *FSDP_TP, *LM64, *steps, *COMM, *save, nproc=4)
+    return {"root": root, "single": single, "fsdp-tp": two_d}
+
+
+def _split_and_replicated() -> tuple[int, int]:
+    """Elements of gpt-tiny that tp splits (q, k, v, o, gate, up, down of every block) and that it replicates
+    (embedding, head, norms)."""
+    split = CFG.n_layers * (4 * CFG.dim * CFG.dim + 3 * CFG.dim * CFG.ffn_hidden)
+    replicated = 2 * CFG.vocab_size * CFG.dim + (2 * CFG.n_layers + 1) * CFG.dim
+    return split, replicated
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_fsdp_tp_trains_the_model_single_trains(runs, capsys):
+    res, ref = runs["fsdp-tp"], runs["single"]["metrics"]["loss_curve"]
+    assert res["status"] == "ok" and res["world_size"] == 4 and res["data_parallel_size"] == 2
+    assert res["micro_batch_size"] == BATCH // 2, "each tp group takes one dp replica's half of the batch"
+    assert res["mesh"] == {"dp": 2, "tp": 2}
+    assert ref[-1] < 0.9 * ref[0], "the reference must train, or equal curves prove nothing"
+    assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+
+
+@pytest.mark.distributed
+def test_each_rank_holds_a_quarter_of_the_split_weights_and_half_the_rest(runs):
+    """Split over tp (1/2), then sharded over dp (1/2): 1/4 of the split matrices; the replicated embedding,
+    head and norms sharded over dp only: 1/2. The cost model gives the same bytes on every rank."""
+    from stratbench.core.config import TrainConfig, from_dict
+    from stratbench.predicting.estimate import model_state_bytes
+
+    split, replicated = _split_and_replicated()
+    per_rank = runs["fsdp-tp"]["sharding"]["param_bytes"]
+    assert per_rank == [(split // 4 + replicated // 2) * F64] * 4, per_rank
+    assert runs["fsdp-tp"]["sharding"]["grad_bytes"] == per_rank
+    model = model_state_bytes(from_dict(TrainConfig, dict(runs["fsdp-tp"]["config"])), 4)
+    assert [m["param_bytes"] for m in model] == [m["grad_bytes"] for m in model] == per_rank
+    adam = runs["fsdp-tp"]["sharding"]["optimizer_state_bytes"]
+    assert [m["optimizer_state_bytes"] for m in model] == adam == [2 * per_rank[0] + 4 * PARAMS] * 4
+
+
+@pytest.mark.distributed
+def test_collectives_are_fsdps_over_dp_and_megatrons_over_tp(runs):
+    """Over dp: every unit's tp slices all-gathered for forward and again for backward, their gradients
+    reduce-scattered; over tp: 2 all-reduces per block forward and 2 backward of the replica's (4, 32, 192)
+    activations; clipping: the 39 per-parameter norms all-reduced over dp, then over tp."""
+    res = runs["fsdp-tp"]
+    comm = assert_comm_matches_formula(res)
+    split, replicated = _split_and_replicated()
+    tp_slices = (split // 2 + replicated) * F64  # what one dp group gathers: the whole model's tp half
+    measured = comm["measured"]
+    assert measured["all_gather"]["payload_bytes"] == 2 * tp_slices, measured
+    assert measured["reduce_scatter"]["payload_bytes"] == tp_slices, measured
+    activation = BATCH // 2 * SEQ * CFG.dim * F64
+    megatron = 4 * CFG.n_layers
+    assert measured["all_reduce"]["calls"] == megatron + 2, measured
+    assert measured["all_reduce"]["payload_bytes"] == megatron * activation + 2 * PARAMS * F64, measured
+    assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}
+    assert_breakdown_adds_up(res)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_the_sharded_checkpoint_resumes_under_fsdp_tp_another_mesh_and_single(runs):
+    """The DCP folder written after step 2 (each rank its dp shard of its tp slice) resumes under fsdp x tp on
+    the same (2, 2) mesh (with grad-op sharding and activation checkpointing, which must not change a number),
+    on a (dp 1, tp 2) mesh of 2 processes, and under single: each goes on exactly as the uninterrupted single
+    run (weights, AdamW moments, schedule and data position back)."""
+    root, ref = runs["root"], runs["single"]["metrics"]["loss_curve"]
+    folder = root / "fsdp-tp" / "checkpoints" / f"step-{SAVED:08d}"
+    assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 4
+    resume = [*LM64, "--max-steps", str(STEPS), "--resume-from", str(folder)]
+    same = train(root / "resumed-2x2", *FSDP_TP, *resume, "--sharding", "grad-op", "--activation-checkpointing",
+                 nproc=4)  # fmt: skip
+    assert same["sharding"]["param_bytes"] == runs["fsdp-tp"]["sharding"]["param_bytes"]
+    other = train(root / "resumed-1x2", *FSDP_TP, *resume, nproc=2)
+    assert other["mesh"] == {"dp": 1, "tp": 2} and other["micro_batch_size"] == BATCH
+    single = train(root / "resumed-single", "--strategy", "single", *resume)
+    for res in (same, other, single):
+        assert res["resumed_from"]["step"] == SAVED
+        assert_curves_match(res["metrics"]["loss_curve"], ref[SAVED:], RTOL)
+
+
+def test_worlds_models_and_degrees_that_do_not_fit_are_refused_in_one_line(capsys, tmp_path):
+    out = tmp_path / "refused"
+    err = fails(capsys, "train", *FSDP_TP[:2], "--tp", "3", "--nproc", "4", *LM64, "--output", out)
+    assert "fsdp --tp 3: 4 processes do not divide by 3; --tp that fit: 1, 2, 4" in err
+    err = fails(capsys, "train", *FSDP_TP[:2], "--tp", "3", "--nproc", "3", *LM64, "--output", out)
+    assert (
+        "fsdp --tp 3: tp over 3 processes: n_heads 4 and n_kv_heads 4 of gpt-tiny must both divide by 3"
+        in err
+    )
+    assert "--tp that fit: 1, 2, 4" in err
+    err = fails(capsys, "train", *FSDP_TP, "--nproc", "4", "--model", "resnet18", "--data", "synthetic",
+                "--output", out)  # fmt: skip
+    assert "fsdp --tp 2: tp: model 'resnet18' has no tensor-parallel plan" in err and "tp_plan()" in err
+    err = fails(capsys, "train", *FSDP_TP[:2], "--tp", "0", "--nproc", "2", *LM64, "--output", out)
+    assert "tp must be a positive integer (1: no tensor parallelism), got 0" in err
+    assert not out.exists(), "refused before anything is written"
