@@ -15,6 +15,7 @@ from conftest import (
     assert_breakdown_adds_up,
     assert_comm_matches_formula,
     assert_curves_match,
+    assert_estimate_within,
     fails,
     train,
 )
@@ -77,6 +78,8 @@ def test_each_rank_holds_a_quarter_of_the_split_weights_and_half_the_rest(runs):
     assert runs["fsdp-tp"]["sharding"]["grad_bytes"] == per_rank
     model = model_state_bytes(from_dict(TrainConfig, dict(runs["fsdp-tp"]["config"])), 4)
     assert [m["param_bytes"] for m in model] == [m["grad_bytes"] for m in model] == per_rank
+    # the whole estimate: a rank's slice of the model traced at its replica's batch (tp.LocalSlice)
+    assert_estimate_within(runs["fsdp-tp"])
     adam = runs["fsdp-tp"]["sharding"]["optimizer_state_bytes"]
     assert [m["optimizer_state_bytes"] for m in model] == adam == [2 * per_rank[0] + 4 * PARAMS] * 4
 

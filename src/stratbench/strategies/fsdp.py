@@ -41,7 +41,14 @@ from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.zoo import residual_block_types
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
-from stratbench.strategies.tp import apply_tp, tp_shapes, transformer_comm, unsupported
+from stratbench.strategies.tp import (
+    LocalSlice,
+    apply_tp,
+    local_flop_share,
+    tp_shapes,
+    transformer_comm,
+    unsupported,
+)
 
 SHARDING = ("full", "grad-op", "none")
 CHECKPOINT_FORMATS = ("sharded", "full")
@@ -289,8 +296,15 @@ class FSDPCost(CostModel):
         m.sharding_note = (
             f"split weights 1/{opts.tp} over tp, then {m.sharding_note} over dp (N = {dp.world})"
         )
-        m.activation_note = "traced as one whole model per rank (tp's activations not modelled yet)"
+        # each rank computes its replica's batch through its slice of the split matrices
+        m.data_ranks, m.trace_transform = dp.world, LocalSlice(opts.tp)
         return m
+
+    @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """1, or with --tp a rank's slice of its replica's FLOPs (``tp.local_flop_share``)."""
+        t = ctx.options.tp
+        return 1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t)
 
     @classmethod
     def comm_model(cls, ctx):
