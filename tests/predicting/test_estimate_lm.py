@@ -212,3 +212,22 @@ def test_estimate_within_10_percent_of_the_measured_peak(tmp_path, case):
     res = train(tmp_path / case, *RUN, *[str(bucket) if f == "BUCKET" else f for f in flags], nproc=nproc)
     assert res["status"] == "ok" and res["model_meta"]["seq_len"] == int(flags[1])
     assert_estimate_within(res, 0.10)
+
+
+def test_advise_offers_tensor_parallelism_where_the_batch_does_not_split_over_the_devices():
+    """One 256-token sample on 2 devices: no data-parallel plan can split it (each says so), tensor parallelism
+    computes it on both (each through half of every block) and is chosen, with a train command train accepts; an
+    image model, which has no tensor-parallel plan, keeps the one-line refusal naming batches that split."""
+    from stratbench.cli import build_parser
+    from stratbench.commands.train import resolve_config
+    from stratbench.training import engine
+
+    base = TrainConfig(model="gpt-tiny", data="text", seq_len=256, batch_size=1, optimizer="adamw", precision="fp32")
+    advice = advise(base, 2, parse_bytes("1GiB"), goal="fit")
+    assert advice.plan is not None and advice.plan.strategy == "tp", advice.reasons
+    assert any(r.startswith("ddp: n/a, the global batch 1 does not split over its 2") for r in advice.reasons)
+    cfg = resolve_config(build_parser().parse_args(advice.train_command.split()[1:]))
+    engine.check_config(cfg, cfg.nproc)
+    assert cfg.strategy == "tp" and cfg.nproc == 2 and cfg.batch_size == 1
+    with pytest.raises(ConfigError, match="--batch-size 1 is not divisible by --devices 2 .* use e.g. 2"):
+        advise(TrainConfig(model="resnet18", data="synthetic", batch_size=1), 2, parse_bytes("1GiB"), goal="fit")

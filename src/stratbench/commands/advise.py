@@ -163,16 +163,9 @@ def bullets(console, lines: list[str]) -> None:
 
 
 def check_devices_and_batch(devices: int, batch_size: int) -> None:
-    """A device count stratbench plans for, and a global batch train can split evenly over it."""
+    """A device count stratbench plans for and a positive global batch (whether a plan's data-parallel ranks
+    split it evenly is asked per plan: ``predicting.advise.applicable``)."""
     if not 1 <= devices <= 4096:
         raise ConfigError(f"--devices must be between 1 and 4096, got {devices}")
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    if batch_size % devices:
-        # train splits the global batch evenly over the devices: a plan with this batch would be refused.
-        low, high = batch_size // devices * devices, (batch_size // devices + 1) * devices
-        hint = f"{low} or {high}" if low else f"{high}"
-        raise ConfigError(
-            f"--batch-size {batch_size} is not divisible by --devices {devices} (train splits the global batch "
-            f"evenly over devices); use e.g. {hint}"
-        )

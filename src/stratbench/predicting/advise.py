@@ -8,6 +8,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass, field
 
+import torch
+
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
@@ -73,9 +75,54 @@ def candidates(devices: int) -> list[Plan]:
         Plan("fsdp", (("sharding", "grad-op"),), why="FSDP grad-op (ZeRO-2): gradients and optimizer sharded, one all-gather per step"),
         Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
         Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
+        *_tensor_parallel_plans(devices),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu")), True, why="ZeRO-3 + optimizer offload: optimizer states and step on the CPU"),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-3 + parameter offload: only the working set stays on the device"),
     ]  # fmt: skip
+
+
+TP_DEGREES = (2, 4, 8)
+"""Tensor-parallel degrees advise tries: within one 8-GPU node, where its all-reduces run on the fast links."""
+
+
+def _tensor_parallel_plans(devices: int) -> list[Plan]:
+    """Plans that split each block's matrices (a model with a tensor-parallel plan; ``applicable`` drops them for
+    the others): 2D (FSDP over devices / T replicas of T-way tensor parallelism) and tensor parallelism over all
+    devices, each rank then holding 1/T of the attention/MLP activations as well as of their weights."""
+    plans = [
+        Plan("fsdp", (("sharding", "full"), ("tp", t)), a, why=f"2D: {t}-way tensor parallelism inside, FSDP full shard over the {devices // t} groups{' + activation checkpointing' if a else ''}")
+        for t in TP_DEGREES if t < devices and devices % t == 0 for a in (False, True)
+    ]  # fmt: skip
+    if devices in TP_DEGREES:
+        plans += [Plan("tp", (), a, why=f"{devices}-way tensor parallelism{' + activation checkpointing' if a else ''}: every device computes the whole batch through 1/{devices} of each block") for a in (False, True)]  # fmt: skip
+    return plans
+
+
+def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: str) -> tuple[list[Plan], list[str]]:
+    """The plans the model and devices admit (``Strategy.check_supported``: a model without a tensor-parallel plan,
+    or whose heads do not divide by T, is not offered the tensor-parallel ones) and whose data-parallel ranks
+    split the global batch evenly (a tensor-parallel group takes one share whole), with a note per plan dropped
+    for its batch. None left for the batch: one line saying which batches would split."""
+    device, out, notes, ranks = torch.device(device_type), [], [], set()
+    for plan in plans:
+        cls = get_strategy(plan.strategy)
+        world = cls.devices_for_world(devices)
+        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options))
+        dp = cls.data_parallel_size(cfg, world) * base.grad_accum
+        if base.batch_size % dp:
+            ranks.add(dp)
+            notes.append(f"{plan.label}: n/a, the global batch {base.batch_size} does not split over its {dp} data-parallel ranks")  # fmt: skip
+            continue
+        if cls.check_supported(cfg, device, world) is None:
+            out.append(plan)
+    if not out and ranks:
+        d, b = min(ranks), base.batch_size
+        hint = " or ".join(str(x) for x in (b // d * d, (b // d + 1) * d) if x)
+        raise ConfigError(
+            f"--batch-size {b} is not divisible by --devices {d} (train splits the global batch evenly over "
+            f"devices); use e.g. {hint}"
+        )
+    return out, notes
 
 
 def default_precision(device_type: str, bf16_ok: bool) -> str:
@@ -107,12 +154,14 @@ def advise(
     if goal == "fit" and devices > 1:
         # Only memory matters: keep DDP's speed when it fits, otherwise go straight to the sharded plans.
         plans = plans[:1] + plans[3:]
+    plans, skipped = applicable(base, plans, devices, device_type)
     advice = Advice(None, base.precision, None)
     reasons = advice.reasons
     reasons.append(
         f"budget: {headroom:.0%} of {fmt_bytes(device_memory)} per device = {fmt_bytes(budget)} (the rest is headroom "
         "for allocator fragmentation and cuDNN workspaces)"
     )
+    reasons += skipped
     for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = base.replace(
@@ -160,7 +209,9 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         f"on {nodes} x {gpn} {system.gpu.name} ({system.key}, stratbench.predicting.projection)"
     )
     fitting = []
-    for plan in candidates(devices):
+    plans, skipped = applicable(base, candidates(devices), devices, device_type)
+    advice.reasons += skipped
+    for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
                            activation_checkpointing=plan.activation_checkpointing, nnodes=nodes)  # fmt: skip
