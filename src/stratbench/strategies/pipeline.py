@@ -9,6 +9,13 @@ schedule's step (not DistributedDataParallel: its reducer fails on the stages' s
 2.13, see ``_all_reduce_grads``). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
 interleaved-1f1b (default 2P; stage ``i`` runs on pipeline rank ``i % P``).
 
+3D parallelism. ``--tp T`` splits each stage Megatron-style over T processes (``tp.apply_tp`` on the modules the
+rank keeps, over the mesh's ``tp`` dimension, as torchtitan parallelises each pipeline chunk): the mesh becomes
+``(dp, pp, tp)`` with ``dp = world / (P x T)``, a stage's p2p runs on the ``pp`` group between the ranks of the
+same tp slot, the replicas' all-reduce covers each rank's local shards. The tp-specific pieces (refusals, the
+stage's split bytes and Megatron traffic for the cost model, DTensor shards in the gradient all-reduce, the
+clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism_3d.md has the formulas.
+
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
 stages per rank, a smaller bubble), ``naive`` (GPipe with one micro-batch: plain model parallelism across
@@ -57,8 +64,10 @@ from stratbench.models.split import (
     split_model,
     stage_module,
 )
+from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
+from stratbench.strategies.tp import apply_tp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -74,7 +83,9 @@ class PipelineOptions:
     stages: int = 0
     """pipeline: number of model stages (0: the pipeline processes; interleaved-1f1b: 2 x them)."""
     pp: int = 0
-    """pipeline: processes per pipeline; the world size / pp replicas all-reduce gradients per stage (0: --stages, or the world size)."""
+    """pipeline: processes per pipeline; the world size / (pp x tp) replicas all-reduce gradients per stage (0: --stages, or the world size / tp)."""
+    tp: int = 1
+    """pipeline: processes each stage is split over, Megatron tensor parallel (3D parallelism: a (dp, pp, tp) mesh); the built-in transformers."""
     balance: str = "params"
     """Balance the automatic split by parameters (memory) or flops (forward+backward time)."""
     split_points: str = ""
@@ -89,6 +100,8 @@ class PipelineOptions:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be a positive integer (or 0 for the default), got {value!r}")
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
 
     @property
     def points(self) -> tuple[str, ...]:
@@ -97,13 +110,23 @@ class PipelineOptions:
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """How the processes are arranged: ``dp`` replicas of a ``pp``-process pipeline of ``stages`` stages."""
+    """How the processes are arranged: ``dp`` replicas of a ``pp``-process pipeline of ``stages`` stages, each
+    stage split over ``tp`` processes (the mesh ``(dp, pp, tp)``)."""
 
     pp: int
     dp: int
     stages: int
     microbatches: int
     schedule: str
+    tp: int = 1
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp, pp, tp) coordinates of a global rank."""
+        return pipeline_tp.coords(rank, self.pp, self.tp)
+
+    @property
+    def mesh(self) -> dict[str, int]:
+        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
 
     @property
     def stages_per_rank(self) -> int:
@@ -133,18 +156,29 @@ class Layout:
         return (p - 1) / (v * m + p - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"stages_per_rank": self.stages_per_rank}
+        """The layout in result.json (``tp`` is the mesh's, reported beside it)."""
+        out = dataclasses.asdict(self) | {"stages_per_rank": self.stages_per_rank}
+        del out["tp"]
+        return out
 
 
 def resolve_layout(options: PipelineOptions, world: int) -> Layout:
     """The layout for ``world`` processes; ConfigError naming the bad value otherwise."""
     interleaved = options.schedule == "interleaved-1f1b"
+    t = options.tp
+    if world % t:
+        raise ConfigError(f"world size {world} is not divisible by --tp {t}; use a divisor of {world}")
     if options.pp:
         pp = options.pp
     elif options.stages and not interleaved:
         pp = options.stages
     else:
-        pp = world
+        pp = world // t
+    if t > 1 and world % (pp * t):
+        raise ConfigError(
+            f"world size {world} is not divisible into pipelines of {pp} stages x --tp {t} = {pp * t} processes; "
+            f"choose --pp x --tp dividing {world}"
+        )
     if pp > world or world % pp:
         raise ConfigError(
             f"world size {world} is not divisible into pipelines of {pp} processes (--pp/--stages {pp}); "
@@ -177,7 +211,8 @@ def resolve_layout(options: PipelineOptions, world: int) -> Layout:
             raise ConfigError(
                 f"interleaved-1f1b needs --microbatches a multiple of max(1, M // {pp}) = {rounds}; got {m}"
             )
-    return Layout(pp=pp, dp=world // pp, stages=stages, microbatches=m, schedule=options.schedule)
+    dp = world // (pp * t)
+    return Layout(pp=pp, dp=dp, stages=stages, microbatches=m, schedule=options.schedule, tp=t)
 
 
 def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
@@ -306,21 +341,25 @@ class PipelineCost(CostModel):
         (``_activations``)."""
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        pp_rank = rank % lay.pp
+        pp_rank = lay.coords(rank)[1]
         ids = lay.stages_of(pp_rank)
         mine = [split.stages[i] for i in ids]
-        local = sum(s.params for s in mine)
+        local = cls._local_params(ctx, lay, mine)
         pd = ctx.param_bytes
         m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
         total = sum(s.params for s in split.stages) or 1
-        m.step_scalars = round(4 * len(ctx.info.numels) * local / total) if ctx.adam else 0
+        held = sum(s.params for s in mine)
+        m.step_scalars = round(4 * len(ctx.info.numels) * held / total) if ctx.adam else 0
         m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
+        if lay.tp > 1:
+            m.sharding_note += f", its blocks' attention/MLP matrices 1/{lay.tp} (tp)"
+            m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
         # receives across, allocated at the first step and reused: the input activations of a stage after
         # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
         # the 2-stage fp64 test problem).
-        act_bytes = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
+        act_bytes = cls._boundary_itemsize(ctx)
         boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
             split.stages[i].out_numel for i in ids if i < lay.stages - 1
         )
@@ -330,11 +369,28 @@ class PipelineCost(CostModel):
             notes.append(f"flat gradient all-reduce over {lay.dp} replicas")
         m.buckets, m.bucket_note = recv + (local * pd if lay.dp > 1 else 0), " + ".join(notes)
         m.activations, m.activation_note = cls._activations(ctx, lay, mine, pp_rank, micro)
-        held = [name for s in mine for name in s.modules]
+        names = [name for s in mine for name in s.modules]
         m.runs_linear = any(
-            lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in held
+            lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in names
         )
         return m
+
+    @staticmethod
+    def _boundary_itemsize(ctx) -> int:
+        """Bytes per element of the activations crossing a stage boundary: under autocast a convolutional stage
+        hands on the compute dtype, a transformer block its residual stream, which stays in the weights' dtype
+        (h + the bf16 output of wo/w2 promotes; measured: gpt-tiny bf16-mixed sends fp32); else the weights'."""
+        if ctx.pspec.autocast and not pipeline_tp.is_transformer(_run_spec(ctx.cfg)):
+            return ctx.pspec.compute_dtype.itemsize
+        return ctx.param_bytes
+
+    @staticmethod
+    def _local_params(ctx, lay: Layout, stages: list) -> int:
+        """Parameters one rank holds of its ``stages``: all of them, or under --tp the split matrices 1/T
+        (``pipeline_tp.stage_numel``)."""
+        if lay.tp == 1:
+            return sum(s.params for s in stages)
+        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), [m for s in stages for m in s.modules], lay.tp)[0]
 
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
@@ -372,14 +428,16 @@ class PipelineCost(CostModel):
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
-        """The busiest pipeline rank's share of the replica's FLOPs (its stages in the split), stretched by the
-        schedule's bubble: step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
+        """The busiest pipeline rank's share of the replica's FLOPs (its stages in the split; under --tp its
+        blocks' FLOPs 1/T, ``pipeline_tp.stage_flops``), stretched by the schedule's bubble:
+        step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
         total = sum(s.flops for s in split.stages)
         if not total:
             return 1.0
-        busiest = max(sum(split.stages[i].flops for i in lay.stages_of(r)) for r in range(lay.pp)) / total
+        flops = [pipeline_tp.stage_flops(split, s, lay.tp) for s in split.stages]
+        busiest = max(sum(flops[i] for i in lay.stages_of(r)) for r in range(lay.pp)) / total
         return busiest / (1.0 - lay.bubble_theory())
 
     @classmethod
@@ -392,11 +450,12 @@ class PipelineCost(CostModel):
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
-        not counted as its wire bytes), the loss broadcast to the stages, the replicas' gradient all-reduce,
-        and under fp16-mixed the loss scaler's found-inf all-reduce over every process."""
+        not counted as its wire bytes; under --tp every tp rank sends its own whole copy to its peer of the next
+        stage), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
+        (``_reductions``)."""
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        pd = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else ctx.param_bytes
+        pd = cls._boundary_itemsize(ctx)
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         out_b, in_b, ids = cls._busiest_sender(lay, split, micro * pd)
         m = lay.microbatches
@@ -411,13 +470,30 @@ class PipelineCost(CostModel):
             rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note))
         if lay.pp > 1:
             rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+        per_rank = [cls._reductions(ctx, lay, split, r, micro) for r in range(lay.pp)]
+        return rows + max(per_rank, key=lambda rs: sum(r.payload_bytes for r in rs))
+
+    @classmethod
+    def _reductions(cls, ctx, lay: Layout, split: Split, pp_rank: int, micro: int) -> list[Collective]:
+        """The all-reduces of one pipeline rank per step: under --tp Megatron's two per block each way and
+        micro-batch (``pipeline_tp.stage_comm``), the replicas' all-reduce of its stages' local gradients, with
+        --clip-grad-norm the norm's fp64 square sums (over tp, then over the stages), and under fp16-mixed the
+        loss scaler's found-inf over every process."""
+        mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
+        spec = _run_spec(ctx.cfg)
+        blocks = pipeline_tp.stage_blocks(spec, [m for s in mine for m in s.modules])
+        rows = pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
         if ctx.pspec.loss_scaling:
             note = "the loss scaler's found-inf flag (fp32)"
             rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
         if lay.dp > 1:
-            local = sum(split.stages[i].params for i in ids)
+            local = cls._local_params(ctx, lay, mine)
             note = "stage gradients over the replicas"
             rows.append(Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note))
+        if ctx.cfg.clip_grad_norm:
+            for size, note in ((lay.tp, "over tp"), (lay.pp, "over the stages")):
+                if size > 1:
+                    rows.append(Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}"))
         return rows
 
     @staticmethod
@@ -439,11 +515,14 @@ class PipelineCost(CostModel):
 
 class PipelineCheckpointIO(CheckpointIO):
     """Full state dicts with the original names, assembled on rank 0 from every stage's part (the first
-    replica's), and this rank's part taken from any method's full state dict on load."""
+    replica's; a tp-split stage's tensors whole, gathered over its tp ranks first), and this rank's part (its
+    tp shard) taken from any method's full state dict on load."""
 
     def _gather_to_main(self, local: dict) -> list[dict] | None:
-        """Every pipeline rank's part on global rank 0 (replicas other than the first send nothing)."""
-        part = local if self.strategy.dp_rank == 0 else None
+        """Every pipeline rank's part on global rank 0 (replicas other than the first, and tp ranks other than
+        a stage's first, send nothing: they hold the same whole tensors)."""
+        first = self.strategy.dp_rank == 0 and self.strategy.tp_rank == 0
+        part = local if first else None
         if self.strategy.env.world_size == 1:
             return [local]
         parts: list | None = [None] * self.strategy.env.world_size if self.strategy.env.is_main else None
@@ -452,7 +531,8 @@ class PipelineCheckpointIO(CheckpointIO):
 
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict, original names, on rank 0 (a collective; other ranks get {})."""
-        local = {k: v.detach().cpu() for k, v in self.strategy.unwrap(model).state_dict().items()}
+        # a split stage's DTensors whole (a collective over its tp ranks, in the state dict's order on each)
+        local = {k: pipeline_tp.full_value(v) for k, v in self.strategy.unwrap(model).state_dict().items()}
         parts = self._gather_to_main(local)
         if parts is None:
             return {}
@@ -470,7 +550,9 @@ class PipelineCheckpointIO(CheckpointIO):
             self.strategy.unwrap(model), optimizer, options=StateDictOptions(full_state_dict=False)
         )
         local = {
-            "state": {k: {n: _cpu(v) for n, v in s.items()} for k, s in local["state"].items()},
+            "state": {
+                k: {n: pipeline_tp.full_value(v) for n, v in s.items()} for k, s in local["state"].items()
+            },
             "param_groups": local["param_groups"],
         }
         parts = self._gather_to_main(local)
@@ -488,7 +570,8 @@ class PipelineCheckpointIO(CheckpointIO):
         }
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-        """Load this rank's part of a full state dict (any method's), by original names."""
+        """Load this rank's part of a full state dict (any method's), by original names (under --tp: its shard
+        of each split tensor)."""
         module = self.strategy.unwrap(model)
         own = module.state_dict()
         missing = [k for k in own if k not in state]
@@ -496,7 +579,7 @@ class PipelineCheckpointIO(CheckpointIO):
             raise CheckpointError(
                 f"the checkpoint has no {missing[0]!r} (and {len(missing) - 1} more of this stage's tensors)"
             )
-        module.load_state_dict({k: state[k] for k in own}, strict=True)
+        module.load_state_dict({k: pipeline_tp.like(state[k], v) for k, v in own.items()}, strict=True)
 
     def load_optimizer_state_dict(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
@@ -504,9 +587,13 @@ class PipelineCheckpointIO(CheckpointIO):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         module = self.strategy.unwrap(model)
-        own = {n for n, _ in module.named_parameters()}
+        own = dict(module.named_parameters())
         local = {
-            "state": {k: v for k, v in state.get("state", {}).items() if k in own},
+            "state": {
+                k: {n: pipeline_tp.like_state(v, own[k]) for n, v in s.items()}
+                for k, s in state.get("state", {}).items()
+                if k in own
+            },
             "param_groups": [
                 g | {"params": [n for n in g["params"] if n in own]} for g in state.get("param_groups", [])
             ],
@@ -521,7 +608,7 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     description = (
         "pipeline parallel (torch.distributed.pipelining): stages per process, micro-batches; "
-        "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel"
+        "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel, --tp for 3D"
     )
     requirements = (
         "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, the transformers, "
@@ -569,16 +656,18 @@ class PipelineStrategy(Strategy):
             _spec_split(cfg, lay.stages, options)
         except ConfigError as exc:
             return str(exc)
-        return None
+        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp)
 
     @classmethod
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
         """Without --pp/--stages every process is one stage, which a model of fewer pieces than processes cannot
-        be cut into: then the compare presets' layout (``pipeline_layout``), the user's other options kept."""
+        be cut into: then the compare presets' layout (``pipeline_layout``) of the world / --tp processes, the
+        user's other options kept."""
         given = dict(cfg.strategy_options)
         if given.get("pp") or given.get("stages") or given.get("split_points"):
             return given
-        return pipeline_layout(world_size, piece_count(_run_spec(cfg))) | given
+        tp_size = given.get("tp") or 1
+        return pipeline_layout(max(1, world_size // tp_size), piece_count(_run_spec(cfg))) | given
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
@@ -589,9 +678,10 @@ class PipelineStrategy(Strategy):
     checkpoint_io_class = PipelineCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
-        """Every stage of one pipeline reads the same batches: the data is sharded over the replicas only."""
+        """Every stage of one pipeline, and every tp rank of a stage, reads the same batches: the data is sharded
+        over the replicas (the mesh's dp coordinate) only."""
         lay = resolve_layout(self.options, self.env.world_size)
-        return self.env.rank // lay.pp, lay.dp
+        return lay.coords(self.env.rank)[0], lay.dp
 
     def step_chunks(self) -> int:
         """The schedule splits the replica's step (the loop's micro-steps concatenated) into M micro-batches."""
@@ -606,11 +696,17 @@ class PipelineStrategy(Strategy):
 
         env = self.env
         self.layout = lay = resolve_layout(self.options, env.world_size)
-        self.mesh = init_device_mesh(env.device.type, (lay.dp, lay.pp), mesh_dim_names=("dp", "pp"))
+        self.mesh = init_device_mesh(
+            env.device.type, tuple(lay.mesh.values()), mesh_dim_names=tuple(lay.mesh)
+        )
+        if env.is_main:
+            print("pipeline mesh: " + " x ".join(f"{k} {v}" for k, v in lay.mesh.items()), flush=True)
         self.pp_group = self.mesh.get_group("pp")
         self.dp_group = self.mesh.get_group("dp")
+        self.tp_group = self.mesh.get_group("tp") if lay.tp > 1 else None
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
+        self.tp_rank = self.mesh.get_local_rank("tp")
         shape, tokens = sample_of(self.cfg)
         self.split = split_model(
             model,
@@ -629,6 +725,8 @@ class PipelineStrategy(Strategy):
         modules = [stage_module(model, self.split.stages[i]) for i in self.stage_ids]
         drop_modules(model, {m for i in self.stage_ids for m in self.split.stages[i].modules})
         model.to(env.device)
+        if lay.tp > 1:  # the blocks this rank kept, split over its stage's tp processes (torchtitan's order)
+            apply_tp(model, self.mesh["tp"])
         TimedStage = _timed_stage_class()
         self.stage_modules: list[nn.Module] = []
         self.stages = []
@@ -735,7 +833,8 @@ class PipelineStrategy(Strategy):
         parameter indices size is not same as original model parameters size".)"""
         from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        # a tp-split stage: each tp rank reduces its own shards (the replicated ones: the same on every tp rank)
+        grads = [pipeline_tp.local(p.grad) for p in self.model.parameters() if p.grad is not None]
         if not grads:
             return
         flat = _flatten_dense_tensors(grads)
@@ -745,15 +844,14 @@ class PipelineStrategy(Strategy):
             g.copy_(reduced)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """The global norm over every stage's gradients (each stage holds a disjoint part), then the scale."""
+        """The global norm over every stage's gradients (each stage holds a disjoint part), then the scale. The
+        norm in the gradients' dtype, as ``clip_grad_norm_`` computes it (fp64 runs: not rounded to fp32)."""
         params = [p for p in self.model.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float64, device=self.env.device)
-        for p in params:
-            sq += p.grad.detach().double().pow(2).sum()
+        sq = pipeline_tp.grad_sq_norm(params, self.tp_group, self.env.device)
         if self.layout.pp > 1:
             dist.all_reduce(sq, group=self.pp_group)
-        total = sq.sqrt().to(torch.float32)
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        total = sq.sqrt().to(params[0].grad.dtype if params else torch.float32)
+        pipeline_tp.clip_with_norm(params, max_norm, total)
         return total
 
     # ---- evaluation ---------------------------------------------------------------------------
@@ -809,6 +907,7 @@ class PipelineStrategy(Strategy):
             "rank": self.env.rank,
             "pp_rank": self.pp_rank,
             "dp_rank": self.dp_rank,
+            "tp_rank": self.tp_rank,
             "stages": self.stage_ids,
             # the loss scaler's view on this rank: equal on every rank when the stages agree on skipping
             "skipped_steps": self.precision.skipped_steps,
@@ -818,6 +917,7 @@ class PipelineStrategy(Strategy):
         ranks = self.all_gather_object(mine)
         medians = [r["bubble"]["median"] for r in ranks if r["bubble"].get("steps")]
         return {
+            "mesh": self.layout.mesh,
             "pipeline": {
                 "layout": self.layout.to_dict(),
                 "split": self.split.to_dict(),
@@ -826,9 +926,5 @@ class PipelineStrategy(Strategy):
                 "bubble_definition": "1 - (the stage's forward/backward/loss compute time) / (the schedule step's wall time), "
                 "per rank, median over the measured steps",
                 "ranks": ranks,
-            }
+            },
         }
-
-
-def _cpu(v: Any) -> Any:
-    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
