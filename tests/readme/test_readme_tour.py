@@ -101,3 +101,15 @@ def test_compare_calibrate_predicts_the_ddp_row_from_its_calibration(tour):
     assert all(r["status"] == "ok" for r in cal.values()), {k: r["reason"] for k, r in cal.items()}
     rows = {r["method"]: r for r in csv.DictReader((out / "report.csv").open())}
     assert float(rows["ddp"]["predicted_step_s"]) > 0 and "ddp: " in rows["ddp"]["predicted_step_basis"]
+
+
+@pytest.mark.slow
+def test_the_2d_and_3d_lines_train_on_their_named_meshes(tour):
+    """`train --strategy fsdp --tp 2 --nproc 4` and `train --strategy pipeline --pp 2 --tp 2 --nproc 4`, as written:
+    each run finished on the mesh its flags name, written into its result.json."""
+    import json
+
+    for command, mesh in (("stratbench train --strategy fsdp --tp 2", {"dp": 2, "tp": 2}),
+                          ("stratbench train --strategy pipeline --pp 2 --tp 2", {"dp": 1, "pp": 2, "tp": 2})):  # fmt: skip
+        res = json.loads((_written_by(tour, command, "--output") / "result.json").read_text())
+        assert res["status"] == "ok" and res["world_size"] == 4 and res["mesh"] == mesh, (command, res.get("mesh"))
