@@ -358,3 +358,23 @@ def test_a_rows_mesh_names_its_devices_in_the_table_and_the_csv(tmp_path):
     assert "4 (dp2 x tp2)" in page
     by_label = {r["label"]: r for r in csv.DictReader((tmp_path / "report.csv").open())}
     assert by_label["fsdp"]["mesh"] == "dp2xtp2" and by_label["tp"]["mesh"] == "" and by_label["single"]["mesh"] == ""
+
+
+def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
+    """llm-tp (the tp benchmark) and llm-quick's tp row: every cell's configuration passes the checks a sweep
+    makes before any work on this CPU, 2D and 3D on 4 processes included; the GPU llm preset adds tp rows."""
+    from stratbench.compare.matrix import PRESETS, plan, preset_llm
+
+    for name in ("llm-tp", "llm-quick"):
+        matrix = build_matrix(PRESETS[name]())
+        plans = {p.cell.name: p for p in plan(matrix)}
+        assert "tp" in plans, sorted(plans)
+        runnable = {k: p for k, p in plans.items() if k not in ("dp", "accelerate-fsdp", "accelerate-deepspeed")}
+        assert all(p.status is None for p in runnable.values()), {k: p.reason for k, p in runnable.items() if p.status}
+    tp = build_matrix(PRESETS["llm-tp"]())
+    assert {(c.name, c.world_size) for c in tp.cells} >= {("tp", 2), ("tp", 4), ("fsdp+tp", 4), ("pipeline+tp", 4)}
+    from stratbench.compare import matrix as matrix_mod
+
+    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 4)
+    gpu = {(c.name, c.world_size) for c in build_matrix(preset_llm()).cells}
+    assert {("tp", 4), ("fsdp+tp", 4)} <= gpu, gpu

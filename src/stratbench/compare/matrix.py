@@ -344,10 +344,37 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
                 "options": [{"schedule": s, **pipe} for s in ("gpipe", "1f1b")],
                 "label": "pipeline-{schedule}",
             },
+            {"method": "tp", "precision": "fp32"},
             # Rows that need what this machine may lack; listed so the report says why they are missing.
             {"method": "dp", "precision": "fp32", "world_size": 1},
             {"method": ["accelerate-fsdp", "accelerate-deepspeed"], "precision": "fp32"},
         ],
+    }
+
+
+def preset_llm_tp() -> dict[str, Any]:
+    """Tensor parallelism against the data-parallel methods on 2 and 4 CPU processes (llm-quick's model, data and
+    steps): tp alone, 2D (fsdp --tp 2) and 3D (pipeline --pp 2 --tp 2) beside ddp and fsdp."""
+    cells: list[dict[str, Any]] = []
+    for world in (2, 4):
+        cells += [
+            {"method": ["ddp", "fsdp", "tp"], "precision": "fp32", "world_size": world},
+        ]
+    cells += [
+        {"method": "fsdp", "precision": "fp32", "world_size": 4, "options": {"tp": 2}, "label": "fsdp+tp"},
+        {"method": "pipeline", "precision": "fp32", "world_size": 4, "label": "pipeline+tp",
+         "options": {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 4}},
+    ]  # fmt: skip
+    return {
+        "name": "llm-tp",
+        "description": "gpt-tiny (1.87M parameters, 4 heads) on byte-level text, sequence 128, global batch 16, 40 "
+        "steps of AdamW in fp32: tensor parallelism (tp, fsdp x tp, pipeline x tp) beside ddp and fsdp on 2 and 4 "
+        "processes; on one CPU's cores every process shares the same cores, so this measures the methods' "
+        "overheads and memory per rank, not a speed-up",
+        "base": dict(LLM_QUICK_BASE),
+        "world_size": 2,
+        "timeout_s": 600,
+        "cells": cells,
     }
 
 
@@ -379,6 +406,14 @@ def preset_llm_fit(world_size: int | None = None) -> dict[str, Any]:
             },
         ],
     }
+
+
+def _tensor_parallel_cells(world: int, precision: str) -> list[dict[str, Any]]:
+    """tp over every device, and 2D (fsdp --tp 2) where the devices form 2 or more groups of 2."""
+    cells = [{"method": "tp", "precision": precision}] if world > 1 else []
+    if world >= 4 and world % 2 == 0:
+        cells.append({"method": "fsdp", "precision": precision, "options": {"tp": 2}, "label": "fsdp+tp"})
+    return cells
 
 
 def preset_llm() -> dict[str, Any]:
@@ -414,6 +449,7 @@ def preset_llm() -> dict[str, Any]:
                 "label": "single+ac",
             },  # fmt: skip
             {"method": ["ddp", "fsdp", "fsdp1"], "precision": "bf16-mixed"},
+            *_tensor_parallel_cells(world, "bf16-mixed"),
             {
                 "method": "fsdp",
                 "precision": "bf16-mixed",
@@ -443,6 +479,7 @@ PRESETS = {
     "gpu-fast": preset_gpu_fast,
     "llm-quick": preset_llm_quick,
     "llm-fit": preset_llm_fit,
+    "llm-tp": preset_llm_tp,
     "llm": preset_llm,
 }
 WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit")
