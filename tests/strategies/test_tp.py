@@ -1,8 +1,9 @@
 """tp (Megatron tensor parallelism on DTensor) on the built-in transformer, 2 gloo processes on CPU: it trains
-exactly the model `single` trains (fp64 within conftest.RTOL, gradient clipping on), each rank holds half of the
-split attention/MLP matrices, the collectives measured are the Megatron formula's, and its sharded checkpoint
-resumes under tp and loads into single; models without a plan and head counts that do not divide are refused
-in one line before any work."""
+exactly the model `single` trains (fp64 within conftest.RTOL, gradient clipping on) with the vocabulary-parallel
+embedding/head and loss (the default), with sequence parallelism, and with both; each rank holds half of the
+split attention/MLP matrices (and of the embedding and head where vocabulary-parallel), the collectives measured
+are the formula's to the byte, and its sharded checkpoint resumes under tp (another layout) and loads into single;
+models without a plan and shapes that do not divide are refused in one line before any work."""
 
 from __future__ import annotations
 
@@ -26,8 +27,11 @@ LM64 = [
     "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
 ]  # fmt: skip
 TP = ["--strategy", "tp"]
+SP_WHOLE_VOCAB = ["--sequence-parallel", "--vocab-parallel", "false"]
 CFG = SIZES["gpt-tiny"]
 F64 = 8
+ACT = BATCH * SEQ * CFG.dim
+"""Elements of one (batch, seq, dim) activation."""
 
 
 @pytest.fixture(scope="module")
@@ -35,87 +39,127 @@ def runs(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tp")
     single = train(root / "single", "--strategy", "single", *LM64, "--max-steps", str(STEPS))
     tp = train(root / "tp", *TP, *LM64, "--max-steps", str(STEPS), *COMM, nproc=2)
-    return {"root": root, "single": single, "tp": tp}
+    sp = train(root / "tp-sp", *TP, *SP_WHOLE_VOCAB, *LM64, "--max-steps", str(STEPS), *COMM, nproc=2)
+    return {"root": root, "single": single, "tp": tp, "tp-sp": sp}
 
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-def test_tp_trains_the_model_single_trains(runs):
-    res, ref = runs["tp"], runs["single"]["metrics"]["loss_curve"]
+@pytest.mark.parametrize("run", ["tp", "tp-sp"])
+def test_tp_trains_the_model_single_trains(runs, run):
+    """tp: the embedding and head split over the vocabulary, the loss under loss_parallel (the default); tp-sp:
+    sequence-parallel, embedding and head whole. The third pairing, both on, is the resumed run's below."""
+    res, ref = runs[run], runs["single"]["metrics"]["loss_curve"]
     assert res["status"] == "ok" and res["world_size"] == 2 and res["data_parallel_size"] == 1
     assert res["micro_batch_size"] == BATCH, "every rank of the tensor-parallel group takes the whole batch"
     assert ref[-1] < 0.9 * ref[0], "the reference must train, or equal curves prove nothing"
     assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    # evaluation reads the logits gathered whole (vocabulary-parallel) or from the gathered sequence
     assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+    assert res["metrics"]["val_accuracy"] == runs["single"]["metrics"]["val_accuracy"]
     assert res["mesh"] == {"tp": 2}
+    sp = run == "tp-sp"
+    assert res["tp"] == {"sequence_parallel": sp, "vocab_parallel": not sp, "loss_parallel": not sp}
 
 
-def _split_and_replicated() -> tuple[int, int]:
-    """Elements of gpt-tiny that tp splits (q, k, v, o, gate, up, down of every block) and that it replicates
-    (embedding, head, norms)."""
-    split = CFG.n_layers * (4 * CFG.dim * CFG.dim + 3 * CFG.dim * CFG.ffn_hidden)
-    replicated = 2 * CFG.vocab_size * CFG.dim + (2 * CFG.n_layers + 1) * CFG.dim
+def _split_and_replicated(vocab_parallel: bool) -> tuple[int, int]:
+    """Elements of gpt-tiny that tp splits (q, k, v, o, gate, up, down of every block; embedding and head where
+    vocabulary-parallel) and that it replicates (the norms; embedding and head otherwise)."""
+    ends = 2 * CFG.vocab_size * CFG.dim
+    split = CFG.n_layers * (4 * CFG.dim * CFG.dim + 3 * CFG.dim * CFG.ffn_hidden) + ends * vocab_parallel
+    replicated = (2 * CFG.n_layers + 1) * CFG.dim + ends * (not vocab_parallel)
     return split, replicated
 
 
 @pytest.mark.distributed
-def test_each_rank_holds_half_the_split_weights_and_the_cost_model_says_so(runs):
+@pytest.mark.parametrize("run", ["tp", "tp-sp"])
+def test_each_rank_holds_half_the_split_weights_and_the_cost_model_says_so(runs, run):
+    """Vocabulary-parallel (tp): half the embedding and half the head per rank too; tp-sp keeps them whole."""
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
     from stratbench.strategies.costs import MemoryContext
 
-    split, replicated = _split_and_replicated()
+    split, replicated = _split_and_replicated(vocab_parallel=run == "tp")
     assert runs["single"]["sharding"]["param_bytes"] == [(split + replicated) * F64]
-    per_rank = runs["tp"]["sharding"]["param_bytes"]
+    per_rank = runs[run]["sharding"]["param_bytes"]
     assert per_rank == [(split // 2 + replicated) * F64] * 2, per_rank
-    assert runs["tp"]["sharding"]["grad_bytes"] == per_rank
-    cfg = from_dict(TrainConfig, dict(runs["tp"]["config"]))
-    ctx = MemoryContext(cfg, 2, model_info(ModelSpec.from_config(cfg)), None, "cpu")
-    memory = get_strategy("tp").cost.memory_model(ctx, 0)
+    assert runs[run]["sharding"]["grad_bytes"] == per_rank
+    cfg = from_dict(TrainConfig, dict(runs[run]["config"]))
+    strategy = get_strategy("tp")
+    ctx = MemoryContext(
+        cfg, 2, model_info(ModelSpec.from_config(cfg)), strategy.parse_options(cfg.strategy_options), "cpu"
+    )
+    memory = strategy.cost.memory_model(ctx, 0)
     assert memory.params == memory.grads == per_rank[0] and memory.optim == 2 * per_rank[0]
 
 
 @pytest.mark.distributed
 def test_collectives_are_megatrons_two_all_reduces_per_block_each_way(runs):
-    """Forward: after wo and w2; backward: the attention's and the MLP's input gradient; each (b, s, dim) in
-    fp64; plus the one all-reduce of the clipping's per-parameter norms (39 parameters)."""
+    """Forward: after wo and w2, and the embedding's partial lookups; backward: the attention's, the MLP's and
+    the head's input gradient; each (b, s, dim) in fp64; loss_parallel's 3 all-reduces of one number per token;
+    the one all-reduce of the clipping's per-parameter norms (39 parameters)."""
     comm = assert_comm_matches_formula(runs["tp"])
-    activation = BATCH * SEQ * CFG.dim * F64
-    per_way = 2 * CFG.n_layers
+    per_way = 2 * CFG.n_layers + 1
     measured = comm["measured"]["all_reduce"]
-    assert measured["calls"] == 2 * per_way + 1, measured
-    assert measured["payload_bytes"] == 2 * per_way * activation + (9 * CFG.n_layers + 3) * F64, measured
+    assert measured["calls"] == 2 * per_way + 3 + 1, measured
+    loss, norms = 3 * BATCH * SEQ, 9 * CFG.n_layers + 3
+    assert measured["payload_bytes"] == (2 * per_way * ACT + loss + norms) * F64, measured
     assert set(comm["measured"]) == {"all_reduce"}
     assert_breakdown_adds_up(runs["tp"])
 
 
 @pytest.mark.distributed
-def test_bf16_mixed_sends_the_forward_in_bf16_and_the_backward_in_fp32(runs):
-    """Under autocast the row-parallel outputs are bf16 and the input gradients fp32 (the residual stream's)."""
+def test_sequence_parallel_turns_each_all_reduce_into_an_all_gather_and_a_reduce_scatter(runs):
+    """Per block each way 2 all-gathers and 2 reduce-scatters of (b, s, dim) in place of the 2 all-reduces, plus
+    the whole head's input gathered forward and the whole embedding's output gradient gathered backward; the
+    norms' weight gradients (partial sums over the sequence shards) all-reduced once, beside the clipping's."""
+    comm = assert_comm_matches_formula(runs["tp-sp"])
+    measured, blocks = comm["measured"], 2 * CFG.n_layers
+    assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}, measured
+    assert measured["all_gather"]["calls"] == 2 * (blocks + 1)
+    assert measured["all_gather"]["payload_bytes"] == 2 * (blocks + 1) * ACT * F64
+    assert measured["reduce_scatter"]["calls"] == 2 * blocks
+    assert measured["reduce_scatter"]["payload_bytes"] == 2 * blocks * ACT * F64
+    assert measured["all_reduce"]["calls"] == 2
+    norms = (2 * CFG.n_layers + 1) * CFG.dim + 9 * CFG.n_layers + 3
+    assert measured["all_reduce"]["payload_bytes"] == norms * F64
+    assert_breakdown_adds_up(runs["tp-sp"])
+
+
+@pytest.mark.distributed
+def test_bf16_mixed_sequence_and_vocabulary_parallel_send_in_the_dtypes_the_formula_says(runs):
+    """Under autocast the row-parallel outputs (reduce-scattered forward) and their gradients (all-gathered
+    backward) are bf16; the norms' outputs (all-gathered forward), the residual stream's gradients
+    (reduce-scattered backward), the embedding's lookups and the loss's all-reduces are fp32."""
     lm32 = [a if a != "fp64" else "bf16-mixed" for a in LM64]
-    res = train(runs["root"] / "tp-bf16", *TP, *lm32, "--max-steps", "3", *COMM, nproc=2)
+    res = train(
+        runs["root"] / "tp-bf16", *TP, "--sequence-parallel", *lm32, "--max-steps", "3", *COMM, nproc=2
+    )
     comm = assert_comm_matches_formula(res)
-    activation = BATCH * SEQ * CFG.dim
-    norms = (9 * CFG.n_layers + 3) * 4
-    assert comm["measured"]["all_reduce"]["payload_bytes"] == 2 * CFG.n_layers * activation * (2 + 4) + norms
+    blocks, measured = 2 * CFG.n_layers, comm["measured"]
+    each_way = blocks * ACT * (2 + 4) + 2 * ACT * 4  # + the embedding and the head, fp32
+    assert measured["all_gather"]["payload_bytes"] == measured["reduce_scatter"]["payload_bytes"] == each_way
+    norms = (2 * CFG.n_layers + 1) * CFG.dim + 9 * CFG.n_layers + 3
+    assert measured["all_reduce"]["payload_bytes"] == (3 * BATCH * SEQ + norms) * 4
 
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
 def test_the_sharded_checkpoint_resumes_under_tp_and_loads_into_single(runs):
-    """3 steps under tp, saved as a DCP folder (each rank its slices); tp (with activation checkpointing) and
-    single each resume it and go on exactly as the uninterrupted single run does (weights, AdamW moments, schedule
-    and data position back)."""
+    """3 steps under tp (vocabulary-parallel), saved as a DCP folder (each rank its slices of the matrices, the
+    embedding and the head); tp with sequence parallelism on too (and activation checkpointing) and single each
+    resume it and go on exactly as the uninterrupted single run does (weights, AdamW moments, schedule and data
+    position back)."""
     root, ref = runs["root"], runs["single"]["metrics"]["loss_curve"]
     train(root / "tp3", *TP, *LM64, "--max-steps", "3", nproc=2)
     folder = root / "tp3" / "checkpoints" / "last"
     assert (folder / ".metadata").is_file() and len(list(folder.glob("*.distcp"))) == 2
     resumed = train(root / "tp-resumed", *TP, *LM64, "--max-steps", str(STEPS), "--resume-from", str(folder),
-                    "--activation-checkpointing", nproc=2)  # fmt: skip
+                    "--activation-checkpointing", "--sequence-parallel", nproc=2)  # fmt: skip
     # the plan finds the blocks' attention and MLP under the checkpoint wrappers: still split
     assert resumed["sharding"]["param_bytes"] == runs["tp"]["sharding"]["param_bytes"]
-    assert resumed["resumed_from"]["step"] == 3
+    assert resumed["resumed_from"]["step"] == 3 and resumed["tp"]["sequence_parallel"]
     assert_curves_match(resumed["metrics"]["loss_curve"], ref[3:], RTOL)
     single = train(root / "single-resumed", "--strategy", "single", *LM64, "--max-steps", str(STEPS),
                    "--resume-from", str(folder))  # fmt: skip
@@ -186,3 +230,54 @@ def test_a_plan_naming_no_module_is_refused_in_one_line(capsys, tmp_path, monkey
     err = fails(capsys, "train", *TP, *user, "--nproc", "2", "--output", tmp_path / "out")
     assert "the plan of model 'mlp_typo:build' names no module of it: dwn" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_shapes_that_do_not_divide_and_a_users_plan_under_sequence_parallel_are_refused_in_one_line(
+    capsys, tmp_path, monkeypatch
+):
+    """Before any process starts and before anything is written: a vocabulary that does not divide (vocabulary-
+    parallel, the default), a sequence that does not (sequence-parallel), and --sequence-parallel on a model that
+    brings its own plan (its layouts are its own)."""
+    out = tmp_path / "refused"
+    err = fails(capsys, "train", *TP, "--nproc", "2", *LM64, "--vocab-size", "257", "--output", out)
+    assert (
+        "tp over 2 processes with --vocab-parallel: the vocabulary of 257 tokens does not divide by 2" in err
+    )
+    assert "(e.g. 258) or --vocab-parallel false" in err
+    lm33 = [a if a != str(SEQ) else "33" for a in LM64]
+    err = fails(capsys, "train", *TP, "--nproc", "2", *lm33, "--sequence-parallel", "--output", out)
+    assert "tp over 2 processes with --sequence-parallel: --seq-len 33 does not divide by 2" in err
+    (tmp_path / "mlp_sp.py").write_text(USER_MODEL)
+    monkeypatch.chdir(tmp_path)
+    user = [a if a != "mlp:build" else "mlp_sp:build" for a in USER]
+    err = fails(capsys, "train", *TP, *user, "--nproc", "2", "--sequence-parallel", "--output", out)
+    assert "tp --sequence-parallel builds the built-in transformers' plan only; model 'mlp_sp:build'" in err
+    assert not out.exists(), "refused before anything is written"
+
+
+TIED_MODEL = """\
+from dataclasses import replace
+
+from stratbench.models.transformer import SIZES, Transformer
+
+
+def build(vocab_size):
+    return Transformer(replace(SIZES["gpt-tiny"], vocab_size=vocab_size, tie_embeddings=True))
+"""
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_a_tied_embedding_and_head_stay_one_tensor_split_over_the_vocabulary(tmp_path):
+    """gpt-tiny with its head tied to its embedding (as gpt2-small and llama-1b are): both styles split the one
+    matrix along the vocabulary, so it stays one parameter (1/2 of it per rank, counted once) and trains as
+    single's (sequence-parallel too); its gradient is the rank's slice, not the whole matrix."""
+    (tmp_path / "tied_lm.py").write_text(TIED_MODEL)
+    lm = [a if a != "gpt-tiny" else "tied_lm:build" for a in LM64]
+    single = train(tmp_path / "single", "--strategy", "single", *lm, "--max-steps", "3", cwd=tmp_path)
+    res = train(tmp_path / "tp", *TP, "--sequence-parallel", *lm, "--max-steps", "3", nproc=2, cwd=tmp_path)
+    assert_curves_match(res["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)
+    split, norms = _split_and_replicated(vocab_parallel=True)
+    tied = split - CFG.vocab_size * CFG.dim  # the head is the embedding
+    assert single["sharding"]["param_bytes"] == [(tied + norms) * F64]
+    assert res["sharding"]["param_bytes"] == res["sharding"]["grad_bytes"] == [(tied // 2 + norms) * F64] * 2
