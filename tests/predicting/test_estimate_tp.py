@@ -33,19 +33,22 @@ def test_estimate_within_10_percent_with_accumulation_and_a_tensor_parallel_slic
 
 
 def test_the_projection_gives_a_tp_rank_its_slice_of_the_flops_and_no_overlap():
-    """tp's compute on the critical path is a rank's slice of the matrices (the replicated embedding, norms and
-    head stay whole), and its all-reduces are all exposed: nothing computes while a row-parallel sum is pending."""
+    """tp's compute on the critical path is a rank's slice of the matrices (the norms, and without
+    --vocab-parallel the embedding and head, stay whole), and its all-reduces are all exposed: nothing computes
+    while a row-parallel sum is pending."""
     from stratbench.measuring.hardware import builtin
     from stratbench.measuring.model_trace import ModelSpec
     from stratbench.predicting.projection import project
     from stratbench.strategies.tp import local_flop_share
 
     spec = ModelSpec("gpt-tiny", 256, 0, seq_len=128)
-    shares = [local_flop_share(spec, t) for t in (2, 4)]
+    shares = [local_flop_share(spec, t) for t in (2, 4)]  # the embedding and head whole
     assert 0.5 < shares[0] < 0.6 and shares[0] > shares[1] > 1 / 4, shares
+    split_head = local_flop_share(spec, 4, True)  # tp's default: the head split over the vocabulary too
+    assert 1 / 4 <= split_head < shares[1], split_head
     cfg = TrainConfig(model="gpt-tiny", data="text", seq_len=128, batch_size=16, precision="bf16-mixed")
     system = builtin().system("h100-sxm")
     one = project(cfg.replace(strategy="single"), system, 1, 1, memory=False)
     tp = project(cfg.replace(strategy="tp"), system, 1, 4, memory=False)
-    assert tp.compute_s == pytest.approx(one.compute_s * shares[1], rel=1e-6)
+    assert tp.compute_s == pytest.approx(one.compute_s * split_head, rel=1e-6)
     assert tp.comm_s > 0 and tp.comm_exposed_s == pytest.approx(tp.comm_s)

@@ -43,6 +43,7 @@ from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, regist
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
 from stratbench.strategies.tp import (
     LocalSlice,
+    TPOptions,
     apply_tp,
     local_flop_share,
     tp_shapes,
@@ -263,9 +264,10 @@ def tp_rows(ctx, dp: int) -> list[Collective] | None:
     block's forward again in backward, up to the last tensor backward needs (torch's early stop): the
     attention's wo all-reduce runs again, the MLP's w2 (the block's last op) does not."""
     cfg, t = ctx.cfg, ctx.options.tp
-    rows = transformer_comm(
-        dataclasses.replace(ctx, world=t, cfg=dataclasses.replace(cfg, batch_size=cfg.batch_size // dp))
-    )
+    replica = dataclasses.replace(cfg, batch_size=cfg.batch_size // dp)
+    # apply_tp's block plan: the embedding and head whole, no sequence parallelism (tp's own defaults differ)
+    blocks_only = TPOptions(sequence_parallel=False, vocab_parallel=False)
+    rows = transformer_comm(dataclasses.replace(ctx, world=t, cfg=replica, options=blocks_only))
     if rows is None:
         return None
     scale = ctx.pspec.compute_dtype.itemsize / ctx.param_bytes
