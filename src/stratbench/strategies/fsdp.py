@@ -42,8 +42,8 @@ from stratbench.models.zoo import residual_block_types
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
 from stratbench.strategies.tp import (
+    BLOCKS_ONLY,
     LocalSlice,
-    TPOptions,
     apply_tp,
     local_flop_share,
     tp_shapes,
@@ -212,8 +212,8 @@ def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
     t = options.tp
     if t == 1 or world_unfit(t, world):
         return world_unfit(t, world)
-    why = unsupported(cfg, t)  # the tp method's line, whose degree is its --nproc: here it is --tp
-    return f"fsdp --tp {t}: " + why.replace("--nproc that fit", "--tp that fit") if why else None
+    why = unsupported(cfg, t, "--tp", BLOCKS_ONLY)
+    return f"fsdp --tp {t}: {why}" if why else None
 
 
 def world_unfit(t: int, world: int) -> str | None:
@@ -265,9 +265,8 @@ def tp_rows(ctx, dp: int) -> list[Collective] | None:
     attention's wo all-reduce runs again, the MLP's w2 (the block's last op) does not."""
     cfg, t = ctx.cfg, ctx.options.tp
     replica = dataclasses.replace(cfg, batch_size=cfg.batch_size // dp)
-    # apply_tp's block plan: the embedding and head whole, no sequence parallelism (tp's own defaults differ)
-    blocks_only = TPOptions(sequence_parallel=False, vocab_parallel=False)
-    rows = transformer_comm(dataclasses.replace(ctx, world=t, cfg=replica, options=blocks_only))
+    # apply_tp's block plan (BLOCKS_ONLY: the embedding and head whole; tp's own default splits them)
+    rows = transformer_comm(dataclasses.replace(ctx, world=t, cfg=replica, options=BLOCKS_ONLY))
     if rows is None:
         return None
     scale = ctx.pspec.compute_dtype.itemsize / ctx.param_bytes

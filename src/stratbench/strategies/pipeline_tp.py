@@ -43,9 +43,9 @@ def refusal(spec: ModelSpec, cfg, tp_size: int) -> str | None:
             f"pipeline --tp {tp_size}: tensor parallelism inside pipeline stages splits the built-in "
             f"transformers (gpt-tiny, gpt2-small, llama-*), not model {cfg.model!r}; use --tp 1"
         )
-    line = tp.unsupported(cfg, tp_size)
+    line = tp.unsupported(cfg, tp_size, "--tp", tp.BLOCKS_ONLY)
     if line is not None:
-        return f"pipeline --tp {tp_size}: " + line.replace("--nproc that fit", "--tp that fit")
+        return f"pipeline --tp {tp_size}: {line}"
     return None
 
 

@@ -322,13 +322,13 @@ def _options_of(ctx) -> TPOptions:
     return ctx.options if isinstance(ctx.options, TPOptions) else tp_options(ctx.cfg)
 
 
-def _transformer_unsupported(cfg, tc: TransformerConfig, world: int, opts: TPOptions) -> str | None:
+def _transformer_unsupported(cfg, tc: TransformerConfig, world: int, opts: TPOptions, flag: str) -> str | None:
     """The built-in transformer's shapes that do not divide by ``world``: heads, vocabulary, sequence."""
     if tc.n_heads % world or tc.n_kv_heads % world:
         fits = [t for t in range(1, tc.n_heads + 1) if tc.n_heads % t == 0 and tc.n_kv_heads % t == 0]
         return (
             f"tp over {world} processes: n_heads {tc.n_heads} and n_kv_heads {tc.n_kv_heads} of {cfg.model} must "
-            f"both divide by {world}; --nproc that fit: {', '.join(map(str, fits))}"
+            f"both divide by {world}; {flag} that fit: {', '.join(map(str, fits))}"
         )
     if opts.vocab_parallel and tc.vocab_size % world:
         return (
@@ -345,9 +345,16 @@ def _transformer_unsupported(cfg, tc: TransformerConfig, world: int, opts: TPOpt
     return None
 
 
-def unsupported(cfg, world: int) -> str | None:
-    """One line saying why ``cfg`` cannot run under tp over ``world`` processes, or None."""
-    opts = tp_options(cfg)
+BLOCKS_ONLY = TPOptions(sequence_parallel=False, vocab_parallel=False)
+"""``apply_tp``'s own defaults: each block's matrices split, the embedding and head whole (fsdp's and the
+pipeline's tp dimension)."""
+
+
+def unsupported(cfg, world: int, flag: str = "--nproc", options: TPOptions | None = None) -> str | None:
+    """One line saying why ``cfg`` cannot run under tp over ``world`` processes, or None; ``flag`` names the
+    setting that gives the degree (tp's --nproc, fsdp's and pipeline's --tp), ``options`` the plan's flags
+    (default: the tp method's own, from ``cfg``)."""
+    opts = options or tp_options(cfg)
     shapes = tp_shapes(ModelSpec.from_config(cfg), opts.vocab_parallel)
     if not shapes.has_plan:
         return f"tp: model {cfg.model!r} has no tensor-parallel plan; {HOW_TO_PLAN}"
@@ -360,7 +367,7 @@ def unsupported(cfg, world: int) -> str | None:
             "own (tp_plan()): put its sequence-sharded layouts (SequenceParallel(), Shard(1)) in that plan and "
             "leave --sequence-parallel off"
         )
-    why = _transformer_unsupported(cfg, tc, world, opts) if tc is not None else None
+    why = _transformer_unsupported(cfg, tc, world, opts, flag) if tc is not None else None
     if why:
         return why
     if shapes.tie_conflicts:
