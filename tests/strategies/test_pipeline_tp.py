@@ -5,7 +5,7 @@ each rank holds its stage with the split matrices 1/T; the collectives measured 
 stage sends, Megatron's all-reduces per block and micro-batch); its checkpoint resumes under the same layout
 and under `single`; bad layouts are refused in one line before any work. Data parallel replicas (dp > 1) need
 8 processes, too many for this suite: the mesh coordinates, the data shards and the cost model of 2 x 2 x 2
-are checked in process instead (the 8-process run itself is measured in docs/parallelism_3d.md)."""
+are checked in process instead (the 8-process run itself is measured in docs/parallelism.md)."""
 
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def test_a_2x2x2_mesh_maps_ranks_reads_data_and_costs_as_torch_lays_it_out():
     """8 processes, dp 2 x pp 2 x tp 2, without running them: the coordinates the strategy gives each rank are
     those of torch's own DeviceMesh (one process posing as each rank on a fake process group); each tp pair of a
     replica reads that replica's shard; the replicas all-reduce the stage's tp-local gradients (half its
-    split matrices), as the 8-process run measured (docs/parallelism_3d.md)."""
+    split matrices), as the 8-process run measured (docs/parallelism.md)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -186,7 +186,7 @@ def test_a_stage_without_blocks_holds_every_parameter_replicated(kept):
     """An embedding-only or head-only stage has nothing the plan splits: ``apply_tp`` on what the rank keeps makes
     each parameter a replicated DTensor (the optimizer and the norm take no mix), its bytes the cost model's
     (whole). (The 4-process runs with --split-points layers.0 and head train `single`'s curve:
-    docs/parallelism_3d.md.)"""
+    docs/parallelism.md.)"""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate

@@ -15,7 +15,7 @@ default one per residual block (``stratbench.models.zoo.residual_block_types``),
 
 2D parallelism (``--tp T``): a (dp = world/T, tp = T) device mesh; the model's tensor-parallel plan (the tp
 method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards each rank's slices over ``dp``
-(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism_2d.md).
+(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism.md).
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before

@@ -14,7 +14,7 @@ rank keeps, over the mesh's ``tp`` dimension, as torchtitan parallelises each pi
 ``(dp, pp, tp)`` with ``dp = world / (P x T)``, a stage's p2p runs on the ``pp`` group between the ranks of the
 same tp slot, the replicas' all-reduce covers each rank's local shards. The tp-specific pieces (refusals, the
 stage's split bytes and Megatron traffic for the cost model, DTensor shards in the gradient all-reduce, the
-clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism_3d.md has the formulas.
+clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism.md has the formulas.
 
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
