@@ -131,6 +131,16 @@ def train(
     return json.loads((Path(output) / "result.json").read_text())
 
 
+def tiny_lm_fp64(seq: int = 32, batch: int = 8, eval_samples: int = 16) -> list[str]:
+    """gpt-tiny on text in fp64 (AdamW, gradient clipping on, one warm-up step): the flags the tensor-parallel
+    layouts' equivalence runs share (tp, fsdp --tp, pipeline --tp)."""
+    return [
+        "--model", "gpt-tiny", "--data", "text", "--seq-len", str(seq), "--batch-size", str(batch), "--epochs", "1",
+        "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", str(eval_samples), "--progress", "false",
+        "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
+    ]  # fmt: skip
+
+
 COMM = ["--comm-volume", "true", "--breakdown", "true", "--measure-alloc", "true"]
 """Record the collectives of step 3 (stratbench.measuring.commvol), time each step's phases, and read the allocator through
 step 2 (--measure-alloc) in an equivalence run: none changes a number the run computes."""

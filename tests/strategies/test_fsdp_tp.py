@@ -17,16 +17,13 @@ from conftest import (
     assert_curves_match,
     assert_estimate_within,
     fails,
+    tiny_lm_fp64,
     train,
 )
 from stratbench.models.transformer import SIZES
 
 SEQ, BATCH, STEPS, SAVED = 32, 8, 4, 2
-LM64 = [
-    "--model", "gpt-tiny", "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
-    "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "16", "--progress", "false",
-    "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
-]  # fmt: skip
+LM64 = tiny_lm_fp64(SEQ, BATCH)
 FSDP_TP = ["--strategy", "fsdp", "--tp", "2"]
 CFG = SIZES["gpt-tiny"]
 F64 = 8

@@ -19,17 +19,13 @@ from conftest import (
     assert_curves_match,
     assert_estimate_within,
     fails,
+    tiny_lm_fp64,
     train,
 )
 from stratbench.models.transformer import SIZES
 
 SEQ, BATCH, STEPS, M = 32, 8, 4, 4
-LM64 = [
-    "--model", "gpt-tiny", "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
-    "--max-steps", str(STEPS), "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "8", "--progress",
-    "false", "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false",
-    "--clip-grad-norm", "0.5",
-]  # fmt: skip
+LM64 = [*tiny_lm_fp64(SEQ, BATCH, eval_samples=8), "--max-steps", str(STEPS)]
 PP_TP = ["--strategy", "pipeline", "--pp", "2", "--tp", "2", "--split-points", "layers.2", "--microbatches", str(M)]  # fmt: skip
 CFG = SIZES["gpt-tiny"]
 F64 = 8

@@ -16,16 +16,13 @@ from conftest import (
     assert_comm_matches_formula,
     assert_curves_match,
     fails,
+    tiny_lm_fp64,
     train,
 )
 from stratbench.models.transformer import SIZES
 
 SEQ, BATCH, STEPS = 32, 8, 6
-LM64 = [
-    "--model", "gpt-tiny", "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
-    "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "16", "--progress", "false",
-    "--timing-warmup-steps", "1", "--precision", "fp64", "--measure-flops", "false", "--clip-grad-norm", "0.5",
-]  # fmt: skip
+LM64 = tiny_lm_fp64(SEQ, BATCH)
 TP = ["--strategy", "tp"]
 SP_WHOLE_VOCAB = ["--sequence-parallel", "--vocab-parallel", "false"]
 CFG = SIZES["gpt-tiny"]
