@@ -69,7 +69,8 @@ def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
         result = json.loads((out / "result.json").read_text())
     if outcome.returncode == 0 and isinstance(result, dict) and result.get("status") == "ok":
         return result
-    why = outcome.reason or (result or {}).get("reason") or _error_line(job.log) or f"exit code {outcome.returncode}"
+    why = outcome.reason or (result or {}).get("reason") or _error_line(job.log)
+    why = why or f"exit code {outcome.returncode}"
     raise StratbenchError(f"training on {executor.where()} failed: {why}")
 
 

@@ -22,6 +22,8 @@ from stratbench.launching.ray_node import NodeRunner
 
 STOP_TIMEOUT_S = 15.0
 """How long a cancelled job's node runners get to stop their processes before their actors are killed."""
+RECHECK_S = 10.0
+"""How often a job waiting for its placement group checks that the live nodes can still hold it."""
 
 
 def _ray():
@@ -69,6 +71,8 @@ class RayExecutor(Executor):
         if ray.is_initialized():
             return
         quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "stratbench"}
+        if os.environ.get("PYTHONPATH"):  # a checkout run from source: the nodes import the same stratbench
+            quiet["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
         address = self.address if self.address != "auto" else os.environ.get("RAY_ADDRESS", "auto")
         if address not in ("auto", "local"):
             _check_reachable(address)
@@ -84,18 +88,21 @@ class RayExecutor(Executor):
     def check(self, shapes: Iterable[Shape]) -> None:
         """Connect, then one line for the first shape that no set of live nodes can hold."""
         self.connect()
-        ray = _ray()
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
         for shape in sorted(set(shapes), key=lambda s: (s.nodes, s.procs_per_node, s.gpus_per_node)):
-            fit = [n for n in nodes if n["Resources"].get("CPU", 0) >= shape.procs_per_node
-                   and n["Resources"].get("GPU", 0) >= shape.gpus_per_node]  # fmt: skip
-            if len(fit) < shape.nodes:
-                have = ", ".join(_describe(n) for n in nodes) or "none"
-                where = self.connected_to
+            unfit = self._unfit(shape)
+            if unfit:
                 self.close()  # a local Ray started for this run stops with it
-                raise ConfigError(f"a cell needs {shape}; the Ray cluster at {where} has "
-                                  f"{len(nodes)} live node(s): {have} (lower --nodes or --world-size, "
-                                  "or add nodes)")  # fmt: skip
+                raise ConfigError(f"{unfit} (lower --nodes or --world-size, or add nodes)")
+
+    def _unfit(self, shape: Shape) -> str | None:
+        """Why no set of the cluster's live nodes can hold ``shape`` (None: some can)."""
+        nodes = [n for n in _ray().nodes() if n.get("Alive")]
+        fit = [n for n in nodes if n["Resources"].get("CPU", 0) >= shape.procs_per_node
+               and n["Resources"].get("GPU", 0) >= shape.gpus_per_node]  # fmt: skip
+        if len(fit) >= shape.nodes:
+            return None
+        have = ", ".join(_describe(n) for n in nodes) or "none"
+        return f"a cell needs {shape}; the Ray cluster at {self.connected_to} has {len(nodes)} live node(s): {have}"
 
     def where(self) -> str:
         return f"Ray at {self.connected_to}"
@@ -130,10 +137,14 @@ class RayExecutor(Executor):
         if st["runs"] is None:
             ready, _ = ray.wait(st["addresses"], num_returns=len(st["addresses"]), timeout=0)
             if len(ready) < len(st["addresses"]):
-                return None  # waiting for its placement group: queued
+                return self._still_placeable(handle)  # waiting for its placement group: queued
             try:
                 found = ray.get(st["addresses"])
             except ray.exceptions.RayError as exc:
+                if "ModuleNotFoundError" in str(exc):  # not lost: it would fail again
+                    self.cancel(handle)
+                    return Outcome(None, 0.0, reason=f"stratbench cannot be imported on a Ray node: {_why(exc)}; "
+                                   "install the same stratbench on every node (docs/cluster.md)")  # fmt: skip
                 return self._lost(handle, None, exc)
             self._start(handle, found)
             return None
@@ -152,6 +163,21 @@ class RayExecutor(Executor):
         reason = next((r["reason"] for r in results if r["reason"]), "")
         return Outcome(code, time.monotonic() - (handle.started_at or handle.submitted_at), reason=reason,
                        loads=first["loads"], cpu_count=first["cpu_count"])  # fmt: skip
+
+    def _still_placeable(self, handle: Handle) -> Outcome | None:
+        """A queued job whose shape the cluster can no longer hold (nodes died since the check) would wait for
+        ever: every few seconds it is checked, and such a job ends as lost (a rerun runs it)."""
+        now = time.monotonic()
+        if now - handle.state.get("checked", handle.submitted_at) < RECHECK_S:
+            return None
+        handle.state["checked"] = now
+        unfit = self._unfit(handle.job.shape)
+        if unfit is None:
+            return None
+        self.cancel(handle)
+        return Outcome(
+            None, 0.0, reason=f"not started: {unfit}; rerun the same command when it has", lost=True
+        )
 
     def _start(self, handle: Handle, found: list[tuple[str, int, str]]) -> None:
         """Every node placed: start each node's launcher, node 0's IP and free port as the master's."""
@@ -225,5 +251,5 @@ def _describe(node: dict[str, Any]) -> str:
 def _why(exc: Exception) -> str:
     """The line of a Ray error that says why the actor died (its node died: which and how)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    telling = [ln for ln in lines if "node" in ln.lower() or "died" in ln.lower() or "killed" in ln.lower()]
+    telling = [ln for ln in lines if any(w in ln.lower() for w in ("node", "died", "killed", "error:"))]
     return " ".join(telling[-2:] or lines[:1])[:400] or type(exc).__name__
