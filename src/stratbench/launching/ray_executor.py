@@ -12,8 +12,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import tempfile
 import time
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 from stratbench.core.errors import ConfigError, UnsupportedError
@@ -77,12 +79,11 @@ class RayExecutor(Executor):
         if address not in ("auto", "local"):
             _check_reachable(address)
         try:
-            info = ray.init(address=address, **quiet)
+            info = _start_local(quiet) if address == "local" else ray.init(address=address, **quiet)
         except ConnectionError:
             if address != "auto":
                 raise ConfigError(f"cannot connect to the Ray cluster at {address}") from None
-            info = ray.init(address="local", include_dashboard=False, **quiet)  # no cluster: a local one
-            address = "a local Ray started for this run"
+            info = _start_local(quiet)  # no cluster: a local one, stopped with this run
         self.connected_to = getattr(info, "address_info", {}).get("gcs_address") or address
 
     def check(self, shapes: Iterable[Shape]) -> None:
@@ -240,6 +241,21 @@ class RayExecutor(Executor):
             return
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _start_local(options: dict[str, Any]):
+    """A Ray on this machine for this run. Its session folder holds Unix sockets, whose paths must stay under
+    108 bytes: under a long $TMPDIR it moves to /tmp."""
+    ray = _ray()
+    temp = Path(tempfile.gettempdir()) / "ray"
+    if len(str(temp)) > 40:
+        temp = Path("/tmp") / f"ray-stratbench-{os.getuid()}"
+    try:
+        return ray.init(address="local", include_dashboard=False, _temp_dir=str(temp), **options)
+    except (OSError, RuntimeError) as exc:
+        ray.shutdown()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ConfigError(f"could not start a local Ray for --executor ray: {first}") from None
 
 
 def _describe(node: dict[str, Any]) -> str:
