@@ -52,6 +52,7 @@ def run_compare(root: Path, name: str, extra: list[str]) -> dict:
         rec = json.loads(line)
         assert rec["status"] == "ok", rec["reason"]
         cells[rec["method"]] = (rec.get("queued_s") or 0.0) + rec["elapsed_s"]
+        cells[rec["method"] + ":queued"] = rec.get("queued_s") or 0.0
     return {"wall": wall, "cells": cells, "load": os.getloadavg()[0]}
 
 
@@ -69,9 +70,15 @@ def main() -> int:
     try:
         for k in range(args.repeats):
             runs["local"].append(run_compare(root, f"local-{k}", []))
-            runs["ray"].append(
-                run_compare(root, f"ray-{k}", ["--executor", "ray", "--ray-address", cluster["address"]])
-            )
+            ray_flags = [
+                "--executor",
+                "ray",
+                "--ray-address",
+                cluster["address"],
+                "--max-concurrent-cells",
+                "1",
+            ]
+            runs["ray"].append(run_compare(root, f"ray-{k}", ray_flags))
     finally:
         local_ray.stop(cluster)
     text = report(runs, startup, args)
@@ -93,10 +100,12 @@ def report(runs: dict[str, list[dict]], startup: float, args: argparse.Namespace
         local = [r["cells"][cell] for r in runs["local"]]
         ray_ = [r["cells"][cell] for r in runs["ray"]]
         over = [b - a for a, b in zip(local, ray_, strict=True)]
-        rows.append(f"| {cell} fp32 | {med(local)} | {med(ray_)} | **{statistics.median(over):+.1f} s** |")
+        queued = [r["cells"][cell + ":queued"] for r in runs["ray"]]
+        rows.append(f"| {cell} fp32 | {med(local)} | {med(ray_)} | **{statistics.median(over):+.1f} s** | "
+                    f"{med(queued)} |")  # fmt: skip
     walls = [f"| whole compare (2 cells) | {med([r['wall'] for r in runs['local']])} | "
              f"{med([r['wall'] for r in runs['ray']])} | "
-             f"{statistics.median([b['wall'] - a['wall'] for a, b in zip(runs['local'], runs['ray'], strict=True)]):+.1f} s |"]  # fmt: skip
+             f"{statistics.median([b['wall'] - a['wall'] for a, b in zip(runs['local'], runs['ray'], strict=True)]):+.1f} s | |"]  # fmt: skip
     loads = [round(r["load"], 1) for k in ("local", "ray") for r in runs[k]]
     return "\n".join([
         f"# Dispatch overhead per cell: `compare --executor ray` vs local ({datetime.date.today()})", "",
@@ -106,7 +115,8 @@ def report(runs: dict[str, list[dict]], startup: float, args: argparse.Namespace
         "Command: `nice -n 19 .venv/bin/python benchmarks/executor_overhead.py --report ...` (the module docstring "
         "says what it runs). Each value: median of "
         f"{args.repeats} (every run in brackets); a cell's time is from its submission to its end.", "",
-        "| | local | ray | ray - local |", "|---|---|---|---|", *rows, *walls, "",
+        "| | local | ray | ray - local | ray: submission to start (placement group, actors, node 0's address) |",
+        "|---|---|---|---|---|", *rows, *walls, "",
         f"1-minute load averages after each compare: {loads} (other work on this shared machine inflates both "
         "columns alike; runs alternate local and ray).", "",
     ])  # fmt: skip

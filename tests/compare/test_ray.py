@@ -50,9 +50,9 @@ def cluster(tmp_path_factory):
     future = pool.submit(local_ray.start, root / "cluster")
     state = {"root": root, "future": future}
     yield state
-    if future.done() and future.exception() is None:
+    pool.shutdown()  # a cluster still starting (a test failed early) is waited for, then stopped all the same
+    if future.exception() is None:
         local_ray.stop(future.result())
-    pool.shutdown()
 
 
 @pytest.fixture(scope="module")
