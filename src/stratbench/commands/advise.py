@@ -102,9 +102,12 @@ def devices_and_memory(args: argparse.Namespace, system: System | None) -> tuple
         else int(system.gpu.memory_bytes) if system is not None else None
     )  # fmt: skip
     if devices is None or memory is None:
+        uneven = devices is not None and args.batch_size % devices
         raise ConfigError(
-            "no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB"
-        )
+            (f"--batch-size {args.batch_size} is not divisible by --devices {devices} (the data-parallel plans "
+             "split it evenly), and " if uneven else "")
+            + "no GPU detected: give the devices to plan for, e.g. --devices 4 --device-memory 24GiB"
+        )  # fmt: skip
     if memory <= 0:
         raise ConfigError(f"--device-memory must be positive, got {args.device_memory!r}")
     return devices, memory
