@@ -78,21 +78,13 @@ def stage_flops(split, stage, tp_size: int) -> float:
 
 
 def stage_comm(ctx, spec: ModelSpec, blocks: int, micro: int, m: int, tp_size: int) -> list[Collective]:
-    """Megatron's traffic of one tp rank per step (``tp.transformer_comm`` at the pipeline's micro-batch): per
-    block and micro-batch an all-reduce of the (micro, seq, dim) output of wo and w2 forward, in the compute
-    dtype, and of the attention's and MLP's input gradients backward, in the weights' dtype; the embedding and
-    head stages' replicated modules send nothing."""
+    """Megatron's traffic of one tp rank per step (``tp.megatron_rows`` at the pipeline's micro-batch, for the
+    stage's blocks, ``m`` micro-batches); the embedding and head stages' replicated modules send nothing."""
     tc = tp.tp_shapes(spec).transformer
     if tp_size == 1 or not blocks or tc is None:
         return []
-    elements = micro * ctx.cfg.seq_len * tc.dim
-    forward, backward = elements * ctx.pspec.compute_dtype.itemsize, elements * ctx.param_bytes
-    calls = 2 * blocks * m
-    note = f"tp: {blocks} block(s) x {m} micro-batch(es)"
-    return [
-        Collective("all_reduce", calls * forward, calls, "forward", tp_size, f"{note}, row-parallel outputs"),
-        Collective("all_reduce", calls * backward, calls, "backward", tp_size, f"{note}, input gradients"),
-    ]
+    act = micro * ctx.cfg.seq_len * tc.dim
+    return tp.megatron_rows(ctx, blocks, act, m, tp_size, f"tp: {blocks} block(s) x {m} micro-batch(es), ")
 
 
 # ---- the runtime: DTensor parameters and their local shards ----------------------------------------------

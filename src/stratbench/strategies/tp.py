@@ -395,6 +395,21 @@ class _Traffic:
         return Collective(kind, n * elements * itemsize, n, phase, self.group, note)
 
 
+def megatron_rows(
+    ctx, blocks: int, act: int, micro_steps: int, group: int, where: str = ""
+) -> list[Collective]:
+    """Megatron's f/g pair of ``blocks`` blocks over a tp ``group``, ``micro_steps`` times per step: per block 2
+    all-reduces of ``act`` elements forward (the row-parallel outputs, in the compute dtype) and 2 backward (the
+    attention's and the MLP's input gradients, in the weights' dtype). ``where`` prefixes each note (a pipeline
+    stage names its blocks)."""
+    t = _Traffic(micro_steps, group)
+    cd, pd, calls = ctx.pspec.compute_dtype.itemsize, ctx.param_bytes, 2 * blocks
+    return [
+        t("all_reduce", calls, act, cd, "forward", f"{where}row-parallel outputs (wo, w2)"),
+        t("all_reduce", calls, act, pd, "backward", f"{where}attention and MLP input gradients"),
+    ]
+
+
 def _block_comm(ctx, tc: TransformerConfig, act: int, sequence_parallel: bool) -> list[Collective]:
     """The blocks' traffic: Megatron's f/g pair (2 all-reduces per block forward, 2 backward), or under sequence
     parallelism its all-gather (the norm's output, before the column-parallel projections) and reduce-scatter
@@ -402,13 +417,10 @@ def _block_comm(ctx, tc: TransformerConfig, act: int, sequence_parallel: bool) -
     gradients, which each rank computes from its sequence shard (partial sums: ``reduce_partial_grads``). Row
     outputs and their gradients are in the compute dtype (the matmul's), norm outputs and the residual stream's
     gradients in the weights' (measured: bf16-mixed sends the first in 2 bytes, the second in 4)."""
+    if not sequence_parallel:
+        return megatron_rows(ctx, tc.n_layers, act, ctx.cfg.grad_accum, ctx.world)
     t = _Traffic(ctx.cfg.grad_accum, ctx.world)
     cd, pd, calls = ctx.pspec.compute_dtype.itemsize, ctx.param_bytes, 2 * tc.n_layers
-    if not sequence_parallel:
-        return [
-            t("all_reduce", calls, act, cd, "forward", "row-parallel outputs (wo, w2)"),
-            t("all_reduce", calls, act, pd, "backward", "attention and MLP input gradients"),
-        ]
     norms = (2 * tc.n_layers + 1) * tc.dim
     return [
         t("reduce_scatter", calls, act, cd, "forward", "row-parallel outputs (wo, w2) into sequence shards"),
