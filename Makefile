@@ -14,7 +14,7 @@ demo: install
 	$(VENV)/bin/stratbench demo --output runs/demo
 
 test: install
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests
