@@ -75,38 +75,70 @@ def address(cluster, local_sweep) -> str:
     return cluster["future"].result(timeout=300)["address"]
 
 
+KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}, *TWO]
+"""ddp over both nodes first (it must use the worker node, which dies under it), then the local sweep's two cells
+(they fit on the head alone, one at a time)."""
+
+
 @pytest.fixture(scope="module")
-def ray_sweep(cluster, address) -> tuple[dict, Path]:
-    """The local sweep's two cells plus ddp spread over the two nodes, two cells at a time."""
+def killed_sweep(cluster, address) -> dict:
+    """`compare --executor ray --max-concurrent-cells 1` with the worker node killed while the 2-node cell runs on
+    it; then the node comes back and the same command runs again. One sweep and its rerun check the executor's
+    cells against the local ones, a cell over two nodes, a dead node and a resumed sweep (a test of each took
+    ~7 min of the suite's time)."""
     root = cluster["root"]
-    cells = [*TWO, {"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}]
-    out = root / "ray"
-    executor = make_executor(
-        "ray", 2, ray_address=address
-    )  # what --executor ray --max-concurrent-cells 2 makes
-    compare(matrix=str(_matrix(root, "ray", cells)), output=str(out), executor=executor, console=_quiet())
-    return load_records(out), out
+    out = root / "kill"
+    matrix = _matrix(root, "kill", KILLED)
+    state = cluster["future"].result()
+
+    def kill_the_worker_once_the_cell_runs_on_it() -> None:
+        deadline = time.monotonic() + 240
+        while not list((out / "cells").glob("*/train.node1.log")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        local_ray.kill_node(state)  # every process of the worker node at once, as when its machine dies
+
+    def sweep() -> dict:
+        executor = make_executor("ray", 1, ray_address=address)
+        compare(matrix=str(matrix), output=str(out), executor=executor, console=_quiet())
+        return {r.get("label") or r["method"]: r for r in load_records(out).values()}
+
+    with ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(kill_the_worker_once_the_cell_runs_on_it)
+        first = sweep()
+        killer.result()
+    left = _sweep_processes(out)
+    local_ray.add_worker(state)  # the node comes back; the same sweep runs the lost cell again, keeps the others
+    stamps = {label: _result_stamp(rec) for label, rec in first.items() if rec["status"] == "ok"}
+    return {"first": first, "left": left, "stamps": stamps, "rerun": sweep(), "out": out}
 
 
-def test_ray_sweep_gives_the_local_cells_and_fp64_losses(local_sweep, ray_sweep):
-    records, out = ray_sweep
-    assert set(local_sweep) < set(records)
-    for cell_id, ref in local_sweep.items():
-        rec = records[cell_id]
-        assert rec["status"] == "ok" and ref["status"] == "ok", (rec["reason"], ref["reason"])
-        assert_curves_match(rec["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
+def _result_stamp(rec: dict) -> int:
+    return (Path(rec["cell_dir"]) / "result.json").stat().st_mtime_ns
+
+
+def test_a_killed_worker_node_fails_its_cell_and_the_sweep_goes_on(killed_sweep):
+    first = killed_sweep["first"]
+    lost = first["ddp-2nodes"]
+    assert lost["status"] == "failed" and lost["lost"], lost
+    assert "died" in lost["reason"] and "node" in lost["reason"], lost["reason"]
+    others = [rec for label, rec in first.items() if label != "ddp-2nodes"]
+    assert len(others) == 2 and all(rec["status"] == "ok" for rec in others), [r["reason"] for r in others]
+    assert killed_sweep["left"] == []  # no launcher, torchrun or worker of the sweep outlives it
+
+
+def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_executor(local_sweep, killed_sweep):
+    rerun, out = killed_sweep["rerun"], killed_sweep["out"]
+    assert {rec["status"] for rec in rerun.values()} == {"ok"}, {k: r["reason"] for k, r in rerun.items()}
+    for label, stamp in killed_sweep["stamps"].items():  # recorded cells are not trained again
+        assert _result_stamp(rerun[label]) == stamp, label
+    local = {rec["method"]: rec for rec in local_sweep.values()}
+    assert len(local) == 2 and {rec["status"] for rec in local.values()} == {"ok"}
+    for rec in rerun.values():  # the same cells, the same fp64 losses (the 2-node one against the local ddp)
         assert rec["cell_dir"].startswith(str(out))  # written in the compare folder by the Ray node
-
-
-def test_a_cell_spread_over_both_nodes_matches_the_local_two_process_run(local_sweep, ray_sweep):
-    records, out = ray_sweep
-    (rec,) = [r for r in records.values() if r["label"] == "ddp-2nodes"]
-    assert rec["status"] == "ok", rec["reason"]
-    assert rec["nodes"] == 2 and rec["world_size"] == 2
-    (ref,) = [r for r in local_sweep.values() if r["method"] == "ddp"]
-    assert_curves_match(rec["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
-    cell = Path(rec["cell_dir"])
-    node1 = (cell / "train.node1.log").read_text()  # node 1's launcher ran on the other Ray node
+        assert_curves_match(rec["metrics"]["loss_curve"], local[rec["method"]]["metrics"]["loss_curve"], RTOL)
+    two = rerun["ddp-2nodes"]
+    assert two["nodes"] == 2 and two["world_size"] == 2
+    node1 = (Path(two["cell_dir"]) / "train.node1.log").read_text()  # node 1's launcher ran on the other node
     assert "--nnodes 2 --node-rank 1 --master-addr" in node1.splitlines()[0]
     assert "x2 on 2 nodes" in (out / "report.md").read_text()
 
@@ -172,41 +204,3 @@ def test_sigterm_of_compare_cancels_every_ray_task_and_leaves_no_process(cluster
             break
         time.sleep(0.5)
     assert left == []
-
-
-def test_a_killed_worker_node_fails_its_cell_the_sweep_goes_on_and_a_rerun_completes_it(cluster, address):
-    root = cluster["root"]
-    out = root / "kill"
-    # ddp over both nodes first (it must use the worker node), then single (fits on the head alone)
-    matrix = _matrix(root, "kill", [{"method": "ddp", "precision": "fp64", "nodes": 2},
-                                    {"method": "single", "precision": "fp64"}])  # fmt: skip
-    state = cluster["future"].result()
-
-    def kill_the_worker_once_the_cell_runs_on_it() -> None:
-        deadline = time.monotonic() + 240
-        while not list((out / "cells").glob("*/train.node1.log")) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        local_ray.kill_node(state)  # every process of the worker node at once, as when its machine dies
-
-    def sweep() -> dict:
-        """The sweep as `compare --executor ray --max-concurrent-cells 1` runs it, in this process."""
-        executor = make_executor("ray", 1, ray_address=address)
-        compare(matrix=str(matrix), output=str(out), executor=executor, console=_quiet())
-        return {r["method"]: r for r in load_records(out).values()}
-
-    with ThreadPoolExecutor(1) as pool:
-        killer = pool.submit(kill_the_worker_once_the_cell_runs_on_it)
-        records = sweep()
-        killer.result()
-    ddp, single = records["ddp"], records["single"]
-    assert ddp["status"] == "failed" and ddp["lost"], ddp
-    assert "died" in ddp["reason"] and "node" in ddp["reason"], ddp["reason"]
-    assert single["status"] == "ok", single["reason"]
-    assert _sweep_processes(out) == []
-    local_ray.add_worker(
-        state
-    )  # the node comes back; the same sweep runs the lost cell again, keeps the other
-    stamp = (Path(single["cell_dir"]) / "result.json").stat().st_mtime_ns
-    records = sweep()
-    assert records["ddp"]["status"] == "ok", records["ddp"]["reason"]
-    assert (Path(single["cell_dir"]) / "result.json").stat().st_mtime_ns == stamp
