@@ -164,6 +164,13 @@ SHRINK = (
         "fp32) x 3 repeats still give the median and min-max columns the line is about.",
     ),
     Shrink(
+        "compare on Ray",
+        lambda a: a[:1] == ["compare"] and flag_value(a, "--executor") == "ray",
+        ("--only", "single,ddp", "--only", "fp32"),
+        "the quick preset again (~10 min here), on a Ray started for the line: two cells (single and ddp, fp32) "
+        "still go through Ray's placement groups and node runners.",
+    ),
+    Shrink(
         "seed preset without --dry-run",
         lambda a: a[:1] == ["compare"] and flag_value(a, "--preset") == "seed" and "--dry-run" not in a,
         ("--dry-run",),
@@ -192,6 +199,10 @@ FAST = (
            "one cell (ddp, fp32, 2 processes) of 6 steps (3 after the 3 warm-up steps, which a calibration run needs "
            "timed): its calibration (the probe, single at both batches, ddp on one process) runs first and "
            "predicts the row"),
+    Shrink("compare on a Ray of its own, one short cell", SHRINK[2].matches,
+           ("--only", "single", "--only", "fp32", "--max-steps", "3", "--ray-address", "local"),
+           "one cell (single, fp32) of 3 steps on a Ray started for the line (`local`: the suite's own two-node "
+           "test cluster, tests/compare/test_ray.py, may be up at the same time, and `auto` would join it)"),
     Shrink("compare, one short cell", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
            ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps: the sweep, its process, record and report (the --calibrate line "

@@ -28,7 +28,9 @@ from stratbench.compare.runner import Interrupted, SweepRunner
 from stratbench.core.config import TrainConfig, coerce, from_dict
 from stratbench.core.dist import launched_by_launcher
 from stratbench.core.errors import ConfigError
+from stratbench.launching.executor import Executor, Shape
 from stratbench.launching.job import run_job
+from stratbench.launching.local_executor import LocalExecutor
 from stratbench.measuring.hardware import resolve
 from stratbench.predicting import estimate as est
 from stratbench.training.engine import check_config
@@ -82,6 +84,8 @@ class SweepPlan:
     output: Path
     timeout_s: float
     calibration: Any = None
+    executor: Executor | None = None
+    """Where the cells run (None: this machine, one at a time)."""
 
 
 def plan_sweep(
@@ -97,20 +101,29 @@ def plan_sweep(
     hardware: str | None = None,
     world_size: int | None = None,
     device_memory: str | int | None = None,
+    nodes: int | None = None,
+    executor: Executor | None = None,
     **options: Any,
 ) -> SweepPlan:
     """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
-    results file already in ``output`` and the calibration runs. ``options`` are training options for every cell;
-    ``device_memory`` (bytes or a size such as ``2GiB``) replaces the matrix's budget per device: a cell whose
-    estimate exceeds it is recorded as 'does not fit (estimate X of Y)' instead of being run."""
+    results file already in ``output``, the calibration runs, and whether ``executor`` (default: this machine)
+    can hold every cell. ``options`` are training options for every cell; ``device_memory`` (bytes or a size
+    such as ``2GiB``) replaces the matrix's budget per device: a cell whose estimate exceeds it is recorded as
+    'does not fit (estimate X of Y)' instead of being run; ``nodes``: the nodes of every multi-process cell."""
 
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
     if world_size is not None and world_size < 1:
         raise ConfigError(f"world size must be >= 1, got {world_size}")
+    if nodes is not None and nodes < 1:
+        raise ConfigError(f"--nodes must be >= 1, got {nodes}")
+    executor = executor or LocalExecutor()
+    if calibrate and not executor.runs_here:
+        raise ConfigError(f"--calibrate measures this machine, but --executor {executor.name} runs the cells "
+                          "elsewhere: calibrate with a local compare on a node like the cluster's")  # fmt: skip
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
-    m = load_matrix(preset, matrix, _typed(options), world_size)
+    m = load_matrix(preset, matrix, _typed(options), world_size, nodes)
     if device_memory is not None:
         m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
@@ -119,7 +132,9 @@ def plan_sweep(
     calibration = None
     if calibrate:
         calibration = plan_calibration(m, plans, allow_slow=allow_slow)
-    return SweepPlan(m, plans, out, timeout or m.timeout_s, calibration)
+    executor.check(Shape(p.cell.nodes, p.cell.procs_per_node, p.cell.procs_per_node if m.uses_gpus(p.cell) else 0)
+                   for p in plans if p.status is None)  # fmt: skip
+    return SweepPlan(m, plans, out, timeout or m.timeout_s, calibration, executor)
 
 
 def _typed(options: dict[str, Any]) -> dict[str, Any]:
@@ -147,7 +162,7 @@ def run_sweep(
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
     runner = SweepRunner(sweep.matrix, sweep.output, timeout_s=sweep.timeout_s, retry=retry, console=console,
-                         repeats=repeats, command=command or ["python", *sys.argv])  # fmt: skip
+                         repeats=repeats, command=command or ["python", *sys.argv], executor=sweep.executor)  # fmt: skip
     interrupted = None
     try:
         runner.run(
@@ -155,6 +170,8 @@ def run_sweep(
         )
     except Interrupted as exc:
         interrupted = str(exc)
+    finally:
+        runner.executor.close()
     paths, records = render_sweeps([runner.out], runner.out, hardware=hardware)
     return Sweep(runner.out, records, paths, interrupted)
 

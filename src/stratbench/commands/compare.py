@@ -16,6 +16,7 @@ from stratbench.compare.runner import load_records
 from stratbench.core.config import TrainConfig, _base_type, coerce, field_docs
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import table_console
+from stratbench.launching.executors import add_executor_arguments, make_executor
 
 NAME = "compare"
 HELP = (
@@ -59,6 +60,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "The quick preset: ~20 short runs more (docs/projection.md)")  # fmt: skip
     parser.add_argument("--world-size", type=int, metavar="N",
                         help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
+    parser.add_argument("--nodes", type=int, metavar="N",
+                        help="spread each multi-process cell over N nodes (world size / N processes on each; "
+                             "--executor ray places them on N distinct machines, local runs N launchers here)")  # fmt: skip
+    parser.add_argument("--max-concurrent-cells", type=int, default=0, metavar="N",
+                        help="cells under way at once (default: local 1, so that timings are not shared; ray: "
+                             "as many as the cluster has room for, each with its own reserved CPUs/GPUs)")  # fmt: skip
+    add_executor_arguments(parser)
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="memory of one device, e.g. 2GiB: a cell whose memory estimate exceeds it is recorded as "
                         "'does not fit (estimate X of Y)' instead of being run (default: the preset's, or no limit)")  # fmt: skip
@@ -92,15 +100,21 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     console = table_console()
-    sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
-                       timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
-                       hardware=args.hardware, world_size=args.world_size, device_memory=args.device_memory,
-                       **overrides_from(args))  # fmt: skip
+    executor = make_executor(args.executor, args.max_concurrent_cells, ray_address=args.ray_address)
+    try:
+        sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
+                           timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
+                           hardware=args.hardware, world_size=args.world_size, device_memory=args.device_memory,
+                           nodes=args.nodes, executor=executor, **overrides_from(args))  # fmt: skip
+    except BaseException:
+        executor.close()
+        raise
     if args.dry_run:
+        executor.close()
         _print_plan(sweep, console)
         return 0
-    console.print(f"[bold]stratbench compare[/bold] {sweep.matrix.name}: {len(sweep.plans)} cells -> {sweep.output}",
-                  highlight=False, soft_wrap=True)  # fmt: skip
+    console.print(f"[bold]stratbench compare[/bold] {sweep.matrix.name}: {len(sweep.plans)} cells -> {sweep.output}"
+                  f" ({executor.where()})", highlight=False, soft_wrap=True)  # fmt: skip
     done = run_sweep(sweep, repeats=args.repeats, retry=args.retry, hardware=args.hardware, console=console,
                      command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
     print_table(done.records, console)
@@ -129,7 +143,7 @@ def _print_plan(sweep, console) -> None:
             if p.status is None
             else f"{p.status}: {p.reason}"
         )
-        console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} x{c.world_size}  batch {c.batch_size:<5} {c.id}  -> {what}",
+        console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} {c.shape}  batch {c.batch_size:<5} {c.id}  -> {what}",
                       highlight=False, soft_wrap=True)  # fmt: skip
     runnable = sum(p.status is None for p in sweep.plans)
     console.print(f"{runnable} to run, {len(sweep.plans) - runnable} skipped or invalid here", highlight=False)

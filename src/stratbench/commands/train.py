@@ -21,7 +21,8 @@ from stratbench.core.config import (
 from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import print_result
-from stratbench.launching.job import run_job
+from stratbench.launching.executors import add_executor_arguments, make_executor
+from stratbench.launching.job import run_job, run_job_on
 from stratbench.strategies.accelerate import read_accelerate_config
 from stratbench.strategies.base import get_strategy, iter_option_fields
 
@@ -124,11 +125,19 @@ def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    add_executor_arguments(parser, "the run")
 
 
 def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
+    if args.executor != "local" or args.ray_address:
+        executor = make_executor(args.executor, ray_address=args.ray_address)
+        if not executor.runs_here:
+            # --nnodes nodes, --nproc processes on each: the executor places them and starts each node's launcher
+            with ckpt.trusted(cfg.trust_checkpoint):
+                print_result(cfg.output, run_job_on(executor, cfg))
+            return 0
     with ckpt.trusted(cfg.trust_checkpoint):
         return _run(cfg)
 

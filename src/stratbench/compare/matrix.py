@@ -10,6 +10,7 @@ A matrix is a small mapping - the same shape for the built-in presets and for a 
       - {method: [ddp, fsdp], precision: [fp32, bf16-mixed]}
       - {method: deepspeed, options: [{zero_stage: 1}, {zero_stage: 3}], label: "deepspeed-z{zero_stage}"}
       - {method: single, precision: fp32, config: {tf32: true}, label: "single+tf32"}
+      - {method: ddp, precision: fp32, world_size: 4, nodes: 2}  # 2 processes on each of 2 nodes
 
 Instead of ``cells`` a file may give ``methods``/``precisions``/``world_sizes``/``batch_sizes`` lists (one product).
 Before anything runs, ``plan`` decides for each cell whether it can run here, and why not.
@@ -47,11 +48,12 @@ SWEEP_OWNED = (
     "precision",
     "nproc",
     "strategy_options",
+    "nnodes",
     "resume",
     "resume_from",
     "progress",
 )
-ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "config", "label")
+ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "config", "label", "nodes")
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,17 @@ class Cell:
     config: dict[str, Any]
     options: dict[str, Any] = field(default_factory=dict)
     label: str = ""
+    nodes: int = 1
+    """Machines the cell's ``world_size`` processes spread over (``procs_per_node`` on each)."""
+
+    @property
+    def procs_per_node(self) -> int:
+        return self.world_size // self.nodes
+
+    @property
+    def shape(self) -> str:
+        """``x2``, or ``x4 on 2 nodes``: how the display names the cell's processes."""
+        return f"x{self.world_size}" + (f" on {self.nodes} nodes" if self.nodes > 1 else "")
 
     @property
     def batch_size(self) -> int:
@@ -79,9 +92,13 @@ class Cell:
         """Stable id from everything that changes the run: readable part + hash (resume matches on it)."""
         key = {"method": self.method, "precision": self.precision, "world_size": self.world_size,
                "options": self.options, "config": self.config}  # fmt: skip
+        nodes = ""
+        if self.nodes > 1:  # one node keeps the ids of the sweeps recorded before cells had nodes
+            key["nodes"] = self.nodes
+            nodes = f"n{self.nodes}"
         digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
         slug = re.sub(r"[^A-Za-z0-9.+-]+", "-", self.name).strip("-")
-        return f"{slug}_{self.precision}_w{self.world_size}_b{self.batch_size}_{digest}"
+        return f"{slug}_{self.precision}_w{self.world_size}{nodes}_b{self.batch_size}_{digest}"
 
     def train_config(self, output: str | Path, progress: bool = True) -> dict[str, Any]:
         """The YAML mapping the cell's ``stratbench train --config`` reads."""
@@ -90,7 +107,8 @@ class Cell:
             "strategy": self.method,
             "precision": self.precision,
             "strategy_options": dict(self.options),
-            "nproc": self.world_size,
+            "nproc": self.procs_per_node,
+            **({"nnodes": self.nodes} if self.nodes > 1 else {}),
             "output": str(output),
             "progress": progress,
         }
@@ -109,6 +127,12 @@ class Matrix:
     device_memory: int | None = None
     """Memory of one device (bytes): a cell whose estimate exceeds it is not run but recorded as 'does not fit
     (estimate X of Y)' (``--device-memory`` or the matrix's ``device_memory``)."""
+
+    def uses_gpus(self, cell: Cell) -> bool:
+        """The cell's processes each need a GPU reserved for them (an executor that reserves resources asks):
+        its device is cuda, or auto in a matrix that measures GPUs."""
+        device = str(cell.config.get("device", "auto"))
+        return device == "cuda" or (device == "auto" and self.gpu_only)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -510,9 +534,11 @@ record a warm-up step only (3 warm-up steps by default), so they cost the measur
 
 
 def build_matrix(
-    spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None
+    spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None,
+    nodes: int | None = None,
 ) -> Matrix:
-    """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values."""
+    """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values;
+    ``nodes`` (``--nodes``): the nodes of every multi-process cell whose entry gives none."""
     base = _matrix_base(spec, overrides)
     default_world = int(world_size or spec.get("world_size") or 2)
     entries = spec.get("cells")
@@ -525,7 +551,7 @@ def build_matrix(
     cells: list[Cell] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries):
-        for cell in _expand_entry(n + 1, entry, base, overrides, default_world):
+        for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes):
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
                 cells.append(cell)
@@ -578,7 +604,8 @@ def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict
 
 
 def _expand_entry(
-    n: int, entry: Any, base: dict[str, Any], overrides: dict[str, Any] | None, default_world: int
+    n: int, entry: Any, base: dict[str, Any], overrides: dict[str, Any] | None, default_world: int,
+    default_nodes: int | None = None,
 ) -> list[Cell]:
     """The cells of cell entry ``n`` (from 1): the product of its list values."""
     if not isinstance(entry, dict) or "method" not in entry:
@@ -614,17 +641,33 @@ def _expand_entry(
                     f"matrix cell entry {n}: label {label!r} names an option not in {options}"
                 ) from None
         world = int(world) if world is not None else _default_world(str(method), default_world)
+        nodes = _nodes_of(n, entry.get("nodes"), default_nodes, world)
         cells.append(
-            Cell(str(method), canonical_precision(str(precision)), world, config, dict(options), label)
+            Cell(str(method), canonical_precision(str(precision)), world, config, dict(options), label, nodes)
         )
     return cells
 
 
+def _nodes_of(n: int, given: Any, default: int | None, world: int) -> int:
+    """Nodes of a cell of ``world`` processes: the entry's ``nodes``, else ``--nodes`` for a cell of several
+    processes (a one-process cell runs on one node); they must divide the processes evenly."""
+    if given is None:
+        if not default or world == 1:
+            return 1
+        nodes, where = default, "--nodes"
+    else:
+        nodes, where = given, f"matrix cell entry {n}: nodes"
+    if not isinstance(nodes, int) or isinstance(nodes, bool) or nodes < 1 or world % nodes:
+        raise ConfigError(f"{where} {nodes!r} must be a whole number of nodes that divides the cell's {world} "
+                          f"processes (1{''.join(f', {d}' for d in range(2, world + 1) if world % d == 0)})")  # fmt: skip
+    return nodes
+
+
 def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
-                world_size: int | None = None) -> Matrix:  # fmt: skip
+                world_size: int | None = None, nodes: int | None = None) -> Matrix:  # fmt: skip
     """A preset by name or a YAML matrix file (exactly one of them)."""
     if path:
-        return build_matrix(load_yaml(path), overrides, world_size)
+        return build_matrix(load_yaml(path), overrides, world_size, nodes)
     name = preset or "quick"
     if name not in PRESETS:
         raise ConfigError(
@@ -636,7 +679,7 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
         spec = PRESETS[name](world_size)
     else:
         spec = PRESETS[name]()
-    return build_matrix(spec, overrides, world_size)
+    return build_matrix(spec, overrides, world_size, nodes)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -700,9 +743,9 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
         if slow and not allow_slow:
             return Plan(cell, "skipped", f"{slow} (--allow-slow runs it anyway)")
         gpus = _gpu_count()
-        if device.type == "cuda" and cls.needs_process_group and cell.world_size > gpus:
+        if device.type == "cuda" and cls.needs_process_group and cell.procs_per_node > gpus:
             return Plan(
-                cell, "skipped", f"needs {cell.world_size} GPUs (one per process); this machine has {gpus}"
+                cell, "skipped", f"needs {cell.procs_per_node} GPUs (one per process); this machine has {gpus}"
             )
         engine.preflight(cfg, world_size=cell.world_size)
         configure_tf32(cfg.tf32, device)  # --tf32 needs an Ampere GPU; only flips flags in this idle process

@@ -333,6 +333,8 @@ def _identity(rec: RunRecord) -> Row:
         "reason": rec.reason,
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
+    if rec.node_count > 1:
+        text["devices"] = f"{rec.devices} on {rec.node_count} nodes"
     if rec.layout:
         text["devices"] += f" ({rec.layout})"
     status = str(rec.status)

@@ -30,8 +30,9 @@ class Row:
 
     @property
     def name(self) -> str:
-        """``method precision xN``: how the report names a cell in a sentence or a list."""
-        return f"{self.raw.get('method')} {self.raw.get('precision')} x{self.raw.get('devices')}"
+        """``method precision xN`` (``xN on M nodes``): how the report names a cell in a sentence or a list."""
+        nodes = f" on {self.rec.node_count} nodes" if self.rec.node_count > 1 else ""
+        return f"{self.raw.get('method')} {self.raw.get('precision')} x{self.raw.get('devices')}{nodes}"
 
 
 def is_baseline_run(rec: RunRecord) -> bool:

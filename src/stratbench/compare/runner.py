@@ -1,9 +1,11 @@
 """Run the cells of a sweep: one fresh process tree per cell, a time limit, a record per cell, resume, Ctrl-C.
 
-Each cell runs ``python -m stratbench train --config CELL/config.yaml [--nproc N]`` in its own session (so a
-timeout or Ctrl-C kills its whole tree, torchrun's workers included) with its output and log in its own folder.
-Its outcome is appended to ``results.jsonl`` as soon as it ends, so a sweep that is stopped keeps what is done
-and the same command resumes it, skipping the cells already recorded.
+Each cell runs ``python -m stratbench train --config CELL/config.yaml [--nproc N]`` through an executor
+(``launching.executor``: this machine, in a session of its own, so that a timeout or Ctrl-C kills its whole
+tree, torchrun's workers included; or a Ray cluster, one launcher per node) with its output and log in its own
+folder. Its outcome is appended to ``results.jsonl`` as soon as it ends, in whatever order cells end, so a sweep
+that is stopped keeps what is done and the same command resumes it, skipping the cells already recorded (but
+not a cell whose node was lost, which runs again).
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import platform
 import re
 import shutil
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
-from contextlib import suppress
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,8 @@ from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
 from stratbench.core.errors import ConfigError
 from stratbench.core.lock import output_lock
-from stratbench.launching.launch import _child_setup
+from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
+from stratbench.launching.local_executor import LocalExecutor
 from stratbench.measuring.environment import environment
 from stratbench.measuring.records import SCHEMA, RunRecord
 
@@ -142,6 +144,7 @@ def make_record(
         "label": cell.name,
         "precision": cell.precision,
         "world_size": cell.world_size,
+        "nodes": cell.nodes,
         "batch_size": cell.batch_size,
         "strategy_options": cell.options,
         "cell_config": cell.config,
@@ -233,35 +236,11 @@ def classify(returncode: int, result: dict[str, Any] | None, log: Path) -> tuple
 # processes
 
 
-def kill_tree(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
-    """Stop a cell and every process under it. torchrun starts its workers in their own sessions, so the
-    process group alone is not enough: the descendants are listed first and signalled one by one."""
-    import psutil
-
-    try:
-        procs = [psutil.Process(proc.pid)]
-        procs += procs[0].children(recursive=True)
-    except psutil.NoSuchProcess:
-        procs = []
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    for p in procs:
-        with suppress(psutil.Error):
-            p.terminate()
-    _, alive = psutil.wait_procs(procs, timeout=grace_s)
-    for p in alive:
-        with suppress(psutil.Error):
-            p.kill()
-    with suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    with suppress(subprocess.TimeoutExpired):
-        proc.wait(timeout=grace_s)
-
-
 def cell_command(cell: Cell, config_path: Path) -> list[str]:
+    """The cell's command on one node (the executor adds the node flags of a cell of several nodes)."""
     cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config_path)]
     if cell.world_size > 1:
-        cmd += ["--nproc", str(cell.world_size)]
+        cmd += ["--nproc", str(cell.procs_per_node)]
     return cmd
 
 
@@ -312,7 +291,7 @@ class Display:
 
     def start(self, n: int, cell: Cell) -> None:
         self.cell = cell
-        self.begin(n, f"{cell.name} {cell.precision} x{cell.world_size}", f"{cell.id}/train.log")
+        self.begin(n, f"{cell.name} {cell.precision} {cell.shape}", f"{cell.id}/train.log")
 
     def begin(self, n: int, what: str, log: str) -> None:
         """Run ``n`` of the total starts: ``what`` names it, ``log`` is where its output goes."""
@@ -334,7 +313,7 @@ class Display:
         self.progress.update(self.overall, info=self.eta(running))
 
     def finish(self, cell: Cell, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
-        self.end(f"{cell.name} {cell.precision} x{cell.world_size}", status, reason, elapsed, ran)
+        self.end(f"{cell.name} {cell.precision} {cell.shape}", status, reason, elapsed, ran)
 
     def end(self, what: str, status: str, reason: str, elapsed: float | None, ran: bool) -> None:
         self.done += 1
@@ -376,7 +355,8 @@ class SweepRunner:
     """Runs the planned cells of one sweep into ``out``; see the module docstring."""
 
     def __init__(self, matrix: Matrix, out: Path, *, timeout_s: float, retry: bool = False, console=None,
-                 command: list[str] | None = None, repeats: int = 1) -> None:  # fmt: skip
+                 command: list[str] | None = None, repeats: int = 1, executor: Executor | None = None) -> None:  # fmt: skip
+        """``executor``: where each cell's processes run (default: this machine, one cell at a time)."""
         from rich.console import Console
 
         self.matrix = matrix
@@ -386,6 +366,7 @@ class SweepRunner:
         self.console = console or Console()
         self.command = command or sys.argv
         self.repeats = max(1, int(repeats))
+        self.executor = executor or LocalExecutor()
 
     def write_sweep_meta(self, plans: list[Plan]) -> None:
         """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
@@ -443,124 +424,191 @@ class SweepRunner:
                 signal.signal(signal.SIGTERM, previous)
 
     def _run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
+        """Submit each cell to run to the executor (``executor.slots`` at a time), record each as it ends, in
+        whatever order; Ctrl-C cancels every cell under way (not recorded) and raises ``Interrupted``."""
         records = load_records(self.out)
         env = local_environment(1)
         display = Display(len(plans), self.console)
+        active: list[_CellRun] = []
         try:
             for n, p in enumerate(plans, 1):
-                old = records.get(p.cell.id)
-                keep = ("ok",) if self.retry else FINISHED
-                if (
-                    p.status is None
-                    and old
-                    and old.get("status") in keep
-                    and _repeats_of(old) >= self.repeats
-                ):
-                    display.skip_only()
-                    self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
-                                       f"x{p.cell.world_size}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
+                if self._settled(p, records, display, env):
                     continue
-                if p.status is not None:
-                    if not (old and old.get("status") == p.status and old.get("reason") == p.reason):
-                        rec = make_record(p.cell, p.status, p.reason, environment=env)
-                        append_record(self.out, rec)
-                        records[p.cell.id] = rec
-                    display.finish(p.cell, p.status, p.reason, None, ran=False)
-                    continue
-                display.start(n, p.cell)
-                rec = (
-                    self.run_cell(p.cell, display) if self.repeats == 1 else self.run_repeats(p.cell, display)
-                )
-                append_record(self.out, rec)
-                records[p.cell.id] = rec
-                display.finish(p.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
-        except KeyboardInterrupt:  # between cells: nothing is running, everything finished is recorded
-            raise Interrupted("stopped between cells") from None
+                while len(active) >= self.executor.slots:
+                    self._wait_any(active, records, display)
+                active.append(self._submit(n, p.cell, display))
+            while active:
+                self._wait_any(active, records, display)
+        except KeyboardInterrupt:
+            self.executor.cancel_all([run.handle for run in active])
+            running = ", ".join(run.cell.id for run in active)
+            raise Interrupted(f"stopped while running {running}" if running else "stopped between cells") from None
         finally:
             display.close()
         return records
 
-    def run_repeats(self, cell: Cell, display: Display) -> dict[str, Any]:
-        """Run the cell ``repeats`` times, each in CELL/repeat-K, and return one record: the median run's
-        (its curves, memory, checkpoint), with the repeated measures replaced by their median and the
-        min/max/values of every run under ``repeats``. The first run that does not end ok ends the cell."""
-        runs: list[dict[str, Any]] = []
-        base = self.out / CELLS_DIR / cell.id
-        if base.exists():
-            shutil.rmtree(base)
-        for k in range(1, self.repeats + 1):
-            log = Path(cell.id) / f"repeat-{k}" / "train.log"
-            self.console.print(f"    repeat {k}/{self.repeats} (log: {log})", highlight=False, soft_wrap=True)
-            rec = self.run_cell(cell, display, run_dir=base / f"repeat-{k}")
-            runs.append(rec)
-            if rec["status"] != "ok":
-                rec["reason"] = f"repeat {k} of {self.repeats}: {rec['reason']}"
-                rec["repeats"] = {"n": k, "requested": self.repeats}
-                return rec
-        return aggregate_repeats(runs)
+    def _settled(self, p: Plan, records: dict[str, dict[str, Any]], display: Display, env: dict[str, Any]) -> bool:
+        """True when the cell needs no run: finished before (kept), or planned as skipped/failed (recorded)."""
+        old = records.get(p.cell.id)
+        keep = ("ok",) if self.retry else FINISHED
+        if p.status is None and old and old.get("status") in keep and not old.get("lost") \
+                and _repeats_of(old) >= self.repeats:  # fmt: skip
+            display.skip_only()
+            self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
+                               f"{p.cell.shape}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
+            return True
+        if p.status is None:
+            return False
+        if not (old and old.get("status") == p.status and old.get("reason") == p.reason):
+            rec = make_record(p.cell, p.status, p.reason, environment=env)
+            append_record(self.out, rec)
+            records[p.cell.id] = rec
+        display.finish(p.cell, p.status, p.reason, None, ran=False)
+        return True
 
-    def run_process(self, cmd: list[str], log_path: Path, display: Display, what: str,
-                    env: dict[str, str] | None = None) -> tuple[int | None, float, bool, list[float]]:  # fmt: skip
-        """Run ``cmd`` in a fresh session with its output in ``log_path``, under the sweep's time limit: (exit
-        code, seconds, timed out, load averages seen). Ctrl-C kills the whole tree and raises ``Interrupted``
-        naming ``what``; ``env`` is added to this process's environment."""
-        env = dict(os.environ, PYTHONUNBUFFERED="1", **(env or {}))
-        t0 = time.monotonic()
-        timed_out = False
-        with open(log_path, "wb") as log:
-            log.write((" ".join(cmd) + "\n").encode())
-            log.flush()
-            # The cell dies with the sweep even when the sweep is SIGKILLed (PR_SET_PDEATHSIG: SIGTERM, which
-            # the cell's launcher forwards to its workers).
+    def _submit(self, n: int, cell: Cell, display: Display) -> _CellRun:
+        display.start(n, cell)
+        run_dir = self.out / CELLS_DIR / cell.id
+        if self.repeats > 1:
+            if run_dir.exists():
+                shutil.rmtree(run_dir)
+            run_dir = self._repeat_dir(cell, 1)
+        return _CellRun(cell, self.executor.submit(self.prepare(cell, run_dir)), run_dir)
 
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                    env=env, start_new_session=True, preexec_fn=_child_setup)  # noqa: PLW1509  # fmt: skip
-            loads: list[float] = []
-            try:
-                while proc.poll() is None:
-                    time.sleep(0.5)
-                    with suppress(OSError):
-                        loads.append(os.getloadavg()[0])
-                    lines = log_lines(log_path, 4000)
-                    display.tick(lines[-1] if lines else "")
-                    if time.monotonic() - t0 > self.timeout_s:
-                        timed_out = True
-                        kill_tree(proc)
-                        break
-            except KeyboardInterrupt:
-                kill_tree(proc)
-                raise Interrupted(what) from None
-        return proc.returncode, time.monotonic() - t0, timed_out, loads
+    def _repeat_dir(self, cell: Cell, k: int) -> Path:
+        log = Path(cell.id) / f"repeat-{k}" / "train.log"
+        self.console.print(f"    repeat {k}/{self.repeats} (log: {log})", highlight=False, soft_wrap=True)
+        return self.out / CELLS_DIR / cell.id / f"repeat-{k}"
 
-    def run_cell(self, cell: Cell, display: Display, run_dir: Path | None = None,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
-        """Run one cell in a fresh process tree and return its record; Ctrl-C kills the tree and re-raises.
-        ``env``: variables added to its environment (a calibration run's OMP_NUM_THREADS)."""
-        cell_dir = run_dir or self.out / CELLS_DIR / cell.id
+    def _wait_any(self, active: list[_CellRun], records: dict[str, dict[str, Any]], display: Display) -> None:
+        """Poll the cells under way until at least one ends; record those that ended."""
+        while True:
+            time.sleep(POLL_S)
+            ended = [(run, rec) for run in list(active) if (rec := self._poll(run)) is not None]
+            for run, rec in ended:
+                active.remove(run)
+                append_record(self.out, rec)
+                records[run.cell.id] = rec
+                display.finish(run.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
+            if ended:
+                return
+            latest = active[-1]
+            lines = log_lines(latest.handle.job.log, 4000)
+            display.tick(lines[-1] if lines else "")
+
+    def _poll(self, run: _CellRun) -> dict[str, Any] | None:
+        """The cell's record once its last run ended (a repeated cell: the next repeat is submitted)."""
+        outcome = self._outcome(run.handle)
+        if outcome is None:
+            return None
+        rec = self.record(run.cell, run.run_dir, outcome)
+        # how long the cell waited for its resources (a placement group) before it started
+        rec["queued_s"] = (run.handle.started_at or time.monotonic()) - run.handle.submitted_at
+        if self.repeats == 1:
+            return rec
+        run.runs.append(rec)
+        k = len(run.runs)
+        if rec["status"] != "ok":  # the first run that does not end ok ends the cell
+            rec["reason"] = f"repeat {k} of {self.repeats}: {rec['reason']}"
+            rec["repeats"] = {"n": k, "requested": self.repeats}
+            return rec
+        if k == self.repeats:
+            return aggregate_repeats(run.runs)
+        run.run_dir = self._repeat_dir(run.cell, k + 1)
+        run.handle = self.executor.submit(self.prepare(run.cell, run.run_dir))
+        return None
+
+    def _outcome(self, handle: Handle) -> Outcome | None:
+        """The job's outcome; one over the sweep's time limit (counted from its start, not its wait for
+        resources) is cancelled and ends as timed out."""
+        outcome = self.executor.poll(handle)
+        if outcome is not None or handle.started_at is None:
+            return outcome
+        elapsed = time.monotonic() - handle.started_at
+        if elapsed <= self.timeout_s:
+            return None
+        self.executor.cancel(handle)
+        return Outcome(None, elapsed, timed_out=True)
+
+    def prepare(self, cell: Cell, cell_dir: Path, env: dict[str, str] | None = None) -> Job:
+        """A clean folder for the cell's run with its config.yaml, and the job that runs it."""
         if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
             shutil.rmtree(cell_dir)
         cell_dir.mkdir(parents=True)
         config_path = cell_dir / "config.yaml"
         atomic_write(config_path, yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
-        log_path = cell_dir / "train.log"
-        returncode, elapsed, timed_out, loads = self.run_process(
-            cell_command(cell, config_path), log_path, display, f"stopped while running {cell.id}", env
-        )
+        gpus = cell.procs_per_node if self.matrix.uses_gpus(cell) else 0
+        return Job(cell.id, tuple(cell_command(cell, config_path)), cell_dir / "train.log",
+                   Shape(cell.nodes, cell.procs_per_node, gpus), env or {})  # fmt: skip
+
+    def wait(self, job: Job, display: Display, what: str) -> Outcome:
+        """Run one job to its end (the calibration runs, one at a time); Ctrl-C cancels it and raises
+        ``Interrupted`` naming ``what``."""
+        handle = self.executor.submit(job)
+        try:
+            while True:
+                time.sleep(POLL_S)
+                outcome = self._outcome(handle)
+                if outcome is not None:
+                    return outcome
+                lines = log_lines(job.log, 4000)
+                display.tick(lines[-1] if lines else "")
+        except KeyboardInterrupt:
+            self.executor.cancel(handle)
+            raise Interrupted(what) from None
+
+    def run_process(self, cmd: list[str], log_path: Path, display: Display, what: str,
+                    env: dict[str, str] | None = None) -> tuple[int | None, float, bool, list[float]]:  # fmt: skip
+        """Run ``cmd`` with its output in ``log_path``, under the sweep's time limit: (exit code, seconds, timed
+        out, load averages seen). Ctrl-C kills its whole tree and raises ``Interrupted`` naming ``what``;
+        ``env`` is added to this process's environment."""
+        outcome = self.wait(Job(log_path.parent.name, tuple(cmd), log_path, env=env or {}), display, what)
+        return outcome.returncode, outcome.elapsed_s, outcome.timed_out, outcome.loads
+
+    def run_cell(self, cell: Cell, display: Display, run_dir: Path | None = None,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:  # fmt: skip
+        """Run one cell to its end and return its record; Ctrl-C stops it and raises ``Interrupted``.
+        ``env``: variables added to its environment (a calibration run's OMP_NUM_THREADS)."""
+        cell_dir = run_dir or self.out / CELLS_DIR / cell.id
+        outcome = self.wait(self.prepare(cell, cell_dir, env), display, f"stopped while running {cell.id}")
+        return self.record(cell, cell_dir, outcome)
+
+    def record(self, cell: Cell, cell_dir: Path, outcome: Outcome) -> dict[str, Any]:
+        """The cell's record from how its job ended and what it wrote (result.json, its log)."""
         result = _read_result(cell_dir / "result.json")
-        if timed_out:
+        log_path = cell_dir / "train.log"
+        if outcome.timed_out:
             status, reason = (
                 "timeout",
                 f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed",
             )
+        elif outcome.reason:  # the executor ended it: its node died, its folder is not shared
+            status, reason = "failed", outcome.reason
         else:
-            status, reason = classify(returncode, result, log_path)
-        rec = make_record(
-            cell, status, reason, result, elapsed_s=elapsed, returncode=returncode, cell_dir=cell_dir
-        )
+            status, reason = classify(outcome.returncode, result, log_path)
+        rec = make_record(cell, status, reason, result, elapsed_s=outcome.elapsed_s,
+                          returncode=outcome.returncode, cell_dir=cell_dir)  # fmt: skip
         # Timings only mean something on an otherwise idle machine: keep the load seen, the report flags it.
+        loads = outcome.loads
         rec["host_load_mean"] = sum(loads) / len(loads) if loads else None
-        rec["host_cpu_count"] = os.cpu_count()
+        rec["host_cpu_count"] = outcome.cpu_count
+        if outcome.lost:
+            rec["lost"] = True  # no fault of the cell: a rerun of the sweep runs it again
         return rec
+
+
+POLL_S = 0.5
+"""How often the sweep looks at the cells under way."""
+
+
+@dataclass
+class _CellRun:
+    """A cell under way: the job running now and, for a repeated cell, the records of its runs so far."""
+
+    cell: Cell
+    handle: Handle
+    run_dir: Path
+    runs: list[dict[str, Any]] = field(default_factory=list)
 
 
 # Measures a repeated cell reports as median and spread: (key in metrics, how to read it from a record).

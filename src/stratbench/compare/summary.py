@@ -270,7 +270,7 @@ def _compact_cells(row: Row, memory_key: str) -> dict[str, tuple[str, str | None
         "machine": (str(raw.get("machine")), str(raw.get("machine"))),
         "method": (str(raw.get("method")), str(raw.get("method"))),
         "precision": (str(raw.get("precision")), str(raw.get("precision"))),
-        "devices": (str(raw.get("devices")), sort(raw.get("devices"))),
+        "devices": (row.text.get("devices", str(raw.get("devices"))), sort(raw.get("devices"))),
         "throughput": (_num(raw.get("throughput"), ".1f"), sort(raw.get("throughput"))),
         "speedup": (NA if speedup is None else f"{speedup:.2f}x", sort(speedup)),
         "step_time": (_step(row), sort(raw.get("step_time"))),

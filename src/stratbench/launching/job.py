@@ -7,19 +7,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
-from stratbench.core.config import TrainConfig
+from stratbench.core.config import TrainConfig, dump_yaml
 from stratbench.core.dist import needs_launch, read_env
 from stratbench.core.errors import CheckpointError, ConfigError, StratbenchError, is_out_of_memory
 from stratbench.core.lock import held_here, output_lock
 from stratbench.core.tables import fmt_bytes
 from stratbench.launching import launch
 from stratbench.launching._torchrun import RENDEZVOUS_FAILED
+from stratbench.launching.executor import Executor, Job, Outcome, Shape
 from stratbench.launching.launch import MULTI_NODE_PORT, torchrun_error_path
 from stratbench.strategies.base import strategy_for_layout
 from stratbench.training import engine
@@ -44,6 +46,69 @@ def run_job(cfg: TrainConfig, worker: bool = False) -> dict[str, Any] | None:
     locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
     with output_lock(cfg.output) if locking else contextlib.nullcontext():
         return _run_here(cfg)
+
+
+def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
+    """Train ``cfg`` through ``executor`` (``stratbench train --executor ray``): stratbench's own launcher on each
+    of ``cfg.nnodes`` nodes with ``cfg.nproc`` processes, node 0's output followed here; returns result.json's
+    content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share."""
+    engine.preflight(cfg)
+    shape = Shape(cfg.nnodes, cfg.nproc, cfg.nproc if cfg.device == "cuda" else 0)
+    executor.check([shape])
+    out = Path(cfg.output).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    config = out / "executor_config.yaml"
+    dump_yaml(cfg.replace(output=str(out)), config)
+    (out / "result.json").unlink(missing_ok=True)
+    cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
+    job = Job(out.name, tuple(cmd), out / "train.log", shape)
+    print(f"training on {executor.where()}: {shape}; node 0's log: {job.log}", file=sys.stderr, flush=True)
+    outcome = _follow(executor, job)
+    result = None
+    with contextlib.suppress(OSError, ValueError):
+        result = json.loads((out / "result.json").read_text())
+    if outcome.returncode == 0 and isinstance(result, dict) and result.get("status") == "ok":
+        return result
+    why = outcome.reason or (result or {}).get("reason") or _error_line(job.log)
+    why = why or f"exit code {outcome.returncode}"
+    raise StratbenchError(f"training on {executor.where()} failed: {why}")
+
+
+def _follow(executor: Executor, job: Job) -> Outcome:
+    """Wait for ``job``, copying node 0's log to stderr as it grows; Ctrl-C or SIGTERM cancels it."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    handle = executor.submit(job)
+    seen = 0
+    try:
+        while (outcome := executor.poll(handle)) is None:
+            time.sleep(0.5)
+            with contextlib.suppress(OSError), open(job.log, "rb") as fh:
+                fh.seek(seen)
+                chunk = fh.read()
+                seen += len(chunk)
+                sys.stderr.write(chunk.decode("utf-8", "replace"))
+                sys.stderr.flush()
+        return outcome
+    except KeyboardInterrupt:
+        executor.cancel(handle)
+        raise StratbenchError(f"stopped: the run on {executor.where()} was cancelled on every node") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        executor.close()
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def _error_line(log: Path) -> str:
+    """stratbench's own one-line error in a log, else its last line."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return ""
+    mine = [ln for ln in lines if ln.startswith("stratbench train: error:")]
+    return (mine or lines or [""])[-1][:400]
 
 
 def _run_here(cfg: TrainConfig) -> dict[str, Any]:

@@ -117,7 +117,7 @@ class Metrics:
         )
 
 
-NUMBER_FIELDS = ("world_size", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
+NUMBER_FIELDS = ("world_size", "nodes", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
                  "host_load_mean", "host_cpu_count")  # fmt: skip
 NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "step_time_mean_s",
                   "val_accuracy", "final_loss", "mfu", "flops_per_sample")  # fmt: skip
@@ -146,6 +146,8 @@ class RunRecord:
     """ok, failed, oom, timeout, nan, skipped, or ``not run`` (a cell the sweep never reached)."""
     reason: str = ""
     world_size: int | None = None
+    nodes: int | None = None
+    """Machines the processes spread over (compare --nodes; 1 where not recorded)."""
     data_parallel_size: int | None = None
     batch_size: int | None = None
     global_batch_size: int | None = None
@@ -198,6 +200,10 @@ class RunRecord:
     def layout(self) -> str:
         """The mesh as the report names it ("dp2 x tp2"), "" where the method reports none."""
         return " x ".join(f"{k}{v}" for k, v in self.mesh.items())
+
+    @property
+    def node_count(self) -> int:
+        return int(self.nodes or 1)
 
     @property
     def devices(self) -> int:

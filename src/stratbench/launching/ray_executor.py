@@ -1,0 +1,271 @@
+"""The Ray executor: each job gets a placement group (one bundle per node: CPUs = its processes per node, GPUs
+when the job uses them; STRICT_SPREAD over distinct nodes for several nodes) and one ``ray_node.NodeRunner``
+actor per bundle, which runs stratbench's own launcher there (``--nnodes N --node-rank i --master-addr <node 0's
+IP> --master-port <a free port on node 0>``). Ray reserves and places; it schedules no training itself.
+
+Outputs go where the job says (the sweep's folder): on a real cluster that folder must be on a filesystem every
+node shares (docs/cluster.md). Ray is imported only here, when this executor is used.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import tempfile
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from stratbench.core.errors import ConfigError, UnsupportedError
+from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
+from stratbench.launching.ray_node import NodeRunner
+
+STOP_TIMEOUT_S = 15.0
+"""How long a cancelled job's node runners get to stop their processes before their actors are killed."""
+RECHECK_S = 10.0
+"""How often a job waiting for its placement group checks that the live nodes can still hold it."""
+
+
+def _ray():
+    try:
+        import ray
+    except ImportError:  # UnsupportedError: exit code 3, "needs what this machine lacks"
+        raise UnsupportedError(
+            '--executor ray needs Ray: pip install "stratbench[cluster]" (or "ray[default]")'
+        ) from None
+    return ray
+
+
+def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
+    """One line when nothing listens at ``address`` (host:port or ray://host:port), before Ray's own retries."""
+    hostport = address.split("://", 1)[-1]
+    host, _, port = hostport.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError(f"--ray-address {address!r} is not HOST:PORT, ray://HOST:PORT, 'auto' or 'local'")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} "
+                          "(start one with `ray start --head`, or leave --ray-address auto)") from None  # fmt: skip
+
+
+class RayExecutor(Executor):
+    """Jobs on a Ray cluster: ``address`` 'auto' (RAY_ADDRESS, else a cluster started on this machine with
+    `ray start`, else a local Ray started for the sweep and stopped after it), 'local', or HOST:PORT."""
+
+    name = "ray"
+
+    options = ("ray_address",)
+
+    def __init__(self, max_concurrent: int = 0, ray_address: str | None = None) -> None:
+        super().__init__(max_concurrent)
+        self.address = ray_address or "auto"
+        self.connected_to = ""
+
+    def default_slots(self) -> int:
+        return 1_000_000  # every cell submitted: the placement groups queue until the cluster has room
+
+    def connect(self) -> None:
+        ray = _ray()
+        if ray.is_initialized():
+            return
+        quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "stratbench"}
+        if os.environ.get("PYTHONPATH"):  # a checkout run from source: the nodes import the same stratbench
+            quiet["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
+        address = self.address if self.address != "auto" else os.environ.get("RAY_ADDRESS", "auto")
+        if address not in ("auto", "local"):
+            _check_reachable(address)
+        try:
+            info = _start_local(quiet) if address == "local" else ray.init(address=address, **quiet)
+        except ConnectionError:
+            if address != "auto":
+                raise ConfigError(f"cannot connect to the Ray cluster at {address}") from None
+            info = _start_local(quiet)  # no cluster: a local one, stopped with this run
+        self.connected_to = getattr(info, "address_info", {}).get("gcs_address") or address
+
+    def check(self, shapes: Iterable[Shape]) -> None:
+        """Connect, then one line for the first shape that no set of live nodes can hold."""
+        self.connect()
+        for shape in sorted(set(shapes), key=lambda s: (s.nodes, s.procs_per_node, s.gpus_per_node)):
+            unfit = self._unfit(shape)
+            if unfit:
+                self.close()  # a local Ray started for this run stops with it
+                raise ConfigError(f"{unfit} (lower --nodes or --world-size, or add nodes)")
+
+    def _unfit(self, shape: Shape) -> str | None:
+        """Why no set of the cluster's live nodes can hold ``shape`` (None: some can)."""
+        nodes = [n for n in _ray().nodes() if n.get("Alive")]
+        fit = [n for n in nodes if n["Resources"].get("CPU", 0) >= shape.procs_per_node
+               and n["Resources"].get("GPU", 0) >= shape.gpus_per_node]  # fmt: skip
+        if len(fit) >= shape.nodes:
+            return None
+        have = ", ".join(_describe(n) for n in nodes) or "none"
+        return f"a cell needs {shape}; the Ray cluster at {self.connected_to} has {len(nodes)} live node(s): {have}"
+
+    def where(self) -> str:
+        return f"Ray at {self.connected_to}"
+
+    def submit(self, job: Job) -> Handle:
+        ray = _ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        shape = job.shape
+        bundle = {
+            "CPU": shape.procs_per_node,
+            **({"GPU": shape.gpus_per_node} if shape.gpus_per_node else {}),
+        }
+        pg = placement_group([dict(bundle) for _ in range(shape.nodes)],
+                             strategy="STRICT_SPREAD" if shape.nodes > 1 else "PACK")  # fmt: skip
+        runner = ray.remote(NodeRunner)
+        actors = [
+            runner.options(num_cpus=shape.procs_per_node, num_gpus=shape.gpus_per_node, max_concurrency=2,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+                           ).remote()
+            for i in range(shape.nodes)
+        ]  # fmt: skip
+        addresses = [a.address.remote() for a in actors]
+        return Handle(
+            job, state={"pg": pg, "actors": actors, "addresses": addresses, "runs": None, "ips": []}
+        )
+
+    def poll(self, handle: Handle) -> Outcome | None:
+        ray = _ray()
+        st = handle.state
+        if st["runs"] is None:
+            ready, _ = ray.wait(st["addresses"], num_returns=len(st["addresses"]), timeout=0)
+            if len(ready) < len(st["addresses"]):
+                return self._still_placeable(handle)  # waiting for its placement group: queued
+            try:
+                found = ray.get(st["addresses"])
+            except ray.exceptions.RayError as exc:
+                if "ModuleNotFoundError" in str(exc):  # not lost: it would fail again
+                    self.cancel(handle)
+                    return Outcome(None, 0.0, reason=f"stratbench cannot be imported on a Ray node: {_why(exc)}; "
+                                   "install the same stratbench on every node (docs/cluster.md)")  # fmt: skip
+                return self._lost(handle, None, exc)
+            self._start(handle, found)
+            return None
+        ready, _ = ray.wait(st["runs"], num_returns=len(st["runs"]), timeout=0)
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError as exc:
+                return self._lost(handle, st["runs"].index(ref), exc)
+        if len(ready) < len(st["runs"]):
+            return None
+        results = ray.get(st["runs"])
+        self._release(handle)
+        first = results[0]
+        code = first["returncode"] or next((r["returncode"] for r in results if r["returncode"]), 0)
+        reason = next((r["reason"] for r in results if r["reason"]), "")
+        return Outcome(code, time.monotonic() - (handle.started_at or handle.submitted_at), reason=reason,
+                       loads=first["loads"], cpu_count=first["cpu_count"])  # fmt: skip
+
+    def _still_placeable(self, handle: Handle) -> Outcome | None:
+        """A queued job whose shape the cluster can no longer hold (nodes died since the check) would wait for
+        ever: every few seconds it is checked, and such a job ends as lost (a rerun runs it)."""
+        now = time.monotonic()
+        if now - handle.state.get("checked", handle.submitted_at) < RECHECK_S:
+            return None
+        handle.state["checked"] = now
+        unfit = self._unfit(handle.job.shape)
+        if unfit is None:
+            return None
+        self.cancel(handle)
+        return Outcome(
+            None, 0.0, reason=f"not started: {unfit}; rerun the same command when it has", lost=True
+        )
+
+    def _start(self, handle: Handle, found: list[tuple[str, int, str]]) -> None:
+        """Every node placed: start each node's launcher, node 0's IP and free port as the master's."""
+        st, job = handle.state, handle.job
+        master_ip, master_port, _ = found[0]
+        st["ips"] = [ip for ip, _, _ in found]
+        st["runs"] = [
+            actor.run.remote(job.node_command(rank, master_ip, master_port, python), str(job.node_log(rank)),
+                             dict(job.env), job.shape.procs_per_node, job.shape.procs_per_node)
+            for rank, (actor, (_, _, python)) in enumerate(zip(st["actors"], found, strict=True))
+        ]  # fmt: skip
+        handle.started_at = time.monotonic()
+
+    def _lost(self, handle: Handle, rank: int | None, exc: Exception) -> Outcome:
+        """A node runner died (its node died, or Ray killed it): the job is stopped everywhere and lost."""
+        where = f"node {rank} of this run" if rank is not None else "one of this run's nodes"
+        if rank is not None and rank < len(handle.state["ips"]):
+            where += f" ({handle.state['ips'][rank]})"
+        self.cancel(handle)
+        started = handle.started_at or handle.submitted_at
+        return Outcome(None, time.monotonic() - started, reason=f"the Ray worker running {where} died: "
+                       f"{_why(exc)}; rerun the same command to run it again", lost=True)  # fmt: skip
+
+    def cancel(self, handle: Handle) -> None:
+        self.cancel_all([handle])
+
+    def cancel_all(self, handles: list[Handle]) -> None:
+        """Each node runner of every job kills its command's tree, all at once; then the actors and the
+        placement groups go."""
+        ray = _ray()
+        stops = []
+        for actor in [a for h in handles for a in h.state["actors"]]:
+            try:
+                stops.append(actor.stop.remote())
+            except ray.exceptions.RayError:
+                pass
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+        for handle in handles:
+            self._release(handle)
+
+    def _release(self, handle: Handle) -> None:
+        ray = _ray()
+        from ray.util.placement_group import remove_placement_group
+
+        for actor in handle.state["actors"]:
+            try:
+                ray.kill(actor)
+            except (ray.exceptions.RayError, ValueError):
+                pass
+        try:
+            remove_placement_group(handle.state["pg"])
+        except ray.exceptions.RayError:
+            pass
+
+    def close(self) -> None:
+        try:
+            import ray
+        except ImportError:
+            return
+        if ray.is_initialized():
+            ray.shutdown()
+
+
+def _start_local(options: dict[str, Any]):
+    """A Ray on this machine for this run. Its session folder holds Unix sockets, whose paths must stay under
+    108 bytes: under a long $TMPDIR it moves to /tmp."""
+    ray = _ray()
+    temp = Path(tempfile.gettempdir()) / "ray"
+    if len(str(temp)) > 40:
+        temp = Path("/tmp") / f"ray-stratbench-{os.getuid()}"
+    try:
+        return ray.init(address="local", include_dashboard=False, _temp_dir=str(temp), **options)
+    except (OSError, RuntimeError) as exc:
+        ray.shutdown()
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise ConfigError(f"could not start a local Ray for --executor ray: {first}") from None
+
+
+def _describe(node: dict[str, Any]) -> str:
+    res = node.get("Resources", {})
+    gpus = f", {res['GPU']:g} GPU" if res.get("GPU") else ""
+    return f"{node.get('NodeManagerAddress', '?')} ({res.get('CPU', 0):g} CPU{gpus})"
+
+
+def _why(exc: Exception) -> str:
+    """The line of a Ray error that says why the actor died (its node died: which and how)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    telling = [ln for ln in lines if any(w in ln.lower() for w in ("node", "died", "killed", "error:"))]
+    return " ".join(telling[-2:] or lines[:1])[:400] or type(exc).__name__

@@ -1,0 +1,206 @@
+"""`compare --executor ray` on a real two-node Ray cluster on this machine (scripts/local_ray.py: a head and a
+worker node, two `ray start`s, shared by every test here and stopped at the end): the same cells and fp64 losses
+as the local executor, a cell spread over both nodes against the local 2-process run, the refusals before any
+cell, SIGTERM of compare leaving no Ray task or process, and a worker node killed during a cell."""
+
+from __future__ import annotations
+
+import io
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+import yaml
+
+from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd
+from stratbench.api import compare
+from stratbench.compare.runner import load_records
+from stratbench.launching.executors import make_executor
+
+pytest.importorskip("ray", reason='needs Ray: pip install "stratbench[cluster]"')
+sys.path.insert(0, str(REPO / "scripts"))
+import local_ray  # noqa: E402
+
+pytestmark = pytest.mark.distributed
+
+BASE = {"model": "tinynet", "width": 8, "norm": "none", "data": "digits", "batch_size": 32, "epochs": 1,
+        "max_steps": 3, "lr": 0.02, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
+"""conftest's TINY as a matrix base, 3 steps."""
+
+
+def _matrix(root: Path, name: str, cells: list[dict], **base) -> Path:
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"name": name, "base": {**BASE, **base}, "cells": cells}))
+    return path
+
+
+TWO = [{"method": ["single", "ddp"], "precision": "fp64"}]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The two-node cluster, started while the local reference sweep runs (it mostly waits for its daemons)."""
+    root = tmp_path_factory.mktemp("ray")
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(local_ray.start, root / "cluster")
+    state = {"root": root, "future": future}
+    yield state
+    pool.shutdown()  # a cluster still starting (a test failed early) is waited for, then stopped all the same
+    if future.exception() is None:
+        local_ray.stop(future.result())
+
+
+@pytest.fixture(scope="module")
+def local_sweep(cluster) -> dict:
+    """The two cells on the local executor (the sweep in this process, as `stratbench compare` runs it)."""
+    root = cluster["root"]
+    out = root / "local"
+    compare(matrix=str(_matrix(root, "two", TWO)), output=str(out), console=_quiet())
+    return load_records(out)
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(file=io.StringIO(), width=200)
+
+
+@pytest.fixture(scope="module")
+def address(cluster, local_sweep) -> str:
+    return cluster["future"].result(timeout=300)["address"]
+
+
+KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}, *TWO]
+"""ddp over both nodes first (it must use the worker node, which dies under it), then the local sweep's two cells
+(they fit on the head alone, one at a time)."""
+
+
+@pytest.fixture(scope="module")
+def killed_sweep(cluster, address) -> dict:
+    """`compare --executor ray --max-concurrent-cells 1` with the worker node killed while the 2-node cell runs on
+    it; then the node comes back and the same command runs again. One sweep and its rerun check the executor's
+    cells against the local ones, a cell over two nodes, a dead node and a resumed sweep (a test of each took
+    ~7 min of the suite's time)."""
+    root = cluster["root"]
+    out = root / "kill"
+    matrix = _matrix(root, "kill", KILLED)
+    state = cluster["future"].result()
+
+    def kill_the_worker_once_the_cell_runs_on_it() -> None:
+        deadline = time.monotonic() + 240
+        while not list((out / "cells").glob("*/train.node1.log")) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        local_ray.kill_node(state)  # every process of the worker node at once, as when its machine dies
+
+    def sweep() -> dict:
+        executor = make_executor("ray", 1, ray_address=address)
+        compare(matrix=str(matrix), output=str(out), executor=executor, console=_quiet())
+        return {r.get("label") or r["method"]: r for r in load_records(out).values()}
+
+    with ThreadPoolExecutor(1) as pool:
+        killer = pool.submit(kill_the_worker_once_the_cell_runs_on_it)
+        first = sweep()
+        killer.result()
+    left = _sweep_processes(out)
+    local_ray.add_worker(state)  # the node comes back; the same sweep runs the lost cell again, keeps the others
+    stamps = {label: _result_stamp(rec) for label, rec in first.items() if rec["status"] == "ok"}
+    return {"first": first, "left": left, "stamps": stamps, "rerun": sweep(), "out": out}
+
+
+def _result_stamp(rec: dict) -> int:
+    return (Path(rec["cell_dir"]) / "result.json").stat().st_mtime_ns
+
+
+def test_a_killed_worker_node_fails_its_cell_and_the_sweep_goes_on(killed_sweep):
+    first = killed_sweep["first"]
+    lost = first["ddp-2nodes"]
+    assert lost["status"] == "failed" and lost["lost"], lost
+    assert "died" in lost["reason"] and "node" in lost["reason"], lost["reason"]
+    others = [rec for label, rec in first.items() if label != "ddp-2nodes"]
+    assert len(others) == 2 and all(rec["status"] == "ok" for rec in others), [r["reason"] for r in others]
+    assert killed_sweep["left"] == []  # no launcher, torchrun or worker of the sweep outlives it
+
+
+def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_executor(local_sweep, killed_sweep):
+    rerun, out = killed_sweep["rerun"], killed_sweep["out"]
+    assert {rec["status"] for rec in rerun.values()} == {"ok"}, {k: r["reason"] for k, r in rerun.items()}
+    for label, stamp in killed_sweep["stamps"].items():  # recorded cells are not trained again
+        assert _result_stamp(rerun[label]) == stamp, label
+    local = {rec["method"]: rec for rec in local_sweep.values()}
+    assert len(local) == 2 and {rec["status"] for rec in local.values()} == {"ok"}
+    for rec in rerun.values():  # the same cells, the same fp64 losses (the 2-node one against the local ddp)
+        assert rec["cell_dir"].startswith(str(out))  # written in the compare folder by the Ray node
+        assert_curves_match(rec["metrics"]["loss_curve"], local[rec["method"]]["metrics"]["loss_curve"], RTOL)
+    two = rerun["ddp-2nodes"]
+    assert two["nodes"] == 2 and two["world_size"] == 2
+    node1 = (Path(two["cell_dir"]) / "train.node1.log").read_text()  # node 1's launcher ran on the other node
+    assert "--nnodes 2 --node-rank 1 --master-addr" in node1.splitlines()[0]
+    assert "x2 on 2 nodes" in (out / "report.md").read_text()
+
+
+def test_an_unreachable_cluster_or_a_cell_too_big_for_it_is_one_line_before_any_cell(
+    cluster, address, capsys
+):
+    root = cluster["root"]
+    matrix = _matrix(root, "two", TWO)
+    out = root / "refused"
+    err = fails(capsys, "compare", "--matrix", matrix, "--output", out, "--executor", "ray", "--ray-address",
+                "127.0.0.1:1")  # fmt: skip
+    assert "cannot reach the Ray cluster at 127.0.0.1:1" in err
+    err = fails(capsys, "compare", "--matrix", matrix, "--output", out, "--executor", "ray", "--ray-address",
+                address, "--world-size", "3", "--nodes", "3", "--batch-size", "30")  # fmt: skip
+    assert "a cell needs 3 node(s) with 1 CPU(s) each" in err and "has 2 live node(s)" in err, err
+    assert not out.exists()
+
+
+def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, count: int, timeout_s: float = 240) -> None:
+    """Until ``count`` files match ``pattern`` under OUT/cells (the sweep must still be running)."""
+    deadline = time.monotonic() + timeout_s
+    while len(list((out / "cells").glob(pattern))) < count:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"no {pattern} after {timeout_s} s"
+        time.sleep(0.2)
+
+
+def _sweep_processes(out: Path) -> list[psutil.Process]:
+    """Live processes whose command line names the sweep's folder (its cells' launchers, torchrun, workers)."""
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found
+
+
+def _unfinished_ray_tasks(dashboard: str) -> list:
+    from ray.util.state import list_actors, list_tasks
+
+    tasks = [t for t in list_tasks(address=dashboard, limit=1000) if t.state not in ("FINISHED", "FAILED")]
+    return tasks + [a for a in list_actors(address=dashboard, limit=1000) if a.state == "ALIVE"]
+
+
+def test_sigterm_of_compare_cancels_every_ray_task_and_leaves_no_process(cluster, address):
+    root = cluster["root"]
+    out = root / "term"
+    matrix = _matrix(root, "term", TWO, epochs=1000, max_steps=None)  # cells that run until they are stopped
+    cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
+                         "--ray-address", address, "--max-concurrent-cells", "2")  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO)
+    _wait_for(proc, out, "*/metrics.csv", 2)  # both cells training
+    proc.send_signal(signal.SIGTERM)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, output
+    assert "interrupted (stopped while running" in output
+    assert load_records(out) == {}  # the stopped cells are not recorded: a rerun runs them
+    assert _sweep_processes(out) == []
+    dashboard = cluster["future"].result()["dashboard"]
+    for _ in range(20):  # task states reach the dashboard a moment after the tasks end
+        left = _unfinished_ray_tasks(dashboard)
+        if not left:
+            break
+        time.sleep(0.5)
+    assert left == []

@@ -1,0 +1,94 @@
+"""The executor seam without a cluster (fast): the local executor's jobs of one and of several nodes, cancel,
+the registry's one-line refusals, and cells spread over nodes by the matrix (Ray itself: tests/compare/test_ray.py)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from stratbench.compare.matrix import build_matrix
+from stratbench.core.errors import ConfigError
+from stratbench.launching.executor import Job, Shape
+from stratbench.launching.executors import make_executor
+from stratbench.launching.local_executor import LocalExecutor
+
+ECHO = "import sys, time; print(' '.join(sys.argv[1:]), flush=True); time.sleep(float(sys.argv[1]))"
+
+
+def _wait(executor, handle, timeout_s: float = 30):
+    deadline = time.monotonic() + timeout_s
+    while (outcome := executor.poll(handle)) is None:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    return outcome
+
+
+def test_a_job_of_two_nodes_runs_one_command_per_node_with_node_flags(tmp_path):
+    executor = LocalExecutor()
+    job = Job("two", (sys.executable, "-c", ECHO, "0"), tmp_path / "train.log", Shape(nodes=2))
+    outcome = _wait(executor, executor.submit(job))
+    assert outcome.returncode == 0 and not outcome.reason and outcome.cpu_count
+    lines = [(tmp_path / name).read_text().splitlines()[-1] for name in ("train.log", "train.node1.log")]
+    ports = set()
+    for rank, line in enumerate(lines):
+        words = line.split()
+        assert words[words.index("--node-rank") + 1] == str(rank), line
+        assert words[words.index("--nnodes") + 1] == "2"
+        assert words[words.index("--master-addr") + 1] == "127.0.0.1"
+        ports.add(words[words.index("--master-port") + 1])
+    assert len(ports) == 1  # both nodes meet at node 0's port
+
+
+def test_one_node_adds_no_node_flags_and_a_failing_node_fails_the_job(tmp_path):
+    executor = LocalExecutor()
+    job = Job("one", (sys.executable, "-c", ECHO, "0"), tmp_path / "a.log")
+    assert _wait(executor, executor.submit(job)).returncode == 0
+    assert "--node-rank" not in (tmp_path / "a.log").read_text()
+    # node 1 fails (exit 5), node 0 succeeds: the job fails with node 1's code
+    fail = "import sys; sys.exit(5 if sys.argv[sys.argv.index('--node-rank') + 1] == '1' else 0)"
+    bad = Job("bad", (sys.executable, "-c", fail), tmp_path / "c.log", Shape(nodes=2))
+    assert _wait(executor, executor.submit(bad)).returncode == 5
+
+
+def test_cancel_kills_every_node_s_process(tmp_path):
+    executor = LocalExecutor()
+    handle = executor.submit(
+        Job("sleep", (sys.executable, "-c", ECHO, "60"), tmp_path / "s.log", Shape(nodes=2))
+    )
+    pids = [p.pid for p in handle.state["procs"]]
+    time.sleep(0.5)
+    executor.cancel(handle)
+    for pid in pids:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_the_registry_refuses_in_one_line():
+    with pytest.raises(ConfigError, match=r"--executor 'slurmx' is not one of: local, ray"):
+        make_executor("slurmx")
+    with pytest.raises(ConfigError, match=r"--ray-address applies to --executor ray, not local"):
+        make_executor("local", ray_address="127.0.0.1:6379")
+    assert make_executor("local").slots == 1 and make_executor("local", 3).slots == 3
+
+
+BASE = {"model": "tinynet", "data": "digits", "batch_size": 32, "max_steps": 3}
+
+
+def test_nodes_spread_multi_process_cells_and_keep_one_node_ids():
+    spec = {"base": BASE, "world_size": 4, "cells": [{"method": ["single", "ddp"], "precision": "fp32"}]}
+    flat = {c.method: c for c in build_matrix(spec).cells}
+    spread = {c.method: c for c in build_matrix(spec, nodes=2).cells}
+    assert spread["single"].nodes == 1 and spread["single"].id == flat["single"].id
+    ddp = spread["ddp"]
+    assert (ddp.nodes, ddp.procs_per_node, ddp.shape) == (2, 2, "x4 on 2 nodes")
+    assert ddp.id != flat["ddp"].id and "_w4n2_" in ddp.id
+    cfg = ddp.train_config(Path("out"))
+    assert (cfg["nproc"], cfg["nnodes"]) == (2, 2)
+    entry = {**spec, "cells": [{"method": "ddp", "precision": "fp32", "nodes": 4}]}
+    assert build_matrix(entry, nodes=2).cells[0].nodes == 4  # the entry's own nodes win over --nodes
+    with pytest.raises(ConfigError, match=r"--nodes 3 must be a whole number of nodes that divides the cell's 4 "
+                                          r"processes \(1, 2, 4\)"):  # fmt: skip
+        build_matrix(spec, nodes=3)
