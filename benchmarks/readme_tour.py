@@ -171,6 +171,13 @@ SHRINK = (
         "still go through Ray's placement groups and node runners.",
     ),
     Shrink(
+        "compare on SLURM",
+        lambda a: a[:1] == ["compare"] and flag_value(a, "--executor") == "slurm",
+        ("--only", "single,ddp", "--only", "fp32"),
+        "the quick preset again (~10 min here), as SLURM jobs on the tour's own single-node SLURM "
+        "(scripts/local_slurm.sh): two cells (single and ddp, fp32) still go through sbatch, srun and squeue.",
+    ),
+    Shrink(
         "seed preset without --dry-run",
         lambda a: a[:1] == ["compare"] and flag_value(a, "--preset") == "seed" and "--dry-run" not in a,
         ("--dry-run",),
@@ -203,6 +210,10 @@ FAST = (
            ("--only", "single", "--only", "fp32", "--max-steps", "3", "--ray-address", "local"),
            "one cell (single, fp32) of 3 steps on a Ray started for the line (`local`: the suite's own two-node "
            "test cluster, tests/compare/test_ray.py, may be up at the same time, and `auto` would join it)"),
+    Shrink("compare on the tour's SLURM, one short cell", SHRINK[3].matches,
+           ("--only", "single", "--only", "fp32", "--max-steps", "3"),
+           "one cell (single, fp32) of 3 steps as a SLURM job on the tour's own single-node SLURM "
+           "(scripts/local_slurm.sh up, started for the tour where it can be: root with the packages or apt-get)"),
     Shrink("compare, one short cell", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
            ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps: the sweep, its process, record and report (the --calibrate line "
@@ -557,6 +568,9 @@ def run_line(line: Line, work: Path, env: dict[str, str], logs: Path, timeout: f
     elif line.rc == 3 and lines and re.search(r"\b(GPU|CUDA|cuda)\b", lines[-1]):
         line.outcome = "refused: needs a GPU"
         line.refusal = lines[-1]
+    elif line.rc == 3 and lines and "--executor slurm" in lines[-1]:  # no SLURM of the tour's own here
+        line.outcome = "refused: needs SLURM"
+        line.refusal = lines[-1]
     else:
         line.outcome = "timeout" if line.rc is None else "FAIL"
     if line.outcome not in ("pass",):
@@ -642,6 +656,30 @@ def run_lines(
                     announce(line, True)
 
 
+def start_slurm(lines: list[Line]) -> tuple[Path | None, str]:
+    """A SLURM of the tour's own (scripts/local_slurm.sh up: one node on loopback) when a line runs
+    ``--executor slurm``, as the Ray line starts a Ray of its own: its state folder (None: no such line, or it
+    could not start here, and the line must then be refused in one line) and a note for the report."""
+    if not any(flag_value(tour_argv(ln.run_as), "--executor") == "slurm" for ln in lines if not ln.script):
+        return None, ""
+    state = Path("/tmp") / f"stratbench-slurm-tour-{os.getpid()}"  # its unix sockets' paths must stay short
+    up = subprocess.run(["bash", str(REPO / "scripts" / "local_slurm.sh"), "up", str(state)], capture_output=True,
+                        text=True, timeout=600)  # fmt: skip
+    if up.returncode != 0:
+        stop_slurm(state)
+        why = (up.stderr or up.stdout).strip().splitlines()[-1:] or ["no output"]
+        return None, f"no SLURM of the tour's own could start here ({why[0]}): the `--executor slurm` line is refused"
+    return state, (f"a single-node SLURM of the tour's own (`scripts/local_slurm.sh up {state}`), its "
+                   "`SLURM_CONF` in the tour's environment, as a login node's shell has it")  # fmt: skip
+
+
+def stop_slurm(state: Path | None) -> None:
+    if state is not None:
+        subprocess.run(["bash", str(REPO / "scripts" / "local_slurm.sh"), "down", str(state)], capture_output=True,
+                       timeout=300)  # fmt: skip
+        shutil.rmtree(state, ignore_errors=True)
+
+
 PYTHON_SECTION = "### From Python"
 
 
@@ -678,7 +716,13 @@ class Tour:
         self.env, _ = make_fixtures(self.root, self.commands, cifar=(40, 8))
         self.logs.mkdir()
         self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1))
-        run_lines(self.lines, self.work, self.env, self.logs, timeout, jobs=self.jobs)
+        slurm, _ = start_slurm(self.lines)
+        if slurm is not None:
+            self.env["SLURM_CONF"] = str(slurm / "slurm.conf")
+        try:
+            run_lines(self.lines, self.work, self.env, self.logs, timeout, jobs=self.jobs)
+        finally:
+            stop_slurm(slurm)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -812,10 +856,15 @@ def main(argv: list[str] | None = None) -> int:
 
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="readme_tour_"))
     root.mkdir(parents=True, exist_ok=bool(not args.keep))
+    slurm = None
     try:
         env, notes = make_fixtures(root, commands, cifar=(40, 8) if args.fast else (200, 50))
         logs = root / "logs"
         logs.mkdir()
+        slurm, note = start_slurm(lines)
+        notes += [note] if note else []
+        if slurm is not None:
+            env["SLURM_CONF"] = str(slurm / "slurm.conf")
         t0 = time.monotonic()
 
         def announce(ln: Line, ended: bool) -> None:
@@ -829,6 +878,7 @@ def main(argv: list[str] | None = None) -> int:
         run_lines(lines, root / "work", env, logs, args.timeout, args.jobs, announce)
         total = time.monotonic() - t0
     finally:
+        stop_slurm(slurm)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     command = "nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(

@@ -23,6 +23,9 @@ fi
 # libaio for DeepSpeed's nvme offload (apt-get as root, else one line how): checked on every run, before the
 # stamp, since it lives outside the venv; silent and ~0.1 s when present, never fails the install.
 bash scripts/install_libaio.sh || true
+# SLURM's packages for --executor slurm's local cluster (scripts/local_slurm.sh: tests/compare/test_slurm.py), as
+# root with apt-get only; silent when present or when it cannot (those tests are then skipped with the reason).
+bash scripts/local_slurm.sh install || true
 # Re-install only when pyproject.toml or this script changed since the last install.
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; then
     exit 0

@@ -15,6 +15,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.launching.executor import Job, Shape
 from stratbench.launching.executors import make_executor
 from stratbench.launching.local_executor import LocalExecutor
+from stratbench.launching.slurm_executor import SlurmExecutor
 
 ECHO = "import sys, time; print(' '.join(sys.argv[1:]), flush=True); time.sleep(float(sys.argv[1]))"
 
@@ -67,11 +68,30 @@ def test_cancel_kills_every_node_s_process(tmp_path):
 
 
 def test_the_registry_refuses_in_one_line():
-    with pytest.raises(ConfigError, match=r"--executor 'slurmx' is not one of: local, ray"):
+    with pytest.raises(ConfigError, match=r"--executor 'slurmx' is not one of: local, ray, slurm"):
         make_executor("slurmx")
     with pytest.raises(ConfigError, match=r"--ray-address applies to --executor ray, not local"):
         make_executor("local", ray_address="127.0.0.1:6379")
     assert make_executor("local").slots == 1 and make_executor("local", 3).slots == 3
+    with pytest.raises(ConfigError, match=r"--slurm-partition applies to --executor slurm, not ray"):
+        make_executor("ray", slurm_partition="debug")
+
+
+def test_the_slurm_flags_become_sbatch_options_and_bad_ones_are_one_line():
+    """What a job of 2 nodes x 4 processes x 4 GPUs asks sbatch for (the SLURM cluster itself: test_slurm.py)."""
+    ex = make_executor("slurm", slurm_partition="gpu", slurm_account="proj", slurm_time="2:00:00",
+                       slurm_option=["qos=high", "--constraint=a100", "exclusive"])  # fmt: skip
+    assert ex.sbatch_options(Shape(nodes=2, procs_per_node=4, gpus_per_node=4)) == {
+        "partition": "gpu", "time": "2:00:00", "nodes": 2, "ntasks-per-node": 1, "cpus-per-task": 4,
+        "account": "proj", "gpus-per-node": 4, "qos": "high", "constraint": "a100", "exclusive": True,
+    }  # fmt: skip
+    assert isinstance(ex, SlurmExecutor) and ex.slots > 100  # every cell submitted: SLURM queues them
+    with pytest.raises(ConfigError, match=r"--slurm-time '2h' is not a SLURM time limit: MINUTES, "):
+        make_executor("slurm", slurm_time="2h")
+    with pytest.raises(ConfigError, match=r"--slurm-option 'nodes=4': stratbench sets --nodes itself"):
+        make_executor("slurm", slurm_option=["nodes=4"])
+    with pytest.raises(ConfigError, match=r"--slurm-option 'N=4' is not KEY=VALUE"):
+        make_executor("slurm", slurm_option=["N=4"])
 
 
 BASE = {"model": "tinynet", "data": "digits", "batch_size": 32, "max_steps": 3}

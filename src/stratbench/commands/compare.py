@@ -16,7 +16,7 @@ from stratbench.compare.runner import load_records
 from stratbench.core.config import TrainConfig, _base_type, coerce, field_docs
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import table_console
-from stratbench.launching.executors import add_executor_arguments, make_executor
+from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
 
 NAME = "compare"
 HELP = (
@@ -62,10 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="processes of the multi-process methods (default: the preset's; seed: the GPUs present)")  # fmt: skip
     parser.add_argument("--nodes", type=int, metavar="N",
                         help="spread each multi-process cell over N nodes (world size / N processes on each; "
-                             "--executor ray places them on N distinct machines, local runs N launchers here)")  # fmt: skip
+                             "--executor ray/slurm places them on N distinct machines, local runs N launchers here)")  # fmt: skip
     parser.add_argument("--max-concurrent-cells", type=int, default=0, metavar="N",
-                        help="cells under way at once (default: local 1, so that timings are not shared; ray: "
-                             "as many as the cluster has room for, each with its own reserved CPUs/GPUs)")  # fmt: skip
+                        help="cells under way at once (default: local 1, so that timings are not shared; ray, slurm: "
+                             "every cell submitted, each waiting for its own reserved CPUs/GPUs)")  # fmt: skip
     add_executor_arguments(parser)
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="memory of one device, e.g. 2GiB: a cell whose memory estimate exceeds it is recorded as "
@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
     console = table_console()
-    executor = make_executor(args.executor, args.max_concurrent_cells, ray_address=args.ray_address)
+    executor = make_executor(args.executor, args.max_concurrent_cells, **executor_options(args))
     try:
         sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
                            timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,

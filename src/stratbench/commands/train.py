@@ -21,7 +21,7 @@ from stratbench.core.config import (
 from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import print_result
-from stratbench.launching.executors import add_executor_arguments, make_executor
+from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
 from stratbench.launching.job import run_job, run_job_on
 from stratbench.strategies.accelerate import read_accelerate_config
 from stratbench.strategies.base import get_strategy, iter_option_fields
@@ -131,8 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
 
     cfg = resolve_config(args)
-    if args.executor != "local" or args.ray_address:
-        executor = make_executor(args.executor, ray_address=args.ray_address)
+    options = executor_options(args)
+    if args.executor != "local" or any(v is not None for v in options.values()):
+        executor = make_executor(args.executor, **options)
         if not executor.runs_here:
             # --nnodes nodes, --nproc processes on each: the executor places them and starts each node's launcher
             with ckpt.trusted(cfg.trust_checkpoint):

@@ -577,10 +577,10 @@ class SweepRunner:
         """The cell's record from how its job ended and what it wrote (result.json, its log)."""
         result = _read_result(cell_dir / "result.json")
         log_path = cell_dir / "train.log"
-        if outcome.timed_out:
-            status, reason = (
-                "timeout",
-                f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed",
+        if outcome.timed_out:  # the sweep's --timeout, or the executor's own limit (SLURM's) with its reason
+            status = "timeout"
+            reason = outcome.reason or (
+                f"did not finish within the {self.timeout_s:.0f} s limit per cell; its processes were killed"
             )
         elif outcome.reason:  # the executor ended it: its node died, its folder is not shared
             status, reason = "failed", outcome.reason

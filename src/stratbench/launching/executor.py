@@ -4,8 +4,8 @@
 A ``Job`` is a command (``python -m stratbench train --config FILE [--nproc N]``) to run on ``nodes`` machines,
 ``procs_per_node`` processes each; for several nodes the executor adds ``--nnodes/--node-rank/--master-addr/
 --master-port`` (stratbench's own launcher then starts torchrun on each node). ``local`` runs it on this machine
-(``launching.local_executor``), ``ray`` on a Ray cluster (``launching.ray_executor``); a SLURM executor plugs in
-beside them (``launching.executors``). The sweep (``compare.runner``) and ``stratbench train --executor`` only
+(``launching.local_executor``), ``ray`` on a Ray cluster (``launching.ray_executor``), ``slurm`` as SLURM batch
+jobs (``launching.slurm_executor``); ``launching.executors`` names them. The sweep (``compare.runner``) and ``stratbench train --executor`` only
 call this interface, so neither knows which executor runs a job.
 
 This module imports the standard library only: the Ray node side (``launching.ray_node``) uses it on nodes
@@ -83,7 +83,8 @@ class Outcome:
     cpu_count: int | None = None
     """CPU cores of node 0."""
     timed_out: bool = False
-    """The caller's time limit ended it (the caller cancelled it)."""
+    """A time limit ended it: the caller's (the caller cancelled it) or the executor's own (SLURM's --time, with
+    ``reason`` saying so)."""
 
 
 @dataclass

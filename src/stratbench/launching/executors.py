@@ -1,5 +1,5 @@
-"""The executors by name, and their command-line flags (``compare`` and ``train`` share them). A new executor
-(SLURM through submitit) is one module beside ``local_executor`` and ``ray_executor`` and one line here."""
+"""The executors by name, and their command-line flags (``compare`` and ``train`` share them). An executor is one
+module beside ``local_executor``, ``ray_executor`` and ``slurm_executor``, one line here, and its flags."""
 
 from __future__ import annotations
 
@@ -10,18 +10,40 @@ from stratbench.core.errors import ConfigError
 from stratbench.launching.executor import Executor
 from stratbench.launching.local_executor import LocalExecutor
 from stratbench.launching.ray_executor import RayExecutor
+from stratbench.launching.slurm_executor import SlurmExecutor
 
-EXECUTORS: dict[str, type[Executor]] = {cls.name: cls for cls in (LocalExecutor, RayExecutor)}
+EXECUTORS: dict[str, type[Executor]] = {cls.name: cls for cls in (LocalExecutor, RayExecutor, SlurmExecutor)}
 
 
 def add_executor_arguments(parser: argparse.ArgumentParser, what: str = "each cell") -> None:
     group = parser.add_argument_group("where the processes run (docs/cluster.md)")
     group.add_argument("--executor", default="local", metavar="NAME",
                        help=f"where {what} runs: {', '.join(EXECUTORS)} (default local: this machine; ray: a "
-                            "placement group per run on a Ray cluster, one launcher per node)")  # fmt: skip
+                            "placement group per run on a Ray cluster, one launcher per node; slurm: a batch job "
+                            "per run, one srun task per node)")  # fmt: skip
     group.add_argument("--ray-address", default=None, metavar="ADDRESS",
                        help="--executor ray: the cluster, HOST:PORT of its head (default auto: $RAY_ADDRESS, else "
                             "a cluster started here with `ray start`, else a local Ray for this run)")  # fmt: skip
+    group.add_argument(
+        "--slurm-partition",
+        default=None,
+        metavar="NAME",
+        help="--executor slurm: sbatch --partition (default: the cluster's default partition)",
+    )
+    group.add_argument(
+        "--slurm-account", default=None, metavar="NAME", help="--executor slurm: sbatch --account"
+    )
+    group.add_argument("--slurm-time", default=None, metavar="TIME",
+                       help="--executor slurm: sbatch --time, each job's time limit (MINUTES, HH:MM:SS, D-HH:MM; "
+                            "default: the partition's); a job that reaches it is recorded 'timed out'")  # fmt: skip
+    group.add_argument("--slurm-option", action="append", default=None, metavar="KEY=VALUE",
+                       help="--executor slurm: one more sbatch option, --KEY=VALUE (KEY alone: a flag), e.g. "
+                            "qos=high, constraint=a100, mem=64G, exclusive; repeatable")  # fmt: skip
+
+
+def executor_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Every executor's own flags from parsed arguments (None where not given), for ``make_executor``."""
+    return {name: getattr(args, name, None) for cls in EXECUTORS.values() for name in cls.options}
 
 
 def make_executor(name: str, max_concurrent: int = 0, **options: Any) -> Executor:

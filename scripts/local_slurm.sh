@@ -1,0 +1,188 @@
+#!/usr/bin/env bash
+# A real single-node SLURM on this machine, on loopback: munged + slurmctld + slurmd (Debian's slurm-wlm), all
+# with their state, sockets, logs and pid files in one folder, so that several can run side by side (each on free
+# ports of its own) and `down` stops exactly what `up` started.
+#
+#   scripts/local_slurm.sh up [FOLDER]      start it (default FOLDER /tmp/stratbench-slurm); prints the
+#                                            `export SLURM_CONF=...` that points sinfo/sbatch/squeue at it
+#   scripts/local_slurm.sh status [FOLDER]  sinfo and squeue of it
+#   scripts/local_slurm.sh down [FOLDER]    cancel its jobs, stop its daemons
+#   scripts/local_slurm.sh install          the packages only, as root with apt-get (else nothing): the set-up's
+#
+# One node `localhost` (127.0.0.1) with this machine's CPUs, one partition `debug` (the default). Jobs start as
+# soon as they are submitted (sched/builtin); processes are tracked through /proc (proctrack/linuxproc), so no
+# cgroups are needed (a container is fine). Needs root (slurmd runs jobs as their user) and, when the packages are
+# missing, apt-get (it installs slurmctld, slurmd, slurm-client and munge). Used by tests/compare/test_slurm.py and
+# the README tour; docs/cluster.md.
+set -euo pipefail
+
+ACTION=${1:-}
+STATE=${2:-${STRATBENCH_SLURM_DIR:-/tmp/stratbench-slurm}}
+PACKAGES="slurmctld slurmd slurm-client munge"
+
+die() { echo "local_slurm.sh: $*" >&2; exit 1; }
+
+installed() {
+    command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v sbatch >/dev/null \
+        && command -v munged >/dev/null
+}
+
+apt_install() {
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $PACKAGES >/dev/null 2>&1
+}
+
+install_packages() {
+    installed && return 0
+    [ "$(id -u)" = 0 ] || die "SLURM is not installed and this is not root: apt-get install $PACKAGES as root"
+    command -v apt-get >/dev/null || die "SLURM is not installed and there is no apt-get: install $PACKAGES"
+    echo "local_slurm.sh: installing $PACKAGES" >&2
+    apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; } || die "apt-get install $PACKAGES failed"
+}
+
+install_quietly() {  # the set-up (scripts/install.sh): only as root with apt-get, never fails
+    installed && return 0
+    [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null || return 0
+    if apt_install || { apt-get update -qq >/dev/null 2>&1 && apt_install; }; then
+        echo "install: installed $PACKAGES (a local SLURM for --executor slurm: scripts/local_slurm.sh up)"
+    fi
+    return 0
+}
+
+free_port() {
+    python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
+write_conf() {
+    local cpus ctld_port slurmd_port
+    cpus=$(nproc)
+    ctld_port=$(free_port)
+    slurmd_port=$(free_port)
+    while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done
+    : >"$STATE/plugstack.conf"
+    cat >"$STATE/slurm.conf" <<EOF
+# written by scripts/local_slurm.sh: a single-node SLURM on loopback
+ClusterName=stratbench
+SlurmctldHost=localhost(127.0.0.1)
+SlurmctldPort=$ctld_port
+SlurmdPort=$slurmd_port
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket=$STATE/munge/munge.socket
+CredType=cred/munge
+StateSaveLocation=$STATE/ctld
+SlurmdSpoolDir=$STATE/slurmd
+SlurmctldPidFile=$STATE/slurmctld.pid
+SlurmdPidFile=$STATE/slurmd.pid
+SlurmctldLogFile=$STATE/slurmctld.log
+SlurmdLogFile=$STATE/slurmd.log
+PlugStackConfig=$STATE/plugstack.conf
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+JobCompType=jobcomp/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+ReturnToService=2
+KillWait=5
+MinJobAge=600
+InactiveLimit=0
+SlurmctldTimeout=30
+SlurmdTimeout=30
+MessageTimeout=10
+NodeName=localhost NodeAddr=127.0.0.1 CPUs=$cpus State=UNKNOWN
+PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
+EOF
+}
+
+start_munge() {
+    mkdir -p "$STATE/munge"
+    chmod 700 "$STATE/munge"
+    [ -f "$STATE/munge/munge.key" ] || mungekey --create --keyfile="$STATE/munge/munge.key" >/dev/null 2>&1 \
+        || dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
+    chmod 400 "$STATE/munge/munge.key"
+    munged --force --socket="$STATE/munge/munge.socket" --key-file="$STATE/munge/munge.key" \
+        --pid-file="$STATE/munge/munged.pid" --log-file="$STATE/munge/munged.log" \
+        --seed-file="$STATE/munge/munged.seed" \
+        || die "munged did not start (see $STATE/munge/munged.log)"
+}
+
+wait_idle() {
+    local i
+    for i in $(seq 1 150); do
+        if [ "$(sinfo -h -n localhost -o %t 2>/dev/null)" = "idle" ]; then
+            return 0
+        fi
+        sleep 0.2
+    done
+    die "the node did not become idle within 30 s: $(sinfo -h -o '%n %t %E' 2>&1 | head -1) (logs: $STATE/*.log)"
+}
+
+running() {  # the daemons of this folder that are alive
+    local name pid
+    for name in munge/munged slurmctld slurmd; do
+        pid=$(cat "$STATE/$name.pid" 2>/dev/null || true)
+        if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "$name:$pid"; fi
+    done
+}
+
+up() {
+    [ "$(id -u)" = 0 ] || die "needs root (slurmd starts jobs as their user): run it as root"
+    install_packages
+    export SLURM_CONF="$STATE/slurm.conf"
+    if [ -n "$(running)" ]; then
+        wait_idle
+        echo "export SLURM_CONF=$SLURM_CONF"
+        return 0
+    fi
+    mkdir -p "$STATE/ctld" "$STATE/slurmd"
+    write_conf
+    start_munge
+    # -i: ignore saved jobs and node states of an earlier run in this folder
+    slurmctld -i -f "$SLURM_CONF" || die "slurmctld did not start (see $STATE/slurmctld.log)"
+    slurmd -N localhost -f "$SLURM_CONF" || die "slurmd did not start (see $STATE/slurmd.log)"
+    wait_idle
+    echo "export SLURM_CONF=$SLURM_CONF"
+}
+
+down() {
+    export SLURM_CONF="$STATE/slurm.conf"
+    if [ -n "$(running)" ] && [ -f "$SLURM_CONF" ]; then
+        scancel --full --quiet --partition debug >/dev/null 2>&1 || true
+        local i
+        for i in $(seq 1 50); do  # the jobs' processes are killed by slurmd (KillWait 5 s)
+            [ -z "$(squeue -h -o %i 2>/dev/null)" ] && break
+            sleep 0.2
+        done
+    fi
+    local pids entry
+    pids=$(running | cut -d: -f2)
+    [ -n "$pids" ] || return 0
+    for entry in $pids; do kill -TERM "$entry" 2>/dev/null || true; done
+    for _ in $(seq 1 100); do  # all three at once, up to 10 s
+        alive=""
+        for entry in $pids; do kill -0 "$entry" 2>/dev/null && alive="$alive $entry"; done
+        [ -z "$alive" ] && return 0
+        sleep 0.1
+    done
+    for entry in $alive; do kill -KILL "$entry" 2>/dev/null || true; done
+}
+
+status() {
+    export SLURM_CONF="$STATE/slurm.conf"
+    [ -n "$(running)" ] || die "not running (folder $STATE)"
+    echo "daemons: $(running | tr '\n' ' ')"
+    sinfo
+    squeue
+}
+
+case "$ACTION" in
+    up) up ;;
+    down) down ;;
+    status) status ;;
+    install) install_quietly ;;
+    *) die "usage: scripts/local_slurm.sh up|down|status [FOLDER] | install" ;;
+esac

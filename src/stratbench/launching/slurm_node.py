@@ -1,0 +1,97 @@
+"""The node side of the SLURM executor: what each task of a job's ``srun`` runs (one task per node).
+
+``python -m stratbench.launching.slurm_node --log LOG --nodes N --procs P [--env K=V ...] -- COMMAND...`` runs
+node ``$SLURM_NODEID``'s launcher command (``Job.node_command``) with the allocation's first node
+(``scontrol show hostnames $SLURM_JOB_NODELIST``) as the master and a port derived from the job id, its output in
+the node's log, and writes how it ended (exit code, load averages seen, cores) to ``slurm/nodeI.json`` beside the
+log: JSON the submitting side reads, so that nothing the nodes write is unpickled there. SIGTERM (``scancel``, the
+time limit) stops the launcher's whole tree. Standard library and psutil only, like ``ray_node``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from stratbench.launching.executor import Job, Shape, kill_tree, load_average, start_command
+
+PORT_BASE = 15000
+"""Node 0's master port is PORT_BASE + the job id's last 4 digits (as Lightning's SLURM environment does): every
+node computes the same port without talking to the others, and two jobs on one node rarely share it."""
+
+
+def master_port(job_id: str) -> int:
+    return PORT_BASE + int(job_id[-4:] or 0) % 10000
+
+
+def node_hosts(nodelist: str) -> list[str]:
+    """The allocation's hosts in order (``scontrol show hostnames`` expands ``node[01-04]``)."""
+    if not nodelist:
+        return [socket.gethostname()]
+    out = subprocess.run(
+        ["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=True
+    )
+    return out.stdout.split() or [nodelist]
+
+
+def outcome_path(log: Path, rank: int) -> Path:
+    """Where node ``rank`` of a job whose node 0 logs to ``log`` writes how it ended."""
+    return log.parent / "slurm" / f"node{rank}.json"
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m stratbench.launching.slurm_node")
+    ap.add_argument("--log", required=True)
+    ap.add_argument("--nodes", type=int, default=1)
+    ap.add_argument("--procs", type=int, default=1)
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("command", nargs=argparse.REMAINDER)
+    args = ap.parse_args(argv)
+    args.command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not args.command:
+        ap.error("no command after --")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    rank = int(os.environ.get("SLURM_NODEID", "0"))
+    job = Job(os.environ.get("SLURM_JOB_NAME", "job"), tuple(args.command), Path(args.log), Shape(args.nodes))
+    hosts = node_hosts(os.environ.get("SLURM_JOB_NODELIST", "")) if args.nodes > 1 else ["127.0.0.1"]
+    command = job.node_command(rank, hosts[0], master_port(os.environ.get("SLURM_JOB_ID", "0")))
+    env = dict(item.split("=", 1) for item in args.env)
+    # One thread per process of the CPUs SLURM reserved (--cpus-per-task), as the Ray executor does.
+    cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", args.procs))
+    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, args.procs))))
+    proc = start_command(command, job.node_log(rank), env)
+
+    def stop(signum: int, frame: object) -> None:
+        kill_tree(proc)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    loads: list[float] = []
+    while proc.poll() is None:
+        time.sleep(0.5)
+        load = load_average()
+        if load is not None:
+            loads.append(load)
+    record = {"returncode": proc.returncode, "loads": loads, "cpu_count": os.cpu_count(),
+              "host": socket.gethostname()}  # fmt: skip
+    path = outcome_path(job.log, rank)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
