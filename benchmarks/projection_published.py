@@ -92,6 +92,8 @@ def check_entry(e: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
     bad += [f"source has no {k}" for k in SOURCE_FIELDS if not src.get(k)]
     if e.get("unit") not in UNITS:
         bad.append(f"unknown unit {e.get('unit')!r} (known: {', '.join(UNITS)})")
+    if e.get("input_pipeline") and e["input_pipeline"] not in builtin().input_pipelines:
+        bad.append(f"unknown input_pipeline {e['input_pipeline']!r} (hardware.yaml input_pipelines)")
     if e.get("family") not in OPTIMIZERS:
         bad.append(f"unknown family {e.get('family')!r}")
     if e.get("model") not in MODELS:
@@ -128,13 +130,15 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
         raise ConfigError(f"precision {e['precision']!r} has no stratbench equivalent")
     precision, tf32 = PRECISIONS[e["precision"]]
     gpus = gpus or e["gpus"]
+    strategy = strategy or e["method"]
+    options = dict(e.get("strategy_options") or {}) if strategy == e["method"] else {}
     model = MODELS[e["model"]].format(seq_len=e.get("seq_len"))
     # a token model reads its tokens from an image of 3 x side x side values
     side = e.get("image_size") or math.ceil(math.sqrt(e["seq_len"] / 3))
     return TrainConfig(
         model=model, image_size=side, num_classes=1000, data="synthetic", precision=precision, tf32=tf32,
         batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
-        optimizer=OPTIMIZERS[e["family"]], strategy=strategy or e["method"],
+        optimizer=OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
     )  # fmt: skip
 
 
@@ -186,9 +190,11 @@ def anchored_calibration(anchor: dict[str, Any], system: System) -> Calibrations
 def _project(
     e: dict[str, Any], cfg: TrainConfig, system: System, cal: Calibrations | None
 ) -> MethodProjection:
-    """``cfg`` on entry ``e``'s nodes and GPUs per node (no memory estimate: fit is not what is checked)."""
+    """``cfg`` on entry ``e``'s nodes and GPUs per node, with its CPU data loader where it names one (no memory
+    estimate: fit is not what is checked)."""
+    pipeline = builtin().input_pipeline(e["input_pipeline"]) if e.get("input_pipeline") else None
     return project(cfg, system, nodes=e["nodes"], gpus_per_node=e["gpus"] // e["nodes"], calibration=cal,
-                   memory=False)  # fmt: skip
+                   memory=False, input_pipeline=pipeline)  # fmt: skip
 
 
 @dataclass

@@ -33,6 +33,10 @@ class Collective:
     """Ranks taking part in each call."""
     note: str = ""
     """Where it comes from, e.g. 'gradient buckets' or 'BatchNorm buffers broadcast'."""
+    bucket_bytes: int = 0
+    """Where > 0, the payload goes out as DDP's reducer sends it: a first bucket of ``DDP_FIRST_BUCKET_BYTES``,
+    then buckets of up to this many bytes, each as soon as backward has produced its gradients (the schedule the
+    projection overlaps with compute); 0: ``calls`` equal calls."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
@@ -83,14 +87,38 @@ def dim0_padded(numels: list[int], dim0: list[int], n: int) -> int:
     return sum(ceil_to(d, n) * (e // d if d else e) for e, d in zip(numels, dim0, strict=True))
 
 
+DDP_BUCKET_CAP_MB = 25.0
+"""DistributedDataParallel's default ``bucket_cap_mb`` (MiB; torch/nn/parallel/distributed.py)."""
+DDP_FIRST_BUCKET_BYTES = 1024 * 1024
+"""DDP's first bucket (the last layers' gradients, reduced first) is capped at 1 MiB
+(``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), so that communication starts early in backward."""
+
+
+def ddp_buckets(payload: float, cap_bytes: float) -> list[float]:
+    """The bucket sizes, in reduction order, of ``payload`` gradient bytes under DDP's reducer with buckets of
+    ``cap_bytes``: the first at most ``DDP_FIRST_BUCKET_BYTES``, the rest at most ``cap_bytes`` (the last holds
+    what is left; DDP cuts at parameter boundaries, which this byte-level split ignores)."""
+    if payload <= 0:
+        return []
+    sizes = [min(payload, float(DDP_FIRST_BUCKET_BYTES), cap_bytes)]
+    left = payload - sizes[0]
+    while left > 0:
+        sizes.append(min(cap_bytes, left))
+        left -= sizes[-1]
+    return sizes
+
+
 def replicated_grads(ctx: Any, note: str = "gradient buckets (DDP's reducer)") -> list[Collective]:
     """DDP's traffic per optimizer step: the gradients all-reduced once (bucketed; ``no_sync`` on all but the
-    last micro-step), in the weights' dtype. BatchNorm buffers are broadcast from rank 0 before every forward
-    (``broadcast_buffers``, the default) where the model has any."""
+    last micro-step), in the weights' dtype, in buckets of the method's ``bucket_cap_mb`` (DDP's 25 MiB where
+    it has none). BatchNorm buffers are broadcast from rank 0 before every forward (``broadcast_buffers``, the
+    default) where the model has any."""
     n = ctx.world
     if n <= 1:
         return []
-    rows = [Collective("all_reduce", ctx.info.total * ctx.param_bytes, 1, "backward", n, note)]
+    cap = float(getattr(ctx.options, "bucket_cap_mb", DDP_BUCKET_CAP_MB)) * 2**20
+    payload = ctx.info.total * ctx.param_bytes
+    rows = [Collective("all_reduce", payload, len(ddp_buckets(payload, cap)), "backward", n, note, int(cap))]
     if ctx.info.buffer_bytes:
         rows.append(
             Collective(

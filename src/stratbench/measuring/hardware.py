@@ -205,7 +205,9 @@ class System:
     nics_per_node: int = 1
     host_memory_bandwidth: float = 0.0
     call_latency: float = 0.0
-    overlap: float = 0.8
+    overlap: float = 1.0
+    """The share of what the bucket schedule could hide that is hidden (1 on a GPU: collectives on their own
+    stream; below 1 where `stratbench probe` measured the processes' collectives and compute contending)."""
     overlap_source: str = "default"
     compute_share: float = 1.0
     """Fraction of the device's single-process peak each device gets when every device of a node runs (1 on
@@ -215,6 +217,12 @@ class System:
     reaches when it runs alone (measured by `stratbench probe`); a calibration run with that many threads is
     counted against it instead of the ideal threads / cores."""
     threads_per_process: int | None = None
+    host_cores: int = 0
+    """CPU cores of one node's host (0: not given, no input-pipeline ceiling); each process's main thread holds
+    one, the rest run the data loaders (``stratbench.predicting.projection``, input pipeline)."""
+    step_time_cv: float = 0.0
+    """Coefficient of variation of one process's micro-step time: the jitter the slowest of N processes adds at
+    each synchronisation (stragglers; hardware.yaml ``defaults.step_time_cv``)."""
     source: str = "built-in"
 
     def inter_bandwidth_per_device(self) -> float:
@@ -222,6 +230,17 @@ class System:
         if self.inter_node is None:
             raise HardwareError(f"system {self.key!r} has no inter_node link: it cannot span several nodes")
         return self.inter_node.effective_bandwidth * self.nics_per_node / self.gpus_per_node
+
+
+@dataclass(frozen=True)
+class InputPipeline:
+    """A data loader's host CPU time per sample (hardware.yaml ``input_pipelines``): where it is CPU-bound, one
+    node's host feeds at most (host cores - its processes' main threads) / ``cpu_per_sample`` samples/s."""
+
+    key: str
+    cpu_per_sample: float
+    """Seconds of one CPU core per training sample (decode and augmentation)."""
+    source: str = ""
 
 
 @dataclass
@@ -232,6 +251,8 @@ class Catalogue:
     default_efficiency: dict[str, float]
     default_overlap: float
     default_system: str | None = None
+    default_step_time_cv: float = 0.0
+    input_pipelines: dict[str, InputPipeline] = field(default_factory=dict)
     evidence: dict[tuple[str, str, str], DefaultEfficiency] = field(default_factory=dict)
     """(gpu key, family, precision key) -> the evidence-based default of hardware.yaml's ``default_efficiency``."""
     held_out: tuple[str, ...] = ()
@@ -244,6 +265,13 @@ class Catalogue:
             )
         return self.systems[name]
 
+    def input_pipeline(self, name: str) -> InputPipeline:
+        if name not in self.input_pipelines:
+            raise HardwareError(
+                f"unknown input pipeline {name!r}; choose one of: {', '.join(self.input_pipelines) or 'none'}"
+            )
+        return self.input_pipelines[name]
+
     def gpu_for_device(self, device_name: str) -> Gpu | None:
         """The one GPU entry whose ``match`` finds ``device_name`` (None when none does)."""
         found = [g for g in self.gpus.values() if g.kind == "cuda" and g.matches(device_name)]
@@ -253,13 +281,14 @@ class Catalogue:
         return [g.key for g in self.gpus.values() if g.kind == "cuda" and g.matches(device_name)]
 
 
-_TOP = {"version", "defaults", "default_efficiency", "gpus", "links", "systems", "default_system"}
+_TOP = {"version", "defaults", "default_efficiency", "gpus", "links", "systems", "default_system",
+        "input_pipelines"}  # fmt: skip
 _GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind", "like"}
 _EVIDENCE_KEYS = {"gpu", "precision", "family", "value", "published", "runs", "how"}
 _LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
 _SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
              "call_latency", "overlap", "compute_share", "thread_share",
-             "threads_per_process"}  # fmt: skip
+             "threads_per_process", "host_cores", "step_time_cv"}  # fmt: skip
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -450,6 +479,8 @@ def _parse_system(key: str, e: dict[str, Any], where: str, cat: Catalogue, sourc
         threads_per_process=_positive_int(e["threads_per_process"], f"{where}.threads_per_process")
         if "threads_per_process" in e
         else None,
+        host_cores=_positive_int(e["host_cores"], f"{where}.host_cores") if "host_cores" in e else 0,
+        step_time_cv=fraction(e.get("step_time_cv", cat.default_step_time_cv), f"{where}.step_time_cv"),
         source=source,
     )
 
@@ -474,6 +505,9 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
             raise HardwareError(f"{where0}: defaults: missing 'overlap'")
         overlap = fraction(defaults["overlap"], f"{where0}: defaults.overlap")
         cat = Catalogue({}, {}, {}, eff_defaults, overlap)
+        cat.default_step_time_cv = fraction(
+            defaults.get("step_time_cv", 0.0), f"{where0}: defaults.step_time_cv"
+        )
         _parse_evidence(data.get("default_efficiency", {"held_out": [], "entries": []}),
                         f"{where0}: default_efficiency", cat)  # fmt: skip
     else:
@@ -485,6 +519,8 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
             base.default_overlap,
             evidence=dict(base.evidence),
             held_out=base.held_out,
+            default_step_time_cv=base.default_step_time_cv,
+            input_pipelines=dict(base.input_pipelines),
         )
         if defaults or "default_efficiency" in data:
             raise HardwareError(
@@ -496,6 +532,12 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
         cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat, user_file)
     for key, e in _mapping(data.get("links", {}) or {}, f"{where0}: links").items():
         cat.links[key] = _parse_link(key, e, f"{where0}: links.{key}")
+    for key, e in _mapping(data.get("input_pipelines", {}) or {}, f"{where0}: input_pipelines").items():
+        w = f"{where0}: input_pipelines.{key}"
+        _check_keys(_mapping(e, w), {"cpu_per_sample", "source"}, {"cpu_per_sample"}, w)
+        cat.input_pipelines[key] = InputPipeline(
+            key, seconds(e["cpu_per_sample"], f"{w}.cpu_per_sample"), str(e.get("source", ""))
+        )
     for key, e in _mapping(data.get("systems", {}) or {}, f"{where0}: systems").items():
         cat.systems[key] = _parse_system(key, e, f"{where0}: systems.{key}", cat, source)
     default_system = data.get("default_system")

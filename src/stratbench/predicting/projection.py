@@ -38,8 +38,8 @@ from typing import Any
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 from stratbench.data.text import is_text_data
-from stratbench.measuring.comm import Collective, wire_factor
-from stratbench.measuring.hardware import Gpu, HardwareError, Link, System, builtin, resolve
+from stratbench.measuring.comm import Collective, ddp_buckets, wire_factor
+from stratbench.measuring.hardware import Gpu, HardwareError, InputPipeline, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.measuring.records import RunRecord, number
 from stratbench.models.family import family_of
@@ -509,6 +509,11 @@ class MethodProjection:
     comm_exposed_s: float = 0.0
     optimizer_s: float = 0.0
     offload_s: float = 0.0
+    straggler_s: float = 0.0
+    """Seconds per step lost waiting for the slowest process at each synchronisation (``straggler_seconds``)."""
+    input_s: float = 0.0
+    """Seconds per step the node's host input pipeline adds beyond the rest (``input_ceiling``); 0 without one."""
+    input_note: str = ""
     dominant: str = ""
     memory_bytes: int | None = None
     fits: bool | None = None
@@ -539,8 +544,11 @@ def project(
     calibration: Calibrations | None = None,
     memory: bool = True,
     label: str | None = None,
+    input_pipeline: InputPipeline | None = None,
 ) -> MethodProjection:
-    """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``."""
+    """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``;
+    ``input_pipeline``: the data loader's host CPU cost where it is CPU-bound (None: data on the device, or a
+    loader that keeps up)."""
     gpn = gpus_per_node or system.gpus_per_node
     if gpn != system.gpus_per_node:
         system = dataclasses.replace(system, gpus_per_node=gpn)
@@ -576,11 +584,13 @@ def project(
     _communication(out, rows, system, float(cls.cost.comm_overlap(ctx)), forward, backward)
     if not _optimizer_and_offload(out, cfg, world, system, device_type):
         return out
-    out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s
+    out.straggler_s = straggler_seconds(out.compute_s, world, cfg.grad_accum, system.step_time_cv)
+    out.step_s = out.compute_s + out.comm_exposed_s + out.optimizer_s + out.offload_s + out.straggler_s
+    _input_pipeline(out, cfg, system, world, input_pipeline)
     out.throughput = cfg.batch_size / out.step_s
     out.tokens_per_s = out.throughput * cfg.seq_len if is_text_data(cfg.data) else None
     terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
-             "offload": out.offload_s}  # fmt: skip
+             "offload": out.offload_s, "stragglers": out.straggler_s, "input pipeline": out.input_s}  # fmt: skip
     out.dominant = max(terms, key=terms.get)
     out.scaling_efficiency = _scaling_efficiency(cfg, system, world, samples, calibration, out.throughput)
     if memory:
@@ -654,21 +664,95 @@ def _communication(
     out: MethodProjection, rows: list[Collective], system: System, method_overlap: float, forward: float,
     backward: float,
 ) -> None:  # fmt: skip
-    """``out``'s communication per step, and what of it stays exposed: forward- and backward-phase traffic hides
-    under that phase's compute up to the system's overlap x the method's own (``comm_overlap``)."""
+    """``out``'s communication per step, and what of it stays exposed. Each phase's calls run one after another
+    on their own stream, each as soon as the phase's compute has produced its data (``chunks``): what ends
+    after the phase's compute is exposed (``exposed_after``: the last bucket of DDP at least; all of it where a
+    method reduces in one bucket after backward, and all optimizer-phase traffic); of the rest, the system's
+    measured overlap x the method's own (``comm_overlap``) is hidden."""
     f = system.overlap * method_overlap
     out.overlap = f
-    by_phase: dict[str, float] = {}
+    windows = {"forward": forward, "backward": backward}
+    by_phase: dict[str, list[tuple[float, float]]] = {}
     for r in rows:
-        t = collective_time(r.kind, r.payload_bytes, r.calls, r.group_size, system)
-        by_phase[r.phase] = by_phase.get(r.phase, 0.0) + t
-        out.comm_rows.append(r.to_dict() | {"seconds": t})
-    out.comm_s = sum(by_phase.values())
-    exposed = 0.0
-    for phase, t in by_phase.items():
-        under = {"forward": forward, "backward": backward}.get(phase, 0.0)
-        exposed += t - min(f * t, under)
+        timed = [(ready, collective_time(r.kind, size, 1, r.group_size, system)) for ready, size in chunks(r)]
+        by_phase.setdefault(r.phase, []).extend(timed)
+        out.comm_rows.append(r.to_dict() | {"seconds": sum(t for _, t in timed)})
+    out.comm_s = exposed = 0.0
+    for phase, timed in by_phase.items():
+        window = windows.get(phase, 0.0)
+        total = sum(t for _, t in timed)
+        late = exposed_after([(share * window, t) for share, t in timed], window)
+        out.comm_s += total
+        exposed += total - f * (total - late)
     out.comm_exposed_s = exposed
+
+
+def chunks(row: Collective) -> list[tuple[float, float]]:
+    """(share of its phase's compute done when it can start, bytes) of each call of ``row``: DDP's buckets
+    (``ddp_buckets``) in reduction order, else ``calls`` equal calls; a call can start when the compute has
+    produced its share of the payload (gradients come out of backward at an even rate per byte; a prefetched
+    forward gather mirrors it: the first call precedes all compute, the last the last unit's)."""
+    if row.calls <= 0 or row.payload_bytes <= 0:
+        return []
+    sizes = (ddp_buckets(row.payload_bytes, row.bucket_bytes) if row.bucket_bytes
+             else [row.payload_bytes / row.calls] * row.calls)  # fmt: skip
+    out, done = [], 0.0
+    for size in sizes:
+        done += size
+        out.append((done / row.payload_bytes, size))
+    return out
+
+
+def exposed_after(calls: list[tuple[float, float]], window: float) -> float:
+    """Seconds by which ``calls`` ((ready time, seconds) each, on one stream in the order they become ready, each
+    starting when it is ready and the one before has ended) end after ``window`` (the phase's compute)."""
+    end = 0.0
+    for ready, t in sorted(calls):
+        end = max(end, ready) + t
+    return max(0.0, end - window)
+
+
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normal variables], Blom's approximation Phi^-1((n - 0.375)/(n + 0.25))
+    (0 for one; 0.59, 1.43, 2.34, 2.82 for 2, 8, 64, 256, where the exact values are 0.56, 1.42, 2.42, 2.86)."""
+    if n <= 1:
+        return 0.0
+    return statistics.NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
+
+
+def straggler_seconds(compute_s: float, world: int, micro_steps: int, cv: float) -> float:
+    """What waiting for the slowest of ``world`` processes adds to a step whose compute takes ``compute_s``:
+    each micro-step's time varies by ``cv`` (coefficient of variation) independently, so the step's compute
+    varies by cv / sqrt(micro-steps) of it, and the step ends with the slowest process:
+    ``E[max of world normals] x cv x compute / sqrt(micro_steps)``."""
+    if world <= 1 or cv <= 0:
+        return 0.0
+    return expected_max_normal(world) * cv * compute_s / math.sqrt(max(1, micro_steps))
+
+
+def input_ceiling(pipeline: InputPipeline, host_cores: int, processes: int) -> float:
+    """Samples per second one node's host can feed: its cores less one per process (the training loop's own
+    thread; at least one core is left to the loader) over the loader's CPU seconds per sample."""
+    return max(1, host_cores - processes) / pipeline.cpu_per_sample
+
+
+def _input_pipeline(
+    out: MethodProjection, cfg: TrainConfig, system: System, world: int, pipeline: InputPipeline | None
+) -> None:
+    """Stretch ``out``'s step to the node's input ceiling where the host cannot feed its devices faster."""
+    if pipeline is None:
+        return
+    if not system.host_cores:
+        out.input_note = f"{pipeline.key}: system {system.key!r} gives no host_cores, so no input ceiling"
+        return
+    procs = min(world, system.gpus_per_node)
+    ceiling = input_ceiling(pipeline, system.host_cores, procs)
+    need = cfg.batch_size * procs / max(1, world) / ceiling
+    out.input_note = (f"{pipeline.key}: {ceiling:,.0f} samples/s per node (({system.host_cores} cores - {procs} "
+                      f"training processes) / {pipeline.cpu_per_sample * 1e3:.2f} ms per sample)")  # fmt: skip
+    if need > out.step_s:
+        out.input_s = need - out.step_s
+        out.step_s = need
 
 
 def _optimizer_and_offload(
