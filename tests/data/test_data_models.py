@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -11,7 +13,7 @@ import torch
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.core.precision import Precision
-from stratbench.data.datasets import build_data, split_batch
+from stratbench.data.datasets import build_data, digits_arrays, split_batch
 from stratbench.models.zoo import build_model, load_weights, residual_block_types
 
 
@@ -149,3 +151,19 @@ def test_precision_converts_weights(name, dtype):
     with p.autocast():
         out = model(p.convert_input(torch.randn(3, 4)))
     assert out.dtype == (torch.bfloat16 if "bf16" in name else torch.float16)
+
+
+def test_digits_are_scikit_learns_read_without_importing_it():
+    """The digits file scikit-learn ships, read without `import sklearn.datasets` (scipy, pandas: ~1.8 s of every
+    process that trains on digits): the same images and targets as load_digits, in a fresh interpreter."""
+    script = (
+        "import sys; from stratbench.data.datasets import digits_arrays; x, y = digits_arrays(); "
+        "print(x.shape, y.shape, 'sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["(1797,", "8,", "8)", "(1797,)", "False"], out
+    from sklearn.datasets import load_digits
+
+    images, targets = digits_arrays()
+    ref = load_digits()
+    assert np.array_equal(images, ref.images) and np.array_equal(targets, ref.target)

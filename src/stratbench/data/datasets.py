@@ -7,10 +7,12 @@ losses comparable across methods.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
@@ -207,17 +209,33 @@ def _synthetic(cfg: TrainConfig) -> DataBundle:
     return DataBundle(train, val, cfg.num_classes, names, size, (0.0,) * 3, (1.0,) * 3)
 
 
+def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits as ``load_digits`` returns them (images 1797 x 8 x 8, targets), read from the file
+    scikit-learn ships (``sklearn/datasets/data/digits.csv.gz``, found without importing scikit-learn):
+    ``import sklearn.datasets`` pulls in scipy and pandas, ~1.8 s of every process that trains on digits, for
+    one np.loadtxt. Where that file is not found (another scikit-learn layout), ``load_digits`` itself."""
+    spec = importlib.util.find_spec("sklearn")
+    roots = list(spec.submodule_search_locations or []) if spec else []
+    found = [Path(r) / "datasets" / "data" / "digits.csv.gz" for r in roots]
+    found = [f for f in found if f.is_file()]
+    if not found:
+        from sklearn.datasets import load_digits
+
+        digits = load_digits()
+        return digits.images, digits.target
+    data = np.loadtxt(found[0], delimiter=",")
+    return data[:, :-1].reshape(-1, 8, 8), data[:, -1].astype(int)
+
+
 def _digits(cfg: TrainConfig) -> DataBundle:
     """scikit-learn's 1,797 real 8x8 digits, bilinearly resized to image_size and repeated to 3 channels."""
-    from sklearn.datasets import load_digits
-
     size = default_image_size(cfg)
-    digits = load_digits()
-    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    images, targets = digits_arrays()
+    x = torch.tensor(images, dtype=torch.float32).unsqueeze(1) / 16.0
     x = torch.nn.functional.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)
     mean, std = x.mean().item(), x.std().item()
     x = ((x - mean) / std).repeat(1, 3, 1, 1).contiguous()
-    y = torch.tensor(digits.target, dtype=torch.long)
+    y = torch.tensor(targets, dtype=torch.long)
     perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(1234))  # fixed split, not --seed
     n_val = int(round(len(x) * cfg.val_fraction))
     val_idx, train_idx = perm[:n_val], perm[n_val:]
