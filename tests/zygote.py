@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 PRELOAD = (
-    "torch", "torch.distributed", "sklearn.datasets", "deepspeed",
+    "torch", "torch.distributed", "deepspeed",
     # imported by deepspeed.initialize (its muon optimizer pulls in torch._dynamo and inductor)
     "deepspeed.runtime.engine", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.zero.stage_1_and_2",
     "deepspeed.runtime.zero.stage3", "torch.distributed.fsdp", "torch.distributed.checkpoint",
