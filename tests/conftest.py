@@ -226,9 +226,14 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
     return train(tmp_path_factory.mktemp("reference") / "single-fp32-accum2", "--strategy", "single", *TINY, "--grad-accum", "2")
 
 
-LONG_FIRST = ("readme/test_readme_tour.py", "checkpoints/test_safety.py", "launching/test_launch.py")
-"""Test files that take minutes, started first: under ``make test``'s 2 workers (``--dist loadfile``: a file at a
-time per worker, handed out in collection order) the README tour (~5 min alone) must not be the last file left."""
+LONG_FIRST = (
+    "readme/test_readme_tour.py", "checkpoints/test_safety.py", "compare/test_ray.py", "launching/test_launch.py",
+    "commands/test_user_work.py", "strategies/test_deepspeed.py", "compare/test_compare.py", "compare/test_slurm.py",
+    "strategies/test_pipeline.py", "training/test_training.py",
+)  # fmt: skip
+"""Test files that take minutes, longest first (per-file sums of a fresh-clone run, 2026-11-25): under ``make
+test``'s 2 workers (``--dist loadfile --no-loadscope-reorder``: a file at a time per worker, handed out in
+collection order) the README tour (~13 min of one worker there) must start first, not be the last file left."""
 
 
 def pytest_collection_modifyitems(config, items):
