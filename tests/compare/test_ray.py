@@ -140,7 +140,7 @@ def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_exec
     assert two["nodes"] == 2 and two["world_size"] == 2
     node1 = (Path(two["cell_dir"]) / "train.node1.log").read_text()  # node 1's launcher ran on the other node
     assert "--nnodes 2 --node-rank 1 --master-addr" in node1.splitlines()[0]
-    assert "x2 on 2 nodes" in (out / "report.md").read_text()
+    assert "| ddp-2nodes | fp64 | 2 on 2 nodes |" in (out / "report.md").read_text()  # the devices column
 
 
 def test_an_unreachable_cluster_or_a_cell_too_big_for_it_is_one_line_before_any_cell(
