@@ -272,3 +272,15 @@ def md_section(md: str, heading: str) -> list[str]:
     start = next(i for i, ln in enumerate(lines) if ln.startswith(f"## {heading}"))
     end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
     return lines[start + 1 : end]
+
+
+def sweep_processes(out: Path) -> list:
+    """Live processes whose command line names a sweep's folder (its cells' launchers, torchrun, workers): what a
+    cancelled or finished sweep on any executor must not leave behind."""
+    import psutil
+
+    found = []
+    for p in psutil.process_iter(["cmdline", "status"]):
+        if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(p.info["cmdline"] or []):
+            found.append(p)
+    return found

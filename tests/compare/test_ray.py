@@ -13,11 +13,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
-from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd
+from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd, sweep_processes
 from stratbench.api import compare
 from stratbench.compare.runner import load_records
 from stratbench.launching.executors import make_executor
@@ -106,7 +105,7 @@ def killed_sweep(cluster, address) -> dict:
         killer = pool.submit(kill_the_worker_once_the_cell_runs_on_it)
         first = sweep()
         killer.result()
-    left = _sweep_processes(out)
+    left = sweep_processes(out)
     local_ray.add_worker(state)  # the node comes back; the same sweep runs the lost cell again, keeps the others
     stamps = {label: _result_stamp(rec) for label, rec in first.items() if rec["status"] == "ok"}
     return {"first": first, "left": left, "stamps": stamps, "rerun": sweep(), "out": out}
@@ -167,14 +166,6 @@ def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, count: int, timeo
         time.sleep(0.2)
 
 
-def _sweep_processes(out: Path) -> list[psutil.Process]:
-    """Live processes whose command line names the sweep's folder (its cells' launchers, torchrun, workers)."""
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(p.info["cmdline"] or []):
-            found.append(p)
-    return found
-
 
 def _unfinished_ray_tasks(dashboard: str) -> list:
     from ray.util.state import list_actors, list_tasks
@@ -196,7 +187,7 @@ def test_sigterm_of_compare_cancels_every_ray_task_and_leaves_no_process(cluster
     assert proc.returncode == 130, output
     assert "interrupted (stopped while running" in output
     assert load_records(out) == {}  # the stopped cells are not recorded: a rerun runs them
-    assert _sweep_processes(out) == []
+    assert sweep_processes(out) == []
     dashboard = cluster["future"].result()["dashboard"]
     for _ in range(20):  # task states reach the dashboard a moment after the tasks end
         left = _unfinished_ray_tasks(dashboard)

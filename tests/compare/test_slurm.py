@@ -16,11 +16,10 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 import yaml
 
-from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd
+from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd, sweep_processes
 from stratbench.api import plan_sweep
 from stratbench.compare.runner import SweepRunner, load_records
 from stratbench.launching.executors import make_executor
@@ -85,13 +84,6 @@ def _jobs() -> list[str]:
     return out.stdout.split()
 
 
-def _sweep_processes(out: Path) -> list[psutil.Process]:
-    found = []
-    for p in psutil.process_iter(["cmdline", "status"]):
-        if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(p.info["cmdline"] or []):
-            found.append(p)
-    return found
-
 
 def _until(check, what: str, timeout_s: float = 180.0, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout_s
@@ -117,7 +109,7 @@ def test_sigterm_of_compare_cancels_its_queued_and_running_jobs_and_leaves_no_pr
     assert proc.returncode == 130, output
     assert "interrupted (stopped while running" in output
     assert _jobs() == []  # nothing queued or running: scancel'ed, and waited for
-    assert _sweep_processes(out) == []
+    assert sweep_processes(out) == []
     assert load_records(out) == {}  # the stopped cells are not recorded: the same command runs them
 
 
