@@ -284,3 +284,16 @@ def sweep_processes(out: Path) -> list:
         if p.info["status"] != psutil.STATUS_ZOMBIE and str(out) in " ".join(p.info["cmdline"] or []):
             found.append(p)
     return found
+
+
+@pytest.fixture(scope="module")
+def projection_published():
+    """benchmarks/projection_published.py as a module (and benchmarks/ on sys.path for its model builders)."""
+    import importlib
+
+    folder = str(REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module("projection_published")
+    finally:
+        sys.path.remove(folder)

@@ -3,25 +3,12 @@ and the held-out benchmark (benchmarks/projection_published.py) predicts one of 
 
 from __future__ import annotations
 
-import importlib
-import sys
 from importlib import resources
 
 import pytest
 import yaml
 
 import conftest
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """benchmarks/projection_published.py as a module (and benchmarks/ on sys.path for its model builders)."""
-    folder = str(conftest.REPO / "benchmarks")
-    sys.path.insert(0, folder)
-    try:
-        yield importlib.import_module("projection_published")
-    finally:
-        sys.path.remove(folder)
 
 
 def test_published_yaml_is_package_data_and_safe_yaml() -> None:
@@ -32,14 +19,14 @@ def test_published_yaml_is_package_data_and_safe_yaml() -> None:
     assert "measuring/published.yaml" in pyproject
 
 
-def test_every_entry_has_fields_a_source_and_a_known_unit(bench) -> None:
-    entries = bench.load_published()
+def test_every_entry_has_fields_a_source_and_a_known_unit(projection_published) -> None:
+    entries = projection_published.load_published()
     ids = [e["id"] for e in entries]
     assert len(ids) == len(set(ids)), "ids must be unique"
-    problems = {e["id"]: bench.check_entry(e, entries) for e in entries}
+    problems = {e["id"]: projection_published.check_entry(e, entries) for e in entries}
     assert not any(problems.values()), {k: v for k, v in problems.items() if v}
     for e in entries:
-        assert e["unit"] in bench.UNITS
+        assert e["unit"] in projection_published.UNITS
         assert e["throughput"] > 0 and e["gpus"] >= e["nodes"] >= 1
         assert e["source"]["row"].startswith("|"), f"{e['id']}: quote the table row as printed"
         ref = e.get("baseline")
@@ -49,8 +36,8 @@ def test_every_entry_has_fields_a_source_and_a_known_unit(bench) -> None:
             assert (base["model"], base["gpu"], base["precision"]) == (e["model"], e["gpu"], e["precision"])
 
 
-def test_the_multi_gpu_evidence_covers_what_issue_33_asks(bench) -> None:
-    multi = [e for e in bench.load_published() if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))]
+def test_the_multi_gpu_evidence_covers_what_issue_33_asks(projection_published) -> None:
+    multi = [e for e in projection_published.load_published() if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))]
     assert len(multi) >= 6
     assert {e["family"] for e in multi} == {"convnet", "transformer"}
     assert {"ddp", "fsdp"} <= {e["method"] for e in multi}
@@ -58,27 +45,27 @@ def test_the_multi_gpu_evidence_covers_what_issue_33_asks(bench) -> None:
     assert len({e["gpu"] for e in multi}) >= 3
 
 
-def test_check_entry_names_what_is_missing(bench) -> None:
-    entries = bench.load_published()
+def test_check_entry_names_what_is_missing(projection_published) -> None:
+    entries = projection_published.load_published()
     bad = dict(entries[0], unit="furlongs/s", source={"repo": "x"})
     del bad["gpus"]
-    problems = bench.check_entry(bad, entries)
+    problems = projection_published.check_entry(bad, entries)
     assert "no gpus" in problems and any("unknown unit" in p for p in problems)
     assert any("source has no row" in p for p in problems)
 
 
-def test_predict_one_entry_from_its_own_one_gpu_figure(bench) -> None:
-    entries = bench.load_published()
+def test_predict_one_entry_from_its_own_one_gpu_figure(projection_published) -> None:
+    entries = projection_published.load_published()
     by_id = {e["id"]: e for e in entries}
     entry = by_id["dle-rn50-v100-16-fp32-8gpu"]
-    row = bench.predict(entry, by_id)
+    row = projection_published.predict(entry, by_id)
     assert row.reason == "" and row.predicted is not None
     # calibrated on the 1-GPU figure (367 img/s), 8 GPUs cannot beat 8 x 367 nor fall far below the published 2,855
     assert 0.8 * entry["throughput"] < row.predicted <= 8 * 367 * 1.0001
     assert row.error == pytest.approx(row.predicted / entry["throughput"] - 1)
 
 
-def test_an_entry_stratbench_cannot_express_is_na_with_its_reason(bench) -> None:
-    by_id = {e["id"]: e for e in bench.load_published()}
-    row = bench.predict(by_id["torchtitan-llama3-8b-h200-fp8-64gpu"], by_id)
+def test_an_entry_stratbench_cannot_express_is_na_with_its_reason(projection_published) -> None:
+    by_id = {e["id"]: e for e in projection_published.load_published()}
+    row = projection_published.predict(by_id["torchtitan-llama3-8b-h200-fp8-64gpu"], by_id)
     assert row.predicted is None and "fp8" in row.reason

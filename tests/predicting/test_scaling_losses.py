@@ -5,10 +5,8 @@ ceiling; and the held-out benchmark's errors as its results file states them. Ar
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import re
 import statistics
-import sys
 
 import pytest
 
@@ -129,23 +127,14 @@ def test_hardware_yaml_names_the_source_of_each_new_default():
         hardware.builtin().input_pipeline("nope")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    folder = str(conftest.REPO / "benchmarks")
-    sys.path.insert(0, folder)
-    try:
-        yield importlib.import_module("projection_published")
-    finally:
-        sys.path.remove(folder)
 
-
-def test_the_results_file_states_the_benchmarks_held_out_errors(bench):
+def test_the_results_file_states_the_benchmarks_held_out_errors(projection_published):
     """Every multi-GPU row of the results file is what the benchmark computes today, and so are its summaries."""
-    entries = bench.load_published()
+    entries = projection_published.load_published()
     by_id = {e["id"]: e for e in entries}
     text = RESULTS.read_text()
     rows = [
-        bench.predict(e, by_id) for e in entries if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))
+        projection_published.predict(e, by_id) for e in entries if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))
     ]
     ok = [r for r in rows if r.error is not None]
     for r in ok:
