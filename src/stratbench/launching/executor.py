@@ -193,3 +193,19 @@ def load_average() -> float | None:
         return os.getloadavg()[0]
     except OSError:
         return None
+
+
+def wait_sampling_load(proc: subprocess.Popen, every_s: float = 0.5) -> list[float]:
+    """Wait for ``proc`` to end; the 1-minute load averages seen meanwhile (what a node reports with its outcome)."""
+    loads: list[float] = []
+    while proc.poll() is None:
+        time.sleep(every_s)
+        load = load_average()
+        if load is not None:
+            loads.append(load)
+    return loads
+
+
+def threads_per_process(cpus: int, procs: int) -> str:
+    """OMP_NUM_THREADS for each of ``procs`` processes sharing the ``cpus`` a node reserved for them (at least 1)."""
+    return str(max(1, cpus // max(1, procs)))

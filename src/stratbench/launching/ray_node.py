@@ -7,10 +7,9 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import time
 from pathlib import Path
 
-from stratbench.launching.executor import kill_tree, load_average, start_command
+from stratbench.launching.executor import kill_tree, start_command, threads_per_process, wait_sampling_load
 
 
 class NodeRunner:
@@ -40,16 +39,11 @@ class NodeRunner:
                     "sweep's folder on a filesystem every node shares (docs/cluster.md)"}  # fmt: skip
         env = dict(env)
         # Ray sets OMP_NUM_THREADS to the actor's CPUs; each process gets its share of the CPUs reserved for it.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, procs))))
+        env.setdefault("OMP_NUM_THREADS", threads_per_process(cpus, procs))
         if self.stopped:
             return {"returncode": None, "loads": [], "cpu_count": os.cpu_count(), "reason": "cancelled"}
         self.proc = start_command(command, Path(log), env)
-        loads: list[float] = []
-        while self.proc.poll() is None:
-            time.sleep(0.5)
-            load = load_average()
-            if load is not None:
-                loads.append(load)
+        loads = wait_sampling_load(self.proc)
         return {"returncode": self.proc.returncode, "loads": loads, "cpu_count": os.cpu_count(), "reason": ""}
 
     def stop(self) -> None:

@@ -17,10 +17,17 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from stratbench.launching.executor import Job, Shape, kill_tree, load_average, start_command
+from stratbench.core.files import atomic_write
+from stratbench.launching.executor import (
+    Job,
+    Shape,
+    kill_tree,
+    start_command,
+    threads_per_process,
+    wait_sampling_load,
+)
 
 PORT_BASE = 15000
 """Node 0's master port is PORT_BASE + the job id's last 4 digits (as Lightning's SLURM environment does): every
@@ -69,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(item.split("=", 1) for item in args.env)
     # One thread per process of the CPUs SLURM reserved (--cpus-per-task), as the Ray executor does.
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", args.procs))
-    env.setdefault("OMP_NUM_THREADS", str(max(1, cpus // max(1, args.procs))))
+    env.setdefault("OMP_NUM_THREADS", threads_per_process(cpus, args.procs))
     proc = start_command(command, job.node_log(rank), env)
 
     def stop(signum: int, frame: object) -> None:
@@ -78,18 +85,10 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    loads: list[float] = []
-    while proc.poll() is None:
-        time.sleep(0.5)
-        load = load_average()
-        if load is not None:
-            loads.append(load)
+    loads = wait_sampling_load(proc)
     record = {"returncode": proc.returncode, "loads": loads, "cpu_count": os.cpu_count(),
               "host": socket.gethostname()}  # fmt: skip
-    path = outcome_path(job.log, rank)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record))
-    os.replace(tmp, path)
+    atomic_write(outcome_path(job.log, rank), json.dumps(record))
     return proc.returncode
 
 
