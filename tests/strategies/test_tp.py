@@ -278,3 +278,49 @@ def test_a_tied_embedding_and_head_stay_one_tensor_split_over_the_vocabulary(tmp
     tied = split - CFG.vocab_size * CFG.dim  # the head is the embedding
     assert single["sharding"]["param_bytes"] == [(tied + norms) * F64]
     assert res["sharding"]["param_bytes"] == res["sharding"]["grad_bytes"] == [(tied // 2 + norms) * F64] * 2
+
+
+def test_no_reference_cycle_keeps_a_split_weight_or_a_steps_tensor_alive():
+    """With the garbage collector off: apply_tp's model (vocabulary-parallel: every kind of split weight) runs a
+    forward and backward under loss_parallel, then each parameter is replaced as FSDP2 replaces it by its dp
+    shard (``fsdp --tp``); nothing of that leaves a tensor in cyclic garbage. A cycle would keep the old weights
+    (a rank's whole tp slice: 6.75 MiB on the 4-process fsdp --tp run of test_fsdp_tp) and the step's
+    temporaries alive until the collector happens to run, and the measured allocator peak then moved by 3-7 MiB
+    with the collector's thresholds. One process posing as tp rank 0 of 2 on a fake process group."""
+    import gc
+
+    import torch
+    import torch._dynamo  # noqa: F401 (see below)
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from stratbench.measuring.model_trace import ModelSpec
+    from stratbench.strategies.tp import apply_tp, split_logits
+
+    model = ModelSpec("gpt-tiny", CFG.vocab_size, 0, seq_len=SEQ).build().double()
+    x = torch.randint(0, CFG.vocab_size, (2, SEQ))
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    # torch._dynamo is imported above, not by the first distribute_tensor (torch/_compile.py:47): that one-time
+    # import leaves its caller's frames, and the parameter being split, in a cycle (torch's, not a step's).
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)  # what the collector finds is kept in gc.garbage instead of freed
+    try:
+        apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), vocab_parallel=True)
+        with split_logits(model), loss_parallel():
+            nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(p.detach().clone()))
+        del p
+        gc.collect()
+        cyclic = [f"{type(t).__name__}{tuple(t.shape)}" for t in gc.garbage if isinstance(t, torch.Tensor)]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        dist.destroy_process_group()
+    assert not cyclic, f"tensors only a reference cycle kept alive: {cyclic}"

@@ -622,20 +622,25 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 def _grads_laid_out_as_params(model: nn.Module) -> None:
     """A split parameter whose gradient comes back replicated (the vocabulary-parallel embedding's: DTensor's
     embedding backward gives every rank the whole (vocab, dim) gradient) keeps only its own slice of it, before
-    it is accumulated: a local slice, no communication, and 1/T of the gradient's memory as the cost model says."""
+    it is accumulated: a local slice, no communication, and 1/T of the gradient's memory as the cost model says.
+
+    The hook keeps the parameter's placements, not the parameter: a hook stored on a tensor that refers back to
+    it makes a reference cycle, and a parameter that FSDP2 then replaces by its dp shard (``fsdp --tp``: every
+    split matrix, a rank's whole tp slice) stayed alive until Python's garbage collector happened to run,
+    inside the measured step or not (test_tp: no reference cycle keeps a tensor alive)."""
     from torch.distributed.tensor import DTensor
 
-    def keep_own_slice(param):
+    def keep_own_slice(placements):
         def hook(grad):
             if isinstance(grad, DTensor) and all(pl.is_replicate() for pl in grad.placements):
-                return grad.redistribute(grad.device_mesh, param.placements)
+                return grad.redistribute(grad.device_mesh, placements)
             return grad
 
         return hook
 
     for p in model.parameters():
         if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
-            p.register_hook(keep_own_slice(p))
+            p.register_hook(keep_own_slice(p.placements))
 
 
 def apply_tp(
