@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import os
 import shutil
@@ -34,7 +35,9 @@ from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
-from stratbench.strategies.deepspeed_config import build_ds_config, load_user_json
+from stratbench.strategies.deepspeed_config import autotp_degree, build_ds_config, load_user_json
+from stratbench.strategies.tp import BLOCKS_ONLY, model_plan
+from stratbench.strategies.tp import unsupported as tp_unsupported
 
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 DS_TAG = "deepspeed"
@@ -65,6 +68,24 @@ class DeepSpeedOptions(DeepSpeedZeroOptions):
 
     ds_optimizer: str = "torch"
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
+    autotp_size: int = 1
+    """DeepSpeed AutoTP training (tensor_parallel.autotp_size): split each block's attention and MLP matrices over T consecutive ranks, which read the same batches (data-parallel size world / T); 1: off."""
+
+
+def autotp_partition_config(model: nn.Module) -> dict[str, Any]:
+    """AutoTP's ``partition_config`` for ``model``, read from its tensor-parallel plan (``tp.model_plan``, blocks
+    only: the embedding and the head stay whole): a column-parallel Linear's weight split over its outputs, a
+    row-parallel one's over its inputs (its output all-reduced). Only these are split; DeepSpeed leaves every
+    weight no spec matches whole, so its name heuristics never guess at a model it does not know."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    kinds = {ColwiseParallel: "column", RowwiseParallel: "row"}
+    specs: dict[str, list[str]] = {"column": [], "row": []}
+    for key, style in (model_plan(model) or {}).items():
+        if type(style) in kinds:
+            specs[kinds[type(style)]].append(fnmatch.translate(f"{key}.weight"))
+    layer_specs = [{"patterns": p, "partition_type": kind} for kind, p in specs.items() if p]
+    return {"use_default_specs": False, "layer_specs": layer_specs}
 
 
 DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
@@ -389,6 +410,10 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
+        if opts.autotp_size > 1:
+            reason = tp_unsupported(cfg, opts.autotp_size, "--autotp-size", BLOCKS_ONLY)
+            if reason:
+                return f"deepspeed --autotp-size {opts.autotp_size}: {reason}"
         reason = _nvme_unavailable(ds["zero_optimization"])
         if reason:
             return reason
@@ -424,8 +449,19 @@ class DeepSpeed(Strategy):
             )
         return _kernel_unavailable(kernel) if kernel else None
 
+    @classmethod
+    def data_parallel_size(cls, cfg: TrainConfig, world_size: int) -> int:
+        """The replicas the batch is split over: world / --autotp-size (refused here when it does not divide)."""
+        return world_size // autotp_degree(cls.parse_options(cfg.strategy_options), world_size)
+
     cost = DeepSpeedCost
     checkpoint_io_class = DeepSpeedCheckpointIO
+
+    def data_shard(self) -> tuple[int, int]:
+        """The rank's data-parallel coordinate: DeepSpeed's AutoTP groups are consecutive ranks (its (dp, tp) mesh),
+        which read the same batches (its first forward checks that they do)."""
+        t = self.options.autotp_size
+        return self.env.rank // t, self.env.world_size // t
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
@@ -446,6 +482,8 @@ class DeepSpeed(Strategy):
         deepspeed.init_distributed(dist_backend=self.env.backend, verbose=False)
         self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size, self.total_steps)
         size_nvme_param_buffers(self.ds_config["zero_optimization"], model, self.env.world_size)
+        if "tensor_parallel" in self.ds_config:
+            self.ds_config["tensor_parallel"].setdefault("partition_config", autotp_partition_config(model))
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
@@ -478,12 +516,24 @@ class DeepSpeed(Strategy):
                 optimizer=client,
                 model_parameters=None if client is not None else model.parameters(),
                 config=self.ds_config,
+                mpu=self._autotp_groups(),
             )
         self.engine = engine
         self.model = engine
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
         # so stratbench's LR scheduler, where DeepSpeed has none, sets the learning rate DeepSpeed applies.
         return engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+
+    def _autotp_groups(self):
+        """Under --autotp-size, DeepSpeed's (dp, tp) process groups, passed as the ``mpu``: without one, deepspeed
+        0.19's config reads the whole world as the data-parallel size and refuses the batch (train_batch_size !=
+        micro-batch x accumulation x world), although the engine then splits the world into AutoTP groups itself."""
+        if self.options.autotp_size == 1:
+            return None
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=self.options.autotp_size)
+        return groups
 
     def lr_scheduler(self, optimizer, lr_lambda):
         """DeepSpeed's scheduler when the config has a scheduler block (engine.step() steps it), else stratbench's."""
