@@ -33,10 +33,17 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, ceil_to
+from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
 from stratbench.strategies.deepspeed_config import autotp_degree, build_ds_config, load_user_json
-from stratbench.strategies.tp import BLOCKS_ONLY, model_plan
+from stratbench.strategies.tp import (
+    BLOCKS_ONLY,
+    LocalSlice,
+    local_flop_share,
+    model_plan,
+    tp_shapes,
+)
 from stratbench.strategies.tp import unsupported as tp_unsupported
 
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
@@ -261,9 +268,80 @@ def _zero_init_keeps_dtype():
         cls._set_dtype = original
 
 
+def autotp_view(ctx):
+    """(the context one AutoTP rank's ZeRO sees, the degree T): its parameters are 1/T of each split matrix plus
+    the whole replicated rest, and ZeRO partitions them over the data-parallel group, world / T."""
+    t = ctx.options.autotp_size
+    if t == 1:
+        return ctx, 1
+    shapes = tp_shapes(ModelSpec.from_config(ctx.cfg))
+    numels = [n // t if d is not None else n for n, d in zip(shapes.numels, shapes.split, strict=True)]
+    return dataclasses.replace(
+        ctx, info=dataclasses.replace(ctx.info, numels=numels), world=ctx.world // t
+    ), t
+
+
+def autotp_comm(ctx, view, zero: dict[str, Any], t: int) -> list[Collective]:
+    """AutoTP's traffic (measured on deepspeed 0.19, docs/deepspeed_accelerate.md), on the data-parallel
+    replica's micro-batch of (b, s, dim) activations in the dtype DeepSpeed runs the model in: forward, each
+    row-parallel Linear's output all-reduced over the AutoTP group (RowParallel); backward, each column-parallel
+    Linear's input gradient all-reduced (ColumnParallel): q, k, v and gate, up each their own, 5 per block where
+    Megatron sums the attention's and the MLP's once (2). The gradient norm is summed over the AutoTP group
+    (ZeRO 1-2's overflow/norm check, or clipping). On a data-parallel group of one rank DeepSpeed still calls its
+    gradient all-reduce and norm all-reduce there (no bytes move); a larger one is ``deepspeed_comm``'s."""
+    shapes = tp_shapes(ModelSpec.from_config(ctx.cfg))
+    cfg, bit, dp = ctx.cfg, 2 if ctx.half else ctx.param_bytes, view.world
+    act = cfg.batch_size // (dp * cfg.grad_accum) * cfg.seq_len * shapes.transformer.dim * bit
+    weights = [d for n, d in zip(shapes.names, shapes.split, strict=True) if n.endswith(".weight")]
+    row, col = weights.count(1) * cfg.grad_accum, weights.count(0) * cfg.grad_accum
+    rows = [
+        Collective("all_reduce", row * act, row, "forward", t, "row-parallel outputs (RowParallel)"),
+        Collective(
+            "all_reduce", col * act, col, "backward", t, "column-parallel input gradients, one per layer"
+        ),
+    ]
+    stage = int(zero.get("stage", 2))
+    norm = stage >= 1 or bool(cfg.clip_grad_norm)
+    if norm:
+        rows.append(Collective("all_reduce", 4, 1, "optimizer", t, "gradient norm over the AutoTP group"))
+    if dp > 1:
+        return rows + deepspeed_comm(view, zero)
+    rows.append(
+        Collective("all_reduce", view.info.total * bit, 1, "backward", 1, "gradients, 1-rank dp group")
+    )
+    if norm:
+        rows.append(Collective("all_reduce", 4, 1, "optimizer", 1, "gradient norm, 1-rank dp group"))
+    return rows
+
+
+AUTOTP_WEIGHTS = "autotp_model_whole.pt"
+"""File (in a checkpoint folder of an --autotp-size run) with the whole model: DeepSpeed saves each AutoTP rank's
+slices (mp_rank_XX files), which its zero_to_fp32 does not merge."""
+
+
+def autotp_size_of(ds_config: dict[str, Any]) -> int:
+    return int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
+
+
+@contextlib.contextmanager
+def _autotp_whole(module: nn.Module):
+    """Every AutoTP-split weight of ``module`` whole for the block (DeepSpeed's GatherReplacedLayerParams per
+    replaced layer: an all-gather over the AutoTP group, on every rank), split again from its (possibly loaded)
+    values on the way out."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    with contextlib.ExitStack() as stack:
+        for layer in module.modules():
+            params = list(layer.parameters(recurse=False))
+            if params:
+                stack.enter_context(GatherReplacedLayerParams(params, layer, enabled=True))
+        yield
+
+
 class DeepSpeedCost(CostModel):
     """DeepSpeed's ZeRO stage, offload and buckets, read from the config the run would build
-    (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``)."""
+    (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``); under --autotp-size T, over one AutoTP
+    rank's slice of the model and the data-parallel group (``autotp_view``), plus Megatron's traffic."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
@@ -274,17 +352,30 @@ class DeepSpeedCost(CostModel):
             momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
             cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
             ctx = dataclasses.replace(ctx, cfg=cfg)
-        return deepspeed_memory(ctx, ds["zero_optimization"])
+        view, t = autotp_view(ctx)
+        m = deepspeed_memory(view, ds["zero_optimization"])
+        if t > 1:
+            m.data_ranks, m.trace_transform = view.world, LocalSlice(t)
+            m.sharding_note += f", AutoTP: block matrices 1/{t}, embedding, norms and head whole"
+        return m
 
     @classmethod
     def comm_model(cls, ctx):
-        return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+        view, t = autotp_view(ctx)
+        zero = build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"]
+        return autotp_comm(ctx, view, zero, t) if t > 1 else deepspeed_comm(view, zero)
 
     @classmethod
     def comm_overlap(cls, ctx) -> float:
         """Share of forward/backward traffic that can run under compute (stratbench.predicting.projection): none without
         ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
         return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
+    @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """1, or under --autotp-size T an AutoTP rank's share of its replica's FLOPs (``tp.local_flop_share``)."""
+        t = ctx.options.autotp_size
+        return local_flop_share(ModelSpec.from_config(ctx.cfg), t) if t > 1 else 1.0
 
 
 class DeepSpeedCheckpointIO(CheckpointIO):
@@ -297,9 +388,14 @@ class DeepSpeedCheckpointIO(CheckpointIO):
         if self.strategy._stage() == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        else:
+            gathered = contextlib.nullcontext()
+        tp_whole = (
+            _autotp_whole(module) if autotp_size_of(self.strategy.ds_config) > 1 else contextlib.nullcontext()
+        )
+        with gathered, tp_whole:
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
     def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
         """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
@@ -323,11 +419,12 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             state = checkpoint.load_any(path)
             self._load_weights(state["model"])
             return state
-        world, stage = strategy.env.world_size, strategy._stage()
-        if meta.get("world_size") != world or meta.get("zero_stage") != stage:
+        world, stage, t = strategy.env.world_size, strategy._stage(), autotp_size_of(strategy.ds_config)
+        if (meta.get("world_size"), meta.get("zero_stage"), meta.get("autotp_size", 1)) != (world, stage, t):
             raise CheckpointError(
-                f"{path} was saved by deepspeed with world size {meta.get('world_size')} and ZeRO stage "
-                f"{meta.get('zero_stage')}; this run has world size {world} and stage {stage}. "
+                f"{path} was saved by deepspeed with world size {meta.get('world_size')}, ZeRO stage "
+                f"{meta.get('zero_stage')} and --autotp-size {meta.get('autotp_size', 1)}; this run has world size "
+                f"{world}, stage {stage} and --autotp-size {t}. "
                 f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
             )
         saved = (meta.get("scheduler") or {}).get("deepspeed_scheduler")
@@ -359,7 +456,10 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         module = self.strategy.unwrap(self.strategy.engine)
-        if self.strategy._stage() == 3:
+        if autotp_size_of(self.strategy.ds_config) > 1:
+            with _autotp_whole(module):  # every rank loads the whole weights, then keeps its slices
+                module.load_state_dict(state)
+        elif self.strategy._stage() == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -739,7 +839,12 @@ def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: di
         shutil.rmtree(tmp)
     strategy.barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=True)
+    t = autotp_size_of(ds_config)
+    whole = strategy.checkpoint_io.model_state_dict(engine) if t > 1 else None  # a collective (all-gathers)
     if strategy.env.is_main:
+        if whole is not None:
+            extra = extra | {"autotp_size": t}
+            checkpoint.atomic_save(whole, tmp / AUTOTP_WEIGHTS)
         header = {
             "format": checkpoint.FORMAT,
             "version": checkpoint.VERSION,
@@ -830,7 +935,11 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     checkpoint.check_folder(path)
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no DeepSpeed folder {tag!r} (incomplete checkpoint?)")
-    if int(meta.get("zero_stage", 0)) == 0:
+    if int(meta.get("autotp_size", 1)) > 1:
+        # AutoTP: the mp_rank_XX files hold each rank's slices; the whole weights were gathered when it was saved.
+        blob = checkpoint.safe_torch_load(Path(path) / AUTOTP_WEIGHTS)
+        model = {k: v.float() if v.is_floating_point() else v for k, v in blob.items()}
+    elif int(meta.get("zero_stage", 0)) == 0:
         # No ZeRO: the engine saved the full module (in the training dtype) in mp_rank_00_model_states.pt.
         files = sorted((Path(path) / tag).glob("mp_rank_*_model_states.pt"))
         if not files:
