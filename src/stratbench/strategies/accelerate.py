@@ -683,7 +683,7 @@ ACCELERATE_IGNORED = {
     "main_training_function", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
     "tpu_name", "tpu_zone", "tpu_vm", "command_file", "commands", "use_cpu", "distributed_type", "mixed_precision",
     "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "fsdp_config",
-    "deepspeed_config",
+    "deepspeed_config", "parallelism_config",
 }  # fmt: skip
 """Top-level keys `accelerate config` writes: the ones above ``use_cpu`` concern accelerate's own launcher
 (GPU ids, rendezvous, dynamo, TPU) and do not change the training; the rest are read."""
@@ -739,7 +739,7 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"{src}: distributed_type {kind} is not supported; choose one of: {', '.join(ACCELERATE_STRATEGY)}"
         )
-    out: dict[str, Any] = {"strategy": ACCELERATE_STRATEGY[kind]}
+    out: dict[str, Any] = {"strategy": _tp_strategy(doc, kind, src) or ACCELERATE_STRATEGY[kind]}
     mixed = str(doc.get("mixed_precision", "no")).lower()
     if mixed not in ACCELERATE_PRECISION:
         raise ConfigError(
@@ -769,6 +769,23 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
         options = _deepspeed_options(dict(doc.get("deepspeed_config") or {}), src, out)
     out["strategy_options"] = options
     return out
+
+
+def _tp_strategy(doc: dict[str, Any], kind: str, src: str) -> str | None:
+    """accelerate-tp where the YAML's ``parallelism_config`` asks for tensor parallelism: over every process of a
+    MULTI_GPU config (what stratbench runs; 2D and other layouts are refused in one line)."""
+    block = doc.get("parallelism_config") or {}
+    tp = int(block.get("parallelism_config_tp_size", 1) or 1)
+    if tp == 1:
+        return None
+    processes = int(doc.get("num_processes", 1) or 1)
+    if kind != "MULTI_GPU" or tp != processes:
+        raise ConfigError(
+            f"{src}: parallelism_config_tp_size {tp} with distributed_type {kind} and {processes} processes; "
+            f"stratbench runs accelerate's tensor parallelism (accelerate-tp) over every process of a MULTI_GPU "
+            f"config: give parallelism_config_tp_size {processes} and distributed_type MULTI_GPU"
+        )
+    return "accelerate-tp"
 
 
 def _fsdp_options(fsdp: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:
