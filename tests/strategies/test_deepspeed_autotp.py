@@ -65,6 +65,7 @@ def test_autotp_trains_the_model_single_trains(runs):
     res, ref = runs["autotp"], runs["single"]["metrics"]["loss_curve"]
     assert res["status"] == "ok" and res["world_size"] == 2 and res["data_parallel_size"] == 1
     assert res["micro_batch_size"] == BATCH, "both ranks of the AutoTP group take the whole batch"
+    assert res["mesh"] == {"dp": 1, "tp": 2}
     assert ref[-1] < 0.9 * ref[0], "the reference must train, or equal curves prove nothing"
     assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL_FP32_TP)
     ds = json.loads((Path(res["config"]["output"]) / "deepspeed_config.json").read_text())

@@ -563,6 +563,11 @@ class DeepSpeed(Strategy):
         t = self.options.autotp_size
         return self.env.rank // t, self.env.world_size // t
 
+    def report(self) -> dict[str, Any]:
+        """With --autotp-size, the mesh in result.json (DeepSpeed's (dp, tp) groups), as fsdp --tp reports its."""
+        t = self.options.autotp_size
+        return {"mesh": {"dp": self.env.world_size // t, "tp": t}} if t > 1 else {}
+
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
         # DeepSpeed's fp16/bf16 blocks replace stratbench's casting and GradScaler.
