@@ -39,25 +39,22 @@ AUTOTP = ["--strategy", "deepspeed", "--autotp-size", "2", "--zero-stage", "1", 
 CFG = SIZES["gpt-tiny"]
 F32 = 4
 RTOL_FP32_TP = 1e-5
+SPLIT = CFG.n_layers * (4 * CFG.dim**2 + 3 * CFG.dim * CFG.ffn_hidden)
+"""Elements AutoTP splits: q, k, v, o (dim x dim) and gate, up, down (dim x ffn_hidden) of every block; the
+embedding, the norms and the head (the rest of `single`'s parameters) stay whole."""
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     """single fp32, and AutoTP on 2 processes saving its checkpoint after step 2 (kept beside the last)."""
     root = tmp_path_factory.mktemp("autotp")
-    steps = ["--max-steps", str(STEPS)]
-    single = train(root / "single", "--strategy", "single", *LM32, *steps)
+    common = [*LM32, "--max-steps", str(STEPS)]
     save = ["--save-every-steps", str(SAVED), "--keep-last", "2"]
-    autotp = train(root / "autotp", *AUTOTP, *LM32, *steps, *COMM, *save, nproc=2, timeout=240)
-    return {"root": root, "single": single, "autotp": autotp}
-
-
-def _split_and_replicated() -> tuple[int, int]:
-    """Elements of gpt-tiny that AutoTP splits (q, k, v, o, gate, up, down of every block) and that it leaves
-    whole (embedding, head, norms)."""
-    split = CFG.n_layers * (4 * CFG.dim * CFG.dim + 3 * CFG.dim * CFG.ffn_hidden)
-    replicated = 2 * CFG.vocab_size * CFG.dim + (2 * CFG.n_layers + 1) * CFG.dim
-    return split, replicated
+    return {
+        "root": root,
+        "single": train(root / "single", "--strategy", "single", *common),
+        "autotp": train(root / "autotp", *AUTOTP, *common, *COMM, *save, nproc=2, timeout=240),
+    }
 
 
 @pytest.mark.equivalence
@@ -81,10 +78,9 @@ def test_each_rank_holds_half_the_split_weights_and_the_whole_rest(runs):
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.predicting.estimate import model_state_bytes
 
-    split, replicated = _split_and_replicated()
-    res = runs["autotp"]
+    res, whole = runs["autotp"], runs["single"]["sharding"]["param_bytes"][0]
     per_rank = res["sharding"]["param_bytes"]
-    assert per_rank == [(split // 2 + replicated) * F32] * 2, per_rank
+    assert per_rank == [whole - SPLIT // 2 * F32] * 2, per_rank
     model = model_state_bytes(from_dict(TrainConfig, dict(res["config"])), 2)
     assert [m["param_bytes"] for m in model] == per_rank
     assert_estimate_within(res, tol=0.15)
@@ -96,11 +92,10 @@ def test_collectives_are_autotps_to_the_byte(runs):
     calls it; nothing moves) and the gradient norm over both groups."""
     res = runs["autotp"]
     comm = assert_comm_matches_formula(res, tol=0.0)
-    split, replicated = _split_and_replicated()
-    activation = BATCH * SEQ * CFG.dim * F32
+    activation, local_grads = BATCH * SEQ * CFG.dim * F32, res["sharding"]["grad_bytes"][0]
     measured = comm["measured"]["all_reduce"]
     assert measured["calls"] == 7 * CFG.n_layers + 3, measured
-    assert measured["payload_bytes"] == 7 * CFG.n_layers * activation + (split // 2 + replicated) * F32 + 8
+    assert measured["payload_bytes"] == 7 * CFG.n_layers * activation + local_grads + 2 * F32, measured
     assert set(comm["measured"]) == {"all_reduce"}
     assert_breakdown_adds_up(res)
 

@@ -160,6 +160,12 @@ def _kernel_unavailable(op_name: str) -> str | None:
     return None
 
 
+def _autotp_unsupported(cfg: TrainConfig, t: int) -> str | None:
+    """Why the model cannot be split over AutoTP groups of ``t`` (tp's checks on its blocks-only plan), or None."""
+    reason = tp_unsupported(cfg, t, "--autotp-size", BLOCKS_ONLY) if t > 1 else None
+    return f"deepspeed --autotp-size {t}: {reason}" if reason else None
+
+
 def _nvme_unavailable(zero: dict[str, Any]) -> str | None:
     """None unless an nvme offload is asked for that cannot run here: a missing folder, or DeepSpeed's async_io
     op (built from libaio's headers and library) not buildable on this machine."""
@@ -510,11 +516,7 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
-        if opts.autotp_size > 1:
-            reason = tp_unsupported(cfg, opts.autotp_size, "--autotp-size", BLOCKS_ONLY)
-            if reason:
-                return f"deepspeed --autotp-size {opts.autotp_size}: {reason}"
-        reason = _nvme_unavailable(ds["zero_optimization"])
+        reason = _autotp_unsupported(cfg, opts.autotp_size) or _nvme_unavailable(ds["zero_optimization"])
         if reason:
             return reason
         user_block = bool(opts.deepspeed_config) and "optimizer" in load_user_json(opts.deepspeed_config)
