@@ -16,11 +16,15 @@
 #   source     the source experiment with the fast recipe: ResNet-50, CIFAR-10's size (50,000 synthetic images
 #              unless CIFAR_DIR holds cifar-10-batches-py) at 224 px, 5 epochs, batch 128  ~3 min -> source.md
 #   pipeline   benchmarks/input_pipeline.py on CUDA: loader vs device, 32 and 224 px       ~2 min -> pipeline.md
+#   tplibs     the libraries' tensor parallelism (issue 31 item 7), needs 2+ GPUs (on one GPU each run stops in
+#              one line, in $WORK/NAME.log, and its row reads "no result.json"): DeepSpeed AutoTP (deepspeed --autotp-size 2, ZeRO-1) and accelerate's
+#              ParallelismConfig(tp_size=2) (accelerate-tp, which accelerate refuses on CPU), gpt-tiny, 40 steps,
+#              beside tp on the same 2 GPUs                                            ~3 min -> tplibs.md
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fast source pipeline", "tests".
+#   "env precision seed", "methods", "fast source pipeline", "tplibs", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -37,7 +41,7 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SB=("$PY" -m stratbench)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast source pipeline tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast source pipeline tplibs tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -119,10 +123,18 @@ for part in "${PARTS[@]}"; do
     pipeline)
         "$PY" benchmarks/input_pipeline.py --device cuda --sizes 32 224 --workers 0 8 --n-train 50000 --batches 50 \
             --repeats 5 --output "$OUT/pipeline.md" ;;
+    tplibs)
+        lm=(--model gpt-tiny --data text --seq-len 128 --batch-size 16 --epochs 1 --max-steps 40 --optimizer adamw
+            --lr 0.003 --precision bf16-mixed --device cuda --nproc 2 --timing-warmup-steps 5)
+        train tp-gpu2 --strategy tp "${lm[@]}"
+        train autotp-gpu2 --strategy deepspeed --autotp-size 2 --zero-stage 1 "${lm[@]}"
+        train accelerate-tp-gpu2 --strategy accelerate-tp "${lm[@]}"
+        summary "$OUT/tplibs.md" "Tensor parallelism through the libraries on 2 GPUs: tp, DeepSpeed AutoTP, accelerate-tp" \
+            "$WORK"/tp-gpu2 "$WORK"/autotp-gpu2 "$WORK"/accelerate-tp-gpu2 ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     *)
-        echo "unknown part $part; parts: env precision seed methods fast source pipeline tests" >&2
+        echo "unknown part $part; parts: env precision seed methods fast source pipeline tplibs tests" >&2
         exit 2 ;;
     esac
 done

@@ -376,24 +376,38 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
     }
 
 
+AUTOTP_CELL = {
+    "method": "deepspeed",
+    "label": "deepspeed-autotp",
+    "options": {"autotp_size": 2, "zero_stage": 1},
+}
+"""DeepSpeed's AutoTP over groups of 2 ranks, ZeRO-1 over the data-parallel rest."""
+
+
 def preset_llm_tp() -> dict[str, Any]:
     """Tensor parallelism against the data-parallel methods on 2 and 4 CPU processes (llm-quick's model, data and
-    steps): tp alone, 2D (fsdp --tp 2) and 3D (pipeline --pp 2 --tp 2) beside ddp and fsdp."""
+    steps): tp alone, 2D (fsdp --tp 2) and 3D (pipeline --pp 2 --tp 2), and the libraries' own, DeepSpeed's
+    AutoTP (2, and 2 x ZeRO-1 on 4) and accelerate's (a row that says why it cannot run on CPU), beside ddp
+    and fsdp."""
+    autotp = AUTOTP_CELL | {"options": AUTOTP_CELL["options"] | {"reduce_bucket_size": SMALL_DS_BUCKET}}
     cells: list[dict[str, Any]] = []
     for world in (2, 4):
         cells += [
             {"method": ["ddp", "fsdp", "tp"], "precision": "fp32", "world_size": world},
+            autotp | {"precision": "fp32", "world_size": world},
         ]
     cells += [
         {"method": "fsdp", "precision": "fp32", "world_size": 4, "options": {"tp": 2}, "label": "fsdp+tp"},
         {"method": "pipeline", "precision": "fp32", "world_size": 4, "label": "pipeline+tp",
          "options": {"pp": 2, "tp": 2, "schedule": "1f1b", "microbatches": 4}},
+        {"method": "accelerate-tp", "precision": "fp32", "world_size": 2},
     ]  # fmt: skip
     return {
         "name": "llm-tp",
         "description": "gpt-tiny (1.87M parameters, 4 heads) on byte-level text, sequence 128, global batch 16, 40 "
         "steps of AdamW in fp32: tensor parallelism (tp, fsdp x tp, pipeline x tp) beside ddp and fsdp on 2 and 4 "
-        "processes; on one CPU's cores every process shares the same cores, so this measures the methods' "
+        "processes (with DeepSpeed's AutoTP; accelerate's tp runs on GPUs only); on one CPU's cores every process "
+        "shares the same cores, so this measures the methods' "
         "overheads and memory per rank, not a speed-up",
         "base": dict(LLM_QUICK_BASE),
         "world_size": 2,
@@ -433,8 +447,13 @@ def preset_llm_fit(world_size: int | None = None) -> dict[str, Any]:
 
 
 def _tensor_parallel_cells(world: int, precision: str) -> list[dict[str, Any]]:
-    """tp over every device, and 2D (fsdp --tp 2) where the devices form 2 or more groups of 2."""
-    cells = [{"method": "tp", "precision": precision}] if world > 1 else []
+    """tp and accelerate-tp over every device, DeepSpeed's AutoTP over groups of 2, and 2D (fsdp --tp 2) where
+    the devices form 2 or more groups of 2."""
+    if world < 2:
+        return []
+    cells = [{"method": ["tp", "accelerate-tp"], "precision": precision}]
+    if world % 2 == 0:
+        cells.append(AUTOTP_CELL | {"precision": precision})
     if world >= 4 and world % 2 == 0:
         cells.append({"method": "fsdp", "precision": precision, "options": {"tp": 2}, "label": "fsdp+tp"})
     return cells

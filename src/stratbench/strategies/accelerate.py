@@ -1,8 +1,9 @@
 """Hugging Face accelerate: the same training through ``accelerate.Accelerator`` and its plugins.
 
-Three strategies share one class: ``accelerate-ddp`` (DDP; runs on CPU with gloo), ``accelerate-fsdp``
-(``FullyShardedDataParallelPlugin``, FSDP2) and ``accelerate-deepspeed`` (``DeepSpeedPlugin`` with the config
-stratbench generates for the ``deepspeed`` strategy); the last two need a GPU. The run directory gets the
+Four strategies share one class: ``accelerate-ddp`` (DDP; runs on CPU with gloo), ``accelerate-fsdp``
+(``FullyShardedDataParallelPlugin``, FSDP2), ``accelerate-deepspeed`` (``DeepSpeedPlugin`` with the config
+stratbench generates for the ``deepspeed`` strategy) and ``accelerate-tp`` (``ParallelismConfig(tp_size=N)`` on
+tp's plan; GPU only: accelerate refuses it on CPU processes). The run directory gets the
 equivalent ``accelerate launch`` config (accelerate_config.yaml, today's key names), so the same training can
 be started with ``accelerate launch --config_file OUTPUT/accelerate_config.yaml -m stratbench train ...``.
 
@@ -41,6 +42,8 @@ from stratbench.strategies.deepspeed import (
     save_engine_checkpoint,
 )
 from stratbench.strategies.fsdp import fsdp2_comm, fsdp2_memory
+from stratbench.strategies.tp import BLOCKS_ONLY, TPCheckpointIO, TPCost, apply_tp, reduce_partial_grads
+from stratbench.strategies.tp import unsupported as tp_unsupported
 
 MIXED_PRECISION = {"fp32": "no", "fp64": "no", "bf16-mixed": "bf16", "fp16-mixed": "fp16"}
 """stratbench precision -> accelerate's mixed_precision (accelerate has no pure fp16/bf16 mode)."""
@@ -511,6 +514,86 @@ class AccelerateDeepSpeed(_Accelerate):
         return _deepspeed_state_bytes(model, int(self.ds_config["zero_optimization"]["stage"]))
 
 
+ACCELERATE_TP_CPU = (
+    "accelerate's tensor parallelism (ParallelismConfig(tp_size=N)) needs GPU processes: accelerate {version} "
+    "accepts it under FSDP2, DeepSpeed or MULTI_GPU and refuses CPU processes (MULTI_CPU) in Accelerator()"
+)
+
+
+class AccelerateTPCost(TPCost):
+    """tp's cost model on the blocks-only plan accelerate-tp applies (the embedding and the head whole)."""
+
+    @classmethod
+    def memory_model(cls, ctx, rank):
+        return super().memory_model(dataclasses.replace(ctx, options=BLOCKS_ONLY), rank)
+
+    @classmethod
+    def comm_model(cls, ctx):
+        return super().comm_model(dataclasses.replace(ctx, options=BLOCKS_ONLY))
+
+
+class AccelerateTPCheckpointIO(TPCheckpointIO):
+    """tp's DCP folder of DTensor slices, written from the torch optimizer under accelerate's wrapper."""
+
+    def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
+        return super().save_checkpoint(path, model, _inner(optimizer), extra)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer) -> dict:
+        return super().load_checkpoint(path, model, _inner(optimizer))
+
+
+@register
+class AccelerateTP(_Accelerate):
+    """Every rank one slice of each block's matrices (tp's plan, blocks only) under accelerate's
+    ParallelismConfig(tp_size=world): accelerate builds the ("tp",) mesh and leaves the model unwrapped (no DDP)
+    once it carries ``tp_size``, as a Transformers model loaded with tp_plan does."""
+
+    name = "accelerate-tp"
+    description = (
+        "accelerate.Accelerator with ParallelismConfig(tp_size=N): Megatron tensor parallelism (GPU)"
+    )
+    requirements = (
+        "pip install accelerate (1.10+); 2+ GPUs (accelerate refuses tensor parallelism on CPU processes)"
+    )
+    check_settings = {"model": "gpt-tiny", "data": "text"}  # the default image model has no tp plan
+    cost = AccelerateTPCost
+    checkpoint_io_class = AccelerateTPCheckpointIO
+
+    @classmethod
+    def check_supported(cls, cfg, device, world_size):
+        import importlib.metadata
+
+        reason = super().check_supported(cfg, device, world_size)
+        if reason is None and device.type != "cuda":
+            reason = ACCELERATE_TP_CPU.format(version=importlib.metadata.version("accelerate"))
+        return reason or tp_unsupported(cfg, world_size, "--nproc", BLOCKS_ONLY)
+
+    @classmethod
+    def data_parallel_size(cls, cfg, world_size: int) -> int:
+        return 1  # every rank of the one tensor-parallel group computes the whole batch
+
+    def data_shard(self) -> tuple[int, int]:
+        return 0, 1
+
+    def _plugins(self) -> dict[str, Any]:
+        from accelerate.parallelism_config import ParallelismConfig
+
+        return {"parallelism_config": ParallelismConfig(tp_size=self.env.world_size)}
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        model = super().wrap(model)  # the Accelerator and its ("tp",) mesh
+        apply_tp(model, self.accelerator.torch_device_mesh["tp"])
+        model.tp_size = self.env.world_size  # what Accelerator.prepare checks before leaving it unwrapped
+        return model
+
+    def optimizer_step(self, optimizer, clip) -> bool:
+        reduce_partial_grads(self.model)
+        return super().optimizer_step(optimizer, clip)
+
+    def report(self) -> dict[str, Any]:
+        return {"mesh": {"tp": self.env.world_size}}
+
+
 def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, path: Path) -> None:
     """The `accelerate launch --config_file` equivalent of this run (the source's default_*.yml, today's keys)."""
     import yaml
@@ -523,6 +606,7 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
             "accelerate-ddp": "MULTI_GPU",
             "accelerate-fsdp": "FSDP",
             "accelerate-deepspeed": "DEEPSPEED",
+            "accelerate-tp": "MULTI_GPU",
         }[strategy],
         "downcast_bf16": "no",
         "machine_rank": cfg.node_rank,
@@ -541,6 +625,8 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
         doc["main_process_port"] = cfg.master_port or 29500
     if strategy == "accelerate-fsdp":
         doc["fsdp_config"] = _fsdp_yaml(cfg)
+    if strategy == "accelerate-tp":
+        doc["parallelism_config"] = {"parallelism_config_tp_size": world_size}
     if strategy == "accelerate-deepspeed":
         doc["deepspeed_config"] = {
             "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
@@ -597,7 +683,7 @@ ACCELERATE_IGNORED = {
     "main_training_function", "rdzv_backend", "same_network", "tpu_env", "tpu_use_cluster", "tpu_use_sudo",
     "tpu_name", "tpu_zone", "tpu_vm", "command_file", "commands", "use_cpu", "distributed_type", "mixed_precision",
     "num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port", "fsdp_config",
-    "deepspeed_config",
+    "deepspeed_config", "parallelism_config",
 }  # fmt: skip
 """Top-level keys `accelerate config` writes: the ones above ``use_cpu`` concern accelerate's own launcher
 (GPU ids, rendezvous, dynamo, TPU) and do not change the training; the rest are read."""
@@ -653,7 +739,7 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(
             f"{src}: distributed_type {kind} is not supported; choose one of: {', '.join(ACCELERATE_STRATEGY)}"
         )
-    out: dict[str, Any] = {"strategy": ACCELERATE_STRATEGY[kind]}
+    out: dict[str, Any] = {"strategy": _tp_strategy(doc, kind, src) or ACCELERATE_STRATEGY[kind]}
     mixed = str(doc.get("mixed_precision", "no")).lower()
     if mixed not in ACCELERATE_PRECISION:
         raise ConfigError(
@@ -683,6 +769,23 @@ def read_accelerate_config(path: str | Path) -> dict[str, Any]:
         options = _deepspeed_options(dict(doc.get("deepspeed_config") or {}), src, out)
     out["strategy_options"] = options
     return out
+
+
+def _tp_strategy(doc: dict[str, Any], kind: str, src: str) -> str | None:
+    """accelerate-tp where the YAML's ``parallelism_config`` asks for tensor parallelism: over every process of a
+    MULTI_GPU config (what stratbench runs; 2D and other layouts are refused in one line)."""
+    block = doc.get("parallelism_config") or {}
+    tp = int(block.get("parallelism_config_tp_size", 1) or 1)
+    if tp == 1:
+        return None
+    processes = int(doc.get("num_processes", 1) or 1)
+    if kind != "MULTI_GPU" or tp != processes:
+        raise ConfigError(
+            f"{src}: parallelism_config_tp_size {tp} with distributed_type {kind} and {processes} processes; "
+            f"stratbench runs accelerate's tensor parallelism (accelerate-tp) over every process of a MULTI_GPU "
+            f"config: give parallelism_config_tp_size {processes} and distributed_type MULTI_GPU"
+        )
+    return "accelerate-tp"
 
 
 def _fsdp_options(fsdp: dict[str, Any], src: str, out: dict[str, Any]) -> dict[str, Any]:

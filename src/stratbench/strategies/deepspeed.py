@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fnmatch
 import json
 import os
 import shutil
@@ -32,9 +33,18 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, ceil_to
+from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
-from stratbench.strategies.deepspeed_config import build_ds_config, load_user_json
+from stratbench.strategies.deepspeed_config import autotp_degree, build_ds_config, load_user_json
+from stratbench.strategies.tp import (
+    BLOCKS_ONLY,
+    LocalSlice,
+    local_flop_share,
+    model_plan,
+    tp_shapes,
+)
+from stratbench.strategies.tp import unsupported as tp_unsupported
 
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 DS_TAG = "deepspeed"
@@ -65,6 +75,24 @@ class DeepSpeedOptions(DeepSpeedZeroOptions):
 
     ds_optimizer: str = "torch"
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
+    autotp_size: int = 1
+    """DeepSpeed AutoTP training (tensor_parallel.autotp_size): split each block's attention and MLP matrices over T consecutive ranks, which read the same batches (data-parallel size world / T); 1: off."""
+
+
+def autotp_partition_config(model: nn.Module) -> dict[str, Any]:
+    """AutoTP's ``partition_config`` for ``model``, read from its tensor-parallel plan (``tp.model_plan``, blocks
+    only: the embedding and the head stay whole): a column-parallel Linear's weight split over its outputs, a
+    row-parallel one's over its inputs (its output all-reduced). Only these are split; DeepSpeed leaves every
+    weight no spec matches whole, so its name heuristics never guess at a model it does not know."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    kinds = {ColwiseParallel: "column", RowwiseParallel: "row"}
+    specs: dict[str, list[str]] = {"column": [], "row": []}
+    for key, style in (model_plan(model) or {}).items():
+        if type(style) in kinds:
+            specs[kinds[type(style)]].append(fnmatch.translate(f"{key}.weight"))
+    layer_specs = [{"patterns": p, "partition_type": kind} for kind, p in specs.items() if p]
+    return {"use_default_specs": False, "layer_specs": layer_specs}
 
 
 DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
@@ -130,6 +158,12 @@ def _kernel_unavailable(op_name: str) -> str | None:
     if not deepspeed.ops.__compatible_ops__.get(op_name, False):
         return f"DeepSpeed reports its {op_name} kernel as not buildable on this machine (see `ds_report`)"
     return None
+
+
+def _autotp_unsupported(cfg: TrainConfig, t: int) -> str | None:
+    """Why the model cannot be split over AutoTP groups of ``t`` (tp's checks on its blocks-only plan), or None."""
+    reason = tp_unsupported(cfg, t, "--autotp-size", BLOCKS_ONLY) if t > 1 else None
+    return f"deepspeed --autotp-size {t}: {reason}" if reason else None
 
 
 def _nvme_unavailable(zero: dict[str, Any]) -> str | None:
@@ -240,9 +274,80 @@ def _zero_init_keeps_dtype():
         cls._set_dtype = original
 
 
+def autotp_view(ctx):
+    """(the context one AutoTP rank's ZeRO sees, the degree T): its parameters are 1/T of each split matrix plus
+    the whole replicated rest, and ZeRO partitions them over the data-parallel group, world / T."""
+    t = ctx.options.autotp_size
+    if t == 1:
+        return ctx, 1
+    shapes = tp_shapes(ModelSpec.from_config(ctx.cfg))
+    numels = [n // t if d is not None else n for n, d in zip(shapes.numels, shapes.split, strict=True)]
+    return dataclasses.replace(
+        ctx, info=dataclasses.replace(ctx.info, numels=numels), world=ctx.world // t
+    ), t
+
+
+def autotp_comm(ctx, view, zero: dict[str, Any], t: int) -> list[Collective]:
+    """AutoTP's traffic (measured on deepspeed 0.19, docs/deepspeed_accelerate.md), on the data-parallel
+    replica's micro-batch of (b, s, dim) activations in the dtype DeepSpeed runs the model in: forward, each
+    row-parallel Linear's output all-reduced over the AutoTP group (RowParallel); backward, each column-parallel
+    Linear's input gradient all-reduced (ColumnParallel): q, k, v and gate, up each their own, 5 per block where
+    Megatron sums the attention's and the MLP's once (2). The gradient norm is summed over the AutoTP group
+    (ZeRO 1-2's overflow/norm check, or clipping). On a data-parallel group of one rank DeepSpeed still calls its
+    gradient all-reduce and norm all-reduce there (no bytes move); a larger one is ``deepspeed_comm``'s."""
+    shapes = tp_shapes(ModelSpec.from_config(ctx.cfg))
+    cfg, bit, dp = ctx.cfg, 2 if ctx.half else ctx.param_bytes, view.world
+    act = cfg.batch_size // (dp * cfg.grad_accum) * cfg.seq_len * shapes.transformer.dim * bit
+    weights = [d for n, d in zip(shapes.names, shapes.split, strict=True) if n.endswith(".weight")]
+    row, col = weights.count(1) * cfg.grad_accum, weights.count(0) * cfg.grad_accum
+    rows = [
+        Collective("all_reduce", row * act, row, "forward", t, "row-parallel outputs (RowParallel)"),
+        Collective(
+            "all_reduce", col * act, col, "backward", t, "column-parallel input gradients, one per layer"
+        ),
+    ]
+    stage = int(zero.get("stage", 2))
+    norm = stage >= 1 or bool(cfg.clip_grad_norm)
+    if norm:
+        rows.append(Collective("all_reduce", 4, 1, "optimizer", t, "gradient norm over the AutoTP group"))
+    if dp > 1:
+        return rows + deepspeed_comm(view, zero)
+    rows.append(
+        Collective("all_reduce", view.info.total * bit, 1, "backward", 1, "gradients, 1-rank dp group")
+    )
+    if norm:
+        rows.append(Collective("all_reduce", 4, 1, "optimizer", 1, "gradient norm, 1-rank dp group"))
+    return rows
+
+
+AUTOTP_WEIGHTS = "autotp_model_whole.pt"
+"""File (in a checkpoint folder of an --autotp-size run) with the whole model: DeepSpeed saves each AutoTP rank's
+slices (mp_rank_XX files), which its zero_to_fp32 does not merge."""
+
+
+def autotp_size_of(ds_config: dict[str, Any]) -> int:
+    return int((ds_config.get("tensor_parallel") or {}).get("autotp_size") or 1)
+
+
+@contextlib.contextmanager
+def _autotp_whole(module: nn.Module):
+    """Every AutoTP-split weight of ``module`` whole for the block (DeepSpeed's GatherReplacedLayerParams per
+    replaced layer: an all-gather over the AutoTP group, on every rank), split again from its (possibly loaded)
+    values on the way out."""
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    with contextlib.ExitStack() as stack:
+        for layer in module.modules():
+            params = list(layer.parameters(recurse=False))
+            if params:
+                stack.enter_context(GatherReplacedLayerParams(params, layer, enabled=True))
+        yield
+
+
 class DeepSpeedCost(CostModel):
     """DeepSpeed's ZeRO stage, offload and buckets, read from the config the run would build
-    (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``)."""
+    (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``); under --autotp-size T, over one AutoTP
+    rank's slice of the model and the data-parallel group (``autotp_view``), plus Megatron's traffic."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
@@ -253,17 +358,30 @@ class DeepSpeedCost(CostModel):
             momentum = float(block["params"].get("momentum", 0.0)) if sgd else ctx.cfg.momentum
             cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
             ctx = dataclasses.replace(ctx, cfg=cfg)
-        return deepspeed_memory(ctx, ds["zero_optimization"])
+        view, t = autotp_view(ctx)
+        m = deepspeed_memory(view, ds["zero_optimization"])
+        if t > 1:
+            m.data_ranks, m.trace_transform = view.world, LocalSlice(t)
+            m.sharding_note += f", AutoTP: block matrices 1/{t}, embedding, norms and head whole"
+        return m
 
     @classmethod
     def comm_model(cls, ctx):
-        return deepspeed_comm(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+        view, t = autotp_view(ctx)
+        zero = build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"]
+        return autotp_comm(ctx, view, zero, t) if t > 1 else deepspeed_comm(view, zero)
 
     @classmethod
     def comm_overlap(cls, ctx) -> float:
         """Share of forward/backward traffic that can run under compute (stratbench.predicting.projection): none without
         ``overlap_comm`` (stages 0-2 by default: gradients are reduced inside backward's hooks, or after it)."""
         return deepspeed_overlap(build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+
+    @classmethod
+    def compute_scale(cls, ctx) -> float:
+        """1, or under --autotp-size T an AutoTP rank's share of its replica's FLOPs (``tp.local_flop_share``)."""
+        t = ctx.options.autotp_size
+        return local_flop_share(ModelSpec.from_config(ctx.cfg), t) if t > 1 else 1.0
 
 
 class DeepSpeedCheckpointIO(CheckpointIO):
@@ -276,9 +394,14 @@ class DeepSpeedCheckpointIO(CheckpointIO):
         if self.strategy._stage() == 3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
-                return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
-        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            gathered = deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None)
+        else:
+            gathered = contextlib.nullcontext()
+        tp_whole = (
+            _autotp_whole(module) if autotp_size_of(self.strategy.ds_config) > 1 else contextlib.nullcontext()
+        )
+        with gathered, tp_whole:
+            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
 
     def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
         """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
@@ -302,11 +425,12 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             state = checkpoint.load_any(path)
             self._load_weights(state["model"])
             return state
-        world, stage = strategy.env.world_size, strategy._stage()
-        if meta.get("world_size") != world or meta.get("zero_stage") != stage:
+        world, stage, t = strategy.env.world_size, strategy._stage(), autotp_size_of(strategy.ds_config)
+        if (meta.get("world_size"), meta.get("zero_stage"), meta.get("autotp_size", 1)) != (world, stage, t):
             raise CheckpointError(
-                f"{path} was saved by deepspeed with world size {meta.get('world_size')} and ZeRO stage "
-                f"{meta.get('zero_stage')}; this run has world size {world} and stage {stage}. "
+                f"{path} was saved by deepspeed with world size {meta.get('world_size')}, ZeRO stage "
+                f"{meta.get('zero_stage')} and --autotp-size {meta.get('autotp_size', 1)}; this run has world size "
+                f"{world}, stage {stage} and --autotp-size {t}. "
                 f"Run `stratbench consolidate {path} FILE` and start with --init-from FILE"
             )
         saved = (meta.get("scheduler") or {}).get("deepspeed_scheduler")
@@ -338,7 +462,10 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         module = self.strategy.unwrap(self.strategy.engine)
-        if self.strategy._stage() == 3:
+        if autotp_size_of(self.strategy.ds_config) > 1:
+            with _autotp_whole(module):  # every rank loads the whole weights, then keeps its slices
+                module.load_state_dict(state)
+        elif self.strategy._stage() == 3:
             import deepspeed
 
             with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=0):
@@ -389,7 +516,7 @@ class DeepSpeed(Strategy):
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
-        reason = _nvme_unavailable(ds["zero_optimization"])
+        reason = _autotp_unsupported(cfg, opts.autotp_size) or _nvme_unavailable(ds["zero_optimization"])
         if reason:
             return reason
         user_block = bool(opts.deepspeed_config) and "optimizer" in load_user_json(opts.deepspeed_config)
@@ -424,8 +551,24 @@ class DeepSpeed(Strategy):
             )
         return _kernel_unavailable(kernel) if kernel else None
 
+    @classmethod
+    def data_parallel_size(cls, cfg: TrainConfig, world_size: int) -> int:
+        """The replicas the batch is split over: world / --autotp-size (refused here when it does not divide)."""
+        return world_size // autotp_degree(cls.parse_options(cfg.strategy_options), world_size)
+
     cost = DeepSpeedCost
     checkpoint_io_class = DeepSpeedCheckpointIO
+
+    def data_shard(self) -> tuple[int, int]:
+        """The rank's data-parallel coordinate: DeepSpeed's AutoTP groups are consecutive ranks (its (dp, tp) mesh),
+        which read the same batches (its first forward checks that they do)."""
+        t = self.options.autotp_size
+        return self.env.rank // t, self.env.world_size // t
+
+    def report(self) -> dict[str, Any]:
+        """With --autotp-size, the mesh in result.json (DeepSpeed's (dp, tp) groups), as fsdp --tp reports its."""
+        t = self.options.autotp_size
+        return {"mesh": {"dp": self.env.world_size // t, "tp": t}} if t > 1 else {}
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)
@@ -446,6 +589,8 @@ class DeepSpeed(Strategy):
         deepspeed.init_distributed(dist_backend=self.env.backend, verbose=False)
         self.ds_config = build_ds_config(self.cfg, self.options, self.env.world_size, self.total_steps)
         size_nvme_param_buffers(self.ds_config["zero_optimization"], model, self.env.world_size)
+        if "tensor_parallel" in self.ds_config:
+            self.ds_config["tensor_parallel"].setdefault("partition_config", autotp_partition_config(model))
         if self.env.is_main:
             out = Path(self.cfg.output)
             out.mkdir(parents=True, exist_ok=True)
@@ -478,12 +623,24 @@ class DeepSpeed(Strategy):
                 optimizer=client,
                 model_parameters=None if client is not None else model.parameters(),
                 config=self.ds_config,
+                mpu=self._autotp_groups(),
             )
         self.engine = engine
         self.model = engine
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
         # so stratbench's LR scheduler, where DeepSpeed has none, sets the learning rate DeepSpeed applies.
         return engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+
+    def _autotp_groups(self):
+        """Under --autotp-size, DeepSpeed's (dp, tp) process groups, passed as the ``mpu``: without one, deepspeed
+        0.19's config reads the whole world as the data-parallel size and refuses the batch (train_batch_size !=
+        micro-batch x accumulation x world), although the engine then splits the world into AutoTP groups itself."""
+        if self.options.autotp_size == 1:
+            return None
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=self.options.autotp_size)
+        return groups
 
     def lr_scheduler(self, optimizer, lr_lambda):
         """DeepSpeed's scheduler when the config has a scheduler block (engine.step() steps it), else stratbench's."""
@@ -689,7 +846,12 @@ def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: di
         shutil.rmtree(tmp)
     strategy.barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=True)
+    t = autotp_size_of(ds_config)
+    whole = strategy.checkpoint_io.model_state_dict(engine) if t > 1 else None  # a collective (all-gathers)
     if strategy.env.is_main:
+        if whole is not None:
+            extra = extra | {"autotp_size": t}
+            checkpoint.atomic_save(whole, tmp / AUTOTP_WEIGHTS)
         header = {
             "format": checkpoint.FORMAT,
             "version": checkpoint.VERSION,
@@ -780,7 +942,11 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     checkpoint.check_folder(path)
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no DeepSpeed folder {tag!r} (incomplete checkpoint?)")
-    if int(meta.get("zero_stage", 0)) == 0:
+    if int(meta.get("autotp_size", 1)) > 1:
+        # AutoTP: the mp_rank_XX files hold each rank's slices; the whole weights were gathered when it was saved.
+        blob = checkpoint.safe_torch_load(Path(path) / AUTOTP_WEIGHTS)
+        model = {k: v.float() if v.is_floating_point() else v for k, v in blob.items()}
+    elif int(meta.get("zero_stage", 0)) == 0:
         # No ZeRO: the engine saved the full module (in the training dtype) in mp_rank_00_model_states.pt.
         files = sorted((Path(path) / tag).glob("mp_rank_*_model_states.pt"))
         if not files:

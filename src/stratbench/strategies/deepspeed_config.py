@@ -60,8 +60,23 @@ class Run:
     scheduler: dict[str, Any] | None
 
     @property
+    def tp(self) -> int:
+        """AutoTP's degree (--autotp-size): the ranks of one tensor-parallel group read the same batches."""
+        return self.opts.autotp_size
+
+    @property
+    def dp(self) -> int:
+        """DeepSpeed's data-parallel size, which its batch arithmetic uses: the world over the AutoTP degree."""
+        return self.world // self.tp
+
+    @property
+    def replicas(self) -> str:
+        """The data-parallel size as an error message gives it."""
+        return f"world {self.world}" if self.tp == 1 else f"world {self.world} / --autotp-size {self.tp}"
+
+    @property
     def micro(self) -> int:
-        return split_batch(self.cfg.batch_size, self.world, self.cfg.grad_accum)
+        return split_batch(self.cfg.batch_size, self.dp, self.cfg.grad_accum)
 
     @property
     def clip(self) -> float:
@@ -92,7 +107,7 @@ AGREEMENTS: tuple[Agreement, ...] = (
     Agreement(
         "train_micro_batch_size_per_gpu",
         lambda r: r.micro,
-        lambda r: f"--batch-size {r.cfg.batch_size} / (world {r.world} x --grad-accum {r.cfg.grad_accum})",
+        lambda r: f"--batch-size {r.cfg.batch_size} / ({r.replicas} x --grad-accum {r.cfg.grad_accum})",
     ),
     Agreement("gradient_accumulation_steps", lambda r: r.cfg.grad_accum, lambda r: "--grad-accum"),
     Agreement("gradient_clipping", lambda r: r.clip, lambda r: "--clip-grad-norm", float),
@@ -122,6 +137,12 @@ def _bf16_block(run: Run) -> dict[str, Any]:
     return {**_given(run.user.get("bf16")), "enabled": True}
 
 
+def _tp_block(run: Run) -> dict[str, Any]:
+    """``tensor_parallel``: the JSON's block with AutoTP's degree from --autotp-size (the strategy adds the layer
+    specs, which it reads from the model's tensor-parallel plan, in ``wrap``)."""
+    return {**_given(run.user.get("tensor_parallel")), "autotp_size": run.tp}
+
+
 def _fused_adam(run: Run) -> dict[str, Any]:
     cfg = run.cfg
     return {"type": "AdamW", "params": {"lr": cfg.lr, "weight_decay": cfg.weight_decay, "torch_adam": False}}
@@ -133,6 +154,7 @@ FIELDS: tuple[Field, ...] = (
     Field("gradient_accumulation_steps", lambda r: r.cfg.grad_accum),
     Field("gradient_clipping", lambda r: r.clip),
     Field("zero_optimization", lambda r: r.zero),
+    Field("tensor_parallel", _tp_block, when=lambda r: r.tp > 1),
     Field("steps_per_print", lambda r: 10**9, keep_user=True),  # stratbench prints its own progress
     Field("fp16", _fp16_block, when=lambda r: r.cfg.precision == "fp16-mixed"),
     Field("bf16", _bf16_block, when=lambda r: r.cfg.precision == "bf16-mixed"),
@@ -197,6 +219,7 @@ def _resolve(
             theirs = rule.theirs(theirs)
         _agree(src, rule.key, theirs, rule.ours(run), rule.flag(run))
     _check_precision_blocks(user, cfg, src)
+    _check_autotp(user, opts, world, src)
     return Run(cfg, opts, world, user, src, _zero_block(user, opts, src), optimizer, scheduler)
 
 
@@ -206,6 +229,27 @@ def _agree(src: str, key: str, theirs: Any, ours: Any, flag: str) -> None:
     raise ConfigError(
         f"{src}: {key} is {theirs!r} but {flag} gives {ours!r}; remove it from the JSON or change {flag}"
     )
+
+
+def autotp_degree(opts: DeepSpeedOptions, world: int) -> int:
+    """--autotp-size, checked: a positive integer that divides the world (one line naming the degrees that fit)."""
+    t = opts.autotp_size
+    if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+        raise ConfigError(f"--autotp-size must be a positive integer (1: no tensor parallelism), got {t!r}")
+    if world % t:
+        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+        raise ConfigError(
+            f"deepspeed --autotp-size {t}: {world} processes do not divide by {t}; --autotp-size that fit: {fits}"
+        )
+    return t
+
+
+def _check_autotp(user: dict[str, Any], opts: DeepSpeedOptions, world: int, src: str) -> None:
+    """--autotp-size fits the world and agrees with the JSON's tensor_parallel.autotp_size (0 and 1 mean off)."""
+    t = autotp_degree(opts, world)
+    theirs = (user.get("tensor_parallel") or {}).get("autotp_size")
+    if theirs not in (None, 0, 1) or t > 1:
+        _agree(src, "tensor_parallel.autotp_size", theirs, t, "--autotp-size")
 
 
 def _check_precision_blocks(user: dict[str, Any], cfg: TrainConfig, src: str) -> None:
