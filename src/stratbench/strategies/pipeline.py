@@ -447,6 +447,11 @@ class PipelineCost(CostModel):
         return 0.0
 
     @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """The (dp, pp, tp) mesh of the run's layout (``Layout.mesh``)."""
+        return resolve_layout(ctx.options, ctx.world).mesh
+
+    @classmethod
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
@@ -463,13 +468,17 @@ class PipelineCost(CostModel):
         if out_b:
             sends = m * sum(i < lay.stages - 1 for i in ids)
             note = f"sent: activations of {m} micro-batches to the next stage"
-            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note))
+            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note, dim="pp"))
         if in_b:
             sends = m * sum(i > 0 for i in ids)
             note = f"sent: input gradients of {m} micro-batches to the previous stage"
-            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note))
+            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note, dim="pp"))
         if lay.pp > 1:
-            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+            rows.append(
+                Collective(
+                    "broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage", dim="pp"
+                )
+            )
         per_rank = [cls._reductions(ctx, lay, split, r, micro) for r in range(lay.pp)]
         return rows + max(per_rank, key=lambda rs: sum(r.payload_bytes for r in rs))
 
@@ -482,18 +491,25 @@ class PipelineCost(CostModel):
         mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
         spec = _run_spec(ctx.cfg)
         blocks = pipeline_tp.stage_blocks(spec, [m for s in mine for m in s.modules])
-        rows = pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+        rows = [
+            dataclasses.replace(r, dim="tp", critical=True)
+            for r in pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+        ]
         if ctx.pspec.loss_scaling:
             note = "the loss scaler's found-inf flag (fp32)"
             rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
         if lay.dp > 1:
             local = cls._local_params(ctx, lay, mine)
             note = "stage gradients over the replicas"
-            rows.append(Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note))
+            rows.append(
+                Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note, dim="dp")
+            )
         if ctx.cfg.clip_grad_norm:
-            for size, note in ((lay.tp, "over tp"), (lay.pp, "over the stages")):
+            for size, note, dim in ((lay.tp, "over tp", "tp"), (lay.pp, "over the stages", "pp")):
                 if size > 1:
-                    rows.append(Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}"))
+                    rows.append(
+                        Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}", dim=dim)
+                    )
         return rows
 
     @staticmethod

@@ -510,6 +510,11 @@ class TPCost(CostModel):
         return m
 
     @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """One dimension, every process one tensor-parallel group."""
+        return {"tp": ctx.world}
+
+    @classmethod
     def comm_model(cls, ctx):
         return transformer_comm(ctx)
 
