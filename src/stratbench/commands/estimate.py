@@ -469,6 +469,8 @@ def print_time_table(console, results, system, args, calibration, device_memory,
         "speed-up = vs single at the same global batch"
         + ("" if args.wide else f"; --wide also shows: {', '.join([*dropped, *TIME_WIDE_ONLY])}")
     )
+    for note in sorted({(r.get("projection") or {}).get("placement_note") or "" for r in results} - {""}):
+        console.print(note)  # tensor parallelism across nodes: priced so, but said
     print_formula_lines(console, results)
 
 

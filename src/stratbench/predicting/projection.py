@@ -600,10 +600,7 @@ def project(
     out.placement_note = placement_note(out.mesh, system)
     rows = cls.cost.comm_model(ctx)
     if rows is None:
-        out.status, out.reason = (
-            "no model",
-            f"{cfg.strategy} has no communication model (CostModel.comm_model)",
-        )
+        out.status, out.reason = "no model", f"{cfg.strategy} has no communication model (CostModel.comm_model)"
         return out
     flops = model_flops(cfg)
     if not flops:
