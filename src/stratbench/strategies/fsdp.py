@@ -297,6 +297,9 @@ class FSDPCost(CostModel):
         opts = ctx.options
         if opts.tp == 1:
             return fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+        why = tp_unsupported(ctx.cfg, opts, ctx.world)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         dp = tp_local(ctx)
         m = fsdp2_memory(dp, rank // opts.tp, opts.sharding, opts.cpu_offload)
         m.sharding_note = (

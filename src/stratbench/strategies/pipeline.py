@@ -215,6 +215,17 @@ def resolve_layout(options: PipelineOptions, world: int) -> Layout:
     return Layout(pp=pp, dp=dp, stages=stages, microbatches=m, schedule=options.schedule, tp=t)
 
 
+def batch_unfit(cfg, lay: Layout) -> str | None:
+    """One line when the micro-batches do not divide a replica's share of the batch, else None."""
+    per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
+    if per_replica is not None and per_replica % lay.microbatches:
+        return (
+            f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
+            f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
+        )
+    return None
+
+
 def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
     """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
     stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
@@ -340,6 +351,9 @@ class PipelineCost(CostModel):
         flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight
         (``_activations``)."""
         lay = resolve_layout(ctx.options, ctx.world)
+        why = batch_unfit(ctx.cfg, lay) or pipeline_tp.refusal(_run_spec(ctx.cfg), ctx.cfg, lay.tp)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
         pp_rank = lay.coords(rank)[1]
         ids = lay.stages_of(pp_rank)
@@ -355,6 +369,7 @@ class PipelineCost(CostModel):
             m.sharding_note += f", its blocks' attention/MLP matrices 1/{lay.tp} (tp)"
             m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        m.data_ranks = lay.dp  # the batch is split over the replicas, not over every rank
         # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
         # receives across, allocated at the first step and reused: the input activations of a stage after
         # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
@@ -662,12 +677,9 @@ class PipelineStrategy(Strategy):
             return "--activation-checkpointing with pipeline is not supported (the stages hold the original modules)"
         if cfg.compile:
             return "--compile with pipeline is not supported (the schedule calls the stage modules directly)"
-        per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
-        if per_replica is not None and per_replica % lay.microbatches:
-            return (
-                f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
-                f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
-            )
+        why = batch_unfit(cfg, lay)
+        if why:
+            return why
         try:
             _spec_split(cfg, lay.stages, options)
         except ConfigError as exc:

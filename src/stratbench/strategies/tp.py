@@ -497,6 +497,9 @@ class TPCost(CostModel):
     @classmethod
     def memory_model(cls, ctx, rank):
         opts = _options_of(ctx)
+        why = unsupported(ctx.cfg, ctx.world, "--nproc/--world-size", opts)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         shapes = tp_shapes(ModelSpec.from_config(ctx.cfg), opts.vocab_parallel)
         local, pd = shapes.local_numel(ctx.world), ctx.param_bytes
         m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
