@@ -54,7 +54,7 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective
-from stratbench.measuring.model_trace import ModelSpec, trace_step
+from stratbench.measuring.model_trace import ModelSpec, trace_pieces
 from stratbench.models.split import (
     BALANCE,
     Split,
@@ -66,8 +66,8 @@ from stratbench.models.split import (
 )
 from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import apply_tp
+from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
+from stratbench.strategies.tp import LocalSlice, apply_tp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -367,7 +367,7 @@ class PipelineCost(CostModel):
         m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
         if lay.tp > 1:
             m.sharding_note += f", its blocks' attention/MLP matrices 1/{lay.tp} (tp)"
-            m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
+            m.cpu_runtime, m.cpu_runtime_note = CPU_TP_RUNTIME_BYTES, "DTensor's op caches under tp, measured"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         m.data_ranks = lay.dp  # the batch is split over the replicas, not over every rank
         # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
@@ -409,13 +409,16 @@ class PipelineCost(CostModel):
 
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
-        """The bytes autograd saves per sample in each piece (traced on the meta device by the splitter, in
-        fp32; scaled to the run's precision, ``_precision_scale``) x the micro-batch x the most micro-batches a
-        stage holds at once: all M for gpipe (every forward runs before the first backward), min(M, P - r) for
-        1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over the rank's stages
-        for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the
-        first splits it into micro-batches). Returns the bytes and their note."""
-        per_mb = sum(s.saved_bytes for s in mine) * micro * cls._precision_scale(ctx, micro)
+        """The bytes autograd saves for the pieces of the rank's stages at one micro-batch (``trace_pieces``: in
+        the run's precision, attention through the fused kernel a real run picks; under --tp on a rank's slice,
+        ``tp.LocalSlice``) x the most micro-batches a stage holds at once: all M for gpipe (every forward runs
+        before the first backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the
+        interleaved warm-up spread over the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole
+        input batch, which every stage loads (the first splits it into micro-batches). Returns the bytes and their
+        note."""
+        transform = LocalSlice(lay.tp) if lay.tp > 1 else None
+        traced = {p.name: p for p in trace_pieces(_run_spec(ctx.cfg), micro, ctx.cfg.precision, transform)}
+        per_mb = sum(traced[s.pieces[0]].input_bytes + sum(traced[p].saved_bytes for p in s.pieces) for s in mine)
         flight = lay.in_flight(pp_rank)
         shape, tokens = sample_of(ctx.cfg)
         values = ctx.cfg.batch_size // lay.dp * math.prod(shape)
@@ -429,17 +432,6 @@ class PipelineCost(CostModel):
             "+ the step's input batch"
         )
         return int(per_mb * flight) + batch_input, note
-
-    @staticmethod
-    def _precision_scale(ctx, micro: int) -> float:
-        """The run's saved bytes over fp32's (the split is costed in fp32): the ratio of the whole model's
-        traced saved bytes, since autocast keeps some ops in fp32 (bf16-mixed saves 0.54x on tinynet)."""
-        if ctx.cfg.precision == "fp32":
-            return 1.0
-        spec = _run_spec(ctx.cfg)
-        full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
-        mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
-        return mixed / (full or 1)
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
