@@ -32,6 +32,9 @@ class Plan:
     why: str = ""
     enough: str = ""
     """Said when this plan is chosen by fitting: the simplest plans say that nothing more is needed."""
+    micro_steps: str = "grad_accum"
+    """The setting that takes the micro-steps ``plan_config`` adds where a replica spans several devices: gradient
+    accumulation, or a pipeline's micro-batches (more of them shrink its bubble, where accumulation would not)."""
 
     @property
     def label(self) -> str:
@@ -86,9 +89,14 @@ TP_DEGREES = (2, 4, 8)
 """Tensor-parallel degrees advise tries: within one 8-GPU node, where its all-reduces run on the fast links."""
 
 
+PP_DEGREES = (2, 4)
+"""Pipeline stages of the 3D plans advise tries (each stage tensor-parallel over one node's GPUs)."""
+
+
 def _tensor_parallel_plans(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
     """Plans that split each block's matrices (a model with a tensor-parallel plan; ``applicable`` drops them for
-    the others): 2D (FSDP over devices / T replicas of T-way tensor parallelism) and tensor parallelism over all
+    the others): 2D (FSDP over devices / T replicas of T-way tensor parallelism), 3D (pipelines of P stages of
+    T-way tensor parallelism, their micro-batches as many as the micro-steps) and tensor parallelism over all
     devices, each rank then holding 1/T of the attention/MLP activations as well as of their weights, at the
     micro-batch a data-parallel plan has (``plan_config``). With a system, T at most its GPUs per node: a tp
     group across nodes would run its per-block all-reduces over the NICs."""
@@ -96,6 +104,10 @@ def _tensor_parallel_plans(devices: int, gpus_per_node: int | None = None) -> li
     plans = [
         Plan("fsdp", (("sharding", "full"), ("tp", t)), a, why=f"2D: {t}-way tensor parallelism inside, FSDP full shard over the {devices // t} groups{' + activation checkpointing' if a else ''}")
         for t in degrees if t < devices and devices % t == 0 for a in (False, True)
+    ]  # fmt: skip
+    plans += [
+        Plan("pipeline", (("pp", pp), ("tp", t), ("schedule", "1f1b")), micro_steps="microbatches", why=f"3D: {pp} pipeline stages of {t}-way tensor parallelism, {devices // (pp * t)} data-parallel replicas; each stage holds 1/{pp} of the layers, and its 1f1b schedule at most {pp} micro-batches' activations")
+        for t in degrees for pp in PP_DEGREES if pp * t <= devices and devices % (pp * t) == 0
     ]  # fmt: skip
     if devices in degrees:
         plans += [Plan("tp", (), a, why=f"{devices}-way tensor parallelism{' + activation checkpointing' if a else ''}: every device computes the whole batch through 1/{devices} of each block") for a in (False, True)]  # fmt: skip
@@ -105,14 +117,17 @@ def _tensor_parallel_plans(devices: int, gpus_per_node: int | None = None) -> li
 def plan_config(base: TrainConfig, plan: Plan, devices: int) -> TrainConfig:
     """The config ``plan`` runs: ``base`` with its strategy, options and recomputation. Where the plan splits the
     batch fewer ways than it has devices (its tensor-parallel groups each take one share whole), its gradient
-    accumulation is multiplied by the difference where the global batch allows, so that each rank computes the
-    micro-batch a data-parallel plan's rank would: the same global batch, and 1/T of each block's activations."""
+    accumulation is multiplied by the difference where the global batch allows (a pipeline's micro-batches are
+    that many instead: ``Plan.micro_steps``), so that each rank computes the micro-batch a data-parallel plan's
+    rank would: the same global batch, and 1/T of each block's activations."""
     cls = get_strategy(plan.strategy)
     cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
                        activation_checkpointing=plan.activation_checkpointing)  # fmt: skip
     world = cls.devices_for_world(devices)
     dp = cls.data_parallel_size(cfg, world)
     accum = base.grad_accum * (world // dp)
+    if dp < world and plan.micro_steps != "grad_accum":
+        return cfg.replace(strategy_options={**cfg.strategy_options, plan.micro_steps: world // dp})
     if dp < world and base.batch_size % (dp * accum) == 0:
         cfg = cfg.replace(grad_accum=accum)
     return cfg
