@@ -161,3 +161,6 @@ def test_advise_offers_3d_plans_at_the_micro_batch_of_the_data_parallel_plans():
     assert cfg.grad_accum == 1 and cfg.strategy_options == {"pp": 2, "tp": 4, "schedule": "1f1b", "microbatches": 8}
     # 64 sequences over 8 replicas (64 / (2 x 4)) x 8 micro-batches: 1 sequence at a time, as each fsdp rank's
     assert get_strategy("pipeline").data_parallel_size(cfg, 64) == 8 and 64 // 8 // 8 == 1
+    assert advise_module.accumulated(LLAMA_8B, cfg).startswith(" (--microbatches 8: the micro-batch per rank")
+    train_command = advise_module.commands(cfg, plan, 64)[0]
+    assert "--strategy pipeline --pp 2 --tp 4 --schedule 1f1b --microbatches 8 --nproc 64" in train_command

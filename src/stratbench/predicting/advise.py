@@ -222,10 +222,13 @@ def advise(
 
 
 def accumulated(base: TrainConfig, cfg: TrainConfig) -> str:
-    """The label's " (--grad-accum N: ...)" where ``plan_config`` accumulated more than ``base`` does, else ""."""
-    if cfg.grad_accum == base.grad_accum:
-        return ""
-    return f" (--grad-accum {cfg.grad_accum}: the micro-batch per rank of the data-parallel plans)"
+    """The label's " (--grad-accum N: ...)" where ``plan_config`` accumulated more than ``base`` does (or
+    " (--microbatches N: ...)" where it gave a pipeline its micro-steps as micro-batches), else ""."""
+    added = {k: v for k, v in cfg.strategy_options.items() if k not in base.strategy_options}
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in added.items() if k == "microbatches"]
+    if cfg.grad_accum != base.grad_accum:
+        flags.insert(0, f"--grad-accum {cfg.grad_accum}")
+    return f" ({', '.join(flags)}: the micro-batch per rank of the data-parallel plans)" if flags else ""
 
 
 SPEED_TIE = 0.03
@@ -296,7 +299,7 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
         args += ["--grad-accum", str(base.grad_accum)]
     args += ["--precision", base.precision, *(["--tf32", "true"] if base.tf32 else []), "--optimizer",
              base.optimizer, "--strategy", plan.strategy]  # fmt: skip
-    for k, v in plan.options:
+    for k, v in base.strategy_options.items():  # the plan's options, as plan_config completed them
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:
         args += ["--activation-checkpointing", "true"]
