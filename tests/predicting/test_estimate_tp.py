@@ -52,3 +52,29 @@ def test_the_projection_gives_a_tp_rank_its_slice_of_the_flops_and_no_overlap():
     tp = project(cfg.replace(strategy="tp"), system, 1, 4, memory=False)
     assert tp.compute_s == pytest.approx(one.compute_s * split_head, rel=1e-6)
     assert tp.comm_s > 0 and tp.comm_exposed_s == pytest.approx(tp.comm_s)
+
+
+def test_estimate_refuses_a_tp_degree_the_model_cannot_take_and_splits_a_pipeline_batch_over_its_replicas(capsys):
+    """tp wider than the heads (gpt-tiny has 4) or a vocabulary that does not divide: one line naming the value
+    and the degrees that fit, before any trace (it was a RuntimeError from a view in the traced attention), for
+    every method with a tp dimension. A pipeline's global batch is split over its replicas, world / (pp x tp):
+    4 sequences on 16 processes of pp 2 x tp 2 is one per replica (it was refused as fewer than the processes)."""
+    from conftest import cli, fails
+
+    lm = ["estimate", "--model", "gpt-tiny", "--data", "synthetic-tokens", "--seq-len", "16", "--batch-size", "4"]
+    heads = "n_heads 4 and n_kv_heads 4 of gpt-tiny must both divide by 16"
+    err = fails(capsys, *lm, "--strategy", "fsdp", "--tp", "16", "--world-size", "32")
+    assert heads in err and "--tp that fit: 1, 2, 4" in err, err
+    err = fails(capsys, *lm, "--strategy", "pipeline", "--pp", "2", "--tp", "16", "--world-size", "32")
+    assert err.startswith("stratbench estimate: error: pipeline --tp 16: ") and "--tp that fit: 1, 2, 4" in err
+    err = fails(capsys, *lm, "--strategy", "tp", "--world-size", "16", "--batch-size", "16")
+    assert heads in err and "that fit: 1, 2, 4" in err, err
+    err = fails(capsys, *lm, "--strategy", "tp", "--world-size", "2", "--vocab-size", "257")
+    assert "vocabulary of 257 tokens does not divide by 2" in err, err
+    out = cli(*lm, "--strategy", "pipeline", "--pp", "2", "--tp", "2", "--world-size", "16", "--microbatches", "1",
+              "--schedule", "gpipe", "--device-type", "cpu", "--json")  # fmt: skip
+    assert '"micro_batch": 1' in out and '"world_size": 16' in out, out[:400]
+    err = fails(capsys, *lm, "--strategy", "pipeline", "--pp", "2", "--tp", "2", "--world-size", "16")
+    assert "--microbatches 4 does not divide the per-replica batch 1" in err, err
+    err = fails(capsys, *lm, "--strategy", "pipeline", "--pp", "2", "--tp", "2", "--world-size", "16", "--batch-size", "6")
+    assert "not divisible by the data-parallel replicas x grad accum (4 x 1)" in err, err

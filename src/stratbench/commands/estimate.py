@@ -246,12 +246,8 @@ def methods_to_estimate(args: argparse.Namespace) -> list[str]:
 
 def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
     """The TrainConfig of one row (``check_common`` has run)."""
-    world = get_strategy(strategy).devices_for_world(args.world_size)
-    if not args.max_batch and args.batch_size % (world * args.grad_accum):
-        raise ConfigError(
-            f"--batch-size {args.batch_size} is not divisible by world size x grad accum ({world} x {args.grad_accum}); "
-            "train refuses it too"
-        )
+    cls = get_strategy(strategy)
+    world = cls.devices_for_world(args.world_size)
     cfg = TrainConfig(
         **model_fields(args), batch_size=args.batch_size, grad_accum=args.grad_accum,
         precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
@@ -260,7 +256,16 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
     )  # fmt: skip
     validate(cfg)
     check_data(cfg)  # tokens:PATH that is not there: one line
-    get_strategy(strategy).parse_options(cfg.strategy_options)  # bad option values: one line, before any work
+    if args.strategy == "all":  # the options its row runs with (method_row completes them the same way)
+        cfg = cfg.replace(strategy_options=cls.options_for_world(cfg, world))
+    cls.parse_options(cfg.strategy_options)  # bad option values: one line, before any work
+    # the replicas the batch is split over (a pipeline's: world / (pp x tp)), not every process
+    dp = cls.data_parallel_size(cfg, world)
+    if not args.max_batch and args.batch_size % (dp * args.grad_accum):
+        raise ConfigError(
+            f"--batch-size {args.batch_size} is not divisible by the data-parallel replicas x grad accum "
+            f"({dp} x {args.grad_accum}); train refuses it too"
+        )
     return cfg
 
 
@@ -469,6 +474,8 @@ def print_time_table(console, results, system, args, calibration, device_memory,
         "speed-up = vs single at the same global batch"
         + ("" if args.wide else f"; --wide also shows: {', '.join([*dropped, *TIME_WIDE_ONLY])}")
     )
+    for note in sorted({(r.get("projection") or {}).get("placement_note") or "" for r in results} - {""}):
+        console.print(note)  # tensor parallelism across nodes: priced so, but said
     print_formula_lines(console, results)
 
 

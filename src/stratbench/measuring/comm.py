@@ -37,6 +37,12 @@ class Collective:
     """Where > 0, the payload goes out as DDP's reducer sends it: a first bucket of ``DDP_FIRST_BUCKET_BYTES``,
     then buckets of up to this many bytes, each as soon as backward has produced its gradients (the schedule the
     projection overlaps with compute); 0: ``calls`` equal calls."""
+    dim: str = ""
+    """The device-mesh dimension the group runs over (``CostModel.mesh_dims`` names them: "dp", "pp", "tp"), which
+    says where its ranks sit and so which links it crosses; "": ``group_size`` neighbouring ranks."""
+    critical: bool = False
+    """True where the next op waits for the call's result (Megatron's all-reduces between a row-parallel matmul
+    and the residual add): no compute runs under it, whatever the method's ``comm_overlap``."""
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

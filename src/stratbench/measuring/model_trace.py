@@ -21,6 +21,7 @@ from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
+from stratbench.models.split import piece_module, pieces_of
 from stratbench.models.zoo import (
     apply_activation_checkpointing,
     build_model,
@@ -320,9 +321,7 @@ def trace_step(
     ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    if precision not in SPECS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
-    pspec = SPECS[precision]
+    pspec = _spec_of(precision)
     live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
@@ -330,31 +329,16 @@ def trace_step(
             transform(model)
         if activation_checkpointing:
             apply_activation_checkpointing(model)
-        own = {id(p.untyped_storage()) for p in model.parameters()} | {
-            id(b.untyped_storage()) for b in model.buffers()
-        }
         for t in (*model.parameters(), *model.buffers()):
             live.exclude(t)
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if id(st) not in own:
-                saved[id(st)] = st.nbytes()
-            return t
-
-        autocast = (
-            torch.autocast("cpu", dtype=pspec.compute_dtype)
-            if pspec.autocast
-            else torch.autocast("cpu", enabled=False)
-        )
+        saved = _SavedBytes(model)
         with _dispatch_mode(live):
             x, y = spec.example_batch(batch, pspec.param_dtype)
             live.track(x)
             live.track(y)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
+            with saved.hooks(), _autocast(pspec):
                 # the logits stay alive through backward, as the loop keeps them (Strategy.forward_loss returns
                 # them): a language model's are (batch, seq_len, vocab), often the largest tensor of the step
                 logits = model(x)
@@ -364,7 +348,89 @@ def trace_step(
         grad_bytes = sum(
             p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
         )
-    return Trace(batch, live.nongrad_t, live.grad_t, sum(saved.values()), grad_bytes)
+    return Trace(batch, live.nongrad_t, live.grad_t, saved.total, grad_bytes)
+
+
+class _SavedBytes:
+    """``saved_tensors_hooks``' pack: the bytes of each storage autograd saves for backward, counted once (views
+    of one tensor are one storage), the model's own parameters and buffers excluded."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.own = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+        self.sizes: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        if id(st) not in self.own:
+            self.sizes[id(st)] = st.nbytes()
+        return t
+
+    def hooks(self):
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes.values())
+
+
+def _autocast(pspec):
+    """The loop's autocast for a precision (off where it runs the weights' dtype), on the traces' CPU tensors."""
+    if pspec.autocast:
+        return torch.autocast("cpu", dtype=pspec.compute_dtype)
+    return torch.autocast("cpu", enabled=False)
+
+
+@dataclass(frozen=True)
+class PieceTrace:
+    """What autograd saves for one piece of the model's pipeline split (``models.split.pieces_of``)."""
+
+    name: str
+    saved_bytes: int
+    """Bytes saved for the piece's backward at the traced batch (the last piece's: with the loss's), parameters
+    and the piece's input excluded."""
+    input_bytes: int
+    """Bytes of the piece's input its backward keeps (counted where a stage begins with this piece)."""
+
+
+@functools.cache
+def trace_pieces(
+    spec: ModelSpec, batch: int, precision: str, transform: Callable[[nn.Module], None] | None = None
+) -> tuple[PieceTrace, ...]:
+    """The bytes autograd saves for each piece of the split at ``batch`` (a pipeline stage's activations: the sum
+    over its pieces), traced as ``trace_step`` traces the whole model: on fake CPU tensors, in the run's precision
+    and autocast, so that each op is the kernel a real run picks. Attention through
+    ``scaled_dot_product_attention`` picks a fused kernel (CPU: flash; CUDA: flash or memory-efficient) that saves
+    its output and a log-sum-exp per query, not the seq x seq scores that its math path on the meta device saves
+    (8 GiB per Llama-3-8B layer and 8192-token sequence in fp32). ``transform`` as in ``trace_step`` (a
+    tensor-parallel rank's slice)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pspec = _spec_of(precision)
+    out = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _build_in(spec, pspec.param_dtype)
+        if transform is not None:
+            transform(model)
+        pieces = pieces_of(model)
+        x, y = spec.example_batch(batch, pspec.param_dtype)
+        with _autocast(pspec):
+            for i, piece in enumerate(pieces):
+                x = x.detach().requires_grad_(i > 0)  # a stage after the first gets its input's gradient
+                saved = _SavedBytes(model)
+                with saved.hooks():
+                    out_x = piece_module(model, piece)(x)
+                    if i == len(pieces) - 1:  # the last stage computes the loss on its micro-batch
+                        _loss(out_x, y)
+                held = saved.sizes.pop(id(x.untyped_storage()), 0)
+                out.append(PieceTrace(piece.name, saved.total, held))
+                x = out_x
+    return tuple(out)
+
+
+def _spec_of(precision: str):
+    if precision not in SPECS:
+        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
+    return SPECS[precision]
 
 
 def _build_in(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:

@@ -57,11 +57,6 @@ class PieceCost:
     """Elements per sample of the activation this piece hands on (what a stage boundary after it sends)."""
     out_shape: tuple[int, ...] = ()
     """Shape per sample of that activation: (C, H, W), (classes,), (seq, dim), (seq, vocab)."""
-    saved_bytes: float = 0.0
-    """Bytes per sample of the tensors autograd saves for this piece's backward (its activations), in the
-    weights' dtype; parameters and the piece's input excluded (the input is the previous piece's output)."""
-    input_saved_bytes: float = 0.0
-    """Bytes per sample of the piece's input, when its backward keeps it (a stage's first piece adds it)."""
 
 
 @dataclass
@@ -75,8 +70,6 @@ class Stage:
     """Elements per sample of the stage's output (the activation sent to the next stage; logits for the last)."""
     out_shape: tuple[int, ...] = ()
     """Shape per sample of the stage's output."""
-    saved_bytes: float = 0.0
-    """Bytes per sample of the activations the stage keeps for its backward (see PieceCost.saved_bytes)."""
 
 
 @dataclass
@@ -174,33 +167,16 @@ def piece_costs(
         params = sum(p.numel() for p in piece_module(model, piece).parameters())
         x = x.detach().requires_grad_(i > 0)
         counter = flop_counter()
-        own = {id(t.untyped_storage()) for t in (*mod.parameters(), *mod.buffers())}
-        saved: dict[int, int] = {}
-        in_key = id(x.untyped_storage())
-
-        def pack(t: torch.Tensor, own=own, saved=saved) -> torch.Tensor:
-            st = t.untyped_storage()  # counted per storage: views of one tensor are saved once
-            if id(st) not in own:
-                saved[id(st)] = st.nbytes()
-            return t
-
         try:
             with counter:
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                    out = mod(x)
+                out = mod(x)
                 out.float().sum().backward()
         except Exception as exc:
             raise ConfigError(
                 f"cannot trace piece {piece.name!r} on the meta device to cost it ({type(exc).__name__}: {exc})"
             ) from None
-        held_input = saved.pop(in_key, 0)
         flops = counter.get_total_flops() / 2
-        shape = tuple(out.shape[1:])
-        costs.append(
-            PieceCost(
-                piece.name, params, flops, out[0].numel(), shape, sum(saved.values()) / 2, held_input / 2
-            )
-        )
+        costs.append(PieceCost(piece.name, params, flops, out[0].numel(), tuple(out.shape[1:])))
         x = out
     return costs
 
@@ -284,7 +260,6 @@ def split_model(
                 flops=sum(costs[i].flops for i in part),
                 out_numel=last.out_numel,
                 out_shape=last.out_shape,
-                saved_bytes=costs[part[0]].input_saved_bytes + sum(costs[i].saved_bytes for i in part),
             )
         )
     return Split(name, balance, points, out, costs)

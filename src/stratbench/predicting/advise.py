@@ -32,6 +32,9 @@ class Plan:
     why: str = ""
     enough: str = ""
     """Said when this plan is chosen by fitting: the simplest plans say that nothing more is needed."""
+    micro_steps: str = "grad_accum"
+    """The setting that takes the micro-steps ``plan_config`` adds where a replica spans several devices: gradient
+    accumulation, or a pipeline's micro-batches (more of them shrink its bubble, where accumulation would not)."""
 
     @property
     def label(self) -> str:
@@ -60,8 +63,9 @@ class Advice:
     """goal speed with hardware: every plan with its memory, whether it fits and its projected step time."""
 
 
-def candidates(devices: int) -> list[Plan]:
-    """Simplest first: each later plan trades speed (communication, recomputation, host transfers) for memory."""
+def candidates(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
+    """Simplest first: each later plan trades speed (communication, recomputation, host transfers) for memory;
+    ``gpus_per_node`` (a system's): tensor parallelism no wider than one node."""
     if devices == 1:
         return [
             Plan("single", why="one device, no communication: the baseline", enough="the model and batch fit one device: no sharding or offload needed"),
@@ -75,7 +79,7 @@ def candidates(devices: int) -> list[Plan]:
         Plan("fsdp", (("sharding", "grad-op"),), why="FSDP grad-op (ZeRO-2): gradients and optimizer sharded, one all-gather per step"),
         Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
         Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
-        *_tensor_parallel_plans(devices),
+        *_tensor_parallel_plans(devices, gpus_per_node),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu")), True, why="ZeRO-3 + optimizer offload: optimizer states and step on the CPU"),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-3 + parameter offload: only the working set stays on the device"),
     ]  # fmt: skip
@@ -85,17 +89,48 @@ TP_DEGREES = (2, 4, 8)
 """Tensor-parallel degrees advise tries: within one 8-GPU node, where its all-reduces run on the fast links."""
 
 
-def _tensor_parallel_plans(devices: int) -> list[Plan]:
+PP_DEGREES = (2, 4)
+"""Pipeline stages of the 3D plans advise tries (each stage tensor-parallel over one node's GPUs)."""
+
+
+def _tensor_parallel_plans(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
     """Plans that split each block's matrices (a model with a tensor-parallel plan; ``applicable`` drops them for
-    the others): 2D (FSDP over devices / T replicas of T-way tensor parallelism) and tensor parallelism over all
-    devices, each rank then holding 1/T of the attention/MLP activations as well as of their weights."""
+    the others): 2D (FSDP over devices / T replicas of T-way tensor parallelism), 3D (pipelines of P stages of
+    T-way tensor parallelism, their micro-batches as many as the micro-steps) and tensor parallelism over all
+    devices, each rank then holding 1/T of the attention/MLP activations as well as of their weights, at the
+    micro-batch a data-parallel plan has (``plan_config``). With a system, T at most its GPUs per node: a tp
+    group across nodes would run its per-block all-reduces over the NICs."""
+    degrees = [t for t in TP_DEGREES if gpus_per_node is None or t <= gpus_per_node]
     plans = [
         Plan("fsdp", (("sharding", "full"), ("tp", t)), a, why=f"2D: {t}-way tensor parallelism inside, FSDP full shard over the {devices // t} groups{' + activation checkpointing' if a else ''}")
-        for t in TP_DEGREES if t < devices and devices % t == 0 for a in (False, True)
+        for t in degrees if t < devices and devices % t == 0 for a in (False, True)
     ]  # fmt: skip
-    if devices in TP_DEGREES:
+    plans += [
+        Plan("pipeline", (("pp", pp), ("tp", t), ("schedule", "1f1b")), micro_steps="microbatches", why=f"3D: {pp} pipeline stages of {t}-way tensor parallelism, {devices // (pp * t)} data-parallel replicas; each stage holds 1/{pp} of the layers, and its 1f1b schedule at most {pp} micro-batches' activations")
+        for t in degrees for pp in PP_DEGREES if pp * t <= devices and devices % (pp * t) == 0
+    ]  # fmt: skip
+    if devices in degrees:
         plans += [Plan("tp", (), a, why=f"{devices}-way tensor parallelism{' + activation checkpointing' if a else ''}: every device computes the whole batch through 1/{devices} of each block") for a in (False, True)]  # fmt: skip
     return plans
+
+
+def plan_config(base: TrainConfig, plan: Plan, devices: int) -> TrainConfig:
+    """The config ``plan`` runs: ``base`` with its strategy, options and recomputation. Where the plan splits the
+    batch fewer ways than it has devices (its tensor-parallel groups each take one share whole), its gradient
+    accumulation is multiplied by the difference where the global batch allows (a pipeline's micro-batches are
+    that many instead: ``Plan.micro_steps``), so that each rank computes the micro-batch a data-parallel plan's
+    rank would: the same global batch, and 1/T of each block's activations."""
+    cls = get_strategy(plan.strategy)
+    cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
+                       activation_checkpointing=plan.activation_checkpointing)  # fmt: skip
+    world = cls.devices_for_world(devices)
+    dp = cls.data_parallel_size(cfg, world)
+    accum = base.grad_accum * (world // dp)
+    if dp < world and plan.micro_steps != "grad_accum":
+        return cfg.replace(strategy_options={**cfg.strategy_options, plan.micro_steps: world // dp})
+    if dp < world and base.batch_size % (dp * accum) == 0:
+        cfg = cfg.replace(grad_accum=accum)
+    return cfg
 
 
 def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: str) -> tuple[list[Plan], list[str]]:
@@ -107,8 +142,8 @@ def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: 
     for plan in plans:
         cls = get_strategy(plan.strategy)
         world = cls.devices_for_world(devices)
-        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options))
-        dp = cls.data_parallel_size(cfg, world) * base.grad_accum
+        cfg = plan_config(base, plan, devices)
+        dp = cls.data_parallel_size(cfg, world) * cfg.grad_accum
         if base.batch_size % dp:
             ranks.add(dp)
             notes.append(f"{plan.label}: n/a, the global batch {base.batch_size} does not split over its {dp} data-parallel ranks")  # fmt: skip
@@ -164,20 +199,15 @@ def advise(
     reasons += skipped
     for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
-        cfg = base.replace(
-            strategy=plan.strategy,
-            strategy_options=dict(plan.options),
-            activation_checkpointing=plan.activation_checkpointing,
-        )
+        cfg = plan_config(base, plan, devices)
         est = estimate(cfg, world, device_type)
         advice.tried.append((plan, est))
+        label = plan.label + accumulated(base, cfg)
         if est.total_bytes <= budget:
             advice.plan, advice.estimate = plan, est
-            reasons.append(
-                f"{plan.label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})"
-            )
+            reasons.append(f"{label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})")
             break
-        reasons.append(f"{plan.label}: {fmt_bytes(est.total_bytes)} per device does not fit")
+        reasons.append(f"{label}: {fmt_bytes(est.total_bytes)} per device does not fit")
     if advice.plan is None:
         reasons.append(
             "nothing fits at this batch: lower --batch-size and use --grad-accum to keep the global batch, "
@@ -186,8 +216,19 @@ def advise(
         return advice
     if advice.plan.enough:
         reasons.append(advice.plan.enough)
-    advice.train_command, advice.compare_command = commands(base, advice.plan, devices)
+    chosen = plan_config(base, advice.plan, devices)
+    advice.train_command, advice.compare_command = commands(chosen, advice.plan, devices)
     return advice
+
+
+def accumulated(base: TrainConfig, cfg: TrainConfig) -> str:
+    """The label's " (--grad-accum N: ...)" where ``plan_config`` accumulated more than ``base`` does (or
+    " (--microbatches N: ...)" where it gave a pipeline its micro-steps as micro-batches), else ""."""
+    added = {k: v for k, v in cfg.strategy_options.items() if k not in base.strategy_options}
+    flags = [f"--{k.replace('_', '-')} {v}" for k, v in added.items() if k == "microbatches"]
+    if cfg.grad_accum != base.grad_accum:
+        flags.insert(0, f"--grad-accum {cfg.grad_accum}")
+    return f" ({', '.join(flags)}: the micro-batch per rank of the data-parallel plans)" if flags else ""
 
 
 SPEED_TIE = 0.03
@@ -209,22 +250,23 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         f"on {nodes} x {gpn} {system.gpu.name} ({system.key}, stratbench.predicting.projection)"
     )
     fitting = []
-    plans, skipped = applicable(base, candidates(devices), devices, device_type)
+    plans, skipped = applicable(base, candidates(devices, system.gpus_per_node), devices, device_type)
     advice.reasons += skipped
     for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
-        cfg = base.replace(strategy=plan.strategy, strategy_options=dict(plan.options),
-                           activation_checkpointing=plan.activation_checkpointing, nnodes=nodes)  # fmt: skip
+        cfg = plan_config(base, plan, devices).replace(nnodes=nodes)
         est = estimate(cfg, world, device_type)
         advice.tried.append((plan, est))
         p = project(cfg, system, nodes, gpn, calibration, memory=False)
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
                                "step_s": p.step_s, "status": p.status, "dominant": p.dominant,
+                               "grad_accum": cfg.grad_accum, "tokens_per_s": p.tokens_per_s,
                                "efficiency_from": p.efficiency_from, "uncalibrated": p.uncalibrated})  # fmt: skip
         time_text = f"{p.step_s * 1e3:.1f} ms/step ({p.dominant})" if p.step_s else p.status
         advice.reasons.append(
-            f"{plan.label}: {fmt_bytes(est.total_bytes)} per device, {'fits' if fits else 'does not fit'}, {time_text}"
+            f"{plan.label}{accumulated(base, cfg)}: {fmt_bytes(est.total_bytes)} per device, "
+            f"{'fits' if fits else 'does not fit'}, {time_text}"
         )
         if fits and p.step_s:
             fitting.append((plan, est, p))
@@ -244,7 +286,8 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
             f"step times UNCALIBRATED: {best[2].efficiency_source}; --calibrate result.json from one real run "
             "replaces it"
         )
-    advice.train_command, advice.compare_command = commands(base, best[0], devices)
+    chosen = plan_config(base, best[0], devices)
+    advice.train_command, advice.compare_command = commands(chosen, best[0], devices)
     return advice
 
 
@@ -256,7 +299,7 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
         args += ["--grad-accum", str(base.grad_accum)]
     args += ["--precision", base.precision, *(["--tf32", "true"] if base.tf32 else []), "--optimizer",
              base.optimizer, "--strategy", plan.strategy]  # fmt: skip
-    for k, v in plan.options:
+    for k, v in base.strategy_options.items():  # the plan's options, as plan_config completed them
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:
         args += ["--activation-checkpointing", "true"]

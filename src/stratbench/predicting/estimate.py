@@ -165,16 +165,11 @@ def estimate(
     states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
     s = max(states, key=_held_bytes)
     mb = micro_batch(cfg, s.data_ranks or world_size)
-    # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
-    run_as = s.trace_precision or cfg.precision
-    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
-    # Fraction of the traced (full) gradients that stays on the device through the backward pass.
-    grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     resident = s.params + s.optim + s.master + s.buckets
-    fwd_bwd_traced = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
-    saved, saved_note = trace.saved_bytes, f"traced at micro-batch {mb}"
     if s.activations is not None:  # the method's own count (pipeline stages); gradients as they appear
-        saved, saved_note, fwd_bwd_traced = s.activations, s.activation_note, s.activations + s.grads
+        saved, saved_note, fwd_bwd_traced, check = s.activations, s.activation_note, s.activations + s.grads, None
+    else:
+        saved, saved_note, fwd_bwd_traced, check = _traced(cfg, spec, s, mb, device_type)
     peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
     step_temp = _step_scratch(cfg, s, info, device_type)
     linear = bool(info.linear_names) if s.runs_linear is None else s.runs_linear
@@ -209,8 +204,21 @@ def estimate(
         per_rank_states=model_state_bytes(cfg, world_size),
         seq_len=spec.seq_len,
         vocab_size=spec.num_classes if spec.is_text else None,
-        activation_formula=formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes),
+        activation_formula=check,
     )
+
+
+def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_type: str) -> tuple:
+    """(saved activations, their note, the forward/backward working peak, the formula's cross-check) of one
+    forward/backward of the model (or the method's slice of it) traced at the micro-batch ``mb``."""
+    # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
+    run_as = s.trace_precision or cfg.precision
+    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
+    # Fraction of the traced (full) gradients that stays on the device through the backward pass.
+    grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
+    fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
+    check = formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)
+    return trace.saved_bytes, f"traced at micro-batch {mb}", fwd_bwd, check
 
 
 def _working_peak(trace: Trace, grad_fraction: float, kept_grads: int) -> int:

@@ -117,12 +117,15 @@ def _on_link(kind: str, payload: float, n: int, link: Link, bandwidth: float | N
     return ring_time(kind, payload, n, bandwidth or link.effective_bandwidth, link.latency)
 
 
-def collective_time(kind: str, payload: float, calls: int, group: int, system: System) -> float:
-    """Seconds for ``calls`` calls moving ``payload`` bytes in all over ``group`` ranks of ``system``, packed
-    onto as few nodes as possible."""
+def collective_time(
+    kind: str, payload: float, calls: int, group: int, system: System, per_node: int | None = None
+) -> float:
+    """Seconds for ``calls`` calls moving ``payload`` bytes in all over ``group`` ranks of ``system``, ``per_node``
+    of them on each node (None: packed onto as few nodes as possible; ``ranks_per_node`` places a mesh
+    dimension's group)."""
     if group <= 1 or calls <= 0:
         return 0.0
-    g = min(group, system.gpus_per_node)
+    g = min(group, per_node or system.gpus_per_node)
     m = math.ceil(group / g)
     fixed = calls * system.call_latency
     per_call = payload / calls
@@ -149,6 +152,37 @@ def collective_time(kind: str, payload: float, calls: int, group: int, system: S
         t = (g - 1) / group * per_call / intra.effective_bandwidth + (group - g) / group * per_call / nic
         t += (g - 1) * intra.latency + (m - 1) * inter.latency
     return fixed + calls * t
+
+
+def ranks_per_node(row: Collective, mesh: dict[str, int], gpus_per_node: int) -> int:
+    """How many ranks of one call's group share a node, on a device mesh laid out row-major over nodes of
+    ``gpus_per_node`` (``CostModel.mesh_dims``: the last dimension's ranks are neighbours). A group over dimension
+    ``row.dim`` has ranks ``stride`` apart, the product of the dimensions after it: ``gpus_per_node // stride``
+    of them per node (1 where the stride is a node or more: fsdp --tp 8's dp groups have one rank per node and
+    cross the NICs only). A pair of a larger dimension (a pipeline's stage-to-stage send) is priced on the
+    slowest boundary: across nodes where the dimension spans nodes. No dimension: neighbouring ranks."""
+    size, stride = row.group_size, 1
+    if row.dim in mesh:
+        names = list(mesh)
+        size = mesh[row.dim]
+        stride = math.prod(mesh[n] for n in names[names.index(row.dim) + 1 :])
+    per_node = max(1, min(size, gpus_per_node // stride))
+    if row.group_size < size:
+        return row.group_size if per_node >= size else 1
+    return per_node
+
+
+def placement_note(mesh: dict[str, int], system: System) -> str:
+    """One line where tensor parallelism spans nodes: its all-reduces sit on the critical path of every block and
+    are then priced over the inter-node link ("" where the tp group fits one node)."""
+    t, g = mesh.get("tp", 1), system.gpus_per_node
+    if t <= g:
+        return ""
+    inter = system.inter_node.key if system.inter_node else "no inter-node link"
+    return (
+        f"tensor parallelism over {t} ranks spans {math.ceil(t / g)} nodes of {g}: its per-block all-reduces are "
+        f"priced over {inter}; keep tp <= {g} (one node's {system.intra_node.key})"
+    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -530,6 +564,10 @@ class MethodProjection:
     efficiency_note: str = ""
     """For a default without evidence of its own (GPU, precision, family): the fallback rule that gave it."""
     overlap: float | None = None
+    mesh: dict[str, int] = field(default_factory=dict)
+    """The method's device mesh (``CostModel.mesh_dims``: named dimensions, outermost first); empty: one dimension."""
+    placement_note: str = ""
+    """Said where tensor parallelism spans nodes (``placement_note``): priced so, but slow."""
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -558,12 +596,11 @@ def project(
     device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
     info = model_info(ModelSpec.from_config(cfg))
     ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
+    out.mesh = cls.cost.mesh_dims(ctx)
+    out.placement_note = placement_note(out.mesh, system)
     rows = cls.cost.comm_model(ctx)
     if rows is None:
-        out.status, out.reason = (
-            "no model",
-            f"{cfg.strategy} has no communication model (CostModel.comm_model)",
-        )
+        out.status, out.reason = "no model", f"{cfg.strategy} has no communication model (CostModel.comm_model)"
         return out
     flops = model_flops(cfg)
     if not flops:
@@ -668,15 +705,23 @@ def _communication(
     on their own stream, each as soon as the phase's compute has produced its data (``chunks``): what ends
     after the phase's compute is exposed (``exposed_after``: the last bucket of DDP at least; all of it where a
     method reduces in one bucket after backward, and all optimizer-phase traffic); of the rest, the system's
-    measured overlap x the method's own (``comm_overlap``) is hidden."""
+    measured overlap x the method's own (``comm_overlap``) is hidden. Calls marked ``critical`` (2D's Megatron
+    all-reduces) are exposed whole. Each call is priced where its group's ranks sit (``ranks_per_node``)."""
     f = system.overlap * method_overlap
     out.overlap = f
     windows = {"forward": forward, "backward": backward}
     by_phase: dict[str, list[tuple[float, float]]] = {}
+    critical = 0.0  # seconds of calls that nothing runs under (``Collective.critical``): all exposed
     for r in rows:
-        timed = [(ready, collective_time(r.kind, size, 1, r.group_size, system)) for ready, size in chunks(r)]
-        by_phase.setdefault(r.phase, []).extend(timed)
-        out.comm_rows.append(r.to_dict() | {"seconds": sum(t for _, t in timed)})
+        g = ranks_per_node(r, out.mesh, system.gpus_per_node)
+        timed = [(ready, collective_time(r.kind, size, 1, r.group_size, system, g)) for ready, size in chunks(r)]  # fmt: skip
+        if r.critical:
+            critical += sum(t for _, t in timed)
+        else:
+            by_phase.setdefault(r.phase, []).extend(timed)
+        nodes = math.ceil(r.group_size / min(g, r.group_size)) if r.group_size > 1 else 1
+        out.comm_rows.append(r.to_dict() | {"seconds": sum(t for _, t in timed), "ranks_per_node": g,
+                                            "nodes": nodes})  # fmt: skip
     out.comm_s = exposed = 0.0
     for phase, timed in by_phase.items():
         window = windows.get(phase, 0.0)
@@ -684,7 +729,8 @@ def _communication(
         late = exposed_after([(share * window, t) for share, t in timed], window)
         out.comm_s += total
         exposed += total - f * (total - late)
-    out.comm_exposed_s = exposed
+    out.comm_s += critical
+    out.comm_exposed_s = exposed + critical
 
 
 def chunks(row: Collective) -> list[tuple[float, float]]:

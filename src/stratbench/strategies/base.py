@@ -165,6 +165,13 @@ class CostModel:
         return 1.0
 
     @classmethod
+    def mesh_dims(cls, ctx: MemoryContext) -> dict[str, int]:
+        """The device mesh's named dimensions and sizes, outermost first, ranks laid out row-major (the last
+        dimension's ranks are neighbours): what a ``Collective``'s ``dim`` names, so that the projection can
+        place each group on nodes. Empty: one dimension, the whole world."""
+        return {}
+
+    @classmethod
     def predicted_comm(
         cls, cfg: TrainConfig, world_size: int, options: Any, device_type: str = "cpu"
     ) -> tuple[list[Collective] | None, str]:

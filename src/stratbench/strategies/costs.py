@@ -26,6 +26,14 @@ MiB = 1024**2
 # at 2 ranks (tinynet, fp32 and bf16-mixed; tracemalloc names linecache and torch/distributed/tensor).
 CPU_FSDP2_RUNTIME_BYTES = MiB // 3
 
+# Tensor parallelism (tp, pipeline --tp) on CPU: the same kind of memory, more of it (a block's DTensor ops are
+# many and varied: Megatron's column/row-parallel matmuls, their redistributes and all-reduces). Measured on this
+# VM (AMD EPYC, torch 2.13.0+cpu, gpt-tiny fp64, sequence 32, 2026-11-25) as the allocator peak minus the traced
+# terms: tp over 2 ranks 2.1 MiB (batch 4); pipeline --pp 2 --tp 2 3.3 and 4.2 MiB at micro-batches of 2 and 4,
+# ~2.4 MiB at none. Its part of the traced activations is exact (autograd saves 1,226,752 bytes per block on a
+# real tp rank, as the traced slice does).
+CPU_TP_RUNTIME_BYTES = 2 * MiB
+
 # DeepSpeed defaults that size its buffers (elements), from deepspeed/runtime/zero/config.py.
 DS_REDUCE_BUCKET = 500_000_000
 DS_PARAM_PERSISTENCE = 100_000

@@ -250,10 +250,15 @@ def fsdp_tp_comm(ctx) -> list[Collective] | None:
     megatron = tp_rows(ctx, dp.world)
     if megatron is None:
         return None
-    rows = fsdp2_comm(dp, ctx.options.sharding) + megatron
+    rows = [dataclasses.replace(r, dim="dp") for r in fsdp2_comm(dp, ctx.options.sharding)]
+    rows += [
+        dataclasses.replace(r, dim="tp", critical=True) for r in megatron
+    ]  # FSDP's prefetch cannot hide them
     if ctx.cfg.clip_grad_norm and dp.world > 1 and ctx.options.sharding != "none":
         norms = len(ctx.info.numels) * ctx.param_bytes
-        rows.append(Collective("all_reduce", norms, 1, "optimizer", dp.world, "per-parameter norms over dp"))
+        rows.append(
+            Collective("all_reduce", norms, 1, "optimizer", dp.world, "per-parameter norms over dp", dim="dp")
+        )
     return rows
 
 
@@ -292,6 +297,9 @@ class FSDPCost(CostModel):
         opts = ctx.options
         if opts.tp == 1:
             return fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+        why = tp_unsupported(ctx.cfg, opts, ctx.world)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         dp = tp_local(ctx)
         m = fsdp2_memory(dp, rank // opts.tp, opts.sharding, opts.cpu_offload)
         m.sharding_note = (
@@ -306,6 +314,12 @@ class FSDPCost(CostModel):
         """1, or with --tp a rank's slice of its replica's FLOPs (``tp.local_flop_share``)."""
         t = ctx.options.tp
         return 1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t)
+
+    @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """With --tp T the (dp = world / T, tp = T) mesh (``FSDPStrategy.mesh``); else one dimension."""
+        t = ctx.options.tp
+        return {"dp": ctx.world // t, "tp": t} if t > 1 else {}
 
     @classmethod
     def comm_model(cls, ctx):

@@ -54,7 +54,7 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective
-from stratbench.measuring.model_trace import ModelSpec, trace_step
+from stratbench.measuring.model_trace import ModelSpec, trace_pieces
 from stratbench.models.split import (
     BALANCE,
     Split,
@@ -66,8 +66,8 @@ from stratbench.models.split import (
 )
 from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import apply_tp
+from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
+from stratbench.strategies.tp import LocalSlice, apply_tp
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -215,6 +215,17 @@ def resolve_layout(options: PipelineOptions, world: int) -> Layout:
     return Layout(pp=pp, dp=dp, stages=stages, microbatches=m, schedule=options.schedule, tp=t)
 
 
+def batch_unfit(cfg, lay: Layout) -> str | None:
+    """One line when the micro-batches do not divide a replica's share of the batch, else None."""
+    per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
+    if per_replica is not None and per_replica % lay.microbatches:
+        return (
+            f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
+            f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
+        )
+    return None
+
+
 def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
     """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
     stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
@@ -340,6 +351,9 @@ class PipelineCost(CostModel):
         flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight
         (``_activations``)."""
         lay = resolve_layout(ctx.options, ctx.world)
+        why = batch_unfit(ctx.cfg, lay) or pipeline_tp.refusal(_run_spec(ctx.cfg), ctx.cfg, lay.tp)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
         pp_rank = lay.coords(rank)[1]
         ids = lay.stages_of(pp_rank)
@@ -353,8 +367,9 @@ class PipelineCost(CostModel):
         m.sharding_note = f"stage(s) {', '.join(str(s.index) for s in mine)} of {lay.stages}"
         if lay.tp > 1:
             m.sharding_note += f", its blocks' attention/MLP matrices 1/{lay.tp} (tp)"
-            m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
+            m.cpu_runtime, m.cpu_runtime_note = CPU_TP_RUNTIME_BYTES, "DTensor's op caches under tp, measured"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
+        m.data_ranks = lay.dp  # the batch is split over the replicas, not over every rank
         # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
         # receives across, allocated at the first step and reused: the input activations of a stage after
         # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
@@ -394,13 +409,16 @@ class PipelineCost(CostModel):
 
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
-        """The bytes autograd saves per sample in each piece (traced on the meta device by the splitter, in
-        fp32; scaled to the run's precision, ``_precision_scale``) x the micro-batch x the most micro-batches a
-        stage holds at once: all M for gpipe (every forward runs before the first backward), min(M, P - r) for
-        1f1b on pipeline rank r (its warm-up forwards), the interleaved warm-up spread over the rank's stages
-        for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the
-        first splits it into micro-batches). Returns the bytes and their note."""
-        per_mb = sum(s.saved_bytes for s in mine) * micro * cls._precision_scale(ctx, micro)
+        """The bytes autograd saves for the pieces of the rank's stages at one micro-batch (``trace_pieces``: in
+        the run's precision, attention through the fused kernel a real run picks; under --tp on a rank's slice,
+        ``tp.LocalSlice``) x the most micro-batches a stage holds at once: all M for gpipe (every forward runs
+        before the first backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the
+        interleaved warm-up spread over the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole
+        input batch, which every stage loads (the first splits it into micro-batches). Returns the bytes and their
+        note."""
+        transform = LocalSlice(lay.tp) if lay.tp > 1 else None
+        traced = {p.name: p for p in trace_pieces(_run_spec(ctx.cfg), micro, ctx.cfg.precision, transform)}
+        per_mb = sum(traced[s.pieces[0]].input_bytes + sum(traced[p].saved_bytes for p in s.pieces) for s in mine)
         flight = lay.in_flight(pp_rank)
         shape, tokens = sample_of(ctx.cfg)
         values = ctx.cfg.batch_size // lay.dp * math.prod(shape)
@@ -414,17 +432,6 @@ class PipelineCost(CostModel):
             "+ the step's input batch"
         )
         return int(per_mb * flight) + batch_input, note
-
-    @staticmethod
-    def _precision_scale(ctx, micro: int) -> float:
-        """The run's saved bytes over fp32's (the split is costed in fp32): the ratio of the whole model's
-        traced saved bytes, since autocast keeps some ops in fp32 (bf16-mixed saves 0.54x on tinynet)."""
-        if ctx.cfg.precision == "fp32":
-            return 1.0
-        spec = _run_spec(ctx.cfg)
-        full = trace_step(spec, micro, "fp32", False, ctx.device_type).saved_bytes
-        mixed = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
-        return mixed / (full or 1)
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
@@ -447,6 +454,11 @@ class PipelineCost(CostModel):
         return 0.0
 
     @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """The (dp, pp, tp) mesh of the run's layout (``Layout.mesh``)."""
+        return resolve_layout(ctx.options, ctx.world).mesh
+
+    @classmethod
     def comm_model(cls, ctx):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
@@ -463,13 +475,17 @@ class PipelineCost(CostModel):
         if out_b:
             sends = m * sum(i < lay.stages - 1 for i in ids)
             note = f"sent: activations of {m} micro-batches to the next stage"
-            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note))
+            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note, dim="pp"))
         if in_b:
             sends = m * sum(i > 0 for i in ids)
             note = f"sent: input gradients of {m} micro-batches to the previous stage"
-            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note))
+            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note, dim="pp"))
         if lay.pp > 1:
-            rows.append(Collective("broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage"))
+            rows.append(
+                Collective(
+                    "broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage", dim="pp"
+                )
+            )
         per_rank = [cls._reductions(ctx, lay, split, r, micro) for r in range(lay.pp)]
         return rows + max(per_rank, key=lambda rs: sum(r.payload_bytes for r in rs))
 
@@ -482,18 +498,25 @@ class PipelineCost(CostModel):
         mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
         spec = _run_spec(ctx.cfg)
         blocks = pipeline_tp.stage_blocks(spec, [m for s in mine for m in s.modules])
-        rows = pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+        rows = [
+            dataclasses.replace(r, dim="tp", critical=True)
+            for r in pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+        ]
         if ctx.pspec.loss_scaling:
             note = "the loss scaler's found-inf flag (fp32)"
             rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
         if lay.dp > 1:
             local = cls._local_params(ctx, lay, mine)
             note = "stage gradients over the replicas"
-            rows.append(Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note))
+            rows.append(
+                Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note, dim="dp")
+            )
         if ctx.cfg.clip_grad_norm:
-            for size, note in ((lay.tp, "over tp"), (lay.pp, "over the stages")):
+            for size, note, dim in ((lay.tp, "over tp", "tp"), (lay.pp, "over the stages", "pp")):
                 if size > 1:
-                    rows.append(Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}"))
+                    rows.append(
+                        Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}", dim=dim)
+                    )
         return rows
 
     @staticmethod
@@ -646,12 +669,9 @@ class PipelineStrategy(Strategy):
             return "--activation-checkpointing with pipeline is not supported (the stages hold the original modules)"
         if cfg.compile:
             return "--compile with pipeline is not supported (the schedule calls the stage modules directly)"
-        per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
-        if per_replica is not None and per_replica % lay.microbatches:
-            return (
-                f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
-                f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
-            )
+        why = batch_unfit(cfg, lay)
+        if why:
+            return why
         try:
             _spec_split(cfg, lay.stages, options)
         except ConfigError as exc:

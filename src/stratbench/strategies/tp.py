@@ -61,7 +61,7 @@ from stratbench.models.transformer import (
     TransformerConfig,
 )
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
+from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
 
 HOW_TO_PLAN = (
     "give the model a tp_plan() method returning a torch.distributed.tensor.parallel.parallelize_module plan "
@@ -497,17 +497,25 @@ class TPCost(CostModel):
     @classmethod
     def memory_model(cls, ctx, rank):
         opts = _options_of(ctx)
+        why = unsupported(ctx.cfg, ctx.world, "--nproc/--world-size", opts)
+        if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
+            raise ConfigError(why)
         shapes = tp_shapes(ModelSpec.from_config(ctx.cfg), opts.vocab_parallel)
         local, pd = shapes.local_numel(ctx.world), ctx.param_bytes
         m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
         m.step_scalars = 4 * len(shapes.numels) if ctx.adam else 0
-        m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches (as FSDP2's)"
+        m.cpu_runtime, m.cpu_runtime_note = CPU_TP_RUNTIME_BYTES, "DTensor's op caches under tp, measured"
         whole = "norms" if opts.vocab_parallel and shapes.transformer else "embedding, norms and head"
         m.sharding_note = f"split weights 1/{ctx.world}, {whole} replicated"
         # every rank computes the whole batch through its slice of the split matrices
         m.data_ranks = 1
         m.trace_transform = LocalSlice(ctx.world, opts.vocab_parallel, opts.sequence_parallel)
         return m
+
+    @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """One dimension, every process one tensor-parallel group."""
+        return {"tp": ctx.world}
 
     @classmethod
     def comm_model(cls, ctx):
