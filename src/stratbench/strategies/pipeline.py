@@ -67,7 +67,7 @@ from stratbench.models.split import (
 from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import apply_tp
+from stratbench.strategies.tp import LocalSlice, apply_tp, plan_options, reduce_partial_grads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -86,6 +86,10 @@ class PipelineOptions:
     """pipeline: processes per pipeline; the world size / (pp x tp) replicas all-reduce gradients per stage (0: --stages, or the world size / tp)."""
     tp: int = 1
     """pipeline: processes each stage is split over, Megatron tensor parallel (3D parallelism: a (dp, pp, tp) mesh); the built-in transformers."""
+    sequence_parallel: bool = False
+    """pipeline --tp: Megatron sequence parallelism in each stage, as the tp method's: the norms and the residual stream sharded along the sequence (the stages send each other their tp rank's sequence shard); --seq-len must divide by --tp."""
+    vocab_parallel: bool = False
+    """pipeline --tp: the embedding (first stage) and the head (last stage) split over the vocabulary, as the tp method's; the last stage gathers the logits for its loss (no loss_parallel). False (pipeline's default): both whole on every tp rank."""
     balance: str = "params"
     """Balance the automatic split by parameters (memory) or flops (forward+backward time)."""
     split_points: str = ""
@@ -102,6 +106,12 @@ class PipelineOptions:
                 raise ConfigError(f"{name} must be a positive integer (or 0 for the default), got {value!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
+        split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(self, f)]
+        if split and self.tp == 1:
+            flags = " and ".join("--" + f.replace("_", "-") for f in split)
+            raise ConfigError(
+                f"pipeline {flags} split(s) each stage over --tp processes: give --tp 2 or more (got 1)"
+            )
 
     @property
     def points(self) -> tuple[str, ...]:
@@ -362,7 +372,7 @@ class PipelineCost(CostModel):
         act_bytes = cls._boundary_itemsize(ctx)
         boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
             split.stages[i].out_numel for i in ids if i < lay.stages - 1
-        )
+        ) // cls._boundary_share(ctx, lay)
         recv = lay.microbatches * boundary * micro * act_bytes
         notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
         if lay.dp > 1:
@@ -374,6 +384,12 @@ class PipelineCost(CostModel):
             lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in names
         )
         return m
+
+    @staticmethod
+    def _boundary_share(ctx, lay: Layout) -> int:
+        """What a stage boundary's activation is divided by on one rank: under --sequence-parallel T (each tp
+        rank sends and receives its own sequence shard), else 1 (every tp rank its whole copy)."""
+        return lay.tp if ctx.options.sequence_parallel else 1
 
     @staticmethod
     def _boundary_itemsize(ctx) -> int:
@@ -390,7 +406,8 @@ class PipelineCost(CostModel):
         (``pipeline_tp.stage_numel``)."""
         if lay.tp == 1:
             return sum(s.params for s in stages)
-        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), [m for s in stages for m in s.modules], lay.tp)[0]
+        modules = [m for s in stages for m in s.modules]
+        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), modules, lay.tp, ctx.options.vocab_parallel)[0]
 
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
@@ -401,6 +418,7 @@ class PipelineCost(CostModel):
         for interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the
         first splits it into micro-batches). Returns the bytes and their note."""
         per_mb = sum(s.saved_bytes for s in mine) * micro * cls._precision_scale(ctx, micro)
+        per_mb *= cls._tp_share(ctx, lay, micro)
         flight = lay.in_flight(pp_rank)
         shape, tokens = sample_of(ctx.cfg)
         values = ctx.cfg.batch_size // lay.dp * math.prod(shape)
@@ -414,6 +432,19 @@ class PipelineCost(CostModel):
             "+ the step's input batch"
         )
         return int(per_mb * flight) + batch_input, note
+
+    @staticmethod
+    def _tp_share(ctx, lay: Layout, micro: int) -> float:
+        """Under --tp, a tp rank's share of the activations a stage saves: the whole model's saved bytes traced
+        as one rank's slice (``tp.LocalSlice``: its heads and MLP columns, under --sequence-parallel its norms on
+        1/T of the positions, under --vocab-parallel its part of the logits) over the whole model's."""
+        if lay.tp == 1:
+            return 1.0
+        opts, spec = ctx.options, _run_spec(ctx.cfg)
+        rank = LocalSlice(lay.tp, opts.vocab_parallel, opts.sequence_parallel)
+        local = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type, rank).saved_bytes
+        whole = trace_step(spec, micro, ctx.cfg.precision, False, ctx.device_type).saved_bytes
+        return local / (whole or 1)
 
     @staticmethod
     def _precision_scale(ctx, micro: int) -> float:
@@ -436,7 +467,7 @@ class PipelineCost(CostModel):
         total = sum(s.flops for s in split.stages)
         if not total:
             return 1.0
-        flops = [pipeline_tp.stage_flops(split, s, lay.tp) for s in split.stages]
+        flops = [pipeline_tp.stage_flops(split, s, lay.tp, ctx.options.vocab_parallel) for s in split.stages]
         busiest = max(sum(flops[i] for i in lay.stages_of(r)) for r in range(lay.pp)) / total
         return busiest / (1.0 - lay.bubble_theory())
 
@@ -451,13 +482,15 @@ class PipelineCost(CostModel):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
         not counted as its wire bytes; under --tp every tp rank sends its own whole copy to its peer of the next
-        stage), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
+        stage, or under --sequence-parallel its sequence shard), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
         (``_reductions``)."""
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
         pd = cls._boundary_itemsize(ctx)
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         out_b, in_b, ids = cls._busiest_sender(lay, split, micro * pd)
+        share = cls._boundary_share(ctx, lay)
+        out_b, in_b = out_b // share, in_b // share
         m = lay.microbatches
         rows: list[Collective] = []
         if out_b:
@@ -480,9 +513,8 @@ class PipelineCost(CostModel):
         --clip-grad-norm the norm's fp64 square sums (over tp, then over the stages), and under fp16-mixed the
         loss scaler's found-inf over every process."""
         mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
-        spec = _run_spec(ctx.cfg)
-        blocks = pipeline_tp.stage_blocks(spec, [m for s in mine for m in s.modules])
-        rows = pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+        modules = [m for s in mine for m in s.modules]
+        rows = pipeline_tp.stage_comm(ctx, _run_spec(ctx.cfg), modules, micro, lay.microbatches, lay.tp)
         if ctx.pspec.loss_scaling:
             note = "the loss scaler's found-inf flag (fp32)"
             rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
@@ -656,7 +688,7 @@ class PipelineStrategy(Strategy):
             _spec_split(cfg, lay.stages, options)
         except ConfigError as exc:
             return str(exc)
-        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp)
+        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp, plan_options(options))
 
     @classmethod
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
@@ -726,7 +758,13 @@ class PipelineStrategy(Strategy):
         drop_modules(model, {m for i in self.stage_ids for m in self.split.stages[i].modules})
         model.to(env.device)
         if lay.tp > 1:  # the blocks this rank kept, split over its stage's tp processes (torchtitan's order)
-            apply_tp(model, self.mesh["tp"])
+            opts = self.options
+            apply_tp(
+                model,
+                self.mesh["tp"],
+                sequence_parallel=opts.sequence_parallel,
+                vocab_parallel=opts.vocab_parallel,
+            )
         TimedStage = _timed_stage_class()
         self.stage_modules: list[nn.Module] = []
         self.stages = []
@@ -815,6 +853,8 @@ class PipelineStrategy(Strategy):
                 {"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)}
             )
             self._after_eval = False
+            if self.layout.tp > 1:  # the sequence-parallel norms' partial gradients summed over tp, once
+                reduce_partial_grads(self.model)
             if self.layout.dp > 1:
                 self._all_reduce_grads()
         with self.phase("other"):  # the mean loss, sent from the last stage to every stage
