@@ -709,7 +709,7 @@ def apply_tp(
     _replicate_rest(model, mesh, _edge_layouts(model, sequence_parallel, vocab_parallel))
     _retie(ties)
     _grads_laid_out_as_params(model)
-    if vocab_parallel and isinstance(model, Transformer):
+    if vocab_parallel and isinstance(model, Transformer) and model.output is not None:  # a stage may lack it
         model.output._stratbench_gather_logits = hook = GatherLogits()
         model.output.register_forward_hook(hook)
 
