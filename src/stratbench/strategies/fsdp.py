@@ -282,26 +282,25 @@ def tp_rows(ctx, dp: int) -> list[Collective] | None:
     cfg, t, plan = ctx.cfg, ctx.options.tp, plan_options(ctx.options)
     replica = dataclasses.replace(cfg, batch_size=cfg.batch_size // dp)
     pure = next(n for n, s in SPECS.items() if s.param_dtype == ctx.pspec.compute_dtype and not s.autocast)
-    rows = transformer_comm(
-        dataclasses.replace(ctx, world=t, cfg=dataclasses.replace(replica, precision=pure), options=plan)
-    )
+    as_computed = dataclasses.replace(ctx, world=t, cfg=dataclasses.replace(replica, precision=pure))
+    rows = transformer_comm(dataclasses.replace(as_computed, options=plan))
     if rows is None:
         return None
     rows = [r for r in rows if r.phase != "optimizer"]
     tc = tp_shapes(ModelSpec.from_config(cfg)).transformer
-    if plan.sequence_parallel:
+    if plan.sequence_parallel:  # the norms' gradients in the gathered weights' dtype (measured: bf16)
         norms = 2 * tc.n_layers + 1
         calls = norms * (cfg.grad_accum if ctx.options.sharding == "full" else 1)
-        rows.append(dataclasses.replace(norm_grads_row(ctx, norms, tc.dim, t, calls), phase="backward"))
+        rows.append(
+            dataclasses.replace(norm_grads_row(as_computed, norms, tc.dim, t, calls), phase="backward")
+        )
     if cfg.clip_grad_norm:  # the per-parameter norms over tp, as transformer_comm gives them
-        rows += [r for r in transformer_comm(dataclasses.replace(ctx, world=t, options=plan)) or []
-                 if r.phase == "optimizer" and "clipping" in r.note]  # fmt: skip
+        clip = transformer_comm(dataclasses.replace(ctx, world=t, options=plan)) or []
+        rows += [r for r in clip if r.phase == "optimizer" and "clipping" in r.note]
     if cfg.activation_checkpointing:
         act = (replica.batch_size // cfg.grad_accum) * cfg.seq_len * tc.dim
-        pure_ctx = dataclasses.replace(ctx, cfg=dataclasses.replace(replica, precision=pure))
-        rows += _recomputed(
-            megatron_rows(pure_ctx, tc.n_layers, act, cfg.grad_accum, t, "", plan.sequence_parallel)
-        )
+        blocks = megatron_rows(as_computed, tc.n_layers, act, cfg.grad_accum, t, "", plan.sequence_parallel)
+        rows += _recomputed(blocks)
     return rows
 
 
