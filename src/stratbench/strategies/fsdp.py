@@ -15,7 +15,11 @@ default one per residual block (``stratbench.models.zoo.residual_block_types``),
 
 2D parallelism (``--tp T``): a (dp = world/T, tp = T) device mesh; the model's tensor-parallel plan (the tp
 method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards each rank's slices over ``dp``
-(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism.md).
+(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism.md). The tp method's flags
+apply inside each tp group (the same plan, ``apply_tp``): ``--sequence-parallel`` (the norms and the residual
+stream on 1/T of the sequence, all-gather + reduce-scatter in place of each all-reduce; FSDP2 sums the norms'
+partial gradients itself) and ``--vocab-parallel`` (embedding and head split over the vocabulary, the loss under
+``loss_parallel``: ``tp.LossParallel``).
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before

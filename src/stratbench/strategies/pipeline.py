@@ -15,6 +15,12 @@ rank keeps, over the mesh's ``tp`` dimension, as torchtitan parallelises each pi
 same tp slot, the replicas' all-reduce covers each rank's local shards. The tp-specific pieces (refusals, the
 stage's split bytes and Megatron traffic for the cost model, DTensor shards in the gradient all-reduce, the
 clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism.md has the formulas.
+``--sequence-parallel`` shards each stage's residual stream and norms along the sequence over tp: at a stage edge
+each tp rank sends its peer its own sequence shard, what the plan produces (torchtitan's choice: 1/T of the
+bytes, no gather at the edge; the next stage's first block takes it as its ``Shard(1)`` input), and the norms'
+partial gradients are summed over tp once after the schedule. ``--vocab-parallel`` splits the embedding and the
+head over the vocabulary; the last stage gathers the logits for its loss (the schedule hands the loss a plain
+tensor: no ``loss_parallel``).
 
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several

@@ -3,7 +3,8 @@ pipeline strategy adds when each stage is split Megatron-style over ``T`` proces
 stage's modules over the mesh's ``tp`` dimension, as torchtitan's ``parallelize`` does to each pipeline chunk).
 
 Kept apart from ``pipeline.py`` (the runtime there calls these): the refusals, the stage's split parameters and
-Megatron traffic for the cost model, the gradients' local shards for the replicas' all-reduce and the clipping
+tp traffic for the cost model (Megatron's, or with --sequence-parallel/--vocab-parallel the tp method's rows for
+the blocks and ends the stage holds), the gradients' local shards for the replicas' all-reduce and the clipping
 norm, and the full tensors of a checkpoint. With ``T == 1`` every function here is the identity of the plain
 pipeline (plain tensors pass through unchanged, no rows are added).
 """
