@@ -668,20 +668,23 @@ def _retie(groups: list[list[tuple[nn.Module, str]]]) -> None:
 def _grads_laid_out_as_params(model: nn.Module) -> None:
     """A split parameter whose gradient comes back replicated (the vocabulary-parallel embedding's: DTensor's
     embedding backward gives every rank the whole (vocab, dim) gradient) keeps only its own slice of it, before
-    it is accumulated: a local slice, no communication, and 1/T of the gradient's memory as the cost model says."""
+    it is accumulated: a local slice, no communication, and 1/T of the gradient's memory as the cost model says.
+    The hook holds the parameter's placements, not the parameter: a hook that held it would make a reference
+    cycle (parameter -> its hooks -> the parameter), and the tp slices FSDP2 replaces by its shards (fsdp --tp)
+    would stay in memory until a full garbage collection (measured: 3.4 MiB per rank on the 2D test run)."""
     from torch.distributed.tensor import DTensor
 
-    def keep_own_slice(param):
+    def keep_own_slice(placements):
         def hook(grad):
             if isinstance(grad, DTensor) and all(pl.is_replicate() for pl in grad.placements):
-                return grad.redistribute(grad.device_mesh, param.placements)
+                return grad.redistribute(grad.device_mesh, placements)
             return grad
 
         return hook
 
     for p in model.parameters():
         if isinstance(p, DTensor) and any(pl.is_shard() for pl in p.placements):
-            p.register_hook(keep_own_slice(p))
+            p.register_hook(keep_own_slice(p.placements))
 
 
 def apply_tp(
