@@ -293,11 +293,10 @@ def tp_rows(ctx, dp: int) -> list[Collective] | None:
     rows = [r for r in rows if r.phase != "optimizer"]
     tc = tp_shapes(ModelSpec.from_config(cfg)).transformer
     if plan.sequence_parallel:  # the norms' gradients in the gathered weights' dtype (measured: bf16)
-        norms = 2 * tc.n_layers + 1
-        calls = norms * (cfg.grad_accum if ctx.options.sharding == "full" else 1)
-        rows.append(
-            dataclasses.replace(norm_grads_row(as_computed, norms, tc.dim, t, calls), phase="backward")
-        )
+        # each norm's gradient once per micro-step under full sharding (FSDP2 reduces every micro-step)
+        summed = (2 * tc.n_layers + 1) * (cfg.grad_accum if ctx.options.sharding == "full" else 1)
+        row = norm_grads_row(as_computed, summed, tc.dim, t, summed)
+        rows.append(dataclasses.replace(row, phase="backward"))
     if cfg.clip_grad_norm:  # the per-parameter norms over tp, as transformer_comm gives them
         clip = transformer_comm(dataclasses.replace(ctx, world=t, options=plan)) or []
         rows += [r for r in clip if r.phase == "optimizer" and "clipping" in r.note]
