@@ -2,8 +2,10 @@
 built-in transformer, 4 gloo processes on CPU as a (dp 2, tp 2) mesh: it trains exactly the model `single`
 trains (fp64, gradient clipping on), each rank holds 1/4 of the split matrices and 1/2 of the replicated rest
 as the cost model says, the collectives measured per kind are FSDP's over dp plus Megatron's over tp, and its
-sharded checkpoint resumes under fsdp x tp, under a (dp 1, tp 2) mesh and under single; a world, a model or a
-degree that does not fit is refused in one line before any work."""
+sharded checkpoint resumes under fsdp x tp, under a (dp 1, tp 2) mesh and under single; with --sequence-parallel
+and --vocab-parallel (one more 4-process run) it trains the same curve, each rank holds 1/4 of the embedding and
+head too, and the measured all-gathers and reduce-scatters take the place of Megatron's all-reduces as the cost
+model says; a world, a model, a degree or a sequence that does not fit is refused in one line before any work."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from stratbench.models.transformer import SIZES
 SEQ, BATCH, STEPS, SAVED = 32, 8, 4, 2
 LM64 = tiny_lm_fp64(SEQ, BATCH)
 FSDP_TP = ["--strategy", "fsdp", "--tp", "2"]
+SP = ["--sequence-parallel", "--vocab-parallel"]
 CFG = SIZES["gpt-tiny"]
 F64 = 8
 PARAMS = 9 * CFG.n_layers + 3
@@ -33,13 +36,15 @@ PARAMS = 9 * CFG.n_layers + 3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """single, and fsdp --tp 2 on 4 processes saving its sharded checkpoint after step 2 (kept beside the last)."""
+    """single, fsdp --tp 2 on 4 processes saving its sharded checkpoint after step 2 (kept beside the last), and
+    the same with sequence parallelism and the vocabulary-parallel embedding and head (loss_parallel)."""
     root = tmp_path_factory.mktemp("fsdp_tp")
     steps = ["--max-steps", str(STEPS)]
     single = train(root / "single", "--strategy", "single", *LM64, *steps)
     save = ["--save-every-steps", str(SAVED), "--keep-last", "2"]
     two_d = train(root / "fsdp-tp", *FSDP_TP, *LM64, *steps, *COMM, *save, nproc=4)
-    return {"root": root, "single": single, "fsdp-tp": two_d}
+    sp = train(root / "fsdp-tp-sp", *FSDP_TP, *SP, *LM64, *steps, *COMM, nproc=4)
+    return {"root": root, "single": single, "fsdp-tp": two_d, "fsdp-tp-sp": sp}
 
 
 def _split_and_replicated() -> tuple[int, int]:
@@ -127,6 +132,45 @@ def test_the_sharded_checkpoint_resumes_under_fsdp_tp_another_mesh_and_single(ru
         assert_curves_match(res["metrics"]["loss_curve"], ref[SAVED:], RTOL)
 
 
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_sequence_and_vocabulary_parallel_train_the_model_single_trains(runs):
+    res, ref = runs["fsdp-tp-sp"], runs["single"]["metrics"]["loss_curve"]
+    assert res["status"] == "ok" and res["mesh"] == {"dp": 2, "tp": 2}
+    assert res["tp"] == {"sequence_parallel": True, "vocab_parallel": True, "loss_parallel": True}
+    assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+
+
+@pytest.mark.distributed
+def test_sequence_parallel_holds_and_sends_what_the_cost_model_says(runs):
+    """Each rank holds 1/4 of the split matrices, embedding and head (1/T over tp, then 1/2 over dp) and 1/2 of
+    the norms. Over tp, per block and step 2 all-gathers and 2 reduce-scatters of the replica's (4, 32, 192)
+    activations forward and as many backward in place of the 4 all-reduces (Korthikanti et al.); the ends: the
+    head's input gathered and the embedding's output gradient gathered, the embedding's partial lookups and the
+    head's input gradient reduce-scattered; all-reduces: FSDP2 sums each of the 9 norms' partial gradients,
+    loss_parallel 3 numbers per token, the clipping norms over dp and tp."""
+    res = runs["fsdp-tp-sp"]
+    split, replicated = _split_and_replicated()
+    ends = 2 * CFG.vocab_size * CFG.dim
+    norms = replicated - ends
+    per_rank = res["sharding"]["param_bytes"]
+    assert per_rank == [((split + ends) // 4 + norms // 2) * F64] * 4, per_rank
+    comm = assert_comm_matches_formula(res)
+    measured = comm["measured"]
+    tp_slices = ((split + ends) // 2 + norms) * F64  # what FSDP gathers over dp
+    activation = BATCH // 2 * SEQ * CFG.dim * F64
+    blocks = 4 * CFG.n_layers  # per kind: 2 per block forward, 2 backward
+    assert measured["all_gather"]["payload_bytes"] == 2 * tp_slices + (blocks + 2) * activation, measured
+    assert measured["reduce_scatter"]["payload_bytes"] == tp_slices + (blocks + 2) * activation, measured
+    tokens = BATCH // 2 * SEQ
+    assert measured["all_reduce"]["payload_bytes"] == (norms + 3 * tokens + 2 * PARAMS) * F64, measured
+    assert measured["all_reduce"]["calls"] == 2 * CFG.n_layers + 1 + 3 + 2, measured
+    assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}
+    # a rank's slice traced with its norms on 1/T of the positions and 1/T of the logits (tp.LocalSlice): -6.9%
+    assert_estimate_within(res)
+
+
 def test_worlds_models_and_degrees_that_do_not_fit_are_refused_in_one_line(capsys, tmp_path):
     out = tmp_path / "refused"
     err = fails(capsys, "train", *FSDP_TP[:2], "--tp", "3", "--nproc", "4", *LM64, "--output", out)
@@ -142,4 +186,13 @@ def test_worlds_models_and_degrees_that_do_not_fit_are_refused_in_one_line(capsy
     assert "fsdp --tp 2: tp: model 'resnet18' has no tensor-parallel plan" in err and "tp_plan()" in err
     err = fails(capsys, "train", *FSDP_TP[:2], "--tp", "0", "--nproc", "2", *LM64, "--output", out)
     assert "tp must be a positive integer (1: no tensor parallelism), got 0" in err
+    err = fails(capsys, "train", *FSDP_TP, *SP, "--nproc", "4", *LM64, "--seq-len", "31", "--output", out)
+    assert (
+        "fsdp --tp 2: tp over 2 processes with --sequence-parallel: --seq-len 31 does not divide by 2" in err
+    )
+    assert "give a multiple of 2 (e.g. 32)" in err
+    err = fails(capsys, "train", *FSDP_TP[:2], "--sequence-parallel", "--nproc", "4", *LM64, "--output", out)
+    assert (
+        "fsdp --sequence-parallel split(s) within a tensor-parallel group: give --tp 2 or more (got 1)" in err
+    )
     assert not out.exists(), "refused before anything is written"

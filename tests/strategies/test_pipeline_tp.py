@@ -3,7 +3,9 @@ tensor-parallel processes (4 gloo processes, mesh dp 1 x pp 2 x tp 2) trains exa
 (fp64 within conftest.RTOL, gradient clipping on), under 1f1b and, resumed from its checkpoint, under gpipe;
 each rank holds its stage with the split matrices 1/T; the collectives measured are the cost model's (the
 stage sends, Megatron's all-reduces per block and micro-batch); its checkpoint resumes under the same layout
-and under `single`; bad layouts are refused in one line before any work. Data parallel replicas (dp > 1) need
+and under `single`; with --sequence-parallel and --vocab-parallel (one more 4-process run) the stages send each
+other their sequence shards, the blocks all-gather and reduce-scatter in place of Megatron's all-reduces and the
+curve is still single's; bad layouts are refused in one line before any work. Data parallel replicas (dp > 1) need
 8 processes, too many for this suite: the mesh coordinates, the data shards and the cost model of 2 x 2 x 2
 are checked in process instead (the 8-process run itself is measured in docs/parallelism.md)."""
 
@@ -29,17 +31,19 @@ LM64 = [*tiny_lm_fp64(SEQ, BATCH, eval_samples=8), "--max-steps", str(STEPS)]
 PP_TP = ["--strategy", "pipeline", "--pp", "2", "--tp", "2", "--split-points", "layers.2", "--microbatches", str(M)]  # fmt: skip
 CFG = SIZES["gpt-tiny"]
 F64 = 8
+SP = ["--sequence-parallel", "--vocab-parallel"]
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
-    """`single` and the 4-process 1f1b pipeline x tp (collectives, phases and allocator measured; a checkpoint
-    at step 2) that the tests below read."""
+    """`single`, the 4-process 1f1b pipeline x tp (collectives, phases and allocator measured; a checkpoint at
+    step 2) and the same with sequence parallelism and the vocabulary-parallel embedding and head."""
     root = tmp_path_factory.mktemp("pipeline-tp")
     single = train(root / "single", "--strategy", "single", *LM64)
     pp_tp = train(root / "1f1b", *PP_TP, *LM64, "--schedule", "1f1b", "--save-every-steps", "2",
                   "--keep-last", "2", *COMM, nproc=4)  # fmt: skip
-    return {"root": root, "single": single, "1f1b": pp_tp}
+    sp = train(root / "1f1b-sp", *PP_TP, *SP, *LM64, "--schedule", "1f1b", *COMM, nproc=4)
+    return {"root": root, "single": single, "1f1b": pp_tp, "sp": sp}
 
 
 def _block_elements() -> tuple[int, int]:
@@ -121,6 +125,37 @@ def test_the_checkpoint_resumes_under_pipeline_x_tp_and_single(runs):
         assert_curves_match(res["metrics"]["loss_curve"], ref[2:], RTOL)
 
 
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_sequence_parallel_stages_train_the_model_single_trains_sending_their_shards(runs):
+    """Sequence and vocabulary parallel in each stage: single's curve; each rank holds its blocks' matrices and
+    its stage's embedding or head 1/2; per step each tp rank sends its peer only its half of the sequence of each
+    micro-batch's (2, 32, 192) hidden state; per block and micro-batch 2 all-gathers and 2 reduce-scatters each
+    way replace the 4 all-reduces (the busiest rank, the last stage: plus the head's input gathered and the logits
+    gathered for the loss); the norms' partial gradients and the clipping's two square sums are all-reduced once;
+    the memory estimate within 10% of the allocator's peak."""
+    res, ref = runs["sp"], runs["single"]["metrics"]["loss_curve"]
+    assert res["status"] == "ok" and res["mesh"] == {"dp": 1, "pp": 2, "tp": 2}
+    assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+    split, rep = _block_elements()
+    ends = CFG.vocab_size * CFG.dim // 2  # the embedding or the head, split over the vocabulary
+    stage0, stage1 = ends + 2 * (split // 2 + rep), 2 * (split // 2 + rep) + CFG.dim + ends
+    assert res["sharding"]["param_bytes"] == [stage0 * F64] * 2 + [stage1 * F64] * 2
+    comm = assert_comm_matches_formula(res)
+    hidden = BATCH // M * SEQ * CFG.dim * F64
+    measured = comm["measured"]
+    assert measured["send_recv"]["payload_bytes"] == M * hidden // 2 and measured["send_recv"]["calls"] == M
+    blocks = 2 * 2 * 2 * M  # blocks x (attention, MLP) x (forward, backward) x micro-batches, per kind
+    assert measured["reduce_scatter"]["calls"] == blocks + M, measured  # + the head's input gradient
+    logits = BATCH // M * SEQ * CFG.vocab_size * F64
+    assert measured["all_gather"]["payload_bytes"] == (blocks + M) * hidden + M * logits, measured
+    norms = (2 * 2 + 1) * CFG.dim * F64
+    assert measured["all_reduce"]["payload_bytes"] == norms + 2 * F64, measured
+    assert set(measured) == {"send_recv", "all_gather", "reduce_scatter", "all_reduce", "broadcast"}
+    assert_estimate_within(res)  # -3.9% (the stage's activations scaled by tp.LocalSlice's SP/VP saving)
+
+
 def test_bad_layouts_are_refused_in_one_line_before_any_work(capsys, tmp_path):
     out = tmp_path / "refused"
     common = ["train", "--strategy", "pipeline", *LM64, "--output", out]
@@ -135,6 +170,16 @@ def test_bad_layouts_are_refused_in_one_line_before_any_work(capsys, tmp_path):
                 "--data", "synthetic", "--output", out)  # fmt: skip
     assert "tensor parallelism inside pipeline stages splits the built-in transformers" in err
     assert "pipeline --tp 2: " in err and "not model 'tinynet'" in err
+    err = fails(capsys, *common, "--nproc", "4", "--pp", "2", "--tp", "2", *SP, "--seq-len", "33")
+    assert (
+        "pipeline --tp 2: tp over 2 processes with --sequence-parallel: --seq-len 33 does not divide by 2"
+        in err
+    )
+    err = fails(capsys, *common, "--nproc", "2", "--vocab-parallel")
+    assert (
+        "pipeline --vocab-parallel split(s) each stage over --tp processes: give --tp 2 or more (got 1)"
+        in err
+    )
     assert not out.exists(), "refused before anything is written"
 
 

@@ -15,7 +15,11 @@ default one per residual block (``stratbench.models.zoo.residual_block_types``),
 
 2D parallelism (``--tp T``): a (dp = world/T, tp = T) device mesh; the model's tensor-parallel plan (the tp
 method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards each rank's slices over ``dp``
-(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism.md).
+(torchtitan's order); the ranks of one tp group read the same data (docs/parallelism.md). The tp method's flags
+apply inside each tp group (the same plan, ``apply_tp``): ``--sequence-parallel`` (the norms and the residual
+stream on 1/T of the sequence, all-gather + reduce-scatter in place of each all-reduce; FSDP2 sums the norms'
+partial gradients itself) and ``--vocab-parallel`` (embedding and head split over the vocabulary, the loss under
+``loss_parallel``: ``tp.LossParallel``).
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
@@ -35,17 +39,21 @@ from torch import nn
 
 from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoint layout reader on discovery
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import Precision
+from stratbench.core.precision import SPECS, Precision
 from stratbench.measuring.comm import Collective, dim0_padded
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.zoo import residual_block_types
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
 from stratbench.strategies.tp import (
-    BLOCKS_ONLY,
     LocalSlice,
+    LossParallel,
     apply_tp,
     local_flop_share,
+    megatron_rows,
+    norm_grads_row,
+    plan_options,
+    splits_loss,
     tp_shapes,
     transformer_comm,
     unsupported,
@@ -71,6 +79,10 @@ class FSDPOptions:
     """sharded (a torch.distributed.checkpoint folder, each rank writes its shards) or full (one file written by rank 0)."""
     tp: int = 1
     """fsdp: tensor-parallel degree T (2D parallelism): the ranks form a (dp = world/T, tp = T) mesh; the model's tensor-parallel plan (as the tp method's) splits each block's matrices over tp, then FSDP2 shards them over dp. 1: FSDP alone."""
+    sequence_parallel: bool = False
+    """fsdp --tp: Megatron sequence parallelism in each tp group, as the tp method's: the norms and the residual stream sharded along the sequence, each block's all-reduces become all-gather + reduce-scatter; --seq-len must divide by --tp."""
+    vocab_parallel: bool = False
+    """fsdp --tp: the built-in transformer's embedding and head split over the vocabulary in each tp group, the cross-entropy on the split logits (loss_parallel), as the tp method's; false (fsdp's default): both whole in each tp group, sharded over dp."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING)
@@ -81,6 +93,12 @@ class FSDPOptions:
             raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
         if self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
+        split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(self, f)]
+        if split and self.tp == 1:
+            flags = " and ".join("--" + f.replace("_", "-") for f in split)
+            raise ConfigError(
+                f"fsdp {flags} split(s) within a tensor-parallel group: give --tp 2 or more (got 1)"
+            )
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -212,7 +230,7 @@ def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
     t = options.tp
     if t == 1 or world_unfit(t, world):
         return world_unfit(t, world)
-    why = unsupported(cfg, t, "--tp", BLOCKS_ONLY)
+    why = unsupported(cfg, t, "--tp", plan_options(options))
     return f"fsdp --tp {t}: {why}" if why else None
 
 
@@ -231,7 +249,7 @@ def tp_local(ctx) -> MemoryContext:
     parameter 1/T (its dim 0 too where split along it: column-parallel), the rest whole; world = world / T.
     FSDP2 then chunks these local tensors along dim 0 over dp, as ``fsdp2_memory``/``fsdp2_comm`` price them."""
     t, info = ctx.options.tp, ctx.info
-    split = tp_shapes(ModelSpec.from_config(ctx.cfg)).split
+    split = tp_shapes(ModelSpec.from_config(ctx.cfg), ctx.options.vocab_parallel).split
     local = dataclasses.replace(
         info,
         numels=[n // t if d is not None else n for n, d in zip(info.numels, split, strict=True)],
@@ -263,29 +281,49 @@ def fsdp_tp_comm(ctx) -> list[Collective] | None:
 
 
 def tp_rows(ctx, dp: int) -> list[Collective] | None:
-    """Megatron's all-reduces (``transformer_comm``) over the tp group at the replica's batch (global / dp).
-    FSDP's policy runs no autocast: the residual stream is in the compute dtype, so the backward all-reduces
-    carry it too (tp alone under autocast sends the weights' dtype back). Activation checkpointing runs each
-    block's forward again in backward, up to the last tensor backward needs (torch's early stop): the
-    attention's wo all-reduce runs again, the MLP's w2 (the block's last op) does not."""
-    cfg, t = ctx.cfg, ctx.options.tp
+    """Megatron's traffic over the tp group (``transformer_comm`` with the run's plan: all-reduces, or under
+    --sequence-parallel all-gathers and reduce-scatters) at the replica's batch (global / dp). FSDP's policy
+    runs no autocast: the gathered weights are in the compute dtype, so every activation and gradient is too
+    (traffic as the pure compute-dtype precision's; tp alone under autocast sends some in the weights' dtype).
+    The sequence-parallel norms' partial gradients are summed by FSDP2 itself, one all-reduce per norm before
+    its reduce-scatter (every micro-step under full sharding). Activation checkpointing runs each block's
+    forward again in backward (``_recomputed``)."""
+    cfg, t, plan = ctx.cfg, ctx.options.tp, plan_options(ctx.options)
     replica = dataclasses.replace(cfg, batch_size=cfg.batch_size // dp)
-    # apply_tp's block plan (BLOCKS_ONLY: the embedding and head whole; tp's own default splits them)
-    rows = transformer_comm(dataclasses.replace(ctx, world=t, cfg=replica, options=BLOCKS_ONLY))
+    pure = next(n for n, s in SPECS.items() if s.param_dtype == ctx.pspec.compute_dtype and not s.autocast)
+    as_computed = dataclasses.replace(ctx, world=t, cfg=dataclasses.replace(replica, precision=pure))
+    rows = transformer_comm(dataclasses.replace(as_computed, options=plan))
     if rows is None:
         return None
-    scale = ctx.pspec.compute_dtype.itemsize / ctx.param_bytes
-    rows = [
-        dataclasses.replace(r, payload_bytes=round(r.payload_bytes * scale)) if r.phase == "backward" else r
-        for r in rows
-    ]
+    rows = [r for r in rows if r.phase != "optimizer"]
+    tc = tp_shapes(ModelSpec.from_config(cfg)).transformer
+    if plan.sequence_parallel:  # the norms' gradients in the gathered weights' dtype (measured: bf16)
+        # each norm's gradient once per micro-step under full sharding (FSDP2 reduces every micro-step)
+        summed = (2 * tc.n_layers + 1) * (cfg.grad_accum if ctx.options.sharding == "full" else 1)
+        row = norm_grads_row(as_computed, summed, tc.dim, t, summed)
+        rows.append(dataclasses.replace(row, phase="backward"))
+    if cfg.clip_grad_norm:  # the per-parameter norms over tp, as transformer_comm gives them
+        clip = transformer_comm(dataclasses.replace(ctx, world=t, options=plan)) or []
+        rows += [r for r in clip if r.phase == "optimizer" and "clipping" in r.note]
     if cfg.activation_checkpointing:
-        fwd = next(r for r in rows if r.phase == "forward")  # wo and w2 of every block and micro-step
-        again = Collective(
-            "all_reduce", fwd.payload_bytes // 2, fwd.calls // 2, "backward", t, "wo recomputed"
-        )
-        rows.append(again)
+        act = (replica.batch_size // cfg.grad_accum) * cfg.seq_len * tc.dim
+        blocks = megatron_rows(as_computed, tc.n_layers, act, cfg.grad_accum, t, "", plan.sequence_parallel)
+        rows += _recomputed(blocks)
     return rows
+
+
+def _recomputed(block_rows: list[Collective]) -> list[Collective]:
+    """The blocks' forward collectives that activation checkpointing runs again in backward, up to the last
+    tensor backward needs (torch's early stop): the gathers before the attention and the MLP (their inputs are
+    saved), the attention's wo output summed again, the MLP's w2 (the block's last op) not."""
+    out = []
+    for r in block_rows:
+        if r.phase == "forward":
+            calls = r.calls if r.kind == "all_gather" else r.calls // 2
+            bytes_ = r.payload_bytes * calls // r.calls
+            out.append(dataclasses.replace(r, payload_bytes=bytes_, calls=calls, phase="backward",
+                                           note=f"recomputed: {r.note}"))  # fmt: skip
+    return out
 
 
 class FSDPCost(CostModel):
@@ -306,14 +344,17 @@ class FSDPCost(CostModel):
             f"split weights 1/{opts.tp} over tp, then {m.sharding_note} over dp (N = {dp.world})"
         )
         # each rank computes its replica's batch through its slice of the split matrices
-        m.data_ranks, m.trace_transform = dp.world, LocalSlice(opts.tp)
+        m.data_ranks = dp.world
+        m.trace_transform = LocalSlice(opts.tp, opts.vocab_parallel, opts.sequence_parallel)
         return m
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
         """1, or with --tp a rank's slice of its replica's FLOPs (``tp.local_flop_share``)."""
         t = ctx.options.tp
-        return 1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t)
+        return (
+            1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t, ctx.options.vocab_parallel)
+        )
 
     @classmethod
     def mesh_dims(cls, ctx) -> dict[str, int]:
@@ -347,7 +388,7 @@ class FSDPCheckpointIO(CheckpointIO):
 
 
 @register
-class FSDPStrategy(Strategy):
+class FSDPStrategy(LossParallel, Strategy):
     name = "fsdp"
     description = (
         "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
@@ -386,8 +427,12 @@ class FSDPStrategy(Strategy):
         return self.env.rank // t, self.env.world_size // t
 
     def report(self) -> dict[str, Any]:
-        """With --tp, the mesh in result.json: its named dimensions and their sizes."""
-        return {"mesh": self.mesh_shape} if self.options.tp > 1 else {}
+        """With --tp, the mesh in result.json (its named dimensions and their sizes) and the tp plan's flags."""
+        if self.options.tp == 1:
+            return {}
+        opts = self.options
+        flags = {"sequence_parallel": opts.sequence_parallel, "vocab_parallel": opts.vocab_parallel}
+        return {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}}
 
     # ---- set-up -------------------------------------------------------------------------------
     def mesh(self):
@@ -412,7 +457,11 @@ class FSDPStrategy(Strategy):
         if self.options.tp == 1:
             return mesh
         self.mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
-        apply_tp(model, mesh["tp"])
+        opts = self.options
+        apply_tp(
+            model, mesh["tp"], sequence_parallel=opts.sequence_parallel, vocab_parallel=opts.vocab_parallel
+        )
+        self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         if self.env.is_main:
             dims = " x ".join(f"{k} {v}" for k, v in self.mesh_shape.items())
             print(

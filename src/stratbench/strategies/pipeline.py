@@ -15,6 +15,12 @@ rank keeps, over the mesh's ``tp`` dimension, as torchtitan parallelises each pi
 same tp slot, the replicas' all-reduce covers each rank's local shards. The tp-specific pieces (refusals, the
 stage's split bytes and Megatron traffic for the cost model, DTensor shards in the gradient all-reduce, the
 clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism.md has the formulas.
+``--sequence-parallel`` shards each stage's residual stream and norms along the sequence over tp: at a stage edge
+each tp rank sends its peer its own sequence shard, what the plan produces (torchtitan's choice: 1/T of the
+bytes, no gather at the edge; the next stage's first block takes it as its ``Shard(1)`` input), and the norms'
+partial gradients are summed over tp once after the schedule. ``--vocab-parallel`` splits the embedding and the
+head over the vocabulary; the last stage gathers the logits for its loss (the schedule hands the loss a plain
+tensor: no ``loss_parallel``).
 
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
@@ -67,7 +73,7 @@ from stratbench.models.split import (
 from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import LocalSlice, apply_tp
+from stratbench.strategies.tp import LocalSlice, apply_tp, plan_options, reduce_partial_grads
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -86,6 +92,10 @@ class PipelineOptions:
     """pipeline: processes per pipeline; the world size / (pp x tp) replicas all-reduce gradients per stage (0: --stages, or the world size / tp)."""
     tp: int = 1
     """pipeline: processes each stage is split over, Megatron tensor parallel (3D parallelism: a (dp, pp, tp) mesh); the built-in transformers."""
+    sequence_parallel: bool = False
+    """pipeline --tp: Megatron sequence parallelism in each stage, as the tp method's: the norms and the residual stream sharded along the sequence (the stages send each other their tp rank's sequence shard); --seq-len must divide by --tp."""
+    vocab_parallel: bool = False
+    """pipeline --tp: the embedding (first stage) and the head (last stage) split over the vocabulary, as the tp method's; the last stage gathers the logits for its loss (no loss_parallel). False (pipeline's default): both whole on every tp rank."""
     balance: str = "params"
     """Balance the automatic split by parameters (memory) or flops (forward+backward time)."""
     split_points: str = ""
@@ -102,6 +112,12 @@ class PipelineOptions:
                 raise ConfigError(f"{name} must be a positive integer (or 0 for the default), got {value!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
+        split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(self, f)]
+        if split and self.tp == 1:
+            flags = " and ".join("--" + f.replace("_", "-") for f in split)
+            raise ConfigError(
+                f"pipeline {flags} split(s) each stage over --tp processes: give --tp 2 or more (got 1)"
+            )
 
     @property
     def points(self) -> tuple[str, ...]:
@@ -377,7 +393,7 @@ class PipelineCost(CostModel):
         act_bytes = cls._boundary_itemsize(ctx)
         boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
             split.stages[i].out_numel for i in ids if i < lay.stages - 1
-        )
+        ) // cls._boundary_share(ctx, lay)
         recv = lay.microbatches * boundary * micro * act_bytes
         notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
         if lay.dp > 1:
@@ -389,6 +405,12 @@ class PipelineCost(CostModel):
             lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in names
         )
         return m
+
+    @staticmethod
+    def _boundary_share(ctx, lay: Layout) -> int:
+        """What a stage boundary's activation is divided by on one rank: under --sequence-parallel T (each tp
+        rank sends and receives its own sequence shard), else 1 (every tp rank its whole copy)."""
+        return lay.tp if ctx.options.sequence_parallel else 1
 
     @staticmethod
     def _boundary_itemsize(ctx) -> int:
@@ -405,18 +427,20 @@ class PipelineCost(CostModel):
         (``pipeline_tp.stage_numel``)."""
         if lay.tp == 1:
             return sum(s.params for s in stages)
-        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), [m for s in stages for m in s.modules], lay.tp)[0]
+        modules = [m for s in stages for m in s.modules]
+        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), modules, lay.tp, ctx.options.vocab_parallel)[0]
 
     @classmethod
     def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
         """The bytes autograd saves for the pieces of the rank's stages at one micro-batch (``trace_pieces``: in
         the run's precision, attention through the fused kernel a real run picks; under --tp on a rank's slice,
-        ``tp.LocalSlice``) x the most micro-batches a stage holds at once: all M for gpipe (every forward runs
-        before the first backward), min(M, P - r) for 1f1b on pipeline rank r (its warm-up forwards), the
-        interleaved warm-up spread over the rank's stages for interleaved-1f1b, 1 for naive; plus the step's whole
-        input batch, which every stage loads (the first splits it into micro-batches). Returns the bytes and their
-        note."""
-        transform = LocalSlice(lay.tp) if lay.tp > 1 else None
+        ``tp.LocalSlice``, its norms on 1/T of the positions under --sequence-parallel; the logits whole, as the
+        last stage gathers them for its loss even under --vocab-parallel) x the most micro-batches a stage holds
+        at once: all M for gpipe (every forward runs before the first backward), min(M, P - r) for 1f1b on
+        pipeline rank r (its warm-up forwards), the interleaved warm-up spread over the rank's stages for
+        interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the first
+        splits it into micro-batches). Returns the bytes and their note."""
+        transform = LocalSlice(lay.tp, False, ctx.options.sequence_parallel) if lay.tp > 1 else None
         traced = {p.name: p for p in trace_pieces(_run_spec(ctx.cfg), micro, ctx.cfg.precision, transform)}
         per_mb = sum(traced[s.pieces[0]].input_bytes + sum(traced[p].saved_bytes for p in s.pieces) for s in mine)
         flight = lay.in_flight(pp_rank)
@@ -443,7 +467,7 @@ class PipelineCost(CostModel):
         total = sum(s.flops for s in split.stages)
         if not total:
             return 1.0
-        flops = [pipeline_tp.stage_flops(split, s, lay.tp) for s in split.stages]
+        flops = [pipeline_tp.stage_flops(split, s, lay.tp, ctx.options.vocab_parallel) for s in split.stages]
         busiest = max(sum(flops[i] for i in lay.stages_of(r)) for r in range(lay.pp)) / total
         return busiest / (1.0 - lay.bubble_theory())
 
@@ -463,13 +487,15 @@ class PipelineCost(CostModel):
         """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
         next stage and the input gradient it sends back to the previous one (it receives the mirror image,
         not counted as its wire bytes; under --tp every tp rank sends its own whole copy to its peer of the next
-        stage), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
+        stage, or under --sequence-parallel its sequence shard), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
         (``_reductions``)."""
         lay = resolve_layout(ctx.options, ctx.world)
         split = _spec_split(ctx.cfg, lay.stages, ctx.options)
         pd = cls._boundary_itemsize(ctx)
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         out_b, in_b, ids = cls._busiest_sender(lay, split, micro * pd)
+        share = cls._boundary_share(ctx, lay)
+        out_b, in_b = out_b // share, in_b // share
         m = lay.microbatches
         rows: list[Collective] = []
         if out_b:
@@ -496,11 +522,10 @@ class PipelineCost(CostModel):
         --clip-grad-norm the norm's fp64 square sums (over tp, then over the stages), and under fp16-mixed the
         loss scaler's found-inf over every process."""
         mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
-        spec = _run_spec(ctx.cfg)
-        blocks = pipeline_tp.stage_blocks(spec, [m for s in mine for m in s.modules])
+        modules = [m for s in mine for m in s.modules]
         rows = [
             dataclasses.replace(r, dim="tp", critical=True)
-            for r in pipeline_tp.stage_comm(ctx, spec, blocks, micro, lay.microbatches, lay.tp)
+            for r in pipeline_tp.stage_comm(ctx, _run_spec(ctx.cfg), modules, micro, lay.microbatches, lay.tp)
         ]
         if ctx.pspec.loss_scaling:
             note = "the loss scaler's found-inf flag (fp32)"
@@ -676,7 +701,7 @@ class PipelineStrategy(Strategy):
             _spec_split(cfg, lay.stages, options)
         except ConfigError as exc:
             return str(exc)
-        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp)
+        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp, plan_options(options))
 
     @classmethod
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
@@ -746,7 +771,13 @@ class PipelineStrategy(Strategy):
         drop_modules(model, {m for i in self.stage_ids for m in self.split.stages[i].modules})
         model.to(env.device)
         if lay.tp > 1:  # the blocks this rank kept, split over its stage's tp processes (torchtitan's order)
-            apply_tp(model, self.mesh["tp"])
+            opts = self.options
+            apply_tp(
+                model,
+                self.mesh["tp"],
+                sequence_parallel=opts.sequence_parallel,
+                vocab_parallel=opts.vocab_parallel,
+            )
         TimedStage = _timed_stage_class()
         self.stage_modules: list[nn.Module] = []
         self.stages = []
@@ -835,6 +866,8 @@ class PipelineStrategy(Strategy):
                 {"wall_s": wall, "compute_s": compute, "warmup": float(self._after_eval)}
             )
             self._after_eval = False
+            if self.layout.tp > 1:  # the sequence-parallel norms' partial gradients summed over tp, once
+                reduce_partial_grads(self.model)
             if self.layout.dp > 1:
                 self._all_reduce_grads()
         with self.phase("other"):  # the mean loss, sent from the last stage to every stage

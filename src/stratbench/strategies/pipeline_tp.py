@@ -3,7 +3,8 @@ pipeline strategy adds when each stage is split Megatron-style over ``T`` proces
 stage's modules over the mesh's ``tp`` dimension, as torchtitan's ``parallelize`` does to each pipeline chunk).
 
 Kept apart from ``pipeline.py`` (the runtime there calls these): the refusals, the stage's split parameters and
-Megatron traffic for the cost model, the gradients' local shards for the replicas' all-reduce and the clipping
+tp traffic for the cost model (Megatron's, or with --sequence-parallel/--vocab-parallel the tp method's rows for
+the blocks and ends the stage holds), the gradients' local shards for the replicas' all-reduce and the clipping
 norm, and the full tensors of a checkpoint. With ``T == 1`` every function here is the identity of the plain
 pipeline (plain tensors pass through unchanged, no rows are added).
 """
@@ -32,10 +33,11 @@ def is_transformer(spec: ModelSpec) -> bool:
     return tp.tp_shapes(spec).transformer is not None
 
 
-def refusal(spec: ModelSpec, cfg, tp_size: int) -> str | None:
-    """One line why the pipeline's stages cannot be split over ``tp_size`` processes, or None. The model must
-    be a built-in transformer (its plan is made from the blocks a stage holds; a user's ``tp_plan()`` names
-    modules of every stage) whose heads and widths divide (``tp.unsupported``)."""
+def refusal(spec: ModelSpec, cfg, tp_size: int, plan: tp.TPOptions = tp.BLOCKS_ONLY) -> str | None:
+    """One line why the pipeline's stages cannot be split over ``tp_size`` processes with the tp ``plan``'s
+    flags, or None. The model must be a built-in transformer (its plan is made from the blocks a stage holds; a
+    user's ``tp_plan()`` names modules of every stage) whose heads and widths divide, and under
+    --sequence-parallel whose --seq-len divides, by ``tp_size`` (``tp.unsupported``)."""
     if tp_size == 1:
         return None
     if not is_transformer(spec):
@@ -43,16 +45,18 @@ def refusal(spec: ModelSpec, cfg, tp_size: int) -> str | None:
             f"pipeline --tp {tp_size}: tensor parallelism inside pipeline stages splits the built-in "
             f"transformers (gpt-tiny, gpt2-small, llama-*), not model {cfg.model!r}; use --tp 1"
         )
-    line = tp.unsupported(cfg, tp_size, "--tp", tp.BLOCKS_ONLY)
+    line = tp.unsupported(cfg, tp_size, "--tp", plan)
     if line is not None:
         return f"pipeline --tp {tp_size}: {line}"
     return None
 
 
-def stage_numel(spec: ModelSpec, modules: list[str], tp_size: int) -> tuple[int, int]:
+def stage_numel(
+    spec: ModelSpec, modules: list[str], tp_size: int, vocab_parallel: bool = False
+) -> tuple[int, int]:
     """(elements a tp rank holds, elements of the stage) for the stage's ``modules``: the plan's split weights
-    1/T, the embedding, norms and head whole (``tp.tp_shapes``)."""
-    shapes = tp.tp_shapes(spec)
+    1/T, the norms whole, the embedding and head whole or (``vocab_parallel``) 1/T too (``tp.tp_shapes``)."""
+    shapes = tp.tp_shapes(spec, vocab_parallel)
     local = whole = 0
     for name, numel, d in zip(shapes.names, shapes.numels, shapes.split, strict=True):
         if any(name.startswith(m + ".") for m in modules):
@@ -68,23 +72,39 @@ def stage_blocks(spec: ModelSpec, modules: list[str]) -> int:
     return sum(f"layers.{i}" in modules for i in range(layers))
 
 
-def stage_flops(split, stage, tp_size: int) -> float:
+def stage_flops(split, stage, tp_size: int, vocab_parallel: bool = False) -> float:
     """Forward+backward FLOPs per sample one tp rank of ``stage`` computes: its blocks' 1/T (their matrices and
-    attention heads are split), the embedding and head whole (replicated: every tp rank computes them)."""
+    attention heads are split), the embedding and head whole (replicated: every tp rank computes them), or the
+    head 1/T too under ``vocab_parallel``."""
     if tp_size == 1:
         return stage.flops
     flops = {c.name: c.flops for c in split.pieces}
-    return sum(flops[p] / tp_size if p.startswith("layers.") else flops[p] for p in stage.pieces)
+    split_pieces = ("layers.", "head") if vocab_parallel else ("layers.",)
+    return sum(flops[p] / tp_size if p.startswith(split_pieces) else flops[p] for p in stage.pieces)
 
 
-def stage_comm(ctx, spec: ModelSpec, blocks: int, micro: int, m: int, tp_size: int) -> list[Collective]:
-    """Megatron's traffic of one tp rank per step (``tp.megatron_rows`` at the pipeline's micro-batch, for the
-    stage's blocks, ``m`` micro-batches); the embedding and head stages' replicated modules send nothing."""
+def stage_comm(
+    ctx, spec: ModelSpec, modules: list[str], micro: int, m: int, tp_size: int
+) -> list[Collective]:
+    """The tp traffic of one rank of the stage(s) holding ``modules`` per step, ``m`` micro-batches of ``micro``
+    samples: Megatron's per block (``tp.megatron_rows``: all-reduces, or under --sequence-parallel all-gathers
+    and reduce-scatters), the embedding's and head's where the stage holds them (``tp.ends_rows``: sequence
+    shards gathered, vocabulary-parallel sums; the logits gathered whole for the last stage's loss, no
+    loss_parallel) and, under --sequence-parallel, the stage's norms' partial gradients summed once per step."""
     tc = tp.tp_shapes(spec).transformer
-    if tp_size == 1 or not blocks or tc is None:
+    if tp_size == 1 or tc is None:
         return []
+    plan = tp.plan_options(ctx.options)
+    blocks = stage_blocks(spec, modules)
+    ends = tp.Ends(embedding="tok_embeddings" in modules, head="output" in modules, loss_parallel=False)
     act = micro * ctx.cfg.seq_len * tc.dim
-    return tp.megatron_rows(ctx, blocks, act, m, tp_size, f"tp: {blocks} block(s) x {m} micro-batch(es), ")
+    where = f"tp: {blocks} block(s) x {m} micro-batch(es), "
+    rows = tp.megatron_rows(ctx, blocks, act, m, tp_size, where, plan.sequence_parallel) if blocks else []
+    rows += tp.ends_rows(ctx, tc, act, plan, tp.Traffic(m, tp_size), ends)
+    norms = 2 * blocks + ends.head
+    if plan.sequence_parallel and norms:
+        rows.append(tp.norm_grads_row(ctx, norms, tc.dim, tp_size))
+    return rows
 
 
 # ---- the runtime: DTensor parameters and their local shards ----------------------------------------------

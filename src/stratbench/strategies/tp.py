@@ -154,11 +154,13 @@ def transformer_plan(
     model: Transformer, *, sequence_parallel: bool = False, vocab_parallel: bool = False
 ) -> dict[str, Any]:
     """Megatron's plan for ``Transformer``: ``_block_plan`` per block (found by type: under an
-    activation-checkpointing wrapper too), then ``_ends_plan``."""
+    activation-checkpointing wrapper too), then ``_ends_plan`` for the ends the model holds."""
     plan: dict[str, Any] = {}
     for name, module in model.named_modules():
         plan.update(_block_plan(name, module, sequence_parallel))
-    return plan | _ends_plan(sequence_parallel, vocab_parallel)
+    # a pipeline stage keeps some of the ends only (the others are None): the plan names those it has
+    ends = _ends_plan(sequence_parallel, vocab_parallel)
+    return plan | {name: style for name, style in ends.items() if getattr(model, name, None) is not None}
 
 
 def model_plan(
@@ -322,7 +324,9 @@ def _options_of(ctx) -> TPOptions:
     return ctx.options if isinstance(ctx.options, TPOptions) else tp_options(ctx.cfg)
 
 
-def _transformer_unsupported(cfg, tc: TransformerConfig, world: int, opts: TPOptions, flag: str) -> str | None:
+def _transformer_unsupported(
+    cfg, tc: TransformerConfig, world: int, opts: TPOptions, flag: str
+) -> str | None:
     """The built-in transformer's shapes that do not divide by ``world``: heads, vocabulary, sequence."""
     if tc.n_heads % world or tc.n_kv_heads % world:
         fits = [t for t in range(1, tc.n_heads + 1) if tc.n_heads % t == 0 and tc.n_kv_heads % t == 0]
@@ -382,7 +386,7 @@ def unsupported(cfg, world: int, flag: str = "--nproc", options: TPOptions | Non
 
 
 @dataclass(frozen=True)
-class _Traffic:
+class Traffic:
     """Builds the rows of one step: ``calls`` per micro-batch of a tensor of ``elements`` of ``itemsize`` bytes."""
 
     micro: int
@@ -396,44 +400,83 @@ class _Traffic:
 
 
 def megatron_rows(
-    ctx, blocks: int, act: int, micro_steps: int, group: int, where: str = ""
+    ctx, blocks: int, act: int, micro_steps: int, group: int, where: str = "", sequence_parallel: bool = False
 ) -> list[Collective]:
-    """Megatron's f/g pair of ``blocks`` blocks over a tp ``group``, ``micro_steps`` times per step: per block 2
-    all-reduces of ``act`` elements forward (the row-parallel outputs, in the compute dtype) and 2 backward (the
-    attention's and the MLP's input gradients, in the weights' dtype). ``where`` prefixes each note (a pipeline
-    stage names its blocks)."""
-    t = _Traffic(micro_steps, group)
+    """The traffic of ``blocks`` blocks over a tp ``group``, ``micro_steps`` times per step, in (b, s, dim)
+    activations of ``act`` elements. Megatron's f/g pair: per block 2 all-reduces forward (the row-parallel
+    outputs, in the compute dtype) and 2 backward (the attention's and the MLP's input gradients, in the weights'
+    dtype). Under sequence parallelism each all-reduce becomes an all-gather and a reduce-scatter of the same
+    tensor: the norm's output gathered from the sequence shards before the column-parallel projections, the
+    row-parallel output reduce-scattered into shards, and the mirror image backward (row outputs and their
+    gradients in the compute dtype, norm outputs and the residual stream's gradients in the weights'; measured:
+    bf16-mixed sends the first in 2 bytes, the second in 4). ``where`` prefixes each note (a pipeline stage
+    names its blocks)."""
+    t = Traffic(micro_steps, group)
     cd, pd, calls = ctx.pspec.compute_dtype.itemsize, ctx.param_bytes, 2 * blocks
-    return [
-        t("all_reduce", calls, act, cd, "forward", f"{where}row-parallel outputs (wo, w2)"),
-        t("all_reduce", calls, act, pd, "backward", f"{where}attention and MLP input gradients"),
-    ]
-
-
-def _block_comm(ctx, tc: TransformerConfig, act: int, sequence_parallel: bool) -> list[Collective]:
-    """The blocks' traffic: Megatron's f/g pair (2 all-reduces per block forward, 2 backward), or under sequence
-    parallelism its all-gather (the norm's output, before the column-parallel projections) and reduce-scatter
-    (the row-parallel output into sequence shards) each way, plus one all-reduce per step of the norms' weight
-    gradients, which each rank computes from its sequence shard (partial sums: ``reduce_partial_grads``). Row
-    outputs and their gradients are in the compute dtype (the matmul's), norm outputs and the residual stream's
-    gradients in the weights' (measured: bf16-mixed sends the first in 2 bytes, the second in 4)."""
     if not sequence_parallel:
-        return megatron_rows(ctx, tc.n_layers, act, ctx.cfg.grad_accum, ctx.world)
-    t = _Traffic(ctx.cfg.grad_accum, ctx.world)
-    cd, pd, calls = ctx.pspec.compute_dtype.itemsize, ctx.param_bytes, 2 * tc.n_layers
-    norms = (2 * tc.n_layers + 1) * tc.dim
+        return [
+            t("all_reduce", calls, act, cd, "forward", f"{where}row-parallel outputs (wo, w2)"),
+            t("all_reduce", calls, act, pd, "backward", f"{where}attention and MLP input gradients"),
+        ]
     return [
-        t("reduce_scatter", calls, act, cd, "forward", "row-parallel outputs (wo, w2) into sequence shards"),
-        t("all_gather", calls, act, pd, "forward", "attention and MLP inputs from the sequence shards"),
-        t("all_gather", calls, act, cd, "backward", "gradients of the row-parallel outputs"),
-        t("reduce_scatter", calls, act, pd, "backward", "attention and MLP input gradients into shards"),
-        Collective(
-            "all_reduce", norms * pd, 1, "optimizer", ctx.world, "sequence-parallel norms' weight grads"
+        t(
+            "reduce_scatter",
+            calls,
+            act,
+            cd,
+            "forward",
+            f"{where}row-parallel outputs (wo, w2) into sequence shards",
+        ),
+        t(
+            "all_gather",
+            calls,
+            act,
+            pd,
+            "forward",
+            f"{where}attention and MLP inputs from the sequence shards",
+        ),
+        t("all_gather", calls, act, cd, "backward", f"{where}gradients of the row-parallel outputs"),
+        t(
+            "reduce_scatter",
+            calls,
+            act,
+            pd,
+            "backward",
+            f"{where}attention and MLP input gradients into shards",
         ),
     ]
 
 
-def _ends_comm(ctx, tc: TransformerConfig, act: int, opts: TPOptions) -> list[Collective]:
+def norm_grads_row(ctx, norms: int, dim: int, group: int, calls: int = 1) -> Collective:
+    """The sequence-parallel norms' weight gradients, which each rank computes from its sequence shard (partial
+    sums), summed over the tp ``group`` once per step: one flat all-reduce (``reduce_partial_grads``), or one
+    per norm (``calls``: FSDP2 sums each gradient itself before its reduce-scatter)."""
+    note = "sequence-parallel norms' weight grads"
+    return Collective("all_reduce", norms * dim * ctx.param_bytes, calls, "optimizer", group, note)
+
+
+def _block_comm(ctx, tc: TransformerConfig, act: int, sequence_parallel: bool) -> list[Collective]:
+    """The blocks' traffic (``megatron_rows``), with the norms' gradients summed once per step under sequence
+    parallelism (``norm_grads_row``)."""
+    rows = megatron_rows(ctx, tc.n_layers, act, ctx.cfg.grad_accum, ctx.world, "", sequence_parallel)
+    if sequence_parallel:
+        rows.append(norm_grads_row(ctx, 2 * tc.n_layers + 1, tc.dim, ctx.world))
+    return rows
+
+
+@dataclass(frozen=True)
+class Ends:
+    """Which of the built-in transformer's ends a rank holds (a pipeline stage: some or none), and whether its
+    loss runs on the split logits (loss_parallel) or on the logits gathered whole."""
+
+    embedding: bool = True
+    head: bool = True
+    loss_parallel: bool = True
+
+
+def ends_rows(
+    ctx, tc: TransformerConfig, act: int, opts: TPOptions, traffic: Traffic, ends: Ends = Ends()
+) -> list[Collective]:
     """The embedding's, the head's and the loss's traffic, in the weights' dtype (the residual stream's). Split
     over the vocabulary: the embedding's partial lookups summed forward (all-reduce, or reduce-scatter into
     sequence shards: then its output gradient is all-gathered backward); the head's input gathered from the
@@ -441,23 +484,25 @@ def _ends_comm(ctx, tc: TransformerConfig, act: int, opts: TPOptions) -> list[Co
     3 all-reduces of one number per token (the logits' max, the sum of exponentials, the target's logit: in the
     loss's dtype, fp32 at least), or the logits all-gathered for any other loss. Whole under sequence
     parallelism: the head's input gathered forward, the embedding's output gradient gathered backward."""
-    t = _Traffic(ctx.cfg.grad_accum, ctx.world)
-    pd, cd, sp = ctx.param_bytes, ctx.pspec.compute_dtype.itemsize, opts.sequence_parallel
+    t, sp = traffic, opts.sequence_parallel
+    pd, cd = ctx.param_bytes, ctx.pspec.compute_dtype.itemsize
     rows: list[Collective] = []
-    if sp:
-        rows += [
-            t("all_gather", 1, act, pd, "forward", "head input from the sequence shards"),
-            t("all_gather", 1, act, pd, "backward", "embedding output gradient from the sequence shards"),
-        ]
+    if sp and ends.head:
+        rows.append(t("all_gather", 1, act, pd, "forward", "head input from the sequence shards"))
+    if sp and ends.embedding:
+        rows.append(
+            t("all_gather", 1, act, pd, "backward", "embedding output gradient from the sequence shards")
+        )
     if not opts.vocab_parallel:
         return rows
     summed = "reduce_scatter" if sp else "all_reduce"
-    rows += [
-        t(summed, 1, act, pd, "forward", "vocabulary-parallel embedding's partial lookups"),
-        t(summed, 1, act, pd, "backward", "vocabulary-parallel head's input gradient"),
-    ]
+    if ends.embedding:
+        rows.append(t(summed, 1, act, pd, "forward", "vocabulary-parallel embedding's partial lookups"))
+    if not ends.head:
+        return rows
+    rows.append(t(summed, 1, act, pd, "backward", "vocabulary-parallel head's input gradient"))
     tokens = act // tc.dim
-    if loss_parallel_applies(ctx.cfg, opts):
+    if ends.loss_parallel and loss_parallel_applies(ctx.cfg, opts):
         rows.append(
             t("all_reduce", 3, tokens, max(cd, 4), "forward", "loss_parallel: max, sum exp, target logit")
         )
@@ -467,7 +512,7 @@ def _ends_comm(ctx, tc: TransformerConfig, act: int, opts: TPOptions) -> list[Co
 
 
 def transformer_comm(ctx) -> list[Collective] | None:
-    """Megatron's tensor-parallel traffic per optimizer step (``_block_comm``, ``_ends_comm``), per micro-batch
+    """Megatron's tensor-parallel traffic per optimizer step (``_block_comm``, ``ends_rows``), per micro-batch
     of b samples (every rank takes the whole batch) in (b, s, dim) activations. With --clip-grad-norm,
     ``clip_grad_norm_`` on DTensors stacks one norm per parameter and all-reduces them once (measured: 39
     scalars for gpt-tiny's 39 parameters). A model of the user's: no model (its plan's traffic is not derived)."""
@@ -480,7 +525,8 @@ def transformer_comm(ctx) -> list[Collective] | None:
         return []
     cfg = ctx.cfg
     act = (cfg.batch_size // cfg.grad_accum) * cfg.seq_len * tc.dim
-    rows = _block_comm(ctx, tc, act, opts.sequence_parallel) + _ends_comm(ctx, tc, act, opts)
+    ends = ends_rows(ctx, tc, act, opts, Traffic(cfg.grad_accum, ctx.world))
+    rows = _block_comm(ctx, tc, act, opts.sequence_parallel) + ends
     if cfg.clip_grad_norm:
         norms = len(shapes.numels) * ctx.param_bytes
         rows.append(
@@ -676,7 +722,7 @@ def apply_tp(
     _replicate_rest(model, mesh, _edge_layouts(model, sequence_parallel, vocab_parallel))
     _retie(ties)
     _grads_laid_out_as_params(model)
-    if vocab_parallel and isinstance(model, Transformer):
+    if vocab_parallel and isinstance(model, Transformer) and model.output is not None:  # a stage may lack it
         model.output._stratbench_gather_logits = hook = GatherLogits()
         model.output.register_forward_hook(hook)
 
@@ -711,8 +757,52 @@ def loss_parallel_applies(cfg, opts: TPOptions) -> bool:
     return opts.vocab_parallel and cfg.loss == "cross-entropy" and not cfg.label_smoothing
 
 
+class LossParallel:
+    """The training loss on logits split over the vocabulary (``loss_parallel``), for a method whose model has a
+    vocabulary-parallel head (tp, fsdp --tp --vocab-parallel); its ``wrap`` sets ``split_loss``
+    (``splits_loss``). Without it the loop's forward and backward run unchanged."""
+
+    split_loss: bool = False
+    """The training loss runs on the logits split over the vocabulary (set by ``wrap``)."""
+
+    def _loss_context(self) -> contextlib.AbstractContextManager:
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel() if self.split_loss else contextlib.nullcontext()
+
+    def forward_loss(self, model, x, y, loss_fn):
+        """The loss on the logits split over the vocabulary (``loss_parallel``: each rank's share of the softmax
+        and the target logits, summed by small all-reduces); the logits returned are that split DTensor."""
+        if not self.split_loss:
+            return super().forward_loss(model, x, y, loss_fn)
+        x = self.precision.convert_input(x)
+        with split_logits(model), self.precision.autocast(), self._loss_context():
+            logits = model(x)
+            loss = loss_fn(self.precision.loss_input(logits), y)
+        return loss.to_local(), logits
+
+    def backward(self, loss: torch.Tensor) -> None:
+        with self._loss_context():  # loss_parallel's backward must run under it too
+            super().backward(loss)
+
+
+def splits_loss(model: nn.Module, cfg, opts: TPOptions) -> bool:
+    """Whether ``model`` (after ``apply_tp``) has a vocabulary-parallel head whose logits the loss reads split."""
+    split_head = any(hasattr(m, "_stratbench_gather_logits") for m in model.modules())
+    return split_head and loss_parallel_applies(cfg, opts)
+
+
+def plan_options(options) -> TPOptions:
+    """The tp plan's flags among another method's options (fsdp's and pipeline's ``--sequence-parallel``,
+    ``--vocab-parallel``; both off where it has none)."""
+    return TPOptions(
+        sequence_parallel=getattr(options, "sequence_parallel", False),
+        vocab_parallel=getattr(options, "vocab_parallel", False),
+    )
+
+
 @register
-class TPStrategy(Strategy):
+class TPStrategy(LossParallel, Strategy):
     name = "tp"
     description = "tensor parallel (Megatron 1D on DTensor): attention and MLP matrices split over the ranks"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); a model with a tensor-parallel plan"
@@ -720,8 +810,6 @@ class TPStrategy(Strategy):
     needs_process_group = True
     check_settings = {"model": "gpt-tiny", "data": "text"}  # the default image model has no tp plan
     Options = TPOptions
-    split_loss: bool = False
-    """The training loss runs on the logits split over the vocabulary (set by ``wrap``)."""
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
@@ -745,29 +833,8 @@ class TPStrategy(Strategy):
         mesh = init_device_mesh(self.env.device.type, (self.env.world_size,), mesh_dim_names=("tp",))
         opts = self.options
         apply_tp(model, mesh, sequence_parallel=opts.sequence_parallel, vocab_parallel=opts.vocab_parallel)
-        split_head = any(hasattr(m, "_stratbench_gather_logits") for m in model.modules())
-        self.split_loss = split_head and loss_parallel_applies(self.cfg, opts)
+        self.split_loss = splits_loss(model, self.cfg, opts)
         return model
-
-    def _loss_context(self) -> contextlib.AbstractContextManager:
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel() if self.split_loss else contextlib.nullcontext()
-
-    def forward_loss(self, model, x, y, loss_fn):
-        """The loss on the logits split over the vocabulary (``loss_parallel``: each rank's share of the softmax
-        and the target logits, summed by small all-reduces); the logits returned are that split DTensor."""
-        if not self.split_loss:
-            return super().forward_loss(model, x, y, loss_fn)
-        x = self.precision.convert_input(x)
-        with split_logits(model), self.precision.autocast(), self._loss_context():
-            logits = model(x)
-            loss = loss_fn(self.precision.loss_input(logits), y)
-        return loss.to_local(), logits
-
-    def backward(self, loss: torch.Tensor) -> None:
-        with self._loss_context():  # loss_parallel's backward must run under it too
-            super().backward(loss)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer, clip: float | None) -> bool:
         assert self.model is not None
