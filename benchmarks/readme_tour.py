@@ -714,6 +714,11 @@ class Tour:
 
     def run(self, timeout: float = 600) -> None:
         self.env, _ = make_fixtures(self.root, self.commands, cifar=(40, 8))
+        # The test runs two lines at once beside a second test process, on 2 cores: one intra-op thread each (a
+        # one-process line would take both cores, and its OpenMP threads then spin waiting for a core another
+        # process holds: twice the CPU for the same line, measured). Multi-process lines already get cores /
+        # processes (launching.launch.threads_per_process), which reads this variable the same way.
+        self.env["OMP_NUM_THREADS"] = "1"
         self.logs.mkdir()
         self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1))
         slurm, _ = start_slurm(self.lines)

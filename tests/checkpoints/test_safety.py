@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import conftest
-from conftest import TINY, fails, run_stratbench, stratbench_cmd
+from conftest import TINY, fails, stratbench_cmd
 from stratbench.cli import main
 from zygote import run_processes
 
@@ -107,14 +107,13 @@ def test_no_command_runs_a_crafted_checkpoint(real_runs, tmp_path, capsys, kind)
 )
 def test_resume_in_the_method_own_loader_is_refused(real_runs, tmp_path, kind, strategy):
     """The method's own resume (DeepSpeed's engine.load_checkpoint, accelerate's load_state) unpickles with
-    weights_only=False: the folder is checked first, on 2 processes."""
+    weights_only=False: the folder is checked first, on 2 processes (ranks forked from the zygote: the check runs
+    in each rank, where the method's loader would)."""
     run, marker = _crafted(real_runs, kind, tmp_path)
-    proc = run_stratbench(
-        "train", "--output", str(run), "--nproc", "2", "--strategy", *strategy, *SHORT, "--max-steps", "6",
-        "--resume", check=False, timeout=300,
-    )  # fmt: skip
-    assert proc.returncode != 0
-    assert "refusing to load" in proc.stderr
+    argv = ["train", "--output", str(run), "--nproc", "2", "--strategy", *strategy, *SHORT, "--max-steps", "6", "--resume"]
+    ranks = conftest.zygote().start(argv, 2, name=f"resume-{kind}")
+    assert ranks.wait(300) != 0
+    assert "refusing to load" in ranks.log_tail(6000)
     assert not marker.exists()
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_stratbench, train
+from conftest import REPO, cli, run_stratbench, train
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import CheckpointError, ConfigError
 
@@ -246,13 +246,10 @@ def test_export_plain_weights_load_into_torchvision_without_stratbench(tmp_path)
     train(out, "--model", "resnet18", "--data", "synthetic", "--synthetic-samples", "16", "--image-size", "32",
           "--batch-size", "8", "--epochs", "1", "--max-steps", "1", "--progress", "false", "--measure-flops", "false")  # fmt: skip
     ckpt = str(out / "checkpoints" / "last")
-    run_stratbench("export", "--checkpoint", ckpt, "--output", str(tmp_path / "w.safetensors"))
-    run_stratbench(
-        "export", "--checkpoint", ckpt, "--format", "state-dict", "--output", str(tmp_path / "w.weights")
-    )
-    proc = run_stratbench("export", "--checkpoint", ckpt, "--format", "safetensors", "--fp16",
-                          "--output", str(tmp_path / "h.safetensors"))  # fmt: skip
-    assert "max abs diff" in proc.stdout
+    cli("export", "--checkpoint", ckpt, "--output", tmp_path / "w.safetensors")
+    cli("export", "--checkpoint", ckpt, "--format", "state-dict", "--output", tmp_path / "w.weights")
+    out = cli("export", "--checkpoint", ckpt, "--format", "safetensors", "--fp16", "--output", tmp_path / "h.safetensors")
+    assert "max abs diff" in out
     # A fresh interpreter in which stratbench cannot be imported: plain torch, torchvision and safetensors only.
     script = f"""
 import sys

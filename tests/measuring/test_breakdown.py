@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import TINY, assert_breakdown_adds_up, run_stratbench, train
+from conftest import TINY, assert_breakdown_adds_up, fails, train
 from stratbench.measuring.clock import PhaseClock, breakdown_report
 
 
@@ -41,13 +41,9 @@ def test_phases_add_up_and_traces_name_them(tmp_path):
     assert found[0].read_bytes() == (out / "traces" / "rank0.json").read_bytes()
 
 
-def test_bad_profile_value_is_refused_before_any_work(tmp_path):
-    proc = run_stratbench(
-        "train", "--output", str(tmp_path / "x"), *TINY, "--profile", "-1", check=False, timeout=60
-    )
-    assert proc.returncode != 0
-    err = proc.stderr.strip().splitlines()
-    assert len(err) == 1 and "profile" in err[0] and "-1" in err[0], proc.stderr
+def test_bad_profile_value_is_refused_before_any_work(tmp_path, capsys):
+    line = fails(capsys, "train", "--output", tmp_path / "x", *TINY, "--profile", "-1")
+    assert "profile" in line and "-1" in line, line
     assert not (tmp_path / "x" / "result.json").exists()
 
 

@@ -224,17 +224,7 @@ def test_flops_formula_matches_the_counter(name, seq_len):
     assert counted_flops_per_token(name, seq_len) == pytest.approx(formula, rel=0.01)
 
 
-@pytest.fixture
-def one_thread():
-    """Tiny matmuls gain nothing from a second thread, and on a busy 2-core machine two threads spin-waiting on
-    each other made these 10 steps take 17 s instead of 0.6 s."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def test_a_few_steps_learn_a_repeated_sequence(one_thread):
+def test_a_few_steps_learn_a_repeated_sequence():
     cfg = transformer_config("gpt-tiny")
     model = seeded(cfg)
     x = tokens(cfg, batch=2, seq=17, seed=5)

@@ -40,8 +40,9 @@ def tour(tmp_path_factory) -> Tour:
 @pytest.mark.slow
 @pytest.mark.timeout(2400)
 def test_every_readme_command_works_as_written_from_a_users_folder(tour):
-    # + SLURM_CONF where the tour started a SLURM of its own for its `--executor slurm` line (a login node's shell)
-    assert set(tour.env) - {"SLURM_CONF"} == {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR"}
+    # + SLURM_CONF where the tour started a SLURM of its own for its `--executor slurm` line (a login node's shell),
+    # and one thread per line (Tour.run: two lines at once on 2 cores)
+    assert set(tour.env) - {"SLURM_CONF"} == {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS"}
     assert any(line.command.startswith("stratbench probe") for line in tour.lines)  # the Projecting block is in
     assert tour.lines[-1].command == "python nb.py"  # the From Python block is in
     bad = [

@@ -20,7 +20,7 @@ from conftest import (
     assert_comm_matches_formula,
     assert_curves_match,
     assert_estimate_within,
-    run_stratbench,
+    fails,
     train,
 )
 
@@ -148,17 +148,14 @@ def test_zero_full_checkpoint_is_name_keyed(runs):
 # ---- refusals: one clear line, non-zero exit, before any work ------------------------------------
 
 
-def _error_line(*args: str) -> str:
-    proc = run_stratbench("train", *args, timeout=60, check=False)
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, proc.stderr
-    return lines[0]
+def _error_line(capsys, *args: str) -> str:
+    """The one line ``train`` refuses with, in this process (the refusal comes before any process starts)."""
+    return fails(capsys, "train", *args)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: dp can run")
-def test_dp_refuses_without_two_gpus(tmp_path):
-    line = _error_line("--output", str(tmp_path), "--strategy", "dp", *TINY)
+def test_dp_refuses_without_two_gpus(tmp_path, capsys):
+    line = _error_line(capsys, "--output", str(tmp_path), "--strategy", "dp", *TINY)
     assert "needs >= 2 CUDA GPUs, found" in line and "dp/fp32" in line
     assert not (tmp_path / "result.json").exists()
 
@@ -189,8 +186,8 @@ def test_bad_checkpoint_format():
     assert "'zip'" in line and "full, sharded" in line
 
 
-def test_batch_must_divide_by_world_size(tmp_path):
-    line = _error_line("--output", str(tmp_path), "--strategy", "ddp", "--nproc", "2", *TINY, "--batch-size", "33")
+def test_batch_must_divide_by_world_size(tmp_path, capsys):
+    line = _error_line(capsys, "--output", str(tmp_path), "--strategy", "ddp", "--nproc", "2", *TINY, "--batch-size", "33")
     assert "batch_size 33" in line and "world size" in line
 
 

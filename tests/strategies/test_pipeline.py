@@ -25,7 +25,7 @@ from conftest import (
     assert_comm_matches_formula,
     assert_curves_match,
     assert_estimate_within,
-    run_stratbench,
+    fails,
     train,
 )
 
@@ -331,15 +331,10 @@ def test_bad_layouts_are_refused(tmp_path, monkeypatch):
     assert "cannot split a Net into pipeline stages" in line and "nn.Sequential" in line
 
 
-def test_refusal_is_one_line_before_any_work(tmp_path):
-    proc = run_stratbench("train", "--output", str(tmp_path), *PP, "--nproc", "2", *TINY, "--stages", "3",
-                          timeout=60, check=False)  # fmt: skip
-    assert proc.returncode != 0
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
+def test_refusal_is_one_line_before_any_work(tmp_path, capsys):
+    line = fails(capsys, "train", "--output", tmp_path, *PP, "--nproc", "2", *TINY, "--stages", "3")
     # a layout that does not fit the world is a configuration error, found with the batch split
-    assert len(lines) == 1 and "not divisible into pipelines of 3" in lines[0] and "--stages 3" in lines[0], (
-        proc.stderr
-    )
+    assert "not divisible into pipelines of 3" in line and "--stages 3" in line, line
     assert not (tmp_path / "result.json").exists()
 
 
@@ -375,13 +370,9 @@ def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="this machine has 2+ GPUs: model-parallel can run")
-def test_model_parallel_refused_without_two_gpus(tmp_path):
-    proc = run_stratbench(
-        "train", "--output", str(tmp_path), "--strategy", "model-parallel", *TINY, timeout=60, check=False
-    )
-    lines = [line for line in proc.stderr.strip().splitlines() if line.strip()]
-    assert proc.returncode != 0 and len(lines) == 1, proc.stderr
-    assert "model-parallel/fp32 cannot run here: needs >= 2 CUDA GPUs, found" in lines[0]
+def test_model_parallel_refused_without_two_gpus(tmp_path, capsys):
+    line = fails(capsys, "train", "--output", tmp_path, "--strategy", "model-parallel", *TINY)
+    assert "model-parallel/fp32 cannot run here: needs >= 2 CUDA GPUs, found" in line
 
 
 # ---- in process: the splitter, the layouts, model-parallel placement --------------------------------

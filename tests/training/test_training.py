@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EQUIV, RTOL, assert_curves_match, run_stratbench, train
+from conftest import EQUIV, RTOL, assert_curves_match, cli, train
 from stratbench.checkpoints import checkpoint
 
 QUICK = ["--model", "tinynet", "--data", "digits", "--progress", "false", "--measure-flops", "false"]
@@ -113,6 +113,6 @@ def test_checkpoint_holds_everything_to_resume(tmp_path):
 
 
 def test_train_prints_result_table(tmp_path):
-    proc = run_stratbench("train", "--output", str(tmp_path), *QUICK, "--width", "8", "--epochs", "1", "--max-steps", "3")
-    assert "throughput" in proc.stdout and "val accuracy" in proc.stdout
+    out = cli("train", "--output", tmp_path, *QUICK, "--width", "8", "--epochs", "1", "--max-steps", "3")
+    assert "throughput" in out and "val accuracy" in out
     assert json.loads((tmp_path / "result.json").read_text())["status"] == "ok"

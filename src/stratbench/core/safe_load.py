@@ -78,37 +78,40 @@ def add_trust_argument(parser: Any) -> None:
 
 
 def _safe_globals() -> list[Any]:
-    """The allow-listed classes of the libraries already imported (importing DeepSpeed costs seconds: it is
-    imported only when a file names one of its classes, see ``_with_imports``)."""
+    """The allow-listed classes whose modules are already imported (importing DeepSpeed, or torch's DCP and
+    DTensor, costs seconds: a module is imported only when a file names one of its classes, ``_with_imports``)."""
     import sys
 
     found = []
     for name in SAFE_GLOBALS:
         module, _, attr = name.rpartition(".")
-        if module.split(".")[0] not in sys.modules:
+        if module not in sys.modules:
             continue
         try:
-            found.append((getattr(importlib.import_module(module), attr), name))
-        except (ImportError, AttributeError):
-            continue  # a library (or a version of it) that is not installed cannot be in a file we can read
+            found.append((getattr(sys.modules[module], attr), name))
+        except AttributeError:
+            continue  # a version of the library without it cannot have written it
     return found
 
 
 def _with_imports(load: Callable[[], Any]) -> Any:
-    """``load()``; if it fails on an allow-listed class of a library not imported yet, import it and retry."""
+    """``load()``; while it fails on an allow-listed class whose module is not imported yet, import that module
+    and retry (once per module: a file may name classes of several)."""
     import sys
 
-    try:
-        return load()
-    except pickle.UnpicklingError as exc:
-        text = str(exc)
-        missing = {n.split(".")[0] for n in SAFE_GLOBALS if n in text and n.split(".")[0] not in sys.modules}
-        if not missing:
-            raise
-        for package in missing:
-            with contextlib.suppress(ImportError):
-                importlib.import_module(package)
-        return load()
+    while True:
+        try:
+            return load()
+        except pickle.UnpicklingError as exc:
+            text = str(exc)
+            missing = {n.rpartition(".")[0] for n in SAFE_GLOBALS if n in text} - set(sys.modules)
+            imported = False
+            for module in sorted(missing):
+                with contextlib.suppress(ImportError):
+                    importlib.import_module(module)
+                    imported = True
+            if not imported:
+                raise
 
 
 def safe_globals() -> contextlib.AbstractContextManager:
@@ -175,7 +178,12 @@ def restricted_pickle_load(path: Path, encoding: str = "ASCII") -> Any:
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            return _with_imports(lambda: _RestrictedUnpickler(fh, encoding=encoding).load())
+
+            def load() -> Any:
+                fh.seek(0)  # a retry (after importing a module the file names) reads from the start again
+                return _RestrictedUnpickler(fh, encoding=encoding).load()
+
+            return _with_imports(load)
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except Exception as exc:
