@@ -54,7 +54,9 @@ free_port() {
 
 write_conf() {
     local cpus ctld_port slurmd_port
-    cpus=$(nproc)
+    # the machine's CPUs (this process's affinity), not a thread setting: nproc honours OMP_NUM_THREADS, and a shell
+    # (or the test suite) with OMP_NUM_THREADS=1 gave the node 1 CPU, too few for a 2-process cell
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     ctld_port=$(free_port)
     slurmd_port=$(free_port)
     while [ "$slurmd_port" = "$ctld_port" ]; do slurmd_port=$(free_port); done

@@ -87,7 +87,7 @@ def closed_form_8b(monkeypatch):
     monkeypatch.setattr(projection, "model_flops", lambda c: per_sample)
     monkeypatch.setattr(projection, "model_family", lambda c: "transformer")
     monkeypatch.setattr(
-        fsdp, "local_flop_share", lambda spec, t: ((per_sample - head) / t + head) / per_sample
+        fsdp, "local_flop_share", lambda spec, t, vocab_parallel=False: ((per_sample - head) / t + head) / per_sample
     )
 
     def memory(c, world, device_type):

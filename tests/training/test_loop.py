@@ -116,8 +116,12 @@ def test_every_registered_strategy_has_a_list_row_and_an_estimate_row():
                          "--image-size", "32", "--num-classes", "10", "--batch-size", "32", "--json"))  # fmt: skip
     rows = {r["strategy"]: r for r in est["results"]}
     assert sorted(rows) == names
-    for name, row in rows.items():
-        assert row["estimate"] is not None and row["estimate"]["peak_bytes"] > 0, (name, row.get("no_model"))
+    for name, row in rows.items():  # a method that cannot split tinynet says why (one row never sinks the table)
+        if row["estimate"] is None:
+            assert "has no tensor-parallel plan" in (row.get("na") or ""), (name, row.get("na"))
+        else:
+            assert row["estimate"]["peak_bytes"] > 0, name
+    assert rows["ddp"]["estimate"] is not None and rows["pipeline"]["estimate"] is not None
 
 
 PLUGIN = '''
