@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 # One intra-op thread in each test process and in everything it starts: `make test` runs two test processes on 2
 # cores, each often beside ranks of its own, and torch's default (one thread per core) then has OpenMP threads
 # spin-waiting for a core another process holds: 10 steps of gpt-tiny took 17 s instead of 0.6 s, and a short
-# in-process train ~4x longer. Subprocesses already got 1
-# (run_stratbench, the zygote); the launcher reads OMP_NUM_THREADS as a user's setting (threads_per_process).
+# in-process train ~10x longer. Subprocesses inherit it (run_stratbench and the zygote also set it themselves);
+# the launcher reads OMP_NUM_THREADS as a user's setting (threads_per_process).
 os.environ["OMP_NUM_THREADS"] = "1"
 torch.set_num_threads(1)
 sys.path.insert(0, str(REPO / "scripts"))  # scripts/async_io_build.py: DeepSpeed's async_io op for the nvme tests

@@ -280,11 +280,8 @@ def autotp_view(ctx):
     t = ctx.options.autotp_size
     if t == 1:
         return ctx, 1
-    shapes = tp_shapes(ModelSpec.from_config(ctx.cfg))
-    numels = [n // t if d is not None else n for n, d in zip(shapes.numels, shapes.split, strict=True)]
-    return dataclasses.replace(
-        ctx, info=dataclasses.replace(ctx.info, numels=numels), world=ctx.world // t
-    ), t
+    numels = tp_shapes(ModelSpec.from_config(ctx.cfg)).local_numels(t)
+    return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, numels=numels), world=ctx.world // t), t
 
 
 def autotp_comm(ctx, view, zero: dict[str, Any], t: int) -> list[Collective]:

@@ -22,6 +22,7 @@ import torch
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.data.datasets import split_batch
+from stratbench.strategies.tp import degree_unfit
 
 if TYPE_CHECKING:
     from stratbench.strategies.deepspeed import DeepSpeedOptions
@@ -236,11 +237,9 @@ def autotp_degree(opts: DeepSpeedOptions, world: int) -> int:
     t = opts.autotp_size
     if not isinstance(t, int) or isinstance(t, bool) or t < 1:
         raise ConfigError(f"--autotp-size must be a positive integer (1: no tensor parallelism), got {t!r}")
-    if world % t:
-        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
-        raise ConfigError(
-            f"deepspeed --autotp-size {t}: {world} processes do not divide by {t}; --autotp-size that fit: {fits}"
-        )
+    why = degree_unfit("deepspeed --autotp-size", t, world)
+    if why:
+        raise ConfigError(why)
     return t
 
 

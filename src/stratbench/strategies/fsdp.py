@@ -49,10 +49,13 @@ from stratbench.strategies.tp import (
     LocalSlice,
     LossParallel,
     apply_tp,
+    clip_norms_row,
+    degree_unfit,
     local_flop_share,
     megatron_rows,
     norm_grads_row,
     plan_options,
+    require_tp_group,
     splits_loss,
     tp_shapes,
     transformer_comm,
@@ -93,12 +96,7 @@ class FSDPOptions:
             raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
         if self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
-        split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(self, f)]
-        if split and self.tp == 1:
-            flags = " and ".join("--" + f.replace("_", "-") for f in split)
-            raise ConfigError(
-                f"fsdp {flags} split(s) within a tensor-parallel group: give --tp 2 or more (got 1)"
-            )
+        require_tp_group(self, "fsdp", "within a tensor-parallel group")
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
@@ -228,20 +226,13 @@ def fsdp2_comm(ctx, sharding: str):
 def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
     """One line saying why ``--tp`` cannot run with this world, model and these options, or None."""
     t = options.tp
-    if t == 1 or world_unfit(t, world):
-        return world_unfit(t, world)
+    if t == 1:
+        return None
+    unfit = degree_unfit("fsdp --tp", t, world)
+    if unfit:
+        return unfit
     why = unsupported(cfg, t, "--tp", plan_options(options))
     return f"fsdp --tp {t}: {why}" if why else None
-
-
-def world_unfit(t: int, world: int) -> str | None:
-    """One line when ``world`` processes do not form a (world / t, t) mesh, else None."""
-    if world % t == 0:
-        return None
-    fits = [d for d in range(1, world + 1) if world % d == 0]
-    return (
-        f"fsdp --tp {t}: {world} processes do not divide by {t}; --tp that fit: {', '.join(map(str, fits))}"
-    )
 
 
 def tp_local(ctx) -> MemoryContext:
@@ -302,9 +293,8 @@ def tp_rows(ctx, dp: int) -> list[Collective] | None:
         summed = (2 * tc.n_layers + 1) * (cfg.grad_accum if ctx.options.sharding == "full" else 1)
         row = norm_grads_row(as_computed, summed, tc.dim, t, summed)
         rows.append(dataclasses.replace(row, phase="backward"))
-    if cfg.clip_grad_norm:  # the per-parameter norms over tp, as transformer_comm gives them
-        clip = transformer_comm(dataclasses.replace(ctx, world=t, options=plan)) or []
-        rows += [r for r in clip if r.phase == "optimizer" and "clipping" in r.note]
+    if cfg.clip_grad_norm:  # the per-parameter norms over tp, in the weights' dtype
+        rows.append(clip_norms_row(ctx, tp_shapes(ModelSpec.from_config(cfg), plan.vocab_parallel), t))
     if cfg.activation_checkpointing:
         act = (replica.batch_size // cfg.grad_accum) * cfg.seq_len * tc.dim
         blocks = megatron_rows(as_computed, tc.n_layers, act, cfg.grad_accum, t, "", plan.sequence_parallel)
@@ -413,7 +403,7 @@ class FSDPStrategy(LossParallel, Strategy):
         """The replicas the batch is split over: the mesh's dp dimension (world / --tp; refused here, first, when
         --tp does not divide the world)."""
         t = cls.parse_options(cfg.strategy_options).tp
-        why = world_unfit(t, world_size)
+        why = degree_unfit("fsdp --tp", t, world_size)
         if why:
             raise ConfigError(why)
         return world_size // t

@@ -73,7 +73,13 @@ from stratbench.models.split import (
 from stratbench.strategies import pipeline_tp
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import LocalSlice, apply_tp, plan_options, reduce_partial_grads
+from stratbench.strategies.tp import (
+    LocalSlice,
+    apply_tp,
+    plan_options,
+    reduce_partial_grads,
+    require_tp_group,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
 
@@ -112,12 +118,7 @@ class PipelineOptions:
                 raise ConfigError(f"{name} must be a positive integer (or 0 for the default), got {value!r}")
         if not isinstance(self.tp, int) or self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
-        split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(self, f)]
-        if split and self.tp == 1:
-            flags = " and ".join("--" + f.replace("_", "-") for f in split)
-            raise ConfigError(
-                f"pipeline {flags} split(s) each stage over --tp processes: give --tp 2 or more (got 1)"
-            )
+        require_tp_group(self, "pipeline", "each stage over --tp processes")
 
     @property
     def points(self) -> tuple[str, ...]:

@@ -229,8 +229,12 @@ class TPShapes:
     tie_conflicts: tuple[str, ...] = ()
     """Tied parameters whose holders the plan splits differently (one tensor cannot be both)."""
 
+    def local_numels(self, world: int) -> list[int]:
+        """Each parameter's elements on one of ``world`` ranks: 1/world of a split one, a replicated one whole."""
+        return [n // world if d is not None else n for n, d in zip(self.numels, self.split, strict=True)]
+
     def local_numel(self, world: int) -> int:
-        return sum(n // world if d is not None else n for n, d in zip(self.numels, self.split, strict=True))
+        return sum(self.local_numels(world))
 
 
 @functools.cache
@@ -528,13 +532,15 @@ def transformer_comm(ctx) -> list[Collective] | None:
     ends = ends_rows(ctx, tc, act, opts, Traffic(cfg.grad_accum, ctx.world))
     rows = _block_comm(ctx, tc, act, opts.sequence_parallel) + ends
     if cfg.clip_grad_norm:
-        norms = len(shapes.numels) * ctx.param_bytes
-        rows.append(
-            Collective(
-                "all_reduce", norms, 1, "optimizer", ctx.world, "per-parameter gradient norms (clipping)"
-            )
-        )
+        rows.append(clip_norms_row(ctx, shapes, ctx.world))
     return rows
+
+
+def clip_norms_row(ctx, shapes: TPShapes, group: int) -> Collective:
+    """--clip-grad-norm on DTensors over a tp ``group``: ``clip_grad_norm_`` stacks one norm per parameter (in the
+    weights' dtype) and all-reduces them once per step."""
+    norms = len(shapes.numels) * ctx.param_bytes
+    return Collective("all_reduce", norms, 1, "optimizer", group, "per-parameter gradient norms (clipping)")
 
 
 class TPCost(CostModel):
@@ -790,6 +796,24 @@ def splits_loss(model: nn.Module, cfg, opts: TPOptions) -> bool:
     """Whether ``model`` (after ``apply_tp``) has a vocabulary-parallel head whose logits the loss reads split."""
     split_head = any(hasattr(m, "_stratbench_gather_logits") for m in model.modules())
     return split_head and loss_parallel_applies(cfg, opts)
+
+
+def degree_unfit(flag: str, t: int, world: int) -> str | None:
+    """One line when ``world`` processes do not form groups of ``t`` (``flag``: the method and its option, e.g.
+    "fsdp --tp"), naming the degrees that fit; else None."""
+    if world % t == 0:
+        return None
+    fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0)
+    return f"{flag} {t}: {world} processes do not divide by {t}; {flag.split()[-1]} that fit: {fits}"
+
+
+def require_tp_group(options, method: str, where: str) -> None:
+    """Refuse --sequence-parallel / --vocab-parallel on another method's options (fsdp's, pipeline's) without a
+    tensor-parallel group to split in (``options.tp`` of 1): one line naming the flags given."""
+    split = [f for f in ("sequence_parallel", "vocab_parallel") if getattr(options, f)]
+    if split and options.tp == 1:
+        flags = " and ".join("--" + f.replace("_", "-") for f in split)
+        raise ConfigError(f"{method} {flags} split(s) {where}: give --tp 2 or more (got 1)")
 
 
 def plan_options(options) -> TPOptions:
