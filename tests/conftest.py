@@ -305,3 +305,49 @@ def projection_published():
         yield importlib.import_module("projection_published")
     finally:
         sys.path.remove(folder)
+
+
+QUICK_FP64 = ["--preset", "quick", "--precision", "fp64", "--max-steps", "3", "--timing-warmup-steps", "1"]
+"""The quick preset with every cell in fp64, 3 steps each: the table every executor must reproduce (the same cells,
+statuses, reasons and losses as the local executor's; DeepSpeed's cells are skipped in fp64 with its reason)."""
+
+
+@pytest.fixture(scope="session")
+def quick_fp64_local(tmp_path_factory, worker_id) -> Path:
+    """`stratbench compare` + QUICK_FP64 on the local executor, run as a user runs it (a fresh interpreter, in an
+    empty folder): once per `make test`, the xdist workers sharing it through a lock (the Ray and the SLURM tests
+    each check their executor's sweep against it)."""
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if worker_id != "master":  # gw0, gw1: each has its own basetemp under the run's folder
+        shared = shared.parent
+    out = shared / "quick-fp64-local"
+    with FileLock(str(shared / "quick-fp64-local.lock")):
+        if not (out / "report.md").is_file():
+            (shared / "quick-user").mkdir(exist_ok=True)
+            run_stratbench("compare", *QUICK_FP64, "--output", str(out), cwd=shared / "quick-user", timeout=900)
+    return out
+
+
+def _glance(report: Path) -> list[list[str]]:
+    """The report's "Completed cells at a glance" rows without the columns that time or measure memory."""
+    lines = report.read_text().split("## Completed cells at a glance", 1)[1].split("\n## ", 1)[0].splitlines()
+    rows = [[c.strip() for c in line.strip().strip("|").split("|")] for line in lines if line.startswith("| ")]
+    header, rows = rows[0], rows[1:]
+    keep = [i for i, name in enumerate(header) if name in ("method", "precision", "devices", "val accuracy")]
+    return [[row[i] for i in keep] for row in rows]
+
+
+def assert_same_table(out: Path, local: Path) -> None:
+    """A sweep (another executor's) gave the local sweep's table: the same cells with the same statuses and
+    reasons, every completed cell's fp64 loss curve within RTOL of the local one, the same report rows."""
+    from stratbench.compare.runner import load_records
+
+    got, ref = load_records(out), load_records(local)
+    assert sorted(got) == sorted(ref)
+    for cid, rec in ref.items():
+        assert (got[cid]["status"], got[cid]["reason"]) == (rec["status"], rec["reason"]), cid
+        if rec["status"] == "ok":
+            assert_curves_match(got[cid]["metrics"]["loss_curve"], rec["metrics"]["loss_curve"], RTOL)
+    assert _glance(out / "report.md") == _glance(local / "report.md")

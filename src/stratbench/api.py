@@ -102,6 +102,7 @@ def plan_sweep(
     world_size: int | None = None,
     device_memory: str | int | None = None,
     nodes: int | None = None,
+    precision: str | None = None,
     executor: Executor | None = None,
     **options: Any,
 ) -> SweepPlan:
@@ -109,7 +110,9 @@ def plan_sweep(
     results file already in ``output``, the calibration runs, and whether ``executor`` (default: this machine)
     can hold every cell. ``options`` are training options for every cell; ``device_memory`` (bytes or a size
     such as ``2GiB``) replaces the matrix's budget per device: a cell whose estimate exceeds it is recorded as
-    'does not fit (estimate X of Y)' instead of being run; ``nodes``: the nodes of every multi-process cell."""
+    'does not fit (estimate X of Y)' instead of being run; ``nodes``: the nodes of every multi-process cell;
+    ``precision``: every cell's precision instead of the matrix's (``fp64``: losses that agree to ~1e-12 across
+    methods, executors and machines; cells that then coincide run once)."""
 
     if timeout is not None and timeout <= 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
@@ -123,7 +126,7 @@ def plan_sweep(
                           "elsewhere: calibrate with a local compare on a node like the cluster's")  # fmt: skip
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
-    m = load_matrix(preset, matrix, _typed(options), world_size, nodes)
+    m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision)
     if device_memory is not None:
         m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)

@@ -186,6 +186,12 @@ def test_matrix_expansion_ids_and_filters():
         build_matrix({"base": {"modle": "tinynet"}, "cells": [{"method": "single"}]})
     with pytest.raises(ConfigError, match="set per cell"):
         build_matrix({"base": {"precision": "fp32"}, "cells": [{"method": "single"}]})
+    every = build_matrix(spec, precision="64-true")  # --precision: every cell at it (Lightning's name too)
+    assert [(c.name, c.precision, c.batch_size) for c in every.cells] == [
+        ("single", "fp64", 32), ("deepspeed-z1", "fp64", 32), ("deepspeed-z3", "fp64", 32), ("ddp", "fp64", 32),
+        ("ddp", "fp64", 64)]  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown precision 'fp8'; choose one of: fp32, .*fp64"):
+        build_matrix(spec, precision="fp8")
 
 
 def test_plan_marks_unavailable_and_invalid_cells():

@@ -1,7 +1,7 @@
 """`compare --executor ray` on a real two-node Ray cluster on this machine (scripts/local_ray.py: a head and a
-worker node, two `ray start`s, shared by every test here and stopped at the end): the same cells and fp64 losses
-as the local executor, a cell spread over both nodes against the local 2-process run, the refusals before any
-cell, SIGTERM of compare leaving no Ray task or process, and a worker node killed during a cell."""
+worker node, two `ray start`s, shared by every test here and stopped at the end): the quick preset's table in fp64
+as the local executor gives it, a cell spread over both nodes against the local 2-process run, the refusals before
+any cell, SIGTERM of compare leaving no Ray task or process, and a worker node killed during a cell."""
 
 from __future__ import annotations
 
@@ -16,8 +16,19 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd, sweep_processes
+from conftest import (
+    QUICK_FP64,
+    REPO,
+    RTOL,
+    assert_curves_match,
+    assert_same_table,
+    fails,
+    run_stratbench,
+    stratbench_cmd,
+    sweep_processes,
+)
 from stratbench.api import compare
+from stratbench.compare.matrix import preset_quick
 from stratbench.compare.runner import load_records
 from stratbench.launching.executors import make_executor
 
@@ -55,12 +66,9 @@ def cluster(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def local_sweep(cluster) -> dict:
-    """The two cells on the local executor (the sweep in this process, as `stratbench compare` runs it)."""
-    root = cluster["root"]
-    out = root / "local"
-    compare(matrix=str(_matrix(root, "two", TWO)), output=str(out), console=_quiet())
-    return load_records(out)
+def local_quick(cluster, quick_fp64_local) -> dict:
+    """The quick preset in fp64 on the local executor (conftest's, run while the cluster starts), by method."""
+    return {rec["method"]: rec for rec in load_records(quick_fp64_local).values() if rec["status"] == "ok"}
 
 
 def _quiet():
@@ -70,7 +78,7 @@ def _quiet():
 
 
 @pytest.fixture(scope="module")
-def address(cluster, local_sweep) -> str:
+def address(cluster, local_quick) -> str:
     """The cluster's address; where this machine cannot start Ray (scripts/local_ray.py's one line, with its log),
     the tests that need the cluster are skipped with that reason, as the SLURM tests are without SLURM."""
     try:
@@ -79,9 +87,12 @@ def address(cluster, local_sweep) -> str:
         pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
 
 
-KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}, *TWO]
-"""ddp over both nodes first (it must use the worker node, which dies under it), then the local sweep's two cells
-(they fit on the head alone, one at a time)."""
+KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"},
+          {"method": "single", "precision": "fp64"}]  # fmt: skip
+"""ddp over both nodes first (it must use the worker node, which dies under it), then single (it fits on the head
+alone); both on the quick preset's problem, checked against the local quick sweep's ddp and single."""
+QUICK_BASE = {**preset_quick()["base"], "max_steps": 3, "timing_warmup_steps": 1}
+"""The problem of conftest's QUICK_FP64 cells."""
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +103,8 @@ def killed_sweep(cluster, address) -> dict:
     ~7 min of the suite's time)."""
     root = cluster["root"]
     out = root / "kill"
-    matrix = _matrix(root, "kill", KILLED)
+    matrix = root / "kill.yaml"
+    matrix.write_text(yaml.safe_dump({"name": "kill", "base": QUICK_BASE, "cells": KILLED}))
     state = cluster["future"].result()
 
     def kill_the_worker_once_the_cell_runs_on_it() -> None:
@@ -126,17 +138,16 @@ def test_a_killed_worker_node_fails_its_cell_and_the_sweep_goes_on(killed_sweep)
     assert lost["status"] == "failed" and lost["lost"], lost
     assert "died" in lost["reason"] and "node" in lost["reason"], lost["reason"]
     others = [rec for label, rec in first.items() if label != "ddp-2nodes"]
-    assert len(others) == 2 and all(rec["status"] == "ok" for rec in others), [r["reason"] for r in others]
+    assert len(others) == 1 and all(rec["status"] == "ok" for rec in others), [r["reason"] for r in others]
     assert killed_sweep["left"] == []  # no launcher, torchrun or worker of the sweep outlives it
 
 
-def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_executor(local_sweep, killed_sweep):
+def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_executor(local_quick, killed_sweep):
     rerun, out = killed_sweep["rerun"], killed_sweep["out"]
     assert {rec["status"] for rec in rerun.values()} == {"ok"}, {k: r["reason"] for k, r in rerun.items()}
     for label, stamp in killed_sweep["stamps"].items():  # recorded cells are not trained again
         assert _result_stamp(rerun[label]) == stamp, label
-    local = {rec["method"]: rec for rec in local_sweep.values()}
-    assert len(local) == 2 and {rec["status"] for rec in local.values()} == {"ok"}
+    local = local_quick
     for rec in rerun.values():  # the same cells, the same fp64 losses (the 2-node one against the local ddp)
         assert rec["cell_dir"].startswith(str(out))  # written in the compare folder by the Ray node
         assert_curves_match(rec["metrics"]["loss_curve"], local[rec["method"]]["metrics"]["loss_curve"], RTOL)
@@ -145,6 +156,17 @@ def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_exec
     node1 = (Path(two["cell_dir"]) / "train.node1.log").read_text()  # node 1's launcher ran on the other node
     assert "--nnodes 2 --node-rank 1 --master-addr" in node1.splitlines()[0]
     assert "| ddp-2nodes | fp64 | 2 on 2 nodes |" in (out / "report.md").read_text()  # the devices column
+
+
+def test_the_quick_preset_on_ray_gives_the_local_table(cluster, address, quick_fp64_local):
+    """The issue's check as a user runs it: `stratbench compare --preset quick --executor ray` (every cell in fp64)
+    gives the local executor's table; its cells ran in the compare folder through Ray and left nothing behind."""
+    out = cluster["root"] / "quick"
+    proc = run_stratbench("compare", *QUICK_FP64, "--output", str(out), "--executor", "ray", "--ray-address",
+                          address, cwd=cluster["root"], timeout=900)  # fmt: skip
+    assert f"-> {out} (Ray at " in proc.stdout  # the executor ran it (the address as the cluster names itself)
+    assert_same_table(out, quick_fp64_local)
+    assert sweep_processes(out) == []
 
 
 def test_an_unreachable_cluster_or_a_cell_too_big_for_it_is_one_line_before_any_cell(

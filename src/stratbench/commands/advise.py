@@ -18,7 +18,7 @@ from stratbench.commands.estimate import (
 )
 from stratbench.core.config import TrainConfig, canonical_precision, validate
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import SPECS
+from stratbench.core.precision import spec_of
 from stratbench.core.tables import fmt_bytes, table_console
 from stratbench.data.datasets import check_data
 from stratbench.measuring.hardware import System, resolve
@@ -64,8 +64,7 @@ def run(args: argparse.Namespace) -> int:
     tf32 = check_tf32(args, system)
     devices, memory = devices_and_memory(args, system)
     precision = canonical_precision(args.precision) or default_precision("cuda", _bf16_supported())
-    if precision not in SPECS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
+    spec_of(precision)
     check_model_arguments(args)
     base = TrainConfig(
         **model_fields(args), batch_size=args.batch_size, precision=precision, tf32=tf32, optimizer=args.optimizer,

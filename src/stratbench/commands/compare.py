@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-concurrent-cells", type=int, default=0, metavar="N",
                         help="cells under way at once (default: local 1, so that timings are not shared; ray, slurm: "
                              "every cell submitted, each waiting for its own reserved CPUs/GPUs)")  # fmt: skip
+    parser.add_argument("--precision", metavar="NAME",
+                        help="every cell at this precision instead of the matrix's (e.g. fp64: losses equal to "
+                             "~1e-12 across methods and executors, the check of a cluster against this machine); "
+                             "cells that then coincide run once")  # fmt: skip
     add_executor_arguments(parser)
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="memory of one device, e.g. 2GiB: a cell whose memory estimate exceeds it is recorded as "
@@ -105,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
                            timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
                            hardware=args.hardware, world_size=args.world_size, device_memory=args.device_memory,
-                           nodes=args.nodes, executor=executor, **overrides_from(args))  # fmt: skip
+                           nodes=args.nodes, precision=args.precision, executor=executor,
+                           **overrides_from(args))  # fmt: skip
     except BaseException:
         executor.close()
         raise

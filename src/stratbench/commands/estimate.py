@@ -11,7 +11,7 @@ from rich.table import Table
 from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
 from stratbench.core.config import RANGES, TrainConfig, canonical_precision, coerce, validate
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import SPECS, TF32_GPUS
+from stratbench.core.precision import TF32_GPUS, spec_of
 from stratbench.core.tables import (
     fit_table,
     fmt_bytes,
@@ -220,8 +220,7 @@ MAX_BATCH = 100_000_000
 def check_common(args: argparse.Namespace) -> None:
     """The values every row shares (precision, world size, batch): one line before any row is computed."""
     args.precision = canonical_precision(args.precision)  # Lightning's names too (16-mixed, bf16-true, ...)
-    if args.precision not in SPECS:
-        raise ConfigError(f"unknown precision {args.precision!r}; choose one of: {', '.join(SPECS)}")
+    spec_of(args.precision)
     if not 1 <= args.world_size <= MAX_WORLD:
         raise ConfigError(f"--world-size must be between 1 and {MAX_WORLD}, got {args.world_size}")
     if not 1 <= args.batch_size <= MAX_BATCH:

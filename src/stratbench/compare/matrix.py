@@ -30,7 +30,7 @@ from typing import Any
 from stratbench.core.config import TrainConfig, canonical_precision, from_dict, load_yaml
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
-from stratbench.core.precision import SPECS, configure_tf32, slow_on
+from stratbench.core.precision import SPECS, configure_tf32, slow_on, spec_of
 from stratbench.core.tables import fmt_bytes
 from stratbench.models.zoo import pretrained_available
 from stratbench.predicting.estimate import estimate, parse_bytes
@@ -554,10 +554,14 @@ record a warm-up step only (3 warm-up steps by default), so they cost the measur
 
 def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None,
-    nodes: int | None = None,
+    nodes: int | None = None, precision: str | None = None,
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values;
-    ``nodes`` (``--nodes``): the nodes of every multi-process cell whose entry gives none."""
+    ``nodes`` (``--nodes``): the nodes of every multi-process cell whose entry gives none; ``precision``
+    (``--precision``): every cell's precision (cells that then coincide run once)."""
+    if precision is not None:
+        precision = canonical_precision(precision)
+        spec_of(precision)
     base = _matrix_base(spec, overrides)
     default_world = int(world_size or spec.get("world_size") or 2)
     entries = spec.get("cells")
@@ -570,7 +574,7 @@ def build_matrix(
     cells: list[Cell] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries):
-        for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes):
+        for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes, precision):
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
                 cells.append(cell)
@@ -624,9 +628,10 @@ def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict
 
 def _expand_entry(
     n: int, entry: Any, base: dict[str, Any], overrides: dict[str, Any] | None, default_world: int,
-    default_nodes: int | None = None,
+    default_nodes: int | None = None, every_precision: str | None = None,
 ) -> list[Cell]:
-    """The cells of cell entry ``n`` (from 1): the product of its list values."""
+    """The cells of cell entry ``n`` (from 1): the product of its list values (``every_precision``:
+    the precision of each, whatever the entry says)."""
     if not isinstance(entry, dict) or "method" not in entry:
         raise ConfigError(f"matrix cell entry {n} must be a mapping with at least 'method', got {entry!r}")
     bad = sorted(set(entry) - set(ENTRY_KEYS))
@@ -641,7 +646,7 @@ def _expand_entry(
     cells = []
     for method, precision, world, batch, options in itertools.product(
         _as_list(entry["method"]),
-        _as_list(entry.get("precision", "fp32")),
+        [every_precision] if every_precision else _as_list(entry.get("precision", "fp32")),
         _as_list(entry.get("world_size")),
         _as_list(entry.get("batch_size")),
         _as_list(entry.get("options") or {}),
@@ -683,10 +688,10 @@ def _nodes_of(n: int, given: Any, default: int | None, world: int) -> int:
 
 
 def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
-                world_size: int | None = None, nodes: int | None = None) -> Matrix:  # fmt: skip
+                world_size: int | None = None, nodes: int | None = None, precision: str | None = None) -> Matrix:  # fmt: skip
     """A preset by name or a YAML matrix file (exactly one of them)."""
     if path:
-        return build_matrix(load_yaml(path), overrides, world_size, nodes)
+        return build_matrix(load_yaml(path), overrides, world_size, nodes, precision)
     name = preset or "quick"
     if name not in PRESETS:
         raise ConfigError(
@@ -698,7 +703,7 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
         spec = PRESETS[name](world_size)
     else:
         spec = PRESETS[name]()
-    return build_matrix(spec, overrides, world_size, nodes)
+    return build_matrix(spec, overrides, world_size, nodes, precision)
 
 
 # ------------------------------------------------------------------------------------------------

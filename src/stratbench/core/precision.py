@@ -86,13 +86,18 @@ def slow_on(spec: PrecisionSpec, device: torch.device) -> str | None:
     return None
 
 
+def spec_of(name: str) -> PrecisionSpec:
+    """The spec of precision ``name`` (stratbench's spelling); an unknown name is one line naming the known ones."""
+    if name not in SPECS:
+        raise ConfigError(f"unknown precision {name!r}; choose one of: {', '.join(SPECS)}")
+    return SPECS[name]
+
+
 class Precision:
     """Owns dtype conversion, autocast and the (scaled) backward/step for one precision choice."""
 
     def __init__(self, name: str, device: torch.device) -> None:
-        if name not in SPECS:
-            raise ConfigError(f"unknown precision {name!r}; choose one of: {', '.join(SPECS)}")
-        self.spec = SPECS[name]
+        self.spec = spec_of(name)
         self.device = device
         reason = supported_on(self.spec, device)
         if reason:

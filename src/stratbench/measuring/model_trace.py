@@ -18,7 +18,7 @@ from torch import nn
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import optimizer_spec
-from stratbench.core.precision import SPECS
+from stratbench.core.precision import SPECS, spec_of
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
 from stratbench.models.split import piece_module, pieces_of
@@ -321,7 +321,7 @@ def trace_step(
     ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    pspec = _spec_of(precision)
+    pspec = spec_of(precision)
     live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
@@ -405,7 +405,7 @@ def trace_pieces(
     tensor-parallel rank's slice)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    pspec = _spec_of(precision)
+    pspec = spec_of(precision)
     out = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
@@ -427,10 +427,6 @@ def trace_pieces(
     return tuple(out)
 
 
-def _spec_of(precision: str):
-    if precision not in SPECS:
-        raise ConfigError(f"unknown precision {precision!r}; choose one of: {', '.join(SPECS)}")
-    return SPECS[precision]
 
 
 def _build_in(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:

@@ -30,7 +30,7 @@ import torch
 
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import SPECS, cpu_native_16bit
+from stratbench.core.precision import SPECS, cpu_native_16bit, spec_of
 from stratbench.measuring.model_trace import (
     ModelInfo,
     ModelSpec,
@@ -160,8 +160,7 @@ def estimate(
         raise ConfigError(f"unknown device type {device_type!r}; choose one of: {', '.join(OVERHEAD)}")
     spec = ModelSpec.from_config(cfg)
     info = model_info(spec)
-    if cfg.precision not in SPECS:
-        raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
+    spec_of(cfg.precision)
     states = [rank_states(cfg, world_size, r, info, device_type) for r in range(world_size)]
     s = max(states, key=_held_bytes)
     mb = micro_batch(cfg, s.data_ranks or world_size)

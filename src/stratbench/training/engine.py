@@ -42,7 +42,7 @@ from stratbench.core.errors import (
     is_out_of_memory,
 )
 from stratbench.core.optim import lr_lambda, optimizer_spec
-from stratbench.core.precision import SPECS, Precision, configure_tf32, supported_on
+from stratbench.core.precision import SPECS, Precision, configure_tf32, spec_of, supported_on
 from stratbench.core.progress import progress_bar
 from stratbench.data.datasets import (
     DataBundle,
@@ -96,8 +96,7 @@ def check_config(cfg: TrainConfig, world: int) -> type[Strategy]:
     if text and cfg.tokenizer and cfg.vocab_size is None and is_hf_name(cfg.model):
         check_vocab(cfg.model, text_vocab(cfg))  # a tokenizer's vocabulary the model's head must cover
     check_loss(cfg)
-    if cfg.precision not in SPECS:
-        raise ConfigError(f"unknown precision {cfg.precision!r}; choose one of: {', '.join(SPECS)}")
+    spec_of(cfg.precision)
     strategy_cls = get_strategy(cfg.strategy)
     strategy_cls.parse_options(cfg.strategy_options)
     split_batch(cfg.batch_size, strategy_cls.data_parallel_size(cfg, world), cfg.grad_accum)
