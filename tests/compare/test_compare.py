@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import cli, md_section, run_stratbench
+from conftest import cli, fails, md_section, run_stratbench
 from stratbench.compare import runner as runner_mod
 from stratbench.compare.matrix import build_matrix, plan, select
 from stratbench.compare.report import render_sweeps
@@ -128,6 +128,16 @@ def test_dry_run_lists_cells_and_reasons(tmp_path):
     proc = run_stratbench("compare", "--matrix", str(mfile), "--output", str(out), "--dry-run",
                           "--only", "single", "--skip", "fp16-mixed", timeout=300)  # fmt: skip
     assert "1 cells" in proc.stdout and "single_fp32" in proc.stdout
+
+
+def test_nodes_times_gpus_per_node_is_each_cells_processes(tmp_path, capsys):
+    out = tmp_path / "never"
+    text = cli("compare", "--only", "single,ddp", "--only", "fp32", "--nodes", "2", "--gpus-per-node", "2",
+               "--output", out, "--dry-run")  # fmt: skip
+    assert "x4 on 2 nodes" in text and "single" in text and not out.exists()
+    err = fails(capsys, "compare", "--nodes", "2", "--gpus-per-node", "2", "--world-size", "2", "--dry-run")
+    assert err.endswith("--world-size 2 disagrees with --nodes 2 x --gpus-per-node 2 = 4: give one of them")
+    assert fails(capsys, "compare", "--procs-per-node", "0", "--dry-run").endswith("--gpus-per-node must be >= 1, got 0")
 
 
 def test_report_rerender_and_merge(sweep, tmp_path):

@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--nodes", type=int, metavar="N",
                         help="spread each multi-process cell over N nodes (world size / N processes on each; "
                              "--executor ray/slurm places them on N distinct machines, local runs N launchers here)")  # fmt: skip
+    parser.add_argument("--gpus-per-node", "--procs-per-node", dest="procs_per_node", type=int, metavar="P",
+                        help="processes on each node (one per GPU on GPUs): each multi-process cell gets "
+                             "nodes x P processes, nodes from --nodes (default 1); instead of --world-size")  # fmt: skip
     parser.add_argument("--max-concurrent-cells", type=int, default=0, metavar="N",
                         help="cells under way at once (default: local 1, so that timings are not shared; ray, slurm: "
                              "every cell submitted, each waiting for its own reserved CPUs/GPUs)")  # fmt: skip
@@ -99,16 +102,30 @@ def overrides_from(args: argparse.Namespace) -> dict:
     return out
 
 
+def world_of(world_size: int | None, nodes: int | None, procs_per_node: int | None) -> int | None:
+    """The processes of a multi-process cell: ``--world-size``, or ``--nodes`` x ``--gpus-per-node``."""
+    if procs_per_node is None:
+        return world_size
+    if procs_per_node < 1:
+        raise ConfigError(f"--gpus-per-node must be >= 1, got {procs_per_node}")
+    world = (nodes or 1) * procs_per_node
+    if world_size is not None and world_size != world:
+        raise ConfigError(f"--world-size {world_size} disagrees with --nodes {nodes or 1} x --gpus-per-node "
+                          f"{procs_per_node} = {world}: give one of them")  # fmt: skip
+    return world
+
+
 def run(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ConfigError(f"--repeats must be >= 1, got {args.repeats}")
+    world_size = world_of(args.world_size, args.nodes, args.procs_per_node)
     console = table_console()
     executor = make_executor(args.executor, args.max_concurrent_cells, **executor_options(args))
     try:
         sweep = plan_sweep(args.preset, matrix=args.matrix, output=args.output, only=args.only, skip=args.skip,
                            timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
-                           hardware=args.hardware, world_size=args.world_size, device_memory=args.device_memory,
+                           hardware=args.hardware, world_size=world_size, device_memory=args.device_memory,
                            nodes=args.nodes, precision=args.precision, executor=executor,
                            **overrides_from(args))  # fmt: skip
     except BaseException:
