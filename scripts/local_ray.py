@@ -81,7 +81,13 @@ def _wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 120) -> Non
 
 
 def _env() -> dict[str, str]:
-    return dict(os.environ, RAY_USAGE_STATS_ENABLED="0", **FAST_HEALTH_CHECK)
+    """Every node in one authentication mode: the user's RAY_AUTH_MODE, else disabled (the nodes listen on
+    loopback only). Left to Ray 2.60, a head started while ~/.ray/auth_token exists (any `ray.init()` of a local
+    Ray writes it) turns token authentication on, while a joining `ray start --address` and a client's
+    `ray.init(address=...)` stay without it unless RAY_AUTH_MODE=token is set for them: the worker node and then
+    compare were refused ("InvalidAuthToken") on every machine where ray.init() had ever run."""
+    mode = os.environ.get("RAY_AUTH_MODE", "disabled")
+    return dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE=mode, **FAST_HEALTH_CHECK)
 
 
 def start(root: Path = DEFAULT_DIR, head_cpus: int = 2, worker_cpus: int = 2) -> dict:

@@ -6,6 +6,7 @@ any cell, SIGTERM of compare leaving no Ray task or process, and a worker node k
 from __future__ import annotations
 
 import io
+import json
 import signal
 import subprocess
 import sys
@@ -166,6 +167,22 @@ def test_the_quick_preset_on_ray_gives_the_local_table(cluster, address, quick_f
                           address, cwd=cluster["root"], timeout=900)  # fmt: skip
     assert f"-> {out} (Ray at " in proc.stdout  # the executor ran it (the address as the cluster names itself)
     assert_same_table(out, quick_fp64_local)
+    assert sweep_processes(out) == []
+
+
+def test_train_on_ray_over_two_nodes_is_the_local_run(cluster, address, local_quick):
+    """`stratbench train --executor ray --nnodes 2 --nproc 1` (one run, not a sweep) with the config of the local
+    quick sweep's ddp cell: one rank on each Ray node, the local 2-process curve within 1e-9, the result here."""
+    ref = local_quick["ddp"]
+    out = cluster["root"] / "train-2nodes"
+    proc = run_stratbench("train", "--config", str(Path(ref["cell_dir"]) / "config.yaml"), "--output", str(out),
+                          "--executor", "ray", "--ray-address", address, "--nnodes", "2", "--nproc", "1",
+                          "--progress", "false", cwd=cluster["root"], timeout=300)  # fmt: skip
+    assert "training on Ray at" in proc.stderr and "2 nodes" in proc.stderr, proc.stderr[-2000:]
+    res = json.loads((out / "result.json").read_text())
+    assert res["status"] == "ok" and res["world_size"] == 2
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
+    assert "--nnodes 2 --node-rank 1 --master-addr" in (out / "train.node1.log").read_text().splitlines()[0]
     assert sweep_processes(out) == []
 
 

@@ -38,6 +38,14 @@ def _ray():
     return ray
 
 
+def _auth_hint() -> str:
+    """What a refused connection may need: Ray 2.60 sends its token only where RAY_AUTH_MODE=token is set."""
+    if os.environ.get("RAY_AUTH_MODE", "").lower() == "token":
+        return " (RAY_AUTH_MODE=token is set: is the token in RAY_AUTH_TOKEN or ~/.ray/auth_token the cluster's?)"
+    return (" (a cluster with token authentication also needs RAY_AUTH_MODE=token here, its token in "
+            "RAY_AUTH_TOKEN or ~/.ray/auth_token)")  # fmt: skip
+
+
 def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """One line when nothing listens at ``address`` (host:port or ray://host:port), before Ray's own retries."""
     hostport = address.split("://", 1)[-1]
@@ -82,7 +90,7 @@ class RayExecutor(Executor):
             info = _start_local(quiet) if address == "local" else ray.init(address=address, **quiet)
         except ConnectionError:
             if address != "auto":
-                raise ConfigError(f"cannot connect to the Ray cluster at {address}") from None
+                raise ConfigError(f"cannot connect to the Ray cluster at {address}{_auth_hint()}") from None
             info = _start_local(quiet)  # no cluster: a local one, stopped with this run
         self.connected_to = getattr(info, "address_info", {}).get("gcs_address") or address
 
