@@ -158,9 +158,9 @@ conf_nodes() {  # the nodes of the running SLURM of this folder (its slurm.conf)
     grep -c '^NodeName=' "$STATE/slurm.conf" 2>/dev/null || echo 0
 }
 
-running() {  # the daemons of this folder that are alive
+running() {  # the daemons of this folder that are alive (slurmd.pid: one an older local_slurm.sh started)
     local file pid
-    for file in "$STATE/munge/munged.pid" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid; do
+    for file in "$STATE/munge/munged.pid" "$STATE/slurmctld.pid" "$STATE"/slurmd-*.pid "$STATE/slurmd.pid"; do
         pid=$(cat "$file" 2>/dev/null || true)
         if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then echo "$(basename "$file" .pid):$pid"; fi
     done
