@@ -1,13 +1,16 @@
-"""`compare --executor slurm` on a real single-node SLURM on this machine (scripts/local_slurm.sh: munged,
-slurmctld and slurmd on loopback, started for this module and stopped at the end; skipped with the reason where it
-cannot start). One sweep folder goes through a whole life: SIGTERM of compare while one cell runs and one waits
-(no job, no process left), the same command again with one cell's job cancelled by `scancel` (recorded failed,
-"cancelled", the other done), and once more (the cancelled cell runs, the done one is kept); its cells and fp64
-losses then match the local executor's. The refusals come before any cell."""
+"""`compare --executor slurm` on a real two-node SLURM on this machine (scripts/local_slurm.sh up --nodes 2:
+munged, slurmctld and two slurmd, `node1` and `node2`, on loopback, started for this module and stopped at the
+end; skipped with the reason where it cannot start). One sweep folder of three cells (single, ddp, and ddp over
+both nodes) goes through a whole life: SIGTERM of compare while two cells run and one waits (no job, no process
+left), the same command again with ddp's job cancelled by `scancel` (recorded failed, "cancelled", the others
+done), and once more (the cancelled cell runs, the done ones are kept); its cells and fp64 losses then match the
+local executor's, the 2-node cell the local 2-process ddp's, its node 1 having run on the other SLURM node. The
+refusals come before any cell."""
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import shutil
 import signal
@@ -33,40 +36,49 @@ BASE = {"model": "tinynet", "width": 8, "norm": "none", "data": "digits", "batch
         "max_steps": 3, "lr": 0.02, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
 """conftest's TINY as a matrix base, 3 steps (as tests/compare/test_ray.py)."""
 TWO = [{"method": ["single", "ddp"], "precision": "fp64"}]
+THREE = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}, *TWO]
+"""The SLURM sweep: ddp with one process on each node (compared with the local ddp), then the local sweep's two
+cells. Submitted in that order, ddp-2nodes (1 CPU on each node) and single (1 CPU) run at once and ddp (2 CPUs on one
+node) waits for one of them."""
 
 
-def _sweep(matrix: Path, out: Path, executor: str = "local") -> dict:
+def _sweep(matrix: Path, out: Path, executor: str = "local") -> tuple[dict, str]:
     """What `stratbench compare --matrix M --output O --executor E` runs (its checks, then its runner), in this
-    process and without the report it renders after (~5-10 s here, the same for every executor)."""
+    process and without the report it renders after (~5-10 s here, the same for every executor): the records by
+    label (else method) and what the runner printed."""
     from rich.console import Console
 
     plan = plan_sweep(matrix=str(matrix), output=str(out), executor=make_executor(executor))
+    printed = io.StringIO()
     runner = SweepRunner(plan.matrix, plan.output, timeout_s=plan.timeout_s, executor=plan.executor,
-                         console=Console(file=io.StringIO(), width=200))  # fmt: skip
+                         console=Console(file=printed, width=200))  # fmt: skip
     runner.run(plan.plans)
-    return {r["method"]: r for r in load_records(out).values()}
+    return {r.get("label") or r["method"]: r for r in load_records(out).values()}, printed.getvalue()
 
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    """A SLURM of this module's own (free ports, its state in a temporary folder); SLURM_CONF points at it."""
+    """A 2-node SLURM of this module's own (free ports, its state in a temporary folder); SLURM_CONF points at
+    it."""
     if os.geteuid() != 0:
         pytest.skip("a local SLURM needs root (slurmd runs the jobs as their user)")
     if shutil.which("sbatch") is None and shutil.which("apt-get") is None:
         pytest.skip("SLURM is not installed and there is no apt-get to install it")
     root = tmp_path_factory.mktemp("slurm")
     state = Path("/tmp") / f"stratbench-slurm-test-{os.getpid()}"  # unix socket paths must stay short
-    up = subprocess.run(["bash", str(SCRIPT), "up", str(state)], capture_output=True, text=True, timeout=300)
+    up = subprocess.run(["bash", str(SCRIPT), "up", str(state), "--nodes", "2"], capture_output=True, text=True,
+                        timeout=300)  # fmt: skip
     if up.returncode != 0:
         subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, timeout=120)
-        pytest.skip(f"the local SLURM did not start: {(up.stderr or up.stdout).strip()[-300:]}")
+        pytest.skip(f"a 2-node local SLURM did not start: {(up.stderr or up.stdout).strip()[-300:]}")
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(state / "slurm.conf")
-    matrix = root / "two.yaml"
-    matrix.write_text(yaml.safe_dump({"name": "two", "base": BASE, "cells": TWO}))
+    two, matrix = root / "two.yaml", root / "three.yaml"
+    two.write_text(yaml.safe_dump({"name": "two", "base": BASE, "cells": TWO}))
+    matrix.write_text(yaml.safe_dump({"name": "three", "base": BASE, "cells": THREE}))
     pool = ThreadPoolExecutor(1)  # the local reference sweep runs while the SLURM tests do
-    local = pool.submit(_sweep, matrix, root / "local")
-    yield {"root": root, "matrix": matrix, "out": root / "slurm", "local": local, "state": state}
+    local = pool.submit(_sweep, two, root / "local")
+    yield {"root": root, "two": two, "matrix": matrix, "out": root / "slurm", "local": local, "state": state}
     pool.shutdown()
     subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, timeout=120)
     shutil.rmtree(state, ignore_errors=True)
@@ -84,7 +96,6 @@ def _jobs() -> list[str]:
     return out.stdout.split()
 
 
-
 def _until(check, what: str, timeout_s: float = 180.0, proc: subprocess.Popen | None = None):
     deadline = time.monotonic() + timeout_s
     while not (found := check()):
@@ -95,7 +106,8 @@ def _until(check, what: str, timeout_s: float = 180.0, proc: subprocess.Popen | 
 
 
 def test_sigterm_of_compare_cancels_its_queued_and_running_jobs_and_leaves_no_process(slurm):
-    """2 CPUs: `single` (1 CPU) runs while `ddp` (2 CPUs) waits in the queue; SIGTERM then: both cancelled."""
+    """2 nodes of 2 CPUs: `ddp-2nodes` (1 CPU on each node) and `single` (1 CPU) run while `ddp` (2 CPUs on one
+    node) waits in the queue; SIGTERM then: all cancelled."""
     out = slurm["out"]
     cmd = stratbench_cmd(
         "compare", "--matrix", str(slurm["matrix"]), "--output", str(out), "--executor", "slurm"
@@ -115,53 +127,77 @@ def test_sigterm_of_compare_cancels_its_queued_and_running_jobs_and_leaves_no_pr
 
 @pytest.fixture(scope="module")
 def cancelled(slurm) -> dict:
-    """The same command again (in this process): once `ddp` trains, its job is cancelled with `scancel`."""
+    """The same command again (in this process): once `ddp` (one node) runs, its job is cancelled with `scancel`
+    (the other two run meanwhile)."""
     out = slurm["out"]
 
-    def scancel_ddp_once_it_runs() -> None:
-        _until(lambda: list((out / "cells").glob("ddp*/train.log")), "ddp's launcher")
-        subprocess.run(["scancel", "--name", next((out / "cells").glob("ddp*")).name], check=True)
+    def scancel_ddp_once_it_runs() -> None:  # its train.log may be the SIGTERM'd run's: squeue says it runs
+        running = _until(lambda: [j for j in _jobs() if j.split("|")[1].startswith("ddp_") and
+                                  j.endswith("|RUNNING")], "ddp's job running")  # fmt: skip
+        subprocess.run(["scancel", running[0].split("|")[0]], check=True)
 
     with ThreadPoolExecutor(1) as pool:
         killer = pool.submit(scancel_ddp_once_it_runs)
-        records = _sweep(slurm["matrix"], out, "slurm")
+        records, printed = _sweep(slurm["matrix"], out, "slurm")
         killer.result()
-    return records
+    return {"records": records, "printed": printed}
 
 
-def test_a_scancelled_cell_is_failed_cancelled_the_other_done_and_a_rerun_completes_it(slurm, cancelled):
-    ddp, single = cancelled["ddp"], cancelled["single"]
+@pytest.fixture(scope="module")
+def rerun(slurm, cancelled) -> dict:
+    """Once more: the cancelled cell runs, the others are kept; then nothing of the sweep is left."""
+    done = {label: Path(r["cell_dir"]) / "result.json" for label, r in cancelled["records"].items()
+            if r["status"] == "ok"}  # fmt: skip
+    stamps = {label: path.stat().st_mtime_ns for label, path in done.items()}
+    records, _ = _sweep(slurm["matrix"], slurm["out"], "slurm")
+    return {"records": records, "stamps": stamps, "kept": {label: p.stat().st_mtime_ns for label, p in done.items()},
+            "jobs": _jobs(), "left": sweep_processes(slurm["out"])}  # fmt: skip
+
+
+def test_a_scancelled_cell_is_failed_cancelled_the_others_done_and_a_rerun_completes_it(cancelled, rerun):
+    first = cancelled["records"]
+    ddp = first["ddp"]
     assert ddp["status"] == "failed" and ddp["lost"], ddp
     assert ddp["reason"].startswith("cancelled (SLURM job"), ddp["reason"]
-    assert single["status"] == "ok", single["reason"]
-    cell = Path(single["cell_dir"])
-    assert list((cell / "slurm").glob("*_0_log.out"))  # the job's stdout/stderr, kept with the cell
-    stamp = (cell / "result.json").stat().st_mtime_ns
-    records = _sweep(slurm["matrix"], slurm["out"], "slurm")
-    assert records["ddp"]["status"] == "ok", records["ddp"]["reason"]
-    assert (cell / "result.json").stat().st_mtime_ns == stamp  # done before: not run again
-    assert _jobs() == []
+    for label in ("single", "ddp-2nodes"):
+        assert first[label]["status"] == "ok", first[label]["reason"]
+    assert list((Path(first["single"]["cell_dir"]) / "slurm").glob("*_0_log.out"))  # the job's stdout/stderr
+    assert rerun["records"]["ddp"]["status"] == "ok", rerun["records"]["ddp"]["reason"]
+    assert rerun["kept"] == rerun["stamps"] and len(rerun["stamps"]) == 2  # done before: not run again
+    assert rerun["jobs"] == [] and rerun["left"] == []  # nothing queued or running, no process of the sweep
 
 
-def test_the_slurm_sweep_gives_the_local_cells_and_fp64_losses(slurm, cancelled):
-    slurm["local"].result(timeout=600)  # the fixture's local sweep, run meanwhile
-    local, records = load_records(slurm["root"] / "local"), load_records(slurm["out"])
-    assert set(records) == set(local)
-    for cell_id, ref in local.items():
-        rec = records[cell_id]
+def test_the_slurm_sweep_gives_the_local_cells_and_fp64_losses_the_2_node_cell_on_both_nodes(
+    slurm, cancelled, rerun
+):
+    local, _ = slurm["local"].result(timeout=600)  # the fixture's local sweep, run meanwhile
+    records = rerun["records"]
+    assert set(local) == {"single", "ddp"} and set(records) == {"single", "ddp", "ddp-2nodes"}
+    assert {rec["id"] for rec in local.values()} <= {rec["id"] for rec in records.values()}  # the same cells
+    for label, rec in records.items():  # the 2-node ddp against the local 2-process ddp
+        ref = local[rec["method"]]
         assert rec["status"] == "ok" and ref["status"] == "ok", (rec["reason"], ref["reason"])
         assert_curves_match(rec["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
-        assert rec["cell_dir"].startswith(str(slurm["out"]))
+        assert rec["cell_dir"].startswith(str(slurm["out"])), label
+    two = Path(records["ddp-2nodes"]["cell_dir"])
+    assert records["ddp-2nodes"]["nodes"] == 2 and records["ddp-2nodes"]["world_size"] == 2
+    node1 = (two / "train.node1.log").read_text().splitlines()[0]  # node 1's launcher, at node1's NodeAddr
+    assert "--nnodes 2 --node-rank 1 --master-addr 127.0.0.1 " in node1, node1
+    ran_on = {json.loads((two / "slurm" / f"node{i}.json").read_text())["node"] for i in (0, 1)}
+    assert ran_on == {"node1", "node2"}  # one launcher on each SLURM node
+    assert "ok ddp-2nodes fp64 x2 on 2 nodes" in cancelled["printed"], cancelled["printed"]
 
 
 def test_a_bad_partition_too_many_cpus_or_no_slurm_is_one_line_before_any_cell(slurm, capsys, monkeypatch):
     out = slurm["root"] / "refused"
-    args = ["compare", "--matrix", slurm["matrix"], "--output", out, "--executor", "slurm"]
+    args = ["compare", "--matrix", slurm["two"], "--output", out, "--executor", "slurm"]
     err = fails(capsys, *args, "--slurm-partition", "gpu")
     assert "--slurm-partition 'gpu' does not exist; SLURM's partitions: debug (default)" in err, err
     err = fails(capsys, *args, "--world-size", "8", "--batch-size", "32")
-    assert f"a cell needs 1 node(s) with 8 CPU(s) each; SLURM partition debug has 1 node(s): localhost " \
+    assert f"a cell needs 1 node(s) with 8 CPU(s) each; SLURM partition debug has 2 node(s): node1 " \
            f"({os.cpu_count()} CPU" in err, err  # fmt: skip
+    err = fails(capsys, *args, "--world-size", "3", "--nodes", "3", "--batch-size", "30")
+    assert "a cell needs 3 node(s) with 1 CPU(s) each; SLURM partition debug has 2 node(s)" in err, err
     err = fails(capsys, *args, "--slurm-option", "nodes=2")
     assert "stratbench sets --nodes itself" in err, err
     monkeypatch.setenv("SLURM_CONF", str(slurm["root"] / "no-such.conf"))

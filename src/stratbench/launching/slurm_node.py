@@ -2,10 +2,11 @@
 
 ``python -m stratbench.launching.slurm_node --log LOG --nodes N --procs P [--env K=V ...] -- COMMAND...`` runs
 node ``$SLURM_NODEID``'s launcher command (``Job.node_command``) with the allocation's first node
-(``scontrol show hostnames $SLURM_JOB_NODELIST``) as the master and a port derived from the job id, its output in
-the node's log, and writes how it ended (exit code, load averages seen, cores) to ``slurm/nodeI.json`` beside the
-log: JSON the submitting side reads, so that nothing the nodes write is unpickled there. SIGTERM (``scancel``, the
-time limit) stops the launcher's whole tree. Standard library and psutil only, like ``ray_node``.
+(``scontrol show hostnames $SLURM_JOB_NODELIST``) as the master, at the address SLURM itself reaches it (its
+``NodeAddr``), and a port derived from the job id, its output in the node's log, and writes how it ended (exit
+code, load averages seen, cores, host and SLURM node) to ``slurm/nodeI.json`` beside the log: JSON the submitting
+side reads, so that nothing the nodes write is unpickled there. SIGTERM (``scancel``, the time limit) stops the
+launcher's whole tree. Standard library and psutil only, like ``ray_node``.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,6 +50,15 @@ def node_hosts(nodelist: str) -> list[str]:
     return out.stdout.split() or [nodelist]
 
 
+def node_addr(host: str) -> str:
+    """The address SLURM reaches ``host`` at: its ``NodeAddr`` (the host name itself on most clusters; 127.0.0.1
+    for the nodes of scripts/local_slurm.sh, whose names ``node1``, ``node2`` resolve nowhere); ``host`` when
+    scontrol does not say."""
+    out = subprocess.run(["scontrol", "show", "node", "--oneliner", host], capture_output=True, text=True)
+    found = re.search(r"\bNodeAddr=(\S+)", out.stdout) if out.returncode == 0 else None
+    return found.group(1) if found else host
+
+
 def outcome_path(log: Path, rank: int) -> Path:
     """Where node ``rank`` of a job whose node 0 logs to ``log`` writes how it ended."""
     return log.parent / "slurm" / f"node{rank}.json"
@@ -71,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("SLURM_NODEID", "0"))
     job = Job(os.environ.get("SLURM_JOB_NAME", "job"), tuple(args.command), Path(args.log), Shape(args.nodes))
-    hosts = node_hosts(os.environ.get("SLURM_JOB_NODELIST", "")) if args.nodes > 1 else ["127.0.0.1"]
-    command = job.node_command(rank, hosts[0], master_port(os.environ.get("SLURM_JOB_ID", "0")))
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    master = node_addr(node_hosts(nodelist)[0]) if args.nodes > 1 else "127.0.0.1"
+    command = job.node_command(rank, master, master_port(os.environ.get("SLURM_JOB_ID", "0")))
     env = dict(item.split("=", 1) for item in args.env)
     # One thread per process of the CPUs SLURM reserved (--cpus-per-task), as the Ray executor does.
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", args.procs))
@@ -87,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, stop)
     loads = wait_sampling_load(proc)
     record = {"returncode": proc.returncode, "loads": loads, "cpu_count": os.cpu_count(),
-              "host": socket.gethostname()}  # fmt: skip
+              "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", "")}  # fmt: skip
     atomic_write(outcome_path(job.log, rank), json.dumps(record))
     return proc.returncode
 
