@@ -312,6 +312,13 @@ QUICK_FP64 = ["--preset", "quick", "--precision", "fp64", "--max-steps", "3", "-
 statuses, reasons and losses as the local executor's; DeepSpeed's cells are skipped in fp64 with its reason)."""
 
 
+def quick_base() -> dict:
+    """The matrix base of QUICK_FP64's cells (for a matrix of the same problem: its curves are the local sweep's)."""
+    from stratbench.compare.matrix import preset_quick
+
+    return {**preset_quick()["base"], "max_steps": 3, "timing_warmup_steps": 1}
+
+
 @pytest.fixture(scope="session")
 def quick_fp64_local(tmp_path_factory, worker_id) -> Path:
     """`stratbench compare` + QUICK_FP64 on the local executor, run as a user runs it (a fresh interpreter, in an

@@ -24,12 +24,12 @@ from conftest import (
     assert_curves_match,
     assert_same_table,
     fails,
+    quick_base,
     run_stratbench,
     stratbench_cmd,
     sweep_processes,
 )
 from stratbench.api import compare
-from stratbench.compare.matrix import preset_quick
 from stratbench.compare.runner import load_records
 from stratbench.launching.executors import make_executor
 
@@ -92,8 +92,7 @@ KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2node
           {"method": "single", "precision": "fp64"}]  # fmt: skip
 """ddp over both nodes first (it must use the worker node, which dies under it), then single (it fits on the head
 alone); both on the quick preset's problem, checked against the local quick sweep's ddp and single."""
-QUICK_BASE = {**preset_quick()["base"], "max_steps": 3, "timing_warmup_steps": 1}
-"""The problem of conftest's QUICK_FP64 cells."""
+
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +104,7 @@ def killed_sweep(cluster, address) -> dict:
     root = cluster["root"]
     out = root / "kill"
     matrix = root / "kill.yaml"
-    matrix.write_text(yaml.safe_dump({"name": "kill", "base": QUICK_BASE, "cells": KILLED}))
+    matrix.write_text(yaml.safe_dump({"name": "kill", "base": quick_base(), "cells": KILLED}))
     state = cluster["future"].result()
 
     def kill_the_worker_once_the_cell_runs_on_it() -> None:

@@ -5,7 +5,8 @@ both nodes) goes through a whole life: SIGTERM of compare while two cells run an
 left), the same command again with ddp's job cancelled by `scancel` (recorded failed, "cancelled", the others
 done), and once more (the cancelled cell runs, the done ones are kept); its cells and fp64 losses then match the
 local executor's, the 2-node cell the local 2-process ddp's, its node 1 having run on the other SLURM node. The
-refusals come before any cell."""
+refusals come before any cell. `compare --preset quick --executor slurm` (every cell in fp64) gives the local
+table, and `train --executor slurm` one run over both nodes the local 2-process curve."""
 
 from __future__ import annotations
 
@@ -22,7 +23,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import REPO, RTOL, assert_curves_match, fails, stratbench_cmd, sweep_processes
+from conftest import (
+    QUICK_FP64,
+    REPO,
+    RTOL,
+    assert_curves_match,
+    assert_same_table,
+    fails,
+    quick_base,
+    run_stratbench,
+    stratbench_cmd,
+    sweep_processes,
+)
 from stratbench.api import plan_sweep
 from stratbench.compare.runner import SweepRunner, load_records
 from stratbench.launching.executors import make_executor
@@ -32,14 +44,11 @@ pytest.importorskip("submitit", reason='needs submitit: pip install "stratbench[
 pytestmark = [pytest.mark.distributed, pytest.mark.slurm]
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
-BASE = {"model": "tinynet", "width": 8, "norm": "none", "data": "digits", "batch_size": 32, "epochs": 1,
-        "max_steps": 3, "lr": 0.02, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip
-"""conftest's TINY as a matrix base, 3 steps (as tests/compare/test_ray.py)."""
 TWO = [{"method": ["single", "ddp"], "precision": "fp64"}]
 THREE = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"}, *TWO]
-"""The SLURM sweep: ddp with one process on each node (compared with the local ddp), then the local sweep's two
-cells. Submitted in that order, ddp-2nodes (1 CPU on each node) and single (1 CPU) run at once and ddp (2 CPUs on one
-node) waits for one of them."""
+"""The SLURM sweep, on the quick preset's problem: ddp with one process on each node (compared with the local quick
+sweep's ddp), then single and ddp (compared with its single and ddp). Submitted in that order, ddp-2nodes (1 CPU on
+each node) and single (1 CPU) run at once and ddp (2 CPUs on one node) waits for one of them."""
 
 
 def _sweep(matrix: Path, out: Path, executor: str = "local") -> tuple[dict, str]:
@@ -57,7 +66,7 @@ def _sweep(matrix: Path, out: Path, executor: str = "local") -> tuple[dict, str]
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm(tmp_path_factory, quick_fp64_local):
     """A 2-node SLURM of this module's own (free ports, its state in a temporary folder); SLURM_CONF points at
     it."""
     if os.geteuid() != 0:
@@ -74,12 +83,10 @@ def slurm(tmp_path_factory):
     previous = os.environ.get("SLURM_CONF")
     os.environ["SLURM_CONF"] = str(state / "slurm.conf")
     two, matrix = root / "two.yaml", root / "three.yaml"
-    two.write_text(yaml.safe_dump({"name": "two", "base": BASE, "cells": TWO}))
-    matrix.write_text(yaml.safe_dump({"name": "three", "base": BASE, "cells": THREE}))
-    pool = ThreadPoolExecutor(1)  # the local reference sweep runs while the SLURM tests do
-    local = pool.submit(_sweep, two, root / "local")
+    two.write_text(yaml.safe_dump({"name": "two", "base": quick_base(), "cells": TWO}))
+    matrix.write_text(yaml.safe_dump({"name": "three", "base": quick_base(), "cells": THREE}))
+    local = {r["method"]: r for r in load_records(quick_fp64_local).values() if r["status"] == "ok"}
     yield {"root": root, "two": two, "matrix": matrix, "out": root / "slurm", "local": local, "state": state}
-    pool.shutdown()
     subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, timeout=120)
     shutil.rmtree(state, ignore_errors=True)
     if previous is None:
@@ -170,10 +177,10 @@ def test_a_scancelled_cell_is_failed_cancelled_the_others_done_and_a_rerun_compl
 def test_the_slurm_sweep_gives_the_local_cells_and_fp64_losses_the_2_node_cell_on_both_nodes(
     slurm, cancelled, rerun
 ):
-    local, _ = slurm["local"].result(timeout=600)  # the fixture's local sweep, run meanwhile
+    local = slurm["local"]  # the quick preset's cells in fp64 on the local executor (conftest)
     records = rerun["records"]
-    assert set(local) == {"single", "ddp"} and set(records) == {"single", "ddp", "ddp-2nodes"}
-    assert {rec["id"] for rec in local.values()} <= {rec["id"] for rec in records.values()}  # the same cells
+    assert set(records) == {"single", "ddp", "ddp-2nodes"}
+    assert {local[m]["id"] for m in ("single", "ddp")} <= {rec["id"] for rec in records.values()}  # same cells
     for label, rec in records.items():  # the 2-node ddp against the local 2-process ddp
         ref = local[rec["method"]]
         assert rec["status"] == "ok" and ref["status"] == "ok", (rec["reason"], ref["reason"])
@@ -209,3 +216,30 @@ def test_a_bad_partition_too_many_cpus_or_no_slurm_is_one_line_before_any_cell(s
         err
     )
     assert not out.exists()
+
+
+def test_the_quick_preset_on_slurm_gives_the_local_table(slurm, quick_fp64_local):
+    """The issue's check as a user runs it: `stratbench compare --preset quick --executor slurm` (every cell in
+    fp64) gives the local executor's table, and leaves no job or process."""
+    out = slurm["root"] / "quick"
+    proc = run_stratbench("compare", *QUICK_FP64, "--output", str(out), "--executor", "slurm", cwd=slurm["root"],
+                          timeout=900)  # fmt: skip
+    assert f"-> {out} (SLURM" in proc.stdout, proc.stdout[:300]
+    assert_same_table(out, quick_fp64_local)
+    assert _jobs() == [] and sweep_processes(out) == []
+
+
+def test_train_on_slurm_over_two_nodes_is_the_local_run(slurm):
+    """`stratbench train --executor slurm --nnodes 2 --nproc 1` (one run): a rank on each SLURM node, the local
+    quick sweep's ddp curve within 1e-9, the result written here."""
+    ref = slurm["local"]["ddp"]
+    out = slurm["root"] / "train-2nodes"
+    proc = run_stratbench("train", "--config", str(Path(ref["cell_dir"]) / "config.yaml"), "--output", str(out),
+                          "--executor", "slurm", "--nnodes", "2", "--nproc", "1", "--progress", "false",
+                          cwd=slurm["root"], timeout=300)  # fmt: skip
+    assert "training on SLURM partition debug: 2 node(s) with 1 CPU(s) each" in proc.stderr, proc.stderr[-2000:]
+    res = json.loads((out / "result.json").read_text())
+    assert res["status"] == "ok" and res["world_size"] == 2
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
+    assert {json.loads(p.read_text())["node"] for p in (out / "slurm").glob("node*.json")} == {"node1", "node2"}
+    assert _jobs() == [] and sweep_processes(out) == []
