@@ -62,13 +62,14 @@ OVERHEAD: dict[str, dict[str, float]] = {
 # on this CPU: oneDNN for fp32 convolutions (MKL for fp32 matrix products), and for bf16/fp16 only where the CPU
 # runs them natively (torch's own reference kernels otherwise, which keep next to nothing). Measured with
 # stratbench.measuring.memprobe's malloc reading (bytes in use at the start of step 2 or 3 above the baseline,
-# minus the model states; imports left out) on tinynet width 8 and 32, ResNet-18, a 3-Linear MLP and gpt-tiny,
-# 1 and 2 ranks of 1 thread, AMD EPYC with AVX512-BF16, 2026-11-23 and 2026-11-25 (docs/memory.md, "CPU
-# runtime rows"). With native 16 bit oneDNN builds a primitive per distinct matrix-product problem (shapes and
-# which operand is a transposed view), JIT-compiles 2-3 kernels for it (~0.23 MiB of code buffer each:
-# ONEDNN_JIT_DUMP counted 7 for one Linear's forward and backward, 36 for gpt-tiny) and keeps them for the process:
-# a cost per distinct problem the traced step runs (measuring.model_trace._Kernels), whatever the batch, the
-# sequence or the number of layers that repeat it.
+# minus the model states; imports left out) on tinynet width 8 and 32, ResNet-18, a 3-Linear MLP and gpt-tiny, 1
+# and 2 ranks of 1 thread, AMD EPYC with AVX512-BF16 (torch 2.13.0+cpu, oneDNN v3.12.0), 2026-11-23 and
+# 2026-11-25 (docs/memory.md, "CPU runtime rows": the commands and every number). With native 16 bit oneDNN
+# builds a primitive per distinct matrix-product problem (shapes and which operand is a transposed view),
+# JIT-compiles 2-3 kernels for it (~0.23 MiB of code buffer each: ONEDNN_JIT_DUMP counted 7 for one Linear's
+# forward and backward, 36 for gpt-tiny) and keeps them for the process: a cost per distinct problem the traced
+# step runs (measuring.model_trace._Kernels), whatever the batch, the sequence or the number of layers that
+# repeat it.
 CPU_LIBRARY_BYTES: dict[str, int] = {
     # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit where the step runs a convolution: 1.93 on a
     # pipeline stage with no Linear)
