@@ -118,17 +118,24 @@ def test_import_meter_counts_what_an_import_allocates_and_nothing_else(tmp_path,
     from stratbench.measuring.memprobe import ImportMeter
 
     (tmp_path / "sb_heavy_module.py").write_text("BLOCK = bytearray(3 * 2**20)\n")
+    (tmp_path / "sb_holder_module.py").write_text("BLOCK = bytearray(4 * 2**20)\n")
+    # a free inside an import's window (on a run: gloo's thread releasing DDP's broadcast buffer) is not the
+    # import's: before, it made the meter's bytes negative and every later reading 7 MiB high (ddp on gpt-tiny)
+    (tmp_path / "sb_freeing_module.py").write_text("import sb_holder_module\nsb_holder_module.BLOCK = None\n")
     monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("sb_holder_module")
     original = bootstrap._find_and_load
     meter = ImportMeter().install()
     try:
         other = bytearray(5 * 2**20)  # not an import: not counted
         importlib.import_module("sb_heavy_module")
         import sb_heavy_module  # noqa: F401  (already loaded: costs nothing, not seen)
+        importlib.import_module("sb_freeing_module")
     finally:
         meter.uninstall()
-        sys.modules.pop("sb_heavy_module", None)
+        for name in ("sb_heavy_module", "sb_holder_module", "sb_freeing_module"):
+            sys.modules.pop(name, None)
     assert bootstrap._find_and_load is original
-    assert meter.modules == 1
+    assert meter.modules == 2
     assert 3 * 2**20 <= meter.bytes < 3 * 2**20 + 2**20, meter.bytes
     del other

@@ -62,7 +62,8 @@ class ImportMeter:
     already loaded costs nothing and is not seen). Installed by wrapping ``importlib._bootstrap._find_and_load``,
     the one function through which both the ``import`` statement and ``importlib.import_module`` load a new
     module; where it is missing (another Python), nothing is measured and ``bytes`` stays 0. Garbage collection
-    waits while an import runs, so that its reading holds only what the import allocated."""
+    waits while an import runs, so that its reading holds only what the import allocated, and an import that
+    reads less in use after than before counts 0 (the malloc reading is the process's: another thread freed)."""
 
     def __init__(self) -> None:
         self.bytes = 0
@@ -95,7 +96,9 @@ class ImportMeter:
                 if collecting:
                     gc.enable()
                 with self._lock:
-                    self.bytes += (malloc_in_use() or 0) - before
+                    # An import adds; a free that lands in its window is another thread's (gloo's worker
+                    # releasing DDP's start-up broadcast buffer, a flat copy of the parameters): not counted.
+                    self.bytes += max(0, (malloc_in_use() or 0) - before)
                     self.modules += 1
 
         self._original = original

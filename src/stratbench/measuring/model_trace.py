@@ -231,6 +231,12 @@ class Trace:
     """Bytes of the tensors autograd saved for backward (activations), parameters excluded."""
     grad_bytes: int
     """Bytes of all gradients at the end of backward."""
+    products: int = 0
+    """Distinct 16-bit matrix products the step runs (``_Kernels``)."""
+    attentions: int = 0
+    """Distinct 16-bit fused attention calls the step runs."""
+    convolutions: int = 0
+    """Distinct 16-bit convolutions the step's forward runs."""
 
     def peak(self, grad_fraction: float = 1.0) -> int:
         """Peak of (activations + temporaries + the kept fraction of gradients) over the step."""
@@ -292,13 +298,51 @@ class _LiveBytes:
         self.grad_t.append(self.grad)
 
 
-def _dispatch_mode(live: _LiveBytes):
+# torch hands a 16-bit matrix product to oneDNN only above this many multiply-adds (m x k x n, batch included:
+# ``checksize`` in aten/src/ATen/native/mkldnn/Matmul.cpp); smaller ones run torch's own kernel.
+ONEDNN_MIN_PRODUCT = 16 * 16 * 16
+_PRODUCTS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")
+_ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+_CONVOLUTION = ("aten::convolution",)
+
+
+class _Kernels:
+    """The distinct 16-bit matrix products, fused attentions and convolutions of a step. Where a CPU runs 16 bit
+    natively, oneDNN builds one primitive per distinct problem (shapes, which operand is a transposed view, the
+    op), JIT-compiles its kernels and keeps them for the process (the estimate's CPU math-library row)."""
+
+    def __init__(self) -> None:
+        self.products: set[tuple] = set()
+        self.attentions: set[tuple] = set()
+        self.convolutions: set[tuple] = set()
+
+    def see(self, func, args: tuple) -> None:
+        name = func._schema.name
+        tensors = [a for a in args if isinstance(a, torch.Tensor)]
+        if not tensors or tensors[-1].dtype not in (torch.bfloat16, torch.float16):
+            return
+        if name in _PRODUCTS and tensors[-2].numel() * tensors[-1].shape[-1] > ONEDNN_MIN_PRODUCT:
+            self.products.add((name, *(_layout(t) for t in tensors[-2:])))
+        elif name in _ATTENTION:
+            self.attentions.add(tuple(_layout(t) for t in tensors[:3]))
+        elif name in _CONVOLUTION:
+            self.convolutions.add((*(_layout(t) for t in tensors[:2]), repr(args[3:])))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    """A tensor's shape and whether its last two dimensions are a transposed view (another oneDNN primitive)."""
+    return tuple(t.shape), t.dim() >= 2 and t.stride(-2) == 1 and t.shape[-1] > 1
+
+
+def _dispatch_mode(live: _LiveBytes, kernels: _Kernels | None = None):
     from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils._pytree import tree_flatten
 
     class LiveBytesMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
+            if kernels is not None:
+                kernels.see(func, args)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     live.track(t)
@@ -322,7 +366,7 @@ def trace_step(
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     pspec = spec_of(precision)
-    live = _LiveBytes(ROUND_BYTES.get(device_type, 1))
+    live, kernels = _LiveBytes(ROUND_BYTES.get(device_type, 1)), _Kernels()
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
         if transform is not None:
@@ -334,7 +378,7 @@ def trace_step(
         for p in model.parameters():
             p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
         saved = _SavedBytes(model)
-        with _dispatch_mode(live):
+        with _dispatch_mode(live, kernels):
             x, y = spec.example_batch(batch, pspec.param_dtype)
             live.track(x)
             live.track(y)
@@ -348,7 +392,8 @@ def trace_step(
         grad_bytes = sum(
             p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None
         )
-    return Trace(batch, live.nongrad_t, live.grad_t, saved.total, grad_bytes)
+    counts = map(len, (kernels.products, kernels.attentions, kernels.convolutions))
+    return Trace(batch, live.nongrad_t, live.grad_t, saved.total, grad_bytes, *counts)
 
 
 class _SavedBytes:

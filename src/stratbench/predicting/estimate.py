@@ -58,21 +58,34 @@ OVERHEAD: dict[str, dict[str, float]] = {
     "cpu": {"context_bytes": 0, "allocator_slack": 0.0},
 }
 # CPU: memory the math libraries keep across steps, outside the traced tensors (oneDNN's primitive cache and
-# scratch, MKL's GEMM buffers). How much depends on which kernels torch picks for the compute dtype on this CPU:
-# oneDNN for fp32, and for bf16/fp16 only where the CPU runs them natively (torch's own reference kernels
-# otherwise, which keep next to nothing); with native 16-bit, oneDNN's 16-bit matrix products (a Linear layer)
-# add a second block once per process, whatever their number. Measured with stratbench.measuring.memprobe (bytes in use at
-# the start of step 2 above the baseline, minus the model states) on tinynet width 8 and 32, ResNet-18 and a
-# 3-Linear MLP, 1 and 2 ranks, AMD EPYC with AVX512-BF16, 2026-11-23 (docs/memory.md, "CPU runtime rows").
+# JIT-compiled kernels, MKL's GEMM buffers). How much depends on which kernels torch picks for the compute dtype
+# on this CPU: oneDNN for fp32 convolutions (MKL for fp32 matrix products), and for bf16/fp16 only where the CPU
+# runs them natively (torch's own reference kernels otherwise, which keep next to nothing). Measured with
+# stratbench.measuring.memprobe's malloc reading (bytes in use at the start of step 2 or 3 above the baseline,
+# minus the model states; imports left out) on tinynet width 8 and 32, ResNet-18, a 3-Linear MLP and gpt-tiny, 1
+# and 2 ranks of 1 thread, AMD EPYC with AVX512-BF16 (torch 2.13.0+cpu, oneDNN v3.12.0), 2026-11-23 and
+# 2026-11-25 (docs/memory.md, "CPU runtime rows": the commands and every number). With native 16 bit oneDNN
+# builds a primitive per distinct matrix-product problem (shapes and which operand is a transposed view),
+# JIT-compiles 2-3 kernels for it (~0.23 MiB of code buffer each: ONEDNN_JIT_DUMP counted 7 for one Linear's
+# forward and backward, 36 for gpt-tiny) and keeps them for the process: a cost per distinct problem the traced
+# step runs (measuring.model_trace._Kernels), whatever the batch, the sequence or the number of layers that
+# repeat it.
 CPU_LIBRARY_BYTES: dict[str, int] = {
-    # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit: 1.93 on a stage with no Linear)
+    # oneDNN + MKL: 1.79-2.86 MiB (also the base of native 16-bit where the step runs a convolution: 1.93 on a
+    # pipeline stage with no Linear)
     "fp32": 2 * MiB,
     # MKL (oneDNN has no fp64) and im2col: 0.85-3.68 MiB (tinynet 16 px to ResNet-18 32 px)
     "fp64": 2 * MiB,
-    # + oneDNN's bf16 matrix products: +1.23-1.50 MiB over fp32, 1 or 3 Linears
-    "16-bit matmul": 5 * MiB // 4,
-    # torch's own kernels, no native 16-bit (oneDNN off): 0.03-0.35 MiB
+    # torch's own kernels, no native 16-bit (oneDNN off): 0.03-0.36 MiB; the base of native 16 bit without a
+    # convolution (gpt-tiny bf16 with oneDNN off: 0.36 MiB)
     "16-bit reference": MiB // 4,
+    # per distinct native 16-bit matrix product (mm/addmm/bmm above torch's oneDNN threshold): 0.51-0.54 MiB
+    # (one Linear's 3 products 1.60-1.63 MiB, a 3-Linear MLP's 8 products 4.39 - 0.25, gpt-tiny's 12 + attention
+    # 8.36 - 0.36)
+    "16-bit product": MiB // 2,
+    # per distinct native 16-bit fused attention (CPU flash kernel: its brgemm kernels and its backward's oneDNN
+    # products): 1.79-1.86 MiB at 64 tokens, 2.05 at 256, 2.77 at 1024
+    "16-bit attention": 7 * MiB // 4,
 }
 
 
@@ -171,10 +184,7 @@ def estimate(
         saved, saved_note, fwd_bwd_traced, check = _traced(cfg, spec, s, mb, device_type)
     peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
     step_temp = _step_scratch(cfg, s, info, device_type)
-    linear = bool(info.linear_names) if s.runs_linear is None else s.runs_linear
-    library, library_note = (
-        cpu_library_bytes(cfg.precision, linear, native_16bit) if device_type == "cpu" else (0, "")
-    )
+    library, library_note = _cpu_library(cfg, spec, s, mb, native_16bit) if device_type == "cpu" else (0, "")
     runtime = s.cpu_runtime if device_type == "cpu" else 0
     peak_fwd_bwd += library + runtime
     peak_step = resident + s.grads + step_temp + library + runtime
@@ -218,6 +228,22 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     check = formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)
     return trace.saved_bytes, f"traced at micro-batch {mb}", fwd_bwd, check
+
+
+def _cpu_library(
+    cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, native_16bit: dict[str, bool] | None
+) -> tuple[int, str]:
+    """The CPU math-library row (``cpu_library_bytes``) for the kernels this rank's traced step runs: a 16-bit one
+    counts its distinct matrix products, attentions and convolutions. A pipeline stage (no step of its own is
+    traced) takes the whole model's, its products and attentions only where it runs a Linear."""
+    run_as = s.trace_precision or cfg.precision
+    if SPECS[run_as].compute_dtype.itemsize >= 4:
+        return cpu_library_bytes(cfg.precision, native_16bit=native_16bit)
+    t = trace_step(spec, mb, run_as, cfg.activation_checkpointing, "cpu", s.trace_transform)
+    runs = s.runs_linear is not False
+    return cpu_library_bytes(
+        cfg.precision, t.products * runs, t.attentions * runs, t.convolutions, native_16bit=native_16bit
+    )
 
 
 def _working_peak(trace: Trace, grad_fraction: float, kept_grads: int) -> int:
@@ -293,13 +319,18 @@ def _state_rows(
 
 
 def cpu_library_bytes(
-    precision: str, runs_linear: bool = True, native_16bit: dict[str, bool] | None = None
+    precision: str,
+    products: int = 0,
+    attentions: int = 0,
+    convolutions: int = 0,
+    native_16bit: dict[str, bool] | None = None,
 ) -> tuple[int, str]:
     """Bytes the CPU math libraries keep across steps for ``precision`` on this CPU (``CPU_LIBRARY_BYTES``) and a
     note naming the kernel path. torch runs bf16/fp16 convolutions and matrix products in oneDNN only where the
     CPU supports them natively (``torch.ops.mkldnn._is_mkldnn_bf16_supported``), in its own kernels otherwise;
-    ``runs_linear``: the process runs a matrix product (an nn.Linear); ``native_16bit``: {"bf16": ..., "fp16": ...}
-    of the CPU the run used (``native_16bit_of`` its environment), this CPU's when None."""
+    there oneDNN keeps JIT-compiled kernels for each distinct problem: ``products``, ``attentions`` and
+    ``convolutions``, the distinct 16-bit ones a traced step runs (``Trace``). ``native_16bit``: {"bf16": ...,
+    "fp16": ...} of the CPU the run used (``native_16bit_of`` its environment), this CPU's when None."""
     compute = SPECS[precision].compute_dtype
     if compute == torch.float64:
         return CPU_LIBRARY_BYTES["fp64"], "MKL buffers (fp64, no oneDNN), measured constant"
@@ -310,9 +341,11 @@ def cpu_library_bytes(
     native = cpu_native_16bit(compute) if native_16bit is None else bool(native_16bit.get(key))
     if not native:
         return CPU_LIBRARY_BYTES["16-bit reference"], f"no native {name} on this CPU: torch's own kernels"
-    extra = CPU_LIBRARY_BYTES["16-bit matmul"] if runs_linear else 0
-    note = f"oneDNN {name}, native on this CPU" + (" (+ its matrix-product buffers)" if runs_linear else "")
-    return CPU_LIBRARY_BYTES["fp32"] + extra, note + ", measured constant"
+    c = CPU_LIBRARY_BYTES
+    base = c["fp32"] if convolutions else c["16-bit reference"]
+    total = base + products * c["16-bit product"] + attentions * c["16-bit attention"]
+    kernels = f"{products} matrix products, {attentions} fused attentions" + ", convolutions" * bool(convolutions)
+    return total, f"oneDNN {name}, native on this CPU: JIT kernels of {kernels}, measured per kernel"
 
 
 def native_16bit_of(environment: dict | None) -> dict[str, bool] | None:
