@@ -5,6 +5,9 @@
 #
 #   OUT=/some/folder benchmarks/gpu_session.sh            # every part, in the order below
 #   OUT=/some/folder benchmarks/gpu_session.sh fast source # only these parts
+#   PACK=$OUT/results.tgz OUT=/tmp/sb-out benchmarks/gpu_session.sh ...  # the device tool brings back at most 8
+#              files: everything (OUT, and each run's result.json, logs, reports; no checkpoints) in one tar.gz,
+#              rewritten after every part, so a call cut off at its limit still brings back the finished parts
 #
 # Parts (each writes one file into $OUT; compare sweeps and train runs go under $WORK, default /tmp/sb-gpu):
 #   env        nvidia-smi, versions                                                      -> env.txt
@@ -12,7 +15,10 @@
 #   seed       compare --preset seed --data synthetic --only single (4 cells)   ~3 min  -> seed_single.md
 #   methods    compare --preset gpu-fast --world-size 1: every method at world 1 on CUDA (NCCL), 40 steps of
 #              ResNet-50 at 224 px, compile off (a compile per cell would not fit one call) ~6 min -> methods_w1.md
-#   fast       ResNet-50 224 px training throughput, fast recipe, batch 128/256, compile on/off ~6 min -> fast.md
+#   fast       ResNet-50 224 px training throughput, fast recipe: batch 256 compiled, eager and with the
+#              DataLoader instead of the device pipeline, batch 128 eager                    ~4 min -> fast.md
+#   trace      a torch.profiler trace (CPU + CUDA) of 3 steps of the fast, compiled b256 step ~1 min
+#                                                     -> trace.md, trace_fast_b256_rank0.json.gz
 #   source     the source experiment with the fast recipe: ResNet-50, CIFAR-10's size (50,000 synthetic images
 #              unless CIFAR_DIR holds cifar-10-batches-py) at 224 px, 5 epochs, batch 128  ~3 min -> source.md
 #   pipeline   benchmarks/input_pipeline.py on CUDA: loader vs device, 32 and 224 px       ~2 min -> pipeline.md
@@ -41,7 +47,7 @@ fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SB=("$PY" -m stratbench)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast source pipeline tplibs tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast trace source pipeline tplibs tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -83,7 +89,17 @@ train() {  # train NAME FLAGS...: one stratbench train run under $WORK/NAME; the
     "${SB[@]}" train --output "$WORK/$name" --progress false "$@" >"$WORK/$name.log" 2>&1 || tail -20 "$WORK/$name.log"
 }
 
+pack() {  # PACK=FILE: $OUT and every run's small files (no checkpoints) in one tar.gz, replaced after each part
+    [ -n "${PACK:-}" ] || return 0
+    (cd "$(dirname "$WORK")" && find "$(basename "$WORK")" -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
+        -o -name '*.log' -o -name '*.csv' -o -name '*.yaml' \) -not -path '*/checkpoints/*' -not -path '*/plugins/*' \
+        -not -path '*/traces/*' -size -20M) >/tmp/sb-pack.list
+    tar czf "$PACK.tmp" -C "$(dirname "$WORK")" -T /tmp/sb-pack.list -C "$(cd "$OUT" && pwd)/.." "$(basename "$OUT")" \
+        && mv "$PACK.tmp" "$PACK"
+}
+
 for part in "${PARTS[@]}"; do
+    pack
     echo "=== $part ($(date -u +%H:%M:%S))"
     case $part in
     env)
@@ -103,14 +119,26 @@ for part in "${PARTS[@]}"; do
     fast)
         common=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
                 --save-every-epoch false --device cuda)
+        # most telling first: a call cut off at its time limit still brings back the runs that finished
         train fast-b256-compile "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60
         train fast-b256-eager "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false
-        train fast-b128-compile "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60
-        train fast-b128-eager "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60 --compile false
         train fast-b256-loader "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false \
             --data-pipeline loader --num-workers 8
+        train fast-b128-eager "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60 --compile false
+        # b128 with compile is the source part's run (the same recipe and batch)
         summary "$OUT/fast.md" "ResNet-50, 224 px, fast recipe (target >= 5,000 img/s on one H100)" \
-            "$WORK"/fast-b256-compile "$WORK"/fast-b256-eager "$WORK"/fast-b128-compile "$WORK"/fast-b128-eager "$WORK"/fast-b256-loader ;;
+            "$WORK"/fast-b256-compile "$WORK"/fast-b256-eager "$WORK"/fast-b256-loader "$WORK"/fast-b128-eager ;;
+    trace)
+        # one profiler trace of the fast step (b256, compiled: after the fast part, inductor's cache on disk
+        # makes the compile short), 3 steps after 10 warm-up steps, in its own run so that the profiled steps
+        # do not count in fast.md's timings
+        train trace-b256-compile --recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 \
+            --timing-warmup-steps 10 --save-every-epoch false --device cuda --batch-size 256 \
+            --synthetic-samples 5120 --max-steps 16 --profile 3
+        if [ -f "$WORK/trace-b256-compile/traces/rank0.json" ]; then
+            gzip -c "$WORK/trace-b256-compile/traces/rank0.json" >"$OUT/trace_fast_b256_rank0.json.gz"
+        fi
+        summary "$OUT/trace.md" "The profiled run (its timings include the 3 profiled steps)" "$WORK"/trace-b256-compile ;;
     source)
         if [ -n "${CIFAR_DIR:-}" ] && [ -d "$CIFAR_DIR/cifar-10-batches-py" ]; then
             data=(--data cifar10 --data-dir "$CIFAR_DIR")
@@ -133,9 +161,11 @@ for part in "${PARTS[@]}"; do
             "$WORK"/tp-gpu2 "$WORK"/autotp-gpu2 "$WORK"/accelerate-tp-gpu2 ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
+    pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fast source pipeline tplibs tests" >&2
+        echo "unknown part $part; parts: env precision seed methods fast trace source pipeline tplibs tests pack" >&2
         exit 2 ;;
     esac
 done
+pack
 echo "=== done ($(date -u +%H:%M:%S)); files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
