@@ -138,7 +138,7 @@ for part in "${PARTS[@]}"; do
         if [ -f "$WORK/trace-b256-compile/traces/rank0.json" ]; then
             gzip -c "$WORK/trace-b256-compile/traces/rank0.json" >"$OUT/trace_fast_b256_rank0.json.gz"
         fi
-        summary "$OUT/trace.md" "The profiled run (its timings include the 3 profiled steps)" "$WORK"/trace-b256-compile ;;
+        summary "$OUT/trace.md" "The profiled run (the 3 profiled steps are kept out of its step times)" "$WORK"/trace-b256-compile ;;
     source)
         if [ -n "${CIFAR_DIR:-}" ] && [ -d "$CIFAR_DIR/cifar-10-batches-py" ]; then
             data=(--data cifar10 --data-dir "$CIFAR_DIR")

@@ -96,3 +96,16 @@ def test_pipeline_over_nccl_on_two_gpus(tmp_path, precision):
     assert [r["skipped_steps"] for r in pp["pipeline"]["ranks"]] == [skipped, skipped]
     if precision == "fp16-mixed":
         assert skipped >= 3 and [r["loss_scale"] for r in pp["pipeline"]["ranks"]] == [2.0**16 / 2**skipped] * 2
+
+
+@pytest.mark.parametrize("fsdp_version", ["2", "1"])
+def test_accelerate_fsdp_trains_like_single_on_one_gpu(tmp_path, fsdp_version):
+    """accelerate-fsdp runs only on CUDA. Its FSDP2 path once prepared the model alone, which accelerate refuses
+    ("a model and optimizer must be passed together", the first time it ran: an H200 on 2026-11-26); both FSDP
+    versions must train, and on one GPU a fully sharded model is the whole model: single's loss curve."""
+    needs_gpus(1)
+    single = train(tmp_path / "single", *TINY, "--device", "cuda", "--precision", "bf16-mixed")
+    acc = train(tmp_path / "acc", "--strategy", "accelerate-fsdp", "--fsdp-version", fsdp_version, *TINY,
+                "--device", "cuda", "--precision", "bf16-mixed")  # fmt: skip
+    assert acc["status"] == "ok", acc.get("reason")
+    assert max_rel_diff(acc["metrics"]["loss_curve"], single["metrics"]["loss_curve"]) < 1e-2

@@ -95,6 +95,8 @@ class RunMetrics:
         return self.phases.phase(name) if self.phases is not None else nullcontext()
 
     def step_start(self) -> None:
+        if self.timer.seen == self.timer.warmup > 0:
+            self.util.restart_window()  # GPU utilisation over the timed steps only
         if self.comm is not None:
             self.comm.before_step(self.timer.seen)
         if self.trace is not None:

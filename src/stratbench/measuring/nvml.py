@@ -48,7 +48,13 @@ def nvml() -> _Nvml:
 
 
 class UtilisationSampler:
-    """Background thread sampling NVML GPU utilisation and used memory every ``interval`` seconds."""
+    """Background thread sampling NVML GPU utilisation and used memory every ``interval`` seconds.
+
+    The utilisation is the timed steps' own: ``restart_window`` (called before the first step after the timing
+    warm-up) drops the samples taken so far, so that torch.compile's compilation, cuDNN's autotuning and the
+    first allocations do not count (they read 7-8% for a compiled ResNet-50 whose timed steps kept the GPU
+    busy: an H200, 2026-11-26), and ``stop`` takes one last sample when a window shorter than ``interval``
+    has none (NVML's figure covers its own last sample period, up to 1 s)."""
 
     def __init__(self, devices: list[torch.device], interval: float = 0.1) -> None:
         self.devices = [d for d in devices if d.type == "cuda"]
@@ -71,20 +77,29 @@ class UtilisationSampler:
         self._thread = threading.Thread(target=self._run, daemon=True, name="nvml-sampler")
         self._thread.start()
 
-    def _run(self) -> None:
+    def _sample(self) -> None:
         nv = self.nv.nvml
+        for i, h in enumerate(self.handles):
+            with suppress(Exception):
+                self.util[i].append(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                self.used_peak[i] = max(self.used_peak[i], nv.nvmlDeviceGetMemoryInfo(h).used)
+
+    def _run(self) -> None:
         while not self._stop.is_set():
-            for i, h in enumerate(self.handles):
-                with suppress(Exception):
-                    self.util[i].append(nv.nvmlDeviceGetUtilizationRates(h).gpu)
-                    self.used_peak[i] = max(self.used_peak[i], nv.nvmlDeviceGetMemoryInfo(h).used)
+            self._sample()
             self._stop.wait(self.interval)
+
+    def restart_window(self) -> None:
+        """Keep only the samples from now on (the used-memory peak stays the whole run's)."""
+        self.util = [[] for _ in self.devices]
 
     def stop(self) -> None:
         if self._thread:
             self._stop.set()
             self._thread.join(timeout=2)
             self._thread = None
+            if any(not u for u in self.util):
+                self._sample()
 
     def latest(self) -> float | None:
         """The most recent utilisation sample of the first device (for per-step logs); None without NVML."""

@@ -271,7 +271,7 @@ class _Accelerate(Strategy):
         return {}
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        """Create the Accelerator; FSDP shards the model here, before the optimizer is built on its shards."""
+        """Create the Accelerator; FSDP1 shards the model here, before the optimizer is built on its shards."""
         from accelerate import Accelerator
 
         kwargs = self._plugins()
@@ -293,7 +293,11 @@ class _Accelerate(Strategy):
             write_accelerate_config(
                 self.cfg, self.name, self.env.world_size, Path(self.cfg.output) / "accelerate_config.yaml"
             )
-        self._prepare_model_first = "fsdp_plugin" in kwargs
+        # FSDP1 wraps the model before the optimizer is built on its flat parameters; accelerate's FSDP2 takes
+        # model and optimizer in one prepare call (it swaps the optimizer's parameters for the sharded ones,
+        # and refuses a model alone: "a model and optimizer must be passed together", seen on an H200)
+        fsdp_version = getattr(kwargs.get("fsdp_plugin"), "fsdp_version", None)
+        self._prepare_model_first = fsdp_version == 1
         return acc.prepare(model) if self._prepare_model_first else model
 
     def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
