@@ -177,7 +177,7 @@ def test_train_on_ray_over_two_nodes_is_the_local_run(cluster, address, local_qu
     proc = run_stratbench("train", "--config", str(Path(ref["cell_dir"]) / "config.yaml"), "--output", str(out),
                           "--executor", "ray", "--ray-address", address, "--nnodes", "2", "--nproc", "1",
                           "--progress", "false", cwd=cluster["root"], timeout=300)  # fmt: skip
-    assert "training on Ray at" in proc.stderr and "2 nodes" in proc.stderr, proc.stderr[-2000:]
+    assert "training on Ray at" in proc.stderr and ": 2 node(s) with 1 CPU(s) each" in proc.stderr, proc.stderr[-2000:]
     res = json.loads((out / "result.json").read_text())
     assert res["status"] == "ok" and res["world_size"] == 2
     assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
