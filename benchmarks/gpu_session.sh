@@ -47,6 +47,9 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 SB=("$PY" -m stratbench)
+# the fast recipe's ResNet-50 runs (parts fast and trace): synthetic 224 px images, 10 warm-up steps
+FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
+      --save-every-epoch false --device cuda)
 PARTS=("$@")
 [ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast trace source pipeline tplibs tests)
 
@@ -94,9 +97,10 @@ pack() {  # PACK=FILE: $OUT and every run's small files (no checkpoints) in one 
     [ -n "${PACK:-}" ] || return 0
     (cd "$(dirname "$WORK")" && find "$(basename "$WORK")" -type f \( -name '*.json' -o -name '*.jsonl' -o -name '*.md' \
         -o -name '*.log' -o -name '*.csv' -o -name '*.yaml' \) -not -path '*/checkpoints/*' -not -path '*/plugins/*' \
-        -not -path '*/traces/*' -size -20M) >/tmp/sb-pack.list
-    tar czf "$PACK.tmp" -C "$(dirname "$WORK")" -T /tmp/sb-pack.list -C "$(cd "$OUT" && pwd)/.." "$(basename "$OUT")" \
+        -not -path '*/traces/*' -size -20M) >"$PACK.list"
+    tar czf "$PACK.tmp" -C "$(dirname "$WORK")" -T "$PACK.list" -C "$(cd "$OUT" && pwd)/.." "$(basename "$OUT")" \
         && mv "$PACK.tmp" "$PACK"
+    rm -f "$PACK.list"
 }
 
 for part in "${PARTS[@]}"; do
@@ -118,14 +122,12 @@ for part in "${PARTS[@]}"; do
             --max-steps 40 --compile false --output "$WORK/gpu-fast-w1"
         cp "$WORK/gpu-fast-w1/report.md" "$OUT/methods_w1.md" ;;
     fast)
-        common=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
-                --save-every-epoch false --device cuda)
         # most telling first: a call cut off at its time limit still brings back the runs that finished
-        train fast-b256-compile "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60
-        train fast-b256-eager "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false
-        train fast-b256-loader "${common[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false \
+        train fast-b256-compile "${FAST[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60
+        train fast-b256-eager "${FAST[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false
+        train fast-b256-loader "${FAST[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60 --compile false \
             --data-pipeline loader --num-workers 8
-        train fast-b128-eager "${common[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60 --compile false
+        train fast-b128-eager "${FAST[@]}" --batch-size 128 --synthetic-samples 10240 --max-steps 60 --compile false
         # b128 with compile is the source part's run (the same recipe and batch)
         summary "$OUT/fast.md" "ResNet-50, 224 px, fast recipe (target >= 5,000 img/s on one H100)" \
             "$WORK"/fast-b256-compile "$WORK"/fast-b256-eager "$WORK"/fast-b256-loader "$WORK"/fast-b128-eager ;;
@@ -133,9 +135,7 @@ for part in "${PARTS[@]}"; do
         # one profiler trace of the fast step (b256, compiled: after the fast part, inductor's cache on disk
         # makes the compile short), 3 steps after 10 warm-up steps, in its own run so that the profiled steps
         # do not count in fast.md's timings
-        train trace-b256-compile --recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 \
-            --timing-warmup-steps 10 --save-every-epoch false --device cuda --batch-size 256 \
-            --synthetic-samples 5120 --max-steps 16 --profile 3
+        train trace-b256-compile "${FAST[@]}" --batch-size 256 --synthetic-samples 5120 --max-steps 16 --profile 3
         if [ -f "$WORK/trace-b256-compile/traces/rank0.json" ]; then
             gzip -c "$WORK/trace-b256-compile/traces/rank0.json" >"$OUT/trace_fast_b256_rank0.json.gz"
         fi
