@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of issue 16 in one command, for a session that is lent a GPU. Parts env, tests and precision
 # ran on one H100 on 2026-11-22 in about 4 minutes (results: benchmarks/gpu_h100_2026-11-22/); env, fast (3 min),
-# trace (0.5 min), source (3 min), pipeline (1.5 min) and methods without DeepSpeed (12 s to 26 s a cell) on one
+# trace (0.5 min), source (3 min), pipeline (1.5 min) and methods without DeepSpeed (16 s to 26 s a cell) on one
 # H200 on 2026-11-26 (benchmarks/gpu_h200_2026-11-26/). Not run yet: seed, tplibs (2 GPUs), the DeepSpeed cells.
 #
 #   OUT=/some/folder benchmarks/gpu_session.sh            # every part, in the order below
