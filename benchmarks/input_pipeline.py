@@ -53,7 +53,7 @@ def write_fake_cifar(root: Path, n_train: int, n_test: int = 100, seed: int = 0)
 
 def skip_cifar_md5() -> None:
     """torchvision md5-checks the real archive's files; generated files need the check skipped."""
-    from stratbench.models._torchvision import import_torchvision
+    from stratbench.core.torchvision_compat import import_torchvision
 
     tv = import_torchvision()
     tv.datasets.CIFAR10._check_integrity = lambda self: True
@@ -88,7 +88,7 @@ def measure(
 
 def versions() -> str:
     import stratbench
-    from stratbench.models._torchvision import import_torchvision
+    from stratbench.core.torchvision_compat import import_torchvision
 
     tv = import_torchvision()
     cpu = platform.processor() or platform.machine()

@@ -348,7 +348,7 @@ def write_imagenet_weights(torch_home: Path, model: str) -> Path:
 
     import torch
 
-    from stratbench.models._torchvision import import_torchvision
+    from stratbench.core.torchvision_compat import import_torchvision
 
     tv = import_torchvision()
     weights = tv.models.get_model_weights(model).DEFAULT

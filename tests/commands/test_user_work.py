@@ -3,6 +3,7 @@ data builders, plain weight exports."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -306,3 +307,33 @@ def test_loss_choice_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and words in err, err
     assert not (tmp_path / "out").exists()
+
+
+TORCHVISION_NET = """
+import torchvision
+from torch import nn
+
+
+def build(num_classes):
+    # a torchvision building block, as a user's model takes it
+    stem = torchvision.ops.misc.Conv2dNormActivation(3, 8, kernel_size=3, norm_layer=None)
+    return nn.Sequential(stem, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, num_classes))
+"""
+
+
+def test_a_user_module_that_imports_torchvision_works_everywhere(tmp_path):
+    """`import torchvision` in the user's own module: PyPI's CUDA torchvision on the CPU torch fails to import
+    ("operator torchvision::nms does not exist") unless stratbench's guard is in place before the user's import —
+    in train, estimate and compare alike (each a fresh process)."""
+    work, cmd = _user_folder(tmp_path)
+    (work / "tvnet.py").write_text(TORCHVISION_NET)
+    data = ["--data", "synthetic", "--synthetic-samples", "32", "--image-size", "12", "--batch-size", "8"]
+    short = ["--max-steps", "2", "--epochs", "1", "--measure-flops", "false"]
+    _run_in(work, cmd, "train", "--model", "tvnet:build", *data, *short, "--progress", "false", "--output", "run")
+    assert json.loads((work / "run" / "result.json").read_text())["status"] == "ok"
+    est = _run_in(work, cmd, "estimate", "--model", "tvnet:build", "--image-size", "12", "--batch-size", "8")
+    assert "total per device" in est.stdout
+    _run_in(work, cmd, "compare", "--preset", "quick", "--model", "tvnet:build", *data, *short, "--only", "single",
+            "--precision", "fp32", "--output", "cmp")  # fmt: skip
+    rows = [json.loads(line) for line in (work / "cmp" / "results.jsonl").read_text().splitlines()]
+    assert [r["status"] for r in rows] == ["ok"]

@@ -54,7 +54,7 @@ def _write_cifar_fixture(root, n_train=20, n_test=10):
 
 
 def test_cifar10_reads_the_real_format(tmp_path, monkeypatch):
-    from stratbench.models._torchvision import import_torchvision
+    from stratbench.core.torchvision_compat import import_torchvision
 
     cifar = import_torchvision().datasets.CIFAR10
     _write_cifar_fixture(tmp_path)

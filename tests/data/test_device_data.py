@@ -69,7 +69,7 @@ def cifar_root(tmp_path_factory):
 @pytest.fixture
 def cifar(cifar_root, monkeypatch):
     """build_data for the fixture (torchvision md5-checks the real archive's files: skipped for the fixture)."""
-    from stratbench.models._torchvision import import_torchvision
+    from stratbench.core.torchvision_compat import import_torchvision
 
     tv = import_torchvision()
     monkeypatch.setattr(tv.datasets.CIFAR10, "_check_integrity", lambda self: True)

@@ -134,7 +134,7 @@ def test_the_checkpoint_evaluates_and_generates(root, single):
 def test_safetensors_in_the_folder_are_loaded(tmp_path):
     transformers = (
         import_transformers()
-    )  # torchvision first, as stratbench imports it (see models._torchvision)
+    )  # torchvision first, as stratbench imports it (see core.torchvision_compat)
     torch.manual_seed(1)
     saved = transformers.AutoModelForCausalLM.from_config(
         transformers.LlamaConfig(**{k: v for k, v in LLAMA.items() if k != "model_type"})

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from stratbench.core.errors import ConfigError, is_out_of_memory
+from stratbench.core.torchvision_compat import guard_torchvision_import
 
 
 def parse_spec(spec: str, what: str, noun: str = "builder") -> tuple[str, str]:
@@ -78,6 +79,7 @@ def import_builder(spec: str, what: str = "model", noun: str = "builder") -> Cal
     if cwd not in sys.path and "" not in sys.path:
         sys.path.append(cwd)
         importlib.invalidate_caches()
+    guard_torchvision_import()  # the user's module may import torchvision: make that work on a CPU torch too
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as exc:

@@ -25,7 +25,7 @@ from torch import nn
 
 from stratbench.core.errors import ConfigError
 from stratbench.core.user_code import one_line
-from stratbench.models._torchvision import import_torchvision
+from stratbench.core.torchvision_compat import guard_torchvision_import
 
 PREFIX = "hf:"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -40,9 +40,9 @@ def is_hf_name(name: str) -> bool:
 
 
 def import_transformers() -> Any:
-    """The transformers package (an optional extra); torchvision first, through stratbench's import, since
-    transformers imports it when installed and PyPI's CUDA torchvision fails to import on a CPU torch."""
-    import_torchvision()
+    """The transformers package (an optional extra); torchvision guarded first, since transformers imports it
+    when installed and PyPI's CUDA torchvision fails to import on a CPU torch (core.torchvision_compat)."""
+    guard_torchvision_import()
     try:
         import transformers
     except ImportError:

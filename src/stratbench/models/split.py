@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
-from stratbench.models._torchvision import import_torchvision
+from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.models.flops import example_input, flop_counter
 from stratbench.models.transformer import Transformer
 from stratbench.models.zoo import TinyNet

@@ -16,7 +16,7 @@ from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
-from stratbench.models._torchvision import import_torchvision
+from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.models.flops import example_input
 from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
 from stratbench.models.transformer import SIZES, build_transformer
