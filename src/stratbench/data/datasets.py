@@ -19,11 +19,11 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.core.safe_load import restricted_pickle_load
+from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
 from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data, token_path
-from stratbench.core.torchvision_compat import import_torchvision
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)

@@ -24,8 +24,8 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
-from stratbench.core.user_code import one_line
 from stratbench.core.torchvision_compat import guard_torchvision_import
+from stratbench.core.user_code import one_line
 
 PREFIX = "hf:"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")

@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
-from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.core.torchvision_compat import import_torchvision
+from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.models.flops import example_input
 from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
 from stratbench.models.transformer import SIZES, build_transformer
