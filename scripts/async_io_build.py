@@ -3,7 +3,7 @@ scripts/async_io_build.py``, in the foreground, as DeepSpeed's ``DS_BUILD_AIO=1`
 else for the nvme tests in the background.
 
 Cold, the build is 15 C++ files that each parse torch's headers: 610 s on this shared 2-core VM, then cached in
-stratbench's extensions folder (``extensions_cache_dir``) for every later session. conftest starts it (a load, where
+stratbench's extensions folder (``op_builds.extensions_cache_dir``: one per venv and versions) for every later session. conftest starts it (a load, where
 install built it) when the session's tests are collected, if an nvme test is among them; the tests in strategies/ run late, so it has the
 rest of the suite to use what the suite leaves idle (processes starting, ranks waiting on each other).
 
@@ -28,9 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from stratbench.strategies.deepspeed import _nvme_unavailable, extensions_cache_dir
+from stratbench.strategies.deepspeed import _nvme_unavailable
+from stratbench.strategies.op_builds import extensions_cache_dir
 
-LOAD = "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+LOAD = (  # through stratbench's op cache: a killed build's lock is taken over, a wait on another build is bounded
+    "from stratbench.strategies.op_builds import prepare_op_builds; prepare_op_builds(); "
+    "from deepspeed.ops.op_builder import AsyncIOBuilder; AsyncIOBuilder().load(verbose=False)"
+)
 BUILD = f"""import ctypes, os, signal
 try:  # interrupted when the test session dies, however it dies (PR_SET_PDEATHSIG): no build outlives it
     signal.signal(signal.SIGINT, signal.default_int_handler)  # also where a shell started us with SIGINT ignored

@@ -14,7 +14,10 @@ import csv
 import json
 import math
 import re
+import shutil
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -32,6 +35,7 @@ from conftest import (
     run_stratbench,
     train,
 )
+from stratbench.strategies.op_builds import extensions_cache_dir
 
 pytestmark = pytest.mark.distributed
 
@@ -405,7 +409,14 @@ def test_zero3_with_nvme_offload_swaps_to_files_and_trains_the_same_model(
     flags = ["--zero-stage", "3", "--offload-optimizer", "nvme", "--nvme-path", str(swap)]
     flags += ["--offload-params", "nvme"] if params else []
     out = tmp_path / "run"
-    res = train(out, *DS, *flags, *NVME_PROBLEM, nproc=2, timeout=TIMEOUT)
+    if params:
+        res = train(out, *DS, *flags, *NVME_PROBLEM, nproc=2, timeout=TIMEOUT)
+    else:  # as a user whose earlier async_io build was killed (a test timeout, ^C): its lock is still there
+        cache = _cache_with_a_killed_builds_lock(tmp_path / "ext")
+        proc = run_stratbench("train", "--output", str(out), "--nproc", "2", *DS, *flags, *NVME_PROBLEM,
+                              timeout=TIMEOUT, env={"TORCH_EXTENSIONS_DIR": str(cache)})  # fmt: skip
+        assert f"removed {cache / 'async_io' / 'lock'}, left by a build that was killed" in proc.stderr
+        res = json.loads((out / "result.json").read_text())
     assert len(_curve(res)) == 6
     assert _curve(res) == _curve(nvme_reference)  # bit for bit: see the comment on NVME_PROBLEM
     for rank in (0, 1):
@@ -425,6 +436,21 @@ def test_zero3_with_nvme_offload_swaps_to_files_and_trains_the_same_model(
     # One buffer holds the largest partition (DeepSpeed's default: 1e8 elements, 2 GB page-locked per rank).
     if params:
         assert ds["offload_param"]["buffer_size"] == NVME_BIG_PARAM // 2
+
+
+def _cache_with_a_killed_builds_lock(folder: Path) -> Path:
+    """A copy of stratbench's op cache (the ops built, so nothing compiles) whose async_io folder holds the lock of
+    a build killed with SIGKILL: torch's own lock file (``FileBaton``), taken by a process that was then killed.
+    Before op_builds, every run that needed the op waited on it forever, silently."""
+    shutil.copytree(extensions_cache_dir(), folder)
+    lock = folder / "async_io" / "lock"
+    hold = "import sys, time; from torch.utils.file_baton import FileBaton; FileBaton(sys.argv[1]).try_acquire(); time.sleep(600)"
+    builder = subprocess.Popen([sys.executable, "-c", hold, str(lock)])
+    while not lock.exists():
+        time.sleep(0.05)
+    builder.kill()
+    builder.wait()
+    return folder
 
 
 def test_nvme_is_refused_in_one_line_where_async_io_cannot_be_built(tmp_path, monkeypatch, capsys):

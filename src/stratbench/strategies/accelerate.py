@@ -42,6 +42,7 @@ from stratbench.strategies.deepspeed import (
     save_engine_checkpoint,
 )
 from stratbench.strategies.fsdp import fsdp2_comm, fsdp2_memory
+from stratbench.strategies.op_builds import prepare_op_builds
 from stratbench.strategies.tp import BLOCKS_ONLY, TPCheckpointIO, TPCost, apply_tp, reduce_partial_grads
 from stratbench.strategies.tp import unsupported as tp_unsupported
 
@@ -493,6 +494,7 @@ class AccelerateDeepSpeed(_Accelerate):
         from accelerate import DeepSpeedPlugin
 
         _avoid_shm_op_build()
+        prepare_op_builds()  # the ops DeepSpeed builds under accelerate go to the same keyed, guarded cache
         ds = build_ds_config(self.cfg, self._ds_options(), self.env.world_size, config_optimizer=False)
         self.ds_config = ds
         return {"deepspeed_plugin": DeepSpeedPlugin(hf_ds_config=ds)}

@@ -37,6 +37,7 @@ from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
 from stratbench.strategies.deepspeed_config import autotp_degree, build_ds_config, load_user_json
+from stratbench.strategies.op_builds import prepare_op_builds
 from stratbench.strategies.tp import (
     BLOCKS_ONLY,
     LocalSlice,
@@ -134,14 +135,6 @@ def _avoid_shm_op_build() -> None:
     import deepspeed.ops
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-
-
-def extensions_cache_dir() -> Path:
-    """Stable per-user folder for JIT-built DeepSpeed kernels, so each is compiled once per machine and version."""
-    if os.environ.get("TORCH_EXTENSIONS_DIR"):
-        return Path(os.environ["TORCH_EXTENSIONS_DIR"])
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return base / "stratbench" / "torch_extensions"
 
 
 def _kernel_unavailable(op_name: str) -> str | None:
@@ -578,7 +571,7 @@ class DeepSpeed(Strategy):
     # ---- set-up -------------------------------------------------------------------------------
     def wrap(self, model: nn.Module) -> nn.Module:
         """Join DeepSpeed's communication layer and write its config; the engine wraps in build_optimizer."""
-        os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(extensions_cache_dir()))
+        prepare_op_builds()  # the keyed op cache; a killed build's lock is taken over, a wait is bounded
         import deepspeed
 
         _avoid_shm_op_build()
