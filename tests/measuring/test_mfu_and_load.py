@@ -43,6 +43,7 @@ def test_mfu_is_the_same_as_single_on_the_same_work(layout, devices, step_ms):
     assert mfu_metrics(FLOPS_PER_SAMPLE, BATCH / 0.48, devices, None)["mfu"] is None  # no peak: no MFU
 
 
+@pytest.mark.distributed
 def test_a_cpu_tensor_parallel_run_reports_mfu_over_its_devices_with_peak_tflops(tmp_path):
     """A real `train --strategy tp --nproc 2` (one replica over 2 processes: data-parallel size 1) with a stated
     peak: MFU appears, counted over the 2 devices from the run's own throughput (before the fix: over 1, 2x too

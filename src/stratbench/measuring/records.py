@@ -180,7 +180,8 @@ class RunRecord:
     log: str | None = None
     schema: int = SCHEMA
     fields: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    """The whole line, its fields above that held the wrong type dropped: what readers of the JSON take."""
+    """The whole line, each value not recorded (NaN, a null entry of a per-rank list) as None or left out: what
+    readers of the JSON take."""
 
     @classmethod
     def from_dict(cls, d: Any) -> RunRecord:
