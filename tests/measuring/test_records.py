@@ -140,3 +140,23 @@ def test_a_calibration_line_parses_or_says_why_as_the_sweep_s_check_does(line):
         )
     else:
         assert (rec.nproc, rec.threads, rec.profile, rec.run.reason) == (1, None, "", "boom")
+
+
+def test_every_record_the_project_ships_reads():
+    """The rules refuse only what no stratbench wrote: every results.jsonl, calibration.jsonl and result.json under
+    benchmarks/ (written by the versions of 2026-11-22 to 26, negative import bytes included) passes them."""
+    import json
+
+    from conftest import REPO
+
+    files = [*REPO.glob("benchmarks/**/*.jsonl"), *REPO.glob("benchmarks/**/result.json")]
+    checked = 0
+    for path in files:
+        text = path.read_text()
+        for n, line in enumerate([text] if path.suffix == ".json" else text.splitlines(), 1):
+            if not line.strip():
+                continue
+            problem = calibration_problem if path.name == "calibration.jsonl" else record_problem
+            assert problem(json.loads(line)) is None, (path, n)
+            checked += 1
+    assert checked > 100

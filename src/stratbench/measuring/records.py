@@ -326,6 +326,8 @@ METRIC_KINDS: dict[str, str] = {
     **dict.fromkeys(NUMBER_METRICS, "amount"), "final_loss": "number", "host_cpu_count": "count",
     "throughput_tokens_per_s": "amount", "val_perplexity": "amount",
     **dict.fromkeys(NUMBER_LIST_METRICS, "amounts"), "loss_curve": "numbers", "peak_memory_kind": "text",
+    # differences from a baseline read before the model was built: below it where the run freed memory
+    "cpu_alloc_peak_bytes": "numbers", "cpu_alloc_import_bytes": "numbers",
     "breakdown": "mapping", "comm": "mapping", "evaluations": "mappings",
 }  # fmt: skip
 
