@@ -313,6 +313,7 @@ def _compact_cells(row: Row, memory_key: str) -> dict[str, tuple[str, str | None
         return None if n is None else repr(n)
 
     speedup = number(raw.get("speedup"))
+
     def timed(text: str) -> str:
         """A time or a speed, marked where a busy machine inflated it."""
         return text + BUSY_SHORT if row.busy and text != NA else text
