@@ -21,6 +21,7 @@ from stratbench.compare import runner as runner_mod
 from stratbench.compare.calibration import (
     CALIBRATION,
     basis_for,
+    check_results_file,
     load_calibration_records,
     plan_calibration,
     run_calibration,
@@ -28,6 +29,7 @@ from stratbench.compare.calibration import (
 from stratbench.compare.matrix import Plan, build_matrix, plan
 from stratbench.compare.report import Report, render_sweeps, write_report
 from stratbench.compare.runner import SweepRunner, load_records
+from stratbench.core.errors import ConfigError
 from stratbench.launching.launch import threads_per_process
 from stratbench.measuring.records import CalibrationRecord, RunRecord
 from stratbench.predicting import projection
@@ -339,11 +341,15 @@ def test_failed_or_missing_calibration_gives_a_reason_not_a_number(tmp_path):
     assert basis_for(RunRecord.from_dict(cells[1] | {"machine": {"hostname": "elsewhere"}}), cal) is None
 
 
-def test_a_bad_typed_field_of_a_calibration_run_reads_as_not_recorded(tmp_path):
-    """A calibration line whose measures have the wrong type (its step time a string, its environment a list)
-    parses: the step time is not recorded, so the row that run serves says so (n/a and the reason) while the
-    rows it does not serve keep their prediction; the report is written, not stopped."""
-    cells, cal = _calibrated_sweep(tmp_path, metrics={"step_time_median_s": "fast"}, environment=["cpu"])
+def test_a_calibration_run_with_a_field_of_the_wrong_type_is_refused_and_one_not_recorded_is_n_a(tmp_path):
+    """A calibration line whose measure has the wrong type (its step time a string) is refused in one line naming
+    the file, the line and the field, as a cell's line is. One whose step time was not recorded (null, and no
+    environment) parses: the row that run serves says so (n/a and the reason) while the rows it does not serve
+    keep their prediction; the report is written, not stopped."""
+    _calibrated_sweep(tmp_path / "bad", metrics={"step_time_median_s": "fast"})
+    with pytest.raises(ConfigError, match=r"calibration.jsonl line 3 .*metrics.step_time_median_s is 'fast', not"):
+        check_results_file(tmp_path / "bad")
+    cells, cal = _calibrated_sweep(tmp_path, metrics={"step_time_median_s": None}, environment=None)
     d16 = next(c.run for c in cal if c.run.id == "d16")
     assert d16.metrics.step_time_median_s is None and d16.environment == {}
     paths = write_report(Report("t", cells, ["x"], calibration=cal), tmp_path / "r")
@@ -352,7 +358,7 @@ def test_a_bad_typed_field_of_a_calibration_run_reads_as_not_recorded(tmp_path):
     why = "n/a (predicted step): d16: no measured step time (metrics.step_time_median_s)"
     assert why in paths["md"].read_text()
     # the same run with its mean step recorded (where it has no readable median) calibrates the row
-    mean = {"step_time_median_s": "fast", "step_time_mean_s": 0.024}
+    mean = {"step_time_median_s": None, "step_time_mean_s": 0.024}
     cells, cal = _calibrated_sweep(tmp_path / "mean", metrics=mean)
     paths = write_report(Report("t", cells, ["x"], calibration=cal), tmp_path / "mean-r")
     rows = {r["method"]: r for r in csv.DictReader(paths["csv"].open())}

@@ -12,7 +12,7 @@ import markupsafe
 import pytest
 import yaml
 
-from conftest import fails, md_section
+from conftest import cli, fails, md_section, run_stratbench
 from stratbench.cli import main
 from stratbench.compare import charts
 from stratbench.compare import report as report_mod
@@ -279,7 +279,7 @@ def test_compact_table_and_one_line_per_cell_that_did_not_complete(picks, tmp_pa
     assert "| **1800.0** |" in glance[2] and "| **2.00 MiB** |" in glance[3]  # the picks, in bold
     assert "¹" not in "".join(glance)  # no footnote marks in the compact table
     assert [ln for ln in md_section(md, "Cells that did not complete (2)") if ln.strip()] == [
-        "- accelerate-fsdp fp32 x2: skipped — needs a <GPU> & CUDA",
+        "- accelerate-fsdp fp32 x2: skipped — needs a \\<GPU\\> \\& CUDA",  # escaped: shown as written
         "- pipeline-1f1b bf16-mixed x2: failed — RuntimeError: boom at step 3 (log: /x/train.log)",
     ]
     assert not [ln for ln in md.splitlines() if ln.startswith(("| accelerate-fsdp", "| pipeline-1f1b"))]
@@ -311,7 +311,7 @@ def test_two_machines_keep_the_compact_table_at_8_columns(picks, tmp_path):
     what = md_section(md, "What to use")
     assert "**On box (CPU: test (2 cores)):**" in what and "**On box2 (CPU):**" in what
     assert sum(ln.startswith("- **Fastest:** `ddp fp32 x2`") for ln in what) == 2  # each machine's own pick
-    assert "- accelerate-fsdp fp32 x2 on box2 (CPU): skipped — needs a <GPU> & CUDA" in md
+    assert "- accelerate-fsdp fp32 x2 on box2 (CPU): skipped — needs a \\<GPU\\> \\& CUDA" in md
 
 
 def test_what_to_use_says_so_in_one_line_without_completed_cells_or_baseline(picks, tmp_path):
@@ -328,30 +328,30 @@ def test_what_to_use_says_so_in_one_line_without_completed_cells_or_baseline(pic
     assert "Runner-up: ddp bf16-mixed x2, 3% slower" in _line(md_section(md, "What to use"), "- **Fastest:**")
 
 
-def test_a_record_with_missing_or_unreadable_fields_still_renders(tmp_path):
+def test_a_record_with_missing_fields_still_renders(tmp_path):
     bare = {"id": "bare", "method": "ddp", "status": "ok", "machine": {"hostname": "box", "device": "CPU: test (2 cores)"}}
-    bad = _record("fsdp", "fp32", 2, 0.9, 1.0, 1, world_size="two")
-    bad["metrics"] |= {"throughput_samples_per_s": "fast", "peak_memory_bytes": "lots", "val_accuracy": None,
-                       "evaluations": "x", "breakdown": [1], "loss_curve": ["a", 1.0]}  # fmt: skip
-    odd = _record("ddp-zero", "fp32", 2, 0.9, 800.0, 1, repeats={"n": 3, "metrics": {"throughput_samples_per_s": "x"}})
+    gaps = _record("fsdp", "fp32", 2, 0.9, 1.0, 1)
+    gaps["metrics"] |= {"throughput_samples_per_s": None, "peak_memory_bytes": [None, None], "val_accuracy": None,
+                        "final_loss": float("nan"), "loss_curve": [float("nan"), 1.0]}  # fmt: skip
+    odd = _record("ddp-zero", "fp32", 2, 0.9, 800.0, 1, repeats={"n": 3, "metrics": {"throughput_samples_per_s": {"median": 800.0}}})
     good = _with_alloc(_record("single", "fp32", 1, 0.9, 900.0, 1), 5)
-    md, page = _render([bare, bad, odd, good], tmp_path)
+    md, page = _render([bare, gaps, odd, good], tmp_path)
     assert _line(md_section(md, "What to use"), "- **Fastest:**").startswith(
         "- **Fastest:** `single fp32 x1` — the baseline itself; 900.0 samples/s"
     )
     glance = {ln.split("|")[1].strip(): ln for ln in md_section(md, "Completed cells at a glance") if ln.startswith("| ")}
-    assert "| n/a | n/a |" in glance["ddp"] and "| fsdp | fp32 | 1 | n/a |" in glance["fsdp"]
-    assert "this record could not be read (TypeError" in md  # ddp-zero's repeats: every measure n/a, noted why
+    assert "| n/a | n/a |" in glance["ddp"] and "| fsdp | fp32 | 2 | n/a |" in glance["fsdp"]
+    assert "this record could not be read (KeyError" in md  # ddp-zero's repeats: every measure n/a, noted why
     assert page.count("<tr") >= 1 + 4
 
 
 def test_a_rows_mesh_names_its_devices_in_the_table_and_the_csv(tmp_path):
-    """A method that reports a named mesh (result.json "mesh") shows it beside its devices; the others, and a mesh
-    of a bad type, show the devices alone."""
+    """A method that reports a named mesh (result.json "mesh") shows it beside its devices; the others show the
+    devices alone (a mesh of a bad type is refused: tests/measuring/test_records.py)."""
     import csv
 
     tp = _record("fsdp", "fp32", 4, 0.9, 900.0, 1, mesh={"dp": 2, "tp": 2})
-    bad = _record("tp", "fp32", 2, 0.9, 800.0, 1, mesh={"tp": "two"})
+    bad = _record("tp", "fp32", 2, 0.9, 800.0, 1, mesh={})
     md, page = _render([_record("single", "fp32", 1, 0.9, 1000.0, 1), tp, bad], tmp_path)
     rows = {ln.split("|")[1].strip(): ln for ln in md.splitlines() if ln.startswith("| ")}
     assert "| 4 (dp2 x tp2) |" in rows["fsdp"] and "| 2 |" in rows["tp"] and "(" not in rows["tp"].split("|")[3]
@@ -378,3 +378,160 @@ def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
     monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 4)
     gpu = {(c.name, c.world_size) for c in build_matrix(preset_llm()).cells}
     assert {("tp", 4), ("fsdp+tp", 4)} <= gpu, gpu
+
+
+# ---- refused in one line, before anything is written: a bad sweep.json, a record of the wrong type, merged twins ----
+
+
+def _sweep_folder(folder, records: list[dict], meta: dict | None = None):
+    """A sweep folder as compare leaves it: results.jsonl, and sweep.json naming its cells (or ``meta``)."""
+    folder.mkdir(parents=True)
+    (folder / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cells = [{k: r[k] for k in ("id", "method", "label", "precision", "world_size", "batch_size")} for r in records]
+    (folder / "sweep.json").write_text(json.dumps(meta if meta is not None else {"name": "s", "cells": cells}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("case", "why"),
+    [
+        ("cells-not-a-list", "sweep.json: 'cells' is str \"ddp\", not a list of cells; rerun the sweep's"),
+        ("cell-without-id", "sweep.json: cells[0] is not a cell (an object with a string 'id')"),
+        ("cell-of-wrong-type", "sweep.json: cells[0].world_size is 'two', not a whole number >= 0"),
+        ("sweep-json-a-list", "sweep.json: it holds list, not a JSON object"),
+        ("record-of-wrong-type", "results.jsonl line 2 is not a record stratbench can read (metrics.peak_memory_bytes "
+                                 "is ['1', 2], not a list of numbers >= 0); fix or delete that line"),
+        ("same-cells-twice", "both hold cell single_fp32_w1 of box (CPU: test (2 cores)): the same cell of the same "
+                             "machine twice"),
+        ("same-folder-twice", "are the same sweep folder; name each folder once"),
+    ],
+)  # fmt: skip
+def test_report_refuses_in_one_line_before_writing(tmp_path, capsys, case, why):
+    records = [_record("single", "fp32", 1, 0.9, 900.0, 1), _record("ddp", "fp32", 2, 0.9, 1500.0, 1)]
+    meta = {"cells-not-a-list": {"cells": "ddp"}, "cell-without-id": {"cells": [{"method": "ddp"}]},
+            "cell-of-wrong-type": {"cells": [{"id": "x", "world_size": "two"}]}, "sweep-json-a-list": []}.get(case)  # fmt: skip
+    if case == "record-of-wrong-type":
+        records[1]["metrics"]["peak_memory_bytes"] = ["1", 2]
+    sweep = _sweep_folder(tmp_path / "sweep", records, meta)
+    dirs = [sweep]
+    if case == "same-cells-twice":
+        dirs.append(_sweep_folder(tmp_path / "copy", records))
+    if case == "same-folder-twice":
+        dirs.append(tmp_path / "." / "sweep")
+    out = tmp_path / "merged"
+    err = fails(capsys, "report", *dirs, *(["--output", out] if len(dirs) > 1 else []))
+    assert why in err and "Traceback" not in err
+    assert not list(sweep.glob("report.*")) and not list(sweep.glob("chart_*")) and not out.exists()
+
+
+def test_report_on_a_sweep_json_whose_cells_is_not_a_list_is_one_line(tmp_path):
+    """The real CLI (a fresh interpreter), as a user meets it: one line and exit 2, not a traceback."""
+    sweep = _sweep_folder(tmp_path / "sweep", [_record("single", "fp32", 1, 0.9, 900.0, 1)], {"cells": {"id": "x"}})
+    proc = run_stratbench("report", str(sweep), check=False, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        f"stratbench report: error: {sweep / 'sweep.json'}: 'cells' is dict {{\"id\": \"x\"}}, not a list of cells; rerun the sweep's "
+        "`stratbench compare` command to rewrite it, or delete the file to report results.jsonl alone"
+    ]
+    assert not (sweep / "report.md").exists()
+
+
+# ---- no winner from a busy machine; a partial sweep says so; report.md shows labels and reasons as written ----
+
+
+def _busy(rec: dict) -> dict:
+    """``rec`` as compare records a cell run on a busy machine: mean load 5 on 2 cores (above 1.5x the cores)."""
+    return {**rec, "host_load_mean": 5.0, "host_cpu_count": 2}
+
+
+def test_no_fastest_is_named_from_cells_timed_on_a_busy_machine(picks, tmp_path, monkeypatch):
+    picks[1], picks[2] = _busy(picks[1]), _busy(picks[2])  # ddp (the fastest) and fsdp (the leanest)
+    phases = {"step": 0.01, "data": 0.001, "forward": 0.003, "backward": 0.004, "optimizer": 0.001, "other": 0.001}
+    for rec in picks[:2]:  # single and ddp timed their phases
+        rec["metrics"]["breakdown"] = {"per_rank_s": [phases], "not_compute_share": 0.2}
+    from matplotlib.figure import Figure
+
+    drawn = {}
+
+    real_savefig = Figure.savefig
+
+    def savefig(fig, path, *a, **kw):  # what each chart shows: its hatched bars and its value labels
+        ax = fig.axes[0]
+        drawn[ax.get_title().split("\n")[0]] = (
+            [p.get_hatch() for p in ax.patches], [t.get_text() for t in ax.texts],
+            [t.get_text() for lg in fig.legends + [ax.get_legend()] if lg for t in lg.get_texts()],
+        )  # fmt: skip
+        return real_savefig(fig, path, *a, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    md, page = _render(picks, tmp_path)
+    what = md_section(md, "What to use")
+    fastest = _line(what, "- **Fastest:**")
+    assert fastest.startswith("- **Fastest:** none named: 2 of 4 cells ran on a busy machine (ddp fp32 x2, fsdp fp32 x2)")
+    assert "`" not in fastest and "Fastest:</b> none named: 2 of 4 cells ran on a busy machine" in page
+    leanest = _line(what, "- **Leanest memory:**")  # memory is not a time: still named, its speed marked
+    assert leanest.startswith("- **Leanest memory:** `fsdp fp32 x2`") and "(0.70x) (busy machine)" in leanest
+    glance = {ln.split("|")[1].strip(): ln for ln in md_section(md, "Completed cells at a glance") if ln.startswith("| ")}
+    assert "| 1800.0 (busy) | 1.80x (busy) |" in glance["ddp"] and "**1800.0" not in md  # no bold pick of a speed
+    assert "| 1000.0 | 1.00x |" in glance["single"] and "| **2.00 MiB** |" in glance["fsdp"]
+    hatches, labels, legend = drawn["Training throughput (higher is better)"]  # bars: single, ddp, fsdp, z3
+    assert [bool(h) for h in hatches] == [False, True, True, False]
+    assert [lb.endswith("(busy)") for lb in labels] == [False, True, True, False]
+    assert "busy machine: time inflated" in legend
+    hatches, _, _ = drawn["process peak RSS (incl. ~0.4 GiB runtime)"]  # the memory chart's left panel
+    assert not any(hatches)  # memory: not a time, not hatched
+    hatches, labels, legend = drawn["Where each step's time goes (mean per step, slowest rank)"]
+    assert [bool(h) for h in hatches] == [False, True] * 5 and "busy machine: time inflated" in legend  # 5 phases
+    assert labels == ["10.0 ms (20% not compute)", "10.0 ms (20% not compute) (busy)"]
+    hatches, labels, _ = drawn["Time to train (lower is better)"]
+    assert [bool(h) for h in hatches] == [False, True, True, False] and labels[1].endswith("(busy)")
+
+
+def test_a_sweep_that_stopped_early_says_its_report_is_partial(picks, tmp_path):
+    """sweep.json names 6 cells, results.jsonl holds 4: What to use opens with 'Partial report' naming the 2 never
+    reached, which are also listed among the cells that did not complete."""
+    done = picks[:4]
+    cells = [{k: r[k] for k in ("id", "method", "label", "precision", "world_size", "batch_size")} for r in picks]
+    sweep = _sweep_folder(tmp_path / "sweep", done, {"name": "s", "cells": cells})
+    cli("report", sweep)
+    md = (sweep / "report.md").read_text()
+    what = [ln for ln in md_section(md, "What to use") if ln.strip()]
+    assert what[0] == (
+        "- **Partial report:** the sweep stopped before 2 of its 6 cells: accelerate-fsdp fp32 x2, pipeline-1f1b "
+        "bf16-mixed x2, listed below under the cells that did not complete. Rerun the same stratbench compare "
+        "command to run them; the cells it finished are kept"
+    )
+    assert "- **Fastest:** `ddp fp32 x2`" in what[1]  # the completed cells are still compared
+    problems = [ln for ln in md_section(md, "Cells that did not complete (2)") if ln.strip()]
+    assert all(": not run — the sweep stopped before this cell" in ln for ln in problems)
+    assert "Partial report:</b> the sweep stopped before 2 of its 6 cells" in (sweep / "report.html").read_text()
+    md_full, _ = _render(picks, tmp_path / "whole")  # every cell has its record: not partial
+    assert "Partial report" not in md_full
+
+
+def test_report_md_shows_labels_and_reasons_as_written(picks, tmp_path):
+    """report.md escapes what markdown would read as markup (report.html escapes it for HTML): rendered with a
+    CommonMark + GitHub-tables renderer, a label and a reason show as written and every table row keeps its cells."""
+    from markdown_it import MarkdownIt
+
+    label = "my*net_<b>|x"
+    reason = "boom <script>alert(1)</script> | a_b *c* [link](http://x) ~~s~~ &amp; `code`"
+    picks[1] = {**picks[1], "label": label}
+    picks[5] = {**picks[5], "reason": reason}
+    md, _ = _render(picks, tmp_path)
+    html = MarkdownIt("commonmark").enable("table").render(md)
+    assert "<script>" not in html and "<b>" not in html and "<a href" not in html and "<s>" not in html
+    assert "<em>" not in html.split("<h2>Setup</h2>")[0]
+    assert f"{markupsafe.escape(label)} fp32 x2" in html  # the label as written, in What to use and the tables
+    assert str(markupsafe.escape(f"pipeline-1f1b bf16-mixed x2: failed — {reason}")) in html
+    for table in re.findall(r"<table>.*?</table>", html, re.S):
+        widths = {len(re.findall(r"<t[hd][ >]", row)) for row in re.findall(r"<tr>.*?</tr>", table, re.S)}
+        assert len(widths) == 1, widths  # the bar in the label split no row
+
+
+def test_every_sweep_json_the_project_ships_reads():
+    """The sweep.json rules refuse only what no sweep wrote: every one under benchmarks/ passes them."""
+    from conftest import REPO
+
+    found = list(REPO.glob("benchmarks/**/sweep.json"))
+    assert found and all(report_mod.sweep_meta_problem(json.loads(p.read_text())) is None for p in found)

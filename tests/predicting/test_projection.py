@@ -491,7 +491,7 @@ def test_calibration_refuses_what_it_cannot_use():
 def test_calibrate_files_are_parsed_once_and_refused_with_one_line(tmp_path):
     """`--calibrate FILE`: each result.json is read and parsed into a record once; a file that cannot be read,
     is not JSON, is no result.json (no 'config'/'metrics', or not an object) or did not finish is refused with
-    one line naming it; one whose measure has the wrong type reads it as not recorded."""
+    one line naming it, and so is one whose field has the wrong type (naming the field)."""
     from stratbench.core.errors import ConfigError
 
     s = hardware.builtin().system("p40-pcie3")
@@ -510,9 +510,9 @@ def test_calibrate_files_are_parsed_once_and_refused_with_one_line(tmp_path):
     assert loaded.efficiency == pytest.approx(direct.efficiency)
     for name, why in [("missing", "cannot read it"), ("torn", "not JSON"),
                       ("list", "not a stratbench result.json (no 'config'/'metrics')"),
-                      ("nocfg", "not a stratbench result.json"), ("strcfg", "not a stratbench result.json"),
+                      ("nocfg", "not a stratbench result.json"), ("strcfg", "config is 'tinynet', not an object"),
                       ("failed", "the run's status is 'failed'; calibrate on a run that finished"),
-                      ("strstep", "no measured step time")]:  # fmt: skip
+                      ("strstep", "metrics.step_time_median_s is '10 ms', not a number")]:  # fmt: skip
         with pytest.raises(ConfigError, match="^(--calibrate )?" + re.escape(str(tmp_path / name))) as exc:
             projection.load_calibration([str(tmp_path / f"{name}.json")], s)
         assert why in str(exc.value) and "\n" not in str(exc.value), (name, exc.value)

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from stratbench.compare.calibration import check_results_file
-from stratbench.compare.report import print_table, render_sweeps
+from stratbench.compare.report import load_sweeps, print_table, render_loaded
 from stratbench.core.errors import ConfigError
 from stratbench.core.lock import check_output_folder
 from stratbench.measuring.hardware import resolve
@@ -42,11 +42,12 @@ def run(args: argparse.Namespace) -> int:
         check_results_file(d)
     if args.hardware:
         resolve(args.hardware)
+    sweeps = load_sweeps(dirs)  # a bad sweep.json, or two folders holding the same cells: one line, nothing written
     out = Path(args.output) if args.output else dirs[0]
     check_output_folder(
         out, "--output" if args.output else "report folder (the sweep folder; --output names another)"
     )
-    paths, records = render_sweeps(dirs, out, args.title, args.hardware)
+    paths, records = render_loaded(sweeps, out, args.title, args.hardware)
     print_table(records)
     print(f"report: {paths['md']}, {paths['html']}, {paths['csv']}")
     return 0

@@ -54,6 +54,7 @@ from stratbench.measuring.records import (
     RecordError,
     RunRecord,
     calibration_problem,
+    record_problem,
 )
 from stratbench.predicting.projection import method_run_refused
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
@@ -392,8 +393,8 @@ def basis_for(rec: RunRecord, calibration: list[CalibrationRecord]) -> Basis | N
 
 def check_results_file(folder: Path) -> None:
     """One line naming the first bad line of FOLDER/results.jsonl or of its calibration runs' calibration.jsonl
-    (binary, or not a JSON record of its kind). A last line cut short (no newline: a sweep killed while appending
+    (binary, not a JSON record of its kind, or a field of the wrong type: ``records.record_problem``). A last line cut short (no newline: a sweep killed while appending
     it) is skipped, as the reader does, with a note naming it; its run counts as not recorded, and the next
     append drops it (``runner.append_record``)."""
-    check_records(folder / RESULTS, lambda r: None if "id" in r else "not a cell record (no 'id')")
+    check_records(folder / RESULTS, lambda r: record_problem(r) if "id" in r else "not a cell record (no 'id')")
     check_records(folder / CALIBRATION, calibration_problem)

@@ -1,5 +1,6 @@
 """The report's PNG charts, one bar per completed cell of a sweep: peak memory (on a CPU beside the model state
 each rank holds), throughput, train time, accuracy, where each step's time goes, and the loss and accuracy curves.
+On the charts of times, a cell timed on a busy machine (``Row.busy``) is hatched and its value says so.
 Each is written under a temporary name and renamed into place; a chart with nothing to show is removed."""
 
 from __future__ import annotations
@@ -13,6 +14,29 @@ from stratbench.core.files import atomic_output
 def _num(v: float) -> str:
     """Three significant figures without scientific notation (chart labels)."""
     return f"{v:.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.2f}"
+
+
+BUSY_HATCH = "///"
+BUSY_LABEL = "busy machine: time inflated"
+"""How a chart of times marks a cell timed on a busy machine: its bar hatched, its value suffixed, a legend entry."""
+TIMED = ("throughput", "train_time")
+"""The bar charts whose values are times (or speeds): the ones a busy machine distorts."""
+
+
+def _mark_busy(bars, rows: list[Row]) -> bool:
+    """Hatch the bars of the rows timed on a busy machine; whether there was one (then the legend names it)."""
+    busy = False
+    for bar, row in zip(bars, rows, strict=True):
+        if row.busy:
+            bar.set_hatch(BUSY_HATCH)
+            bar.set_edgecolor("#333333")
+            busy = True
+    return busy
+
+
+def _busy_suffix(row: Row) -> str:
+    """What a busy cell's value label adds (nothing for the others)."""
+    return " (busy)" if row.busy else ""
 
 
 PRECISION_COLOURS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#c44e52", "fp16-mixed": "#55a868",
@@ -57,7 +81,8 @@ def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
             # On CPU the RSS is mostly the Python runtime: show what each rank really holds beside it.
             _memory_and_state_chart(data, path, xlabel, f"{heading}\n{subtitle}", multi)
         else:
-            _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy")
+            _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy",
+                       timed=name in TIMED)  # fmt: skip
         paths[name] = path
     path = out / "chart_breakdown.png"
     if _breakdown_chart(
@@ -181,18 +206,26 @@ def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bo
     fig, ax = plt.subplots(figsize=(11, max(3.2, 1.7 + 0.38 * len(data))), dpi=110)
     y = list(range(len(data)))
     left = [0.0] * len(data)
+    busy = False
     for phase, colour in PHASE_COLOURS.items():
         part = [x.get(phase, 0.0) * 1000 for _, x in data]
-        ax.barh(y, part, left=left, color=colour, label=phase)
+        bars = ax.barh(y, part, left=left, color=colour, label=phase)
+        busy = _mark_busy(bars, [r for r, _ in data]) or busy
         left = [a + b for a, b in zip(left, part, strict=True)]
+    if busy:  # both legends beside the axes, clear of the bars' labels
+        from matplotlib.patches import Patch
+
+        ax.add_artist(ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0)))
+        ax.legend(handles=[Patch(facecolor="white", edgecolor="#333333", hatch=BUSY_HATCH, label=BUSY_LABEL)],
+                  fontsize=8, loc="lower left", bbox_to_anchor=(1.01, 0.0))  # fmt: skip
     top = max(left) or 1.0
-    for yi, (_, x), v in zip(y, data, left, strict=True):
+    for yi, (r, x), v in zip(y, data, left, strict=True):
         compute = sum(x.get(p, 0) for p in ("forward", "backward", "optimizer"))
         not_compute = (1 - compute / x["step"]) * 100 if x["step"] else 0
         ax.text(
             v + top * 0.01,
             yi,
-            f"{x['step'] * 1000:.1f} ms ({not_compute:.0f}% not compute)",
+            f"{x['step'] * 1000:.1f} ms ({not_compute:.0f}% not compute){_busy_suffix(r)}",
             va="center",
             fontsize=8,
         )
@@ -200,7 +233,8 @@ def _breakdown_chart(rows: list[Row], path: Path, title: str, multi: bool) -> bo
     ax.invert_yaxis()
     ax.set_xlim(0, top * 1.35)
     ax.set_xlabel("ms per optimizer step (synchronised phase clocks; warm-up excluded)", fontsize=9)
-    ax.legend(fontsize=8, loc="lower right")
+    if not busy:
+        ax.legend(fontsize=8, loc="lower right")
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     ax.set_title(title, fontsize=10)
@@ -288,7 +322,9 @@ def _zoom(values: list[float], lo_cap: float = 0.0, hi_cap: float = 100.0) -> tu
 
 
 def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: str, spec: str, multi: bool,
-               zoom: bool = False) -> None:  # fmt: skip
+               zoom: bool = False, timed: bool = False) -> None:  # fmt: skip
+    """One bar per cell, coloured by precision, its value printed; ``timed`` (a time or a speed): the cells timed
+    on a busy machine hatched, their values suffixed, and a legend entry saying why."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,7 +337,8 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
     height = max(2.8, 1.5 + 0.38 * len(data) * (1.6 if multi else 1.0))
     fig, ax = plt.subplots(figsize=(10, height), dpi=110)
     y = list(range(len(data)))
-    ax.barh(y, values, color=colours)
+    bars = ax.barh(y, values, color=colours)
+    busy = timed and _mark_busy(bars, [r for r, _ in data])
     ax.set_yticks(y, labels, fontsize=9)
     ax.invert_yaxis()  # first cell at the top, as in the table
     ax.set_xlabel(xlabel, fontsize=10)
@@ -315,13 +352,17 @@ def _bar_chart(data: list[tuple[Row, float]], path: Path, xlabel: str, title: st
         ax.set_xlim(lo, hi)
         step = (hi - lo) * 0.01
         ax.set_xlabel(f"{xlabel} - axis starts at {lo:.1f}%", fontsize=10)
-    for yi, v in zip(y, values, strict=True):
-        ax.text(v + step, yi, format(v, spec) if spec else _num(v), va="center", fontsize=8.5)
+    for yi, (r, v) in zip(y, data, strict=True):
+        label = (format(v, spec) if spec else _num(v)) + (_busy_suffix(r) if timed else "")
+        ax.text(v + step, yi, label, va="center", fontsize=8.5)
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _ in data))
-    ax.legend(handles=[Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen], title="precision",
-              fontsize=8, title_fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # fmt: skip
+    handles = [Patch(color=PRECISION_COLOURS.get(p, "#937860"), label=p) for p in seen]
+    if busy:
+        handles.append(Patch(facecolor="white", edgecolor="#333333", hatch=BUSY_HATCH, label=BUSY_LABEL))
+    ax.legend(handles=handles, title="precision", fontsize=8, title_fontsize=8, loc="upper left",
+              bbox_to_anchor=(1.01, 1.0))  # fmt: skip
     fig.tight_layout()
     with atomic_output(Path(path), ".png") as tmp:
         fig.savefig(tmp)

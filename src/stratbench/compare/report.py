@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import json
 import platform
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,12 +27,19 @@ import jinja2
 from stratbench.compare import summary
 from stratbench.compare.calibration import basis_for, load_calibration_records
 from stratbench.compare.charts import write_charts
-from stratbench.compare.rows import DASH, Row, is_baseline, is_baseline_run, is_comm_reference
+from stratbench.compare.rows import DASH, NOT_RUN, Row, is_baseline, is_baseline_run, is_comm_reference
 from stratbench.compare.runner import SWEEP, load_run_records
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_output, atomic_write
 from stratbench.core.tables import fmt_bytes, table_console
-from stratbench.measuring.records import CalibrationRecord, Machine, RunRecord, as_run_record, number
+from stratbench.measuring.records import (
+    CalibrationRecord,
+    Machine,
+    RunRecord,
+    as_run_record,
+    number,
+    record_problem,
+)
 from stratbench.models.zoo import describe_init
 from stratbench.predicting.estimate import predict_peak_bytes
 from stratbench.predicting.projection import (
@@ -41,7 +49,6 @@ from stratbench.predicting.projection import (
     predict_record,
 )
 
-NOT_RUN = "not run"
 SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
 
 COLUMNS: list[tuple[str, str]] = [
@@ -98,13 +105,47 @@ def load_sweep(path: str | Path) -> Sweep:
 
 
 def _sweep_meta(path: Path) -> dict[str, Any]:
-    """DIR/sweep.json (the matrix's cells, name, description, command); empty where absent or unreadable."""
-    if not (path / SWEEP).exists():
+    """DIR/sweep.json (the matrix's cells, name, description, command); empty where absent. One line naming the
+    file and what is wrong where it is no sweep.json stratbench wrote (compare rewrites it on a rerun)."""
+    file = path / SWEEP
+    if not file.exists():
         return {}
     try:
-        return json.loads((path / SWEEP).read_text())
-    except ValueError:
-        return {}
+        meta = json.loads(file.read_text())
+    except (OSError, ValueError) as exc:
+        why: str | None = f"cannot be read ({str(exc).splitlines()[0][:120]})"
+    else:
+        why = sweep_meta_problem(meta)
+    if why:
+        raise ConfigError(f"{file}: {why}; rerun the sweep's `stratbench compare` command to rewrite it, or delete "
+                          "the file to report results.jsonl alone")  # fmt: skip
+    return meta
+
+
+def sweep_meta_problem(meta: Any) -> str | None:
+    """What makes ``meta`` no sweep.json a sweep wrote: ``cells`` not a list of cell objects with a string id, a
+    cell field of the wrong type, ``latest`` not a list of ids; None: it is one."""
+    if not isinstance(meta, dict):
+        return f"it holds {type(meta).__name__}, not a JSON object"
+    cells = meta.get("cells", [])
+    if not isinstance(cells, list):
+        return f"'cells' is {type(cells).__name__} {json.dumps(cells)[:40]}, not a list of cells"
+    for i, cell in enumerate(cells):
+        if not isinstance(cell, dict) or not isinstance(cell.get("id"), str):
+            return f"cells[{i}] is not a cell (an object with a string 'id')"
+        why = record_problem(cell)
+        if why:
+            return f"cells[{i}].{why}"
+    latest = meta.get("latest")
+    if latest is not None and not (isinstance(latest, list) and all(isinstance(c, str) for c in latest)):
+        return "'latest' is not a list of cell ids"
+    for key in ("name", "description"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            return f"'{key}' is not a string"
+    command = meta.get("command")
+    if command is not None and not (isinstance(command, list) and all(isinstance(c, str) for c in command)):
+        return "'command' is not a list of words"
+    return None
 
 
 def _in_matrix_order(records: dict[str, RunRecord], meta: dict[str, Any]) -> list[RunRecord]:
@@ -333,6 +374,7 @@ def _identity(rec: RunRecord) -> Row:
         "reason": rec.reason,
     }
     text = {k: str(v) if v is not None else DASH for k, v in raw.items()}
+    raw["busy"] = rec.busy  # its times were taken on a busy machine (measuring.load)
     if rec.node_count > 1:
         text["devices"] = f"{rec.devices} on {rec.node_count} nodes"
     if rec.layout:
@@ -413,13 +455,12 @@ def _gpu_util_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
 
 def _busy_mark(rec: RunRecord, notes: Footnotes) -> str:
     """The "machine was busy" mark the times and the speed-up carry ('' when it was not)."""
-    load, cores = rec.host_load_mean, rec.host_cpu_count or 1
-    if load is None or load <= 1.5 * cores:
+    if not rec.busy:
         return ""
     return notes.mark(
         "the machine was busy with other work while this cell ran (mean 1-minute load average above 1.5x its "
         "cores; each cell's value is host_load_mean in report.csv): its times are inflated and its speed-up "
-        "is not a property of the method"
+        "is not a property of the method, so What to use names no fastest from it, and the charts hatch it"
     )
 
 
@@ -523,11 +564,17 @@ def _mfu_cell(rec: RunRecord, row: Row, notes: Footnotes) -> None:
     """Model FLOPs utilisation, n/a with the reason where it would mislead (a CPU, an unknown GPU, no FLOPs)."""
     mfu = rec.metrics.mfu
     row.raw["mfu"] = mfu
+    metrics = rec.fields.get("metrics") or {}
     if mfu is not None:
-        row.text["mfu"] = f"{mfu * 100:.1f}%"
+        given = metrics.get("peak_flops_source") == "--peak-tflops"
+        row.text["mfu"] = f"{mfu * 100:.1f}%" + (notes.mark(
+            "MFU against the peak FLOP/s per device given with --peak-tflops: the model's FLOPs per sample x "
+            "samples/s, shared by every device the run occupies"
+        ) if given else "")  # fmt: skip
     elif not rec.on_gpu:
         row.text["mfu"] = "n/a" + notes.mark(
-            "n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table"
+            "n/a: MFU needs the peak FLOP/s of a known GPU; a CPU has none in the table (give one with "
+            "--peak-tflops)"
         )
     elif not rec.metrics.flops_per_sample:
         row.text["mfu"] = "n/a" + notes.mark("n/a: FLOPs were not counted (--measure-flops false)")
@@ -740,10 +787,31 @@ NOT_COMPLETED = "Cells that did not complete"
 ALL_MEASUREMENTS = "All measurements"
 
 
+MD_MARKUP = re.compile(r"([\\`*_\[\]<>|~&])")
+"""The characters markdown (CommonMark with GitHub's tables) reads as markup inside a line: emphasis, code, links,
+HTML tags and entities, strikethrough, table cells."""
+
+
+def md_text(text: Any) -> str:
+    """``text`` as literal markdown, as report.html escapes it for HTML: each markup character backslash-escaped
+    (CommonMark's escape for any ASCII punctuation; GitHub's tables take ``\\|`` as a literal bar) and line
+    breaks as spaces, so that a label or a reason shows as written and stays in its table cell or list item."""
+    return MD_MARKUP.sub(r"\\\1", " ".join(str(text).split()))
+
+
+def md_code(text: Any) -> str:
+    """``text`` as a markdown code span, fenced by more backticks than it holds in a row."""
+    text = " ".join(str(text).split())
+    fence = "`" * (max(map(len, re.findall("`+", text)), default=0) + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
 def render_markdown(report: Report, rows: list[Row], notes: Footnotes, charts: dict[str, Path]) -> str:
     """report.md: the answer first (what to use, a compact table, one line per cell that did not complete), then
-    the setup, the full table with its footnotes, how to read it, and the charts."""
-    lines = [f"# {report.title}", ""]
+    the setup, the full table with its footnotes, how to read it, and the charts. Every label, reason, name and
+    path is escaped (``md_text``); the footnotes and how-to-read are stratbench's own markdown."""
+    lines = [f"# {md_text(report.title)}", ""]
     lines += _markdown_advice(rows)
     lines += _markdown_compact(rows)
     lines += _markdown_problems(rows)
@@ -762,9 +830,9 @@ def _markdown_advice(rows: list[Row]) -> list[str]:
     lines = [f"## {WHAT_TO_USE}", ""]
     for group in summary.advice(rows):
         if group.machine:
-            lines += [f"**On {group.machine}:**", ""]
-        lines += [f"- **{line.label}:** " + (f"`{line.subject}` — " if line.subject else "") + line.detail
-                  for line in group.lines]  # fmt: skip
+            lines += [f"**On {md_text(group.machine)}:**", ""]
+        lines += [f"- **{md_text(line.label)}:** " + (f"{md_code(line.subject)} — " if line.subject else "")
+                  + md_text(line.detail) for line in group.lines]  # fmt: skip
         lines.append("")
     return lines
 
@@ -774,10 +842,10 @@ def _markdown_compact(rows: list[Row]) -> list[str]:
     table = summary.compact_table(rows)
     if not table.rows:
         return []
-    lines = [f"## {AT_A_GLANCE}", "", "| " + " | ".join(h for _, h in table.columns) + " |",
+    lines = [f"## {AT_A_GLANCE}", "", "| " + " | ".join(md_text(h) for _, h in table.columns) + " |",
              "|" + "|".join("---" for _ in table.columns) + "|"]  # fmt: skip
     for cells in table.rows:
-        texts = [(f"**{c.text}**" if c.pick else c.text).replace("|", "\\|") for c in cells]
+        texts = [f"**{md_text(c.text)}**" if c.pick else md_text(c.text) for c in cells]
         lines.append("| " + " | ".join(texts) + " |")
     return [*lines, ""]
 
@@ -787,7 +855,7 @@ def _markdown_problems(rows: list[Row]) -> list[str]:
     problems = summary.problems(rows)
     if not problems:
         return []
-    return [f"## {NOT_COMPLETED} ({len(problems)})", "", *(f"- {p.line}" for p in problems), ""]
+    return [f"## {NOT_COMPLETED} ({len(problems)})", "", *(f"- {md_text(p.line)}" for p in problems), ""]
 
 
 def _markdown_setup(report: Report) -> list[str]:
@@ -797,14 +865,14 @@ def _markdown_setup(report: Report) -> list[str]:
         lines += [report.description, ""]
     settings = _settings(report.records)
     if settings:
-        lines += [f"**Trained:** {settings}", ""]
+        lines += [f"**Trained:** {md_text(settings)}", ""]
     machines = _machines(report.records)
-    lines += [f"- **Machine:** {m}" for m in machines]
+    lines += [f"- **Machine:** {md_text(m)}" for m in machines]
     if machines:
         lines.append("")
     if report.command:
-        lines += [f"**Command:** `{report.command}`", ""]
-    return [*lines, f"**Sources:** {', '.join(report.sources)}", ""]
+        lines += [f"**Command:** {md_code(report.command)}", ""]
+    return [*lines, f"**Sources:** {md_text(', '.join(report.sources))}", ""]
 
 
 def _markdown_full_table(rows: list[Row], notes: Footnotes) -> list[str]:
@@ -814,10 +882,10 @@ def _markdown_full_table(rows: list[Row], notes: Footnotes) -> list[str]:
     if not ok:
         return [*lines, "No cell ran to completion, so nothing was measured.", ""]
     cols = columns_for(rows)
-    lines.append("| " + " | ".join(h for _, h in cols) + " |")
+    lines.append("| " + " | ".join(md_text(h) for _, h in cols) + " |")
     lines.append("|" + "|".join("---" for _ in cols) + "|")
     for r in ok:
-        lines.append("| " + " | ".join(r.text[k].replace("|", "\\|") for k, _ in cols) + " |")
+        lines.append("| " + " | ".join(md_text(r.text[k]) for k, _ in cols) + " |")
     lines.append("")
     lines += [f"{footnote_mark(i)} {t}  " for i, t in enumerate(notes.texts)]
     return [*lines, ""]
@@ -859,7 +927,7 @@ def write_csv(rows: list[Row], path: Path) -> None:
                 v(raw.get("prediction_error_pct")), v(raw.get("mfu")), v(raw.get("not_compute")), v(raw.get("comm")), v(raw.get("comm_vs_ddp")),
                 v(raw.get("comm_formula_error_pct")), v(raw.get("val_accuracy")),
                 v(raw.get("final_loss")), raw["status"], raw["reason"],
-                r.rec.host_load_mean, r.rec.host_cpu_count, raw.get("repeats", 1),
+                *r.rec.load, raw.get("repeats", 1),
                 raw.get("train_time_min", ""), raw.get("train_time_max", ""), raw.get("throughput_min", ""),
                 raw.get("throughput_max", ""), raw.get("val_accuracy_min", ""), raw.get("val_accuracy_max", ""),
                 v(raw.get("throughput_tokens"), ""), v(raw.get("val_perplexity"), ""),  # language-model rows only
@@ -987,12 +1055,43 @@ def print_table(records: list[RunRecord] | list[dict[str, Any]], console=None) -
                       highlight=False, soft_wrap=True, markup=False)  # fmt: skip
 
 
+def load_sweeps(dirs: list[Path]) -> list[Sweep]:
+    """The sweeps of ``dirs``, refused in one line where two would be merged wrong: the same folder twice, or
+    two folders holding the same cell of the same machine (a sweep copied or rerun into another folder), whose
+    rows would be set against one folder's baseline and shown twice."""
+    resolved = [Path(d).resolve() for d in dirs]
+    for i, folder in enumerate(resolved):
+        if folder in resolved[:i]:
+            raise ConfigError(f"{dirs[resolved.index(folder)]} and {dirs[i]} are the same sweep folder; name each "
+                              "folder once")  # fmt: skip
+    sweeps = [load_sweep(d) for d in dirs]
+    owner: dict[tuple[str, str | None], Path] = {}
+    for sweep in sweeps:
+        for rec in sweep.records:
+            key = (rec.machine.name, rec.id)
+            other = owner.setdefault(key, sweep.path)
+            if other != sweep.path:
+                raise ConfigError(
+                    f"{other} and {sweep.path} both hold cell {rec.id} of {rec.machine.name}: the same cell of the "
+                    "same machine twice, so one folder's rows would be set against the other's baseline; report "
+                    "each folder on its own (merge folders of different machines or different cells)"
+                )
+    return sweeps
+
+
 def render_sweeps(
     dirs: list[Path], out: Path, title: str | None = None, hardware: str | None = None
 ) -> tuple[dict[str, Path], list[dict[str, Any]]]:
     """Re-render one sweep folder, or merge several (e.g. two machines) into one report in ``out``; returns its
     paths and the records as JSON (what ``api.Sweep.records`` holds)."""
-    sweeps = [load_sweep(d) for d in dirs]
+    return render_loaded(load_sweeps(dirs), out, title, hardware)
+
+
+def render_loaded(
+    sweeps: list[Sweep], out: Path, title: str | None = None, hardware: str | None = None
+) -> tuple[dict[str, Path], list[dict[str, Any]]]:
+    """``render_sweeps`` of sweeps already loaded (``load_sweeps``: `stratbench report` checks them before it
+    makes its output folder)."""
     records = [r for s in sweeps for r in s.records]
     if title is None:
         names = list(dict.fromkeys(s.meta.get("name", s.path.name) for s in sweeps))

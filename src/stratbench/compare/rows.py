@@ -13,6 +13,8 @@ from stratbench.strategies.base import baseline_name, comm_reference_name
 
 DASH = "–"
 """A value the cell never measured because it did not run to completion (never shown as 0)."""
+NOT_RUN = "not run"
+"""The status of a cell of the sweep's matrix that has no record: the sweep stopped before it."""
 
 
 @dataclass
@@ -27,6 +29,17 @@ class Row:
     def ok(self) -> bool:
         """Whether the cell ran to completion (only such rows are compared)."""
         return self.raw.get("status") == "ok"
+
+    @property
+    def busy(self) -> bool:
+        """A completed cell whose times a busy machine inflated (``RunRecord.busy``): no speed ranking rests on it."""
+        return self.ok and self.rec.busy
+
+    @property
+    def unfinished(self) -> bool:
+        """A cell the sweep has still to run: never reached (``not run``), or lost with its node (a rerun of the
+        same command runs it)."""
+        return self.raw.get("status") == NOT_RUN or bool(self.rec.fields.get("lost"))
 
     @property
     def name(self) -> str:

@@ -694,5 +694,5 @@ def check_records(path: Path, problem) -> None:
                 continue
             first = str(exc).splitlines()[0][:120]
             raise ConfigError(
-                f"{path} line {n} is not a JSON record ({first}); fix or delete that line"
+                f"{path} line {n} is not a record stratbench can read ({first}); fix or delete that line"
             ) from None

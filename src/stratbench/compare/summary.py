@@ -1,5 +1,7 @@
 """The top of the report: which method to use (the fastest, the leanest in memory, what each costs against the
 `single` fp32 baseline), a compact table of the completed cells, and one line per cell that did not complete.
+No speed ranking rests on a cell timed on a busy machine (``Row.busy``): where a machine's cells hold one, no
+fastest is named and the box says why; a sweep that stopped before its last cell says it is partial.
 
 Everything is derived from the rows ``report.build_rows`` made; a value a record lacks (or holds in a form that
 is not a number) is ``n/a`` here, never an error: the full table below carries the why in its footnotes.
@@ -10,13 +12,19 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from stratbench.compare.rows import Row, is_baseline
+from stratbench.compare.rows import NOT_RUN, Row, is_baseline
 from stratbench.core.tables import fmt_bytes
 from stratbench.measuring.records import number
 
 NA = "n/a"
 CLOSE_PCT = 10.0
 """A runner-up this close to the fastest (in %) is named beside it: on a shared CPU that is often noise."""
+BUSY = " (busy machine)"
+"""After a time or a speed taken on a busy machine, where the report quotes one."""
+BUSY_SHORT = " (busy)"
+"""The same in a compact-table cell."""
+NAMED = 5
+"""Cells named in a sentence that lists cells; the rest are counted."""
 
 
 @dataclass
@@ -116,12 +124,41 @@ def _ratio(value: Any, base: Any) -> float | None:
 
 
 def advice(rows: list[Row]) -> list[AdviceGroup]:
-    """The "What to use" block: one group per machine (cells are only compared within a machine)."""
+    """The "What to use" block: one group per machine (cells are only compared within a machine), opened by a
+    "Partial report" line where the sweep stopped before some of its cells."""
     groups = machine_groups(rows)
     if not groups:
-        return [AdviceGroup(None, [AdviceLine("Nothing to compare", "", "no cell ran to completion; the cells "
-                                              "that did not complete are listed below, each with its reason")])]  # fmt: skip
-    return [AdviceGroup(machine, _advice_lines(ok)) for machine, ok in groups]
+        out = [AdviceGroup(None, [AdviceLine("Nothing to compare", "", "no cell ran to completion; the cells "
+                                             "that did not complete are listed below, each with its reason")])]  # fmt: skip
+    else:
+        out = [AdviceGroup(machine, _advice_lines(ok)) for machine, ok in groups]
+    partial = _partial_line(rows)
+    if partial is not None and out[0].machine is None:
+        out[0].lines.insert(0, partial)
+    elif partial is not None:
+        out.insert(0, AdviceGroup(None, [partial]))
+    return out
+
+
+def _names(rows: list[Row]) -> str:
+    """``a, b, c and 4 more``: the cells of ``rows`` named, the first NAMED of them."""
+    names = [r.name for r in rows[:NAMED]]
+    return ", ".join(names) + (f" and {len(rows) - NAMED} more" if len(rows) > NAMED else "")
+
+
+def _partial_line(rows: list[Row]) -> AdviceLine | None:
+    """``Partial report``: the cells the sweep has still to run (never reached, or lost with their node), named;
+    None when it ran every cell."""
+    left = [r for r in rows if r.unfinished]
+    if not left:
+        return None
+    never = sum(r.raw.get("status") == NOT_RUN for r in left)
+    how = (f"the sweep stopped before {never} of its {len(rows)} cells" if never == len(left) else
+           f"{len(left)} of the sweep's {len(rows)} cells are still to run ({never} never reached, "
+           f"{len(left) - never} lost with their node)")  # fmt: skip
+    return AdviceLine("Partial report", "", f"{how}: {_names(left)}, listed below under the cells that did not "
+                      "complete. Rerun the same stratbench compare command to run them; the cells it finished "
+                      "are kept")  # fmt: skip
 
 
 def machine_groups(rows: list[Row]) -> list[tuple[str | None, list[Row]]]:
@@ -143,9 +180,10 @@ def _advice_lines(ok: list[Row]) -> list[AdviceLine]:
                                                    "speed-up or memory ratio can be given"))  # fmt: skip
     else:
         acc = f", val accuracy {_accuracy(base)}" if _accuracy(base) != NA else ""
+        busy = BUSY if base.busy else ""
         lines.append(
             AdviceLine(
-                "Baseline", base.name, f"{_throughput(base)}, {what} {_memory(base, key)} per device{acc}"
+                "Baseline", base.name, f"{_throughput(base)}{busy}, {what} {_memory(base, key)} per device{acc}"
             )
         )
     spread = _spread_text(ok)
@@ -157,6 +195,12 @@ def _advice_lines(ok: list[Row]) -> list[AdviceLine]:
 def _fastest_line(ok: list[Row], base: Row | None, key: str, what: str) -> AdviceLine:
     """``X: N samples/s, 1.03x the baseline; step 12.0 ms; allocator peak M per device (0.85x)``, and the
     runner-up where it is within CLOSE_PCT."""
+    busy = [r for r in ok if r.busy]
+    if busy:
+        return AdviceLine("Fastest", "", f"none named: {len(busy)} of {len(ok)} cells ran on a busy machine "
+                          f"({_names(busy)}): their times are inflated by other work, so no ranking by speed "
+                          "holds. Rerun the sweep into a new --output on an otherwise idle machine (each cell's "
+                          "load is host_load_mean in report.csv)")  # fmt: skip
     top = fastest(ok)
     if top is None:
         return AdviceLine("Fastest", "", f"{NA}: no completed row recorded a throughput or a step time")
@@ -201,6 +245,8 @@ def _leanest_line(ok: list[Row], base: Row | None, key: str, what: str) -> Advic
     text += f"; {_throughput(low)}"
     if compared:
         text += f" ({_times(_ratio(low.raw.get('throughput'), base.raw.get('throughput')))})"
+    if low.busy or (compared and base.busy):
+        text += BUSY
     rss = [number(r.raw.get("peak_memory")) for r in ok if r.raw.get("peak_memory_kind") == "cpu_peak_rss"]
     rss = [v for v in rss if v]
     if key == "alloc_peak" and rss:
@@ -247,7 +293,8 @@ def compact_table(rows: list[Row]) -> CompactTable:
         columns = [("machine", "machine"), *[c for c in columns if c[0] != "step_time"]]
     picks = set()
     for _, group in machine_groups(rows):
-        picks.add(("throughput", id(fastest(group))))
+        if not any(r.busy for r in group):  # as What to use: no fastest from a busy machine
+            picks.add(("throughput", id(fastest(group))))
         picks.add(("memory", id(leanest(group, key))))
     table_rows = []
     for r in ok:
@@ -266,14 +313,19 @@ def _compact_cells(row: Row, memory_key: str) -> dict[str, tuple[str, str | None
         return None if n is None else repr(n)
 
     speedup = number(raw.get("speedup"))
+
+    def timed(text: str) -> str:
+        """A time or a speed, marked where a busy machine inflated it."""
+        return text + BUSY_SHORT if row.busy and text != NA else text
+
     return {
         "machine": (str(raw.get("machine")), str(raw.get("machine"))),
         "method": (str(raw.get("method")), str(raw.get("method"))),
         "precision": (str(raw.get("precision")), str(raw.get("precision"))),
         "devices": (row.text.get("devices", str(raw.get("devices"))), sort(raw.get("devices"))),
-        "throughput": (_num(raw.get("throughput"), ".1f"), sort(raw.get("throughput"))),
-        "speedup": (NA if speedup is None else f"{speedup:.2f}x", sort(speedup)),
-        "step_time": (_step(row), sort(raw.get("step_time"))),
+        "throughput": (timed(_num(raw.get("throughput"), ".1f")), sort(raw.get("throughput"))),
+        "speedup": (timed(NA if speedup is None else f"{speedup:.2f}x"), sort(speedup)),
+        "step_time": (timed(_step(row)), sort(raw.get("step_time"))),
         "memory": (_memory(row, memory_key), sort(raw.get(memory_key))),
         "val_accuracy": (_accuracy(row), sort(raw.get("val_accuracy"))),
     }
@@ -288,7 +340,7 @@ def problems(rows: list[Row]) -> list[Problem]:
             continue
         status = str(r.raw.get("status"))
         reason = " ".join(str(r.raw.get("reason") or "no reason recorded").split())
-        log = r.rec.log if status not in ("skipped", "not run") else None
+        log = r.rec.log if status not in ("skipped", NOT_RUN) else None
         name = r.name + (f" on {r.raw.get('machine')}" if multi else "")
         out.append(Problem(name, status, reason, str(log) if log else None))
     return out

@@ -216,6 +216,9 @@ class TrainConfig:
     """Show a progress bar (rank 0)."""
     measure_flops: bool = True
     """Count FLOPs per sample once (on the meta device) to report achieved FLOP/s and MFU."""
+    peak_tflops: float | None = None
+    """Peak dense TFLOP/s of one device to report MFU against (default: the GPU's figure in hardware.yaml; none
+    for a CPU, which then reports MFU only with this set)."""
     breakdown: bool = False
     """Time each step's phases (data wait, forward, backward, optimizer, other; each its own synchronised spans)
     into metrics.breakdown, beside the step time; what no span covers is reported as unattributed."""
@@ -482,6 +485,8 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"val_fraction must be between 0 and 1, got {cfg.val_fraction!r}")
     if cfg.clip_grad_norm is not None and cfg.clip_grad_norm <= 0:
         raise ConfigError(f"clip_grad_norm must be positive, got {cfg.clip_grad_norm!r}")
+    if cfg.peak_tflops is not None and cfg.peak_tflops <= 0:
+        raise ConfigError(f"peak_tflops must be a positive number of TFLOP/s, got {cfg.peak_tflops!r}")
     if cfg.node_rank >= cfg.nnodes:
         raise ConfigError(
             f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}"

@@ -3,6 +3,7 @@ an NVML utilisation sampler, FLOPs per sample and MFU, and the environment writt
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
@@ -13,6 +14,7 @@ from torch import nn
 from stratbench.measuring.clock import PhaseClock, StepTimer, breakdown_report
 from stratbench.measuring.commvol import comm_report
 from stratbench.measuring.environment import peak_flops
+from stratbench.measuring.load import LoadSampler, busy_text, cpu_count, is_busy
 from stratbench.measuring.memory import MemoryPhase, current_memory_bytes
 from stratbench.measuring.nvml import UtilisationSampler
 from stratbench.measuring.windows import AllocWindow, CommWindow, TraceWindow, column_max
@@ -20,7 +22,25 @@ from stratbench.measuring.windows import AllocWindow, CommWindow, TraceWindow, c
 # Dense peak FLOP/s per device (no sparsity) come from the hardware profiles (src/stratbench/measuring/hardware.yaml: one
 # source of truth with the projection, every figure cited there). Each GPU entry's regular expression is searched
 # in torch.cuda.get_device_name(), so that "NVIDIA L40" does not take the L4's figures, "RTX A1000" not the
-# A100's, nor an NVL part the SXM's. MFU is reported only for the GPUs listed there.
+# A100's, nor an NVL part the SXM's. MFU is reported only for the GPUs listed there, or against the peak a user
+# states (--peak-tflops, which also lets a CPU run report one).
+
+
+def mfu_metrics(
+    flops_per_sample: float, samples_per_s: float, devices: int, peak_flops_per_device: float | None
+) -> dict[str, Any]:
+    """Achieved FLOP/s per device and MFU: the whole model's FLOPs per sample times the global samples per second
+    is the work all devices did together, so it is shared by every device the run occupies (processes x devices
+    each drives), not by the data-parallel replicas: a tensor-, pipeline- or 3D-parallel run splits one replica's
+    work over several devices, and dividing by the replicas would read MFU T, P or P x T times too high."""
+    achieved = flops_per_sample * samples_per_s / max(1, devices)
+    peak = peak_flops_per_device
+    return {
+        "achieved_flops_per_device": achieved,
+        "mfu_devices": devices,
+        "peak_flops_per_device": peak,
+        "mfu": achieved / peak if peak else None,
+    }
 
 
 class RunMetrics:
@@ -35,6 +55,8 @@ class RunMetrics:
         self.tokens_per_sample: int | None = None
         """Text data: tokens per sample (the engine sets it once the data is known): tokens/s in the summary."""
         self.devices = strategy.memory_devices()
+        self.load = LoadSampler()
+        """The machine's load average while it trains: a busy machine inflates every time this run records."""
         self.timer = StepTimer(strategy.synchronize, cfg.timing_warmup_steps)
         self.util = UtilisationSampler(self.devices)
         self.losses: list[float] = []
@@ -60,6 +82,7 @@ class RunMetrics:
         phase = MemoryPhase(self.devices)
         phase.start()
         self.util.start()
+        self.load.sample()
         self._epoch_time = 0.0
         try:
             yield
@@ -109,6 +132,7 @@ class RunMetrics:
         """Stop the step clock (synchronised), record the loss and send one row to the sinks; returns the
         step's time in seconds. The loss is read after the clock stops, so that reading it adds no wait."""
         dt = self.timer.stop()
+        self.load.sample()
         if self.alloc is not None:
             self.alloc.after_step()
         traced = self.trace is not None and self.trace.recorder is not None
@@ -158,6 +182,7 @@ class RunMetrics:
         metrics = self._step_metrics(ranks, local, losses, flops)
         self._add_optional(metrics, ranks, flops)
         self._add_tokens(metrics)
+        self._add_load(metrics, ranks)
         sharding = {k: [r["state_bytes"].get(k) for r in ranks] for k in local["state_bytes"]}
         return metrics, sharding
 
@@ -179,6 +204,9 @@ class RunMetrics:
             "comm": self.comm.finish() if self.comm is not None else None,
             "phases": self.phases.summary() if self.phases is not None else None,
             "alloc": self.alloc.summary() if self.alloc is not None else None,
+            "devices": len(set(self.devices)),
+            "load": self.load.mean(),
+            "cores": cpu_count(),
         }
 
     def _step_metrics(
@@ -236,15 +264,31 @@ class RunMetrics:
         evals = self.evaluations
         metrics["val_perplexity"] = evals[-1].get("val_perplexity") if evals else None
 
+    def _add_load(self, metrics: dict[str, Any], ranks: list[dict]) -> None:
+        """The machine's load while the run trained (the busiest node's), and one warning line where it was busy:
+        the same measure and rule as compare's busy mark (``measuring.load``)."""
+        loaded = [r for r in ranks if r["load"] is not None]
+        top = max(loaded, key=lambda r: r["load"] / r["cores"]) if loaded else None
+        metrics["host_load_mean"] = top["load"] if top else None
+        metrics["host_cpu_count"] = top["cores"] if top else cpu_count()
+        metrics["host_busy"] = bool(top) and is_busy(top["load"], top["cores"])
+        if metrics["host_busy"] and self.strategy.env.is_main:
+            print(f"warning: the machine was busy while this run trained ({busy_text(top['load'], top['cores'])}): "
+                  "its times are inflated, not the method's own; rerun on an idle machine to measure it",
+                  file=sys.stderr, flush=True)  # fmt: skip
+
     def _add_optional(self, metrics: dict[str, Any], ranks: list[dict], flops: float | None) -> None:
         """MFU, the CPU allocator's peaks, the phase breakdown and the communication volume, where measured."""
         cfg, strategy, env = self.cfg, self.strategy, self.strategy.env
         throughput = metrics["throughput_samples_per_s"]
         if flops and throughput:
-            achieved = flops * throughput / max(1, strategy.data_parallel_size(cfg, env.world_size))
-            metrics["achieved_flops_per_device"] = achieved
-            peak = peak_flops(env.device, cfg.precision, cfg.tf32)
-            metrics["mfu"] = achieved / peak if peak else None
+            # The devices the run occupies: every process's own (a DataParallel or model-parallel process drives
+            # several), whatever share of them holds a replica.
+            devices = sum(r["devices"] for r in ranks)
+            given = getattr(cfg, "peak_tflops", None)
+            peak = given * 1e12 if given else peak_flops(env.device, cfg.precision, cfg.tf32)
+            metrics.update(mfu_metrics(flops, throughput, devices, peak))
+            metrics["peak_flops_source"] = "--peak-tflops" if given else "hardware.yaml" if peak else None
         if self.alloc is not None:
             metrics["cpu_alloc_peak_bytes"] = [r["alloc"]["peak"] for r in ranks]
             metrics["cpu_alloc_resident_bytes"] = [r["alloc"]["resident"] for r in ranks]

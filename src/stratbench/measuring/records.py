@@ -2,11 +2,12 @@
 results.jsonl: a compare cell, its outcome, its result.json) and ``CalibrationRecord`` (a line of calibration.jsonl:
 a run made before the cells to calibrate their predicted step).
 
-A record is JSON written by one version of stratbench and read by later ones, so reading never fails on a field:
-a missing field is its default, and a field of the wrong type (a string for a number, a list for a dict) reads as
-not recorded, so one bad field shows as n/a in its own report cell instead of stopping the report. ``schema`` says
-which shape a record has; records from before the field existed have the same shape as version 1 (fields added
-since then default when absent).
+A record is JSON written by one version of stratbench and read by later ones: a missing field is its default
+(records from before the field existed have the same shape as version 1; ``schema`` says which shape a record
+has), and a value not recorded (null, NaN) reads as not recorded. A field of the wrong type (a string or a bool
+for a number, a list holding a string, a negative byte count) is no record stratbench wrote: it is refused, in
+one line naming the field (``record_problem``; the readers of a file add its path and line), rather than shown
+as a number it is not.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from stratbench.core.errors import ConfigError
+from stratbench.measuring.load import is_busy
 
 SCHEMA = 1
 """The shape of the records written today (``schema`` in each line; absent: 1)."""
@@ -40,12 +44,16 @@ def _text(x: Any) -> str | None:
 
 
 def _numbers(x: Any) -> list[Any]:
-    """The finite numbers of a recorded list (anything else: none)."""
+    """The numbers of a recorded list, its entries not recorded (null, NaN: a rank that measured nothing) left out."""
     return [v for v in x if number(v) is not None] if isinstance(x, list) else []
 
 
 def _dict(x: Any) -> dict[str, Any]:
     return dict(x) if isinstance(x, dict) else {}
+
+
+class RecordError(ConfigError, ValueError):
+    """A line that is no record of its kind, or a field of the wrong type (it says which)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -99,11 +107,14 @@ class Metrics:
     """Bytes on the wire per step and the formula's check (``wire_bytes_per_step``, ``check``)."""
     evaluations: list[dict[str, Any]] = field(default_factory=list)
     loss_curve: list[float] = field(default_factory=list)
-    """Per optimizer step; an unreadable value is NaN (a gap in the chart)."""
+    """Per optimizer step; a value not recorded is NaN (a gap in the chart)."""
+    host_load_mean: float | None = None
+    """``train``'s own reading of the machine's load while it trained (``measuring.load``)."""
+    host_cpu_count: int | None = None
 
     @classmethod
     def from_dict(cls, m: Any) -> Metrics:
-        """A result.json's ``metrics``, each measure of the wrong type read as not recorded."""
+        """A result.json's ``metrics`` (checked by ``record_problem``), each measure not recorded read as None."""
         m = _clean_metrics(_dict(m))
         kind = m.get("peak_memory_kind", "")
         return cls(
@@ -120,7 +131,7 @@ class Metrics:
 NUMBER_FIELDS = ("world_size", "nodes", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
                  "host_load_mean", "host_cpu_count")  # fmt: skip
 NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "step_time_mean_s",
-                  "val_accuracy", "final_loss", "mfu", "flops_per_sample")  # fmt: skip
+                  "val_accuracy", "final_loss", "mfu", "flops_per_sample", "host_load_mean", "host_cpu_count")  # fmt: skip
 NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
                        "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
 DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding", "mesh")
@@ -169,11 +180,15 @@ class RunRecord:
     log: str | None = None
     schema: int = SCHEMA
     fields: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
-    """The whole line, its fields above that held the wrong type dropped: what readers of the JSON take."""
+    """The whole line, each value not recorded (NaN, a null entry of a per-rank list) as None or left out: what
+    readers of the JSON take."""
 
     @classmethod
     def from_dict(cls, d: Any) -> RunRecord:
-        """Parse one line (a JSON object); anything else is a failed record saying so."""
+        """Parse one line (a JSON object); a RecordError naming the first field of the wrong type."""
+        why = record_problem(d)
+        if why:
+            raise RecordError(why)
         rec = _clean(d)
         m = rec["metrics"]
         return cls(
@@ -239,46 +254,145 @@ class RunRecord:
     def ok(self) -> bool:
         return self.status == "ok"
 
+    @property
+    def load(self) -> tuple[float | None, int | None]:
+        """(mean 1-minute load average, cores) while it ran: compare's reading of the cell (``host_load_mean``),
+        else the run's own (``metrics.host_load_mean``); (None, None) where neither was recorded."""
+        if self.host_load_mean is not None:
+            return self.host_load_mean, self.host_cpu_count
+        if self.metrics.host_load_mean is not None:
+            return self.metrics.host_load_mean, self.metrics.host_cpu_count
+        return None, None
+
+    @property
+    def busy(self) -> bool:
+        """Whether it ran on a busy machine (``measuring.load.is_busy``): its times are not the method's own."""
+        return is_busy(*self.load)
+
 
 def _schema(x: Any) -> int:
     return x if isinstance(x, int) and not isinstance(x, bool) and x >= 1 else 1
 
 
-def _clean(rec: Any) -> dict[str, Any]:
-    """A copy of ``rec`` whose fields the report reads have the type it expects, or are absent."""
-    rec = dict(rec) if isinstance(rec, dict) else {"status": "failed", "reason": f"not a record: {rec!r:.80}"}
+def _clean(rec: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``rec`` (checked by ``record_problem``) with each value not recorded (null, NaN) as None."""
+    rec = dict(rec)
     for k in DICT_FIELDS:
-        if k in rec and not isinstance(rec[k], dict):
+        if rec.get(k) is None and k in rec:
             rec[k] = {}
     for k in NUMBER_FIELDS:
         if k in rec:
             rec[k] = _num(rec[k])
     rec["metrics"] = _clean_metrics(_dict(rec.get("metrics")))
-    if rec.get("sharding"):
-        rec["sharding"] = {k: v for k, v in rec["sharding"].items()
-                           if isinstance(v, list) and all(x is None or number(x) is not None for x in v)}  # fmt: skip
     return rec
 
 
 def _clean_metrics(m: dict[str, Any]) -> dict[str, Any]:
-    """``m`` (a copy) with each measure the report reads of the type it expects, or None (an empty list)."""
+    """``m`` (a copy) with each measure not recorded as None, and a list's entries not recorded left out (a loss
+    curve's kept as NaN: a gap in the chart)."""
     for k in NUMBER_METRICS:
         if k in m:
             m[k] = _num(m[k])
     for k in NUMBER_LIST_METRICS:
         if k in m:
             m[k] = _numbers(m[k])
-    for k in ("breakdown", "comm"):
-        if k in m and not isinstance(m[k], dict):
-            m[k] = None
-    if "evaluations" in m:
-        m["evaluations"] = (
-            [e for e in m["evaluations"] if isinstance(e, dict)] if isinstance(m["evaluations"], list) else []
-        )
-    if "loss_curve" in m:
-        curve = m["loss_curve"] if isinstance(m["loss_curve"], list) else []
-        m["loss_curve"] = [x if number(x) is not None else math.nan for x in curve]
+    if m.get("loss_curve") is not None:
+        m["loss_curve"] = [x if number(x) is not None else math.nan for x in m["loss_curve"]]
     return m
+
+
+# ------------------------------------------------------------------------------------------------
+# what a field may hold: a record stratbench wrote has each field of its kind, or absent, or null
+
+
+KINDS: dict[str, str] = {
+    "text": "a string",
+    "count": "a whole number >= 0",
+    "amount": "a number >= 0",
+    "number": "a number",
+    "amounts": "a list of numbers >= 0",
+    "numbers": "a list of numbers",
+    "mapping": "an object",
+    "mappings": "a list of objects",
+}
+"""Each kind of field and how a refusal names it."""
+
+TOP_KINDS: dict[str, str] = {
+    **dict.fromkeys(("id", "method", "label", "precision", "status", "reason", "model", "log"), "text"),
+    **dict.fromkeys(NUMBER_FIELDS, "count"), "host_load_mean": "amount", "schema": "count",
+    **dict.fromkeys(DICT_FIELDS, "mapping"),
+}  # fmt: skip
+METRIC_KINDS: dict[str, str] = {
+    **dict.fromkeys(NUMBER_METRICS, "amount"), "final_loss": "number", "host_cpu_count": "count",
+    "throughput_tokens_per_s": "amount", "val_perplexity": "amount",
+    **dict.fromkeys(NUMBER_LIST_METRICS, "amounts"), "loss_curve": "numbers", "peak_memory_kind": "text",
+    # differences from a baseline read before the model was built: below it where the run freed memory
+    "cpu_alloc_peak_bytes": "numbers", "cpu_alloc_import_bytes": "numbers",
+    "breakdown": "mapping", "comm": "mapping", "evaluations": "mappings",
+}  # fmt: skip
+
+
+def _fits(value: Any, kind: str) -> bool:
+    """Whether ``value`` (not None) is of ``kind``; NaN is a number not recorded, as json writes a diverged loss."""
+    if kind == "text":
+        return isinstance(value, str)
+    if kind in ("mapping", "mappings"):
+        return isinstance(value, dict) if kind == "mapping" else isinstance(value, list) and all(
+            isinstance(v, dict) for v in value)  # fmt: skip
+    if kind in ("amounts", "numbers"):
+        single = "amount" if kind == "amounts" else "number"
+        return isinstance(value, list) and all(v is None or _fits(v, single) for v in value)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return False
+    if kind == "count":
+        return isinstance(value, int) and value >= 0
+    return math.isnan(value) or kind == "number" or value >= 0
+
+
+def _show(value: Any) -> str:
+    """A value as a refusal quotes it (cut at 60 characters)."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fields_problem(d: dict[str, Any], kinds: dict[str, str], where: str) -> str | None:
+    """``FIELD is VALUE, not KIND`` for the first field of ``d`` whose value is not of its kind; None: none."""
+    for name, kind in kinds.items():
+        value = d.get(name)
+        if value is not None and not _fits(value, kind):
+            return f"{where}{name} is {_show(value)}, not {KINDS[kind]}"
+    return None
+
+
+def _nested_problem(d: dict[str, Any]) -> str | None:
+    """The fields inside a record's objects that the report reads: machine, sharding, mesh, repeats."""
+    why = _fields_problem(_dict(d.get("machine")), {"hostname": "text", "device": "text"}, "machine.")
+    why = why or _fields_problem(_dict(d.get("sharding")), dict.fromkeys(_dict(d.get("sharding")), "amounts"), "sharding.")
+    why = why or _fields_problem(_dict(d.get("mesh")), dict.fromkeys(_dict(d.get("mesh")), "count"), "mesh.")
+    repeats = _dict(d.get("repeats"))
+    why = why or _fields_problem(repeats, {"n": "count", "metrics": "mapping", "elapsed_s": "amounts",
+                                           "host_load_mean": "amounts"}, "repeats.")  # fmt: skip
+    for key, spread in _dict(repeats.get("metrics")).items():
+        if why:
+            break
+        where = f"repeats.metrics.{key}"
+        why = (f"{where} is {_show(spread)}, not {KINDS['mapping']}" if not isinstance(spread, dict) else
+               _fields_problem(spread, {"median": "number", "min": "number", "max": "number", "values": "numbers"},
+                               where + "."))  # fmt: skip
+    return why
+
+
+def record_problem(d: Any) -> str | None:
+    """What makes ``d`` (a line of results.jsonl, a result.json) no record stratbench wrote: the first field of
+    the wrong type, named (``metrics.peak_memory_bytes is ['1', 2], not a list of numbers >= 0``); None: every
+    field it has is of its kind. The readers of a file add its path and line."""
+    if not isinstance(d, dict):
+        return f"not a JSON object but {_show(d)}"
+    return (
+        _fields_problem(d, TOP_KINDS, "")
+        or _fields_problem(_dict(d.get("metrics")), METRIC_KINDS, "metrics.")
+        or _nested_problem(d)
+    )
 
 
 def as_run_record(rec: RunRecord | dict[str, Any]) -> RunRecord:
@@ -288,10 +402,6 @@ def as_run_record(rec: RunRecord | dict[str, Any]) -> RunRecord:
 
 # ------------------------------------------------------------------------------------------------
 # a calibration run
-
-
-class RecordError(ValueError):
-    """A line that is no record of its kind (it says why)."""
 
 
 @dataclass(frozen=True)
@@ -341,4 +451,4 @@ def calibration_problem(d: Any) -> str | None:
         return "its calibration 'for' is not a list of cell ids"
     if not isinstance(cal.get("nproc", 1), int) or not isinstance(cal.get("profile", ""), str):
         return "its calibration 'nproc' is not a whole number or its 'profile' not a path"
-    return None
+    return record_problem(d)

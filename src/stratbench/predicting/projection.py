@@ -41,7 +41,7 @@ from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective, ddp_buckets, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, InputPipeline, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
-from stratbench.measuring.records import RunRecord, number
+from stratbench.measuring.records import RunRecord, number, record_problem
 from stratbench.models.family import family_of
 from stratbench.models.flops import flops_by_op
 from stratbench.predicting.estimate import estimate
@@ -516,6 +516,9 @@ def _result_record(raw: Any, where: str) -> RunRecord:
         _check_status(raw.get("status"), where)
     if not isinstance(raw, dict) or "config" not in raw or "metrics" not in raw:
         raise _not_a_result(where)
+    why = record_problem(raw)  # a field of the wrong type: named, with the file
+    if why:
+        raise ConfigError(f"{where}: {why}")
     return RunRecord.from_dict(raw)
 
 

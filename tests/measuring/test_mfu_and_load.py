@@ -1,0 +1,99 @@
+"""MFU shares the whole model's work over every device a run occupies (tp, pp and pp x tp read as single does on the
+same work), --peak-tflops lets a CPU run report it, and `train` records the machine's load and warns in one line
+when the machine was busy (the rule compare's report flags cells by)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import fails, run_stratbench
+from stratbench.cli import main
+from stratbench.measuring import load as load_mod
+from stratbench.measuring.load import BUSY_FACTOR, is_busy
+from stratbench.measuring.metrics import mfu_metrics
+
+FLOPS_PER_SAMPLE = 3.0e9
+"""The whole model's forward + backward FLOPs per sample (stated, as torch's counter would give them)."""
+BATCH = 64
+PEAK = 100e12
+"""100 TFLOP/s per device."""
+
+
+@pytest.mark.parametrize(
+    ("layout", "devices", "step_ms"),
+    [
+        ("single", 1, 480.0),
+        ("tp=2", 2, 240.0),  # one replica over 2 devices: the same work in half the time
+        ("pp=2", 2, 240.0),
+        ("pp2 x tp2", 4, 120.0),
+        ("dp2 x tp2", 4, 120.0),  # fsdp --tp 2 on 4: 2 replicas of 2 devices
+    ],
+)
+def test_mfu_is_the_same_as_single_on_the_same_work(layout, devices, step_ms):
+    """The same global batch of the same model: a layout that splits it over N devices and is N times faster does
+    the same work per device per second, so its MFU is single's (to the rounding of the step times, in ms)."""
+    single = mfu_metrics(FLOPS_PER_SAMPLE, BATCH / 0.480, 1, PEAK)
+    got = mfu_metrics(FLOPS_PER_SAMPLE, BATCH / (step_ms / 1e3), devices, PEAK)
+    assert single["mfu"] == pytest.approx(FLOPS_PER_SAMPLE * BATCH / 0.480 / PEAK)  # 0.4%: the stated formula
+    assert got["mfu"] == pytest.approx(single["mfu"], rel=0.5e-3 / (step_ms / 1e3)), layout
+    assert got["mfu_devices"] == devices and got["peak_flops_per_device"] == PEAK
+    assert got["achieved_flops_per_device"] == pytest.approx(single["achieved_flops_per_device"])
+    assert mfu_metrics(FLOPS_PER_SAMPLE, BATCH / 0.48, devices, None)["mfu"] is None  # no peak: no MFU
+
+
+@pytest.mark.distributed
+def test_a_cpu_tensor_parallel_run_reports_mfu_over_its_devices_with_peak_tflops(tmp_path):
+    """A real `train --strategy tp --nproc 2` (one replica over 2 processes: data-parallel size 1) with a stated
+    peak: MFU appears, counted over the 2 devices from the run's own throughput (before the fix: over 1, 2x too
+    high). The run also records the machine's load and warns where it was busy."""
+    out = tmp_path / "tp"
+    proc = run_stratbench(
+        "train", "--strategy", "tp", "--nproc", "2", "--model", "gpt-tiny", "--data", "text", "--seq-len", "16",
+        "--batch-size", "8", "--max-steps", "4", "--timing-warmup-steps", "1", "--eval-samples", "8",
+        "--progress", "false", "--peak-tflops", "0.5", "--output", str(out), timeout=240, cwd=tmp_path,
+    )  # fmt: skip
+    m = json.loads((out / "result.json").read_text())["metrics"]
+    assert m["flops_per_sample"] and m["throughput_samples_per_s"] and m["mfu_devices"] == 2
+    expected = m["flops_per_sample"] * m["throughput_samples_per_s"] / 2 / 0.5e12
+    assert m["mfu"] == pytest.approx(expected, rel=1e-12) and m["peak_flops_source"] == "--peak-tflops"
+    mfu_row = next(ln for ln in proc.stdout.splitlines() if "MFU" in ln)
+    assert f"{m['mfu'] * 100:.1f}%" in mfu_row
+    assert m["host_load_mean"] is not None and m["host_cpu_count"] >= 1
+    busy = is_busy(m["host_load_mean"], m["host_cpu_count"])
+    assert m["host_busy"] is busy
+    warnings = [ln for ln in proc.stderr.splitlines() if "the machine was busy" in ln]
+    assert len(warnings) == (1 if busy else 0), proc.stderr[-3000:]
+
+
+def test_peak_tflops_must_be_positive(tmp_path, capsys):
+    err = fails(capsys, "train", "--peak-tflops", "0", "--output", tmp_path / "x")
+    assert err.endswith("peak_tflops must be a positive number of TFLOP/s, got 0.0")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("per_core", [4.0, 0.25])
+def test_train_records_the_load_and_warns_in_one_line_when_busy(tmp_path, capsys, monkeypatch, per_core):
+    """The load average is read through ``measuring.load`` (patched here to a busy and an idle machine): result.json
+    keeps its mean and the cores, and a busy run says so in one line on stderr."""
+    load = per_core * load_mod.cpu_count()
+    monkeypatch.setattr(load_mod, "load_average", lambda: load)
+    out = tmp_path / "run"
+    code = main(["train", "--model", "tinynet", "--width", "4", "--data", "synthetic", "--synthetic-samples", "64",
+                 "--batch-size", "16", "--max-steps", "3", "--epochs", "1", "--progress", "false",
+                 "--measure-flops", "false", "--output", str(out)])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err
+    m = json.loads((out / "result.json").read_text())["metrics"]
+    assert m["host_load_mean"] == load and m["host_cpu_count"] == load_mod.cpu_count()
+    busy = load > BUSY_FACTOR * m["host_cpu_count"]
+    assert m["host_busy"] is busy
+    warnings = [ln for ln in err.splitlines() if "the machine was busy" in ln]
+    if busy:
+        assert (
+            len(warnings) == 1
+            and f"mean 1-minute load average {load:.1f} on {m['host_cpu_count']} cores" in warnings[0]
+        )
+    else:
+        assert not warnings
