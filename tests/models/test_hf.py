@@ -233,6 +233,12 @@ def test_every_safetensors_layout_is_loaded(tmp_path, pretrained):
     one = copy_of(pretrained, tmp_path / "one-shard")
     (one / "model.safetensors").rename(one / "model-00001-of-00001.safetensors")
     assert_loaded(one, pretrained[1])
+    transformers = import_transformers()
+    torch.manual_seed(1)
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(**{k: v for k, v in GPT2.items() if k != "model_type"}))
+    tied = copy_of((None, gpt2), tmp_path / "gpt2", max_shard_size="40KB")
+    (tied / INDEX_FILE).unlink()  # the tied head is saved once (as the embedding) and is not a missing key
+    assert_loaded(tied, gpt2)
 
 
 def renamed_keys(folder: Path, rename) -> None:
