@@ -4,6 +4,7 @@ token files (never their pickles), tokenizer.json files, and the same global bat
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import time
 from pathlib import Path
@@ -16,7 +17,9 @@ from stratbench.core.errors import ConfigError, DataError
 from stratbench.data.datasets import train_loader
 from stratbench.data.text import (
     DEFAULT_TEXT_BYTES,
+    MAX_VOCAB,
     ByteCodec,
+    FileTokens,
     TokenFile,
     TokenWindows,
     build_text_data,
@@ -186,7 +189,7 @@ def test_nanogpt_folder_loads(tmp_path, dtype):
     assert data.train.tokens.dtype == dtype and data.meta["files"][0].endswith("train.bin")
     assert len(data.train) == (4_000 - 1) // 32 and len(data.val) == (600 - 1) // 32
     assert data.train[3][1].tolist() == train[3 * 32 + 1 : 4 * 32 + 1].tolist()
-    assert isinstance(data.train.tokens, np.memmap)
+    assert isinstance(data.train.tokens, FileTokens)  # read per window, never held whole nor memory-mapped
     given = build_text_data(f"tokens:{tmp_path}", 32, token_dtype=dtype, vocab_size=high + 7)
     assert given.vocab_size == high + 7 and given.meta["vocab_from"] == "given"
     ids = given.encode("1 2 3")
@@ -392,3 +395,76 @@ def test_two_ranks_see_one_ranks_global_batches():
         assert sorted(map(tuple, torch.cat([ya, yb]).tolist())) == sorted(map(tuple, y1.tolist()))
         steps += 1
     assert steps == len(data.train) // global_batch == 8
+
+
+# ------------------------------------------------------------------------------------------------
+# a token file that changes under a run, a token no model can take
+
+
+def test_a_token_file_cut_short_is_one_line_not_sigbus(tmp_path):
+    """Windows read after the file was truncated: one line naming the file and both sizes, in this process and
+    from a DataLoader worker (torch re-raises a worker's error with its whole traceback as the message); a
+    memory map would have died of SIGBUS."""
+    write_bin(tmp_path / "t.bin", np.arange(4_000) % 300)
+    data = build_text_data(f"tokens:{tmp_path / 't.bin'}", 16)
+    assert data.train[200][0].tolist() == list(range(3200 % 300, 3200 % 300 + 16))
+    with open(tmp_path / "t.bin", "r+b") as f:
+        f.truncate(1000)
+    assert data.train[10][0].tolist() == list(range(160, 176))  # what is still there reads as before
+    with pytest.raises(DataError) as exc:
+        data.train[200]
+    assert f"token file '{tmp_path / 't.bin'}' changed during the run: it has 1000 bytes now, 8000 when" in one_line(exc)
+    loader = torch.utils.data.DataLoader(data.train, batch_size=4, sampler=[200, 201, 202, 203], num_workers=1)
+    with pytest.raises(DataError) as exc:
+        next(iter(loader))
+    assert one_line(exc).startswith(f"token file '{tmp_path / 't.bin'}' changed during the run: it has 1000 bytes")
+
+
+def test_a_run_whose_token_file_is_truncated_stops_with_one_line(tmp_path):
+    """The real CLI, a run reading a token file that is cut to 1000 bytes after its first steps: exit 2, one line,
+    result.json says why (before: SIGBUS, exit 135 in a shell, no message, no result)."""
+    import subprocess
+    import sys
+
+    write_bin(tmp_path / "t.bin", np.random.default_rng(0).integers(0, 256, 1_000_000))
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "stratbench", "train", "--model", "gpt-tiny", "--data", f"tokens:{tmp_path / 't.bin'}",
+           "--seq-len", "16", "--batch-size", "8", "--max-steps", "100000", "--progress", "false", "--output", str(out)]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            rows = (out / "metrics.csv").read_text().count("\n") if (out / "metrics.csv").is_file() else 0
+            if rows > 3:  # the header and a few steps
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.stderr.read()
+        with open(tmp_path / "t.bin", "r+b") as f:
+            f.truncate(1000)
+        err = proc.communicate(timeout=120)[1].strip()
+    finally:
+        proc.kill()
+    assert proc.returncode == 2 and len(err.splitlines()) == 1, (proc.returncode, err)
+    assert f"token file '{tmp_path / 't.bin'}' changed during the run: it has 1000 bytes now, 2000000 when" in err
+    result = json.loads((out / "result.json").read_text())
+    assert result["status"] == "failed" and "changed during the run" in result["reason"]
+
+
+def test_a_token_beyond_any_vocabulary_is_one_line(tmp_path):
+    """A uint32 file holding 4e9 (say, read with the wrong dtype): before, its max + 1 became the vocabulary and a
+    4e9-row embedding failed as "out of memory ... lower --batch-size"."""
+    tokens = write_bin(tmp_path / "t.bin", np.arange(5_000) % 300, np.uint32)
+    tokens[1234] = 4_000_000_000
+    tokens.tofile(tmp_path / "t.bin")
+    with pytest.raises(DataError) as exc:
+        build_text_data(f"tokens:{tmp_path / 't.bin'}", 16, token_dtype="uint32")
+    assert (
+        f"token 4000000000 at position 1234 of '{tmp_path / 't.bin'}' is outside the largest vocabulary stratbench "
+        f"builds 0..{MAX_VOCAB - 1}" in one_line(exc)
+    )
+    with pytest.raises(DataError) as exc:
+        build_text_data(f"tokens:{tmp_path / 't.bin'}", 16, token_dtype="uint32", max_vocab=320, max_vocab_of="its")
+    assert "token 4000000000 at position 1234 of" in one_line(exc) and "outside its 0..319" in str(exc.value)
+    tokens[1234] = 7
+    tokens.tofile(tmp_path / "t.bin")
+    assert build_text_data(f"tokens:{tmp_path / 't.bin'}", 16, token_dtype="uint32").vocab_size == 300

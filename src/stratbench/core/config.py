@@ -23,7 +23,7 @@ import yaml
 
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_write
-from stratbench.models.hf import canonical_name, check_vocab, is_hf_name
+from stratbench.models.hf import canonical_name, check_vocab, default_seq_len, is_hf_name
 from stratbench.models.zoo import is_weights_name, resolve_weights
 
 
@@ -97,7 +97,8 @@ class TrainConfig:
     the stream's last part)."""
     seq_len: int = 256
     """Text data (text, tokens:PATH, synthetic-tokens): tokens per sample; each sample's targets are the same
-    tokens shifted by one."""
+    tokens shifted by one. Not given, a Hugging Face model with fewer positions (max_position_embeddings) gets
+    as many."""
     tokenizer: str | None = None
     """Text data: a Hugging Face tokenizer.json to encode the text with (default: UTF-8 bytes, vocabulary 256)."""
     vocab_size: int | None = None
@@ -428,9 +429,12 @@ def canonical_precision(name: str) -> str:
 def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
     """Names a user may give that stratbench resolves once, here: precision aliases, pretrained weights by
     name (a torch hub cache file; downloaded only with ``download``) and a Hugging Face model (``hf:FOLDER``
-    made absolute; a hub name fetched into its cache only with ``download``)."""
+    made absolute; a hub name fetched into its cache only with ``download``; its positions the default
+    ``seq_len`` where fewer than 256)."""
     if isinstance(values.get("model"), str):
         values["model"] = canonical_name(values["model"], bool(values.get("download", False)))
+        if "seq_len" not in values and is_hf_name(values["model"]):  # the default follows the model's positions
+            values["seq_len"] = default_seq_len(values["model"], TrainConfig.seq_len)
     if "precision" in values:
         values["precision"] = canonical_precision(values["precision"])
     weights = values.get("weights")

@@ -24,6 +24,7 @@ from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
 from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data, token_path
+from stratbench.models.hf import is_hf_name, vocab_size_of
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -124,11 +125,15 @@ def check_text_data(cfg: TrainConfig) -> None:
 
 def _text_data(cfg: TrainConfig) -> DataBundle:
     """``text``, ``tokens:PATH`` or ``synthetic-tokens`` (data.text) in windows of ``--seq-len`` tokens; the
-    vocabulary plays the part of the classes (the model's output width)."""
+    vocabulary plays the part of the classes (the model's output width). A Hugging Face model's vocabulary bounds
+    a token file's ids (its embedding has no row for a larger one), checked before the model is built."""
+    limit = {}
+    if is_hf_name(cfg.model):
+        limit = {"max_vocab": vocab_size_of(cfg.model), "max_vocab_of": f"{cfg.model}'s vocabulary"}
     text = build_text_data(
         cfg.data, cfg.seq_len, data_dir=cfg.data_dir, tokenizer=cfg.tokenizer, val_fraction=cfg.val_fraction,
         seed=cfg.seed, synthetic_tokens=cfg.synthetic_samples * cfg.seq_len, vocab_size=cfg.vocab_size,
-        token_dtype=cfg.token_dtype,
+        token_dtype=cfg.token_dtype, **limit,
     )  # fmt: skip
     return DataBundle(
         text.train, text.val, text.vocab_size, [], 0, (), (), meta=text.meta, seq_len=text.seq_len,

@@ -6,7 +6,9 @@ Item i of a split is ``(x, y)``: ``seq_len`` tokens and the same tokens shifted 
 non-overlapping windows. The data sets are map-style, so the samplers every method uses (``DistributedSampler``:
 rank r of N takes ``perm[r::N]``) split them unchanged, and one global batch is the same windows for any number of
 ranks. Nothing here unpickles a file, and nothing is cached: byte-level text needs no tokenising, and a tokenised
-stream would have to be stored next to files the user owns.
+stream would have to be stored next to files the user owns. Token files are read with ``os.pread``, not mapped into
+memory: a file cut short while a run reads it is then a short read and one line, where a memory map's read past its
+new end kills the process with SIGBUS (exit 135, nothing said).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from stratbench.core.config import RANGES
 from stratbench.core.errors import ConfigError, DataError
 
 TEXT_SOURCES = ("text", "tokens:PATH", "synthetic-tokens")
@@ -37,6 +40,9 @@ third-party packages, which differ from machine to machine; hidden folders (``.g
 TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _WINDOW_DTYPES = (np.uint8, np.uint16, np.uint32, np.int64)
 _SCAN_CHUNK = 2**24  # tokens per numpy pass over a file: 32 MiB of uint16, so a scan never holds a whole file
+MAX_VOCAB = int(RANGES["vocab_size"][1])
+"""The largest vocabulary stratbench builds a model for (``--vocab-size``'s range): a token file whose largest id
+is beyond it is refused before its model (an embedding of 4e9 rows, say) is built."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -53,21 +59,89 @@ class TokenFile:
     start: int = 0
     count: int | None = None
 
-    def open(self) -> np.ndarray:
-        itemsize = np.dtype(self.dtype).itemsize
-        count = self.count if self.count is not None else os.path.getsize(self.path) // itemsize - self.start
-        return np.memmap(self.path, dtype=self.dtype, mode="r", offset=self.start * itemsize, shape=(count,))
+    def open(self) -> FileTokens:
+        return FileTokens(self)
+
+
+class TokenFileChanged(DataError):
+    """A token file cut short (or rewritten shorter) while a run reads it. Raised in a DataLoader worker, torch
+    re-raises it with the worker's whole traceback as its message: the one line it was raised with is kept."""
+
+    def __init__(self, message: str) -> None:
+        if message.startswith("Caught ") and "\nOriginal Traceback" in message:
+            message = message.rstrip().splitlines()[-1].partition(": ")[2] or message
+        super().__init__(message)
+
+
+class FileTokens:
+    """The tokens of a ``TokenFile`` as a read-only 1-D array: ``len``, ``dtype``, an index or a slice (step 1)
+    read from the file with ``os.pread`` each time, ``np.asarray`` reads them all. A read that finds fewer bytes
+    than the run started with is one line (``TokenFileChanged``); a memory map would die of SIGBUS instead.
+    Pickles as its ``TokenFile`` (a DataLoader worker opens the file again, it is not sent a copy)."""
+
+    def __init__(self, file: TokenFile) -> None:
+        self.file = file
+        self.dtype = np.dtype(file.dtype)
+        self._fd = os.open(file.path, os.O_RDONLY)
+        self.bytes_at_start = os.fstat(self._fd).st_size
+        total = self.bytes_at_start // self.dtype.itemsize - file.start
+        self.count = file.count if file.count is not None else total
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, key: int | slice) -> Any:
+        if isinstance(key, slice):
+            start, stop, step = key.indices(self.count)
+            if step != 1:
+                raise IndexError("token files are read in contiguous slices (step 1)")
+            return self._read(start, max(stop - start, 0))
+        index = int(key) + (self.count if int(key) < 0 else 0)
+        if not 0 <= index < self.count:
+            raise IndexError(f"token {key} out of range for {self.count} tokens")
+        return self._read(index, 1)[0]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        tokens = self._read(0, self.count)
+        return tokens if dtype is None else tokens.astype(dtype)
+
+    def _read(self, first: int, n: int) -> np.ndarray:
+        """Tokens ``first .. first + n - 1`` of this stream, or one line if the file no longer holds them."""
+        itemsize = self.dtype.itemsize
+        offset, size = (self.file.start + first) * itemsize, n * itemsize
+        parts, got = [], 0
+        while got < size:
+            part = os.pread(self._fd, size - got, offset + got)
+            if not part:
+                now = os.fstat(self._fd).st_size
+                raise TokenFileChanged(
+                    f"token file {self.file.path!r} changed during the run: it has {now} bytes now, "
+                    f"{self.bytes_at_start} when the run started, and tokens {self.file.start + first}..{self.file.start + first + n - 1} "
+                    f"(bytes {offset}..{offset + size - 1}) are gone; let whatever writes it finish, then run again"
+                )
+            parts.append(part)
+            got += len(part)
+        return np.frombuffer(b"".join(parts), dtype=self.dtype)
+
+    def __reduce__(self) -> tuple[Any, tuple[TokenFile]]:
+        return FileTokens, (self.file,)
+
+    def __del__(self) -> None:
+        fd = getattr(self, "_fd", None)
+        if fd is not None:
+            os.close(fd)
 
 
 class TokenWindows(Dataset):
     """Non-overlapping windows of a 1-D token stream: item i is ``x = tokens[i*T : i*T+T]`` and
     ``y = tokens[i*T+1 : i*T+T+1]`` as int64 tensors, ``(len(tokens) - 1) // T`` items. Tokens stay in their
-    storage (uint8/uint16/uint32, a memory map for files) and only one window is converted per item."""
+    storage (uint8/uint16/uint32; a file's are read per window, ``FileTokens``) and only one window is converted
+    per item. A file-backed stream pickles as its file's name, not its contents."""
 
     def __init__(self, tokens: np.ndarray | torch.Tensor | TokenFile, seq_len: int) -> None:
         self.seq_len = check_seq_len(seq_len)
         self.file = tokens if isinstance(tokens, TokenFile) else None
-        self.tokens = _token_array(tokens.open() if isinstance(tokens, TokenFile) else tokens)
+        self.tokens = tokens.open() if isinstance(tokens, TokenFile) else _token_array(tokens)
 
     def __len__(self) -> int:
         return max(len(self.tokens) - 1, 0) // self.seq_len
@@ -79,18 +153,6 @@ class TokenWindows(Dataset):
         start = (i % n) * self.seq_len
         chunk = torch.from_numpy(np.array(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
         return chunk[:-1], chunk[1:]
-
-    def __getstate__(self) -> dict:
-        """A file-backed stream pickles as its file's name, not its contents (np.memmap pickles a full copy)."""
-        state = dict(self.__dict__)
-        if self.file is not None:
-            state["tokens"] = None
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        if self.file is not None:
-            self.tokens = self.file.open()
 
 
 def _token_array(tokens: Any) -> np.ndarray:
@@ -260,6 +322,8 @@ def build_text_data(
     vocab_size: int | None = None,
     token_dtype: str = "uint16",
     text_bytes: int | None = None,
+    max_vocab: int = MAX_VOCAB,
+    max_vocab_of: str = "the largest vocabulary stratbench builds",
 ) -> TextData:
     """The data named by ``spec`` (one of ``TEXT_SOURCES``) in windows of ``seq_len`` tokens.
 
@@ -267,7 +331,9 @@ def build_text_data(
     (default 8 MiB of the stdlib, all of a folder), byte-level or encoded with ``tokenizer``. ``tokens:PATH``: a
     folder with nanoGPT's train.bin and val.bin, or one .bin file, of ``token_dtype``. ``synthetic-tokens``:
     ``synthetic_tokens`` random tokens from ``seed``. Where one stream is split, its last ``val_fraction`` is
-    validation. ``vocab_size`` defaults to the tokenizer's (256 for bytes, max token + 1 for files)."""
+    validation. ``vocab_size`` defaults to the tokenizer's (256 for bytes, max token + 1 for files); a token file
+    without one must hold no token of ``max_vocab`` or more (``max_vocab_of``: whose vocabulary that is, e.g. a
+    Hugging Face model's), or the first such token is one line naming it and where it is."""
     seq_len = check_seq_len(seq_len)
     vocab_size = None if vocab_size is None else _whole(vocab_size, "vocab_size", "tokens")
     if spec == "text":
@@ -278,7 +344,8 @@ def build_text_data(
             raise ConfigError(
                 "data 'tokens' needs a path: tokens:PATH (a folder with train.bin and val.bin, or a .bin)"
             )
-        return _token_files(Path(path), seq_len, tokenizer, val_fraction, vocab_size, token_dtype)
+        limit = (_whole(max_vocab, "max_vocab", "tokens"), max_vocab_of)
+        return _token_files(Path(path), seq_len, tokenizer, val_fraction, vocab_size, token_dtype, limit)
     if spec == "synthetic-tokens":
         if tokenizer is not None:
             raise ConfigError(
@@ -442,20 +509,28 @@ def _encode_pieces(codec: HFCodec, pieces: list[bytes]) -> np.ndarray:
 
 
 def _token_files(
-    path: Path, seq_len: int, tokenizer: Any, val_fraction: float, vocab_size: int | None, token_dtype: str
+    path: Path,
+    seq_len: int,
+    tokenizer: Any,
+    val_fraction: float,
+    vocab_size: int | None,
+    token_dtype: str,
+    limit: tuple[int, str],
 ) -> TextData:
     """A folder's train.bin and val.bin, or one .bin split by ``val_fraction``. nanoGPT's meta.pkl beside them is
-    a pickle and is never read: the vocabulary comes from ``vocab_size``, the tokenizer, or the tokens."""
+    a pickle and is never read: the vocabulary comes from ``vocab_size``, the tokenizer, or the tokens (below
+    ``limit``: the largest vocabulary the model can take, and whose it is)."""
     if token_dtype not in TOKEN_DTYPES:
         raise ConfigError(f"token_dtype {token_dtype!r} is not one of: {', '.join(TOKEN_DTYPES)}")
     codec = load_tokenizer(tokenizer) if tokenizer is not None else None
     train, val, info = _token_splits(path, token_dtype, seq_len, val_fraction)
     given = _vocab(vocab_size, codec)
     if given is None:
-        vocab, vocab_from = max(_scan_tokens(w, None) for w in (train, val)) + 1, "max token + 1"
+        top = max(_scan_tokens(w, limit[0], limit[1]) for w in (train, val))
+        vocab, vocab_from = top + 1, "max token + 1"
     else:
         for windows in (train, val):
-            _scan_tokens(windows, given)
+            _scan_tokens(windows, given, "the vocabulary", find_max=False)
         vocab, vocab_from = given, "given" if vocab_size is not None else "tokenizer"
     codec = codec or IdCodec(vocab)
     meta = _meta("tokens", train, val, codec, **info, token_dtype=token_dtype, vocab_from=vocab_from)
@@ -511,21 +586,24 @@ def _token_file(path: Path, token_dtype: str, seq_len: int) -> TokenFile:
     return TokenFile(str(path), token_dtype, 0, size // itemsize)
 
 
-def _scan_tokens(windows: TokenWindows, vocab: int | None) -> int:
-    """The largest token of a file-backed split, read with numpy in chunks of ``_SCAN_CHUNK``; with ``vocab``,
-    the first token outside it is one line naming the token, where it is and the file."""
+def _scan_tokens(windows: TokenWindows, vocab: int, whose: str, find_max: bool = True) -> int:
+    """The largest token of a file-backed split, read in chunks of ``_SCAN_CHUNK``; the first token of ``vocab``
+    or more is one line naming the token, where it is, the file and whose vocabulary it is outside. Without
+    ``find_max``, a file whose dtype holds no token outside ``vocab`` is not read (``vocab - 1`` returned)."""
     tokens, top = windows.tokens, 0
-    if vocab is not None and vocab >= np.iinfo(tokens.dtype).max + 1:
-        return vocab - 1  # no token of this dtype can fall outside the vocabulary: skip reading the file
+    if not find_max and vocab >= np.iinfo(tokens.dtype).max + 1:
+        return vocab - 1
     for start in range(0, len(tokens), _SCAN_CHUNK):
         chunk = np.asarray(tokens[start : start + _SCAN_CHUNK])
         chunk_max = int(chunk.max())
-        if vocab is not None and chunk_max >= vocab:
+        if chunk_max >= vocab:
             at = start + int(np.argmax(chunk >= vocab))
             offset = windows.file.start if windows.file else 0
+            where = windows.file.path if windows.file else "the stream"
+            hint = f"; was it written as {tokens.dtype} tokens for this model?" if find_max else ""
             raise DataError(
-                f"token {int(tokens[at])} at position {offset + at} of {windows.file.path if windows.file else 'the stream'!r} "
-                f"is outside the vocabulary 0..{vocab - 1} (vocab_size {vocab})"
+                f"token {int(tokens[at])} at position {offset + at} of {where!r} is outside {whose} "
+                f"0..{vocab - 1} (vocab_size {vocab}){hint}"
             )
         top = max(top, chunk_max)
     return top

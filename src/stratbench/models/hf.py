@@ -6,6 +6,13 @@ Hugging Face model name (``owner/name``) already in the local Hugging Face cache
 config.json has ``auto_map``, or its ``model_type`` is not one transformers ships) is refused: stratbench never
 sets ``trust_remote_code``.
 
+Before anything is built, stratbench refuses in one line: a model whose attention sees later tokens (an encoder
+family without ``"is_decoder": true``; and, on the built model, earlier logits that change when a later token
+changes), a model whose fp32 weights alone exceed the memory this host has available (parameters counted on the
+meta device), and weights that would not load whole (a missing, unexpected or mis-shaped key, a pickle, a shard
+missing). Safetensors weights are read in every layout ``save_pretrained`` writes: ``model.safetensors``, shards
+with their ``model.safetensors.index.json``, and ``model-NNNNN-of-NNNNN.safetensors`` shards without an index.
+
 The model is wrapped to look like the built-in transformers: token ids (batch, seq) in, logits
 (batch, seq, vocab) out, where vocab is the data's vocabulary (the head's extra rows are left out when the
 model's vocabulary is larger, e.g. byte-level text on a 32k-token Llama); its decoder-layer classes
@@ -17,19 +24,32 @@ from __future__ import annotations
 
 import json
 import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
+from stratbench.core.tables import fmt_bytes
 from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.core.user_code import one_line
 
 PREFIX = "hf:"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+_SHARD = re.compile(r"model-(\d+)-of-(\d+)\.safetensors")
+"""What save_pretrained names the shards of a sharded save (their index beside them, unless it was lost)."""
+PICKLED_WEIGHTS = "pytorch_model*.bin"
+SHOWN_KEYS = 3
+"""Keys a refusal names of each kind (missing, unexpected, mis-shaped), after their count."""
+CAUSAL_PROBE_TOKENS = 8
+"""Tokens of the causality check: the last one changes, the logits of the others must not."""
 DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
 """What ``--download`` fetches of a hub model: config, safetensors weights, tokenizer files (no pickles, no code)."""
 
@@ -178,9 +198,100 @@ def max_positions(config: Any) -> int | None:
     return int(value) if isinstance(value, int) else None
 
 
+def default_seq_len(name: str, default: int) -> int:
+    """The window a run of ``name`` gets when ``--seq-len`` is not given: ``default``, or the model's positions
+    where it has fewer (a default follows the model; only an explicit --seq-len too long is refused). A model
+    that does not resolve keeps ``default``: ``check_hf_model`` says why, before any work."""
+    try:
+        limit = max_positions(load_config(name))
+    except ConfigError:
+        return default
+    return min(default, limit) if limit else default
+
+
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """transformers' warnings, load report and progress bars off for a while: stratbench says what matters in
+    one line (an encoder's "add is_decoder=True" warning, a MISSING-keys table and a "Loading weights" bar
+    would otherwise be printed around it)."""
+    from transformers.utils import logging as hf_logging
+
+    level, bars = hf_logging.get_verbosity(), hf_logging.is_progress_bar_enabled()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+@dataclass(frozen=True)
+class MetaFacts:
+    """What a build on the meta device tells of a config, at no memory cost: its parameters (tied ones once)
+    and the attention it builds (``bidirectional``: the reason it sees later tokens, else None)."""
+
+    parameters: int
+    bidirectional: str | None
+
+
+_META_FACTS: dict[str, MetaFacts] = {}
+"""Per config (its JSON): one meta build per process, though a run checks its model several times."""
+
+
+def meta_facts(name: str, config: Any) -> MetaFacts:
+    """Build ``config``'s causal LM on the meta device (a second or two for trillions of parameters) and read
+    its parameter count and whether it is a decoder; one line where transformers cannot build it."""
+    key = config.to_json_string(use_diff=False)
+    if key not in _META_FACTS:
+        from transformers import AutoModelForCausalLM
+
+        try:
+            with torch.device("meta"), quiet_transformers():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        except Exception as exc:
+            raise ConfigError(f"model {name!r}: transformers could not build it: {one_line(exc)}") from None
+        parameters = sum(p.numel() for p in model.parameters())
+        _META_FACTS[key] = MetaFacts(parameters, _bidirectional(config.model_type, model.config))
+    return _META_FACTS[key]
+
+
+def parameter_count(name: str) -> int:
+    """Parameters of the model ``hf:...`` (tied weights once), counted on the meta device from its config alone:
+    what the memory check, and an estimate, need without building it."""
+    return meta_facts(name, load_config(name)).parameters
+
+
+def _bidirectional(model_type: str, config: Any) -> str | None:
+    """Why a model transformers ships as a causal LM attends to later tokens, read from its built config (the
+    causal-LM class may set ``is_decoder`` itself, as BART's does): an encoder family (one transformers also
+    ships as a masked LM) that is no decoder, or bidirectional attention switched on; None for a decoder."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES as MASKED
+
+    if getattr(config, "use_bidirectional_attention", False):
+        return "config.json sets use_bidirectional_attention"
+    decoder = getattr(config, "is_decoder", False) or getattr(config, "causal", False)
+    if model_type in MASKED and not decoder:
+        return 'an encoder unless config.json sets "is_decoder": true'
+    return None
+
+
+def check_decoder(name: str, config: Any) -> None:
+    """A causal LM only: a model whose attention sees later tokens would learn to copy the next token (its loss
+    falls, and it predicts nothing), so it is refused before any work."""
+    why = meta_facts(name, config).bidirectional
+    if why:
+        raise ConfigError(
+            f"model {name!r}: model_type {config.model_type!r} is not a decoder ({why}), so each token sees the "
+            "ones after it; stratbench trains causal LMs: a decoder model_type (llama, mistral, qwen2, gpt2, ...) "
+            'or an encoder family with "is_decoder": true'
+        )
+
+
 def check_hf_model(name: str, text: bool | None = None, seq_len: int | None = None) -> Any:
-    """``hf:PATH_OR_NAME`` resolves offline to a causal LM transformers ships, trained on text (``text``
-    known), with windows no longer than its positions (``seq_len`` given): its config, or one line."""
+    """``hf:PATH_OR_NAME`` resolves offline to a causal LM transformers ships, a decoder, trained on text
+    (``text`` known), with windows no longer than its positions (``seq_len`` given): its config, or one line."""
     config = load_config(name)
     if text is False:
         raise ConfigError(
@@ -192,6 +303,7 @@ def check_hf_model(name: str, text: bool | None = None, seq_len: int | None = No
             f"--seq-len {seq_len} is longer than {name}'s max_position_embeddings of {limit} tokens; choose "
             f"--seq-len at most {limit}"
         )
+    check_decoder(name, config)
     return config
 
 
@@ -207,6 +319,173 @@ def check_vocab(name: str, vocab_size: int) -> None:
     """A vocabulary the model's head covers (``--vocab-size``, before any work; the data's is checked again
     when the model is built, for a tokenizer's or a token file's)."""
     _check_vocab(name, load_config(name), vocab_size)
+
+
+def vocab_size_of(name: str) -> int:
+    """The model's vocabulary (its config's ``vocab_size``): the token ids its embedding takes, 0..vocab_size-1."""
+    return int(load_config(name).vocab_size)
+
+
+def check_memory(
+    name: str, parameters: int, available: int | None = None, bytes_per_parameter: int = 4
+) -> None:
+    """Refuse a model whose weights (fp32: ``bytes_per_parameter`` 4, as stratbench builds every model) exceed
+    ``available`` bytes (default: this host's available memory), naming both, before it is built: a build that
+    does not fit climbs until the kernel kills it."""
+    need = parameters * bytes_per_parameter
+    free = psutil.virtual_memory().available if available is None else available
+    if need > free:
+        raise ConfigError(
+            f"model {name!r} has {parameters:,} parameters: building it in fp32 takes {fmt_bytes(need)}, more than "
+            f"the {fmt_bytes(free)} of memory available on this host; choose a smaller config"
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# the weights: every safetensors layout save_pretrained writes, loaded whole or refused
+
+
+@dataclass(frozen=True)
+class Weights:
+    """A folder's safetensors weights: ``index`` (model.safetensors.index.json: transformers reads it), or
+    ``files`` (model.safetensors, or shards whose index is missing: stratbench writes their index)."""
+
+    folder: Path
+    index: Path | None = None
+    files: tuple[Path, ...] = ()
+
+
+def find_weights(name: str, folder: Path) -> Weights | None:
+    """The folder's safetensors weights in one of save_pretrained's layouts, None where it holds none (a config
+    alone: a random init); one line for weights stratbench would not load whole (a pickle, a shard missing,
+    safetensors files under other names)."""
+    if (folder / INDEX_FILE).is_file():
+        return _indexed(name, folder)
+    if (folder / SINGLE_FILE).is_file():
+        return Weights(folder, files=(folder / SINGLE_FILE,))
+    shards = sorted(p for p in folder.glob("*.safetensors") if _SHARD.fullmatch(p.name))
+    if shards:
+        return Weights(folder, files=_complete(name, folder, shards))
+    others = sorted(p.name for p in folder.glob("*.safetensors"))
+    if others:
+        raise ConfigError(
+            f"model {name!r}: {folder} holds {_some(others)}, which is not a layout of a model's weights "
+            f"({SINGLE_FILE}, {INDEX_FILE} with its shards, or model-NNNNN-of-NNNNN.safetensors shards); rename "
+            "it, or save the model with save_pretrained"
+        )
+    pickles = sorted(p.name for p in folder.glob(PICKLED_WEIGHTS))
+    if pickles:
+        raise ConfigError(
+            f"model {name!r}: {folder} holds {_some(pickles)}, a pickle, and no safetensors weights; stratbench loads "
+            "safetensors weights only (save them with save_pretrained(..., safe_serialization=True))"
+        )
+    return None
+
+
+def _indexed(name: str, folder: Path) -> Weights:
+    """The index's shards, all there, or one line naming the missing ones."""
+    index = folder / INDEX_FILE
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ConfigError(
+            f"model {name!r}: {index} is not a safetensors index with a weight_map ({one_line(exc)})"
+        ) from None
+    missing = [f for f in files if not (folder / f).is_file()]
+    if missing:
+        raise ConfigError(
+            f"model {name!r}: {index} names {len(missing)} shard(s) that are not in {folder}: {_some(missing)}"
+        )
+    return Weights(folder, index=index)
+
+
+def _complete(name: str, folder: Path, shards: list[Path]) -> tuple[Path, ...]:
+    """Shards of one save, numbered 1..N of N, or one line naming what is missing or mixed."""
+    totals = {int(_SHARD.fullmatch(p.name)[2]) for p in shards}
+    if len(totals) != 1:
+        raise ConfigError(
+            f"model {name!r}: {folder} holds shards of different saves ({_some([p.name for p in shards])}: "
+            f"of {', '.join(map(str, sorted(totals)))}); keep one save's shards"
+        )
+    total = totals.pop()
+    numbers = {int(_SHARD.fullmatch(p.name)[1]) for p in shards}
+    missing = [f"model-{i:05d}-of-{total:05d}.safetensors" for i in range(1, total + 1) if i not in numbers]
+    if missing:
+        raise ConfigError(
+            f"model {name!r}: {folder} has {len(numbers)} of the {total} shards of its weights; missing: "
+            f"{_some(missing)}"
+        )
+    return tuple(shards)
+
+
+def _some(items: Iterable[str], shown: int = SHOWN_KEYS) -> str:
+    """``a, b, c and 4 more``: the first few of a list, and how many more."""
+    items = list(items)
+    head = ", ".join(items[:shown])
+    return head if len(items) <= shown else f"{head} and {len(items) - shown} more"
+
+
+@contextmanager
+def _readable_folder(weights: Weights) -> Iterator[Path]:
+    """A folder transformers loads the weights from: the model's own, or, for shards without their index, a
+    temporary one holding links to them and the index stratbench writes from their headers (their keys only;
+    the user's folder is not written to)."""
+    if weights.index is not None or weights.files == (weights.folder / SINGLE_FILE,):
+        yield weights.folder
+        return
+    from safetensors import safe_open
+
+    weight_map: dict[str, str] = {}
+    with tempfile.TemporaryDirectory(prefix="stratbench-hf-") as tmp:
+        for path in [
+            *weights.folder.glob("*.json"),
+            *weights.files,
+        ]:  # config.json, generation_config.json, ...
+            (Path(tmp) / path.name).symlink_to(path.resolve())
+        for path in weights.files:
+            with safe_open(str(path), framework="pt") as f:
+                weight_map.update(dict.fromkeys(f.keys(), path.name))
+        (Path(tmp) / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+        yield Path(tmp)
+
+
+def _check_loaded(name: str, folder: Path, info: dict[str, Any]) -> None:
+    """Every key of the model came from the weights and every key of the weights went into the model, each of
+    its shape; else one line naming how many of each kind and the first few (a model half trained from the
+    weights and half from a random init measures nothing a user meant)."""
+    problems = []
+    for kind, keys in (("missing", info["missing_keys"]), ("unexpected", info["unexpected_keys"])):
+        if keys:
+            problems.append(f"{len(keys)} {kind} ({_some(sorted(keys))})")
+    mismatched = sorted(info["mismatched_keys"])
+    if mismatched:
+        shapes = [f"{k} {tuple(saved)} vs {tuple(model)}" for k, saved, model in mismatched]
+        problems.append(f"{len(mismatched)} of another shape ({_some(shapes)})")
+    if problems:
+        raise ConfigError(
+            f"model {name!r}: the weights in {folder} do not fit its config.json: keys {'; '.join(problems)}; "
+            "stratbench trains from a folder's weights only when every key loads (save them with save_pretrained)"
+        )
+
+
+def _load(name: str, config: Any, weights: Weights) -> nn.Module:
+    """The model with ``weights`` loaded by transformers (its key renames and conversions applied), in fp32."""
+    from transformers import AutoModelForCausalLM
+
+    with _readable_folder(weights) as folder, quiet_transformers():
+        model, info = AutoModelForCausalLM.from_pretrained(
+            folder,
+            config=config,
+            dtype=torch.float32,
+            local_files_only=True,
+            use_safetensors=True,
+            trust_remote_code=False,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,  # reported below with the other keys, in one line
+        )
+    _check_loaded(name, weights.folder, info)
+    return model
 
 
 # ------------------------------------------------------------------------------------------------
@@ -240,40 +519,63 @@ class HFCausalLM(nn.Module):
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
 
 
-def has_weights(folder: Path) -> bool:
-    """Whether the folder holds safetensors weights (one file, or shards with their index)."""
-    return any((folder / f).is_file() for f in WEIGHT_FILES)
+def check_causal(name: str, model: HFCausalLM, positions: int | None) -> None:
+    """The logits of a token must not depend on the tokens after it: one forward (eval mode, no grad) of a few
+    random tokens and of the same tokens with their second half changed; the first half's logits must agree
+    (a causal model gives them bit for bit on CPU; an encoder at init moves them by ~1e-3 of their size).
+    Catches what the config does not say (custom attention, a mask that looks both ways)."""
+    t = min(CAUSAL_PROBE_TOKENS, positions or CAUSAL_PROBE_TOKENS)
+    if t < 2:
+        return
+    half = t // 2
+    generator = torch.Generator().manual_seed(0)  # its own: the global RNG (dropout, the data) is untouched
+    tokens = torch.randint(0, model.vocab_size, (1, t), generator=generator).repeat(2, 1)
+    tokens[1, half:] = (tokens[0, half:] + 1) % model.vocab_size
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(tokens.to(next(model.parameters()).device)).float()[:, :half]
+    finally:
+        model.train(training)
+    change = (logits[0] - logits[1]).abs().max().item()
+    if not change <= 1e-5 * logits.abs().max().item():
+        raise ConfigError(
+            f"model {name!r} is not causal: changing tokens {half}..{t - 1} of {t} changed the logits of tokens "
+            f"0..{half - 1} (by up to {change:.3g}); model_type {model.hf.config.model_type!r} attends to later "
+            "tokens here, and stratbench trains causal LMs (a decoder model_type such as llama, mistral, qwen2, gpt2)"
+        )
 
 
 def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausalLM:
-    """The model ``name`` for data of ``vocab_size`` tokens: its folder's safetensors weights loaded by
+    """The model ``name`` for data of ``vocab_size`` tokens: its folder's safetensors weights loaded whole by
     transformers when there are some, else a random init from its config (seeded by the caller's generator,
-    the same on every rank); on the meta device (FLOP counting) always from the config."""
+    the same on every rank), checked to fit this host's memory first and to be causal after; on the meta
+    device (FLOP counting) always from the config, unchecked."""
     config = check_hf_model(name, True, seq_len)
     folder = model_folder(name)
     _check_vocab(name, config, vocab_size)
-    if (folder / "pytorch_model.bin").is_file() and not has_weights(folder):
-        raise ConfigError(
-            f"model {name!r}: {folder} holds pytorch_model.bin, a pickle, and no model.safetensors; stratbench "
-            "loads safetensors weights only (save them with save_pretrained(..., safe_serialization=True))"
-        )
+    weights = find_weights(name, folder)
     from transformers import AutoModelForCausalLM
 
-    meta = torch.get_default_device().type == "meta"
-    try:
-        if has_weights(folder) and not meta:
-            model = AutoModelForCausalLM.from_pretrained(
-                folder,
-                dtype=torch.float32,
-                local_files_only=True,
-                use_safetensors=True,
-                trust_remote_code=False,
-            )
-        else:
+    if torch.get_default_device().type == "meta":
+        with quiet_transformers():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+        return HFCausalLM(model, vocab_size)
+    check_memory(name, meta_facts(name, config).parameters)
+    try:
+        if weights is not None:
+            model = _load(name, config, weights)
+        else:
+            with quiet_transformers():
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+    except ConfigError:
+        raise
     except Exception as exc:
         raise ConfigError(f"model {name!r}: transformers could not build it: {one_line(exc)}") from None
-    return HFCausalLM(model, vocab_size)
+    wrapped = HFCausalLM(model, vocab_size)
+    check_causal(name, wrapped, max_positions(config))
+    return wrapped
 
 
 def flops_per_token(model: HFCausalLM, seq_len: int) -> float:
