@@ -205,3 +205,35 @@ def test_a_refusal_on_an_executors_nodes_leaves_the_finished_run_as_it_was(finis
     with pytest.raises(StratbenchError, match="5001 bytes"):
         run_job_on(make_executor("local"), cfg)
     assert not _changed(before, _digest(finished)), _changed(before, _digest(finished))
+
+
+SWEEP_RECORD = {
+    "id": "single-fp32-w1", "method": "single", "label": "single", "precision": "fp32", "world_size": 1,
+    "batch_size": 32, "status": "ok", "reason": "", "machine": {"hostname": "h", "device": "CPU"},
+    "metrics": {"train_time_s": 1.0}, "config": {}, "environment": {},
+}  # fmt: skip
+"""One finished cell of a sweep's results.jsonl."""
+
+
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (("--lr", "nan"), "lr must be a finite number"),
+        (("--model", "nosuchmodel"), "unknown model"),
+        (("--model", "gpt-tiny", "--data", "tokens:none.bin"), "does not exist"),
+    ],
+)
+def test_a_compare_no_cell_of_which_can_run_leaves_the_finished_sweep_as_it_was(tmp_path, flags, says):
+    """`compare` into a finished sweep with input every cell refuses: one line, and the sweep's results and
+    report stay as they were (not a new row per refused cell and a report rewritten around them)."""
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "results.jsonl").write_text(json.dumps(SWEEP_RECORD) + "\n")
+    (sweep / "report.md").write_text("# the finished sweep's report\n")
+    before = _digest(sweep)
+    proc = run_stratbench("compare", "--preset", "quick", "--only", "single", "--only", "fp32", "--output", "sweep",
+                          *flags, cwd=tmp_path, check=False)  # fmt: skip
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert lines[0].startswith("stratbench compare: error: no cell can run") and says in lines[0], lines[0]
+    assert not _changed(before, _digest(sweep)), _changed(before, _digest(sweep))
