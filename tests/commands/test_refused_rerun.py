@@ -98,7 +98,7 @@ REFUSALS: dict[str, Refusal] = {
         ("--data", "tokens:{inputs}/tokens.bin", "--token-dtype", "float32"), "float32", _token_file
     ),
     "bad-tokenizer": Refusal(
-        ("--tokenizer", "{inputs}/tokenizer.json"), "tokenizer", _bad_tokenizer, launched=True, needs="tokenizers"
+        ("--tokenizer", "{inputs}/tokenizer.json"), "tokenizer", _bad_tokenizer, needs="tokenizers"
     ),
     "batch-not-a-number": Refusal(("--batch-size", "1e12"), "1e12"),
     "batch-beyond-the-data": Refusal(("--batch-size", "1000000000000"), "smaller than one global batch"),
