@@ -22,7 +22,7 @@ from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
-from stratbench.compare.matrix import bytes_of, load_matrix, plan, select
+from stratbench.compare.matrix import bytes_of, check_runnable, load_matrix, plan, select
 from stratbench.compare.report import render_sweeps
 from stratbench.compare.runner import Interrupted, SweepRunner
 from stratbench.core.config import TrainConfig, coerce, from_dict
@@ -164,6 +164,7 @@ def run_sweep(
 
     if repeats < 1:
         raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    check_runnable(sweep.plans)
     runner = SweepRunner(sweep.matrix, sweep.output, timeout_s=sweep.timeout_s, retry=retry, console=console,
                          repeats=repeats, command=command or ["python", *sys.argv], executor=sweep.executor)  # fmt: skip
     interrupted = None

@@ -62,20 +62,27 @@ def normalise_flags(argv: list[str]) -> list[str]:
     return out
 
 
+def say(line: str) -> None:
+    """One line on stderr in one write, its newline included: print() writes the text and the newline apart, and
+    a worker that torchrun stops between the two leaves the next process's log line glued to its own."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()  # reads the strategy registry, plug-ins included
     except StratbenchError as exc:
-        print(f"stratbench: error: {exc}", file=sys.stderr)
+        say(f"stratbench: error: {exc}")
         return exc.exit_code
     args = parser.parse_args(normalise_flags(sys.argv[1:] if argv is None else list(argv)))
     try:
         return int(args._run(args) or 0)
     except StratbenchError as exc:
-        print(f"stratbench {args.command}: error: {exc}", file=sys.stderr)
+        say(f"stratbench {args.command}: error: {exc}")
         return exc.exit_code
     except KeyboardInterrupt:
-        print(f"stratbench {args.command}: interrupted", file=sys.stderr)
+        say(f"stratbench {args.command}: interrupted")
         return 130
 
 

@@ -487,3 +487,22 @@ def test_run_files_are_written_atomically(tmp_path, monkeypatch, writer):
             write_accelerate_config(TrainConfig(output=str(tmp_path)), "accelerate-ddp", 2, path)
     assert path.read_text() == "earlier\n"
     assert [p.name for p in tmp_path.iterdir()] == [writer]
+
+
+def test_the_error_line_goes_out_in_one_write_with_its_newline(tmp_path, monkeypatch):
+    """print() writes a line and its newline apart: a worker that torchrun stopped between the two left the next
+    log line glued to its error (issue 42). The error line is one write, newline included."""
+    import io
+    import sys
+
+    writes: list[str] = []
+
+    class Recorder(io.StringIO):
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+    monkeypatch.setattr(sys, "stderr", Recorder())
+    assert main(["train", "--output", str(tmp_path / "o"), "--precision", "fp8"]) == 2
+    errors = [w for w in writes if "error:" in w]
+    assert len(errors) == 1 and errors[0].endswith("\n") and errors[0].count("\n") == 1, writes

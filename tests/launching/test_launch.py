@@ -83,7 +83,6 @@ def test_under_users_torchrun(tmp_path):
     _check(proc, proc.stdout, proc.stderr)
     res = _result(tmp_path)
     assert res["status"] == "ok" and res["world_size"] == 2 and res["metrics"]["steps"] == 5
-    assert not list(tmp_path.glob("launch_config.*.yaml"))  # stratbench did not start a torchrun of its own
 
 
 @pytest.mark.distributed
@@ -113,22 +112,23 @@ def test_two_nodes_on_loopback(tmp_path):
 
 
 def _worker_pids(output: Path) -> dict[int, int]:
-    """rank -> pid of the workers torchrun started for the run writing to ``output`` (read from /proc)."""
-    marker = str(output / "launch_config.node0.yaml")
+    """rank -> pid of the workers torchrun started for the run writing to ``output`` (read from /proc: the
+    launcher's lock of ``output`` is in their environment)."""
+    marker = str(output.resolve()).encode()
     found: dict[int, int] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             args = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-            if marker.encode() not in args or b"stratbench.launching._torchrun" in args:
+            if b"stratbench.launching._torchrun" in args:
                 continue
             environ = dict(
                 kv.split(b"=", 1) for kv in Path(f"/proc/{entry}/environ").read_bytes().split(b"\0") if b"=" in kv
             )
         except OSError:  # the process ended while we looked
             continue
-        if b"RANK" in environ:
+        if environ.get(b"STRATBENCH_LOCKED") == marker and b"RANK" in environ:
             found[int(environ[b"RANK"])] = int(entry)
     return found
 

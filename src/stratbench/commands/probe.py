@@ -105,7 +105,7 @@ def measure(nproc: int, device: str, sizes: list[int], repeats: int) -> dict[str
         cfg = TrainConfig(nproc=nproc, device=device, output=tmp, progress=False)
         command = ("probe", "--raw", str(raw), "--sizes", ",".join(map(str, sizes)), "--repeats", str(repeats),
                    "--device", device)  # fmt: skip
-        code = launch(cfg, command)
+        code = launch(cfg, Path(tmp), command)
         if code != 0 or not raw.exists():
             raise StratbenchError(f"the probe's {nproc} processes failed (torchrun exit code {code})")
         return json.loads(raw.read_text())

@@ -19,10 +19,11 @@ from stratbench.core.config import (
     load_yaml,
 )
 from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, StratbenchError
 from stratbench.core.tables import print_result
 from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
 from stratbench.launching.job import run_job, run_job_on
+from stratbench.launching.launch import setup_error_recorded
 from stratbench.strategies.accelerate import read_accelerate_config
 from stratbench.strategies.base import get_strategy, iter_option_fields
 
@@ -150,7 +151,14 @@ def _run(cfg) -> int:
     worker = launched_by_launcher()
     if worker:
         die_with_parent()  # a killed launcher or torchrun agent must not leave this worker training on
-    result = run_job(cfg, worker=worker)
+    try:
+        result = run_job(cfg, worker=worker)
+    except StratbenchError as exc:
+        if worker and setup_error_recorded():
+            # Noted for stratbench's launcher, which says it once for every rank: this rank leaves quietly.
+            sys.stderr.flush()
+            os._exit(exc.exit_code)
+        raise
     if result is not None and not worker and read_env(cfg.device).is_main:
         print_result(cfg.output, result)
     if not worker:

@@ -800,3 +800,14 @@ def does_not_fit(cfg: TrainConfig, world_size: int, device_type: str, device_mem
 
 def plan(matrix: Matrix, cells: list[Cell] | None = None, allow_slow: bool = False) -> list[Plan]:
     return [plan_cell(c, matrix, allow_slow) for c in (matrix.cells if cells is None else cells)]
+
+
+def check_runnable(plans: list[Plan]) -> None:
+    """A sweep in which no cell would run and some cell's configuration is refused (``--lr nan``, an unknown
+    model, a missing token file) is bad input: one line naming the first such cell, before anything is written
+    (a rerun into a finished sweep leaves it as it was), not a sweep of failed rows."""
+    if any(p.status is None for p in plans):
+        return
+    refused = next((p for p in plans if p.status == "failed"), None)
+    if refused is not None:
+        raise ConfigError(f"no cell can run: {refused.cell.name} {refused.cell.precision}: {refused.reason}")

@@ -40,7 +40,10 @@ def held_here(folder: Path) -> bool:
 @contextlib.contextmanager
 def output_lock(folder: Path, flag: str = "--output") -> Iterator[None]:
     """Hold the exclusive lock of ``folder`` for the block; refuse with the holder's pid if another run has it.
-    Inside the block HELD_ENV names the folder, so processes this one starts know the lock is theirs."""
+    Inside the block HELD_ENV names the folder, so processes this one starts know the lock is theirs. A folder
+    this call created is removed again when the block fails and left nothing but the lock file in it (a run
+    refused before it wrote anything leaves no trace)."""
+    created = not Path(folder).exists()
     folder = check_output_folder(folder, flag)
     if held_here(folder):
         yield
@@ -70,6 +73,10 @@ def output_lock(folder: Path, flag: str = "--output") -> Iterator[None]:
         os.environ[HELD_ENV] = str(folder.resolve())
         try:
             yield
+        except BaseException:
+            if created:
+                remove_if_only_lock(folder)
+            raise
         finally:
             if before is None:
                 os.environ.pop(HELD_ENV, None)
@@ -79,3 +86,12 @@ def output_lock(folder: Path, flag: str = "--output") -> Iterator[None]:
                 os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # releases the lock; the file stays (deleting it would race with a waiting run)
+
+
+def remove_if_only_lock(folder: Path) -> None:
+    """Remove ``folder`` (created by this run, and no other run's) when the lock file is all it holds, or
+    nothing."""
+    with contextlib.suppress(OSError):
+        if [p.name for p in Path(folder).iterdir()] in ([LOCK_FILE], []):
+            (Path(folder) / LOCK_FILE).unlink(missing_ok=True)
+            Path(folder).rmdir()

@@ -1,25 +1,56 @@
 """torchrun (``torch.distributed.run``) as stratbench's launcher starts it, with one difference: a rendezvous
 that cannot complete (a node that never joins within --dist-timeout-s, node 0 unreachable, its port taken)
-ends with exit code RENDEZVOUS_FAILED and the error's first line in OUTPUT/.torchrun_error.nodeN (the path in
-ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error."""
+ends with exit code RENDEZVOUS_FAILED and the error's first line in the launcher's private folder (the path in
+ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error. A
+worker whose set-up failed notes why in the folder SETUP_ERRORS_ENV names; then the agent ends quietly with
+SETUP_FAILED and the launcher says why, once."""
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
 
 RENDEZVOUS_FAILED = 75
+SETUP_FAILED = 76
 ERROR_FILE_ENV = "STRATBENCH_TORCHRUN_ERROR_FILE"
+SETUP_ERRORS_ENV = "STRATBENCH_SETUP_ERRORS"
+"""A folder where a worker whose set-up failed (bad input, before it wrote anything) notes why; once one has,
+the agent's account of the failure (its log lines, its ChildFailedError) is left out: the launcher says why."""
+
+
+class _QuietAfterSetupError(logging.Filter):
+    """Drops torch's log records once a worker has noted a set-up error in ``folder``."""
+
+    def __init__(self, folder: str) -> None:
+        super().__init__()
+        self.folder = folder
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not _setup_error_noted(self.folder)
+
+
+def _setup_error_noted(folder: str | None) -> bool:
+    return bool(folder) and any(Path(folder).glob("rank*.json"))
 
 
 def main() -> int:
     from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
+    setup_errors = os.environ.get(SETUP_ERRORS_ENV)
+    if setup_errors:
+        for handler in logging.getLogger("torch").handlers + logging.getLogger("torch.distributed").handlers:
+            handler.addFilter(_QuietAfterSetupError(setup_errors))
     try:
         torchrun()
+    except ChildFailedError:
+        if _setup_error_noted(setup_errors):
+            return SETUP_FAILED
+        raise
     except (DistError, RendezvousError) as exc:  # raised by the agent's rendezvous, before any worker starts
         text = str(exc).strip()
         line = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:400]

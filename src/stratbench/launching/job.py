@@ -9,6 +9,7 @@ import errno
 import json
 import signal
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,8 @@ from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.core.config import TrainConfig, dump_yaml
 from stratbench.core.dist import needs_launch, read_env
 from stratbench.core.errors import CheckpointError, ConfigError, StratbenchError, is_out_of_memory
-from stratbench.core.lock import held_here, output_lock
+from stratbench.core.files import remove_path, replace_path
+from stratbench.core.lock import held_here, output_lock, remove_if_only_lock
 from stratbench.core.tables import fmt_bytes
 from stratbench.launching import launch
 from stratbench.launching._torchrun import RENDEZVOUS_FAILED
@@ -29,49 +31,111 @@ from stratbench.training import engine
 
 def run_job(cfg: TrainConfig, worker: bool = False) -> dict[str, Any] | None:
     """Train ``cfg`` and return its result (result.json's content); None on a launching node other than node 0,
-    which writes no result. ``worker``: this process is one rank that stratbench's launcher started."""
-    engine.preflight(cfg)
-    # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
-    check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
-    check_memory(cfg)
+    which writes no result. ``worker``: this process is one rank that stratbench's launcher started.
+
+    Every check, and the set-up of the data, model, weights and method, comes before the first write into the
+    output folder: input that is refused leaves an earlier run's folder byte-identical."""
+    noted = launch.record_setup_error if worker else None  # the launcher says why, once
+    try:
+        engine.preflight(cfg)
+        # The note on a fresh --resume comes once: from the launcher, or rank 0 under an external launcher.
+        check_resume(cfg, quiet=worker and (not read_env(cfg.device).is_main or held_here(cfg.output)))
+        check_memory(cfg)
+    except Exception as exc:
+        if noted is not None:
+            noted(exc)
+        raise
     if needs_launch(cfg):
-        # One lock per run, taken by the launcher (node 0 across nodes: the output may be a shared folder).
-        started_at = time.time() - 1.0  # file times may be coarser than time.time()
-        with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
-            code = launch.launch(cfg)
-        if code != 0:
-            raise_failed(cfg, code, started_at)
-        return json.loads((Path(cfg.output) / "result.json").read_text()) if cfg.node_rank == 0 else None
+        return _launch(cfg)
     # Started by an external launcher: global rank 0 takes the lock (unless our own launcher holds it).
     locking = not worker or (read_env(cfg.device).is_main and not held_here(cfg.output))
     with output_lock(cfg.output) if locking else contextlib.nullcontext():
-        return _run_here(cfg)
+        return _run_here(cfg, noted)
+
+
+def _launch(cfg: TrainConfig) -> dict[str, Any] | None:
+    """stratbench's own launcher: torchrun on this node, its config and the workers' notes in a folder of this
+    launcher's own, ``OUTPUT/.launch-*`` (removed when it ends; its name in every command line of the run tells
+    the run's processes); one lock per run, taken by the launcher (node 0 across nodes: the output may be a
+    shared folder)."""
+    with output_lock(cfg.output) if cfg.node_rank == 0 else contextlib.nullcontext():
+        out = Path(cfg.output)
+        out.mkdir(parents=True, exist_ok=True)
+        earlier = _stamps(out)
+        with tempfile.TemporaryDirectory(prefix=".launch-", dir=out) as scratch:
+            code = launch.launch(cfg, Path(scratch))
+            if code != 0:
+                raise_failed(cfg, code, earlier, Path(scratch))
+        if cfg.node_rank != 0:
+            return None
+        if _stamps(out).get("result.json") in (None, earlier.get("result.json")):
+            raise StratbenchError(f"the workers exited without writing {out / 'result.json'}")
+        return json.loads((out / "result.json").read_text())
+
+
+RUN_FILES = ("result.json", "config.yaml")
+"""The files that tell whether a launched run wrote into its output folder (config.yaml: training started)."""
+
+
+def _stamps(out: Path) -> dict[str, tuple[int, int, int]]:
+    """Identity of each of RUN_FILES that exists (inode, modification time, size): every writer swaps a new file
+    in, so a file this run wrote has another stamp than the one an earlier run left."""
+    found = {}
+    for name in RUN_FILES:
+        with contextlib.suppress(OSError):
+            st = (out / name).stat()
+            found[name] = (st.st_ino, st.st_mtime_ns, st.st_size)
+    return found
 
 
 def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` through ``executor`` (``stratbench train --executor ray``): stratbench's own launcher on each
     of ``cfg.nnodes`` nodes with ``cfg.nproc`` processes, node 0's output followed here; returns result.json's
-    content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share."""
+    content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share.
+
+    The nodes read their config, and write their logs (and the executor its files), in a staging folder inside
+    the output folder; the logs join the output folder once the run wrote there (or it held no earlier run), and
+    a run refused on the nodes leaves an earlier run's folder as it was."""
     engine.preflight(cfg)
     shape = Shape(cfg.nnodes, cfg.nproc, cfg.nproc if cfg.device == "cuda" else 0)
     executor.check([shape])
     out = Path(cfg.output).resolve()
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
-    config = out / "executor_config.yaml"
-    dump_yaml(cfg.replace(output=str(out)), config)
-    (out / "result.json").unlink(missing_ok=True)
-    cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
-    job = Job(out.name, tuple(cmd), out / "train.log", shape)
-    print(f"training on {executor.where()}: {shape}; node 0's log: {job.log}", file=sys.stderr, flush=True)
-    outcome = _follow(executor, job)
+    earlier = _stamps(out)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    try:
+        config = staging / "config.yaml"
+        dump_yaml(cfg.replace(output=str(out)), config)
+        cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
+        job = Job(out.name, tuple(cmd), staging / "train.log", shape)
+        print(f"training on {executor.where()}: {shape}; node 0's log: {job.log} (then {out / 'train.log'})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        outcome = _follow(executor, job)
+        logged = _error_line(job.log)
+    finally:
+        _settle(out, staging, earlier, created)
     result = None
-    with contextlib.suppress(OSError, ValueError):
-        result = json.loads((out / "result.json").read_text())
+    if _stamps(out).get("result.json") not in (None, earlier.get("result.json")):  # this run's
+        with contextlib.suppress(OSError, ValueError):
+            result = json.loads((out / "result.json").read_text())
     if outcome.returncode == 0 and isinstance(result, dict) and result.get("status") == "ok":
         return result
-    why = outcome.reason or (result or {}).get("reason") or _error_line(job.log)
-    why = why or f"exit code {outcome.returncode}"
+    why = outcome.reason or (result or {}).get("reason") or logged or f"exit code {outcome.returncode}"
     raise StratbenchError(f"training on {executor.where()} failed: {why}")
+
+
+def _settle(out: Path, staging: Path, earlier: dict[str, Any], created: bool) -> None:
+    """The staging folder's logs become the output folder's once the run wrote there (or it held no earlier
+    result to keep); the staging folder goes, and so does an output folder this run created and left empty."""
+    now = _stamps(out)
+    if any(now.get(name) != earlier.get(name) for name in now) or "result.json" not in earlier:
+        for entry in staging.iterdir():
+            if entry.name != "config.yaml":
+                replace_path(entry, out / entry.name)
+    remove_path(staging)
+    if created:
+        remove_if_only_lock(out)
 
 
 def _follow(executor: Executor, job: Job) -> Outcome:
@@ -111,25 +175,32 @@ def _error_line(log: Path) -> str:
     return (mine or lines or [""])[-1][:400]
 
 
-def _run_here(cfg: TrainConfig) -> dict[str, Any]:
-    """The loop in this process; a full disk and an out-of-memory error become one line."""
+def _run_here(cfg: TrainConfig, noted: engine.SetupError | None = None) -> dict[str, Any]:
+    """The loop in this process; a full disk and an out-of-memory error become one line. ``noted`` hears of an
+    error before the run wrote anything (as the user would read it)."""
     try:
-        return engine.run(cfg)
-    except OSError as exc:
-        if exc.errno not in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
+        return engine.run(cfg, None if noted is None else lambda exc: noted(_explained(cfg, exc)))
+    except (OSError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError too
+        explained = _explained(cfg, exc)
+        if explained is exc:
             raise
+        raise explained from None
+
+
+def _explained(cfg: TrainConfig, exc: Exception) -> Exception:
+    """A full disk or an out-of-memory error as one line; any other exception as it is."""
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EROFS, errno.EACCES, errno.EDQUOT):
         # A full disk or a folder that became read-only while saving: the previous checkpoint is intact
         # (every writer swaps a complete new one in); result.json says "failed" with this reason.
-        raise StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}") from None
-    except RuntimeError as exc:  # torch.OutOfMemoryError is one too
-        if not is_out_of_memory(exc):
-            raise
+        return StratbenchError(f"cannot write {exc.filename or cfg.output}: {exc.strerror}")
+    if isinstance(exc, RuntimeError) and is_out_of_memory(exc):
         text = str(exc)
-        # result.json says "oom" with the reason (the engine wrote it); the user gets one line.
+        # result.json says "oom" with the reason (the engine wrote it, once training started); the user gets one line.
         first = text.strip().splitlines()[0][:200] if text.strip() else type(exc).__name__
-        raise StratbenchError(
+        return StratbenchError(
             f"out of memory ({first}); lower --batch-size or --image-size (see `stratbench estimate`)"
-        ) from None
+        )
+    return exc
 
 
 RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
@@ -207,29 +278,30 @@ PEER_LOST = (
 """What a surviving rank's error says when another rank died (gloo, NCCL)."""
 
 
-def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
-    """One line for a launched run that failed. When no worker wrote result.json (a rank was killed and
-    torchrun stopped the others), the launcher writes it: status "failed" and the reason."""
-
+def raise_failed(
+    cfg: TrainConfig, code: int, earlier: dict[str, Any] | None = None, scratch: Path | None = None
+) -> None:
+    """One line for a launched run that failed. A worker's set-up error (noted in ``scratch`` before anything was
+    written) is raised as it is. When no worker wrote result.json (a rank was killed and torchrun stopped the
+    others), the launcher writes it (status "failed" and the reason), unless it would replace an earlier run's
+    result while this run never started training. ``earlier``: ``_stamps`` of the folder before the launch."""
     out = Path(cfg.output)
     path = out / "result.json"
-    rendezvous = torchrun_error_path(cfg)
-    if code == RENDEZVOUS_FAILED and rendezvous.exists():
-        detail = rendezvous.read_text().strip()
-        rendezvous.unlink()
-        port = cfg.master_port or (MULTI_NODE_PORT if cfg.nnodes > 1 else None)  # torchrun_command's
-        where = cfg.rdzv_endpoint or (f"{cfg.master_addr}:{port}" if port else cfg.master_addr)
-        why = (f"the rendezvous of --nnodes {cfg.nnodes} (node {cfg.node_rank}, {where}) did not complete within "
-               f"--dist-timeout-s {cfg.dist_timeout_s}: {detail}")  # fmt: skip
-        if cfg.node_rank == 0:
-            ckpt.atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
-        raise StratbenchError(f"training did not start: {why}")
+    earlier = earlier or {}
+    now = _stamps(out)
+    started = "config.yaml" in now and now["config.yaml"] != earlier.get("config.yaml")  # rank 0 wrote it
+    may_write = cfg.node_rank == 0 and (started or "result.json" not in earlier)
+    if scratch is not None:
+        noted = launch.read_setup_error(scratch)
+        if noted is not None:
+            raise launch.setup_error(noted)
+        rendezvous = torchrun_error_path(scratch)
+        if code == RENDEZVOUS_FAILED and rendezvous.exists():
+            _raise_rendezvous(cfg, code, rendezvous.read_text().strip(), may_write)
     res = None
-    if path.exists():
-        try:
+    if "result.json" in now and now["result.json"] != earlier.get("result.json"):  # written by this run
+        with contextlib.suppress(OSError, ValueError):
             res = json.loads(path.read_text())
-        except ValueError:
-            res = None
     if isinstance(res, dict) and res.get("status") not in (None, "ok", "running"):
         seen = str(res.get("reason", ""))
         if any(marker in seen for marker in PEER_LOST):
@@ -240,8 +312,6 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
                 ckpt.atomic_write(path, json.dumps(res, indent=2, default=str))
         reason = f": {seen}"
     else:
-        config = out / "config.yaml"  # written by rank 0 when training starts
-        started = config.exists() and config.stat().st_mtime >= started_at
         if started:
             why = "a worker exited or was killed during training; torchrun stopped the others"
         else:
@@ -250,11 +320,24 @@ def raise_failed(cfg: TrainConfig, code: int, started_at: float = 0.0) -> None:
                 f"within --dist-timeout-s {cfg.dist_timeout_s})"
             )
         reason = f": {why}"
-        if cfg.node_rank == 0:
+        if may_write:
             ckpt.atomic_write(path, json.dumps(_launcher_record(cfg, why, code), indent=2, default=str))
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )
+
+
+def _raise_rendezvous(cfg: TrainConfig, code: int, detail: str, may_write: bool) -> None:
+    """The one line of a rendezvous that did not complete (and its record, where ``may_write``)."""
+    port = cfg.master_port or (MULTI_NODE_PORT if cfg.nnodes > 1 else None)  # torchrun_command's
+    where = cfg.rdzv_endpoint or (f"{cfg.master_addr}:{port}" if port else cfg.master_addr)
+    why = (f"the rendezvous of --nnodes {cfg.nnodes} (node {cfg.node_rank}, {where}) did not complete within "
+           f"--dist-timeout-s {cfg.dist_timeout_s}: {detail}")  # fmt: skip
+    if may_write:
+        ckpt.atomic_write(
+            Path(cfg.output) / "result.json", json.dumps(_launcher_record(cfg, why, code), indent=2, default=str)
+        )
+    raise StratbenchError(f"training did not start: {why}")
 
 
 def _launcher_record(cfg: TrainConfig, why: str, code: int) -> dict[str, Any]:

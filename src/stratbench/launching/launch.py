@@ -9,17 +9,21 @@ SLURM_PROCID/SLURM_LOCALID), or ``srun`` one task per node with ``--nproc N`` (e
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+from stratbench.core import errors
 from stratbench.core.config import TrainConfig, dump_yaml
 from stratbench.core.dist import free_port
 from stratbench.core.errors import StratbenchError
-from stratbench.launching._torchrun import ERROR_FILE_ENV
+from stratbench.launching._torchrun import ERROR_FILE_ENV, SETUP_ERRORS_ENV
 
 
 def threads_per_process(nproc: int, environ: dict[str, str] | None = None) -> int:
@@ -32,9 +36,68 @@ def threads_per_process(nproc: int, environ: dict[str, str] | None = None) -> in
     return max(1, (os.cpu_count() or 1) // max(1, nproc))
 
 
-def torchrun_error_path(cfg: TrainConfig) -> Path:
+def torchrun_error_path(scratch: Path) -> Path:
     """Where ``stratbench.launching._torchrun`` writes why this node's rendezvous failed."""
-    return Path(cfg.output) / f".torchrun_error.node{cfg.node_rank}"
+    return Path(scratch) / "torchrun_error"
+
+
+def setup_errors_path(scratch: Path) -> Path:
+    """The folder where each worker whose set-up failed, before it wrote anything, says why (``rankN.json``)."""
+    return Path(scratch) / "setup_errors"
+
+
+def record_setup_error(exc: BaseException) -> None:
+    """In a worker of stratbench's launcher: note why this rank's set-up failed (its class, exit code and first
+    line), so that the launcher says it once instead of every rank, and writes nothing into the output folder.
+    A no-op in a process that stratbench's launcher did not start."""
+    folder = os.environ.get(SETUP_ERRORS_ENV)
+    if not folder:
+        return
+    text = str(exc).strip() if isinstance(exc, StratbenchError) else f"{type(exc).__name__}: {exc}".strip()
+    record = {
+        "error": type(exc).__name__,
+        "exit_code": getattr(exc, "exit_code", 1) if isinstance(exc, StratbenchError) else 1,
+        "message": (text.splitlines() or [type(exc).__name__])[0][:1000],
+        "rank": int(os.environ.get("RANK", "0")),
+    }
+    path = Path(folder) / f"rank{record['rank']}.json"
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(record))
+    os.replace(tmp, path)  # whole or absent: torchrun's agent reads the folder while ranks write
+
+
+def setup_error_recorded() -> bool:
+    """Whether this worker noted a set-up error for its launcher (``record_setup_error``)."""
+    folder = os.environ.get(SETUP_ERRORS_ENV)
+    return bool(folder) and (Path(folder) / f"rank{os.environ.get('RANK', '0')}.json").is_file()
+
+
+def read_setup_error(scratch: Path) -> dict[str, Any] | None:
+    """The set-up error a worker of this node noted: a refusal of the input (a stratbench error) before another
+    exception, then the lowest rank; None when no worker noted one. A rank that only saw its peer leave is
+    the last choice."""
+    records = []
+    for path in setup_errors_path(scratch).glob("rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            records.append(json.loads(path.read_text()))
+    if not records:
+        return None
+    return min(records, key=lambda r: (_error_class(r) is None, r.get("rank", 0)))
+
+
+def setup_error(record: dict[str, Any]) -> StratbenchError:
+    """The exception the launcher raises for a worker's noted set-up error: the same stratbench error class and
+    exit code (a refusal stays exit 2, an unsupported method exit 3), or a StratbenchError naming the exception."""
+    cls = _error_class(record)
+    message = str(record.get("message", ""))
+    err = cls(message) if cls is not None else StratbenchError(f"training did not start: {message}")
+    err.exit_code = int(record.get("exit_code", err.exit_code))
+    return err
+
+
+def _error_class(record: dict[str, Any]) -> type[StratbenchError] | None:
+    cls = getattr(errors, str(record.get("error", "")), None)
+    return cls if isinstance(cls, type) and issubclass(cls, StratbenchError) else None
 
 
 MULTI_NODE_PORT = 29500
@@ -137,26 +200,26 @@ class _Tree:
         psutil.wait_procs(left, timeout=5)
 
 
-def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
-    """Write the resolved config, start torchrun on it (each worker runs ``stratbench COMMAND --config ...``;
-    ``probe`` starts its workers the same way), and return torchrun's exit code.
+def launch(cfg: TrainConfig, scratch: Path, command: tuple[str, ...] = ("train",)) -> int:
+    """Write the resolved config into ``scratch`` (a folder of the caller's that it removes afterwards: a refused
+    run leaves the output folder as it was), start torchrun on it (each worker runs ``stratbench COMMAND
+    --config ...``; ``probe`` starts its workers the same way), and return torchrun's exit code. A worker's
+    set-up error and a failed rendezvous are left in ``scratch`` (``read_setup_error``, ``torchrun_error_path``).
 
     The launcher owns the run's processes: torchrun runs in a session of its own and dies with the launcher
     (PR_SET_PDEATHSIG), each worker dies with torchrun (``dist.die_with_parent``), SIGTERM/SIGINT/SIGHUP are
     forwarded to torchrun (which stops its workers) and whatever is left after GRACE_S is killed, and no
     process of the run outlives this function."""
-    out = Path(cfg.output)
-    out.mkdir(parents=True, exist_ok=True)
-    config_path = out / f"launch_config.node{cfg.node_rank}.yaml"
+    scratch = Path(scratch)
+    config_path = scratch / f"launch_config.node{cfg.node_rank}.yaml"
     dump_yaml(cfg, config_path)
-    if cfg.node_rank == 0:
-        # A result.json left by an earlier run would be read as this run's failure reason if this one dies.
-        (out / "result.json").unlink(missing_ok=True)
     cmd = torchrun_command(cfg, config_path, command)
-    error_path = torchrun_error_path(cfg)
+    error_path = torchrun_error_path(scratch)
     error_path.unlink(missing_ok=True)
+    setup_errors_path(scratch).mkdir(exist_ok=True)
     env = dict(os.environ)
     env[ERROR_FILE_ENV] = str(error_path)
+    env[SETUP_ERRORS_ENV] = str(setup_errors_path(scratch))
     # One thread per process unless the user said otherwise (torchrun would set 1 and warn about it).
     env["OMP_NUM_THREADS"] = str(threads_per_process(cfg.nproc))
     env.setdefault("PYTHONUNBUFFERED", "1")

@@ -290,10 +290,6 @@ class _Accelerate(Strategy):
                 f"accelerate sees {acc.num_processes} process(es) but {self.env.world_size} were launched "
                 f"(distributed_type {acc.distributed_type}); refusing to run a different method than {self.name}"
             )
-        if self.env.is_main:
-            write_accelerate_config(
-                self.cfg, self.name, self.env.world_size, Path(self.cfg.output) / "accelerate_config.yaml"
-            )
         # FSDP1 wraps the model before the optimizer is built on its flat parameters; accelerate's FSDP2 takes
         # model and optimizer in one prepare call (it swaps the optimizer's parameters for the sharded ones,
         # and refuses a model alone: "a model and optimizer must be passed together", seen on an H200)
@@ -333,6 +329,9 @@ class _Accelerate(Strategy):
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         assert self.accelerator is not None
         return self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+
+    def run_files(self) -> dict[str, str]:
+        return {"accelerate_config.yaml": accelerate_config_text(self.cfg, self.name, self.env.world_size)}
 
     # ---- state ----------------------------------------------------------------------------------
     def optimizer_report(self, optimizer) -> dict[str, Any]:
@@ -601,6 +600,11 @@ class AccelerateTP(_Accelerate):
 
 
 def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, path: Path) -> None:
+    """Write ``accelerate_config_text`` to ``path``."""
+    checkpoint.atomic_write(path, accelerate_config_text(cfg, strategy, world_size))
+
+
+def accelerate_config_text(cfg: TrainConfig, strategy: str, world_size: int) -> str:
     """The `accelerate launch --config_file` equivalent of this run (the source's default_*.yml, today's keys)."""
     import yaml
 
@@ -638,10 +642,9 @@ def write_accelerate_config(cfg: TrainConfig, strategy: str, world_size: int, pa
             "deepspeed_config_file": str(Path(cfg.output) / "deepspeed_config.json"),
             "zero3_init_flag": False,
         }
-    checkpoint.atomic_write(
-        path,
+    return (
         "# accelerate launch --config_file this.yaml -m stratbench train <same flags> (written by stratbench)\n"
-        + yaml.safe_dump(doc, sort_keys=False),
+        + yaml.safe_dump(doc, sort_keys=False)
     )
 
 

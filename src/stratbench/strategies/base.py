@@ -432,6 +432,11 @@ class Strategy:
         """Method-specific facts for result.json (a collective where ranks differ); none by default."""
         return {}
 
+    def run_files(self) -> dict[str, str]:
+        """Files of the method's own the main rank writes into the output folder once set-up has succeeded on
+        every rank (name -> text: a generated DeepSpeed config); set-up itself writes nothing there."""
+        return {}
+
     def memory_devices(self) -> list[torch.device]:
         """Devices whose memory this process should report (DataParallel reports every GPU)."""
         return [self.env.device]

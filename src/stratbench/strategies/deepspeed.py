@@ -581,13 +581,10 @@ class DeepSpeed(Strategy):
         size_nvme_param_buffers(self.ds_config["zero_optimization"], model, self.env.world_size)
         if "tensor_parallel" in self.ds_config:
             self.ds_config["tensor_parallel"].setdefault("partition_config", autotp_partition_config(model))
-        if self.env.is_main:
-            out = Path(self.cfg.output)
-            out.mkdir(parents=True, exist_ok=True)
-            checkpoint.atomic_write(
-                out / "deepspeed_config.json", json.dumps(self.ds_config, indent=2) + "\n"
-            )
         return model
+
+    def run_files(self) -> dict[str, str]:
+        return {"deepspeed_config.json": json.dumps(self.ds_config, indent=2) + "\n"}
 
     def build_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
         """The client optimizer and the engine (every kernel build happens here); self.model becomes the engine."""

@@ -3,9 +3,11 @@ RunMetrics object; no method-specific code and no logger.
 
 Order of set-up, the same for every method: seed -> data -> model (same init on every rank) -> weights ->
 activation checkpointing -> strategy.setup (convert precision, move, wrap, build optimizer on the wrapped
-parameters) -> compile -> resume. Timing: each optimizer step is timed from a synchronised clock, data loading
-included, evaluation and checkpointing excluded; the first ``timing_warmup_steps`` steps are left out of the
-step statistics. Memory peaks are reset at the start of each phase.
+parameters) -> compile -> resume -> (every rank set up) the main rank's files. Nothing is written into the
+output folder before that, so input refused during set-up leaves an earlier run's folder as it was. Timing: each
+optimizer step is timed from a synchronised clock, data loading included, evaluation and checkpointing excluded;
+the first ``timing_warmup_steps`` steps are left out of the step statistics. Memory peaks are reset at the start
+of each phase.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import importlib.util
 import math
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -130,18 +133,37 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     return strategy_cls
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train in this process (one rank of a launched group, or the only process) and return the result."""
-    strategy_cls = preflight(cfg)
-    env = read_env(cfg.device)
-    if strategy_cls.needs_process_group:
-        init_process_group(env, cfg.dist_timeout_s)
-    elif env.world_size > 1:
-        raise ConfigError(
-            f"strategy {cfg.strategy!r} runs in one process; it was launched as {env.world_size}"
-        )
+SetupError = Callable[[Exception], None]
+"""Told of an exception raised before the run wrote anything into its output folder (a refusal of the input, or a
+failure while building the data, model or method): a launched worker reports it to its launcher."""
+
+
+@contextmanager
+def _setting_up(on_setup_error: SetupError | None) -> Iterator[None]:
+    """Tell ``on_setup_error`` of an exception raised in the block (then raise it on)."""
     try:
-        return Trainer(cfg, env, strategy_cls).fit()
+        yield
+    except Exception as exc:
+        if on_setup_error is not None:
+            on_setup_error(exc)
+        raise
+
+
+def run(cfg: TrainConfig, on_setup_error: SetupError | None = None) -> dict[str, Any]:
+    """Train in this process (one rank of a launched group, or the only process) and return the result."""
+    with _setting_up(on_setup_error):
+        strategy_cls = preflight(cfg)
+        env = read_env(cfg.device)
+        if strategy_cls.needs_process_group:
+            init_process_group(env, cfg.dist_timeout_s)
+        elif env.world_size > 1:
+            raise ConfigError(
+                f"strategy {cfg.strategy!r} runs in one process; it was launched as {env.world_size}"
+            )
+    try:
+        with _setting_up(on_setup_error):
+            trainer = Trainer(cfg, env, strategy_cls)
+        return trainer.fit(on_setup_error)
     finally:
         if strategy_cls.needs_process_group:
             destroy_process_group()
@@ -177,20 +199,21 @@ class Trainer:
         self.result: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------
-    def fit(self) -> dict[str, Any]:
-        """Train, and write the result (whatever happened) through the sinks of the main rank."""
-        cfg, env = self.cfg, self.env
+    def fit(self, on_setup_error: SetupError | None = None) -> dict[str, Any]:
+        """Set up everything (data, model, weights, method, resume), then open the main rank's writers and train,
+        writing the result whatever happens from there. Nothing is written before set-up has succeeded on every
+        rank: bad input leaves an existing output folder as it was (``on_setup_error`` hears why)."""
         t_start = time.perf_counter()
-        self.result = self._result_header()
-        sinks: list[Sink] = []
-        if env.is_main:
-            self.out.mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, self.out / "config.yaml")
-            resuming = bool(cfg.resume or cfg.resume_from)
-            sinks = build_sinks(cfg, self.out, resuming, header=self.result)
-        metrics = RunMetrics(self.strategy, cfg, sinks)
+        with _setting_up(on_setup_error):
+            self.result = self._result_header()
+            metrics = RunMetrics(self.strategy, self.cfg, [])
+            run = self._setup(metrics)
+            self.strategy.barrier()  # every rank is set up before rank 0 replaces an earlier run's files
+            sinks = self._open_writers()  # a W&B login it cannot use is refused here, with nothing replaced
+        metrics.sinks = sinks
         try:
-            self._fit(metrics)
+            self._write_run_files()
+            self._fit(run, metrics)
             self.result["status"] = "ok"
         except torch.OutOfMemoryError as exc:
             self._fail("oom", f"out of memory: {str(exc).splitlines()[0]}")
@@ -211,9 +234,25 @@ class Trainer:
                 sink.close(self.result)
         return self.result
 
-    def _fit(self, metrics: RunMetrics) -> None:
+    def _open_writers(self) -> list[Sink]:
+        """The main rank's sinks (the trackers asked for, metrics.csv, result.json when the run ends), opened once
+        set-up has succeeded on every rank."""
+        if not self.env.is_main:
+            return []
+        self.out.mkdir(parents=True, exist_ok=True)
+        resuming = bool(self.cfg.resume or self.cfg.resume_from)
+        return build_sinks(self.cfg, self.out, resuming, header=self.result)
+
+    def _write_run_files(self) -> None:
+        """The main rank's config.yaml and the method's own files (its DeepSpeed or accelerate config)."""
+        if not self.env.is_main:
+            return
+        dump_yaml(self.cfg, self.out / "config.yaml")
+        for name, text in self.strategy.run_files().items():
+            ckpt.atomic_write(self.out / name, text)
+
+    def _fit(self, run: Run, metrics: RunMetrics) -> None:
         cfg = self.cfg
-        run = self._setup(metrics)
         metrics.tokens_per_sample = run.bundle.seq_len
         progress = run.state.progress
         bar = _progress(cfg, self.env, run.run_steps, progress.step)

@@ -266,10 +266,11 @@ def build_sinks(
     sinks: list[Sink] = []
     if cfg.wandb:  # first: a login or server it cannot reach is refused before any file is opened
         sinks.append(WandbSink(cfg, out, header or {}))
-    sinks.append(CsvSink(out / "metrics.csv", append=resuming))
-    if cfg.tensorboard:
-        sinks.append(TensorBoardSink(out / "tensorboard"))
     if cfg.mlflow:
         sinks.append(MLflowSink(cfg, out))
+    if cfg.tensorboard:
+        sinks.append(TensorBoardSink(out / "tensorboard"))
+    # After the trackers, which add files of their own: metrics.csv is the one an earlier run's is replaced by.
+    sinks.append(CsvSink(out / "metrics.csv", append=resuming))
     sinks.append(ResultSink(out / "result.json"))  # last: the other sinks may add to the result when closing
     return sinks
