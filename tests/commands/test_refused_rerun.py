@@ -66,6 +66,34 @@ def _hf_bad_safetensors(inputs: Path) -> None:
     _hf_folder(inputs, {"model.safetensors": (16).to_bytes(8, "little") + b"{not json, sorry}" + bytes(64)})
 
 
+def _hf_keys_of_another_model(inputs: Path) -> None:
+    import torch
+    from safetensors.torch import save_file
+
+    folder = inputs / "hf"
+    _hf_folder(inputs, {})
+    save_file({"transformer.wte.weight": torch.zeros(320, 32)}, str(folder / "model.safetensors"))
+
+
+def _hf_config(inputs: Path, **changes) -> None:
+    folder = inputs / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({**LLAMA, **changes}))
+
+
+def _hf_encoder(inputs: Path) -> None:
+    _hf_config(inputs, model_type="bert", architectures=["BertForMaskedLM"], type_vocab_size=2)
+
+
+def _hf_larger_than_the_host(inputs: Path) -> None:
+    _hf_config(inputs, hidden_size=65536, intermediate_size=262144, num_hidden_layers=64, num_attention_heads=512,
+               num_key_value_heads=512)  # fmt: skip
+
+
+def _token_beyond_any_vocabulary(inputs: Path) -> None:
+    (inputs / "big.bin").write_bytes((4_000_000_000).to_bytes(4, "little") * 1024)
+
+
 def _weights_that_fit_nothing(inputs: Path) -> None:
     import torch
 
@@ -108,6 +136,20 @@ REFUSALS: dict[str, Refusal] = {
     ),
     "hf-bad-weights-file": Refusal(
         ("--model", "hf:{inputs}/hf"), "could not build", _hf_bad_safetensors, needs="transformers"
+    ),
+    "hf-keys-of-another-model": Refusal(
+        ("--model", "hf:{inputs}/hf"), "missing", _hf_keys_of_another_model, needs="transformers"
+    ),
+    "hf-not-a-decoder": Refusal(("--model", "hf:{inputs}/hf"), "bert", _hf_encoder, needs="transformers"),
+    "hf-larger-than-the-host": Refusal(
+        ("--model", "hf:{inputs}/hf"), "memory available", _hf_larger_than_the_host, needs="transformers"
+    ),
+    "hf-window-beyond-its-positions": Refusal(
+        ("--model", "hf:{inputs}/hf", "--seq-len", "128"), "128", lambda inputs: _hf_config(inputs),
+        needs="transformers",
+    ),
+    "token-beyond-any-vocabulary": Refusal(
+        ("--data", "tokens:{inputs}/big.bin", "--token-dtype", "uint32"), "4000000000", _token_beyond_any_vocabulary
     ),
     "weights-fit-nothing": Refusal(("--weights", "{inputs}/other.pt"), "no tensor that fits", _weights_that_fit_nothing),
     "weights-not-a-state-dict": Refusal(("--weights", "{inputs}/garbage.pt"), "garbage.pt", _garbage_weights),
