@@ -27,7 +27,7 @@ from stratbench.measuring.hardware import resolve
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
 from stratbench.predicting.projection import load_calibration
-from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows
+from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows, none_answered
 from stratbench.strategies.base import all_strategies, get_strategy
 
 NAME = "estimate"
@@ -293,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
     results = method_rows(names, lambda name: config_for(args, name), settings)
+    why = none_answered(results)
+    if why:  # a table of n/a rows would read as an answer
+        raise ConfigError(why)
     if args.json:
         out: dict = {"device_memory": device_memory, "results": results}
         if system is not None:

@@ -19,7 +19,8 @@ from stratbench.core.user_code import call_user, check_signature, import_builder
 from stratbench.models._torchvision import import_torchvision
 from stratbench.models.flops import example_input
 from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
-from stratbench.models.transformer import SIZES, build_transformer
+from stratbench.models.hf import decoder_shape as hf_decoder_shape
+from stratbench.models.transformer import SIZES, TransformerConfig, build_transformer, transformer_config
 
 IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
 MODELS = (*IMAGE_MODELS, *SIZES)
@@ -97,6 +98,14 @@ def is_language_model(name: str) -> bool:
     """Whether ``name`` is a built-in or Hugging Face language model (it takes token ids; its output width is the
     vocabulary)."""
     return name in SIZES or is_hf_name(name)
+
+
+def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
+    """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
+    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models."""
+    if name in SIZES:
+        return transformer_config(name, vocab_size=vocab_size)
+    return hf_decoder_shape(name, vocab_size) if is_hf_name(name) else None
 
 
 def _output_keyword(text: bool) -> str:

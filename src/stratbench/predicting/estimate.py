@@ -40,8 +40,7 @@ from stratbench.measuring.model_trace import (
     model_info,
     trace_step,
 )
-from stratbench.models.transformer import transformer_config
-from stratbench.models.zoo import is_language_model
+from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory, opt_slots
@@ -255,12 +254,12 @@ def _working_peak(trace: Trace, grad_fraction: float, kept_grads: int) -> int:
 def formula_check(
     spec: ModelSpec, micro_batch: int, precision: str, recompute: bool, traced: int
 ) -> dict[str, Any] | None:
-    """A built-in transformer's activations by the published formula (``activation_formula``) at this
-    micro-batch, with the traced bytes and the formula's relative difference from them; None for other models
-    (a user's language model has no known shape to put into it)."""
-    if not (spec.is_text and is_language_model(spec.model)):
+    """A transformer's activations by the published formula (``activation_formula``) at this micro-batch, with
+    the traced bytes and the formula's relative difference from them: a built-in size, or a Hugging Face config of
+    that kind (``zoo.decoder_shape``); None for other models (no known shape to put into it)."""
+    shape = decoder_shape(spec.model, spec.num_classes) if spec.is_text else None
+    if shape is None:
         return None
-    shape = transformer_config(spec.model, vocab_size=spec.num_classes)
     f = formula_activations(shape, micro_batch, spec.seq_len, precision, recompute)
     return {
         **f.to_dict(),
