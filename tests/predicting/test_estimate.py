@@ -330,14 +330,18 @@ def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
         assert rows["forward/backward working peak"] < largest + params / 8 + 2**20, (name, rows)
 
 
-def test_fsdp_gathers_the_root_unit_once_when_the_model_has_no_blocks(wide_mlp):
-    """With no residual block the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
+def test_fsdp_gathers_the_root_unit_once_when_it_is_the_only_unit(wide_mlp):
+    """With --wrap none the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
     reduce-scatter input (fp32 gradients), not twice as "current + prefetched unit" (2x the model)."""
-    info = model_info(ModelSpec.from_config(wide_mlp))
-    assert [len(u) for u in info.block_units] == [len(info.numels)]  # the root alone
+    from stratbench.measuring.model_trace import wrap_units_of
+
+    spec = ModelSpec.from_config(wide_mlp)
+    info = model_info(spec)
+    assert [len(u) for u in wrap_units_of(spec, "none", 1).indices] == [len(info.numels)]  # the root alone
     P = info.total
     for precision, gather in (("fp32", 4), ("bf16-mixed", 2)):
-        cfg = wide_mlp.replace(strategy="fsdp", strategy_options={"sharding": "full"}, precision=precision)
+        opts = {"sharding": "full", "wrap": "none"}
+        cfg = wide_mlp.replace(strategy="fsdp", strategy_options=opts, precision=precision)
         gathered = _rows(estimate(cfg, 4, "cuda"))["gathered parameters"]
         assert gathered == P * gather + P * 4, (precision, gathered, P)
 

@@ -355,7 +355,20 @@ def formula_lines(results: list[dict]) -> list[str]:
     return list(seen.values())
 
 
+def units_lines(results: list[dict]) -> list[str]:
+    """One line per method whose estimate assumed units gathered one at a time (FSDP: its blocks), naming them."""
+    seen: dict[str, None] = {}
+    for res in results:
+        units = (res.get("estimate") or {}).get("units")
+        if units:
+            seen.setdefault(f"{res['strategy']}: {units}")
+    return list(seen)
+
+
 def print_formula_lines(console, results: list[dict]) -> None:
+    """The lines under a table: the units each sharding row assumed, then the activation formula's cross-check."""
+    for line in units_lines(results):
+        console.print(line, highlight=False)  # wrapped to the terminal, as the table is
     for line in formula_lines(results):
         console.print(line, highlight=False, soft_wrap=True)
 

@@ -126,6 +126,8 @@ class Estimate:
     activation_formula: dict[str, Any] | None = None
     """A built-in transformer: the published formula's activations (``activation_formula``) beside the traced
     ones (``traced_bytes``) and its ``difference`` from them; a stated cross-check, not part of the total."""
+    units: str | None = None
+    """The units the method gathers one at a time, in words (FSDP: the blocks ``--wrap`` gave); None where none."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -213,6 +215,7 @@ def estimate(
         seq_len=spec.seq_len,
         vocab_size=spec.num_classes if spec.is_text else None,
         activation_formula=check,
+        units=s.units_note or None,
     )
 
 
