@@ -213,7 +213,7 @@ def time_setup(args: argparse.Namespace):
     return system, calibration
 
 
-MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
+MAX_WORLD = est.MAX_WORLD
 MAX_BATCH = 100_000_000
 
 

@@ -47,6 +47,8 @@ from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory
 
 GiB = 1024**3
 MiB = 1024**2
+MAX_WORLD = 4096
+"""The largest world size an estimate takes: ``rank_states`` is O(world x parameters), 4096 answers in ~15 s."""
 
 # Per-process memory outside the tensors the allocator hands out, by device type. CUDA: the context (driver,
 # kernels of torch/cuDNN/cuBLAS loaded lazily) measured by nvidia-smi for a process that has run a ResNet
