@@ -378,6 +378,22 @@ def test_a_report_predicts_with_the_cpu_its_cells_ran_on():
     assert native_16bit_of({}) is None
 
 
+def test_a_user_model_whose_forward_raises_is_one_line(tmp_path, monkeypatch, capsys):
+    """A user's model that cannot run its forward on the data's shape: the estimate says so in one line naming
+    the model and the error (before: the RuntimeError's traceback from inside the trace)."""
+    from conftest import fails
+
+    (tmp_path / "sb_bad_forward.py").write_text(
+        "from torch import nn\n\ndef build(num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.Conv1d(1, 1, 1), nn.Flatten(), "
+        "nn.Linear(16, num_classes))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = fails(capsys, "estimate", "--model", "sb_bad_forward:build", "--image-size", "8", "--batch-size", "4")
+    assert "model 'sb_bad_forward:build': one forward and backward on a micro-batch of shape (4, 3, 8, 8)" in err
+    assert "raised RuntimeError: Given groups=1" in err
+
+
 # ---- issue 33: DeepSpeed's fp16/bf16 forward is a 16-bit model's, not autocast over fp32 weights -------------
 STACK_7B = """
 from torch import nn

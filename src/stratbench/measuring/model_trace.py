@@ -502,6 +502,8 @@ def trace_pieces(
     return tuple(out)
 
 
+
+
 def _build_in(spec: ModelSpec, dtype: torch.dtype) -> nn.Module:
     """The model built with ``dtype`` weights (inside the caller's fake mode). Built in the weights' dtype:
     converting fake parameters afterwards (module.to) fails in torch 2.13 ("Couldn't swap Conv2d.weight")."""

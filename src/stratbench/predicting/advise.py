@@ -133,9 +133,7 @@ def plan_config(base: TrainConfig, plan: Plan, devices: int) -> TrainConfig:
     return cfg
 
 
-def applicable(
-    base: TrainConfig, plans: list[Plan], devices: int, device_type: str
-) -> tuple[list[Plan], list[str]]:
+def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: str) -> tuple[list[Plan], list[str]]:
     """The plans the model and devices admit (``Strategy.check_supported``: a model without a tensor-parallel plan,
     or whose heads do not divide by T, is not offered the tensor-parallel ones) and whose data-parallel ranks
     split the global batch evenly (a tensor-parallel group takes one share whole), with a note per plan dropped

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from stratbench.core.config import TrainConfig, from_dict
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, StratbenchError
 from stratbench.core.precision import SPECS, cpu_native_16bit, spec_of
+from stratbench.core.user_code import one_line
 from stratbench.measuring.model_trace import (
     ModelInfo,
     ModelSpec,
@@ -40,6 +41,7 @@ from stratbench.measuring.model_trace import (
     model_info,
     trace_step,
 )
+from stratbench.models.hf import is_hf_name
 from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
@@ -226,12 +228,29 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     forward/backward of the model (or the method's slice of it) traced at the micro-batch ``mb``."""
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
     run_as = s.trace_precision or cfg.precision
-    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
+    trace = _trace(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     check = formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)
     return trace.saved_bytes, f"traced at micro-batch {mb}", fwd_bwd, check
+
+
+def _trace(spec: ModelSpec, mb: int, *args: Any) -> Trace:
+    """``trace_step``, where a user's model whose forward or backward raises on the fake micro-batch is one line
+    naming it (a user's mistake, as train would meet it); a built-in model's failure keeps its traceback (a bug)."""
+    try:
+        return trace_step(spec, mb, *args)
+    except StratbenchError:
+        raise
+    except Exception as exc:
+        if ":" not in spec.model or is_hf_name(spec.model):
+            raise
+        x, _ = spec.example_batch(mb, torch.float32)
+        raise ConfigError(
+            f"model {spec.model!r}: one forward and backward on a micro-batch of shape {tuple(x.shape)} (fake "
+            f"tensors) raised {one_line(exc)}"
+        ) from None
 
 
 def _cpu_library(
@@ -243,7 +262,7 @@ def _cpu_library(
     run_as = s.trace_precision or cfg.precision
     if SPECS[run_as].compute_dtype.itemsize >= 4:
         return cpu_library_bytes(cfg.precision, native_16bit=native_16bit)
-    t = trace_step(spec, mb, run_as, cfg.activation_checkpointing, "cpu", s.trace_transform)
+    t = _trace(spec, mb, run_as, cfg.activation_checkpointing, "cpu", s.trace_transform)
     runs = s.runs_linear is not False
     return cpu_library_bytes(
         cfg.precision, t.products * runs, t.attentions * runs, t.convolutions, native_16bit=native_16bit
