@@ -29,6 +29,7 @@ from stratbench.core.config import TrainConfig, coerce, from_dict
 from stratbench.core.dist import launched_by_launcher
 from stratbench.core.errors import ConfigError
 from stratbench.launching.executor import Executor, Shape
+from stratbench.launching.executors import EXECUTORS, make_executor
 from stratbench.launching.job import run_job
 from stratbench.launching.local_executor import LocalExecutor
 from stratbench.measuring.hardware import resolve
@@ -114,16 +115,16 @@ def plan_sweep(
     ``precision``: every cell's precision instead of the matrix's (``fp64``: losses that agree to ~1e-12 across
     methods, executors and machines; cells that then coincide run once)."""
 
-    if timeout is not None and timeout <= 0:
-        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout}")
-    if world_size is not None and world_size < 1:
-        raise ConfigError(f"world size must be >= 1, got {world_size}")
-    if nodes is not None and nodes < 1:
-        raise ConfigError(f"--nodes must be >= 1, got {nodes}")
-    executor = executor or LocalExecutor()
+    timeout = _number("timeout", timeout, float, low=0, open_low=True)
+    world_size = _number("world_size", world_size, int, low=1)
+    nodes = _number("nodes", nodes, int, low=1)
+    only, skip = _names("only", only), _names("skip", skip)
+    executor = _executor(executor)
     if calibrate and not executor.runs_here:
         raise ConfigError(f"--calibrate measures this machine, but --executor {executor.name} runs the cells "
                           "elsewhere: calibrate with a local compare on a node like the cluster's")  # fmt: skip
+    if hardware is not None and not isinstance(hardware, str):
+        raise ConfigError(f"hardware must be a system name or a profile file, not {type(hardware).__name__}")
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
     m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision)
@@ -138,6 +139,44 @@ def plan_sweep(
     executor.check(Shape(p.cell.nodes, p.cell.procs_per_node, p.cell.procs_per_node if m.uses_gpus(p.cell) else 0)
                    for p in plans if p.status is None)  # fmt: skip
     return SweepPlan(m, plans, out, timeout or m.timeout_s, calibration, executor)
+
+
+def _number(
+    name: str, value: Any, typ: type, low: float, high: float | None = None, open_low: bool = False
+) -> Any:
+    """``value`` read as the CLI reads ``typ`` (None stays None), within [low, high] (``open_low``: above low);
+    one line naming it otherwise (a bool is not a number here)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{name} must be a number, not {value!r}")
+    number = coerce(name, value, typ)
+    if number < low or (open_low and number == low) or (high is not None and number > high):
+        bound = f"above {low}" if open_low else f"at least {low}"
+        raise ConfigError(f"{name} must be {bound}{f' and at most {high}' if high else ''}, got {value!r}")
+    return number
+
+
+def _names(name: str, value: Any) -> list[str] | None:
+    """``only``/``skip``: a comma-separated string or a list of them (as --only/--skip, repeatable)."""
+    if value is None or isinstance(value, str):
+        return None if value is None else [value]
+    if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
+        return list(value)
+    raise ConfigError(f"{name} must be a string of comma-separated names or a list of them, not {value!r}")
+
+
+def _executor(value: Any) -> Executor:
+    """Where the cells run: an Executor, a name (local, ray, slurm, with their defaults) or None (this machine)."""
+    if value is None:
+        return LocalExecutor()
+    if isinstance(value, str):
+        return make_executor(value)
+    if not isinstance(value, Executor):
+        raise ConfigError(
+            f"executor must be an Executor or one of: {', '.join(EXECUTORS)}; got {type(value).__name__}"
+        )
+    return value
 
 
 def _typed(options: dict[str, Any]) -> dict[str, Any]:
@@ -162,8 +201,9 @@ def run_sweep(
     """Run the planned cells (resuming: recorded cells are kept), then write the report; Ctrl-C stops the
     sweep, keeps the finished cells and still writes the report (``Sweep.interrupted`` says why)."""
 
-    if repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    if not isinstance(sweep, SweepPlan):
+        raise ConfigError(f"run_sweep() takes the SweepPlan plan_sweep() returns, not {type(sweep).__name__}")
+    repeats = _number("repeats", repeats, int, low=1)
     check_runnable(sweep.plans)
     runner = SweepRunner(sweep.matrix, sweep.output, timeout_s=sweep.timeout_s, retry=retry, console=console,
                          repeats=repeats, command=command or ["python", *sys.argv], executor=sweep.executor)  # fmt: skip
@@ -192,8 +232,7 @@ def compare(
     ``output`` and write one report, as ``stratbench compare`` does. ``only``/``skip`` select cells by name,
     other keywords are ``plan_sweep``'s (timeout, calibrate, hardware, world_size) or training options for
     every cell (``epochs=1``)."""
-    if repeats < 1:
-        raise ConfigError(f"repeats must be >= 1, got {repeats}")
+    repeats = _number("repeats", repeats, int, low=1)
     sweep = plan_sweep(preset, **plan_options)
     return run_sweep(
         sweep, repeats=repeats, retry=retry, hardware=plan_options.get("hardware"), console=console
@@ -214,6 +253,7 @@ def estimate(
 
     if device_type not in ("cuda", "cpu"):
         raise ConfigError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    world_size = _number("world_size", world_size, int, low=1, high=est.MAX_WORLD)
     cfg = train_config(None, model=model, strategy=strategy, data=options.pop("data", "synthetic"), **options)
     check_config(cfg, world_size)
     return est.estimate(cfg, world_size, device_type)

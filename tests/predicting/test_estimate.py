@@ -330,14 +330,18 @@ def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
         assert rows["forward/backward working peak"] < largest + params / 8 + 2**20, (name, rows)
 
 
-def test_fsdp_gathers_the_root_unit_once_when_the_model_has_no_blocks(wide_mlp):
-    """With no residual block the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
+def test_fsdp_gathers_the_root_unit_once_when_it_is_the_only_unit(wide_mlp):
+    """With --wrap none the root is FSDP2's only unit: gathered once (in the compute dtype), plus its
     reduce-scatter input (fp32 gradients), not twice as "current + prefetched unit" (2x the model)."""
-    info = model_info(ModelSpec.from_config(wide_mlp))
-    assert [len(u) for u in info.block_units] == [len(info.numels)]  # the root alone
+    from stratbench.measuring.model_trace import wrap_units_of
+
+    spec = ModelSpec.from_config(wide_mlp)
+    info = model_info(spec)
+    assert [len(u) for u in wrap_units_of(spec, "none", 1).indices] == [len(info.numels)]  # the root alone
     P = info.total
     for precision, gather in (("fp32", 4), ("bf16-mixed", 2)):
-        cfg = wide_mlp.replace(strategy="fsdp", strategy_options={"sharding": "full"}, precision=precision)
+        opts = {"sharding": "full", "wrap": "none"}
+        cfg = wide_mlp.replace(strategy="fsdp", strategy_options=opts, precision=precision)
         gathered = _rows(estimate(cfg, 4, "cuda"))["gathered parameters"]
         assert gathered == P * gather + P * 4, (precision, gathered, P)
 
@@ -372,6 +376,22 @@ def test_a_report_predicts_with_the_cpu_its_cells_ran_on():
     assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX512"}) == native  # an older record
     assert predict_peak_bytes(config, 1, "cpu", {"cpu_capability": "AVX2"}) == reference
     assert native_16bit_of({}) is None
+
+
+def test_a_user_model_whose_forward_raises_is_one_line(tmp_path, monkeypatch, capsys):
+    """A user's model that cannot run its forward on the data's shape: the estimate says so in one line naming
+    the model and the error (before: the RuntimeError's traceback from inside the trace)."""
+    from conftest import fails
+
+    (tmp_path / "sb_bad_forward.py").write_text(
+        "from torch import nn\n\ndef build(num_classes):\n"
+        "    return nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.Conv1d(1, 1, 1), nn.Flatten(), "
+        "nn.Linear(16, num_classes))\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    err = fails(capsys, "estimate", "--model", "sb_bad_forward:build", "--image-size", "8", "--batch-size", "4")
+    assert "model 'sb_bad_forward:build': one forward and backward on a micro-batch of shape (4, 3, 8, 8)" in err
+    assert "raised RuntimeError: Given groups=1" in err
 
 
 # ---- issue 33: DeepSpeed's fp16/bf16 forward is a 16-bit model's, not autocast over fp32 weights -------------

@@ -27,7 +27,7 @@ from stratbench.measuring.hardware import resolve
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
 from stratbench.predicting.projection import load_calibration
-from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows
+from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows, none_answered
 from stratbench.strategies.base import all_strategies, get_strategy
 
 NAME = "estimate"
@@ -213,7 +213,7 @@ def time_setup(args: argparse.Namespace):
     return system, calibration
 
 
-MAX_WORLD = 4096  # estimate.rank_states is O(world x parameters): 4096 answers in ~15 s here
+MAX_WORLD = est.MAX_WORLD
 MAX_BATCH = 100_000_000
 
 
@@ -293,6 +293,9 @@ def run(args: argparse.Namespace) -> int:
         nodes=args.nodes, gpus_per_node=args.gpus_per_node,
     )  # fmt: skip
     results = method_rows(names, lambda name: config_for(args, name), settings)
+    why = none_answered(results)
+    if why:  # a table of n/a rows would read as an answer
+        raise ConfigError(why)
     if args.json:
         out: dict = {"device_memory": device_memory, "results": results}
         if system is not None:
@@ -352,7 +355,20 @@ def formula_lines(results: list[dict]) -> list[str]:
     return list(seen.values())
 
 
+def units_lines(results: list[dict]) -> list[str]:
+    """One line per method whose estimate assumed units gathered one at a time (FSDP: its blocks), naming them."""
+    seen: dict[str, None] = {}
+    for res in results:
+        units = (res.get("estimate") or {}).get("units")
+        if units:
+            seen.setdefault(f"{res['strategy']}: {units}")
+    return list(seen)
+
+
 def print_formula_lines(console, results: list[dict]) -> None:
+    """The lines under a table: the units each sharding row assumed, then the activation formula's cross-check."""
+    for line in units_lines(results):
+        console.print(line, highlight=False)  # wrapped to the terminal, as the table is
     for line in formula_lines(results):
         console.print(line, highlight=False, soft_wrap=True)
 

@@ -21,13 +21,9 @@ from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
+from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
-from stratbench.models.zoo import (
-    apply_activation_checkpointing,
-    build_model,
-    has_lazy_parameters,
-    residual_block_types,
-)
+from stratbench.models.zoo import apply_activation_checkpointing, build_model, has_lazy_parameters
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
 ROUND_BYTES = {"cuda": 512, "cpu": 1}
@@ -167,12 +163,16 @@ class ModelInfo:
     numels: list[int]
     dim0: list[int]
     block_units: list[list[int]]
-    """FSDP2 wrapping: one unit per residual block (indices into numels), the root unit last."""
+    """FSDP2 wrapping: one unit per block (``models.blocks``' rule; indices into numels), the root unit last (the
+    only one where the model has no blocks)."""
     layer_units: list[list[int]]
     """FSDP1 as the source wraps it: one unit per Linear/Conv2d, the root unit (the rest) last."""
     buffer_bytes: int
     linear_names: tuple[str, ...] = ()
     """Qualified names of the nn.Linear modules (a CPU's 16-bit matrix products keep oneDNN buffers)."""
+    blocks: str | None = None
+    """The block units in words (``describe_units``); None where the model has none (``no_blocks`` says why)."""
+    no_blocks: str = ""
 
     @property
     def total(self) -> int:
@@ -183,37 +183,67 @@ class ModelInfo:
         return max((sum(self.numels[i] for i in u) for u in self.layer_units), default=0)
 
 
-@functools.cache
-def model_info(spec: ModelSpec) -> ModelInfo:
-    """Shapes of the real model, built under FakeTensorMode so that even a huge model costs no memory."""
+def _fake_model(spec: ModelSpec) -> nn.Module:
+    """The model built under FakeTensorMode: its shapes, no memory (any size)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = spec.build()
+        return spec.build()
+
+
+def _unit_indices(model: nn.Module, units: list[nn.Module]) -> list[list[int]]:
+    """``units`` (children before parents) as indices into ``model.parameters()``: each unit's parameters not in
+    a unit before it, then the root's (the rest) last."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+    taken: set[int] = set()
+    out: list[list[int]] = []
+    for m in units:
+        ids = [index[id(p)] for p in m.parameters() if index[id(p)] not in taken]
+        taken.update(ids)
+        if ids:
+            out.append(ids)
+    out.append([i for i in range(len(index)) if i not in taken])
+    return out
+
+
+@functools.cache
+def model_info(spec: ModelSpec) -> ModelInfo:
+    """Shapes of the real model, built under FakeTensorMode so that even a huge model costs no memory."""
+    model = _fake_model(spec)
     params = list(model.parameters())
-    index = {id(p): i for i, p in enumerate(params)}
-
-    def units(is_unit) -> list[list[int]]:
-        taken: set[int] = set()
-        out: list[list[int]] = []
-        for m in model.modules():
-            if m is not model and is_unit(m):
-                ids = [index[id(p)] for p in m.parameters() if index[id(p)] not in taken]
-                taken.update(ids)
-                if ids:
-                    out.append(ids)
-        out.append([i for i in range(len(params)) if i not in taken])
-        return out
-
-    block_types = residual_block_types(model)
+    has_blocks = find_blocks(model) is not None
+    blocks = wrap_units(model, "block", 0) if has_blocks else []
+    layers = [m for m in model.modules() if m is not model and isinstance(m, (nn.Linear, nn.Conv2d))]
     return ModelInfo(
         numels=[p.numel() for p in params],
         dim0=[p.shape[0] if p.dim() else 1 for p in params],
-        block_units=units(lambda m: bool(block_types) and isinstance(m, block_types)),
-        layer_units=units(lambda m: isinstance(m, (nn.Linear, nn.Conv2d))),
+        block_units=_unit_indices(model, blocks),
+        layer_units=_unit_indices(model, layers),  # Linear/Conv2d do not nest
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         linear_names=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
+        blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
+        no_blocks="" if has_blocks else why_no_blocks(model),
     )
+
+
+@dataclass(frozen=True)
+class Units:
+    """FSDP units as ``--wrap`` builds them: parameter indices per unit (the root last) and the line saying so."""
+
+    indices: list[list[int]]
+    note: str
+
+
+@functools.cache
+def wrap_units_of(spec: ModelSpec, wrap: str, min_params: int) -> Units:
+    """The units fsdp's ``--wrap`` gives the model (``models.blocks.wrap_units``, as a run wraps it); a model
+    without blocks under ``--wrap block`` is refused in the line a run refuses it with."""
+    info = model_info(spec)
+    if wrap == "block" and info.blocks is not None:  # the usual case: no second build
+        return Units(info.block_units, info.blocks)
+    model = _fake_model(spec)
+    units = wrap_units(model, wrap, min_params)
+    return Units(_unit_indices(model, units), describe_units(model, wrap, min_params, units))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ folder's weights are loaded in fp32 too); the precision layer converts it, as it
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import tempfile
@@ -39,6 +40,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.core.user_code import one_line
+from stratbench.models.transformer import TransformerConfig
 
 PREFIX = "hf:"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?")
@@ -589,3 +591,37 @@ def flops_per_token(model: HFCausalLM, seq_len: int) -> float:
     cfg = model.hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len
+
+
+# ------------------------------------------------------------------------------------------------
+# the shape the published activation formula takes (the estimate's cross-check)
+
+
+@functools.cache
+def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
+    """``name``'s shape as the built-in transformers' (``TransformerConfig``), for the estimate's activation
+    formula: width, heads, layers and MLP width from the config, checked against a decoder layer built on the
+    meta device (a gated MLP: two matrices from the width to ``intermediate_size``; heads that split the width).
+    None where the layers are not of that kind (GPT-2's plain MLP, a head size apart from width / heads)."""
+    config = load_config(name)
+    with torch.device("meta"):
+        model = build_hf(name, vocab_size)
+    types_ = model._stratbench_block_types
+    layer = next((m for m in model.modules() if types_ and isinstance(m, types_)), None)
+    h, a = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    f = getattr(config, "intermediate_size", None)
+    if layer is None or not all(isinstance(v, int) for v in (h, a, f)):
+        return None
+    to_mlp = [
+        m for m in layer.modules() if isinstance(m, nn.Linear) and (m.in_features, m.out_features) == (h, f)
+    ]
+    if len(to_mlp) != 2 or (getattr(config, "head_dim", None) or h // a) * a != h:
+        return None
+    try:
+        return TransformerConfig(
+            vocab_size=vocab_size, dim=h, n_layers=config.num_hidden_layers, n_heads=a,
+            n_kv_heads=getattr(config, "num_key_value_heads", None) or a, ffn_hidden=f,
+            max_seq_len=max_positions(config) or 1 << 20,
+        ).check()  # fmt: skip
+    except ConfigError:  # e.g. an odd head size (the built-ins' rotary needs an even one): no formula
+        return None

@@ -1,8 +1,8 @@
 """Models: torchvision ResNets (optionally with a CIFAR stem) and ``tinynet``, a small BatchNorm-free CNN.
 
 BatchNorm statistics differ between one device and several, so the cross-method equivalence tests use
-``tinynet`` (GroupNorm or no normalisation). Each model's residual block classes are known, so that FSDP
-wrapping and activation checkpointing can act per block.
+``tinynet`` (GroupNorm or no normalisation). Each model's blocks are found by one rule (``models.blocks``), so
+that FSDP wrapping and activation checkpointing act per block.
 """
 
 from __future__ import annotations
@@ -17,9 +17,11 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
+from stratbench.models.blocks import block_types, why_no_blocks
 from stratbench.models.flops import example_input
 from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
-from stratbench.models.transformer import SIZES, build_transformer
+from stratbench.models.hf import decoder_shape as hf_decoder_shape
+from stratbench.models.transformer import SIZES, TransformerConfig, build_transformer, transformer_config
 
 IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
 MODELS = (*IMAGE_MODELS, *SIZES)
@@ -53,6 +55,9 @@ class TinyBlock(nn.Module):
 class TinyNet(nn.Module):
     """stem conv + 3 residual stages (width, 2w, 4w) + 4x4 average pool + linear."""
 
+    _stratbench_block_types = (TinyBlock,)
+    """Read by ``models.blocks.find_blocks``: declared, since its head can outweigh the blocks (1000 classes)."""
+
     def __init__(self, num_classes: int = 10, width: int = 32, norm: str = "group") -> None:
         super().__init__()
         stem_norm = nn.GroupNorm(min(8, width), width) if norm == "group" else nn.Identity()
@@ -75,13 +80,8 @@ class TinyNet(nn.Module):
 
 
 def residual_block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
-    """The block classes to wrap (FSDP) or checkpoint: one unit per residual block."""
-
-    resnet = import_torchvision().models.resnet
-    candidates = (TinyBlock, resnet.BasicBlock, resnet.Bottleneck)
-    present = {type(m) for m in model.modules()}
-    found = tuple(c for c in candidates if c in present)
-    return found or tuple(getattr(model, "_stratbench_block_types", ()))
+    """The block classes to wrap (FSDP) or checkpoint: one unit per block, found by ``models.blocks``' rule."""
+    return block_types(model)
 
 
 def _resnet(name: str, num_classes: int, cifar_stem: bool) -> nn.Module:
@@ -97,6 +97,14 @@ def is_language_model(name: str) -> bool:
     """Whether ``name`` is a built-in or Hugging Face language model (it takes token ids; its output width is the
     vocabulary)."""
     return name in SIZES or is_hf_name(name)
+
+
+def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
+    """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
+    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models."""
+    if name in SIZES:
+        return transformer_config(name, vocab_size=vocab_size)
+    return hf_decoder_shape(name, vocab_size) if is_hf_name(name) else None
 
 
 def _output_keyword(text: bool) -> str:
@@ -332,7 +340,7 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
 
     types_ = residual_block_types(model)
     if not types_:
-        raise ConfigError("activation checkpointing: this model has no residual block type to checkpoint")
+        raise ConfigError(f"activation checkpointing: no blocks to recompute: {why_no_blocks(model)}")
     _apply(
         model,
         checkpoint_wrapper_fn=functools.partial(

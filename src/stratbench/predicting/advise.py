@@ -200,12 +200,15 @@ def advise(
     for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = plan_config(base, plan, devices)
-        est = estimate(cfg, world, device_type)
-        advice.tried.append((plan, est))
         label = plan.label + accumulated(base, cfg)
+        est = _estimate(cfg, world, device_type, label, reasons)
+        if est is None:
+            continue
+        advice.tried.append((plan, est))
         if est.total_bytes <= budget:
             advice.plan, advice.estimate = plan, est
             reasons.append(f"{label}: {fmt_bytes(est.total_bytes)} per device fits -> chosen ({plan.why})")
+            reasons += [est.units] if est.units else []
             break
         reasons.append(f"{label}: {fmt_bytes(est.total_bytes)} per device does not fit")
     if advice.plan is None:
@@ -219,6 +222,18 @@ def advise(
     chosen = plan_config(base, advice.plan, devices)
     advice.train_command, advice.compare_command = commands(chosen, advice.plan, devices)
     return advice
+
+
+def _estimate(
+    cfg: TrainConfig, world: int, device_type: str, label: str, reasons: list[str]
+) -> Estimate | None:
+    """The plan's estimate, or None with "label: n/a: why" among the reasons where the model cannot take the plan
+    (e.g. fsdp's blocks on a model that has none: train would refuse it alike)."""
+    try:
+        return estimate(cfg, world, device_type)
+    except ConfigError as exc:
+        reasons.append(f"{label}: n/a: {exc}")
+        return None
 
 
 def accumulated(base: TrainConfig, cfg: TrainConfig) -> str:
@@ -255,7 +270,9 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
     for plan in plans:
         world = get_strategy(plan.strategy).devices_for_world(devices)
         cfg = plan_config(base, plan, devices).replace(nnodes=nodes)
-        est = estimate(cfg, world, device_type)
+        est = _estimate(cfg, world, device_type, plan.label, advice.reasons)
+        if est is None:
+            continue
         advice.tried.append((plan, est))
         p = project(cfg, system, nodes, gpn, calibration, memory=False)
         fits = est.total_bytes <= budget
@@ -281,7 +298,10 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         f"chosen: {best[0].label}, the simplest plan that fits within {SPEED_TIE:.0%} of the shortest projected "
         f"step ({fastest * 1e3:.1f} ms; {best[0].why})"
     )
-    if best[2].uncalibrated:  # the ranking holds; the absolute step times are evidence from other models' runs
+    advice.reasons += [best[1].units] if best[1].units else []
+    if best[
+        2
+    ].uncalibrated:  # the ranking holds; the absolute step times are evidence from other models' runs
         advice.reasons.append(
             f"step times UNCALIBRATED: {best[2].efficiency_source}; --calibrate result.json from one real run "
             "replaces it"

@@ -29,8 +29,9 @@ from typing import Any
 import torch
 
 from stratbench.core.config import TrainConfig, from_dict
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, StratbenchError
 from stratbench.core.precision import SPECS, cpu_native_16bit, spec_of
+from stratbench.core.user_code import one_line
 from stratbench.measuring.model_trace import (
     ModelInfo,
     ModelSpec,
@@ -40,14 +41,16 @@ from stratbench.measuring.model_trace import (
     model_info,
     trace_step,
 )
-from stratbench.models.transformer import transformer_config
-from stratbench.models.zoo import is_language_model
+from stratbench.models.hf import is_hf_name
+from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory, opt_slots
 
 GiB = 1024**3
 MiB = 1024**2
+MAX_WORLD = 4096
+"""The largest world size an estimate takes: ``rank_states`` is O(world x parameters), 4096 answers in ~15 s."""
 
 # Per-process memory outside the tensors the allocator hands out, by device type. CUDA: the context (driver,
 # kernels of torch/cuDNN/cuBLAS loaded lazily) measured by nvidia-smi for a process that has run a ResNet
@@ -127,6 +130,8 @@ class Estimate:
     activation_formula: dict[str, Any] | None = None
     """A built-in transformer: the published formula's activations (``activation_formula``) beside the traced
     ones (``traced_bytes``) and its ``difference`` from them; a stated cross-check, not part of the total."""
+    units: str | None = None
+    """The units the method gathers one at a time, in words (FSDP: the blocks ``--wrap`` gave); None where none."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -214,6 +219,7 @@ def estimate(
         seq_len=spec.seq_len,
         vocab_size=spec.num_classes if spec.is_text else None,
         activation_formula=check,
+        units=s.units_note or None,
     )
 
 
@@ -222,12 +228,29 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     forward/backward of the model (or the method's slice of it) traced at the micro-batch ``mb``."""
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
     run_as = s.trace_precision or cfg.precision
-    trace = trace_step(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
+    trace = _trace(spec, mb, run_as, cfg.activation_checkpointing, device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     check = formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)
     return trace.saved_bytes, f"traced at micro-batch {mb}", fwd_bwd, check
+
+
+def _trace(spec: ModelSpec, mb: int, *args: Any) -> Trace:
+    """``trace_step``, where a user's model whose forward or backward raises on the fake micro-batch is one line
+    naming it (a user's mistake, as train would meet it); a built-in model's failure keeps its traceback (a bug)."""
+    try:
+        return trace_step(spec, mb, *args)
+    except StratbenchError:
+        raise
+    except Exception as exc:
+        if ":" not in spec.model or is_hf_name(spec.model):
+            raise
+        x, _ = spec.example_batch(mb, torch.float32)
+        raise ConfigError(
+            f"model {spec.model!r}: one forward and backward on a micro-batch of shape {tuple(x.shape)} (fake "
+            f"tensors) raised {one_line(exc)}"
+        ) from None
 
 
 def _cpu_library(
@@ -239,7 +262,7 @@ def _cpu_library(
     run_as = s.trace_precision or cfg.precision
     if SPECS[run_as].compute_dtype.itemsize >= 4:
         return cpu_library_bytes(cfg.precision, native_16bit=native_16bit)
-    t = trace_step(spec, mb, run_as, cfg.activation_checkpointing, "cpu", s.trace_transform)
+    t = _trace(spec, mb, run_as, cfg.activation_checkpointing, "cpu", s.trace_transform)
     runs = s.runs_linear is not False
     return cpu_library_bytes(
         cfg.precision, t.products * runs, t.attentions * runs, t.convolutions, native_16bit=native_16bit
@@ -255,12 +278,12 @@ def _working_peak(trace: Trace, grad_fraction: float, kept_grads: int) -> int:
 def formula_check(
     spec: ModelSpec, micro_batch: int, precision: str, recompute: bool, traced: int
 ) -> dict[str, Any] | None:
-    """A built-in transformer's activations by the published formula (``activation_formula``) at this
-    micro-batch, with the traced bytes and the formula's relative difference from them; None for other models
-    (a user's language model has no known shape to put into it)."""
-    if not (spec.is_text and is_language_model(spec.model)):
+    """A transformer's activations by the published formula (``activation_formula``) at this micro-batch, with
+    the traced bytes and the formula's relative difference from them: a built-in size, or a Hugging Face config of
+    that kind (``zoo.decoder_shape``); None for other models (no known shape to put into it)."""
+    shape = decoder_shape(spec.model, spec.num_classes) if spec.is_text else None
+    if shape is None:
         return None
-    shape = transformer_config(spec.model, vocab_size=spec.num_classes)
     f = formula_activations(shape, micro_batch, spec.seq_len, precision, recompute)
     return {
         **f.to_dict(),

@@ -89,6 +89,28 @@ def _memory(name: str, cfg: TrainConfig, world: int, settings: RowSettings) -> d
     return row
 
 
+def answered(row: dict) -> bool:
+    """Whether a row holds an answer: an estimate, a largest batch (0 where none fits) or a projection."""
+    projected = (row.get("projection") or {}).get("status") == "ok"
+    return row.get("estimate") is not None or "max_global_batch" in row or projected
+
+
+def none_answered(rows: list[dict]) -> str | None:
+    """One line saying why, where no row holds an answer (every method n/a); None where one does."""
+    if not rows or any(answered(r) for r in rows):
+        return None
+    reasons: dict[str, list[str]] = {}
+    for r in rows:
+        p = r.get("projection") or {}
+        why = r.get("na") or r.get("no_model") or p.get("reason") or "no estimate"
+        reasons.setdefault(why, []).append(r["strategy"])
+    if len(reasons) == 1:
+        return f"no method could be estimated: {next(iter(reasons))}"
+    return "no method could be estimated: " + "; ".join(
+        f"{', '.join(m)}: {why}" for why, m in reasons.items()
+    )
+
+
 def add_speedups(rows: list[dict]) -> None:
     """Each projection's "speedup_vs_single": its throughput over the baseline method's at the same global batch
     (strong scaling), where the baseline has a projected throughput."""

@@ -80,6 +80,8 @@ class RankMemory:
     gathered: int = 0
     """Unsharded parameters held transiently around a unit's forward/backward (current + prefetched)."""
     gather_note: str = ""
+    units_note: str = ""
+    """The units a sharding method gathers one at a time, in words (FSDP's ``--wrap``); empty where none."""
     sharding_note: str = ""
     bucket_note: str = ""
     grads_whole_in_backward: bool = False

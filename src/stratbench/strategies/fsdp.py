@@ -11,7 +11,8 @@ Sharding (``--sharding``):
   first mesh dimension) and gradients are all-reduced over it.
 
 Wrapping (``--wrap``): each unit is one ``fully_shard`` call, i.e. one all-gather/reduce-scatter group; by
-default one per residual block (``stratbench.models.zoo.residual_block_types``), then the root for what is left.
+default one per block (``stratbench.models.blocks``: the classes the model declares, else its repeated sibling
+modules), then the root for what is left; the estimate and the projection price the same units.
 
 2D parallelism (``--tp T``): a (dp = world/T, tp = T) device mesh; the model's tensor-parallel plan (the tp
 method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards each rank's slices over ``dp``
@@ -41,8 +42,8 @@ from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoin
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS, Precision
 from stratbench.measuring.comm import Collective, dim0_padded
-from stratbench.measuring.model_trace import ModelSpec
-from stratbench.models.zoo import residual_block_types
+from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
+from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, MemoryContext, RankMemory, chunk_rows
 from stratbench.strategies.tp import (
@@ -127,69 +128,6 @@ def policy_precision(precision: Precision) -> PolicyPrecision:
 
 def _is_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
-
-
-def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
-    """The sub-modules that become FSDP units, children before parents (``fully_shard`` goes bottom-up).
-
-    A block under an activation-checkpointing wrapper is sharded through that wrapper, so that the re-gather
-    for the recomputed forward happens inside the checkpointed region (torchtitan's order: AC, then FSDP).
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
-    if wrap == "none":
-        return []
-    if wrap == "size":
-        return _size_units(model, min_params)
-    if wrap == "block":
-        types_ = residual_block_types(model)
-        if not types_:
-            raise ConfigError(
-                "fsdp --wrap block: this model has no residual block type; use --wrap size or class names"
-            )
-
-        def matches(m: nn.Module) -> bool:
-            return isinstance(m, types_)
-    else:
-        names = {n.strip() for n in wrap.split(",") if n.strip()}
-        present = {type(m).__name__ for m in model.modules()}
-        missing = sorted(names - present)
-        if missing:
-            raise ConfigError(
-                f"fsdp --wrap: no module of class {', '.join(missing)} in this model; classes present: "
-                f"{', '.join(sorted(present))} (or use block, size, none)"
-            )
-
-        def matches(m: nn.Module) -> bool:
-            return type(m).__name__ in names
-
-    units: list[nn.Module] = []
-    inner_of_wrapper: set[int] = set()
-    for m in model.modules():  # pre-order: a checkpoint wrapper is seen before the block inside it
-        if m is model:
-            continue
-        if isinstance(m, CheckpointWrapper) and matches(m._checkpoint_wrapped_module):
-            units.append(m)
-            inner_of_wrapper.add(id(m._checkpoint_wrapped_module))
-        elif matches(m) and id(m) not in inner_of_wrapper:
-            units.append(m)
-    return units[::-1]  # reversed pre-order puts every module after its descendants
-
-
-def _size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Post-order walk: a module becomes a unit once it holds >= min_params parameters not in a unit below."""
-    units: list[nn.Module] = []
-
-    def visit(m: nn.Module) -> int:
-        n = sum(p.numel() for p in m.parameters(recurse=False))
-        n += sum(visit(c) for c in m.children())
-        if m is not model and n >= min_params:
-            units.append(m)
-            return 0
-        return n
-
-    visit(model)
-    return units
 
 
 def fsdp2_comm(ctx, sharding: str):
@@ -323,8 +261,11 @@ class FSDPCost(CostModel):
     @classmethod
     def memory_model(cls, ctx, rank):
         opts = ctx.options
+        ctx, units_note = as_wrapped(ctx)
         if opts.tp == 1:
-            return fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+            m = fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+            m.units_note = units_note
+            return m
         why = tp_unsupported(ctx.cfg, opts, ctx.world)
         if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
             raise ConfigError(why)
@@ -336,6 +277,7 @@ class FSDPCost(CostModel):
         # each rank computes its replica's batch through its slice of the split matrices
         m.data_ranks = dp.world
         m.trace_transform = LocalSlice(opts.tp, opts.vocab_parallel, opts.sequence_parallel)
+        m.units_note = units_note
         return m
 
     @classmethod
@@ -354,9 +296,18 @@ class FSDPCost(CostModel):
 
     @classmethod
     def comm_model(cls, ctx):
+        ctx = as_wrapped(ctx)[0]
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
         return fsdp2_comm(ctx, ctx.options.sharding)
+
+
+def as_wrapped(ctx) -> tuple[MemoryContext, str]:
+    """``ctx`` with the units ``--wrap`` builds (``models.blocks.wrap_units``, as ``wrap`` builds them: refused
+    in the same line where it refuses), and the line naming them."""
+    opts = ctx.options
+    units = wrap_units_of(ModelSpec.from_config(ctx.cfg), opts.wrap, opts.wrap_min_params)
+    return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
 
 
 class FSDPCheckpointIO(CheckpointIO):
@@ -487,6 +438,8 @@ class FSDPStrategy(LossParallel, Strategy):
                 if _is_batchnorm(m) and any(True for _ in m.parameters()):
                     fully_shard(m, mp_policy=bn_mp, **common)
         self.units = wrap_units(model, opts.wrap, opts.wrap_min_params)
+        if self.env.is_main:
+            print(describe_units(model, opts.wrap, opts.wrap_min_params, self.units), flush=True)
         for unit in self.units:
             fully_shard(unit, mp_policy=mp, **common)
         fully_shard(model, mp_policy=mp, **common)
