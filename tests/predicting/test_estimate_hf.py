@@ -97,3 +97,12 @@ def test_compare_memory_budget_skips_an_hf_cell_that_does_not_fit(llama, tmp_pat
     lines = [ln for ln in out.splitlines() if "_fp32_" in ln]
     assert len(lines) >= 2 and all("skipped: does not fit (estimate" in ln for ln in lines), out
     assert "0 to run" in out, out
+
+
+def test_the_default_window_follows_the_models_positions(llama):
+    """No --seq-len: 64 tokens, the config's max_position_embeddings (train's default, 256, is more than the model
+    takes); an explicit longer window is refused in one line naming both."""
+    res = json.loads(cli("estimate", "--model", llama, "--data", "text", "--batch-size", "8", "--json"))
+    assert res["results"][0]["estimate"]["seq_len"] == 64
+    with pytest.raises(Exception, match="--seq-len 128 is longer than .* max_position_embeddings of 64"):
+        cli("estimate", "--model", llama, "--data", "text", "--seq-len", "128")

@@ -24,6 +24,7 @@ from stratbench.core.tables import (
 from stratbench.data.datasets import check_data
 from stratbench.data.text import is_text_data
 from stratbench.measuring.hardware import resolve
+from stratbench.models.hf import default_seq_len, is_hf_name
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
 from stratbench.predicting.projection import load_calibration
@@ -95,7 +96,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=1000)
-    parser.add_argument("--seq-len", type=int, default=256, help="text data: tokens per sample")
+    parser.add_argument(
+        "--seq-len", type=int, default=None,
+        help=f"text data: tokens per sample (default {TrainConfig.seq_len}, or a Hugging Face model's positions "
+        "where it has fewer: as train decides it)",
+    )  # fmt: skip
     parser.add_argument(
         "--vocab-size", type=int, default=None,
         help="text data: the model's vocabulary (default: as train decides it, from the data: 256 for bytes "
@@ -116,6 +121,9 @@ def check_model_arguments(args: argparse.Namespace) -> bool:
             f"--data {args.data!r}: the estimate takes synthetic (images) or text data for a language model: "
             "text, synthetic-tokens, tokens:PATH"
         )
+    if args.seq_len is None:  # as train: the default follows a Hugging Face model's positions
+        hf = is_hf_name(args.model)
+        args.seq_len = default_seq_len(args.model, TrainConfig.seq_len) if hf else TrainConfig.seq_len
     low, high = RANGES["seq_len"]
     if text and not low <= args.seq_len <= high:
         raise ConfigError(f"--seq-len must be between {low} and {high}, got {args.seq_len}")
