@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -79,3 +80,34 @@ def output_lock(folder: Path, flag: str = "--output") -> Iterator[None]:
                 os.ftruncate(fd, 0)
     finally:
         os.close(fd)  # releases the lock; the file stays (deleting it would race with a waiting run)
+
+
+def lock_holder(folder: Path) -> str | None:
+    """The pid written by the run that holds ``folder``'s lock now (``"unknown"`` if it wrote none), or None
+    when no run holds it. Probes without creating anything: a folder without a lock file has no holder."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def wait_released(folder: Path, timeout_s: float) -> str | None:
+    """Wait up to ``timeout_s`` for the run holding ``folder``'s lock to end (a stopped job's processes winding
+    down); the holder's pid if it still holds it then, else None."""
+    deadline = time.monotonic() + timeout_s
+    while (holder := lock_holder(folder)) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return holder

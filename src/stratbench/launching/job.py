@@ -10,6 +10,7 @@ import json
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +22,9 @@ from stratbench.core.lock import held_here, output_lock
 from stratbench.core.tables import fmt_bytes
 from stratbench.launching import launch
 from stratbench.launching._torchrun import RENDEZVOUS_FAILED
-from stratbench.launching.executor import Executor, Job, Outcome, Shape
+from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
 from stratbench.launching.launch import MULTI_NODE_PORT, torchrun_error_path
+from stratbench.launching.submissions import Submissions, job_key
 from stratbench.strategies.base import strategy_for_layout
 from stratbench.training import engine
 
@@ -51,19 +53,25 @@ def run_job(cfg: TrainConfig, worker: bool = False) -> dict[str, Any] | None:
 def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
     """Train ``cfg`` through ``executor`` (``stratbench train --executor ray``): stratbench's own launcher on each
     of ``cfg.nnodes`` nodes with ``cfg.nproc`` processes, node 0's output followed here; returns result.json's
-    content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share."""
+    content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share.
+    A job of an earlier, killed run into the same folder that the cluster still has is adopted (followed to its
+    end) or, with --cancel-stale, cancelled first (``launching.submissions``)."""
     engine.preflight(cfg)
     shape = Shape(cfg.nnodes, cfg.nproc, cfg.nproc if cfg.device == "cuda" else 0)
     executor.check([shape])
     out = Path(cfg.output).resolve()
-    out.mkdir(parents=True, exist_ok=True)
     config = out / "executor_config.yaml"
-    dump_yaml(cfg.replace(output=str(out)), config)
-    (out / "result.json").unlink(missing_ok=True)
     cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
-    job = Job(out.name, tuple(cmd), out / "train.log", shape)
+    job = Job(out.name, tuple(cmd), out / "train.log", shape, key=job_key(out, "train"))
+    submissions = Submissions(out, executor)
+    adopted = submissions.reconcile({job.key: job}).get(job.key)
+    if adopted is None:  # nothing of an earlier run left on the cluster: this run's files
+        out.mkdir(parents=True, exist_ok=True)
+        dump_yaml(cfg.replace(output=str(out)), config)
+        (out / "result.json").unlink(missing_ok=True)
     print(f"training on {executor.where()}: {shape}; node 0's log: {job.log}", file=sys.stderr, flush=True)
-    outcome = _follow(executor, job)
+    outcome = _follow(executor, job, lambda: adopted or submissions.submit(job))
+    submissions.ended(job, "ok" if outcome.returncode == 0 else "failed")
     result = None
     with contextlib.suppress(OSError, ValueError):
         result = json.loads((out / "result.json").read_text())
@@ -74,10 +82,11 @@ def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
     raise StratbenchError(f"training on {executor.where()} failed: {why}")
 
 
-def _follow(executor: Executor, job: Job) -> Outcome:
-    """Wait for ``job``, copying node 0's log to stderr as it grows; Ctrl-C or SIGTERM cancels it."""
+def _follow(executor: Executor, job: Job, start: Callable[[], Handle]) -> Outcome:
+    """Start ``job`` (``start``: submit it, or the handle on an adopted one) and wait for it, copying node 0's log
+    to stderr as it grows; Ctrl-C or SIGTERM cancels it."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    handle = executor.submit(job)
+    handle = start()
     seen = 0
     try:
         while (outcome := executor.poll(handle)) is None:

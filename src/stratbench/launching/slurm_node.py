@@ -4,9 +4,10 @@
 node ``$SLURM_NODEID``'s launcher command (``Job.node_command``) with the allocation's first node
 (``scontrol show hostnames $SLURM_JOB_NODELIST``) as the master, at the address SLURM itself reaches it (its
 ``NodeAddr``), and a port derived from the job id, its output in the node's log, and writes how it ended (exit
-code, load averages seen, cores, host and SLURM node) to ``slurm/nodeI.json`` beside the log: JSON the submitting
-side reads, so that nothing the nodes write is unpickled there. SIGTERM (``scancel``, the time limit) stops the
-launcher's whole tree. Standard library and psutil only, like ``ray_node``.
+code, load averages seen, cores, host and SLURM node, the job's id, the launcher's time) to ``slurm/nodeI.json``
+beside the log: JSON the submitting side reads, so that nothing the nodes write is unpickled there. SIGTERM
+(``scancel``, the time limit) stops the launcher's whole tree. Standard library and psutil only, like
+``ray_node``.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from stratbench.core.files import atomic_write
@@ -89,6 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     # One thread per process of the CPUs SLURM reserved (--cpus-per-task), as the Ray executor does.
     cpus = int(os.environ.get("SLURM_CPUS_PER_TASK", args.procs))
     env.setdefault("OMP_NUM_THREADS", threads_per_process(cpus, args.procs))
+    began = time.monotonic()
     proc = start_command(command, job.node_log(rank), env)
 
     def stop(signum: int, frame: object) -> None:
@@ -98,8 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     loads = wait_sampling_load(proc)
+    # the job's id: a rerun that adopts a job SLURM has since forgotten knows this report is that job's
     record = {"returncode": proc.returncode, "loads": loads, "cpu_count": os.cpu_count(),
-              "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", "")}  # fmt: skip
+              "host": socket.gethostname(), "node": os.environ.get("SLURMD_NODENAME", ""),
+              "job_id": os.environ.get("SLURM_JOB_ID", ""), "elapsed_s": time.monotonic() - began}  # fmt: skip
     atomic_write(outcome_path(job.log, rank), json.dumps(record))
     return proc.returncode
 
