@@ -5,8 +5,10 @@ any cell, SIGTERM of compare leaving no Ray task or process, and a worker node k
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -14,6 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -205,7 +208,9 @@ def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, count: int, timeo
     deadline = time.monotonic() + timeout_s
     while len(list((out / "cells").glob(pattern))) < count:
         assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, f"no {pattern} after {timeout_s} s"
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"no {pattern} after {timeout_s} s; the command printed:\n{proc.communicate()[0]}")
         time.sleep(0.2)
 
 
@@ -238,3 +243,60 @@ def test_sigterm_of_compare_cancels_every_ray_task_and_leaves_no_process(cluster
             break
         time.sleep(0.5)
     assert left == []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _launchers(out: Path) -> list:
+    """The processes of ``out``'s cells (launchers, torchrun, workers) that are alive."""
+    return [p for p in sweep_processes(out) if _alive(p)]
+
+
+def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_their_cells(cluster):
+    """A compare connected through Ray Client (`ray://`) is killed (`kill -9`) while both its cells train: the
+    client server keeps its job, so its actors and their cells, for its reconnect grace period (set to 10 min
+    here, as a cluster may). Its cells' processes are then stopped (SIGSTOP: alive whatever the machine's load).
+    The same command again finds the actors and placement groups by their names, removes them (their processes
+    killed) before it cleans their folders, and runs each cell once; nothing of either run is left."""
+    try:
+        state = cluster["future"].result(timeout=300)
+    except RuntimeError as exc:
+        pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
+    root = cluster["root"]
+    out = root / "client-kill"
+    matrix = _matrix(root, "client-kill", TWO, max_steps=20)
+    cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
+                         "--ray-address", state["client"])  # fmt: skip
+    env = dict(os.environ, RAY_CLIENT_RECONNECT_GRACE_PERIOD="600")
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+    left = []
+    try:
+        _wait_for(first, out, "*/metrics.csv", 2)  # both cells training
+        first.kill()
+        first.communicate(timeout=60)
+        left = _launchers(out)
+        assert left, "the killed client's cells stopped with it: Ray Client kept nothing"
+        for proc in left:
+            proc.suspend()
+        rerun = run_stratbench("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
+                               "--ray-address", state["client"], cwd=root, timeout=600)  # fmt: skip
+        assert [p for p in left if _alive(p)] == [], rerun.stdout  # the killed run's processes are gone
+        assert rerun.stdout.count("cancelling Ray") == 2, rerun.stdout
+    finally:
+        for proc in left:  # whatever the rerun did not stop (the test failed)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    records = load_records(out)
+    assert len(records) == 2 and {r["status"] for r in records.values()} == {"ok"}, records
+    assert _launchers(out) == []
+    for _ in range(20):  # actor states reach the dashboard a moment after the actors end
+        alive = _unfinished_ray_tasks(state["dashboard"])
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert alive == []
