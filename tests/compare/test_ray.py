@@ -9,9 +9,11 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -300,3 +302,37 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
             break
         time.sleep(0.5)
     assert alive == []
+
+
+def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path):
+    """`ray start --head`, then every process of that head killed: the address file it wrote
+    (`ray_current_cluster` in Ray's temporary folder) stays, naming a GCS nothing answers at. `compare --executor
+    ray` without --ray-address says which address it tried and where it read it, starts a private Ray as when
+    there is no cluster, and runs its cell (it used to retry that address for minutes, no cell started)."""
+    temp = Path(tempfile.mkdtemp(prefix="sbdead-", dir="/tmp"))  # short: the session's socket paths
+    env = dict(os.environ, RAY_TMPDIR=str(temp), RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))  # fmt: skip
+    port = local_ray._free_port()
+    head = subprocess.Popen([local_ray._ray(), "start", "--head", f"--port={port}", "--num-cpus=1",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp}/ray",
+                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        if head.wait(timeout=240) != 0:
+            pytest.skip("`ray start --head` did not start a head on this machine")
+        address_file = temp / "ray" / "ray_current_cluster"
+        dead = address_file.read_text().strip()  # this host's address, as Ray names it
+        assert dead.endswith(f":{port}"), dead
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # the head's every process at once, as when its machine dies
+    matrix = _matrix(tmp_path, "dead", [{"method": "single"}], max_steps=2)
+    started = time.monotonic()
+    proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
+                          "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert time.monotonic() - started < 240
+    said = f"no Ray cluster answers at {dead} (the address in {address_file}"
+    assert said in proc.stderr and "starting a private local Ray for this run" in proc.stderr, proc.stderr[-3000:]
+    assert "(a private local Ray for this run)" in proc.stdout, proc.stdout[:500]
+    assert [r["status"] for r in load_records(tmp_path / "out").values()] == ["ok"]
+    shutil.rmtree(temp, ignore_errors=True)
