@@ -93,6 +93,43 @@ def address(cluster, local_quick) -> str:
         pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
 
 
+def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path):
+    """`ray start --head`, then every process of that head killed: the address file it wrote
+    (`ray_current_cluster` in Ray's temporary folder) stays, naming a GCS nothing answers at. `compare --executor
+    ray` without --ray-address says which address it tried and where it read it, starts a private Ray as when
+    there is no cluster, and runs its cell (it used to retry that address for minutes, no cell started). First in
+    this file, before the module's cluster starts: with another Ray running here, Ray's own `auto` takes that one
+    instead of the file's (found among the processes), which hid the hang."""
+    temp = Path(tempfile.mkdtemp(prefix="sbdead-", dir="/tmp"))  # short: the session's socket paths
+    env = dict(os.environ, RAY_TMPDIR=str(temp), RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))  # fmt: skip
+    port = local_ray._free_port()
+    head = subprocess.Popen([local_ray._ray(), "start", "--head", f"--port={port}", "--num-cpus=1",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp}/ray",
+                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        if head.wait(timeout=240) != 0:
+            pytest.skip("`ray start --head` did not start a head on this machine")
+        address_file = temp / "ray" / "ray_current_cluster"
+        dead = address_file.read_text().strip()  # this host's address, as Ray names it
+        assert dead.endswith(f":{port}"), dead
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # the head's every process at once, as when its machine dies
+    matrix = _matrix(tmp_path, "dead", [{"method": "single"}], max_steps=2)
+    started = time.monotonic()
+    proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
+                          "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    assert time.monotonic() - started < 240
+    said = f"no Ray cluster answers at {dead} (the address in {address_file}"
+    err = proc.stderr
+    assert said in err and "starting a private local Ray for this run" in err, err[-3000:]
+    assert "(a private local Ray for this run)" in proc.stdout, proc.stdout[:500]
+    assert [r["status"] for r in load_records(tmp_path / "out").values()] == ["ok"]
+    shutil.rmtree(temp, ignore_errors=True)
+
+
 KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"},
           {"method": "single", "precision": "fp64"}]  # fmt: skip
 """ddp over both nodes first (it must use the worker node, which dies under it), then single (it fits on the head
@@ -212,7 +249,8 @@ def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, count: int, timeo
         assert proc.poll() is None, proc.stdout.read()
         if time.monotonic() > deadline:
             proc.kill()
-            raise AssertionError(f"no {pattern} after {timeout_s} s; the command printed:\n{proc.communicate()[0]}")
+            printed = proc.communicate()[0]
+            raise AssertionError(f"no {pattern} after {timeout_s} s; the command printed:\n{printed}")
         time.sleep(0.2)
 
 
@@ -275,7 +313,8 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
     cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
                          "--ray-address", state["client"])  # fmt: skip
     env = dict(os.environ, RAY_CLIENT_RECONNECT_GRACE_PERIOD="600")
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root, env=env)
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                             env=env)  # fmt: skip
     left = []
     try:
         _wait_for(first, out, "*/metrics.csv", 2)  # both cells training
@@ -302,37 +341,3 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
             break
         time.sleep(0.5)
     assert alive == []
-
-
-def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path):
-    """`ray start --head`, then every process of that head killed: the address file it wrote
-    (`ray_current_cluster` in Ray's temporary folder) stays, naming a GCS nothing answers at. `compare --executor
-    ray` without --ray-address says which address it tried and where it read it, starts a private Ray as when
-    there is no cluster, and runs its cell (it used to retry that address for minutes, no cell started)."""
-    temp = Path(tempfile.mkdtemp(prefix="sbdead-", dir="/tmp"))  # short: the session's socket paths
-    env = dict(os.environ, RAY_TMPDIR=str(temp), RAY_USAGE_STATS_ENABLED="0",
-               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))  # fmt: skip
-    port = local_ray._free_port()
-    head = subprocess.Popen([local_ray._ray(), "start", "--head", f"--port={port}", "--num-cpus=1",
-                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp}/ray",
-                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-                            env=env, start_new_session=True)  # fmt: skip
-    try:
-        if head.wait(timeout=240) != 0:
-            pytest.skip("`ray start --head` did not start a head on this machine")
-        address_file = temp / "ray" / "ray_current_cluster"
-        dead = address_file.read_text().strip()  # this host's address, as Ray names it
-        assert dead.endswith(f":{port}"), dead
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(head.pid, signal.SIGKILL)  # the head's every process at once, as when its machine dies
-    matrix = _matrix(tmp_path, "dead", [{"method": "single"}], max_steps=2)
-    started = time.monotonic()
-    proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
-                          "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
-    assert time.monotonic() - started < 240
-    said = f"no Ray cluster answers at {dead} (the address in {address_file}"
-    assert said in proc.stderr and "starting a private local Ray for this run" in proc.stderr, proc.stderr[-3000:]
-    assert "(a private local Ray for this run)" in proc.stdout, proc.stdout[:500]
-    assert [r["status"] for r in load_records(tmp_path / "out").values()] == ["ok"]
-    shutil.rmtree(temp, ignore_errors=True)

@@ -304,3 +304,36 @@ def test_a_killed_sweep_s_jobs_are_adopted_by_the_rerun_never_run_twice(slurm_up
     now = {p.parent.name: (p.parent.stat().st_ino, p.stat().st_ino) for p in (out / "cells").glob("*/train.log")}
     assert now == folders  # the jobs' folders and logs were never deleted and made again
     assert _jobs() == [] and sweep_processes(out) == []
+
+
+def test_a_killed_train_on_slurm_is_adopted_by_the_same_command(slurm_up):
+    """`train --executor slurm` killed (`kill -9`) while its job runs: the same command again follows that job to
+    its end (suspended meanwhile: live whatever the load) instead of rewriting its folder and submitting a
+    second one."""
+    out = slurm_up["root"] / "train-killed"
+    cmd = stratbench_cmd("train", "--model", "tinynet", "--width", "8", "--data", "digits", "--image-size", "16",
+                         "--batch-size", "32", "--max-steps", "20", "--output", str(out), "--executor", "slurm",
+                         "--progress", "false")  # fmt: skip
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent)
+
+    def running() -> list[str]:
+        jobs = [j for j in _jobs() if j.split("|")[1] == out.name and j.endswith("|RUNNING")]
+        return jobs if (out / "train.log").exists() else []
+
+    job_id = _until(running, "the run's job running", proc=first)[0].split("|")[0]
+    first.kill()
+    first.communicate(timeout=60)
+    subprocess.run(["scontrol", "suspend", job_id], check=True)
+    config = (out / "executor_config.yaml").stat().st_mtime_ns
+    rerun = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
+    journal = out / "submissions.jsonl"
+    _until(lambda: '"adopted"' in journal.read_text() or len(_jobs()) > 1, "the job adopted", proc=rerun)
+    subprocess.run(["scontrol", "resume", job_id], check=True)
+    stdout, stderr = rerun.communicate(timeout=300)
+    ran = subprocess.run(["squeue", "--noheader", "--states=all", "--name", out.name, "--format", "%i|%T"],
+                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert ran == [f"{job_id}|COMPLETED"], (ran, stderr[-3000:])
+    assert rerun.returncode == 0 and f"adopted SLURM job {job_id} (SUSPENDED)" in stderr, stderr[-3000:]
+    assert (out / "executor_config.yaml").stat().st_mtime_ns == config  # the job's folder was left as it was
+    assert json.loads((out / "result.json").read_text())["status"] == "ok"
+    assert _jobs() == [] and sweep_processes(out) == []
