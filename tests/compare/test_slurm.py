@@ -327,7 +327,11 @@ def test_a_killed_train_on_slurm_is_adopted_by_the_same_command(slurm_up):
     config = (out / "executor_config.yaml").stat().st_mtime_ns
     rerun = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
     journal = out / "submissions.jsonl"
-    _until(lambda: '"adopted"' in journal.read_text() or len(_jobs()) > 1, "the job adopted", proc=rerun)
+
+    def adopted_or_doubled() -> bool:
+        return journal.exists() and '"adopted"' in journal.read_text() or len(_jobs()) > 1
+
+    _until(adopted_or_doubled, "the job adopted (or submitted again)", proc=rerun)
     subprocess.run(["scontrol", "resume", job_id], check=True)
     stdout, stderr = rerun.communicate(timeout=300)
     ran = subprocess.run(["squeue", "--noheader", "--states=all", "--name", out.name, "--format", "%i|%T"],
