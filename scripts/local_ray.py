@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         state = start(args.dir, args.head_cpus, args.worker_cpus)
-        print(f"Ray cluster up: head + 1 worker node at {state['address']} (dashboard {state['dashboard']})")
+        print(f"Ray cluster up: head + 1 worker node at {state['address']} (dashboard {state['dashboard']}, Ray "
+              f"Client {state['client']})")  # fmt: skip
         print(f"  stratbench compare --executor ray --ray-address {state['address']} ...")
         return 0
     if state is None:
