@@ -14,6 +14,7 @@ when a job is submitted.
 from __future__ import annotations
 
 import datetime
+import getpass
 import json
 import re
 import shlex
@@ -359,7 +360,7 @@ class SlurmExecutor(Executor):
         """This user's jobs whose comment carries a key starting with ``prefix`` (``squeue --states=all``: live,
         or ended within SLURM's MinJobAge), and the journal's open submissions SLURM no longer lists; an ended
         one only when its node 0 reported (``slurm/node0.json`` with its id): its result can be read."""
-        out = _run(["squeue", "--me", "--noheader", "--states=all", "--format", "%i|%T|%k"])
+        out = _run(["squeue", f"--user={getpass.getuser()}", "--noheader", "--states=all", "--format", "%i|%T|%k"])
         if out.returncode != 0:
             raise UnsupportedError(f"--executor slurm: cannot list this folder's earlier jobs (squeue: "
                                    f"{_first_line(out.stderr) or f'exit code {out.returncode}'})")  # fmt: skip

@@ -38,6 +38,13 @@ PORT_BASE = 15000
 node computes the same port without talking to the others, and two jobs on one node rarely share it."""
 
 
+ADDR_TRIES = 5
+"""How many times a node asks ``scontrol`` for the first node's address before it takes its name as it is."""
+STOP_GRACE_S = 3.0
+"""How long the launcher's tree gets after SIGTERM before it is killed: within SLURM's KillWait (5 s on the
+local SLURM, 30 s by default), after which slurmd kills this task and would orphan what it had not stopped."""
+
+
 def master_port(job_id: str) -> int:
     return PORT_BASE + int(job_id[-4:] or 0) % 10000
 
@@ -55,10 +62,16 @@ def node_hosts(nodelist: str) -> list[str]:
 def node_addr(host: str) -> str:
     """The address SLURM reaches ``host`` at: its ``NodeAddr`` (the host name itself on most clusters; 127.0.0.1
     for the nodes of scripts/local_slurm.sh, whose names ``node1``, ``node2`` resolve nowhere); ``host`` when
-    scontrol does not say."""
-    out = subprocess.run(["scontrol", "show", "node", "--oneliner", host], capture_output=True, text=True)
-    found = re.search(r"\bNodeAddr=(\S+)", out.stdout) if out.returncode == 0 else None
-    return found.group(1) if found else host
+    scontrol does not say. A busy controller is asked again (a name that resolves nowhere would leave the
+    node's rendezvous waiting for its whole timeout)."""
+    for attempt in range(ADDR_TRIES):
+        out = subprocess.run(["scontrol", "show", "node", "--oneliner", host], capture_output=True, text=True)
+        found = re.search(r"\bNodeAddr=(\S+)", out.stdout) if out.returncode == 0 else None
+        if found:
+            return found.group(1)
+        if attempt + 1 < ADDR_TRIES:
+            time.sleep(1.0)
+    return host
 
 
 def outcome_path(log: Path, rank: int) -> Path:
@@ -84,6 +97,15 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     rank = int(os.environ.get("SLURM_NODEID", "0"))
     job = Job(os.environ.get("SLURM_JOB_NAME", "job"), tuple(args.command), Path(args.log), Shape(args.nodes))
+    started: list[subprocess.Popen] = []
+
+    def stop(signum: int, frame: object) -> None:  # before anything starts: a cancel in between stops it too
+        for proc in started:
+            kill_tree(proc, grace_s=STOP_GRACE_S)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
     master = node_addr(node_hosts(nodelist)[0]) if args.nodes > 1 else "127.0.0.1"
     command = job.node_command(rank, master, master_port(os.environ.get("SLURM_JOB_ID", "0")))
@@ -93,13 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     env.setdefault("OMP_NUM_THREADS", threads_per_process(cpus, args.procs))
     began = time.monotonic()
     proc = start_command(command, job.node_log(rank), env)
-
-    def stop(signum: int, frame: object) -> None:
-        kill_tree(proc)
-        sys.exit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    started.append(proc)
     loads = wait_sampling_load(proc)
     # the job's id: a rerun that adopts a job SLURM has since forgotten knows this report is that job's
     record = {"returncode": proc.returncode, "loads": loads, "cpu_count": os.cpu_count(),
