@@ -297,6 +297,18 @@ def _launchers(out: Path) -> list:
     return [p for p in sweep_processes(out) if _alive(p)]
 
 
+def _client_ready(address: str, timeout_s: float = 240) -> None:
+    """Until a Ray Client session opens at ``address``: a fresh head's client server took ~40 s to open its first
+    one here (and failed it once), the next ones 3-5 s."""
+    code = f"import ray; ray.init({address!r}, log_to_driver=False); ray.shutdown()"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0:
+                return
+        assert time.monotonic() < deadline, f"no Ray Client session at {address} after {timeout_s} s"
+
+
 def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_their_cells(cluster):
     """A compare connected through Ray Client (`ray://`) is killed (`kill -9`) while both its cells train: the
     client server keeps its job, so its actors and their cells, for its reconnect grace period (set to 10 min
@@ -307,6 +319,7 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
         state = cluster["future"].result(timeout=300)
     except RuntimeError as exc:
         pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
+    _client_ready(state["client"])
     root = cluster["root"]
     out = root / "client-kill"
     matrix = _matrix(root, "client-kill", TWO, max_steps=20)
