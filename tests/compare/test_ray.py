@@ -110,6 +110,7 @@ def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path
                             env=env, start_new_session=True)  # fmt: skip
     try:
         if head.wait(timeout=240) != 0:
+            shutil.rmtree(temp, ignore_errors=True)
             pytest.skip("`ray start --head` did not start a head on this machine")
         address_file = temp / "ray" / "ray_current_cluster"
         dead = address_file.read_text().strip()  # this host's address, as Ray names it
@@ -119,15 +120,17 @@ def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path
             os.killpg(head.pid, signal.SIGKILL)  # the head's every process at once, as when its machine dies
     matrix = _matrix(tmp_path, "dead", [{"method": "single"}], max_steps=2)
     started = time.monotonic()
-    proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
-                          "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    try:
+        proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
+                              "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert time.monotonic() - started < 240
     said = f"no Ray cluster answers at {dead} (the address in {address_file}"
     err = proc.stderr
     assert said in err and "starting a private local Ray for this run" in err, err[-3000:]
     assert "(a private local Ray for this run)" in proc.stdout, proc.stdout[:500]
     assert [r["status"] for r in load_records(tmp_path / "out").values()] == ["ok"]
-    shutil.rmtree(temp, ignore_errors=True)
 
 
 KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"},
