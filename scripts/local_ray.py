@@ -94,14 +94,14 @@ def start(root: Path = DEFAULT_DIR, head_cpus: int = 2, worker_cpus: int = 2) ->
     """Start the head and one worker node; returns (and writes to ROOT/cluster.json) the address and the nodes."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard, client = _free_port(), _free_port(), _free_port()
     # The head's temporary folder holds the session's sockets: a short path (a socket path has ~107 bytes).
     temp = Path(tempfile.mkdtemp(prefix="sbray-", dir="/tmp"))
     head = ["--head", "--node-ip-address=127.0.0.1", f"--port={port}", f"--num-cpus={head_cpus}",
             f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-            f"--dashboard-port={dashboard}", f"--ray-client-server-port={_free_port()}", "--disable-usage-stats"]  # fmt: skip
-    state = {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}", "temp": str(temp),
-             "root": str(root), "nodes": []}  # fmt: skip
+            f"--dashboard-port={dashboard}", f"--ray-client-server-port={client}", "--disable-usage-stats"]  # fmt: skip
+    state = {"address": f"127.0.0.1:{port}", "dashboard": f"http://127.0.0.1:{dashboard}",
+             "client": f"ray://127.0.0.1:{client}", "temp": str(temp), "root": str(root), "nodes": []}  # fmt: skip
     head_proc = _start_node(head, root / "head.log", _env())
     state["nodes"].append({"role": "head", "pgid": head_proc.pid, "cpus": head_cpus})
     _write(state)
@@ -204,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             return 1
         state = start(args.dir, args.head_cpus, args.worker_cpus)
-        print(f"Ray cluster up: head + 1 worker node at {state['address']} (dashboard {state['dashboard']})")
+        print(f"Ray cluster up: head + 1 worker node at {state['address']} (dashboard {state['dashboard']}, Ray "
+              f"Client {state['client']})")  # fmt: skip
         print(f"  stratbench compare --executor ray --ray-address {state['address']} ...")
         return 0
     if state is None:

@@ -5,15 +5,20 @@ any cell, SIGTERM of compare leaving no Ray task or process, and a worker node k
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -86,6 +91,46 @@ def address(cluster, local_quick) -> str:
         return cluster["future"].result(timeout=300)["address"]
     except RuntimeError as exc:
         pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
+
+
+def test_a_dead_cluster_s_address_file_is_passed_over_for_a_private_ray(tmp_path):
+    """`ray start --head`, then every process of that head killed: the address file it wrote
+    (`ray_current_cluster` in Ray's temporary folder) stays, naming a GCS nothing answers at. `compare --executor
+    ray` without --ray-address says which address it tried and where it read it, starts a private Ray as when
+    there is no cluster, and runs its cell (it used to retry that address for minutes, no cell started). First in
+    this file, before the module's cluster starts: with another Ray running here, Ray's own `auto` takes that one
+    instead of the file's (found among the processes), which hid the hang."""
+    temp = Path(tempfile.mkdtemp(prefix="sbdead-", dir="/tmp"))  # short: the session's socket paths
+    env = dict(os.environ, RAY_TMPDIR=str(temp), RAY_USAGE_STATS_ENABLED="0",
+               RAY_AUTH_MODE=os.environ.get("RAY_AUTH_MODE", "disabled"))  # fmt: skip
+    port = local_ray._free_port()
+    head = subprocess.Popen([local_ray._ray(), "start", "--head", f"--port={port}", "--num-cpus=1",
+                             "--node-ip-address=127.0.0.1", "--include-dashboard=false", f"--temp-dir={temp}/ray",
+                             "--disable-usage-stats"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+                            env=env, start_new_session=True)  # fmt: skip
+    try:
+        if head.wait(timeout=240) != 0:
+            shutil.rmtree(temp, ignore_errors=True)
+            pytest.skip("`ray start --head` did not start a head on this machine")
+        address_file = temp / "ray" / "ray_current_cluster"
+        dead = address_file.read_text().strip()  # this host's address, as Ray names it
+        assert dead.endswith(f":{port}"), dead
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)  # the head's every process at once, as when its machine dies
+    matrix = _matrix(tmp_path, "dead", [{"method": "single"}], max_steps=2)
+    started = time.monotonic()
+    try:
+        proc = run_stratbench("compare", "--matrix", str(matrix), "--output", str(tmp_path / "out"), "--executor",
+                              "ray", env=env, cwd=tmp_path, timeout=300)  # fmt: skip
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    assert time.monotonic() - started < 240
+    said = f"no Ray cluster answers at {dead} (the address in {address_file}"
+    err = proc.stderr
+    assert said in err and "starting a private local Ray for this run" in err, err[-3000:]
+    assert "(a private local Ray for this run)" in proc.stdout, proc.stdout[:500]
+    assert [r["status"] for r in load_records(tmp_path / "out").values()] == ["ok"]
 
 
 KILLED = [{"method": "ddp", "precision": "fp64", "nodes": 2, "label": "ddp-2nodes"},
@@ -205,7 +250,10 @@ def _wait_for(proc: subprocess.Popen, out: Path, pattern: str, count: int, timeo
     deadline = time.monotonic() + timeout_s
     while len(list((out / "cells").glob(pattern))) < count:
         assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, f"no {pattern} after {timeout_s} s"
+        if time.monotonic() > deadline:
+            proc.kill()
+            printed = proc.communicate()[0]
+            raise AssertionError(f"no {pattern} after {timeout_s} s; the command printed:\n{printed}")
         time.sleep(0.2)
 
 
@@ -238,3 +286,74 @@ def test_sigterm_of_compare_cancels_every_ray_task_and_leaves_no_process(cluster
             break
         time.sleep(0.5)
     assert left == []
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _launchers(out: Path) -> list:
+    """The processes of ``out``'s cells (launchers, torchrun, workers) that are alive."""
+    return [p for p in sweep_processes(out) if _alive(p)]
+
+
+def _client_ready(address: str, timeout_s: float = 240) -> None:
+    """Until a Ray Client session opens at ``address``: a fresh head's client server took ~40 s to open its first
+    one here (and failed it once), the next ones 3-5 s."""
+    code = f"import ray; ray.init({address!r}, log_to_driver=False); ray.shutdown()"
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            if subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120).returncode == 0:
+                return
+        assert time.monotonic() < deadline, f"no Ray Client session at {address} after {timeout_s} s"
+
+
+def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_their_cells(cluster):
+    """A compare connected through Ray Client (`ray://`) is killed (`kill -9`) while both its cells train: the
+    client server keeps its job, so its actors and their cells, for its reconnect grace period (set to 10 min
+    here, as a cluster may). Its cells' processes are then stopped (SIGSTOP: alive whatever the machine's load).
+    The same command again finds the actors and placement groups by their names, removes them (their processes
+    killed) before it cleans their folders, and runs each cell once; nothing of either run is left."""
+    try:
+        state = cluster["future"].result(timeout=300)
+    except RuntimeError as exc:
+        pytest.skip(f"a local two-node Ray cluster could not start on this machine: {exc}")
+    _client_ready(state["client"])
+    root = cluster["root"]
+    out = root / "client-kill"
+    matrix = _matrix(root, "client-kill", TWO, max_steps=20)
+    cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
+                         "--ray-address", state["client"])  # fmt: skip
+    env = dict(os.environ, RAY_CLIENT_RECONNECT_GRACE_PERIOD="600")
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                             env=env)  # fmt: skip
+    left = []
+    try:
+        _wait_for(first, out, "*/metrics.csv", 2)  # both cells training
+        first.kill()
+        first.communicate(timeout=60)
+        left = _launchers(out)
+        assert left, "the killed client's cells stopped with it: Ray Client kept nothing"
+        for proc in left:
+            proc.suspend()
+        rerun = run_stratbench("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
+                               "--ray-address", state["client"], cwd=root, timeout=600)  # fmt: skip
+        assert [p for p in left if _alive(p)] == [], rerun.stdout  # the killed run's processes are gone
+        assert rerun.stdout.count("cancelling Ray") == 2, rerun.stdout
+    finally:
+        for proc in left:  # whatever the rerun did not stop (the test failed)
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
+    records = load_records(out)
+    assert len(records) == 2 and {r["status"] for r in records.values()} == {"ok"}, records
+    assert _launchers(out) == []
+    for _ in range(20):  # actor states reach the dashboard a moment after the actors end
+        alive = _unfinished_ray_tasks(state["dashboard"])
+        if not alive:
+            break
+        time.sleep(0.5)
+    assert alive == []

@@ -66,7 +66,7 @@ def _sweep(matrix: Path, out: Path, executor: str = "local") -> tuple[dict, str]
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory, quick_fp64_local):
+def slurm_up(tmp_path_factory):
     """A 2-node SLURM of this module's own (free ports, its state in a temporary folder); SLURM_CONF points at
     it."""
     if os.geteuid() != 0:
@@ -85,14 +85,20 @@ def slurm(tmp_path_factory, quick_fp64_local):
     two, matrix = root / "two.yaml", root / "three.yaml"
     two.write_text(yaml.safe_dump({"name": "two", "base": quick_base(), "cells": TWO}))
     matrix.write_text(yaml.safe_dump({"name": "three", "base": quick_base(), "cells": THREE}))
-    local = {r["method"]: r for r in load_records(quick_fp64_local).values() if r["status"] == "ok"}
-    yield {"root": root, "two": two, "matrix": matrix, "out": root / "slurm", "local": local, "state": state}
+    yield {"root": root, "two": two, "matrix": matrix, "out": root / "slurm", "state": state}
     subprocess.run(["bash", str(SCRIPT), "down", str(state)], capture_output=True, timeout=120)
     shutil.rmtree(state, ignore_errors=True)
     if previous is None:
         os.environ.pop("SLURM_CONF", None)
     else:
         os.environ["SLURM_CONF"] = previous
+
+
+@pytest.fixture(scope="module")
+def slurm(slurm_up, quick_fp64_local):
+    """The SLURM with the local executor's quick sweep in fp64 by method (what its sweeps are compared with)."""
+    local = {r["method"]: r for r in load_records(quick_fp64_local).values() if r["status"] == "ok"}
+    return {**slurm_up, "local": local}
 
 
 def _jobs() -> list[str]:
@@ -242,4 +248,99 @@ def test_train_on_slurm_over_two_nodes_is_the_local_run(slurm):
     assert res["status"] == "ok" and res["world_size"] == 2
     assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
     assert {json.loads(p.read_text())["node"] for p in (out / "slurm").glob("node*.json")} == {"node1", "node2"}
+    assert _jobs() == [] and sweep_processes(out) == []
+
+
+def _jobs_of(out: Path) -> dict[str, list[str]]:
+    """Every job SLURM knows (`squeue --states=all`: MinJobAge keeps ended ones 10 min here) named after a cell
+    of ``out`` (a job's name is its cell's id, unique to the matrix), by cell: ['ID|STATE', ...]."""
+    cells = {p.name for p in (out / "cells").iterdir()} if (out / "cells").is_dir() else set()
+    rows = subprocess.run(["squeue", "--noheader", "--states=all", "--format", "%i|%T|%j"], capture_output=True,
+                          text=True, check=True).stdout.split()  # fmt: skip
+    jobs: dict[str, list[str]] = {}
+    for row in rows:
+        job_id, state, name = row.split("|", 2)
+        if name in cells:
+            jobs.setdefault(name, []).append(f"{job_id}|{state}")
+    return jobs
+
+
+def test_a_killed_sweep_s_jobs_are_adopted_by_the_rerun_never_run_twice(slurm_up):
+    """`kill -9` of compare while both its jobs run: they stay (they are SLURM's). The same command again, with
+    the jobs' ids lost from its journal (as if it was killed between sbatch's answer and its own line) and the
+    jobs suspended meanwhile (live whatever the machine's load), finds them by their comment, adopts them, cleans
+    no folder under them and submits nothing: exactly one job per cell, COMPLETED; then nothing is left."""
+    root = slurm_up["root"]
+    out, matrix = root / "killed", root / "killed.yaml"
+    matrix.write_text(yaml.safe_dump({"name": "killed", "base": {**quick_base(), "max_steps": 20}, "cells": TWO}))
+    cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "slurm")
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+
+    def both_running() -> list[str]:
+        jobs = [j for states in _jobs_of(out).values() for j in states if j.endswith("|RUNNING")]
+        return jobs if len(jobs) == 2 and len(list((out / "cells").glob("*/train.log"))) == 2 else []
+
+    ids = [j.split("|")[0] for j in _until(both_running, "both jobs running", proc=first)]
+    first.kill()  # SIGKILL: no handler runs, nothing is cancelled
+    first.communicate(timeout=60)
+    subprocess.run(["scontrol", "suspend", *ids], check=True)
+    journal = staging / "submissions.jsonl"
+    lines = journal.read_text().splitlines() if journal.exists() else []
+    journal.write_text("".join(ln + "\n" for ln in lines if '"submitted"' not in ln))
+    folders = {p.parent.name: (p.parent.stat().st_ino, p.stat().st_ino) for p in (out / "cells").glob("*/train.log")}
+    rerun = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root)
+    _until(lambda: journal.read_text().count('"adopted"') == 2 or sum(map(len, _jobs_of(out).values())) > 2,
+           "both jobs adopted (or submitted again)", proc=rerun)  # fmt: skip
+    subprocess.run(["scontrol", "resume", *ids], check=True)
+    output, _ = rerun.communicate(timeout=300)
+    jobs = _jobs_of(out)
+    assert sorted(jobs) == sorted(folders) and all(len(states) == 1 for states in jobs.values()), (jobs, output)
+    assert rerun.returncode == 0, output
+    assert output.count("adopted SLURM job") == 2, output
+    assert sum('"submitted"' in ln for ln in lines) == 2, lines  # the first run wrote each id as sbatch answered
+    assert {states[0] for states in jobs.values()} == {f"{i}|COMPLETED" for i in ids}, jobs
+    records = load_records(out)
+    assert {r["status"] for r in records.values()} == {"ok"} and len(records) == 2, records
+    now = {p.parent.name: (p.parent.stat().st_ino, p.stat().st_ino) for p in (out / "cells").glob("*/train.log")}
+    assert now == folders  # the jobs' folders and logs were never deleted and made again
+    assert _jobs() == [] and sweep_processes(out) == []
+
+
+def test_a_killed_train_on_slurm_is_adopted_by_the_same_command(slurm_up):
+    """`train --executor slurm` killed (`kill -9`) while its job runs: the same command again follows that job to
+    its end (suspended meanwhile: live whatever the load) instead of rewriting its folder and submitting a
+    second one."""
+    out = slurm_up["root"] / "train-killed"
+    cmd = stratbench_cmd("train", "--model", "tinynet", "--width", "8", "--data", "digits", "--image-size", "16",
+                         "--batch-size", "32", "--max-steps", "20", "--output", str(out), "--executor", "slurm",
+                         "--progress", "false")  # fmt: skip
+    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=out.parent)
+    staging = out / ".staging-train"  # the nodes' config and logs and the journal, until the run wrote its result
+
+    def running() -> list[str]:
+        jobs = [j for j in _jobs() if j.split("|")[1] == out.name and j.endswith("|RUNNING")]
+        return jobs if (staging / "train.log").exists() else []
+
+    job_id = _until(running, "the run's job running", proc=first)[0].split("|")[0]
+    first.kill()
+    first.communicate(timeout=60)
+    subprocess.run(["scontrol", "suspend", job_id], check=True)
+    config = (staging / "config.yaml").stat().st_mtime_ns
+    rerun = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=out.parent)
+    journal = staging / "submissions.jsonl"
+
+    def adopted_or_doubled() -> bool:
+        return journal.exists() and '"adopted"' in journal.read_text() or len(_jobs()) > 1
+
+    _until(adopted_or_doubled, "the job adopted (or submitted again)", proc=rerun)
+    seen_config = [(staging / "config.yaml").stat().st_mtime_ns]
+    subprocess.run(["scontrol", "resume", job_id], check=True)
+    stdout, stderr = rerun.communicate(timeout=300)
+    ran = subprocess.run(["squeue", "--noheader", "--states=all", "--name", out.name, "--format", "%i|%T"],
+                         capture_output=True, text=True, check=True).stdout.split()  # fmt: skip
+    assert ran == [f"{job_id}|COMPLETED"], (ran, stderr[-3000:])
+    assert rerun.returncode == 0 and f"adopted SLURM job {job_id} (SUSPENDED)" in stderr, stderr[-3000:]
+    assert seen_config == [config]  # the job's folder was left as it was while it ran
+    assert (out / "train.log").exists() and not staging.exists()  # its log joined the output folder at the end
+    assert json.loads((out / "result.json").read_text())["status"] == "ok"
     assert _jobs() == [] and sweep_processes(out) == []

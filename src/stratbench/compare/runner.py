@@ -5,7 +5,9 @@ Each cell runs ``python -m stratbench train --config CELL/config.yaml [--nproc N
 tree, torchrun's workers included; or a Ray cluster, one launcher per node) with its output and log in its own
 folder. Its outcome is appended to ``results.jsonl`` as soon as it ends, in whatever order cells end, so a sweep
 that is stopped keeps what is done and the same command resumes it, skipping the cells already recorded (but
-not a cell whose node was lost, which runs again).
+not a cell whose node was lost, which runs again). On a cluster (SLURM, Ray) each submission is written down
+before and as it is made (``launching.submissions``), and a resumed sweep first takes over (or cancels) the jobs
+a killed one left running, so that no cell runs twice and no folder is cleaned under a live job.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import yaml
 from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.compare.matrix import Cell, Matrix, Plan
 from stratbench.core.errors import ConfigError
-from stratbench.core.lock import output_lock
+from stratbench.core.files import append_json_line
+from stratbench.core.lock import output_lock, wait_released
 from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
 from stratbench.launching.local_executor import LocalExecutor
+from stratbench.launching.submissions import Submissions, job_key
 from stratbench.measuring.environment import environment
 from stratbench.measuring.records import SCHEMA, RunRecord
 
@@ -40,6 +44,8 @@ SWEEP = "sweep.json"
 CELLS_DIR = "cells"
 FINISHED = ("ok", "failed", "oom", "timeout", "nan")
 """Statuses a rerun keeps (``--retry`` reruns all but ok). Skipped cells are re-checked on every run."""
+STOP_WAIT_S = 60.0
+"""How long a resumed sweep waits for a cancelled earlier job's processes to leave its cell's folder."""
 
 
 class Interrupted(Exception):
@@ -80,26 +86,8 @@ def load_run_records(out: Path) -> dict[str, RunRecord]:
 
 def append_record(out: Path, record: dict[str, Any], name: str = RESULTS) -> None:
     """Append one line to ``out/results.jsonl`` (or ``out/NAME``) and flush it to disk, so a crash of the sweep
-    itself loses nothing finished. A last line cut short by a crash (no newline) is dropped first, or ended if
-    it is whole: appended to, it would take the new record down with it."""
-    path = Path(out) / name
-    if path.exists() and path.stat().st_size:
-        with open(path, "rb+") as fh:
-            data = fh.read()
-            if not data.endswith(b"\n"):
-                start = data.rfind(b"\n") + 1
-                try:
-                    whole = isinstance(json.loads(data[start:]), dict)
-                except ValueError:
-                    whole = False
-                if whole:
-                    fh.write(b"\n")
-                else:
-                    fh.truncate(start)
-    with open(path, "a") as fh:
-        fh.write(json.dumps(record, default=str) + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
+    itself loses nothing finished (a last line cut short by a crash is dropped or ended first)."""
+    append_json_line(Path(out) / name, record)
 
 
 def machine_of(environment: dict[str, Any] | None) -> dict[str, str]:
@@ -367,6 +355,12 @@ class SweepRunner:
         self.command = command or sys.argv
         self.repeats = max(1, int(repeats))
         self.executor = executor or LocalExecutor()
+        self.submissions = Submissions(self.out, self.executor, say=self._say)
+
+    def _say(self, line: str) -> None:
+        from rich.markup import escape
+
+        self.console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
 
     def write_sweep_meta(self, plans: list[Plan]) -> None:
         """sweep.json: the cells of this sweep in order (the report lists cells not run yet as such)."""
@@ -425,9 +419,11 @@ class SweepRunner:
 
     def _run(self, plans: list[Plan]) -> dict[str, dict[str, Any]]:
         """Submit each cell to run to the executor (``executor.slots`` at a time), record each as it ends, in
-        whatever order; Ctrl-C cancels every cell under way (not recorded) and raises ``Interrupted``."""
+        whatever order; Ctrl-C cancels every cell under way (not recorded) and raises ``Interrupted``. The jobs
+        an earlier, killed run of this folder left on the cluster are settled first (``_reconcile``)."""
         records = load_records(self.out)
         env = local_environment(1)
+        adopted = self._reconcile([p for p in plans if self._needs_run(p, records)])
         display = Display(len(plans), self.console)
         active: list[_CellRun] = []
         try:
@@ -436,23 +432,57 @@ class SweepRunner:
                     continue
                 while len(active) >= self.executor.slots:
                     self._wait_any(active, records, display)
-                active.append(self._submit(n, p.cell, display))
+                handle = adopted.pop(job_key(self.out, p.cell.id), None)
+                if handle is not None:
+                    display.start(n, p.cell)
+                    active.append(_CellRun(p.cell, handle, handle.job.log.parent))
+                else:
+                    active.append(self._submit(n, p.cell, display))
             while active:
                 self._wait_any(active, records, display)
         except KeyboardInterrupt:
             self.executor.cancel_all([run.handle for run in active])
+            for run in active:
+                self.submissions.ended(run.handle.job, "cancelled")
             running = ", ".join(run.cell.id for run in active)
             raise Interrupted(f"stopped while running {running}" if running else "stopped between cells") from None
         finally:
             display.close()
         return records
 
+    def _needs_run(self, p: Plan, records: dict[str, dict[str, Any]]) -> bool:
+        """The cell is to be run now: planned to run and not finished before (what ``_settled`` lets through)."""
+        old = records.get(p.cell.id)
+        keep = ("ok",) if self.retry else FINISHED
+        if p.status is not None or not old:
+            return p.status is None
+        return old.get("status") not in keep or bool(old.get("lost")) or _repeats_of(old) < self.repeats
+
+    def _reconcile(self, plans: list[Plan]) -> dict[str, Handle]:
+        """Before any cell is submitted: the jobs of earlier runs of this folder still on the cluster are adopted
+        or cancelled (``Submissions.reconcile``); then every cell to run anew must have a folder no process
+        writes into any more (a cancelled job winding down), before ``prepare`` cleans it."""
+        jobs = [self.job_for(p.cell, self.out / CELLS_DIR / p.cell.id) for p in plans]
+        adopted = self.submissions.reconcile({job.key: job for job in jobs}, adopt=self.repeats == 1)
+        for p in plans:
+            if job_key(self.out, p.cell.id) not in adopted:
+                self._wait_idle(self.out / CELLS_DIR / p.cell.id)
+        return adopted
+
+    def _wait_idle(self, cell_dir: Path, timeout_s: float = STOP_WAIT_S) -> None:
+        """Wait until no run holds the lock of ``cell_dir`` (or of one of its repeats); one line if one still
+        does after ``timeout_s``: its folder is not cleaned under it."""
+        for folder in [cell_dir, *sorted(cell_dir.glob("repeat-*"))]:
+            holder = wait_released(folder, timeout_s)
+            if holder is not None:
+                raise ConfigError(f"{folder} is still being written by a run (pid {holder}) that is not this "
+                                  "sweep's: a job of an earlier run the cluster no longer lists? Stop it (or wait "
+                                  "for it to end), then rerun")  # fmt: skip
+
     def _settled(self, p: Plan, records: dict[str, dict[str, Any]], display: Display, env: dict[str, Any]) -> bool:
         """True when the cell needs no run: finished before (kept), or planned as skipped/failed (recorded)."""
         old = records.get(p.cell.id)
-        keep = ("ok",) if self.retry else FINISHED
-        if p.status is None and old and old.get("status") in keep and not old.get("lost") \
-                and _repeats_of(old) >= self.repeats:  # fmt: skip
+        if p.status is None and not self._needs_run(p, records):
             display.skip_only()
             self.console.print(f"  [dim]done before[/dim] {p.cell.name} {p.cell.precision} "
                                f"{p.cell.shape}: {old['status']}", highlight=False, soft_wrap=True)  # fmt: skip
@@ -473,7 +503,7 @@ class SweepRunner:
             if run_dir.exists():
                 shutil.rmtree(run_dir)
             run_dir = self._repeat_dir(cell, 1)
-        return _CellRun(cell, self.executor.submit(self.prepare(cell, run_dir)), run_dir)
+        return _CellRun(cell, self.submissions.submit(self.prepare(cell, run_dir)), run_dir)
 
     def _repeat_dir(self, cell: Cell, k: int) -> Path:
         log = Path(cell.id) / f"repeat-{k}" / "train.log"
@@ -489,6 +519,7 @@ class SweepRunner:
                 active.remove(run)
                 append_record(self.out, rec)
                 records[run.cell.id] = rec
+                self.submissions.ended(run.handle.job, rec["status"])
                 display.finish(run.cell, rec["status"], rec["reason"], rec["elapsed_s"], ran=True)
             if ended:
                 return
@@ -502,8 +533,9 @@ class SweepRunner:
         if outcome is None:
             return None
         rec = self.record(run.cell, run.run_dir, outcome)
-        # how long the cell waited for its resources (a placement group) before it started
-        rec["queued_s"] = (run.handle.started_at or time.monotonic()) - run.handle.submitted_at
+        # how long the cell waited for its resources (a placement group) before it started (an adopted job may
+        # have started before this run saw it)
+        rec["queued_s"] = max(0.0, (run.handle.started_at or time.monotonic()) - run.handle.submitted_at)
         if self.repeats == 1:
             return rec
         run.runs.append(rec)
@@ -515,7 +547,8 @@ class SweepRunner:
         if k == self.repeats:
             return aggregate_repeats(run.runs)
         run.run_dir = self._repeat_dir(run.cell, k + 1)
-        run.handle = self.executor.submit(self.prepare(run.cell, run.run_dir))
+        self.submissions.ended(run.handle.job, rec["status"])
+        run.handle = self.submissions.submit(self.prepare(run.cell, run.run_dir))
         return None
 
     def _outcome(self, handle: Handle) -> Outcome | None:
@@ -532,19 +565,22 @@ class SweepRunner:
 
     def prepare(self, cell: Cell, cell_dir: Path, env: dict[str, str] | None = None) -> Job:
         """A clean folder for the cell's run with its config.yaml, and the job that runs it."""
-        if cell_dir.exists():  # a previous attempt (failed, or interrupted): start clean
+        if cell_dir.exists():  # a previous attempt (failed, or interrupted; its jobs settled): start clean
             shutil.rmtree(cell_dir)
         cell_dir.mkdir(parents=True)
-        config_path = cell_dir / "config.yaml"
-        atomic_write(config_path, yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        atomic_write(cell_dir / "config.yaml", yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        return self.job_for(cell, cell_dir, env)
+
+    def job_for(self, cell: Cell, cell_dir: Path, env: dict[str, str] | None = None) -> Job:
+        """The job that runs ``cell`` in ``cell_dir`` (nothing written), keyed to this folder and the cell."""
         gpus = cell.procs_per_node if self.matrix.uses_gpus(cell) else 0
-        return Job(cell.id, tuple(cell_command(cell, config_path)), cell_dir / "train.log",
-                   Shape(cell.nodes, cell.procs_per_node, gpus), env or {})  # fmt: skip
+        return Job(cell.id, tuple(cell_command(cell, cell_dir / "config.yaml")), cell_dir / "train.log",
+                   Shape(cell.nodes, cell.procs_per_node, gpus), env or {}, key=job_key(self.out, cell.id))  # fmt: skip
 
     def wait(self, job: Job, display: Display, what: str) -> Outcome:
         """Run one job to its end (the calibration runs, one at a time); Ctrl-C cancels it and raises
         ``Interrupted`` naming ``what``."""
-        handle = self.executor.submit(job)
+        handle = self.submissions.submit(job)
         try:
             while True:
                 time.sleep(POLL_S)

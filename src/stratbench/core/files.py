@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import json
 import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 
 def remove_path(path: Path) -> None:
@@ -108,3 +110,45 @@ def atomic_write(path: Path, data: bytes | str) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
     return Path(path)
+
+
+def append_json_line(path: Path, record: dict[str, Any]) -> None:
+    """Append ``record`` as one JSON line to ``path`` and flush it to disk, so that a crash of the writer loses
+    nothing written before. A last line cut short by a crash (no newline) is dropped first, or ended if it is
+    whole: appended to, it would take the new line down with it."""
+    path = Path(path)
+    if path.exists() and path.stat().st_size:
+        with open(path, "rb+") as fh:
+            data = fh.read()
+            if not data.endswith(b"\n"):
+                start = data.rfind(b"\n") + 1
+                try:
+                    whole = isinstance(json.loads(data[start:]), dict)
+                except ValueError:
+                    whole = False
+                if whole:
+                    fh.write(b"\n")
+                else:
+                    fh.truncate(start)
+    with open(path, "a") as fh:
+        fh.write(json.dumps(record, default=str) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def read_json_lines(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects of a file written by ``append_json_line``, in order; a line that is not one (a torn last
+    line) is left out. A missing file has none."""
+    try:
+        text = Path(path).read_text(errors="replace")
+    except OSError:
+        return []
+    records = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict):
+            records.append(rec)
+    return records

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -95,3 +96,34 @@ def remove_if_only_lock(folder: Path) -> None:
         if [p.name for p in Path(folder).iterdir()] in ([LOCK_FILE], []):
             (Path(folder) / LOCK_FILE).unlink(missing_ok=True)
             Path(folder).rmdir()
+
+
+def lock_holder(folder: Path) -> str | None:
+    """The pid written by the run that holds ``folder``'s lock now (``"unknown"`` if it wrote none), or None
+    when no run holds it. Probes without creating anything: a folder without a lock file has no holder."""
+    try:
+        import fcntl
+    except ImportError:
+        return None
+    try:
+        fd = os.open(Path(folder) / LOCK_FILE, os.O_RDWR)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
+def wait_released(folder: Path, timeout_s: float) -> str | None:
+    """Wait up to ``timeout_s`` for the run holding ``folder``'s lock to end (a stopped job's processes winding
+    down); the holder's pid if it still holds it then, else None."""
+    deadline = time.monotonic() + timeout_s
+    while (holder := lock_holder(folder)) is not None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return holder

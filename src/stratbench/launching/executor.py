@@ -52,6 +52,10 @@ class Job:
     log: Path
     shape: Shape = Shape()
     env: Mapping[str, str] = field(default_factory=dict)
+    key: str = ""
+    """Its durable name on the cluster (``launching.submissions.job_key``: its folder and its name), carried by
+    what the executor makes of it (SLURM's job comment, Ray's placement group and actor names), so that a later
+    run of the same folder finds it even when this process died before it wrote the job's id down."""
 
     def node_command(
         self, rank: int, master_addr: str, master_port: int, python: str | None = None
@@ -87,6 +91,23 @@ class Outcome:
     ``reason`` saying so)."""
 
 
+@dataclass(frozen=True)
+class Found:
+    """A job of an earlier run of a folder that the cluster still knows (``Executor.find``)."""
+
+    key: str
+    ref: Mapping[str, Any]
+    """The executor's own id of it (JSON), as ``Executor.ref`` gives it."""
+    state: str
+    """``queued``, ``running`` (both: live), or ``ended`` (it reported how it ended: its outcome can be read)."""
+    what: str
+    """How the cluster calls it, for messages ("SLURM job 123 (RUNNING)")."""
+
+    @property
+    def live(self) -> bool:
+        return self.state != "ended"
+
+
 @dataclass
 class Handle:
     """A submitted job; ``started_at`` (time.monotonic) is None while it waits for resources."""
@@ -106,9 +127,14 @@ class Executor(ABC):
     """Its jobs run on this machine (what `compare --calibrate` measures must be where the cells run)."""
     options: ClassVar[tuple[str, ...]] = ()
     """The keyword options of its constructor beside ``max_concurrent`` (the command-line flags of its own)."""
+    durable: ClassVar[bool] = False
+    """Its jobs can outlive the process that submitted them (a SLURM job, a Ray actor kept by its cluster): the
+    submissions are written down and a rerun reconciles with the cluster (``launching.submissions``)."""
 
-    def __init__(self, max_concurrent: int = 0) -> None:
+    def __init__(self, max_concurrent: int = 0, cancel_stale: bool | None = None) -> None:
         self.slots = max_concurrent if max_concurrent > 0 else self.default_slots()
+        self.cancel_stale = bool(cancel_stale)
+        """--cancel-stale: a live job of an earlier run is cancelled rather than adopted."""
 
     def default_slots(self) -> int:
         return 1
@@ -133,6 +159,25 @@ class Executor(ABC):
         """Cancel several jobs (Ctrl-C of a sweep); an executor may stop them all at once."""
         for handle in handles:
             self.cancel(handle)
+
+    def ref(self, handle: Handle) -> dict[str, Any]:
+        """The executor's own id of a submitted job, as JSON (what the submissions journal keeps)."""
+        return {}
+
+    def find(self, prefix: str, open_entries: Mapping[str, Mapping[str, Any]]) -> list[Found]:
+        """The jobs on the cluster whose key starts with ``prefix`` (a folder's), live or ended with a report,
+        newest first; ``open_entries``: the journal's submissions of that folder that were not seen to end, by
+        key (their ``dir`` and ``ref``), for what the cluster itself no longer lists."""
+        return []
+
+    def adopt(self, job: Job, found: Found) -> Handle | None:
+        """A handle on ``found`` (an earlier run's submission of ``job``) that ``poll`` follows like one of this
+        run's; None where the executor cannot take a job over (it is then removed)."""
+        return None
+
+    def remove(self, found: list[Found]) -> None:
+        """Cancel the live jobs in ``found`` and wait until the cluster has ended them."""
+        return None
 
     def close(self) -> None:
         """Release what the executor holds (a Ray connection, a local Ray it started)."""

@@ -39,6 +39,10 @@ def add_executor_arguments(parser: argparse.ArgumentParser, what: str = "each ce
     group.add_argument("--slurm-option", action="append", default=None, metavar="KEY=VALUE",
                        help="--executor slurm: one more sbatch option, --KEY=VALUE (KEY alone: a flag), e.g. "
                             "qos=high, constraint=a100, mem=64G, exclusive; repeatable")  # fmt: skip
+    group.add_argument("--cancel-stale", action="store_const", const=True, default=None,
+                       help="--executor ray/slurm: a job that an earlier, killed run of this output folder left "
+                            "on the cluster is cancelled (and its cell run again) instead of adopted (waited for "
+                            "as if this run had submitted it)")  # fmt: skip
 
 
 def executor_options(args: argparse.Namespace) -> dict[str, Any]:

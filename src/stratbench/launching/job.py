@@ -11,6 +11,7 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +24,9 @@ from stratbench.core.lock import held_here, output_lock, remove_if_only_lock
 from stratbench.core.tables import fmt_bytes
 from stratbench.launching import launch
 from stratbench.launching._torchrun import RENDEZVOUS_FAILED
-from stratbench.launching.executor import Executor, Job, Outcome, Shape
+from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
 from stratbench.launching.launch import MULTI_NODE_PORT, torchrun_error_path
+from stratbench.launching.submissions import JOURNAL, Submissions, job_key
 from stratbench.strategies.base import strategy_for_layout
 from stratbench.training import engine
 
@@ -73,6 +75,9 @@ def _launch(cfg: TrainConfig) -> dict[str, Any] | None:
         return json.loads((out / "result.json").read_text())
 
 
+STAGING = ".staging-train"
+"""``train --executor``'s folder inside the output folder for the nodes' config and logs and the submission journal
+(one name, so that a rerun after a killed launcher finds the job it left)."""
 RUN_FILES = ("result.json", "config.yaml")
 """The files that tell whether a launched run wrote into its output folder (config.yaml: training started)."""
 
@@ -94,24 +99,34 @@ def run_job_on(executor: Executor, cfg: TrainConfig) -> dict[str, Any]:
     content. Ctrl-C or SIGTERM cancels the run on every node. The output folder must be one the nodes share.
 
     The nodes read their config, and write their logs (and the executor its files), in a staging folder inside
-    the output folder; the logs join the output folder once the run wrote there (or it held no earlier run), and
-    a run refused on the nodes leaves an earlier run's folder as it was."""
+    the output folder (``.staging-train``); the logs join the output folder once the run wrote there (or it held
+    no earlier run), and a run refused on the nodes leaves an earlier run's folder as it was. A job of an earlier,
+    killed run into the same folder that the cluster still has is adopted (followed to its end, its staging folder
+    kept) or, with --cancel-stale, cancelled first (``launching.submissions``: the journal is in the staging
+    folder too)."""
     engine.preflight(cfg)
     shape = Shape(cfg.nnodes, cfg.nproc, cfg.nproc if cfg.device == "cuda" else 0)
     executor.check([shape])
     out = Path(cfg.output).resolve()
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    staging = out / STAGING
+    config = staging / "config.yaml"
+    cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
+    job = Job(out.name, tuple(cmd), staging / "train.log", shape, key=job_key(out, "train"))
+    submissions = Submissions(out, executor, journal=staging / JOURNAL)
+    adopted = submissions.reconcile({job.key: job}).get(job.key)
     earlier = _stamps(out)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-    try:
-        config = staging / "config.yaml"
+    if adopted is None:  # nothing of an earlier run left on the cluster: a fresh staging folder for this run
+        remove_path(staging)
+        staging.mkdir(parents=True)
         dump_yaml(cfg.replace(output=str(out)), config)
-        cmd = [sys.executable, "-m", "stratbench", "train", "--config", str(config), "--nproc", str(cfg.nproc)]
-        job = Job(out.name, tuple(cmd), staging / "train.log", shape)
+    else:  # the adopted job's result.json, whenever it writes it, is this run's
+        earlier.pop("result.json", None)
+    try:
         print(f"training on {executor.where()}: {shape}; node 0's log: {job.log} (then {out / 'train.log'})",
               file=sys.stderr, flush=True)  # fmt: skip
-        outcome = _follow(executor, job)
+        outcome = _follow(executor, job, lambda: adopted or submissions.submit(job))
+        submissions.ended(job, "ok" if outcome.returncode == 0 else "failed")
         logged = _error_line(job.log)
     finally:
         _settle(out, staging, earlier, created)
@@ -131,17 +146,18 @@ def _settle(out: Path, staging: Path, earlier: dict[str, Any], created: bool) ->
     now = _stamps(out)
     if any(now.get(name) != earlier.get(name) for name in now) or "result.json" not in earlier:
         for entry in staging.iterdir():
-            if entry.name != "config.yaml":
+            if entry.name not in ("config.yaml", JOURNAL):
                 replace_path(entry, out / entry.name)
     remove_path(staging)
     if created:
         remove_if_only_lock(out)
 
 
-def _follow(executor: Executor, job: Job) -> Outcome:
-    """Wait for ``job``, copying node 0's log to stderr as it grows; Ctrl-C or SIGTERM cancels it."""
+def _follow(executor: Executor, job: Job, start: Callable[[], Handle]) -> Outcome:
+    """Start ``job`` (``start``: submit it, or the handle on an adopted one) and wait for it, copying node 0's log
+    to stderr as it grows; Ctrl-C or SIGTERM cancels it."""
     previous = signal.signal(signal.SIGTERM, _interrupt)
-    handle = executor.submit(job)
+    handle = start()
     seen = 0
     try:
         while (outcome := executor.poll(handle)) is None:

@@ -5,6 +5,17 @@ IP> --master-port <a free port on node 0>``). Ray reserves and places; it schedu
 
 Outputs go where the job says (the sweep's folder): on a real cluster that folder must be on a filesystem every
 node shares (docs/cluster.md). Ray is imported only here, when this executor is used.
+
+A job's placement group and actors are named after its key (``Job.key``: its folder and cell) in the ``stratbench``
+namespace. They belong to the driver that made them, so Ray ends them when that driver dies; but a driver killed
+while connected through Ray Client (``ray://``) leaves them running for the client server's reconnect grace period
+(30 s), and a rerun that comes sooner finds them by name and removes them before it runs their cells
+(``launching.submissions``). A name can be held once, so the same cell can never run twice at once.
+
+``--ray-address auto`` connects to ``$RAY_ADDRESS``, else to the cluster whose address ``ray start`` left in Ray's
+temporary folder (``ray_current_cluster``), else to a cluster whose processes run here; an address that does not
+answer within CONNECT_TIMEOUT_S is one line naming it and where it came from, and one found in the file (a head
+that was killed leaves it behind) is passed over for a private local Ray, as when none is found.
 """
 
 from __future__ import annotations
@@ -12,20 +23,26 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from stratbench.core.errors import ConfigError, UnsupportedError
-from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
+from stratbench.launching.executor import Executor, Found, Handle, Job, Outcome, Shape
 from stratbench.launching.ray_node import NodeRunner
 
 STOP_TIMEOUT_S = 15.0
 """How long a cancelled job's node runners get to stop their processes before their actors are killed."""
 RECHECK_S = 10.0
 """How often a job waiting for its placement group checks that the live nodes can still hold it."""
+CONNECT_TIMEOUT_S = 5.0
+"""How long a cluster's address gets to answer (a TCP connection, then a gRPC handshake) before it is called
+unreachable: Ray's own client retries a dead address for minutes."""
+NAMESPACE = "stratbench"
+"""The Ray namespace of every job's named placement group and actors."""
 
 
 def _ray():
@@ -46,18 +63,51 @@ def _auth_hint() -> str:
             "RAY_AUTH_TOKEN or ~/.ray/auth_token)")  # fmt: skip
 
 
-def _check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """One line when nothing listens at ``address`` (host:port or ray://host:port), before Ray's own retries."""
-    hostport = address.split("://", 1)[-1]
-    host, _, port = hostport.rpartition(":")
+def _split(address: str) -> tuple[str, int]:
+    """(host, port) of HOST:PORT or ray://HOST:PORT; one line for anything else."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not host or not port.isdigit():
         raise ConfigError(f"--ray-address {address!r} is not HOST:PORT, ray://HOST:PORT, 'auto' or 'local'")
+    return host, int(port)
+
+
+def _unanswered(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> str | None:
+    """Why nothing answers at ``address`` within ``timeout_s`` (no TCP connection, or no gRPC server behind it:
+    the GCS and the Ray Client server both speak gRPC), or None when something does."""
+    host, port = _split(address)
     try:
-        with socket.create_connection((host, int(port)), timeout=timeout_s):
+        with socket.create_connection((host, port), timeout=timeout_s):
             pass
     except OSError as exc:
-        raise ConfigError(f"cannot reach the Ray cluster at {address}: {exc.strerror or exc} "
-                          "(start one with `ray start --head`, or leave --ray-address auto)") from None  # fmt: skip
+        return str(exc.strerror or exc)
+    try:
+        import grpc
+    except ImportError:  # Ray's client extra brings it; without it the TCP check has to do
+        return None
+    channel = grpc.insecure_channel(f"{host}:{port}")
+    try:
+        grpc.channel_ready_future(channel).result(timeout=timeout_s)
+    except grpc.FutureTimeoutError:
+        return f"no gRPC answer within {timeout_s:g} s"
+    finally:
+        channel.close()
+    return None
+
+
+def _address_file() -> Path:
+    """Where ``ray start`` writes the address of the cluster it started (Ray's ``ray_current_cluster``), which
+    ``ray.init(address="auto")`` reads."""
+    try:
+        from ray._common.utils import get_ray_address_file
+
+        return Path(get_ray_address_file(None))
+    except ImportError:  # Ray moves its helpers between versions: its documented default place
+        base = os.environ.get("RAY_TMPDIR") or os.environ.get("TMPDIR") or "/tmp"
+        return Path(base) / "ray" / "ray_current_cluster"
+
+
+def _say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 class RayExecutor(Executor):
@@ -65,13 +115,17 @@ class RayExecutor(Executor):
     `ray start`, else a local Ray started for the sweep and stopped after it), 'local', or HOST:PORT."""
 
     name = "ray"
+    options = ("ray_address", "cancel_stale")
+    durable = True
 
-    options = ("ray_address",)
-
-    def __init__(self, max_concurrent: int = 0, ray_address: str | None = None) -> None:
-        super().__init__(max_concurrent)
+    def __init__(
+        self, max_concurrent: int = 0, ray_address: str | None = None, cancel_stale: bool | None = None
+    ) -> None:
+        super().__init__(max_concurrent, cancel_stale)
         self.address = ray_address or "auto"
         self.connected_to = ""
+        self.private = False
+        """The cluster is a local Ray started for this run (stopped with it)."""
 
     def default_slots(self) -> int:
         return 1_000_000  # every cell submitted: the placement groups queue until the cluster has room
@@ -80,19 +134,49 @@ class RayExecutor(Executor):
         ray = _ray()
         if ray.is_initialized():
             return
-        quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": "stratbench"}
+        quiet = {"log_to_driver": False, "logging_level": logging.WARNING, "namespace": NAMESPACE}
         if os.environ.get("PYTHONPATH"):  # a checkout run from source: the nodes import the same stratbench
             quiet["runtime_env"] = {"env_vars": {"PYTHONPATH": os.environ["PYTHONPATH"]}}
-        address = self.address if self.address != "auto" else os.environ.get("RAY_ADDRESS", "auto")
-        if address not in ("auto", "local"):
-            _check_reachable(address)
-        try:
-            info = _start_local(quiet) if address == "local" else ray.init(address=address, **quiet)
-        except ConnectionError:
-            if address != "auto":
-                raise ConfigError(f"cannot connect to the Ray cluster at {address}{_auth_hint()}") from None
-            info = _start_local(quiet)  # no cluster: a local one, stopped with this run
+        address, source = self._address()
+        info = None
+        if address == "auto":  # nothing on record: a cluster whose processes run here, else a local one
+            try:
+                info = ray.init(address="auto", **quiet)
+            except ConnectionError:
+                pass
+        elif address != "local":
+            why = _unanswered(address)
+            if why is None:
+                try:
+                    info = ray.init(address=address, **quiet)
+                except ConnectionError:
+                    raise ConfigError(
+                        f"cannot connect to the Ray cluster at {address} ({source}){_auth_hint()}"
+                    ) from None
+            elif source == "--ray-address" or source.startswith("$"):
+                raise ConfigError(f"cannot reach the Ray cluster at {address} ({source}): {why} (start one with "
+                                  "`ray start --head`, or leave --ray-address auto)")  # fmt: skip
+            else:  # a head that was killed left its address behind: as when there is none
+                _say(f"--executor ray: no Ray cluster answers at {address} (the address in {source}, left by a "
+                     f"`ray start` whose head is gone?): {why}; starting a private local Ray for this run")  # fmt: skip
+        if info is None:
+            info = _start_local(quiet)
+            self.private = True
         self.connected_to = getattr(info, "address_info", {}).get("gcs_address") or address
+
+    def _address(self) -> tuple[str, str]:
+        """The address to connect to and where it came from: --ray-address, $RAY_ADDRESS, or the file `ray start`
+        leaves ('auto': none of them; 'local': a private Ray)."""
+        if self.address != "auto":
+            return self.address, "--ray-address"
+        if os.environ.get("RAY_ADDRESS"):
+            return os.environ["RAY_ADDRESS"], "$RAY_ADDRESS"
+        path = _address_file()
+        try:
+            found = path.read_text().strip()
+        except OSError:
+            found = ""
+        return (found, str(path)) if found else ("auto", "")
 
     def check(self, shapes: Iterable[Shape]) -> None:
         """Connect, then one line for the first shape that no set of live nodes can hold."""
@@ -114,7 +198,7 @@ class RayExecutor(Executor):
         return f"a cell needs {shape}; the Ray cluster at {self.connected_to} has {len(nodes)} live node(s): {have}"
 
     def where(self) -> str:
-        return f"Ray at {self.connected_to}"
+        return f"Ray at {self.connected_to}" + (" (a private local Ray for this run)" if self.private else "")
 
     def submit(self, job: Job) -> Handle:
         ray = _ray()
@@ -127,22 +211,31 @@ class RayExecutor(Executor):
             **({"GPU": shape.gpus_per_node} if shape.gpus_per_node else {}),
         }
         pg = placement_group([dict(bundle) for _ in range(shape.nodes)],
-                             strategy="STRICT_SPREAD" if shape.nodes > 1 else "PACK")  # fmt: skip
+                             strategy="STRICT_SPREAD" if shape.nodes > 1 else "PACK", name=job.key)  # fmt: skip
+        state = {"pg": pg, "actors": [], "addresses": [], "runs": None, "ips": [], "key": job.key}
         runner = ray.remote(NodeRunner)
-        actors = [
-            runner.options(num_cpus=shape.procs_per_node, num_gpus=shape.gpus_per_node, max_concurrency=2,
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
-                           ).remote()
-            for i in range(shape.nodes)
-        ]  # fmt: skip
-        addresses = [a.address.remote() for a in actors]
-        return Handle(
-            job, state={"pg": pg, "actors": actors, "addresses": addresses, "runs": None, "ips": []}
-        )
+        try:
+            for i in range(shape.nodes):
+                named = {"name": _actor_name(job.key, i), "namespace": NAMESPACE} if job.key else {}
+                state["actors"].append(runner.options(
+                    num_cpus=shape.procs_per_node, num_gpus=shape.gpus_per_node, max_concurrency=2, **named,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i),
+                ).remote())  # fmt: skip
+        except ValueError as exc:  # its name is held: a job of the same cell is still on the cluster
+            handle = Handle(job, state=state)
+            self._release(handle)
+            state["refused"] = (
+                f"not started: {_why(exc)} (a job of the same cell is still on the Ray cluster)"
+            )
+            return handle
+        state["addresses"] = [a.address.remote() for a in state["actors"]]
+        return Handle(job, state=state)
 
     def poll(self, handle: Handle) -> Outcome | None:
         ray = _ray()
         st = handle.state
+        if st.get("refused"):
+            return Outcome(None, 0.0, reason=st["refused"])
         if st["runs"] is None:
             ready, _ = ray.wait(st["addresses"], num_returns=len(st["addresses"]), timeout=0)
             if len(ready) < len(st["addresses"]):
@@ -239,8 +332,72 @@ class RayExecutor(Executor):
                 pass
         try:
             remove_placement_group(handle.state["pg"])
-        except ray.exceptions.RayError:
+        except (ray.exceptions.RayError, ValueError):
             pass
+
+    # --------------------------------------------------------------------------------------------
+    # an earlier run's jobs (launching.submissions)
+
+    def ref(self, handle: Handle) -> dict[str, Any]:
+        return {"placement_group": handle.state["key"]} if handle.state.get("key") else {}
+
+    def find(self, prefix: str, open_entries: Mapping[str, Mapping[str, Any]]) -> list[Found]:
+        """The placement groups and node-runner actors named after a key that starts with ``prefix``, one per
+        key: what a killed driver's jobs leave while Ray still keeps them."""
+        ray = _ray()
+        from ray.util.placement_group import placement_group_table
+
+        actors: dict[str, list[str]] = {}
+        for name in ray.util.list_named_actors():
+            if name.startswith(prefix) and "-node" in name:
+                actors.setdefault(name.rpartition("-node")[0], []).append(name)
+        groups = {pg.get("name") for pg in placement_group_table().values()
+                  if str(pg.get("name", "")).startswith(prefix) and pg.get("state") != "REMOVED"}  # fmt: skip
+        found = []
+        for key in sorted(set(actors) | groups):
+            held = sorted(actors.get(key, [])) + ([f"placement group {key}"] if key in groups else [])
+            found.append(Found(key, {"placement_group": key}, "running", f"Ray {', '.join(held)}"))
+        return found
+
+    def remove(self, found: list[Found]) -> None:
+        """Each found job's node runners kill their commands' trees, then the actors and the placement group go;
+        returns once Ray no longer lists them (at most STOP_TIMEOUT_S after the actors were told to stop)."""
+        ray = _ray()
+        from ray.util.placement_group import (
+            get_placement_group,
+            placement_group_table,
+            remove_placement_group,
+        )
+
+        keys = {f.key for f in found}
+        names = [n for n in ray.util.list_named_actors() if n.rpartition("-node")[0] in keys]
+        actors = []
+        for name in names:
+            try:
+                actors.append(ray.get_actor(name, namespace=NAMESPACE))
+            except ValueError:  # gone meanwhile
+                pass
+        stops = [a.stop.remote() for a in actors]
+        if stops:
+            ray.wait(stops, num_returns=len(stops), timeout=STOP_TIMEOUT_S)
+        for actor in actors:
+            try:
+                ray.kill(actor)
+            except (ray.exceptions.RayError, ValueError):
+                pass
+        for key in keys:
+            try:
+                remove_placement_group(get_placement_group(key))
+            except (ray.exceptions.RayError, ValueError):
+                pass
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            left = [n for n in ray.util.list_named_actors() if n.rpartition("-node")[0] in keys]
+            left += [pg["name"] for pg in placement_group_table().values()
+                     if pg.get("name") in keys and pg.get("state") != "REMOVED"]  # fmt: skip
+            if not left:
+                return
+            time.sleep(0.2)
 
     def close(self) -> None:
         try:
@@ -249,6 +406,11 @@ class RayExecutor(Executor):
             return
         if ray.is_initialized():
             ray.shutdown()
+
+
+def _actor_name(key: str, rank: int) -> str:
+    """The name of node ``rank``'s runner of the job ``key``."""
+    return f"{key}-node{rank}"
 
 
 def _start_local(options: dict[str, Any]):

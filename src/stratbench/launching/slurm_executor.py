@@ -14,6 +14,7 @@ when a job is submitted.
 from __future__ import annotations
 
 import datetime
+import getpass
 import json
 import re
 import shlex
@@ -21,13 +22,13 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stratbench.core.errors import ConfigError, UnsupportedError
-from stratbench.launching.executor import Executor, Handle, Job, Outcome, Shape
+from stratbench.launching.executor import Executor, Found, Handle, Job, Outcome, Shape
 from stratbench.launching.slurm_node import outcome_path
 
 COMMANDS = ("sinfo", "sbatch", "squeue", "scancel", "srun")
@@ -42,8 +43,10 @@ LOST = {"CANCELLED": "cancelled", "PREEMPTED": "pre-empted", "NODE_FAIL": "its n
         "BOOT_FAIL": "its node failed to boot", "REVOKED": "revoked"}  # fmt: skip
 """Job ends that are no fault of the run: recorded as failed and ``lost`` (a rerun of the sweep submits it again)."""
 SET_HERE = {"nodes", "ntasks-per-node", "cpus-per-task", "gpus-per-node", "partition", "account", "time",
-            "job-name", "output", "error", "open-mode", "signal", "array", "wrap"}  # fmt: skip
-"""sbatch options stratbench sets itself: not accepted as --slurm-option."""
+            "job-name", "comment", "output", "error", "open-mode", "signal", "array", "wrap"}  # fmt: skip
+"""sbatch options stratbench sets itself: not accepted as --slurm-option (``comment`` carries the job's key)."""
+COMMENT = "stratbench:"
+"""A job's ``--comment`` is COMMENT + its key (``Job.key``): what a rerun of its folder finds it by (``squeue``)."""
 TIME = re.compile(
     r"\d+|\d+:\d+|\d+:\d+:\d+|\d+-\d+|\d+-\d+:\d+|\d+-\d+:\d+:\d+|UNLIMITED|INFINITE", re.IGNORECASE
 )
@@ -134,12 +137,13 @@ class SlurmExecutor(Executor):
     ``slurm_account``, with time limit ``slurm_time`` (default: the partition's) and extra sbatch options."""
 
     name = "slurm"
-    options = ("slurm_partition", "slurm_account", "slurm_time", "slurm_option")
+    options = ("slurm_partition", "slurm_account", "slurm_time", "slurm_option", "cancel_stale")
+    durable = True
 
     def __init__(self, max_concurrent: int = 0, slurm_partition: str | None = None,
                  slurm_account: str | None = None, slurm_time: str | None = None,
-                 slurm_option: list[str] | None = None) -> None:  # fmt: skip
-        super().__init__(max_concurrent)
+                 slurm_option: list[str] | None = None, cancel_stale: bool | None = None) -> None:  # fmt: skip
+        super().__init__(max_concurrent, cancel_stale)
         if slurm_time is not None and not TIME.fullmatch(slurm_time.strip()):
             raise ConfigError(f"--slurm-time {slurm_time!r} is not a SLURM time limit: MINUTES, MINUTES:SECONDS, "
                               "HOURS:MINUTES:SECONDS, DAYS-HOURS, DAYS-HOURS:MINUTES or DAYS-HOURS:MINUTES:SECONDS")  # fmt: skip
@@ -241,6 +245,8 @@ class SlurmExecutor(Executor):
         # command, and USR2 would kill its workers: SIGCONT instead, which submitit ignores and which does nothing
         # to a running process, so the job runs to its limit and ends TIMEOUT.
         extra["signal"] = "CONT@1"
+        if job.key:
+            extra["comment"] = COMMENT + job.key
         ex.update_parameters(job_name=job.name, partition=self.partition, account=self.account, nodes=shape.nodes,
                              ntasks_per_node=1, cpus_per_task=shape.procs_per_node,
                              gpus_per_node=shape.gpus_per_node or None, additional_parameters=extra)  # fmt: skip
@@ -265,8 +271,10 @@ class SlurmExecutor(Executor):
         if state in QUEUED:
             return None
         if state in RUNNING:
-            if handle.started_at is None:
-                handle.started_at = time.monotonic()
+            if handle.started_at is None:  # SLURM's start time: an adopted job started before this run saw it
+                began = _seconds(start)
+                ago = max(0.0, time.time() - began) if began else 0.0
+                handle.started_at = time.monotonic() - ago
             return None
         now = time.monotonic()
         if handle.started_at is None:  # it ran between two looks: SLURM's own start and end
@@ -295,9 +303,14 @@ class SlurmExecutor(Executor):
         job, job_id = handle.job, handle.state["id"]
         self._states.pop(job_id, None)
         node0 = _read_json(outcome_path(job.log, 0))
+        if node0.get("job_id") not in (None, job_id):  # another job's report: not this one's outcome
+            node0 = {}
         code = node0.get("returncode")
+        if handle.state.get("adopted") and node0.get("elapsed_s") is not None:
+            elapsed = node0["elapsed_s"]  # it ran (partly) while no run watched it: the node's own count
         done = {"elapsed_s": elapsed, "loads": node0.get("loads") or [], "cpu_count": node0.get("cpu_count")}
-        if state == "COMPLETED" or (state == "FAILED" and node0):
+        # GONE with a report: a job that ended before an adopting run asked, and that SLURM has since forgotten
+        if state == "COMPLETED" or (state in ("FAILED", "GONE") and node0):
             return Outcome(code if code is not None else 0, **done)
         what = f"SLURM job {job_id}"
         if state == "TIMEOUT":
@@ -321,7 +334,9 @@ class SlurmExecutor(Executor):
 
     def cancel_all(self, handles: list[Handle]) -> None:
         """``scancel`` every job at once, then wait until SLURM has ended them (their processes are gone)."""
-        ids = [h.state["id"] for h in handles if h.state["id"] is not None]
+        self._scancel([h.state["id"] for h in handles if h.state["id"] is not None])
+
+    def _scancel(self, ids: list[str]) -> None:
         if not ids:
             return
         _run(["scancel", *ids])
@@ -334,6 +349,57 @@ class SlurmExecutor(Executor):
             time.sleep(0.2)
         for job_id in ids:
             self._states.pop(job_id, None)
+
+    # --------------------------------------------------------------------------------------------
+    # an earlier run's jobs (launching.submissions)
+
+    def ref(self, handle: Handle) -> dict[str, Any]:
+        return {"id": handle.state["id"]} if handle.state.get("id") else {}
+
+    def find(self, prefix: str, open_entries: Mapping[str, Mapping[str, Any]]) -> list[Found]:
+        """This user's jobs whose comment carries a key starting with ``prefix`` (``squeue --states=all``: live,
+        or ended within SLURM's MinJobAge), and the journal's open submissions SLURM no longer lists; an ended
+        one only when its node 0 reported (``slurm/node0.json`` with its id): its result can be read."""
+        out = _run(["squeue", f"--user={getpass.getuser()}", "--noheader", "--states=all", "--format", "%i|%T|%k"])
+        if out.returncode != 0:
+            raise UnsupportedError(f"--executor slurm: cannot list this folder's earlier jobs (squeue: "
+                                   f"{_first_line(out.stderr) or f'exit code {out.returncode}'})")  # fmt: skip
+        found: list[Found] = []
+        rows = [ln.split("|", 2) for ln in out.stdout.splitlines() if ln.count("|") >= 2]
+        for job_id, state, comment in rows:
+            key = comment.strip().removeprefix(COMMENT)
+            if not (comment.startswith(COMMENT) and key.startswith(prefix)):
+                continue
+            if state in QUEUED | RUNNING:
+                live = "running" if state in RUNNING else "queued"
+                found.append(Found(key, {"id": job_id}, live, f"SLURM job {job_id} ({state})"))
+            elif _reported(open_entries.get(key), job_id):
+                found.append(Found(key, {"id": job_id}, "ended", f"SLURM job {job_id} (ended {state})"))
+        seen = {f.key for f in found}
+        for key, entry in open_entries.items():
+            if key.startswith(prefix) and key not in seen:
+                job_id = (entry.get("ref") or {}).get("id") or _node0(entry).get("job_id")
+                if job_id and _reported(entry, str(job_id)):
+                    found.append(Found(key, {"id": str(job_id)}, "ended", f"SLURM job {job_id} (ended)"))
+        return sorted(found, key=lambda f: int(re.sub(r"\D", "", f.ref["id"]) or 0), reverse=True)
+
+    def adopt(self, job: Job, found: Found) -> Handle:
+        self._asked_at = 0.0
+        return Handle(job, state={"id": found.ref["id"], "folder": job.log.parent / "slurm", "adopted": True})
+
+    def remove(self, found: list[Found]) -> None:
+        self._scancel([f.ref["id"] for f in found if f.live])
+
+
+def _node0(entry: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Node 0's report in the folder of a journal entry (``slurm/node0.json``), {} when there is none."""
+    folder = (entry or {}).get("dir")
+    return _read_json(outcome_path(Path(folder) / "train.log", 0)) if folder else {}
+
+
+def _reported(entry: Mapping[str, Any] | None, job_id: str) -> bool:
+    """Node 0 of SLURM job ``job_id`` wrote how it ended into the entry's folder."""
+    return str(_node0(entry).get("job_id")) == job_id
 
 
 def _read_json(path: Path) -> dict[str, Any]:
