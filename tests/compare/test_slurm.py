@@ -284,7 +284,7 @@ def test_a_killed_sweep_s_jobs_are_adopted_by_the_rerun_never_run_twice(slurm_up
     first.kill()  # SIGKILL: no handler runs, nothing is cancelled
     first.communicate(timeout=60)
     subprocess.run(["scontrol", "suspend", *ids], check=True)
-    journal = staging / "submissions.jsonl"
+    journal = out / "submissions.jsonl"
     lines = journal.read_text().splitlines() if journal.exists() else []
     journal.write_text("".join(ln + "\n" for ln in lines if '"submitted"' not in ln))
     folders = {p.parent.name: (p.parent.stat().st_ino, p.stat().st_ino) for p in (out / "cells").glob("*/train.log")}
