@@ -1,20 +1,30 @@
 """torchrun (``torch.distributed.run``) as stratbench's launcher starts it, with one difference: a rendezvous
 that cannot complete (a node that never joins within --dist-timeout-s, node 0 unreachable, its port taken)
 ends with exit code RENDEZVOUS_FAILED and the error's first line in OUTPUT/.torchrun_error.nodeN (the path in
-ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error."""
+ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error. And
+where the workers that failed each said why in one line (a stratbench error's exit code; the others stopped by
+torchrun), torchrun exits 1 without its own traceback and failure table: the launcher names the cause."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from pathlib import Path
 
+from stratbench.core.errors import ConfigError, DivergedError, UnsupportedError
+
 RENDEZVOUS_FAILED = 75
 ERROR_FILE_ENV = "STRATBENCH_TORCHRUN_ERROR_FILE"
+ONE_LINE_EXITS = frozenset(cls.exit_code for cls in (ConfigError, UnsupportedError, DivergedError))
+"""A worker's exit code after stratbench printed its one-line error (``cli.main``)."""
+STOPPED = frozenset({-signal.SIGTERM, -signal.SIGKILL})
+"""A worker torchrun stopped because another one failed."""
 
 
 def main() -> int:
     from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
 
@@ -29,6 +39,11 @@ def main() -> int:
         else:
             print(line, file=sys.stderr)
         return RENDEZVOUS_FAILED
+    except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if codes & ONE_LINE_EXITS and codes <= ONE_LINE_EXITS | STOPPED:
+            return 1  # torchrun's own exit code for a failed worker
+        raise
     return 0
 
 
