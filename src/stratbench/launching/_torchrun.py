@@ -3,7 +3,8 @@ that cannot complete (a node that never joins within --dist-timeout-s, node 0 un
 ends with exit code RENDEZVOUS_FAILED and the error's first line in OUTPUT/.torchrun_error.nodeN (the path in
 ERROR_FILE_ENV), rather than the agent's 40-line traceback: the launcher turns it into its one-line error. And
 where the workers that failed each said why in one line (a stratbench error's exit code; the others stopped by
-torchrun), torchrun exits 1 without its own traceback and failure table: the launcher names the cause."""
+torchrun), torchrun exits 1 without its own traceback and failure table: the launcher names the cause; so too
+when the launcher forwarded a signal (it says "stopped by SIGTERM")."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ STOPPED = frozenset({-signal.SIGTERM, -signal.SIGKILL})
 
 def main() -> int:
     from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import main as torchrun
@@ -44,6 +46,8 @@ def main() -> int:
         if codes & ONE_LINE_EXITS and codes <= ONE_LINE_EXITS | STOPPED:
             return 1  # torchrun's own exit code for a failed worker
         raise
+    except SignalException as exc:  # the launcher forwarded a signal and says so in one line
+        return 128 + int(exc.sigval)
     return 0
 
 

@@ -9,6 +9,8 @@ SLURM_PROCID/SLURM_LOCALID), or ``srun`` one task per node with ``--nproc N`` (e
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -19,6 +21,7 @@ from pathlib import Path
 from stratbench.core.config import TrainConfig, dump_yaml
 from stratbench.core.dist import free_port
 from stratbench.core.errors import StratbenchError
+from stratbench.core.files import atomic_write
 from stratbench.launching._torchrun import ERROR_FILE_ENV
 
 
@@ -191,7 +194,34 @@ def launch(cfg: TrainConfig, command: tuple[str, ...] = ("train",)) -> int:
             signal.signal(s, handler)
     if received:
         name = signal.Signals(received[0]).name
-        err = StratbenchError(f"stopped by {name}: the workers of this run were stopped")
+        why = f"stopped by {name}: the workers of this run were stopped"
+        if command == ("train",) and cfg.node_rank == 0:
+            _record_stop(cfg, why)
+        err = StratbenchError(why)
         err.exit_code = 128 + received[0]
         raise err
     return code
+
+
+def _record_stop(cfg: TrainConfig, why: str) -> None:
+    """result.json of a run stopped by a signal, where no worker wrote one (a worker dies of the SIGTERM torchrun
+    forwards before its result is written): status "failed", the signal as the reason, the steps done in
+    metrics.csv beside it."""
+    path = Path(cfg.output) / "result.json"
+    if path.exists():
+        return
+    record = {
+        "status": "failed",
+        "reason": why,
+        "strategy": cfg.strategy,
+        "precision": cfg.precision,
+        "model": cfg.model,
+        "data": cfg.data,
+        "world_size": cfg.nproc * cfg.nnodes,
+        "config": cfg.to_dict(),
+        "written_by": "launcher",
+        "written_at": time.time(),
+        "metrics": {},
+    }
+    with contextlib.suppress(OSError):  # a full or read-only disk: the one line above still says it
+        atomic_write(path, json.dumps(record, indent=2, default=str))
