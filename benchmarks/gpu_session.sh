@@ -16,6 +16,10 @@
 #   seed       compare --preset seed --data synthetic --only single (4 cells)   ~3 min  -> seed_single.md
 #   methods    compare --preset gpu-fast --world-size 1: every method at world 1 on CUDA (NCCL), 40 steps of
 #              ResNet-50 at 224 px, compile off (a compile per cell would not fit one call) ~6 min -> methods_w1.md
+#   fsdpw1     issue 42 item 11: the single, fsdp and fsdp1 cells of methods (the same settings), each FSDP row's
+#              median step over single's with its units and weight casting, PASS within 1.2x (2026-11-26, one
+#              H200, a unit per BatchNorm: fsdp 2.7x, fsdp1 4.1x; not run since BatchNorm stays in its block's
+#              unit)                                                           ~1.5 min -> fsdp_w1.md
 #   fast       ResNet-50 224 px training throughput, fast recipe: batch 256 compiled, eager and with the
 #              DataLoader instead of the device pipeline, batch 128 eager                    ~4 min -> fast.md
 #   trace      a torch.profiler trace (CPU + CUDA) of 3 steps of the fast, compiled b256 step ~1 min
@@ -31,7 +35,7 @@
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fast source pipeline", "tplibs", "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -51,7 +55,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fast trace source pipeline tplibs tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -121,6 +125,36 @@ for part in "${PARTS[@]}"; do
         "${SB[@]}" compare --preset gpu-fast --world-size 1 --data synthetic --synthetic-samples 5120 --epochs 1 \
             --max-steps 40 --compile false --output "$WORK/gpu-fast-w1"
         cp "$WORK/gpu-fast-w1/report.md" "$OUT/methods_w1.md" ;;
+    fsdpw1)
+        "${SB[@]}" compare --preset gpu-fast --world-size 1 --data synthetic --synthetic-samples 5120 --epochs 1 \
+            --max-steps 40 --compile false --only single,fsdp,fsdp1 --output "$WORK/fsdp-w1"
+        "$PY" - "$WORK/fsdp-w1" "$OUT/fsdp_w1.md" <<'EOF'
+import json, sys
+from pathlib import Path
+runs = {}
+for p in Path(sys.argv[1]).rglob("result.json"):
+    r = json.loads(p.read_text())
+    runs[r.get("strategy")] = r
+lines = ["## fsdp and fsdp1 at world 1 against single: ResNet-50, 224 px, batch 128, bf16-mixed (target: within 1.2x)", "",
+         "| method | status | median step (ms) | x single | units | weights | verdict |", "|---|---|---|---|---|---|---|"]
+base = runs.get("single", {}).get("metrics", {}).get("step_time_median_s")
+for name in ("single", "fsdp", "fsdp1"):
+    r = runs.get(name)
+    if r is None:
+        lines.append(f"| {name} | no result.json | | | | | |")
+        continue
+    step = r.get("metrics", {}).get("step_time_median_s")
+    ratio = step / base if step and base else None
+    f = r.get("fsdp", {})
+    verdict = "" if name == "single" or ratio is None else ("PASS" if ratio <= 1.2 else "FAIL")
+    lines.append(f"| {name} | {r.get('status')} | {step * 1e3 if step else float('nan'):.1f} | "
+                 f"{ratio if ratio else float('nan'):.2f} | {f.get('units', '')} | {f.get('weights', '')} | {verdict} |")
+env = next((r.get("environment") for r in runs.values()), None)
+lines += ["", f"environment: {json.dumps(env)}", ""]
+Path(sys.argv[2]).write_text("\n".join(lines) + "\n")
+print("\n".join(lines))
+EOF
+        ;;
     fast)
         # most telling first: a call cut off at its time limit still brings back the runs that finished
         train fast-b256-compile "${FAST[@]}" --batch-size 256 --synthetic-samples 20480 --max-steps 60
@@ -164,7 +198,7 @@ for part in "${PARTS[@]}"; do
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fast trace source pipeline tplibs tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs tests pack" >&2
         exit 2 ;;
     esac
 done

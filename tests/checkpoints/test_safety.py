@@ -149,12 +149,19 @@ def test_deepspeed_tag_cannot_leave_the_folder(tmp_path):
 LONG = [*SHORT, "--max-steps", "100000", "--epochs", "1000"]  # the later flag wins
 
 
-def _start_long_run(out: Path):
+LONG_FSDP_TP = [
+    "--strategy", "fsdp", "--tp", "2", "--model", "gpt-tiny", "--data", "text", "--seq-len", "32", "--batch-size",
+    "4", "--max-steps", "100000", "--epochs", "1000", "--progress", "false", "--measure-flops", "false",
+]  # fmt: skip
+
+
+def _start_long_run(out: Path, run: list[str] | None = None):
     import subprocess
     import time
 
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    cmd = stratbench_cmd("train", "--output", str(out), "--nproc", "2", "--strategy", "ddp", *LONG)
+    run = run or ["--strategy", "ddp", *LONG]
+    cmd = stratbench_cmd("train", "--output", str(out), "--nproc", "2", *run)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 120
     while len(run_processes(str(out))) < 4:  # launcher, torchrun, 2 workers
@@ -184,17 +191,19 @@ def _assert_nothing_left(marker: str, what: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("victim", ["launcher-SIGTERM", "agent-SIGKILL"])
+@pytest.mark.parametrize("victim", ["launcher-SIGTERM", "agent-SIGKILL", "launcher-SIGTERM-fsdp-tp"])
 def test_killed_launcher_or_agent_leaves_no_process(tmp_path, victim):
-    """SIGTERM to the launcher stops the run in order; SIGKILL of the torchrun agent leaves workers whose parent
-    died: they die with it (PR_SET_PDEATHSIG), and the launcher fails the run. (SIGKILL of the launcher: below.)"""
+    """SIGTERM to the launcher stops the run in order, in one line, and result.json says so (ddp and fsdp --tp:
+    the workers die of the SIGTERM torchrun forwards before writing theirs); SIGKILL of the torchrun agent leaves
+    workers whose parent died: they die with it (PR_SET_PDEATHSIG), and the launcher fails the run. (SIGKILL of
+    the launcher: below.)"""
     import signal
 
     import psutil
 
     out = tmp_path / "run"
-    proc = _start_long_run(out)
-    if victim == "launcher-SIGTERM":
+    proc = _start_long_run(out, LONG_FSDP_TP if victim.endswith("fsdp-tp") else None)
+    if victim.startswith("launcher-SIGTERM"):
         proc.send_signal(signal.SIGTERM)
     else:
         agents = [p for p in psutil.Process(proc.pid).children() if "stratbench.launching._torchrun" in " ".join(p.cmdline())]
@@ -202,9 +211,12 @@ def test_killed_launcher_or_agent_leaves_no_process(tmp_path, victim):
         agents[0].kill()
     proc.wait(timeout=30)
     _assert_nothing_left(str(out), victim)
-    if victim == "launcher-SIGTERM":
+    if victim.startswith("launcher-SIGTERM"):
         assert proc.returncode == 128 + signal.SIGTERM
-        assert "stopped by SIGTERM" in proc.stdout.read()
+        said = proc.stdout.read()
+        assert "stopped by SIGTERM" in said and "Traceback" not in said, said
+        result = json.loads((out / "result.json").read_text())
+        assert result["status"] == "failed" and result["reason"].startswith("stopped by SIGTERM"), result
     else:
         assert proc.returncode != 0
         assert json.loads((out / "result.json").read_text())["status"] == "failed"

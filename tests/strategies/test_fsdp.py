@@ -183,3 +183,64 @@ def test_policy_precision_has_no_autocast_and_a_sharded_scaler():
     with p.autocast():
         assert not torch.is_autocast_enabled("cpu")
     assert not PolicyPrecision("bf16-mixed", torch.device("cpu")).scaler.is_enabled()
+
+
+# ---- BatchNorm under a mixed precision: fp32 weights in their block's unit, cast by autocast --------------------
+BN = [
+    "--model", "resnet18", "--image-size", "32", "--data", "synthetic", "--synthetic-samples", "256",
+    "--batch-size", "8", "--epochs", "1", "--max-steps", "3", "--precision", "bf16-mixed", "--progress", "false",
+    "--measure-flops", "false", "--timing-warmup-steps", "1", "--eval-samples", "32",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_batchnorm_weights_stay_fp32_in_their_blocks_unit_on_cpu_and_cuda(device):
+    """The decision per device, asked without a GPU: neither CPU's nor CUDA's batch_norm takes 16-bit weights
+    beside fp32 running statistics (fsdp.BATCHNORM_TAKES_HALF_WEIGHTS says where each was seen), so a BatchNorm
+    model under a mixed precision keeps its weights fp32, gathered in fp32 and cast per op by autocast; its
+    units are its blocks and the root (ResNet-50: 16 + 1, no unit per BatchNorm), and the cost model gathers
+    those 17 units in fp32. A model without BatchNorm, and a precision without autocast, keep the policy."""
+    from stratbench.core.config import TrainConfig
+    from stratbench.core.precision import SPECS
+    from stratbench.measuring.model_trace import ModelSpec, model_info
+    from stratbench.strategies.base import get_strategy
+    from stratbench.strategies.costs import MemoryContext
+    from stratbench.strategies.fsdp import FSDPCost, weights_cast_by_autocast, wrap_units
+
+    with torch.device("meta"):
+        resnet50 = ModelSpec("resnet50", 1000, 224).build()
+    for name, cast in {"bf16-mixed": True, "fp16-mixed": True, "fp32": False, "bf16-true": False}.items():
+        assert weights_cast_by_autocast(resnet50, device, SPECS[name]) is cast, name
+    assert not weights_cast_by_autocast(_tinynet(), device, SPECS["bf16-mixed"])
+    assert len(wrap_units(resnet50, "block", 1)) == 16
+
+    def gathers(cfg: TrainConfig) -> tuple[int, int]:
+        opts = get_strategy("fsdp").parse_options(cfg.strategy_options)
+        rows = FSDPCost.comm_model(MemoryContext(cfg, 8, model_info(ModelSpec.from_config(cfg)), opts, device))
+        forward = next(r for r in rows if r.kind == "all_gather" and r.phase == "forward")
+        return forward.calls, forward.payload_bytes
+
+    cfg = TrainConfig(model="resnet50", image_size=224, data="synthetic", strategy="fsdp", precision="bf16-mixed")
+    calls, payload = gathers(cfg)
+    fp32_calls, fp32_payload = gathers(cfg.replace(precision="fp32"))
+    assert calls == fp32_calls == 17 and payload == fp32_payload, "fp32 gathers of the blocks and the root"
+    tiny = cfg.replace(model="tinynet", image_size=32, norm="group")
+    assert gathers(tiny)[1] * 2 == gathers(tiny.replace(precision="fp32"))[1], "no BatchNorm: gathered in bf16"
+
+
+@pytest.mark.distributed
+def test_a_batchnorm_model_in_bf16_mixed_trains_as_single_with_no_unit_per_batchnorm(tmp_path):
+    """ResNet-18 (20 BatchNorms) in bf16-mixed. fsdp1 on one process computes exactly what `single` computes
+    (fp32 weights cast per op by autocast; FSDP1 used to give every BatchNorm a unit with mixed precision off, and
+    its curve differed); fsdp on 2 processes gathers its 8 blocks and the root once each per phase, in fp32, as the
+    cost model says (it used to add a gathered, reduced unit per BatchNorm: 29 per phase)."""
+    single = train(tmp_path / "single", "--strategy", "single", *BN)
+    fsdp1 = train(tmp_path / "fsdp1", "--strategy", "fsdp1", *BN)
+    assert single["metrics"]["loss_curve"] == fsdp1["metrics"]["loss_curve"]
+    assert fsdp1["fsdp"] == {"units": 22, "weights": "fp32, cast per op by autocast (torch.bfloat16)"}
+    res = train(tmp_path / "fsdp", "--strategy", "fsdp", *BN, "--comm-volume", "true", nproc=2)
+    assert res["fsdp"] == {"units": 9, "weights": "fp32, cast per op by autocast (torch.bfloat16)"}
+    comm = assert_comm_matches_formula(res)
+    per_step = comm["measured_per_rank"][0]["per_step"]
+    assert (per_step["all_gather"]["calls"], per_step["reduce_scatter"]["calls"]) == (18, 9)
+    assert all(math.isfinite(v) for v in res["metrics"]["loss_curve"])

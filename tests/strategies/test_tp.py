@@ -219,6 +219,115 @@ def test_a_users_model_brings_its_own_plan(tmp_path):
     assert res["sharding"]["param_bytes"] == [(stem + up // 2 + down // 2 + 10) * F64] * 2
 
 
+TUTORIAL_LM = """\
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_heads):
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.attention_norm = nn.Parameter(torch.ones(dim))  # RMSNorm weights the block holds itself
+        self.ffn_norm = nn.Parameter(torch.ones(dim))
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+        self.w1, self.w2 = nn.Linear(dim, 4 * dim, bias=False), nn.Linear(4 * dim, dim, bias=False)
+
+    def forward(self, x):
+        b, s, d = x.shape
+        h = F.rms_norm(x, (d,), self.attention_norm)
+        # -1: the heads this rank holds (all of them in one process)
+        q, k, v = (w(h).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.wo(a)
+        return x + self.w2(F.silu(self.w1(F.rms_norm(x, (d,), self.ffn_norm))))
+
+
+class LM(nn.Module):
+    def __init__(self, vocab_size, dim=32, n_heads=4, n_layers=2, max_seq_len=64):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab_size, dim)
+        self.pos = nn.Parameter(0.02 * torch.randn(max_seq_len, dim))  # learned positions, held by the model
+        self.layers = nn.ModuleList(Block(dim, n_heads) for _ in range(n_layers))
+        self.norm = nn.LayerNorm(dim)
+        self.output = nn.Linear(dim, vocab_size, bias=False)
+
+    def forward(self, tokens):
+        h = self.tok_embeddings(tokens) + self.pos[: tokens.shape[1]]
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))
+
+    def tp_plan(self):
+        plan = {}
+        for i in range(len(self.layers)):
+            plan |= {f"layers.{i}.{n}": ColwiseParallel() for n in ("wq", "wk", "wv", "w1")}
+            plan |= {f"layers.{i}.{n}": RowwiseParallel() for n in ("wo", "w2")}
+        return plan
+
+
+def build(vocab_size):
+    return LM(vocab_size)
+"""
+"""A small transformer written as torch's tensor-parallel tutorial writes one (plain modules, the plan from outside
+the forward), whose block holds its norms' weights itself and whose root holds learned positions: parameters the
+plan leaves plain in modules whose forward adds a plan's output to a plain tensor."""
+LM_USER = [a if a != "gpt-tiny" else "tutorial_lm:build" for a in tiny_lm_fp64(16, 8)]
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_a_users_transformer_written_as_torchs_tutorial_trains_as_single_under_tp_and_fsdp_tp(tmp_path):
+    """The user's plan is applied as parallelize_module applies it: the modules it leaves hold replicated DTensors
+    (for the optimizer and clipping) but compute on plain tensors, so ``x = x + self.wo(a)`` runs as under torch
+    (it failed with "aten.add.Tensor got mixed torch.Tensor and DTensor"). tp and fsdp --tp (FSDP2 swapping its
+    gathered parameters in, on a dp 1 x tp 2 mesh) give single's loss curve in fp64, each rank holding half of
+    the q/k/v/o and MLP matrices."""
+    (tmp_path / "tutorial_lm.py").write_text(TUTORIAL_LM)
+    steps = ["--max-steps", "4"]
+    single = train(tmp_path / "single", "--strategy", "single", *LM_USER, *steps, cwd=tmp_path)
+    tp = train(tmp_path / "tp", *TP, *LM_USER, *steps, nproc=2, cwd=tmp_path)
+    fsdp_tp = train(tmp_path / "fsdp-tp", "--strategy", "fsdp", "--tp", "2", "--wrap", "Block", *LM_USER, *steps,
+                    nproc=2, cwd=tmp_path)  # fmt: skip
+    ref = single["metrics"]["loss_curve"]
+    assert ref[-1] < 0.95 * ref[0], ref
+    for res in (tp, fsdp_tp):
+        assert res["status"] == "ok"
+        assert_curves_match(res["metrics"]["loss_curve"], ref, RTOL)
+        assert res["metrics"]["val_loss"] == pytest.approx(single["metrics"]["val_loss"], rel=RTOL)
+    split = 2 * (4 * 32 * 32 + 2 * 32 * 128)  # per block: wq, wk, wv, wo and w1, w2
+    assert tp["sharding"]["param_bytes"] == [single["sharding"]["param_bytes"][0] - split // 2 * F64] * 2
+
+
+BAD_PLANS = {
+    "raise ValueError('no plan for this size')": "LM.tp_plan() raised ValueError: no plan for this size (",
+    "return list(plan.items())": "LM.tp_plan() returned a list, not a mapping; give the model a tp_plan() method",
+    "return {k: 'colwise' for k in plan}": "LM.tp_plan() maps 'layers.0.wq' to 'colwise' (type str), not a ParallelStyle",
+    "return {0: v for v in plan.values()}": "LM.tp_plan() has the key 0 (type int), not a module name",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("last_line", list(BAD_PLANS))
+def test_a_tp_plan_that_raises_or_is_no_plan_is_refused_in_one_line(capsys, tmp_path, monkeypatch, last_line):
+    """Before any process starts and before anything is written, under tp, fsdp --tp and estimate alike."""
+    name = f"bad_plan_{list(BAD_PLANS).index(last_line)}"
+    (tmp_path / f"{name}.py").write_text(
+        TUTORIAL_LM.replace("        return plan\n", f"        {last_line}\n")
+    )
+    monkeypatch.chdir(tmp_path)
+    user = [a if a != "tutorial_lm:build" else f"{name}:build" for a in LM_USER]
+    out = tmp_path / "out"
+    for method in (TP, ["--strategy", "fsdp", "--tp", "2"]):
+        err = fails(capsys, "train", *method, *user, "--nproc", "2", "--output", out)
+        assert f"tp: {BAD_PLANS[last_line]}" in err
+    err = fails(capsys, "estimate", *TP, "--model", f"{name}:build", "--data", "text", "--seq-len", "16",
+                "--world-size", "2")  # fmt: skip
+    assert f"tp: {BAD_PLANS[last_line]}" in err
+    assert not out.exists(), "refused before anything is written"
+
+
 def test_a_plan_naming_no_module_is_refused_in_one_line(capsys, tmp_path, monkeypatch):
     """parallelize_module skips a key that matches nothing: the weights would silently stay whole."""
     (tmp_path / "mlp_typo.py").write_text(USER_MODEL.replace('"down": Rowwise', '"dwn": Rowwise'))

@@ -55,12 +55,17 @@ META_FILE = "stratbench_meta.pt"
 
 LayoutReader = Callable[[Path, dict[str, Any]], dict[str, Any]]
 _LAYOUTS: dict[str, LayoutReader] = {}
+_CHECKS: dict[str, Callable[[Path], None]] = {}
 _LAYOUT_SOURCES: list[Callable[[], None]] = []
 
 
-def register_layout(name: str, reader: LayoutReader) -> None:
-    """Register how to read a sharded folder of layout ``name`` into one full state dict (on CPU)."""
+def register_layout(name: str, reader: LayoutReader, check: Callable[[Path], None] | None = None) -> None:
+    """Register how to read a sharded folder of layout ``name`` into one full state dict (on CPU), and how to
+    tell, cheaply, that its files are whole (``check``: raises a one-line CheckpointError; ``read_meta`` runs it,
+    so a resume is refused before any work)."""
     _LAYOUTS[name] = reader
+    if check is not None:
+        _CHECKS[name] = check
 
 
 def add_layout_source(find_readers: Callable[[], None]) -> None:
@@ -71,12 +76,38 @@ def add_layout_source(find_readers: Callable[[], None]) -> None:
 
 
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` to a temporary file in the same folder, fsync, then swap it in (``replace_path``)."""
+    """``torch.save`` to a temporary file in the same folder, fsync, then swap it in (``replace_path``). A write
+    that fails (a full disk) is the OSError it was, with its errno, not torch's "unexpected pos"."""
     with atomic_output(Path(path)) as tmp:
         with open(tmp, "wb") as fh:
-            torch.save(obj, fh)
+            kept = _KeepWriteError(fh)
+            try:
+                torch.save(obj, kept)
+            except RuntimeError:
+                if kept.error is not None:
+                    raise kept.error from None
+                raise
             fh.flush()
             os.fsync(fh.fileno())
+
+
+class _KeepWriteError:
+    """A file whose first failed write is kept: torch.save's zip writer swallows the OSError of a write (a full
+    disk's ENOSPC) and fails later on a position check, "unexpected pos N vs M", which says nothing to a user."""
+
+    def __init__(self, fh: Any) -> None:
+        self.fh = fh
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.fh.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.fh.flush()
 
 
 def save_full(path: Path, state: dict[str, Any]) -> None:
@@ -129,7 +160,8 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
-    """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded."""
+    """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded; a
+    sharded folder whose layout registered a check has its files checked whole too (a truncated shard)."""
     path = Path(path)
     check_last_link(path)
     if path.is_dir():
@@ -138,7 +170,13 @@ def read_meta(path: Path) -> dict[str, Any]:
             raise CheckpointError(
                 f"{path} is a folder but not a stratbench checkpoint (no {META_FILE} in it)"
             )
-        return load_file(meta_path)
+        meta = load_file(meta_path)
+        for find_readers in _LAYOUT_SOURCES:
+            find_readers()
+        check = _CHECKS.get(meta.get("layout"))
+        if check is not None:
+            check(path)
+        return meta
     return load_file(path)
 
 

@@ -65,7 +65,11 @@ def _launch(cfg: TrainConfig) -> dict[str, Any] | None:
         out.mkdir(parents=True, exist_ok=True)
         earlier = _stamps(out)
         with tempfile.TemporaryDirectory(prefix=".launch-", dir=out) as scratch:
-            code = launch.launch(cfg, Path(scratch))
+            try:
+                code = launch.launch(cfg, Path(scratch))
+            except launch.StoppedBySignal as stop:
+                record_stop(cfg, stop, earlier)
+                raise
             if code != 0:
                 raise_failed(cfg, code, earlier, Path(scratch))
         if cfg.node_rank != 0:
@@ -341,6 +345,21 @@ def raise_failed(
     raise StratbenchError(
         f"training failed (torchrun exit code {code}; a worker exited or was killed){reason} - see the log above"
     )
+
+
+def record_stop(cfg: TrainConfig, stop: StratbenchError, earlier: dict[str, Any]) -> None:
+    """result.json of a run whose launcher was stopped by a signal, where no worker wrote one (they die of the
+    SIGTERM torchrun forwards, whatever the method): status "failed", the signal as the reason; as for any
+    launched failure, not over an earlier run's result while this run never started training."""
+    out = Path(cfg.output)
+    now = _stamps(out)
+    if now.get("result.json") not in (None, earlier.get("result.json")):
+        return  # a worker wrote this run's
+    started = "config.yaml" in now and now["config.yaml"] != earlier.get("config.yaml")
+    if cfg.node_rank == 0 and (started or "result.json" not in earlier):
+        record = {**_launcher_record(cfg, str(stop), stop.exit_code), "reason": str(stop)}
+        with contextlib.suppress(OSError):  # a full or read-only disk: the one line still says it
+            ckpt.atomic_write(out / "result.json", json.dumps(record, indent=2, default=str))
 
 
 def _raise_rendezvous(cfg: TrainConfig, code: int, detail: str, may_write: bool) -> None:

@@ -200,6 +200,10 @@ class _Tree:
         psutil.wait_procs(left, timeout=5)
 
 
+class StoppedBySignal(StratbenchError):
+    """The launcher was sent SIGTERM, SIGINT or SIGHUP and stopped the run's processes (exit code 128 + signal)."""
+
+
 def launch(cfg: TrainConfig, scratch: Path, command: tuple[str, ...] = ("train",)) -> int:
     """Write the resolved config into ``scratch`` (a folder of the caller's that it removes afterwards: a refused
     run leaves the output folder as it was), start torchrun on it (each worker runs ``stratbench COMMAND
@@ -254,7 +258,8 @@ def launch(cfg: TrainConfig, scratch: Path, command: tuple[str, ...] = ("train",
             signal.signal(s, handler)
     if received:
         name = signal.Signals(received[0]).name
-        err = StratbenchError(f"stopped by {name}: the workers of this run were stopped")
+        err = StoppedBySignal(f"stopped by {name}: the workers of this run were stopped")
         err.exit_code = 128 + received[0]
         raise err
     return code
+

@@ -24,13 +24,17 @@ partial gradients itself) and ``--vocab-parallel`` (embedding and head split ove
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
-sharding. BatchNorm under a half policy gets its own unit that keeps fp32 (CPU BatchNorm rejects bf16 weights).
+sharding. A model with BatchNorm under a mixed precision is the exception (``weights_cast_by_autocast``): its
+weights are gathered in fp32 and the precision's autocast casts them per op, as `single` runs, because neither
+CPU nor CUDA BatchNorm takes 16-bit weights beside its fp32 running statistics and a policy casts a whole unit;
+its units stay the blocks and the root (no unit per BatchNorm).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -107,7 +111,11 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
 
 class PolicyPrecision(Precision):
     """The precision as a sharding wrapper applies it: no autocast (the wrapper's mixed-precision policy casts
-    the gathered weights and the inputs), and a loss scaler that agrees across ranks on skipping a step."""
+    the gathered weights and the inputs) unless ``autocasts`` (set by the wrapper: ``weights_cast_by_autocast``),
+    and a loss scaler that agrees across ranks on skipping a step."""
+
+    autocasts: bool = False
+    """The wrapper gathers fp32 weights and the precision's autocast casts them per op."""
 
     def __init__(self, name: str, device: torch.device) -> None:
         super().__init__(name, device)
@@ -119,15 +127,83 @@ class PolicyPrecision(Precision):
             self.scaler = ShardedGradScaler(device.type, enabled=True)
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+        return super().autocast() if self.autocasts else contextlib.nullcontext()
+
+    def report(self) -> str:
+        """How the weights reach the compute dtype, for result.json."""
+        if not self.spec.autocast:
+            return f"{self.spec.param_dtype} as held"
+        how = "fp32, cast per op by autocast" if self.autocasts else "gathered in the compute dtype (policy)"
+        return f"{how} ({self.spec.compute_dtype})"
 
 
 def policy_precision(precision: Precision) -> PolicyPrecision:
     return PolicyPrecision(precision.name, precision.device)
 
 
+BATCHNORM_TAKES_HALF_WEIGHTS: dict[str, bool] = {"cpu": False, "cuda": False}
+"""Whether a device's batch_norm takes 16-bit weights beside fp32 running statistics, which is what a policy
+gathering in the compute dtype hands a BatchNorm (it casts a unit's parameters, never its buffers). cpu: no, the
+forward raises "expected scalar type BFloat16 but found Float" (torch 2.13 here). cuda: no, a BatchNorm2d's
+backward raises "Expected running_mean to have type BFloat16 but got Float": PyTorch's own FSDP2 test asserts it
+on a GPU (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py, ``_test_norm_modules``; also
+torchtitan issue 674), not run here. Both take fp32 weights with 16-bit activations (their mixed-type kernels,
+what `single` runs under autocast). A device not listed is taken not to."""
+
+
 def _is_batchnorm(module: nn.Module) -> bool:
     return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def has_batchnorm_weights(model: nn.Module) -> bool:
+    """Whether ``model`` has a BatchNorm with parameters (affine): what a 16-bit gather would hand it."""
+    return any(_is_batchnorm(m) and any(True for _ in m.parameters(recurse=False)) for m in model.modules())
+
+
+def _policy_would_fail_batchnorm(spec, device_type: str) -> bool:
+    """A mixed precision's policy would hand BatchNorm 16-bit weights on a device that refuses them."""
+    return spec.autocast and not BATCHNORM_TAKES_HALF_WEIGHTS.get(device_type, False)
+
+
+def weights_cast_by_autocast(model: nn.Module, device_type: str, spec) -> bool:
+    """Whether FSDP gathers the weights in fp32 and the precision's autocast casts them per op (Lightning's FSDP
+    bf16-mixed), instead of gathering them in the compute dtype (a ``MixedPrecisionPolicy``: torchtitan's). So
+    for a mixed precision on a model with BatchNorm weights on a device whose batch_norm cannot take them in 16
+    bits (``BATCHNORM_TAKES_HALF_WEIGHTS``). The ways to keep the policy cost more: a unit per BatchNorm (PyTorch's
+    FSDP2 advice, FSDP1's default) adds 53 units to ResNet-50's 17, each gathered, hooked and reduced apart (with
+    them fsdp took 2.7x `single`'s step on one H200, 2026-11-26); one ``fully_shard([...])`` group of them all
+    deadlocked in a backward prefetch under activation checkpointing (2 gloo ranks, torch 2.13). The price:
+    gathers in fp32, 2x the bytes."""
+    return _policy_would_fail_batchnorm(spec, device_type) and has_batchnorm_weights(model)
+
+
+@functools.cache
+def _spec_has_batchnorm_weights(spec: ModelSpec) -> bool:
+    """``has_batchnorm_weights`` of the model of ``spec`` for the cost model, built on the meta device (llama-8b:
+    0.04 s; on fake tensors, where a model cannot be built on meta: 3.8 s)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with torch.device("meta"):
+            return has_batchnorm_weights(spec.build())
+    except Exception:  # an init that reads values: fake tensors carry on where meta ones cannot
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return has_batchnorm_weights(spec.build())
+
+
+def gathers_fp32(ctx) -> bool:
+    """The cost model's ``weights_cast_by_autocast``: the run's model, precision and device."""
+    return _policy_would_fail_batchnorm(ctx.pspec, ctx.device_type) and _spec_has_batchnorm_weights(
+        ModelSpec.from_config(ctx.cfg)
+    )
+
+
+def gather_itemsize(ctx) -> int:
+    """Bytes per element of the gathered weights: the compute dtype under a mixed precision's policy, else (fp32
+    gathers under autocast, or a precision without one) the weights' own."""
+    return (
+        ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast and not gathers_fp32(ctx) else ctx.param_bytes
+    )
 
 
 def fsdp2_comm(ctx, sharding: str):
@@ -135,14 +211,14 @@ def fsdp2_comm(ctx, sharding: str):
     parameters padded to a multiple of the shard group along dim 0. full: all-gather before forward and again
     before backward (every unit, the root included, is resharded after forward), reduce-scatter of the
     gradients; grad-op: one all-gather (kept from forward to backward); none (replicate): all-reduce.
-    Gathers in the policy's param dtype (the compute dtype under autocast), reductions in fp32 then; with
-    gradient accumulation full sharding gathers and reduce-scatters every micro-step, grad-op/none reduce
-    once. Not modelled: BatchNorm units kept in fp32 under a half policy (they are gathered in fp32)."""
+    Gathers in the policy's param dtype (the compute dtype under a mixed precision; fp32 for a BatchNorm model,
+    cast by autocast: ``gather_itemsize``), reductions in fp32 then; with gradient accumulation full sharding
+    gathers and reduce-scatters every micro-step, grad-op/none reduce once."""
     n, info = ctx.world, ctx.info
     if n <= 1:
         return []
     spec = ctx.pspec
-    gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
+    gather_bytes = gather_itemsize(ctx)
     reduce_bytes = 4 if spec.autocast else ctx.param_bytes
     if sharding == "none":
         note = "replicated (HSDP with a shard group of one)"
@@ -368,12 +444,15 @@ class FSDPStrategy(LossParallel, Strategy):
         return self.env.rank // t, self.env.world_size // t
 
     def report(self) -> dict[str, Any]:
-        """With --tp, the mesh in result.json (its named dimensions and their sizes) and the tp plan's flags."""
+        """The FSDP units (each one gather/reduce group: the wrapped modules and the root) and how the weights
+        reach the compute dtype; with --tp, the mesh (its named dimensions and their sizes) and the tp plan's
+        flags."""
+        own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
         if self.options.tp == 1:
-            return {}
+            return own
         opts = self.options
         flags = {"sequence_parallel": opts.sequence_parallel, "vocab_parallel": opts.vocab_parallel}
-        return {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}}
+        return own | {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}}
 
     # ---- set-up -------------------------------------------------------------------------------
     def mesh(self):
@@ -420,23 +499,16 @@ class FSDPStrategy(LossParallel, Strategy):
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
         mesh = self.shard_mesh(model)
-        if spec.autocast:  # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
+        self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
+        if spec.autocast and not self.precision.autocasts:
+            # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
             mp = MixedPrecisionPolicy(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
-        else:
+        else:  # gathered as held (fp32 under autocast: BatchNorm keeps fp32 weights in its block's unit)
             mp = MixedPrecisionPolicy()
         # Pinned host memory needs an accelerator; on CPU the offload is a no-op move with plain memory.
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
         reshard = opts.sharding == "full"
         common: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard, "offload_policy": offload}
-        if mp.param_dtype is not None:
-            # A half policy would hand BatchNorm half weights; CPU batch_norm refuses bf16 weights with fp32
-            # statistics. Each BatchNorm is its own unit kept in fp32 and fed the half activations as they come.
-            bn_mp = MixedPrecisionPolicy(
-                param_dtype=torch.float32, reduce_dtype=torch.float32, cast_forward_inputs=False
-            )
-            for m in model.modules():
-                if _is_batchnorm(m) and any(True for _ in m.parameters()):
-                    fully_shard(m, mp_policy=bn_mp, **common)
         self.units = wrap_units(model, opts.wrap, opts.wrap_min_params)
         if self.env.is_main:
             print(describe_units(model, opts.wrap, opts.wrap_min_params, self.units), flush=True)
@@ -478,7 +550,7 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         # The unit being computed and the one prefetched: the two largest units (the whole model when it has
         # no block units, only the root -- not twice the model).
         units = sorted((sum(info.numels[i] for i in u) for u in info.block_units if u), reverse=True)
-        gathered_dtype = ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast else pd
+        gathered_dtype = gather_itemsize(ctx)
         # + the reduce-scatter input of the largest unit: its gradients copied into one flat buffer (in the
         # reduce dtype) while the unsharded gradients still exist (measured: ResNet-18 on 2 CPU ranks was 11-12%
         # above the estimate without it, 2-5% with it).

@@ -6,6 +6,11 @@ On CPU: FSDP1 needs ``device_id=torch.device("cpu")``; ``CPUOffload`` fails ther
 a GPU and the host), so it is refused with a clear line. HYBRID_SHARD shards within a node and replicates
 across nodes on a 2-D ``(nodes, ranks per node)`` device mesh built here (FSDP1 would otherwise derive its
 groups from the CUDA device count).
+
+Precision as fsdp's: FSDP1's ``MixedPrecision`` (gathered in the compute dtype, reduced in fp32), except for a model
+with BatchNorm under a mixed precision (``fsdp.weights_cast_by_autocast``), whose weights stay fp32 and are cast
+per op by autocast: FSDP1 would otherwise give every BatchNorm a unit of its own with mixed precision off
+(``MixedPrecision._module_classes_to_ignore``), 53 more units beside ResNet-50's 54 Linear/Conv2d ones.
 """
 
 from __future__ import annotations
@@ -22,7 +27,14 @@ from torch import nn
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
-from stratbench.strategies.fsdp import CHECKPOINT_FORMATS, FSDPCheckpointIO, _choice, policy_precision
+from stratbench.strategies.fsdp import (
+    CHECKPOINT_FORMATS,
+    FSDPCheckpointIO,
+    _choice,
+    gather_itemsize,
+    policy_precision,
+    weights_cast_by_autocast,
+)
 
 SHARDING_STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -78,15 +90,16 @@ class FSDP1Cost(CostModel):
     def comm_model(cls, ctx):
         """One FlatParameter per Linear/Conv2d unit (and the root), each padded to a multiple of the shard group.
         FULL_SHARD: all-gather before forward and again before backward, reduce-scatter; SHARD_GRAD_OP: one
-        all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under autocast, reduced in fp32.
-        HYBRID_SHARD (two process groups) has no model yet."""
+        all-gather; NO_SHARD: all-reduce. Gathered in the compute dtype under a mixed precision (in fp32 for a
+        BatchNorm model, cast by autocast: ``gather_itemsize``), reduced in fp32. HYBRID_SHARD (two process
+        groups) has no model yet."""
         kind, n, info = ctx.options.sharding_strategy, ctx.world, ctx.info
         if kind == "HYBRID_SHARD":
             return None
         if n <= 1:
             return []
         spec = ctx.pspec
-        gather_bytes = spec.compute_dtype.itemsize if spec.autocast else ctx.param_bytes
+        gather_bytes = gather_itemsize(ctx)
         reduce_bytes = 4 if spec.autocast else ctx.param_bytes
         if kind == "NO_SHARD":
             return [Collective("all_reduce", info.total * reduce_bytes, 1, "backward", n, "flat parameters")]
@@ -193,19 +206,28 @@ class FSDP1Strategy(Strategy):
         else:
             mesh = init_device_mesh(device.type, (self.env.world_size,), mesh_dim_names=("shard",))
         mixed = None
-        if spec.autocast:  # fp32 flat parameters, gathered in the compute dtype, gradients reduced in fp32
+        self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
+        if spec.autocast and not self.precision.autocasts:
+            # fp32 flat parameters, gathered in the compute dtype, gradients reduced in fp32
             mixed = MixedPrecision(param_dtype=spec.compute_dtype, reduce_dtype=torch.float32)
-        return FSDP(
+        wrapped = FSDP(
             model,
             # FSDP1 on CPU has no current device to pick: it must be named (device_id=None fails).
             device_id=device if device.type == "cpu" else device.index,
             auto_wrap_policy=ModuleWrapPolicy({nn.Linear, nn.Conv2d}),
             sharding_strategy=ShardingStrategy[opts.sharding_strategy],
-            mixed_precision=mixed,  # leaves BatchNorm in fp32 by itself (_module_classes_to_ignore)
+            mixed_precision=mixed,
             cpu_offload=CPUOffload(offload_params=True) if opts.cpu_offload else None,
             use_orig_params=opts.use_orig_params,
             device_mesh=mesh,
         )
+        self.units = len(FSDP.fsdp_modules(wrapped))
+        return wrapped
+
+    def report(self) -> dict:
+        """The FSDP units (each flat parameter's gather/reduce group, the root included) and how the weights
+        reach the compute dtype."""
+        return {"fsdp": {"units": self.units, "weights": self.precision.report()}}
 
     def accumulate(self, is_last_micro_step: bool) -> contextlib.AbstractContextManager:
         # Skip the gradient reduction on all but the last micro-step where whole gradients are kept anyway;

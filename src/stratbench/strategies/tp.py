@@ -22,12 +22,14 @@ backward. Options (``TPOptions``):
   reduce-scatter (the same bytes) and the norms' activations are 1/T per rank. The norms' weight gradients come
   out as partial sums and are all-reduced once per step (``reduce_partial_grads``). The model has no dropout.
 
-Whatever the plan leaves (norms, a whole embedding/head) holds its parameters replicated (``distribute_module``),
-so that every parameter is a DTensor (the foreach optimizer and ``clip_grad_norm_`` take no mix of plain tensors
-and DTensors). A model of the user's gives its own plan with a ``tp_plan()`` method: the two options above apply
-to the built-in plan only (``--sequence-parallel`` with a user's plan is refused: its layouts are the user's).
-The communication model (``transformer_comm``) matches the measured bytes per kind exactly on gpt-tiny (fp64 and
-bf16-mixed, each option on and off: tests/strategies/test_tp.py; docs/communication.md).
+Whatever the plan leaves (norms, a whole embedding/head) holds its parameters replicated, so that every parameter
+is a DTensor (the foreach optimizer and ``clip_grad_norm_`` take no mix of plain tensors and DTensors), while each
+such module computes on their local tensors from the plain inputs it has under torch's ``parallelize_module``
+(``LocalParams``): a plan is applied as torch applies it, and the model's forward runs unchanged. A model of the
+user's gives its own plan with a ``tp_plan()`` method (checked before any work: ``_own_plan``): the two options
+above apply to the built-in plan only (``--sequence-parallel`` with a user's plan is refused: its layouts are the
+user's). The communication model (``transformer_comm``) matches the measured bytes per kind exactly on gpt-tiny
+(fp64 and bf16-mixed, each option on and off: tests/strategies/test_tp.py; docs/communication.md).
 
 2D and 3D meshes: fsdp and pipeline call ``apply_tp`` with their mesh's tp dimension (``fsdp --tp``,
 ``pipeline --pp --tp``). The memory estimate traces a rank's slice of the model at the whole batch
@@ -39,7 +41,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from torch import nn
 from stratbench.checkpoints import sharded
 from stratbench.core.config import from_dict
 from stratbench.core.errors import ConfigError
+from stratbench.core.user_code import one_line
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.flops import flops_per_sample
@@ -171,7 +174,31 @@ def model_plan(
     if isinstance(model, Transformer):
         return transformer_plan(model, sequence_parallel=sequence_parallel, vocab_parallel=vocab_parallel)
     own = getattr(model, "tp_plan", None)
-    return own() if callable(own) else None
+    return _own_plan(model, own) if callable(own) else None
+
+
+def _own_plan(model: nn.Module, tp_plan: Any) -> dict[str, Any]:
+    """The model's ``tp_plan()`` as ``parallelize_module`` takes it, a mapping of module-name patterns to
+    ParallelStyle objects; a plan that raises or is anything else is one line naming what is wrong (torch would
+    fail later, on every rank, with a traceback)."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    what = f"tp: {type(model).__name__}.tp_plan()"
+    try:
+        plan = tp_plan()
+    except Exception as exc:
+        raise ConfigError(f"{what} raised {one_line(exc)}") from None
+    if not isinstance(plan, Mapping):
+        raise ConfigError(f"{what} returned a {type(plan).__name__}, not a mapping; {HOW_TO_PLAN}")
+    for key, style in plan.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{what} has the key {key!r} (type {type(key).__name__}), not a module name")
+        if not isinstance(style, ParallelStyle):
+            raise ConfigError(
+                f"{what} maps {key!r} to {style!r} (type {type(style).__name__}), not a ParallelStyle such as "
+                "ColwiseParallel() or RowwiseParallel()"
+            )
+    return dict(plan)
 
 
 def _planned(model: nn.Module, plan: dict[str, Any]) -> list[tuple[str, nn.Module, Any]]:
@@ -629,10 +656,13 @@ def _edge_layouts(model: nn.Module, sequence_parallel: bool, vocab_parallel: boo
 
 def _replicate_rest(model: nn.Module, mesh, edges: dict[str, tuple]) -> None:
     """Every module whose own parameters the plan left plain holds them as replicated DTensors, so that the
-    model's parameters are all DTensors; its inputs become replicated DTensors and its outputs plain again. A
-    module ``edges`` names takes a plain input as this rank's part of the first layout and hands on its part of
-    the second (default: both replicated)."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    model's parameters are all DTensors (the foreach optimizers and ``clip_grad_norm_`` take no mix of plain
+    tensors and DTensors), while its forward sees what it would see under ``parallelize_module`` alone
+    (``LocalParams``): a user's forward that adds a plain tensor to a plan's output runs as under torch. A
+    module ``edges`` names (the built-in transformer's whole embedding and head in the sequence-sharded stream)
+    takes a plain input as this rank's part of the first layout, computes on DTensors and hands on its part of
+    the second."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 
     def hooks(given, wanted):
         def to_dtensor(module, inputs, mesh):
@@ -651,10 +681,48 @@ def _replicate_rest(model: nn.Module, mesh, edges: dict[str, tuple]) -> None:
         return to_dtensor, to_local
 
     for name, module in list(model.named_modules()):
-        own = list(module.parameters(recurse=False))
-        if own and not any(isinstance(p, DTensor) for p in own):
-            to_dtensor, to_local = hooks(*edges.get(name, (Replicate(), Replicate())))
+        own = dict(module.named_parameters(recurse=False))
+        if not own or any(isinstance(p, DTensor) for p in own.values()):
+            continue
+        if name in edges:
+            to_dtensor, to_local = hooks(*edges[name])
             distribute_module(module, mesh, input_fn=to_dtensor, output_fn=to_local)
+            continue
+        for pname, p in own.items():  # replicated from rank 0 (a broadcast), as distribute_module does
+            whole = distribute_tensor(p.detach(), mesh, [Replicate()])
+            module.register_parameter(pname, nn.Parameter(whole, requires_grad=p.requires_grad))
+        LocalParams(tuple(own)).attach(module)
+
+
+class LocalParams:
+    """Forward hooks that hand a module its replicated DTensor parameters as their local tensors while its inputs
+    are plain (as ``parallelize_module`` leaves an unplanned module: plain parameters, plain inputs), and as
+    DTensors while an input is a DTensor (DTensor then lays the result out). The swap is FSDP2's own (its
+    unsharded parameters are set on the module the same way), so under ``fsdp --tp`` it reads the gathered
+    parameter FSDP2 has just put in place; ``to_local`` hands the gradient back as a replicated DTensor."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self.held: list[dict[str, Any]] = []  # a stack: the module may be called again inside its own forward
+
+    def attach(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self.before, with_kwargs=True)
+        module.register_forward_hook(self.after, always_call=True)
+
+    def before(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        from torch.distributed.tensor import DTensor
+
+        held = {n: module._parameters[n] for n in self.names}
+        self.held.append(held)
+        if any(isinstance(x, DTensor) for x in (*args, *kwargs.values())):
+            return
+        for n, p in held.items():
+            if isinstance(p, DTensor):
+                module._parameters[n] = p.to_local()
+
+    def after(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self.held:
+            module._parameters.update(self.held.pop())
 
 
 def _tied(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
