@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -300,6 +301,15 @@ def _launchers(out: Path) -> list:
     return [p for p in sweep_processes(out) if _alive(p)]
 
 
+def _cells_of(procs: list) -> set[str]:
+    """The cells (``cells/ID``) whose processes ``procs`` are, read from their command lines."""
+    found = set()
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            found.update(re.findall(r"cells/([^/\s]+)", " ".join(proc.cmdline())))
+    return found
+
+
 def _client_ready(address: str, timeout_s: float = 240) -> None:
     """Until a Ray Client session opens at ``address``: a fresh head's client server took ~40 s to open its first
     one here (and failed it once), the next ones 3-5 s."""
@@ -343,7 +353,8 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
         rerun = run_stratbench("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
                                "--ray-address", state["client"], cwd=root, timeout=600)  # fmt: skip
         assert [p for p in left if _alive(p)] == [], rerun.stdout  # the killed run's processes are gone
-        assert rerun.stdout.count("cancelling Ray") == 2, rerun.stdout
+        # one line per cell still training when the client was killed (a cell may end first on a loaded machine)
+        assert rerun.stdout.count("cancelling Ray") == len(_cells_of(left)) >= 1, (_cells_of(left), rerun.stdout)
     finally:
         for proc in left:  # whatever the rerun did not stop (the test failed)
             with contextlib.suppress(psutil.Error):
