@@ -1,7 +1,9 @@
 """A refused rerun leaves a finished run's folder byte-identical (issue 42, item 1). Every refusal of
 `stratbench train` comes before its first write into --output: in this process (--nproc 1) and under
-stratbench's launcher (torchrun workers, whose set-up errors the launcher says once). The real CLI runs each case
-from an empty folder into one finished run, whose every file (and link) is hashed before and after.
+stratbench's launcher (torchrun workers, whose set-up errors the launcher says once). The CLI runs each case from
+an empty folder into one finished run, whose every file (and link) is hashed before and after: the --nproc 1 cases
+through its `main` in the test's process (a fresh interpreter for each cost ~3-9 s, ~2 min of the suite, for the
+same code path), the issue's own case and every launched case as a user runs them (a fresh interpreter).
 
 To add a case: one entry in REFUSALS (its flags, a piece of the line it must print, its exit code) and, when it
 needs input files, a function that writes them into the case's folder (its flags name that folder ``{inputs}``)."""
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conftest import run_stratbench
+from stratbench.cli import main
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import StratbenchError
 from stratbench.launching.executors import make_executor
@@ -132,7 +135,7 @@ REFUSALS: dict[str, Refusal] = {
     "batch-beyond-the-data": Refusal(("--batch-size", "1000000000000"), "smaller than one global batch"),
     # model and weights (found while the model is built)
     "hf-pytorch-model-bin": Refusal(
-        ("--model", "hf:{inputs}/hf"), "pytorch_model.bin", _hf_pickle_weights, launched=True, needs="transformers"
+        ("--model", "hf:{inputs}/hf"), "pytorch_model.bin", _hf_pickle_weights, needs="transformers"
     ),
     "hf-bad-weights-file": Refusal(
         ("--model", "hf:{inputs}/hf"), "could not build", _hf_bad_safetensors, needs="transformers"
@@ -151,7 +154,9 @@ REFUSALS: dict[str, Refusal] = {
     "token-beyond-any-vocabulary": Refusal(
         ("--data", "tokens:{inputs}/big.bin", "--token-dtype", "uint32"), "4000000000", _token_beyond_any_vocabulary
     ),
-    "weights-fit-nothing": Refusal(("--weights", "{inputs}/other.pt"), "no tensor that fits", _weights_that_fit_nothing),
+    "weights-fit-nothing": Refusal(
+        ("--weights", "{inputs}/other.pt"), "no tensor that fits", _weights_that_fit_nothing, launched=True
+    ),
     "weights-not-a-state-dict": Refusal(("--weights", "{inputs}/garbage.pt"), "garbage.pt", _garbage_weights),
     "weights-missing": Refusal(("--weights", "{inputs}/none.pt"), "not found"),
     # the method, the precision, the options
@@ -196,19 +201,25 @@ def finished(tmp_path_factory) -> Path:
     return run
 
 
-def _refused(case: Refusal, run: Path, cwd: Path, *extra: str) -> None:
+def _refused(case: Refusal, run: Path, cwd: Path, *extra: str, capsys=None) -> None:
+    """Run ``case`` into ``run`` from ``cwd``: in a fresh interpreter, or through the CLI's ``main`` in this
+    process (``capsys`` given; the caller has made ``cwd`` the working folder)."""
     if case.needs and importlib.util.find_spec(case.needs) is None:
         pytest.skip(f"needs {case.needs}")
     inputs = cwd / "inputs"
     inputs.mkdir()
     if case.make is not None:
         case.make(inputs)
-    args = [a.replace("{inputs}", str(inputs)) for a in case.args]
+    args = [*RUN, *extra, *(a.replace("{inputs}", str(inputs)) for a in case.args), "--output", str(run)]
     before = _digest(run)
-    proc = run_stratbench("train", *RUN, *extra, *args, "--output", str(run), cwd=cwd, check=False, timeout=600)
-    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    assert proc.returncode == case.exit_code, proc.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("stratbench train: error: "), proc.stderr[-3000:]
+    if capsys is None:
+        proc = run_stratbench("train", *args, cwd=cwd, check=False, timeout=600)
+        code, err = proc.returncode, proc.stderr
+    else:
+        code, err = main(["train", *args]), capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code == case.exit_code, err[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("stratbench train: error: "), err[-3000:]
     assert case.says in lines[0], lines[0]
     changed = _changed(before, _digest(run))
     assert not changed, f"the refused rerun changed {changed} in the finished run"
@@ -216,8 +227,14 @@ def _refused(case: Refusal, run: Path, cwd: Path, *extra: str) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(REFUSALS))
-def test_a_refused_rerun_leaves_the_finished_run_as_it_was(name, finished, tmp_path):
-    _refused(REFUSALS[name], finished, tmp_path)
+def test_a_refused_rerun_leaves_the_finished_run_as_it_was(name, finished, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _refused(REFUSALS[name], finished, tmp_path, capsys=capsys)
+
+
+def test_the_issues_refused_rerun_as_a_user_runs_it(finished, tmp_path):
+    """The issue's case (a 5,001-byte token file into a finished run) in a fresh interpreter, as a user runs it."""
+    _refused(REFUSALS["odd-token-file"], finished, tmp_path)
 
 
 @pytest.mark.distributed

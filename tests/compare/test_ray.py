@@ -205,8 +205,8 @@ def test_the_rerun_completes_the_lost_cell_and_every_cell_matches_the_local_exec
 
 
 def test_the_quick_preset_on_ray_gives_the_local_table(cluster, address, quick_fp64_local):
-    """The issue's check as a user runs it: `stratbench compare --preset quick --executor ray` (every cell in fp64)
-    gives the local executor's table; its cells ran in the compare folder through Ray and left nothing behind."""
+    """The issue's check as a user runs it: `stratbench compare --preset quick --executor ray` (QUICK_FP64's cells
+    in fp64) gives the local executor's table; its cells ran in the compare folder through Ray and left nothing behind."""
     out = cluster["root"] / "quick"
     proc = run_stratbench("compare", *QUICK_FP64, "--output", str(out), "--executor", "ray", "--ray-address",
                           address, cwd=cluster["root"], timeout=900)  # fmt: skip
@@ -350,6 +350,7 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
         assert left, "the killed client's cells stopped with it: Ray Client kept nothing"
         for proc in left:
             proc.suspend()
+        _client_ready(state["client"])  # the client server also opens a session slowly after a client died
         rerun = run_stratbench("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
                                "--ray-address", state["client"], cwd=root, timeout=600)  # fmt: skip
         assert [p for p in left if _alive(p)] == [], rerun.stdout  # the killed run's processes are gone

@@ -5,8 +5,8 @@ both nodes) goes through a whole life: SIGTERM of compare while two cells run an
 left), the same command again with ddp's job cancelled by `scancel` (recorded failed, "cancelled", the others
 done), and once more (the cancelled cell runs, the done ones are kept); its cells and fp64 losses then match the
 local executor's, the 2-node cell the local 2-process ddp's, its node 1 having run on the other SLURM node. The
-refusals come before any cell. `compare --preset quick --executor slurm` (every cell in fp64) gives the local
-table, and `train --executor slurm` one run over both nodes the local 2-process curve."""
+refusals come before any cell. `compare --preset quick --executor slurm` (conftest's QUICK_FP64: one cell of each
+launch shape, in fp64) gives the local table, and `train --executor slurm` one run over both nodes the local 2-process curve."""
 
 from __future__ import annotations
 
@@ -225,8 +225,8 @@ def test_a_bad_partition_too_many_cpus_or_no_slurm_is_one_line_before_any_cell(s
 
 
 def test_the_quick_preset_on_slurm_gives_the_local_table(slurm, quick_fp64_local):
-    """The issue's check as a user runs it: `stratbench compare --preset quick --executor slurm` (every cell in
-    fp64) gives the local executor's table, and leaves no job or process."""
+    """The issue's check as a user runs it: `stratbench compare --preset quick --executor slurm` (QUICK_FP64's
+    cells in fp64) gives the local executor's table, and leaves no job or process."""
     out = slurm["root"] / "quick"
     proc = run_stratbench("compare", *QUICK_FP64, "--output", str(out), "--executor", "slurm", cwd=slurm["root"],
                           timeout=900)  # fmt: skip
