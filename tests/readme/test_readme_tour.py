@@ -7,10 +7,10 @@ writes waits for it). Each line must exit 0, or, where it needs a GPU, be refuse
 README tests once passed while two of these lines failed for a user: the test runner had put the folder on
 ``sys.path``.
 
-Long lines get the extra flags of ``readme_tour.FAST`` (a few steps each), shown with every failure; the
-benchmark (``benchmarks/readme_tour.py``) runs them with fewer cuts and writes a report. What two lines write is
-checked further here (they were separate end-to-end runs of the same commands): the probe's profile, and the
-calibration that `compare --calibrate` makes before its cells."""
+Long lines get the extra flags of ``readme_tour.FAST`` (a few steps each; the From Python block ``PYTHON_FAST``),
+shown with every failure; the benchmark (``benchmarks/readme_tour.py``) runs them with fewer cuts and writes a
+report. What two lines write is checked further here (they were separate end-to-end runs of the same commands):
+the probe's profile, and the calibration that `compare --calibrate` makes before its cells."""
 
 from __future__ import annotations
 
