@@ -168,11 +168,13 @@ def _start_long_run(out: Path, run: list[str] | None = None):
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the run did not start its workers"
         time.sleep(0.5)
-    while not (out / "config.yaml").exists():  # rank 0 writes it when training starts
+    # Rank 0 writes config.yaml when every rank is set up (model, data, method) and training starts; until
+    # 2026-11-27 it was written before the set-up, and 2 s more were waited here to be past it.
+    while not (out / "config.yaml").exists():
         assert proc.poll() is None, proc.stdout.read()
         assert time.monotonic() < deadline, "the run did not start training"
         time.sleep(0.2)
-    time.sleep(2)
+    time.sleep(0.5)  # into its first steps
     return proc
 
 
