@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -254,6 +255,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _log_handlers_on_a_live_stream():
+    """A library that sets up its logging during a test that captures with ``capsys`` (transformers, on its first
+    warning: a StreamHandler on the sys.stderr of that moment) keeps writing to that test's capture after it is
+    closed: every later warning of that library became a "--- Logging error ---" traceback on stderr, and a later
+    test's one-line check failed on it. Such a handler is pointed at fd 2's stderr before each test."""
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", ()):
+            if type(handler) is logging.StreamHandler and getattr(handler.stream, "closed", False):
+                handler.stream = sys.__stderr__  # fd 2 (never closed); setStream would flush the closed one
+    yield
 
 
 def fails(capsys, *argv: str) -> str:
