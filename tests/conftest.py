@@ -329,7 +329,7 @@ QUICK_FP64 = ["--preset", "quick", "--precision", "fp64", "--max-steps", "3", "-
 here with their reasons (deepspeed has no fp64 mode, dp needs GPUs). The table every executor must reproduce (the
 same cells, statuses, reasons and losses as the local executor's). An executor starts `stratbench train` the same
 way whatever the method (each method's equivalence to single is tested locally): the preset's other 8 cells ran the
-same launch again and cost ~4 min of the suite's time over the three sweeps."""
+same launch again, ~2 min of the suite's time in each of the sweeps that used it (local, SLURM, and Ray's then)."""
 
 
 def quick_base() -> dict:

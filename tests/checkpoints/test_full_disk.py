@@ -69,9 +69,9 @@ logged("../consolidate.log", lambda: main(["consolidate", "run/checkpoints/last"
 logged("../consolidate_full.log", lambda: main(["consolidate", "run/checkpoints/last", "model.pt"]))
 logged("../fills.log", fills)
 """
-"""What is checked after the run, in one process (three fresh interpreters took 7 s more on 2 cores): consolidate elsewhere and
-onto the full disk (a command's output as the command line's), then the disk filling while the shards are
-written (a 2 MiB tmpfs)."""
+"""What is checked after the run, in one process (three fresh interpreters took 7 s more on 2 cores): consolidate
+elsewhere and onto the full disk (a command's output as the command line's), then the disk filling while the shards
+are written (a 2 MiB tmpfs)."""
 
 
 def _in_a_namespace(tmp_path: Path, script: str) -> None:

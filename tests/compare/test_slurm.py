@@ -6,7 +6,8 @@ left), the same command again with ddp's job cancelled by `scancel` (recorded fa
 done), and once more (the cancelled cell runs, the done ones are kept); its cells and fp64 losses then match the
 local executor's, the 2-node cell the local 2-process ddp's, its node 1 having run on the other SLURM node. The
 refusals come before any cell. `compare --preset quick --executor slurm` (conftest's QUICK_FP64: one cell of each
-launch shape, in fp64) gives the local table, and `train --executor slurm` one run over both nodes the local 2-process curve."""
+launch shape, in fp64) gives the local table, and `train --executor slurm` one run over both nodes the local
+2-process curve."""
 
 from __future__ import annotations
 
