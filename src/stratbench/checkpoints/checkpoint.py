@@ -37,12 +37,12 @@ from stratbench.core.files import (  # noqa: F401  (re-exported: every writer's 
 )
 from stratbench.core.safe_load import (  # noqa: F401  (re-exported: the loaders' one entry)
     SAFE_GLOBALS,
-    _refuse,
     add_trust_argument,
     check_file,
     check_folder,
     check_tag,
     is_trusted,
+    refusal,
     restricted_pickle_load,
     safe_globals,
     safe_torch_load,
@@ -143,7 +143,7 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
         else:
             obj = torch.load(path, map_location="cpu", weights_only=False)
     except pickle.UnpicklingError as exc:
-        raise _refuse(path, exc) from None
+        raise refusal(path, exc) from None
     except Exception as exc:  # garbage bytes raise anything from UnpicklingError to IndexError
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"checkpoint {path} is corrupt or not a PyTorch file ({first[:200]})") from None

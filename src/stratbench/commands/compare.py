@@ -13,7 +13,7 @@ from stratbench.compare.calibration import CALIBRATION
 from stratbench.compare.matrix import PRESETS
 from stratbench.compare.report import print_table
 from stratbench.compare.runner import load_records
-from stratbench.core.config import TrainConfig, _base_type, coerce, field_docs
+from stratbench.core.config import TrainConfig, base_type, coerce, field_docs
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import table_console
 from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
@@ -84,7 +84,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         kw = dict(dest=_PASS + f.name, default=None, help=docs.get(f.name, "").replace("%", "%%"))
-        if _base_type(f.type) is bool:
+        if base_type(f.type) is bool:
             group.add_argument(flag, nargs="?", const="true", metavar="BOOL", **kw)
         else:
             group.add_argument(flag, metavar=f.name.upper(), **kw)

@@ -11,8 +11,8 @@ from typing import Any
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.core.config import (
     TrainConfig,
-    _base_type,
     add_dataclass_arguments,
+    base_type,
     collect_overrides,
     field_docs,
     from_dict,
@@ -66,7 +66,7 @@ def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
         help_text = " ".join(f"[{', '.join(owners)}] {doc}" for doc, owners in docs[name].items()).replace(
             "%", "%%"
         )
-        if _base_type(f.type) is bool:
+        if base_type(f.type) is bool:
             group.add_argument(
                 flag,
                 dest=_OPT_PREFIX + name,

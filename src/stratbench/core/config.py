@@ -340,7 +340,7 @@ POSITIVE = (
 )
 
 
-def _base_type(annotation: Any) -> type:
+def base_type(annotation: Any) -> type:
     """The non-None type of a field annotation such as ``int | None``."""
     hint = annotation
     if isinstance(hint, str):
@@ -362,7 +362,7 @@ def _literal_words(annotation: Any) -> tuple[str, ...]:
 
 def coerce(name: str, value: Any, annotation: Any) -> Any:
     """Convert a YAML/CLI value to the field's type, with an error naming the field."""
-    typ = _base_type(annotation)
+    typ = base_type(annotation)
     if value is None:
         return None
     try:
@@ -562,7 +562,7 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, dest_
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = (docs.get(f.name, "") + f" (default: {default})").replace("%", "%%")
-        typ = _base_type(f.type)
+        typ = base_type(f.type)
         dest = dest_prefix + f.name
         if typ is bool:
             parser.add_argument(

@@ -122,7 +122,7 @@ def safe_globals() -> contextlib.AbstractContextManager:
 _CODE_SIGNS = ("Unsupported global", "Trying to call", "GLOBAL", "Unsupported class", "REDUCE", "BUILD")
 
 
-def _refuse(path: Path, exc: BaseException) -> CheckpointError:
+def refusal(path: Path, exc: BaseException) -> CheckpointError:
     """One line for a file the weights-only unpickler rejected: "would run code" when it names a callable or
     class, "corrupt" otherwise (garbage bytes also fail to unpickle)."""
     text = str(exc).strip()
@@ -152,7 +152,7 @@ def safe_torch_load(source: Any, *, name: Path | str | None = None, mmap: bool =
     try:
         return _with_imports(load)
     except pickle.UnpicklingError as exc:
-        raise _refuse(Path(str(name if name is not None else source)), exc) from None
+        raise refusal(Path(str(name if name is not None else source)), exc) from None
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
@@ -187,7 +187,7 @@ def restricted_pickle_load(path: Path, encoding: str = "ASCII") -> Any:
     except OSError as exc:
         raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     except Exception as exc:
-        raise _refuse(path, exc) from None
+        raise refusal(path, exc) from None
 
 
 def check_file(path: Path) -> None:
@@ -199,7 +199,7 @@ def check_file(path: Path) -> None:
     try:
         _with_imports(lambda: _check(path, head))
     except Exception as exc:
-        raise _refuse(path, exc) from None
+        raise refusal(path, exc) from None
 
 
 def _check(path: Path, head: bytes) -> None:
