@@ -71,6 +71,7 @@ def test_the_order_is_the_documented_one():
     assert [t.name for t in ORDER] == ["activation_checkpointing", "precision", "compile"]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile imports torch.jit's deprecated names
 def test_setup_applies_them_around_the_methods_wrap_in_order():
     """Strategy.setup: activation checkpointing, then the cast, then the method's wrap, then compile on the
     module the loop runs; the method's own reference (what it checkpoints) is the uncompiled one."""
