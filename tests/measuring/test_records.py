@@ -88,6 +88,7 @@ def test_values_not_recorded_read_as_none():
         ({"status": 0}, "status is 0, not a string"),
         ({"sharding": {"grad_bytes": ["x"]}}, "sharding.grad_bytes is ['x'], not a list of numbers >= 0"),
         ({"mesh": {"tp": "two"}}, "mesh.tp is 'two', not a whole number >= 0"),
+        ({"transforms": ["compile", 3]}, "transforms is ['compile', 3], not a list of strings"),
         ({"repeats": {"n": 3, "metrics": {"throughput_samples_per_s": "x"}}},
          "repeats.metrics.throughput_samples_per_s is 'x', not an object"),
         ({"repeats": {"n": 3, "metrics": {"final_loss": {"median": "low"}}}},

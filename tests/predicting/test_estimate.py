@@ -108,7 +108,7 @@ def test_activation_estimate_matches_cpu_probe(precision):
     """Saved-activation bytes fitted from fake-tensor traces at batch 2 and 4, extrapolated to batch 24, match
     the bytes a real CPU forward/backward saves at batch 24 (within 3%)."""
     spec = ModelSpec("tinynet", 10, 32, width=16)
-    t2, t4 = trace_step(spec, 2, precision, False, "cpu"), trace_step(spec, 4, precision, False, "cpu")
+    t2, t4 = trace_step(spec, 2, precision, (), "cpu"), trace_step(spec, 4, precision, (), "cpu")
     per_sample = (t4.saved_bytes - t2.saved_bytes) / 2
     predicted = t2.saved_bytes + per_sample * 22
     measured, grads = _measured_saved_bytes(24, precision_autocast=precision == "bf16-mixed")
@@ -116,15 +116,15 @@ def test_activation_estimate_matches_cpu_probe(precision):
     assert t2.grad_bytes == grads
     # bf16 activations are about half of fp32's: the trace sees the autocast dtype.
     if precision == "bf16-mixed":
-        fp32 = trace_step(spec, 4, "fp32", False, "cpu").saved_bytes
+        fp32 = trace_step(spec, 4, "fp32", (), "cpu").saved_bytes
         assert 0.4 < t4.saved_bytes / fp32 < 0.75
 
 
 def test_activation_checkpointing_is_traced():
     """Recomputing each block keeps only block inputs: far fewer saved bytes than storing everything."""
     spec = ModelSpec("tinynet", 10, 32, width=16)
-    plain = trace_step(spec, 8, "fp32", False, "cpu")
-    ckpt = trace_step(spec, 8, "fp32", True, "cpu")
+    plain = trace_step(spec, 8, "fp32", (), "cpu")
+    ckpt = trace_step(spec, 8, "fp32", ("activation_checkpointing",), "cpu")
     assert ckpt.saved_bytes < 0.6 * plain.saved_bytes
 
 
@@ -317,7 +317,7 @@ def test_parameter_aliases_are_not_counted_as_activations(wide_mlp):
     not land in it either (the first estimate held ~560 MiB there for a 147M-parameter MLP)."""
     info = model_info(ModelSpec.from_config(wide_mlp))
     params, largest = info.total * 4, max(info.numels) * 4
-    trace = trace_step(ModelSpec.from_config(wide_mlp), 1, "fp32", False, "cpu")
+    trace = trace_step(ModelSpec.from_config(wide_mlp), 1, "fp32", (), "cpu")
     assert trace.saved_bytes < 2**20, trace.saved_bytes
     assert largest <= trace.peak(0) < largest + 2**20 < params, (trace.peak(0), largest, params)
     cases = [("fsdp", {"sharding": "full"}), ("fsdp1", {})]

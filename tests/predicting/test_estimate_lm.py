@@ -45,7 +45,7 @@ def test_a_language_model_is_traced_on_token_ids():
     longer = trace_step(ModelSpec.from_config(TINY_LM.replace(seq_len=128)), 2, "fp32")
     # linear in tokens: flash attention keeps no s^2 term
     assert 1.9 < longer.saved_bytes / small.saved_bytes < 2.2
-    checkpointed = trace_step(spec, 2, "fp32", activation_checkpointing=True)
+    checkpointed = trace_step(spec, 2, "fp32", transforms=("activation_checkpointing",))
     assert checkpointed.saved_bytes < 0.2 * small.saved_bytes
     # the distinct 16-bit problems oneDNN compiles kernels for (the CPU library row): 4 Linear shapes x (forward,
     # input and weight gradients) and one attention, whatever the batch; none in fp32

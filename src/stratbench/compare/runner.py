@@ -149,6 +149,7 @@ def make_record(
         "metrics": result.get("metrics") or {},
         "sharding": result.get("sharding") or {},
         "mesh": result.get("mesh") or {},
+        "transforms": result.get("transforms") or [],
         "elapsed_s": elapsed_s,
         "returncode": returncode,
         "cell_dir": str(cell_dir) if cell_dir else None,

@@ -23,7 +23,8 @@ from stratbench.data.datasets import SampleShape, default_image_size, split_batc
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
-from stratbench.models.zoo import apply_activation_checkpointing, build_model, has_lazy_parameters
+from stratbench.models.transforms import apply_traced
+from stratbench.models.zoo import build_model, has_lazy_parameters
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
 ROUND_BYTES = {"cuda": 512, "cpu": 1}
@@ -387,12 +388,14 @@ def trace_step(
     spec: ModelSpec,
     batch: int,
     precision: str,
-    activation_checkpointing: bool = False,
+    transforms: tuple[str, ...] = (),
     device_type: str = "cuda",
     transform: Callable[[nn.Module], None] | None = None,
 ) -> Trace:
     """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding);
-    ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it)."""
+    ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it), then the
+    model transforms named in ``transforms`` apply (``models.transforms.traced_names``: activation
+    checkpointing), as the method's set-up applies them to the model it trains."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     pspec = spec_of(precision)
@@ -401,8 +404,7 @@ def trace_step(
         model = _build_in(spec, pspec.param_dtype)
         if transform is not None:
             transform(model)
-        if activation_checkpointing:
-            apply_activation_checkpointing(model)
+        model = apply_traced(model, transforms)
         for t in (*model.parameters(), *model.buffers()):
             live.exclude(t)
         for p in model.parameters():

@@ -176,6 +176,9 @@ class RunRecord:
     """Model-state bytes per rank by part (param_bytes, grad_bytes, optimizer_state_bytes, master_param_bytes)."""
     mesh: dict[str, int] = field(default_factory=dict)
     """The method's named device-mesh dimensions (dp, pp, tp) and their sizes, where it reports one."""
+    transforms: list[str] = field(default_factory=list)
+    """The model transforms the run applied, in order (``models.transforms``; empty in a record from before
+    they were recorded, or where none applied)."""
     model: str | None = None
     log: str | None = None
     schema: int = SCHEMA
@@ -197,7 +200,8 @@ class RunRecord:
             **{k: rec.get(k) for k in NUMBER_FIELDS},
             machine=Machine.from_dict(rec.get("machine")), environment=rec.get("environment") or {},
             config=rec.get("config") or {}, metrics=Metrics.from_dict(m), repeats=rec.get("repeats") or {},
-            sharding=rec.get("sharding") or {}, mesh=_mesh(rec.get("mesh")), model=_text(rec.get("model")),
+            sharding=rec.get("sharding") or {}, mesh=_mesh(rec.get("mesh")), transforms=list(rec.get("transforms") or []),
+            model=_text(rec.get("model")),
             log=str(rec["log"]) if rec.get("log") else None, schema=_schema(rec.get("schema")), fields=rec,
         )  # fmt: skip
 
@@ -314,13 +318,14 @@ KINDS: dict[str, str] = {
     "numbers": "a list of numbers",
     "mapping": "an object",
     "mappings": "a list of objects",
+    "texts": "a list of strings",
 }
 """Each kind of field and how a refusal names it."""
 
 TOP_KINDS: dict[str, str] = {
     **dict.fromkeys(("id", "method", "label", "precision", "status", "reason", "model", "log"), "text"),
     **dict.fromkeys(NUMBER_FIELDS, "count"), "host_load_mean": "amount", "schema": "count",
-    **dict.fromkeys(DICT_FIELDS, "mapping"),
+    **dict.fromkeys(DICT_FIELDS, "mapping"), "transforms": "texts",
 }  # fmt: skip
 METRIC_KINDS: dict[str, str] = {
     **dict.fromkeys(NUMBER_METRICS, "amount"), "final_loss": "number", "host_cpu_count": "count",
@@ -336,6 +341,8 @@ def _fits(value: Any, kind: str) -> bool:
     """Whether ``value`` (not None) is of ``kind``; NaN is a number not recorded, as json writes a diverged loss."""
     if kind == "text":
         return isinstance(value, str)
+    if kind == "texts":
+        return isinstance(value, list) and all(isinstance(v, str) for v in value)
     if kind in ("mapping", "mappings"):
         return isinstance(value, dict) if kind == "mapping" else isinstance(value, list) and all(
             isinstance(v, dict) for v in value)  # fmt: skip

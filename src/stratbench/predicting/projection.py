@@ -44,12 +44,10 @@ from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.measuring.records import RunRecord, number, record_problem
 from stratbench.models.family import family_of
 from stratbench.models.flops import flops_by_op
+from stratbench.models.transforms import FORWARD_SHARE, flops_factor
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel
-
-FORWARD_SHARE = 1.0 / 3.0
-"""Forward FLOPs as a share of forward+backward (backward computes two products per forward one)."""
 
 
 def precision_key(precision: str, tf32: bool = False) -> str:
@@ -385,7 +383,7 @@ def _single_work(cfg: TrainConfig, gpu: Gpu, flops: float) -> tuple[float, float
     its optimizer step (the optimizer state's bytes over the memory bandwidth)."""
     single = cfg.replace(strategy=baseline_name(), strategy_options={})
     dev_bytes, _ = optimizer_bytes(single, 1, 0, "cpu" if gpu.kind == "cpu" else "cuda")
-    work = flops * cfg.batch_size * (4 / 3 if cfg.activation_checkpointing else 1)
+    work = flops * cfg.batch_size * flops_factor(cfg)  # recomputation's share (models.transforms)
     return work, dev_bytes / gpu.memory_bandwidth
 
 
@@ -618,7 +616,7 @@ def project(
     eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
     # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
-    flops_on_path = flops * samples * (1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0)
+    flops_on_path = flops * samples * flops_factor(cfg)  # the model transforms' (activation checkpointing)
     forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), peak * eff,
                                  overhead, cal)  # fmt: skip
     _communication(out, rows, system, float(cls.cost.comm_overlap(ctx)), forward, backward)
@@ -689,8 +687,8 @@ def _compute(
     seconds that communication can hide under."""
     share = system.compute_share if min(world, system.gpus_per_node) > 1 else 1.0
     flop_time = flops / (achieved * share)
-    ac = 1.0 + FORWARD_SHARE if cfg.activation_checkpointing else 1.0
-    forward = flop_time * FORWARD_SHARE / ac
+    # the forward's share of the step's FLOPs, less where the transforms add work in backward (recomputation)
+    forward = flop_time * FORWARD_SHARE / flops_factor(cfg)
     if cal is not None and system.gpu.kind == "cpu" and share < 1.0:
         # On a CPU the fixed per-step work (Python, dispatch) runs on the same shared cores as the FLOPs: it
         # slows down by as much when every process runs (calibrated share / the share each process gets).

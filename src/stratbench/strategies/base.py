@@ -38,6 +38,7 @@ from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.models.transforms import Phase, Pipeline
 from stratbench.strategies.costs import MemoryContext, RankMemory
 
 if TYPE_CHECKING:
@@ -247,6 +248,8 @@ class Strategy:
         """``with self.phase("forward"): ...`` times a part of the step (RunMetrics sets it with --breakdown)."""
         self.total_steps: int | None = None
         """Optimizer steps the LR schedule spans (set by the loop before ``setup``)."""
+        self.transforms = Pipeline(cfg)
+        """The run's model transforms, applied by ``setup``; ``transforms.applied`` is what result.json lists."""
 
     # ---- what it needs ------------------------------------------------------------------------
     @classmethod
@@ -294,16 +297,19 @@ class Strategy:
     def setup(
         self, model: nn.Module, make_optimizer: OptimizerFactory
     ) -> tuple[nn.Module, torch.optim.Optimizer]:
-        """The one set-up order: convert to the precision's dtype, move, channels-last, wrap, build the optimizer
-        on the wrapped parameters. Strategies override the steps (``move``, ``wrap``, ``build_optimizer``)."""
-        model = self.move(self.precision.convert_module(model))
+        """The one set-up order: the model transforms before the wrap (``models.transforms``: activation
+        checkpointing, the precision's cast), move, channels-last, wrap, build the optimizer on the wrapped
+        parameters, then the transforms after the wrap (compile) on the model the loop runs (``self.model``
+        stays the wrap's). Strategies override the steps (``move``, ``wrap``, ``build_optimizer``), not this."""
+        model = self.transforms.apply(model, Phase.BEFORE_WRAP, self.precision)
+        model = self.move(model)
         if self.cfg.channels_last and self.channels_last_weights:
             model = model.to(memory_format=torch.channels_last)
         self.model = self.wrap(model)
         # build_optimizer may wrap self.model again where a library wraps model and optimizer together
         # (deepspeed.initialize, Accelerator.prepare).
         self.optimizer = self.build_optimizer(self.model, make_optimizer)
-        return self.model, self.optimizer
+        return self.transforms.apply(self.model, Phase.AFTER_WRAP, self.precision), self.optimizer
 
     def move(self, model: nn.Module) -> nn.Module:
         return model.to(self.env.device)

@@ -2,9 +2,10 @@
 RunMetrics object; no method-specific code and no logger.
 
 Order of set-up, the same for every method: seed -> data -> model (same init on every rank) -> weights ->
-activation checkpointing -> strategy.setup (convert precision, move, wrap, build optimizer on the wrapped
-parameters) -> compile -> resume -> (every rank set up) the main rank's files. Nothing is written into the
-output folder before that, so input refused during set-up leaves an earlier run's folder as it was. Timing: each
+strategy.setup (the model transforms before the wrap: activation checkpointing, the precision's cast; move,
+wrap, build the optimizer on the wrapped parameters; the transforms after the wrap: compile) -> resume ->
+(every rank set up) the main rank's files. Nothing is written into the output folder before that, so input
+refused during set-up leaves an earlier run's folder as it was. Timing: each
 optimizer step is timed from a synchronised clock, data loading included, evaluation and checkpointing excluded;
 the first ``timing_warmup_steps`` steps are left out of the step statistics. Memory peaks are reset at the start
 of each phase.
@@ -64,7 +65,6 @@ from stratbench.measuring.model_trace import text_vocab
 from stratbench.models.flops import flops_per_sample
 from stratbench.models.hf import check_vocab, is_hf_name
 from stratbench.models.zoo import (
-    apply_activation_checkpointing,
     build_model,
     check_model,
     count_parameters,
@@ -353,12 +353,10 @@ class Trainer:
         if cfg.init_from:
             model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
         flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes) if cfg.measure_flops else None
-        if cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
         strategy.total_steps = total_steps
+        # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))
-        if cfg.compile:
-            model = torch.compile(model)
+        self.result["transforms"] = list(strategy.transforms.applied)
         scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
         self.result.update(strategy.optimizer_report(optimizer))
         state = TrainState(scheduler, strategy)
