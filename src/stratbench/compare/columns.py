@@ -180,10 +180,8 @@ COLUMNS: tuple[Column, ...] = (
     Column("host_load", None, (CsvField("host_load_mean", lambda r: r.rec.load[0], na=False),
                                CsvField("host_cpu_count", lambda r: r.rec.load[1], na=False)), measure=False),
     Column("repeats", None, (CsvField("repeats", raw("repeats", 1), na=False),
-                             *(CsvField(f"{name}_{end}{unit}", raw(f"{key}_{end}"), na=False)
-                               for key, name, unit in (("train_time", "train_time", "_s"),
-                                                       ("throughput", "throughput", ""),
-                                                       ("val_accuracy", "val_accuracy", ""))
+                             *(CsvField(f"{key}_{end}{unit}", raw(f"{key}_{end}"), na=False)
+                               for key, unit in (("train_time", "_s"), ("throughput", ""), ("val_accuracy", ""))
                                for end in ("min", "max"))), measure=False),
     # language-model rows only (filled by the throughput and accuracy cells)
     Column("throughput_tokens", None, (CsvField("throughput_tokens_per_s", raw("throughput_tokens"), na=False),),
@@ -194,10 +192,20 @@ COLUMNS: tuple[Column, ...] = (
 )  # fmt: skip
 """Every column, in table order (which is also report.csv's order of fields)."""
 
-FILLED: list[Fill] = [c.fill for c in sorted(COLUMNS, key=lambda c: c.fill_order) if c.fill and c.measure]
-"""The measures' cells, in the order they are filled (and their footnotes numbered)."""
-SPREADS: list[tuple[str, Spread]] = [(c.key, c.spread) for c in COLUMNS if c.spread]
-BAR_CHARTS: list[tuple[str, BarChart]] = [(c.key, c.chart) for c in COLUMNS if c.chart]
+
+def _filled() -> list[Fill]:
+    """The measures' cells, in the order they are filled (and their footnotes numbered)."""
+    return [c.fill for c in sorted(COLUMNS, key=lambda c: c.fill_order) if c.fill and c.measure]
+
+
+def _spreads() -> list[tuple[str, Spread]]:
+    """(key, spread) of each column shown as a median and a range over repeated runs."""
+    return [(c.key, c.spread) for c in COLUMNS if c.spread]
+
+
+def bar_charts() -> list[tuple[str, BarChart]]:
+    """(key, chart) of each column that has a bar chart."""
+    return [(c.key, c.chart) for c in COLUMNS if c.chart]
 
 
 def csv_fields() -> list[str]:
@@ -259,9 +267,9 @@ def _row(rec: RunRecord, notes: Footnotes, ctx: Context) -> Row:
         # nothing was measured: the report lists the cell on one line, the csv leaves its cells empty
         _blank(row, DASH)
         return row
-    for fill in FILLED:
+    for fill in _filled():
         fill(rec, row, notes, ctx)
-    cells.add_spread(rec, row, notes, SPREADS)
+    cells.add_spread(rec, row, notes, _spreads())
     return row
 
 

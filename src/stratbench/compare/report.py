@@ -22,7 +22,7 @@ from rich.table import Table
 
 from stratbench.compare.calibration import load_calibration_records
 from stratbench.compare.charts import write_charts
-from stratbench.compare.columns import BAR_CHARTS, build_rows, columns_for, terminal_columns, write_csv
+from stratbench.compare.columns import bar_charts, build_rows, columns_for, terminal_columns, write_csv
 from stratbench.compare.document import Report
 from stratbench.compare.html_page import render_html
 from stratbench.compare.markdown_page import render_markdown
@@ -142,7 +142,7 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
     out.mkdir(parents=True, exist_ok=True)
     notes = Footnotes()
     rows = build_rows(report.records, notes, report.hardware, calibration=report.calibration)
-    charts = write_charts(rows, out, report.title, BAR_CHARTS)
+    charts = write_charts(rows, out, report.title, bar_charts())
     paths = {"md": out / "report.md", "csv": out / "report.csv", "html": out / "report.html"}
     # Each written under a temporary name and renamed into place: a failed render keeps the previous report.
     atomic_write(paths["md"], render_markdown(report, rows, notes, charts))
