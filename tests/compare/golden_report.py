@@ -12,6 +12,7 @@ import io
 import json
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 from rich.console import Console
@@ -74,6 +75,7 @@ if __name__ == "__main__":
     for case, dirs in CASES.items():
         folder = dest / case
         folder.mkdir(parents=True, exist_ok=True)
-        for name, text in render(dirs, folder / "out", draw=True).items():
-            (folder / name).write_text(text)
+        with tempfile.TemporaryDirectory() as out:  # the report's own files, PNGs included, are not kept
+            for name, text in render(dirs, Path(out), draw=True).items():
+                (folder / name).write_text(text)
         print(case, "written")
