@@ -18,8 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rich.table import Table
-
 from stratbench.compare.calibration import load_calibration_records
 from stratbench.compare.charts import write_charts
 from stratbench.compare.columns import bar_charts, build_rows, columns_for, terminal_columns, write_csv
@@ -157,6 +155,8 @@ def write_report(report: Report, out: Path) -> dict[str, Path]:
 
 def print_table(records: list[RunRecord] | list[dict[str, Any]], console=None) -> None:
     """A compact version of the table for the terminal at the end of a sweep (``Column.terminal``)."""
+    from rich.table import Table  # as core.tables: rich only where a table is printed
+
     console = console or table_console()
     notes = Footnotes()
     rows = build_rows(records, notes, predict=False)  # the terminal table has no predicted-step column
