@@ -61,19 +61,6 @@ def _fmt(x: float | None, spec: str, suffix: str = "") -> str:
 # the columns that name the cell: filled for every row, also one that did not complete
 
 
-def named(of: Callable[[RunRecord], Any]) -> Callable[[str], Fill]:
-    """The fill of a column that names the cell by one value of its record (``of``): the value, its text."""
-
-    def for_key(key: str) -> Fill:
-        def fill(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
-            row.raw[key] = value = of(rec)
-            row.text[key] = str(value) if value is not None else DASH
-
-        return fill
-
-    return for_key
-
-
 def init_of(rec: RunRecord) -> str | None:
     """imagenet (a torchvision ImageNet weights file), random, or the weights file's name; None when unknown."""
     return describe_init(rec.config.get("weights")) if rec.config else None

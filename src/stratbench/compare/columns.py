@@ -99,6 +99,7 @@ def _per_device(r: Row) -> str:
 
 
 def _pct(v: float) -> str:
+    """A fraction as a percentage with two decimals (the accuracy's cell)."""
     return f"{v * 100:.2f}%"
 
 
