@@ -1,10 +1,13 @@
-"""The report's PNG charts, one bar per completed cell of a sweep: peak memory (on a CPU beside the model state
-each rank holds), throughput, train time, accuracy, where each step's time goes, and the loss and accuracy curves.
+"""The report's PNG charts, one bar per completed cell of a sweep: a bar chart per column that has one
+(``columns.Column.chart``: peak memory, on a CPU beside the model state each rank holds; throughput, train time,
+accuracy), where each step's time goes, and the loss and accuracy curves.
 On the charts of times, a cell timed on a busy machine (``Row.busy``) is hatched and its value says so.
 Each is written under a temporary name and renamed into place; a chart with nothing to show is removed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from stratbench.compare.rows import Row
@@ -19,8 +22,6 @@ def _num(v: float) -> str:
 BUSY_HATCH = "///"
 BUSY_LABEL = "busy machine: time inflated"
 """How a chart of times marks a cell timed on a busy machine: its bar hatched, its value suffixed, a legend entry."""
-TIMED = ("throughput", "train_time")
-"""The bar charts whose values are times (or speeds): the ones a busy machine distorts."""
 
 
 def _mark_busy(bars, rows: list[Row]) -> bool:
@@ -43,47 +44,67 @@ PRECISION_COLOURS = {"fp32": "#4c72b0", "bf16-mixed": "#dd8452", "bf16-true": "#
                      "fp16-true": "#8172b3"}  # fmt: skip
 
 
-def write_charts(rows: list[Row], out: Path, title: str) -> dict[str, Path]:
-    """One horizontal bar chart per measure, one bar per completed cell, coloured by precision, values printed."""
-    ok = [r for r in rows if r.raw["status"] == "ok"]
-    multi = len({r.raw["machine"] for r in rows}) > 1
+@dataclass(frozen=True)
+class BarChart:
+    """A column's bar chart (``columns.Column.chart``): one bar per completed cell of the column's raw value."""
+
+    name: str
+    """The chart's name: chart_NAME.png, and its name in the report."""
+    place: int
+    """Its place among the bar charts (the report lists them in this order, after the curves)."""
+    heading: str
+    xlabel: str | Callable[[list[Row]], str]
+    """The axis label, or a function of the completed rows that makes it."""
+    scale: Callable[[float], float] = lambda x: x
+    """The raw value -> the plotted one (bytes -> MiB, a fraction -> %)."""
+    spec: str = ""
+    """The format of the printed value ('': three significant figures)."""
+    zoom: bool = False
+    """The axis spans the data (91% vs 93% visible), not 0 to the top."""
+    timed: bool = False
+    """A time or a speed: a cell timed on a busy machine is hatched."""
+    with_state: bool = False
+    """On a CPU, the model state each rank holds is drawn beside it (RSS is mostly the Python runtime)."""
+
+
+def memory_kind(ok: list[Row]) -> str:
+    """What the peak memory of the completed rows is: the GPU allocator peak, the CPU process RSS, or both."""
     cpu = any(r.raw.get("peak_memory_kind") == "cpu_peak_rss" for r in ok)
     gpu = any(r.raw.get("peak_memory_kind") == "cuda_max_allocated" for r in ok)
-    mem_what = (
+    return (
         "GPU allocator peak"
         if gpu and not cpu
         else "process peak RSS on CPU"
         if cpu and not gpu
         else "GPU allocator peak / CPU process RSS"
     )
-    specs = [
-        ("memory", "peak_memory", lambda x: x / 2**20, f"peak memory per device, MiB (largest rank; {mem_what})",
-         "Peak memory per device (lower is better)", ".0f"),
-        ("throughput", "throughput", lambda x: x, "throughput, samples/s (global batch / step time)",
-         "Training throughput (higher is better)", ""),
-        ("train_time", "train_time", lambda x: x, "train time, seconds (evaluation and checkpoints excluded)",
-         "Time to train (lower is better)", ""),
-        ("accuracy", "val_accuracy", lambda x: x * 100, "validation accuracy, % (after the last epoch)",
-         "Validation accuracy (higher is better)", ".2f"),
-    ]  # fmt: skip
+
+
+def write_charts(rows: list[Row], out: Path, title: str, bars: list[tuple[str, BarChart]]) -> dict[str, Path]:
+    """One horizontal bar chart per (column key, chart) of ``bars``, in their places, one bar per completed cell,
+    coloured by precision, values printed; then the step breakdown, and the curves (listed first)."""
+    ok = [r for r in rows if r.raw["status"] == "ok"]
+    multi = len({r.raw["machine"] for r in rows}) > 1
+    cpu = any(r.raw.get("peak_memory_kind") == "cpu_peak_rss" for r in ok)
     cfg = ok[0].rec.config if ok else {}
     machines = sorted({r.raw["machine"] for r in ok})
     where = machines[0] if len(machines) == 1 else f"{len(machines)} machines"
     subtitle = f"{title} - {cfg.get('model', '?')} on {cfg.get('data', '?')}, global batch {cfg.get('batch_size', '?')} - {where}"
     paths: dict[str, Path] = {}
-    for name, key, scale, xlabel, heading, spec in specs:
-        data = [(r, scale(r.raw[key])) for r in ok if r.raw.get(key) is not None]
-        path = out / f"chart_{name}.png"
+    for key, chart in sorted(bars, key=lambda b: b[1].place):
+        data = [(r, chart.scale(r.raw[key])) for r in ok if r.raw.get(key) is not None]
+        path = out / f"chart_{chart.name}.png"
         if not data:
             path.unlink(missing_ok=True)
             continue
-        if name == "memory" and cpu and any(_state_bytes(r) for r, _ in data):
+        xlabel = chart.xlabel if isinstance(chart.xlabel, str) else chart.xlabel(ok)
+        heading = f"{chart.heading}\n{subtitle}"
+        if chart.with_state and cpu and any(_state_bytes(r) for r, _ in data):
             # On CPU the RSS is mostly the Python runtime: show what each rank really holds beside it.
-            _memory_and_state_chart(data, path, xlabel, f"{heading}\n{subtitle}", multi)
+            _memory_and_state_chart(data, path, xlabel, heading, multi)
         else:
-            _bar_chart(data, path, xlabel, f"{heading}\n{subtitle}", spec, multi, zoom=name == "accuracy",
-                       timed=name in TIMED)  # fmt: skip
-        paths[name] = path
+            _bar_chart(data, path, xlabel, heading, chart.spec, multi, zoom=chart.zoom, timed=chart.timed)
+        paths[chart.name] = path
     path = out / "chart_breakdown.png"
     if _breakdown_chart(
         ok, path, f"Where each step's time goes (mean per step, slowest rank)\n{subtitle}", multi

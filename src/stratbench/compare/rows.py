@@ -1,7 +1,7 @@
-"""The report's unit: one row per record (raw values and display strings), and what the report asks of a record's
-method (is it the baseline every ratio is relative to, the reference of communication). A leaf of ``compare``:
-``report`` builds the rows and ``summary`` reads them; both import this module, so that ``summary`` never imports
-``report``."""
+"""The report's unit: one row per record (raw values and display strings), the numbered footnotes its cells
+point to, and what the report asks of a record's method (is it the baseline every ratio is relative to, the
+reference of communication). A leaf of ``compare``: ``columns`` builds the rows, ``summary`` and ``charts`` read
+them; all import this module, so that none of them imports ``report``."""
 
 from __future__ import annotations
 
@@ -15,6 +15,25 @@ DASH = "–"
 """A value the cell never measured because it did not run to completion (never shown as 0)."""
 NOT_RUN = "not run"
 """The status of a cell of the sweep's matrix that has no record: the sweep stopped before it."""
+SUPERSCRIPTS = "¹²³⁴⁵⁶⁷⁸⁹"
+
+
+class Footnotes:
+    """Numbered footnotes, numbered in order of first use; the same text reuses its number."""
+
+    def __init__(self) -> None:
+        self.texts: list[str] = []
+
+    def mark(self, text: str) -> str:
+        """The superscript of ``text``'s note, adding the note at its first use."""
+        if text not in self.texts:
+            self.texts.append(text)
+        return footnote_mark(self.texts.index(text))
+
+
+def footnote_mark(i: int) -> str:
+    """The mark of the ``i``-th note (0-based): a superscript digit, then [10], [11], ..."""
+    return SUPERSCRIPTS[i] if i < len(SUPERSCRIPTS) else f"[{i + 1}]"
 
 
 @dataclass

@@ -3,7 +3,7 @@
 No speed ranking rests on a cell timed on a busy machine (``Row.busy``): where a machine's cells hold one, no
 fastest is named and the box says why; a sweep that stopped before its last cell says it is partial.
 
-Everything is derived from the rows ``report.build_rows`` made; a value a record lacks (or holds in a form that
+Everything is derived from the rows ``columns.build_rows`` made; a value a record lacks (or holds in a form that
 is not a number) is ``n/a`` here, never an error: the full table below carries the why in its footnotes.
 """
 
