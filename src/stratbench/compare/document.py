@@ -41,6 +41,10 @@ def settings(records: list[RunRecord]) -> str:
     return ""
 
 
+WRAPPED_LIBRARIES = ("deepspeed", "accelerate")
+"""The packages (not methods) whose versions a machine's line names: the libraries some methods wrap."""
+
+
 def machines(records: list[RunRecord]) -> list[str]:
     """One line per machine: its name, torch, python, CUDA and the versions of the libraries methods wrap."""
     out: list[str] = []
@@ -49,7 +53,7 @@ def machines(records: list[RunRecord]) -> list[str]:
         pk = env.get("packages") or {}
         line = (f"{rec.machine.name}; torch {env.get('torch')}, python {env.get('python')}"
                 + (f", CUDA {env['cuda']}" if env.get("cuda") and env.get("device_type") == "cuda" else "")
-                + "".join(f", {k} {v}" for k, v in pk.items() if v and k in ("deepspeed", "accelerate")))  # fmt: skip
+                + "".join(f", {k} {v}" for k, v in pk.items() if v and k in WRAPPED_LIBRARIES))  # fmt: skip
         if env and line not in out:
             out.append(line)
     return out
