@@ -82,8 +82,8 @@ def block_plan(name: str, module: nn.Module, sequence_parallel: bool) -> dict[st
 def ends_plan(sequence_parallel: bool, vocab_parallel: bool) -> dict[str, Any]:
     """The embedding, the final norm and the head as torchtitan's llama plan has them: split over the vocabulary,
     the embedding's partial sums all-reduced (reduce-scattered into sequence shards) and the head's logits left
-    split for loss_parallel. Left whole (``vocab_parallel`` False), ``apply_tp`` replicates them
-    (``_edge_layouts``: to and from the sequence shards under sequence parallelism)."""
+    split for loss_parallel. Left whole (``vocab_parallel`` False), ``tensor_parallel.apply_tp`` replicates them
+    (to and from the sequence shards under sequence parallelism)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
