@@ -39,7 +39,7 @@ def test_the_projection_gives_a_tp_rank_its_slice_of_the_flops_and_no_overlap():
     from stratbench.measuring.hardware import builtin
     from stratbench.measuring.model_trace import ModelSpec
     from stratbench.predicting.projection import project
-    from stratbench.strategies.tp import local_flop_share
+    from stratbench.strategies.parallel.tp_costs import local_flop_share
 
     spec = ModelSpec("gpt-tiny", 256, 0, seq_len=128)
     shares = [local_flop_share(spec, t) for t in (2, 4)]  # the embedding and head whole

@@ -546,7 +546,7 @@ def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
     from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
     from stratbench.strategies.costs import MemoryContext
-    from stratbench.strategies.pipeline import _spec_split
+    from stratbench.strategies.parallel.pipeline_parallel import spec_split
 
     s = hardware.builtin().system("h100-sxm")
     single = projection.project(tiny_cfg(batch_size=32), s, memory=False)
@@ -556,7 +556,7 @@ def test_pipeline_compute_is_the_busiest_stage_stretched_by_the_bubble():
         cls = get_strategy("pipeline")
         opts = cls.parse_options(cfg.strategy_options)
         ctx = MemoryContext(cfg, 2, model_info(ModelSpec.from_config(cfg)), opts, "cuda")
-        stages = _spec_split(cfg, 2, opts).stages
+        stages = spec_split(cfg, 2, opts).stages
         busiest = max(st.flops for st in stages) / sum(st.flops for st in stages)
         assert 0.5 <= busiest < 1.0
         bubble = 1 / (mb + 1)

@@ -346,7 +346,8 @@ def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
     stages x 2 replicas with 8 micro-batches, not 8 stages."""
     from stratbench.compare import matrix
     from stratbench.core.config import TrainConfig, from_dict
-    from stratbench.strategies.pipeline import PipelineStrategy, resolve_layout
+    from stratbench.strategies.parallel.pipeline_parallel import resolve_layout
+    from stratbench.strategies.pipeline import PipelineStrategy
 
     monkeypatch.setattr(matrix, "_gpu_count", lambda: gpus)
     expanded = [("seed", matrix.load_matrix("seed", None)), ("quick", matrix.load_matrix("quick", None)),

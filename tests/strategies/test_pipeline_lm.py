@@ -91,7 +91,8 @@ def test_phases_add_up_and_the_cost_model_prices_the_transformer_stages(runs):
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.measuring.model_trace import model_info
     from stratbench.strategies.costs import MemoryContext
-    from stratbench.strategies.pipeline import PipelineCost, PipelineStrategy, _run_spec
+    from stratbench.strategies.parallel.pipeline_parallel import run_spec
+    from stratbench.strategies.pipeline import PipelineCost, PipelineStrategy
 
     res = runs["gpipe"]
     assert_breakdown_adds_up(res, schedule_as_backward=True)
@@ -99,7 +100,7 @@ def test_phases_add_up_and_the_cost_model_prices_the_transformer_stages(runs):
     assert res["pipeline"]["split"]["balance"] == "flops" and max(flops) < 0.6 * sum(flops)
     cfg = from_dict(TrainConfig, dict(res["config"]))
     opts = PipelineStrategy.parse_options(cfg.strategy_options)
-    ctx = MemoryContext(cfg, 2, model_info(_run_spec(cfg)), opts, "cpu")
+    ctx = MemoryContext(cfg, 2, model_info(run_spec(cfg)), opts, "cpu")
     held = [PipelineCost.memory_model(ctx, r) for r in range(2)]
     assert [m.params for m in held] == res["sharding"]["param_bytes"]
     assert all(m.activations > 0 and m.buckets > 0 for m in held)

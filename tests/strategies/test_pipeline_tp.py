@@ -72,7 +72,8 @@ def test_each_rank_holds_its_stage_with_the_split_matrices_halved(runs):
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.measuring.model_trace import model_info
     from stratbench.strategies.costs import MemoryContext
-    from stratbench.strategies.pipeline import PipelineCost, PipelineStrategy, _run_spec
+    from stratbench.strategies.parallel.pipeline_parallel import run_spec
+    from stratbench.strategies.pipeline import PipelineCost, PipelineStrategy
 
     split, rep = _block_elements()
     embedding = head = CFG.vocab_size * CFG.dim
@@ -82,7 +83,7 @@ def test_each_rank_holds_its_stage_with_the_split_matrices_halved(runs):
     assert res["sharding"]["param_bytes"] == [stage0 * F64] * 2 + [stage1 * F64] * 2
     assert res["sharding"]["grad_bytes"] == res["sharding"]["param_bytes"]
     cfg = from_dict(TrainConfig, dict(res["config"]))
-    ctx = MemoryContext(cfg, 4, model_info(_run_spec(cfg)), PipelineStrategy.parse_options(cfg.strategy_options), "cpu")  # fmt: skip
+    ctx = MemoryContext(cfg, 4, model_info(run_spec(cfg)), PipelineStrategy.parse_options(cfg.strategy_options), "cpu")  # fmt: skip
     held = [PipelineCost.memory_model(ctx, r) for r in range(4)]
     assert [m.params for m in held] == res["sharding"]["param_bytes"]
     assert [m.optim for m in held] == [2 * p for p in res["sharding"]["param_bytes"]]
@@ -195,7 +196,8 @@ def test_a_2x2x2_mesh_maps_ranks_reads_data_and_costs_as_torch_lays_it_out():
     from stratbench.core.config import TrainConfig
     from stratbench.measuring.model_trace import model_info
     from stratbench.strategies.costs import MemoryContext
-    from stratbench.strategies.pipeline import PipelineCost, PipelineOptions, _run_spec, resolve_layout
+    from stratbench.strategies.parallel.pipeline_parallel import resolve_layout, run_spec
+    from stratbench.strategies.pipeline import PipelineCost, PipelineOptions
 
     opts = PipelineOptions(pp=2, tp=2, microbatches=2, split_points="layers.2")
     lay = resolve_layout(opts, 8)
@@ -211,7 +213,7 @@ def test_a_2x2x2_mesh_maps_ranks_reads_data_and_costs_as_torch_lays_it_out():
     cfg = TrainConfig(model="gpt-tiny", data="text", seq_len=SEQ, batch_size=BATCH, precision="fp64",
                       strategy="pipeline", strategy_options={"pp": 2, "tp": 2, "microbatches": 2,
                                                              "split_points": "layers.2"})  # fmt: skip
-    ctx = MemoryContext(cfg, 8, model_info(_run_spec(cfg)), opts, "cpu")
+    ctx = MemoryContext(cfg, 8, model_info(run_spec(cfg)), opts, "cpu")
     split, rep = _block_elements()
     stage1 = 2 * (split // 2 + rep) + CFG.dim + CFG.vocab_size * CFG.dim
     dp_rows = [r for r in PipelineCost.comm_model(ctx) if r.note == "stage gradients over the replicas"]
@@ -235,8 +237,8 @@ def test_a_stage_without_blocks_holds_every_parameter_replicated(kept):
 
     from stratbench.measuring.model_trace import ModelSpec
     from stratbench.models.split import drop_modules
-    from stratbench.strategies import pipeline_tp
-    from stratbench.strategies.tp import apply_tp
+    from stratbench.strategies.parallel import pipeline_tp
+    from stratbench.strategies.parallel.tensor_parallel import apply_tp
 
     spec = ModelSpec("gpt-tiny", CFG.vocab_size, 0, seq_len=SEQ)
     model = spec.build()

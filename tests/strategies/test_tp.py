@@ -407,7 +407,7 @@ def test_no_reference_cycle_keeps_a_split_weight_or_a_steps_tensor_alive():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from stratbench.measuring.model_trace import ModelSpec
-    from stratbench.strategies.tp import apply_tp, split_logits
+    from stratbench.strategies.parallel.tensor_parallel import apply_tp, split_logits
 
     model = ModelSpec("gpt-tiny", CFG.vocab_size, 0, seq_len=SEQ).build().double()
     x = torch.randint(0, CFG.vocab_size, (2, SEQ))

@@ -35,7 +35,7 @@ from stratbench.core.tables import fmt_bytes
 from stratbench.models.zoo import pretrained_available
 from stratbench.predicting.estimate import estimate, parse_bytes
 from stratbench.strategies.base import all_strategies
-from stratbench.strategies.pipeline import pipeline_layout
+from stratbench.strategies.parallel.pipeline_parallel import pipeline_layout
 from stratbench.training import engine
 
 STATUSES = ("ok", "failed", "oom", "timeout", "nan", "skipped")

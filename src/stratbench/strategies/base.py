@@ -510,12 +510,13 @@ _DISCOVERED = False
 
 
 def discover() -> None:
-    """Import every module in ``stratbench.strategies`` so that each registers itself."""
+    """Import every module in ``stratbench.strategies`` so that each registers itself (a subpackage, such as
+    ``parallel``'s building blocks, holds no method: the methods that use it import it)."""
     global _DISCOVERED
     if _DISCOVERED:
         return
     for info in pkgutil.iter_modules([str(Path(__file__).parent)]):
-        if info.name != "base":
+        if info.name != "base" and not info.ispkg:
             importlib.import_module(f"{__package__}.{info.name}")
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):

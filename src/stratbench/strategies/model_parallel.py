@@ -20,7 +20,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
-from stratbench.strategies.pipeline import _spec_split, sample_of
+from stratbench.strategies.parallel.pipeline_parallel import sample_of, spec_split
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -83,7 +83,7 @@ class ModelParallelCost(CostModel):
     def memory_model(cls, ctx, rank):
         """The most loaded GPU: its stages' parameters, gradients and optimizer state."""
         n = ModelParallelStrategy.n_devices(ctx.options) or 2
-        split = _spec_split(ctx.cfg, n, ctx.options)
+        split = spec_split(ctx.cfg, n, ctx.options)
         local = max(s.params for s in split.stages)
         pd = ctx.param_bytes
         m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
@@ -122,7 +122,7 @@ class ModelParallelStrategy(Strategy):
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
         try:
-            _spec_split(cfg, cls.n_devices(options), options)
+            spec_split(cfg, cls.n_devices(options), options)
         except ConfigError as exc:
             return str(exc)
         return None

@@ -6,15 +6,15 @@ Layout. ``--pp P`` processes form one pipeline (default: every process); the wor
 ``dp = world / P`` data-parallel replicas of the pipeline, on a DeviceMesh ``(dp, pp)``. Each stage's replicas
 all-reduce their gradients over the mesh's ``dp`` dimension, in one flat all-reduce per stage after the
 schedule's step (not DistributedDataParallel: its reducer fails on the stages' shape-inference pass in torch
-2.13, see ``_all_reduce_grads``). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
+2.13, see ``all_reduce_grads``). ``--stages S`` is the number of model stages: P for gpipe/1f1b/naive, a multiple of P for
 interleaved-1f1b (default 2P; stage ``i`` runs on pipeline rank ``i % P``).
 
-3D parallelism. ``--tp T`` splits each stage Megatron-style over T processes (``tp.apply_tp`` on the modules the
+3D parallelism. ``--tp T`` splits each stage Megatron-style over T processes (``apply_tp`` on the modules the
 rank keeps, over the mesh's ``tp`` dimension, as torchtitan parallelises each pipeline chunk): the mesh becomes
 ``(dp, pp, tp)`` with ``dp = world / (P x T)``, a stage's p2p runs on the ``pp`` group between the ranks of the
 same tp slot, the replicas' all-reduce covers each rank's local shards. The tp-specific pieces (refusals, the
 stage's split bytes and Megatron traffic for the cost model, DTensor shards in the gradient all-reduce, the
-clipping norm and checkpoints) are in ``pipeline_tp``; docs/parallelism.md has the formulas.
+clipping norm and checkpoints) are in ``parallel/pipeline_tp.py``; docs/parallelism.md has the formulas.
 ``--sequence-parallel`` shards each stage's residual stream and norms along the sequence over tp: at a stage edge
 each tp rank sends its peer its own sequence shard, what the plan produces (torchtitan's choice: 1/T of the
 bytes, no gather at the edge; the next stage's first block takes it as its ``Shard(1)`` input), and the norms'
@@ -39,9 +39,8 @@ The model is split by ``stratbench.models.split`` (printed at start, written int
 so parameter names (state dicts, optimizer state) are the original ones: checkpoints are full state dicts any
 method loads, gathered on rank 0.
 
-Measured: the bubble, per stage, as the fraction of the schedule's step that the stage did not spend in its
-own forward/backward compute (``forward_one_chunk``/``backward_one_chunk`` and the loss), i.e. time blocked in
-receives and waits, beside the theory (S-1)/(M+S-1).
+The building blocks are in ``strategies/parallel/``: the layout, the split, the stage modules, the replicas'
+all-reduce and the measured bubble in ``pipeline_parallel``, the stages' costs in ``pipeline_costs``.
 """
 
 from __future__ import annotations
@@ -58,30 +57,34 @@ import torch.distributed as dist
 from torch import nn
 
 from stratbench.core.errors import CheckpointError, ConfigError
-from stratbench.data.text import is_text_data
-from stratbench.measuring.comm import Collective
-from stratbench.measuring.model_trace import ModelSpec, trace_pieces
-from stratbench.models.split import (
-    BALANCE,
-    Split,
-    drop_modules,
-    piece_count,
-    split_for_spec,
-    split_model,
-    stage_module,
-)
-from stratbench.strategies import pipeline_tp
+from stratbench.models.split import BALANCE, drop_modules, piece_count, split_model, stage_module
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
-from stratbench.strategies.tp import (
-    LocalSlice,
-    apply_tp,
-    plan_options,
-    reduce_partial_grads,
-    require_tp_group,
+from stratbench.strategies.parallel import pipeline_tp
+from stratbench.strategies.parallel.pipeline_costs import (
+    receive_buffer_bytes,
+    send_rows,
+    stage_activations,
+    stage_params,
+    stage_reductions,
 )
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
+from stratbench.strategies.parallel.pipeline_parallel import (
+    SCHEDULES,
+    StageModule,
+    all_reduce_grads,
+    batch_unfit,
+    bubble_stats,
+    merged_model_state,
+    merged_optimizer_state,
+    pipeline_layout,
+    resolve_layout,
+    run_spec,
+    sample_of,
+    spec_split,
+    timed_stage_class,
+)
+from stratbench.strategies.parallel.tensor_parallel import apply_tp, reduce_partial_grads
+from stratbench.strategies.parallel.tp_plan import plan_options, require_tp_group
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -125,179 +128,6 @@ class PipelineOptions:
         return tuple(p.strip() for p in self.split_points.split(",") if p.strip())
 
 
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How the processes are arranged: ``dp`` replicas of a ``pp``-process pipeline of ``stages`` stages, each
-    stage split over ``tp`` processes (the mesh ``(dp, pp, tp)``)."""
-
-    pp: int
-    dp: int
-    stages: int
-    microbatches: int
-    schedule: str
-    tp: int = 1
-
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp, pp, tp) coordinates of a global rank."""
-        return pipeline_tp.coords(rank, self.pp, self.tp)
-
-    @property
-    def mesh(self) -> dict[str, int]:
-        return {"dp": self.dp, "pp": self.pp, "tp": self.tp}
-
-    @property
-    def stages_per_rank(self) -> int:
-        return self.stages // self.pp
-
-    def stages_of(self, pp_rank: int) -> list[int]:
-        """Stage indices a pipeline rank runs (loop order, as ScheduleInterleaved1F1B expects)."""
-        return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
-
-    def in_flight(self, pp_rank: int) -> int:
-        """Most micro-batches whose activations one stage of this rank holds at once (the memory model)."""
-        m, s = self.microbatches, self.pp
-        if self.schedule in ("gpipe", "naive"):
-            return m
-        if self.schedule == "1f1b":
-            return min(m, s - pp_rank)  # stage r runs S - r warm-up forwards before its first backward
-        # interleaved (Megatron's warm-up): (P - r - 1) * 2 + (v - 1) * P forwards before the first backward,
-        # spread over v local stages, plus the one being processed
-        v = self.stages_per_rank
-        warm = min(m * v, (s - pp_rank - 1) * 2 + (v - 1) * s + 1)
-        return min(m, math.ceil(warm / v))
-
-    def bubble_theory(self) -> float:
-        """Idle fraction of a step with equal stage times and free communication: (S-1)/(M+S-1) for
-        GPipe/1F1B (naive: M=1); interleaving divides the fill/drain by the stages per rank v."""
-        p, m, v = self.pp, self.microbatches, self.stages_per_rank
-        return (p - 1) / (v * m + p - 1)
-
-    def to_dict(self) -> dict[str, Any]:
-        """The layout in result.json (``tp`` is the mesh's, reported beside it)."""
-        out = dataclasses.asdict(self) | {"stages_per_rank": self.stages_per_rank}
-        del out["tp"]
-        return out
-
-
-def resolve_layout(options: PipelineOptions, world: int) -> Layout:
-    """The layout for ``world`` processes; ConfigError naming the bad value otherwise."""
-    interleaved = options.schedule == "interleaved-1f1b"
-    t = options.tp
-    if world % t:
-        raise ConfigError(f"world size {world} is not divisible by --tp {t}; use a divisor of {world}")
-    if options.pp:
-        pp = options.pp
-    elif options.stages and not interleaved:
-        pp = options.stages
-    else:
-        pp = world // t
-    if t > 1 and world % (pp * t):
-        raise ConfigError(
-            f"world size {world} is not divisible into pipelines of {pp} stages x --tp {t} = {pp * t} processes; "
-            f"choose --pp x --tp dividing {world}"
-        )
-    if pp > world or world % pp:
-        raise ConfigError(
-            f"world size {world} is not divisible into pipelines of {pp} processes (--pp/--stages {pp}); "
-            f"use a divisor of {world}"
-        )
-    stages = options.stages or (2 * pp if interleaved else pp)
-    if interleaved:
-        if stages % pp or stages < 2 * pp:
-            raise ConfigError(
-                f"interleaved-1f1b needs --stages a multiple of the {pp} pipeline processes and at least {2 * pp}; got {stages}"
-            )
-    elif stages != pp:
-        raise ConfigError(
-            f"{options.schedule} runs one stage per process: --stages {stages} with {pp} pipeline processes "
-            "(use --pp for data parallel replicas, or --schedule interleaved-1f1b for several stages per process)"
-        )
-    if options.schedule == "naive":
-        if options.microbatches not in (0, 1):
-            raise ConfigError(
-                f"schedule naive runs one micro-batch (the bubble made visible); got --microbatches {options.microbatches} (use gpipe or 1f1b)"
-            )
-        m = 1
-    else:
-        m = options.microbatches or 2 * pp
-    if options.schedule == "1f1b" and m < pp:
-        raise ConfigError(f"1f1b needs --microbatches >= the {pp} pipeline stages; got {m}")
-    if interleaved:
-        rounds = max(1, m // pp)
-        if m % rounds:
-            raise ConfigError(
-                f"interleaved-1f1b needs --microbatches a multiple of max(1, M // {pp}) = {rounds}; got {m}"
-            )
-    dp = world // (pp * t)
-    return Layout(pp=pp, dp=dp, stages=stages, microbatches=m, schedule=options.schedule, tp=t)
-
-
-def batch_unfit(cfg, lay: Layout) -> str | None:
-    """One line when the micro-batches do not divide a replica's share of the batch, else None."""
-    per_replica = cfg.batch_size // lay.dp if cfg.batch_size % lay.dp == 0 else None
-    if per_replica is not None and per_replica % lay.microbatches:
-        return (
-            f"--microbatches {lay.microbatches} does not divide the per-replica batch {per_replica} "
-            f"(batch_size {cfg.batch_size} / {lay.dp} data-parallel replica(s)); choose a divisor of {per_replica}"
-        )
-    return None
-
-
-def pipeline_layout(world: int, pieces: int) -> dict[str, int]:
-    """The pipeline options a preset runs on ``world`` processes of a model cut into ``pieces``: at most 4
-    stages (the largest divisor of the world that is <= 4; all processes when none is and the pieces allow),
-    the other factor data-parallel replicas (``pp``), and ``2 x stages`` micro-batches rounded up to a power of
-    two, at least 4 (``microbatches``: >= the stages, as 1F1B needs, and a divisor of a power-of-two batch).
-
-    More stages than 4 would mostly add bubble on ResNet's 6 pieces (stem and head are small), and one
-    process per stage at 8 GPUs is more stages than the pieces."""
-    pp = max(d for d in range(1, min(world, 4) + 1) if world % d == 0)
-    if pp == 1 and 1 < world <= pieces:
-        pp = world
-    m = 4
-    while m < 2 * pp:
-        m *= 2
-    # pp only when it is not the default (every process in one pipeline): the cells' ids stay what they were
-    return {"microbatches": m} | ({"pp": pp} if pp < world else {})
-
-
-def _run_spec(cfg) -> ModelSpec:
-    """The run's model as the splitter builds it on the meta device (hashable: splits are cached). A language
-    model's vocabulary is ``--vocab-size``, else byte-level text's 256, without reading the data: a tokenizer's
-    or token files' own vocabulary sizes the embedding and the head, not the pieces (the run splits the model
-    it built)."""
-    if is_text_data(cfg.data):
-        return ModelSpec(cfg.model, cfg.vocab_size or 256, 0, seq_len=cfg.seq_len)
-    return ModelSpec.from_config(cfg)
-
-
-def sample_of(cfg) -> tuple[tuple[int, ...], bool]:
-    """One input sample's shape and whether it is token ids, as the run's ``DataBundle`` will say (a strategy
-    splits the model before the loop builds the data): (seq_len,) token ids on text data, (3, H, W) pixels
-    otherwise."""
-    spec = _run_spec(cfg)
-    return spec.sample_shape, spec.is_text
-
-
-def _spec_split(cfg, stages: int, options) -> Split:
-    """The split of the model the run ``cfg`` builds, costed on the meta device (the check, the cost model)."""
-    spec = _run_spec(cfg)
-    return split_for_spec(spec, stages, options.balance, options.points, spec.sample_shape, spec.is_text)
-
-
-class StageModule(nn.Sequential):
-    """One stage: the original modules of its pieces in order, run under the precision's autocast (the
-    schedule calls the stage module directly, outside the loop's autocast)."""
-
-    def __init__(self, modules: list[nn.Module], autocast: Callable) -> None:
-        super().__init__(*modules)
-        object.__setattr__(self, "_autocast", autocast)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with self._autocast():
-            return super().forward(x)
-
-
 class PipelineModule(nn.Module):
     """What the loop holds: ``module`` is the original model keeping only this rank's stages (original names);
     calling it runs the evaluation forward through all stages and returns the logits on every stage."""
@@ -311,71 +141,24 @@ class PipelineModule(nn.Module):
         return self._strategy.eval_forward(x)
 
 
-def _timed_stage_class():
-    """PipelineStage that adds up the time its own compute takes (forward and backward of its chunks); the
-    rest of a schedule step is the stage waiting for activations or gradients: the bubble."""
-    from torch.distributed.pipelining import PipelineStage
-
-    class TimedStage(PipelineStage):
-        compute_s = 0.0
-        sync: Callable[[], None] = staticmethod(lambda: None)
-
-        def _timed(self, fn, *args, **kwargs):
-            self.sync()
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.sync()
-                self.compute_s += time.perf_counter() - t0
-
-        def forward_one_chunk(self, *args, **kwargs):
-            return self._timed(super().forward_one_chunk, *args, **kwargs)
-
-        def backward_one_chunk(self, *args, **kwargs):
-            return self._timed(super().backward_one_chunk, *args, **kwargs)
-
-        def backward_weight_one_chunk(self, *args, **kwargs):
-            return self._timed(super().backward_weight_one_chunk, *args, **kwargs)
-
-        def _forward_metadata_inference(self, *args, **kwargs):
-            # To learn its output shapes, torch runs the stage's forward once on the first step (and on the first
-            # step after an evaluation): on the whole batch (first stage) or on uninitialised memory (the others).
-            # In training mode that forward would update BatchNorm's running statistics with a batch no step
-            # trains on (garbage, often NaN: the evaluation then fails). Run it in eval mode: same shapes and
-            # dtypes, buffers untouched (restoring them afterwards would trip autograd's version check in the
-            # backward-shape pass that follows on this forward's graph).
-            # (Each module's own flag is restored: the stage container is not under the model the loop switches
-            # to eval mode, so its flag says nothing about its modules'.)
-            modes = [(m, m.training) for m in self.submod.modules()]
-            self.submod.eval()
-            try:
-                return super()._forward_metadata_inference(*args, **kwargs)
-            finally:
-                for m, training in modes:
-                    m.training = training
-
-    return TimedStage
-
-
 class PipelineCost(CostModel):
-    """The stages each pipeline rank holds (``_spec_split`` of the run's layout), the micro-batches in flight,
+    """The stages each pipeline rank holds (``spec_split`` of the run's layout), the micro-batches in flight,
     the stage-to-stage sends and the schedule's bubble."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
         """The stages of ``rank``: their parameters, gradients and optimizer state (nothing else is held), a
         flat gradient buffer for the replicas' all-reduce, and the activations of the micro-batches in flight
-        (``_activations``)."""
+        (``stage_activations``)."""
         lay = resolve_layout(ctx.options, ctx.world)
-        why = batch_unfit(ctx.cfg, lay) or pipeline_tp.refusal(_run_spec(ctx.cfg), ctx.cfg, lay.tp)
+        why = batch_unfit(ctx.cfg, lay) or pipeline_tp.refusal(run_spec(ctx.cfg), ctx.cfg, lay.tp)
         if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
             raise ConfigError(why)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        split = spec_split(ctx.cfg, lay.stages, ctx.options)
         pp_rank = lay.coords(rank)[1]
         ids = lay.stages_of(pp_rank)
         mine = [split.stages[i] for i in ids]
-        local = cls._local_params(ctx, lay, mine)
+        local = stage_params(ctx, lay, mine)
         pd = ctx.param_bytes
         m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
         total = sum(s.params for s in split.stages) or 1
@@ -387,76 +170,17 @@ class PipelineCost(CostModel):
             m.cpu_runtime, m.cpu_runtime_note = CPU_TP_RUNTIME_BYTES, "DTensor's op caches under tp, measured"
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
         m.data_ranks = lay.dp  # the batch is split over the replicas, not over every rank
-        # torch.distributed.pipelining keeps one receive buffer per micro-batch for every boundary a stage
-        # receives across, allocated at the first step and reused: the input activations of a stage after
-        # the first, the output gradients of a stage before the last (measured: 4 x 0.5 MiB on each rank of
-        # the 2-stage fp64 test problem).
-        act_bytes = cls._boundary_itemsize(ctx)
-        boundary = sum(split.stages[i - 1].out_numel for i in ids if i > 0) + sum(
-            split.stages[i].out_numel for i in ids if i < lay.stages - 1
-        ) // cls._boundary_share(ctx, lay)
-        recv = lay.microbatches * boundary * micro * act_bytes
+        recv = receive_buffer_bytes(ctx, lay, split, ids, micro)
         notes = [f"receive buffers for {lay.microbatches} micro-batches"] if recv else []
         if lay.dp > 1:
             notes.append(f"flat gradient all-reduce over {lay.dp} replicas")
         m.buckets, m.bucket_note = recv + (local * pd if lay.dp > 1 else 0), " + ".join(notes)
-        m.activations, m.activation_note = cls._activations(ctx, lay, mine, pp_rank, micro)
+        m.activations, m.activation_note = stage_activations(ctx, lay, mine, pp_rank, micro)
         names = [name for s in mine for name in s.modules]
         m.runs_linear = any(
             lin == name or lin.startswith(name + ".") for lin in ctx.info.linear_names for name in names
         )
         return m
-
-    @staticmethod
-    def _boundary_share(ctx, lay: Layout) -> int:
-        """What a stage boundary's activation is divided by on one rank: under --sequence-parallel T (each tp
-        rank sends and receives its own sequence shard), else 1 (every tp rank its whole copy)."""
-        return lay.tp if ctx.options.sequence_parallel else 1
-
-    @staticmethod
-    def _boundary_itemsize(ctx) -> int:
-        """Bytes per element of the activations crossing a stage boundary: under autocast a convolutional stage
-        hands on the compute dtype, a transformer block its residual stream, which stays in the weights' dtype
-        (h + the bf16 output of wo/w2 promotes; measured: gpt-tiny bf16-mixed sends fp32); else the weights'."""
-        if ctx.pspec.autocast and not pipeline_tp.is_transformer(_run_spec(ctx.cfg)):
-            return ctx.pspec.compute_dtype.itemsize
-        return ctx.param_bytes
-
-    @staticmethod
-    def _local_params(ctx, lay: Layout, stages: list) -> int:
-        """Parameters one rank holds of its ``stages``: all of them, or under --tp the split matrices 1/T
-        (``pipeline_tp.stage_numel``)."""
-        if lay.tp == 1:
-            return sum(s.params for s in stages)
-        modules = [m for s in stages for m in s.modules]
-        return pipeline_tp.stage_numel(_run_spec(ctx.cfg), modules, lay.tp, ctx.options.vocab_parallel)[0]
-
-    @classmethod
-    def _activations(cls, ctx, lay: Layout, mine: list, pp_rank: int, micro: int) -> tuple[int, str]:
-        """The bytes autograd saves for the pieces of the rank's stages at one micro-batch (``trace_pieces``: in
-        the run's precision, attention through the fused kernel a real run picks; under --tp on a rank's slice,
-        ``tp.LocalSlice``, its norms on 1/T of the positions under --sequence-parallel; the logits whole, as the
-        last stage gathers them for its loss even under --vocab-parallel) x the most micro-batches a stage holds
-        at once: all M for gpipe (every forward runs before the first backward), min(M, P - r) for 1f1b on
-        pipeline rank r (its warm-up forwards), the interleaved warm-up spread over the rank's stages for
-        interleaved-1f1b, 1 for naive; plus the step's whole input batch, which every stage loads (the first
-        splits it into micro-batches). Returns the bytes and their note."""
-        transform = LocalSlice(lay.tp, False, ctx.options.sequence_parallel) if lay.tp > 1 else None
-        traced = {p.name: p for p in trace_pieces(_run_spec(ctx.cfg), micro, ctx.cfg.precision, transform)}
-        per_mb = sum(traced[s.pieces[0]].input_bytes + sum(traced[p].saved_bytes for p in s.pieces) for s in mine)
-        flight = lay.in_flight(pp_rank)
-        shape, tokens = sample_of(ctx.cfg)
-        values = ctx.cfg.batch_size // lay.dp * math.prod(shape)
-        if tokens:  # the loader's int64 token ids and as many int64 next-token targets
-            batch_input = 2 * values * 8
-        else:  # the loader's fp32 images, and their copy in the weights' dtype where the precision converts them
-            converted = ctx.pspec.param_dtype != torch.float32
-            batch_input = values * 4 + (values * ctx.param_bytes if converted else 0)
-        note = (
-            f"{flight} micro-batch(es) of {micro} in flight ({lay.schedule}, pipeline rank {pp_rank}) "
-            "+ the step's input batch"
-        )
-        return int(per_mb * flight) + batch_input, note
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
@@ -464,7 +188,7 @@ class PipelineCost(CostModel):
         blocks' FLOPs 1/T, ``pipeline_tp.stage_flops``), stretched by the schedule's bubble:
         step = busy / (1 - bubble), bubble = (P-1)/(vM+P-1) (``Layout.bubble_theory``)."""
         lay = resolve_layout(ctx.options, ctx.world)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
+        split = spec_split(ctx.cfg, lay.stages, ctx.options)
         total = sum(s.flops for s in split.stages)
         if not total:
             return 1.0
@@ -485,81 +209,15 @@ class PipelineCost(CostModel):
 
     @classmethod
     def comm_model(cls, ctx):
-        """Per step, on the pipeline rank that sends the most: each micro-batch's activation it sends to the
-        next stage and the input gradient it sends back to the previous one (it receives the mirror image,
-        not counted as its wire bytes; under --tp every tp rank sends its own whole copy to its peer of the next
-        stage, or under --sequence-parallel its sequence shard), the loss broadcast to the stages; and the all-reduces of the rank that reduces the most
-        (``_reductions``)."""
+        """Per step, on the pipeline rank that sends the most: the stage-to-stage sends and the loss broadcast
+        (``send_rows``); and the all-reduces of the rank that reduces the most (``stage_reductions``)."""
         lay = resolve_layout(ctx.options, ctx.world)
-        split = _spec_split(ctx.cfg, lay.stages, ctx.options)
-        pd = cls._boundary_itemsize(ctx)
+        split = spec_split(ctx.cfg, lay.stages, ctx.options)
         micro = ctx.cfg.batch_size // lay.dp // lay.microbatches
-        out_b, in_b, ids = cls._busiest_sender(lay, split, micro * pd)
-        share = cls._boundary_share(ctx, lay)
-        out_b, in_b = out_b // share, in_b // share
-        m = lay.microbatches
-        rows: list[Collective] = []
-        if out_b:
-            sends = m * sum(i < lay.stages - 1 for i in ids)
-            note = f"sent: activations of {m} micro-batches to the next stage"
-            rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note, dim="pp"))
-        if in_b:
-            sends = m * sum(i > 0 for i in ids)
-            note = f"sent: input gradients of {m} micro-batches to the previous stage"
-            rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note, dim="pp"))
-        if lay.pp > 1:
-            rows.append(
-                Collective(
-                    "broadcast", 8, 1, "other", lay.pp, "the step's loss from the last stage", dim="pp"
-                )
-            )
-        per_rank = [cls._reductions(ctx, lay, split, r, micro) for r in range(lay.pp)]
-        return rows + max(per_rank, key=lambda rs: sum(r.payload_bytes for r in rs))
-
-    @classmethod
-    def _reductions(cls, ctx, lay: Layout, split: Split, pp_rank: int, micro: int) -> list[Collective]:
-        """The all-reduces of one pipeline rank per step: under --tp Megatron's two per block each way and
-        micro-batch (``pipeline_tp.stage_comm``), the replicas' all-reduce of its stages' local gradients, with
-        --clip-grad-norm the norm's fp64 square sums (over tp, then over the stages), and under fp16-mixed the
-        loss scaler's found-inf over every process."""
-        mine = [split.stages[i] for i in lay.stages_of(pp_rank)]
-        modules = [m for s in mine for m in s.modules]
-        rows = [
-            dataclasses.replace(r, dim="tp", critical=True)
-            for r in pipeline_tp.stage_comm(ctx, _run_spec(ctx.cfg), modules, micro, lay.microbatches, lay.tp)
-        ]
-        if ctx.pspec.loss_scaling:
-            note = "the loss scaler's found-inf flag (fp32)"
-            rows.append(Collective("all_reduce", 4, 1, "optimizer", ctx.world, note))
-        if lay.dp > 1:
-            local = cls._local_params(ctx, lay, mine)
-            note = "stage gradients over the replicas"
-            rows.append(
-                Collective("all_reduce", local * ctx.param_bytes, 1, "backward", lay.dp, note, dim="dp")
-            )
-        if ctx.cfg.clip_grad_norm:
-            for size, note, dim in ((lay.tp, "over tp", "tp"), (lay.pp, "over the stages", "pp")):
-                if size > 1:
-                    rows.append(
-                        Collective("all_reduce", 8, 1, "optimizer", size, f"gradient norm {note}", dim=dim)
-                    )
-        return rows
-
-    @staticmethod
-    def _busiest_sender(lay: Layout, split: Any, sample_bytes: int) -> tuple[int, int, list[int]]:
-        """(bytes sent forward, bytes sent backward per micro-batch, its stages) of the pipeline rank that sends
-        the most (the last such rank on ties); ``sample_bytes``: the micro-batch x the activations' itemsize."""
-        best = None
-        for r in range(lay.pp):
-            ids = lay.stages_of(r)
-            # boundaries this rank sends across: after each of its stages but the last, before each but the first
-            out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * sample_bytes
-            in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * sample_bytes
-            key = (out_b + in_b, r)
-            if best is None or key > best[0]:
-                best = (key, out_b, in_b, ids)
-        _, out_b, in_b, ids = best
-        return out_b, in_b, ids
+        per_rank = [stage_reductions(ctx, lay, split, r, micro) for r in range(lay.pp)]
+        return send_rows(ctx, lay, split, micro) + max(
+            per_rank, key=lambda rs: sum(r.payload_bytes for r in rs)
+        )
 
 
 class PipelineCheckpointIO(CheckpointIO):
@@ -585,11 +243,7 @@ class PipelineCheckpointIO(CheckpointIO):
         parts = self._gather_to_main(local)
         if parts is None:
             return {}
-        merged = {k: v for p in parts for k, v in p.items()}
-        missing = [k for k in self.strategy.full_names if k not in merged]
-        if missing:
-            raise RuntimeError(f"pipeline state dict: no stage holds {missing[:3]}")
-        return {k: merged[k] for k in self.strategy.full_names}
+        return merged_model_state(parts, self.strategy.full_names)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """The full optimizer state keyed by original parameter names, on rank 0 (a collective)."""
@@ -607,16 +261,7 @@ class PipelineCheckpointIO(CheckpointIO):
         parts = self._gather_to_main(local)
         if parts is None:
             return {}
-        order = {k: i for i, k in enumerate(self.strategy.full_names)}
-        state = {k: v for p in parts for k, v in p["state"].items()}
-        groups = []
-        for gi, group in enumerate(parts[0]["param_groups"]):
-            names = [n for p in parts for n in p["param_groups"][gi]["params"]]
-            groups.append(group | {"params": sorted(names, key=lambda n: order.get(n, len(order)))})
-        return {
-            "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
-            "param_groups": groups,
-        }
+        return merged_optimizer_state(parts, self.strategy.full_names)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
         """Load this rank's part of a full state dict (any method's), by original names (under --tp: its shard
@@ -699,10 +344,10 @@ class PipelineStrategy(Strategy):
         if why:
             return why
         try:
-            _spec_split(cfg, lay.stages, options)
+            spec_split(cfg, lay.stages, options)
         except ConfigError as exc:
             return str(exc)
-        return pipeline_tp.refusal(_run_spec(cfg), cfg, lay.tp, plan_options(options))
+        return pipeline_tp.refusal(run_spec(cfg), cfg, lay.tp, plan_options(options))
 
     @classmethod
     def options_for_world(cls, cfg, world_size: int) -> dict[str, Any]:
@@ -713,7 +358,7 @@ class PipelineStrategy(Strategy):
         if given.get("pp") or given.get("stages") or given.get("split_points"):
             return given
         tp_size = given.get("tp") or 1
-        return pipeline_layout(max(1, world_size // tp_size), piece_count(_run_spec(cfg))) | given
+        return pipeline_layout(max(1, world_size // tp_size), piece_count(run_spec(cfg))) | given
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
@@ -779,7 +424,7 @@ class PipelineStrategy(Strategy):
                 sequence_parallel=opts.sequence_parallel,
                 vocab_parallel=opts.vocab_parallel,
             )
-        TimedStage = _timed_stage_class()
+        TimedStage = timed_stage_class()
         self.stage_modules: list[nn.Module] = []
         self.stages = []
         for i, seq in zip(self.stage_ids, modules, strict=True):
@@ -870,7 +515,7 @@ class PipelineStrategy(Strategy):
             if self.layout.tp > 1:  # the sequence-parallel norms' partial gradients summed over tp, once
                 reduce_partial_grads(self.model)
             if self.layout.dp > 1:
-                self._all_reduce_grads()
+                all_reduce_grads(self.model, self.dp_group, self.layout.dp)
         with self.phase("other"):  # the mean loss, sent from the last stage to every stage
             loss = torch.zeros((), dtype=torch.float64, device=self.env.device)
             if self.holds_last:
@@ -879,23 +524,6 @@ class PipelineStrategy(Strategy):
             if self.layout.pp > 1:
                 dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
         return loss
-
-    def _all_reduce_grads(self) -> None:
-        """Average this rank's stage gradients over the stage's replicas (the mesh's dp group), in one flat
-        all-reduce after the schedule. (DistributedDataParallel around a stage module is what pipelining's
-        stages expect, but its reducer fails on the stages' shape-inference pass in torch 2.13: "rebuilt
-        parameter indices size is not same as original model parameters size".)"""
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-
-        # a tp-split stage: each tp rank reduces its own shards (the replicated ones: the same on every tp rank)
-        grads = [pipeline_tp.local(p.grad) for p in self.model.parameters() if p.grad is not None]
-        if not grads:
-            return
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=self.dp_group)
-        flat /= self.layout.dp
-        for g, reduced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
-            g.copy_(reduced)
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
         """The global norm over every stage's gradients (each stage holds a disjoint part), then the scale. The
@@ -938,23 +566,6 @@ class PipelineStrategy(Strategy):
             dist.broadcast(logits, group=self.pp_group, group_src=self.layout.pp - 1)
         return logits[:n]
 
-    # ---- measurement --------------------------------------------------------------------------
-    def bubble(self) -> dict[str, Any]:
-        """This rank's measured idle fraction per step (the steps after shape inference excluded)."""
-        skip = self.cfg.timing_warmup_steps
-        rows = [r for i, r in enumerate(self.step_records) if i >= skip and not r["warmup"]]
-        fractions = [max(0.0, 1.0 - r["compute_s"] / r["wall_s"]) for r in rows if r["wall_s"] > 0]
-        if not fractions:
-            return {"steps": 0}
-        return {
-            "steps": len(fractions),
-            "median": statistics.median(fractions),
-            "min": min(fractions),
-            "max": max(fractions),
-            "compute_median_s": statistics.median(r["compute_s"] for r in rows),
-            "step_median_s": statistics.median(r["wall_s"] for r in rows),
-        }
-
     def report(self) -> dict[str, Any]:
         """``pipeline`` in result.json: the layout, the split and the measured bubble per rank (a collective)."""
         mine = {
@@ -967,7 +578,7 @@ class PipelineStrategy(Strategy):
             "skipped_steps": self.precision.skipped_steps,
             "loss_scale": self.precision.scaler.get_scale() if self.precision.scaler.is_enabled() else None,
         }
-        mine |= {"bubble": self.bubble()}
+        mine |= {"bubble": bubble_stats(self.step_records, self.cfg.timing_warmup_steps)}
         ranks = self.all_gather_object(mine)
         medians = [r["bubble"]["median"] for r in ranks if r["bubble"].get("steps")]
         return {

@@ -1,8 +1,8 @@
 """The tensor-parallel dimension of a pipeline's mesh (``pipeline --pp P --tp T``, 3D parallelism): what the
-pipeline strategy adds when each stage is split Megatron-style over ``T`` processes (``tp.apply_tp`` on the
+pipeline strategy adds when each stage is split Megatron-style over ``T`` processes (``apply_tp`` on the
 stage's modules over the mesh's ``tp`` dimension, as torchtitan's ``parallelize`` does to each pipeline chunk).
 
-Kept apart from ``pipeline.py`` (the runtime there calls these): the refusals, the stage's split parameters and
+The pipeline method (``strategies/pipeline.py``) calls these: the refusals, the stage's split parameters and
 tp traffic for the cost model (Megatron's, or with --sequence-parallel/--vocab-parallel the tp method's rows for
 the blocks and ends the stage holds), the gradients' local shards for the replicas' all-reduce and the clipping
 norm, and the full tensors of a checkpoint. With ``T == 1`` every function here is the identity of the plain
@@ -19,25 +19,26 @@ from torch import nn
 
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec
-from stratbench.strategies import tp
-
-
-def coords(rank: int, pp: int, tp_size: int) -> tuple[int, int, int]:
-    """(dp, pp, tp) coordinates of global ``rank`` on the mesh ``(dp, pp, tp)`` (``init_device_mesh``'s row-major
-    order: the ``tp`` processes of one stage are neighbours, on a GPU machine the same node's fastest link)."""
-    return rank // (pp * tp_size), (rank // tp_size) % pp, rank % tp_size
+from stratbench.strategies.parallel.tp_costs import Ends, Traffic, ends_rows, megatron_rows, norm_grads_row
+from stratbench.strategies.parallel.tp_plan import (
+    BLOCKS_ONLY,
+    TPOptions,
+    plan_options,
+    tp_shapes,
+    unsupported,
+)
 
 
 def is_transformer(spec: ModelSpec) -> bool:
     """Whether ``spec`` builds a built-in transformer (the one family a pipeline's stages split over tp)."""
-    return tp.tp_shapes(spec).transformer is not None
+    return tp_shapes(spec).transformer is not None
 
 
-def refusal(spec: ModelSpec, cfg, tp_size: int, plan: tp.TPOptions = tp.BLOCKS_ONLY) -> str | None:
+def refusal(spec: ModelSpec, cfg, tp_size: int, plan: TPOptions = BLOCKS_ONLY) -> str | None:
     """One line why the pipeline's stages cannot be split over ``tp_size`` processes with the tp ``plan``'s
     flags, or None. The model must be a built-in transformer (its plan is made from the blocks a stage holds; a
     user's ``tp_plan()`` names modules of every stage) whose heads and widths divide, and under
-    --sequence-parallel whose --seq-len divides, by ``tp_size`` (``tp.unsupported``)."""
+    --sequence-parallel whose --seq-len divides, by ``tp_size`` (``unsupported``)."""
     if tp_size == 1:
         return None
     if not is_transformer(spec):
@@ -45,7 +46,7 @@ def refusal(spec: ModelSpec, cfg, tp_size: int, plan: tp.TPOptions = tp.BLOCKS_O
             f"pipeline --tp {tp_size}: tensor parallelism inside pipeline stages splits the built-in "
             f"transformers (gpt-tiny, gpt2-small, llama-*), not model {cfg.model!r}; use --tp 1"
         )
-    line = tp.unsupported(cfg, tp_size, "--tp", plan)
+    line = unsupported(cfg, tp_size, "--tp", plan)
     if line is not None:
         return f"pipeline --tp {tp_size}: {line}"
     return None
@@ -55,8 +56,8 @@ def stage_numel(
     spec: ModelSpec, modules: list[str], tp_size: int, vocab_parallel: bool = False
 ) -> tuple[int, int]:
     """(elements a tp rank holds, elements of the stage) for the stage's ``modules``: the plan's split weights
-    1/T, the norms whole, the embedding and head whole or (``vocab_parallel``) 1/T too (``tp.tp_shapes``)."""
-    shapes = tp.tp_shapes(spec, vocab_parallel)
+    1/T, the norms whole, the embedding and head whole or (``vocab_parallel``) 1/T too (``tp_shapes``)."""
+    shapes = tp_shapes(spec, vocab_parallel)
     local = whole = 0
     for name, numel, d in zip(shapes.names, shapes.numels, shapes.split, strict=True):
         if any(name.startswith(m + ".") for m in modules):
@@ -67,7 +68,7 @@ def stage_numel(
 
 def stage_blocks(spec: ModelSpec, modules: list[str]) -> int:
     """How many transformer blocks (each: attention + MLP, two Megatron all-reduces each way) ``modules`` hold."""
-    shapes = tp.tp_shapes(spec)
+    shapes = tp_shapes(spec)
     layers = shapes.transformer.n_layers if shapes.transformer is not None else 0
     return sum(f"layers.{i}" in modules for i in range(layers))
 
@@ -87,23 +88,23 @@ def stage_comm(
     ctx, spec: ModelSpec, modules: list[str], micro: int, m: int, tp_size: int
 ) -> list[Collective]:
     """The tp traffic of one rank of the stage(s) holding ``modules`` per step, ``m`` micro-batches of ``micro``
-    samples: Megatron's per block (``tp.megatron_rows``: all-reduces, or under --sequence-parallel all-gathers
-    and reduce-scatters), the embedding's and head's where the stage holds them (``tp.ends_rows``: sequence
+    samples: Megatron's per block (``megatron_rows``: all-reduces, or under --sequence-parallel all-gathers
+    and reduce-scatters), the embedding's and head's where the stage holds them (``ends_rows``: sequence
     shards gathered, vocabulary-parallel sums; the logits gathered whole for the last stage's loss, no
     loss_parallel) and, under --sequence-parallel, the stage's norms' partial gradients summed once per step."""
-    tc = tp.tp_shapes(spec).transformer
+    tc = tp_shapes(spec).transformer
     if tp_size == 1 or tc is None:
         return []
-    plan = tp.plan_options(ctx.options)
+    plan = plan_options(ctx.options)
     blocks = stage_blocks(spec, modules)
-    ends = tp.Ends(embedding="tok_embeddings" in modules, head="output" in modules, loss_parallel=False)
+    ends = Ends(embedding="tok_embeddings" in modules, head="output" in modules, loss_parallel=False)
     act = micro * ctx.cfg.seq_len * tc.dim
     where = f"tp: {blocks} block(s) x {m} micro-batch(es), "
-    rows = tp.megatron_rows(ctx, blocks, act, m, tp_size, where, plan.sequence_parallel) if blocks else []
-    rows += tp.ends_rows(ctx, tc, act, plan, tp.Traffic(m, tp_size), ends)
+    rows = megatron_rows(ctx, blocks, act, m, tp_size, where, plan.sequence_parallel) if blocks else []
+    rows += ends_rows(ctx, tc, act, plan, Traffic(m, tp_size), ends)
     norms = 2 * blocks + ends.head
     if plan.sequence_parallel and norms:
-        rows.append(tp.norm_grads_row(ctx, norms, tc.dim, tp_size))
+        rows.append(norm_grads_row(ctx, norms, tc.dim, tp_size))
     return rows
 
 
