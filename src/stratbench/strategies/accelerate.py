@@ -7,6 +7,7 @@ and ``accelerate-tp`` (``ParallelismConfig(tp_size=N)`` on tp's plan; GPU only: 
 processes: ``accelerate_tp.py``). The run directory gets the equivalent ``accelerate launch`` config
 (accelerate_config.yaml, today's key names: ``parallel.accelerate_config``), so the same training can be started
 with ``accelerate launch --config_file OUTPUT/accelerate_config.yaml -m stratbench train ...``.
+
 accelerate's documented CPU flags (``--cpu --num_processes 2``, ``distributed_type: MULTI_CPU``) silently start
 ONE process; stratbench refuses to run when the world size accelerate sees differs from the one launched.
 ``accelerate`` is imported lazily: this module is imported by ``stratbench list`` and at CLI start-up.
@@ -153,14 +154,15 @@ class AccelerateStrategy(Strategy):
         self.accelerator = None
 
     # ---- set-up -------------------------------------------------------------------------------
-    def _plugins(self) -> dict[str, Any]:
+    def plugins(self) -> dict[str, Any]:
+        """The Accelerator's plugin arguments for this method (fsdp_plugin, deepspeed_plugin, ...): none here."""
         return {}
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """Create the Accelerator; FSDP1 shards the model here, before the optimizer is built on its shards."""
         from accelerate import Accelerator
 
-        kwargs = self._plugins()
+        kwargs = self.plugins()
         self.accelerator = Accelerator(
             cpu=self.env.device.type == "cpu",
             mixed_precision=MIXED_PRECISION[self.cfg.precision],

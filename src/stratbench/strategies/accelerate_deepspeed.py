@@ -100,7 +100,7 @@ class AccelerateDeepSpeed(AccelerateStrategy):
     cost = AccelerateDeepSpeedCost
     checkpoint_io_class = AccelerateDeepSpeedCheckpointIO
 
-    def _plugins(self) -> dict[str, Any]:
+    def plugins(self) -> dict[str, Any]:
         from accelerate import DeepSpeedPlugin
 
         avoid_shm_op_build()

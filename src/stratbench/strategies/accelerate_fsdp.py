@@ -144,7 +144,7 @@ class AccelerateFSDP(AccelerateStrategy):
 
     cost = AccelerateFSDPCost
 
-    def _plugins(self) -> dict[str, Any]:
+    def plugins(self) -> dict[str, Any]:
         from accelerate import FullyShardedDataParallelPlugin
 
         return {"fsdp_plugin": FullyShardedDataParallelPlugin(**fsdp_plugin_kwargs(self.options))}

@@ -75,7 +75,7 @@ class AccelerateTP(AccelerateStrategy):
     def data_shard(self) -> tuple[int, int]:
         return 0, 1
 
-    def _plugins(self) -> dict[str, Any]:
+    def plugins(self) -> dict[str, Any]:
         from accelerate.parallelism_config import ParallelismConfig
 
         return {"parallelism_config": ParallelismConfig(tp_size=self.env.world_size)}
