@@ -11,6 +11,10 @@ Two things make it run out of the box where the source template never did:
   ``inference_all_reduce``; training collectives go through torch.distributed. stratbench marks the op as
   unavailable before DeepSpeed's communication backend is created, so it is never built.
 
+The blocks it composes live in ``parallel/``: ``deepspeed_config`` (the config as rules), ``zero`` (the ZeRO
+options and cost model, AutoTP's view of it) and ``deepspeed_engine`` (the runtime fixes, the checks and the
+engine's checkpoints), which accelerate-deepspeed shares.
+
 ``deepspeed`` is imported lazily: this module is imported by ``stratbench list`` and at CLI start-up.
 """
 

@@ -28,6 +28,9 @@ sharding. A model with BatchNorm under a mixed precision is the exception (``wei
 weights are gathered in fp32 and the precision's autocast casts them per op, as `single` runs, because neither
 CPU nor CUDA BatchNorm takes 16-bit weights beside its fp32 running statistics and a policy casts a whole unit;
 its units stay the blocks and the root (no unit per BatchNorm).
+
+FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
+(``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
 """
 
 from __future__ import annotations
