@@ -28,8 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from stratbench.strategies.deepspeed import _nvme_unavailable
 from stratbench.strategies.op_builds import extensions_cache_dir
+from stratbench.strategies.parallel.deepspeed_engine import nvme_unavailable
 
 LOAD = (  # through stratbench's op cache: a killed build's lock is taken over, a wait on another build is bounded
     "from stratbench.strategies.op_builds import prepare_op_builds; prepare_op_builds(); "
@@ -62,7 +62,7 @@ _STARTED = 0.0
 def unavailable() -> str | None:
     """Why the op cannot be built here (no libaio, compiler or ninja), or None."""
     with tempfile.TemporaryDirectory() as probe:
-        return _nvme_unavailable({"offload_optimizer": {"device": "nvme", "nvme_path": probe}})
+        return nvme_unavailable({"offload_optimizer": {"device": "nvme", "nvme_path": probe}})
 
 
 def _build_env() -> dict[str, str]:

@@ -1,4 +1,4 @@
-"""DeepSpeed's config builder (``strategies.deepspeed_config``), a table of rules, against a snapshot of what the
+"""DeepSpeed's config builder (``strategies.parallel.deepspeed_config``), a table of rules, against a snapshot of what the
 imperative builder it replaced produced (``build_ds_config`` of commit a0a2f16, run on these cases): the same
 dict, or the same error, for ZeRO stages 0-3, offload to cpu/nvme, fp32/fp16/bf16, gradient accumulation,
 clipping, the optimizer choices and a user's JSON (its "auto" values, optimizer and scheduler blocks, conflicts).
@@ -15,8 +15,9 @@ import torch
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.strategies.deepspeed import DeepSpeedOptions, deepspeed_memory
-from stratbench.strategies.deepspeed_config import build_ds_config
+from stratbench.strategies.deepspeed import DeepSpeedOptions
+from stratbench.strategies.parallel.deepspeed_config import build_ds_config
+from stratbench.strategies.parallel.zero import deepspeed_memory
 
 SNAPSHOT = Path(__file__).with_name("snapshots") / "deepspeed_config.json"
 

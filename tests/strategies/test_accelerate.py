@@ -200,7 +200,7 @@ def test_the_sources_fsdp_yaml_is_read_knob_for_knob_and_refused_on_cpu_in_one_l
 
     from stratbench.cli import build_parser, main
     from stratbench.commands.train import resolve_config
-    from stratbench.strategies.accelerate import AccelerateFSDP, fsdp_plugin_kwargs
+    from stratbench.strategies.accelerate_fsdp import AccelerateFSDP, fsdp_plugin_kwargs
 
     user = tmp_path / "default_FSDP.yml"
     user.write_text(SOURCE_FSDP_YAML)

@@ -180,7 +180,7 @@ def test_option_errors_and_refusals_need_no_processes():
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
-    from stratbench.strategies.deepspeed_config import build_ds_config
+    from stratbench.strategies.parallel.deepspeed_config import build_ds_config
 
     cpu = __import__("torch").device("cpu")
     cfg = TrainConfig(strategy="deepspeed", batch_size=32, precision="fp16-mixed", clip_grad_norm=1.0, grad_accum=2)
@@ -273,13 +273,13 @@ def test_deepspeed_schedule_state_round_trips():
     from deepspeed.runtime.lr_schedules import WarmupLR
 
     from stratbench.core.errors import CheckpointError
-    from stratbench.strategies.deepspeed import _EngineLRSchedule
+    from stratbench.strategies.deepspeed import EngineLRSchedule
 
-    def view() -> tuple[_EngineLRSchedule, torch.optim.Optimizer]:
+    def view() -> tuple[EngineLRSchedule, torch.optim.Optimizer]:
         opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
         engine = type("Engine", (), {"lr_scheduler": WarmupLR(opt, 0.0, 0.02, 5), "get_lr": lambda self: [0.0]})()
         strategy = type("Strategy", (), {"engine": engine, "applied_lr": []})()
-        return _EngineLRSchedule(strategy), opt
+        return EngineLRSchedule(strategy), opt
 
     first, opt = view()
     for _ in range(3):
@@ -297,9 +297,9 @@ def test_deepspeed_schedule_state_round_trips():
 def test_optimizer_and_scheduler_blocks_are_filled_and_checked_without_processes(tmp_path):
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
-    from stratbench.strategies.accelerate import AccelerateDeepSpeed
+    from stratbench.strategies.accelerate_deepspeed import AccelerateDeepSpeed
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
-    from stratbench.strategies.deepspeed_config import build_ds_config
+    from stratbench.strategies.parallel.deepspeed_config import build_ds_config
 
     cpu = __import__("torch").device("cpu")
     user = tmp_path / "ds.json"
@@ -343,7 +343,7 @@ def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
     from stratbench.core.config import TrainConfig
     from stratbench.core.errors import ConfigError
     from stratbench.strategies.deepspeed import DeepSpeed, DeepSpeedOptions
-    from stratbench.strategies.deepspeed_config import build_ds_config
+    from stratbench.strategies.parallel.deepspeed_config import build_ds_config
 
     cfg = TrainConfig(strategy="deepspeed", batch_size=32)
     with pytest.raises(ConfigError, match="--offload-optimizer nvme needs --nvme-path DIR"):
@@ -434,7 +434,7 @@ def test_zero3_with_nvme_offload_swaps_to_files_and_trains_the_same_model(
         grads = [n for n in files if "_gradient_" in n]
         assert len(master) == len(momentum) == 1 and grads, files
         assert files[master[0]] == files[momentum[0]] >= 4 * 632_133, files  # the rank's fp32 partition
-        # Weights swapped in fp32 (DeepSpeed itself picks bf16 on a CPU: see _zero_init_keeps_dtype).
+        # Weights swapped in fp32 (DeepSpeed itself picks bf16 on a CPU: see zero_init_keeps_dtype).
         params_folder = swap / "zero_stage_3" / "float32params" / f"rank{rank}"
         swapped = sorted(p.stat().st_size for p in params_folder.glob("*_param.tensor.swp"))
         assert swapped == ([4 * NVME_BIG_PARAM // 2] if params else []), swapped
@@ -488,7 +488,7 @@ def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processe
     import torch
 
     from stratbench.core.errors import CheckpointError
-    from stratbench.strategies.deepspeed import read_deepspeed_checkpoint
+    from stratbench.strategies.parallel.deepspeed_engine import read_deepspeed_checkpoint
 
     swapped = tmp_path / "ckpt" / "deepspeed" / "offloaded_tensors" / "rank00"
     swapped.mkdir(parents=True)
@@ -497,7 +497,10 @@ def test_nvme_gradient_pieces_parameter_buffers_and_checkpoints_without_processe
         read_deepspeed_checkpoint(tmp_path / "ckpt", {"deepspeed_tag": "deepspeed", "zero_stage": 3})
 
     from stratbench.models.zoo import TinyNet
-    from stratbench.strategies.deepspeed import aligned_gradient_pieces, size_nvme_param_buffers
+    from stratbench.strategies.parallel.deepspeed_engine import (
+        aligned_gradient_pieces,
+        size_nvme_param_buffers,
+    )
 
     grads = [torch.arange(1000.0), torch.arange(300.0), torch.arange(512.0)]
     pieces, offsets = aligned_gradient_pieces(grads, [800, 1800, 2048], 256, lambda t: t.numel() >= 500)

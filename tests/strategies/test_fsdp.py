@@ -176,7 +176,7 @@ def test_fsdp1_cpu_offload_refused_on_cpu_with_one_line(tmp_path, capsys):
 def test_policy_precision_has_no_autocast_and_a_sharded_scaler():
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from stratbench.strategies.fsdp import PolicyPrecision
+    from stratbench.strategies.parallel.fsdp import PolicyPrecision
 
     p = PolicyPrecision("fp16-mixed", torch.device("cpu"))
     assert isinstance(p.scaler, ShardedGradScaler) and p.scaler.is_enabled()
@@ -208,7 +208,8 @@ def test_batchnorm_weights_stay_fp32_in_their_blocks_unit_on_cpu_and_cuda(device
     from stratbench.measuring.model_trace import ModelSpec, model_info
     from stratbench.strategies.base import get_strategy
     from stratbench.strategies.costs import MemoryContext
-    from stratbench.strategies.fsdp import FSDPCost, weights_cast_by_autocast, wrap_units
+    from stratbench.strategies.fsdp import FSDPCost, wrap_units
+    from stratbench.strategies.parallel.fsdp import weights_cast_by_autocast
 
     with torch.device("meta"):
         resnet50 = ModelSpec("resnet50", 1000, 224).build()

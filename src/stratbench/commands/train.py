@@ -24,8 +24,8 @@ from stratbench.core.tables import print_result
 from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
 from stratbench.launching.job import run_job, run_job_on
 from stratbench.launching.launch import setup_error_recorded
-from stratbench.strategies.accelerate import read_accelerate_config
 from stratbench.strategies.base import get_strategy, iter_option_fields
+from stratbench.strategies.parallel.accelerate_config import read_accelerate_config
 
 NAME = "train"
 HELP = "train one model with one method and precision; writes OUTPUT/result.json"

@@ -424,10 +424,10 @@ class Strategy:
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
         """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
         return {
-            "param_bytes": sum(_local_bytes(p) for p in model.parameters()),
-            "grad_bytes": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+            "grad_bytes": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optimizer_state_bytes": sum(
-                _local_bytes(v)
+                local_bytes(v)
                 for s in optimizer.state.values()
                 for v in s.values()
                 if isinstance(v, torch.Tensor)
@@ -463,7 +463,8 @@ def _qualname(obj: Any) -> str:
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
-def _local_bytes(t: torch.Tensor) -> int:
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes ``t`` holds on this rank (a DTensor's local shard only)."""
     local = getattr(t, "_local_tensor", t)  # DTensor (FSDP2): count the local shard only
     return local.numel() * local.element_size()
 

@@ -27,10 +27,10 @@ from torch import nn
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import RankMemory
-from stratbench.strategies.fsdp import (
+from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
-    _choice,
+    choice,
     gather_itemsize,
     policy_precision,
     weights_cast_by_autocast,
@@ -54,8 +54,8 @@ class FSDP1Options:
 
     def __post_init__(self) -> None:
         self.sharding_strategy = str(self.sharding_strategy).upper().replace("-", "_")
-        _choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
-        _choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
+        choice("sharding_strategy", self.sharding_strategy, SHARDING_STRATEGIES)
+        choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
 
 
 class FSDP1Cost(CostModel):

@@ -21,7 +21,7 @@ from torch import nn
 
 from stratbench.checkpoints import sharded
 from stratbench.measuring.comm import Collective
-from stratbench.strategies.base import CheckpointIO, OptimizerFactory, _local_bytes, register
+from stratbench.strategies.base import CheckpointIO, OptimizerFactory, local_bytes, register
 from stratbench.strategies.costs import zero_partition
 from stratbench.strategies.ddp import DDPCost, DDPOptions, DDPStrategy
 
@@ -194,11 +194,11 @@ class DDPZeroStrategy(DDPStrategy):
         # Not super().state_bytes: ZeroRedundancyOptimizer.state (the exposed one) is not the live state (after
         # a load it even holds None for other ranks' parameters); the local optimizer's state is.
         counts = {
-            "param_bytes": sum(_local_bytes(p) for p in model.parameters()),
-            "grad_bytes": sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
+            "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+            "grad_bytes": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
         }
         counts["optimizer_state_bytes"] = sum(
-            _local_bytes(v)
+            local_bytes(v)
             for s in optimizer.optim.state.values()
             if isinstance(s, dict)
             for v in s.values()

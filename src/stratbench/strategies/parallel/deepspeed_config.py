@@ -15,17 +15,15 @@ import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.data.datasets import split_batch
+from stratbench.strategies.parallel.zero import DeepSpeedEngineOptions
 from stratbench.strategies.tp import degree_unfit
-
-if TYPE_CHECKING:
-    from stratbench.strategies.deepspeed import DeepSpeedOptions
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 
@@ -52,7 +50,7 @@ class Run:
     """What the rules read: the run's config and options, the user's JSON and the blocks resolved from both."""
 
     cfg: TrainConfig
-    opts: DeepSpeedOptions
+    opts: DeepSpeedEngineOptions
     world: int
     user: dict[str, Any]
     src: str
@@ -171,7 +169,7 @@ FIELDS: tuple[Field, ...] = (
 
 def build_ds_config(
     cfg: TrainConfig,
-    opts: DeepSpeedOptions,
+    opts: DeepSpeedEngineOptions,
     world_size: int,
     total_steps: int | None = None,
     *,
@@ -196,7 +194,11 @@ def build_ds_config(
 
 
 def _resolve(
-    cfg: TrainConfig, opts: DeepSpeedOptions, world: int, total_steps: int | None, config_optimizer: bool
+    cfg: TrainConfig,
+    opts: DeepSpeedEngineOptions,
+    world: int,
+    total_steps: int | None,
+    config_optimizer: bool,
 ) -> Run:
     """Read and check the user's JSON against the options; resolve the ZeRO, optimizer and scheduler blocks."""
     user = load_user_json(opts.deepspeed_config) if opts.deepspeed_config else {}
@@ -232,7 +234,7 @@ def _agree(src: str, key: str, theirs: Any, ours: Any, flag: str) -> None:
     )
 
 
-def autotp_degree(opts: DeepSpeedOptions, world: int) -> int:
+def autotp_degree(opts: DeepSpeedEngineOptions, world: int) -> int:
     """--autotp-size, checked: a positive integer that divides the world (one line naming the degrees that fit)."""
     t = opts.autotp_size
     if not isinstance(t, int) or isinstance(t, bool) or t < 1:
@@ -243,7 +245,7 @@ def autotp_degree(opts: DeepSpeedOptions, world: int) -> int:
     return t
 
 
-def _check_autotp(user: dict[str, Any], opts: DeepSpeedOptions, world: int, src: str) -> None:
+def _check_autotp(user: dict[str, Any], opts: DeepSpeedEngineOptions, world: int, src: str) -> None:
     """--autotp-size fits the world and agrees with the JSON's tensor_parallel.autotp_size (0 and 1 mean off)."""
     t = autotp_degree(opts, world)
     theirs = (user.get("tensor_parallel") or {}).get("autotp_size")
@@ -268,7 +270,7 @@ def _check_precision_blocks(user: dict[str, Any], cfg: TrainConfig, src: str) ->
             )
 
 
-def _zero_block(user: dict[str, Any], opts: DeepSpeedOptions, src: str) -> dict[str, Any]:
+def _zero_block(user: dict[str, Any], opts: DeepSpeedEngineOptions, src: str) -> dict[str, Any]:
     """``zero_optimization``: the JSON's block (its "auto" sizes left to DeepSpeed's defaults), the stage from
     --zero-stage (default 2), and the offload devices from --offload-optimizer/--offload-params."""
     zero = dict(user.get("zero_optimization") or {})
@@ -330,7 +332,7 @@ def _offload(
 
 
 def _optimizer_block(
-    user: dict[str, Any], cfg: TrainConfig, opts: DeepSpeedOptions, src: str
+    user: dict[str, Any], cfg: TrainConfig, opts: DeepSpeedEngineOptions, src: str
 ) -> dict[str, Any]:
     """The JSON's optimizer block as DeepSpeed will build it: "auto" (HF-style) values filled in from stratbench's
     options (--lr, --weight-decay, --momentum), and Adam/AdamW as torch's own implementation unless the block

@@ -1,0 +1,220 @@
+"""FSDP2 (``fully_shard``) as a building block: its memory and communication per rank (``fsdp2_memory``,
+``fsdp2_comm``), the precision a sharding wrapper applies (``PolicyPrecision``: a mixed-precision policy, or fp32
+gathers cast by autocast for a BatchNorm model, ``weights_cast_by_autocast``) and the checkpoint I/O of a sharded
+model (``FSDPCheckpointIO``: a DCP folder or one full file). The fsdp, fsdp1 and accelerate-fsdp methods compose
+them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoint layout reader on discovery
+from stratbench.core.errors import ConfigError
+from stratbench.core.precision import Precision
+from stratbench.measuring.comm import Collective, dim0_padded
+from stratbench.measuring.model_trace import ModelSpec
+from stratbench.strategies.base import CheckpointIO
+from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
+
+CHECKPOINT_FORMATS = ("sharded", "full")
+
+
+def choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
+    """One line naming ``value`` and the allowed ones when ``value`` is not one of ``allowed``."""
+    if value not in allowed:
+        raise ConfigError(f"unknown {name} {value!r}; choose one of: {', '.join(allowed)}")
+
+
+class PolicyPrecision(Precision):
+    """The precision as a sharding wrapper applies it: no autocast (the wrapper's mixed-precision policy casts
+    the gathered weights and the inputs) unless ``autocasts`` (set by the wrapper: ``weights_cast_by_autocast``),
+    and a loss scaler that agrees across ranks on skipping a step."""
+
+    autocasts: bool = False
+    """The wrapper gathers fp32 weights and the precision's autocast casts them per op."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        super().__init__(name, device)
+        if self.spec.loss_scaling:
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            # Each rank sees only its gradient shards: the scaler must all-reduce "found inf" so that every
+            # rank skips the same steps (a plain GradScaler would let the shards diverge).
+            self.scaler = ShardedGradScaler(device.type, enabled=True)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        return super().autocast() if self.autocasts else contextlib.nullcontext()
+
+    def report(self) -> str:
+        """How the weights reach the compute dtype, for result.json."""
+        if not self.spec.autocast:
+            return f"{self.spec.param_dtype} as held"
+        how = "fp32, cast per op by autocast" if self.autocasts else "gathered in the compute dtype (policy)"
+        return f"{how} ({self.spec.compute_dtype})"
+
+
+def policy_precision(precision: Precision) -> PolicyPrecision:
+    return PolicyPrecision(precision.name, precision.device)
+
+
+BATCHNORM_TAKES_HALF_WEIGHTS: dict[str, bool] = {"cpu": False, "cuda": False}
+"""Whether a device's batch_norm takes 16-bit weights beside fp32 running statistics, which is what a policy
+gathering in the compute dtype hands a BatchNorm (it casts a unit's parameters, never its buffers). cpu: no, the
+forward raises "expected scalar type BFloat16 but found Float" (torch 2.13 here). cuda: no, a BatchNorm2d's
+backward raises "Expected running_mean to have type BFloat16 but got Float": PyTorch's own FSDP2 test asserts it
+on a GPU (test/distributed/_composable/fsdp/test_fully_shard_mixed_precision.py, ``_test_norm_modules``; also
+torchtitan issue 674), not run here. Both take fp32 weights with 16-bit activations (their mixed-type kernels,
+what `single` runs under autocast). A device not listed is taken not to."""
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    return isinstance(module, nn.modules.batchnorm._BatchNorm)
+
+
+def has_batchnorm_weights(model: nn.Module) -> bool:
+    """Whether ``model`` has a BatchNorm with parameters (affine): what a 16-bit gather would hand it."""
+    return any(_is_batchnorm(m) and any(True for _ in m.parameters(recurse=False)) for m in model.modules())
+
+
+def _policy_would_fail_batchnorm(spec, device_type: str) -> bool:
+    """A mixed precision's policy would hand BatchNorm 16-bit weights on a device that refuses them."""
+    return spec.autocast and not BATCHNORM_TAKES_HALF_WEIGHTS.get(device_type, False)
+
+
+def weights_cast_by_autocast(model: nn.Module, device_type: str, spec) -> bool:
+    """Whether FSDP gathers the weights in fp32 and the precision's autocast casts them per op (Lightning's FSDP
+    bf16-mixed), instead of gathering them in the compute dtype (a ``MixedPrecisionPolicy``: torchtitan's). So
+    for a mixed precision on a model with BatchNorm weights on a device whose batch_norm cannot take them in 16
+    bits (``BATCHNORM_TAKES_HALF_WEIGHTS``). The ways to keep the policy cost more: a unit per BatchNorm (PyTorch's
+    FSDP2 advice, FSDP1's default) adds 53 units to ResNet-50's 17, each gathered, hooked and reduced apart (with
+    them fsdp took 2.7x `single`'s step on one H200, 2026-11-26); one ``fully_shard([...])`` group of them all
+    deadlocked in a backward prefetch under activation checkpointing (2 gloo ranks, torch 2.13). The price:
+    gathers in fp32, 2x the bytes."""
+    return _policy_would_fail_batchnorm(spec, device_type) and has_batchnorm_weights(model)
+
+
+@functools.cache
+def _spec_has_batchnorm_weights(spec: ModelSpec) -> bool:
+    """``has_batchnorm_weights`` of the model of ``spec`` for the cost model, built on the meta device (llama-8b:
+    0.04 s; on fake tensors, where a model cannot be built on meta: 3.8 s)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with torch.device("meta"):
+            return has_batchnorm_weights(spec.build())
+    except Exception:  # an init that reads values: fake tensors carry on where meta ones cannot
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return has_batchnorm_weights(spec.build())
+
+
+def gathers_fp32(ctx) -> bool:
+    """The cost model's ``weights_cast_by_autocast``: the run's model, precision and device."""
+    return _policy_would_fail_batchnorm(ctx.pspec, ctx.device_type) and _spec_has_batchnorm_weights(
+        ModelSpec.from_config(ctx.cfg)
+    )
+
+
+def gather_itemsize(ctx) -> int:
+    """Bytes per element of the gathered weights: the compute dtype under a mixed precision's policy, else (fp32
+    gathers under autocast, or a precision without one) the weights' own."""
+    return (
+        ctx.pspec.compute_dtype.itemsize if ctx.pspec.autocast and not gathers_fp32(ctx) else ctx.param_bytes
+    )
+
+
+def fsdp2_comm(ctx, sharding: str):
+    """FSDP2's traffic per optimizer step. Each parameter is a dim-0-chunked DTensor, so every call moves the
+    parameters padded to a multiple of the shard group along dim 0. full: all-gather before forward and again
+    before backward (every unit, the root included, is resharded after forward), reduce-scatter of the
+    gradients; grad-op: one all-gather (kept from forward to backward); none (replicate): all-reduce.
+    Gathers in the policy's param dtype (the compute dtype under a mixed precision; fp32 for a BatchNorm model,
+    cast by autocast: ``gather_itemsize``), reductions in fp32 then; with gradient accumulation full sharding
+    gathers and reduce-scatters every micro-step, grad-op/none reduce once."""
+    n, info = ctx.world, ctx.info
+    if n <= 1:
+        return []
+    spec = ctx.pspec
+    gather_bytes = gather_itemsize(ctx)
+    reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+    if sharding == "none":
+        note = "replicated (HSDP with a shard group of one)"
+        units = max(1, sum(1 for u in info.block_units if u))
+        return [Collective("all_reduce", info.total * reduce_bytes, units, "backward", n, note)]
+    elems = dim0_padded(info.numels, info.dim0, n)
+    micro = ctx.cfg.grad_accum
+    units = max(1, sum(1 for u in info.block_units if u))  # one call per unit (blocks + root, as wrapped)
+    gather = elems * gather_bytes * micro
+    rows = [Collective("all_gather", gather, units * micro, "forward", n, "parameters before forward")]
+    if sharding == "full":
+        rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
+    reduces = micro if sharding == "full" else 1
+    reduced = elems * reduce_bytes * reduces
+    rows.append(Collective("reduce_scatter", reduced, units * reduces, "backward", n, "gradients"))
+    return rows
+
+
+def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
+    """FSDP2's per-rank model states: every parameter split along dim 0 (torch.chunk: the last ranks may get
+    fewer rows), gradients and optimizer state alike; units gathered whole around their forward/backward."""
+    info, world, pd = ctx.info, ctx.world, ctx.param_bytes
+    total = info.total
+    if sharding == "none":
+        local = total
+    else:
+        local = sum(
+            n // d0 * chunk_rows(d0, world, rank) for n, d0 in zip(info.numels, info.dim0, strict=True)
+        )
+    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+    m.step_scalars = 4 * len(info.numels) if ctx.adam else 0
+    m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
+    m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
+        sharding
+    ]
+    if sharding != "none":
+        # The unit being computed and the one prefetched: the two largest units (the whole model when it has
+        # no block units, only the root -- not twice the model).
+        units = sorted((sum(info.numels[i] for i in u) for u in info.block_units if u), reverse=True)
+        gathered_dtype = gather_itemsize(ctx)
+        # + the reduce-scatter input of the largest unit: its gradients copied into one flat buffer (in the
+        # reduce dtype) while the unsharded gradients still exist (measured: ResNet-18 on 2 CPU ranks was 11-12%
+        # above the estimate without it, 2-5% with it).
+        reduce_bytes = 4 if ctx.pspec.autocast else pd
+        unsharded = total if sharding == "grad-op" else sum(units[:2])
+        m.gathered = unsharded * gathered_dtype + units[0] * reduce_bytes
+        m.gather_note = (
+            "all unsharded from forward to backward"
+            if sharding == "grad-op"
+            else "2 largest units (current + prefetch)"
+            if len(units) > 1
+            else "the whole model (one unit: the root)"
+        ) + " + the largest unit's reduce-scatter buffer"
+    elif offload:
+        m.gathered, m.gather_note = total * pd, "offloaded parameters copied to the device"
+    if offload:
+        m.offload_params_to_host(with_grads_and_optim=True)
+        m.step_scratch = 0  # the optimizer steps on the host
+    return m
+
+
+class FSDPCheckpointIO(CheckpointIO):
+    """``sharded`` (default): a ``torch.distributed.checkpoint`` folder, each rank writing its own shards and
+    reading them back whatever world size wrote them; ``full``: the base's one file, gathered on rank 0 (an
+    earlier sharded folder at the path is replaced only once the new file is complete)."""
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        if self.strategy.options.checkpoint_format == "full":
+            return super().save_checkpoint(path, model, optimizer, extra)
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=self.strategy.env.is_main)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if sharded.is_dcp(path):  # each rank reads its own shards, whatever world size wrote them
+            return sharded.load_sharded(path, model, optimizer)
+        return super().load_checkpoint(path, model, optimizer)
