@@ -63,9 +63,9 @@ def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
         docs.setdefault(f.name, {}).setdefault(doc, []).append(cls.name)
     for name, f in sorted(fields.items()):
         flag = "--" + name.replace("_", "-")
-        help_text = " ".join(f"[{', '.join(owners)}] {doc}" for doc, owners in docs[name].items()).replace(
-            "%", "%%"
-        )
+        # owners by name, so the help does not follow which method file happens to import which
+        by_owner = sorted(docs[name].items(), key=lambda item: sorted(item[1]))
+        help_text = " ".join(f"[{', '.join(sorted(owners))}] {doc}" for doc, owners in by_owner).replace("%", "%%")
         if base_type(f.type) is bool:
             group.add_argument(
                 flag,

@@ -13,8 +13,10 @@ from torch import nn
 
 from stratbench.strategies.accelerate import AccelerateStrategy, inner_optimizer
 from stratbench.strategies.base import register
-from stratbench.strategies.tp import BLOCKS_ONLY, TPCheckpointIO, TPCost, apply_tp, reduce_partial_grads
-from stratbench.strategies.tp import unsupported as tp_unsupported
+from stratbench.strategies.parallel.tensor_parallel import TPCheckpointIO, apply_tp, reduce_partial_grads
+from stratbench.strategies.parallel.tp_costs import TPCost
+from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY
+from stratbench.strategies.parallel.tp_plan import unsupported as tp_unsupported
 
 ACCELERATE_TP_CPU = (
     "accelerate's tensor parallelism (ParallelismConfig(tp_size=N)) needs GPU processes: accelerate {version} "

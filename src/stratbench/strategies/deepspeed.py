@@ -53,6 +53,9 @@ from stratbench.strategies.parallel.deepspeed_engine import (
     size_nvme_param_buffers,
     zero_init_keeps_dtype,
 )
+from stratbench.strategies.parallel.tp_costs import LocalSlice, local_flop_share
+from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY, model_plan
+from stratbench.strategies.parallel.tp_plan import unsupported as tp_unsupported
 from stratbench.strategies.parallel.zero import (
     DeepSpeedEngineOptions,
     autotp_comm,
@@ -61,8 +64,6 @@ from stratbench.strategies.parallel.zero import (
     deepspeed_memory,
     deepspeed_overlap,
 )
-from stratbench.strategies.tp import BLOCKS_ONLY, LocalSlice, local_flop_share, model_plan
-from stratbench.strategies.tp import unsupported as tp_unsupported
 
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 
@@ -73,9 +74,9 @@ class DeepSpeedOptions(DeepSpeedEngineOptions):
 
 
 def autotp_partition_config(model: nn.Module) -> dict[str, Any]:
-    """AutoTP's ``partition_config`` for ``model``, read from its tensor-parallel plan (``tp.model_plan``, blocks
-    only: the embedding and the head stay whole): a column-parallel Linear's weight split over its outputs, a
-    row-parallel one's over its inputs (its output all-reduced). Only these are split; DeepSpeed leaves every
+    """AutoTP's ``partition_config`` for ``model``, read from its tensor-parallel plan
+    (``parallel.tp_plan.model_plan``, blocks only: the embedding and the head stay whole): a column-parallel
+    Linear's weight split over its outputs, a row-parallel one's over its inputs (its output all-reduced). Only these are split; DeepSpeed leaves every
     weight no spec matches whole, so its name heuristics never guess at a model it does not know."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
@@ -149,7 +150,7 @@ class DeepSpeedCost(CostModel):
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
-        """1, or under --autotp-size T an AutoTP rank's share of its replica's FLOPs (``tp.local_flop_share``)."""
+        """1, or under --autotp-size T an AutoTP rank's share of its replica's FLOPs (``parallel.tp_costs.local_flop_share``)."""
         t = ctx.options.autotp_size
         return local_flop_share(ModelSpec.from_config(ctx.cfg), t) if t > 1 else 1.0
 

@@ -20,7 +20,7 @@ method's ``apply_tp``) splits it over ``tp`` first, then ``fully_shard`` shards 
 apply inside each tp group (the same plan, ``apply_tp``): ``--sequence-parallel`` (the norms and the residual
 stream on 1/T of the sequence, all-gather + reduce-scatter in place of each all-reduce; FSDP2 sums the norms'
 partial gradients itself) and ``--vocab-parallel`` (embedding and head split over the vocabulary, the loss under
-``loss_parallel``: ``tp.LossParallel``).
+``loss_parallel``: ``parallel.tensor_parallel.LossParallel``).
 
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
@@ -59,20 +59,20 @@ from stratbench.strategies.parallel.fsdp import (
     policy_precision,
     weights_cast_by_autocast,
 )
-from stratbench.strategies.tp import (
+from stratbench.strategies.parallel.tensor_parallel import LossParallel, apply_tp, splits_loss
+from stratbench.strategies.parallel.tp_costs import (
     LocalSlice,
-    LossParallel,
-    apply_tp,
     clip_norms_row,
-    degree_unfit,
     local_flop_share,
     megatron_rows,
     norm_grads_row,
+    transformer_comm,
+)
+from stratbench.strategies.parallel.tp_plan import (
+    degree_unfit,
     plan_options,
     require_tp_group,
-    splits_loss,
     tp_shapes,
-    transformer_comm,
     unsupported,
 )
 
@@ -233,7 +233,7 @@ class FSDPCost(CostModel):
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
-        """1, or with --tp a rank's slice of its replica's FLOPs (``tp.local_flop_share``)."""
+        """1, or with --tp a rank's slice of its replica's FLOPs (``parallel.tp_costs.local_flop_share``)."""
         t = ctx.options.tp
         return (
             1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t, ctx.options.vocab_parallel)

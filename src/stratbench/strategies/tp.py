@@ -58,25 +58,6 @@ from stratbench.strategies.parallel.tensor_parallel import (
 from stratbench.strategies.parallel.tp_costs import TPCost
 from stratbench.strategies.parallel.tp_plan import TPOptions, unsupported
 
-# isort: split
-# Re-exported for the files helper zds owns; the lead rewrites their imports at merge and removes this block.
-from stratbench.strategies.parallel.tp_costs import (  # noqa: F401
-    LocalSlice,
-    clip_norms_row,
-    local_flop_share,
-    megatron_rows,
-    norm_grads_row,
-    transformer_comm,
-)
-from stratbench.strategies.parallel.tp_plan import (  # noqa: F401
-    BLOCKS_ONLY,
-    degree_unfit,
-    model_plan,
-    plan_options,
-    require_tp_group,
-    tp_shapes,
-)
-
 
 @register
 class TPStrategy(LossParallel, Strategy):

@@ -22,8 +22,8 @@ import torch
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.data.datasets import split_batch
+from stratbench.strategies.parallel.tp_plan import degree_unfit
 from stratbench.strategies.parallel.zero import DeepSpeedEngineOptions
-from stratbench.strategies.tp import degree_unfit
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 

@@ -11,7 +11,7 @@ from typing import Any
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
-from stratbench.strategies.tp import tp_shapes
+from stratbench.strategies.parallel.tp_plan import tp_shapes
 
 
 @dataclasses.dataclass(kw_only=True)
