@@ -2,7 +2,7 @@
 run measures on itself (--measure-alloc, every op of step 2, the largest rank).
 
 A tp rank computes the whole batch (not the batch over the world) through its 1/T slice of the split matrices
-(``tp.LocalSlice`` narrows the traced model); with --grad-accum the micro-steps after the first start with the
+(``tp_costs.LocalSlice`` narrows the traced model); with --grad-accum the micro-steps after the first start with the
 kept gradients whole. Before either (this VM, gpt-tiny fp32, sequence 64, global batch 16, 2 micro-steps),
 the estimate was 13.2% under `single`'s measured peak and ~30% under tp's."""
 

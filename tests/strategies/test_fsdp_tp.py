@@ -80,7 +80,7 @@ def test_each_rank_holds_a_quarter_of_the_split_weights_and_half_the_rest(runs):
     assert runs["fsdp-tp"]["sharding"]["grad_bytes"] == per_rank
     model = model_state_bytes(from_dict(TrainConfig, dict(runs["fsdp-tp"]["config"])), 4)
     assert [m["param_bytes"] for m in model] == [m["grad_bytes"] for m in model] == per_rank
-    # the whole estimate: a rank's slice of the model traced at its replica's batch (tp.LocalSlice). On this tiny
+    # the whole estimate: a rank's slice of the model traced at its replica's batch (tp_costs.LocalSlice). On this tiny
     # fp64 case (8 x 32 tokens): 30.4 MiB estimated, 32.1 MiB measured (-5.3%) at gc thresholds 500, 700, 900 and
     # with gc off in the step. It was 33.8-38.4 MiB, with the collector's timing, while a reference cycle kept
     # each rank's tp slices alive after FSDP2 replaced them (test_tp's no-reference-cycle test). On fp32 at 16 x
@@ -167,7 +167,7 @@ def test_sequence_parallel_holds_and_sends_what_the_cost_model_says(runs):
     assert measured["all_reduce"]["payload_bytes"] == (norms + 3 * tokens + 2 * PARAMS) * F64, measured
     assert measured["all_reduce"]["calls"] == 2 * CFG.n_layers + 1 + 3 + 2, measured
     assert set(measured) == {"all_gather", "reduce_scatter", "all_reduce"}
-    # a rank's slice traced with its norms on 1/T of the positions and 1/T of the logits (tp.LocalSlice): -6.9%
+    # a rank's slice traced with its norms on 1/T of the positions and 1/T of the logits (tp_costs.LocalSlice): -6.9%
     assert_estimate_within(res)
 
 

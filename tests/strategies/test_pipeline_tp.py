@@ -154,7 +154,7 @@ def test_sequence_parallel_stages_train_the_model_single_trains_sending_their_sh
     norms = (2 * 2 + 1) * CFG.dim * F64
     assert measured["all_reduce"]["payload_bytes"] == norms + 2 * F64, measured
     assert set(measured) == {"send_recv", "all_gather", "reduce_scatter", "all_reduce", "broadcast"}
-    assert_estimate_within(res)  # -3.9% (the stage's activations scaled by tp.LocalSlice's SP/VP saving)
+    assert_estimate_within(res)  # -3.9% (the stage's activations scaled by tp_costs.LocalSlice's SP/VP saving)
 
 
 def test_bad_layouts_are_refused_in_one_line_before_any_work(capsys, tmp_path):
