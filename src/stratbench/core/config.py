@@ -105,6 +105,13 @@ class TrainConfig:
     """Text data: the model's vocabulary (default: the tokenizer's; of token files, their largest id + 1)."""
     token_dtype: str = "uint16"
     """tokens:PATH: the integer type of the .bin files, uint16 (nanoGPT's) or uint32."""
+    data_format: str = "auto"
+    """Fine-tuning data (jsonl:PATH, hf-dataset:PATH_OR_NAME, instruct-stdlib): auto (by each record's fields), text
+    ('text'), instruction ('instruction'/'input'/'output' or 'prompt'/'response') or chat ('messages')."""
+    train_on_prompt: bool = False
+    """Fine-tuning data: train on the prompt's tokens too (default: the loss is on the response tokens only)."""
+    pack: bool = False
+    """Fine-tuning data: pack whole examples into full windows of --seq-len (default: pad each batch to its longest)."""
     eval_samples: int | None = None
     """Evaluate on the first this many validation samples (default: all of an image set, 256 samples of text
     data, as nanoGPT estimates its validation loss on a fixed number of batches)."""

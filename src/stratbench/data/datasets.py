@@ -22,9 +22,17 @@ from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
+from stratbench.data.instruct import FORMATS, FT_SOURCES, build_ft_data, make_tokenizer
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
-from stratbench.data.text import TEXT_EVAL_SAMPLES, TEXT_SOURCES, build_text_data, is_text_data, token_path
-from stratbench.models.hf import is_hf_name, vocab_size_of
+from stratbench.data.text import (
+    TEXT_EVAL_SAMPLES,
+    TEXT_SOURCES,
+    build_text_data,
+    is_ft_data,
+    is_text_data,
+    token_path,
+)
+from stratbench.models.hf import is_hf_name, model_folder, vocab_size_of
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
@@ -67,7 +75,13 @@ class DataBundle(SampleShape):
     meta: dict = field(default_factory=dict)
     seq_len: int | None = None
     codec: Any = None
+    real_tokens_per_sample: float | None = None
+    """Fine-tuning data: the mean unpadded tokens of a training item (None: every item is ``seq_len`` tokens)."""
 
+    @property
+    def tokens_per_sample(self) -> float | None:
+        """What tokens/s counts per sample: the real (unpadded) tokens; None for images."""
+        return self.real_tokens_per_sample if self.real_tokens_per_sample is not None else self.seq_len
 
 
 def default_image_size(cfg: TrainConfig) -> int:
@@ -76,6 +90,9 @@ def default_image_size(cfg: TrainConfig) -> int:
 
 def check_data(cfg: TrainConfig) -> None:
     """Fail before any work starts when the data set is unknown or its folder is missing."""
+    if is_ft_data(cfg.data):
+        check_ft_data(cfg)
+        return
     if is_text_data(cfg.data):
         check_text_data(cfg)
         return
@@ -84,7 +101,7 @@ def check_data(cfg: TrainConfig) -> None:
         return
     if cfg.data not in DATASETS:
         raise ConfigError(
-            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS + TEXT_SOURCES)} (or a builder "
+            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS + TEXT_SOURCES + FT_SOURCES)} (or a builder "
             "as 'package.module:function')"
         )
     if cfg.data == "cifar10":
@@ -103,6 +120,8 @@ def check_data(cfg: TrainConfig) -> None:
 
 def build_data(cfg: TrainConfig) -> DataBundle:
     check_data(cfg)
+    if is_ft_data(cfg.data):
+        return _ft_data(cfg)
     if is_text_data(cfg.data):
         return _text_data(cfg)
     if ":" in cfg.data:
@@ -121,6 +140,35 @@ def check_text_data(cfg: TrainConfig) -> None:
         raise DataError(f"data dir {cfg.data_dir!r} does not exist (a folder of .txt/.md/.py files)")
     if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
         raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist (a Hugging Face tokenizer.json)")
+
+
+def check_ft_data(cfg: TrainConfig) -> None:
+    """Fine-tuning data before any work: a known format, a file that exists, a tokenizer file that exists."""
+    if cfg.data_format not in FORMATS:
+        raise ConfigError(f"unknown data_format {cfg.data_format!r}; choose one of: {', '.join(FORMATS)}")
+    kind, _, path = cfg.data.partition(":")
+    if kind == "jsonl" and not Path(path).is_file():
+        raise DataError(f"JSONL file {path!r} does not exist (--data jsonl:PATH, one JSON object a line)")
+    if kind == "hf-dataset" and not path:
+        raise ConfigError("data 'hf-dataset:' needs a file, a folder or a data set name after the colon")
+    if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
+        raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist (a Hugging Face tokenizer.json)")
+
+
+def _ft_data(cfg: TrainConfig) -> DataBundle:
+    """Fine-tuning examples (data.instruct) with the model's tokenizer (``--tokenizer``, else the Hugging Face
+    model folder's tokenizer.json, else bytes), padded per batch or packed into windows of ``--seq-len``."""
+    folder = model_folder(cfg.model, cfg.download) if is_hf_name(cfg.model) else None
+    tok = make_tokenizer(cfg.tokenizer, folder)
+    vocab = cfg.vocab_size if cfg.vocab_size is not None else vocab_size_of(cfg.model) if folder else None
+    data = build_ft_data(
+        cfg.data, cfg.seq_len, tok, data_format=cfg.data_format, train_on_prompt=cfg.train_on_prompt,
+        pack=cfg.pack, val_fraction=cfg.val_fraction, vocab_size=vocab, download=cfg.download,
+    )  # fmt: skip
+    return DataBundle(
+        data.train, data.val, data.vocab_size, [], 0, (), (), meta=data.meta, seq_len=data.seq_len,
+        codec=data.codec, real_tokens_per_sample=data.tokens_per_sample,
+    )  # fmt: skip
 
 
 def _text_data(cfg: TrainConfig) -> DataBundle:
@@ -361,6 +409,7 @@ def train_loader(
         num_workers=workers,
         pin_memory=pin,
         persistent_workers=workers > 0,
+        collate_fn=getattr(ds, "collate", None),  # examples of their own lengths: padded per batch
     )
     return loader, sampler
 
@@ -372,7 +421,13 @@ def val_loader(ds: Dataset, batch: int, rank: int, world: int, workers: int, pin
         sampler=ShardSampler(len(ds), rank, world),
         num_workers=workers,
         pin_memory=pin,
+        collate_fn=getattr(_unwrapped(ds), "collate", None),
     )
+
+
+def _unwrapped(ds: Dataset) -> Dataset:
+    """The data set under a ``Subset`` (``--eval-samples``)."""
+    return _unwrapped(ds.dataset) if isinstance(ds, torch.utils.data.Subset) else ds
 
 
 def steps_per_epoch(n_train: int, world: int, micro_batch: int, grad_accum: int) -> int:

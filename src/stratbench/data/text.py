@@ -168,8 +168,15 @@ def _token_array(tokens: Any) -> np.ndarray:
 
 
 def is_text_data(spec: str) -> bool:
-    """Whether ``--data spec`` names text (one of ``TEXT_SOURCES``), not images or a user's builder."""
-    return spec in ("text", "tokens", "synthetic-tokens") or spec.startswith("tokens:")
+    """Whether ``--data spec`` names text for a language model (one of ``TEXT_SOURCES``, or fine-tuning data:
+    ``is_ft_data``), not images or a user's builder."""
+    return spec in ("text", "tokens", "synthetic-tokens") or spec.startswith("tokens:") or is_ft_data(spec)
+
+
+def is_ft_data(spec: str) -> bool:
+    """Whether ``--data spec`` names fine-tuning examples (``data.instruct``: jsonl:PATH, hf-dataset:PATH_OR_NAME,
+    instruct-stdlib) rather than windows of a token stream."""
+    return spec == "instruct-stdlib" or spec.startswith(("jsonl:", "hf-dataset:"))
 
 
 def token_path(spec: str, data_dir: str | os.PathLike | None) -> str:

@@ -53,7 +53,8 @@ class RunMetrics:
         self.cfg = cfg
         self.sinks = sinks
         self.tokens_per_sample: int | None = None
-        """Text data: tokens per sample (the engine sets it once the data is known): tokens/s in the summary."""
+        """Text data: real (unpadded) tokens per sample, the mean over the training items of fine-tuning data (the
+        engine sets it once the data is known): tokens/s in the summary counts these, never padding."""
         self.devices = strategy.memory_devices()
         self.load = LoadSampler()
         """The machine's load average while it trains: a busy machine inflates every time this run records."""
@@ -252,8 +253,9 @@ class RunMetrics:
         }
 
     def _add_tokens(self, metrics: dict[str, Any]) -> None:
-        """Text data: what language-model runs are compared by, tokens/s and the validation perplexity (each
-        sample is ``seq_len`` predicted tokens)."""
+        """Text data: what language-model runs are compared by, tokens/s and the validation perplexity. A window of
+        a token stream is ``seq_len`` tokens; fine-tuning examples count their real tokens, padding excluded (the
+        training set's mean per item: samples/s x that mean is the unpadded tokens/s over whole epochs)."""
         seq = self.tokens_per_sample
         if seq is None:
             return

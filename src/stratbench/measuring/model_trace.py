@@ -20,7 +20,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
-from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
+from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
 from stratbench.models.transforms import apply_traced
@@ -101,7 +101,7 @@ def text_vocab(cfg: TrainConfig) -> int:
     if cfg.data == "synthetic-tokens":
         return cfg.vocab_size or ByteCodec.vocab_size
     least = _tokenizer_vocab(cfg.tokenizer) if cfg.tokenizer else None
-    if least is None and cfg.data == "text":
+    if least is None and (cfg.data == "text" or is_ft_data(cfg.data)):
         least = ByteCodec.vocab_size
     if cfg.vocab_size is not None:
         if least is not None and cfg.vocab_size < least:

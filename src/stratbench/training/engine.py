@@ -58,6 +58,7 @@ from stratbench.data.datasets import (
     split_batch,
     steps_per_epoch,
 )
+from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_text_data
 from stratbench.measuring.environment import environment
 from stratbench.measuring.metrics import RunMetrics
@@ -253,7 +254,7 @@ class Trainer:
 
     def _fit(self, run: Run, metrics: RunMetrics) -> None:
         cfg = self.cfg
-        metrics.tokens_per_sample = run.bundle.seq_len
+        metrics.tokens_per_sample = run.bundle.tokens_per_sample  # unpadded
         progress = run.state.progress
         bar = _progress(cfg, self.env, run.run_steps, progress.step)
         while progress.epoch < cfg.epochs and progress.step < run.run_steps:
@@ -430,7 +431,7 @@ class Trainer:
         micro = split_batch(cfg.batch_size, shards, cfg.grad_accum)
         loader = make_val_batches(cfg, bundle, env.device, shard, shards, micro)
         model.eval()
-        totals = torch.zeros(3, dtype=torch.float64, device=env.device)  # loss sum, correct, count
+        totals = torch.zeros(4, dtype=torch.float64, device=env.device)  # loss sum, correct, count, tokens
         for x, y, valid in loader:
             x, y = self._to_device((x, y))
             valid = valid.to(env.device)
@@ -441,6 +442,8 @@ class Trainer:
             totals[0] += (losses * valid).sum().double()
             totals[1] += (correct * valid).sum().double()
             totals[2] += valid.sum().double()
+            if bundle.is_text:  # the tokens scored: not prompt or padding
+                totals[3] += ((y != IGNORE).sum(-1) * valid).sum().double()
         strategy.all_reduce(totals, "sum")
         totals /= env.world_size // shards  # processes sharing a shard (a pipeline's stages) counted it alike
         model.train()
@@ -451,7 +454,7 @@ class Trainer:
         }
         if bundle.is_text:  # accuracy is next-token accuracy; perplexity is what language models report
             out["val_perplexity"] = perplexity(out["val_loss"])
-            out["val_tokens"] = out["val_samples"] * bundle.seq_len
+            out["val_tokens"] = int(totals[3].item())
         return out
 
     def _save(self, run: Run) -> None:

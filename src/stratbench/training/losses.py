@@ -18,7 +18,8 @@ from torch import nn
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder
-from stratbench.data.text import is_text_data
+from stratbench.data.instruct import IGNORE
+from stratbench.data.text import is_ft_data, is_text_data
 
 LOSSES = ("cross-entropy",)
 """Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
@@ -79,12 +80,31 @@ class TokenCrossEntropy(nn.CrossEntropyLoss):
         return super().forward(logits.flatten(0, -2), targets.flatten())
 
 
+class MaskedTokenCrossEntropy(nn.Module):
+    """Cross-entropy of fine-tuning data: the mean over the tokens the loss trains on (targets other than
+    ``IGNORE``: the response, not the prompt or padding) of the micro-batch, exactly their sum over their count;
+    a micro-batch with none (every response cut away) gives 0 with a zero gradient rather than 0/0."""
+
+    def __init__(self, label_smoothing: float = 0.0) -> None:
+        super().__init__()
+        self.label_smoothing = label_smoothing
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = targets.flatten()
+        total = nn.functional.cross_entropy(
+            logits.flatten(0, -2), flat, ignore_index=IGNORE, reduction="sum", label_smoothing=self.label_smoothing
+        )
+        return total / (flat != IGNORE).sum().clamp(min=1)
+
+
 def build_loss(cfg: TrainConfig) -> Callable:
     """The loss function the loop calls as ``loss_fn(logits, targets)``: cross-entropy per sample, or per token
     of text data; a user's loss gets the model's output as it is."""
     check_loss(cfg)
     if ":" in cfg.loss:
         return UserLoss(_resolve(cfg.loss), cfg.loss)
+    if is_ft_data(cfg.data):
+        return MaskedTokenCrossEntropy(label_smoothing=cfg.label_smoothing)
     if is_text_data(cfg.data):
         return TokenCrossEntropy(label_smoothing=cfg.label_smoothing)
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -92,11 +112,17 @@ def build_loss(cfg: TrainConfig) -> Callable:
 
 def per_sample_eval(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy, share of correct predictions) per sample, in fp32 or wider: of a classifier, the sample's
-    loss and 0/1; of a language model, the means over the sample's tokens (next-token accuracy)."""
+    loss and 0/1; of a language model, the means over the sample's tokens (next-token accuracy), of fine-tuning
+    data over the tokens it is scored on (targets other than ``IGNORE``: the response, not prompt or padding)."""
     losses = nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
     correct = (logits.argmax(-1) == targets).to(losses.dtype).flatten()
     n = targets.shape[0]
-    return losses.view(n, -1).mean(1), correct.view(n, -1).mean(1)
+    scored = targets != IGNORE
+    if bool(scored.all()):  # every token scored (images, text windows): the plain means
+        return losses.view(n, -1).mean(1), correct.view(n, -1).mean(1)
+    weight = scored.to(losses.dtype).view(n, -1)
+    count = weight.sum(1).clamp(min=1)
+    return (losses.view(n, -1) * weight).sum(1) / count, (correct.view(n, -1) * weight).sum(1) / count
 
 
 def perplexity(mean_loss: float) -> float:
@@ -107,6 +133,8 @@ def perplexity(mean_loss: float) -> float:
 def describe_loss(cfg: TrainConfig) -> dict[str, Any]:
     """What result.json records about the loss."""
     out: dict[str, Any] = {"name": cfg.loss, "validation_loss": "cross-entropy"}
+    if is_ft_data(cfg.data):
+        out["tokens"] = "prompt and response" if cfg.train_on_prompt else "response only (prompt masked)"
     if ":" not in cfg.loss:
         out["label_smoothing"] = cfg.label_smoothing
     return out
