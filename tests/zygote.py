@@ -39,7 +39,12 @@ class Zygote:
     def __init__(self, logs: Path, env: dict[str, str] | None = None) -> None:
         self.logs = Path(logs)
         self.logs.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+        # pyarrow (the ft extra's; pandas imports it where installed, and DeepSpeed imports pandas) starts jemalloc's
+        # background thread at import unless its configuration says not to.
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", JE_ARROW_MALLOC_CONF="background_thread:false",
+            **(env or {}),
+        )  # fmt: skip
         self.proc = subprocess.Popen(
             [sys.executable, __file__], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=open(self.logs / "zygote.log", "ab"), text=True,  # noqa: SIM115
