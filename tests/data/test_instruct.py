@@ -177,6 +177,9 @@ def test_refusals_before_any_work(tmp_path: Path) -> None:
         check_data(TrainConfig(model="gpt-tiny", data="jsonl:nope.jsonl"))
     with pytest.raises(ConfigError, match="unknown data_format 'x'; choose one of: auto, text, instruction, chat"):
         check_data(TrainConfig(model="gpt-tiny", data="instruct-stdlib", data_format="x"))
+    chat = _jsonl(tmp_path / "chat.jsonl", json.dumps({"messages": [{"role": "user", "content": "hi"}]}))
+    with pytest.raises(DataError, match=rf"^{chat}:1: a chat record needs a chat template and tokenizer 'bytes'"):
+        check_data(TrainConfig(model="gpt-tiny", data=f"jsonl:{chat}"))  # the preflight: before any process starts
     bad = _jsonl(tmp_path / "bad.jsonl", '{"text": "ok"}', "{nope")
     with pytest.raises(AssertionError, match=rf"{bad}:2: not JSON"):
         cli("train", "--model", "gpt-tiny", "--data", f"jsonl:{bad}", "--output", tmp_path / "out", "--max-steps", "1")

@@ -22,7 +22,15 @@ from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
 from stratbench.data.device import Augment, DeviceBatches, DeviceEvalBatches, InMemorySource
-from stratbench.data.instruct import FORMATS, FT_SOURCES, build_ft_data, make_tokenizer
+from stratbench.data.instruct import (
+    FORMATS,
+    FT_SOURCES,
+    build_ft_data,
+    check_records,
+    make_tokenizer,
+    read_jsonl,
+    tokenizer_path,
+)
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
 from stratbench.data.text import (
     TEXT_EVAL_SAMPLES,
@@ -153,6 +161,9 @@ def check_ft_data(cfg: TrainConfig) -> None:
         raise ConfigError("data 'hf-dataset:' needs a file, a folder or a data set name after the colon")
     if cfg.tokenizer and not Path(cfg.tokenizer).is_file():
         raise DataError(f"tokenizer file {cfg.tokenizer!r} does not exist (a Hugging Face tokenizer.json)")
+    if kind == "jsonl":  # read with the standard library: its records are checked here, before any process starts
+        folder = model_folder(cfg.model, cfg.download) if is_hf_name(cfg.model) else None
+        check_records(read_jsonl(path), cfg.data_format, tokenizer_path(cfg.tokenizer, folder))
 
 
 def _ft_data(cfg: TrainConfig) -> DataBundle:

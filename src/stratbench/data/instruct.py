@@ -270,6 +270,24 @@ def _after(text: str, prefix: str, record: Record) -> str:
     return text[len(prefix) :]
 
 
+def check_records(records: Sequence[Record], forced: str, tokenizer: Path | None) -> dict[str, int]:
+    """Every record's format and fields, before any work (no tokenising): the count of each format, or one line
+    naming the first bad record; a chat record where ``tokenizer`` (None: bytes) has no chat template too."""
+    formats: dict[str, int] = {}
+    for record in records:
+        fmt = detect_format(record, forced)
+        formats[fmt] = formats.get(fmt, 0) + 1
+        if fmt == "text":
+            _string(record, "text", "text")
+        elif fmt == "instruction":
+            instruction_parts(record)
+        else:
+            chat_messages(record)
+            if tokenizer is None or not has_chat_template(tokenizer.parent):
+                record_pieces(record, fmt, Tokenizer(ByteCodec(), source=str(tokenizer or "bytes")), False)
+    return formats
+
+
 def record_pieces(record: Record, fmt: str, tok: Tokenizer, train_on_prompt: bool) -> list[tuple[str, bool]]:
     """(text, trained) pieces of one record in ``fmt``."""
     if fmt == "text":
@@ -477,14 +495,30 @@ def build_ft_data(
 # the tokenizer: the model's, a tokenizer.json, or bytes
 
 
-def hf_chat_tokenizer(folder: Path) -> Any | None:
-    """A ``transformers`` tokenizer of ``folder`` where its tokenizer_config.json has a chat_template, else None."""
+def tokenizer_path(tokenizer_file: str | None, model_folder: Path | None) -> Path | None:
+    """The tokenizer.json a run encodes with: ``tokenizer_file``, else the model folder's; None: bytes."""
+    if tokenizer_file:
+        return Path(tokenizer_file)
+    if model_folder is not None and (model_folder / "tokenizer.json").is_file():
+        return model_folder / "tokenizer.json"
+    return None
+
+
+def has_chat_template(folder: Path) -> bool:
+    """Whether ``folder``'s tokenizer_config.json has a chat_template (or a chat_template.jinja is there): read
+    as JSON, without importing ``transformers``."""
     config = folder / "tokenizer_config.json"
     try:
-        has_template = config.is_file() and "chat_template" in json.loads(config.read_text())
+        if config.is_file() and "chat_template" in json.loads(config.read_text()):
+            return True
     except (OSError, ValueError):
-        has_template = False
-    if not has_template and not (folder / "chat_template.jinja").is_file():
+        pass
+    return (folder / "chat_template.jinja").is_file()
+
+
+def hf_chat_tokenizer(folder: Path) -> Any | None:
+    """A ``transformers`` tokenizer of ``folder`` where it has a chat template, else None."""
+    if not has_chat_template(folder):
         return None
     transformers = importlib.import_module("transformers")
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
@@ -508,9 +542,7 @@ def make_tokenizer(tokenizer_file: str | None, model_folder: Path | None) -> Tok
     """The run's tokenizer: ``tokenizer_file`` (a tokenizer.json), else the model folder's tokenizer.json, else
     bytes (the built-in models). Its chat template is the tokenizer_config.json beside it, where it has one;
     padding uses the tokenizer's pad token (else its end-of-text token, else id 0: padding is never trained)."""
-    path = Path(tokenizer_file) if tokenizer_file else None
-    if path is None and model_folder is not None and (model_folder / "tokenizer.json").is_file():
-        path = model_folder / "tokenizer.json"
+    path = tokenizer_path(tokenizer_file, model_folder)
     if path is None:
         return Tokenizer(ByteCodec())
     codec: HFCodec = load_tokenizer(path)
