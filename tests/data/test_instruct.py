@@ -188,15 +188,17 @@ def test_refusals_before_any_work(tmp_path: Path) -> None:
 
 def test_train_on_jsonl_counts_unpadded_tokens(tmp_path: Path) -> None:
     """The CLI from an empty folder: result.json's tokens per sample are the training examples' real tokens."""
-    lines = [json.dumps({"prompt": "q" * n, "response": "a" * (n + 3)}) for n in (2, 9, 4, 30, 7)]
+    lines = [json.dumps({"prompt": "q" * n, "response": "a" * (n + 3)}) for n in (2, 9, 4, 40, 7)]
     _jsonl(tmp_path / "ft.jsonl", *lines)
     run_stratbench(
         "train", "--model", "gpt-tiny", "--data", "jsonl:ft.jsonl", "--max-steps", "2", "--batch-size", "2",
         "--seq-len", "64", "--val-fraction", "0.2", "--timing-warmup-steps", "0", "--progress", "false",
         "--output", "out", cwd=tmp_path,
     )  # fmt: skip
-    metrics = json.loads((tmp_path / "out" / "result.json").read_text())["metrics"]
-    train_inputs = [2 * n + 3 - 1 for n in (2, 9, 4, 30)]  # prompt + response - 1 inputs; the 5th is validation
+    result = json.loads((tmp_path / "out" / "result.json").read_text())
+    metrics, data = result["metrics"], result["data_meta"]
+    assert data["examples"] == {"train": 4, "val": 1} and data["cut"] == 1 and data["dropped"] == 0  # 40 + 43 > 65 tokens
+    train_inputs = [2 * n + 3 - 1 for n in (2, 9, 4)] + [64]  # prompt + response - 1 inputs (cut: seq_len)
     assert metrics["tokens_per_sample"] == pytest.approx(sum(train_inputs) / 4)
     assert metrics["throughput_tokens_per_s"] == pytest.approx(
         metrics["throughput_samples_per_s"] * sum(train_inputs) / 4

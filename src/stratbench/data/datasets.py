@@ -85,6 +85,8 @@ class DataBundle(SampleShape):
     codec: Any = None
     real_tokens_per_sample: float | None = None
     """Fine-tuning data: the mean unpadded tokens of a training item (None: every item is ``seq_len`` tokens)."""
+    tokenizer_file: str | None = None
+    """Fine-tuning data: the tokenizer.json it was encoded with (the model folder's where --tokenizer is not given)."""
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -179,6 +181,7 @@ def _ft_data(cfg: TrainConfig) -> DataBundle:
     return DataBundle(
         data.train, data.val, data.vocab_size, [], 0, (), (), meta=data.meta, seq_len=data.seq_len,
         codec=data.codec, real_tokens_per_sample=data.tokens_per_sample,
+        tokenizer_file=None if tok.source == "bytes" else tok.source,
     )  # fmt: skip
 
 

@@ -485,7 +485,7 @@ def build_ft_data(
         "batches": "packed into windows of seq_len" if pack else "padded to the longest in each batch",
         "train_on_prompt": train_on_prompt,
         "real_tokens": {"train": train.real_tokens(), "val": val.real_tokens()},
-        "cut": f"{info['cut']} example(s) longer than seq_len + 1 tokens cut at the end",
+        "cut_rule": "an example longer than seq_len + 1 tokens keeps its first seq_len + 1",
         "split": f"the last {val_fraction:g} of the examples is validation",
     }  # fmt: skip
     return FtData(train, val, vocab, seq_len, train.real_tokens() / len(train), meta, tok.codec)

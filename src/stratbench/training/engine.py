@@ -388,9 +388,12 @@ class Trainer:
         }
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
             meta |= {
-                "seq_len": bundle.seq_len, "vocab_size": bundle.num_classes, "tokenizer": cfg.tokenizer,
+                "seq_len": bundle.seq_len, "vocab_size": bundle.num_classes,
+                "tokenizer": cfg.tokenizer or bundle.tokenizer_file,
                 "codec": bundle.codec.name if bundle.codec is not None else None,
             }  # fmt: skip
+        if bundle.real_tokens_per_sample is not None:  # fine-tuning examples: how they were read, cut and batched
+            self.result["data_meta"] = bundle.meta
         self.result["model_meta"] = meta
         return meta
 
