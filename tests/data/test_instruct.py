@@ -164,8 +164,9 @@ def test_stdlib_instructions_deterministic_and_round_trip(tmp_path: Path) -> Non
     assert data.meta["formats"] == {"instruction": len(records)} and data.tokens_per_sample < 256
 
 
-def test_hf_dataset_from_a_local_file_and_offline_refusal(tmp_path: Path) -> None:
-    pytest.importorskip("datasets")
+def test_hf_dataset_from_a_local_file_and_offline_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))  # not the user's cache
     path = _jsonl(tmp_path / "d.json", json.dumps({"prompt": "a", "response": "b"}), json.dumps({"text": "xy"}))
     assert [r.fields for r in read_hf_dataset(f"hf-dataset:{path}")] == [{"prompt": "a", "response": "b"}, {"text": "xy"}]
     with pytest.raises(DataError, match=r"^data 'hf-dataset:nobody/nothing-here' could not be loaded: .*--download is off"):
