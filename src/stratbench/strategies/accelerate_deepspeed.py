@@ -89,6 +89,8 @@ class AccelerateDeepSpeed(AccelerateStrategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type != "cuda":
             return "accelerate's DeepSpeed plugin needs a CUDA GPU; use the deepspeed strategy on CPU"
+        if cfg.lora_rank:
+            return "--lora-rank with accelerate-deepspeed is not supported (untested: it needs CUDA); use deepspeed"
         if importlib.util.find_spec("deepspeed") is None:
             return "needs the deepspeed package (pip install deepspeed)"
         opts = cls.parse_options(cfg.strategy_options)

@@ -140,6 +140,8 @@ class AccelerateFSDP(AccelerateStrategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type != "cuda":
             return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
+        if cfg.lora_rank:
+            return "--lora-rank with accelerate-fsdp is not supported (untested: it needs CUDA); use fsdp"
         return super().check_supported(cfg, device, world_size)
 
     cost = AccelerateFSDPCost

@@ -61,6 +61,8 @@ class DataParallelStrategy(Strategy):
         found = _cuda_count()
         if found < 2:
             return f"needs >= 2 CUDA GPUs, found {found}"
+        if cfg.lora_rank:
+            return "--lora-rank with dp is not supported (untested: it needs 2 CUDA GPUs); use ddp"
         if device.type != "cuda":
             return f"needs the cuda device; --device is {cfg.device!r}"
         if world_size != 1:

@@ -119,6 +119,8 @@ class ModelParallelStrategy(Strategy):
         options = cls.parse_options(cfg.strategy_options)
         if options.devices > found:
             return f"--devices {options.devices}: only {found} CUDA GPUs are visible"
+        if cfg.lora_rank:
+            return "--lora-rank with model-parallel is not supported (untested: it needs 2 CUDA GPUs); use single or ddp"
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
         try:

@@ -73,6 +73,8 @@ class TPStrategy(LossParallel, Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"tp runs on cpu or cuda devices, not {device.type}"
+        if cfg.lora_rank:
+            return "--lora-rank with tp is not supported: its plan shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
         return unsupported(cfg, world_size)
 
     @classmethod
