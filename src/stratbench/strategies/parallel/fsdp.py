@@ -192,9 +192,10 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         reduced = units[0] if all(ctx.trainable) else units[0] * sum(ctx.trainable_numels) // total
         m.gathered = unsharded * gathered_dtype + reduced * reduce_bytes
         if not all(ctx.trainable) and sharding == "full" and len(units) > 1:
-            # A frozen base (LoRA) leaves one more unit unsharded: measured on 2 CPU ranks (gpt-tiny fp64, r 4),
-            # 3.4 MiB more held between steps than the shards, one block's weights (likely the first block: its
-            # input needs no gradient, so its post-backward reshard waits for the end of backward)
+            # A frozen base (LoRA) leaves one more unit unsharded through backward: the first block's input (a
+            # frozen embedding's output) needs no gradient, so FSDP2 registers no post-backward hook on it and
+            # reshards it only in the root's final callback. Measured on 2 CPU ranks (gpt-tiny fp64, rank 4): the
+            # peak 3.3 MiB above the same run's estimate without this, one block's weights
             m.gathered += units[0] * gathered_dtype
             m.gather_note += " + one more unit (frozen base, measured)"
         m.gather_note = (
