@@ -216,7 +216,7 @@ def estimate(
         overhead_bytes=overhead,
         total_bytes=int(peak + overhead),
         host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
-        num_parameters=info.total,
+        num_parameters=info.total + sum(n for n, _ in adapter_shapes(info.linear_names, info.linear_features, cfg)),
         per_rank_states=model_state_bytes(cfg, world_size),
         seq_len=spec.seq_len,
         vocab_size=spec.num_classes if spec.is_text else None,
