@@ -104,3 +104,24 @@ def test_targets_that_match_nothing_list_the_linear_layers():
         "output (or all-linear)"
     )
     assert "\n" not in str(e.value)
+
+
+def test_the_methods_that_cannot_take_lora_say_why_in_train_and_in_the_estimate(capsys):
+    """single, ddp, fsdp, deepspeed and accelerate-ddp take it (each run in tests/strategies/test_lora.py or
+    docs/finetuning.md); the rest refuse in one line, which `check_supported` returns and the estimate's row of
+    the method shows; fsdp --tp and deepspeed --autotp-size refuse it too."""
+    from stratbench.cli import main
+    from stratbench.strategies.base import all_strategies
+
+    cfg = TrainConfig(**LM, lora_rank=4)
+    takes = {n for n, cls in all_strategies().items() if cls.lora_refusal(cfg) is None}
+    assert takes == {"single", "ddp", "fsdp", "deepspeed", "accelerate-ddp"}
+    tp = all_strategies()["tp"]
+    assert tp.check_supported(cfg, torch.device("cpu"), 2) == tp.lora_refusal(cfg)
+    assert "\n" not in tp.lora_refusal(cfg) and "nn.Linear" in tp.lora_refusal(cfg)
+    fsdp_tp = cfg.replace(strategy="fsdp", strategy_options={"tp": 2})
+    assert "fsdp --tp" in all_strategies()["fsdp"].check_supported(fsdp_tp, torch.device("cpu"), 2)
+    assert main(["estimate", "--model", "gpt-tiny", "--data", "synthetic-tokens", "--seq-len", "32",
+                 "--batch-size", "4", "--lora-rank", "4", "--strategy", "tp", "--world-size", "2",
+                 "--device-type", "cpu"]) == 2  # fmt: skip
+    assert "--lora-rank with tp is not supported" in capsys.readouterr().err

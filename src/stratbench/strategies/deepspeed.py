@@ -264,6 +264,12 @@ class DeepSpeed(Strategy):
         refuse_nvme_checkpoint(path, checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
 
     @classmethod
+    def lora_refusal(cls, cfg: TrainConfig) -> str | None:
+        if cfg.lora_rank and cls.parse_options(cfg.strategy_options).autotp_size > 1:
+            return "--lora-rank with deepspeed --autotp-size is not supported: AutoTP shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
         opts: DeepSpeedOptions = cls.parse_options(cfg.strategy_options)
         try:
@@ -287,8 +293,8 @@ class DeepSpeed(Strategy):
             raise ConfigError(
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
-        if cfg.lora_rank and opts.autotp_size > 1:
-            return "--lora-rank with deepspeed --autotp-size is not supported: AutoTP shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        if why := cls.lora_refusal(cfg):
+            return why
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
         reason = _autotp_unsupported(cfg, opts.autotp_size) or nvme_unavailable(ds["zero_optimization"])
         if reason:
