@@ -248,5 +248,6 @@ def test_reduce_bucket_size_is_written_checked_and_counted(tmp_path):
 
     class Ctx:
         info, world, param_bytes, half, opt_slots, adam, cfg = Info(), 2, 4, False, 0, False, TrainConfig()
+        numels, trainable_numels = [1000], [1000]  # MemoryContext's: every parameter, the trained ones
 
     assert deepspeed_memory(Ctx(), ds["zero_optimization"]).buckets == 1_000_000 * 4

@@ -156,6 +156,15 @@ def serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    # peft (the lora extra: `train --lora-rank`) imports transformers, which imports torchvision: through
+    # stratbench's guard (PyPI's CUDA torchvision on a CPU torch), once here rather than ~4 s in every LoRA rank
+    from stratbench.core.torchvision_compat import guard_torchvision_import
+
+    guard_torchvision_import()
+    try:
+        importlib.import_module("peft")
+    except ImportError:
+        pass
     from stratbench import cli
     from stratbench.core.dist import free_port
     from stratbench.strategies.base import discover

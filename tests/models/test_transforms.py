@@ -54,7 +54,7 @@ def test_every_transform_has_one_place_in_the_order_a_phase_and_a_cost():
     for t in ORDER:
         assert isinstance(t.cost, Cost) and isinstance(t.phase, Phase), t.name
         said = {k: v for k, v in dataclasses.asdict(t.cost).items() if k != "flops_factor"}
-        assert t.cost.flops_factor >= 1.0 and any(said.values()), (
+        assert t.cost.flops_factor > 0 and any(said.values()), (
             f"{t.name}: say what it changes (or why nothing)"
         )
     phases = [t.phase for t in ORDER]
@@ -68,7 +68,7 @@ def test_the_order_is_the_documented_one():
     assert [int(n) for n, _, _ in documented] == list(range(1, len(ORDER) + 1))
     for (_, _, where), t in zip(documented, ORDER, strict=True):
         assert (where == "before") == (t.phase is Phase.BEFORE_WRAP), t.name
-    assert [t.name for t in ORDER] == ["activation_checkpointing", "precision", "compile"]
+    assert [t.name for t in ORDER] == ["lora", "activation_checkpointing", "precision", "compile"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile imports torch.jit's deprecated names

@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each residual block"
     )
+    # LoRA (as train's flags): adapters' parameters added, gradients and optimizer state for them only
+    parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank, the base frozen (0: off)")
+    parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x rank)")
+    parser.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA dropout on the adapters' input")
+    parser.add_argument(
+        "--lora-targets", default="all-linear", help="LoRA: comma-separated Linear names, or all-linear"
+    )
     parser.add_argument(
         "--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use"
     )
@@ -260,8 +267,12 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
+        lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
+        lora_targets=args.lora_targets,
     )  # fmt: skip
     validate(cfg)
+    if cfg.lora_rank and (why := cls.lora_refusal(cfg)):
+        raise ConfigError(why)  # the method's row says so (n/a), as train would refuse it
     check_data(cfg)  # tokens:PATH that is not there: one line
     if args.strategy == "all":  # the options its row runs with (method_row completes them the same way)
         cfg = cfg.replace(strategy_options=cls.options_for_world(cfg, world))

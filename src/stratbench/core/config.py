@@ -145,6 +145,18 @@ class TrainConfig:
     optimizer, cudnn.benchmark, and torch.compile on CUDA only (not measurable on CPU)."""
     activation_checkpointing: bool = False
     """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
+    # --- LoRA adapters (models/transforms/lora.py, the lora extra: peft) ----------------------------
+    lora_rank: int = 0
+    """LoRA: rank of the low-rank adapters PEFT adds to the targeted Linear layers, the base weights frozen (no
+    gradients, no optimizer state); 0 = off (full training)."""
+    lora_alpha: float | None = None
+    """LoRA: scaling numerator (the update is scaled by alpha / rank); default 2 x rank, so that the scale stays 2
+    whatever the rank (torchtune's and most recipes' alpha = 2r)."""
+    lora_dropout: float = 0.0
+    """LoRA: dropout on the adapters' input, in [0, 1)."""
+    lora_targets: str = "all-linear"
+    """LoRA: the Linear layers to adapt, comma-separated module names (a name matches itself or a module path
+    ending in .NAME: 'wq,wv'), or all-linear (every nn.Linear but the output head, the model's last Linear)."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     # --- optimisation --------------------------------------------------------------------------
@@ -512,11 +524,24 @@ def validate(cfg: TrainConfig) -> None:
         check_vocab(cfg.model, cfg.vocab_size)  # the head's width is the model's, not the data's
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
+    check_lora(cfg)
     if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
         raise ConfigError(
             f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
             f"{cfg.data!r}; use data_pipeline loader or auto"
         )
+
+
+def check_lora(cfg: TrainConfig) -> None:
+    """The LoRA options' values (the targets are matched against the model's Linear layers when it is built)."""
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be 0 (off) or a positive rank, got {cfg.lora_rank!r}")
+    if cfg.lora_alpha is not None and cfg.lora_alpha <= 0:
+        raise ConfigError(f"lora_alpha must be positive, got {cfg.lora_alpha!r}")
+    if not 0 <= cfg.lora_dropout < 1:
+        raise ConfigError(f"lora_dropout must be in [0, 1), got {cfg.lora_dropout!r}")
+    if not [t for t in cfg.lora_targets.split(",") if t.strip()]:
+        raise ConfigError(f"lora_targets must name modules or be all-linear, got {cfg.lora_targets!r}")
 
 
 # Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.

@@ -22,7 +22,15 @@ class OptimizerSpec:
     kwargs: dict[str, Any]
 
     def __call__(self, params) -> torch.optim.Optimizer:
-        return self.cls(params, **self.kwargs)
+        """The optimizer over the parameters that train: a frozen one (``requires_grad=False``: LoRA's base)
+        gets no optimizer state, and a library that sizes its buffers from the optimizer's parameters (DeepSpeed's
+        ZeRO partitions) never counts it."""
+        return self.cls(trainable(params), **self.kwargs)
+
+
+def trainable(params) -> list[torch.nn.Parameter]:
+    """The parameters of ``params`` that require gradients (all of them unless a transform froze some)."""
+    return [p for p in params if p.requires_grad]
 
 
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:

@@ -28,6 +28,7 @@ from stratbench.core.dist import resolve_device
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.data.datasets import build_data
 from stratbench.inference.onnx_export import OrtModel, export_onnx, read_metadata
+from stratbench.models.transforms.lora import apply_meta as apply_lora_meta
 from stratbench.models.zoo import build_model
 from stratbench.training.losses import per_sample_eval
 
@@ -80,9 +81,9 @@ def _strip_prefixes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def build_from_meta(meta: dict[str, Any]) -> nn.Module:
-    """The untrained model that the checkpoint's ``meta`` describes (same constructor the training loop used)."""
-
-    return build_model(
+    """The untrained model that the checkpoint's ``meta`` describes (same constructor the training loop used),
+    with the LoRA adapters of a LoRA run (``meta["lora"]``), whose keys its checkpoint holds."""
+    model = build_model(
         meta["model"],
         int(meta["num_classes"]),
         cifar_stem=bool(meta.get("cifar_stem", False)),
@@ -91,6 +92,7 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
         sample_shape=_sample_shape(meta),
         seq_len=int(meta["seq_len"]) if meta.get("seq_len") else None,
     )
+    return apply_lora_meta(model, meta.get("lora"))
 
 
 def _sample_shape(meta: dict[str, Any]) -> tuple[int, ...] | None:

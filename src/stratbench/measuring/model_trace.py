@@ -23,7 +23,7 @@ from stratbench.data.datasets import SampleShape, default_image_size, split_batc
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
-from stratbench.models.transforms import apply_traced
+from stratbench.models.transforms import Transform, apply_traced
 from stratbench.models.zoo import build_model, has_lazy_parameters
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
@@ -171,6 +171,8 @@ class ModelInfo:
     buffer_bytes: int
     linear_names: tuple[str, ...] = ()
     """Qualified names of the nn.Linear modules (a CPU's 16-bit matrix products keep oneDNN buffers)."""
+    linear_features: tuple[tuple[int, int], ...] = ()
+    """(in, out) features of each of ``linear_names`` (LoRA's adapters are sized from them)."""
     blocks: str | None = None
     """The block units in words (``describe_units``); None where the model has none (``no_blocks`` says why)."""
     no_blocks: str = ""
@@ -222,6 +224,9 @@ def model_info(spec: ModelSpec) -> ModelInfo:
         layer_units=_unit_indices(model, layers),  # Linear/Conv2d do not nest
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
         linear_names=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
+        linear_features=tuple(
+            (m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)
+        ),
         blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
         no_blocks="" if has_blocks else why_no_blocks(model),
     )
@@ -388,14 +393,14 @@ def trace_step(
     spec: ModelSpec,
     batch: int,
     precision: str,
-    transforms: tuple[str, ...] = (),
+    transforms: tuple[Transform | str, ...] = (),
     device_type: str = "cuda",
     transform: Callable[[nn.Module], None] | None = None,
 ) -> Trace:
     """Trace one forward+backward at ``batch`` on fake tensors (CPU kernels' shapes, CUDA's block rounding);
     ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it), then the
-    model transforms named in ``transforms`` apply (``models.transforms.traced_names``: activation
-    checkpointing), as the method's set-up applies them to the model it trains."""
+    model transforms in ``transforms`` apply (``models.transforms.traced``: activation checkpointing, LoRA's
+    adapters), as the method's set-up applies them to the model it trains."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     pspec = spec_of(precision)
@@ -408,7 +413,8 @@ def trace_step(
         for t in (*model.parameters(), *model.buffers()):
             live.exclude(t)
         for p in model.parameters():
-            p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
+            if p.requires_grad:  # a frozen one (LoRA's base) gets no gradient
+                p.register_post_accumulate_grad_hook(lambda p: live.mark_grad(p.grad))
         saved = _SavedBytes(model)
         with _dispatch_mode(live, kernels):
             x, y = spec.example_batch(batch, pspec.param_dtype)

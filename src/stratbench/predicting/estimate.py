@@ -42,7 +42,8 @@ from stratbench.measuring.model_trace import (
     trace_step,
 )
 from stratbench.models.hf import is_hf_name
-from stratbench.models.transforms import traced_names
+from stratbench.models.transforms import traced as traced_transforms
+from stratbench.models.transforms.lora import adapter_shapes
 from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
@@ -215,7 +216,7 @@ def estimate(
         overhead_bytes=overhead,
         total_bytes=int(peak + overhead),
         host_bytes=int(s.host_params + s.host_grads + s.host_optim + s.host_master),
-        num_parameters=info.total,
+        num_parameters=info.total + sum(n for n, _ in adapter_shapes(info.linear_names, info.linear_features, cfg)),
         per_rank_states=model_state_bytes(cfg, world_size),
         seq_len=spec.seq_len,
         vocab_size=spec.num_classes if spec.is_text else None,
@@ -229,7 +230,7 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     forward/backward of the model (or the method's slice of it) traced at the micro-batch ``mb``."""
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
     run_as = s.trace_precision or cfg.precision
-    trace = _trace(spec, mb, run_as, traced_names(cfg), device_type, s.trace_transform)
+    trace = _trace(spec, mb, run_as, traced_transforms(cfg), device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
@@ -263,7 +264,7 @@ def _cpu_library(
     run_as = s.trace_precision or cfg.precision
     if SPECS[run_as].compute_dtype.itemsize >= 4:
         return cpu_library_bytes(cfg.precision, native_16bit=native_16bit)
-    t = _trace(spec, mb, run_as, traced_names(cfg), "cpu", s.trace_transform)
+    t = _trace(spec, mb, run_as, traced_transforms(cfg), "cpu", s.trace_transform)
     runs = s.runs_linear is not False
     return cpu_library_bytes(
         cfg.precision, t.products * runs, t.attentions * runs, t.convolutions, native_16bit=native_16bit
@@ -308,6 +309,9 @@ def _step_scratch(cfg: TrainConfig, s: RankMemory, info: ModelInfo, device_type:
         return max(s.optim // max(1, opt_slots(cfg)), s.params)
     # traced; a sharded rank steps its share of each parameter
     share = s.params / max(1, info.total * SPECS[cfg.precision].param_dtype.itemsize)
+    adapters = [n for n, _ in adapter_shapes(info.linear_names, info.linear_features, cfg)]
+    if adapters:  # LoRA: the per-parameter loop's temporaries are the largest adapter's, not the base's
+        share = max(adapters) / max(info.numels)
     return int(cpu_step_scratch(cfg) * min(1.0, share))
 
 

@@ -86,9 +86,17 @@ class AccelerateDeepSpeed(AccelerateStrategy):
         return DeepSpeedEngineOptions(**dataclasses.asdict(self.options))
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with accelerate-deepspeed is not supported (untested: it needs CUDA); use deepspeed"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type != "cuda":
             return "accelerate's DeepSpeed plugin needs a CUDA GPU; use the deepspeed strategy on CPU"
+        if why := cls.lora_refusal(cfg):
+            return why
         if importlib.util.find_spec("deepspeed") is None:
             return "needs the deepspeed package (pip install deepspeed)"
         opts = cls.parse_options(cfg.strategy_options)

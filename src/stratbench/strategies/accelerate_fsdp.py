@@ -137,9 +137,17 @@ class AccelerateFSDP(AccelerateStrategy):
     distributed_type = "FSDP"
 
     @classmethod
+    def lora_refusal(cls, cfg: TrainConfig) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with accelerate-fsdp is not supported (untested: it needs CUDA); use fsdp"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type != "cuda":
             return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
+        if why := cls.lora_refusal(cfg):
+            return why
         return super().check_supported(cfg, device, world_size)
 
     cost = AccelerateFSDPCost

@@ -64,8 +64,15 @@ class AccelerateTP(AccelerateStrategy):
     checkpoint_io_class = AccelerateTPCheckpointIO
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with accelerate-tp is not supported: its plan shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         reason = super().check_supported(cfg, device, world_size)
+        reason = reason or cls.lora_refusal(cfg)
         if reason is None and device.type != "cuda":
             reason = ACCELERATE_TP_CPU.format(version=importlib.metadata.version("accelerate"))
         return reason or tp_unsupported(cfg, world_size, "--nproc", BLOCKS_ONLY)

@@ -262,6 +262,12 @@ class Strategy:
         return None
 
     @classmethod
+    def lora_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why this method cannot train LoRA adapters (``--lora-rank``) with ``cfg``'s options, in one line; None
+        where it can. Its ``check_supported`` returns it, and the estimate's row of the method says it."""
+        return None
+
+    @classmethod
     def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
         """Refuse (CheckpointError), before any process starts, a checkpoint in ``checkpoint_layout`` that no run
         can resume or start from; ``meta`` is its header. Nothing by default."""

@@ -17,6 +17,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import SPECS
 from stratbench.measuring.model_trace import ModelInfo
+from stratbench.models.transforms.lora import adapter_shapes
 
 MiB = 1024**2
 
@@ -131,6 +132,33 @@ class MemoryContext:
     device_type: str = "cuda"
 
     @property
+    def adapters(self) -> list[tuple[int, int]]:
+        """(numel, dim 0) of each parameter LoRA adds (``--lora-rank``; none without): A then B per Linear."""
+        return adapter_shapes(self.info.linear_names, self.info.linear_features, self.cfg)
+
+    @property
+    def numels(self) -> list[int]:
+        """Every parameter's numel the run holds: the model's (``info.numels``), then LoRA's adapters."""
+        return self.info.numels + [n for n, _ in self.adapters]
+
+    @property
+    def dim0(self) -> list[int]:
+        """Dim 0 of each of ``numels`` (FSDP2 shards along it)."""
+        return self.info.dim0 + [d for _, d in self.adapters]
+
+    @property
+    def trainable(self) -> list[bool]:
+        """Whether each of ``numels`` trains (has a gradient and optimizer state): all of them, or with LoRA the
+        adapters only (the base frozen)."""
+        base = self.cfg.lora_rank <= 0
+        return [base] * len(self.info.numels) + [True] * len(self.adapters)
+
+    @property
+    def trainable_numels(self) -> list[int]:
+        """The numels of the trained parameters (gradients and optimizer state are counted over these)."""
+        return [n for n, t in zip(self.numels, self.trainable, strict=True) if t]
+
+    @property
     def pspec(self):
         return SPECS[self.cfg.precision]
 
@@ -153,15 +181,15 @@ class MemoryContext:
 
     def replicated(self, buckets: bool) -> RankMemory:
         """Every rank holds everything (single, DataParallel, DDP); DDP adds a bucket copy of the gradients."""
-        n, pd = self.info.numels, self.param_bytes
-        total = sum(n)
+        n, pd = self.trainable_numels, self.param_bytes
+        total, trained = sum(self.numels), sum(n)
         with_buckets = buckets and self.world > 1
         return RankMemory(
             params=total * pd,
-            grads=total * pd,
-            optim=self.opt_slots * total * pd,
+            grads=trained * pd,
+            optim=self.opt_slots * trained * pd,
             step_scalars=4 * len(n) if self.adam else 0,
-            buckets=total * pd if with_buckets else 0,
+            buckets=trained * pd if with_buckets else 0,
             bucket_note="DDP all-reduce buckets" if with_buckets else "",
             sharding_note="replicated" if self.world > 1 else "",
         )

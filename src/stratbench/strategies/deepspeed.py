@@ -33,6 +33,7 @@ from torch import nn
 from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError
+from stratbench.core.optim import trainable
 from stratbench.core.precision import Precision
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
@@ -263,6 +264,12 @@ class DeepSpeed(Strategy):
         refuse_nvme_checkpoint(path, checkpoint.check_tag(path, meta.get("deepspeed_tag", DS_TAG)))
 
     @classmethod
+    def lora_refusal(cls, cfg: TrainConfig) -> str | None:
+        if cfg.lora_rank and cls.parse_options(cfg.strategy_options).autotp_size > 1:
+            return "--lora-rank with deepspeed --autotp-size is not supported: AutoTP shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
         opts: DeepSpeedOptions = cls.parse_options(cfg.strategy_options)
         try:
@@ -286,6 +293,8 @@ class DeepSpeed(Strategy):
             raise ConfigError(
                 f"--ds-optimizer must be one of: {', '.join(DS_OPTIMIZERS)}; got {opts.ds_optimizer!r}"
             )
+        if why := cls.lora_refusal(cfg):
+            return why
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
         reason = _autotp_unsupported(cfg, opts.autotp_size) or nvme_unavailable(ds["zero_optimization"])
         if reason:
@@ -379,7 +388,7 @@ class DeepSpeed(Strategy):
             from deepspeed.ops.adam import DeepSpeedCPUAdam
 
             client = DeepSpeedCPUAdam(
-                model.parameters(), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
+                trainable(model.parameters()), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
             )
         zero = self.ds_config["zero_optimization"]
         if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
@@ -389,7 +398,7 @@ class DeepSpeed(Strategy):
             engine, _, _, _ = deepspeed.initialize(
                 model=model,
                 optimizer=client,
-                model_parameters=None if client is not None else model.parameters(),
+                model_parameters=None if client is not None else trainable(model.parameters()),
                 config=self.ds_config,
                 mpu=self._autotp_groups(),
             )

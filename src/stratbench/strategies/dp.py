@@ -56,11 +56,19 @@ class DataParallelStrategy(Strategy):
     launcher = "python"
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with dp is not supported (untested: it needs 2 CUDA GPUs); use ddp"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         # Without GPUs nn.DataParallel silently runs the plain module: refuse instead of pretending.
         found = _cuda_count()
         if found < 2:
             return f"needs >= 2 CUDA GPUs, found {found}"
+        if why := cls.lora_refusal(cfg):
+            return why
         if device.type != "cuda":
             return f"needs the cuda device; --device is {cfg.device!r}"
         if world_size != 1:

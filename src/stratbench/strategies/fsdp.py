@@ -277,9 +277,17 @@ class FSDPStrategy(LossParallel, Strategy):
         super().__init__(cfg, env, policy_precision(precision), options)
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank and cls.parse_options(cfg.strategy_options).tp > 1:
+            return "--lora-rank with fsdp --tp is not supported: the tensor-parallel plan shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
+        if why := cls.lora_refusal(cfg):
+            return why
         return tp_unsupported(cfg, cls.parse_options(cfg.strategy_options), world_size)
 
     @classmethod

@@ -175,10 +175,18 @@ class FSDP1Strategy(Strategy):
         super().__init__(cfg, env, policy_precision(precision), options)
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with fsdp1 is not supported: a FlatParameter holds a unit's frozen base and its adapters together (one requires_grad, or with use_orig_params the whole unit's gradient); use fsdp (FSDP2)"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         opts = cls.parse_options(cfg.strategy_options)
         if device.type not in ("cpu", "cuda"):
             return f"fsdp1 runs on cpu or cuda devices, not {device.type}"
+        if why := cls.lora_refusal(cfg):
+            return why
         if opts.cpu_offload and device.type != "cuda":
             return "fsdp1 --cpu-offload needs a CUDA device (FSDP1's CPUOffload fails on CPU); fsdp --cpu-offload works on CPU"
         if opts.sharding_strategy == "HYBRID_SHARD" and world_size % cfg.nnodes:

@@ -108,6 +108,12 @@ class ModelParallelStrategy(Strategy):
         return options.devices or _cuda_count()
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with model-parallel is not supported (untested: it needs 2 CUDA GPUs); use single or ddp"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         found = _cuda_count()
         if found < 2:
@@ -119,6 +125,8 @@ class ModelParallelStrategy(Strategy):
         options = cls.parse_options(cfg.strategy_options)
         if options.devices > found:
             return f"--devices {options.devices}: only {found} CUDA GPUs are visible"
+        if why := cls.lora_refusal(cfg):
+            return why
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
         try:

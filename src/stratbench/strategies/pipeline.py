@@ -328,6 +328,12 @@ class PipelineStrategy(Strategy):
 
     # ---- what it needs ------------------------------------------------------------------------
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with pipeline is not supported: its stages and merged checkpoints are not built for frozen parameters (untested)"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"pipeline runs on cpu or cuda devices, not {device.type}"
@@ -336,6 +342,8 @@ class PipelineStrategy(Strategy):
             lay = resolve_layout(options, world_size)
         except ConfigError as exc:
             return str(exc)
+        if why := cls.lora_refusal(cfg):
+            return why
         if cfg.activation_checkpointing:
             return "--activation-checkpointing with pipeline is not supported (the stages hold the original modules)"
         if cfg.compile:

@@ -70,9 +70,17 @@ class TPStrategy(LossParallel, Strategy):
     Options = TPOptions
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with tp is not supported: its plan shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"tp runs on cpu or cuda devices, not {device.type}"
+        if why := cls.lora_refusal(cfg):
+            return why
         return unsupported(cfg, world_size)
 
     @classmethod

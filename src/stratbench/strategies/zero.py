@@ -172,8 +172,16 @@ class DDPZeroStrategy(DDPStrategy):
     comm_reference = False  # DDP's subclass; the reference is DDP itself
 
     @classmethod
+    def lora_refusal(cls, cfg) -> str | None:
+        if cfg.lora_rank:
+            return "--lora-rank with ddp-zero is not supported: its memory model and optimizer-state partition count every parameter; use ddp or deepspeed"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         options = cls.parse_options(cfg.strategy_options)
+        if why := cls.lora_refusal(cfg):
+            return why
         if options.checkpoint_format not in CHECKPOINT_FORMATS:
             return f"--checkpoint-format {options.checkpoint_format!r} is not one of: {', '.join(CHECKPOINT_FORMATS)}"
         return super().check_supported(cfg, device, world_size)

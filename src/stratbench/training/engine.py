@@ -65,10 +65,10 @@ from stratbench.measuring.metrics import RunMetrics
 from stratbench.measuring.model_trace import text_vocab
 from stratbench.models.flops import flops_per_sample
 from stratbench.models.hf import check_vocab, is_hf_name
+from stratbench.models.transforms.lora import lora_meta, parameter_counts
 from stratbench.models.zoo import (
     build_model,
     check_model,
-    count_parameters,
     load_weights,
 )
 from stratbench.strategies.base import Strategy, get_strategy
@@ -384,8 +384,12 @@ class Trainer:
             "norm": cfg.norm,
             "width": cfg.width,
             "data": cfg.data,
-            "num_parameters": count_parameters(model),
         }
+        # total (LoRA's adapters included) and trained (with LoRA the adapters only); the LoRA settings let
+        # inference rebuild the adapted model a checkpoint's keys name
+        meta["trainable_parameters"], meta["num_parameters"] = parameter_counts(model, cfg)
+        if cfg.lora_rank > 0:
+            meta["lora"] = lora_meta(cfg)
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
             meta |= {
                 "seq_len": bundle.seq_len, "vocab_size": bundle.num_classes,

@@ -2,11 +2,12 @@
 
 Every method gets them at the same point, ``Strategy.setup`` (``strategies.base``), in ``ORDER``:
 
-1. ``activation_checkpointing``  before the wrap   each block recomputed in backward
-2. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
+1. ``lora``                      before the wrap   PEFT's LoRA adapters in the targeted Linears, the base frozen
+2. ``activation_checkpointing``  before the wrap   each block recomputed in backward
+3. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
    -- the method's move (to its devices), channels-last, its wrap (DDP, FSDP's shards, a tensor-parallel plan,
       a pipeline's stages, DeepSpeed's engine) and the optimizer on the wrapped parameters --
-3. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
+4. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
 
 torchtitan's order is quantize/convert -> tensor parallel -> activation checkpointing -> compile -> FSDP; here
 tensor parallelism and FSDP are both the method's wrap, so activation checkpointing comes before any wrap (the
@@ -28,15 +29,17 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.activation_checkpointing import ActivationCheckpointing
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
+from stratbench.models.transforms.lora import Lora
 from stratbench.models.transforms.precision_cast import PrecisionCast
 from stratbench.models.transforms.torch_compile import Compile
 
 __all__ = [
     "FORWARD_SHARE", "ORDER", "Cost", "Phase", "Pipeline", "Transform", "apply_traced", "by_name", "chosen",
-    "flops_factor", "traced_names",
+    "flops_factor", "traced", "traced_names",
 ]  # fmt: skip
 
 ORDER: tuple[Transform, ...] = (
+    Lora(),
     ActivationCheckpointing(),
     PrecisionCast(),
     Compile(),
@@ -71,14 +74,22 @@ def traced_names(cfg: TrainConfig) -> tuple[str, ...]:
     return tuple(t.name for t in chosen(cfg) if t.traced)
 
 
-def apply_traced(model: nn.Module, names: tuple[str, ...]) -> nn.Module:
-    """``model`` (built on fake tensors in the weights' dtype) with the named trace-time transforms, in
-    ``ORDER``."""
+def traced(cfg: TrainConfig) -> tuple[Transform, ...]:
+    """The transforms of ``cfg`` the estimate's trace applies, configured for it (hashable: the trace is
+    cached)."""
+    return tuple(t.configured(cfg) for t in chosen(cfg) if t.traced)
+
+
+def apply_traced(model: nn.Module, transforms: tuple[Transform | str, ...]) -> nn.Module:
+    """``model`` (built on fake tensors in the weights' dtype) with the given trace-time transforms (configured
+    ones, or names of ones that read no option), in ``ORDER``."""
+    given = {(t if isinstance(t, str) else t.name): t for t in transforms}
     for t in ORDER:
-        if t.name in names:
+        if t.name in given:
             if not t.traced:
                 raise ValueError(f"model transform {t.name!r} is not applied when tracing")
-            model = t.apply(model, None)
+            entry = given[t.name]
+            model = (t if isinstance(entry, str) else entry).apply(model, None)
     return model
 
 
@@ -94,6 +105,6 @@ class Pipeline:
         """``model`` with this run's transforms of ``phase``, in ``ORDER`` (the config is read at set-up)."""
         for t in chosen(self.cfg):
             if t.phase is phase:
-                model = t.apply(model, precision)
+                model = t.configured(self.cfg).apply(model, precision)
                 self.applied.append(t.label(self.cfg))
         return model

@@ -66,6 +66,11 @@ class Transform:
         """The entry of ``result.json``'s ``transforms`` for a run of ``cfg``."""
         return self.name
 
+    def configured(self, cfg: TrainConfig) -> Transform:
+        """This transform with the options of ``cfg`` its ``apply`` reads (LoRA's rank and targets); hashable,
+        since the estimate's cached trace takes it. Most read none: itself."""
+        return self
+
     def apply(self, model: nn.Module, precision: Precision | None) -> nn.Module:
         """``model`` transformed (in place where it can be; the module the next step takes is returned).
         ``precision`` is the method's precision plug-in (None in the estimate's trace, which builds the model

@@ -53,10 +53,12 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     stage 3, and the reduce/prefetch buckets sized by its defaults."""
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     stage = int(zero.get("stage", 2))
-    total = info.total
+    # total: every weight (LoRA's adapters included); trained: the optimizer's (with LoRA the adapters only),
+    # which the master partition, the optimizer state and the gradients cover
+    total, trained = sum(ctx.numels), sum(ctx.trainable_numels)
     bit = 2 if ctx.half else pd
     master_bytes = 4  # DeepSpeed's master partitions and optimizer state are fp32
-    part = -(-total // world) if stage >= 1 else total
+    part = -(-trained // world) if stage >= 1 else trained
     m = RankMemory(params=(-(-total // world) if stage == 3 else total) * bit)
     # Stage 3 reuses the partition as the master when it already has the master's dtype on the device
     # (stage3.py, _create_fp32_partitions); stages 1-2 always clone it.
@@ -65,7 +67,7 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     m.master = part * master_bytes if ((stage >= 1 or ctx.half) and not same) else 0
     m.optim = ctx.opt_slots * part * master_bytes
     # After backward, stages 1-3 hold the reduced gradients of their own partition only; stage 0 all of them.
-    m.grads = (total if stage == 0 else part) * bit
+    m.grads = (trained if stage == 0 else part) * bit
     m.step_scalars = 4 if ctx.adam else 0
     bucket = int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET))
     if stage >= 1 and zero.get("contiguous_gradients", True):
@@ -74,7 +76,7 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
         # rank by a 2-rank ResNet-18 run whose model states are 0.1 GiB. Lower reduce_bucket_size for small models.
         m.buckets, m.bucket_note = bucket * bit, "DeepSpeed reduce bucket (allocated whole)"
     elif stage >= 2 and world > 1:
-        m.buckets, m.bucket_note = min(bucket, total) * bit, "DeepSpeed reduce bucket"
+        m.buckets, m.bucket_note = min(bucket, trained) * bit, "DeepSpeed reduce bucket"
     m.sharding_note = f"ZeRO-{stage}"
     # DeepSpeed casts the module to fp16/bf16 and feeds it 16-bit inputs, no autocast: traced as that 16-bit
     # model, not as autocast over fp32 weights, whose per-forward weight casts (2 bytes per parameter, saved
@@ -82,7 +84,7 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     m.trace_precision = DS_TRACE_PRECISION.get(ctx.cfg.precision)
     m.grads_whole_in_backward = stage <= 1  # every gradient waits for the reduction at the end of backward
     if stage == 3:
-        persistent = sum(x for x in info.numels if x < DS_PARAM_PERSISTENCE)
+        persistent = sum(x for x in ctx.numels if x < DS_PARAM_PERSISTENCE)
         m.gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
         m.gather_note = "small parameters kept whole (persistence threshold) + prefetch bucket"
     if "offload_param" in zero:
