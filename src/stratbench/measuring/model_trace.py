@@ -17,7 +17,7 @@ from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.core.optim import optimizer_spec
+from stratbench.core.optim import QuantizedStates, optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_text_data, load_tokenizer
@@ -174,6 +174,13 @@ class ModelInfo:
     blocks: str | None = None
     """The block units in words (``describe_units``); None where the model has none (``no_blocks`` says why)."""
     no_blocks: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Parameter shapes in ``numels``' order (the lean optimizers' state depends on them); empty: one flat
+    dimension each."""
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        return list(self.shapes) if self.shapes else [(n,) for n in self.numels]
 
     @property
     def total(self) -> int:
@@ -224,6 +231,7 @@ def model_info(spec: ModelSpec) -> ModelInfo:
         linear_names=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
         blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
         no_blocks="" if has_blocks else why_no_blocks(model),
+        shapes=tuple(tuple(p.shape) for p in params),
     )
 
 
@@ -546,7 +554,35 @@ def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     live = _LiveBytes(1)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with torch.compiler.set_stance("force_eager"):  # a compiled step (torchao's) is traced as a CPU runs it
+        _first_step(cls, dict(kwargs))
+        return _traced_step(spec, dtype, cls, kwargs, live, FakeTensorMode)
+
+
+def _first_step(cls: type, kwargs: dict) -> None:
+    """One real step of the optimizer on a small parameter before the fake one: tables an optimizer builds once
+    (torchao's quantisation maps, through ``.tolist()``) cannot be computed on fake tensors."""
+    p = torch.zeros(QuantizedStates.MIN_NUMEL, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    cls([p], **kwargs).step()
+
+
+def _scalars_mode():
+    """A fake tensor has no value: a step's reads of one (Adafactor's step count and norms, through ``.item()``)
+    answer 1, which sizes no tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarsMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return True if args[0].dtype is torch.bool else 1
+            return func(*args, **(kwargs or {}))
+
+    return ScalarsMode()
+
+
+def _traced_step(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple, live: _LiveBytes, mode) -> int:
+    with mode(allow_non_fake_inputs=True), _scalars_mode():
         model = _build_in(spec, dtype)
         params = list(model.parameters())
         for p in params:

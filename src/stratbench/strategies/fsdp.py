@@ -49,7 +49,7 @@ from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CostModel, Strategy, register
-from stratbench.strategies.costs import MemoryContext
+from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -280,7 +280,7 @@ class FSDPStrategy(LossParallel, Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
-        return tp_unsupported(cfg, cls.parse_options(cfg.strategy_options), world_size)
+        return lean_refusal(cfg, "FSDP2 shards each parameter by rows (DTensors)") or tp_unsupported(cfg, cls.parse_options(cfg.strategy_options), world_size)
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:

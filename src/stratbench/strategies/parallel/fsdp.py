@@ -170,7 +170,7 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         local = sum(
             n // d0 * chunk_rows(d0, world, rank) for n, d0 in zip(info.numels, info.dim0, strict=True)
         )
-    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
     m.step_scalars = 4 * len(info.numels) if ctx.adam else 0
     m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
     m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
