@@ -472,8 +472,8 @@ def local_bytes(t: torch.Tensor) -> int:
     """Bytes ``t`` holds on this rank: a DTensor's local shard only, a wrapper subclass's inner tensors (torchao's
     quantised optimizer states: uint8 codes, fp32 scales and lookup table, under a full-size fp32 face)."""
     if is_traceable_wrapper_subclass(t):  # DTensor (FSDP2) holds _local_tensor; torchao's states codes/scale/qmap
-        names, _ = t.__tensor_flatten__()
-        return sum(local_bytes(getattr(t, n)) for n in names)
+        inner = (getattr(t, n) for n in t.__tensor_flatten__()[0])  # DTensor also names its device_mesh
+        return sum(local_bytes(x) for x in inner if isinstance(x, torch.Tensor))
     return t.numel() * t.element_size()
 
 
