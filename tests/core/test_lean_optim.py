@@ -68,6 +68,16 @@ def test_unknown_optimizer_and_missing_kernels_are_refused_naming_the_allowed_on
         validate(TrainConfig(optimizer="adafactor", optimizer_impl="fused"))
 
 
+def test_a_torchao_optimizer_without_torchao_is_refused_with_the_install_line(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchao" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"optimizer 'adamw4bit' needs torchao.*stratbench\[lean\]"):
+        validate(TrainConfig(optimizer="adamw4bit"))
+    validate(TrainConfig(optimizer="adafactor"))  # torch's own: nothing to install
+
+
 def test_a_method_that_shards_parameters_refuses_a_lean_optimizer_in_one_line():
     cfg = TrainConfig(model="gpt-tiny", data="synthetic-tokens", seq_len=32, optimizer="adafactor")
     cpu = torch.device("cpu")
