@@ -78,12 +78,17 @@ def test_a_torchao_optimizer_without_torchao_is_refused_with_the_install_line(mo
     validate(TrainConfig(optimizer="adafactor"))  # torch's own: nothing to install
 
 
-def test_a_method_that_shards_parameters_refuses_a_lean_optimizer_in_one_line():
+def test_a_method_that_cannot_step_a_lean_optimizer_refuses_it_in_one_line():
     cfg = TrainConfig(model="gpt-tiny", data="synthetic-tokens", seq_len=32, optimizer="adafactor")
     cpu = torch.device("cpu")
     why = get_strategy("fsdp").check_supported(cfg.replace(strategy="fsdp"), cpu, 2)
     assert why and "'adafactor'" in why and "use sgd or adamw" in why and "\n" not in why, why
     assert get_strategy("ddp").check_supported(cfg.replace(strategy="ddp"), cpu, 2) is None
+    # torchao's states are built per local shard: FSDP2 takes them (priced per dim-0 chunk), --tp's slices not
+    lean = cfg.replace(optimizer="adamw8bit", strategy="fsdp")
+    assert get_strategy("fsdp").check_supported(lean, cpu, 2) is None
+    why = get_strategy("fsdp").check_supported(lean.replace(strategy_options={"tp": 2}), cpu, 2)
+    assert why and "--tp" in why, why
     with pytest.raises(ConfigError, match="'adafactor' keeps its state per whole parameter"):
         estimate(cfg.replace(strategy="fsdp"), 2, "cpu")  # the estimate's row is n/a, never a wrong number
 

@@ -122,6 +122,15 @@ def step_counter_bytes(optimizer: str) -> int:
     return 0 if optimizer == "sgd" else 4
 
 
+def states_per_local_shard(optimizer: str) -> bool:
+    """Whether the optimizer builds a DTensor parameter's state from its local shard alone, as it would for a
+    plain tensor of the shard's shape: the elementwise ones, and torchao's (``_new_buffer`` quantises
+    ``p.to_local()``); not Adafactor, whose row and column factors need reductions across the shards (under FSDP2
+    its in-place ``pow_`` on a partial norm fails: "in-place operations that require placement changes are not
+    supported", torch 2.13)."""
+    return optimizer != "adafactor"
+
+
 def elementwise_slots(optimizer: str, momentum: float) -> int | None:
     """State tensors of the parameter's size and dtype per parameter, for the optimizers whose state is that
     (AdamW two, momentum SGD one, plain SGD none); None for the lean ones, whose state depends on the shape."""

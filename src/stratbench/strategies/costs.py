@@ -15,7 +15,13 @@ from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.core.optim import describe_state, elementwise_slots, state_bytes, step_counter_bytes
+from stratbench.core.optim import (
+    describe_state,
+    elementwise_slots,
+    state_bytes,
+    states_per_local_shard,
+    step_counter_bytes,
+)
 from stratbench.core.precision import SPECS
 from stratbench.measuring.model_trace import ModelInfo
 
@@ -158,6 +164,14 @@ class MemoryContext:
         (``core.optim.state_bytes``: exact for every optimizer, the lean ones included)."""
         cfg = self.cfg
         return sum(state_bytes(cfg.optimizer, cfg.momentum, tuple(s), self.param_bytes) for s in shapes)
+
+    def shard_optim_bytes(self, local_shapes: list[tuple[int, ...]]) -> int:
+        """Optimizer-state bytes of DTensor parameters whose local shards have these shapes (FSDP2): priced as
+        whole parameters of the shards' shapes, where the optimizer builds its state from the shard alone
+        (``core.optim.states_per_local_shard``; the others are refused: a ConfigError, an n/a row)."""
+        if not states_per_local_shard(self.cfg.optimizer):
+            raise ConfigError(lean_refusal(self.cfg, "its factors cannot be built from a row shard (DTensor)") or "")
+        return self.optim_bytes(local_shapes)
 
     def flat_optim_bytes(self, numel: int, itemsize: int | None = None) -> int:
         """Optimizer-state bytes of ``numel`` elements of flattened or sharded parameters: only the optimizers

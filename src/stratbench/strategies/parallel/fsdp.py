@@ -170,7 +170,10 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         local = sum(
             n // d0 * chunk_rows(d0, world, rank) for n, d0 in zip(info.numels, info.dim0, strict=True)
         )
-    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
+    shapes = info.param_shapes
+    if sharding != "none":  # each rank's dim-0 chunk of every parameter (a 0-dim one counted as one row)
+        shapes = [(chunk_rows(s[0], world, rank), *s[1:]) for s in (s or (1,) for s in shapes)]
+    m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.shard_optim_bytes(shapes))
     m.step_scalars = 4 * len(info.numels) if ctx.adam else 0
     m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
     m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
