@@ -8,6 +8,7 @@ Below the strategies and the estimate: it imports nothing of either (docs/memory
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -175,12 +176,17 @@ class ModelInfo:
     """The block units in words (``describe_units``); None where the model has none (``no_blocks`` says why)."""
     no_blocks: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
-    """Parameter shapes in ``numels``' order (the lean optimizers' state depends on them); empty: one flat
-    dimension each."""
+    """Parameter shapes in ``numels``' order, as built (the lean optimizers' state depends on them)."""
 
     @property
     def param_shapes(self) -> list[tuple[int, ...]]:
-        return list(self.shapes) if self.shapes else [(n,) for n in self.numels]
+        """``shapes`` where they still describe ``numels``; one flat dimension each where a view replaced the
+        numels (a tensor-parallel rank's slices: ``dataclasses.replace(info, numels=...)``)."""
+        if len(self.shapes) == len(self.numels) and all(
+            math.prod(s) == n for s, n in zip(self.shapes, self.numels, strict=True)
+        ):
+            return list(self.shapes)
+        return [(n,) for n in self.numels]
 
     @property
     def total(self) -> int:
