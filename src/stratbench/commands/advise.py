@@ -16,7 +16,7 @@ from stratbench.commands.estimate import (
     describe_input,
     model_fields,
 )
-from stratbench.core.config import TrainConfig, canonical_precision, validate
+from stratbench.core.config import CHOICES, TrainConfig, canonical_precision, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import spec_of
 from stratbench.core.tables import fmt_bytes, table_console
@@ -36,7 +36,7 @@ ORDER = 41
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
-    parser.add_argument("--optimizer", default="adamw", choices=("sgd", "adamw"))
+    parser.add_argument("--optimizer", default="adamw", choices=CHOICES["optimizer"])
     parser.add_argument(
         "--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)"
     )

@@ -9,7 +9,7 @@ import torch
 from rich.table import Table
 
 from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
-from stratbench.core.config import RANGES, TrainConfig, canonical_precision, coerce, validate
+from stratbench.core.config import CHOICES, RANGES, TrainConfig, canonical_precision, coerce, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import TF32_GPUS, spec_of
 from stratbench.core.tables import (
@@ -58,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a method (see `stratbench list`) or 'all' for one row per method",
     )
     parser.add_argument("--world-size", type=int, default=1, help="number of devices (processes)")
-    parser.add_argument("--optimizer", default="sgd", choices=("sgd", "adamw"))
+    parser.add_argument("--optimizer", default="sgd", choices=CHOICES["optimizer"])
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: plain SGD, no state)")
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each residual block"

@@ -10,6 +10,7 @@ import argparse
 import ast
 import dataclasses
 import functools
+import importlib.util
 import inspect
 import math
 import textwrap
@@ -169,7 +170,8 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-steps per optimizer step; the per-device micro-batch is batch_size / (world * grad_accum)."""
     optimizer: str = "sgd"
-    """sgd (with momentum) or adamw."""
+    """sgd (with momentum), adamw, or a memory-lean one: adamw8bit / adamw4bit (torchao's block-quantised AdamW
+    states, the ``lean`` extra) or adafactor (torch's, factored second moments, no first moment)."""
     optimizer_impl: str = "default"
     """Optimizer kernels: default (torch's choice: foreach on CUDA), foreach (one multi-tensor kernel per
     operation), fused (one kernel for the whole update), for-loop (one kernel per parameter)."""
@@ -280,7 +282,7 @@ class TrainConfig:
 CHOICES: dict[str, tuple[str, ...]] = {
     "norm": ("group", "none"),
     "device": ("auto", "cpu", "cuda"),
-    "optimizer": ("sgd", "adamw"),
+    "optimizer": ("sgd", "adamw", "adamw8bit", "adamw4bit", "adafactor"),
     "optimizer_impl": ("default", "foreach", "fused", "for-loop"),
     "lr_schedule": ("cosine", "constant"),
     "data_pipeline": ("auto", "loader", "device"),
@@ -310,11 +312,45 @@ def recipe_settings(
         "precision": "bf16-mixed" if bf16 else "fp16-mixed",
         "channels_last": True,
         "data_pipeline": "device",
-        "optimizer_impl": "foreach" if (strategy, optimizer) in FUSED_UNSUPPORTED else "fused",
+        "optimizer_impl": recipe_optimizer_impl(strategy, optimizer),
         "cudnn_benchmark": True,
         "pin_memory": True,
         "compile": cuda,
     }
+
+
+# ---- the memory-lean optimizers (--optimizer adamw8bit | adamw4bit | adafactor) ----------------
+TORCHAO_OPTIMIZERS = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+"""--optimizer names -> torchao.optim classes (an optional dependency: ``pip install 'stratbench[lean]'``)."""
+OPTIMIZER_IMPLS = {
+    "adamw8bit": ("default",),
+    "adamw4bit": ("default",),
+    "adafactor": ("default", "foreach", "for-loop"),
+}
+"""The optimizer_impl values a lean optimizer takes: torchao's step is one compiled function per parameter (no
+foreach or fused variant); torch's Adafactor has foreach but no fused kernel."""
+
+
+def recipe_optimizer_impl(strategy: str, optimizer: str) -> str:
+    """The recipe's optimizer kernels: fused, foreach where fused fails with the strategy, torch's default for an
+    optimizer with no fused kernel (``OPTIMIZER_IMPLS``)."""
+    if optimizer in OPTIMIZER_IMPLS:
+        return "default"
+    return "foreach" if (strategy, optimizer) in FUSED_UNSUPPORTED else "fused"
+
+
+def check_optimizer(cfg: TrainConfig) -> None:
+    """Refuse, before any work, a lean optimizer with kernels it has not, or whose library is not installed."""
+    impls = OPTIMIZER_IMPLS.get(cfg.optimizer)
+    if impls is not None and cfg.optimizer_impl not in impls:
+        raise ConfigError(
+            f"optimizer_impl {cfg.optimizer_impl!r} does not exist for optimizer {cfg.optimizer!r}; "
+            f"choose one of: {', '.join(impls)}"
+        )
+    if cfg.optimizer in TORCHAO_OPTIMIZERS and importlib.util.find_spec("torchao") is None:
+        raise ConfigError(
+            f"optimizer {cfg.optimizer!r} needs torchao, which is not installed: pip install 'stratbench[lean]'"
+        )
 
 
 def expand_recipe(data: dict[str, Any]) -> dict[str, Any]:
@@ -514,6 +550,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(
             f"node_rank must be below nnodes ({cfg.nnodes}): ranks are 0..{cfg.nnodes - 1}, got {cfg.node_rank}"
         )
+    check_optimizer(cfg)
     why = FUSED_UNSUPPORTED.get((cfg.strategy, cfg.optimizer))
     if cfg.optimizer_impl == "fused" and why:
         raise ConfigError(

@@ -145,7 +145,8 @@ def measure_cpu_step_peak(cfg: Any, steps: int = 2) -> dict[str, int]:
             )
         for step in range(steps):
             readings.clear()
-            with Sample() if step == steps - 1 else _null():
+            sampled = step == steps - 1  # eager while sampled: compile cannot trace under a dispatch mode
+            with Sample() if sampled else _null(), torch.compiler.set_stance("force_eager" if sampled else "default"):
                 x = precision.convert_input(torch.randn(batch, 3, size, size))
                 y = torch.randint(0, spec.num_classes, (batch,))
                 with precision.autocast():

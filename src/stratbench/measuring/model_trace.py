@@ -8,6 +8,7 @@ Below the strategies and the estimate: it imports nothing of either (docs/memory
 from __future__ import annotations
 
 import functools
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,7 +18,7 @@ from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
-from stratbench.core.optim import optimizer_spec
+from stratbench.core.optim import QuantizedStates, optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
 from stratbench.data.datasets import SampleShape, default_image_size, split_batch
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
@@ -176,6 +177,18 @@ class ModelInfo:
     blocks: str | None = None
     """The block units in words (``describe_units``); None where the model has none (``no_blocks`` says why)."""
     no_blocks: str = ""
+    shapes: tuple[tuple[int, ...], ...] = ()
+    """Parameter shapes in ``numels``' order, as built (the lean optimizers' state depends on them)."""
+
+    @property
+    def param_shapes(self) -> list[tuple[int, ...]]:
+        """``shapes`` where they still describe ``numels``; one flat dimension each where a view replaced the
+        numels (a tensor-parallel rank's slices: ``dataclasses.replace(info, numels=...)``)."""
+        if len(self.shapes) == len(self.numels) and all(
+            math.prod(s) == n for s, n in zip(self.shapes, self.numels, strict=True)
+        ):
+            return list(self.shapes)
+        return [(n,) for n in self.numels]
 
     @property
     def total(self) -> int:
@@ -229,6 +242,7 @@ def model_info(spec: ModelSpec) -> ModelInfo:
         ),
         blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
         no_blocks="" if has_blocks else why_no_blocks(model),
+        shapes=tuple(tuple(p.shape) for p in params),
     )
 
 
@@ -552,7 +566,35 @@ def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: 
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     live = _LiveBytes(1)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with torch.compiler.set_stance("force_eager"):  # a compiled step (torchao's) is traced as a CPU runs it
+        _first_step(cls, dict(kwargs))
+        return _traced_step(spec, dtype, cls, kwargs, live, FakeTensorMode)
+
+
+def _first_step(cls: type, kwargs: dict) -> None:
+    """One real step of the optimizer on a small parameter before the fake one: tables an optimizer builds once
+    (torchao's quantisation maps, through ``.tolist()``) cannot be computed on fake tensors."""
+    p = torch.zeros(QuantizedStates.MIN_NUMEL, requires_grad=True)
+    p.grad = torch.zeros_like(p)
+    cls([p], **kwargs).step()
+
+
+def _scalars_mode():
+    """A fake tensor has no value: a step's reads of one (Adafactor's step count and norms, through ``.item()``)
+    answer 1, which sizes no tensor."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ScalarsMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return True if args[0].dtype is torch.bool else 1
+            return func(*args, **(kwargs or {}))
+
+    return ScalarsMode()
+
+
+def _traced_step(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple, live: _LiveBytes, mode) -> int:
+    with mode(allow_non_fake_inputs=True), _scalars_mode():
         model = _build_in(spec, dtype)
         params = list(model.parameters())
         for p in params:

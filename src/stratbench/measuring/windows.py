@@ -91,6 +91,7 @@ class AllocWindow:
         self.imports: int | None = None
         self._meter = None
         self._mode = None
+        self._eager = None
         self._readings: list[int] = []
 
     def start_baseline(self) -> None:
@@ -118,12 +119,16 @@ class AllocWindow:
 
         self._mode = Sample()
         self._mode.__enter__()
+        # torch.compile cannot trace under a Python dispatch mode: a compiled call (torchao's optimizer step, with
+        # fullgraph) would fail, a plain one falls back to eager anyway; every call runs eagerly while it samples.
+        self._eager = torch.compiler.set_stance("force_eager")
 
     def after_step(self) -> None:
         if self._mode is None:
             return
         mode, self._mode = self._mode, None
         mode.__exit__(None, None, None)
+        self._eager.__exit__(None, None, None)
         if self._readings and self.baseline is not None:
             self.peak = max(self._readings) - self.baseline
         self.close()

@@ -47,7 +47,7 @@ from stratbench.models.transforms.lora import adapter_shapes
 from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
-from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory, opt_slots
+from stratbench.strategies.costs import MemoryContext, NoMemoryModel, RankMemory, opt_slots, optimizer_note
 
 GiB = 1024**3
 MiB = 1024**2
@@ -326,7 +326,7 @@ def _state_rows(
     return [
         r("parameters", s.params, s.host_params, s.sharding_note),
         r("gradients", s.grads, s.host_grads, "kept after backward"),
-        r("optimizer states", s.optim, s.host_optim, f"{opt_slots(cfg)} per parameter ({cfg.optimizer})"),
+        r("optimizer states", s.optim, s.host_optim, optimizer_note(cfg)),
         r(
             "fp32 master weights",
             s.master,

@@ -16,6 +16,7 @@ import torch
 from stratbench.core.errors import CheckpointError
 from stratbench.strategies.accelerate import AccelerateCheckpointIO, AccelerateStrategy
 from stratbench.strategies.base import CostModel, register
+from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.op_builds import prepare_op_builds
 from stratbench.strategies.parallel.deepspeed_config import build_ds_config
 from stratbench.strategies.parallel.deepspeed_engine import (
@@ -99,6 +100,8 @@ class AccelerateDeepSpeed(AccelerateStrategy):
             return why
         if importlib.util.find_spec("deepspeed") is None:
             return "needs the deepspeed package (pip install deepspeed)"
+        if why := lean_refusal(cfg, "DeepSpeed steps flat fp32 partitions"):
+            return why
         opts = cls.parse_options(cfg.strategy_options)
         ds = build_ds_config(
             cfg, DeepSpeedEngineOptions(**dataclasses.asdict(opts)), world_size, config_optimizer=False

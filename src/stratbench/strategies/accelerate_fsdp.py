@@ -12,6 +12,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.strategies.accelerate import AccelerateStrategy
 from stratbench.strategies.base import CostModel, register
+from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.parallel.fsdp import fsdp2_comm, fsdp2_memory
 
 FSDP_SHARDING = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2")
@@ -148,7 +149,7 @@ class AccelerateFSDP(AccelerateStrategy):
             return "accelerate's FSDP plugin needs a CUDA GPU (on CPU it fails or silently becomes DDP); use fsdp on CPU"
         if why := cls.lora_refusal(cfg):
             return why
-        return super().check_supported(cfg, device, world_size)
+        return lean_refusal(cfg, "FSDP shards the parameters") or super().check_supported(cfg, device, world_size)
 
     cost = AccelerateFSDPCost
 

@@ -13,6 +13,7 @@ from torch import nn
 
 from stratbench.strategies.accelerate import AccelerateStrategy, inner_optimizer
 from stratbench.strategies.base import register
+from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.parallel.tensor_parallel import TPCheckpointIO, apply_tp, reduce_partial_grads
 from stratbench.strategies.parallel.tp_costs import TPCost
 from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY
@@ -75,6 +76,7 @@ class AccelerateTP(AccelerateStrategy):
         reason = reason or cls.lora_refusal(cfg)
         if reason is None and device.type != "cuda":
             reason = ACCELERATE_TP_CPU.format(version=importlib.metadata.version("accelerate"))
+        reason = reason or lean_refusal(cfg, "tensor parallelism shards the weight matrices (DTensors)")
         return reason or tp_unsupported(cfg, world_size, "--nproc", BLOCKS_ONLY)
 
     @classmethod

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig, from_dict
@@ -53,6 +54,10 @@ class OptimizerFactory(Protocol):
     kwargs: dict[str, Any]
 
     def __call__(self, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer: ...
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        """What ``__call__`` does to the optimizer it builds, for one a strategy built its own way."""
+        ...
 
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -470,9 +475,12 @@ def _qualname(obj: Any) -> str:
 
 
 def local_bytes(t: torch.Tensor) -> int:
-    """Bytes ``t`` holds on this rank (a DTensor's local shard only)."""
-    local = getattr(t, "_local_tensor", t)  # DTensor (FSDP2): count the local shard only
-    return local.numel() * local.element_size()
+    """Bytes ``t`` holds on this rank: a DTensor's local shard only, a wrapper subclass's inner tensors (torchao's
+    quantised optimizer states: uint8 codes, fp32 scales and lookup table, under a full-size fp32 face)."""
+    if is_traceable_wrapper_subclass(t):  # DTensor (FSDP2) holds _local_tensor; torchao's states codes/scale/qmap
+        inner = (getattr(t, n) for n in t.__tensor_flatten__()[0])  # DTensor also names its device_mesh
+        return sum(local_bytes(x) for x in inner if isinstance(x, torch.Tensor))
+    return t.numel() * t.element_size()
 
 
 def get_strategy(name: str) -> type[Strategy]:

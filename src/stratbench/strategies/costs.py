@@ -15,6 +15,13 @@ from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
+from stratbench.core.optim import (
+    describe_state,
+    elementwise_slots,
+    state_bytes,
+    states_per_local_shard,
+    step_counter_bytes,
+)
 from stratbench.core.precision import SPECS
 from stratbench.measuring.model_trace import ModelInfo
 from stratbench.models.transforms.lora import adapter_shapes
@@ -159,6 +166,17 @@ class MemoryContext:
         return [n for n, t in zip(self.numels, self.trainable, strict=True) if t]
 
     @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        """The shape of each of ``numels``: the model's (``info.param_shapes``), then LoRA's adapters (A: rank x
+        in, B: out x rank); the lean optimizers' state depends on them."""
+        return self.info.param_shapes + [(d, n // d) for n, d in self.adapters]
+
+    @property
+    def trainable_shapes(self) -> list[tuple[int, ...]]:
+        """The shapes of the trained parameters (optimizer state is priced over these)."""
+        return [s for s, t in zip(self.shapes, self.trainable, strict=True) if t]
+
+    @property
     def pspec(self):
         return SPECS[self.cfg.precision]
 
@@ -177,7 +195,31 @@ class MemoryContext:
 
     @property
     def adam(self) -> bool:
-        return self.cfg.optimizer == "adamw"
+        """Whether the optimizer keeps a ``step`` counter per parameter (AdamW, the lean ones; not SGD)."""
+        return step_counter_bytes(self.cfg.optimizer) > 0
+
+    def optim_bytes(self, shapes: list[tuple[int, ...]]) -> int:
+        """Optimizer-state bytes of whole parameters of these shapes, in the weights' dtype
+        (``core.optim.state_bytes``: exact for every optimizer, the lean ones included)."""
+        cfg = self.cfg
+        return sum(state_bytes(cfg.optimizer, cfg.momentum, tuple(s), self.param_bytes) for s in shapes)
+
+    def shard_optim_bytes(self, local_shapes: list[tuple[int, ...]]) -> int:
+        """Optimizer-state bytes of DTensor parameters whose local shards have these shapes (FSDP2): priced as
+        whole parameters of the shards' shapes, where the optimizer builds its state from the shard alone
+        (``core.optim.states_per_local_shard``; the others are refused: a ConfigError, an n/a row)."""
+        if not states_per_local_shard(self.cfg.optimizer):
+            raise ConfigError(lean_refusal(self.cfg, "its factors cannot be built from a row shard (DTensor)") or "")
+        return self.optim_bytes(local_shapes)
+
+    def flat_optim_bytes(self, numel: int, itemsize: int | None = None) -> int:
+        """Optimizer-state bytes of ``numel`` elements of flattened or sharded parameters: only the optimizers
+        whose state is per element can be priced so (the methods that shard refuse the others in their
+        ``check_supported``; here a ConfigError makes the estimate's row n/a)."""
+        slots = elementwise_slots(self.cfg.optimizer, self.cfg.momentum)
+        if slots is None:
+            raise ConfigError(lean_refusal(self.cfg, "this method shards or flattens them") or "")
+        return slots * numel * (self.param_bytes if itemsize is None else itemsize)
 
     def replicated(self, buckets: bool) -> RankMemory:
         """Every rank holds everything (single, DataParallel, DDP); DDP adds a bucket copy of the gradients."""
@@ -187,7 +229,7 @@ class MemoryContext:
         return RankMemory(
             params=total * pd,
             grads=trained * pd,
-            optim=self.opt_slots * trained * pd,
+            optim=self.optim_bytes(self.trainable_shapes),
             step_scalars=4 * len(n) if self.adam else 0,
             buckets=trained * pd if with_buckets else 0,
             bucket_note="DDP all-reduce buckets" if with_buckets else "",
@@ -196,10 +238,24 @@ class MemoryContext:
 
 
 def opt_slots(cfg: TrainConfig) -> int:
-    """Optimizer state tensors per parameter: AdamW two, momentum SGD one, plain SGD none."""
-    if cfg.optimizer == "adamw":
-        return 2
-    return 1 if cfg.momentum else 0
+    """Optimizer state tensors of the parameter's size per parameter: AdamW two, momentum SGD one, plain SGD
+    none; 0 for the lean optimizers, whose state is not per element (``MemoryContext.optim_bytes`` prices every
+    optimizer exactly; this count is for the projection's share of the states a rank steps)."""
+    slots = elementwise_slots(cfg.optimizer, cfg.momentum)
+    return 0 if slots is None else slots
+
+
+def optimizer_note(cfg: TrainConfig) -> str:
+    """The optimizer-state row's note in the estimate's breakdown."""
+    return describe_state(cfg.optimizer, cfg.momentum)
+
+
+def lean_refusal(cfg: TrainConfig, why: str) -> str | None:
+    """A method's one-line refusal of a memory-lean optimizer (``why``: what the method does to parameters that
+    the optimizer cannot take); None for sgd and adamw."""
+    if elementwise_slots(cfg.optimizer, cfg.momentum) is not None:
+        return None
+    return f"optimizer {cfg.optimizer!r} keeps its state per whole parameter and {why}: use sgd or adamw"
 
 
 class NoMemoryModel(ConfigError):

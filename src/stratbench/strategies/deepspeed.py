@@ -37,6 +37,7 @@ from stratbench.core.optim import trainable
 from stratbench.core.precision import Precision
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.op_builds import prepare_op_builds
 from stratbench.strategies.parallel.deepspeed_config import autotp_degree, build_ds_config, load_user_json
 from stratbench.strategies.parallel.deepspeed_engine import (
@@ -279,6 +280,8 @@ class DeepSpeed(Strategy):
                 return "needs the deepspeed package (pip install deepspeed)"
         except (ImportError, ValueError):
             return "needs the deepspeed package (pip install deepspeed)"
+        if why := lean_refusal(cfg, "DeepSpeed steps flat fp32 partitions with its own optimizer (--ds-optimizer)"):
+            return why
         if cfg.precision == "fp64":
             return (
                 "DeepSpeed has no fp64 mode: its ZeRO optimizers keep fp32 master weights, gradient partitions and "

@@ -44,12 +44,13 @@ import torch
 from torch import nn
 
 from stratbench.core.errors import ConfigError
+from stratbench.core.optim import states_per_local_shard
 from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CostModel, Strategy, register
-from stratbench.strategies.costs import MemoryContext
+from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -110,6 +111,16 @@ class FSDPOptions:
         if self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
         require_tp_group(self, "fsdp", "within a tensor-parallel group")
+
+
+def lean_unsupported(cfg, options: FSDPOptions) -> str | None:
+    """One line where the optimizer cannot step FSDP2's shards: torchao's build their states from a row shard
+    alone (priced per shard: ``fsdp2_memory``), Adafactor's factors cannot, and --tp's slices are not priced."""
+    if options.tp > 1:
+        return lean_refusal(cfg, "fsdp --tp slices the weight matrices (DTensors)")
+    if not states_per_local_shard(cfg.optimizer):
+        return lean_refusal(cfg, "its row and column factors cannot be built from FSDP2's row shards (DTensors)")
+    return None
 
 
 def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
@@ -288,7 +299,8 @@ class FSDPStrategy(LossParallel, Strategy):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
         if why := cls.lora_refusal(cfg):
             return why
-        return tp_unsupported(cfg, cls.parse_options(cfg.strategy_options), world_size)
+        opts = cls.parse_options(cfg.strategy_options)
+        return lean_unsupported(cfg, opts) or tp_unsupported(cfg, opts, world_size)
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:

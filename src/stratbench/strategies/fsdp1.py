@@ -26,7 +26,7 @@ from torch import nn
 
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.strategies.base import CostModel, Strategy, register
-from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.costs import RankMemory, lean_refusal
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -70,7 +70,7 @@ class FSDP1Cost(CostModel):
         shards = {"NO_SHARD": 1, "HYBRID_SHARD": max(1, ctx.world // ctx.cfg.nnodes)}.get(kind, ctx.world)
         units = [u for u in info.layer_units if u]
         local = sum(-(-sum(info.numels[i] for i in u) // shards) for u in units)
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
         m.step_scalars = 4 * len(units) if ctx.adam else 0
         at_rest = " at rest" if kind == "SHARD_GRAD_OP" else ""
         m.sharding_note = "replicated" if shards == 1 else f"sharded 1/{shards}{at_rest}"
@@ -186,6 +186,8 @@ class FSDP1Strategy(Strategy):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp1 runs on cpu or cuda devices, not {device.type}"
         if why := cls.lora_refusal(cfg):
+            return why
+        if why := lean_refusal(cfg, "FSDP1 steps flat, sharded parameters (FlatParameter)"):
             return why
         if opts.cpu_offload and device.type != "cuda":
             return "fsdp1 --cpu-offload needs a CUDA device (FSDP1's CPUOffload fails on CPU); fsdp --cpu-offload works on CPU"

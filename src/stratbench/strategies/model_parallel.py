@@ -19,7 +19,7 @@ from torch import nn
 from stratbench.core.errors import ConfigError
 from stratbench.models.split import BALANCE, FLATTEN, Split, split_model
 from stratbench.strategies.base import CostModel, Strategy, register
-from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.costs import RankMemory, lean_refusal
 from stratbench.strategies.parallel.pipeline_parallel import sample_of, spec_split
 
 
@@ -86,7 +86,7 @@ class ModelParallelCost(CostModel):
         split = spec_split(ctx.cfg, n, ctx.options)
         local = max(s.params for s in split.stages)
         pd = ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
         m.sharding_note = f"the largest of {n} stages (one per GPU)"
         return m
 
@@ -129,6 +129,8 @@ class ModelParallelStrategy(Strategy):
             return why
         if cfg.compile or cfg.activation_checkpointing:
             return "--compile and --activation-checkpointing are not supported by model-parallel"
+        if why := lean_refusal(cfg, "its memory model prices a stage's states per element"):
+            return why
         try:
             spec_split(cfg, cls.n_devices(options), options)
         except ConfigError as exc:

@@ -59,7 +59,7 @@ from torch import nn
 from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.models.split import BALANCE, drop_modules, piece_count, split_model, stage_module
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
-from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory
+from stratbench.strategies.costs import CPU_TP_RUNTIME_BYTES, RankMemory, lean_refusal
 from stratbench.strategies.parallel import pipeline_tp
 from stratbench.strategies.parallel.pipeline_costs import (
     receive_buffer_bytes,
@@ -160,7 +160,7 @@ class PipelineCost(CostModel):
         mine = [split.stages[i] for i in ids]
         local = stage_params(ctx, lay, mine)
         pd = ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
         total = sum(s.params for s in split.stages) or 1
         held = sum(s.params for s in mine)
         m.step_scalars = round(4 * len(ctx.info.numels) * held / total) if ctx.adam else 0
@@ -337,6 +337,8 @@ class PipelineStrategy(Strategy):
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"pipeline runs on cpu or cuda devices, not {device.type}"
+        if why := lean_refusal(cfg, "its memory model prices a stage's states per element (and --tp shards them)"):
+            return why
         options = cls.parse_options(cfg.strategy_options)
         try:
             lay = resolve_layout(options, world_size)

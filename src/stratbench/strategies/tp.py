@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from stratbench.strategies.base import Strategy, register
+from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.parallel.tensor_parallel import (
     LossParallel,
     TPCheckpointIO,
@@ -81,7 +82,7 @@ class TPStrategy(LossParallel, Strategy):
             return f"tp runs on cpu or cuda devices, not {device.type}"
         if why := cls.lora_refusal(cfg):
             return why
-        return unsupported(cfg, world_size)
+        return lean_refusal(cfg, "tensor parallelism shards the weight matrices (DTensors)") or unsupported(cfg, world_size)
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:

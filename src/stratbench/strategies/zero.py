@@ -55,7 +55,7 @@ class ZeroCost(DDPCost):
         n = ctx.info.numels
         mine = zero_partition(n, ctx.world)[rank]
         m = super().memory_model(ctx, rank)
-        m.optim = ctx.opt_slots * sum(n[i] for i in mine) * ctx.param_bytes
+        m.optim = ctx.optim_bytes([ctx.info.param_shapes[i] for i in mine])
         m.step_scalars = 4 * len(mine) if ctx.adam else 0
         m.sharding_note = "optimizer state sharded by whole parameters"
         return m
@@ -193,8 +193,8 @@ class DDPZeroStrategy(DDPStrategy):
         """The optimizer the engine asked for, sharded over the ranks (each steps its own share)."""
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        return ZeroRedundancyOptimizer(
-            model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs
+        return make_optimizer.prepare(
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=make_optimizer.cls, **make_optimizer.kwargs)
         )
 
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

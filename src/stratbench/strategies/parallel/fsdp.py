@@ -172,7 +172,11 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
     ]
     local = sum(shards)
     trained = sum(n for n, t in zip(shards, ctx.trainable, strict=True) if t)
-    m = RankMemory(params=local * pd, grads=trained * pd, optim=ctx.opt_slots * trained * pd)
+    shapes = ctx.shapes
+    if sharding != "none":  # each rank's dim-0 chunk of every parameter (a 0-dim one counted as one row)
+        shapes = [(chunk_rows(s[0], world, rank), *s[1:]) for s in (s or (1,) for s in shapes)]
+    trained_shapes = [s for s, t in zip(shapes, ctx.trainable, strict=True) if t]
+    m = RankMemory(params=local * pd, grads=trained * pd, optim=ctx.shard_optim_bytes(trained_shapes))
     m.step_scalars = 4 * len(ctx.trainable_numels) if ctx.adam else 0
     m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
     m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[

@@ -270,7 +270,7 @@ class TPCost(CostModel):
             raise ConfigError(why)
         shapes = tp_shapes(ModelSpec.from_config(ctx.cfg), opts.vocab_parallel)
         local, pd = shapes.local_numel(ctx.world), ctx.param_bytes
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.opt_slots * local * pd)
+        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
         m.step_scalars = 4 * len(shapes.numels) if ctx.adam else 0
         m.cpu_runtime, m.cpu_runtime_note = CPU_TP_RUNTIME_BYTES, "DTensor's op caches under tp, measured"
         whole = "norms" if opts.vocab_parallel and shapes.transformer else "embedding, norms and head"

@@ -65,7 +65,7 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     offload_optimizer = "offload_optimizer" in zero
     same = stage == 3 and not ctx.half and not offload_optimizer
     m.master = part * master_bytes if ((stage >= 1 or ctx.half) and not same) else 0
-    m.optim = ctx.opt_slots * part * master_bytes
+    m.optim = ctx.flat_optim_bytes(part, master_bytes)
     # After backward, stages 1-3 hold the reduced gradients of their own partition only; stage 0 all of them.
     m.grads = (trained if stage == 0 else part) * bit
     m.step_scalars = 4 if ctx.adam else 0
