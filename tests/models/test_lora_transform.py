@@ -125,3 +125,23 @@ def test_the_methods_that_cannot_take_lora_say_why_in_train_and_in_the_estimate(
                  "--batch-size", "4", "--lora-rank", "4", "--strategy", "tp", "--world-size", "2",
                  "--device-type", "cpu"]) == 2  # fmt: skip
     assert "--lora-rank with tp is not supported" in capsys.readouterr().err
+
+
+def test_lora_and_a_lean_optimizer_compose_in_the_estimate():
+    """Adafactor over LoRA's adapters: the estimate prices the factored state of the adapters' shapes (A: rank x
+    in, B: out x rank) and nothing for the frozen base, byte for byte what one real step leaves."""
+    cfg = TrainConfig(**(LM | {"optimizer": "adafactor"}), lora_rank=4)
+    model = Pipeline(cfg).apply(_gpt(), Phase.BEFORE_WRAP, None)
+    opt = optimizer_spec(cfg)(model.parameters())
+    x = torch.randint(0, 256, (2, 32))
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    opt.step()
+    measured = sum(
+        v.numel() * v.element_size()
+        for state in opt.state.values()
+        for k, v in state.items()
+        if torch.is_tensor(v) and k != "step"
+    )
+    ctx = MemoryContext(cfg, 1, model_info(ModelSpec.from_config(cfg)), None, "cpu")
+    assert ctx.replicated(buckets=False).optim == measured > 0
+    assert all(len(s) == 2 for s in ctx.trainable_shapes) and len(ctx.trainable_shapes) == len(opt.state)
