@@ -27,7 +27,7 @@ from stratbench.models.transforms import (
     Phase,
     Transform,
     flops_factor,
-    traced_names,
+    traced,
 )
 from stratbench.strategies.single import SingleDevice
 
@@ -99,7 +99,7 @@ def test_the_cost_side_reads_the_pipeline():
     ac = TrainConfig(activation_checkpointing=True, precision="bf16-true", compile=True)
     assert flops_factor(ac) == 1.0 + FORWARD_SHARE == 4 / 3
     assert flops_factor(TrainConfig(precision="bf16-true", compile=True)) == 1.0
-    assert traced_names(ac) == ("activation_checkpointing",) and traced_names(TrainConfig()) == ()
+    assert tuple(t.name for t in traced(ac)) == ("activation_checkpointing",) and traced(TrainConfig()) == ()
     labels = [t.label(ac) for t in transforms.chosen(ac)]
     assert labels == ["activation_checkpointing", "precision:bf16", "compile"]
 

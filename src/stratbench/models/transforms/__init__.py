@@ -25,7 +25,6 @@ from __future__ import annotations
 from torch import nn
 
 from stratbench.core.config import TrainConfig
-from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.activation_checkpointing import ActivationCheckpointing
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
@@ -34,8 +33,8 @@ from stratbench.models.transforms.precision_cast import PrecisionCast
 from stratbench.models.transforms.torch_compile import Compile
 
 __all__ = [
-    "FORWARD_SHARE", "ORDER", "Cost", "Phase", "Pipeline", "Transform", "apply_traced", "by_name", "chosen",
-    "flops_factor", "traced", "traced_names",
+    "FORWARD_SHARE", "ORDER", "Cost", "Phase", "Pipeline", "Transform", "apply_traced", "chosen",
+    "flops_factor", "traced",
 ]  # fmt: skip
 
 ORDER: tuple[Transform, ...] = (
@@ -45,14 +44,6 @@ ORDER: tuple[Transform, ...] = (
     Compile(),
 )
 """Every registered transform, in the order a run applies them."""
-
-
-def by_name(name: str) -> Transform:
-    """The registered transform called ``name``; an unknown name is one line naming the known ones."""
-    for t in ORDER:
-        if t.name == name:
-            return t
-    raise ConfigError(f"unknown model transform {name!r}; known: {', '.join(t.name for t in ORDER)}")
 
 
 def chosen(cfg: TrainConfig) -> tuple[Transform, ...]:
@@ -67,11 +58,6 @@ def flops_factor(cfg: TrainConfig) -> float:
     for t in chosen(cfg):
         factor *= t.cost.flops_factor
     return factor
-
-
-def traced_names(cfg: TrainConfig) -> tuple[str, ...]:
-    """The names of the transforms of ``cfg`` the estimate's trace applies (hashable: the trace is cached)."""
-    return tuple(t.name for t in chosen(cfg) if t.traced)
 
 
 def traced(cfg: TrainConfig) -> tuple[Transform, ...]:
