@@ -33,6 +33,7 @@ import torch
 from torch.utils.data import Dataset
 
 from stratbench.core.errors import ConfigError, DataError
+from stratbench.core.files import atomic_write
 from stratbench.data.text import ByteCodec, Codec, HFCodec, check_seq_len, load_tokenizer
 
 FT_SOURCES = ("jsonl:PATH", "hf-dataset:PATH_OR_NAME", "instruct-stdlib")
@@ -607,7 +608,7 @@ def stdlib_instructions(limit: int = 400) -> list[dict]:
 def write_jsonl(records: Iterable[dict], path: str | os.PathLike) -> int:
     """``records`` as a JSONL file, one JSON object a line (sorted keys): the number written."""
     lines = [json.dumps(r, sort_keys=True, ensure_ascii=False) for r in records]
-    Path(path).write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    atomic_write(Path(path), "".join(line + "\n" for line in lines))  # a killed write leaves no half file
     return len(lines)
 
 

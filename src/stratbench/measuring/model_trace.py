@@ -25,6 +25,7 @@ from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
 from stratbench.models.transforms import Transform, apply_traced
+from stratbench.models.transforms.lora import linear_layers
 from stratbench.models.zoo import build_model, has_lazy_parameters
 
 # The CUDA caching allocator rounds every block up to a multiple of 512 bytes; traced sizes are rounded alike.
@@ -230,16 +231,15 @@ def model_info(spec: ModelSpec) -> ModelInfo:
     has_blocks = find_blocks(model) is not None
     blocks = wrap_units(model, "block", 0) if has_blocks else []
     layers = [m for m in model.modules() if m is not model and isinstance(m, (nn.Linear, nn.Conv2d))]
+    linear_names, linear_features = linear_layers(model)
     return ModelInfo(
         numels=[p.numel() for p in params],
         dim0=[p.shape[0] if p.dim() else 1 for p in params],
         block_units=_unit_indices(model, blocks),
         layer_units=_unit_indices(model, layers),  # Linear/Conv2d do not nest
         buffer_bytes=sum(b.numel() * b.element_size() for b in model.buffers()),
-        linear_names=tuple(n for n, m in model.named_modules() if isinstance(m, nn.Linear)),
-        linear_features=tuple(
-            (m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)
-        ),
+        linear_names=linear_names,
+        linear_features=linear_features,
         blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
         no_blocks="" if has_blocks else why_no_blocks(model),
         shapes=tuple(tuple(p.shape) for p in params),

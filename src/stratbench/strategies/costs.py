@@ -7,6 +7,7 @@ A leaf below the strategies and the estimate: it imports nothing of either (docs
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -138,9 +139,10 @@ class MemoryContext:
     options: Any
     device_type: str = "cuda"
 
-    @property
+    @functools.cached_property
     def adapters(self) -> list[tuple[int, int]]:
-        """(numel, dim 0) of each parameter LoRA adds (``--lora-rank``; none without): A then B per Linear."""
+        """(numel, dim 0) of each parameter LoRA adds (``--lora-rank``; none without): A then B per Linear.
+        Resolved once per context: ``numels``, ``dim0``, ``trainable`` and ``shapes`` all read it."""
         return adapter_shapes(self.info.linear_names, self.info.linear_features, self.cfg)
 
     @property

@@ -91,6 +91,13 @@ def adapter_shapes(
     return out
 
 
+def linear_layers(model: nn.Module) -> tuple[tuple[str, ...], tuple[tuple[int, int], ...]]:
+    """The qualified names of ``model``'s nn.Linear modules and their (in, out) features, in module order: what
+    LoRA's targets are matched against and its adapters sized from (``ModelInfo`` records the same)."""
+    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    return tuple(n for n, _ in linear), tuple((m.in_features, m.out_features) for _, m in linear)
+
+
 def parameter_counts(model: nn.Module, cfg: TrainConfig) -> tuple[int, int]:
     """(trainable, total) parameters of ``model`` (unwrapped, before the transforms) once a run of ``cfg`` has
     set it up: with LoRA the adapters (``adapter_shapes``) train and add to the total; without, the parameters
@@ -98,10 +105,7 @@ def parameter_counts(model: nn.Module, cfg: TrainConfig) -> tuple[int, int]:
     base = sum(p.numel() for p in model.parameters())
     if cfg.lora_rank <= 0:
         return sum(p.numel() for p in model.parameters() if p.requires_grad), base
-    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    names = tuple(n for n, _ in linear)
-    features = tuple((m.in_features, m.out_features) for _, m in linear)
-    adapters = sum(n for n, _ in adapter_shapes(names, features, cfg))
+    adapters = sum(n for n, _ in adapter_shapes(*linear_layers(model), cfg))
     return adapters, base + adapters
 
 
@@ -114,8 +118,7 @@ def lora_meta(cfg: TrainConfig) -> dict[str, Any] | None:
 
 def inject(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str) -> nn.Module:
     """``model`` with PEFT's LoRA adapters in its targeted Linear layers and everything else frozen (in place)."""
-    linear = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    chosen = resolve_targets(linear, targets)
+    chosen = resolve_targets(linear_layers(model)[0], targets)
     guard_torchvision_import()  # peft imports transformers, which imports torchvision (core.torchvision_compat)
     try:
         from peft import LoraConfig, inject_adapter_in_model
