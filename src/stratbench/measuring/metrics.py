@@ -188,7 +188,8 @@ class RunMetrics:
         return metrics, sharding
 
     def _mean_losses(self) -> torch.Tensor:
-        """Per-step loss averaged over ranks (each rank's micro-batches are the same size): one collective."""
+        """Per-step loss averaged over ranks (equal-size micro-batches, or the masked loss's step token count:
+        the global mean either way): one collective."""
         env = self.strategy.env
         losses = torch.tensor(self.losses, dtype=torch.float64, device=env.device)
         self.strategy.all_reduce(losses, "sum")

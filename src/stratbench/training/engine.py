@@ -72,7 +72,15 @@ from stratbench.models.zoo import (
     load_weights,
 )
 from stratbench.strategies.base import Strategy, get_strategy
-from stratbench.training.losses import build_loss, check_loss, describe_loss, per_sample_eval, perplexity
+from stratbench.training.losses import (
+    MaskedTokenCrossEntropy,
+    build_loss,
+    check_loss,
+    describe_loss,
+    per_sample_eval,
+    perplexity,
+    step_denominator,
+)
 from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
 
@@ -295,6 +303,9 @@ class Trainer:
         metrics.step_start()
         with metrics.phase("data"):
             micro = [self._to_device(next(batches)) for _ in range(cfg.grad_accum)]
+        if isinstance(self.loss_fn, MaskedTokenCrossEntropy):
+            with metrics.phase("other"):
+                self.loss_fn.denominator = self._token_denominator(micro)
         loss = strategy.run_step(run.model, micro, self.loss_fn)
         if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
             with metrics.phase("other"):
@@ -313,6 +324,17 @@ class Trainer:
         progress.step += 1
         progress.batch_in_epoch += 1
         return dt
+
+    def _token_denominator(self, micro: list) -> float:
+        """The masked loss's divisor for this step (``losses.step_denominator``): the response tokens of every
+        micro-batch on every rank, one all-reduce of a scalar per step (fine-tuning data only)."""
+        strategy = self.strategy
+        local = torch.zeros(1, dtype=torch.float64, device=self.env.device)
+        for _, y in micro:
+            local += (y != IGNORE).sum()
+        tokens = strategy.all_reduce(local, "sum").item()
+        _, shards = strategy.data_shard()
+        return step_denominator(tokens, self.env.world_size, shards, strategy.step_chunks())
 
     # ---- set-up --------------------------------------------------------------------------------
     def _setup(self, metrics: RunMetrics | None = None) -> Run:

@@ -81,20 +81,39 @@ class TokenCrossEntropy(nn.CrossEntropyLoss):
 
 
 class MaskedTokenCrossEntropy(nn.Module):
-    """Cross-entropy of fine-tuning data: the mean over the tokens the loss trains on (targets other than
-    ``IGNORE``: the response, not the prompt or padding) of the micro-batch, exactly their sum over their count;
-    a micro-batch with none (every response cut away) gives 0 with a zero gradient rather than 0/0."""
+    """Cross-entropy of fine-tuning data, over the tokens the loss trains on (targets other than ``IGNORE``: the
+    response, not the prompt or padding): their summed loss divided by ``denominator``.
+
+    Micro-batches of padded examples hold different numbers of such tokens, so the mean of each micro-batch's
+    own token mean is not the step's token mean (the gradient-accumulation error transformers fixed in 4.46).
+    The loop therefore sets ``denominator`` before each step (``step_denominator``): the step's token count over
+    every micro-batch and rank, divided by how many loss calls the methods average (micro-batches x data
+    shards), so that dividing by the micro-batches and averaging over the ranks, as every method does, gives
+    the exact token mean of the whole step. Unset (a loss called outside the loop), it is this micro-batch's
+    count; a step with no such token (every response cut away) gives 0 with a zero gradient, not 0/0."""
 
     def __init__(self, label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.label_smoothing = label_smoothing
+        self.denominator: float | None = None
 
     def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         flat = targets.flatten()
         total = nn.functional.cross_entropy(
             logits.flatten(0, -2), flat, ignore_index=IGNORE, reduction="sum", label_smoothing=self.label_smoothing
         )
+        if self.denominator is not None:
+            return total / self.denominator
         return total / (flat != IGNORE).sum().clamp(min=1)
+
+
+def step_denominator(local_tokens: float, world: int, shards: int, chunks: int) -> float:
+    """``MaskedTokenCrossEntropy.denominator`` for one step: the tokens scored in it, from ``local_tokens``
+    summed over all ``world`` ranks (ranks that share a data shard, e.g. a pipeline's stages, each counted it:
+    x shards / world), divided by the ``chunks`` micro-batches each rank's loss is averaged over and the
+    ``shards`` data-parallel ranks gradients are averaged over. At least 1 token (0/0 guard)."""
+    tokens = local_tokens * shards / world
+    return max(tokens, 1.0) / (chunks * shards)
 
 
 def build_loss(cfg: TrainConfig) -> Callable:
