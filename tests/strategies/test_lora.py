@@ -50,13 +50,38 @@ def test_a_lora_run_records_and_holds_the_adapters_only(single):
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_ddp_and_fsdp_train_what_one_process_trains(tmp_path, single, strategy):
     """The same loss curve to 1e-9 (fp64); per rank the gradients and optimizer state are the adapters' (ddp) or
-    half of them (fsdp's dim-0 shards; every adapter's dim 0 is even), the frozen base's none."""
-    res = train(tmp_path / strategy, *FLAGS, "--strategy", strategy, nproc=2)
+    half of them (fsdp's dim-0 shards; every adapter's dim 0 is even), the frozen base's none; the gradients'
+    collective (DDP's all-reduce, FSDP2's reduce-scatter), measured on step 3, carries exactly the adapters'
+    bytes, and the communication formula says so."""
+    res = train(tmp_path / strategy, *FLAGS, "--strategy", strategy, "--comm-volume", "true", nproc=2)
     assert res["transforms"] == ["lora:r4", "precision:fp64"] and res["world_size"] == 2
     assert_curves_match(res["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)
     numel, count = _adapters()
     share = 2 if strategy == "fsdp" else 1
     assert res["sharding"]["grad_bytes"] == [8 * numel // share] * 2
     assert res["sharding"]["optimizer_state_bytes"] == [2 * 8 * numel // share + 4 * count] * 2
+    kind = "reduce_scatter" if strategy == "fsdp" else "all_reduce"
+    comm = res["metrics"]["comm"]
+    for rank in comm["measured_per_rank"]:
+        assert rank["per_step"][kind]["payload_bytes"] == 8 * numel
+    assert comm["check"][kind]["predicted_payload_bytes"] == 8 * numel
     if strategy == "fsdp":
         assert_estimate_within(res, 0.10)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_fsdp1_trains_what_one_process_trains(tmp_path):
+    """fsdp1 wraps PEFT's lora_A / lora_B (nn.Linear) as FlatParameters of their own, so every flat parameter is
+    all frozen or all trained: the same curve as one process (fp64, 1e-9; without clipping, which FSDP1 does in
+    fp32 only), half the adapters' gradients and state per rank, their bytes reduce-scattered and no more."""
+    flags = [f for f in FLAGS if f not in ("--clip-grad-norm", "0.5")]
+    ref = train(tmp_path / "single", *flags)
+    res = train(tmp_path / "fsdp1", *flags, "--strategy", "fsdp1", "--comm-volume", "true", nproc=2)
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
+    numel, count = _adapters()
+    assert res["sharding"]["grad_bytes"] == [8 * numel // 2] * 2
+    assert res["sharding"]["optimizer_state_bytes"] == [2 * 8 * numel // 2 + 4 * count] * 2
+    check = res["metrics"]["comm"]["check"]["reduce_scatter"]
+    assert check["measured_payload_bytes"] == check["predicted_payload_bytes"] == 8 * numel
+    assert_estimate_within(res, 0.10)

@@ -116,14 +116,14 @@ def ddp_buckets(payload: float, cap_bytes: float) -> list[float]:
 
 def replicated_grads(ctx: Any, note: str = "gradient buckets (DDP's reducer)") -> list[Collective]:
     """DDP's traffic per optimizer step: the gradients all-reduced once (bucketed; ``no_sync`` on all but the
-    last micro-step), in the weights' dtype, in buckets of the method's ``bucket_cap_mb`` (DDP's 25 MiB where
+    last micro-step), of the trained parameters only (a frozen one has no gradient: LoRA's base), in the weights' dtype, in buckets of the method's ``bucket_cap_mb`` (DDP's 25 MiB where
     it has none). BatchNorm buffers are broadcast from rank 0 before every forward (``broadcast_buffers``, the
     default) where the model has any."""
     n = ctx.world
     if n <= 1:
         return []
     cap = float(getattr(ctx.options, "bucket_cap_mb", DDP_BUCKET_CAP_MB)) * 2**20
-    payload = ctx.info.total * ctx.param_bytes
+    payload = sum(ctx.trainable_numels) * ctx.param_bytes
     rows = [Collective("all_reduce", payload, len(ddp_buckets(payload, cap)), "backward", n, note, int(cap))]
     if ctx.info.buffer_bytes:
         rows.append(

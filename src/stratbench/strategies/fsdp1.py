@@ -61,26 +61,38 @@ class FSDP1Options:
 class FSDP1Cost(CostModel):
     """FSDP1's flat parameters, one per Linear/Conv2d unit (and the root), with the run's sharding strategy."""
 
+    @staticmethod
+    def units(ctx) -> list[tuple[int, bool]]:
+        """(elements, trained) of each FlatParameter: one per Linear/Conv2d unit, the root (the rest) after them,
+        then with LoRA one per adapter matrix (PEFT's ``lora_A``/``lora_B`` are nn.Linear modules, so the policy
+        wraps each on its own: every FlatParameter is all frozen or all trained, as FSDP1 requires). Without
+        LoRA every unit trains; with it, the adapters only."""
+        info, lora = ctx.info, ctx.cfg.lora_rank > 0
+        base = [(sum(info.numels[i] for i in u), not lora) for u in info.layer_units if u]
+        return base + [(n, True) for n, _ in ctx.adapters]
+
     @classmethod
     def memory_model(cls, ctx, rank):
         """One FlatParameter per Linear/Conv2d unit (plus the root), padded to a multiple of the shard group and
-        split evenly; units gathered whole around their forward/backward."""
+        split evenly; units gathered whole around their forward/backward; gradients and optimizer state of the
+        trained units only."""
         opts, info, pd = ctx.options, ctx.info, ctx.param_bytes
         kind = opts.sharding_strategy
         shards = {"NO_SHARD": 1, "HYBRID_SHARD": max(1, ctx.world // ctx.cfg.nnodes)}.get(kind, ctx.world)
-        units = [u for u in info.layer_units if u]
-        local = sum(-(-sum(info.numels[i] for i in u) // shards) for u in units)
-        m = RankMemory(params=local * pd, grads=local * pd, optim=ctx.flat_optim_bytes(local))
-        m.step_scalars = 4 * len(units) if ctx.adam else 0
+        units = cls.units(ctx)
+        local = sum(-(-e // shards) for e, _ in units)
+        trained = [-(-e // shards) for e, t in units if t]
+        m = RankMemory(params=local * pd, grads=sum(trained) * pd, optim=ctx.flat_optim_bytes(sum(trained)))
+        m.step_scalars = 4 * len(trained) if ctx.adam else 0
         at_rest = " at rest" if kind == "SHARD_GRAD_OP" else ""
         m.sharding_note = "replicated" if shards == 1 else f"sharded 1/{shards}{at_rest}"
         if shards > 1:
-            m.gathered = (info.total if kind == "SHARD_GRAD_OP" else 2 * info.largest_layer) * pd
+            m.gathered = (sum(ctx.numels) if kind == "SHARD_GRAD_OP" else 2 * info.largest_layer) * pd
             m.gather_note = (
                 "all unsharded from forward to backward" if at_rest else "2 layers (current + prefetch)"
             )
         elif opts.cpu_offload:
-            m.gathered, m.gather_note = info.total * pd, "offloaded parameters copied to the device"
+            m.gathered, m.gather_note = sum(ctx.numels) * pd, "offloaded parameters copied to the device"
         if opts.cpu_offload:
             m.offload_params_to_host(with_grads_and_optim=True)
             m.step_scratch = 0
@@ -101,10 +113,11 @@ class FSDP1Cost(CostModel):
         spec = ctx.pspec
         gather_bytes = gather_itemsize(ctx)
         reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+        units = cls.units(ctx)
+        trained = [ceil_to(e, n) for e, t in units if t]
         if kind == "NO_SHARD":
-            return [Collective("all_reduce", info.total * reduce_bytes, 1, "backward", n, "flat parameters")]
-        units = [sum(info.numels[i] for i in u) for u in info.layer_units if u]
-        elems, micro = sum(ceil_to(u, n) for u in units), ctx.cfg.grad_accum
+            return [Collective("all_reduce", sum(e for e, t in units if t) * reduce_bytes, 1, "backward", n, "flat parameters")]
+        elems, micro = sum(ceil_to(e, n) for e, _ in units), ctx.cfg.grad_accum
         calls = len(units) * micro
         rows = [
             Collective("all_gather", elems * gather_bytes * micro, calls, "forward", n, "flat parameters")
@@ -119,9 +132,13 @@ class FSDP1Cost(CostModel):
             rows.append(
                 Collective("all_gather", again, calls - (micro if root else 0), "backward", n, "again")
             )
+        # a frozen unit (LoRA's base) has no gradient to reduce
         rows.append(
-            Collective("reduce_scatter", elems * reduce_bytes * micro, calls, "backward", n, "gradients")
-        )
+            Collective(
+                "reduce_scatter", sum(trained) * reduce_bytes * micro, len(trained) * micro, "backward", n,
+                "gradients",
+            )
+        )  # fmt: skip
         return rows
 
 
@@ -175,18 +192,12 @@ class FSDP1Strategy(Strategy):
         super().__init__(cfg, env, policy_precision(precision), options)
 
     @classmethod
-    def lora_refusal(cls, cfg) -> str | None:
-        if cfg.lora_rank:
-            return "--lora-rank with fsdp1 is not supported: a FlatParameter holds a unit's frozen base and its adapters together (one requires_grad, or with use_orig_params the whole unit's gradient); use fsdp (FSDP2)"
-        return None
-
-    @classmethod
     def check_supported(cls, cfg, device, world_size):
         opts = cls.parse_options(cfg.strategy_options)
         if device.type not in ("cpu", "cuda"):
             return f"fsdp1 runs on cpu or cuda devices, not {device.type}"
-        if why := cls.lora_refusal(cfg):
-            return why
+        if cfg.clip_grad_norm and cfg.precision == "fp64":
+            return "fsdp1 with --clip-grad-norm cannot run fp64: FullyShardedDataParallel.clip_grad_norm_ computes the norms in fp32 and fails on fp64 gradients; use fp32, or fsdp (FSDP2)"
         if why := lean_refusal(cfg, "FSDP1 steps flat, sharded parameters (FlatParameter)"):
             return why
         if opts.cpu_offload and device.type != "cuda":

@@ -145,8 +145,8 @@ def fsdp2_comm(ctx, sharding: str):
     if sharding == "none":
         note = "replicated (HSDP with a shard group of one)"
         units = max(1, sum(1 for u in info.block_units if u))
-        return [Collective("all_reduce", info.total * reduce_bytes, units, "backward", n, note)]
-    elems = dim0_padded(info.numels, info.dim0, n)
+        return [Collective("all_reduce", sum(ctx.trainable_numels) * reduce_bytes, units, "backward", n, note)]
+    elems = dim0_padded(ctx.numels, ctx.dim0, n)
     micro = ctx.cfg.grad_accum
     units = max(1, sum(1 for u in info.block_units if u))  # one call per unit (blocks + root, as wrapped)
     gather = elems * gather_bytes * micro
@@ -154,7 +154,9 @@ def fsdp2_comm(ctx, sharding: str):
     if sharding == "full":
         rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
     reduces = micro if sharding == "full" else 1
-    reduced = elems * reduce_bytes * reduces
+    # a frozen parameter (LoRA's base) is gathered but has no gradient to reduce
+    trained = [(e, d) for e, d, t in zip(ctx.numels, ctx.dim0, ctx.trainable, strict=True) if t]
+    reduced = dim0_padded([e for e, _ in trained], [d for _, d in trained], n) * reduce_bytes * reduces
     rows.append(Collective("reduce_scatter", reduced, units * reduces, "backward", n, "gradients"))
     return rows
 

@@ -119,13 +119,16 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
       the persistence threshold keeps them gathered, refreshed after each step; larger ones are gathered
       before use and, with the default reuse distance, kept for backward), the gradients reduce-scattered
       (Φ), and an 8-byte fp64 all-reduce (the overflow check).
+    Gradients and the updated partitions are the trained parameters' only (DeepSpeed is given those: LoRA's
+    frozen base is neither reduced nor stepped); stage 3 gathers every parameter.
     Not modelled: gradient accumulation with stages 2/3 (reduced every micro-step)."""
-    n, info = ctx.world, ctx.info
+    n = ctx.world
     if n <= 1:
         return []
     stage = int(zero.get("stage", 2))
     bit = 2 if ctx.half else ctx.param_bytes
-    phi = info.total * bit
+    trained = sum(ctx.trainable_numels)
+    phi = trained * bit
     grads = Collective("all_reduce", phi, 1, "backward", n, "gradient buckets")
     if stage == 0:
         return [grads]
@@ -133,13 +136,13 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
         rows = [grads, Collective("all_reduce", 4, 1, "optimizer", n, "overflow/norm check (fp32 scalar)")]
         if ctx.half:
             rows.append(Collective("all_reduce", 1, 1, "optimizer", n, "overflow flag (1 byte)"))
-        gathered = ceil_to(info.total, 2 * n) * bit
+        gathered = ceil_to(trained, 2 * n) * bit
         rows.append(Collective("all_gather", gathered, 1, "optimizer", n, "updated partitions"))
         return rows
-    gathered = sum(ceil_to(x, n) for x in info.numels) * bit
+    gathered = sum(ceil_to(x, n) for x in ctx.numels) * bit
     return [
-        Collective("all_gather", gathered, len(info.numels), "forward", n, "each parameter once per step"),
-        Collective("reduce_scatter", ceil_to(info.total, n) * bit, 1, "backward", n, "gradients"),
+        Collective("all_gather", gathered, len(ctx.numels), "forward", n, "each parameter once per step"),
+        Collective("reduce_scatter", ceil_to(trained, n) * bit, 1, "backward", n, "gradients"),
         Collective("all_reduce", 8, 1, "optimizer", n, "overflow check (fp64 scalar)"),
     ]
 
