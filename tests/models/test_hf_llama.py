@@ -18,7 +18,7 @@ from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.core.errors import ConfigError
 from stratbench.models import hf_llama
 from stratbench.models.hf import import_transformers, quiet_transformers
-from stratbench.models.transformer import Transformer, TransformerConfig
+from stratbench.models.transformer import RopeScaling, Transformer, TransformerConfig
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -55,36 +55,40 @@ def logits_of(model, tokens: torch.Tensor) -> torch.Tensor:
     return getattr(out, "logits", out)
 
 
-@pytest.mark.parametrize("tied", [False, True])
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}  # fmt: skip
+"""Llama 3.1's scaling at a tiny context: head size 8 has wavelengths 6, 63, 628 and 6283 positions, one kept
+(< 16), one blended, two divided by the factor (> 64)."""
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["untied-sharded", "tied-llama3-rope"])
 def test_hf_llama_gives_the_builtin_model_its_logits(tmp_path, tied):
-    value, hf_model = save_llama(tmp_path / "llama", tie_word_embeddings=tied, shard=None if tied else "20KB")
+    extra = {"tie_word_embeddings": True, "rope_parameters": LLAMA3_ROPE, "max_position_embeddings": 128}
+    value, hf_model = save_llama(tmp_path / "llama", **(extra if tied else {}), shard=None if tied else "20KB")
     if not tied:
         assert (tmp_path / "llama" / "model.safetensors.index.json").is_file()  # read shard by shard
     own = Transformer(hf_llama.shape_of(hf_llama.read_config(value), max_seq_len=64))
     own.load_state_dict(hf_llama.builtin_state(value))  # strict: every parameter filled, every key used
-    tokens = torch.randint(0, TINY["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, TINY["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits_of(own, tokens), logits_of(hf_model, tokens), atol=1e-5, rtol=1e-5)
     assert (own.output.weight is own.tok_embeddings.weight) is tied
+    assert (own.config.rope_scaling is not None) is tied
 
 
 def test_builtin_model_written_as_hf_folder_loads_in_transformers(tmp_path):
     torch.manual_seed(3)
     cfg = TransformerConfig(
-        vocab_size=300,
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_hidden=64,
-        max_seq_len=64,
-        init="llama",
-    )
+        vocab_size=300, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, max_seq_len=128, init="llama",
+        rope_scaling=RopeScaling(factor=8.0, original_max_seq_len=64),
+    )  # fmt: skip
     own = Transformer(cfg).eval()
     hf_llama.save_hf_folder(own, tmp_path / "out")
     with quiet_transformers():
         loaded = import_transformers().LlamaForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert not [k for k in loaded.state_dict() if k.startswith("hf.")]
-    tokens = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(0))
+    tokens = torch.randint(0, 300, (2, 96), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(logits_of(loaded, tokens), logits_of(own, tokens), atol=1e-5, rtol=1e-5)
     back = hf_llama.builtin_state(f"hf:{tmp_path / 'out'}")  # and the mapping back gives the same tensors
     assert all(torch.equal(back[k], v) for k, v in own.state_dict().items())
@@ -114,7 +118,7 @@ def test_folders_that_do_not_fit_are_refused_in_one_line(tmp_path):
     config = json.loads((tmp_path / "llama" / "config.json").read_text())
     for change, why in (
         ({"model_type": "mistral"}, "model_type 'mistral'"),
-        ({"rope_parameters": {"rope_type": "llama3", "factor": 32.0}}, "rope type 'llama3'"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 32.0}}, "rope type 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias true"),
     ):
         (tmp_path / "other").mkdir(exist_ok=True)
@@ -132,7 +136,7 @@ def test_train_refuses_a_mismatched_folder_before_any_work(tmp_path, capsys):
     err = fails(
         capsys, "train", "--model", "gpt-tiny", "--output", tmp_path / "run", *args, "--vocab-size", "512"
     )
-    assert "vocab_size 300 (gpt-tiny: 512)" in err
+    assert "vocab_size 300 (the run's vocabulary: 512;" in err
     assert not (tmp_path / "run").exists()
 
 

@@ -165,10 +165,10 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
 def read_meta(path: Path) -> dict[str, Any]:
     """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded; a
     sharded folder whose layout registered a check has its files checked whole too (a truncated shard); a Hugging
-    Face Llama folder (``hf:FOLDER``) has every key checked to map, and its config.json's fields as the header."""
+    Face Llama folder (``hf:FOLDER``) has every key checked to map onto the built-in transformer."""
     if hf_llama.is_hf_init(str(path)):
         hf_llama.check_keys(str(path))
-        return {"layout": hf_llama.LAYOUT, "hf_config": hf_llama.read_config(str(path))}
+        return {"layout": hf_llama.LAYOUT, "source": str(path)}
     path = Path(path)
     check_last_link(path)
     if path.is_dir():

@@ -34,7 +34,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_output
 from stratbench.core.user_code import one_line
 from stratbench.models.hf import PREFIX, find_weights, is_hf_name
-from stratbench.models.transformer import SIZES, Transformer, TransformerConfig
+from stratbench.models.transformer import SIZES, RopeScaling, Transformer, TransformerConfig
 
 LAYOUT = "hf-llama"
 """The layout a Hugging Face Llama folder reads as (``checkpoints.checkpoint.read_meta``)."""
@@ -74,6 +74,7 @@ FIELDS = (
     ("vocab_size", "vocab_size"),
     ("tie_word_embeddings", "tie_embeddings"),
     ("rope_theta", "rope_theta"),
+    ("rope_scaling", "rope_scaling"),
     ("rms_norm_eps", "norm_eps"),
 )
 """config.json's fields -> ``TransformerConfig``'s: the shapes, and what else changes the logits."""
@@ -158,14 +159,27 @@ def hf_folder(value: str) -> Path:
     return path
 
 
-def _rope(data: dict[str, Any]) -> tuple[Any, Any]:
-    """rope_theta and the rope type, from transformers 5's ``rope_parameters`` or the older top-level
-    ``rope_theta`` / ``rope_scaling``."""
-    params = data.get("rope_parameters") or {}
-    scaling = data.get("rope_scaling") or {}
+def _rope(data: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """rope_theta and the rope parameters (their ``rope_type``), from transformers 5's ``rope_parameters`` or
+    the older top-level ``rope_theta`` / ``rope_scaling``."""
+    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
     theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return theta, kind
+    return theta, params | {"rope_type": params.get("rope_type") or params.get("type") or "default"}
+
+
+def _scaling(params: dict[str, Any]) -> RopeScaling | None:
+    """The built-in ``RopeScaling`` of Llama 3.1's ``llama3`` rope parameters; None for plain ones."""
+    if params["rope_type"] == "default":
+        return None
+    default = RopeScaling()
+    return RopeScaling(
+        factor=float(params.get("factor", default.factor)),
+        low_freq_factor=float(params.get("low_freq_factor", default.low_freq_factor)),
+        high_freq_factor=float(params.get("high_freq_factor", default.high_freq_factor)),
+        original_max_seq_len=int(
+            params.get("original_max_position_embeddings", default.original_max_seq_len)
+        ),
+    )
 
 
 @functools.cache
@@ -184,30 +198,28 @@ def read_config(value: str) -> dict[str, Any]:
             f"--init-from {value}: {path} has model_type {kind!r}; the built-in transformers start from a Llama "
             "folder (model_type 'llama'); train another model as --model hf:FOLDER"
         )
-    theta, kind = _rope(data)
-    heads = data.get("num_attention_heads", 32)
+    theta, rope = _rope(data)
+    kind = rope["rope_type"]
+    heads, hidden = data.get("num_attention_heads", 32), data.get("hidden_size", 4096)
+    head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
     checks = (
         (data.get("hidden_act", "silu") != "silu", f"hidden_act {data.get('hidden_act')!r} (the built-ins use 'silu')"),
         (bool(data.get("attention_bias")), "attention_bias true (the built-ins have no biases)"),
         (bool(data.get("mlp_bias")), "mlp_bias true (the built-ins have no biases)"),
-        (kind != "default", f"rope type {kind!r} (the built-ins implement plain rotary positions, 'default')"),
-        (data.get("head_dim") not in (None, data.get("hidden_size", 4096) // heads),
+        (kind not in ("default", "llama3"), f"rope type {kind!r} (the built-ins implement 'default' and 'llama3')"),
+        (data.get("head_dim") not in (None, head_dim),
          f"head_dim {data.get('head_dim')} (the built-ins' is hidden_size / num_attention_heads)"),
     )  # fmt: skip
     why = [text for bad, text in checks if bad]
     if why:
         raise ConfigError(f"--init-from {value}: {path} has {'; '.join(why)}")
-    defaults = {
-        "hidden_size": 4096,
-        "num_hidden_layers": 32,
-        "intermediate_size": 11008,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-        "rms_norm_eps": 1e-6,
-    }  # fmt: skip  (LlamaConfig's defaults)
+    defaults = {  # LlamaConfig's, for a field config.json leaves out
+        "hidden_size": 4096, "num_hidden_layers": 32, "intermediate_size": 11008, "vocab_size": 32000,
+        "tie_word_embeddings": False, "rms_norm_eps": 1e-6,
+    }  # fmt: skip
     fields = {k: data.get(k, defaults.get(k)) for k, _ in FIELDS}
     fields.update(num_attention_heads=heads, num_key_value_heads=data.get("num_key_value_heads") or heads,
-                  rope_theta=float(theta))  # fmt: skip
+                  rope_theta=float(theta), rope_scaling=_scaling(rope))  # fmt: skip
     return fields
 
 
@@ -226,17 +238,16 @@ def shape_of(fields: dict[str, Any], max_seq_len: int = 1 << 20) -> TransformerC
 
 
 def _describe(name: str, cfg: TransformerConfig) -> str:
+    rope = f"rope_theta {cfg.rope_theta:g}" + (", llama3 rope scaling" if cfg.rope_scaling else "")
     return (
         f"{name} (hidden {cfg.dim}, {cfg.n_layers} layers, {cfg.n_heads} heads, {cfg.n_kv_heads} kv heads, "
-        f"intermediate {cfg.ffn_hidden}, {'tied' if cfg.tie_embeddings else 'untied'}, rope_theta "
-        f"{cfg.rope_theta:g}, eps {cfg.norm_eps:g})"
+        f"intermediate {cfg.ffn_hidden}, {'tied' if cfg.tie_embeddings else 'untied'}, {rope}, eps {cfg.norm_eps:g})"
     )
 
 
 def check_size(value: str, model: str, vocab_size: int | None) -> None:
-    """config.json of ``hf:FOLDER`` matches the built-in size ``model`` (its vocabulary the run's
-    ``vocab_size``, where known) field for field; else one line naming the mismatched fields and the sizes
-    there are."""
+    """config.json of ``hf:FOLDER`` matches the built-in size ``model`` field for field, its vocabulary the
+    run's ``vocab_size`` (where known); else one line naming the mismatched fields and the sizes there are."""
     if model not in SIZES:
         raise ConfigError(
             f"--init-from {value} maps a Hugging Face Llama folder onto a built-in transformer "
@@ -244,19 +255,29 @@ def check_size(value: str, model: str, vocab_size: int | None) -> None:
         )
     fields = read_config(value)
     own = SIZES[model] if vocab_size is None else replace(SIZES[model], vocab_size=vocab_size)
-    differ = [f"{hf} {fields[hf]} ({model}: {getattr(own, attr)})" for hf, attr in FIELDS if fields[hf] != getattr(own, attr)]  # fmt: skip
+    shape = [(hf, attr) for hf, attr in FIELDS if hf != "vocab_size" and fields[hf] != getattr(own, attr)]
+    differ = [f"{hf} {fields[hf]} ({model}: {getattr(own, attr)})" for hf, attr in shape]
+    if fields["vocab_size"] != own.vocab_size:
+        differ.append(
+            f"vocab_size {fields['vocab_size']} (the run's vocabulary: {own.vocab_size}; --vocab-size and the "
+            "tokenizer decide it)"
+        )
     if not differ:
         return
-    same = [
+    fits = [
         n
         for n, c in SIZES.items()
         if all(fields[hf] == getattr(c, a) for hf, a in FIELDS if hf != "vocab_size")
     ]
-    hint = f"; it is {same[0]}'s shape: --model {same[0]}" if same else ""
     sizes = ", ".join(_describe(n, c) for n, c in SIZES.items())
+    where = (
+        f"; it is {fits[0]}'s shape: --model {fits[0]} (the built-in sizes: {', '.join(SIZES)})"
+        if fits
+        else f"; the built-in sizes are {sizes}"
+    )
     raise ConfigError(
-        f"--init-from {value}: config.json does not match --model {model}: {', '.join(differ)}{hint}; the built-in "
-        f"sizes are {sizes} (the vocabulary is the run's: --vocab-size, or the tokenizer's)"
+        f"--init-from {value}: config.json does not match --model {model}: {', '.join(differ)}"
+        + (where if shape else "")
     )
 
 
@@ -364,6 +385,12 @@ def hf_config(cfg: TransformerConfig) -> dict[str, Any]:
         "vocab_size": cfg.vocab_size, "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
         "attention_bias": False, "mlp_bias": False, "torch_dtype": "float32",
+        "rope_scaling": None if cfg.rope_scaling is None else {
+            "rope_type": "llama3", "factor": cfg.rope_scaling.factor,
+            "low_freq_factor": cfg.rope_scaling.low_freq_factor,
+            "high_freq_factor": cfg.rope_scaling.high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_scaling.original_max_seq_len,
+        },
     }  # fmt: skip
 
 
