@@ -150,8 +150,22 @@ def test_train_init_from_hf_folder_starts_from_its_weights(tmp_path):
         "--measure-flops", "false", "--init-from", "hf:llama", "--output", "run", cwd=tmp_path,
     )  # fmt: skip
     saved = ckpt.load_any(tmp_path / "run" / "checkpoints" / "last")
-    assert saved["config"]["init_from"] == value
+    assert saved["config"]["init_from"] == f"hf:{(tmp_path / 'llama').resolve()}"  # absolute, as the model's
     want = hf_llama.builtin_state(value)
     assert sorted(saved["model"]) == sorted(want)
     for key, tensor in want.items():
         torch.testing.assert_close(saved["model"][key], tensor, atol=1e-6, rtol=0)
+
+
+def test_a_name_in_the_hugging_face_cache_resolves_to_its_snapshot(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    repo = tmp_path / "models--acme--tiny-llama"
+    save_llama(repo / "snapshots" / "0123abcd")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    assert hf_llama.canonical_init("hf:acme/tiny-llama") == f"hf:{repo / 'snapshots' / '0123abcd'}"
+    missing = hf_llama.canonical_init("hf:acme/no-such-llama")
+    with pytest.raises(ConfigError, match="no model of that name in the Hugging Face cache"):
+        hf_llama.check_init(missing, "gpt-tiny", None)

@@ -495,7 +495,7 @@ def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
     if "precision" in values:
         values["precision"] = canonical_precision(values["precision"])
     if is_hf_init(values.get("init_from")):  # a Llama folder's vocabulary is the run's unless one is given
-        values["init_from"] = canonical_init(values["init_from"])
+        values["init_from"] = canonical_init(values["init_from"], bool(values.get("download", False)))
         if values.get("vocab_size") is None:
             values["vocab_size"] = folder_vocab(values["init_from"])
     weights = values.get("weights")

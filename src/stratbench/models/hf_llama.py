@@ -33,7 +33,7 @@ from torch import nn
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_output
 from stratbench.core.user_code import one_line
-from stratbench.models.hf import PREFIX, find_weights, is_hf_name
+from stratbench.models.hf import PREFIX, find_weights, is_hf_name, model_folder
 from stratbench.models.transformer import SIZES, RopeScaling, Transformer, TransformerConfig
 
 LAYOUT = "hf-llama"
@@ -138,10 +138,17 @@ def is_hf_init(value: str | None) -> bool:
     return bool(value) and is_hf_name(value)
 
 
-def canonical_init(value: str) -> str:
-    """``hf:FOLDER`` with the folder made absolute (the config is read again from other working directories)."""
+def canonical_init(value: str, download: bool = False) -> str:
+    """``hf:FOLDER`` with the folder made absolute (the config is read again from other working directories), or
+    ``hf:OWNER/NAME`` as its snapshot folder in the local Hugging Face cache (fetched there first with
+    ``download``, as ``--model hf:`` is); what does not resolve is returned as it is (``hf_folder`` says why)."""
     path = Path(value[len(PREFIX) :]).expanduser()
-    return PREFIX + str(path.resolve()) if path.is_dir() else value
+    if path.is_dir():
+        return PREFIX + str(path.resolve())
+    try:
+        return PREFIX + str(model_folder(value, download))
+    except ConfigError:
+        return value
 
 
 def hf_folder(value: str) -> Path:
@@ -149,8 +156,9 @@ def hf_folder(value: str) -> Path:
     path = Path(value[len(PREFIX) :]).expanduser()
     if not path.is_dir():
         raise ConfigError(
-            f"--init-from {value}: no folder {str(path)!r}; give hf:FOLDER, a Hugging Face Llama checkpoint folder "
-            "(config.json and safetensors weights)"
+            f"--init-from {value}: no folder {str(path)!r}, and no model of that name in the Hugging Face cache; "
+            "give hf:FOLDER, a Hugging Face Llama checkpoint folder (config.json and safetensors weights), or "
+            "hf:OWNER/NAME of the cache (--download fetches it)"
         )
     if not (path / CONFIG_FILE).is_file():
         raise ConfigError(
