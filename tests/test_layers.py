@@ -22,9 +22,13 @@ LAYERS = (
 )  # fmt: skip
 TOP = len(LAYERS)  # api.py, cli.py, commands/, __init__.py, __main__.py: they may import everything
 
-# The one documented upward import: the config resolves a pretrained-weights name and an `hf:` model at parse
-# time, so that a bad name is refused before any work (docs/architecture.md, the `core/` row).
-ALLOWED_UP = {("stratbench.core.config", "stratbench.models.zoo"), ("stratbench.core.config", "stratbench.models.hf")}
+# The one documented upward import: the config resolves a pretrained-weights name, an `hf:` model and an
+# `--init-from hf:` Llama folder at parse time, so that a bad name is refused before any work (docs/architecture.md,
+# the `core/` row).
+ALLOWED_UP = {
+    ("stratbench.core.config", "stratbench.models.zoo"), ("stratbench.core.config", "stratbench.models.hf"),
+    ("stratbench.core.config", "stratbench.models.hf_llama"),
+}  # fmt: skip
 
 # Inside strategies/: what a method may lean on; everything else there is a method's own file.
 STRATEGY_SHARED = ("stratbench.strategies.base", "stratbench.strategies.costs", "stratbench.strategies.op_builds")

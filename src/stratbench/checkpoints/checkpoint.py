@@ -13,6 +13,8 @@ Layouts
 - sharded layouts (a folder): ``stratbench_meta.pt`` (format marker, layout name, training progress, model
   meta) next to the method's own files. Each sharded method registers a reader for its layout with
   ``register_layout`` that returns the consolidated full state ({"model": ..., "optimizer": ...}).
+- ``hf-llama`` (``hf:FOLDER``, --init-from only): a Hugging Face Llama folder, its keys mapped onto the built-in
+  transformer's (``models.hf_llama``); weights only.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from stratbench.core.safe_load import (  # noqa: F401  (re-exported: the loaders
     safe_torch_load,
     trusted,
 )
+from stratbench.models import hf_llama
 
 FORMAT = "stratbench"
 VERSION = 1
@@ -161,7 +164,11 @@ def load_file(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
 
 def read_meta(path: Path) -> dict[str, Any]:
     """The header of a checkpoint (progress, model meta, layout) without loading model tensors if sharded; a
-    sharded folder whose layout registered a check has its files checked whole too (a truncated shard)."""
+    sharded folder whose layout registered a check has its files checked whole too (a truncated shard); a Hugging
+    Face Llama folder (``hf:FOLDER``) has every key checked to map onto the built-in transformer."""
+    if hf_llama.is_hf_init(str(path)):
+        hf_llama.check_keys(str(path))
+        return {"layout": hf_llama.LAYOUT, "source": str(path)}
     path = Path(path)
     check_last_link(path)
     if path.is_dir():
@@ -181,7 +188,10 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 
 def load_any(path: Path, *, weights_only: bool = True) -> dict[str, Any]:
-    """Full state ({"model", "optimizer", progress, meta}) from any layout, consolidated in memory."""
+    """Full state ({"model", "optimizer", progress, meta}) from any layout, consolidated in memory (a Hugging
+    Face Llama folder: its weights under the built-in names, memory-mapped)."""
+    if hf_llama.is_hf_init(str(path)):
+        return read_meta(path) | {"model": hf_llama.builtin_state(str(path))}
     path = Path(path)
     if not path.is_dir():
         return load_file(path, weights_only=weights_only)

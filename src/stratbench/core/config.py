@@ -25,6 +25,7 @@ import yaml
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_write
 from stratbench.models.hf import canonical_name, check_vocab, default_seq_len, is_hf_name
+from stratbench.models.hf_llama import canonical_init, check_init, folder_vocab, is_hf_init
 from stratbench.models.zoo import is_weights_name, resolve_weights
 
 
@@ -210,7 +211,7 @@ class TrainConfig:
     resume_from: str | None = None
     """Checkpoint to resume from (file or folder)."""
     init_from: str | None = None
-    """Checkpoint whose model weights start the run (optimizer and progress are not restored)."""
+    """Checkpoint whose model weights start the run (optimizer and progress are not restored); hf:FOLDER: a Hugging Face Llama folder (config.json + safetensors) mapped onto the built-in transformer of --model (docs/finetuning.md)."""
     trust_checkpoint: bool = False
     """Load --resume-from/--init-from/OUTPUT checkpoints with full unpickling, which runs code a crafted file holds; by default every file is read weights-only and one that needs more is refused."""
     keep_last: int = 1
@@ -485,13 +486,18 @@ def _resolve_train_values(values: dict[str, Any]) -> dict[str, Any]:
     """Names a user may give that stratbench resolves once, here: precision aliases, pretrained weights by
     name (a torch hub cache file; downloaded only with ``download``) and a Hugging Face model (``hf:FOLDER``
     made absolute; a hub name fetched into its cache only with ``download``; its positions the default
-    ``seq_len`` where fewer than 256)."""
+    ``seq_len`` where fewer than 256) and a Llama folder to start from (``--init-from hf:FOLDER`` made absolute;
+    its ``vocab_size`` the run's where none is given)."""
     if isinstance(values.get("model"), str):
         values["model"] = canonical_name(values["model"], bool(values.get("download", False)))
         if "seq_len" not in values and is_hf_name(values["model"]):  # the default follows the model's positions
             values["seq_len"] = default_seq_len(values["model"], TrainConfig.seq_len)
     if "precision" in values:
         values["precision"] = canonical_precision(values["precision"])
+    if is_hf_init(values.get("init_from")):  # a Llama folder's vocabulary is the run's unless one is given
+        values["init_from"] = canonical_init(values["init_from"], bool(values.get("download", False)))
+        if values.get("vocab_size") is None:
+            values["vocab_size"] = folder_vocab(values["init_from"])
     weights = values.get("weights")
     if weights:
         if is_weights_name(weights):
@@ -562,6 +568,8 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     check_lora(cfg)
+    if is_hf_init(cfg.init_from):
+        check_init(cfg.init_from, cfg.model, cfg.vocab_size)  # --model's size, every key mapped
     if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
         raise ConfigError(
             f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "

@@ -23,6 +23,37 @@ INITS = ("gpt2", "llama")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's rotary frequency scaling (transformers' ``rope_type: llama3``; Meta's ``apply_scaling``): the
+    low frequencies divided by ``factor``, the high ones kept, the ones between blended, so that a model
+    trained at ``original_max_seq_len`` positions reads longer contexts. Llama 3.2 1B's config.json sets it."""
+
+    factor: float = 32.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_seq_len: int = 8192
+
+    def __str__(self) -> str:
+        return (
+            f"llama3 (factor {self.factor:g}, low_freq_factor {self.low_freq_factor:g}, high_freq_factor "
+            f"{self.high_freq_factor:g}, original_max_position_embeddings {self.original_max_seq_len})"
+        )
+
+    def apply(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (transformers' ``_compute_llama3_parameters``, same arithmetic)."""
+        low_wavelen = self.original_max_seq_len / self.low_freq_factor
+        high_wavelen = self.original_max_seq_len / self.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / self.factor, inv_freq)
+        smooth = (self.original_max_seq_len / wavelen - self.low_freq_factor) / (
+            self.high_freq_factor - self.low_freq_factor
+        )
+        blended = (1 - smooth) * scaled / self.factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, blended, scaled)
+
+
+@dataclass(frozen=True)
 class TransformerConfig:
     """The shape and initialisation of one transformer (frozen: ``SIZES`` cannot be changed by a caller);
     ``check`` says what is wrong in one line."""
@@ -46,6 +77,8 @@ class TransformerConfig:
     """RMSNorm's epsilon."""
     rope_theta: float = 10000.0
     """Base of the rotary frequencies (Llama 3: 500000, for long contexts)."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's frequency scaling of the rotary positions (Llama 3.2 1B's); None: plain rotary positions."""
     tie_embeddings: bool = True
     """Whether the output head is the token embedding matrix (GPT-2, Llama 3.2 1B) or its own (Llama 3 8B)."""
     init: str = "gpt2"
@@ -69,6 +102,15 @@ class TransformerConfig:
         for name in ("norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"transformer {name} must be positive, not {getattr(self, name)!r}")
+        scaling = self.rope_scaling
+        if scaling is not None and not (
+            scaling.factor > 0 and 0 < scaling.low_freq_factor < scaling.high_freq_factor
+            and scaling.original_max_seq_len > 0
+        ):  # fmt: skip
+            raise ConfigError(
+                f"transformer rope_scaling {scaling} needs factor > 0, 0 < low_freq_factor < high_freq_factor and "
+                "a positive original context"
+            )
         if self.init not in INITS:
             raise ConfigError(f"unknown transformer init {self.init!r}; choose one of: {', '.join(INITS)}")
         self._check_heads()
@@ -109,11 +151,12 @@ SIZES: dict[str, TransformerConfig] = {
     "gpt2-small": TransformerConfig(
         vocab_size=50304, dim=768, n_layers=12, n_heads=12, ffn_hidden=2048, max_seq_len=1024, init="gpt2"
     ),
-    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters. Llama 3.1's rope scaling
-    # for 128k contexts is not implemented; max_seq_len is the 8192 it was pre-trained at.
+    # Llama 3.2 1B (meta-llama/Llama-3.2-1B config.json): 1,235,814,400 parameters, its rotary positions scaled
+    # as Llama 3.1's (rope_scaling llama3), so that its checkpoint gives transformers' logits; max_seq_len is the
+    # 8192 it was pre-trained at.
     "llama-1b": TransformerConfig(
         vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden=8192,
-        max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True, init="llama",
+        max_seq_len=8192, rope_theta=500000.0, rope_scaling=RopeScaling(), tie_embeddings=True, init="llama",
     ),
     # Llama 3 8B (meta-llama/Meta-Llama-3-8B config.json): 8,030,261,248 parameters.
     "llama-8b": TransformerConfig(
@@ -138,11 +181,14 @@ def transformer_config(
 
 
 def rotary_angles(
-    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
+    seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
+    scaling: RopeScaling | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """cos and sin of position x frequency, (seq_len, head_dim / 2), computed afresh in each forward: a buffer
     would not survive building on the meta device, and this costs T x head_dim / 2 elements per block."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
+    if scaling is not None:
+        inv_freq = scaling.apply(inv_freq)
     angles = torch.arange(seq_len, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
@@ -171,7 +217,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: TransformerConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.rope_theta = cfg.rope_theta
+        self.rope_theta, self.rope_scaling = cfg.rope_theta, cfg.rope_scaling
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -185,7 +231,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         angle_dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64, bf16 rotates in fp32
-        cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype)
+        cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
