@@ -23,7 +23,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from stratbench.core.config import TrainConfig
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.precision import Precision
 from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
@@ -150,10 +150,21 @@ def _real_to_fake(model: nn.Module) -> None:
 
 
 def apply_meta(model: nn.Module, meta: dict[str, Any] | None) -> nn.Module:
-    """``model`` with the adapters a checkpoint's ``lora_meta`` describes (inference; unchanged without)."""
+    """``model`` with the adapters a checkpoint's ``lora_meta`` describes (inference; unchanged without). A
+    header that is not ``lora_meta``'s shape (a hand-edited or foreign checkpoint) is one line, not a KeyError."""
     if not meta:
         return model
-    return inject(model, int(meta["rank"]), float(meta["alpha"]), float(meta["dropout"]), str(meta["targets"]))
+    try:
+        rank, alpha, dropout, targets = (meta[k] for k in ("rank", "alpha", "dropout", "targets"))
+        rank, alpha, dropout = int(rank), float(alpha), float(dropout)
+    except (KeyError, TypeError, ValueError):
+        raise CheckpointError(
+            f"the checkpoint's model meta 'lora' is {meta!r}; it must hold rank (an integer > 0), alpha, dropout "
+            "and targets, as a LoRA run writes it"
+        ) from None
+    if rank <= 0 or not isinstance(targets, str):
+        raise CheckpointError(f"the checkpoint's model meta 'lora' is {meta!r}; rank must be > 0 and targets a string")
+    return inject(model, rank, alpha, dropout, targets)
 
 
 @dataclass(frozen=True)
