@@ -171,8 +171,8 @@ def check_format(args: argparse.Namespace, loaded: LoadedModel) -> str:
 
 
 def check_peft(args: argparse.Namespace, loaded: LoadedModel) -> None:
-    """--format peft: the adapters of a LoRA run of a Hugging Face model whose folder holds the base's weights
-    (peft loads adapters onto that base), not merged."""
+    """--format peft: the adapters of a LoRA run of a Hugging Face model whose folder holds the base's weights,
+    the run's starting point (peft loads adapters onto that base), not merged."""
     model = loaded.meta["model"]
     if not loaded.meta.get("lora"):
         raise ConfigError(
@@ -186,6 +186,11 @@ def check_peft(args: argparse.Namespace, loaded: LoadedModel) -> None:
         raise ConfigError(
             f"--format peft: peft loads adapters onto a Hugging Face model (--model hf:FOLDER); {model} is "
             "stratbench's own: export its merged weights with --merge-lora (safetensors, state-dict or onnx)"
+        )
+    if loaded.config.get("init_from"):
+        raise ConfigError(
+            f"--format peft: the run started from --init-from {loaded.config['init_from']}, not from "
+            f"{model}'s weights, so the adapters' base is not that folder; export with --merge-lora instead"
         )
     folder = model_folder(model)
     if find_weights(model, folder) is None:
