@@ -142,7 +142,7 @@ def default_format(output: str, merge_lora: bool, hf_model: bool) -> str:
 def check_format(args: argparse.Namespace, loaded: LoadedModel) -> str:
     """The export format, checked against what the checkpoint holds and where it goes: one line, before any
     write, for --merge-lora or --format peft on a run without LoRA, a folder format a model cannot take (saying
-    what it writes instead), and an --output that holds something else."""
+    what it writes instead), --images for a language model, and an --output that holds something else."""
     model, lora, hf = loaded.meta["model"], bool(loaded.meta.get("lora")), is_hf_name(loaded.meta["model"])
     fmt = args.format or default_format(args.output, args.merge_lora, hf)
     if args.merge_lora and not lora:
@@ -162,6 +162,11 @@ def check_format(args: argparse.Namespace, loaded: LoadedModel) -> str:
         raise ConfigError(
             f"--format hf: {args.checkpoint} is a LoRA run; add --merge-lora (the adapters folded into the "
             "weights) or use --format peft (the adapters alone)"
+        )
+    if fmt == "onnx" and args.images and is_language(loaded.meta):
+        raise ConfigError(
+            f"--images: {model} is a language model (it takes token ids); its real parity inputs are validation "
+            "windows of its text (--real-samples)"
         )
     if fmt in FOLDER_FORMATS:
         check_output_folder(Path(args.output), FOLDER_FORMATS[fmt])
@@ -230,11 +235,6 @@ def check_opset(opset: int | None) -> None:
 def export_checked_onnx(args: argparse.Namespace, atol: float, loaded: LoadedModel) -> int:
     """Export, then compare onnxruntime's logits with PyTorch's; a failed comparison keeps the file and raises."""
     device = resolve_device(args.device)
-    if args.images and is_language(loaded.meta):
-        raise ConfigError(
-            f"--images: {loaded.meta['model']} is a language model (it takes token ids); its real parity inputs "
-            "are validation windows of its text (--real-samples)"
-        )
     result = export_onnx(
         loaded.model, loaded.meta, args.output, fp16=args.fp16, opset=args.opset, exporter=args.exporter,
         extra_metadata={"config": loaded.config},
