@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="--prompt: seed of the sampling")
     parser.add_argument(
-        "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
+        "--checkpoint",
+        help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last), a run folder (its last checkpoint), "
+        "or a folder `export --merge-lora` / `--format peft` wrote",
     )
     parser.add_argument(
         "--top-k", type=int, default=None,
@@ -102,7 +104,9 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt continues text with a language model; it takes no images")
     if args.backend != "torch":
         raise ConfigError("--prompt runs on --backend torch only")
-    sampling = Sampling(args.max_new_tokens, 1 if args.top_k is None else args.top_k, args.temperature, args.seed)
+    sampling = Sampling(
+        args.max_new_tokens, 1 if args.top_k is None else args.top_k, args.temperature, args.seed
+    )
     sampling.check()
     if args.checkpoint is None:
         raise ConfigError("--checkpoint is required")
@@ -113,5 +117,9 @@ def _generate(args: argparse.Namespace) -> int:
     codec = codec_for(loaded.meta)
     ids = generate(loaded.model, codec.encode(args.prompt), int(loaded.meta["seq_len"]), sampling)
     text = codec.decode(ids)
-    print(json.dumps({"prompt": args.prompt, "generated": text, "ids": ids}) if args.json else args.prompt + text)
+    print(
+        json.dumps({"prompt": args.prompt, "generated": text, "ids": ids})
+        if args.json
+        else args.prompt + text
+    )
     return 0
