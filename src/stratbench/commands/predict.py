@@ -104,9 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
         raise ConfigError("--prompt continues text with a language model; it takes no images")
     if args.backend != "torch":
         raise ConfigError("--prompt runs on --backend torch only")
-    sampling = Sampling(
-        args.max_new_tokens, 1 if args.top_k is None else args.top_k, args.temperature, args.seed
-    )
+    sampling = Sampling(args.max_new_tokens, 1 if args.top_k is None else args.top_k, args.temperature, args.seed)
     sampling.check()
     if args.checkpoint is None:
         raise ConfigError("--checkpoint is required")
@@ -117,9 +115,5 @@ def _generate(args: argparse.Namespace) -> int:
     codec = codec_for(loaded.meta)
     ids = generate(loaded.model, codec.encode(args.prompt), int(loaded.meta["seq_len"]), sampling)
     text = codec.decode(ids)
-    print(
-        json.dumps({"prompt": args.prompt, "generated": text, "ids": ids})
-        if args.json
-        else args.prompt + text
-    )
+    print(json.dumps({"prompt": args.prompt, "generated": text, "ids": ids}) if args.json else args.prompt + text)
     return 0
