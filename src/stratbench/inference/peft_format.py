@@ -48,6 +48,10 @@ def _some(keys: list[str]) -> str:
     return ", ".join(keys[:SHOWN]) + (f" and {len(keys) - SHOWN} more" if len(keys) > SHOWN else "")
 
 
+def _an(word: str) -> str:
+    return f"{'an' if word[0] in 'aeiou' else 'a'} {word}"
+
+
 def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of each PEFT LoRA layer in ``model`` (none in a model without adapters)."""
     guard_torchvision_import()  # peft imports transformers, which imports torchvision (core.torchvision_compat)
@@ -221,10 +225,11 @@ def check_output_folder(out: Path, kind: str) -> None:
         except (OSError, ValueError, AttributeError):
             held = None
     if held != kind:
-        what = f"a {held} export" if held else f"other files ({_some(sorted(p.name for p in out.iterdir()))})"
+        what = (
+            f"{_an(held)} export" if held else f"other files ({_some(sorted(p.name for p in out.iterdir()))})"
+        )
         raise CheckpointError(
-            f"--output {out} holds {what}; a {kind} export replaces only an earlier {kind} export: name a new or "
-            "empty folder"
+            f"--output {out} holds {what}; {_an(kind)} export replaces only an earlier one: name a new or empty folder"
         )
 
 
