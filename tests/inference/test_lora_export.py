@@ -51,6 +51,8 @@ def base(root):
     )  # fmt: skip
     with quiet_transformers():
         LlamaForCausalLM(config).save_pretrained(root / "llama")
+    # a tokenizer file the merged export copies (a tokenizer.json would change the run's data: bytes here)
+    (root / "llama" / "special_tokens_map.json").write_text('{"eos_token": "</s>"}')
     return root / "llama"
 
 
@@ -96,7 +98,13 @@ def test_merged_export_loads_in_transformers_with_the_runs_logits(exports, base,
 
     merged, _, (printed, _) = exports
     assert "loaded with transformers' AutoModelForCausalLM.from_pretrained: max abs diff" in printed
-    assert {p.name for p in merged.iterdir()} >= {"config.json", "model.safetensors", "stratbench.json"}
+    assert {p.name for p in merged.iterdir()} == {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "special_tokens_map.json",
+        "stratbench.json",
+    }
     with (
         safe_open(str(merged / "model.safetensors"), "pt") as f,
         safe_open(str(base / "model.safetensors"), "pt") as g,
