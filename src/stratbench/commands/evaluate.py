@@ -27,7 +27,9 @@ ORDER = 61
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_argument(parser)
     parser.add_argument(
-        "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
+        "--checkpoint",
+        help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last), a run folder (its last checkpoint), "
+        "or a folder `export --merge-lora` / `--format peft` wrote",
     )
     parser.add_argument(
         "--data", choices=DATASETS, help="data set (default: the one the checkpoint was trained on)"

@@ -1,7 +1,10 @@
 """stratbench export: a checkpoint (any method) -> one ONNX file with a dynamic batch axis (a language model:
 ``input_ids`` with dynamic batch and sequence axes), checked with onnx.checker and against PyTorch on random and
 real inputs; or (``--format safetensors|state-dict``) a plain
-weights file that any PyTorch user loads into the bare model without stratbench."""
+weights file that any PyTorch user loads into the bare model without stratbench. A run of a Hugging Face model
+(``--model hf:FOLDER``) also exports as a folder transformers loads (``--format hf``; a LoRA run's adapters folded
+in with ``--merge-lora``), and a LoRA run's adapters alone as a folder peft loads (``--format peft``); each export
+is read back and its logits compared with the checkpoint's."""
 
 from __future__ import annotations
 
@@ -17,7 +20,19 @@ from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
-from stratbench.inference.export import format_for, onnx_parity, reload_difference, write_weights
+from stratbench.inference.export import (
+    adapter_difference,
+    difference,
+    format_for,
+    hf_difference,
+    merged,
+    onnx_parity,
+    reference_logits,
+    reload_difference,
+    write_adapter_folder,
+    write_hf_folder,
+    write_weights,
+)
 from stratbench.inference.onnx_export import (
     OrtModel,
     ParityError,
@@ -27,7 +42,9 @@ from stratbench.inference.onnx_export import (
     export_onnx,
     is_language,
 )
-from stratbench.inference.predictor import load_model
+from stratbench.inference.peft_format import ADAPTER, MERGED, check_output_folder
+from stratbench.inference.predictor import LoadedModel, load_model
+from stratbench.models.hf import find_weights, is_hf_name, model_folder
 
 NAME = "export"
 HELP = "export a checkpoint (any method) to ONNX, safetensors or a plain state dict, and check it against PyTorch"
@@ -35,17 +52,31 @@ ORDER = 62
 FP32_ATOL = 1e-4
 # fp16 weights and activations keep ~3 significant digits; logits of order 10 differ by ~1e-2 from fp32.
 FP16_ATOL = 2e-2
-EXPORT_FORMATS = ("onnx", "safetensors", "state-dict")
+EXPORT_FORMATS = ("onnx", "safetensors", "state-dict", "hf", "peft")
+FOLDER_FORMATS = {"hf": MERGED, "peft": ADAPTER}
+"""The formats written as a folder, and the kind of export folder each is (inference.peft_format)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_argument(parser)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint file or sharded folder")
-    parser.add_argument("--output", required=True, help="file to write (ONNX: one file, weights included)")
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint file or sharded folder, or a run folder"
+    )
+    parser.add_argument(
+        "--output",
+        required=True,
+        help="file to write (ONNX: one file, weights included); --format hf|peft: a folder",
+    )
     parser.add_argument(
         "--format", choices=EXPORT_FORMATS, default=None,
-        help="onnx, safetensors (model.safetensors) or state-dict (torch.save of the bare model's state dict); "
-        "default: from the --output suffix (.safetensors, .pt/.pth/.bin), else onnx",
+        help="onnx, safetensors (model.safetensors), state-dict (torch.save of the bare model's state dict), hf "
+        "(a hf: model: a folder transformers' from_pretrained loads) or peft (a LoRA run of a hf: model: the "
+        "adapters alone, a folder peft's PeftModel.from_pretrained loads); default: from the --output suffix "
+        "(.safetensors, .pt/.pth/.bin, .onnx), else hf with --merge-lora on a hf: model, else onnx",
+    )  # fmt: skip
+    parser.add_argument(
+        "--merge-lora", action="store_true",
+        help="a LoRA run: fold the adapters into the weights (W + alpha/r B A) and export the bare model",
     )  # fmt: skip
     parser.add_argument(
         "--fp16", action="store_true", help="float16 weights and input (for GPUs); compared with fp32 PyTorch"
@@ -75,11 +106,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     with trusted(args.trust_checkpoint):
         atol = check_args(args)
-        fmt = args.format or format_for(args.output)
+        if args.format in (None, "onnx"):
+            check_opset(args.opset)
+        loaded = load_model(args.checkpoint, "cpu")
+        fmt = check_format(args, loaded)
+        print(f"model: {loaded.describe()}", file=sys.stderr)
+        if args.merge_lora:
+            loaded = merge_checked(loaded, atol)
+        if fmt in FOLDER_FORMATS:
+            return export_folder(args, fmt, atol, loaded)
         if fmt != "onnx":
-            return export_weights(args, fmt, atol)
-        check_opset(args.opset)
-        return export_checked_onnx(args, atol)
+            return export_weights(args, fmt, atol, loaded)
+        return export_checked_onnx(args, atol, loaded)
 
 
 def check_args(args: argparse.Namespace) -> float:
@@ -89,9 +127,100 @@ def check_args(args: argparse.Namespace) -> float:
         raise ConfigError(f"--atol must be a positive number, got {atol}")
     if args.real_samples < 0:
         raise ConfigError(f"--real-samples must be >= 0, got {args.real_samples}")
-    if Path(args.output).is_dir():
-        raise ConfigError(f"--output {args.output} is a folder; name the file to write")
     return atol
+
+
+def default_format(output: str, merge_lora: bool, hf_model: bool) -> str:
+    """The format of an export without --format: the --output suffix's, else a Hugging Face folder for a merged
+    hf: model, else ONNX."""
+    fmt = format_for(output)
+    if fmt == "onnx" and merge_lora and hf_model and not output.lower().endswith(".onnx"):
+        return "hf"
+    return fmt
+
+
+def check_format(args: argparse.Namespace, loaded: LoadedModel) -> str:
+    """The export format, checked against what the checkpoint holds and where it goes: one line, before any
+    write, for --merge-lora or --format peft on a run without LoRA, a folder format a model cannot take (saying
+    what it writes instead), --images for a language model, and an --output that holds something else."""
+    model, lora, hf = loaded.meta["model"], bool(loaded.meta.get("lora")), is_hf_name(loaded.meta["model"])
+    fmt = args.format or default_format(args.output, args.merge_lora, hf)
+    if args.merge_lora and not lora:
+        raise ConfigError(
+            f"--merge-lora: {args.checkpoint} was trained without LoRA (no --lora-rank), so there are no adapters to "
+            "merge; export it without --merge-lora"
+        )
+    if fmt == "peft":
+        check_peft(args, loaded)
+    elif fmt == "hf" and not hf:
+        raise ConfigError(
+            f"--format hf writes a folder transformers loads, for a run of a Hugging Face model (--model "
+            f"hf:FOLDER); {model} is stratbench's own: export it as safetensors, state-dict or onnx (with "
+            "--merge-lora for a LoRA run's merged weights)"
+        )
+    elif fmt == "hf" and lora and not args.merge_lora:
+        raise ConfigError(
+            f"--format hf: {args.checkpoint} is a LoRA run; add --merge-lora (the adapters folded into the "
+            "weights) or use --format peft (the adapters alone)"
+        )
+    if fmt == "onnx" and args.images and is_language(loaded.meta):
+        raise ConfigError(
+            f"--images: {model} is a language model (it takes token ids); its real parity inputs are validation "
+            "windows of its text (--real-samples)"
+        )
+    if fmt in FOLDER_FORMATS:
+        check_output_folder(Path(args.output), FOLDER_FORMATS[fmt])
+    elif Path(args.output).is_dir():
+        raise ConfigError(f"--output {args.output} is a folder; name the file to write")
+    return fmt
+
+
+def check_peft(args: argparse.Namespace, loaded: LoadedModel) -> None:
+    """--format peft: the adapters of a LoRA run of a Hugging Face model whose folder holds the base's weights,
+    the run's starting point (peft loads adapters onto that base), not merged."""
+    model = loaded.meta["model"]
+    if not loaded.meta.get("lora"):
+        raise ConfigError(
+            f"--format peft writes LoRA adapters; {args.checkpoint} was trained without --lora-rank"
+        )
+    if args.merge_lora:
+        raise ConfigError(
+            "--format peft writes the adapters alone and --merge-lora folds them into the weights: choose one"
+        )
+    if not is_hf_name(model):
+        raise ConfigError(
+            f"--format peft: peft loads adapters onto a Hugging Face model (--model hf:FOLDER); {model} is "
+            "stratbench's own: export its merged weights with --merge-lora (safetensors, state-dict or onnx)"
+        )
+    if loaded.config.get("init_from"):
+        raise ConfigError(
+            f"--format peft: the run started from --init-from {loaded.config['init_from']}, not from "
+            f"{model}'s weights, so the adapters' base is not that folder; export with --merge-lora instead"
+        )
+    folder = model_folder(model)
+    if find_weights(model, folder) is None:
+        raise ConfigError(
+            f"--format peft: {folder} holds no weights (the run's base was a random init from its config.json), so "
+            "the adapters have no base to load onto; export with --merge-lora instead"
+        )
+
+
+def merge_checked(loaded: LoadedModel, atol: float) -> LoadedModel:
+    """The checkpoint's model with its adapters merged (``merged``), its logits checked against the adapted
+    model's on random inputs."""
+    reference = reference_logits(loaded)
+    loaded = merged(loaded)
+    worst, scale = difference(loaded.model, reference, int(loaded.meta["num_classes"]))
+    print(f"merged the LoRA adapters into the weights: max abs diff of logits {worst:.3g} (|logit| {scale:.3g})",
+          file=sys.stderr)  # fmt: skip
+    check_parity(worst, scale, atol, "the merged model")
+    return loaded
+
+
+def check_parity(worst: float, scale: float, atol: float, kept: str) -> None:
+    if worst > allowed_diff(atol, scale):
+        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > {allowed_diff(atol, scale):.3g} "
+                          f"(--atol {atol:g} x largest |logit| {scale:.3g}) ({kept} kept)")  # fmt: skip
 
 
 def check_opset(opset: int | None) -> None:
@@ -103,16 +232,9 @@ def check_opset(opset: int | None) -> None:
             raise ConfigError(f"--opset must be between 7 and {newest} (this onnx's newest), got {opset}")
 
 
-def export_checked_onnx(args: argparse.Namespace, atol: float) -> int:
+def export_checked_onnx(args: argparse.Namespace, atol: float, loaded: LoadedModel) -> int:
     """Export, then compare onnxruntime's logits with PyTorch's; a failed comparison keeps the file and raises."""
     device = resolve_device(args.device)
-    loaded = load_model(args.checkpoint, "cpu")
-    if args.images and is_language(loaded.meta):
-        raise ConfigError(
-            f"--images: {loaded.meta['model']} is a language model (it takes token ids); its real parity inputs "
-            "are validation windows of its text (--real-samples)"
-        )
-    print(f"model: {loaded.describe()}", file=sys.stderr)
     result = export_onnx(
         loaded.model, loaded.meta, args.output, fp16=args.fp16, opset=args.opset, exporter=args.exporter,
         extra_metadata={"config": loaded.config},
@@ -160,11 +282,9 @@ def print_parity(rows: list[ParityRow], session: OrtModel, atol: float) -> None:
     Console().print(table)
 
 
-def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
+def export_weights(args: argparse.Namespace, fmt: str, atol: float, loaded: LoadedModel) -> int:
     """The bare model's state dict (fp32, or fp16 with --fp16) as safetensors or a torch.save file, then read back
     with plain torch/safetensors into a freshly built model whose logits must match the checkpoint's."""
-    loaded = load_model(args.checkpoint, "cpu")
-    print(f"model: {loaded.describe()}", file=sys.stderr)
     dtype = torch.float16 if args.fp16 else torch.float32
     out = Path(args.output)
     count = write_weights(loaded, out, fmt, dtype)
@@ -175,7 +295,28 @@ def export_weights(args: argparse.Namespace, fmt: str, atol: float) -> int:
     print(f"reloaded with plain {'safetensors' if fmt == 'safetensors' else 'torch.load'} into a fresh "
           f"{loaded.meta['model']}: max abs diff of logits {worst:.3g} (tolerance {atol:g} x max(1, |logit| "
           f"{scale:.3g}))")  # fmt: skip
-    if worst > allowed_diff(atol, scale):
-        raise ParityError(f"parity check failed: max abs diff {worst:.3g} > {allowed_diff(atol, scale):.3g} "
-                          f"(--atol {atol:g} x largest |logit| {scale:.3g}) ({out} kept)")  # fmt: skip
+    check_parity(worst, scale, atol, str(out))
+    return 0
+
+
+def export_folder(args: argparse.Namespace, fmt: str, atol: float, loaded: LoadedModel) -> int:
+    """A Hugging Face model folder (``hf``) or a PEFT adapter folder (``peft``), then loaded the way a user
+    would (transformers' from_pretrained; peft's PeftModel.from_pretrained on the base) and its logits compared
+    with the checkpoint's."""
+    dtype = torch.float16 if args.fp16 else torch.float32
+    out = Path(args.output)
+    reference = reference_logits(loaded)
+    if fmt == "hf":
+        names = write_hf_folder(loaded, out, dtype)
+        worst, scale = hf_difference(loaded, out, reference)
+        reader = "transformers' AutoModelForCausalLM.from_pretrained"
+    else:
+        names = write_adapter_folder(loaded, out, dtype)
+        worst, scale = adapter_difference(loaded, out, reference)
+        reader = "peft's PeftModel.from_pretrained on the base"
+    size = sum((out / n).stat().st_size for n in names)
+    print(f"wrote {out}/ ({', '.join(names)}; {fmt_bytes(size)}, {str(dtype).split('.')[-1]})")
+    print(f"loaded with {reader}: max abs diff of logits {worst:.3g} (tolerance {atol:g} x max(1, |logit| "
+          f"{scale:.3g}))")  # fmt: skip
+    check_parity(worst, scale, atol, str(out))
     return 0

@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--seed", type=int, default=0, help="--prompt: seed of the sampling")
     parser.add_argument(
-        "--checkpoint", help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last)"
+        "--checkpoint",
+        help="checkpoint file or sharded folder (e.g. runs/x/checkpoints/last), a run folder (its last checkpoint), "
+        "or a folder `export --merge-lora` / `--format peft` wrote",
     )
     parser.add_argument(
         "--top-k", type=int, default=None,

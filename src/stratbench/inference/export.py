@@ -1,17 +1,21 @@
 """What `stratbench export` does besides the ONNX export itself (stratbench.inference.onnx_export): the real
-inputs its parity check adds, and plain weight files (safetensors, a torch.save state dict) that any PyTorch
-user loads into the bare model without stratbench, read back the way such a user would."""
+inputs its parity check adds, plain weight files (safetensors, a torch.save state dict) that any PyTorch
+user loads into the bare model without stratbench, and a LoRA run's merged weights or adapters in Hugging Face's
+formats (stratbench.inference.peft_format), each read back the way such a user would."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from stratbench.core.errors import StratbenchError
+from stratbench.core.files import atomic_output
 from stratbench.inference.onnx_export import (
     OrtModel,
     ParityRow,
@@ -20,6 +24,18 @@ from stratbench.inference.onnx_export import (
     parity,
     random_inputs,
     random_tokens,
+)
+from stratbench.inference.peft_format import (
+    ADAPTER,
+    ADAPTER_WEIGHTS,
+    MERGED,
+    SIDECAR,
+    adapter_config,
+    adapter_state,
+    copy_tokenizer,
+    lora_layers,
+    merge_adapters,
+    sidecar,
 )
 from stratbench.inference.predictor import (
     ImageProblem,
@@ -30,6 +46,8 @@ from stratbench.inference.predictor import (
     train_config_for,
     validation_set,
 )
+from stratbench.models.hf import PREFIX as HF_PREFIX
+from stratbench.models.hf import model_folder, quiet_transformers
 
 WEIGHT_META = (
     "model",
@@ -160,3 +178,97 @@ def reload_difference(loaded: LoadedModel, out: Path, fmt: str) -> tuple[float, 
             ref = loaded.model(x)
             worst, scale = max(worst, (fresh(x) - ref).abs().max().item()), max(scale, ref.abs().max().item())
     return worst, scale
+
+
+# ---- a LoRA run: merged weights, or the adapters alone ----------------------------------------------
+
+Logits = list[tuple[torch.Tensor, torch.Tensor]]
+"""(input, the checkpoint's logits on it) pairs: what an export's read-back is compared with."""
+
+
+def reference_logits(loaded: LoadedModel) -> Logits:
+    """The checkpoint's model's logits on the random samples (``_random_samples``), taken before a merge changes
+    it: what the merged or adapter export must give back."""
+    with torch.no_grad():
+        return [(x, loaded.model(x).float()) for x in _random_samples(loaded.meta)]
+
+
+def difference(run: Any, reference: Logits, vocab: int) -> tuple[float, float]:
+    """(largest absolute difference of ``run(x)``'s first ``vocab`` logits from the reference's, largest
+    |logit|, at least 1), over the reference's inputs."""
+    worst, scale = 0.0, 1.0
+    with torch.no_grad():
+        for x, ref in reference:
+            got = run(x).float()[..., :vocab]
+            worst, scale = max(worst, (got - ref).abs().max().item()), max(scale, ref.abs().max().item())
+    return worst, scale
+
+
+def merged(loaded: LoadedModel) -> LoadedModel:
+    """``loaded`` with its LoRA adapters folded into the base weights (in place) and its meta without them: the
+    bare model that ``build_from_meta`` builds and every exporter writes."""
+    merge_adapters(loaded.model)
+    meta = {k: v for k, v in loaded.meta.items() if k != "lora"}
+    return dataclasses.replace(loaded, meta=meta)
+
+
+def _sidecar_text(loaded: LoadedModel, kind: str) -> str:
+    return sidecar(kind, loaded.meta, loaded.config, loaded.source, loaded.strategy, loaded.progress)
+
+
+def write_hf_folder(loaded: LoadedModel, out: Path, dtype: torch.dtype) -> list[str]:
+    """A Hugging Face model folder at ``out`` (replaced whole): transformers' ``save_pretrained`` of the wrapped
+    model (config.json, model.safetensors under its own key names) in ``dtype``, the source folder's tokenizer
+    files and stratbench.json; returns the names written. The model must have no adapters left (``merged``)."""
+    hf_model = loaded.model.hf
+    source = model_folder(loaded.meta["model"])
+    with atomic_output(out) as tmp:
+        tmp.mkdir()
+        with quiet_transformers():
+            hf_model.to(dtype).save_pretrained(tmp)
+        hf_model.float()
+        copy_tokenizer(source, tmp, loaded.meta.get("tokenizer"))
+        (tmp / SIDECAR).write_text(_sidecar_text(loaded, MERGED))
+    return sorted(p.name for p in out.iterdir())
+
+
+def hf_difference(loaded: LoadedModel, out: Path, reference: Logits) -> tuple[float, float]:
+    """Load ``out`` with transformers' ``AutoModelForCausalLM.from_pretrained`` (fp32, local, safetensors) as a
+    user would, and compare its logits with the checkpoint's (``difference``)."""
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True,
+                                                     use_safetensors=True).eval()  # fmt: skip
+    return difference(lambda x: model(input_ids=x).logits, reference, int(loaded.meta["num_classes"]))
+
+
+def write_adapter_folder(loaded: LoadedModel, out: Path, dtype: torch.dtype) -> list[str]:
+    """The LoRA adapters of ``loaded`` (an ``hf:`` model) in PEFT's format at ``out`` (replaced whole):
+    adapter_config.json (rank, alpha, dropout, the adapted modules' paths, ``base_model_name_or_path`` the
+    model's folder or hub name) and adapter_model.safetensors in ``dtype``, with stratbench.json."""
+    from safetensors.torch import save_file
+
+    hf_model = loaded.model.hf
+    targets = [name for name, _ in lora_layers(hf_model)]
+    config = adapter_config(loaded.meta["lora"], targets, loaded.meta["model"][len(HF_PREFIX) :])
+    with atomic_output(out) as tmp:
+        tmp.mkdir()
+        config.save_pretrained(str(tmp))
+        save_file(adapter_state(hf_model, dtype), str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+        (tmp / SIDECAR).write_text(_sidecar_text(loaded, ADAPTER))
+    return sorted(p.name for p in out.iterdir())
+
+
+def adapter_difference(loaded: LoadedModel, out: Path, reference: Logits) -> tuple[float, float]:
+    """Load the base with transformers and ``out`` onto it with ``peft.PeftModel.from_pretrained`` as a user
+    would, and compare its logits with the checkpoint's (``difference``)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    with quiet_transformers(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft 0.21 calls a transformers 5 name deprecated for v6
+        base = AutoModelForCausalLM.from_pretrained(model_folder(loaded.meta["model"]), dtype=torch.float32,
+                                                    local_files_only=True, use_safetensors=True)  # fmt: skip
+        model = PeftModel.from_pretrained(base, out).eval()
+    return difference(lambda x: model(input_ids=x).logits, reference, int(loaded.meta["num_classes"]))

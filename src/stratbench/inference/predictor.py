@@ -28,6 +28,14 @@ from stratbench.core.dist import resolve_device
 from stratbench.core.errors import CheckpointError, ConfigError, DataError
 from stratbench.data.datasets import build_data
 from stratbench.inference.onnx_export import OrtModel, export_onnx, read_metadata
+from stratbench.inference.peft_format import (
+    ADAPTER,
+    export_kind,
+    load_adapter_weights,
+    read_adapter_config,
+    read_sidecar,
+)
+from stratbench.models.hf import PREFIX as HF_PREFIX
 from stratbench.models.transforms.lora import apply_meta as apply_lora_meta
 from stratbench.models.zoo import build_model
 from stratbench.training.losses import per_sample_eval
@@ -117,11 +125,16 @@ def check_meta(meta: Any, source: Path | str) -> dict[str, Any]:
 
 
 def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedModel:
-    """Build the model recorded in any stratbench checkpoint (file or sharded folder) and load its weights,
-    in fp32 and eval mode, on ``device``."""
+    """Build the model recorded in any stratbench checkpoint (file or sharded folder; a run folder: its last
+    checkpoint) or export folder (``export_kind``) and load its weights, in fp32 and eval mode, on ``device``."""
     path = Path(path)
     if not path.exists():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if path.is_dir() and ckpt.last_checkpoint(path).exists():
+        path = ckpt.last_checkpoint(path)
+    kind = export_kind(path)
+    if kind is not None:
+        return _load_export(path, kind, device)
     # Some layout readers print progress (DeepSpeed's zero_to_fp32); stdout belongs to the command's output.
     with contextlib.redirect_stdout(sys.stderr):
         state = ckpt.load_any(path)
@@ -158,6 +171,28 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         strategy=state.get("strategy"),
         progress=dict(state.get("progress") or {}),
     )
+
+
+def _load_export(path: Path, kind: str, device: str | torch.device) -> LoadedModel:
+    """A merged export (a Hugging Face model folder, its weights loaded whole by transformers) or an adapter
+    folder (the base its adapter_config.json names, with the adapters of adapter_model.safetensors on it), with
+    the run's meta and config from its stratbench.json."""
+    base, lora = read_adapter_config(path) if kind == ADAPTER else (str(path.resolve()), None)
+    doc = read_sidecar(path)
+    meta = {k: v for k, v in doc["meta"].items() if k != "lora"} | {"model": HF_PREFIX + base}
+    if lora is not None:
+        meta["lora"] = lora
+    elif meta.get("tokenizer") and (path / "tokenizer.json").is_file():
+        meta["tokenizer"] = str(path.resolve() / "tokenizer.json")  # the copy export wrote beside the weights
+    meta = check_meta(meta, path)
+    model = build_from_meta(meta)  # hf: the folder's safetensors weights, every key loaded or one line
+    if lora is not None:
+        load_adapter_weights(model.hf, path)
+    model.eval().to(device)
+    return LoadedModel(
+        model=model, meta=meta, config=dict(doc.get("config") or {}), source=path, layout=f"{kind} export",
+        strategy=doc.get("strategy"), progress=dict(doc.get("progress") or {}),
+    )  # fmt: skip
 
 
 # ---- images -----------------------------------------------------------------------------------------
