@@ -191,15 +191,26 @@ def test_a_builtin_models_merged_weights_are_its_bare_state_dict(builtin, root):
         assert (bare(x) - adapted(x)).abs().max() < TOL
 
 
+def test_a_builtin_transformers_merged_weights_load_in_transformers_as_a_llama(builtin, root):
+    """--format hf on a built-in transformer: a Llama folder (keys mapped, q/k rows permuted to its rotary
+    layout: models.hf_llama) that transformers loads with the adapted model's logits."""
+    from transformers import AutoModelForCausalLM
+
+    out = root / "gpt-hf"
+    printed = cli("export", "--checkpoint", builtin, "--merge-lora", "--format", "hf", "--output", out)
+    assert "AutoModelForCausalLM.from_pretrained" in printed
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "stratbench.json"]
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True).eval()
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        assert (model(input_ids=x).logits - load_model(builtin).model(x)).abs().max() < TOL
+
+
 def test_bad_exports_are_refused_in_one_line_before_any_write(exports, builtin, run, root, capsys):
     merged, adapter, _ = exports
     new = root / "never-written"
     cases = [
         (("--checkpoint", merged, "--merge-lora"), "trained without LoRA"),  # a merged export has no adapters
-        (
-            ("--checkpoint", builtin, "--format", "hf", "--merge-lora"),
-            "stratbench's own: export it as safetensors",
-        ),
         (("--checkpoint", builtin, "--format", "peft"), "gpt-tiny is stratbench's own"),
         (("--checkpoint", run, "--format", "hf"), "add --merge-lora"),
         (("--checkpoint", run, "--format", "peft", "--merge-lora"), "choose one"),

@@ -107,7 +107,7 @@ def test_targets_that_match_nothing_list_the_linear_layers():
 
 
 def test_the_methods_that_cannot_take_lora_say_why_in_train_and_in_the_estimate(capsys):
-    """single, ddp, fsdp, deepspeed and accelerate-ddp take it (each run in tests/strategies/test_lora.py or
+    """single, ddp, fsdp, fsdp1, deepspeed and accelerate-ddp take it (each run in tests/strategies/test_lora.py or
     docs/finetuning.md); the rest refuse in one line, which `check_supported` returns and the estimate's row of
     the method shows; fsdp --tp and deepspeed --autotp-size refuse it too."""
     from stratbench.cli import main
@@ -115,7 +115,7 @@ def test_the_methods_that_cannot_take_lora_say_why_in_train_and_in_the_estimate(
 
     cfg = TrainConfig(**LM, lora_rank=4)
     takes = {n for n, cls in all_strategies().items() if cls.lora_refusal(cfg) is None}
-    assert takes == {"single", "ddp", "fsdp", "deepspeed", "accelerate-ddp"}
+    assert takes == {"single", "ddp", "fsdp", "fsdp1", "deepspeed", "accelerate-ddp"}
     tp = all_strategies()["tp"]
     assert tp.check_supported(cfg, torch.device("cpu"), 2) == tp.lora_refusal(cfg)
     assert "\n" not in tp.lora_refusal(cfg) and "nn.Linear" in tp.lora_refusal(cfg)

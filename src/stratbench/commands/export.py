@@ -45,6 +45,7 @@ from stratbench.inference.onnx_export import (
 from stratbench.inference.peft_format import ADAPTER, MERGED, check_output_folder
 from stratbench.inference.predictor import LoadedModel, load_model
 from stratbench.models.hf import find_weights, is_hf_name, model_folder
+from stratbench.models.transformer import Transformer
 
 NAME = "export"
 HELP = "export a checkpoint (any method) to ONNX, safetensors or a plain state dict, and check it against PyTorch"
@@ -152,11 +153,11 @@ def check_format(args: argparse.Namespace, loaded: LoadedModel) -> str:
         )
     if fmt == "peft":
         check_peft(args, loaded)
-    elif fmt == "hf" and not hf:
+    elif fmt == "hf" and not hf and not isinstance(loaded.model, Transformer):
         raise ConfigError(
             f"--format hf writes a folder transformers loads, for a run of a Hugging Face model (--model "
-            f"hf:FOLDER); {model} is stratbench's own: export it as safetensors, state-dict or onnx (with "
-            "--merge-lora for a LoRA run's merged weights)"
+            f"hf:FOLDER) or of a built-in transformer (as a Llama); {model} is neither: export it as safetensors, "
+            "state-dict or onnx (with --merge-lora for a LoRA run's merged weights)"
         )
     elif fmt == "hf" and lora and not args.merge_lora:
         raise ConfigError(

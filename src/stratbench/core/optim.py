@@ -5,6 +5,7 @@ parameter of a given shape (what the memory models price); ``lr_lambda`` (warm-u
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 from dataclasses import dataclass
@@ -57,6 +58,20 @@ def _default_stance(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     torch.compiler.set_stance("default")
 
 
+def import_torchao() -> None:
+    """Import torchao, where installed, without the warning its import logs for each CUDA kernel library a CPU
+    cannot load (one line per library on every rank). Called before anything that imports it on the way: the
+    lean optimizers, and PEFT (which imports it to check for its quantised layers)."""
+    if importlib.util.find_spec("torchao") is None:
+        return
+    quiet = logging.getLogger("torchao")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        import torchao  # noqa: F401
+    finally:
+        quiet.setLevel(level)
+
+
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
     """The optimizer ``cfg.optimizer`` names, with the run's learning rate and weight decay."""
     kwargs: dict[str, Any] = {"lr": cfg.lr, "weight_decay": cfg.weight_decay}
@@ -64,12 +79,8 @@ def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
         return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
     if cfg.optimizer in TORCHAO_OPTIMIZERS:
-        quiet = logging.getLogger("torchao")  # its import warns of each CUDA kernel library a CPU cannot load
-        level, quiet.level = quiet.level, logging.ERROR
-        try:
-            import torchao.optim  # optional (the lean extra); config.check_optimizer refused its absence before
-        finally:
-            quiet.setLevel(level)
+        import_torchao()  # optional (the lean extra); config.check_optimizer refused its absence before
+        import torchao.optim
 
         return OptimizerSpec(getattr(torchao.optim, TORCHAO_OPTIMIZERS[cfg.optimizer]), kwargs, eager_on_cpu=True)
     if cfg.optimizer == "adafactor":

@@ -47,7 +47,8 @@ from stratbench.inference.predictor import (
     validation_set,
 )
 from stratbench.models.hf import PREFIX as HF_PREFIX
-from stratbench.models.hf import model_folder, quiet_transformers
+from stratbench.models.hf import is_hf_name, model_folder, quiet_transformers
+from stratbench.models.hf_llama import save_hf_folder
 
 WEIGHT_META = (
     "model",
@@ -219,7 +220,12 @@ def _sidecar_text(loaded: LoadedModel, kind: str) -> str:
 def write_hf_folder(loaded: LoadedModel, out: Path, dtype: torch.dtype) -> list[str]:
     """A Hugging Face model folder at ``out`` (replaced whole): transformers' ``save_pretrained`` of the wrapped
     model (config.json, model.safetensors under its own key names) in ``dtype``, the source folder's tokenizer
-    files and stratbench.json; returns the names written. The model must have no adapters left (``merged``)."""
+    files and stratbench.json; a built-in transformer as a Hugging Face Llama (``models.hf_llama``: keys mapped,
+    q/k rows permuted to its rotary layout). Returns the names written. The model must have no adapters left
+    (``merged``)."""
+    if not is_hf_name(loaded.meta["model"]):
+        save_hf_folder(loaded.model, out, dtype, {SIDECAR: _sidecar_text(loaded, MERGED)})
+        return sorted(p.name for p in out.iterdir())
     hf_model = loaded.model.hf
     source = model_folder(loaded.meta["model"])
     with atomic_output(out) as tmp:

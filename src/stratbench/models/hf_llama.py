@@ -414,16 +414,22 @@ def hf_state(state: dict[str, torch.Tensor], cfg: TransformerConfig) -> dict[str
     return out
 
 
-def save_hf_folder(model: nn.Module, folder: Path) -> Path:
-    """Write a built-in transformer as a Hugging Face Llama folder (config.json + model.safetensors) that
-    ``LlamaForCausalLM.from_pretrained`` loads, atomically (a folder replaced whole)."""
+def save_hf_folder(
+    model: nn.Module, folder: Path, dtype: torch.dtype | None = None, extra: dict[str, str] | None = None
+) -> Path:
+    """Write a built-in transformer as a Hugging Face Llama folder (config.json + model.safetensors, in ``dtype``
+    or the weights' own) that ``LlamaForCausalLM.from_pretrained`` loads, with ``extra`` text files (name ->
+    text) beside them, atomically (a folder replaced whole)."""
     from safetensors.torch import save_file
 
     if not isinstance(model, Transformer):
         raise ConfigError(
             f"only a built-in transformer maps onto a Hugging Face Llama, not {type(model).__name__}"
         )
-    state = hf_state({k: v.detach().cpu() for k, v in model.state_dict().items()}, model.config)
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if dtype is not None:
+        state = {k: v.to(dtype) for k, v in state.items()}
+    state = hf_state(state, model.config)
     config = hf_config(model.config) | {
         "torch_dtype": str(next(iter(state.values())).dtype).removeprefix("torch.")
     }
@@ -431,4 +437,6 @@ def save_hf_folder(model: nn.Module, folder: Path) -> Path:
         tmp.mkdir()
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2))
         save_file(state, str(tmp / SINGLE_FILE), metadata={"format": "pt"})
+        for name, text in (extra or {}).items():
+            (tmp / name).write_text(text)
     return Path(folder)

@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError
+from stratbench.core.optim import import_torchao
 from stratbench.core.precision import Precision
 from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
@@ -120,6 +121,7 @@ def inject(model: nn.Module, rank: int, alpha: float, dropout: float, targets: s
     """``model`` with PEFT's LoRA adapters in its targeted Linear layers and everything else frozen (in place)."""
     chosen = resolve_targets(linear_layers(model)[0], targets)
     guard_torchvision_import()  # peft imports transformers, which imports torchvision (core.torchvision_compat)
+    import_torchao()  # and torchao, whose import logs a warning per CUDA library a CPU cannot load
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
