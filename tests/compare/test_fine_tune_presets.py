@@ -61,6 +61,16 @@ def test_a_bad_pretrain_entry_is_one_line(pretrain, why):
         build_matrix(spec)
 
 
+def test_pretrain_steps_change_the_pretraining_run_and_the_cells_ids():
+    spec = {"base": {"model": "gpt-tiny", "data": "text"}, "cells": [{"method": "single"}]}
+    with pytest.raises(ConfigError, match="--pretrain-steps: this matrix has no pretraining run"):
+        build_matrix(spec, pretrain_steps=3)
+    spec["pretrain"] = {"model": "gpt-tiny", "data": "text", "max_steps": 200}
+    ids = {steps: build_matrix(spec, pretrain_steps=steps).cells[0].id for steps in (None, 3)}
+    assert build_matrix(spec, pretrain_steps=3).pretrain["max_steps"] == 3 and ids[None] != ids[3]
+    assert ids[None] != build_matrix({**spec, "pretrain": None}).cells[0].id  # a cell from a trained start
+
+
 def _ft_record(label: str, world: int, trainable: int, sharding: dict, **extra) -> dict:
     return {
         "id": f"{label}_fp32_w{world}", "method": label.split("+")[0], "label": label, "precision": "fp32",
@@ -115,6 +125,11 @@ def test_a_sweep_pretrains_once_and_every_cell_starts_from_its_checkpoint(tmp_pa
     assert json.loads((out / "pretrain" / "result.json").read_text())["status"] == "ok"
     (cell,) = (out / "cells").iterdir()
     assert yaml.safe_load((cell / "config.yaml").read_text())["init_from"] == str(out / "pretrain/checkpoints/last")
+    (rec,) = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert rec["status"] == "ok" and 0 < rec["parameters"]["trainable"] < rec["parameters"]["total"]
+    # the adapters' fp32 bytes, measured on the rank, and the frozen base beside them
+    assert rec["sharding"]["trainable_param_bytes"] == [4 * rec["parameters"]["trainable"]]
+    assert rec["sharding"]["param_bytes"] == [4 * rec["parameters"]["total"]]
     meta = json.loads((out / "sweep.json").read_text())
     assert meta["pretrain"]["status"] == "ok" and meta["pretrain"]["steps"] == 2
     assert "**Started from:** model gpt-tiny trained on data text" in (out / "report.md").read_text()
