@@ -214,6 +214,11 @@ FAST = (
            ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps as a SLURM job on the tour's own single-node SLURM "
            "(scripts/local_slurm.sh up, started for the tour where it can be: root with the packages or apt-get)"),
+    Shrink("ft-quick, a short pretraining and one short LoRA cell",
+           lambda a: a[:1] == ["compare"] and flag_value(a, "--preset") == "ft-quick" and "--dry-run" not in a,
+           ("--only", "single+lora", "--max-steps", "3", "--pretrain-steps", "3"),
+           "the pretraining run of 3 steps and one cell (single + LoRA, fp32) of 3 steps started from it: the "
+           "pretrain stage, the cell's --init-from and the fine-tuning columns of the report"),
     Shrink("compare, one short cell", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
            ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps: the sweep, its process, record and report (the --calibrate line "
@@ -273,6 +278,21 @@ import torch.nn.functional as F
 def fn(logits, targets):
     return F.cross_entropy(logits, targets)
 """
+USER_QA = "".join(
+    json.dumps({"instruction": f"What does {name}() do?", "output": f"{name}(): {what}"}) + "\n"
+    for name, what in [(n, w) for _ in range(4) for n, w in (
+        ("len", "Return the number of items in a container."),
+        ("abs", "Return the absolute value of the argument."),
+        ("sorted", "Return a new list containing all items from the iterable in ascending order."),
+        ("print", "Prints the values to a stream, or to sys.stdout by default."),
+        ("range", "Return an object that produces a sequence of integers."),
+        ("zip", "Iterate over several iterables in parallel, producing tuples."),
+        ("min", "Return the smallest item of an iterable or of two or more arguments."),
+        ("max", "Return the largest item of an iterable or of two or more arguments."),
+        ("sum", "Return the sum of a start value (default: 0) plus an iterable of numbers."),
+        ("repr", "Return the canonical string representation of the object."))]
+)  # fmt: skip
+"""The user's instruction data: Alpaca records (instruction, output), one JSON object a line."""
 RUN_YAML = """\
 model: tinynet
 width: 8
@@ -468,6 +488,7 @@ USER_FILES = {
     "mynet.py": (USER_MODEL, "`build(num_classes)`, a small CNN"),
     "mydata.py": (USER_DATA, "`build(image_size, seed)` -> (train, val, class names), 160 random images"),
     "myloss.py": (USER_LOSS, "`fn(logits, targets)`"),
+    "qa.jsonl": (USER_QA, "40 instruction records (Alpaca's `instruction` and `output`), one JSON object a line"),
     "run.yaml": (RUN_YAML, "tinynet width 8 on digits, batch 32, 1 epoch, output runs/yaml"),
     "zero_stage2_config.json": (json.dumps(SOURCE_ZERO2, indent=2),
                                 "the source's ZeRO-2 JSON (optimizer, scheduler, CPU offload, `auto` values)"),

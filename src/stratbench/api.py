@@ -23,6 +23,7 @@ from typing import Any
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
 from stratbench.compare.matrix import bytes_of, check_runnable, load_matrix, plan, select
+from stratbench.compare.pretrain import check_pretrain, run_pretrain
 from stratbench.compare.report import render_sweeps
 from stratbench.compare.runner import Interrupted, SweepRunner
 from stratbench.core.config import TrainConfig, coerce, from_dict
@@ -105,6 +106,7 @@ def plan_sweep(
     nodes: int | None = None,
     precision: str | None = None,
     executor: Executor | None = None,
+    pretrain_steps: int | None = None,
     **options: Any,
 ) -> SweepPlan:
     """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
@@ -113,11 +115,13 @@ def plan_sweep(
     such as ``2GiB``) replaces the matrix's budget per device: a cell whose estimate exceeds it is recorded as
     'does not fit (estimate X of Y)' instead of being run; ``nodes``: the nodes of every multi-process cell;
     ``precision``: every cell's precision instead of the matrix's (``fp64``: losses that agree to ~1e-12 across
-    methods, executors and machines; cells that then coincide run once)."""
+    methods, executors and machines; cells that then coincide run once); ``pretrain_steps``: the steps of the
+    matrix's pretraining run instead of its own (``compare.pretrain``)."""
 
     timeout = _number("timeout", timeout, float, low=0, open_low=True)
     world_size = _number("world_size", world_size, int, low=1)
     nodes = _number("nodes", nodes, int, low=1)
+    pretrain_steps = _number("pretrain_steps", pretrain_steps, int, low=1)
     only, skip = _names("only", only), _names("skip", skip)
     executor = _executor(executor)
     if calibrate and not executor.runs_here:
@@ -127,12 +131,14 @@ def plan_sweep(
         raise ConfigError(f"hardware must be a system name or a profile file, not {type(hardware).__name__}")
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
-    m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision)
+    m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision, pretrain_steps)
     if device_memory is not None:
         m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
     out = Path(output or f"runs/compare-{m.name}")
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
+    if m.pretrain is not None:
+        check_pretrain(m, out)
     calibration = None
     if calibrate:
         calibration = plan_calibration(m, plans, allow_slow=allow_slow)
@@ -207,17 +213,25 @@ def run_sweep(
     check_runnable(sweep.plans)
     runner = SweepRunner(sweep.matrix, sweep.output, timeout_s=sweep.timeout_s, retry=retry, console=console,
                          repeats=repeats, command=command or ["python", *sys.argv], executor=sweep.executor)  # fmt: skip
+    pretrain = sweep.matrix.pretrain is not None and any(p.status is None for p in sweep.plans)
+    before: list[Any] = [run_pretrain] if pretrain else []
+    if sweep.calibration:
+        before.append(partial(run_calibration, runs=sweep.calibration.runs))
     interrupted = None
     try:
-        runner.run(
-            sweep.plans, partial(run_calibration, runs=sweep.calibration.runs) if sweep.calibration else None
-        )
+        runner.run(sweep.plans, partial(_in_turn, before) if before else None)
     except Interrupted as exc:
         interrupted = str(exc)
     finally:
         runner.executor.close()
     paths, records = render_sweeps([runner.out], runner.out, hardware=hardware)
     return Sweep(runner.out, records, paths, interrupted)
+
+
+def _in_turn(steps: list[Any], runner: SweepRunner) -> None:
+    """The runs a sweep makes before its cells, in order: the pretraining run, then the calibration runs."""
+    for step in steps:
+        step(runner)
 
 
 def compare(

@@ -47,7 +47,7 @@ def test_a_lora_run_records_and_holds_the_adapters_only(single):
     assert single["transforms"] == ["lora:r4", "precision:fp64"]
     assert meta["trainable_parameters"] == numel and meta["num_parameters"] == single["sharding"]["param_bytes"][0] // 8
     assert meta["lora"] == {"rank": 4, "alpha": 8.0, "dropout": 0.0, "targets": "all-linear"}
-    assert single["sharding"]["grad_bytes"] == [8 * numel]
+    assert single["sharding"]["grad_bytes"] == single["sharding"]["trainable_param_bytes"] == [8 * numel]
     assert single["sharding"]["optimizer_state_bytes"] == [2 * 8 * numel + 4 * count]
     assert_estimate_within(single, 0.10)
 
@@ -65,7 +65,7 @@ def test_ddp_and_fsdp_train_what_one_process_trains(tmp_path, single, strategy):
     assert_curves_match(res["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)
     numel, count = _adapters()
     share = 2 if strategy == "fsdp" else 1
-    assert res["sharding"]["grad_bytes"] == [8 * numel // share] * 2
+    assert res["sharding"]["grad_bytes"] == res["sharding"]["trainable_param_bytes"] == [8 * numel // share] * 2
     assert res["sharding"]["optimizer_state_bytes"] == [2 * 8 * numel // share + 4 * count] * 2
     kind = "reduce_scatter" if strategy == "fsdp" else "all_reduce"
     comm = res["metrics"]["comm"]

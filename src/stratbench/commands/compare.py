@@ -10,7 +10,8 @@ from pathlib import Path
 
 from stratbench.api import plan_sweep, run_sweep
 from stratbench.compare.calibration import CALIBRATION
-from stratbench.compare.matrix import PRESETS
+from stratbench.compare.matrix import PRESETS, PRETRAIN
+from stratbench.compare.pretrain import pretrain_status
 from stratbench.compare.report import print_table
 from stratbench.compare.runner import load_records
 from stratbench.core.config import TrainConfig, base_type, coerce, field_docs
@@ -34,7 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group()
     src.add_argument("--preset", choices=sorted(PRESETS), default=None,
                      help="built-in matrix: quick (default; CPU, minutes), seed (the source experiment on GPUs), "
-                          "gpu-precision (every precision on one GPU), gpu-fast (seed with the fast recipe)")  # fmt: skip
+                          "gpu-precision (every precision on one GPU), gpu-fast (seed with the fast recipe), "
+                          "ft-quick (fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW), llm-ft (Llama-3-8B "
+                          "fine-tuning on GPUs)")  # fmt: skip
     src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)")
     parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
     parser.add_argument("--only", action="append", metavar="NAMES",
@@ -73,6 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every cell at this precision instead of the matrix's (e.g. fp64: losses equal to "
                              "~1e-12 across methods and executors, the check of a cluster against this machine); "
                              "cells that then coincide run once")  # fmt: skip
+    parser.add_argument("--pretrain-steps", type=int, metavar="N",
+                        help="steps of the matrix's pretraining run (ft-quick: the model trained on text before "
+                             "the cells fine-tune it; default: the matrix's)")  # fmt: skip
     add_executor_arguments(parser)
     parser.add_argument("--device-memory", metavar="SIZE",
                         help="memory of one device, e.g. 2GiB: a cell whose memory estimate exceeds it is recorded as "
@@ -127,6 +133,7 @@ def run(args: argparse.Namespace) -> int:
                            timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
                            hardware=args.hardware, world_size=world_size, device_memory=args.device_memory,
                            nodes=args.nodes, precision=args.precision, executor=executor,
+                           pretrain_steps=args.pretrain_steps,
                            **overrides_from(args))  # fmt: skip
     except BaseException:
         executor.close()
@@ -157,6 +164,10 @@ def _print_plan(sweep, console) -> None:
     console.print(f"[bold]{sweep.matrix.name}[/bold]: {sweep.matrix.description}", highlight=False, soft_wrap=True)
     console.print(f"{len(sweep.plans)} cells; output {sweep.output}; time limit per cell {sweep.timeout_s:.0f} s",
                   highlight=False, soft_wrap=True)  # fmt: skip
+    if sweep.matrix.pretrain is not None:
+        opts = ", ".join(f"{k} {v}" for k, v in sweep.matrix.pretrain.items())
+        console.print(f"  0. pretrain: single x1 into {sweep.output / PRETRAIN} ({opts}); every cell starts from its "
+                      f"last checkpoint  -> {pretrain_status(sweep.matrix, sweep.output)}", highlight=False, soft_wrap=True)  # fmt: skip
     for n, p in enumerate(sweep.plans, 1):
         c = p.cell
         prev = done.get(c.id, {}).get("status")

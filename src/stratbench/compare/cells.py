@@ -322,6 +322,58 @@ def loss_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
     row.text["final_loss"] = _fmt(rec.metrics.final_loss, ".4f")
 
 
+def trainable_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
+    """The parameters the run trained, of the model's (result.json's model_meta: LoRA trains its adapters only);
+    n/a in a record from before they were recorded."""
+    counts = rec.fields.get("parameters") or {}
+    total, trainable = number(counts.get("total")), number(counts.get("trainable"))
+    row.raw["parameters_total"] = int(total) if total is not None else None
+    row.raw["trainable"] = int(trainable) if trainable is not None else None
+    if total and trainable is not None:
+        row.text["trainable"] = f"{int(trainable):,} of {int(total):,} ({trainable / total:.1%})"
+    else:
+        row.text["trainable"] = "n/a"
+
+
+MODEL_STATES = (("frozen", "frozen weights"), ("trainable", "trainable weights"), ("grads", "gradients"),
+                ("optimizer", "optimizer state"))  # fmt: skip
+"""The parts of a rank's model states the report splits (``model_states_cell``), in the order it shows them."""
+
+
+def model_states_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
+    """The model states of the rank holding most of them, split: frozen and trainable weights, gradients, optimizer
+    state (with DeepSpeed's fp32 master partitions), as each rank measured its own tensors (result.json's
+    sharding); n/a where the run recorded no trainable split."""
+    parts = model_state_parts(rec)
+    for key, _ in MODEL_STATES:
+        row.raw[f"states_{key}"] = parts.get(key)
+    if not parts:
+        row.raw["model_states"] = None
+        row.text["model_states"] = "n/a"
+        return
+    row.raw["model_states"] = sum(parts.values())
+    row.text["model_states"] = " / ".join(fmt_bytes(parts[key]) for key, _ in MODEL_STATES)
+
+
+def model_state_parts(rec: RunRecord) -> dict[str, int]:
+    """Frozen weights, trainable weights, gradients and optimizer state (+ master copies) of the rank whose
+    model states are largest; empty where the record has no ``trainable_param_bytes``."""
+    sh = rec.sharding
+    ranks = len(sh.get("trainable_param_bytes") or [])
+    if not ranks:
+        return {}
+
+    def at(key: str, i: int) -> int:
+        values = sh.get(key) or []
+        return int(values[i] or 0) if i < len(values) else 0
+
+    per_rank = [{"frozen": at("param_bytes", i) - at("trainable_param_bytes", i),
+                 "trainable": at("trainable_param_bytes", i), "grads": at("grad_bytes", i),
+                 "optimizer": at("optimizer_state_bytes", i) + at("master_param_bytes", i)}
+                for i in range(ranks)]  # fmt: skip
+    return max(per_rank, key=lambda parts: sum(parts.values()))
+
+
 def step_time_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
     """The measured median step, which the predicted step is set against (its text: the sweep's pass,
     ``predicted_step_finish``)."""

@@ -93,6 +93,12 @@ def _pretrainable(rows: list[Row]) -> bool:
     )
 
 
+def _fine_tuning(rows: list[Row]) -> bool:
+    """The fine-tuning columns where some completed row trained only part of its model (LoRA's adapters)."""
+    return any(r.ok and r.raw.get("trainable") is not None and r.raw["trainable"] < (r.raw.get("parameters_total") or 0)
+               for r in rows)  # fmt: skip
+
+
 def _per_device(r: Row) -> str:
     """Each rank's (each device's) peak, ';'-separated."""
     return ";".join(str(p) for p in r.raw.get("peak_memory_per_device") or [])
@@ -176,6 +182,15 @@ COLUMNS: tuple[Column, ...] = (
                           zoom=True)),
     Column("final_loss", "final loss", (CsvField("final_loss", raw("final_loss")),), fill=cells.loss_cell,
            by_value=True, spread=Spread("final_loss", lambda v: f"{v:.4f}", lambda v: f"{v:.4f}")),
+    # fine-tuning rows (shown where some row trains part of the model): what trains, and each rank's model states
+    Column("trainable", "trainable parameters", (CsvField("trainable_parameters", raw("trainable"), na=False),
+                                                CsvField("total_parameters", raw("parameters_total"), na=False)),
+           fill=cells.trainable_cell, also=("parameters_total",), shown=_fine_tuning, by_value=True),
+    Column("model_states", "model states / rank: frozen / trainable weights / grads / optimizer (largest rank)",
+           tuple(CsvField(f"states_{key}_bytes", raw(f"states_{key}"), na=False)
+                 for key, _ in cells.MODEL_STATES),
+           fill=cells.model_states_cell, also=tuple(f"states_{key}" for key, _ in cells.MODEL_STATES),
+           shown=_fine_tuning, by_value=True),
     Column("status", "status", (CsvField("status", raw("status"), na=False), CsvField("reason", raw("reason"), na=False)),
            fill=cells.status_cell, measure=False, align="reason", terminal="status", terminal_raw=True),
     Column("host_load", None, (CsvField("host_load_mean", lambda r: r.rec.load[0], na=False),

@@ -23,6 +23,8 @@ class Report:
     record's device's."""
     calibration: list[CalibrationRecord] = field(default_factory=list)
     """The sweeps' calibration records (compare --calibrate), which the predicted-step column rests on."""
+    started_from: str = ""
+    """The model every cell started from, where the sweep trained it first (its ``pretrain`` run); '' otherwise."""
 
     def __post_init__(self) -> None:
         self.records = [as_run_record(rec) for rec in self.records]

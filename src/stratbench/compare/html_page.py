@@ -63,6 +63,7 @@ def _html_context(
         "problems": summary.problems(rows),
         "description": report.description,
         "settings": settings(report.records),
+        "started_from": report.started_from,
         "machines": machines(report.records),
         "command": report.command,
         "full": _html_full_table(rows),

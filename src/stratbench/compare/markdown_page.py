@@ -100,6 +100,8 @@ def _markdown_setup(report: Report) -> list[str]:
     trained = settings(report.records)
     if trained:
         lines += [f"**Trained:** {md_text(trained)}", ""]
+    if report.started_from:
+        lines += [f"**Started from:** {md_text(report.started_from)}", ""]
     names = machines(report.records)
     lines += [f"- **Machine:** {md_text(m)}" for m in names]
     if names:

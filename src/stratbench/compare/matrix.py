@@ -11,6 +11,11 @@ A matrix is a small mapping - the same shape for the built-in presets and for a 
       - {method: deepspeed, options: [{zero_stage: 1}, {zero_stage: 3}], label: "deepspeed-z{zero_stage}"}
       - {method: single, precision: fp32, config: {tf32: true}, label: "single+tf32"}
       - {method: ddp, precision: fp32, world_size: 4, nodes: 2}  # 2 processes on each of 2 nodes
+    pretrain: {model: gpt-tiny, data: text, max_steps: 200}  # optional: one run before the cells (below)
+
+``pretrain`` (TrainConfig options) is one ``single`` run the sweep makes once, before its cells, into
+``OUTPUT/pretrain``; every cell starts from its last checkpoint (``init_from``), so that a fine-tuning matrix
+compares methods on a trained model. A rerun keeps a finished pretraining run (``compare.pretrain``).
 
 Instead of ``cells`` a file may give ``methods``/``precisions``/``world_sizes``/``batch_sizes`` lists (one product).
 Before anything runs, ``plan`` decides for each cell whether it can run here, and why not.
@@ -18,6 +23,7 @@ Before anything runs, ``plan`` decides for each cell whether it can run here, an
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import hashlib
 import itertools
@@ -27,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from stratbench.checkpoints.checkpoint import last_checkpoint
 from stratbench.core.config import TrainConfig, canonical_precision, from_dict, load_yaml
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
@@ -68,6 +75,9 @@ class Cell:
     label: str = ""
     nodes: int = 1
     """Machines the cell's ``world_size`` processes spread over (``procs_per_node`` on each)."""
+    start: str = ""
+    """The digest of the matrix's pretraining run the cell starts from ('' where it has none): a cell recorded
+    from another pretraining run is another cell."""
 
     @property
     def procs_per_node(self) -> int:
@@ -92,6 +102,8 @@ class Cell:
         """Stable id from everything that changes the run: readable part + hash (resume matches on it)."""
         key = {"method": self.method, "precision": self.precision, "world_size": self.world_size,
                "options": self.options, "config": self.config}  # fmt: skip
+        if self.start:
+            key["start"] = self.start
         nodes = ""
         if self.nodes > 1:  # one node keeps the ids of the sweeps recorded before cells had nodes
             key["nodes"] = self.nodes
@@ -127,6 +139,9 @@ class Matrix:
     device_memory: int | None = None
     """Memory of one device (bytes): a cell whose estimate exceeds it is not run but recorded as 'does not fit
     (estimate X of Y)' (``--device-memory`` or the matrix's ``device_memory``)."""
+    pretrain: dict[str, Any] | None = None
+    """The options of one ``single`` run made before the cells, whose last checkpoint every cell starts from
+    (``init_from``, unless the cell sets its own); None: the cells start as their configs say."""
 
     def uses_gpus(self, cell: Cell) -> bool:
         """The cell's processes each need a GPU reserved for them (an executor that reserves resources asks):
@@ -515,6 +530,112 @@ def preset_llm() -> dict[str, Any]:
     }
 
 
+FINE_TUNE_VARIANTS: list[dict[str, Any]] = [
+    {"name": "full", "config": {}},
+    {"name": "lora", "config": {"lora_rank": 8}},
+    {"name": "lora+8bit", "config": {"lora_rank": 8, "optimizer": "adamw8bit"}},
+    # QLoRA (issue 44 item 2): enable once --quantize-base lands:
+    # {"name": "qlora", "config": {"lora_rank": 8, "quantize_base": "nf4"}},
+]
+"""What a fine-tuning preset trains of the model: everything (full), LoRA adapters of rank 8 (the base frozen),
+LoRA with torchao's 8-bit AdamW states; each under every method of the preset (a method that refuses one is
+recorded as skipped with its one-line reason)."""
+
+
+def fine_tune_cells(methods: list[dict[str, Any]], precision: str) -> list[dict[str, Any]]:
+    """One cell entry per variant (``FINE_TUNE_VARIANTS``) and method entry (``method``, optional ``options`` and
+    ``label``): the full fine-tuning cell keeps the method's own label, the others add the variant's name."""
+    entries = []
+    for variant in FINE_TUNE_VARIANTS:
+        for m in methods:
+            name = m.get("label") or m["method"]
+            label = name if variant["name"] == "full" else f"{name}+{variant['name']}"
+            entries.append({"method": m["method"], "precision": precision, "config": dict(variant["config"]),
+                            "options": dict(m.get("options") or {}), **({"label": label} if label != m["method"] else {})})  # fmt: skip
+    return entries
+
+
+FT_QUICK_PRETRAIN: dict[str, Any] = {
+    "model": "gpt-tiny",
+    "data": "text",
+    "seq_len": 128,
+    "batch_size": 8,
+    "max_steps": 200,
+    "optimizer": "adamw",
+    "lr": 2e-3,
+    "eval_samples": 64,
+    "measure_flops": False,
+}
+"""The pretraining run of ft-quick: gpt-tiny, 200 steps of 8 windows of 128 bytes of the standard library's
+source (AdamW): a model that has learnt bytes and code before it is fine-tuned."""
+
+
+def preset_ft_quick(world_size: int | None = None) -> dict[str, Any]:
+    """Fine-tuning on a CPU: gpt-tiny first trained on text (the sweep's pretrain run), then fine-tuned on the
+    shipped instruction set fully, with LoRA and with LoRA + 8-bit AdamW under single, ddp, fsdp and ZeRO-3."""
+    world = world_size or 2
+    methods = [{"method": "single"}, {"method": "ddp"}, {"method": "fsdp"},
+               {"method": "deepspeed", "label": "deepspeed-z3",
+                "options": {"zero_stage": 3, "reduce_bucket_size": SMALL_DS_BUCKET}}]  # fmt: skip
+    return {
+        "name": "ft-quick",
+        "description": "gpt-tiny (1.87M parameters) trained 200 steps on byte-level text of the Python standard "
+        "library (the sweep's pretrain run, once: OUTPUT/pretrain), then fine-tuned from it on instruct-stdlib "
+        "(400 question/answer pairs from the standard library's docstrings, the loss on the answers), sequence "
+        "256, global batch 8, 20 steps in fp32: full fine-tuning (AdamW), LoRA r8 (AdamW) and LoRA r8 with "
+        f"8-bit AdamW under single, ddp, fsdp and DeepSpeed ZeRO-3 on {world} processes",
+        "base": {
+            "model": "gpt-tiny",
+            "data": "instruct-stdlib",
+            "seq_len": 256,
+            "batch_size": 8,
+            "max_steps": 20,
+            "optimizer": "adamw",
+            "lr": 1e-3,
+            "measure_flops": False,
+            "timing_warmup_steps": 3,
+        },
+        "pretrain": dict(FT_QUICK_PRETRAIN),
+        "world_size": world,
+        "timeout_s": 300,
+        "cells": fine_tune_cells(methods, "fp32"),
+    }
+
+
+def preset_llm_ft() -> dict[str, Any]:
+    """Fine-tuning Llama-3-8B's shapes at sequence 2048 on the GPUs here: full fine-tuning with FSDP and ZeRO-3,
+    LoRA under single, ddp and fsdp, bf16-mixed, activation checkpointing, each within the device's memory."""
+    world = max(1, _gpu_count())
+    full = [{"method": "fsdp"}, {"method": "deepspeed", "label": "deepspeed-z3", "options": {"zero_stage": 3}}]
+    lora = [{"method": "single"}, {"method": "ddp"}, {"method": "fsdp"}]
+    cells = [entry for entry in fine_tune_cells(lora, "bf16-mixed") if entry["config"]]  # LoRA variants only
+    return {
+        "name": "llm-ft",
+        "description": f"llama-8b (Llama-3-8B's shapes, 8.03B parameters) on synthetic tokens (vocabulary 128256), "
+        f"sequence 2048, global batch {world}, 20 steps in bf16-mixed with activation checkpointing: full "
+        f"fine-tuning with FSDP and ZeRO-3, LoRA r8 and LoRA r8 with 8-bit AdamW under single, ddp and fsdp, on "
+        f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
+        "base": {
+            "model": "llama-8b",
+            "data": "synthetic-tokens",
+            "vocab_size": 128256,
+            "seq_len": 2048,
+            "batch_size": world,
+            "max_steps": 20,
+            "optimizer": "adamw",
+            "lr": 2e-5,
+            "activation_checkpointing": True,
+            "eval_samples": 8,
+            "timing_warmup_steps": 5,
+        },
+        "world_size": world,
+        "gpu_only": True,
+        "timeout_s": 3600,
+        "device_memory": "auto",
+        "cells": [*fine_tune_cells(full, "bf16-mixed")[: len(full)], *cells],
+    }
+
+
 PRESETS = {
     "quick": preset_quick,
     "seed": preset_seed,
@@ -524,8 +645,10 @@ PRESETS = {
     "llm-fit": preset_llm_fit,
     "llm-tp": preset_llm_tp,
     "llm": preset_llm,
+    "ft-quick": preset_ft_quick,
+    "llm-ft": preset_llm_ft,
 }
-WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit")
+WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick")
 """Presets built for the world size (``--world-size``; seed and gpu-fast default to the GPUs here)."""
 
 
@@ -554,11 +677,12 @@ record a warm-up step only (3 warm-up steps by default), so they cost the measur
 
 def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None,
-    nodes: int | None = None, precision: str | None = None,
+    nodes: int | None = None, precision: str | None = None, pretrain_steps: int | None = None,
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values;
     ``nodes`` (``--nodes``): the nodes of every multi-process cell whose entry gives none; ``precision``
-    (``--precision``): every cell's precision (cells that then coincide run once)."""
+    (``--precision``): every cell's precision (cells that then coincide run once); ``pretrain_steps``
+    (``--pretrain-steps``): the steps of the matrix's pretraining run."""
     if precision is not None:
         precision = canonical_precision(precision)
         spec_of(precision)
@@ -571,10 +695,13 @@ def build_matrix(
                     **({"batch_size": spec["batch_sizes"]} if "batch_sizes" in spec else {})}]  # fmt: skip
     if not isinstance(entries, list) or not entries:
         raise ConfigError("matrix: 'cells' must be a non-empty list of entries (method, precision, ...)")
+    pretrain = _pretrain_of(spec.get("pretrain"), pretrain_steps)
+    start = hashlib.sha1(json.dumps(pretrain, sort_keys=True, default=str).encode()).hexdigest()[:8] if pretrain else ""
     cells: list[Cell] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries):
         for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes, precision):
+            cell = dataclasses.replace(cell, start=start)
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
                 cells.append(cell)
@@ -586,7 +713,43 @@ def build_matrix(
         gpu_only=bool(spec.get("gpu_only", False)),
         timeout_s=float(spec.get("timeout_s") or 900),
         device_memory=bytes_of(spec.get("device_memory")),
+        pretrain=pretrain,
     )
+
+
+PRETRAIN = "pretrain"
+"""The folder of a sweep's pretraining run, in its output folder."""
+PRETRAIN_OWNED = ("output", "strategy", "nproc", "nnodes", "strategy_options", "resume", "resume_from",
+                  "init_from", "progress")  # fmt: skip
+"""What the sweep sets on its pretraining run itself (one process of ``single`` into ``OUTPUT/pretrain``)."""
+
+
+def _pretrain_of(value: Any, steps: int | None = None) -> dict[str, Any] | None:
+    """The matrix's ``pretrain`` mapping, checked as TrainConfig options (one line naming a bad key), with
+    ``steps`` (``--pretrain-steps``) as its ``max_steps`` where given."""
+    if value is None:
+        if steps is not None:
+            raise ConfigError("--pretrain-steps: this matrix has no pretraining run (its 'pretrain' entry)")
+        return None
+    if not isinstance(value, dict) or not value:
+        raise ConfigError(f"matrix: 'pretrain' must be a mapping of training options, got {value!r}")
+    owned = sorted(set(value) & set(PRETRAIN_OWNED))
+    if owned:
+        raise ConfigError(f"matrix pretrain: {', '.join(map(repr, owned))} is set by compare (one `single` process "
+                          "into OUTPUT/pretrain); leave it out")  # fmt: skip
+    value = {**value, **({"max_steps": steps} if steps is not None else {})}
+    from_dict(TrainConfig, value, where="matrix pretrain")
+    return value
+
+
+def pretrain_config(matrix: Matrix, out: Path) -> dict[str, Any]:
+    """The YAML mapping of the sweep's pretraining run (``matrix.pretrain`` into ``out/pretrain``)."""
+    return {**(matrix.pretrain or {}), "strategy": "single", "output": str(Path(out) / PRETRAIN), "progress": False}
+
+
+def pretrained_checkpoint(out: Path) -> Path:
+    """The checkpoint the cells of a sweep with a ``pretrain`` run start from: its last one."""
+    return last_checkpoint(Path(out) / PRETRAIN)
 
 
 def bytes_of(value: Any) -> int | None:
@@ -602,7 +765,7 @@ def bytes_of(value: Any) -> int | None:
 
 
 MATRIX_KEYS = ("name", "description", "base", "world_size", "gpu_only", "timeout_s", "device_memory", "cells",
-               "methods", "precisions", "world_sizes", "batch_sizes")  # fmt: skip
+               "methods", "precisions", "world_sizes", "batch_sizes", "pretrain")  # fmt: skip
 
 
 def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict[str, Any]:
@@ -688,10 +851,11 @@ def _nodes_of(n: int, given: Any, default: int | None, world: int) -> int:
 
 
 def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
-                world_size: int | None = None, nodes: int | None = None, precision: str | None = None) -> Matrix:  # fmt: skip
+                world_size: int | None = None, nodes: int | None = None, precision: str | None = None,
+                pretrain_steps: int | None = None) -> Matrix:  # fmt: skip
     """A preset by name or a YAML matrix file (exactly one of them)."""
     if path:
-        return build_matrix(load_yaml(path), overrides, world_size, nodes, precision)
+        return build_matrix(load_yaml(path), overrides, world_size, nodes, precision, pretrain_steps)
     name = preset or "quick"
     if name not in PRESETS:
         raise ConfigError(
@@ -703,7 +867,7 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
         spec = PRESETS[name](world_size)
     else:
         spec = PRESETS[name]()
-    return build_matrix(spec, overrides, world_size, nodes, precision)
+    return build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps)
 
 
 # ------------------------------------------------------------------------------------------------

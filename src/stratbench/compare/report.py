@@ -24,6 +24,7 @@ from stratbench.compare.columns import bar_charts, build_rows, columns_for, term
 from stratbench.compare.document import Report
 from stratbench.compare.html_page import render_html
 from stratbench.compare.markdown_page import render_markdown
+from stratbench.compare.pretrain import describe_pretrain
 from stratbench.compare.rows import NOT_RUN, Footnotes, Row, footnote_mark
 from stratbench.compare.runner import SWEEP, load_run_records
 from stratbench.core.errors import ConfigError
@@ -228,7 +229,8 @@ def render_loaded(
     description = sweeps[0].meta.get("description", "") if len(sweeps) == 1 else ""
     command = " ".join(sweeps[0].meta.get("command") or []) if len(sweeps) == 1 else ""
     calibration = [c for s in sweeps for c in s.calibration]
+    started = describe_pretrain(sweeps[0].meta.get("pretrain")) if len(sweeps) == 1 else ""
     report = Report(
-        title, records, [str(s.path) for s in sweeps], description, command, hardware, calibration
+        title, records, [str(s.path) for s in sweeps], description, command, hardware, calibration, started
     )
     return write_report(report, out), [rec.fields for rec in records]

@@ -29,7 +29,7 @@ from typing import Any
 import yaml
 
 from stratbench.checkpoints.checkpoint import atomic_write
-from stratbench.compare.matrix import Cell, Matrix, Plan
+from stratbench.compare.matrix import Cell, Matrix, Plan, pretrained_checkpoint
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import append_json_line
 from stratbench.core.lock import output_lock, wait_released
@@ -150,12 +150,21 @@ def make_record(
         "sharding": result.get("sharding") or {},
         "mesh": result.get("mesh") or {},
         "transforms": result.get("transforms") or [],
+        "parameters": parameters_of(result.get("model_meta")),
         "elapsed_s": elapsed_s,
         "returncode": returncode,
         "cell_dir": str(cell_dir) if cell_dir else None,
         "log": str(cell_dir / "train.log") if cell_dir else None,
         "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def parameters_of(model_meta: Any) -> dict[str, int]:
+    """The model's parameter count and, of it, the trainable one (result.json's ``model_meta``: LoRA trains the
+    adapters only); empty where the run recorded none."""
+    meta = model_meta if isinstance(model_meta, dict) else {}
+    keys = (("total", "num_parameters"), ("trainable", "trainable_parameters"))
+    return {name: meta[key] for name, key in keys if isinstance(meta.get(key), int)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -569,7 +578,10 @@ class SweepRunner:
         if cell_dir.exists():  # a previous attempt (failed, or interrupted; its jobs settled): start clean
             shutil.rmtree(cell_dir)
         cell_dir.mkdir(parents=True)
-        atomic_write(cell_dir / "config.yaml", yaml.safe_dump(cell.train_config(cell_dir), sort_keys=False))
+        config = cell.train_config(cell_dir)
+        if self.matrix.pretrain is not None:  # every cell starts from the sweep's pretraining run (compare.pretrain)
+            config.setdefault("init_from", str(pretrained_checkpoint(self.out)))
+        atomic_write(cell_dir / "config.yaml", yaml.safe_dump(config, sort_keys=False))
         return self.job_for(cell, cell_dir, env)
 
     def job_for(self, cell: Cell, cell_dir: Path, env: dict[str, str] | None = None) -> Job:

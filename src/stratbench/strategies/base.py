@@ -433,9 +433,11 @@ class Strategy:
 
     # ---- measurement --------------------------------------------------------------------------
     def state_bytes(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes of parameters, gradients and optimizer state that this rank actually holds."""
+        """Bytes of parameters (of them the trainable ones: the rest is a frozen base), gradients and optimizer
+        state that this rank actually holds."""
         return {
             "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+            "trainable_param_bytes": sum(local_bytes(p) for p in model.parameters() if p.requires_grad),
             "grad_bytes": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
             "optimizer_state_bytes": sum(
                 local_bytes(v)

@@ -203,6 +203,7 @@ class DDPZeroStrategy(DDPStrategy):
         # a load it even holds None for other ranks' parameters); the local optimizer's state is.
         counts = {
             "param_bytes": sum(local_bytes(p) for p in model.parameters()),
+            "trainable_param_bytes": sum(local_bytes(p) for p in model.parameters() if p.requires_grad),
             "grad_bytes": sum(local_bytes(p.grad) for p in model.parameters() if p.grad is not None),
         }
         counts["optimizer_state_bytes"] = sum(

@@ -230,9 +230,11 @@ def deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
     basic = engine.basic_optimizer if engine.basic_optimizer is not None else zero_opt
     params = list(module.parameters())
     if stage == 3:
-        param_bytes = sum(_nbytes(getattr(p, "ds_tensor", None)) for p in params)
+        local = [_nbytes(getattr(p, "ds_tensor", None)) for p in params]
     else:
-        param_bytes = sum(_nbytes(p) for p in params)
+        local = [_nbytes(p) for p in params]
+    param_bytes = sum(local)
+    trainable = sum(n for n, p in zip(local, params, strict=True) if p.requires_grad)
     opt_params = {id(p): p for g in basic.param_groups for p in g["params"]}
     model_ids = {id(p) for p in params}
     opt_state = sum(
@@ -263,6 +265,7 @@ def deepspeed_state_bytes(engine, stage: int) -> dict[str, int]:
                 grads += _nbytes(t)
     return {
         "param_bytes": param_bytes,
+        "trainable_param_bytes": trainable,
         "grad_bytes": grads,
         "optimizer_state_bytes": opt_state,
         "master_param_bytes": master,
