@@ -306,8 +306,7 @@ def dequant_working_bytes(cfg: TrainConfig, info: ModelInfo) -> tuple[int, str]:
     if not names:
         return 0, ""
     largest = max(i * o for n, (i, o) in zip(info.linear_names, info.linear_features, strict=True) if n in names)
-    pspec = SPECS[cfg.precision]
-    got = dequant_bytes(largest, pspec.param_dtype.itemsize, pspec.compute_dtype.itemsize)
+    got = dequant_bytes(largest, SPECS[cfg.precision].param_dtype.itemsize)
     return got, f"the largest NF4 weight ({largest:,} elements) dequantised to compute, one layer at a time"
 
 

@@ -68,13 +68,14 @@ def nf4_bytes(numel: int, itemsize: int, shards: int = 1) -> int:
     return split // shards + (1 + NF4_LEVELS) * itemsize
 
 
-def dequant_bytes(numel: int, itemsize: int, compute_itemsize: int) -> int:
-    """The transient peak of dequantising one NF4 weight (``NF4Tensor.get_original_weight``): both halves'
-    codes as int64 indices (8 bytes per element in all), the looked-up and the scaled halves and the stacked
-    result in the weights' dtype (3 x itemsize), plus a copy in the compute dtype where autocast computes in
-    another one."""
-    cast = compute_itemsize if compute_itemsize != itemsize else 0
-    return numel * (8 + 3 * itemsize + cast)
+def dequant_bytes(numel: int, itemsize: int) -> int:
+    """The transient peak of dequantising one NF4 weight (``NF4Tensor.get_original_weight``, whose locals all
+    live until it returns): both halves' codes as int64 indices (8 bytes per element in all), the looked-up
+    and the scaled halves and the stacked result in the weights' dtype (3 x itemsize). An autocast copy in
+    the compute dtype comes after these are freed and is smaller. Measured on this CPU (torch 2.13.0, torchao
+    0.18.0, a 512 x 192 weight, glibc's bytes in use): 20.2 / 14.1 / 32.1 bytes per element for fp32 / bf16 /
+    fp64 (20 / 14 / 32 here), 20.1 for fp32 dequantised to bf16."""
+    return numel * (8 + 3 * itemsize)
 
 
 def quantized_names(linear_names: tuple[str, ...] | list[str], cfg: TrainConfig) -> list[str]:
