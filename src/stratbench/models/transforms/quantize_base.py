@@ -6,7 +6,8 @@ Why torchao and not bitsandbytes: torchao's ``NF4Tensor`` is a tensor subclass t
 ``LinearNF4``, which dequantises the weight for the product and saves only the 4-bit weight for backward), and
 it implements FSDP2's ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` and ``split``, so ``fully_shard``
 shards and all-gathers the 4-bit codes themselves (torchtune's QLoRA recipes rest on the same). bitsandbytes'
-``Linear4bit`` replaces the module and its ``Params4bit`` is a flat packed tensor FSDP2 cannot split by rows.
+``Linear4bit`` replaces the module and keeps its quantisation state beside the packed ``Params4bit``, sharded by
+FSDP1's flat parameters, not through FSDP2's per-parameter hooks (docs/finetuning.md, QLoRA).
 
 Which layers: exactly the Linear layers LoRA adapts (``--lora-targets``; the default all-linear is every Linear
 but the output head), the ``base_layer`` of each adapter; every other parameter stays in the weights' dtype,
