@@ -169,6 +169,8 @@ class MemoryContext:
         layers LoRA adapts); none without."""
         out = [False] * len(self.numels)
         names = set(quantized_names(self.info.linear_names, self.cfg))
+        if not names:  # (a ModelInfo made by hand may not say where its Linear weights are)
+            return out
         for name, i in zip(self.info.linear_names, self.info.linear_weights, strict=True):
             out[i] = name in names
         return out
