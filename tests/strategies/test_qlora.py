@@ -29,7 +29,11 @@ pytestmark = pytest.mark.skipif(
 )
 
 QLORA = ["--lora-rank", "4", "--quantize-base", "nf4"]
-FLAGS = [*tiny_lm_fp64(eval_samples=8), "--max-steps", "3", "--measure-alloc", "true", *QLORA]
+FLAGS = [*tiny_lm_fp64(eval_samples=8), "--measure-alloc", "true", *QLORA]
+RESUMED = 1e-4
+"""A resumed run's loss against the unbroken run's: the checkpoint holds the base dequantised and loading
+quantises it again, which re-derives torchao's double-quantised scales (weights move by up to ~3e-4 of a
+N(0, 0.02) weight); measured 3e-6 to 5e-6 relative on the two steps after a fp32 fsdp resume (gpt-tiny)."""
 # gpt-tiny: 4 blocks of wq, wk, wv, wo (192 x 192) and w1, w3 (512 x 192), w2 (192 x 512); the head stays as is
 ADAPTED = 4 * 7
 
@@ -47,7 +51,7 @@ def _set_up(precision: str, **kw) -> tuple[torch.nn.Module, torch.optim.Optimize
     return model, optimizer, cfg
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-true"])
+@pytest.mark.parametrize("precision", ["bf16-true"])
 def test_the_adapted_weights_are_frozen_nf4_that_the_adapters_train_over(precision):
     """Exactly the 28 adapted base weights are NF4 in the weights' dtype, frozen, outside the optimizer; five
     AdamW steps on one batch lower its loss; the estimate's parameter bytes equal the tensors' own bytes."""
@@ -111,7 +115,7 @@ def test_the_estimate_refuses_it_for_a_method_that_cannot_take_it(capsys):
 @pytest.fixture(scope="module")
 def single(tmp_path_factory) -> tuple[dict, Path]:
     out = tmp_path_factory.mktemp("qlora") / "single"
-    return train(out, *FLAGS), out
+    return train(out, *FLAGS, "--max-steps", "4"), out
 
 
 def test_a_qlora_run_records_its_bytes_and_predict_quantises_again(single):
@@ -134,10 +138,15 @@ def test_a_qlora_run_records_its_bytes_and_predict_quantises_again(single):
 def test_fsdp_shards_the_nf4_base_and_trains_what_one_process_trains(tmp_path, single):
     """FSDP2 over 2 gloo ranks: the single run's fp64 loss curve to 1e-9 (the NF4 codes are all-gathered, not
     re-quantised, so each rank computes with the same dequantised weights; only the gradients' sum order
-    differs); each rank's parameter bytes are the estimate's (half of every NF4 code and scale tensor)."""
-    res = train(tmp_path / "fsdp", *FLAGS, "--strategy", "fsdp", nproc=2)
+    differs); each rank's parameter bytes are the estimate's (half of every NF4 code and scale tensor). Resumed
+    from its sharded checkpoint (each rank's chunk of the base quantised whole again), its 4th step is the
+    unbroken run's to RESUMED."""
+    res = train(tmp_path / "fsdp", *FLAGS, "--strategy", "fsdp", "--max-steps", "3", nproc=2)
     assert res["transforms"] == ["lora:r4", "precision:fp64", "quantize_base:nf4"]
-    assert_curves_match(res["metrics"]["loss_curve"], single[0]["metrics"]["loss_curve"], RTOL)
+    unbroken = single[0]["metrics"]["loss_curve"]
+    assert_curves_match(res["metrics"]["loss_curve"], unbroken[:3], RTOL)
     cfg = TrainConfig(**{k: v for k, v in res["config"].items() if k in TrainConfig.__dataclass_fields__})
     assert res["sharding"]["param_bytes"] == [rank_states(cfg, 2, r, device_type="cpu").params for r in (0, 1)]
     assert_estimate_within(res, 0.10)
+    resumed = train(tmp_path / "fsdp", *FLAGS, "--strategy", "fsdp", "--max-steps", "4", "--resume", "must", nproc=2)
+    assert_curves_match(resumed["metrics"]["loss_curve"], unbroken[3:], RESUMED)

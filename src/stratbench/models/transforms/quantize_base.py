@@ -117,6 +117,29 @@ def _dequantized_state(module: nn.Module, state: dict[str, Any], prefix: str, _m
     state[key] = plain
 
 
+def _quantize_loaded(
+    module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any
+) -> None:
+    """Load-state-dict pre-hook of a quantised Linear: the checkpoint's plain weight quantised whole, as the run
+    quantised it, and (under FSDP2) this rank's dim-0 chunk of it taken (torchao's split), so that the copy into
+    the NF4 parameter is of the same layout. Quantising a rank's shard alone would give it its own scales' mean,
+    which the all-gather does not carry (and torchao's copy_ of a plain shard recurses: a shard keeps the whole
+    weight's block count)."""
+    key = prefix + "weight"
+    w, param = state.get(key), module.weight
+    if w is None or is_quantized(w) or not is_quantized(param):
+        return
+    full = w.full_tensor() if hasattr(w, "full_tensor") else w  # FSDP2: every rank loads the same layer together
+    local = param.to_local() if hasattr(param, "to_local") else param
+    q = _to_nf4()(full.to(local.dtype).contiguous(), BLOCK_SIZE, local.scaler_block_size)
+    if local is param:
+        state[key] = q
+        return
+    chunk = torch.split(q, local.shape[0])[param.device_mesh.get_local_rank()]
+    state[key] = type(param).from_local(chunk, param.device_mesh, param.placements, shape=param.shape,
+                                        stride=param.stride())  # fmt: skip
+
+
 def quantize(model: nn.Module, names: list[str]) -> nn.Module:
     """``model`` with the weight of each named Linear (LoRA's ``base_layer`` where adapted) replaced by a frozen
     NF4 weight, in place; one line for a weight torchao cannot block."""
@@ -134,6 +157,7 @@ def quantize(model: nn.Module, names: list[str]) -> nn.Module:
         q = to_nf4(w.detach().contiguous(), BLOCK_SIZE, scaler_block_size(w.numel()))
         layer.weight = nn.Parameter(q, requires_grad=False)
         layer.register_state_dict_post_hook(_dequantized_state)
+        layer.register_load_state_dict_pre_hook(_quantize_loaded)
     return model
 
 
