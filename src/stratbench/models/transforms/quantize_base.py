@@ -22,8 +22,9 @@ blocks (so FSDP2 can split them evenly over up to 8 ranks), else the largest div
 
 Checkpoints store each quantised weight dequantised, under its usual key (``...base_layer.weight``: the values
 the run computed with, readable by any loader and by a merge); loading one into a quantised model quantises
-it again (``NF4Tensor``'s ``copy_``), which may move a weight by a small fraction of one 4-bit step (the
-double-quantised scales are re-derived), so a resumed QLoRA run is close to, not bit-equal to, an unbroken one.
+it again, whole (``_quantize_loaded``; under FSDP2 each rank then keeps its chunk), which may move a weight by
+a small fraction of one 4-bit step (the double-quantised scales are re-derived), so a resumed QLoRA run is
+close to, not bit-equal to, an unbroken one.
 """
 
 from __future__ import annotations
@@ -88,16 +89,18 @@ def quantized_names(linear_names: tuple[str, ...] | list[str], cfg: TrainConfig)
 
 def _to_nf4() -> Any:
     """torchao's ``to_nf4`` (the qlora extra), imported on first use; its import logs each CUDA kernel library
-    a CPU cannot load, which says nothing here."""
+    a CPU cannot load and torch's pytree warns of each of its Enum constants, which say nothing here."""
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("--quantize-base nf4 needs torchao: pip install 'stratbench[qlora]'")
-    quiet = logging.getLogger("torchao")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
         from torchao.quantization import to_nf4
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
     return to_nf4
 
 
