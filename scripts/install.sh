@@ -32,9 +32,9 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; 
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,cluster]"
+    "$VENV/bin/python" -m pip install -q -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
 else
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,cluster]"
+    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
 fi
 # DeepSpeed's async_io op (nvme offload), compiled once now rather than at a user's first nvme run or inside the
 # test suite (scripts/async_io_build.py: one line and no failure where libaio or a compiler is missing).

@@ -71,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-targets", default="all-linear", help="LoRA: comma-separated Linear names, or all-linear"
     )
     parser.add_argument(
+        "--quantize-base", default="none", help="QLoRA: none or nf4 (the adapted Linears' frozen weights in 4 bits)"
+    )
+    parser.add_argument(
         "--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use"
     )
     parser.add_argument(
@@ -268,10 +271,10 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_targets=args.lora_targets,
+        lora_targets=args.lora_targets, quantize_base=args.quantize_base,
     )  # fmt: skip
     validate(cfg)
-    if cfg.lora_rank and (why := cls.lora_refusal(cfg)):
+    if cfg.lora_rank and (why := cls.lora_refusal(cfg) or cls.quantize_refusal(cfg)):
         raise ConfigError(why)  # the method's row says so (n/a), as train would refuse it
     check_data(cfg)  # tokens:PATH that is not there: one line
     if args.strategy == "all":  # the options its row runs with (method_row completes them the same way)

@@ -37,6 +37,7 @@ from stratbench.inference.peft_format import (
 )
 from stratbench.models.hf import PREFIX as HF_PREFIX
 from stratbench.models.transforms.lora import apply_meta as apply_lora_meta
+from stratbench.models.transforms.quantize_base import apply_meta as apply_quantize_meta
 from stratbench.models.zoo import build_model
 from stratbench.training.losses import per_sample_eval
 
@@ -161,6 +162,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         )
     # A bf16-true/fp16-true checkpoint holds low-precision weights; load_state_dict copies them into fp32.
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
+    model = apply_quantize_meta(model, meta.get("lora"))  # QLoRA: the loaded base quantised as it trained
     model.eval().to(device)
     return LoadedModel(
         model=model,

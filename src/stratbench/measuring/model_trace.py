@@ -180,6 +180,8 @@ class ModelInfo:
     no_blocks: str = ""
     shapes: tuple[tuple[int, ...], ...] = ()
     """Parameter shapes in ``numels``' order, as built (the lean optimizers' state depends on them)."""
+    linear_weights: tuple[int, ...] = ()
+    """Index into ``numels`` of each of ``linear_names``' weight (a quantised base stores these in 4 bits)."""
 
     @property
     def param_shapes(self) -> list[tuple[int, ...]]:
@@ -223,6 +225,12 @@ def _unit_indices(model: nn.Module, units: list[nn.Module]) -> list[list[int]]:
     return out
 
 
+def _linear_weight_indices(model: nn.Module, params: list[nn.Parameter]) -> tuple[int, ...]:
+    """Where each nn.Linear's weight is in ``params`` (``linear_layers``' order)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    return tuple(index[id(m.weight)] for m in model.modules() if isinstance(m, nn.Linear))
+
+
 @functools.cache
 def model_info(spec: ModelSpec) -> ModelInfo:
     """Shapes of the real model, built under FakeTensorMode so that even a huge model costs no memory."""
@@ -243,6 +251,7 @@ def model_info(spec: ModelSpec) -> ModelInfo:
         blocks=describe_units(model, "block", 0, blocks) if has_blocks else None,
         no_blocks="" if has_blocks else why_no_blocks(model),
         shapes=tuple(tuple(p.shape) for p in params),
+        linear_weights=_linear_weight_indices(model, params),
     )
 
 

@@ -44,6 +44,7 @@ from stratbench.measuring.model_trace import (
 from stratbench.models.hf import is_hf_name
 from stratbench.models.transforms import traced as traced_transforms
 from stratbench.models.transforms.lora import adapter_shapes
+from stratbench.models.transforms.quantize_base import dequant_bytes, quantized_names
 from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
@@ -189,7 +190,8 @@ def estimate(
         saved, saved_note, fwd_bwd_traced, check = s.activations, s.activation_note, s.activations + s.grads, None
     else:
         saved, saved_note, fwd_bwd_traced, check = _traced(cfg, spec, s, mb, device_type)
-    peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced
+    dequant, dequant_note = dequant_working_bytes(cfg, info)
+    peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced + dequant
     step_temp = _step_scratch(cfg, s, info, device_type)
     library, library_note = _cpu_library(cfg, spec, s, mb, native_16bit) if device_type == "cpu" else (0, "")
     runtime = s.cpu_runtime if device_type == "cpu" else 0
@@ -199,6 +201,8 @@ def estimate(
     ov = OVERHEAD[device_type]
     overhead = int(ov["context_bytes"] + ov["allocator_slack"] * peak)
     rows = _state_rows(cfg, s, saved, saved_note, fwd_bwd_traced, step_temp)
+    if dequant:
+        rows.append(Row("dequantised base weight", int(dequant), 0, dequant_note))
     if device_type == "cpu":
         rows.append(Row("CPU math-library buffers", int(library), 0, library_note))
     if runtime:
@@ -292,6 +296,18 @@ def formula_check(
         "traced_bytes": traced,
         "difference": (f.bytes - traced) / traced if traced else None,
     }
+
+
+def dequant_working_bytes(cfg: TrainConfig, info: ModelInfo) -> tuple[int, str]:
+    """(bytes, note) of QLoRA's dequantisation of one NF4 weight at a time in forward and backward: the largest
+    quantised Linear's (``quantize_base.dequant_bytes``; FSDP2 gathers whole layers, so the same on any rank);
+    (0, "") without ``--quantize-base``."""
+    names = set(quantized_names(info.linear_names, cfg))
+    if not names:
+        return 0, ""
+    largest = max(i * o for n, (i, o) in zip(info.linear_names, info.linear_features, strict=True) if n in names)
+    got = dequant_bytes(largest, SPECS[cfg.precision].param_dtype.itemsize)
+    return got, f"the largest NF4 weight ({largest:,} elements) dequantised to compute, one layer at a time"
 
 
 def _held_bytes(x: RankMemory) -> int:

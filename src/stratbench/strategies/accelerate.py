@@ -139,6 +139,8 @@ class AccelerateStrategy(Strategy):
 
         if importlib.util.find_spec("accelerate") is None:
             return "needs the accelerate package (pip install accelerate)"
+        if why := cls.quantize_refusal(cfg):
+            return why
         if cfg.precision not in MIXED_PRECISION:
             return (
                 f"accelerate has no {cfg.precision} mode (its mixed_precision is no, fp16 or bf16 with fp32 weights); "

@@ -273,6 +273,19 @@ class Strategy:
         return None
 
     @classmethod
+    def quantize_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why this method cannot train LoRA over a quantised base (``--quantize-base``), in one line; None where
+        it can (single, fsdp). The methods that take LoRA return it from ``check_supported``; the others refuse
+        the adapters first (``lora_refusal``)."""
+        if cfg.quantize_base == "none":
+            return None
+        return (
+            f"--quantize-base with {cls.name} is not supported (untested: torchao's NF4 weights are sharded "
+            "through FSDP2's all-gather hooks; this method broadcasts, flattens or casts the parameters itself); "
+            "use single or fsdp"
+        )
+
+    @classmethod
     def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
         """Refuse (CheckpointError), before any process starts, a checkpoint in ``checkpoint_layout`` that no run
         can resume or start from; ``meta`` is its header. Nothing by default."""

@@ -26,6 +26,7 @@ from stratbench.core.optim import (
 from stratbench.core.precision import SPECS
 from stratbench.measuring.model_trace import ModelInfo
 from stratbench.models.transforms.lora import adapter_shapes
+from stratbench.models.transforms.quantize_base import nf4_bytes, quantized_names
 
 MiB = 1024**2
 
@@ -162,6 +163,32 @@ class MemoryContext:
         base = self.cfg.lora_rank <= 0
         return [base] * len(self.info.numels) + [True] * len(self.adapters)
 
+    @functools.cached_property
+    def quantized(self) -> list[bool]:
+        """Whether each of ``numels`` is stored quantised (``--quantize-base nf4``: the weights of the Linear
+        layers LoRA adapts); none without."""
+        out = [False] * len(self.numels)
+        names = set(quantized_names(self.info.linear_names, self.cfg))
+        if not names:  # (a ModelInfo made by hand may not say where its Linear weights are)
+            return out
+        for name, i in zip(self.info.linear_names, self.info.linear_weights, strict=True):
+            out[i] = name in names
+        return out
+
+    def param_bytes_of(self, i: int, local: int | None = None) -> int:
+        """Bytes parameter ``i`` holds on a rank that has ``local`` of its elements (None: all of them): an NF4
+        weight's codes and scales (``quantize_base.nf4_bytes``, split evenly as FSDP2 splits them), else the
+        weights' dtype per element."""
+        n = self.numels[i]
+        local = n if local is None else local
+        if self.quantized[i]:
+            return nf4_bytes(n, self.param_bytes, n // local) if local else 0
+        return local * self.param_bytes
+
+    def unit_bytes(self, indices: list[int], itemsize: int) -> int:
+        """Bytes of a unit's parameters gathered whole in ``itemsize`` (an NF4 weight gathers its 4-bit codes)."""
+        return sum(self.param_bytes_of(i) if self.quantized[i] else self.numels[i] * itemsize for i in indices)
+
     @property
     def trainable_numels(self) -> list[int]:
         """The numels of the trained parameters (gradients and optimizer state are counted over these)."""
@@ -226,10 +253,10 @@ class MemoryContext:
     def replicated(self, buckets: bool) -> RankMemory:
         """Every rank holds everything (single, DataParallel, DDP); DDP adds a bucket copy of the gradients."""
         n, pd = self.trainable_numels, self.param_bytes
-        total, trained = sum(self.numels), sum(n)
+        trained = sum(n)
         with_buckets = buckets and self.world > 1
         return RankMemory(
-            params=total * pd,
+            params=sum(self.param_bytes_of(i) for i in range(len(self.numels))),
             grads=trained * pd,
             optim=self.optim_bytes(self.trainable_shapes),
             step_scalars=4 * len(n) if self.adam else 0,

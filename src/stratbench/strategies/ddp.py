@@ -52,6 +52,8 @@ class DDPStrategy(Strategy):
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):
+        if why := cls.quantize_refusal(cfg):
+            return why
         options = cls.parse_options(cfg.strategy_options)
         if options.sync_bn and device.type != "cuda":
             return (

@@ -282,6 +282,8 @@ class DeepSpeed(Strategy):
             return "needs the deepspeed package (pip install deepspeed)"
         if why := lean_refusal(cfg, "DeepSpeed steps flat fp32 partitions with its own optimizer (--ds-optimizer)"):
             return why
+        if why := cls.quantize_refusal(cfg):
+            return why
         if cfg.precision == "fp64":
             return (
                 "DeepSpeed has no fp64 mode: its ZeRO optimizers keep fp32 master weights, gradient partitions and "

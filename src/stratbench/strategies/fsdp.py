@@ -294,10 +294,18 @@ class FSDPStrategy(LossParallel, Strategy):
         return None
 
     @classmethod
+    def quantize_refusal(cls, cfg) -> str | None:
+        """FSDP2 shards and all-gathers torchao's NF4 weights (their fsdp_pre/post_all_gather hooks); offloading
+        them to the host is not tested."""
+        if cfg.quantize_base != "none" and cls.parse_options(cfg.strategy_options).cpu_offload:
+            return "--quantize-base with fsdp --cpu-offload is not supported (untested with torchao's NF4 weights)"
+        return None
+
+    @classmethod
     def check_supported(cls, cfg, device, world_size):
         if device.type not in ("cpu", "cuda"):
             return f"fsdp runs on cpu or cuda devices, not {device.type}"
-        if why := cls.lora_refusal(cfg):
+        if why := cls.lora_refusal(cfg) or cls.quantize_refusal(cfg):
             return why
         opts = cls.parse_options(cfg.strategy_options)
         return lean_unsupported(cfg, opts) or tp_unsupported(cfg, opts, world_size)

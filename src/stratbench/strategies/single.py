@@ -33,4 +33,8 @@ class SingleDevice(Strategy):
             )
         return None
 
+    @classmethod
+    def quantize_refusal(cls, cfg) -> str | None:
+        return None  # QLoRA's NF4 base trains on one device (tests/strategies/test_qlora.py)
+
     cost = SingleCost

@@ -5,14 +5,17 @@ Every method gets them at the same point, ``Strategy.setup`` (``strategies.base`
 1. ``lora``                      before the wrap   PEFT's LoRA adapters in the targeted Linears, the base frozen
 2. ``activation_checkpointing``  before the wrap   each block recomputed in backward
 3. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
+4. ``quantize_base``             before the wrap   QLoRA: the adapted Linears' frozen weights as torchao NF4
    -- the method's move (to its devices), channels-last, its wrap (DDP, FSDP's shards, a tensor-parallel plan,
       a pipeline's stages, DeepSpeed's engine) and the optimizer on the wrapped parameters --
-4. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
+5. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
 
 torchtitan's order is quantize/convert -> tensor parallel -> activation checkpointing -> compile -> FSDP; here
 tensor parallelism and FSDP are both the method's wrap, so activation checkpointing comes before any wrap (the
 tensor-parallel plan and FSDP's units find the blocks under their checkpoint wrappers), and a weight
-conversion (a quantised base, float8 linears) goes first, before activation checkpointing. A transform's place
+conversion that swaps modules (float8 linears) goes first, before activation checkpointing. QLoRA's quantised
+base swaps no module (an NF4 weight stays the Linear's) and comes after the precision's cast, which would
+dequantise it. A transform's place
 in ``ORDER`` must agree with its phase (``Phase.BEFORE_WRAP`` ones first); a test checks it, and that each has
 a cost.
 
@@ -30,6 +33,7 @@ from stratbench.models.transforms.activation_checkpointing import ActivationChec
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
 from stratbench.models.transforms.lora import Lora
 from stratbench.models.transforms.precision_cast import PrecisionCast
+from stratbench.models.transforms.quantize_base import QuantizeBase
 from stratbench.models.transforms.torch_compile import Compile
 
 __all__ = [
@@ -41,6 +45,7 @@ ORDER: tuple[Transform, ...] = (
     Lora(),
     ActivationCheckpointing(),
     PrecisionCast(),
+    QuantizeBase(),
     Compile(),
 )
 """Every registered transform, in the order a run applies them."""

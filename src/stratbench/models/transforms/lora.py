@@ -114,7 +114,10 @@ def lora_meta(cfg: TrainConfig) -> dict[str, Any] | None:
     """What a checkpoint's model meta records so that inference re-applies the same adapters (None: no LoRA)."""
     if cfg.lora_rank <= 0:
         return None
-    return {"rank": cfg.lora_rank, "alpha": alpha_of(cfg), "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
+    meta = {"rank": cfg.lora_rank, "alpha": alpha_of(cfg), "dropout": cfg.lora_dropout, "targets": cfg.lora_targets}
+    if cfg.quantize_base != "none":  # QLoRA: inference quantises the base again (quantize_base.apply_meta)
+        meta["quantize_base"] = cfg.quantize_base
+    return meta
 
 
 def inject(model: nn.Module, rank: int, alpha: float, dropout: float, targets: str) -> nn.Module:

@@ -172,13 +172,13 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
         n if sharding == "none" else n // d0 * chunk_rows(d0, world, rank)
         for n, d0 in zip(ctx.numels, ctx.dim0, strict=True)
     ]
-    local = sum(shards)
     trained = sum(n for n, t in zip(shards, ctx.trainable, strict=True) if t)
     shapes = ctx.shapes
     if sharding != "none":  # each rank's dim-0 chunk of every parameter (a 0-dim one counted as one row)
         shapes = [(chunk_rows(s[0], world, rank), *s[1:]) for s in (s or (1,) for s in shapes)]
     trained_shapes = [s for s, t in zip(shapes, ctx.trainable, strict=True) if t]
-    m = RankMemory(params=local * pd, grads=trained * pd, optim=ctx.shard_optim_bytes(trained_shapes))
+    params = sum(ctx.param_bytes_of(i, n) for i, n in enumerate(shards))  # an NF4 weight: its split codes
+    m = RankMemory(params=params, grads=trained * pd, optim=ctx.shard_optim_bytes(trained_shapes))
     m.step_scalars = 4 * len(ctx.trainable_numels) if ctx.adam else 0
     m.cpu_runtime, m.cpu_runtime_note = CPU_FSDP2_RUNTIME_BYTES, "DTensor's op caches and linecache, measured"
     m.sharding_note = {"full": "sharded 1/N", "grad-op": "sharded 1/N at rest", "none": "replicated"}[
@@ -187,22 +187,24 @@ def fsdp2_memory(ctx, rank: int, sharding: str, offload: bool):
     if sharding != "none":
         # The unit being computed and the one prefetched: the two largest units (the whole model when it has
         # no block units, only the root -- not twice the model).
-        units = sorted((sum(info.numels[i] for i in u) for u in info.block_units if u), reverse=True)
         gathered_dtype = gather_itemsize(ctx)
+        units = sorted((sum(info.numels[i] for i in u) for u in info.block_units if u), reverse=True)
+        unit_bytes = sorted((ctx.unit_bytes(u, gathered_dtype) for u in info.block_units if u), reverse=True)
         # + the reduce-scatter input of the largest unit: its gradients copied into one flat buffer (in the
         # reduce dtype) while the unsharded gradients still exist (measured: ResNet-18 on 2 CPU ranks was 11-12%
         # above the estimate without it, 2-5% with it).
         reduce_bytes = 4 if ctx.pspec.autocast else pd
-        unsharded = total if sharding == "grad-op" else sum(units[:2])
+        everything = ctx.unit_bytes(list(range(len(ctx.numels))), gathered_dtype)
+        unsharded = everything if sharding == "grad-op" else sum(unit_bytes[:2])
         # with LoRA only the adapters' gradients are reduced: the unit's share of them (spread like the base)
         reduced = units[0] if all(ctx.trainable) else units[0] * sum(ctx.trainable_numels) // total
-        m.gathered = unsharded * gathered_dtype + reduced * reduce_bytes
+        m.gathered = unsharded + reduced * reduce_bytes
         if not all(ctx.trainable) and sharding == "full" and len(units) > 1:
             # A frozen base (LoRA) leaves one more unit unsharded through backward: the first block's input (a
             # frozen embedding's output) needs no gradient, so FSDP2 registers no post-backward hook on it and
             # reshards it only in the root's final callback. Measured on 2 CPU ranks (gpt-tiny fp64, rank 4): the
             # peak 3.3 MiB above the same run's estimate without this, one block's weights
-            m.gathered += units[0] * gathered_dtype
+            m.gathered += unit_bytes[0]
             m.gather_note += " + one more unit (frozen base, measured)"
         m.gather_note = (
             "all unsharded from forward to backward"
