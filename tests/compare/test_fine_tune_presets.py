@@ -19,11 +19,14 @@ def test_ft_quick_expands_to_every_variant_under_every_method_and_refusals_are_o
     matrix = build_matrix(PRESETS["ft-quick"]())
     cells = {c.name: c for c in matrix.cells}
     methods = ["single", "ddp", "fsdp", "deepspeed-z3"]
-    assert list(cells) == [*methods, *(f"{m}+lora" for m in methods), *(f"{m}+lora+8bit" for m in methods)]
+    assert list(cells) == [
+        *methods, *(f"{m}+lora" for m in methods), *(f"{m}+lora+8bit" for m in methods), *(f"{m}+qlora" for m in methods)
+    ]  # fmt: skip
     assert {c.world_size for c in matrix.cells if c.method != "single"} == {2}
     for name, cell in cells.items():
         assert cell.config["data"] == "instruct-stdlib" and cell.precision == "fp32"
-        assert cell.config.get("lora_rank", 0) == (8 if "+lora" in name else 0), name
+        assert cell.config.get("lora_rank", 0) == (8 if "lora" in name else 0), name
+        assert cell.config.get("quantize_base", "none") == ("nf4" if name.endswith("+qlora") else "none"), name
         assert cell.config["optimizer"] == ("adamw8bit" if name.endswith("+8bit") else "adamw"), name
     assert cells["deepspeed-z3"].options["zero_stage"] == 3
     assert matrix.pretrain["data"] == "text" and matrix.pretrain["model"] == cells["single"].config["model"]
@@ -31,9 +34,10 @@ def test_ft_quick_expands_to_every_variant_under_every_method_and_refusals_are_o
     assert cells["single"].label == ""
     plans = {p.cell.name: p for p in plan(matrix)}
     refused = {k: p.reason for k, p in plans.items() if p.status is not None}
-    assert list(refused) == ["deepspeed-z3+lora+8bit"], refused
-    assert plans["deepspeed-z3+lora+8bit"].status == "skipped"
-    assert "adamw8bit" in refused["deepspeed-z3+lora+8bit"] and "\n" not in refused["deepspeed-z3+lora+8bit"]
+    assert list(refused) == ["deepspeed-z3+lora+8bit", "ddp+qlora", "deepspeed-z3+qlora"], refused
+    assert {plans[k].status for k in refused} == {"skipped"}
+    assert "adamw8bit" in refused["deepspeed-z3+lora+8bit"] and "quantize" in refused["ddp+qlora"]
+    assert not any("\n" in why for why in refused.values())
 
 
 def test_llm_ft_has_llama_8b_full_and_lora_cells_and_is_skipped_without_gpus(monkeypatch):

@@ -206,6 +206,36 @@ def test_a_builtin_transformers_merged_weights_load_in_transformers_as_a_llama(b
         assert (model(input_ids=x).logits - load_model(builtin).model(x)).abs().max() < TOL
 
 
+def test_a_qlora_run_merges_into_its_dequantised_base(root):
+    """A QLoRA checkpoint (NF4 base, quantised again as it loads): the merge dequantises each base weight, adds
+    the update and writes full-precision weights with the QLoRA model's logits."""
+    pytest.importorskip("torchao")
+    meta = {
+        "model": "gpt-tiny", "num_classes": VOCAB, "class_names": [], "image_size": 0, "mean": [], "std": [],
+        "seq_len": SEQ, "data": "text",
+        "lora": {"rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": "wq,wv", "quantize_base": "nf4"},
+    }  # fmt: skip
+    torch.manual_seed(0)
+    model = build_from_meta({k: v for k, v in meta.items() if k != "lora"} | {"lora": meta["lora"] | {"quantize_base": "none"}})
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.1)
+    path = root / "gpt-qlora.pt"
+    save_full(path, {"model": model.state_dict(), "meta": meta, "config": {"data": "text", "seq_len": SEQ}})
+    out = root / "gpt-qlora-merged.safetensors"
+    cli("export", "--checkpoint", path, "--merge-lora", "--output", out)
+    qlora = load_model(path).model
+    assert any(type(p).__name__ == "NF4Tensor" for p in qlora.parameters())
+    bare = build_from_meta({"model": "gpt-tiny", "num_classes": VOCAB, "seq_len": SEQ})
+    from safetensors.torch import load_file
+
+    bare.load_state_dict(load_file(str(out)))
+    x = torch.randint(0, VOCAB, (2, SEQ))
+    with torch.no_grad():
+        assert (bare(x) - qlora(x)).abs().max() < TOL
+
+
 def test_bad_exports_are_refused_in_one_line_before_any_write(exports, builtin, run, root, capsys):
     merged, adapter, _ = exports
     new = root / "never-written"

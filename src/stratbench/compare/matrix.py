@@ -534,11 +534,10 @@ FINE_TUNE_VARIANTS: list[dict[str, Any]] = [
     {"name": "full", "config": {}},
     {"name": "lora", "config": {"lora_rank": 8}},
     {"name": "lora+8bit", "config": {"lora_rank": 8, "optimizer": "adamw8bit"}},
-    # QLoRA (issue 44 item 2): enable once --quantize-base lands:
-    # {"name": "qlora", "config": {"lora_rank": 8, "quantize_base": "nf4"}},
+    {"name": "qlora", "config": {"lora_rank": 8, "quantize_base": "nf4"}},
 ]
 """What a fine-tuning preset trains of the model: everything (full), LoRA adapters of rank 8 (the base frozen),
-LoRA with torchao's 8-bit AdamW states; each under every method of the preset (a method that refuses one is
+LoRA with torchao's 8-bit AdamW states, QLoRA (rank 8 over a 4-bit NF4 base); each under every method of the preset (a method that refuses one is
 recorded as skipped with its one-line reason)."""
 
 

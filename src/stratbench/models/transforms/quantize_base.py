@@ -222,3 +222,12 @@ def is_quantized(t: torch.Tensor) -> bool:
     """Whether ``t`` (or a DTensor's local shard) is a torchao NF4 weight."""
     local = t.to_local() if hasattr(t, "to_local") else t
     return type(local).__name__ == "NF4Tensor"
+
+
+def dequantize(linear: nn.Module) -> nn.Module:
+    """``linear`` with a plain (dequantised, frozen) weight in place of its NF4 one, in place: what a merge of
+    LoRA's update into the weight needs (an NF4 tensor takes no in-place add). Unchanged when not quantised."""
+    w = getattr(linear, "weight", None)
+    if w is not None and is_quantized(w):
+        linear.weight = nn.Parameter(w.get_original_weight(), requires_grad=False)
+    return linear
