@@ -25,9 +25,9 @@ BASE = TrainConfig(model="gpt-tiny", data="text", seq_len=32, batch_size=8, prec
 
 
 def _least_full(base: TrainConfig) -> int:
-    """Full training's smallest total on one CPU device: micro-batch 1, with or without recomputation."""
+    """Full training's smallest total on one device: micro-batch 1, with or without recomputation."""
     one = base.replace(grad_accum=base.batch_size)
-    return min(estimate(one.replace(activation_checkpointing=a), 1, "cpu").total_bytes for a in (False, True))
+    return min(estimate(one.replace(activation_checkpointing=a), 1).total_bytes for a in (False, True))
 
 
 def _memory(total: int) -> int:
@@ -43,14 +43,14 @@ def _train_config(command: str) -> TrainConfig:
 
 
 def test_full_training_keeps_its_answer_where_it_fits():
-    a = advise(BASE, 1, int(estimate(BASE, 1, "cpu").total_bytes / 0.9) + 1, goal="fit", device_type="cpu")
+    a = advise(BASE, 1, int(estimate(BASE, 1).total_bytes / 0.9) + 1, goal="fit")
     assert a.plan is not None and a.plan.strategy == "single" and not a.fine_tuning and not a.overrides
     assert "--lora-rank" not in a.train_command and "--grad-accum" not in a.train_command
 
 
 def test_a_lean_optimizer_where_full_adamw_fits_nowhere():
     memory = _memory(_least_full(BASE))
-    a = advise(BASE, 1, memory, goal="fit", device_type="cpu")
+    a = advise(BASE, 1, memory, goal="fit")
     assert a.fine_tuning == "full training + adamw8bit" and a.plan.strategy == "single", a.reasons
     line = a.reasons[-1]  # the answer in one line
     assert line.startswith("gpt-tiny on 1 x ") and line.endswith(" per device"), a.reasons
@@ -58,18 +58,18 @@ def test_a_lean_optimizer_where_full_adamw_fits_nowhere():
     cfg = _train_config(a.train_command)
     assert cfg.optimizer == "adamw8bit" and cfg.lora_rank == 0
     assert cfg.batch_size // cfg.grad_accum == a.estimate.micro_batch  # the global batch kept, micro-steps added
-    assert estimate(cfg, 1, "cpu").total_bytes == a.estimate.total_bytes <= 0.9 * memory
+    assert estimate(cfg, 1).total_bytes == a.estimate.total_bytes <= 0.9 * memory
 
 
 def test_lora_where_no_full_training_fits():
     """With SGD (no lean entry replaces it) and a budget under full training's least: LoRA r16, its flag in the
     command, its estimate the command's."""
     base = BASE.replace(optimizer="sgd", momentum=0.9)
-    a = advise(base, 1, _memory(_least_full(base)), goal="fit", device_type="cpu")
+    a = advise(base, 1, _memory(_least_full(base)), goal="fit")
     assert a.fine_tuning == "LoRA r16" and a.overrides == {"lora_rank": 16}, a.reasons
     assert not any("adamw8bit" in r for r in a.reasons)  # the lean optimizers replace AdamW only
     assert "full training: fits no plan, even at micro-batch 1" in " ".join(a.reasons)
     assert any(r.startswith("gpt-tiny on 1 x ") and ": LoRA r16, single" in r for r in a.reasons), a.reasons
     cfg = _train_config(a.train_command)
     assert cfg.lora_rank == 16 and cfg.optimizer == "sgd"
-    assert estimate(cfg, 1, "cpu").total_bytes == a.estimate.total_bytes
+    assert estimate(cfg, 1).total_bytes == a.estimate.total_bytes
