@@ -279,11 +279,12 @@ def _fine_tune(
         except ConfigError as exc:
             advice.reasons.append(f"{label}: n/a: {exc}")
             continue
-        smallest: tuple[int, str] | None = None
+        smallest: tuple[int, str, int] | None = None
+        notes: list[str] = []  # "plan: n/a: why" where the estimate refuses the entry (e.g. no Linear to adapt)
         for plan in usable:
-            found, least = _largest_micro_batch(cand, plan, devices, device_type, budget)
-            if least is not None and (smallest is None or least < smallest[0]):
-                smallest = (least, plan.label)
+            found, least = _largest_micro_batch(cand, plan, devices, device_type, budget, notes)
+            if least is not None and (smallest is None or least.total_bytes < smallest[0]):
+                smallest = (least.total_bytes, plan.label, least.micro_batch)
             if found is None:
                 continue
             cfg, est = found
@@ -299,18 +300,23 @@ def _fine_tune(
                 f"{est.micro_batch}, ~{fmt_bytes(est.total_bytes)} per device"
             )
             return
-        least_text = f" (least: {fmt_bytes(smallest[0])} per device, {smallest[1]})" if smallest else ""
-        advice.reasons.append(f"{label}: fits no plan, even at micro-batch 1{least_text}")
+        if smallest is None:
+            advice.reasons.append(f"{label}: n/a: {notes[0].split(': n/a: ', 1)[-1] if notes else 'no plan takes it'}")
+            continue
+        advice.reasons.append(
+            f"{label}: fits no plan, even at micro-batch {smallest[2]} (least: {fmt_bytes(smallest[0])} per device, "
+            f"{smallest[1]})"
+        )
 
 
 def _largest_micro_batch(
-    cand: TrainConfig, plan: Plan, devices: int, device_type: str, budget: int
-) -> tuple[tuple[TrainConfig, Estimate] | None, int | None]:
+    cand: TrainConfig, plan: Plan, devices: int, device_type: str, budget: int, notes: list[str]
+) -> tuple[tuple[TrainConfig, Estimate] | None, Estimate | None]:
     """((config, estimate) at the largest micro-batch per rank that fits ``budget``, reached by accumulating more
-    micro-steps, or None; the estimate's total at micro-batch 1, or None where the plan cannot be estimated). The
-    smallest micro-batch is tried first (a plan that does not fit there fits nowhere), then the others bisected:
-    the estimate grows with the micro-batch. A pipeline's micro-batches are its own: tried as ``plan_config``
-    gives them."""
+    micro-steps, or None; the estimate at the smallest micro-batch the model trains at, or None where the plan
+    cannot be estimated). That smallest is tried first (a plan that does not fit there fits nowhere), then the
+    larger ones bisected: the estimate grows with the micro-batch. A pipeline's micro-batches are its own: tried as ``plan_config``
+    gives them. ``notes`` gains "label: n/a: why" where the estimate refuses the config."""
     cls = get_strategy(plan.strategy)
     world = cls.devices_for_world(devices)
     first = plan_config(cand, plan, devices)
@@ -319,20 +325,29 @@ def _largest_micro_batch(
     configs = [first.replace(grad_accum=first.grad_accum * (per_rank // m)) for m in sizes]
     estimates: dict[int, Estimate | None] = {}
 
-    def fits(i: int) -> bool:
+    def priced(i: int) -> Estimate | None:
         if i not in estimates:
-            estimates[i] = _estimate(configs[i], world, device_type, plan.label, [])
-        return estimates[i] is not None and estimates[i].total_bytes <= budget
+            try:
+                estimates[i] = _estimate(configs[i], world, device_type, plan.label, notes)
+            except ValueError:  # a micro-batch the model cannot train at (BatchNorm over one value per channel)
+                estimates[i] = None
+        return estimates[i]
 
-    last = len(sizes) - 1
-    fitted = fits(last)
-    least = estimates[last].total_bytes if estimates[last] is not None else None
-    if not fitted:
+    n_notes, floor = len(notes), None
+    for i in range(len(sizes) - 1, -1, -1):  # the smallest micro-batch the model trains at
+        if priced(i) is not None or len(notes) > n_notes:  # priced, or refused whatever the micro-batch
+            floor = i if estimates[i] is not None else None
+            break
+    if floor is None:
+        return None, None
+    least = estimates[floor]
+    if least.total_bytes > budget:
         return None, least
-    lo, hi = 0, last  # the first index that fits lies in [lo, hi]; hi fits
+    lo, hi = 0, floor  # the first index that fits lies in [lo, hi]; hi fits
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+        e = priced(mid)
+        lo, hi = (lo, mid) if e is not None and e.total_bytes <= budget else (mid + 1, hi)
     return (configs[hi], estimates[hi]), least
 
 
