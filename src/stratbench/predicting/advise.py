@@ -315,8 +315,8 @@ def _largest_micro_batch(
     """((config, estimate) at the largest micro-batch per rank that fits ``budget``, reached by accumulating more
     micro-steps, or None; the estimate at the smallest micro-batch the model trains at, or None where the plan
     cannot be estimated). That smallest is tried first (a plan that does not fit there fits nowhere), then the
-    larger ones bisected: the estimate grows with the micro-batch. A pipeline's micro-batches are its own: tried as ``plan_config``
-    gives them. ``notes`` gains "label: n/a: why" where the estimate refuses the config."""
+    larger ones bisected: the estimate grows with the micro-batch. A pipeline's micro-batches are its own: tried
+    as ``plan_config`` gives them. ``notes`` gains "label: n/a: why" where the estimate refuses the config."""
     cls = get_strategy(plan.strategy)
     world = cls.devices_for_world(devices)
     first = plan_config(cand, plan, devices)
