@@ -157,8 +157,11 @@ def test_advise_three_cases():
     c = advise(base, 4, int(off / 0.9) + 1, goal="fit")
     assert c.plan is not None and c.plan.strategy == "deepspeed" and dict(c.plan.options).get("offload_optimizer") == "cpu", c.reasons
 
+    # Full training fits no plan, even at micro-batch 1: LoRA's adapters do (the FINE_TUNING table), said in a line
     d = advise(base, 4, int(off / 0.9) - (1 << 20), goal="fit")
-    assert d.plan is None and "nothing fits" in d.reasons[-1]
+    assert "full training: fits no plan, even at micro-batch 1" in " ".join(d.reasons), d.reasons
+    assert d.fine_tuning == "LoRA r16" and "--lora-rank 16" in d.train_command, d.reasons
+    assert d.reasons[-1].startswith("tinynet on 4 x ") and ": LoRA r16, deepspeed" in d.reasons[-1], d.reasons
 
 
 def test_every_command_advise_recommends_passes_train_validation(capsys):

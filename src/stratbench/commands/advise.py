@@ -126,6 +126,9 @@ def print_json(result: Advice, precision: str) -> None:
         "precision": precision,
         "estimated_bytes_per_device": result.estimate.total_bytes if result.estimate else None,
         "ranking": result.ranking,
+        "fine_tuning": result.fine_tuning or None,
+        "overrides": result.overrides,
+        "micro_batch": result.estimate.micro_batch if result.estimate else None,
         "reasons": result.reasons,
         "train_command": result.train_command,
         "compare_command": result.compare_command,
@@ -140,8 +143,9 @@ def print_advice(args: argparse.Namespace, result: Advice, precision: str, devic
     if result.plan is None:
         console.print("[red]no method fits[/]")
         return
+    what = f"{result.fine_tuning}, {result.plan.label}, micro-batch {result.estimate.micro_batch}" if result.fine_tuning else result.plan.label
     console.print(
-        f"[bold green]recommended:[/] {result.plan.label}, precision {precision} "
+        f"[bold green]recommended:[/] {what}, precision {precision} "
         f"({'bf16 needs no loss scaling' if precision.startswith('bf16') else 'fp16 with dynamic loss scaling'}), "
         f"estimated {fmt_bytes(result.estimate.total_bytes)} per device"
     )

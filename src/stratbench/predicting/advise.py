@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratbench.core.config import TrainConfig
+from stratbench.core.config import TrainConfig, validate
 from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.data.text import is_text_data
@@ -61,6 +61,12 @@ class Advice:
     compare_command: str = ""
     ranking: list[dict] = field(default_factory=list)
     """goal speed with hardware: every plan with its memory, whether it fits and its projected step time."""
+    fine_tuning: str = ""
+    """goal fit where full training fits no plan: the ``FINE_TUNING`` entry chosen (its label), else ""."""
+    overrides: dict[str, object] = field(default_factory=dict)
+    """That entry's config overrides (``lora_rank``, ``optimizer``, ...), which the train command carries."""
+    config: TrainConfig | None = None
+    """The chosen fine-tuning entry's config as it runs (its overrides, plan and micro-steps), else None."""
 
 
 def candidates(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
@@ -160,6 +166,24 @@ def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: 
     return out, notes
 
 
+FINE_TUNING: tuple[tuple[str, dict[str, object]], ...] = (
+    ("full training", {}),
+    ("full training + adamw8bit", {"optimizer": "adamw8bit"}),
+    ("full training + adamw4bit", {"optimizer": "adamw4bit"}),
+    ("full training + adafactor", {"optimizer": "adafactor"}),
+    ("LoRA r16", {"lora_rank": 16}),
+    ("LoRA r16 + adamw8bit", {"lora_rank": 16, "optimizer": "adamw8bit"}),
+)
+"""What ``advise --goal fit`` tries, in this order, where full training at the requested micro-batch fits no plan:
+(label, TrainConfig overrides), each under every plan that takes it (``Strategy.check_supported``: the LoRA and
+lean-optimizer refusals) at the largest micro-batch that fits (more ``--grad-accum``, the same global batch). Full
+training first (at a smaller micro-batch), then AdamW's memory-lean replacements (same model, smaller states),
+then LoRA adapters over all linear layers (frozen base: no gradients or states for it; a lower rank saves
+little more: the adapters' states are ~1% of the base's). An entry applies only where it changes nothing the
+user chose (``_applies``). QLoRA is one more row: ("QLoRA r16", {"lora_rank": 16,
+"quantize_base": "nf4"})."""
+
+
 def default_precision(device_type: str, bf16_ok: bool) -> str:
     """bf16-mixed where supported (no loss scaling, half the activation memory), fp16-mixed on older GPUs."""
     if device_type != "cuda":
@@ -189,6 +213,7 @@ def advise(
     if goal == "fit" and devices > 1:
         # Only memory matters: keep DDP's speed when it fits, otherwise go straight to the sharded plans.
         plans = plans[:1] + plans[3:]
+    offered = plans
     plans, skipped = applicable(base, plans, devices, device_type)
     advice = Advice(None, base.precision, None)
     reasons = advice.reasons
@@ -211,6 +236,11 @@ def advise(
             reasons += [est.units] if est.units else []
             break
         reasons.append(f"{label}: {fmt_bytes(est.total_bytes)} per device does not fit")
+    if advice.plan is None and goal == "fit":
+        _fine_tune(base, offered, devices, device_memory, device_type, budget, advice)
+        if advice.plan is not None:
+            advice.train_command, advice.compare_command = commands(advice.config, advice.plan, devices, advice.overrides)
+            return advice
     if advice.plan is None:
         reasons.append(
             "nothing fits at this batch: lower --batch-size and use --grad-accum to keep the global batch, "
@@ -222,6 +252,103 @@ def advise(
     chosen = plan_config(base, advice.plan, devices)
     advice.train_command, advice.compare_command = commands(chosen, advice.plan, devices)
     return advice
+
+
+def _applies(base: TrainConfig, overrides: dict[str, object]) -> bool:
+    """A ``FINE_TUNING`` entry changes only what the user left as it was: the optimizer where it is AdamW (the
+    lean ones replace AdamW), any other field where it has its default (no LoRA, no quantised base)."""
+    fields = TrainConfig.__dataclass_fields__
+    return all(
+        getattr(base, k) == ("adamw" if k == "optimizer" else fields[k].default) and getattr(base, k) != v
+        for k, v in overrides.items()
+    )
+
+
+def _fine_tune(
+    base: TrainConfig, plans: list[Plan], devices: int, memory: int, device_type: str, budget: int, advice: Advice
+) -> None:
+    """The first ``FINE_TUNING`` entry that fits, under the first plan that takes it (simplest first), at the largest
+    micro-batch that fits: set on ``advice`` with one line saying it; else a line per entry saying it fits nowhere."""
+    for label, overrides in FINE_TUNING:
+        if not _applies(base, overrides):
+            continue
+        cand = base.replace(**overrides)
+        try:
+            validate(cand)  # e.g. a lean optimizer without torchao installed
+            usable, _ = applicable(cand, plans, devices, device_type)
+        except ConfigError as exc:
+            advice.reasons.append(f"{label}: n/a: {exc}")
+            continue
+        smallest: tuple[int, str, int] | None = None
+        notes: list[str] = []  # "plan: n/a: why" where the estimate refuses the entry (e.g. no Linear to adapt)
+        for plan in usable:
+            found, least = _largest_micro_batch(cand, plan, devices, device_type, budget, notes)
+            if least is not None and (smallest is None or least.total_bytes < smallest[0]):
+                smallest = (least.total_bytes, plan.label, least.micro_batch)
+            if found is None:
+                continue
+            cfg, est = found
+            accum = f" --grad-accum {cfg.grad_accum}" if cfg.grad_accum != base.grad_accum else ""
+            advice.plan, advice.estimate, advice.config = plan, est, cfg
+            advice.fine_tuning, advice.overrides = label, dict(overrides)
+            advice.reasons.append(
+                f"full training with {base.optimizer} fits no plan at this micro-batch; {label} does: "
+                f"{plan.label}{accum}, {fmt_bytes(est.total_bytes)} per device -> chosen ({plan.why})"
+            )
+            advice.reasons.append(
+                f"{base.model} on {devices} x {fmt_bytes(memory)}: {label}, {plan.label}, micro-batch "
+                f"{est.micro_batch}, ~{fmt_bytes(est.total_bytes)} per device"
+            )
+            return
+        if smallest is None:
+            advice.reasons.append(f"{label}: n/a: {notes[0].split(': n/a: ', 1)[-1] if notes else 'no plan takes it'}")
+            continue
+        advice.reasons.append(
+            f"{label}: fits no plan, even at micro-batch {smallest[2]} (least: {fmt_bytes(smallest[0])} per device, "
+            f"{smallest[1]})"
+        )
+
+
+def _largest_micro_batch(
+    cand: TrainConfig, plan: Plan, devices: int, device_type: str, budget: int, notes: list[str]
+) -> tuple[tuple[TrainConfig, Estimate] | None, Estimate | None]:
+    """((config, estimate) at the largest micro-batch per rank that fits ``budget``, reached by accumulating more
+    micro-steps, or None; the estimate at the smallest micro-batch the model trains at, or None where the plan
+    cannot be estimated). That smallest is tried first (a plan that does not fit there fits nowhere), then the
+    larger ones bisected: the estimate grows with the micro-batch. A pipeline's micro-batches are its own: tried
+    as ``plan_config`` gives them. ``notes`` gains "label: n/a: why" where the estimate refuses the config."""
+    cls = get_strategy(plan.strategy)
+    world = cls.devices_for_world(devices)
+    first = plan_config(cand, plan, devices)
+    per_rank = cand.batch_size // (cls.data_parallel_size(first, world) * first.grad_accum)
+    sizes = [m for m in range(per_rank, 0, -1) if per_rank % m == 0] if plan.micro_steps == "grad_accum" else [per_rank]
+    configs = [first.replace(grad_accum=first.grad_accum * (per_rank // m)) for m in sizes]
+    estimates: dict[int, Estimate | None] = {}
+
+    def priced(i: int) -> Estimate | None:
+        if i not in estimates:
+            try:
+                estimates[i] = _estimate(configs[i], world, device_type, plan.label, notes)
+            except ValueError:  # a micro-batch the model cannot train at (BatchNorm over one value per channel)
+                estimates[i] = None
+        return estimates[i]
+
+    n_notes, floor = len(notes), None
+    for i in range(len(sizes) - 1, -1, -1):  # the smallest micro-batch the model trains at
+        if priced(i) is not None or len(notes) > n_notes:  # priced, or refused whatever the micro-batch
+            floor = i if estimates[i] is not None else None
+            break
+    if floor is None:
+        return None, None
+    least = estimates[floor]
+    if least.total_bytes > budget:
+        return None, least
+    lo, hi = 0, floor  # the first index that fits lies in [lo, hi]; hi fits
+    while lo < hi:
+        mid = (lo + hi) // 2
+        e = priced(mid)
+        lo, hi = (lo, mid) if e is not None and e.total_bytes <= budget else (mid + 1, hi)
+    return (configs[hi], estimates[hi]), least
 
 
 def _estimate(
@@ -311,8 +438,11 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
     return advice
 
 
-def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
-    """The exact `stratbench train` and `stratbench compare` command lines to run next."""
+def commands(
+    base: TrainConfig, plan: Plan, devices: int, overrides: dict[str, object] | None = None
+) -> tuple[str, str]:
+    """The exact `stratbench train` and `stratbench compare` command lines to run next; ``overrides``: a
+    ``FINE_TUNING`` entry's fields, each as its train flag (the optimizer is there already)."""
     args = ["stratbench", "train", "--model", base.model, *data_flags(base)]
     args += ["--batch-size", str(base.batch_size)]
     if base.grad_accum > 1:
@@ -323,6 +453,8 @@ def commands(base: TrainConfig, plan: Plan, devices: int) -> tuple[str, str]:
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:
         args += ["--activation-checkpointing", "true"]
+    for k, v in (overrides or {}).items():
+        args += [] if k == "optimizer" else [f"--{k.replace('_', '-')}", str(v)]
     cls = get_strategy(plan.strategy)
     if cls.spans_devices:
         args += ["--nproc", str(devices)]

@@ -321,8 +321,8 @@ def _step_scratch(cfg: TrainConfig, s: RankMemory, info: ModelInfo, device_type:
     kernels' one parameter-sized list (their default on CUDA), else traced on a CPU for this rank's share."""
     if s.step_scratch is not None:
         return s.step_scratch
-    if device_type == "cuda":
-        return max(s.optim // max(1, opt_slots(cfg)), s.params)
+    if device_type == "cuda":  # LoRA: the kernels' list covers the parameters stepped, the adapters (s.grads)
+        return max(s.optim // max(1, opt_slots(cfg)), s.grads if cfg.lora_rank > 0 else s.params)
     # traced; a sharded rank steps its share of each parameter
     share = s.params / max(1, info.total * SPECS[cfg.precision].param_dtype.itemsize)
     adapters = [n for n, _ in adapter_shapes(info.linear_names, info.linear_features, cfg)]
