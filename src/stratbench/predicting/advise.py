@@ -173,15 +173,15 @@ FINE_TUNING: tuple[tuple[str, dict[str, object]], ...] = (
     ("full training + adafactor", {"optimizer": "adafactor"}),
     ("LoRA r16", {"lora_rank": 16}),
     ("LoRA r16 + adamw8bit", {"lora_rank": 16, "optimizer": "adamw8bit"}),
+    ("QLoRA r16", {"lora_rank": 16, "quantize_base": "nf4"}),
 )
 """What ``advise --goal fit`` tries, in this order, where full training at the requested micro-batch fits no plan:
 (label, TrainConfig overrides), each under every plan that takes it (``Strategy.check_supported``: the LoRA and
 lean-optimizer refusals) at the largest micro-batch that fits (more ``--grad-accum``, the same global batch). Full
 training first (at a smaller micro-batch), then AdamW's memory-lean replacements (same model, smaller states),
 then LoRA adapters over all linear layers (frozen base: no gradients or states for it; a lower rank saves
-little more: the adapters' states are ~1% of the base's). An entry applies only where it changes nothing the
-user chose (``_applies``). QLoRA is one more row: ("QLoRA r16", {"lora_rank": 16,
-"quantize_base": "nf4"})."""
+little more: the adapters' states are ~1% of the base's), then QLoRA (the same adapters over a 4-bit NF4 base:
+single and fsdp take it). An entry applies only where it changes nothing the user chose (``_applies``)."""
 
 
 def default_precision(device_type: str, bf16_ok: bool) -> str:
