@@ -571,7 +571,8 @@ source (AdamW): a model that has learnt bytes and code before it is fine-tuned."
 
 def preset_ft_quick(world_size: int | None = None) -> dict[str, Any]:
     """Fine-tuning on a CPU: gpt-tiny first trained on text (the sweep's pretrain run), then fine-tuned on the
-    shipped instruction set fully, with LoRA and with LoRA + 8-bit AdamW under single, ddp, fsdp and ZeRO-3."""
+    shipped instruction set fully, with LoRA, with LoRA + 8-bit AdamW and with QLoRA under single, ddp, fsdp and
+    ZeRO-3 (a method that cannot take a variant is a skipped cell with its one-line reason)."""
     world = world_size or 2
     methods = [{"method": "single"}, {"method": "ddp"}, {"method": "fsdp"},
                {"method": "deepspeed", "label": "deepspeed-z3",
@@ -581,8 +582,9 @@ def preset_ft_quick(world_size: int | None = None) -> dict[str, Any]:
         "description": "gpt-tiny (1.87M parameters) trained 200 steps on byte-level text of the Python standard "
         "library (the sweep's pretrain run, once: OUTPUT/pretrain), then fine-tuned from it on instruct-stdlib "
         "(400 question/answer pairs from the standard library's docstrings, the loss on the answers), sequence "
-        "256, global batch 8, 20 steps in fp32: full fine-tuning (AdamW), LoRA r8 (AdamW) and LoRA r8 with "
-        f"8-bit AdamW under single, ddp, fsdp and DeepSpeed ZeRO-3 on {world} processes",
+        "256, global batch 8, 20 steps in fp32: full fine-tuning (AdamW), LoRA r8 (AdamW), LoRA r8 with 8-bit AdamW "
+        f"and QLoRA (LoRA r8 over a 4-bit NF4 base) under single, ddp, fsdp and DeepSpeed ZeRO-3 on {world} "
+        "processes",
         "base": {
             "model": "gpt-tiny",
             "data": "instruct-stdlib",
@@ -612,7 +614,7 @@ def preset_llm_ft() -> dict[str, Any]:
         "name": "llm-ft",
         "description": f"llama-8b (Llama-3-8B's shapes, 8.03B parameters) on synthetic tokens (vocabulary 128256), "
         f"sequence 2048, global batch {world}, 20 steps in bf16-mixed with activation checkpointing: full "
-        f"fine-tuning with FSDP and ZeRO-3, LoRA r8 and LoRA r8 with 8-bit AdamW under single, ddp and fsdp, on "
+        f"fine-tuning with FSDP and ZeRO-3, LoRA r8, LoRA r8 with 8-bit AdamW and QLoRA under single, ddp and fsdp, on "
         f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
         "base": {
             "model": "llama-8b",

@@ -47,7 +47,7 @@ from stratbench.models.flops import flops_by_op
 from stratbench.models.transforms import FORWARD_SHARE, flops_factor
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
-from stratbench.strategies.costs import MemoryContext, NoMemoryModel
+from stratbench.strategies.costs import MemoryContext, NoMemoryModel, loop_collectives
 
 
 def precision_key(precision: str, tf32: bool = False) -> str:
@@ -603,6 +603,7 @@ def project(
     if rows is None:
         out.status, out.reason = "no model", f"{cfg.strategy} has no communication model (CostModel.comm_model)"
         return out
+    rows = rows + loop_collectives(cfg, world)
     flops = model_flops(cfg)
     if not flops:
         out.status, out.reason = "no model", f"the FLOPs of model {cfg.model!r} cannot be counted"

@@ -40,7 +40,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
-from stratbench.strategies.costs import MemoryContext, RankMemory
+from stratbench.strategies.costs import MemoryContext, RankMemory, loop_collectives
 
 if TYPE_CHECKING:
     from stratbench.core.dist import DistEnv
@@ -190,7 +190,7 @@ class CostModel:
         rows = cls.comm_model(MemoryContext(cfg, world_size, info, options, device_type))
         if rows is None:
             return None, f"strategy {cfg.strategy!r} has no communication model (Strategy.cost.comm_model)"
-        return rows, ""
+        return rows + loop_collectives(cfg, world_size), ""
 
 
 class Strategy:

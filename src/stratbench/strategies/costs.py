@@ -24,6 +24,8 @@ from stratbench.core.optim import (
     step_counter_bytes,
 )
 from stratbench.core.precision import SPECS
+from stratbench.data.text import is_ft_data
+from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelInfo
 from stratbench.models.transforms.lora import adapter_shapes
 from stratbench.models.transforms.quantize_base import nf4_bytes, quantized_names
@@ -264,6 +266,16 @@ class MemoryContext:
             bucket_note="DDP all-reduce buckets" if with_buckets else "",
             sharding_note="replicated" if self.world > 1 else "",
         )
+
+
+def loop_collectives(cfg: TrainConfig, world: int) -> list[Collective]:
+    """The collectives the training loop itself adds to any method's, per optimizer step: on fine-tuning data the
+    all-reduce of the step's response-token count (one fp64 scalar, waited for: the masked loss's divisor,
+    ``training.losses.step_denominator``); none otherwise or on one process."""
+    if world <= 1 or not is_ft_data(cfg.data):
+        return []
+    note = "the step's response-token count (the masked loss's divisor)"
+    return [Collective("all_reduce", 8, 1, "other", world, note, critical=True)]
 
 
 def opt_slots(cfg: TrainConfig) -> int:

@@ -128,6 +128,16 @@ def gather_itemsize(ctx) -> int:
     )
 
 
+def gathered_bytes(ctx, n: int, itemsize: int) -> int:
+    """Bytes one all-gather of every parameter moves under FSDP2 over ``n`` ranks: each padded along dim 0 to a
+    multiple of ``n`` in ``itemsize``; a QLoRA NF4 weight gathers its 4-bit codes and scales instead
+    (torchao's FSDP2 all-gather hooks: ``MemoryContext.param_bytes_of``)."""
+    quantized = ctx.quantized
+    plain = [i for i, q in enumerate(quantized) if not q]
+    elems = dim0_padded([ctx.numels[i] for i in plain], [ctx.dim0[i] for i in plain], n)
+    return elems * itemsize + sum(ctx.param_bytes_of(i) for i, q in enumerate(quantized) if q)
+
+
 def fsdp2_comm(ctx, sharding: str):
     """FSDP2's traffic per optimizer step. Each parameter is a dim-0-chunked DTensor, so every call moves the
     parameters padded to a multiple of the shard group along dim 0. full: all-gather before forward and again
@@ -146,10 +156,9 @@ def fsdp2_comm(ctx, sharding: str):
         note = "replicated (HSDP with a shard group of one)"
         units = max(1, sum(1 for u in info.block_units if u))
         return [Collective("all_reduce", sum(ctx.trainable_numels) * reduce_bytes, units, "backward", n, note)]
-    elems = dim0_padded(ctx.numels, ctx.dim0, n)
     micro = ctx.cfg.grad_accum
     units = max(1, sum(1 for u in info.block_units if u))  # one call per unit (blocks + root, as wrapped)
-    gather = elems * gather_bytes * micro
+    gather = gathered_bytes(ctx, n, gather_bytes) * micro
     rows = [Collective("all_gather", gather, units * micro, "forward", n, "parameters before forward")]
     if sharding == "full":
         rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
