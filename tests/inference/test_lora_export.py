@@ -206,14 +206,16 @@ def test_a_builtin_transformers_merged_weights_load_in_transformers_as_a_llama(b
         assert (model(input_ids=x).logits - load_model(builtin).model(x)).abs().max() < TOL
 
 
-def test_a_qlora_run_merges_into_its_dequantised_base(root):
-    """A QLoRA checkpoint (NF4 base, quantised again as it loads): the merge dequantises each base weight, adds
-    the update and writes full-precision weights with the QLoRA model's logits."""
-    pytest.importorskip("torchao")
+@pytest.mark.parametrize(("kind", "library", "tensor"), [("nf4", "torchao", "NF4Tensor"), ("int8", "bitsandbytes", "Int8Params")])
+def test_a_qlora_run_merges_into_its_dequantised_base(root, kind, library, tensor):
+    """A QLoRA checkpoint (NF4 or int8 base, quantised again as it loads): the merge dequantises each base
+    weight, adds the update and writes full-precision weights with the QLoRA model's logits (export's own parity
+    check too)."""
+    pytest.importorskip(library)
     meta = {
         "model": "gpt-tiny", "num_classes": VOCAB, "class_names": [], "image_size": 0, "mean": [], "std": [],
         "seq_len": SEQ, "data": "text",
-        "lora": {"rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": "wq,wv", "quantize_base": "nf4"},
+        "lora": {"rank": 2, "alpha": 4.0, "dropout": 0.0, "targets": "wq,wv", "quantize_base": kind},
     }  # fmt: skip
     torch.manual_seed(0)
     model = build_from_meta({k: v for k, v in meta.items() if k != "lora"} | {"lora": meta["lora"] | {"quantize_base": "none"}})
@@ -221,12 +223,12 @@ def test_a_qlora_run_merges_into_its_dequantised_base(root):
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 0.1)
-    path = root / "gpt-qlora.pt"
+    path = root / f"gpt-qlora-{kind}.pt"
     save_full(path, {"model": model.state_dict(), "meta": meta, "config": {"data": "text", "seq_len": SEQ}})
-    out = root / "gpt-qlora-merged.safetensors"
+    out = root / f"gpt-qlora-{kind}-merged.safetensors"
     cli("export", "--checkpoint", path, "--merge-lora", "--output", out)
     qlora = load_model(path).model
-    assert any(type(p).__name__ == "NF4Tensor" for p in qlora.parameters())
+    assert sum(type(p).__name__ == tensor for p in qlora.parameters()) == 2 * 4  # wq and wv in 4 blocks
     bare = build_from_meta({"model": "gpt-tiny", "num_classes": VOCAB, "seq_len": SEQ})
     from safetensors.torch import load_file
 

@@ -1,7 +1,8 @@
 """QLoRA (`train --lora-rank 4 --quantize-base nf4`, gpt-tiny): the adapted Linears' frozen weights become torchao
 NF4 tensors (no gradient, no optimizer state) that still train the adapters; the estimate's parameter bytes are
 the real tensors' bytes; the methods that cannot take it refuse in one line; fsdp (FSDP2, 2 gloo ranks) shards
-the 4-bit weights and trains what one process trains; predict quantises the checkpoint's base again."""
+the 4-bit weights and trains what one process trains; predict quantises the checkpoint's base again.
+`--quantize-base int8` (bitsandbytes' Linear8bitLt, single only): the same, in process."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.dist import DistEnv
 from stratbench.core.optim import optimizer_spec
 from stratbench.core.precision import Precision
+from stratbench.inference.peft_format import merge_adapters
 from stratbench.inference.predictor import load_model
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.transforms.quantize_base import is_quantized, nf4_bytes
@@ -38,12 +40,12 @@ N(0, 0.02) weight); measured 3e-6 to 5e-6 relative on the two steps after a fp32
 ADAPTED = 4 * 7
 
 
-def _set_up(precision: str, **kw) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainConfig]:
-    """gpt-tiny set up by the single method with QLoRA (the transforms in ORDER, the optimizer as a run builds
-    it)."""
+def _set_up(precision: str, kind: str = "nf4", **kw) -> tuple[torch.nn.Module, torch.optim.Optimizer, TrainConfig]:
+    """gpt-tiny set up by the single method with QLoRA over a ``kind`` base (the transforms in ORDER, the
+    optimizer as a run builds it)."""
     cfg = TrainConfig(
         model="gpt-tiny", data="text", seq_len=32, batch_size=4, optimizer="adamw", lr=3e-3, precision=precision,
-        lora_rank=4, quantize_base="nf4", **kw,
+        lora_rank=4, quantize_base=kind, **kw,
     )  # fmt: skip
     strategy = SingleDevice(cfg, DistEnv(), Precision(precision, torch.device("cpu")), None)
     torch.manual_seed(0)
@@ -63,6 +65,12 @@ def test_the_adapted_weights_are_frozen_nf4_that_the_adapters_train_over(precisi
     for name, p in model.named_parameters():
         assert p.requires_grad == (".lora_" in name), name
         assert p.dtype == dtype, name
+    _trains_over_a_frozen_base(model, optimizer, cfg)
+
+
+def _trains_over_a_frozen_base(model: torch.nn.Module, optimizer: torch.optim.Optimizer, cfg: TrainConfig) -> None:
+    """The quantised weights are outside the optimizer and get no gradient; five AdamW steps on one batch lower
+    its loss; the estimate's parameter bytes equal the tensors' own bytes."""
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     assert not any(id(p) in in_optimizer for p in model.parameters() if is_quantized(p))
     x = torch.randint(0, 256, (4, 33))
@@ -76,6 +84,40 @@ def test_the_adapted_weights_are_frozen_nf4_that_the_adapters_train_over(precisi
         losses.append(loss.item())
     assert losses == sorted(losses, reverse=True) and losses[-1] < losses[0] - 0.05, losses
     assert rank_states(cfg, 1, 0, device_type="cpu").params == sum(local_bytes(p) for p in model.parameters())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="needs bitsandbytes (the qlora extra)")
+def test_an_int8_base_is_frozen_bitsandbytes_int8_that_the_adapters_train_over():
+    """--quantize-base int8: exactly the 28 adapted base layers are bitsandbytes' Linear8bitLt, int8 codes with
+    one fp32 scale per output row, frozen; the adapters train over them (as for NF4); the estimate's parameter
+    bytes count codes and scales. The state dict holds each weight dequantised under its usual key (no
+    bitsandbytes keys), and loading it quantises it back to the same codes and scales; merging the adapters
+    gives plain Linears that compute what the int8 model computed."""
+    model, optimizer, cfg = _set_up("fp32", "int8")
+    quantized = {n: p for n, p in model.named_parameters() if is_quantized(p)}
+    assert len(quantized) == ADAPTED and all(n.endswith("base_layer.weight") for n in quantized)
+    for name, p in model.named_parameters():
+        assert p.requires_grad == (".lora_" in name), name
+        assert p.dtype == (torch.int8 if name in quantized else torch.float32), name
+    assert all(p.SCB.dtype == torch.float32 and p.SCB.shape == p.shape[:1] for p in quantized.values())
+    _trains_over_a_frozen_base(model, optimizer, cfg)
+
+    state = model.state_dict()
+    assert [k for k in state if k.endswith(("SCB", "weight_format"))] == []
+    assert all(state[n].dtype == torch.float32 for n in quantized)
+    codes = {n: (p.detach().clone(), p.SCB.clone()) for n, p in quantized.items()}
+    for p in quantized.values():
+        p.data.zero_(), p.SCB.zero_()
+    model.load_state_dict(state)
+    for n, p in quantized.items():
+        assert torch.equal(p, codes[n][0]) and torch.equal(p.SCB, codes[n][1]), n
+
+    x = torch.randint(0, 256, (2, 32))
+    with torch.no_grad():
+        before = model(x)
+        merged = merge_adapters(model)
+        assert not any(is_quantized(p) for p in merged.parameters())
+        torch.testing.assert_close(merged(x), before, rtol=1e-5, atol=1e-5)
 
 
 def test_nf4_bytes_are_torchaos_split_as_fsdp2_splits_them():
@@ -96,8 +138,11 @@ def test_nf4_bytes_are_torchaos_split_as_fsdp2_splits_them():
         ([*QLORA, "--strategy", "ddp", "--nproc", "2"], "--quantize-base with ddp is not supported"),
         ([*QLORA, "--strategy", "fsdp", "--nproc", "2", "--cpu-offload"], "fsdp --cpu-offload is not supported"),
         ([*QLORA, "--strategy", "tp", "--nproc", "2"], "--lora-rank with tp is not supported"),
-        (["--lora-rank", "4", "--quantize-base", "int8"], "quantize_base 'int8' is not supported yet"),
-        (["--lora-rank", "4", "--quantize-base", "fp3"], "quantize_base must be one of none, nf4"),
+        (["--lora-rank", "4", "--quantize-base", "int8", "--strategy", "fsdp", "--nproc", "2"],
+         "bitsandbytes' Int8Params do not shard under FSDP2"),
+        (["--lora-rank", "4", "--quantize-base", "int8", "--strategy", "ddp", "--nproc", "2"],
+         "--quantize-base int8 with ddp is not supported"),
+        (["--lora-rank", "4", "--quantize-base", "fp3"], "quantize_base must be one of none, nf4, int8"),
     ],
 )
 def test_what_cannot_take_a_quantised_base_is_refused_in_one_line(capsys, tmp_path, argv, says):

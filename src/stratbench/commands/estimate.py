@@ -71,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--lora-targets", default="all-linear", help="LoRA: comma-separated Linear names, or all-linear"
     )
     parser.add_argument(
-        "--quantize-base", default="none", help="QLoRA: none or nf4 (the adapted Linears' frozen weights in 4 bits)"
+        "--quantize-base", default="none", help="QLoRA: none, nf4 or int8 (the adapted Linears' frozen weights in 4 or 8 bits)"
     )
     parser.add_argument(
         "--device-type", default="cuda", choices=("cuda", "cpu"), help="device whose overhead/rounding to use"

@@ -159,11 +159,11 @@ class TrainConfig:
     lora_targets: str = "all-linear"
     """LoRA: the Linear layers to adapt, comma-separated module names (a name matches itself or a module path
     ending in .NAME: 'wq,wv'), or all-linear (every nn.Linear but the output head, the model's last Linear)."""
-    # --- QLoRA's quantised base (models/transforms/quantize_base.py, the qlora extra: torchao) ---------------
+    # --- QLoRA's quantised base (models/transforms/quantize_base.py, the qlora extra: torchao, bitsandbytes) --
     quantize_base: str = "none"
-    """QLoRA: none, or nf4 (the frozen weights of the Linear layers LoRA adapts stored as torchao's 4-bit
-    NormalFloat, dequantised one layer at a time to compute); needs lora_rank > 0 (int8 is refused: see
-    QUANTIZE_BASE)."""
+    """QLoRA: none, nf4 (the frozen weights of the Linear layers LoRA adapts stored as torchao's 4-bit
+    NormalFloat, dequantised one layer at a time to compute) or int8 (the same layers as bitsandbytes'
+    Linear8bitLt: int8 weights with one fp32 scale per output row; single only); needs lora_rank > 0."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     # --- optimisation --------------------------------------------------------------------------
@@ -595,19 +595,13 @@ def check_lora(cfg: TrainConfig) -> None:
     check_quantize_base(cfg)
 
 
-QUANTIZE_BASE = ("none", "nf4")
-"""--quantize-base values. int8 is refused: bitsandbytes 0.50's Linear8bitLt runs forward and backward under
-PEFT's LoRA on this CPU (checked), but it replaces the Linear with its own module and int8 parameters that the
-estimate, the checkpoints and FSDP2 do not handle yet (docs/finetuning.md, QLoRA)."""
+QUANTIZE_BASE = {"none": "", "nf4": "torchao", "int8": "bitsandbytes"}
+"""--quantize-base values and the library each needs (the qlora extra): nf4 is torchao's NF4Tensor, int8
+bitsandbytes' Linear8bitLt (LLM.int8 without outlier columns; docs/finetuning.md, QLoRA)."""
 
 
 def check_quantize_base(cfg: TrainConfig) -> None:
-    """--quantize-base: a known kind, LoRA on top, and torchao installed."""
-    if cfg.quantize_base == "int8":
-        raise ConfigError(
-            "quantize_base 'int8' is not supported yet: bitsandbytes' Linear8bitLt trains under LoRA on a CPU, "
-            "but its int8 parameters are not wired into the estimate, checkpoints or FSDP2; use nf4"
-        )
+    """--quantize-base: a known kind, LoRA on top, and its library installed."""
     if cfg.quantize_base not in QUANTIZE_BASE:
         raise ConfigError(f"quantize_base must be one of {', '.join(QUANTIZE_BASE)}, got {cfg.quantize_base!r}")
     if cfg.quantize_base != "none" and cfg.lora_rank <= 0:
@@ -615,8 +609,12 @@ def check_quantize_base(cfg: TrainConfig) -> None:
             f"quantize_base {cfg.quantize_base!r} needs LoRA adapters on top (--lora-rank R > 0): a quantised "
             "base is frozen and cannot train by itself"
         )
-    if cfg.quantize_base != "none" and importlib.util.find_spec("torchao") is None:
-        raise ConfigError("quantize_base 'nf4' needs torchao, which is not installed: pip install 'stratbench[qlora]'")
+    library = QUANTIZE_BASE[cfg.quantize_base]
+    if library and importlib.util.find_spec(library) is None:
+        raise ConfigError(
+            f"quantize_base {cfg.quantize_base!r} needs {library}, which is not installed: "
+            "pip install 'stratbench[qlora]'"
+        )
 
 
 # Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.

@@ -64,10 +64,10 @@ def lora_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def merge_adapters(model: nn.Module) -> nn.Module:
     """``model`` with each LoRA layer's update folded into its base Linear (PEFT's ``merge``: W + scale x B A)
     and the layer replaced by that Linear (in place): the bare model's modules and state-dict keys again. A QLoRA
-    run's NF4 base is dequantised first: the merged weight is the dequantised one plus the update, in full
-    precision (what the QLoRA model computes with)."""
+    run's NF4 or int8 base is dequantised first (an int8 layer becomes a plain Linear): the merged weight is the
+    dequantised one plus the update, in full precision (what the QLoRA model computes with)."""
     for name, layer in lora_layers(model):
-        dequantize(layer.get_base_layer())
+        layer.base_layer = dequantize(layer.get_base_layer())
         layer.merge()
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

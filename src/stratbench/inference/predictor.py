@@ -162,8 +162,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu") -> LoadedMo
         )
     # A bf16-true/fp16-true checkpoint holds low-precision weights; load_state_dict copies them into fp32.
     model.load_state_dict({k: v.float() if v.is_floating_point() else v for k, v in weights.items()})
-    model = apply_quantize_meta(model, meta.get("lora"))  # QLoRA: the loaded base quantised as it trained
-    model.eval().to(device)
+    # QLoRA: the loaded base quantised as it trained, on the device (bitsandbytes' int8 state stays where made)
+    model = apply_quantize_meta(model.to(device), meta.get("lora"))
+    model.eval()
     return LoadedModel(
         model=model,
         meta=meta,

@@ -44,7 +44,7 @@ from stratbench.measuring.model_trace import (
 from stratbench.models.hf import is_hf_name
 from stratbench.models.transforms import traced as traced_transforms
 from stratbench.models.transforms.lora import adapter_shapes
-from stratbench.models.transforms.quantize_base import dequant_bytes, quantized_names
+from stratbench.models.transforms.quantize_base import quantized_names, working_bytes
 from stratbench.models.zoo import decoder_shape
 from stratbench.predicting.activation_formula import formula_activations
 from stratbench.strategies.base import get_strategy
@@ -299,15 +299,16 @@ def formula_check(
 
 
 def dequant_working_bytes(cfg: TrainConfig, info: ModelInfo) -> tuple[int, str]:
-    """(bytes, note) of QLoRA's dequantisation of one NF4 weight at a time in forward and backward: the largest
-    quantised Linear's (``quantize_base.dequant_bytes``; FSDP2 gathers whole layers, so the same on any rank);
-    (0, "") without ``--quantize-base``."""
+    """(bytes, note) of QLoRA's dequantisation of one NF4 or int8 weight at a time in forward and backward: the
+    largest quantised Linear's (``quantize_base.working_bytes``; FSDP2 gathers whole layers, so the same on any
+    rank); (0, "") without ``--quantize-base``."""
     names = set(quantized_names(info.linear_names, cfg))
     if not names:
         return 0, ""
     largest = max(i * o for n, (i, o) in zip(info.linear_names, info.linear_features, strict=True) if n in names)
-    got = dequant_bytes(largest, SPECS[cfg.precision].param_dtype.itemsize)
-    return got, f"the largest NF4 weight ({largest:,} elements) dequantised to compute, one layer at a time"
+    got = working_bytes(cfg.quantize_base, largest, SPECS[cfg.precision].param_dtype.itemsize)
+    kind = cfg.quantize_base.upper()
+    return got, f"the largest {kind} weight ({largest:,} elements) dequantised to compute, one layer at a time"
 
 
 def _held_bytes(x: RankMemory) -> int:

@@ -279,6 +279,12 @@ class Strategy:
         the adapters first (``lora_refusal``)."""
         if cfg.quantize_base == "none":
             return None
+        if cfg.quantize_base == "int8":
+            return (
+                f"--quantize-base int8 with {cls.name} is not supported (bitsandbytes' int8 layers keep their "
+                "codes and row scales beside the parameter, which this method does not broadcast or shard); "
+                "use single"
+            )
         return (
             f"--quantize-base with {cls.name} is not supported (untested: torchao's NF4 weights are sharded "
             "through FSDP2's all-gather hooks; this method broadcasts, flattens or casts the parameters itself); "
@@ -491,11 +497,14 @@ def _qualname(obj: Any) -> str:
 
 def local_bytes(t: torch.Tensor) -> int:
     """Bytes ``t`` holds on this rank: a DTensor's local shard only, a wrapper subclass's inner tensors (torchao's
-    quantised optimizer states: uint8 codes, fp32 scales and lookup table, under a full-size fp32 face)."""
+    quantised optimizer states: uint8 codes, fp32 scales and lookup table, under a full-size fp32 face), a
+    bitsandbytes int8 weight's row scales (its ``SCB``) with its codes."""
     if is_traceable_wrapper_subclass(t):  # DTensor (FSDP2) holds _local_tensor; torchao's states codes/scale/qmap
         inner = (getattr(t, n) for n in t.__tensor_flatten__()[0])  # DTensor also names its device_mesh
         return sum(local_bytes(x) for x in inner if isinstance(x, torch.Tensor))
-    return t.numel() * t.element_size()
+    scales = getattr(t, "SCB", None)
+    extra = local_bytes(scales) if isinstance(scales, torch.Tensor) else 0
+    return t.numel() * t.element_size() + extra
 
 
 def get_strategy(name: str) -> type[Strategy]:

@@ -28,7 +28,7 @@ from stratbench.data.text import is_ft_data
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelInfo
 from stratbench.models.transforms.lora import adapter_shapes
-from stratbench.models.transforms.quantize_base import nf4_bytes, quantized_names
+from stratbench.models.transforms.quantize_base import quantized_names, weight_bytes
 
 MiB = 1024**2
 
@@ -167,7 +167,7 @@ class MemoryContext:
 
     @functools.cached_property
     def quantized(self) -> list[bool]:
-        """Whether each of ``numels`` is stored quantised (``--quantize-base nf4``: the weights of the Linear
+        """Whether each of ``numels`` is stored quantised (``--quantize-base nf4|int8``: the weights of the Linear
         layers LoRA adapts); none without."""
         out = [False] * len(self.numels)
         names = set(quantized_names(self.info.linear_names, self.cfg))
@@ -178,13 +178,14 @@ class MemoryContext:
         return out
 
     def param_bytes_of(self, i: int, local: int | None = None) -> int:
-        """Bytes parameter ``i`` holds on a rank that has ``local`` of its elements (None: all of them): an NF4
-        weight's codes and scales (``quantize_base.nf4_bytes``, split evenly as FSDP2 splits them), else the
-        weights' dtype per element."""
+        """Bytes parameter ``i`` holds on a rank that has ``local`` of its elements (None: all of them): a
+        quantised weight's codes and scales (``quantize_base.weight_bytes``: NF4's split evenly as FSDP2 splits
+        them; int8's codes and per-row scales, whole), else the weights' dtype per element."""
         n = self.numels[i]
         local = n if local is None else local
         if self.quantized[i]:
-            return nf4_bytes(n, self.param_bytes, n // local) if local else 0
+            kind = self.cfg.quantize_base
+            return weight_bytes(kind, n, self.dim0[i], self.param_bytes, n // local) if local else 0
         return local * self.param_bytes
 
     def unit_bytes(self, indices: list[int], itemsize: int) -> int:

@@ -296,7 +296,10 @@ class FSDPStrategy(LossParallel, Strategy):
     @classmethod
     def quantize_refusal(cls, cfg) -> str | None:
         """FSDP2 shards and all-gathers torchao's NF4 weights (their fsdp_pre/post_all_gather hooks); offloading
-        them to the host is not tested."""
+        them to the host is not tested. bitsandbytes' int8 layers compute from codes and scales held beside the
+        parameter (the module's state), which fully_shard's DTensor shards do not replace."""
+        if cfg.quantize_base == "int8":
+            return "--quantize-base int8 with fsdp is not supported: bitsandbytes' Int8Params do not shard under FSDP2 (use single, or nf4 with fsdp)"
         if cfg.quantize_base != "none" and cls.parse_options(cfg.strategy_options).cpu_offload:
             return "--quantize-base with fsdp --cpu-offload is not supported (untested with torchao's NF4 weights)"
         return None

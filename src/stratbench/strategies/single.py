@@ -35,6 +35,6 @@ class SingleDevice(Strategy):
 
     @classmethod
     def quantize_refusal(cls, cfg) -> str | None:
-        return None  # QLoRA's NF4 base trains on one device (tests/strategies/test_qlora.py)
+        return None  # QLoRA's NF4 and int8 bases train on one device (tests/strategies/test_qlora.py)
 
     cost = SingleCost

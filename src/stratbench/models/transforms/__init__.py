@@ -6,6 +6,7 @@ Every method gets them at the same point, ``Strategy.setup`` (``strategies.base`
 2. ``activation_checkpointing``  before the wrap   each block recomputed in backward
 3. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
 4. ``quantize_base``             before the wrap   QLoRA: the adapted Linears' frozen weights as torchao NF4
+                                                   or bitsandbytes int8 layers
    -- the method's move (to its devices), channels-last, its wrap (DDP, FSDP's shards, a tensor-parallel plan,
       a pipeline's stages, DeepSpeed's engine) and the optimizer on the wrapped parameters --
 5. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
@@ -14,8 +15,9 @@ torchtitan's order is quantize/convert -> tensor parallel -> activation checkpoi
 tensor parallelism and FSDP are both the method's wrap, so activation checkpointing comes before any wrap (the
 tensor-parallel plan and FSDP's units find the blocks under their checkpoint wrappers), and a weight
 conversion that swaps modules (float8 linears) goes first, before activation checkpointing. QLoRA's quantised
-base swaps no module (an NF4 weight stays the Linear's) and comes after the precision's cast, which would
-dequantise it. A transform's place
+base comes after the precision's cast, which would dequantise an NF4 weight: NF4 swaps no module (the weight
+stays the Linear's); int8 swaps the base layer inside PEFT's adapter layer (after LoRA's injection, so PEFT
+wraps a plain Linear and calls whatever base layer it holds; quantize_base's docstring says why). A transform's place
 in ``ORDER`` must agree with its phase (``Phase.BEFORE_WRAP`` ones first); a test checks it, and that each has
 a cost.
 

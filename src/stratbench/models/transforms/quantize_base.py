@@ -25,10 +25,22 @@ the run computed with, readable by any loader and by a merge); loading one into 
 it again, whole (``_quantize_loaded``; under FSDP2 each rank then keeps its chunk), which may move a weight by
 a small fraction of one 4-bit step (the double-quantised scales are re-derived), so a resumed QLoRA run is
 close to, not bit-equal to, an unbroken one.
+
+``--quantize-base int8`` (``int8_quantize``): each such Linear becomes bitsandbytes' ``Linear8bitLt``
+(``has_fp16_weights=False``, ``threshold=0``: LLM.int8's row-wise absmax int8 weights without the outlier
+columns, which only its inference matmul reads), one fp32 scale per output row (``SCB``) beside the int8 codes.
+The swap replaces PEFT's ``base_layer`` after LoRA's injection and the precision's cast, in this transform's
+place in ORDER: PEFT's plain adapter Linear calls its base layer whatever it is, the targets are matched on the
+plain model as for nf4, and PEFT's own bnb adapter class (what injecting over a ``Linear8bitLt`` dispatches)
+differs only in merging, which re-quantises the merged weight where an export wants it plain. On a CPU,
+bitsandbytes trains through ``MatMul8bitFp``: the weight dequantised to the input's dtype for each product, in
+forward and backward (``int8_dequant_bytes``). Checkpoints hold the weight dequantised (bitsandbytes' own
+product of codes and scales) under the usual key, and a load quantises it again.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -80,6 +92,29 @@ def dequant_bytes(numel: int, itemsize: int) -> int:
     return numel * (8 + 3 * itemsize)
 
 
+def int8_bytes(numel: int, rows: int) -> int:
+    """Bytes a bitsandbytes int8 weight of ``numel`` elements and ``rows`` output rows holds: one byte per
+    element (``Int8Params``) and one fp32 absmax scale per row (``SCB``)."""
+    return numel + 4 * rows
+
+
+def int8_dequant_bytes(numel: int, itemsize: int) -> int:
+    """The transient peak of bitsandbytes' CPU training matmul (``MatMul8bitFp``) over one int8 weight: its
+    codes cast to the input's dtype and scaled in place, one weight-sized copy (the row scales' product is
+    negligible), in forward and again in backward."""
+    return numel * itemsize
+
+
+def weight_bytes(kind: str, numel: int, rows: int, itemsize: int, shards: int = 1) -> int:
+    """Bytes a weight quantised as ``kind`` (nf4 or int8) holds on one of ``shards`` ranks."""
+    return int8_bytes(numel, rows) if kind == "int8" else nf4_bytes(numel, itemsize, shards)
+
+
+def working_bytes(kind: str, numel: int, itemsize: int) -> int:
+    """The transient bytes of computing with one weight of ``numel`` elements quantised as ``kind``."""
+    return int8_dequant_bytes(numel, itemsize) if kind == "int8" else dequant_bytes(numel, itemsize)
+
+
 def quantized_names(linear_names: tuple[str, ...] | list[str], cfg: TrainConfig) -> list[str]:
     """The Linear layers whose weight ``cfg`` quantises: LoRA's targets, or none without ``--quantize-base``."""
     if cfg.quantize_base == "none" or cfg.lora_rank <= 0:
@@ -102,6 +137,104 @@ def _to_nf4() -> Any:
         for q, level in zip(quiet, levels, strict=True):
             q.setLevel(level)
     return to_nf4
+
+
+def _bnb() -> Any:
+    """bitsandbytes (the qlora extra), imported on first use, its import's notes on absent GPU libraries kept
+    quiet; its CPU inference matmul logs each call's cast of the input to fp16, which says nothing here."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError("--quantize-base int8 needs bitsandbytes: pip install 'stratbench[qlora]'")
+    quiet = logging.getLogger("bitsandbytes")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes
+    finally:
+        quiet.setLevel(level)
+    logging.getLogger("bitsandbytes.autograd._functions").setLevel(logging.ERROR)
+    return bitsandbytes
+
+
+@functools.cache
+def _int8_linear_class() -> type[nn.Module]:
+    """bitsandbytes' ``Linear8bitLt`` with one change: it computes in eval as in training. On a CPU its eval
+    matmul also quantises each input row to int8 (LLM.int8's inference kernel), so a validation loss, ``predict``
+    and ``export``'s parity check would see another model than the one trained (logits off by ~1e-2); its
+    training matmul (``MatMul8bitFp`` on a CPU) computes with the dequantised weight, whatever the mode."""
+    bnb = _bnb()
+
+    class Int8Linear(bnb.nn.Linear8bitLt):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.state.is_training = True  # bitsandbytes' training matmul (its codes live in self.state already)
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return bnb.matmul(x, self.weight, bias=bias, state=self.state)
+
+    return Int8Linear
+
+
+def _int8_linear(base: nn.Linear, device: torch.device) -> nn.Module:
+    """bitsandbytes' ``Linear8bitLt`` (``_int8_linear_class``) holding ``base``'s weight quantised (on
+    ``device``: bitsandbytes keeps its codes and scales beside the parameter, where a later move of the module
+    would not follow them), frozen; ``base``'s bias shared. bitsandbytes' own ``init_8bit_state`` is done here, with the scales kept on the
+    weight too, so that they count as the parameter's bytes (``strategies.base.local_bytes``)."""
+    bnb = _bnb()
+    q = _int8_linear_class()(base.in_features, base.out_features, bias=base.bias is not None,
+                             has_fp16_weights=False, threshold=0.0, device="meta")  # fmt: skip
+    w = bnb.nn.Int8Params(base.weight.detach(), requires_grad=False, has_fp16_weights=False)._quantize(device)
+    q.weight = w
+    q.state.CB, q.state.SCB, w.CB = w.data, w.SCB, None
+    q.bias = base.bias
+    q.weight_dtype = base.weight.dtype
+    q.register_state_dict_post_hook(_int8_state)
+    q.register_load_state_dict_pre_hook(_int8_loaded)
+    return q.train(base.training)
+
+
+def _int8_plain(layer: nn.Module) -> torch.Tensor:
+    """An int8 layer's weight dequantised to the weights' dtype as bitsandbytes computes with it (codes x row
+    scale / 127, ``MatMul8bitFp``)."""
+    scale = layer.weight.SCB.unsqueeze(1).mul(1.0 / 127.0)
+    return layer.weight.data.to(layer.weight_dtype, copy=True).mul_(scale)
+
+
+def _int8_state(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
+    """State-dict post-hook of an int8 layer: its weight saved dequantised under the usual key, bitsandbytes'
+    ``SCB`` and ``weight_format`` entries left out (the model's keys stay the plain model's)."""
+    if prefix + "weight" in state:
+        state[prefix + "weight"] = _int8_plain(module)
+        state.pop(prefix + "SCB", None)
+        state.pop(prefix + "weight_format", None)
+
+
+def _int8_loaded(module: nn.Module, state: dict[str, Any], prefix: str, *_args: Any) -> None:
+    """Load-state-dict pre-hook of an int8 layer: a plain weight quantised as the run quantised it (its codes
+    copied into the parameter, its row scales into the layer's, in place)."""
+    w = state.get(prefix + "weight")
+    if w is None or w.dtype == torch.int8:
+        return
+    codes, scales, _ = _bnb().functional.int8_vectorwise_quant(w.to(module.weight.device, torch.float16))
+    state[prefix + "weight"] = codes
+    module.weight.SCB.copy_(scales)
+
+
+def int8_quantize(model: nn.Module, names: list[str], device: torch.device | None = None) -> nn.Module:
+    """``model`` with each named Linear (LoRA's ``base_layer`` where adapted) replaced by a frozen int8
+    ``Linear8bitLt``, in place, quantised on ``device`` (default: where the weight is)."""
+    for name in names:
+        layer = model.get_submodule(name)
+        if hasattr(layer, "base_layer"):
+            holder, attr = layer, "base_layer"
+        else:
+            parent, _, attr = name.rpartition(".")
+            holder = model.get_submodule(parent) if parent else model
+        base = getattr(holder, attr)
+        setattr(holder, attr, _int8_linear(base, device or base.weight.device))
+    return model
+
+
+def quantize_as(kind: str, model: nn.Module, names: list[str], device: torch.device | None = None) -> nn.Module:
+    """``model`` with the named Linears' weights quantised as ``kind`` (nf4 or int8), in place."""
+    return int8_quantize(model, names, device) if kind == "int8" else quantize(model, names)
 
 
 def _dequantized_state(module: nn.Module, state: dict[str, Any], prefix: str, _meta: Any) -> None:
@@ -165,12 +298,12 @@ def quantize(model: nn.Module, names: list[str]) -> nn.Module:
 
 
 def apply_meta(model: nn.Module, meta: dict[str, Any] | None) -> nn.Module:
-    """``model`` (adapters applied) with the base quantised as a checkpoint's ``lora_meta`` says (inference; the
-    checkpoint's dequantised weights are quantised again as they load); unchanged without."""
+    """``model`` (adapters applied, on its device) with the base quantised as a checkpoint's ``lora_meta`` says
+    (inference; the checkpoint's dequantised weights are quantised again as they load); unchanged without."""
     if not meta or meta.get("quantize_base", "none") == "none":
         return model
     names = resolve_targets(_unadapted(linear_layers(model)[0]), str(meta["targets"]))
-    return quantize(model, names)
+    return quantize_as(str(meta["quantize_base"]), model, names)
 
 
 def _unadapted(names: tuple[str, ...]) -> list[str]:
@@ -186,8 +319,9 @@ def _unadapted(names: tuple[str, ...]) -> list[str]:
 
 @dataclass(frozen=True)
 class QuantizeBase(Transform):
-    """``--quantize-base nf4``: the LoRA targets' frozen weights as torchao NF4 tensors. Configured per run
-    (``configured``: the targets); the instance in ``ORDER`` only answers ``applies_to``."""
+    """``--quantize-base nf4|int8``: the LoRA targets' frozen weights as torchao NF4 tensors or bitsandbytes
+    int8 layers. Configured per run (``configured``: the targets); the instance in ``ORDER`` only answers
+    ``applies_to``."""
 
     kind: str = "none"
     targets: str = ""
@@ -195,10 +329,10 @@ class QuantizeBase(Transform):
     name = "quantize_base"
     phase = Phase.BEFORE_WRAP
     cost = Cost(
-        parameters="each quantised weight's NF4 bytes (nf4_bytes: 0.5 per element + an int8 scale per 64 + the "
-        "scale blocks' factors) instead of itemsize per element (MemoryContext.param_bytes_each)",
-        activations="+ one layer's dequantised working copy at a time (dequant_bytes, the largest quantised "
-        "layer's), in forward and backward; nothing more saved (the 4-bit weight is what backward keeps)",
+        parameters="each quantised weight's bytes (weight_bytes) instead of itemsize per element: NF4's 0.5 per "
+        "element + an int8 scale per 64 + the scale blocks' factors; int8's 1 per element + an fp32 scale per row",
+        activations="+ one layer's dequantised working copy at a time (working_bytes, the largest quantised "
+        "layer's), in forward and backward; nothing more saved (the quantised weight is what backward keeps)",
         note="the dequantisation's compute is left out of the projection",
     )
 
@@ -212,22 +346,29 @@ class QuantizeBase(Transform):
         return QuantizeBase(cfg.quantize_base, cfg.lora_targets)
 
     def apply(self, model: nn.Module, precision: Precision | None) -> nn.Module:
-        if self.kind != "nf4":
+        if self.kind not in ("nf4", "int8"):
             raise ValueError("the quantize_base transform needs its kind: apply QuantizeBase().configured(cfg)")
         names = resolve_targets(_unadapted(linear_layers(model)[0]), self.targets)
-        return quantize(model, names)
+        return quantize_as(self.kind, model, names, precision.device if precision else None)
 
 
 def is_quantized(t: torch.Tensor) -> bool:
-    """Whether ``t`` (or a DTensor's local shard) is a torchao NF4 weight."""
+    """Whether ``t`` (or a DTensor's local shard) is a torchao NF4 weight or a bitsandbytes int8 one."""
     local = t.to_local() if hasattr(t, "to_local") else t
-    return type(local).__name__ == "NF4Tensor"
+    return type(local).__name__ in ("NF4Tensor", "Int8Params")
 
 
 def dequantize(linear: nn.Module) -> nn.Module:
-    """``linear`` with a plain (dequantised, frozen) weight in place of its NF4 one, in place: what a merge of
-    LoRA's update into the weight needs (an NF4 tensor takes no in-place add). Unchanged when not quantised."""
+    """``linear`` with a plain (dequantised, frozen) weight in place of its quantised one: what a merge of
+    LoRA's update into the weight needs (an NF4 tensor takes no in-place add; an int8 one would round it). An
+    NF4 Linear is changed in place; an int8 ``Linear8bitLt`` gives a new ``nn.Linear``. Unchanged when plain."""
     w = getattr(linear, "weight", None)
-    if w is not None and is_quantized(w):
-        linear.weight = nn.Parameter(w.get_original_weight(), requires_grad=False)
+    if w is None or not is_quantized(w):
+        return linear
+    if hasattr(w, "SCB"):
+        plain = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        plain.weight = nn.Parameter(_int8_plain(linear), requires_grad=False)
+        plain.bias = linear.bias
+        return plain
+    linear.weight = nn.Parameter(w.get_original_weight(), requires_grad=False)
     return linear
