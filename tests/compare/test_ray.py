@@ -350,8 +350,11 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
         rerun = run_stratbench("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
                                "--ray-address", state["client"], cwd=root, timeout=600)  # fmt: skip
         assert [p for p in left if _alive(p)] == [], rerun.stdout  # the killed run's processes are gone
-        # one line per cell still training when the client was killed (a cell may end first on a loaded machine)
-        assert rerun.stdout.count("cancelling Ray") == len(training) >= 1, (training, rerun.stdout)
+        # one line per actor of the killed run still there: every cell still training when the client was killed
+        # (a cell may end first on a loaded machine), and a cell whose process had just ended may leave its actor
+        # for the rerun to remove too (seen once on a fresh clone: 2 lines, 1 process left)
+        cancelled = rerun.stdout.count("cancelling Ray")
+        assert 1 <= len(training) <= cancelled <= 2, (training, rerun.stdout)
     finally:
         for proc in left:  # whatever the rerun did not stop (the test failed)
             with contextlib.suppress(psutil.Error):
