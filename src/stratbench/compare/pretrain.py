@@ -17,7 +17,7 @@ import yaml
 
 from stratbench.checkpoints.checkpoint import atomic_write
 from stratbench.compare.matrix import PRETRAIN, Matrix, pretrain_config, pretrained_checkpoint
-from stratbench.compare.runner import SWEEP, Display, SweepRunner, classify
+from stratbench.compare.runner import SWEEP, Display, SweepRunner, classify, read_result
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError, StratbenchError
 from stratbench.training import engine
@@ -38,7 +38,7 @@ def check_pretrain(matrix: Matrix, out: Path) -> None:
 def pretrain_done(matrix: Matrix, out: Path) -> dict[str, Any] | None:
     """The pretraining run's result.json where it finished ok with the matrix's options and its checkpoint is
     there; None otherwise (it is to be run)."""
-    result = _read(Path(out) / PRETRAIN / RESULT)
+    result = read_result(Path(out) / PRETRAIN / RESULT)
     if result is None or result.get("status") != "ok" or not pretrained_checkpoint(out).exists():
         return None
     saved = result.get("config") if isinstance(result.get("config"), dict) else {}
@@ -74,7 +74,7 @@ def run_pretrain(runner: SweepRunner) -> dict[str, Any]:
     display.begin(1, what, f"{PRETRAIN}/train.log")
     command = [sys.executable, "-m", "stratbench", "train", "--config", str(config_path)]
     code, elapsed, timed_out, _ = runner.run_process(command, log, display, f"stopped while running {what}")
-    result = _read(folder / RESULT)
+    result = read_result(folder / RESULT)
     status, reason = ("timeout", f"over the {runner.timeout_s:.0f} s limit") if timed_out else classify(
         code if code is not None else -1, result, log)  # fmt: skip
     display.end(what, status, reason, elapsed, ran=True)
@@ -92,14 +92,6 @@ def _what(matrix: Matrix) -> str:
     return f"pretrain: {opts.get('model', TrainConfig.model)} on {opts.get('data', TrainConfig.data)}{steps}"
 
 
-def _read(path: Path) -> dict[str, Any] | None:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
-
-
 def _record(out: Path, result: dict[str, Any], elapsed: float | None) -> dict[str, Any]:
     """The pretraining run in sweep.json's ``pretrain``: its options, what it reached, where its checkpoint is."""
     metrics = result.get("metrics") or {}
@@ -114,7 +106,7 @@ def _record(out: Path, result: dict[str, Any], elapsed: float | None) -> dict[st
         "kept": elapsed is None,
         "checkpoint": str(pretrained_checkpoint(Path(PRETRAIN).parent)),
     }
-    meta = _read(out / SWEEP) or {}
+    meta = read_result(out / SWEEP) or {}
     meta["pretrain"] = entry
     atomic_write(out / SWEEP, json.dumps(meta, indent=2, default=str))
     return entry

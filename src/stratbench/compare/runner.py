@@ -386,7 +386,7 @@ class SweepRunner:
             for p in plans
         ]
         # A filtered rerun (--only ddp) into the same folder keeps the earlier cells' place in the report.
-        previous = _read_result(self.out / SWEEP) or {}
+        previous = read_result(self.out / SWEEP) or {}
         ids = {c["id"] for c in cells}
         merged = [c for c in previous.get("cells", []) if c.get("id") not in ids]
         order = {c["id"]: i for i, c in enumerate(previous.get("cells", []))}
@@ -624,7 +624,7 @@ class SweepRunner:
 
     def record(self, cell: Cell, cell_dir: Path, outcome: Outcome) -> dict[str, Any]:
         """The cell's record from how its job ended and what it wrote (result.json, its log)."""
-        result = _read_result(cell_dir / "result.json")
+        result = read_result(cell_dir / "result.json")
         log_path = cell_dir / "train.log"
         if outcome.timed_out:  # the sweep's --timeout, or the executor's own limit (SLURM's) with its reason
             status = "timeout"
@@ -710,7 +710,8 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _read_result(path: Path) -> dict[str, Any] | None:
+def read_result(path: Path) -> dict[str, Any] | None:
+    """A JSON file's object (result.json, sweep.json), or None where it is missing, unreadable or not an object."""
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
