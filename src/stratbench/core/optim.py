@@ -5,6 +5,7 @@ parameter of a given shape (what the memory models price); ``lr_lambda`` (warm-u
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import math
@@ -58,18 +59,22 @@ def _default_stance(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) ->
     torch.compiler.set_stance("default")
 
 
-def import_torchao() -> None:
-    """Import torchao, where installed, without the warning its import logs for each CUDA kernel library a CPU
-    cannot load (one line per library on every rank). Called before anything that imports it on the way: the
-    lean optimizers, and PEFT (which imports it to check for its quantised layers)."""
+def import_torchao(module: str = "torchao") -> Any:
+    """Import torchao's ``module``, where torchao is installed (None where not), without the warning its import
+    logs for each CUDA kernel library a CPU cannot load (one line per library on every rank) or torch pytree's
+    warning for each Enum constant it registers. Called before anything that imports it on the way: the lean
+    optimizers, QLoRA's NF4, and PEFT (which imports it to check for its quantised layers)."""
     if importlib.util.find_spec("torchao") is None:
-        return
-    quiet = logging.getLogger("torchao")
-    level, quiet.level = quiet.level, logging.ERROR
+        return None
+    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.ERROR)
     try:
-        import torchao  # noqa: F401
+        return importlib.import_module(module)
     finally:
-        quiet.setLevel(level)
+        for q, level in zip(quiet, levels, strict=True):
+            q.setLevel(level)
 
 
 def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
@@ -79,10 +84,9 @@ def optimizer_spec(cfg: TrainConfig) -> OptimizerSpec:
         kwargs = {"lr": cfg.lr, "momentum": cfg.momentum, "weight_decay": cfg.weight_decay}
         return OptimizerSpec(torch.optim.SGD, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
     if cfg.optimizer in TORCHAO_OPTIMIZERS:
-        import_torchao()  # optional (the lean extra); config.check_optimizer refused its absence before
-        import torchao.optim
-
-        return OptimizerSpec(getattr(torchao.optim, TORCHAO_OPTIMIZERS[cfg.optimizer]), kwargs, eager_on_cpu=True)
+        # optional (the lean extra); config.check_optimizer refused its absence before
+        optim = import_torchao("torchao.optim")
+        return OptimizerSpec(getattr(optim, TORCHAO_OPTIMIZERS[cfg.optimizer]), kwargs, eager_on_cpu=True)
     if cfg.optimizer == "adafactor":
         return OptimizerSpec(torch.optim.Adafactor, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))
     return OptimizerSpec(torch.optim.AdamW, kwargs | optimizer_impl_kwargs(cfg.optimizer_impl))

@@ -51,6 +51,7 @@ from torch import nn
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
+from stratbench.core.optim import import_torchao
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.base import Cost, Phase, Transform
 from stratbench.models.transforms.lora import linear_layers, resolve_targets
@@ -123,20 +124,11 @@ def quantized_names(linear_names: tuple[str, ...] | list[str], cfg: TrainConfig)
 
 
 def _to_nf4() -> Any:
-    """torchao's ``to_nf4`` (the qlora extra), imported on first use; its import logs each CUDA kernel library
-    a CPU cannot load and torch's pytree warns of each of its Enum constants, which say nothing here."""
+    """torchao's ``to_nf4`` (the qlora extra), imported on first use, its import's warnings kept quiet
+    (``core.optim.import_torchao``)."""
     if importlib.util.find_spec("torchao") is None:
         raise ConfigError("--quantize-base nf4 needs torchao: pip install 'stratbench[qlora]'")
-    quiet = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree")]
-    levels = [q.level for q in quiet]
-    for q in quiet:
-        q.setLevel(logging.ERROR)
-    try:
-        from torchao.quantization import to_nf4
-    finally:
-        for q, level in zip(quiet, levels, strict=True):
-            q.setLevel(level)
-    return to_nf4
+    return import_torchao("torchao.quantization").to_nf4
 
 
 def _bnb() -> Any:
