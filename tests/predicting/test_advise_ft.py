@@ -81,3 +81,32 @@ def test_a_lora_step_on_a_gpu_is_priced_over_the_adapters():
     rows = {r.component: r.device_bytes for r in estimate(BASE.replace(lora_rank=16), 1).rows}
     assert rows["optimizer step scratch"] == rows["gradients"] > 0, rows
     assert rows["optimizer step scratch"] < rows["parameters"] / 4, rows
+
+
+
+def test_an_entry_on_the_device_is_chosen_before_one_with_host_offload(monkeypatch):
+    """Where LoRA fits only with its parameters on the host (ZeRO-3 + parameter offload: every step over PCIe)
+    and QLoRA fits on the device, QLoRA on the device is chosen, as most users would run it (the first LoRA plan
+    that fitted used to win: Llama 3 8B on a 16 GiB card got LoRA with ZeRO-Infinity). The fits are set here (a
+    model where this happens takes minutes to estimate); which plans offload is the projection's own count. The
+    compare line carries the entry's flags too."""
+    from stratbench.predicting import advise as advise_module
+
+    real = advise_module._largest_micro_batch
+
+    def fits(cand, plan, devices, device_type, budget, notes):
+        found, least = real(cand, plan, devices, device_type, 1 << 60, notes)  # priced, then fitted as the case says
+        offloads = dict(plan.options).get("offload_params") == "cpu"
+        ok = (cand.lora_rank and cand.quantize_base == "nf4" and plan.strategy == "single") or (
+            cand.lora_rank and cand.quantize_base == "none" and offloads
+        )
+        return (found if ok else None), least
+
+    monkeypatch.setattr(advise_module, "_largest_micro_batch", fits)
+    base = BASE.replace(optimizer="sgd", momentum=0.9)
+    a = advise(base, 1, _memory(_least_full(base)), goal="fit")
+    assert a.fine_tuning == "QLoRA r16" and a.plan.strategy == "single", a.reasons
+    assert "LoRA r16: fits no plan, even at micro-batch" in " ".join(a.reasons), a.reasons
+    compare = shlex.split(a.compare_command)
+    assert compare[compare.index("--lora-rank") + 1] == "16" and "--quantize-base" in compare, a.compare_command
+    assert _train_config(a.train_command).quantize_base == "nf4"

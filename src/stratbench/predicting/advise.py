@@ -15,7 +15,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.data.text import is_text_data
 from stratbench.predicting.estimate import Estimate, estimate
-from stratbench.predicting.projection import project
+from stratbench.predicting.projection import offload_bytes, project
 from stratbench.strategies.base import comm_reference_name, get_strategy
 
 COMPARE_SIMPLEST = "single,ddp,fsdp"
@@ -267,8 +267,50 @@ def _applies(base: TrainConfig, overrides: dict[str, object]) -> bool:
 def _fine_tune(
     base: TrainConfig, plans: list[Plan], devices: int, memory: int, device_type: str, budget: int, advice: Advice
 ) -> None:
-    """The first ``FINE_TUNING`` entry that fits, under the first plan that takes it (simplest first), at the largest
-    micro-batch that fits: set on ``advice`` with one line saying it; else a line per entry saying it fits nowhere."""
+    """The first ``FINE_TUNING`` entry that fits under a plan keeping everything on the device, else the first
+    that fits with host offload (parameters or optimizer states over PCIe every step cost more than a 4-bit base
+    or a leaner optimizer), simplest plan first, at the largest micro-batch that fits: set on ``advice`` with one
+    line saying it; else a line per entry saying it fits nowhere."""
+    entries = _fine_tune_entries(base, plans, devices, device_type, advice.reasons)
+    smallest: dict[str, tuple[int, str, int]] = {}
+    notes: dict[str, list[str]] = {label: [] for label, *_ in entries}  # "plan: n/a: why" (no Linear to adapt)
+    for offloads in (False, True):
+        for label, overrides, cand, usable in entries:
+            for plan in usable:
+                if _offloads(cand, plan, devices, device_type) != offloads:
+                    continue
+                found, least = _largest_micro_batch(cand, plan, devices, device_type, budget, notes[label])
+                if least is not None and (label not in smallest or least.total_bytes < smallest[label][0]):
+                    smallest[label] = (least.total_bytes, plan.label, least.micro_batch)
+                if found is not None:
+                    earlier = [e[0] for e in entries[: [e[0] for e in entries].index(label)]]
+                    _misses(earlier, smallest, notes, advice.reasons)
+                    _choose(base, advice, label, overrides, plan, *found, memory, devices, offloads)
+                    return
+    _misses([label for label, *_ in entries], smallest, notes, advice.reasons)
+
+
+def _misses(
+    labels: list[str], smallest: dict[str, tuple[int, str, int]], notes: dict[str, list[str]], reasons: list[str]
+) -> None:
+    """One line per entry that fitted nowhere it was tried: its least memory and plan, or why no plan took it."""
+    for label in labels:
+        if label not in smallest:
+            why = notes[label][0].split(": n/a: ", 1)[-1] if notes[label] else "no plan takes it"
+            reasons.append(f"{label}: n/a: {why}")
+            continue
+        least, plan_label, micro = smallest[label]
+        reasons.append(
+            f"{label}: fits no plan, even at micro-batch {micro} (least: {fmt_bytes(least)} per device, {plan_label})"
+        )
+
+
+def _fine_tune_entries(
+    base: TrainConfig, plans: list[Plan], devices: int, device_type: str, reasons: list[str]
+) -> list[tuple[str, dict[str, object], TrainConfig, list[Plan]]]:
+    """The ``FINE_TUNING`` entries that apply to ``base``, each with its config and the plans that take it; an
+    entry this install or configuration refuses is one "label: n/a: why" line among ``reasons``."""
+    out = []
     for label, overrides in FINE_TUNING:
         if not _applies(base, overrides):
             continue
@@ -277,36 +319,36 @@ def _fine_tune(
             validate(cand)  # e.g. a lean optimizer without torchao installed
             usable, _ = applicable(cand, plans, devices, device_type)
         except ConfigError as exc:
-            advice.reasons.append(f"{label}: n/a: {exc}")
+            reasons.append(f"{label}: n/a: {exc}")
             continue
-        smallest: tuple[int, str, int] | None = None
-        notes: list[str] = []  # "plan: n/a: why" where the estimate refuses the entry (e.g. no Linear to adapt)
-        for plan in usable:
-            found, least = _largest_micro_batch(cand, plan, devices, device_type, budget, notes)
-            if least is not None and (smallest is None or least.total_bytes < smallest[0]):
-                smallest = (least.total_bytes, plan.label, least.micro_batch)
-            if found is None:
-                continue
-            cfg, est = found
-            accum = f" --grad-accum {cfg.grad_accum}" if cfg.grad_accum != base.grad_accum else ""
-            advice.plan, advice.estimate, advice.config = plan, est, cfg
-            advice.fine_tuning, advice.overrides = label, dict(overrides)
-            advice.reasons.append(
-                f"full training with {base.optimizer} fits no plan at this micro-batch; {label} does: "
-                f"{plan.label}{accum}, {fmt_bytes(est.total_bytes)} per device -> chosen ({plan.why})"
-            )
-            advice.reasons.append(
-                f"{base.model} on {devices} x {fmt_bytes(memory)}: {label}, {plan.label}, micro-batch "
-                f"{est.micro_batch}, ~{fmt_bytes(est.total_bytes)} per device"
-            )
-            return
-        if smallest is None:
-            advice.reasons.append(f"{label}: n/a: {notes[0].split(': n/a: ', 1)[-1] if notes else 'no plan takes it'}")
-            continue
-        advice.reasons.append(
-            f"{label}: fits no plan, even at micro-batch {smallest[2]} (least: {fmt_bytes(smallest[0])} per device, "
-            f"{smallest[1]})"
-        )
+        out.append((label, dict(overrides), cand, usable))
+    return out
+
+
+def _offloads(cand: TrainConfig, plan: Plan, devices: int, device_type: str) -> bool:
+    """Whether the plan moves parameters or optimizer states over the host link every step (the projection's
+    ``offload_bytes``, priced on rank 0)."""
+    world = get_strategy(plan.strategy).devices_for_world(devices)
+    return offload_bytes(plan_config(cand, plan, devices), world, 0, device_type) > 0
+
+
+def _choose(
+    base: TrainConfig, advice: Advice, label: str, overrides: dict[str, object], plan: Plan, cfg: TrainConfig,
+    est: Estimate, memory: int, devices: int, offloads: bool,
+) -> None:  # fmt: skip
+    """Set the chosen fine-tuning entry on ``advice`` with the lines that say why."""
+    accum = f" --grad-accum {cfg.grad_accum}" if cfg.grad_accum != base.grad_accum else ""
+    advice.plan, advice.estimate, advice.config = plan, est, cfg
+    advice.fine_tuning, advice.overrides = label, overrides
+    where = "; no entry fits on the device alone, this one with host offload" if offloads else ""
+    advice.reasons.append(
+        f"full training with {base.optimizer} fits no plan at this micro-batch; {label} does{where}: "
+        f"{plan.label}{accum}, {fmt_bytes(est.total_bytes)} per device -> chosen ({plan.why})"
+    )
+    advice.reasons.append(
+        f"{base.model} on {devices} x {fmt_bytes(memory)}: {label}, {plan.label}, micro-batch "
+        f"{est.micro_batch}, ~{fmt_bytes(est.total_bytes)} per device"
+    )
 
 
 def _largest_micro_batch(
@@ -453,8 +495,8 @@ def commands(
         args += [f"--{k.replace('_', '-')}", str(v)]
     if plan.activation_checkpointing:
         args += ["--activation-checkpointing", "true"]
-    for k, v in (overrides or {}).items():
-        args += [] if k == "optimizer" else [f"--{k.replace('_', '-')}", str(v)]
+    tuned = {f"--{k.replace('_', '-')}": str(v) for k, v in (overrides or {}).items()}
+    args += [x for flag, v in tuned.items() if flag != "--optimizer" for x in (flag, v)]  # the optimizer is there
     cls = get_strategy(plan.strategy)
     if cls.spans_devices:
         args += ["--nproc", str(devices)]
@@ -465,7 +507,8 @@ def commands(
     )
     # a language model is the preset's model no more: the sweep gets the model and its text data
     data = ["--model", base.model, *data_flags(base)] if is_text_data(base.data) else ["--data", "synthetic"]
-    compare = shlex.join(["stratbench", "compare", "--preset", "seed", *data, "--only", others])
+    # a fine-tuning entry's fields go to every cell: the sweep compares the methods on what train would run
+    compare = shlex.join(["stratbench", "compare", "--preset", "seed", *data, *(x for kv in tuned.items() for x in kv), "--only", others])
     return train, compare
 
 
