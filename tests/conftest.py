@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from stratbench.cli import main
+from stratbench.core.dist import free_port
 from zygote import Zygote
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,6 +62,31 @@ fp64 mode: its master weights and optimizer state are fp32, so this is its equiv
 
 def stratbench_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "stratbench", *args]
+
+
+def run_nodes(output: Path, command: str, *args: str, nnodes: int = 2, nproc: int = 1, timeout: float = 300) -> list[str]:
+    """``stratbench COMMAND --output OUTPUT ARGS`` as ``nnodes`` machines would run it, on loopback: one command per
+    node (``--nnodes --nproc --node-rank --master-addr --master-port``), each starting its own torchrun; returns
+    each node's stdout, and fails the test with a node's output where one exits non-zero."""
+    port = str(free_port())
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    procs = [
+        subprocess.Popen(
+            stratbench_cmd(command, "--output", str(output), *args, "--nnodes", str(nnodes), "--nproc", str(nproc),
+                           "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port),  # fmt: skip
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        )
+        for rank in range(nnodes)
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, (out, err)) in enumerate(zip(procs, outputs, strict=True)):
+        assert p.returncode == 0, f"node {rank} exited {p.returncode}\n--- stdout\n{out[-3000:]}\n--- stderr\n{err[-5000:]}"
+    return [out for out, _ in outputs]
 
 
 def run_stratbench(

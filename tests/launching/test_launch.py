@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, TINY, stratbench_cmd
+from conftest import REPO, TINY, run_nodes, stratbench_cmd
 from stratbench.core.config import TrainConfig
 from stratbench.core.dist import free_port
 from stratbench.launching.launch import torchrun_command
@@ -88,27 +88,12 @@ def test_under_users_torchrun(tmp_path):
 @pytest.mark.distributed
 def test_two_nodes_on_loopback(tmp_path):
     """Two `stratbench train --nnodes 2 --nproc 1 --node-rank i` commands, as two machines would run them."""
-    port = str(free_port())
-    procs = [
-        subprocess.Popen(
-            stratbench_cmd("train", "--output", str(tmp_path), *SHORT, "--nnodes", "2", "--nproc", "1",
-                           "--node-rank", str(rank), "--master-addr", "127.0.0.1", "--master-port", port),  # fmt: skip
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=REPO,
-        )
-        for rank in (0, 1)
-    ]
-    try:
-        outputs = [p.communicate(timeout=300) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (out, err) in zip(procs, outputs, strict=True):
-        _check(p, out, err)
+    outputs = run_nodes(tmp_path, "train", *SHORT, nnodes=2, nproc=1)
     res = _result(tmp_path)
     assert res["status"] == "ok" and res["world_size"] == 2
-    assert "val accuracy" in outputs[0][0]  # node 0 prints the result table
-    assert "val accuracy" not in outputs[1][0]  # node 1 has no result of its own to print
+    assert res["metrics"]["node_of_rank"] == [0, 1]  # each rank's node, as its launcher says it
+    assert "val accuracy" in outputs[0]  # node 0 prints the result table
+    assert "val accuracy" not in outputs[1]  # node 1 has no result of its own to print
 
 
 def _worker_pids(output: Path) -> dict[int, int]:

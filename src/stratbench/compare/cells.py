@@ -284,6 +284,15 @@ def comm_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
         "torch.profiler recorded in step 3 (docs/communication.md); x: its multiple of ddp's; formula: the "
         "largest error of the method's comm_model over its collective kinds"
     )
+    if "inter_node_wire_bytes_per_step" in comm:
+        text["comm"] += (
+            f"; intra {comm['intra_node_wire_bytes_per_step'] / 2**20:.2f} MiB, "
+            f"inter {comm['inter_node_wire_bytes_per_step'] / 2**20:.2f} MiB"
+        ) + notes.mark(
+            "intra, inter: of those bytes, the busiest rank's on calls whose process group sits on one node and on "
+            "calls whose group spans nodes (all of such a call's bytes; docs/communication.md, \"Intra- and "
+            "inter-node bytes\")"
+        )
 
 
 def not_compute_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:

@@ -24,6 +24,10 @@ class DistEnv:
     local_rank: int = 0
     world_size: int = 1
     device: torch.device = torch.device("cpu")
+    node: int = 0
+    """The node (machine) this process runs on, 0..nodes-1: what the launcher says (``node_of_process``)."""
+    nodes: int = 1
+    """Nodes the run's processes spread over."""
 
     @property
     def is_main(self) -> bool:
@@ -61,14 +65,29 @@ def resolve_device(kind: str, local_rank: int = 0) -> torch.device:
     return torch.device("cpu")
 
 
+def node_of_process() -> tuple[int, int]:
+    """(this process's node, the run's node count) from its launcher: torchrun's GROUP_RANK / GROUP_WORLD_SIZE
+    (stratbench's launcher runs torchrun on every node, also under the Ray and SLURM executors, with its
+    ``--node-rank``), SLURM's SLURM_NODEID / SLURM_NNODES (ranks started by ``srun`` itself), the deepspeed
+    launcher's CROSS_RANK / CROSS_SIZE; (0, 1) where none is set. A host name would not do: the nodes of a
+    loopback run (``--nnodes 2`` on one machine) share it."""
+    for node, count in (("GROUP_RANK", "GROUP_WORLD_SIZE"), ("SLURM_NODEID", "SLURM_NNODES"),
+                        ("CROSS_RANK", "CROSS_SIZE")):  # fmt: skip
+        if node in os.environ:
+            return int(os.environ[node]), int(os.environ.get(count, "1"))
+    return 0, 1
+
+
 def read_env(device_kind: str = "auto") -> DistEnv:
-    """Read rank/world from torchrun (RANK, LOCAL_RANK, WORLD_SIZE) or SLURM (SLURM_PROCID, ...)."""
+    """Read rank/world from torchrun (RANK, LOCAL_RANK, WORLD_SIZE) or SLURM (SLURM_PROCID, ...), and the node."""
     rank = _env_int("RANK", "SLURM_PROCID", default=0)
     local_rank = _env_int("LOCAL_RANK", "SLURM_LOCALID", default=0)
     world = _env_int("WORLD_SIZE", "SLURM_NTASKS", default=1)
+    node, nodes = node_of_process()
     return DistEnv(
-        rank=rank, local_rank=local_rank, world_size=world, device=resolve_device(device_kind, local_rank)
-    )
+        rank=rank, local_rank=local_rank, world_size=world, device=resolve_device(device_kind, local_rank),
+        node=node, nodes=nodes,
+    )  # fmt: skip
 
 
 def die_with_parent(sig: int | None = None) -> None:

@@ -12,6 +12,9 @@ from the payload under the ring model (``wire_factor``).
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -133,3 +136,83 @@ def replicated_grads(ctx: Any, note: str = "gradient buckets (DDP's reducer)") -
             )
         )  # fmt: skip
     return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Where the bytes go: intra-node and inter-node links (docs/communication.md, "Intra- and inter-node bytes").
+
+LINKS = ("intra", "inter")
+"""intra: every rank of a call's process group sits on one node (NVLink, shared memory); inter: its ranks span
+nodes (the NICs)."""
+
+
+def link_of(ranks: Iterable[int], node_of: Sequence[int]) -> str:
+    """The link a call over the process group of ``ranks`` (global ranks) is counted on: "intra" where they all sit
+    on one node of ``node_of`` (global rank -> node), else "inter", all of its bytes. A ring over ranks on two nodes
+    crosses the NICs on every step of the ring (each node's last rank sends to the next node), and a NIC is the
+    slowest link such a call waits for, so its bytes are not divided between the links."""
+    return "intra" if len({node_of[r] for r in ranks}) <= 1 else "inter"
+
+
+def mesh_group(rank: int, mesh: dict[str, int], dim: str, group_size: int, world: int) -> list[int]:
+    """The global ranks of the process group in which ``rank`` takes part in a ``Collective`` over ``dim`` of
+    ``mesh`` (``CostModel.mesh_dims``: outermost first, row-major, the last dimension's ranks neighbours): the
+    ranks sharing ``rank``'s coordinates on every other dimension, the whole dimension's group also where the
+    row's ``group_size`` is smaller (a pipeline's stage-to-stage pair runs on the stages' group). A ``dim`` the mesh
+    does not name: ``group_size`` neighbouring ranks (the whole world for a plain ddp or fsdp row)."""
+    if dim and dim in mesh:
+        names = list(mesh)
+        stride = math.prod(mesh[n] for n in names[names.index(dim) + 1 :])
+        size = mesh[dim]
+        base = rank - (rank // stride) % size * stride
+        return [base + k * stride for k in range(size)]
+    size = max(1, min(group_size, world))
+    start = rank // size * size
+    return list(range(start, min(start + size, world)))
+
+
+def _link_table() -> dict[str, dict[str, dict[str, float]]]:
+    return {link: defaultdict(lambda: {"calls": 0.0, "payload_bytes": 0.0, "wire_bytes": 0.0}) for link in LINKS}
+
+
+def rank_links(calls: Iterable[tuple[str, Sequence[int], float, float]], node_of: Sequence[int]) -> dict[str, Any]:
+    """One rank's bytes per step on each link, per kind: ``calls`` as (kind, the group's global ranks, calls,
+    payload bytes), each counted on ``link_of`` its group, its wire bytes by the ring over the group's size."""
+    table = _link_table()
+    for kind, ranks, n, payload in calls:
+        row = table[link_of(ranks, node_of)][kind]
+        row["calls"] += n
+        row["payload_bytes"] += payload
+        row["wire_bytes"] += payload * wire_factor(kind, len(ranks))
+    return {link: {k: dict(v) for k, v in sorted(kinds.items())} for link, kinds in table.items()}
+
+
+def formula_links(rows: list[Collective], mesh: dict[str, int], node_of: Sequence[int]) -> list[dict[str, Any]]:
+    """Per rank, the formula's rows on each link (``rank_links``): each row's group placed on the mesh
+    (``mesh_group``) and the nodes of ``node_of``, so that it compares with the measured calls' groups."""
+    world = len(node_of)
+    return [
+        rank_links(
+            ((r.kind, mesh_group(rank, mesh, r.dim, r.group_size, world), r.calls, r.payload_bytes) for r in rows),
+            node_of,
+        )
+        for rank in range(world)
+    ]
+
+
+def busiest_links(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per link: the largest per-step payload and wire bytes of any rank (``rank_links`` tables), in total and per
+    kind (each kind's own busiest rank): the measured and the predicted side reduce alike."""
+    out: dict[str, Any] = {}
+    for link in LINKS:
+        kinds = sorted({k for r in per_rank for k in r.get(link, {})})
+        per_kind = {
+            k: {key: max(r.get(link, {}).get(k, {}).get(key, 0.0) for r in per_rank)
+                for key in ("calls", "payload_bytes", "wire_bytes")}
+            for k in kinds
+        }  # fmt: skip
+        out[link] = {
+            key: max((sum(v[key] for v in r.get(link, {}).values()) for r in per_rank), default=0.0)
+            for key in ("payload_bytes", "wire_bytes")
+        } | {"per_kind": per_kind}
+    return out

@@ -11,6 +11,11 @@ which runs on the backend's worker thread, gives the element type and the time t
 
 The recorder runs only around chosen steps (the engine uses the warm-up steps after the first, which the step
 timer excludes anyway), so its cost never lands in a measured step time.
+
+Where the run spans nodes, each call is also placed on its process group's ranks (``_Call.ranks``), so that its
+bytes count on the intra- or the inter-node link (``measuring.comm.link_of``): NCCL's ``record_param_comms``
+event names the group's ranks; gloo's events do not, and there torch's flight recorder (one entry per collective:
+its process group and sizes, ``enable_group_record``) gives them, matched to the calls in order by element count.
 """
 
 from __future__ import annotations
@@ -23,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from stratbench.measuring.comm import Collective, wire_factor
+from stratbench.measuring.comm import LINKS, Collective, busiest_links, formula_links, rank_links, wire_factor
 
 # c10d operator -> (kind, which argument holds the payload, whether that argument is a per-rank input that the
 # payload multiplies by the group size).
@@ -88,6 +94,18 @@ class _Call:
     itemsize: int | None = None
     dur_us: float = 0.0
     received: bool = False
+    per_rank: bool = False
+    ranks: tuple[int, ...] | None = None
+    """The global ranks of its process group, where the trace or the flight recorder says them."""
+
+
+@dataclass(frozen=True)
+class GroupCall:
+    """One collective as torch's flight recorder saw it: its element counts (inputs', outputs') and the global ranks
+    of its process group, in the order the rank issued them."""
+
+    numels: frozenset[int]
+    ranks: tuple[int, ...]
 
 
 @dataclass
@@ -99,6 +117,11 @@ class CommMeasurement:
     rows: dict[str, dict[str, float]] = field(default_factory=dict)
     unknown_dtype_calls: int = 0
     inferred_dtype_calls: int = 0
+    groups: list[dict[str, Any]] | None = None
+    """Per kind and process group (its global ranks): calls and payload bytes per step; None where the groups
+    were not recorded (one node)."""
+    unplaced_calls: float = 0.0
+    """Calls per step whose process group was not found (counted in ``rows``, not in ``groups``)."""
 
     def per_step(self) -> list[Collective]:
         return [
@@ -116,11 +139,14 @@ class CommMeasurement:
             },
             "unknown_dtype_calls": self.unknown_dtype_calls,
             "inferred_dtype_calls": self.inferred_dtype_calls,
-        }
+        } | ({"groups": self.groups, "unplaced_calls": self.unplaced_calls} if self.groups is not None else {})
 
 
-def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> CommMeasurement:
-    """Collectives in a Chrome trace (``export_chrome_trace``), as one rank's volume per step."""
+def parse_trace(
+    events: list[dict[str, Any]], steps: int, group_size: int, groups: list[GroupCall] | None = None
+) -> CommMeasurement:
+    """Collectives in a Chrome trace (``export_chrome_trace``), as one rank's volume per step; ``groups``: the
+    flight recorder's calls of the same steps, which place each call on its process group's ranks."""
     calls: list[_Call] = []
     transport: list[dict[str, Any]] = []
     outer_end: dict[Any, float] = {}  # per thread: where the last counted c10d call ends
@@ -144,10 +170,17 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
             if per_rank:
                 numel *= group_size
             itemsize = _DTYPE_BYTES.get(type_)
-            calls.append(_Call(kind, numel, float(e.get("ts", 0)), itemsize, received=name in _RECEIVES))
+            calls.append(_Call(kind, numel, float(e.get("ts", 0)), itemsize, received=name in _RECEIVES,
+                               per_rank=per_rank))  # fmt: skip
         elif name.startswith(_BACKEND_PREFIXES) and name not in ("gloo:barrier", "nccl:barrier"):
             transport.append(e)
     _attach_transport(calls, transport, group_size)
+    if groups is not None:
+        _attach_groups(calls, groups, group_size)
+    for c in calls:
+        if c.per_rank and c.ranks is not None and len(c.ranks) != group_size:
+            # an input taken per rank (allgather_, gather_) is counted over its own group, not the world
+            c.numel = c.numel // max(group_size, 1) * len(c.ranks)
     m = CommMeasurement(steps=steps, group_size=group_size)
     # A call whose backend event was not found (seen under load: the worker thread's event of one broadcast
     # missing from the window) takes the element size of the same kind's other calls in these steps, when they
@@ -173,7 +206,50 @@ def parse_trace(events: list[dict[str, Any]], steps: int, group_size: int) -> Co
             row["calls"] += 1 / steps
             row["payload_bytes"] += c.numel * c.itemsize / steps
     m.rows = dict(acc)
+    if groups is not None or any(c.ranks is not None for c in calls):
+        _add_groups(m, calls, steps)
     return m
+
+
+def _add_groups(m: CommMeasurement, calls: list[_Call], steps: int) -> None:
+    """``m.groups``: the sent calls per kind and process group, per step; a call of no known group is unplaced."""
+    acc: dict[tuple[str, tuple[int, ...]], dict[str, float]] = defaultdict(
+        lambda: {"calls": 0.0, "payload_bytes": 0.0}
+    )
+    for c in calls:
+        if c.received:
+            continue
+        if c.ranks is None:
+            m.unplaced_calls += 1 / steps
+            continue
+        row = acc[(c.kind, c.ranks)]
+        row["calls"] += 1 / steps
+        row["payload_bytes"] += c.numel * (c.itemsize or 4) / steps
+    m.groups = [{"kind": k, "ranks": list(r)} | v for (k, r), v in sorted(acc.items())]
+
+
+def _group_ranks(value: Any) -> tuple[int, ...] | None:
+    """NCCL's ``record_param_comms`` "Process Group Ranks" (a list, or its text "[0, 1]")."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            return None
+    return tuple(int(r) for r in value) if isinstance(value, list) and value else None
+
+
+def _attach_groups(calls: list[_Call], groups: list[GroupCall], group_size: int) -> None:
+    """Give each call with no group yet the ranks of the first unused flight-recorder entry, in issue order, of
+    its element count (or its per-rank part)."""
+    used = [False] * len(groups)
+    for c in sorted(calls, key=lambda c: c.ts):
+        if c.ranks is not None:
+            continue
+        candidates = {c.numel, c.numel // max(group_size, 1)}
+        for i, g in enumerate(groups):
+            if not used[i] and g.numels & candidates:
+                used[i], c.ranks = True, g.ranks
+                break
 
 
 def _transport_numel_and_itemsize(e: dict[str, Any]) -> tuple[int, int | None]:
@@ -204,18 +280,65 @@ def _attach_transport(calls: list[_Call], transport: list[dict[str, Any]], group
                 c.dur_us = float(e.get("dur", 0))
                 if c.itemsize is None:
                     c.itemsize = itemsize
+                c.ranks = _group_ranks(e.get("args", {}).get("Process Group Ranks"))
                 break
 
 
+FLIGHT_RECORDER_ENTRIES = "20000"
+"""Collectives torch's flight recorder keeps (a ring buffer): enough for the recorded steps of a large model
+(DeepSpeed ZeRO-3 gathers per parameter)."""
+
+
+def enable_group_record() -> None:
+    """Turn on torch's flight recorder (``TORCH_FR_BUFFER_SIZE``, read when the first collective is recorded, so
+    before the process group starts), unless the user set its size: on gloo it alone says which process group a
+    collective ran on. A run over several nodes with ``--comm-volume`` calls it."""
+    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", FLIGHT_RECORDER_ENTRIES)
+
+
+def flight_records() -> list[dict[str, Any]] | None:
+    """The flight recorder's entries (oldest first), or None where this torch has none or it is off."""
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace_json", None)
+    if dump is None or not dist.is_initialized() or os.environ.get("TORCH_FR_BUFFER_SIZE", "0") == "0":
+        return None
+    try:
+        entries = json.loads(dump(includeCollectives=True, onlyActive=False)).get("entries", [])
+    except (RuntimeError, ValueError):
+        return None
+    return sorted(entries, key=lambda e: int(e.get("record_id", 0)))
+
+
+def _numel_of(sizes: Any) -> int:
+    return sum(_numel(s, scalar_if_empty=True) for s in sizes or [])
+
+
+def group_calls(entries: list[dict[str, Any]]) -> list[GroupCall]:
+    """The flight recorder's entries as ``GroupCall``: each one's process group (its name, the entry's
+    ``process_group[0]``) as global ranks, from the groups this process is a member of; barriers left out."""
+    names = {name: tuple(dist.get_process_group_ranks(pg)) for pg, name in dist.distributed_c10d._world.pg_names.items()}
+    out = []
+    for e in entries:
+        ranks = names.get(str((e.get("process_group") or [""])[0]))
+        if ranks is None or str(e.get("profiling_name", "")).endswith("barrier"):
+            continue
+        out.append(GroupCall(frozenset({_numel_of(e.get("input_sizes")), _numel_of(e.get("output_sizes"))}), ranks))
+    return out
+
+
 class CommRecorder:
-    """Profile the collectives of the steps between ``start()`` and ``stop(steps)``."""
+    """Profile the collectives of the steps between ``start()`` and ``stop(steps)``; with the flight recorder on
+    (``enable_group_record``), also the process group of each."""
 
     def __init__(self, group_size: int) -> None:
         self.group_size = group_size
         self._prof: torch.profiler.profile | None = None
+        self._first_record: int | None = None
         self.result: CommMeasurement | None = None
 
     def start(self) -> None:
+        entries = flight_records()
+        if entries is not None:
+            self._first_record = int(entries[-1]["record_id"]) + 1 if entries else 0
         self._prof = torch.profiler.profile(
             activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True
         )
@@ -237,16 +360,22 @@ class CommRecorder:
                 events = json.load(f).get("traceEvents", [])
         finally:
             os.unlink(path)
-        self.result = parse_trace(events, steps, self.group_size)
+        groups = None
+        entries = flight_records() if self._first_record is not None else None
+        if entries is not None:
+            groups = group_calls([e for e in entries if int(e.get("record_id", 0)) >= self._first_record])
+        self.result = parse_trace(events, steps, self.group_size, groups)
         return self.result
 
 
 def comm_report(
-    per_rank: list[dict[str, Any] | None], predicted: tuple[list[Collective] | None, str]
-) -> dict[str, Any]:
+    per_rank: list[dict[str, Any] | None], predicted: tuple[list[Collective] | None, str],
+    node_of: list[int] | None = None, mesh: dict[str, int] | None = None,
+) -> dict[str, Any]:  # fmt: skip
     """``metrics.comm`` of result.json: measured per rank, the formula (``predicted``: the method's collectives
     for this run, or None and why; ``CostModel.predicted_comm``), and per kind the error of the formula against
-    the busiest rank's measured payload."""
+    the busiest rank's measured payload; where ``node_of`` (global rank -> node) spans nodes, both split into
+    intra- and inter-node bytes (``link_report``), the formula's groups placed on ``mesh``."""
     out: dict[str, Any] = {
         "route": "torch.profiler: c10d operators (kind, payload) and the backend's events (dtype, time)",
         "measured_per_rank": per_rank,
@@ -265,6 +394,8 @@ def comm_report(
     }
     out["wire_bytes_per_step"] = max(sum(v["wire_bytes"] for v in r["per_step"].values()) for r in measured)
     rows, why = predicted
+    if node_of and len(set(node_of)) > 1:
+        out |= link_report(per_rank, rows, node_of, mesh or {})
     if rows is None:
         out["predicted"], out["predicted_note"] = None, why
         return out
@@ -277,4 +408,35 @@ def comm_report(
         err = (got - want) / want * 100 if want else (0.0 if got == 0 else None)
         check[k] = {"measured_payload_bytes": got, "predicted_payload_bytes": want, "error_pct": err}
     out["check"] = check
+    return out
+
+
+LINK_RULE = (
+    "a call counts on the link its process group spans: intra where all its ranks sit on one node, inter (all "
+    "of its payload and ring wire bytes) where they span nodes; busiest rank per link"
+)
+
+
+def link_report(
+    per_rank: list[dict[str, Any] | None], rows: list[Collective] | None, node_of: list[int], mesh: dict[str, int]
+) -> dict[str, Any]:
+    """The measured collectives of each rank (their process groups, ``CommMeasurement.groups``) and the formula's
+    rows (placed on ``mesh``) split into intra- and inter-node bytes per step by one rule (``comm.link_of``), each
+    side's busiest rank per link: ``metrics.comm.by_link`` and the per-step totals the report shows."""
+    measured = [r for r in per_rank if r and r.get("groups") is not None]
+    out: dict[str, Any] = {"by_link": {"rule": LINK_RULE, "node_of_rank": node_of, "mesh": mesh}}
+    by = out["by_link"]
+    if not measured:
+        by["note"] = "the process groups of the calls were not recorded (torch's flight recorder is off)"
+    else:
+        tables = [rank_links(((g["kind"], g["ranks"], g["calls"], g["payload_bytes"]) for g in r["groups"]), node_of)
+                  for r in measured]  # fmt: skip
+        by["measured"] = busiest_links(tables)
+        by["unplaced_calls"] = max(r.get("unplaced_calls", 0.0) for r in measured)
+        for link in LINKS:
+            out[f"{link}_node_wire_bytes_per_step"] = by["measured"][link]["wire_bytes"]
+    if rows is not None:
+        by["predicted"] = busiest_links(formula_links(rows, mesh, node_of))
+        for link in LINKS:
+            out[f"predicted_{link}_node_wire_bytes_per_step"] = by["predicted"][link]["wire_bytes"]
     return out

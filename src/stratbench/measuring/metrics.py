@@ -181,6 +181,7 @@ class RunMetrics:
             self.trace.finish()
         ranks = self.strategy.all_gather_object(local)
         metrics = self._step_metrics(ranks, local, losses, flops)
+        metrics["node_of_rank"] = [r["node"] for r in ranks]  # the launcher's node of each global rank
         self._add_optional(metrics, ranks, flops)
         self._add_tokens(metrics)
         self._add_load(metrics, ranks)
@@ -209,6 +210,7 @@ class RunMetrics:
             "devices": len(set(self.devices)),
             "load": self.load.mean(),
             "cores": cpu_count(),
+            "node": self.strategy.env.node,
         }
 
     def _step_metrics(
@@ -300,4 +302,6 @@ class RunMetrics:
             metrics["breakdown"] = breakdown_report([r["phases"] for r in ranks])
         if self.comm is not None:
             predicted = strategy.cost.predicted_comm(cfg, env.world_size, strategy.options)
-            metrics["comm"] = comm_report([r["comm"] for r in ranks], predicted)
+            node_of = metrics["node_of_rank"]
+            mesh = strategy.cost.predicted_mesh(cfg, env.world_size, strategy.options) if len(set(node_of)) > 1 else {}
+            metrics["comm"] = comm_report([r["comm"] for r in ranks], predicted, node_of, mesh)

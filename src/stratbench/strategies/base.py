@@ -192,6 +192,16 @@ class CostModel:
             return None, f"strategy {cfg.strategy!r} has no communication model (Strategy.cost.comm_model)"
         return rows + loop_collectives(cfg, world_size), ""
 
+    @classmethod
+    def predicted_mesh(cls, cfg: TrainConfig, world_size: int, options: Any, device_type: str = "cpu") -> dict[str, int]:
+        """The device mesh (``mesh_dims``) of one run of this method, on which the formula's groups are placed on
+        the run's nodes (``measuring.comm.formula_links``); empty where the model's shapes cannot be read."""
+        try:
+            info = model_info(ModelSpec.from_config(cfg))
+        except Exception:  # a user model the fake-tensor build cannot trace: predicted_comm says why
+            return {}
+        return cls.mesh_dims(MemoryContext(cfg, world_size, info, options, device_type))
+
 
 class Strategy:
     """Base class. Subclasses override what differs; defaults implement one process on one device."""

@@ -60,6 +60,7 @@ from stratbench.data.datasets import (
 )
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_text_data
+from stratbench.measuring.commvol import enable_group_record
 from stratbench.measuring.environment import environment
 from stratbench.measuring.metrics import RunMetrics
 from stratbench.measuring.model_trace import text_vocab
@@ -163,6 +164,8 @@ def run(cfg: TrainConfig, on_setup_error: SetupError | None = None) -> dict[str,
     with _setting_up(on_setup_error):
         strategy_cls = preflight(cfg)
         env = read_env(cfg.device)
+        if env.nodes > 1 and cfg.comm_volume:
+            enable_group_record()  # which process group each collective ran on: intra- or inter-node bytes
         if strategy_cls.needs_process_group:
             init_process_group(env, cfg.dist_timeout_s)
         elif env.world_size > 1:
