@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+from types import SimpleNamespace
 
 import pytest
 
@@ -95,12 +96,13 @@ def test_an_entry_on_the_device_is_chosen_before_one_with_host_offload(monkeypat
     real = advise_module._largest_micro_batch
 
     def fits(cand, plan, devices, device_type, budget, notes):
-        found, least = real(cand, plan, devices, device_type, 1 << 60, notes)  # priced, then fitted as the case says
         offloads = dict(plan.options).get("offload_params") == "cpu"
         ok = (cand.lora_rank and cand.quantize_base == "nf4" and plan.strategy == "single") or (
             cand.lora_rank and cand.quantize_base == "none" and offloads
         )
-        return (found if ok else None), least
+        if ok:  # priced as advise prices it, and fitted as the case says
+            return real(cand, plan, devices, device_type, 1 << 60, notes)
+        return None, SimpleNamespace(total_bytes=1 << 40, micro_batch=1)  # too big at its smallest micro-batch
 
     monkeypatch.setattr(advise_module, "_largest_micro_batch", fits)
     base = BASE.replace(optimizer="sgd", momentum=0.9)
