@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import RTOL_FP32_SAME_MICRO_BATCHES, TINY, assert_comm_matches_formula, assert_curves_match, train
+from conftest import (
+    RTOL_FP32_SAME_MICRO_BATCHES,
+    TINY,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    train,
+)
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.model_trace import ModelSpec, model_info
@@ -34,7 +40,7 @@ def test_hpz_trains_like_single_and_sends_what_its_formula_says(tmp_path):
     the backward one from the secondary partition over 2, the gradients reduce-scattered over 4."""
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": RELEASE_ALL}))
-    steps = ["--max-steps", "6"]
+    steps = ["--max-steps", "4"]
     res = train(tmp_path / "hpz", "--strategy", "deepspeed", "--zero-stage", "3", "--zero-hpz", "2",
                 "--deepspeed-config", str(user), *TINY, *steps, "--comm-volume", "true", nproc=4, timeout=300)  # fmt: skip
     ref = train(tmp_path / "single", "--strategy", "single", *TINY, *steps, "--grad-accum", "4")
