@@ -68,14 +68,14 @@ def _cost(cfg: TrainConfig, world: int, **opts):
     return cost.comm_model(ctx), cost.mesh_dims(ctx), cost.memory_model(ctx, 0)
 
 
-def test_zeropp_bad_input_is_one_line_before_any_work(tmp_path):
+def test_zeropp_bad_input_is_one_line_before_any_work(tmp_path, monkeypatch):
     """Stage < 3, S < 1, S not dividing a node's ranks or larger than the node (--nnodes, or one machine's
     world), a JSON disagreeing with a flag: ConfigError naming the numbers; qwZ / qgZ on CPU: a refusal
     with DeepSpeed's reason (what `list --check` and a compare cell show)."""
     cfg = _cfg()
     for opts, msg in [
-        ({"zero_hpz": 2}, "--zero-hpz 2 need.s. --zero-stage 3 .* got stage 2"),
-        ({"zero_stage": 1, "zero_quantized_gradients": True}, "--zero-quantized-gradients need.s. --zero-stage 3"),
+        ({"zero_hpz": 2}, "--zero-hpz 2 needs --zero-stage 3 .* got stage 2"),
+        ({"zero_stage": 1, "zero_quantized_gradients": True}, "--zero-quantized-gradients needs --zero-stage 3"),
         ({"zero_stage": 3, "zero_hpz": 0}, "--zero-hpz must be a positive integer"),
         ({"zero_stage": 3, "zero_hpz": 3}, "--zero-hpz 3 does not divide the node's ranks: 4 ranks per node .*1, 2, 4"),
         ({"zero_stage": 3, "zero_hpz": 8}, "--zero-hpz 8 is larger than the node: 4 ranks per node"),
@@ -84,6 +84,10 @@ def test_zeropp_bad_input_is_one_line_before_any_work(tmp_path):
             build_ds_config(cfg, DeepSpeedOptions(**opts), 4)
     with pytest.raises(ConfigError, match="--zero-hpz 8 is larger than the node: 4 ranks per node .world 8 over 2 nodes"):
         build_ds_config(cfg.replace(nnodes=2), DeepSpeedOptions(zero_stage=3, zero_hpz=8), 8)
+    with monkeypatch.context() as m:  # a launcher's node: torchrun --nproc-per-node 2 --nnodes 2
+        m.setenv("LOCAL_WORLD_SIZE", "2")
+        with pytest.raises(ConfigError, match="--zero-hpz 4 is larger than the node: 2 ranks per node .world 4 over 2 nodes"):
+            build_ds_config(cfg, DeepSpeedOptions(zero_stage=3, zero_hpz=4), 4)
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": {"stage": 3, "zero_hpz_partition_size": 4}}))
     with pytest.raises(ConfigError, match="zero_hpz_partition_size is 4 but --zero-hpz gives 2"):

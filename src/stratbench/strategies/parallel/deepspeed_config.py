@@ -325,7 +325,8 @@ def _zeropp(zero: dict[str, Any], opts: DeepSpeedEngineOptions, src: str) -> Non
     on = zeropp_flags(zero)
     if on and zero["stage"] != 3:
         raise ConfigError(
-            f"{', '.join(on)} need(s) --zero-stage 3 (DeepSpeed's ZeRO++ works on ZeRO-3's partitioned "
+            f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} --zero-stage 3 (DeepSpeed's ZeRO++ works on "
+            "ZeRO-3's partitioned "
             f"parameters), got stage {zero['stage']}"
         )
 
@@ -342,7 +343,8 @@ def _check_hpz(zero: dict[str, Any], cfg: TrainConfig, world: int) -> None:
     if s <= 1:
         return
     node = node_ranks(cfg, world)
-    where = f"{node} ranks per node (world {world} over {cfg.nnodes} node{'s' if cfg.nnodes > 1 else ''})"
+    nodes = world // node
+    where = f"{node} ranks per node (world {world} over {nodes} node{'s' if nodes > 1 else ''})"
     if s > node:
         raise ConfigError(f"--zero-hpz {s} is larger than the node: {where}; choose a divisor of {node}")
     if node % s:

@@ -77,7 +77,8 @@ def zeropp_unavailable(zero: dict[str, Any], device: torch.device) -> str | None
         return None
     if device.type != "cuda":
         return (
-            f"{' and '.join(asked)} need(s) a GPU: DeepSpeed's ZeRO++ quantizer kernels are CUDA-only "
+            f"{' and '.join(asked)} {'needs' if len(asked) == 1 else 'need'} a GPU: DeepSpeed's ZeRO++ quantizer "
+            "kernels are CUDA-only "
             f'(on CPU its start-up fails: "{QUANTIZER_CPU}")'
         )
     return kernel_unavailable("quantizer")
