@@ -53,6 +53,7 @@ def test_hpz_trains_like_single_and_sends_what_its_formula_says(tmp_path):
     assert (gathers["backward"]["group_size"], gathers["backward"]["dim"]) == (2, "hpz")
     zero = json.loads((Path(res["config"]["output"]) / "deepspeed_config.json").read_text())["zero_optimization"]
     assert zero["zero_hpz_partition_size"] == 2 and zero["stage3_max_reuse_distance"] == 0
+    assert res["mesh"] == {"dp": 2, "hpz": 2}
 
 
 def _cfg(**kw) -> TrainConfig:

@@ -152,7 +152,7 @@ class DeepSpeedCost(CostModel):
         the projection prices each on the link it crosses; else one dimension (AutoTP's groups are not placed)."""
         if ctx.options.autotp_size > 1:
             return {}
-        return zeropp_mesh(ctx, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
+        return zeropp_mesh(ctx.cfg, ctx.world, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
     @classmethod
     def comm_overlap(cls, ctx) -> float:
@@ -364,9 +364,13 @@ class DeepSpeed(Strategy):
         return self.env.rank // t, self.env.world_size // t
 
     def report(self) -> dict[str, Any]:
-        """With --autotp-size, the mesh in result.json (DeepSpeed's (dp, tp) groups), as fsdp --tp reports its."""
+        """With --autotp-size or ZeRO++, the mesh in result.json (DeepSpeed's (dp, tp) groups; hpZ's and qgZ's,
+        ``zeropp_mesh``), as fsdp --tp reports its."""
         t = self.options.autotp_size
-        return {"mesh": {"dp": self.env.world_size // t, "tp": t}} if t > 1 else {}
+        if t > 1:
+            return {"mesh": {"dp": self.env.world_size // t, "tp": t}}
+        mesh = zeropp_mesh(self.cfg, self.env.world_size, self.ds_config.get("zero_optimization", {}))
+        return {"mesh": mesh} if mesh else {}
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)

@@ -288,17 +288,17 @@ def node_ranks(cfg, world: int) -> int:
     return world
 
 
-def zeropp_mesh(ctx, zero: dict[str, Any]) -> dict[str, int]:
+def zeropp_mesh(cfg, world: int, zero: dict[str, Any]) -> dict[str, int]:
     """ZeRO++'s groups as a device mesh (``CostModel.mesh_dims``): hpZ's secondary groups of S consecutive ranks
     (``groups._create_zero_param_parallel_group``), qgZ's node of L ranks and its cross-node groups of one rank
     per node; empty without them (one dimension, the world)."""
     s = int(zero.get("zero_hpz_partition_size", 1))
     if zero.get("zero_quantized_gradients"):
-        local = node_ranks(ctx.cfg, ctx.world)
+        local = node_ranks(cfg, world)
         if s > 1:
-            return {"node": ctx.world // local, "hpz_replica": local // s, "hpz": s}
-        return {"node": ctx.world // local, "local": local}
-    return {"dp": ctx.world // s, "hpz": s} if s > 1 else {}
+            return {"node": world // local, "hpz_replica": local // s, "hpz": s}
+        return {"node": world // local, "local": local}
+    return {"dp": world // s, "hpz": s} if s > 1 else {}
 
 
 def autotp_view(ctx):
