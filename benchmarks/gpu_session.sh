@@ -31,11 +31,15 @@
 #              one line, in $WORK/NAME.log, and its row reads "no result.json"): DeepSpeed AutoTP (deepspeed --autotp-size 2, ZeRO-1) and accelerate's
 #              ParallelismConfig(tp_size=2) (accelerate-tp, which accelerate refuses on CPU), gpt-tiny, 40 steps,
 #              beside tp on the same 2 GPUs                                            ~3 min -> tplibs.md
+#   zeropp     issue 45: DeepSpeed ZeRO-3, qwZ (--zero-quantized-weights), qgZ (--zero-quantized-gradients) and, with
+#              2+ GPUs, hpZ (--zero-hpz 2) on gpt-tiny, every parameter freed after forward; measured collectives
+#              against the formula. Needs the DeepSpeed wheels; one GPU: world 1, the config accepted and the
+#              quantizer kernel built, nothing gathered (not run yet)                ~4 min -> zeropp.md
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -55,7 +59,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -194,11 +198,43 @@ EOF
         train accelerate-tp-gpu2 --strategy accelerate-tp "${lm[@]}"
         summary "$OUT/tplibs.md" "Tensor parallelism through the libraries on 2 GPUs: tp, DeepSpeed AutoTP, accelerate-tp" \
             "$WORK"/tp-gpu2 "$WORK"/autotp-gpu2 "$WORK"/accelerate-tp-gpu2 ;;
+    zeropp)
+        # ZeRO++ (issue 45): ZeRO-3, qwZ, qgZ and hpZ on gpt-tiny. Every parameter is freed after forward
+        # (persistence 0, reuse distance 0, prefetch 0), so forward and backward gather and qwZ quantises them.
+        gpus=$(nvidia-smi -L 2>/dev/null | wc -l); n=$(( gpus >= 2 ? 2 : 1 ))
+        echo '{"zero_optimization": {"stage3_param_persistence_threshold": 0, "stage3_max_reuse_distance": 0, "stage3_prefetch_bucket_size": 0}}' >"$WORK/release.json"
+        lm=(--model gpt-tiny --data text --seq-len 128 --batch-size 16 --epochs 1 --max-steps 40 --optimizer adamw
+            --lr 0.003 --precision bf16-mixed --device cuda --nproc "$n" --timing-warmup-steps 5 --comm-volume true
+            --strategy deepspeed --zero-stage 3 --deepspeed-config "$WORK/release.json")
+        train zero3-gpu$n "${lm[@]}"
+        train qwz-gpu$n "${lm[@]}" --zero-quantized-weights
+        train qgz-gpu$n "${lm[@]}" --zero-quantized-gradients
+        runs=("$WORK"/zero3-gpu$n "$WORK"/qwz-gpu$n "$WORK"/qgz-gpu$n)
+        # hpZ needs a secondary group of 2+ ranks inside the node: 2 GPUs (S = the world: it runs, and gathers
+        # backward over the same 2 ranks); on one GPU DeepSpeed gathers nothing (one partition), and qwZ/qgZ
+        # show only that the config is accepted and the quantizer kernel builds (qgZ's all-to-all runs only
+        # across nodes: DeepSpeed's own condition).
+        if [ "$n" -ge 2 ]; then train hpz-gpu$n "${lm[@]}" --zero-hpz 2; runs+=("$WORK"/hpz-gpu$n); fi
+        summary "$OUT/zeropp.md" "ZeRO++ on $n GPU(s): ZeRO-3, qwZ, qgZ, hpZ (gpt-tiny, bf16-mixed)" "${runs[@]}"
+        "$PY" - "$OUT/zeropp.md" "${runs[@]}" <<'EOF'
+import json, sys
+from pathlib import Path
+lines = ["| run | kind | measured payload (B/step) | formula (B/step) | error |", "|---|---|---|---|---|"]
+for run in sys.argv[2:]:
+    p = Path(run) / "result.json"
+    comm = json.loads(p.read_text()).get("metrics", {}).get("comm", {}) if p.exists() else {}
+    for kind, c in sorted((comm.get("check") or {}).items()):
+        lines.append(f"| {Path(run).name} | {kind} | {c['measured_payload_bytes']:.0f} | {c['predicted_payload_bytes']} | {c['error_pct']:.2f}% |")
+with open(sys.argv[1], "a") as f:
+    f.write("\n".join(["", "Collectives of step 3 against the comm_model rows (docs/communication.md, ZeRO++):", ""] + lines) + "\n")
+print("\n".join(lines))
+EOF
+        ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp tests pack" >&2
         exit 2 ;;
     esac
 done

@@ -54,6 +54,7 @@ from stratbench.strategies.parallel.deepspeed_engine import (
     save_engine_checkpoint,
     size_nvme_param_buffers,
     zero_init_keeps_dtype,
+    zeropp_unavailable,
 )
 from stratbench.strategies.parallel.tp_costs import LocalSlice, local_flop_share
 from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY, model_plan
@@ -65,6 +66,7 @@ from stratbench.strategies.parallel.zero import (
     deepspeed_comm,
     deepspeed_memory,
     deepspeed_overlap,
+    zeropp_mesh,
 )
 
 DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
@@ -143,6 +145,14 @@ class DeepSpeedCost(CostModel):
         view, t = autotp_view(ctx)
         zero = build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"]
         return autotp_comm(ctx, view, zero, t) if t > 1 else deepspeed_comm(view, zero)
+
+    @classmethod
+    def mesh_dims(cls, ctx) -> dict[str, int]:
+        """ZeRO++'s groups (``zeropp_mesh``: hpZ's S consecutive ranks, qgZ's node and cross-node groups), so that
+        the projection prices each on the link it crosses; else one dimension (AutoTP's groups are not placed)."""
+        if ctx.options.autotp_size > 1:
+            return {}
+        return zeropp_mesh(ctx.cfg, ctx.world, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
     @classmethod
     def comm_overlap(cls, ctx) -> float:
@@ -301,7 +311,10 @@ class DeepSpeed(Strategy):
         if why := cls.lora_refusal(cfg):
             return why
         ds = build_ds_config(cfg, opts, world_size)  # raises ConfigError on conflicts
-        reason = _autotp_unsupported(cfg, opts.autotp_size) or nvme_unavailable(ds["zero_optimization"])
+        zero = ds["zero_optimization"]
+        reason = (
+            _autotp_unsupported(cfg, opts.autotp_size) or nvme_unavailable(zero) or zeropp_unavailable(zero, device)
+        )
         if reason:
             return reason
         user_block = bool(opts.deepspeed_config) and "optimizer" in load_user_json(opts.deepspeed_config)
@@ -351,9 +364,13 @@ class DeepSpeed(Strategy):
         return self.env.rank // t, self.env.world_size // t
 
     def report(self) -> dict[str, Any]:
-        """With --autotp-size, the mesh in result.json (DeepSpeed's (dp, tp) groups), as fsdp --tp reports its."""
+        """With --autotp-size or ZeRO++, the mesh in result.json (DeepSpeed's (dp, tp) groups; hpZ's and qgZ's,
+        ``zeropp_mesh``), as fsdp --tp reports its."""
         t = self.options.autotp_size
-        return {"mesh": {"dp": self.env.world_size // t, "tp": t}} if t > 1 else {}
+        if t > 1:
+            return {"mesh": {"dp": self.env.world_size // t, "tp": t}}
+        mesh = zeropp_mesh(self.cfg, self.env.world_size, self.ds_config.get("zero_optimization", {}))
+        return {"mesh": mesh} if mesh else {}
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, precision, options)

@@ -23,7 +23,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.data.datasets import split_batch
 from stratbench.strategies.parallel.tp_plan import degree_unfit
-from stratbench.strategies.parallel.zero import DeepSpeedEngineOptions
+from stratbench.strategies.parallel.zero import DeepSpeedEngineOptions, node_ranks
 
 OFFLOAD_CHOICES = ("none", "cpu", "nvme")
 
@@ -223,7 +223,9 @@ def _resolve(
         _agree(src, rule.key, theirs, rule.ours(run), rule.flag(run))
     _check_precision_blocks(user, cfg, src)
     _check_autotp(user, opts, world, src)
-    return Run(cfg, opts, world, user, src, _zero_block(user, opts, src), optimizer, scheduler)
+    zero = _zero_block(user, opts, src)
+    _check_hpz(zero, cfg, world)
+    return Run(cfg, opts, world, user, src, zero, optimizer, scheduler)
 
 
 def _agree(src: str, key: str, theirs: Any, ours: Any, flag: str) -> None:
@@ -294,7 +296,60 @@ def _zero_block(user: dict[str, Any], opts: DeepSpeedEngineOptions, src: str) ->
         )
     if "offload_optimizer" in zero and stage == 0:
         raise ConfigError("--offload-optimizer cpu needs --zero-stage 1, 2 or 3 (ZeRO-Offload), got stage 0")
+    _zeropp(zero, opts, src)
     return zero
+
+
+ZEROPP_KEYS = (
+    ("zero_hpz_partition_size", "--zero-hpz", "zero_hpz"),
+    ("zero_quantized_weights", "--zero-quantized-weights", "zero_quantized_weights"),
+    ("zero_quantized_gradients", "--zero-quantized-gradients", "zero_quantized_gradients"),
+)
+"""ZeRO++'s keys of ``zero_optimization``: (DeepSpeed's key, stratbench's flag, the option's field)."""
+
+
+def _zeropp(zero: dict[str, Any], opts: DeepSpeedEngineOptions, src: str) -> None:
+    """ZeRO++'s keys of ``zero`` (in place): each option's value, else the JSON's; checked (hpZ's size a positive
+    integer, the switches booleans) and refused below ZeRO-3, which DeepSpeed's ZeRO++ partitions."""
+    for key, flag, field in ZEROPP_KEYS:
+        value = getattr(opts, field)
+        if value is not None:
+            _agree(src, f"zero_optimization.{key}", zero.get(key), value, flag)
+            zero[key] = value
+    hpz = zero.get("zero_hpz_partition_size", 1)
+    if not isinstance(hpz, int) or isinstance(hpz, bool) or hpz < 1:
+        raise ConfigError(f"--zero-hpz must be a positive integer (ranks of the secondary partition; 1: off), got {hpz!r}")
+    for key, flag, _ in ZEROPP_KEYS[1:]:
+        if not isinstance(zero.get(key, False), bool):
+            raise ConfigError(f"{flag} (zero_optimization.{key}) must be true or false, got {zero[key]!r}")
+    on = zeropp_flags(zero)
+    if on and zero["stage"] != 3:
+        raise ConfigError(
+            f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} --zero-stage 3 (DeepSpeed's ZeRO++ works on "
+            "ZeRO-3's partitioned "
+            f"parameters), got stage {zero['stage']}"
+        )
+
+
+def zeropp_flags(zero: dict[str, Any]) -> list[str]:
+    """The ZeRO++ features a ``zero_optimization`` block turns on, as their flags (``--zero-hpz S``)."""
+    on = [f"--zero-hpz {zero['zero_hpz_partition_size']}"] if zero.get("zero_hpz_partition_size", 1) > 1 else []
+    return on + [flag for key, flag, _ in ZEROPP_KEYS[1:] if zero.get(key)]
+
+
+def _check_hpz(zero: dict[str, Any], cfg: TrainConfig, world: int) -> None:
+    """hpZ's secondary group of S consecutive ranks must lie inside one node: S divides the ranks per node."""
+    s = zero.get("zero_hpz_partition_size", 1)
+    if s <= 1:
+        return
+    node = node_ranks(cfg, world)
+    nodes = world // node
+    where = f"{node} ranks per node (world {world} over {nodes} node{'s' if nodes > 1 else ''})"
+    if s > node:
+        raise ConfigError(f"--zero-hpz {s} is larger than the node: {where}; choose a divisor of {node}")
+    if node % s:
+        fits = ", ".join(str(d) for d in range(1, node + 1) if node % d == 0)
+        raise ConfigError(f"--zero-hpz {s} does not divide the node's ranks: {where}; choose one of {fits}")
 
 
 def _sized(zero: dict[str, Any], src: str, key: str, flag: str, value: int | None) -> None:

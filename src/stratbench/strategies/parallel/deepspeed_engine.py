@@ -59,6 +59,31 @@ def kernel_unavailable(op_name: str) -> str | None:
     return None
 
 
+QUANTIZER_CPU = "This op had not been implemented on CPU backend"
+"""DeepSpeed's own words when a ZeRO++ quantizer op (``QuantizerBuilder``, CUDA-only) is loaded on its CPU accelerator."""
+
+QUANTIZED = (
+    ("zero_quantized_weights", "--zero-quantized-weights"),
+    ("zero_quantized_gradients", "--zero-quantized-gradients"),
+)
+"""ZeRO++'s quantised features: (DeepSpeed's key, stratbench's flag)."""
+
+
+def zeropp_unavailable(zero: dict[str, Any], device: torch.device) -> str | None:
+    """Why qwZ / qgZ cannot run here, or None: their int8 / int4 quantizer kernels are CUDA-only (DeepSpeed 0.19's CPU
+    accelerator fails at start-up), and on a GPU the op must be buildable. hpZ needs no kernel."""
+    asked = [flag for key, flag in QUANTIZED if zero.get(key)]
+    if not asked:
+        return None
+    if device.type != "cuda":
+        return (
+            f"{' and '.join(asked)} {'needs' if len(asked) == 1 else 'need'} a GPU: DeepSpeed's ZeRO++ quantizer "
+            "kernels are CUDA-only "
+            f'(on CPU its start-up fails: "{QUANTIZER_CPU}")'
+        )
+    return kernel_unavailable("quantizer")
+
+
 def nvme_unavailable(zero: dict[str, Any]) -> str | None:
     """None unless an nvme offload is asked for that cannot run here: a missing folder, or DeepSpeed's async_io
     op (built from libaio's headers and library) not buildable on this machine."""

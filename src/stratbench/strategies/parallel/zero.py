@@ -6,6 +6,7 @@ AutoTP's view of it (``autotp_view``, ``autotp_comm``). Plain Python: the estima
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any
 
 from stratbench.measuring.comm import Collective, ceil_to
@@ -41,6 +42,13 @@ class DeepSpeedEngineOptions(DeepSpeedZeroOptions):
     """torch (plain torch optimizer, no compilation), fused (DeepSpeed FusedAdam) or cpu-adam (DeepSpeedCPUAdam); the last two JIT-compile a kernel once and need --optimizer adamw."""
     autotp_size: int = 1
     """DeepSpeed AutoTP training (tensor_parallel.autotp_size): split each block's attention and MLP matrices over T consecutive ranks, which read the same batches (data-parallel size world / T); 1: off."""
+    # ZeRO++ (Wang et al. 2023, arXiv 2306.10209): ZeRO-3 only; None: the value in --deepspeed-config, else off.
+    zero_hpz: int | None = None
+    """ZeRO++ hpZ (zero_hpz_partition_size): a secondary copy of the parameters sharded over S consecutive ranks of one node, so that backward's all-gather stays inside the node (ZeRO-3; S divides the ranks per node; 1: off)."""
+    zero_quantized_weights: bool | None = None
+    """ZeRO++ qwZ (zero_quantized_weights): all-gather the weights as int8 with fp32 block scales (ZeRO-3; DeepSpeed's CUDA quantizer kernel: GPU only)."""
+    zero_quantized_gradients: bool | None = None
+    """ZeRO++ qgZ (zero_quantized_gradients): reduce the gradients by a hierarchical int4 all-to-all, inside each node then across nodes, instead of a reduce-scatter (ZeRO-3; CUDA kernels: GPU only)."""
 
 
 DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
@@ -87,6 +95,14 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
         persistent = sum(x for x in ctx.numels if x < DS_PARAM_PERSISTENCE)
         m.gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
         m.gather_note = "small parameters kept whole (persistence threshold) + prefetch bucket"
+        s = int(zero.get("zero_hpz_partition_size", 1))
+        if s > 1:
+            # hpZ: each parameter above the persistence threshold keeps a secondary copy sharded over S ranks
+            # (ds_secondary_tensor, its dtype, the world-padded size / S) from its first release in forward or
+            # backward until the step drops it (stage3.py invalidate_secondary_tensor).
+            persist = int(zero.get("stage3_param_persistence_threshold", DS_PARAM_PERSISTENCE))
+            m.gathered += sum(ceil_to(x, world) // s for x in ctx.numels if x > persist) * bit
+            m.gather_note += f" + hpZ's secondary partition (1/{s} of the parameters)"
     if "offload_param" in zero:
         m.offload_params_to_host()
     if offload_optimizer:
@@ -139,12 +155,150 @@ def deepspeed_comm(ctx, zero: dict[str, Any]):
         gathered = ceil_to(trained, 2 * n) * bit
         rows.append(Collective("all_gather", gathered, 1, "optimizer", n, "updated partitions"))
         return rows
-    gathered = sum(ceil_to(x, n) for x in ctx.numels) * bit
     return [
-        Collective("all_gather", gathered, len(ctx.numels), "forward", n, "each parameter once per step"),
-        Collective("reduce_scatter", ceil_to(trained, n) * bit, 1, "backward", n, "gradients"),
+        *zero3_gathers(ctx, zero, n, bit),
+        *zero3_gradients(ctx, zero, n, bit),
         Collective("all_reduce", 8, 1, "optimizer", n, "overflow check (fp64 scalar)"),
     ]
+
+
+DS_REUSE_DISTANCE = 1_000_000_000
+"""DeepSpeed's ``stage3_max_reuse_distance`` default (elements; deepspeed/runtime/zero/config.py)."""
+QUANT_GROUP_TARGET = 8000
+"""DeepSpeed's ``CUDAQuantizer.target_group_size`` (partition_parameters.py): qwZ's blocks hold at most ~8k weights."""
+
+
+def released_after_forward(numels: list[int], zero: dict[str, Any]) -> list[bool]:
+    """Which parameters (in forward order) ZeRO-3 frees after forward and gathers again for backward: those above
+    ``stage3_param_persistence_threshold`` whose next use (in backward, after the rest of forward and of backward:
+    twice the elements behind it) lies beyond both ``stage3_max_reuse_distance`` and the prefetcher's window
+    (``stage3_prefetch_bucket_size``: a parameter it already fetched for a later module is kept,
+    partitioned_param_coordinator.py ``__params_to_release``). Measured on deepspeed 0.19 (docs/communication.md):
+    a small model with the defaults keeps every parameter; with all three at 0 it frees every one."""
+    persist = int(zero.get("stage3_param_persistence_threshold", DS_PARAM_PERSISTENCE))
+    reuse = int(zero.get("stage3_max_reuse_distance", DS_REUSE_DISTANCE))
+    window = max(reuse, int(zero.get("stage3_prefetch_bucket_size", DS_PREFETCH_BUCKET)))
+    out, after = [], sum(numels)
+    for x in numels:
+        after -= x
+        out.append(x > persist and 2 * after >= window)
+    return out
+
+
+def quant_groups(numel: int) -> int:
+    """The int8 blocks DeepSpeed's qwZ quantizer cuts ``numel`` weights into, one fp32 scale each
+    (``CUDAQuantizer.quantize``, partition_parameters.py: at least numel / 8000 blocks, a block count whose
+    blocks hold a multiple of 8 weights, doubled while blocks stay above 8000)."""
+    groups = -(-numel // QUANT_GROUP_TARGET)
+    while groups < numel and numel % (8 * groups):
+        groups += 1
+    while numel % (16 * groups) == 0 and numel / groups > QUANT_GROUP_TARGET:
+        groups *= 2
+    return groups
+
+
+def zero3_gathers(ctx, zero: dict[str, Any], n: int, bit: int) -> list[Collective]:
+    """ZeRO-3's parameter all-gathers per step, each padded to a multiple of the world: every parameter once
+    (small ones stay gathered, refreshed after the step; larger ones gathered for forward), and again for
+    backward those freed after forward (``released_after_forward``). ZeRO++: hpZ gathers backward's from the
+    secondary partition over its S ranks (dim ``hpz``, inside a node); qwZ sends the gathered weights as int8
+    with an fp32 scale per block (``quant_groups`` of each rank's partition), the persistent ones' refresh
+    after the step excepted (DeepSpeed gathers those unquantised)."""
+    numels = ctx.numels
+    persist = int(zero.get("stage3_param_persistence_threshold", DS_PARAM_PERSISTENCE))
+    released = released_after_forward(numels, zero)
+    s = int(zero.get("zero_hpz_partition_size", 1))
+    rows = []
+    if zero.get("zero_quantized_weights"):
+        kept = [x for x in numels if x <= persist]
+        if kept:
+            rows.append(Collective("all_gather", sum(ceil_to(x, n) for x in kept) * bit, len(kept), "optimizer", n,
+                                   "persistent parameters refreshed after the step (unquantised)"))
+        fetched = [x for x in numels if x > persist]
+        rows += _int8_gathers(fetched, n, "forward", "", "weights (qwZ)")
+        again = [x for x, r in zip(numels, released, strict=True) if r]
+        return rows + _int8_gathers(again, s if s > 1 else n, "backward", "hpz" if s > 1 else "",
+                                    "weights gathered again for backward (qwZ)", pad=n)
+    rows.append(Collective("all_gather", sum(ceil_to(x, n) for x in numels) * bit, len(numels), "forward", n,
+                           "each parameter once per step"))
+    again = [x for x, r in zip(numels, released, strict=True) if r]
+    if again:
+        note = "freed after forward, gathered again for backward"
+        if s > 1:
+            note += f" from hpZ's secondary partition ({s} ranks, inside a node)"
+        rows.append(Collective("all_gather", sum(ceil_to(x, n) for x in again) * bit, len(again), "backward",
+                               s if s > 1 else n, note, dim="hpz" if s > 1 else ""))
+    return rows  # fmt: skip
+
+
+def _int8_gathers(numels: list[int], g: int, phase: str, dim: str, note: str, pad: int = 0) -> list[Collective]:
+    """qwZ's all-gathers of ``numels`` over ``g`` ranks: int8 weights (one byte each, padded to a multiple of
+    the world ``pad``: hpZ's secondary partition is that size over S) and their fp32 block scales (``quant_groups``
+    of each rank's 1/g partition)."""
+    if not numels:
+        return []
+    parts = [ceil_to(x, pad or g) for x in numels]
+    scales = sum(4 * quant_groups(p // g) * g for p in parts)
+    return [
+        Collective("all_gather", sum(parts), len(numels), phase, g, f"int8 {note}", dim=dim),
+        Collective("all_gather", scales, len(numels), phase, g, f"fp32 block scales of the {note}", dim=dim),
+    ]
+
+
+def zero3_gradients(ctx, zero: dict[str, Any], n: int, bit: int) -> list[Collective]:
+    """ZeRO-3's gradient reduction per step: the trained parameters reduce-scattered (Φ, padded to the world).
+    qgZ across nodes (``__avg_scatter_grads``, stage3.py; ``all_to_all_quant_reduce``, coalesced_collectives.py):
+    each gradient of two or more dimensions whose size divides by 2 x world goes as int4 (two per byte) with fp32
+    scales of G = max(dim 0, dim 1, world) blocks through an all-to-all among the node's L ranks, then, reduced
+    to 1/L of it (G/L scales), through an all-to-all among the N nodes' ranks of the same local index; the rest
+    is reduce-scattered. On one node qgZ falls back to the reduce-scatter (DeepSpeed's own condition)."""
+    trained = [(x, sh) for x, sh, t in zip(ctx.numels, ctx.shapes, ctx.trainable, strict=True) if t]
+    local = node_ranks(ctx.cfg, n)
+    nodes = n // local
+    quantised = [(x, sh) for x, sh in trained if len(sh) > 1 and x % (2 * n) == 0]
+    if not zero.get("zero_quantized_gradients") or nodes <= 1 or not quantised:
+        return [Collective("reduce_scatter", ceil_to(sum(x for x, _ in trained), n) * bit, 1, "backward", n, "gradients")]
+    rest = [x for x, sh in trained if (x, sh) not in quantised]
+    groups = [max(sh[0], sh[1], n) for _, sh in quantised]
+    k = len(quantised)
+    rows = [
+        Collective("all_to_all", sum(x // 2 for x, _ in quantised), k, "backward", local,
+                   "int4 gradients inside the node (qgZ)", dim="local"),
+        Collective("all_to_all", sum(4 * g for g in groups), k, "backward", local,
+                   "fp32 block scales inside the node (qgZ)", dim="local"),
+        Collective("all_to_all", sum(x // 2 // local for x, _ in quantised), k, "backward", nodes,
+                   "int4 node-reduced gradients across nodes (qgZ)", dim="node"),
+        Collective("all_to_all", sum(4 * (g // local) for g in groups), k, "backward", nodes,
+                   "fp32 block scales across nodes (qgZ)", dim="node"),
+    ]
+    if rest:
+        rows.append(Collective("reduce_scatter", sum(ceil_to(x, n) for x in rest) * bit, len(rest), "backward", n,
+                               "gradients qgZ leaves out (1-D, or not a multiple of 2 x world)"))
+    return rows  # fmt: skip
+
+
+def node_ranks(cfg, world: int) -> int:
+    """The ranks of one node: world / --nnodes where stratbench places several nodes, else the launcher's
+    LOCAL_WORLD_SIZE (torchrun: this node's processes) where it divides the world, else the whole world."""
+    if cfg.nnodes > 1:
+        return max(1, world // cfg.nnodes)
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit() and int(local) >= 1 and world % int(local) == 0:
+        return int(local)
+    return world
+
+
+def zeropp_mesh(cfg, world: int, zero: dict[str, Any]) -> dict[str, int]:
+    """ZeRO++'s groups as a device mesh (``CostModel.mesh_dims``): hpZ's secondary groups of S consecutive ranks
+    (``groups._create_zero_param_parallel_group``), qgZ's node of L ranks and its cross-node groups of one rank
+    per node; empty without them (one dimension, the world)."""
+    s = int(zero.get("zero_hpz_partition_size", 1))
+    if zero.get("zero_quantized_gradients"):
+        local = node_ranks(cfg, world)
+        if s > 1:
+            return {"node": world // local, "hpz_replica": local // s, "hpz": s}
+        return {"node": world // local, "local": local}
+    return {"dp": world // s, "hpz": s} if s > 1 else {}
 
 
 def autotp_view(ctx):
