@@ -22,6 +22,12 @@ stream on 1/T of the sequence, all-gather + reduce-scatter in place of each all-
 partial gradients itself) and ``--vocab-parallel`` (embedding and head split over the vocabulary, the loss under
 ``loss_parallel``: ``parallel.tensor_parallel.LossParallel``).
 
+HSDP (``--replicate R``): a (replicate = R, shard = world / R) mesh, torchtitan's dp_replicate x dp_shard; FSDP2 on
+the 2-D mesh shards over each group of world / R consecutive ranks (one node's by default: a group that would
+span nodes of a known size is refused unless --shard-across-nodes) and all-reduces each rank's gradient shard
+over the R replicas; with --tp T the mesh is (R, world / (R T), T). ``--sharding none`` stays the degenerate
+(world, 1) case (docs/parallelism.md, HSDP).
+
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
 sharding. A model with BatchNorm under a mixed precision is the exception (``weights_cast_by_autocast``): its
@@ -384,7 +390,8 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
 class FSDPStrategy(LossParallel, Strategy):
     name = "fsdp"
     description = (
-        "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
+        "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none; "
+        "--replicate R: HSDP"
     )
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device"
     launcher = "torchrun"
