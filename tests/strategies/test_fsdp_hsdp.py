@@ -12,7 +12,16 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import COMM, EQUIV, RTOL, assert_comm_matches_formula, assert_curves_match, fails, train
+from conftest import (
+    COMM,
+    EQUIV,
+    RTOL,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    assert_estimate_within,
+    fails,
+    train,
+)
 
 HSDP = ["--strategy", "fsdp", "--replicate", "2"]
 SAVED = 10
@@ -43,7 +52,7 @@ def test_hsdp_trains_the_model_single_trains(runs):
 @pytest.mark.distributed
 def test_each_rank_holds_one_shard_groups_share(runs):
     """Parameters, gradients and SGD momentum are 1/2 of single's on every rank (the shard group's size, not
-    the world's 4), and the cost model gives the same bytes."""
+    the world's 4), and the cost model gives the same bytes; its whole estimate holds to the measured peak."""
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.predicting.estimate import model_state_bytes
 
@@ -54,6 +63,7 @@ def test_each_rank_holds_one_shard_groups_share(runs):
     model = model_state_bytes(from_dict(TrainConfig, dict(runs["hsdp"]["config"])), 4)
     assert [m["param_bytes"] for m in model] == hsdp["param_bytes"]
     assert [m["optimizer_state_bytes"] for m in model] == hsdp["optimizer_state_bytes"]
+    assert_estimate_within(runs["hsdp"])  # the whole estimate against the allocator's peak (--measure-alloc)
 
 
 @pytest.mark.distributed
