@@ -98,7 +98,11 @@ def strategy_options_from_args(
     if foreign and strict:
         flags = ", ".join("--" + k.replace("_", "-") for k in foreign)
         allowed = ", ".join("--" + k.replace("_", "-") for k in sorted(own)) or "none"
-        raise ConfigError(f"{flags} do(es) not apply to strategy {strategy!r}; its options: {allowed}")
+        owners = ", ".join(sorted({cls.name for cls, f in iter_option_fields() if f.name in foreign}))
+        verb, of = ("does", "an option") if len(foreign) == 1 else ("do", "options")
+        raise ConfigError(
+            f"{flags} {verb} not apply to strategy {strategy!r} ({of} of {owners}); its options: {allowed}"
+        )
     return {k: v for k, v in given.items() if k in own}
 
 

@@ -22,6 +22,12 @@ stream on 1/T of the sequence, all-gather + reduce-scatter in place of each all-
 partial gradients itself) and ``--vocab-parallel`` (embedding and head split over the vocabulary, the loss under
 ``loss_parallel``: ``parallel.tensor_parallel.LossParallel``).
 
+HSDP (``--replicate R``): a (replicate = R, shard = world / R) mesh, torchtitan's dp_replicate x dp_shard; FSDP2 on
+the 2-D mesh shards over each group of world / R consecutive ranks (one node's by default: a group that would
+span nodes of a known size is refused unless --shard-across-nodes) and all-reduces each rank's gradient shard
+over the R replicas; with --tp T the mesh is (R, world / (R T), T). ``--sharding none`` stays the degenerate
+(world, 1) case (docs/parallelism.md, HSDP).
+
 Precision is turned into FSDP's ``MixedPrecisionPolicy`` (weights fp32 and sharded, gathered in the compute
 dtype, gradients reduced in fp32), so no autocast runs; the pure half precisions convert the module before
 sharding. A model with BatchNorm under a mixed precision is the exception (``weights_cast_by_autocast``): its
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +64,7 @@ from stratbench.strategies.parallel.fsdp import (
     choice,
     fsdp2_comm,
     fsdp2_memory,
+    hsdp_comm,
     policy_precision,
     weights_cast_by_autocast,
 )
@@ -100,6 +108,10 @@ class FSDPOptions:
     """fsdp --tp: Megatron sequence parallelism in each tp group, as the tp method's: the norms and the residual stream sharded along the sequence, each block's all-reduces become all-gather + reduce-scatter; --seq-len must divide by --tp."""
     vocab_parallel: bool = False
     """fsdp --tp: the built-in transformer's embedding and head split over the vocabulary in each tp group, the cross-entropy on the split logits (loss_parallel), as the tp method's; false (fsdp's default): both whole in each tp group, sharded over dp."""
+    replicate: int = 1
+    """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
+    shard_across_nodes: bool = False
+    """fsdp --replicate: allow a shard group that spans nodes (refused by default where the node size is known, --nnodes or torchrun's LOCAL_WORLD_SIZE: HSDP keeps its gathers on the node's links)."""
 
     def __post_init__(self) -> None:
         choice("sharding", self.sharding, SHARDING)
@@ -110,6 +122,15 @@ class FSDPOptions:
             raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
         if self.tp < 1:
             raise ConfigError(f"tp must be a positive integer (1: no tensor parallelism), got {self.tp!r}")
+        if self.replicate < 1:
+            raise ConfigError(f"replicate must be a positive integer (1: plain FSDP, no HSDP), got {self.replicate!r}")
+        if self.replicate > 1 and self.sharding == "none":
+            raise ConfigError(
+                f"fsdp --replicate {self.replicate} with --sharding none: none already replicates the whole model "
+                "on every rank (a (world, 1) mesh); for HSDP give --sharding full or grad-op with --replicate"
+            )
+        if self.shard_across_nodes and self.replicate == 1:
+            raise ConfigError("fsdp --shard-across-nodes applies to HSDP's shard groups: give --replicate 2 or more")
         require_tp_group(self, "fsdp", "within a tensor-parallel group")
 
 
@@ -133,6 +154,53 @@ def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
         return unfit
     why = unsupported(cfg, t, "--tp", plan_options(options))
     return f"fsdp --tp {t}: {why}" if why else None
+
+
+def replicate_unfit(options: FSDPOptions, world: int) -> str | None:
+    """One line when ``--replicate R`` does not split the data-parallel ranks (world / --tp) into R shard groups
+    of 2 or more ranks (a shard group of one is --sharding none), naming the R that fit; else None."""
+    r, t = options.replicate, options.tp
+    dp = world // t
+    if r == 1 or (dp % r == 0 and r < dp):
+        return None
+    fits = ", ".join(str(d) for d in range(1, dp) if dp % d == 0)
+    over = f"{dp} data-parallel ranks ({world} processes / --tp {t})" if t > 1 else f"{world} processes"
+    why = (
+        f"do not divide by {r}"
+        if dp % r
+        else f"in {r} replicas leave shard groups of 1 rank (that is --sharding none)"
+    )
+    return f"fsdp --replicate {r}: {over} {why}; --replicate that fit: {fits}"
+
+
+def node_size(cfg, world: int) -> int | None:
+    """Processes per node where known: world / --nnodes when stratbench starts several nodes, else torchrun's
+    LOCAL_WORLD_SIZE where another launcher started this process; None: one node as far as this run knows."""
+    if cfg.nnodes > 1:
+        return world // cfg.nnodes
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return local if local < world else None
+
+
+def shard_group_spans_nodes(cfg, options: FSDPOptions, world: int) -> str | None:
+    """One line when HSDP's shard groups (world / R consecutive ranks, x --tp T) would not sit inside nodes of the
+    known size and --shard-across-nodes was not given, naming the --replicate that keep them in a node."""
+    r, t = options.replicate, options.tp
+    per_node = node_size(cfg, world)
+    if r == 1 or options.shard_across_nodes or per_node is None:
+        return None
+    group = world // r  # shard x tp: consecutive ranks
+    if per_node % group == 0:
+        return None
+    dp = world // t
+    fits = [d for d in range(2, dp + 1) if dp % d == 0 and d < dp and per_node % (world // d) == 0]
+    hint = {0: "no --replicate keeps", 1: "--replicate {} keeps"}.get(len(fits), "--replicate {} keep")
+    return (
+        f"fsdp --replicate {r}: a shard group of {group} ranks ({world} processes / {r}"
+        + (f", tp {t} included" if t > 1 else "")
+        + f") does not fit nodes of {per_node} processes; {hint.format(', '.join(map(str, fits)))} it in a node, "
+        "or give --shard-across-nodes to shard over the inter-node link"
+    )
 
 
 def tp_local(ctx) -> MemoryContext:
@@ -159,16 +227,44 @@ def fsdp_tp_comm(ctx) -> list[Collective] | None:
     megatron = tp_rows(ctx, dp.world)
     if megatron is None:
         return None
-    rows = [dataclasses.replace(r, dim="dp") for r in fsdp2_comm(dp, ctx.options.sharding)]
+    rows = data_parallel_rows(dp)
     rows += [
         dataclasses.replace(r, dim="tp", critical=True) for r in megatron
     ]  # FSDP's prefetch cannot hide them
-    if ctx.cfg.clip_grad_norm and dp.world > 1 and ctx.options.sharding != "none":
-        norms = len(ctx.info.numels) * ctx.param_bytes
-        rows.append(
-            Collective("all_reduce", norms, 1, "optimizer", dp.world, "per-parameter norms over dp", dim="dp")
-        )
+    if ctx.cfg.clip_grad_norm:
+        rows += clip_norms_over_shards(ctx, dp)
     return rows
+
+
+def data_parallel_rows(ctx) -> list[Collective]:
+    """FSDP2's rows over the data-parallel ranks of ``ctx`` (a tensor-parallel slice's with --tp): over one "dp"
+    dimension, or with --replicate HSDP's over "shard" and "replicate" (``hsdp_comm``)."""
+    opts = ctx.options
+    if opts.replicate > 1:
+        return hsdp_comm(ctx, opts.sharding, opts.replicate)
+    return [dataclasses.replace(r, dim="dp") for r in fsdp2_comm(ctx, opts.sharding)]
+
+
+def clip_norms_over_shards(ctx, dp) -> list[Collective]:
+    """--clip-grad-norm: DTensor all-reduces the per-parameter gradient norms (one fp number each) over the
+    data-parallel dimension the gradients are sharded on: dp, or HSDP's shard groups (the replicas hold equal
+    gradients: no reduction over replicate); none for --sharding none (replicated)."""
+    opts = ctx.options
+    group, dim = (dp.world // opts.replicate, "shard") if opts.replicate > 1 else (dp.world, "dp")
+    if group <= 1 or opts.sharding == "none":
+        return []
+    norms = len(ctx.info.numels) * ctx.param_bytes
+    return [Collective("all_reduce", norms, 1, "optimizer", group, f"per-parameter norms over {dim}", dim=dim)]
+
+
+def shard_group(ctx, rank: int) -> tuple[MemoryContext, int]:
+    """``ctx`` over the ranks FSDP2 shards over and ``rank``'s place among them: all of them, or with --replicate R
+    HSDP's shard group (world / R consecutive ranks, the rank's shard coordinate)."""
+    r = ctx.options.replicate
+    if r == 1:
+        return ctx, rank
+    s = ctx.world // r
+    return dataclasses.replace(ctx, world=s), rank % s
 
 
 def tp_rows(ctx, dp: int) -> list[Collective] | None:
@@ -218,24 +314,34 @@ def _recomputed(block_rows: list[Collective]) -> list[Collective]:
 
 class FSDPCost(CostModel):
     """FSDP2 with the run's ``--sharding`` and ``--cpu-offload`` (``fsdp2_memory``, ``fsdp2_comm``); with
-    ``--tp`` the same over the dp dimension of each rank's tensor-parallel slices (``tp_local``)."""
+    ``--tp`` the same over the dp dimension of each rank's tensor-parallel slices (``tp_local``); with
+    ``--replicate R`` (HSDP) the same over each shard group of world / R ranks (``shard_group``, ``hsdp_comm``)."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
         opts = ctx.options
         ctx, units_note = as_wrapped(ctx)
+        if why := replicate_unfit(opts, ctx.world):
+            raise ConfigError(why)
         if opts.tp == 1:
-            m = fsdp2_memory(ctx, rank, opts.sharding, opts.cpu_offload)
+            shard, at = shard_group(ctx, rank)
+            m = fsdp2_memory(shard, at, opts.sharding, opts.cpu_offload)
+            if opts.replicate > 1:
+                m.sharding_note += f" over a shard group (N = {shard.world}), replicated {opts.replicate}x"
             m.units_note = units_note
             return m
         why = tp_unsupported(ctx.cfg, opts, ctx.world)
         if why:  # before any trace of a slice that cannot be cut (one line, as train refuses it)
             raise ConfigError(why)
         dp = tp_local(ctx)
-        m = fsdp2_memory(dp, rank // opts.tp, opts.sharding, opts.cpu_offload)
-        m.sharding_note = (
-            f"split weights 1/{opts.tp} over tp, then {m.sharding_note} over dp (N = {dp.world})"
+        shard, at = shard_group(dp, rank // opts.tp)
+        m = fsdp2_memory(shard, at, opts.sharding, opts.cpu_offload)
+        over = (
+            f"over a shard group (N = {shard.world}), replicated {opts.replicate}x"
+            if opts.replicate > 1
+            else f"over dp (N = {dp.world})"
         )
+        m.sharding_note = f"split weights 1/{opts.tp} over tp, then {m.sharding_note} {over}"
         # each rank computes its replica's batch through its slice of the split matrices
         m.data_ranks = dp.world
         m.trace_transform = LocalSlice(opts.tp, opts.vocab_parallel, opts.sequence_parallel)
@@ -252,15 +358,23 @@ class FSDPCost(CostModel):
 
     @classmethod
     def mesh_dims(cls, ctx) -> dict[str, int]:
-        """With --tp T the (dp = world / T, tp = T) mesh (``FSDPStrategy.mesh``); else one dimension."""
-        t = ctx.options.tp
+        """``FSDPStrategy.mesh``'s dimensions: with --replicate R (replicate = R, shard = world / (R T)[, tp = T]),
+        with --tp T alone (dp = world / T, tp = T); else one dimension."""
+        t, r = ctx.options.tp, ctx.options.replicate
+        if r > 1:
+            return {"replicate": r, "shard": ctx.world // (r * t)} | ({"tp": t} if t > 1 else {})
         return {"dp": ctx.world // t, "tp": t} if t > 1 else {}
 
     @classmethod
     def comm_model(cls, ctx):
         ctx = as_wrapped(ctx)[0]
+        if why := replicate_unfit(ctx.options, ctx.world):
+            raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
+        if ctx.options.replicate > 1:
+            clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
+            return hsdp_comm(ctx, ctx.options.sharding, ctx.options.replicate) + clip
         return fsdp2_comm(ctx, ctx.options.sharding)
 
 
@@ -276,7 +390,8 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
 class FSDPStrategy(LossParallel, Strategy):
     name = "fsdp"
     description = (
-        "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none"
+        "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none; "
+        "--replicate R: HSDP"
     )
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); one process per device"
     launcher = "torchrun"
@@ -311,34 +426,40 @@ class FSDPStrategy(LossParallel, Strategy):
         if why := cls.lora_refusal(cfg) or cls.quantize_refusal(cfg):
             return why
         opts = cls.parse_options(cfg.strategy_options)
-        return lean_unsupported(cfg, opts) or tp_unsupported(cfg, opts, world_size)
+        return (
+            lean_unsupported(cfg, opts)
+            or tp_unsupported(cfg, opts, world_size)
+            or replicate_unfit(opts, world_size)
+            or shard_group_spans_nodes(cfg, opts, world_size)
+        )
 
     @classmethod
     def data_parallel_size(cls, cfg, world_size: int) -> int:
-        """The replicas the batch is split over: the mesh's dp dimension (world / --tp; refused here, first, when
-        --tp does not divide the world)."""
-        t = cls.parse_options(cfg.strategy_options).tp
-        why = degree_unfit("fsdp --tp", t, world_size)
+        """The replicas the batch is split over: the mesh's data-parallel ranks (world / --tp: with --replicate,
+        replicate x shard; refused here, first, when --tp does not divide the world or --replicate the rest)."""
+        opts = cls.parse_options(cfg.strategy_options)
+        why = degree_unfit("fsdp --tp", opts.tp, world_size) or replicate_unfit(opts, world_size)
         if why:
             raise ConfigError(why)
-        return world_size // t
+        return world_size // opts.tp
 
     cost = FSDPCost
     checkpoint_io_class = FSDPCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
-        """The rank's dp coordinate: the ranks of one tensor-parallel group read the same batches."""
+        """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
+        one tensor-parallel group read the same batches."""
         t = self.options.tp
         return self.env.rank // t, self.env.world_size // t
 
     def report(self) -> dict[str, Any]:
         """The FSDP units (each one gather/reduce group: the wrapped modules and the root) and how the weights
-        reach the compute dtype; with --tp, the mesh (its named dimensions and their sizes) and the tp plan's
-        flags."""
+        reach the compute dtype; with --tp or --replicate, the mesh (its named dimensions and their sizes); with
+        --tp the tp plan's flags."""
         own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
-        if self.options.tp == 1:
-            return own
         opts = self.options
+        if opts.tp == 1:
+            return own | ({"mesh": self.mesh_shape} if opts.replicate > 1 else {})
         flags = {"sequence_parallel": opts.sequence_parallel, "vocab_parallel": opts.vocab_parallel}
         return own | {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}}
 
@@ -346,10 +467,14 @@ class FSDPStrategy(LossParallel, Strategy):
     def mesh(self):
         """1-D mesh over all ranks for sharding; (world, 1) for replication (HSDP with a shard group of one).
         With --tp T a last dimension ``tp`` of size T (consecutive ranks form one tensor-parallel group) and the
-        data-parallel ranks before it: (dp = world/T, tp), or (replicate = world/T, shard = 1, tp) for none."""
+        data-parallel ranks before it: (dp = world/T, tp), or (replicate = world/T, shard = 1, tp) for none. With
+        --replicate R (HSDP) (replicate = R, shard = world / (R T)[, tp = T]): each shard group consecutive ranks."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        kind, world, t = self.env.device.type, self.env.world_size, self.options.tp
+        kind, world, t, r = self.env.device.type, self.env.world_size, self.options.tp, self.options.replicate
+        if r > 1:
+            dims = (r, world // (r * t), t) if t > 1 else (r, world // r)
+            return init_device_mesh(kind, dims, mesh_dim_names=("replicate", "shard", "tp")[: len(dims)])
         if t > 1 and self.options.sharding == "none":
             return init_device_mesh(kind, (world // t, 1, t), mesh_dim_names=("replicate", "shard", "tp"))
         if t > 1:
@@ -360,21 +485,26 @@ class FSDPStrategy(LossParallel, Strategy):
 
     def shard_mesh(self, model: nn.Module):
         """The mesh FSDP2 shards over. With --tp the model is split over the mesh's tp dimension first
-        (torchtitan's order: TP, then FSDP over the data-parallel dimensions), and the mesh is printed once."""
-        mesh = self.mesh()
-        if self.options.tp == 1:
+        (torchtitan's order: TP, then FSDP over the data-parallel dimensions), and the mesh is printed once (with
+        --tp or --replicate). A 2-D mesh (replicate, shard) is FSDP2's HSDP."""
+        mesh, opts = self.mesh(), self.options
+        if opts.tp == 1 and opts.replicate == 1:
             return mesh
         self.mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
-        opts = self.options
-        apply_tp(
-            model, mesh["tp"], sequence_parallel=opts.sequence_parallel, vocab_parallel=opts.vocab_parallel
-        )
-        self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
+        if opts.tp > 1:
+            apply_tp(
+                model, mesh["tp"], sequence_parallel=opts.sequence_parallel, vocab_parallel=opts.vocab_parallel
+            )
+            self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         if self.env.is_main:
             dims = " x ".join(f"{k} {v}" for k, v in self.mesh_shape.items())
-            print(
-                f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} (the ranks of one tp group read the same data)"
-            )
+            why = [
+                "the ranks of one tp group read the same data" if opts.tp > 1 else "",
+                "FSDP2 shards over shard, gradient shards all-reduced over replicate" if opts.replicate > 1 else "",
+            ]
+            print(f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} ({'; '.join(w for w in why if w)})", flush=True)
+        if opts.tp == 1:
+            return mesh
         data_dims = mesh.mesh_dim_names[:-1]
         return mesh[data_dims[0]] if len(data_dims) == 1 else mesh[data_dims]
 

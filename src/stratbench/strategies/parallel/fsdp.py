@@ -8,6 +8,7 @@ them.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from pathlib import Path
 
@@ -146,27 +147,63 @@ def fsdp2_comm(ctx, sharding: str):
     Gathers in the policy's param dtype (the compute dtype under a mixed precision; fp32 for a BatchNorm model,
     cast by autocast: ``gather_itemsize``), reductions in fp32 then; with gradient accumulation full sharding
     gathers and reduce-scatters every micro-step, grad-op/none reduce once."""
-    n, info = ctx.world, ctx.info
+    n = ctx.world
     if n <= 1:
         return []
-    spec = ctx.pspec
     gather_bytes = gather_itemsize(ctx)
-    reduce_bytes = 4 if spec.autocast else ctx.param_bytes
+    reduce_bytes = reduce_itemsize(ctx)
+    units = unit_count(ctx)  # one call per unit (blocks + root, as wrapped)
     if sharding == "none":
         note = "replicated (HSDP with a shard group of one)"
-        units = max(1, sum(1 for u in info.block_units if u))
         return [Collective("all_reduce", sum(ctx.trainable_numels) * reduce_bytes, units, "backward", n, note)]
     micro = ctx.cfg.grad_accum
-    units = max(1, sum(1 for u in info.block_units if u))  # one call per unit (blocks + root, as wrapped)
     gather = gathered_bytes(ctx, n, gather_bytes) * micro
     rows = [Collective("all_gather", gather, units * micro, "forward", n, "parameters before forward")]
     if sharding == "full":
         rows.append(Collective("all_gather", gather, units * micro, "backward", n, "again for backward"))
-    reduces = micro if sharding == "full" else 1
-    # a frozen parameter (LoRA's base) is gathered but has no gradient to reduce
-    trained = [(e, d) for e, d, t in zip(ctx.numels, ctx.dim0, ctx.trainable, strict=True) if t]
-    reduced = dim0_padded([e for e, _ in trained], [d for _, d in trained], n) * reduce_bytes * reduces
+    reduces = gradient_reductions(ctx, sharding)
+    reduced = trained_padded(ctx, n) * reduce_bytes * reduces
     rows.append(Collective("reduce_scatter", reduced, units * reduces, "backward", n, "gradients"))
+    return rows
+
+
+def reduce_itemsize(ctx) -> int:
+    """Bytes per element of the reduced gradients: fp32 under a mixed precision's policy, else the weights'."""
+    return 4 if ctx.pspec.autocast else ctx.param_bytes
+
+
+def unit_count(ctx) -> int:
+    """FSDP2 units as wrapped (the blocks and the root): one gather / reduce call each."""
+    return max(1, sum(1 for u in ctx.info.block_units if u))
+
+
+def gradient_reductions(ctx, sharding: str) -> int:
+    """How many times per optimizer step the gradients are reduced: every micro-step under full sharding (only
+    shards are kept), once for grad-op / none (the sync is off until the last micro-step)."""
+    return ctx.cfg.grad_accum if sharding == "full" else 1
+
+
+def trained_padded(ctx, n: int) -> int:
+    """Elements of the trained parameters' gradients as FSDP2 reduce-scatters them over ``n`` ranks (each padded
+    along dim 0 to a multiple of ``n``); a frozen parameter (LoRA's base) is gathered but has no gradient."""
+    trained = [(e, d) for e, d, t in zip(ctx.numels, ctx.dim0, ctx.trainable, strict=True) if t]
+    return dim0_padded([e for e, _ in trained], [d for _, d in trained], n)
+
+
+def hsdp_comm(ctx, sharding: str, replicate: int) -> list[Collective]:
+    """HSDP's traffic per optimizer step on a (replicate = R, shard = world / R) mesh (FSDP2 on a 2-D mesh):
+    FSDP2's all-gathers and reduce-scatters (``fsdp2_comm``) over each shard group of world / R ranks (dim
+    "shard"), then each rank's gradient shard all-reduced over the R replicas (dim "replicate"): the
+    reduce-scatter's output, 1/S of the padded gradients, in the reduce dtype, once per unit and reduction."""
+    shard = dataclasses.replace(ctx, world=ctx.world // replicate)
+    rows = [dataclasses.replace(r, dim="shard") for r in fsdp2_comm(shard, sharding)]
+    reduces = gradient_reductions(ctx, sharding)
+    s = shard.world
+    payload = trained_padded(ctx, s) // s * reduce_itemsize(ctx) * reduces
+    note = f"gradient shards (1/{s}) over the replicas"
+    rows.append(
+        Collective("all_reduce", payload, unit_count(ctx) * reduces, "backward", replicate, note, dim="replicate")
+    )
     return rows
 
 
