@@ -387,7 +387,61 @@ def preset_llm_quick(world_size: int | None = None) -> dict[str, Any]:
             # Rows that need what this machine may lack; listed so the report says why they are missing.
             {"method": "dp", "precision": "fp32", "world_size": 1},
             {"method": ["accelerate-fsdp", "accelerate-deepspeed"], "precision": "fp32"},
+            ZERO_PP_CELL | {"precision": "fp32", "options": ZERO_PP_CELL["options"] | {"reduce_bucket_size": SMALL_DS_BUCKET}},  # fmt: skip
         ],
+    }
+
+
+ZERO_PP_CELL: dict[str, Any] = {
+    "method": "deepspeed",
+    "label": "deepspeed-zero++",
+    "options": {"zero_stage": 3, "zero_quantized_weights": True, "zero_quantized_gradients": True},
+}
+"""DeepSpeed ZeRO++'s quantised collectives on ZeRO-3: int8 weight all-gathers (qwZ) and int4 gradient
+all-to-alls (qgZ); their kernels are CUDA-only, so on a CPU the row is skipped with DeepSpeed's reason."""
+
+
+def hsdp_cells(world: int, nodes: int, precision: str) -> list[dict[str, Any]]:
+    """HSDP (fsdp --replicate R: sharded inside each group of world/R ranks, replicated across) and ZeRO-3 with
+    hpZ's secondary partition of the same size, where the devices form 2 or more groups of 2 or more; the groups
+    are the nodes where there are several, else halves of the world."""
+    groups = nodes if nodes > 1 else 2
+    if world < 4 or world % groups or world // groups < 2:
+        return []
+    return [
+        {"method": "fsdp", "precision": precision, "options": {"replicate": groups}, "label": "hsdp"},
+        {"method": "deepspeed", "precision": precision, "label": f"deepspeed-z3-hpz{world // groups}",
+         "options": {"zero_stage": 3, "zero_hpz": world // groups}},
+    ]  # fmt: skip
+
+
+def preset_llm_nodes() -> dict[str, Any]:
+    """Sharding across nodes on one machine: 2 loopback nodes of 2 processes each (one launcher per node, as on
+    a cluster), every cell's collectives split into the bytes that stay in a node and those that cross."""
+    base = LLM_QUICK_BASE | {"seq_len": 64, "max_steps": 12, "eval_samples": 32}
+    small = {"reduce_bucket_size": SMALL_DS_BUCKET}  # DeepSpeed's default buckets are GBs of host memory per rank
+    hsdp, hpz = hsdp_cells(4, 2, "fp32")
+    cells = [
+        {"method": ["ddp", "fsdp"], "precision": "fp32"},
+        hsdp,
+        {"method": "deepspeed", "precision": "fp32", "options": {"zero_stage": 3}, "label": "deepspeed-z3"},
+        hpz,
+        ZERO_PP_CELL | {"precision": "fp32"},
+    ]
+    for cell in cells:
+        cell["nodes"] = 2
+        if cell["method"] == "deepspeed":
+            cell["options"] = cell["options"] | small
+    return {
+        "name": "llm-nodes",
+        "description": "gpt-tiny (1.87M parameters) on byte-level text of the Python standard library, sequence 64, "
+        "global batch 16, 12 steps of AdamW in fp32, on 2 nodes x 2 processes (loopback): full sharding over "
+        "all 4 ranks against HSDP (sharded in a node, replicated across) and ZeRO-3 against hpZ (the backward "
+        "gather in a node); each cell's comm / step says how many bytes crossed between the nodes",
+        "base": base,
+        "world_size": 4,
+        "timeout_s": 600,
+        "cells": cells,
     }
 
 
@@ -526,6 +580,8 @@ def preset_llm() -> dict[str, Any]:
                 "options": {"zero_stage": 3, "offload_optimizer": "cpu", "offload_params": "cpu"},
                 "label": "deepspeed-z3-offload",
             },  # fmt: skip
+            *hsdp_cells(world, 1, "bf16-mixed"),
+            *([ZERO_PP_CELL | {"precision": "bf16-mixed"}] if world > 1 else []),
         ],
     }
 
@@ -645,6 +701,7 @@ PRESETS = {
     "llm-quick": preset_llm_quick,
     "llm-fit": preset_llm_fit,
     "llm-tp": preset_llm_tp,
+    "llm-nodes": preset_llm_nodes,
     "llm": preset_llm,
     "ft-quick": preset_ft_quick,
     "llm-ft": preset_llm_ft,
