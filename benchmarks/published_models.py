@@ -138,6 +138,16 @@ def llama3_70b(num_classes: int = 0) -> nn.Module:
     return TokenModel(8192, 128256, 8192, 80, 64, 8, 28672, gated=True)
 
 
+def llama3_8b_s2048(num_classes: int = 0) -> nn.Module:
+    """Llama 3 8B at sequence length 2048 (the scaling picture's small-batch regime)."""
+    return TokenModel(2048, 128256, 4096, 32, 32, 8, 14336, gated=True)
+
+
+def llama3_70b_s2048(num_classes: int = 0) -> nn.Module:
+    """Llama 3 70B at sequence length 2048."""
+    return TokenModel(2048, 128256, 8192, 80, 64, 8, 28672, gated=True)
+
+
 GPT_SHAPES = {"gpt_18b_s512": {"layers": 40, "hidden": 6144, "heads": 32, "vocab": 50257, "seq_len": 512}}
 """The ZeRO++ paper's GPT models whose shapes a source gives (the DeepSpeed ZeRO++ tutorial's 18B)."""
 
@@ -166,5 +176,5 @@ def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
 
 
 SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192,
-           "llama3_70b": 8192, "gpt_18b_s512": 512}  # fmt: skip
+           "llama3_70b": 8192, "gpt_18b_s512": 512, "llama3_8b_s2048": 2048, "llama3_70b_s2048": 2048}  # fmt: skip
 """Tokens per sample of each builder: the image side must hold them (3 x H x W >= seq_len)."""
