@@ -71,6 +71,7 @@ PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp1
 MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext101_32x4d",
           "bert-large": "published_models:bert_large_s{seq_len}",
           "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b",
+          "mpt-7b": "published_models:mpt_7b_s2048", "mpt-13b": "published_models:mpt_13b_s2048",
           "gpt-18b": "published_models:gpt_18b_s512", "gpt-49b": None, "gpt-91b": None, "gpt-138b": None,
           "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None}  # fmt: skip
 """published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none;

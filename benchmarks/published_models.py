@@ -21,7 +21,8 @@ The ZeRO++ paper's 18B GPT (Wang et al. 2023; the DeepSpeed ZeRO++ tutorial, mic
 docs/_tutorials/zeropp.md, runs it through Megatron-DeepSpeed's GPT-2 code: --num-layers 40 --hidden-size 6144
 --num-attention-heads 32 --seq-length 512): GPT-2's pre-norm causal layers (LayerNorm, GELU MLP of 4 x hidden,
 biases), learned positions, GPT-2's 50,257-token vocabulary, the output tied to the word embeddings. The paper's
-49B, 91B and 138B models are not built here: no source these tools reach gives their shapes.
+49B, 91B and 138B models are not built here: no source these tools reach gives their shapes. MosaicML's MPT-7B and
+13B from mosaicml/llm-foundry's pretraining configs (the same GPT layout).
 Differences that move FLOPs and parameters by less than 1%: no NSP head and pooler, no rotary embedding.
 """
 
@@ -152,11 +153,28 @@ GPT_SHAPES = {"gpt_18b_s512": {"layers": 40, "hidden": 6144, "heads": 32, "vocab
 """The ZeRO++ paper's GPT models whose shapes a source gives (the DeepSpeed ZeRO++ tutorial's 18B)."""
 
 
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq_len: int) -> nn.Module:
+    """A GPT-2-style causal model: LayerNorm, GELU MLP of 4 x hidden, learned positions, output tied to the
+    word embeddings."""
+    return TokenModel(seq_len, vocab, hidden, layers, heads, heads, 4 * hidden, gated=False, positions=seq_len,
+                      tie=True, causal=True, token_types=False)  # fmt: skip
+
+
 def gpt_18b_s512(num_classes: int = 0) -> nn.Module:
     """The ZeRO++ paper's 18B GPT (40 layers, hidden 6144, 32 heads) at sequence length 512."""
-    g = GPT_SHAPES["gpt_18b_s512"]
-    return TokenModel(g["seq_len"], g["vocab"], g["hidden"], g["layers"], g["heads"], g["heads"], 4 * g["hidden"],
-                      gated=False, positions=g["seq_len"], tie=True, causal=True, token_types=False)  # fmt: skip
+    return _gpt(**GPT_SHAPES["gpt_18b_s512"])
+
+
+def mpt_7b_s2048(num_classes: int = 0) -> nn.Module:
+    """MosaicML's MPT-7B (llm-foundry scripts/train/yamls/pretrain/mpt-7b.yaml: d_model 4096, 32 heads, 32 layers,
+    expansion ratio 4, vocabulary 50368) at 2048 tokens. Its benchmark table's parameter counts grow by seq x
+    d_model with the sequence: learned positions, as here. Its layers have no biases (these do: < 0.1%)."""
+    return _gpt(32, 4096, 32, 50368, 2048)
+
+
+def mpt_13b_s2048(num_classes: int = 0) -> nn.Module:
+    """MosaicML's MPT-13B (mpt-13b.yaml: d_model 5120, 40 heads, 40 layers, expansion ratio 4, vocabulary 50368)."""
+    return _gpt(40, 5120, 40, 50368, 2048)
 
 
 def megatron_flops_per_sequence(builder: str) -> float:
@@ -176,5 +194,6 @@ def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
 
 
 SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192,
-           "llama3_70b": 8192, "gpt_18b_s512": 512, "llama3_8b_s2048": 2048, "llama3_70b_s2048": 2048}  # fmt: skip
+           "llama3_70b": 8192, "gpt_18b_s512": 512, "llama3_8b_s2048": 2048, "llama3_70b_s2048": 2048,
+           "mpt_7b_s2048": 2048, "mpt_13b_s2048": 2048}  # fmt: skip
 """Tokens per sample of each builder: the image side must hold them (3 x H x W >= seq_len)."""
