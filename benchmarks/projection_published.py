@@ -9,7 +9,13 @@
 * **single GPU, default efficiency**: every 1-GPU figure against the projection with hardware.yaml's default
   efficiency for its GPU, precision and model family (no calibration) and with the old per-precision constant, the
   efficiency the figure implies, and its role: a figure that *sets* a default, or one *held out* from all of them
-  (the errors are summarised separately).
+  (the errors are summarised separately);
+* **multi-node sharded** (issue 45; the entries marked ``check: multi-node``): HSDP, ZeRO-3 and ZeRO++ figures,
+  each predicted from its own anchor only (the ZeRO++ blog's bars, all at 384 GPUs: the same model and micro-batch's
+  ZeRO-3 figure at the highest bandwidth), published vs predicted with the error, the rows that miss and the ones
+  stratbench cannot express (n/a with the reason) included. A row whose method option this stratbench lacks (fsdp's
+  ``replicate``, deepspeed's ``zero_hpz`` / ``zero_quantized_weights`` / ``zero_quantized_gradients`` before issue
+  45's merge) is n/a with the option named.
 
     PYTHONPATH=src python benchmarks/projection_published.py
 
@@ -22,6 +28,8 @@ own figures and use no default.
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import math
 import statistics
@@ -35,6 +43,7 @@ import yaml
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
+from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.measuring.hardware import HardwareError, System, builtin, resolve
 from stratbench.measuring.records import RunRecord
 from stratbench.predicting.projection import (
@@ -45,13 +54,15 @@ from stratbench.predicting.projection import (
     precision_key,
     project,
 )
+from stratbench.strategies.base import get_strategy
 
 HERE = Path(__file__).resolve().parent
 HARDWARE = HERE / "published_hardware.yaml"
 """Systems the published runs used that hardware.yaml lacks (DGX-1 V100)."""
 
-UNITS = ("img/s", "sequences/s", "tokens/s per GPU")
-"""Units published.yaml may use: samples per second over all GPUs, or tokens per second per GPU."""
+UNITS = ("img/s", "sequences/s", "tokens/s per GPU", "TFLOPs per GPU")
+"""Units published.yaml may use: samples per second over all GPUs, tokens per second per GPU, or TFLOPs per GPU as
+Megatron-DeepSpeed counts them (``published_models.megatron_flops_per_sequence``)."""
 
 PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp16-mixed", False),
               "bf16": ("bf16-mixed", False)}  # fmt: skip
@@ -59,8 +70,15 @@ PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp1
 
 MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext101_32x4d",
           "bert-large": "published_models:bert_large_s{seq_len}",
-          "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b"}  # fmt: skip
-"""published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none)."""
+          "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b",
+          "mpt-7b": "published_models:mpt_7b_s2048", "mpt-13b": "published_models:mpt_13b_s2048",
+          "gpt-18b": "published_models:gpt_18b_s512", "gpt-49b": None, "gpt-91b": None, "gpt-138b": None,
+          "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None}  # fmt: skip
+"""published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none;
+None: a model its source names without a shape these tools could read, in not_projectable entries only)."""
+
+MULTI_NODE = "multi-node"
+"""An entry's ``check`` for the multi-node sharded table (issue 45) instead of the scaling table."""
 
 OPTIMIZERS = {"convnet": "sgd", "transformer": "adamw"}
 """SGD with momentum (ResNet-50); LAMB, BertAdam and AdamW keep two states per parameter, as adamw does."""
@@ -98,10 +116,17 @@ def check_entry(e: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
         bad.append(f"unknown family {e.get('family')!r}")
     if e.get("model") not in MODELS:
         bad.append(f"unknown model {e.get('model')!r}")
+    elif MODELS[e["model"]] is None and not e.get("not_projectable"):
+        bad.append(f"model {e['model']!r} has no shape here: the entry must be not_projectable")
+    if e.get("check") not in (None, MULTI_NODE):
+        bad.append(f"unknown check {e['check']!r} (known: {MULTI_NODE})")
+    if e.get("unit") == "TFLOPs per GPU" and not e.get("not_projectable") and not _megatron_builder(e):
+        bad.append("TFLOPs per GPU needs a model with a Megatron FLOP count (published_models.GPT_SHAPES)")
     for ref in ("baseline", "anchor"):
         if e.get(ref) and e[ref] not in ids:
             bad.append(f"{ref} {e[ref]!r} is no entry's id")
-    if e.get("gpus", 0) > 1 and not (e.get("baseline") or e.get("anchor")) and e.get("id") not in anchors:
+    if (e.get("gpus", 0) > 1 and not (e.get("baseline") or e.get("anchor")) and e.get("id") not in anchors
+            and not e.get("not_projectable")):  # fmt: skip
         bad.append(
             "a multi-GPU entry needs a baseline (its 1-GPU entry) or an anchor, or is another's anchor"
         )
@@ -113,21 +138,47 @@ def samples_per_step(e: dict[str, Any]) -> int:
     return int(e["batch_per_gpu"]) * int(e.get("accumulation", 1))
 
 
+def _megatron_builder(e: dict[str, Any]) -> str | None:
+    """The published_models builder whose Megatron FLOP count converts entry ``e``'s TFLOPs (None: none)."""
+    model = MODELS.get(e.get("model") or "")
+    name = model.split(":", 1)[1] if model and model.startswith("published_models:") else ""
+    return name if name in _published_models().GPT_SHAPES else None
+
+
+def _published_models() -> Any:
+    """benchmarks/published_models.py (the transformers' builders and FLOP counts), importable from here."""
+    if str(HERE) not in sys.path:
+        sys.path.insert(0, str(HERE))
+    guard_torchvision_import()  # it imports torchvision, which a CPU torch cannot import unaided
+    return importlib.import_module("published_models")
+
+
+def _per_sample(e: dict[str, Any]) -> float:
+    """What one sample per second over all GPUs is in entry ``e``'s unit."""
+    if e["unit"] == "tokens/s per GPU":
+        return e["seq_len"] / e["gpus"]
+    if e["unit"] == "TFLOPs per GPU":
+        return _published_models().megatron_flops_per_sequence(_megatron_builder(e)) / e["gpus"] / 1e12
+    return 1.0
+
+
 def samples_per_s(e: dict[str, Any], value: float | None = None) -> float:
     """The entry's throughput (or ``value`` in its unit) as samples per second over all its GPUs."""
     v = float(e["throughput"] if value is None else value)
-    return v * e["gpus"] / e["seq_len"] if e["unit"] == "tokens/s per GPU" else v
+    return v / _per_sample(e)
 
 
 def in_unit(e: dict[str, Any], samples: float) -> float:
     """Samples per second over all GPUs in the entry's unit."""
-    return samples * e["seq_len"] / e["gpus"] if e["unit"] == "tokens/s per GPU" else samples
+    return samples * _per_sample(e)
 
 
 def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = None) -> TrainConfig:
     """The stratbench run of entry ``e`` on ``gpus`` devices (default: its own) with ``strategy`` (its method)."""
     if e["precision"] not in PRECISIONS:
         raise ConfigError(f"precision {e['precision']!r} has no stratbench equivalent")
+    if MODELS[e["model"]] is None:
+        raise ConfigError(f"model {e['model']!r} has no shape in benchmarks/published_models.py")
     precision, tf32 = PRECISIONS[e["precision"]]
     gpus = gpus or e["gpus"]
     strategy = strategy or e["method"]
@@ -135,11 +186,14 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
     model = MODELS[e["model"]].format(seq_len=e.get("seq_len"))
     # a token model reads its tokens from an image of 3 x side x side values
     side = e.get("image_size") or math.ceil(math.sqrt(e["seq_len"] / 3))
-    return TrainConfig(
+    cfg = TrainConfig(
         model=model, image_size=side, num_classes=1000, data="synthetic", precision=precision, tf32=tf32,
         batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
         optimizer=OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
+        activation_checkpointing=bool(e.get("activation_checkpointing")),
     )  # fmt: skip
+    # the multi-node rows' methods place groups by node (ZeRO++'s qgZ, HSDP's shard group): say how many
+    return cfg.replace(nnodes=e["nodes"]) if e.get("check") == MULTI_NODE and gpus == e["gpus"] else cfg
 
 
 def system_of(e: dict[str, Any]) -> System:
@@ -207,6 +261,7 @@ class Prediction:
     predicted: float | None = None
     reason: str = ""
     efficiency: float | None = None
+    projection: MethodProjection | None = None
 
     @property
     def error(self) -> float | None:
@@ -223,9 +278,14 @@ def predict(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> Prediction:
     if e.get("not_projectable"):
         out.reason = e["not_projectable"]
         return out
+    if why := unknown_options(e):
+        out.reason = why
+        return out
     try:
         system = system_of(e)
-        cal = calibration_from(ref, system) if e.get("baseline") else anchored_calibration(ref, system)
+        # the anchor on its own system (the ZeRO++ blog's anchor has more NICs per node than the rows it predicts)
+        basis = calibration_from(ref, system) if e.get("baseline") else None
+        cal = basis or anchored_calibration(ref, system_of(ref))
         p = _project(e, config(e), system, cal)
     except ConfigError as exc:
         out.reason = str(exc)
@@ -233,8 +293,23 @@ def predict(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> Prediction:
     if p.status != "ok" or not p.throughput:
         out.reason = p.reason or p.status
         return out
-    out.predicted, out.efficiency = in_unit(e, p.throughput), p.efficiency
+    out.predicted, out.efficiency, out.projection = in_unit(e, p.throughput), p.efficiency, p
     return out
+
+
+def unknown_options(e: dict[str, Any]) -> str | None:
+    """Why this stratbench cannot take entry ``e``'s strategy options (issue 45's HSDP ``replicate`` and ZeRO++
+    options before they are merged), in one line; None where it takes them."""
+    options = dict(e.get("strategy_options") or {})
+    known = {f.name for f in dataclasses.fields(get_strategy(e["method"]).Options)}
+    if unknown := sorted(set(options) - known):
+        return (f"{e['method']} here has no option {', '.join(unknown)} (issue 45's HSDP / ZeRO++ options: rerun "
+                "after they are merged)")  # fmt: skip
+    try:
+        get_strategy(e["method"]).parse_options(options)
+    except ConfigError as exc:
+        return str(exc)
+    return None
 
 
 def single_default(e: dict[str, Any]) -> tuple[float | None, float | None, float | None, str]:
@@ -320,7 +395,8 @@ def _summary(label: str, errors: list[float], goal: float | None = None) -> str:
 def scaling_table(entries: list[dict[str, Any]]) -> list[Prediction]:
     """Print the multi-GPU table; returns its rows."""
     by_id = {e["id"]: e for e in entries}
-    rows = [predict(e, by_id) for e in entries if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor"))]
+    rows = [predict(e, by_id) for e in entries
+            if e["gpus"] > 1 and (e.get("baseline") or e.get("anchor")) and e.get("check") != MULTI_NODE]  # fmt: skip
     print("| entry | model | GPU | precision | GPUs (nodes) | method | basis | published | predicted | error |"
           " published scaling vs basis | predicted scaling | calibrated efficiency |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -369,15 +445,64 @@ def single_table(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[floa
     return errors
 
 
+def method_label(e: dict[str, Any]) -> str:
+    """The entry's method and options, short: "deepspeed z3 + hpZ 16 + qwZ + qgZ", "fsdp replicate 16"."""
+    o = dict(e.get("strategy_options") or {})
+    parts = [e["method"]] + ([f"z{o.pop('zero_stage')}"] if "zero_stage" in o else [])
+    short = {"zero_hpz": "hpZ {}", "zero_quantized_weights": "qwZ", "zero_quantized_gradients": "qgZ",
+             "replicate": "replicate {}"}  # fmt: skip
+    extra = [short.get(k, f"{k}={{}}").format(v) for k, v in o.items() if v not in (False, None)]
+    return " ".join(parts) + "".join(f" + {x}" for x in extra)
+
+
+def multi_node_table(entries: list[dict[str, Any]]) -> list[Prediction]:
+    """Print the multi-node sharded table (``check: multi-node``): each entry predicted from its anchor only, the
+    anchors themselves listed as such; returns the predicted rows."""
+    by_id = {e["id"]: e for e in entries}
+    print("| entry | model | method | GPUs (nodes) | interconnect | basis | published | predicted | error | "
+          "predicted step: compute / comm exposed (dominant) | calibrated efficiency |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
+    for e in (x for x in entries if x.get("check") == MULTI_NODE):
+        if e.get("anchor"):
+            r = predict(e, by_id)
+            rows.append(r)
+            basis, err = f"anchor {e['anchor']}", _pct(r.error)
+            pred = f"{r.predicted:,.1f}" if r.predicted is not None else f"n/a: {r.reason}"
+        else:
+            r, basis, err = None, "itself (an anchor)", "-"
+            pred = f"n/a: {e['not_projectable']}" if e.get("not_projectable") else "(calibrated on it)"
+        step = "-"
+        if r is not None and r.projection is not None:
+            p = r.projection
+            step = f"{p.step_s:.2f} s: {p.compute_s:.2f} / {p.comm_exposed_s:.2f} ({p.dominant})"
+        print(f"| {e['id']} | {e['model']} | {method_label(e)} | {e['gpus']} ({e['nodes']}) | {e['interconnect']} | "
+              f"{basis} | {e['throughput']:,g} {e['unit']} | {pred} | {err} | {step} | "
+              f"{'-' if r is None or r.efficiency is None else f'{r.efficiency:.1%}'} |")  # fmt: skip
+    return rows
+
+
+def multi_node_summary(rows: list[Prediction]) -> list[str]:
+    """Summary lines of the multi-node table: per method, and the n/a rows."""
+    ok = [r for r in rows if r.error is not None]
+    out = []
+    for label in sorted({method_label(r.entry) for r in ok}):
+        out.append(_summary(label, [r.error for r in ok if method_label(r.entry) == label]))
+    na = [r for r in rows if r.error is None]
+    why = "not projectable, or an option this stratbench lacks"
+    out.append(f"n/a: {len(na)} of {len(rows)} predicted rows ({why})")
+    return out
+
+
 def main() -> None:
     sys.path.insert(0, str(HERE))  # published_models, the transformers' builders
     entries = load_published()
     problems = {e["id"]: check_entry(e, entries) for e in entries}
     if any(problems.values()):
         raise SystemExit(f"published.yaml: {[(k, v) for k, v in problems.items() if v]}")
-    print(
-        f"## Multi-GPU: predicted from each entry's own 1-GPU figure ({len(entries)} entries in published.yaml)"
-    )
+    multi = sum(e.get("check") == MULTI_NODE for e in entries)
+    print(f"## Multi-GPU: predicted from each entry's own 1-GPU figure ({len(entries)} entries in published.yaml, "
+          f"{multi} of them in the multi-node sharded table at the end)")  # fmt: skip
     print()
     rows = scaling_table(entries)
     print()
@@ -405,6 +530,13 @@ def main() -> None:
         for basis, label in (("new", "evidence-based default"), ("old", "old per-precision constant")):
             if r in errors:
                 print("- " + _summary(f"{r}, {label}", errors[r][basis]))
+    print()
+    print("## Multi-node sharded: HSDP, ZeRO-3, ZeRO++ (issue 45), each predicted from its anchor only")
+    print()
+    rows = multi_node_table(entries)
+    print()
+    for line in multi_node_summary(rows):
+        print("- " + line)
 
 
 if __name__ == "__main__":

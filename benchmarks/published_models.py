@@ -15,7 +15,15 @@ sequence_output_is_dense, at most max_predictions_per_seq = 20 / 80 of them at l
 scripts/run_pretraining.sh); Llama 3 8B from pytorch/torchtitan
 torchtitan/models/llama3/__init__.py (dim 4096, 32 layers, 32 heads, 8 KV heads, FFN hidden
 compute_ffn_hidden_dim(4096, multiple_of=1024, ffn_dim_multiplier=1.3) = 14336) and model.py (vocabulary 128256,
-untied output). Differences that move FLOPs and parameters by less than 1%: no NSP head and pooler, no rotary embedding.
+untied output); Llama 3 70B from the same file (dim 8192, 80 layers, 64 heads, 8 KV heads, FFN hidden
+compute_ffn_hidden_dim(8192, multiple_of=4096, ffn_dim_multiplier=1.3) = 28672, vocabulary 128256, untied output).
+The ZeRO++ paper's 18B GPT (Wang et al. 2023; the DeepSpeed ZeRO++ tutorial, microsoft/DeepSpeed
+docs/_tutorials/zeropp.md, runs it through Megatron-DeepSpeed's GPT-2 code: --num-layers 40 --hidden-size 6144
+--num-attention-heads 32 --seq-length 512): GPT-2's pre-norm causal layers (LayerNorm, GELU MLP of 4 x hidden,
+biases), learned positions, GPT-2's 50,257-token vocabulary, the output tied to the word embeddings. The paper's
+49B, 91B and 138B models are not built here: no source these tools reach gives their shapes. MosaicML's MPT-7B and
+13B from mosaicml/llm-foundry's pretraining configs (the same GPT layout).
+Differences that move FLOPs and parameters by less than 1%: no NSP head and pooler, no rotary embedding.
 """
 
 from __future__ import annotations
@@ -66,14 +74,16 @@ class TokenModel(nn.Module):
 
     def __init__(self, seq_len: int, vocab: int, dim: int, layers: int, heads: int, kv_heads: int, hidden: int,
                  gated: bool, positions: int = 0, head_out: int = 0, tie: bool = False, predictions: int = 0,
-                 ) -> None:  # fmt: skip
+                 causal: bool | None = None, token_types: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.seq_len, self.predictions = seq_len, predictions
         self.embed = nn.Embedding(vocab, dim)
         self.positions = nn.Embedding(positions, dim) if positions else None
-        self.types = nn.Embedding(2, dim) if positions else None
+        self.types = nn.Embedding(2, dim) if positions and token_types else None
+        # Llama's layers are causal, BERT's not, GPT's (given) are
+        causal = gated if causal is None else causal
         self.blocks = nn.ModuleList(
-            Block(dim, heads, kv_heads, hidden, gated, causal=gated) for _ in range(layers)
+            Block(dim, heads, kv_heads, hidden, gated, causal=causal) for _ in range(layers)
         )
         self.norm = nn.RMSNorm(dim) if gated else nn.LayerNorm(dim)
         self.transform = None if gated or head_out else nn.Linear(dim, dim)  # BERT's MLM head transform
@@ -85,7 +95,9 @@ class TokenModel(nn.Module):
         tokens = torch.zeros_like(images.flatten(1)[:, : self.seq_len], dtype=torch.long)
         x = self.embed(tokens)
         if self.positions is not None:
-            x = x + self.positions.weight[: self.seq_len] + self.types.weight[0]
+            x = x + self.positions.weight[: self.seq_len]
+        if self.types is not None:
+            x = x + self.types.weight[0]
         for block in self.blocks:
             x = block(x)
         x = self.norm(x)
@@ -122,10 +134,66 @@ def llama3_8b(num_classes: int = 0) -> nn.Module:
     return TokenModel(8192, 128256, 4096, 32, 32, 8, 14336, gated=True)
 
 
+def llama3_70b(num_classes: int = 0) -> nn.Module:
+    """Llama 3 70B at sequence length 8192 (torchtitan's shapes)."""
+    return TokenModel(8192, 128256, 8192, 80, 64, 8, 28672, gated=True)
+
+
+def llama3_8b_s2048(num_classes: int = 0) -> nn.Module:
+    """Llama 3 8B at sequence length 2048 (the scaling picture's small-batch regime)."""
+    return TokenModel(2048, 128256, 4096, 32, 32, 8, 14336, gated=True)
+
+
+def llama3_70b_s2048(num_classes: int = 0) -> nn.Module:
+    """Llama 3 70B at sequence length 2048."""
+    return TokenModel(2048, 128256, 8192, 80, 64, 8, 28672, gated=True)
+
+
+GPT_SHAPES = {"gpt_18b_s512": {"layers": 40, "hidden": 6144, "heads": 32, "vocab": 50257, "seq_len": 512}}
+"""The ZeRO++ paper's GPT models whose shapes a source gives (the DeepSpeed ZeRO++ tutorial's 18B)."""
+
+
+def _gpt(layers: int, hidden: int, heads: int, vocab: int, seq_len: int) -> nn.Module:
+    """A GPT-2-style causal model: LayerNorm, GELU MLP of 4 x hidden, learned positions, output tied to the
+    word embeddings."""
+    return TokenModel(seq_len, vocab, hidden, layers, heads, heads, 4 * hidden, gated=False, positions=seq_len,
+                      tie=True, causal=True, token_types=False)  # fmt: skip
+
+
+def gpt_18b_s512(num_classes: int = 0) -> nn.Module:
+    """The ZeRO++ paper's 18B GPT (40 layers, hidden 6144, 32 heads) at sequence length 512."""
+    return _gpt(**GPT_SHAPES["gpt_18b_s512"])
+
+
+def mpt_7b_s2048(num_classes: int = 0) -> nn.Module:
+    """MosaicML's MPT-7B (llm-foundry scripts/train/yamls/pretrain/mpt-7b.yaml: d_model 4096, 32 heads, 32 layers,
+    expansion ratio 4, vocabulary 50368) at 2048 tokens. Its benchmark table's parameter counts grow by seq x
+    d_model with the sequence: learned positions, as here. Its layers have no biases (these do: < 0.1%)."""
+    return _gpt(32, 4096, 32, 50368, 2048)
+
+
+def mpt_13b_s2048(num_classes: int = 0) -> nn.Module:
+    """MosaicML's MPT-13B (mpt-13b.yaml: d_model 5120, 40 heads, 40 layers, expansion ratio 4, vocabulary 50368)."""
+    return _gpt(40, 5120, 40, 50368, 2048)
+
+
+def megatron_flops_per_sequence(builder: str) -> float:
+    """FLOPs per sequence as Megatron-DeepSpeed's training log counts its "TFLOPs" with activation checkpointing
+    (forward, recomputed forward, backward: 96 s l h^2 (1 + s / 6h + V / 16 l h), training.py throughput
+    calculation): what the ZeRO++ paper's TFLOPs per GPU are in. Checked on the ZeRO++ tutorial's own log
+    (docs/assets/images/zeropp/ZeRO-baseline.png: 64 GPUs, 6.428 samples/s of 512 tokens, "TFLOPs: 7.65"):
+    7.65e12 x 64 / 6.428 = 7.62e13 per sequence, this formula 7.62e13."""
+    g = GPT_SHAPES[builder]
+    s, layers, h, v = g["seq_len"], g["layers"], g["hidden"], g["vocab"]
+    return 96 * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
+
+
 def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
     """ResNeXt-101 32x4d (DeepLearningExamples' ConvNets)."""
     return ResNet(Bottleneck, [3, 4, 23, 3], num_classes=num_classes, groups=32, width_per_group=4)
 
 
-SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192}
+SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192,
+           "llama3_70b": 8192, "gpt_18b_s512": 512, "llama3_8b_s2048": 2048, "llama3_70b_s2048": 2048,
+           "mpt_7b_s2048": 2048, "mpt_13b_s2048": 2048}  # fmt: skip
 """Tokens per sample of each builder: the image side must hold them (3 x H x W >= seq_len)."""

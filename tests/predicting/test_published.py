@@ -69,3 +69,39 @@ def test_an_entry_stratbench_cannot_express_is_na_with_its_reason(projection_pub
     by_id = {e["id"]: e for e in projection_published.load_published()}
     row = projection_published.predict(by_id["torchtitan-llama3-8b-h200-fp8-64gpu"], by_id)
     assert row.predicted is None and "fp8" in row.reason
+
+
+def test_the_multi_node_entries_load_and_name_known_systems_and_models(projection_published) -> None:
+    """Issue 45: every ``check: multi-node`` entry names a model the benchmark knows and a hardware profile that
+    resolves; the projectable ones convert their unit and have an anchor of the same model and micro-batch on no
+    more GPUs."""
+    entries = projection_published.load_published()
+    by_id = {e["id"]: e for e in entries}
+    multi = [e for e in entries if e.get("check") == projection_published.MULTI_NODE]
+    assert len(multi) >= 50 and {"deepspeed", "fsdp"} <= {e["method"] for e in multi}
+    assert any(e.get("strategy_options", {}).get("zero_hpz") for e in multi)
+    assert any(e.get("strategy_options", {}).get("replicate") for e in multi)
+    anchors = {e.get("anchor") for e in multi}
+    for e in multi:
+        assert e["model"] in projection_published.MODELS
+        assert e["nodes"] > 1 or e["id"] in anchors, f"{e['id']}: one node, and no multi-node row's anchor"
+        system = projection_published.system_of(e)
+        assert system.gpus_per_node * e["nodes"] == e["gpus"], e["id"]
+        if e.get("not_projectable"):
+            continue
+        anchor = by_id[e.get("anchor") or e["id"]]
+        assert (anchor["model"], anchor["batch_per_gpu"]) == (e["model"], e["batch_per_gpu"]), e["id"]
+        assert anchor["gpus"] <= e["gpus"], f"{e['id']}: predicted from a smaller or equal figure only"
+        # TFLOPs per GPU <-> samples/s round trip through Megatron's FLOP count
+        assert projection_published.in_unit(e, projection_published.samples_per_s(e)) == pytest.approx(e["throughput"])
+
+
+def test_a_zero3_figure_is_predicted_across_bandwidths_and_an_unknown_option_is_na(projection_published) -> None:
+    """The ZeRO++ blog's ZeRO-3 bar at 1 x 100 Gb/s per node, from its 4 x 100 Gb/s anchor (calibrated on the
+    anchor's own system): within 10%; a row with an option the deepspeed strategy lacks is n/a naming it."""
+    by_id = {e["id"]: e for e in projection_published.load_published()}
+    row = projection_published.predict(by_id["zeropp-gpt18b-v100-z3-2k-ib1"], by_id)
+    assert row.reason == "" and abs(row.error) < 0.10, row
+    entry = dict(by_id["zeropp-gpt18b-v100-z3-2k-ib1"], strategy_options={"zero_stage": 3, "no_such_option": 1})
+    row = projection_published.predict(entry, by_id)
+    assert row.predicted is None and "no_such_option" in row.reason
