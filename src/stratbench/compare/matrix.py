@@ -419,7 +419,11 @@ def preset_llm_nodes() -> dict[str, Any]:
     """Sharding across nodes on one machine: 2 loopback nodes of 2 processes each (one launcher per node, as on
     a cluster), every cell's collectives split into the bytes that stay in a node and those that cross."""
     base = LLM_QUICK_BASE | {"seq_len": 64, "max_steps": 12, "eval_samples": 32}
-    small = {"reduce_bucket_size": SMALL_DS_BUCKET}  # DeepSpeed's default buckets are GBs of host memory per rank
+    # DeepSpeed's default buckets are GBs of host memory per rank; its default reuse distance (1e9 elements) keeps
+    # a model under ~1B parameters gathered from forward to backward, so ZeRO-3 (and hpZ) would gather it once:
+    # 0 releases each block after its forward, as in a large model's run.
+    small = {"reduce_bucket_size": SMALL_DS_BUCKET, "stage3_max_reuse_distance": 0,
+             "stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 0}  # fmt: skip
     hsdp, hpz = hsdp_cells(4, 2, "fp32")
     cells = [
         {"method": ["ddp", "fsdp"], "precision": "fp32"},
@@ -431,7 +435,7 @@ def preset_llm_nodes() -> dict[str, Any]:
     for cell in cells:
         cell["nodes"] = 2
         if cell["method"] == "deepspeed":
-            cell["options"] = cell["options"] | small
+            cell["options"] = cell["options"] | (small if cell["options"]["zero_stage"] == 3 else {})
     return {
         "name": "llm-nodes",
         "description": "gpt-tiny (1.87M parameters) on byte-level text of the Python standard library, sequence 64, "

@@ -83,11 +83,28 @@ def candidates(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
         Plan("ddp", why="a full replica per device, gradients all-reduced: the fastest multi-device method when it fits", enough="DDP fits, so FSDP/DeepSpeed would only add communication: you do not need them"),
         Plan("ddp-zero", why="DDP + ZeroRedundancyOptimizer: optimizer state sharded (ZeRO-1), same communication as DDP"),
         Plan("fsdp", (("sharding", "grad-op"),), why="FSDP grad-op (ZeRO-2): gradients and optimizer sharded, one all-gather per step"),
+        *_node_plans(devices, gpus_per_node)[:1],
         Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
+        *_node_plans(devices, gpus_per_node)[1:],
         Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
         *_tensor_parallel_plans(devices, gpus_per_node),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu")), True, why="ZeRO-3 + optimizer offload: optimizer states and step on the CPU"),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-3 + parameter offload: only the working set stays on the device"),
+    ]  # fmt: skip
+
+
+def _node_plans(devices: int, gpus_per_node: int | None) -> list[Plan]:
+    """Over several nodes of ``gpus_per_node`` (a system's), the two ways of sharding that keep the gathers inside
+    a node: HSDP (before full sharding: more memory, less traffic across nodes) and ZeRO++ (after it: ZeRO-3's
+    memory plus a node's secondary copy of the parameters, a quarter of its inter-node bytes)."""
+    g = gpus_per_node or 0
+    if not g or devices <= g or devices % g:
+        return []
+    nodes = devices // g
+    return [
+        Plan("fsdp", (("sharding", "full"), ("replicate", nodes)), why=f"HSDP: FSDP full shard inside each node's {g} devices, {nodes} replicas across nodes; the gathers stay on the node's links and 1/{g} of the gradients crosses the NICs once a step: wins over full sharding when a node's share of the model states fits and the inter-node link is the slow one"),
+        Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g)), why=f"ZeRO-3 + hpZ: a copy of the parameters sharded over each node's {g} devices, so the backward gather stays in the node: 2/3 of ZeRO-3's inter-node bytes for 1/{g} of the parameters more memory"),
+        Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g), ("zero_quantized_weights", True), ("zero_quantized_gradients", True)), why=f"ZeRO++: hpZ over each node's {g} devices, int8 weight gathers (qwZ) and int4 gradient all-to-alls (qgZ): ~1/4 of ZeRO-3's inter-node bytes; wins where ZeRO-3 waits on the inter-node link (needs DeepSpeed's CUDA quantizer kernel: dropped where it cannot be built)"),
     ]  # fmt: skip
 
 

@@ -288,6 +288,8 @@ def _zero_block(user: dict[str, Any], opts: DeepSpeedEngineOptions, src: str) ->
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     zero["stage"] = stage
     _sized(zero, src, "reduce_bucket_size", "--reduce-bucket-size", opts.reduce_bucket_size)
+    for key in RELEASE_KEYS:
+        _sized(zero, src, key, f"--{key.replace('_', '-')}", getattr(opts, key), least=0)
     _offload(zero, "offload_optimizer", "--offload-optimizer", opts.offload_optimizer, opts.nvme_path, src)
     _offload(zero, "offload_param", "--offload-params", opts.offload_params, opts.nvme_path, src)
     if "offload_param" in zero and stage != 3:
@@ -352,12 +354,18 @@ def _check_hpz(zero: dict[str, Any], cfg: TrainConfig, world: int) -> None:
         raise ConfigError(f"--zero-hpz {s} does not divide the node's ranks: {where}; choose one of {fits}")
 
 
-def _sized(zero: dict[str, Any], src: str, key: str, flag: str, value: int | None) -> None:
-    """A size the options give (elements): positive, agreeing with the JSON's, written into ``zero`` (in place)."""
+RELEASE_KEYS = ("stage3_param_persistence_threshold", "stage3_max_reuse_distance", "stage3_prefetch_bucket_size")
+"""ZeRO-3's options of when a gathered parameter is released (the options' names are DeepSpeed's keys)."""
+
+
+def _sized(zero: dict[str, Any], src: str, key: str, flag: str, value: int | None, least: int = 1) -> None:
+    """A size the options give (elements): at least ``least``, agreeing with the JSON's, written into ``zero``
+    (in place)."""
     if value is None:
         return
-    if value < 1:
-        raise ConfigError(f"{flag} must be a positive number of elements, got {value}")
+    if value < least:
+        what = "a positive number" if least == 1 else f"a number >= {least}"
+        raise ConfigError(f"{flag} must be {what} of elements, got {value}")
     _agree(src, f"zero_optimization.{key}", zero.get(key), value, flag)
     zero[key] = value
 

@@ -49,6 +49,13 @@ class DeepSpeedEngineOptions(DeepSpeedZeroOptions):
     """ZeRO++ qwZ (zero_quantized_weights): all-gather the weights as int8 with fp32 block scales (ZeRO-3; DeepSpeed's CUDA quantizer kernel: GPU only)."""
     zero_quantized_gradients: bool | None = None
     """ZeRO++ qgZ (zero_quantized_gradients): reduce the gradients by a hierarchical int4 all-to-all, inside each node then across nodes, instead of a reduce-scatter (ZeRO-3; CUDA kernels: GPU only)."""
+    # ZeRO-3's release of gathered parameters (None: the value in --deepspeed-config, else DeepSpeed's default).
+    stage3_param_persistence_threshold: int | None = None
+    """ZeRO-3: parameters of at most this many elements stay gathered for the whole run, refreshed after each step (DeepSpeed's default 1e5)."""
+    stage3_max_reuse_distance: int | None = None
+    """ZeRO-3: a gathered parameter used again within this many elements of other parameters is kept, not released (DeepSpeed's default 1e9: below ~1B parameters nothing is re-gathered for backward); 0 releases every parameter after its forward, as a large model's run does."""
+    stage3_prefetch_bucket_size: int | None = None
+    """ZeRO-3: elements of parameters fetched ahead of their use (DeepSpeed's default 5e7); a parameter already fetched for a later module is kept."""
 
 
 DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
