@@ -13,9 +13,7 @@ install:
 demo: install
 	$(VENV)/bin/stratbench demo --output runs/demo
 
-# The same install, except DeepSpeed's async_io op: the suite builds it in the background (scripts/install.sh).
-test:
-	@VENV=$(VENV) ASYNC_IO=suite bash scripts/install.sh
+test: install
 	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install

@@ -36,13 +36,7 @@ if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_availab
 else
     "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
 fi
-# DeepSpeed's async_io op (nvme offload), compiled once now rather than at a user's first nvme run
-# (scripts/async_io_build.py: one line and no failure where libaio or a compiler is missing). `make test` sets
-# ASYNC_IO=suite: the suite builds it in the background at nice 19 from its start (conftest), on the CPU its
-# processes leave idle while they start and wait on each other, and its nvme tests wait for it; cached after.
-if [ "${ASYNC_IO:-now}" = suite ]; then
-    echo "install: DeepSpeed's async_io op (nvme offload) is left to the test suite, which builds it in the background"
-else
-    "$VENV/bin/python" scripts/async_io_build.py
-fi
+# DeepSpeed's async_io op (nvme offload), compiled once now rather than at a user's first nvme run or inside the
+# test suite (scripts/async_io_build.py: one line and no failure where libaio or a compiler is missing).
+"$VENV/bin/python" scripts/async_io_build.py
 touch "$STAMP"
