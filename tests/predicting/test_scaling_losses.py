@@ -17,7 +17,7 @@ from stratbench.measuring.comm import DDP_FIRST_BUCKET_BYTES, Collective, ddp_bu
 from stratbench.predicting import projection
 
 MIB = 2**20
-RESULTS = conftest.REPO / "benchmarks" / "projection_published_cpu_2026-11-27.md"
+RESULTS = conftest.REPO / "benchmarks" / "projection_published_cpu_2026-11-27b.md"
 
 
 def test_ddp_buckets_first_one_mib_then_the_cap_then_what_is_left():
@@ -144,7 +144,8 @@ def test_the_results_file_states_the_benchmarks_held_out_errors(projection_publi
         ("8 GPUs (one node)", lambda g: g == 8, 0.10),
         (">= 64 GPUs", lambda g: g >= 64, 0.15),
     ):
-        errs = [r.error for r in ok if sel(r.entry["gpus"])]
+        # the multi-node sharded rows (issue 45) have a table and summaries of their own
+        errs = [r.error for r in ok if sel(r.entry["gpus"]) and r.entry.get("check") != "multi-node"]
         med = statistics.median(map(abs, errs))
         within = sum(abs(x) <= goal for x in errs)
         m = re.search(rf"- {re.escape(label)}: (\d+) entries, median absolute error ([0-9.]+)%.*"

@@ -428,14 +428,12 @@ def preset_llm_nodes() -> dict[str, Any]:
     cells = [
         {"method": ["ddp", "fsdp"], "precision": "fp32"},
         hsdp,
-        {"method": "deepspeed", "precision": "fp32", "options": {"zero_stage": 3}, "label": "deepspeed-z3"},
-        hpz,
-        ZERO_PP_CELL | {"precision": "fp32"},
+        {"method": "deepspeed", "precision": "fp32", "options": {"zero_stage": 3, **small}, "label": "deepspeed-z3"},
+        hpz | {"options": hpz["options"] | small},
+        ZERO_PP_CELL | {"precision": "fp32", "options": ZERO_PP_CELL["options"] | small},
     ]
     for cell in cells:
         cell["nodes"] = 2
-        if cell["method"] == "deepspeed":
-            cell["options"] = cell["options"] | (small if cell["options"]["zero_stage"] == 3 else {})
     return {
         "name": "llm-nodes",
         "description": "gpt-tiny (1.87M parameters) on byte-level text of the Python standard library, sequence 64, "
