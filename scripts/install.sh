@@ -31,10 +31,12 @@ if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt "$0" ]; 
     exit 0
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
+# --no-compile: no bytecode for the ~20k modules of torch, transformers, deepspeed, ray, ... at install; Python writes
+# it into the venv on each module's first import, for the modules that are used.
 if "$VENV/bin/python" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' >/dev/null 2>&1; then
-    "$VENV/bin/python" -m pip install -q -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
+    "$VENV/bin/python" -m pip install -q --no-compile -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
 else
-    "$VENV/bin/python" -m pip install -q "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
+    "$VENV/bin/python" -m pip install -q --no-compile "torch==2.13.0" "torchvision==0.28.0" -e ".[dev,mlflow,wandb,text,hf,ft,lora,lean,qlora,cluster]"
 fi
 # DeepSpeed's async_io op (nvme offload), compiled once now rather than at a user's first nvme run or inside the
 # test suite (scripts/async_io_build.py: one line and no failure where libaio or a compiler is missing).
