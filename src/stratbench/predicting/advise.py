@@ -102,7 +102,7 @@ def _node_plans(devices: int, gpus_per_node: int | None) -> list[Plan]:
         return []
     nodes = devices // g
     return [
-        Plan("fsdp", (("sharding", "full"), ("replicate", nodes)), why=f"HSDP: FSDP full shard inside each node's {g} devices, {nodes} replicas across nodes; the gathers stay on the node's links and 1/{g} of the gradients crosses the NICs once a step: wins over full sharding when a node's share of the model states fits and the inter-node link is the slow one"),
+        Plan("fsdp", (("sharding", "full"), ("replicate", nodes)), why=f"HSDP: FSDP full shard inside each node's {g} devices, {nodes} replicas across nodes; the per-block gathers stay on the node's links and only the gradient shards cross the NICs, once a step (an all-reduce at the end of backward): fewer inter-node calls than full sharding over every rank, for {nodes}x its model states per device"),
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g)), why=f"ZeRO-3 + hpZ: a copy of the parameters sharded over each node's {g} devices, so the backward gather stays in the node: 2/3 of ZeRO-3's inter-node bytes for 1/{g} of the parameters more memory"),
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g), ("zero_quantized_weights", True), ("zero_quantized_gradients", True)), why=f"ZeRO++: hpZ over each node's {g} devices, int8 weight gathers (qwZ) and int4 gradient all-to-alls (qgZ): ~1/4 of ZeRO-3's inter-node bytes; wins where ZeRO-3 waits on the inter-node link (needs DeepSpeed's CUDA quantizer kernel: dropped where it cannot be built)"),
     ]  # fmt: skip
