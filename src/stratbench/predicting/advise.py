@@ -291,17 +291,18 @@ def _fine_tune(
     entries = _fine_tune_entries(base, plans, devices, device_type, advice.reasons)
     smallest: dict[str, tuple[int, str, int]] = {}
     notes: dict[str, list[str]] = {label: [] for label, *_ in entries}  # "plan: n/a: why" (no Linear to adapt)
+    # whether each entry's plan moves states over the host link, priced once (model_info per config)
+    tiers = [[_offloads(cand, plan, devices, device_type) for plan in usable] for _, _, cand, usable in entries]
     for offloads in (False, True):
-        for label, overrides, cand, usable in entries:
-            for plan in usable:
-                if _offloads(cand, plan, devices, device_type) != offloads:
+        for i, (label, overrides, cand, usable) in enumerate(entries):
+            for plan, tier in zip(usable, tiers[i], strict=True):
+                if tier != offloads:
                     continue
                 found, least = _largest_micro_batch(cand, plan, devices, device_type, budget, notes[label])
                 if least is not None and (label not in smallest or least.total_bytes < smallest[label][0]):
                     smallest[label] = (least.total_bytes, plan.label, least.micro_batch)
                 if found is not None:
-                    earlier = [e[0] for e in entries[: [e[0] for e in entries].index(label)]]
-                    _misses(earlier, smallest, notes, advice.reasons)
+                    _misses([e[0] for e in entries[:i]], smallest, notes, advice.reasons)
                     _choose(base, advice, label, overrides, plan, *found, memory, devices, offloads)
                     return
     _misses([label for label, *_ in entries], smallest, notes, advice.reasons)
