@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import (
-    RTOL_FP32_SAME_MICRO_BATCHES,
+    RTOL_FP32_FOUR_RANKS,
     TINY,
     assert_comm_matches_formula,
     assert_curves_match,
@@ -35,16 +35,17 @@ all-gather runs."""
 @pytest.mark.distributed
 @pytest.mark.equivalence
 def test_hpz_trains_like_single_and_sends_what_its_formula_says(tmp_path):
-    """hpZ (S = 2 of 4 ranks, set by the flag over a user's JSON) reproduces `single --grad-accum 4` bit for bit,
-    as plain ZeRO-3 does; its collectives equal the formula to the byte: forward all-gather over the 4 ranks,
-    the backward one from the secondary partition over 2, the gradients reduce-scattered over 4."""
+    """hpZ (S = 2 of 4 ranks, set by the flag over a user's JSON) reproduces `single --grad-accum 4` up to the order
+    of the 4-rank gradient sum (conftest.RTOL_FP32_FOUR_RANKS), as plain ZeRO-3 does; its collectives equal the
+    formula to the byte: forward all-gather over the 4 ranks, the backward one from the secondary partition over 2,
+    the gradients reduce-scattered over 4."""
     user = tmp_path / "ds.json"
     user.write_text(json.dumps({"zero_optimization": RELEASE_ALL}))
     steps = ["--max-steps", "4"]
     res = train(tmp_path / "hpz", "--strategy", "deepspeed", "--zero-stage", "3", "--zero-hpz", "2",
                 "--deepspeed-config", str(user), *TINY, *steps, "--comm-volume", "true", nproc=4, timeout=300)  # fmt: skip
     ref = train(tmp_path / "single", "--strategy", "single", *TINY, *steps, "--grad-accum", "4")
-    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL_FP32_SAME_MICRO_BATCHES)
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL_FP32_FOUR_RANKS)
     comm = assert_comm_matches_formula(res, tol=0.0)
     phi = sum(-(-n // 4) * 4 for n in model_info(ModelSpec.from_config(_cfg())).numels) * 4  # fp32, padded to 4
     assert comm["measured"]["all_gather"]["payload_bytes"] == 2 * phi, comm["measured"]
