@@ -14,7 +14,15 @@ Two things keep it out of the other tests' way and shorten it, without changing 
 - it compiles without debug information: a ``c++`` first on the build's PATH drops DeepSpeed's ``-g`` (at its
   ``-O0`` the code is the same; measured on one of the files, 72 s of CPU with ``-g`` and 43 s without). The
   build file still reads ``c++ ... -g``, so a run that loads the op later finds it up to date and builds
-  nothing.
+  nothing;
+- that ``c++`` parses torch's headers once for the op's 12 files, not once per file: its first compile
+  precompiles ``torch/extension.h`` (GCC's precompiled header, with that compile's own flags, which every file of
+  the op shares; 42 s) and each compile then reads it through ``-include`` (measured on one file: 31 s, 12 s
+  with it). The files include the header themselves too; its include guard makes that a no-op. Where GCC finds
+  the precompiled header unusable (another compiler, other flags), it reads the header as text: slower, the
+  same object. The header stays in the extensions folder (the build's dependency files name it); the
+  precompiled one (~800 MB) is removed after the build. The pin_memory op DeepSpeed builds with it has other
+  flags and 3 files, where precompiling would cost what it saves: it compiles as before.
 """
 
 from __future__ import annotations
@@ -49,11 +57,31 @@ except OSError:
 os.nice(19)
 {LOAD}
 """
-NO_DEBUG_CXX = """#!/bin/sh
-# c++ without -g (see tests/async_io_build.py)
-for a in "$@"; do shift; [ "$a" = -g ] || set -- "$@" "$a"; done
-exec {cxx} "$@"
+FAST_CXX = """#!{python} -S
+# c++ without -g, torch's extension header precompiled once (scripts/async_io_build.py)
+import fcntl, os, subprocess, sys
+cxx, header = {cxx!r}, {header!r}
+args = [a for a in sys.argv[1:] if a != "-g"]
+if "-c" in args and "-DTORCH_EXTENSION_NAME=async_io" in args:
+    gch = header + ".gch"
+    with open(header + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not os.path.exists(gch):
+            flags, skip = [], 0
+            for a in args:
+                if skip or a == "-MMD":
+                    skip = 0
+                elif a in ("-c", "-o", "-MF"):
+                    skip = 1
+                else:
+                    flags.append(a)
+            if subprocess.run([cxx, *flags, "-x", "c++-header", header, "-o", gch + ".tmp"]).returncode == 0:
+                os.replace(gch + ".tmp", gch)
+    if os.path.exists(gch):
+        args = ["-include", header, *args]
+os.execv(cxx, [cxx, *args])
 """
+PCH_HEADER = "#include <torch/extension.h>\n"
 
 _BUILD: subprocess.Popen | None = None
 _STARTED = 0.0
@@ -71,12 +99,22 @@ def _build_env() -> dict[str, str]:
     )
     cxx = shutil.which("c++")
     if cxx and "CXX" not in os.environ:  # with CXX set, the build file names that compiler instead
+        header = extensions_cache_dir() / "pch" / "torch_extension.h"
+        header.parent.mkdir(parents=True, exist_ok=True)
+        if not header.is_file():
+            header.write_text(PCH_HEADER)
         folder = Path(tempfile.mkdtemp(prefix="stratbench-cxx-"))
         wrapper = folder / "c++"
-        wrapper.write_text(NO_DEBUG_CXX.format(cxx=cxx))
+        wrapper.write_text(FAST_CXX.format(python=sys.executable, cxx=cxx, header=str(header)))
         wrapper.chmod(0o755)
         env["PATH"] = os.pathsep.join([str(folder), env.get("PATH", "")])
     return env
+
+
+def drop_precompiled_header() -> None:
+    """The precompiled header (hundreds of MB) once the op is built; its text header stays."""
+    for name in ("torch_extension.h.gch", "torch_extension.h.gch.tmp"):
+        (extensions_cache_dir() / "pch" / name).unlink(missing_ok=True)
 
 
 def start() -> subprocess.Popen | None:
@@ -98,6 +136,7 @@ def wait(timeout: float = 1500) -> float:
         raise RuntimeError(f"the async_io op cannot be built here: {unavailable()}")
     _full_priority(build.pid)
     out, _ = build.communicate(timeout=timeout)
+    drop_precompiled_header()
     assert build.returncode == 0, f"building DeepSpeed's async_io op failed:\n{out[-4000:]}"
     return time.monotonic() - _STARTED
 
@@ -157,6 +196,7 @@ def main() -> int:
     started = time.monotonic()
     print("install: building DeepSpeed's async_io op for nvme offload (once; minutes on 2 cores) ...", flush=True)
     proc = subprocess.run([sys.executable, "-c", LOAD], env=_build_env(), capture_output=True, text=True)
+    drop_precompiled_header()
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
         print(f"install: building DeepSpeed's async_io op failed ({tail[0][:200]}); nvme offload will build it")

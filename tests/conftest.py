@@ -268,14 +268,15 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 
 
 LONG_FIRST = (
-    "readme/test_readme_tour.py", "compare/test_ray.py", "checkpoints/test_safety.py", "compare/test_slurm.py",
-    "strategies/test_deepspeed.py", "commands/test_user_work.py", "compare/test_compare.py", "launching/test_launch.py",
-    "strategies/test_pipeline.py", "strategies/test_fsdp.py", "training/test_training.py",
+    "readme/test_readme_tour.py", "compare/test_ray.py", "compare/test_slurm.py",
+    "checkpoints/test_safety.py", "strategies/test_deepspeed.py", "launching/test_launch.py", "compare/test_compare.py",
+    "commands/test_user_work.py", "training/test_training.py", "strategies/test_pipeline.py", "strategies/test_tp.py",
+    "commands/test_refused_rerun.py", "strategies/test_pipeline_lm.py", "strategies/test_fsdp.py",
 )  # fmt: skip
-"""Test files that take minutes, longest first (per-file sums of a fresh-clone run, 2026-11-27: the tour 466 s, Ray
-~270 s, safety 205 s, SLURM 155 s, the others 45-90 s): under ``make test``'s 2 workers (``--dist loadfile
---no-loadscope-reorder``: a file at a time per worker, handed out in collection order) the README tour (~8 min of
-one worker) must start first, not be the last file left."""
+"""Test files that take minutes, longest first (per-file sums of a fresh-clone run, 2026-11-27: the e2e tour 528 s,
+Ray 435 s, SLURM 153 s; then safety 128 s, deepspeed 102 s, the others 40-60 s): under 2 workers (``--dist loadfile
+--no-loadscope-reorder``: a file at a time per worker, handed out in collection order) the longest file must start
+first, not be the last one left (in ``make test-e2e`` the tour on one worker, Ray and SLURM on the other)."""
 
 
 def pytest_collection_modifyitems(config, items):
