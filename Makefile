@@ -5,7 +5,7 @@ PYTEST_ARGS ?=
 # The suite in 2 worker processes (pytest-xdist), a test file at a time each; TEST_JOBS=0 runs it in this process.
 TEST_JOBS ?= 2
 
-.PHONY: install demo test test-e2e lint clean
+.PHONY: install demo test lint clean
 
 install:
 	@VENV=$(VENV) bash scripts/install.sh
@@ -13,13 +13,8 @@ install:
 demo: install
 	$(VENV)/bin/stratbench demo --output runs/demo
 
-# `make test`: every test but the e2e ones (pyproject's markers); `make test-e2e`: the README tour from an empty
-# folder and the Ray and SLURM executors on local clusters. CI (.ci/run) runs both.
 test: install
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m "not e2e" $(PYTEST_ARGS)
-
-test-e2e: install
-	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder -m e2e $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_JOBS) --dist loadfile --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: install
 	$(VENV)/bin/ruff check src tests

@@ -64,8 +64,12 @@ cxx, header = {cxx!r}, {header!r}
 args = [a for a in sys.argv[1:] if a != "-g"]
 if "-c" in args and "-DTORCH_EXTENSION_NAME=async_io" in args:
     gch = header + ".gch"
-    with open(header + ".lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    lock = open(header + ".lock", "w")
+    try:  # one compile precompiles; the others meanwhile read the header as text, as without it
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+    if not lock.closed:
         if not os.path.exists(gch):
             flags, skip = [], 0
             for a in args:
@@ -77,6 +81,7 @@ if "-c" in args and "-DTORCH_EXTENSION_NAME=async_io" in args:
                     flags.append(a)
             if subprocess.run([cxx, *flags, "-x", "c++-header", header, "-o", gch + ".tmp"]).returncode == 0:
                 os.replace(gch + ".tmp", gch)
+        lock.close()
     if os.path.exists(gch):
         args = ["-include", header, *args]
 os.execv(cxx, [cxx, *args])

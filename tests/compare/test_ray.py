@@ -45,7 +45,7 @@ pytest.importorskip("ray", reason='needs Ray: pip install "stratbench[cluster]"'
 sys.path.insert(0, str(REPO / "scripts"))
 import local_ray  # noqa: E402
 
-pytestmark = [pytest.mark.distributed, pytest.mark.e2e]
+pytestmark = pytest.mark.distributed
 
 BASE = {"model": "tinynet", "width": 8, "norm": "none", "data": "digits", "batch_size": 32, "epochs": 1,
         "max_steps": 3, "lr": 0.02, "measure_flops": False, "timing_warmup_steps": 1, "save_every_epoch": False}  # fmt: skip

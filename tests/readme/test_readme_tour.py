@@ -26,7 +26,6 @@ from stratbench.compare.runner import load_records
 from stratbench.measuring import hardware
 
 sys.path.insert(0, str(REPO / "benchmarks"))
-pytestmark = pytest.mark.e2e
 
 from readme_tour import Tour, flag_value, tour_argv  # noqa: E402
 

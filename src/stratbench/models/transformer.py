@@ -182,14 +182,16 @@ def transformer_config(
 
 def rotary_angles(
     seq_len: int, head_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
-    scaling: RopeScaling | None = None,
+    scaling: RopeScaling | None = None, start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """cos and sin of position x frequency, (seq_len, head_dim / 2), computed afresh in each forward: a buffer
-    would not survive building on the meta device, and this costs T x head_dim / 2 elements per block."""
+    """cos and sin of position x frequency, (seq_len, head_dim / 2), for positions ``start`` to ``start +
+    seq_len`` (a context-parallel rank's chunk starts past 0), computed afresh in each forward: a buffer would not
+    survive building on the meta device, and this costs T x head_dim / 2 elements per block."""
     inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=dtype) / head_dim)
     if scaling is not None:
         inv_freq = scaling.apply(inv_freq)
-    angles = torch.arange(seq_len, device=device, dtype=dtype)[:, None] * inv_freq[None, :]
+    positions = torch.arange(start, start + seq_len, device=device, dtype=dtype)
+    angles = positions[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 

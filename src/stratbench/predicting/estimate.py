@@ -234,12 +234,18 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     forward/backward of the model (or the method's slice of it) traced at the micro-batch ``mb``."""
     # traced in the precision the method's forward/backward really runs (DeepSpeed's 16-bit model: no autocast)
     run_as = s.trace_precision or cfg.precision
+    spec = rank_spec(spec, s)
     trace = _trace(spec, mb, run_as, traced_transforms(cfg), device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     check = formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)
     return trace.saved_bytes, f"traced at micro-batch {mb}", fwd_bwd, check
+
+
+def rank_spec(spec: ModelSpec, s: RankMemory) -> ModelSpec:
+    """The model as this rank traces it: on its chunk of the positions where the method splits the sequence."""
+    return dataclasses.replace(spec, seq_len=s.trace_seq_len) if s.trace_seq_len else spec
 
 
 def _trace(spec: ModelSpec, mb: int, *args: Any) -> Trace:
@@ -268,7 +274,7 @@ def _cpu_library(
     run_as = s.trace_precision or cfg.precision
     if SPECS[run_as].compute_dtype.itemsize >= 4:
         return cpu_library_bytes(cfg.precision, native_16bit=native_16bit)
-    t = _trace(spec, mb, run_as, traced_transforms(cfg), "cpu", s.trace_transform)
+    t = _trace(rank_spec(spec, s), mb, run_as, traced_transforms(cfg), "cpu", s.trace_transform)
     runs = s.runs_linear is not False
     return cpu_library_bytes(
         cfg.precision, t.products * runs, t.attentions * runs, t.convolutions, native_16bit=native_16bit

@@ -327,6 +327,11 @@ class Strategy:
         processes that work on the same samples (the stages of one pipeline) share a shard."""
         return self.env.rank, self.env.world_size
 
+    def sequence_shards(self) -> int:
+        """How many processes split one sample's positions between them (context parallelism: C), each
+        averaging its gradients with the others; 1 by default."""
+        return 1
+
     def step_chunks(self) -> int:
         """How many micro-batches this process computes one step's samples in: the loop's ``grad_accum``
         micro-steps by default (a pipeline: its schedule's micro-batches). The data is ordered so that they are
@@ -416,6 +421,17 @@ class Strategy:
             with self.phase("other"):  # the loss bookkeeping
                 total += loss.detach()
         return total / len(batches)
+
+    def eval_per_sample(
+        self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_sample_eval: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Validation: each sample's cross-entropy and share of correct predictions of one batch
+        (``per_sample_eval(logits, targets)``: the loop's), under the precision's autocast. A method that splits a
+        sample over processes combines its parts itself."""
+        x = self.precision.convert_input(x)
+        with self.precision.autocast():
+            logits = model(x)
+        return per_sample_eval(self.precision.loss_input(logits), y)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)

@@ -110,6 +110,9 @@ class RankMemory:
     trace_transform: Callable[[nn.Module], None] | None = None
     """Applied in place to the model before it is traced, where a rank computes a slice of it (a tensor-parallel
     rank's narrowed matrices); hashable (the traces are cached), e.g. a frozen dataclass with ``__call__``."""
+    trace_seq_len: int | None = None
+    """The positions one sample has on this rank, where it is not the run's --seq-len (a context-parallel rank's
+    chunk, T / C): the trace runs on that many; None: the run's."""
     trace_precision: str | None = None
     """The precision the method's forward/backward really runs in, where it is not the run's: DeepSpeed converts
     the model to fp16/bf16 itself and runs it without autocast (its activations are a ``*-true`` run's, with no

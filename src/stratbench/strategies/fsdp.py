@@ -35,6 +35,11 @@ weights are gathered in fp32 and the precision's autocast casts them per op, as 
 CPU nor CUDA BatchNorm takes 16-bit weights beside its fp32 running statistics and a policy casts a whole unit;
 its units stay the blocks and the root (no unit per BatchNorm).
 
+Context parallelism (``--cp C``, Ulysses): a (dp = world / C, cp = C) mesh; the C consecutive ranks of a cp group
+read the same samples, each takes 1/C of their positions, and each attention exchanges queries, keys, values and
+its output by all-to-all over the group (``parallel/context_parallel.py``). FSDP2 shards over every rank and
+averages the gradients over all of them, which makes the step's loss the token mean over every rank's chunk.
+
 FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
 (``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
 """
@@ -58,6 +63,15 @@ from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
+from stratbench.strategies.parallel.context_parallel import (
+    CPChunk,
+    apply_cp,
+    check_cp_impl,
+    chunk_eval_sums,
+    cp_unfit,
+    local_chunk,
+    ulysses_rows,
+)
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -110,6 +124,10 @@ class FSDPOptions:
     """fsdp --tp: the built-in transformer's embedding and head split over the vocabulary in each tp group, the cross-entropy on the split logits (loss_parallel), as the tp method's; false (fsdp's default): both whole in each tp group, sharded over dp."""
     replicate: int = 1
     """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
+    cp: int = 1
+    """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers; heads, key/value heads and --seq-len must divide by C). 1: none."""
+    cp_impl: str = "ulysses"
+    """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
     """fsdp --replicate: allow a shard group that spans nodes (refused by default where the node size is known, --nnodes or torchrun's LOCAL_WORLD_SIZE: HSDP keeps its gathers on the node's links)."""
 
@@ -129,6 +147,9 @@ class FSDPOptions:
                 f"fsdp --replicate {self.replicate} with --sharding none: none already replicates the whole model "
                 "on every rank (a (world, 1) mesh); for HSDP give --sharding full or grad-op with --replicate"
             )
+        if self.cp < 1:
+            raise ConfigError(f"cp must be a positive integer (1: no context parallelism), got {self.cp!r}")
+        check_cp_impl(self.cp_impl)
         if self.shard_across_nodes and self.replicate == 1:
             raise ConfigError("fsdp --shard-across-nodes applies to HSDP's shard groups: give --replicate 2 or more")
         require_tp_group(self, "fsdp", "within a tensor-parallel group")
@@ -248,9 +269,12 @@ def data_parallel_rows(ctx) -> list[Collective]:
 def clip_norms_over_shards(ctx, dp) -> list[Collective]:
     """--clip-grad-norm: DTensor all-reduces the per-parameter gradient norms (one fp number each) over the
     data-parallel dimension the gradients are sharded on: dp, or HSDP's shard groups (the replicas hold equal
-    gradients: no reduction over replicate); none for --sharding none (replicated)."""
+    gradients: no reduction over replicate), or plain fsdp's (and --cp's) every rank; none for --sharding none
+    (replicated)."""
     opts = ctx.options
     group, dim = (dp.world // opts.replicate, "shard") if opts.replicate > 1 else (dp.world, "dp")
+    if opts.tp == 1 and opts.replicate == 1:  # plain fsdp, or --cp: sharded over every rank, no named dimension
+        dim = ""
     if group <= 1 or opts.sharding == "none":
         return []
     norms = len(ctx.info.numels) * ctx.param_bytes
@@ -321,8 +345,10 @@ class FSDPCost(CostModel):
     def memory_model(cls, ctx, rank):
         opts = ctx.options
         ctx, units_note = as_wrapped(ctx)
-        if why := replicate_unfit(opts, ctx.world):
+        if why := replicate_unfit(opts, ctx.world) or cp_unfit(ctx.cfg, opts.cp, opts.tp, opts.replicate, ctx.world):
             raise ConfigError(why)
+        if opts.cp > 1:
+            return cp_memory(ctx, rank, units_note)
         if opts.tp == 1:
             shard, at = shard_group(ctx, rank)
             m = fsdp2_memory(shard, at, opts.sharding, opts.cpu_offload)
@@ -350,7 +376,10 @@ class FSDPCost(CostModel):
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
-        """1, or with --tp a rank's slice of its replica's FLOPs (``parallel.tp_costs.local_flop_share``)."""
+        """1, or with --tp a rank's slice of its replica's FLOPs (``parallel.tp_costs.local_flop_share``), or with
+        --cp C 1/C (its positions through every layer, all positions of 1/C of the heads in attention)."""
+        if ctx.options.cp > 1:
+            return 1.0 / ctx.options.cp
         t = ctx.options.tp
         return (
             1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t, ctx.options.vocab_parallel)
@@ -360,7 +389,9 @@ class FSDPCost(CostModel):
     def mesh_dims(cls, ctx) -> dict[str, int]:
         """``FSDPStrategy.mesh``'s dimensions: with --replicate R (replicate = R, shard = world / (R T)[, tp = T]),
         with --tp T alone (dp = world / T, tp = T); else one dimension."""
-        t, r = ctx.options.tp, ctx.options.replicate
+        t, r, c = ctx.options.tp, ctx.options.replicate, ctx.options.cp
+        if c > 1:
+            return {"dp": ctx.world // c, "cp": c}
         if r > 1:
             return {"replicate": r, "shard": ctx.world // (r * t)} | ({"tp": t} if t > 1 else {})
         return {"dp": ctx.world // t, "tp": t} if t > 1 else {}
@@ -372,10 +403,23 @@ class FSDPCost(CostModel):
             raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
+        clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         if ctx.options.replicate > 1:
-            clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
             return hsdp_comm(ctx, ctx.options.sharding, ctx.options.replicate) + clip
-        return fsdp2_comm(ctx, ctx.options.sharding)
+        cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
+        return fsdp2_comm(ctx, ctx.options.sharding) + cp + clip
+
+
+def cp_memory(ctx, rank: int, units_note: str):
+    """--cp C: FSDP2's states sharded over every rank (``fsdp2_memory``); the activations of one chunk of T / C
+    positions of the replica's micro-batch (``CPChunk``: all positions of 1/C of the heads in attention)."""
+    c = ctx.options.cp
+    m = fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
+    m.sharding_note += f" over every rank (N = {ctx.world}); activations of T / {c} positions (cp {c})"
+    m.data_ranks = ctx.world // c
+    m.trace_transform, m.trace_seq_len = CPChunk(c), ctx.cfg.seq_len // c
+    m.units_note = units_note
+    return m
 
 
 def as_wrapped(ctx) -> tuple[MemoryContext, str]:
@@ -431,6 +475,7 @@ class FSDPStrategy(LossParallel, Strategy):
             or tp_unsupported(cfg, opts, world_size)
             or replicate_unfit(opts, world_size)
             or shard_group_spans_nodes(cfg, opts, world_size)
+            or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size)
         )
 
     @classmethod
@@ -438,19 +483,26 @@ class FSDPStrategy(LossParallel, Strategy):
         """The replicas the batch is split over: the mesh's data-parallel ranks (world / --tp: with --replicate,
         replicate x shard; refused here, first, when --tp does not divide the world or --replicate the rest)."""
         opts = cls.parse_options(cfg.strategy_options)
-        why = degree_unfit("fsdp --tp", opts.tp, world_size) or replicate_unfit(opts, world_size)
+        why = (
+            degree_unfit("fsdp --tp", opts.tp, world_size)
+            or replicate_unfit(opts, world_size)
+            or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size)
+        )
         if why:
             raise ConfigError(why)
-        return world_size // opts.tp
+        return world_size // (opts.tp * opts.cp)
 
     cost = FSDPCost
     checkpoint_io_class = FSDPCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
-        one tensor-parallel group read the same batches."""
-        t = self.options.tp
-        return self.env.rank // t, self.env.world_size // t
+        one tensor-parallel or context-parallel group read the same batches."""
+        group = self.options.tp * self.options.cp
+        return self.env.rank // group, self.env.world_size // group
+
+    def sequence_shards(self) -> int:
+        return self.options.cp
 
     def report(self) -> dict[str, Any]:
         """The FSDP units (each one gather/reduce group: the wrapped modules and the root) and how the weights
@@ -458,6 +510,8 @@ class FSDPStrategy(LossParallel, Strategy):
         --tp the tp plan's flags."""
         own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
         opts = self.options
+        if opts.cp > 1:
+            return own | {"mesh": self.mesh_shape, "cp": {"impl": opts.cp_impl, "size": opts.cp}}
         if opts.tp == 1:
             return own | ({"mesh": self.mesh_shape} if opts.replicate > 1 else {})
         flags = {"sequence_parallel": opts.sequence_parallel, "vocab_parallel": opts.vocab_parallel}
@@ -488,6 +542,8 @@ class FSDPStrategy(LossParallel, Strategy):
         (torchtitan's order: TP, then FSDP over the data-parallel dimensions), and the mesh is printed once (with
         --tp or --replicate). A 2-D mesh (replicate, shard) is FSDP2's HSDP."""
         mesh, opts = self.mesh(), self.options
+        if opts.cp > 1:
+            return self._context_parallel(model, mesh)
         if opts.tp == 1 and opts.replicate == 1:
             return mesh
         self.mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
@@ -507,6 +563,22 @@ class FSDPStrategy(LossParallel, Strategy):
             return mesh
         data_dims = mesh.mesh_dim_names[:-1]
         return mesh[data_dims[0]] if len(data_dims) == 1 else mesh[data_dims]
+
+    def _context_parallel(self, model: nn.Module, fsdp_mesh):
+        """--cp C: a (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads; every
+        attention made Ulysses'; FSDP2 shards over all ranks (``fsdp_mesh``), printed once."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        c, world = self.options.cp, self.env.world_size
+        mesh = init_device_mesh(self.env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
+        self.mesh_shape = {"dp": world // c, "cp": c}
+        self.cp_group, self.cp_rank = mesh["cp"].get_group(), self.env.rank % c
+        n = apply_cp(model, self.cp_group, self.cp_rank, c)
+        if self.env.is_main:
+            print(f"fsdp mesh: dp {world // c} x cp {c}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read "
+                  f"the same samples, 1/{c} of the positions each; {n} attentions exchange heads by all-to-all "
+                  "(Ulysses); FSDP2 shards over every rank)", flush=True)  # fmt: skip
+        return fsdp_mesh
 
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
@@ -542,6 +614,28 @@ class FSDPStrategy(LossParallel, Strategy):
         if self.cfg.grad_accum == 1 or self.options.sharding == "full":
             return contextlib.nullcontext()
         return _gradient_sync(self.model, is_last_micro_step)
+
+    def forward_loss(self, model, x, y, loss_fn):
+        """With --cp: this rank's chunk of the positions (``local_chunk``), then the loss over it."""
+        if self.options.cp > 1:
+            x, y = local_chunk(x, y, self.cp_rank, self.options.cp)
+        return super().forward_loss(model, x, y, loss_fn)
+
+    def eval_per_sample(self, model, x, y, per_sample_eval):
+        """With --cp: each sample's summed loss, correct tokens and scored tokens over this rank's chunk, summed
+        over the cp group, then divided: the sample's means, the same on each rank of the group."""
+        if self.options.cp == 1:
+            return super().eval_per_sample(model, x, y, per_sample_eval)
+        import torch.distributed as dist
+
+        x, y = local_chunk(x, y, self.cp_rank, self.options.cp)
+        x = self.precision.convert_input(x)
+        with self.precision.autocast():
+            logits = model(x)
+        sums = chunk_eval_sums(self.precision.loss_input(logits), y).double()
+        dist.all_reduce(sums, group=self.cp_group)
+        count = sums[:, 2].clamp(min=1)
+        return sums[:, 0] / count, sums[:, 1] / count
 
     # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
     # reduced over the mesh), so every rank scales its shards by the same global factor.

@@ -337,7 +337,8 @@ class Trainer:
             local += (y != IGNORE).sum()
         tokens = strategy.all_reduce(local, "sum").item()
         _, shards = strategy.data_shard()
-        return step_denominator(tokens, self.env.world_size, shards, strategy.step_chunks())
+        # a sample split over C processes (context parallelism) is averaged over them too: C times the divisor
+        return step_denominator(tokens, self.env.world_size, shards, strategy.step_chunks()) / strategy.sequence_shards()
 
     # ---- set-up --------------------------------------------------------------------------------
     def _setup(self, metrics: RunMetrics | None = None) -> Run:
@@ -467,10 +468,7 @@ class Trainer:
         for x, y, valid in loader:
             x, y = self._to_device((x, y))
             valid = valid.to(env.device)
-            x = strategy.precision.convert_input(x)
-            with strategy.precision.autocast():
-                logits = model(x)
-            losses, correct = per_sample_eval(strategy.precision.loss_input(logits), y)
+            losses, correct = strategy.eval_per_sample(model, x, y, per_sample_eval)
             totals[0] += (losses * valid).sum().double()
             totals[1] += (correct * valid).sum().double()
             totals[2] += valid.sum().double()

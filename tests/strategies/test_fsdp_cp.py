@@ -1,0 +1,119 @@
+"""fsdp --cp (context parallelism, Ulysses) on the built-in transformer, gloo on CPU: on 2 processes (dp 1 x cp 2)
+and on 4 (dp 2 x cp 2) it trains exactly the model `single` trains (fp64, gradient clipping on), the validation
+loss included; the all-to-alls measured on each rank equal the formula to the byte (q, k, v and the output of
+every attention, forward and backward) and the memory estimate of a rank's chunk holds; padded fine-tuning data
+whose length does not divide by C trains the token mean `single` trains; a world, a model, heads, a sequence or a
+combination that does not fit is refused in one line before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from conftest import (
+    COMM,
+    RTOL,
+    assert_comm_matches_formula,
+    assert_curves_match,
+    assert_estimate_within,
+    tiny_lm_fp64,
+    train,
+)
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
+from stratbench.models.transformer import SIZES
+from stratbench.strategies.fsdp import FSDPStrategy
+
+SEQ, BATCH, STEPS = 32, 8, 4
+LM64 = tiny_lm_fp64(SEQ, BATCH)
+CP2 = ["--strategy", "fsdp", "--cp", "2"]
+CFG = SIZES["gpt-tiny"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("fsdp_cp")
+    steps = ["--max-steps", str(STEPS)]
+    return {
+        "single": train(root / "single", "--strategy", "single", *LM64, *steps),
+        "cp2": train(root / "cp2", *CP2, *LM64, *steps, *COMM, nproc=2),
+        "dp2-cp2": train(root / "dp2-cp2", *CP2, *LM64, *steps, nproc=4),
+    }
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+@pytest.mark.parametrize(("run", "mesh"), [("cp2", {"dp": 1, "cp": 2}), ("dp2-cp2", {"dp": 2, "cp": 2})])
+def test_cp_trains_the_model_single_trains(runs, run, mesh):
+    res, ref = runs[run], runs["single"]
+    assert res["status"] == "ok" and res["mesh"] == mesh and res["data_parallel_size"] == mesh["dp"]
+    assert res["micro_batch_size"] == BATCH // mesh["dp"], "the ranks of a cp group take the same samples"
+    curve = ref["metrics"]["loss_curve"]
+    assert curve[-1] < 0.9 * curve[0], "the reference must train, or equal curves prove nothing"
+    assert_curves_match(res["metrics"]["loss_curve"], curve, RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
+
+
+@pytest.mark.distributed
+def test_the_all_to_alls_are_the_formulas_bytes_and_the_estimate_holds(runs):
+    """Per step on each rank: 4 all-to-alls per attention forward (q, k, v to heads, the output back), the same
+    backward, each the rank's (micro-batch x T/2 x heads x head_dim) tensor in fp64; FSDP2's gathers and
+    reduce-scatters over both ranks as plain fsdp's."""
+    res = runs["cp2"]
+    comm = assert_comm_matches_formula(res, tol=0.0)
+    heads = 2 * CFG.n_heads + 2 * CFG.n_kv_heads
+    per_layer = BATCH * (SEQ // 2) * CFG.head_dim * heads * 8
+    a2a = comm["measured"]["all_to_all"]
+    assert a2a["payload_bytes"] == 2 * CFG.n_layers * per_layer, a2a
+    assert a2a["calls"] == 2 * 4 * CFG.n_layers, a2a
+    assert_estimate_within(res, 0.10)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_padded_fine_tuning_data_trains_the_token_mean_single_trains(tmp_path):
+    """Responses of very different lengths, padded to each batch's longest: a length that does not divide by 2
+    is padded once more (a position after every real one, not scored); the step's token mean and the validation
+    means are one process's."""
+    lengths = [1, 30, 2, 3, 25, 1, 2, 40, 3, 1, 28, 2, 4, 33, 1, 2]
+    rows = [{"prompt": f"q{i}", "response": "ab" * (n // 2) + "c" * (n % 2)} for i, n in enumerate(lengths)]
+    (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    flags = [
+        "--model", "gpt-tiny", "--data", f"jsonl:{tmp_path / 'ft.jsonl'}", "--seq-len", "47", "--batch-size", "8",
+        "--max-steps", "3", "--optimizer", "adamw", "--lr", "0.003", "--precision", "fp64", "--val-fraction", "0.2",
+        "--timing-warmup-steps", "0", "--progress", "false", "--measure-flops", "false",
+    ]  # fmt: skip
+    single = train(tmp_path / "single", *flags)
+    cp = train(tmp_path / "cp", *CP2, *flags, nproc=2)
+    assert_curves_match(cp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)
+    assert cp["metrics"]["val_loss"] == pytest.approx(single["metrics"]["val_loss"], rel=RTOL)
+    assert cp["metrics"]["val_accuracy"] == pytest.approx(single["metrics"]["val_accuracy"], rel=RTOL)
+
+
+def _cfg(**opts) -> TrainConfig:
+    return TrainConfig(model="gpt-tiny", data="text", seq_len=SEQ, batch_size=BATCH, strategy="fsdp",
+                       strategy_options=opts)  # fmt: skip
+
+
+def test_cp_bad_input_is_one_line_before_any_work():
+    cpu = torch.device("cpu")
+    for cfg, world, msg in [
+        (_cfg(cp=2), 3, "3 processes do not divide into context-parallel groups of 2; --cp that fit: 1, 3"),
+        (_cfg(cp=8), 8, "gpt-tiny's n_heads 4 do not divide by 8 .*--cp that fit: 1, 2, 4"),
+        (_cfg(cp=2).replace(seq_len=33), 2, "--seq-len 33 does not divide by 2"),
+        (_cfg(cp=2).replace(model="tinynet", data="digits"), 2, "'tinynet' is not one"),
+        (_cfg(cp=2, tp=2), 4, "--cp 2 with --tp 2 is not supported"),
+        (_cfg(cp=2, replicate=2, sharding="full"), 4, "--cp 2 with --replicate 2 is not supported"),
+    ]:
+        why = FSDPStrategy.check_supported(cfg, cpu, world)
+        assert why is not None and len(why.splitlines()) == 1, why
+        assert re.search(msg, why), why
+    with pytest.raises(ConfigError, match="3 processes do not divide"):
+        FSDPStrategy.data_parallel_size(_cfg(cp=2), 3)
+    for opts, msg in [({"cp": 0}, "cp must be a positive integer"), ({"cp": 2, "cp_impl": "ring"}, "CUDA-only"),
+                      ({"cp": 2, "cp_impl": "rings"}, "unknown --cp-impl 'rings'; choose one of: ulysses")]:  # fmt: skip
+        with pytest.raises(ConfigError, match=msg):
+            FSDPStrategy.parse_options(opts)
