@@ -63,6 +63,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--activation-checkpointing", action="store_true", help="recompute each residual block"
     )
+    parser.add_argument(
+        "--ac-mode", default="full", help="with --activation-checkpointing: full, selective or every:N (train's)"
+    )
     # LoRA (as train's flags): adapters' parameters added, gradients and optimizer state for them only
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank, the base frozen (0: off)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x rank)")
@@ -270,6 +273,7 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
+        ac_mode=args.ac_mode,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=args.lora_targets, quantize_base=args.quantize_base,
     )  # fmt: skip

@@ -147,6 +147,10 @@ class TrainConfig:
     optimizer, cudnn.benchmark, and torch.compile on CUDA only (not measurable on CPU)."""
     activation_checkpointing: bool = False
     """Recompute activations of each residual block in the backward pass (saves memory, costs time)."""
+    ac_mode: str = "full"
+    """With --activation-checkpointing, what is recomputed: full (every block's activations), selective
+    (torchtitan's op policy: every block keeps its attention's output and every other matmul's, recomputes the
+    rest), or every:N (full recomputation of one block in N: blocks 0, N, 2N, ...)."""
     # --- LoRA adapters (models/transforms/lora.py, the lora extra: peft) ----------------------------
     lora_rank: int = 0
     """LoRA: rank of the low-rank adapters PEFT adds to the targeted Linear layers, the base weights frozen (no
@@ -572,6 +576,7 @@ def validate(cfg: TrainConfig) -> None:
         check_vocab(cfg.model, cfg.vocab_size)  # the head's width is the model's, not the data's
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
+    check_ac_mode(cfg.ac_mode)
     check_lora(cfg)
     if is_hf_init(cfg.init_from):
         check_init(cfg.init_from, cfg.model, cfg.vocab_size)  # --model's size, every key mapped
@@ -580,6 +585,19 @@ def validate(cfg: TrainConfig) -> None:
             f"data_pipeline 'device' needs an in-memory data set ({', '.join(IN_MEMORY_DATA)}), got data "
             f"{cfg.data!r}; use data_pipeline loader or auto"
         )
+
+
+AC_MODES = ("full", "selective", "every:N")
+
+
+def check_ac_mode(mode: str) -> None:
+    """full, selective or every:N with N a positive integer; one line naming the bad value otherwise."""
+    if mode in ("full", "selective"):
+        return
+    n = mode.removeprefix("every:")
+    if mode.startswith("every:") and n.isdigit() and int(n) >= 1:
+        return
+    raise ConfigError(f"unknown ac_mode {mode!r}; choose one of: {', '.join(AC_MODES)} (N a positive integer)")
 
 
 def check_lora(cfg: TrainConfig) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -326,8 +327,9 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
     return skipped
 
 
-def apply_activation_checkpointing(model: nn.Module) -> int:
-    """Recompute each residual block's activations in the backward pass; returns the number of blocks."""
+def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> int:
+    """Recompute residual blocks' activations in the backward pass (``mode``: full, selective or every:N, as
+    ``TrainConfig.ac_mode`` says); returns the number of blocks wrapped."""
     import functools
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
@@ -341,14 +343,40 @@ def apply_activation_checkpointing(model: nn.Module) -> int:
     types_ = residual_block_types(model)
     if not types_:
         raise ConfigError(f"activation checkpointing: no blocks to recompute: {why_no_blocks(model)}")
-    _apply(
-        model,
-        checkpoint_wrapper_fn=functools.partial(
-            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT
-        ),
-        check_fn=lambda m: isinstance(m, types_),
-    )
-    return sum(isinstance(m, types_) for m in model.modules())
+    blocks = [m for m in model.modules() if isinstance(m, types_)]
+    every = int(mode.removeprefix("every:")) if mode.startswith("every:") else 1
+    chosen = {id(b) for b in blocks[::every]}
+    kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
+    if mode == "selective":
+        kwargs |= {"context_fn": selective_context, "preserve_rng_state": False}
+    _apply(model, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, **kwargs),
+           check_fn=lambda m: id(m) in chosen)  # fmt: skip
+    return len(chosen)
+
+
+def selective_context():
+    """torchtitan's op-level selective checkpointing policy (``_apply_op_sac``): a block keeps the outputs of its
+    attention, its reduce-scatters and every other matmul, and recomputes the rest (norms, activations, rotary,
+    the other matmuls) in backward. One context per checkpointed call: the matmul count starts at 0 for the
+    forward and again for the recomputation."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    ops = torch.ops.aten
+    save = {ops.mm.default, ops._scaled_dot_product_efficient_attention.default,
+            ops._scaled_dot_product_flash_attention.default, ops._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, ops.max.default}  # fmt: skip
+    counts: dict[str, int] = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        key = "recompute" if ctx.is_recompute else "forward"
+        if func == ops.mm.default:
+            counts[key] += 1
+        keep = func in save and not (func == ops.mm.default and counts[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -170,6 +170,9 @@ def tp_unsupported(cfg, options: FSDPOptions, world: int) -> str | None:
     t = options.tp
     if t == 1:
         return None
+    if cfg.activation_checkpointing and cfg.ac_mode != "full":
+        return (f"fsdp --tp {t} with --ac-mode {cfg.ac_mode} is not supported: the tensor-parallel collectives a "
+                "block recomputes are priced for full checkpointing only (use --ac-mode full)")  # fmt: skip
     unfit = degree_unfit("fsdp --tp", t, world)
     if unfit:
         return unfit

@@ -63,7 +63,7 @@ def flops_factor(cfg: TrainConfig) -> float:
     forward's share); the projection's compute time reads it."""
     factor = 1.0
     for t in chosen(cfg):
-        factor *= t.cost.flops_factor
+        factor *= t.configured(cfg).cost.flops_factor
     return factor
 
 

@@ -1,7 +1,11 @@
-"""Activation checkpointing, full per block: each residual block's activations are recomputed in the backward
-pass, so that only the blocks' inputs stay alive between forward and backward."""
+"""Activation checkpointing (``--activation-checkpointing``, ``--ac-mode``): each residual block's activations
+recomputed in the backward pass (full), one block in N (every:N), or inside every block only the cheap ops
+(selective: torchtitan's op policy keeps the attention's output and every other matmul's), so that less than
+the whole forward stays alive between forward and backward."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from torch import nn
 
@@ -11,22 +15,43 @@ from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transf
 from stratbench.models.zoo import apply_activation_checkpointing
 
 
+def recomputed_share(mode: str) -> float:
+    """The share of the forward's FLOPs run again in backward: all of it (full), one block in N (every:N; exact
+    where N divides the blocks), every other matmul of each block (selective: ~1/2)."""
+    if mode.startswith("every:"):
+        return 1.0 / int(mode.removeprefix("every:"))
+    return 0.5 if mode == "selective" else 1.0
+
+
+@dataclass(frozen=True)
 class ActivationCheckpointing(Transform):
-    """``--activation-checkpointing``: each block (``models.blocks``) under a non-reentrant checkpoint
-    wrapper."""
+    """``--activation-checkpointing``: the blocks (``models.blocks``) under a non-reentrant checkpoint wrapper,
+    as ``--ac-mode`` chooses (configured per run: the instance in ``ORDER`` is full)."""
+
+    mode: str = "full"
 
     name = "activation_checkpointing"
     phase = Phase.BEFORE_WRAP
     traced = True
-    cost = Cost(
-        activations="only each block's input kept through backward (the estimate traces it checkpointed)",
-        flops="each block's forward runs again in backward",
-        flops_factor=1.0 + FORWARD_SHARE,
-    )
+
+    @property
+    def cost(self) -> Cost:  # type: ignore[override]
+        share = recomputed_share(self.mode)
+        return Cost(
+            activations="what the mode keeps through backward (the estimate traces it checkpointed)",
+            flops=f"{share:g} of each block's forward runs again in backward ({self.mode})",
+            flops_factor=1.0 + FORWARD_SHARE * share,
+        )
 
     def applies_to(self, cfg: TrainConfig) -> bool:
         return bool(cfg.activation_checkpointing)
 
+    def label(self, cfg: TrainConfig) -> str:
+        return self.name if cfg.ac_mode == "full" else f"{self.name}:{cfg.ac_mode}"
+
+    def configured(self, cfg: TrainConfig) -> ActivationCheckpointing:
+        return ActivationCheckpointing(cfg.ac_mode)
+
     def apply(self, model: nn.Module, precision: Precision | None) -> nn.Module:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, self.mode)
         return model
