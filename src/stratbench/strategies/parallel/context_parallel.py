@@ -194,7 +194,8 @@ def chunk_eval_sums(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor
 def ulysses_rows(ctx, cp: int) -> list[Collective]:
     """Ulysses' all-to-alls per optimizer step: per attention forward q, k and v to heads (b x T/C x (H + 2 KV) x
     head_dim elements) and the output back (b x T/C x H x head_dim), in the compute dtype; the same in backward
-    (the gradients' reverse exchanges); with activation checkpointing the forward's again in backward. b is a
+    (the gradients' reverse exchanges); with activation checkpointing the checkpointed blocks' forward ones again
+    in backward (every block under full and selective, which recomputes the exchanges; one in N under every:N). b is a
     rank's micro-batch, once per micro-step."""
     cfg = ctx.cfg
     tc = SIZES[cfg.model]
@@ -208,8 +209,12 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
         Collective("all_to_all", per_fwd, calls, "forward", cp, note, dim="cp", critical=True),
         Collective("all_to_all", per_fwd, calls, "backward", cp, f"{note} (gradients)", dim="cp", critical=True),
     ]
-    if cfg.activation_checkpointing:
-        rows.append(dataclasses.replace(rows[0], phase="backward", note=f"recomputed: {note}"))
+    if cfg.activation_checkpointing:  # the checkpointed blocks' exchanges run again (selective too: measured)
+        every = int(cfg.ac_mode.removeprefix("every:")) if cfg.ac_mode.startswith("every:") else 1
+        blocks = -(-tc.n_layers // every)
+        again = dataclasses.replace(rows[0], payload_bytes=per_fwd * blocks // tc.n_layers,
+                                    calls=calls * blocks // tc.n_layers, phase="backward", note=f"recomputed: {note}")  # fmt: skip
+        rows.append(again)
     return rows
 
 
