@@ -82,10 +82,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--schedules", default="", help="comma-separated schedules, each at every M (default: naive at "
+                    "M = 1, gpipe and 1f1b at the others)")
     ap.add_argument("--output", default=str(HERE / f"pipeline_bubble_cpu_{datetime.date.today()}"))
     args = ap.parse_args()
     ms = [int(v) for v in args.microbatches.split(",")]
     cells = [("naive" if m == 1 else "gpipe", m) for m in ms] + [("1f1b", m) for m in ms if m >= 2]
+    if args.schedules:
+        cells = [(s, m) for s in args.schedules.split(",") for m in ms]
     rows: list[dict] = []
     args.load_before = os.getloadavg()[0]  # other jobs' load: none of this benchmark's processes runs yet
     with tempfile.TemporaryDirectory() as tmp:
@@ -110,7 +114,7 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
 
     out = Path(args.output)
     lines = [
-        "# Pipeline bubble vs micro-batches (2 stages, CPU)",
+        "# Pipeline bubble vs micro-batches (2 processes, CPU)",
         "",
         f"Measured {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.processor() or 'x86_64'} "
         f"({cpu_name()}), {os.cpu_count()} cores; load average before the sweep {args.load_before:.1f} (other jobs), "
@@ -119,14 +123,17 @@ def write_report(rows: list[dict], cells: list[tuple[str, int]], args: argparse.
         "2 gloo processes (1 thread each).",
         "",
         "Command: `.venv/bin/python benchmarks/pipeline_bubble.py "
-        f"--microbatches {args.microbatches} --repeats {args.repeats} --steps {args.steps} --batch-size {args.batch_size}`",
+        f"--microbatches {args.microbatches} --repeats {args.repeats} --steps {args.steps} --batch-size {args.batch_size}"
+        + (f" --schedules {args.schedules}`" if args.schedules else "`"),
         "",
         "Model: `benchmarks.pipeline_bubble:build` (8 identical 3x3 conv blocks of width 32, 32x32 synthetic "
-        f"images, global batch {args.batch_size}), split by FLOPs into 2 stages "
-        f"(FLOP shares {_shares(rows[0]['flops_share'])}). "
+        f"images, global batch {args.batch_size}), split by FLOPs into 2 stages, or 4 for the schedules that run 2 "
+        f"per process (FLOP shares {_shares(rows[0]['flops_share'])} for the first row). "
         "Bubble = 1 - (the stage's own forward/backward/loss compute time) / (the schedule step's wall time), "
         "per rank, median over the timed steps (2 warm-up steps excluded); the row value is the mean of the 2 "
-        f"stages; min / median / max over {args.repeats} repeats. Theory: (S-1)/(M+S-1) with S = 2.",
+        f"processes; min / median / max over {args.repeats} repeats. Theory: the layout's "
+        "``bubble_theory`` (docs/pipeline.md: (P-1)/(vM+P-1) for gpipe/1f1b/interleaved, the zero-bubble "
+        "schedules' below it), P = 2 processes.",
         "",
         "| schedule | M | theory | measured min | median | max | median - theory (pp) | stage 0 / stage 1 (median run) | step time (median) |",
         "|---|---|---|---|---|---|---|---|---|",

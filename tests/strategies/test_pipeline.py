@@ -218,6 +218,28 @@ def test_interleaved_four_stages_on_two_processes(runs):
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
+@pytest.mark.parametrize(("schedule", "stages", "bubble"), [
+    ("zb-interleaved", [[0, 2], [1, 3]], 1 / (3 * 2 * 4 + 1)),  # ZB-H1, v = 2: (P-1) / (3vM + P-1)
+    ("zbv", [[0, 3], [1, 2]], 0.0),  # M = 4 >= 2P
+    ("dualpipev", [[0, 3], [1, 2]], 0.0),
+])  # fmt: skip
+def test_zero_bubble_schedules_train_the_model_single_trains(runs, schedule, stages, bubble):
+    """The zero-bubble schedules (each backward split into its input- and weight-gradient halves) on 2
+    processes x 2 stages, loop-placed or in a V: single's fp64 curve; the V's turn (stages 1 and 2 on one rank)
+    sends nothing, so each rank sends one boundary each way per micro-batch, as the formula says."""
+    res = train(runs["root"] / schedule, *PP, *EQUIV, "--schedule", schedule, "--microbatches", "4", *COMM,
+                nproc=2)  # fmt: skip
+    _ok(res)
+    assert [r["stages"] for r in res["pipeline"]["ranks"]] == stages
+    assert res["pipeline"]["bubble_theory"] == pytest.approx(bubble)
+    assert_curves_match(res["metrics"]["loss_curve"], runs["single"]["metrics"]["loss_curve"], RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(runs["single"]["metrics"]["val_loss"], rel=RTOL)
+    assert_comm_matches_formula(res, tol=0.0)
+    assert_estimate_within(res)
+
+
+@pytest.mark.distributed
+@pytest.mark.equivalence
 def test_pipeline_x_data_parallel_2x2(runs):
     """4 processes = 2 replicas of a 2-stage pipeline on a (dp=2, pp=2) mesh: each replica reads half of the
     batch, each stage's gradients are averaged over its 2 replicas; the run equals `single` on the full batch."""
@@ -318,6 +340,9 @@ def test_bad_layouts_are_refused(tmp_path, monkeypatch):
     assert "1f1b needs --microbatches >= the 2" in _preflight_error(2, "--microbatches", "1")
     assert "'layer2' is not a piece" in _preflight_error(2, "--split-points", "layer2")
     assert "unknown schedule 'zb'" in _preflight_error(2, "--schedule", "zb")
+    line = _preflight_error(2, "--schedule", "zbv", "--stages", "6")
+    assert "zbv runs exactly 2 stages per process in a V: --stages 4 with 2 pipeline processes; got 6" in line
+    assert "zb-interleaved needs --stages a multiple of the 2" in _preflight_error(2, "--schedule", "zb-interleaved", "--stages", "3")
     assert "unknown balance 'time'" in _preflight_error(2, "--balance", "time")
     # a model that cannot be split
     (tmp_path / "unsplittable.py").write_text(

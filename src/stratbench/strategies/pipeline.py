@@ -24,7 +24,10 @@ tensor: no ``loss_parallel``).
 
 Schedules (``--schedule``): ``gpipe`` (ScheduleGPipe: all forwards, then all backwards), ``1f1b`` (Schedule1F1B,
 PipeDream-Flush: at most S micro-batches in flight), ``interleaved-1f1b`` (ScheduleInterleaved1F1B, several
-stages per rank, a smaller bubble), ``naive`` (GPipe with one micro-batch: plain model parallelism across
+stages per rank, a smaller bubble), the zero-bubble schedules ``zb-interleaved`` (ScheduleInterleavedZeroBubble,
+ZB-H1), ``zbv`` (ScheduleZBVZeroBubble) and ``dualpipev`` (ScheduleDualPipeV), which split each backward into
+its input- and weight-gradient halves (the last two run 2 stages per rank in a V: the first and the last stage on
+rank 0, whose loss it broadcasts), ``naive`` (GPipe with one micro-batch: plain model parallelism across
 processes, the bubble made visible). ``--microbatches M`` split each replica's batch; each micro-batch's loss
 (its mean) is divided by M before its backward, as the loop's ``--grad-accum`` divides, so one step equals the
 full-batch step and each backward equals one micro-step of ``single --grad-accum M``.
@@ -45,11 +48,12 @@ all-reduce and the measured bubble in ``pipeline_parallel``, the stages' costs i
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -92,7 +96,7 @@ class PipelineOptions:
     """Options of the pipeline strategy."""
 
     schedule: str = "1f1b"
-    """pipeline: gpipe (all forwards then all backwards), 1f1b (one forward one backward, at most S micro-batches in flight), interleaved-1f1b (several stages per process), naive (one micro-batch: model parallelism, the whole bubble)."""
+    """pipeline: gpipe (all forwards then all backwards), 1f1b (one forward one backward, at most S micro-batches in flight), interleaved-1f1b (several stages per process), zb-interleaved (interleaved, each backward split into its input- and weight-gradient halves, the weight halves filling the bubble: ZB-H1), zbv (zero bubble, 2 stages per process in a V), dualpipev (DeepSeek's DualPipe cut to a V, 2 stages per process), naive (one micro-batch: model parallelism, the whole bubble)."""
     microbatches: int = 0
     """pipeline: micro-batches each replica's batch is split into per step (0: 1 for naive, else 2 x the pipeline processes); must divide the per-replica batch."""
     stages: int = 0
@@ -302,7 +306,8 @@ class PipelineStrategy(Strategy):
     name = "pipeline"
     description = (
         "pipeline parallel (torch.distributed.pipelining): stages per process, micro-batches; "
-        "--schedule gpipe|1f1b|interleaved-1f1b|naive, --pp for pipeline x data parallel, --tp for 3D"
+        "--schedule gpipe|1f1b|interleaved-1f1b|zb-interleaved|zbv|dualpipev|naive, --pp for pipeline x data "
+        "parallel, --tp for 3D"
     )
     requirements = (
         "torch.distributed (gloo on CPU, nccl on CUDA); a splittable model (resnet*, tinynet, the transformers, "
@@ -446,6 +451,7 @@ class PipelineStrategy(Strategy):
             self.stages.append(stage)
         self.holds_first = 0 in self.stage_ids
         self.holds_last = lay.stages - 1 in self.stage_ids
+        self.last_rank = lay.rank_of(lay.stages - 1)  # the pipeline rank with the loss (rank 0 in a V)
         self.loss_fn: Callable = nn.CrossEntropyLoss()
         self._unscaled: dict[int, torch.Tensor] = {}
         self.schedule = self._make_schedule()
@@ -455,17 +461,17 @@ class PipelineStrategy(Strategy):
         return PipelineModule(model, self)
 
     def _make_schedule(self):
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+        from torch.distributed import pipelining as pl
 
         lay = self.layout
         # scale_grads=False: _stage_loss divides each micro-batch's loss by M before its backward (as --grad-accum
         # does), rather than the schedule dividing the accumulated gradients afterwards: fp16 gradients then have
         # the magnitudes single's micro-steps have, so both overflow (and skip) at the same loss scale.
-        if lay.schedule == "interleaved-1f1b":
-            return ScheduleInterleaved1F1B(
-                self.stages, lay.microbatches, loss_fn=self._stage_loss, scale_grads=False
-            )
-        cls = Schedule1F1B if lay.schedule == "1f1b" else ScheduleGPipe
+        multi = {"interleaved-1f1b": pl.ScheduleInterleaved1F1B, "zb-interleaved": pl.ScheduleInterleavedZeroBubble,
+                 "zbv": pl.ScheduleZBVZeroBubble, "dualpipev": pl.ScheduleDualPipeV}  # fmt: skip
+        if lay.schedule in multi:
+            return multi[lay.schedule](self.stages, lay.microbatches, loss_fn=self._stage_loss, scale_grads=False)
+        cls = pl.Schedule1F1B if lay.schedule == "1f1b" else pl.ScheduleGPipe
         return cls(self.stages[0], lay.microbatches, loss_fn=self._stage_loss, scale_grads=False)
 
     def _stage_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -532,7 +538,7 @@ class PipelineStrategy(Strategy):
                 # the schedule's losses are what _stage_loss returned per micro-batch (scaled): report them unscaled
                 loss = torch.stack([self._unscaled[id(v)].double() for v in losses]).mean()
             if self.layout.pp > 1:
-                dist.broadcast(loss, group=self.pp_group, group_src=self.layout.pp - 1)
+                dist.broadcast(loss, group=self.pp_group, group_src=self.last_rank)
         return loss
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
@@ -546,7 +552,7 @@ class PipelineStrategy(Strategy):
         pipeline_tp.clip_with_norm(params, max_norm, total)
         return total
 
-    # ---- evaluation ---------------------------------------------------------------------------
+    # ---- evaluation (forward_only: below) --------------------------------------------------------
     @torch.no_grad()
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Forward of a batch through all stages (the schedule's forward-only ``eval``); the logits of the
@@ -567,13 +573,14 @@ class PipelineStrategy(Strategy):
         target = target if self.holds_last else None
         self._after_eval = True
         self._unscaled = {}
-        out = self.schedule.eval(*args, target=target)
+        with forward_only(self.schedule):
+            out = self.schedule.eval(*args, target=target)
         dtype = torch.float64 if self.precision.spec.param_dtype == torch.float64 else torch.float32
         logits = torch.empty(size, *self.out_shape, dtype=dtype, device=x.device)
         if self.holds_last:
             logits.copy_(out)
         if self.layout.pp > 1:
-            dist.broadcast(logits, group=self.pp_group, group_src=self.layout.pp - 1)
+            dist.broadcast(logits, group=self.pp_group, group_src=self.last_rank)
         return logits[:n]
 
     def report(self) -> dict[str, Any]:
@@ -603,3 +610,28 @@ class PipelineStrategy(Strategy):
                 "ranks": ranks,
             },
         }
+
+
+@contextlib.contextmanager
+def forward_only(schedule: Any) -> Iterator[None]:
+    """``schedule.eval`` as a forward pass where the schedule is an action list (torch's runtime: zbv,
+    dualpipev), whose ``eval`` still runs its backward actions (torch 2.13): the list keeps its forwards and
+    their sends and receives, in order (an overlapped forward-and-backward keeps its forward), for the eval."""
+    from torch.distributed.pipelining import schedules as sch
+
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:
+        yield
+        return
+    keep = {sch.FORWARD, sch.SEND_F, sch.RECV_F, sch.UNSHARD, sch.RESHARD}
+
+    def forwards(action):
+        if action is not None and action.computation_type == sch.OVERLAP_F_B:
+            return [a for a in action.sub_actions or () if a.computation_type == sch.FORWARD]
+        return [action] if action is None or action.computation_type in keep else []
+
+    schedule.pipeline_order_with_comms = {r: [f for a in acts for f in forwards(a)] for r, acts in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order

@@ -94,14 +94,20 @@ def busiest_sender(lay: Layout, split: Any, sample_bytes: int) -> tuple[int, int
     best = None
     for r in range(lay.pp):
         ids = lay.stages_of(r)
-        # boundaries this rank sends across: after each of its stages but the last, before each but the first
-        out_b = sum(split.stages[i].out_numel for i in ids if i < lay.stages - 1) * sample_bytes
-        in_b = sum(split.stages[i - 1].out_numel for i in ids if i > 0) * sample_bytes
+        # boundaries this rank sends across: after each of its stages but the last, before each but the first,
+        # where the neighbouring stage runs on another rank (a V's turn, stages P-1 and P, stays on one)
+        out_b = sum(split.stages[i].out_numel for i in _sends(lay, ids, +1)) * sample_bytes
+        in_b = sum(split.stages[i - 1].out_numel for i in _sends(lay, ids, -1)) * sample_bytes
         key = (out_b + in_b, r)
         if best is None or key > best[0]:
             best = (key, out_b, in_b, ids)
     _, out_b, in_b, ids = best
     return out_b, in_b, ids
+
+
+def _sends(lay: Layout, ids: list[int], step: int) -> list[int]:
+    """The rank's stages whose neighbour ``step`` away exists and runs on another rank."""
+    return [i for i in ids if 0 <= i + step < lay.stages and lay.rank_of(i + step) != lay.rank_of(i)]
 
 
 def send_rows(ctx, lay: Layout, split: Split, micro: int) -> list[Collective]:
@@ -116,11 +122,11 @@ def send_rows(ctx, lay: Layout, split: Split, micro: int) -> list[Collective]:
     m = lay.microbatches
     rows: list[Collective] = []
     if out_b:
-        sends = m * sum(i < lay.stages - 1 for i in ids)
+        sends = m * len(_sends(lay, ids, +1))
         note = f"sent: activations of {m} micro-batches to the next stage"
         rows.append(Collective("send_recv", out_b * m, sends, "forward", 2, note, dim="pp"))
     if in_b:
-        sends = m * sum(i > 0 for i in ids)
+        sends = m * len(_sends(lay, ids, -1))
         note = f"sent: input gradients of {m} micro-batches to the previous stage"
         rows.append(Collective("send_recv", in_b * m, sends, "backward", 2, note, dim="pp"))
     if lay.pp > 1:

@@ -30,7 +30,11 @@ from stratbench.measuring.model_trace import ModelSpec
 from stratbench.models.split import Split, split_for_spec
 from stratbench.strategies.parallel.pipeline_tp import local
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "naive")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-interleaved", "zbv", "dualpipev", "naive")
+LOOPED = ("interleaved-1f1b", "zb-interleaved")
+"""Several stages per rank, stage i on pipeline rank i % P."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Two stages per rank in a V: rank r runs stages r and 2P - 1 - r (the first and the last on rank 0)."""
 
 
 def coords(rank: int, pp: int, tp_size: int) -> tuple[int, int, int]:
@@ -64,8 +68,15 @@ class Layout:
         return self.stages // self.pp
 
     def stages_of(self, pp_rank: int) -> list[int]:
-        """Stage indices a pipeline rank runs (loop order, as ScheduleInterleaved1F1B expects)."""
+        """Stage indices a pipeline rank runs (loop order, as ScheduleInterleaved1F1B expects; a V for zbv and
+        dualpipev, as torch's ``generate_stage_to_rank_mapping(style="v")`` places them)."""
+        if self.schedule in V_SHAPED:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
         return [pp_rank + k * self.pp for k in range(self.stages_per_rank)]
+
+    def rank_of(self, stage: int) -> int:
+        """The pipeline rank that runs ``stage``."""
+        return next(r for r in range(self.pp) if stage in self.stages_of(r))
 
     def in_flight(self, pp_rank: int) -> int:
         """Most micro-batches whose activations one stage of this rank holds at once (the memory model)."""
@@ -74,6 +85,10 @@ class Layout:
             return m
         if self.schedule == "1f1b":
             return min(m, s - pp_rank)  # stage r runs S - r warm-up forwards before its first backward
+        if self.schedule == "zbv":  # a weight-gradient half (W) keeps its micro-batch's inputs until it runs:
+            return min(m, 2 * s)  # measured on 2 x 2 stages, M = 4: every micro-batch held at the peak
+        if self.schedule == "dualpipev":  # DeepSeek-V3 report, table 2: P + 1 micro-batches of a device's layers
+            return min(m, s + 1)
         # interleaved (Megatron's warm-up): (P - r - 1) * 2 + (v - 1) * P forwards before the first backward,
         # spread over v local stages, plus the one being processed
         v = self.stages_per_rank
@@ -82,8 +97,16 @@ class Layout:
 
     def bubble_theory(self) -> float:
         """Idle fraction of a step with equal stage times and free communication: (S-1)/(M+S-1) for
-        GPipe/1F1B (naive: M=1); interleaving divides the fill/drain by the stages per rank v."""
+        GPipe/1F1B (naive: M=1); interleaving divides the fill/drain by the stages per rank v. The zero-bubble
+        schedules split each backward into its input-gradient (B) and weight-gradient (W) halves and fill the
+        drain with W (Qi et al. 2024), with F = B = W: zb-interleaved (ZB-H1, interleaved) idles P-1 of 3vM + P-1
+        units; zbv idles none once M >= 2P (else the ZB-H1 bound with v = 2); dualpipev idles (P/2 - 1)(F&B + B -
+        3W) = 0 units (DeepSeek-V3 report, table 2; F&B = F + B where nothing overlaps them)."""
         p, m, v = self.pp, self.microbatches, self.stages_per_rank
+        if self.schedule == "zb-interleaved" or (self.schedule == "zbv" and m < 2 * p):
+            return (p - 1) / (3 * v * m + p - 1)
+        if self.schedule in V_SHAPED:
+            return 0.0
         return (p - 1) / (v * m + p - 1)
 
     def to_dict(self) -> dict[str, Any]:
@@ -96,13 +119,13 @@ class Layout:
 def resolve_layout(options: Any, world: int) -> Layout:
     """The layout for ``world`` processes of the pipeline ``options`` (``schedule``, ``pp``, ``stages``,
     ``microbatches``, ``tp``: the pipeline method's); ConfigError naming the bad value otherwise."""
-    interleaved = options.schedule == "interleaved-1f1b"
+    interleaved = options.schedule in LOOPED
     t = options.tp
     if world % t:
         raise ConfigError(f"world size {world} is not divisible by --tp {t}; use a divisor of {world}")
     if options.pp:
         pp = options.pp
-    elif options.stages and not interleaved:
+    elif options.stages and not interleaved and options.schedule not in V_SHAPED:
         pp = options.stages
     else:
         pp = world // t
@@ -116,16 +139,23 @@ def resolve_layout(options: Any, world: int) -> Layout:
             f"world size {world} is not divisible into pipelines of {pp} processes (--pp/--stages {pp}); "
             f"use a divisor of {world}"
         )
-    stages = options.stages or (2 * pp if interleaved else pp)
-    if interleaved:
+    stages = options.stages or (2 * pp if interleaved or options.schedule in V_SHAPED else pp)
+    if options.schedule in V_SHAPED:
+        if stages != 2 * pp:
+            raise ConfigError(
+                f"{options.schedule} runs exactly 2 stages per process in a V: --stages {2 * pp} with {pp} pipeline "
+                f"processes; got {stages}"
+            )
+    elif interleaved:
         if stages % pp or stages < 2 * pp:
             raise ConfigError(
-                f"interleaved-1f1b needs --stages a multiple of the {pp} pipeline processes and at least {2 * pp}; got {stages}"
+                f"{options.schedule} needs --stages a multiple of the {pp} pipeline processes and at least {2 * pp}; got {stages}"
             )
     elif stages != pp:
         raise ConfigError(
             f"{options.schedule} runs one stage per process: --stages {stages} with {pp} pipeline processes "
-            "(use --pp for data parallel replicas, or --schedule interleaved-1f1b for several stages per process)"
+            "(use --pp for data parallel replicas, or --schedule interleaved-1f1b, zb-interleaved, zbv or "
+            "dualpipev for several stages per process)"
         )
     if options.schedule == "naive":
         if options.microbatches not in (0, 1):
@@ -141,7 +171,7 @@ def resolve_layout(options: Any, world: int) -> Layout:
         rounds = max(1, m // pp)
         if m % rounds:
             raise ConfigError(
-                f"interleaved-1f1b needs --microbatches a multiple of max(1, M // {pp}) = {rounds}; got {m}"
+                f"{options.schedule} needs --microbatches a multiple of max(1, M // {pp}) = {rounds}; got {m}"
             )
     dp = world // (pp * t)
     return Layout(pp=pp, dp=dp, stages=stages, microbatches=m, schedule=options.schedule, tp=t)
