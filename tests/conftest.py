@@ -182,6 +182,20 @@ def tiny_lm_fp64(seq: int = 32, batch: int = 8, eval_samples: int = 16) -> list[
     ]  # fmt: skip
 
 
+def uneven_ft_flags(folder: Path, seq_len: int = 48, val_fraction: str = "0.1") -> list[str]:
+    """gpt-tiny fine-tuning flags (fp64, 3 steps of 8) on a JSONL the helper writes into ``folder``: 16
+    examples whose responses run from 1 to 40 tokens, so that micro-batches and ranks hold very different numbers
+    of scored tokens (the masked loss's token mean is what they test)."""
+    lengths = [1, 30, 2, 3, 25, 1, 2, 40, 3, 1, 28, 2, 4, 33, 1, 2]
+    rows = [{"prompt": f"q{i}", "response": "ab" * (n // 2) + "c" * (n % 2)} for i, n in enumerate(lengths)]
+    (folder / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [
+        "--model", "gpt-tiny", "--data", f"jsonl:{folder / 'ft.jsonl'}", "--seq-len", str(seq_len), "--batch-size",
+        "8", "--max-steps", "3", "--optimizer", "adamw", "--lr", "0.003", "--precision", "fp64", "--val-fraction",
+        val_fraction, "--timing-warmup-steps", "0", "--progress", "false", "--measure-flops", "false",
+    ]  # fmt: skip
+
+
 COMM = ["--comm-volume", "true", "--breakdown", "true", "--measure-alloc", "true"]
 """Record the collectives of step 3 (stratbench.measuring.commvol), time each step's phases, and read the allocator through
 step 2 (--measure-alloc) in an equivalence run: none changes a number the run computes."""

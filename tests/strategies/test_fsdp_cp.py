@@ -7,7 +7,6 @@ combination that does not fit is refused in one line before any work."""
 
 from __future__ import annotations
 
-import json
 import re
 
 import pytest
@@ -21,6 +20,7 @@ from conftest import (
     assert_estimate_within,
     tiny_lm_fp64,
     train,
+    uneven_ft_flags,
 )
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
@@ -92,14 +92,7 @@ def test_padded_fine_tuning_data_trains_the_token_mean_single_trains(tmp_path):
     """Responses of very different lengths, padded to each batch's longest: a length that does not divide by 2
     is padded once more (a position after every real one, not scored); the step's token mean and the validation
     means are one process's."""
-    lengths = [1, 30, 2, 3, 25, 1, 2, 40, 3, 1, 28, 2, 4, 33, 1, 2]
-    rows = [{"prompt": f"q{i}", "response": "ab" * (n // 2) + "c" * (n % 2)} for i, n in enumerate(lengths)]
-    (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = [
-        "--model", "gpt-tiny", "--data", f"jsonl:{tmp_path / 'ft.jsonl'}", "--seq-len", "47", "--batch-size", "8",
-        "--max-steps", "3", "--optimizer", "adamw", "--lr", "0.003", "--precision", "fp64", "--val-fraction", "0.2",
-        "--timing-warmup-steps", "0", "--progress", "false", "--measure-flops", "false",
-    ]  # fmt: skip
+    flags = uneven_ft_flags(tmp_path, seq_len=47, val_fraction="0.2")
     single = train(tmp_path / "single", *flags)
     cp = train(tmp_path / "cp", *CP2, *flags, nproc=2)
     assert_curves_match(cp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)

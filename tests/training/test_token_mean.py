@@ -5,13 +5,12 @@ more than a long one's)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import RTOL, assert_curves_match, train
+from conftest import RTOL, assert_curves_match, train, uneven_ft_flags
 from stratbench.data.instruct import IGNORE
 from stratbench.training.losses import MaskedTokenCrossEntropy, step_denominator
 
@@ -49,14 +48,7 @@ def test_split_steps_give_the_whole_steps_token_mean(ranks: int, chunks: int) ->
 def test_ddp_with_accumulation_trains_what_one_micro_batch_trains(tmp_path: Path) -> None:
     """ddp over 2 ranks x --grad-accum 2 equals one process taking the 8 examples at once (fp64, 1e-9); the
     step's token count is one more 8-byte all-reduce, which the communication formula counts."""
-    lengths = [1, 30, 2, 3, 25, 1, 2, 40, 3, 1, 28, 2, 4, 33, 1, 2]
-    rows = [{"prompt": f"q{i}", "response": "ab" * (n // 2) + "c" * (n % 2)} for i, n in enumerate(lengths)]
-    (tmp_path / "ft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    flags = [
-        "--model", "gpt-tiny", "--data", f"jsonl:{tmp_path / 'ft.jsonl'}", "--seq-len", "48", "--batch-size", "8",
-        "--max-steps", "3", "--optimizer", "adamw", "--lr", "0.003", "--precision", "fp64", "--val-fraction", "0.1",
-        "--timing-warmup-steps", "0", "--progress", "false", "--measure-flops", "false",
-    ]  # fmt: skip
+    flags = uneven_ft_flags(tmp_path)
     single = train(tmp_path / "single", *flags)
     ddp = train(tmp_path / "ddp", *flags, "--strategy", "ddp", "--grad-accum", "2", "--comm-volume", "true", nproc=2)
     assert_curves_match(ddp["metrics"]["loss_curve"], single["metrics"]["loss_curve"], RTOL)

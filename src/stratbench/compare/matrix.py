@@ -571,6 +571,12 @@ def preset_llm() -> dict[str, Any]:
                 "label": "fsdp+ac",
             },  # fmt: skip
             {
+                "method": "fsdp",
+                "precision": "bf16-mixed",
+                "config": {"activation_checkpointing": True, "ac_mode": "selective"},
+                "label": "fsdp+sac",
+            },  # fmt: skip
+            {
                 "method": "deepspeed",
                 "precision": "bf16-mixed",
                 "options": [{"zero_stage": s} for s in (1, 2, 3)],
@@ -583,6 +589,8 @@ def preset_llm() -> dict[str, Any]:
                 "label": "deepspeed-z3-offload",
             },  # fmt: skip
             *hsdp_cells(world, 1, "bf16-mixed"),
+            *([{"method": "fsdp", "precision": "bf16-mixed", "options": {"cp": 2}, "label": "fsdp-cp2"}]
+              if world % 2 == 0 else []),  # fmt: skip
             *([ZERO_PP_CELL | {"precision": "bf16-mixed"}] if world > 1 else []),
         ],
     }

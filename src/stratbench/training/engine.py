@@ -337,7 +337,7 @@ class Trainer:
             local += (y != IGNORE).sum()
         tokens = strategy.all_reduce(local, "sum").item()
         _, shards = strategy.data_shard()
-        # a sample split over C processes (context parallelism) is averaged over them too: C times the divisor
+        # a sample split over C processes (context parallelism) is averaged over them too: a C times smaller divisor
         return step_denominator(tokens, self.env.world_size, shards, strategy.step_chunks()) / strategy.sequence_shards()
 
     # ---- set-up --------------------------------------------------------------------------------
