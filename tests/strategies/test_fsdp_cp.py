@@ -124,3 +124,19 @@ def test_cp_bad_input_is_one_line_before_any_work():
                       ({"cp": 2, "cp_impl": "rings"}, "unknown --cp-impl 'rings'; choose one of: ulysses")]:  # fmt: skip
         with pytest.raises(ConfigError, match=msg):
             FSDPStrategy.parse_options(opts)
+
+
+def test_advise_offers_context_parallelism_to_the_built_in_transformers_without_added_micro_steps():
+    """advise's cp plans (after the tensor-parallel ones): C = 2, 4, 8 where heads and devices divide, each rank at
+    a data-parallel rank's tokens (no gradient accumulation added); none for a model without the built-in
+    attention."""
+    from stratbench.predicting.advise import applicable, candidates, plan_config
+
+    base = TrainConfig(model="llama-8b", data="text", seq_len=8192, batch_size=16, precision="bf16-mixed")
+    plans, _ = applicable(base, candidates(8, 8), 8, "cuda")
+    cp = [p for p in plans if dict(p.options).get("cp")]
+    assert [dict(p.options)["cp"] for p in cp] == [2, 4, 8] and all(p.activation_checkpointing for p in cp)
+    cfg = plan_config(base, cp[0], 8)
+    assert cfg.grad_accum == 1 and cfg.strategy_options == {"sharding": "full", "cp": 2}
+    plans, _ = applicable(TrainConfig(model="resnet18", batch_size=16), candidates(8, 8), 8, "cuda")
+    assert not [p for p in plans if dict(p.options).get("cp")]

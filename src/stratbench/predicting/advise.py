@@ -34,7 +34,9 @@ class Plan:
     """Said when this plan is chosen by fitting: the simplest plans say that nothing more is needed."""
     micro_steps: str = "grad_accum"
     """The setting that takes the micro-steps ``plan_config`` adds where a replica spans several devices: gradient
-    accumulation, or a pipeline's micro-batches (more of them shrink its bubble, where accumulation would not)."""
+    accumulation, or a pipeline's micro-batches (more of them shrink its bubble, where accumulation would not);
+    "": none (context parallelism: a replica's devices split its sequences, each already holding a data-parallel
+    rank's tokens)."""
 
     @property
     def label(self) -> str:
@@ -88,6 +90,7 @@ def candidates(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
         *_node_plans(devices, gpus_per_node)[1:],
         Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
         *_tensor_parallel_plans(devices, gpus_per_node),
+        *_context_parallel_plans(devices, gpus_per_node),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu")), True, why="ZeRO-3 + optimizer offload: optimizer states and step on the CPU"),
         Plan("deepspeed", (("zero_stage", 3), ("offload_optimizer", "cpu"), ("offload_params", "cpu")), True, why="ZeRO-3 + parameter offload: only the working set stays on the device"),
     ]  # fmt: skip
@@ -105,6 +108,23 @@ def _node_plans(devices: int, gpus_per_node: int | None) -> list[Plan]:
         Plan("fsdp", (("sharding", "full"), ("replicate", nodes)), why=f"HSDP: FSDP full shard inside each node's {g} devices, {nodes} replicas across nodes; the per-block gathers stay on the node's links and only the gradient shards cross the NICs, once a step (an all-reduce at the end of backward): fewer inter-node calls than full sharding over every rank, for {nodes}x its model states per device"),
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g)), why=f"ZeRO-3 + hpZ: a copy of the parameters sharded over each node's {g} devices, so the backward gather stays in the node: 2/3 of ZeRO-3's inter-node bytes for 1/{g} of the parameters more memory"),
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g), ("zero_quantized_weights", True), ("zero_quantized_gradients", True)), why=f"ZeRO++: hpZ over each node's {g} devices, int8 weight gathers (qwZ) and int4 gradient all-to-alls (qgZ): ~1/4 of ZeRO-3's inter-node bytes; wins where ZeRO-3 waits on the inter-node link (needs DeepSpeed's CUDA quantizer kernel: dropped where it cannot be built)"),
+    ]  # fmt: skip
+
+
+CP_DEGREES = (2, 4, 8)
+"""Context-parallel degrees advise tries (within a node: four all-to-alls per attention on the critical path)."""
+
+
+def _context_parallel_plans(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
+    """FSDP full shard with C-way context parallelism and activation checkpointing (the built-in transformers;
+    ``applicable`` drops them for other models and head counts C does not divide): for sequences whose
+    activations do not fit a device even checkpointed and split over tensor-parallel ranks. Each rank computes
+    1/C of every sequence of its replica's batch: the tokens per rank of a data-parallel plan, no micro-steps
+    added."""
+    degrees = [c for c in CP_DEGREES if c <= devices and devices % c == 0 and (gpus_per_node is None or c <= gpus_per_node)]
+    return [
+        Plan("fsdp", (("sharding", "full"), ("cp", c)), True, micro_steps="", why=f"context parallelism: each of {c} devices holds 1/{c} of every sequence's activations (Ulysses: q, k, v and the output exchanged by all-to-all in every attention, on the critical path), FSDP full shard + activation checkpointing")
+        for c in degrees
     ]  # fmt: skip
 
 
@@ -149,6 +169,8 @@ def plan_config(base: TrainConfig, plan: Plan, devices: int) -> TrainConfig:
     world = cls.devices_for_world(devices)
     dp = cls.data_parallel_size(cfg, world)
     accum = base.grad_accum * (world // dp)
+    if not plan.micro_steps:
+        return cfg
     if dp < world and plan.micro_steps != "grad_accum":
         return cfg.replace(strategy_options={**cfg.strategy_options, plan.micro_steps: world // dp})
     if dp < world and base.batch_size % (dp * accum) == 0:

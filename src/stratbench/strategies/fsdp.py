@@ -69,6 +69,7 @@ from stratbench.strategies.parallel.context_parallel import (
     check_cp_impl,
     chunk_eval_sums,
     cp_unfit,
+    cp_world_unfit,
     local_chunk,
     ulysses_rows,
 )
@@ -489,7 +490,7 @@ class FSDPStrategy(LossParallel, Strategy):
         why = (
             degree_unfit("fsdp --tp", opts.tp, world_size)
             or replicate_unfit(opts, world_size)
-            or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size)
+            or cp_world_unfit(opts.cp, world_size)
         )
         if why:
             raise ConfigError(why)

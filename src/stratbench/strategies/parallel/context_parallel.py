@@ -148,9 +148,8 @@ def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
     sequence C does not divide (text windows), --tp or --replicate beside it (not composed yet)."""
     if cp == 1:
         return None
-    if world % cp or world < cp:
-        fits = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
-        return f"fsdp --cp {cp}: {world} processes do not divide into context-parallel groups of {cp}; --cp that fit: {fits}"
+    if why := cp_world_unfit(cp, world):
+        return why
     if tp > 1 or replicate > 1:
         other = f"--tp {tp}" if tp > 1 else f"--replicate {replicate}"
         return f"fsdp --cp {cp} with {other} is not supported: context parallelism composes with plain FSDP (mesh dp x cp)"
@@ -167,6 +166,14 @@ def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
     if not is_ft_data(cfg.data) and cfg.seq_len % cp:
         return f"fsdp --cp {cp}: --seq-len {cfg.seq_len} does not divide by {cp} (each rank takes 1/C of the positions)"
     return None
+
+
+def cp_world_unfit(cp: int, world: int) -> str | None:
+    """One line where ``world`` processes do not form groups of ``cp``, naming the degrees that fit."""
+    if cp == 1 or (world % cp == 0 and world >= cp):
+        return None
+    fits = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
+    return f"fsdp --cp {cp}: {world} processes do not divide into context-parallel groups of {cp}; --cp that fit: {fits}"
 
 
 def local_chunk(x: torch.Tensor, y: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
