@@ -35,11 +35,15 @@
 #              2+ GPUs, hpZ (--zero-hpz 2) on gpt-tiny, every parameter freed after forward; measured collectives
 #              against the formula. Needs the DeepSpeed wheels; one GPU: world 1, the config accepted and the
 #              quantizer kernel built, nothing gathered (not run yet)                ~4 min -> zeropp.md
+#   longctx    issue 46 on gpt2-small at sequence 1024, bf16-mixed: --ac-mode none / full / selective / every:2 on
+#              one GPU (peak allocated against the estimate, the step time each recomputation costs); with 2+ GPUs
+#              fsdp against fsdp --cp 2 at a global batch of 2 sequences (one per GPU: what cp is for) and the
+#              zero-bubble schedules against 1f1b on gpt-tiny (not run yet)              ~5 min -> longctx.md
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -59,7 +63,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -230,11 +234,70 @@ with open(sys.argv[1], "a") as f:
 print("\n".join(lines))
 EOF
         ;;
+    longctx)
+        # issue 46: recomputation modes on one GPU; context parallelism and zero-bubble schedules on 2+ GPUs
+        gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+        lm=(--model gpt2-small --data synthetic-tokens --vocab-size 50304 --seq-len 1024 --batch-size 8 --epochs 1
+            --max-steps 30 --optimizer adamw --lr 3e-4 --precision bf16-mixed --device cuda --timing-warmup-steps 5
+            --eval-samples 8)
+        train ac-none "${lm[@]}"
+        runs=("$WORK"/ac-none)
+        for mode in full selective every:2; do
+            train "ac-${mode/:/}" "${lm[@]}" --activation-checkpointing --ac-mode "$mode"; runs+=("$WORK/ac-${mode/:/}")
+        done
+        if [ "$gpus" -ge 2 ]; then
+            cp=("${lm[@]}" --batch-size 2 --nproc 2 --strategy fsdp --comm-volume true)
+            train fsdp-b2-gpu2 "${cp[@]}"; train fsdp-cp2-b2-gpu2 "${cp[@]}" --cp 2
+            runs+=("$WORK"/fsdp-b2-gpu2 "$WORK"/fsdp-cp2-b2-gpu2)
+            pp=(--model gpt-tiny --data text --seq-len 256 --batch-size 32 --epochs 1 --max-steps 30 --device cuda
+                --nproc 2 --strategy pipeline --microbatches 8 --timing-warmup-steps 5)
+            for sch in 1f1b zb-interleaved zbv dualpipev; do
+                train "pp-$sch-gpu2" "${pp[@]}" --schedule "$sch"; runs+=("$WORK/pp-$sch-gpu2")
+            done
+        fi
+        summary "$OUT/longctx.md" "Issue 46 on $gpus GPU(s): recomputation modes, context parallelism, zero-bubble schedules" "${runs[@]}"
+        "$PY" - "$OUT/longctx.md" "${runs[@]}" <<'EOF'
+import json, sys
+from pathlib import Path
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.predicting.estimate import estimate
+
+
+def estimate_error(r):
+    """The estimate's peak against the run's own: torch.cuda.max_memory_allocated per rank (on CUDA)."""
+    peaks = [a for a in r["metrics"].get("peak_memory_bytes") or [] if a]
+    device = "cuda" if r["metrics"].get("peak_memory_kind") == "cuda_max_allocated" else "cpu"
+    if device == "cpu":
+        peaks = [a for a in r["metrics"].get("cpu_alloc_peak_bytes") or [] if a]
+    e = estimate(from_dict(TrainConfig, dict(r["config"])), r["world_size"], device)
+    return (e.peak_bytes - max(peaks)) / max(peaks)
+
+
+lines = ["| run | step median (ms) | tokens/s | estimate vs peak | bubble (median per rank) | all_to_all B/step (formula) |", "|---|---|---|---|---|---|"]
+for run in sys.argv[2:]:
+    p = Path(run) / "result.json"
+    if not p.exists():
+        lines.append(f"| {Path(run).name} | no result.json | | | | |")
+        continue
+    r = json.loads(p.read_text()); m = r.get("metrics", {})
+    try:
+        err = f"{100 * estimate_error(r):+.1f}%"
+    except Exception as exc:  # a run whose estimate cannot be read says why
+        err = f"n/a ({str(exc)[:60]})"
+    bubble = [round(x["bubble"].get("median", 0), 3) for x in (r.get("pipeline") or {}).get("ranks", [])]
+    a2a = (m.get("comm") or {}).get("check", {}).get("all_to_all", {})
+    a2a_s = f"{a2a['measured_payload_bytes']:.0f} ({a2a['predicted_payload_bytes']})" if a2a else ""
+    lines.append(f"| {Path(run).name} | {1e3 * (m.get('step_time_median_s') or 0):.1f} | {m.get('throughput_tokens_per_s') or 0:.0f} | {err} | {bubble or ''} | {a2a_s} |")
+with open(sys.argv[1], "a") as f:
+    f.write("\n".join(["", "Step time, the memory estimate against the measured peak, pipeline bubbles, cp's all-to-all:", ""] + lines) + "\n")
+print("\n".join(lines))
+EOF
+        ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx tests pack" >&2
         exit 2 ;;
     esac
 done
