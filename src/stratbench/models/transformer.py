@@ -233,14 +233,26 @@ class Attention(nn.Module):
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         angle_dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64, bf16 rotates in fp32
-        cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling)
+        cos, sin = rotary_angles(
+            t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling, start=self.first_position(t)
+        )
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return self.wo(self.attend(q, k, v).reshape(b, t, -1))
+
+    def first_position(self, t: int) -> int:
+        """The position of the first of the ``t`` tokens this module sees (0: the whole sequence; a
+        context-parallel rank's chunk starts later)."""
+        return 0
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of (batch, seq, heads, head_dim) queries over keys and values with fewer heads or as
+        many (grouped-query), the output (batch, seq, heads, head_dim)."""
         n_rep = q.shape[2] // k.shape[2]
         k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
         )
-        return self.wo(out.transpose(1, 2).reshape(b, t, -1))
+        return out.transpose(1, 2)
 
 
 class FeedForward(nn.Module):

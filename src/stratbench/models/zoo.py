@@ -327,6 +327,12 @@ def load_weights(model: nn.Module, path: str) -> list[str]:
     return skipped
 
 
+def ac_every(mode: str) -> int:
+    """One block in how many an ``ac_mode`` (checked by ``core.config.check_ac_mode``) checkpoints: N for every:N,
+    1 for full and selective."""
+    return int(mode.removeprefix("every:")) if mode.startswith("every:") else 1
+
+
 def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> int:
     """Recompute residual blocks' activations in the backward pass (``mode``: full, selective or every:N, as
     ``TrainConfig.ac_mode`` says); returns the number of blocks wrapped."""
@@ -344,8 +350,7 @@ def apply_activation_checkpointing(model: nn.Module, mode: str = "full") -> int:
     if not types_:
         raise ConfigError(f"activation checkpointing: no blocks to recompute: {why_no_blocks(model)}")
     blocks = [m for m in model.modules() if isinstance(m, types_)]
-    every = int(mode.removeprefix("every:")) if mode.startswith("every:") else 1
-    chosen = {id(b) for b in blocks[::every]}
+    chosen = {id(b) for b in blocks[:: ac_every(mode)]}
     kwargs: dict[str, Any] = {"checkpoint_impl": CheckpointImpl.NO_REENTRANT}
     if mode == "selective":
         kwargs |= {"context_fn": selective_context, "preserve_rng_state": False}

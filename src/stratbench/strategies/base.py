@@ -426,12 +426,16 @@ class Strategy:
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, per_sample_eval: Callable
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validation: each sample's cross-entropy and share of correct predictions of one batch
-        (``per_sample_eval(logits, targets)``: the loop's), under the precision's autocast. A method that splits a
-        sample over processes combines its parts itself."""
+        (``per_sample_eval(logits, targets)``: the loop's). A method that splits a sample over processes combines
+        its parts itself."""
+        return per_sample_eval(self.eval_logits(model, x), y)
+
+    def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The model's output on an evaluation batch under the precision's autocast, as the loss takes it."""
         x = self.precision.convert_input(x)
         with self.precision.autocast():
             logits = model(x)
-        return per_sample_eval(self.precision.loss_input(logits), y)
+        return self.precision.loss_input(logits)
 
     def backward(self, loss: torch.Tensor) -> None:
         self.precision.backward(loss)

@@ -276,9 +276,9 @@ def clip_norms_over_shards(ctx, dp) -> list[Collective]:
     gradients: no reduction over replicate), or plain fsdp's (and --cp's) every rank; none for --sharding none
     (replicated)."""
     opts = ctx.options
-    group, dim = (dp.world // opts.replicate, "shard") if opts.replicate > 1 else (dp.world, "dp")
-    if opts.tp == 1 and opts.replicate == 1:  # plain fsdp, or --cp: sharded over every rank, no named dimension
-        dim = ""
+    group = dp.world // opts.replicate
+    # HSDP's shard dimension, fsdp --tp's dp, or plain fsdp's (and --cp's) every rank: no named dimension
+    dim = "shard" if opts.replicate > 1 else "dp" if opts.tp > 1 else ""
     if group <= 1 or opts.sharding == "none":
         return []
     norms = len(ctx.info.numels) * ctx.param_bytes
@@ -633,10 +633,7 @@ class FSDPStrategy(LossParallel, Strategy):
         import torch.distributed as dist
 
         x, y = local_chunk(x, y, self.cp_rank, self.options.cp)
-        x = self.precision.convert_input(x)
-        with self.precision.autocast():
-            logits = model(x)
-        sums = chunk_eval_sums(self.precision.loss_input(logits), y).double()
+        sums = chunk_eval_sums(self.eval_logits(model, x), y).double()
         dist.all_reduce(sums, group=self.cp_group)
         count = sums[:, 2].clamp(min=1)
         return sums[:, 0] / count, sums[:, 1] / count

@@ -12,15 +12,13 @@ from torch import nn
 from stratbench.core.config import TrainConfig
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
-from stratbench.models.zoo import apply_activation_checkpointing
+from stratbench.models.zoo import ac_every, apply_activation_checkpointing
 
 
 def recomputed_share(mode: str) -> float:
     """The share of the forward's FLOPs run again in backward: all of it (full), one block in N (every:N; exact
     where N divides the blocks), every other matmul of each block (selective: ~1/2)."""
-    if mode.startswith("every:"):
-        return 1.0 / int(mode.removeprefix("every:"))
-    return 0.5 if mode == "selective" else 1.0
+    return 0.5 if mode == "selective" else 1.0 / ac_every(mode)
 
 
 @dataclass(frozen=True)

@@ -30,14 +30,8 @@ from stratbench.core.errors import ConfigError
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_ft_data
 from stratbench.measuring.comm import Collective
-from stratbench.models.transformer import (
-    SIZES,
-    Attention,
-    Transformer,
-    apply_rotary,
-    repeat_kv,
-    rotary_angles,
-)
+from stratbench.models.transformer import SIZES, Attention, Transformer
+from stratbench.models.zoo import ac_every
 
 CP_IMPLS = ("ulysses",)
 
@@ -74,7 +68,7 @@ class _AllToAll(torch.autograd.Function):
         return _AllToAll.apply(grad, ctx.group), None
 
 
-def _exchange(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
+def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:
     """all-to-all of ``x`` (C, ...) over ``group``: chunk j goes to rank j, chunk j of the result came from rank j;
     with no group (the estimate's trace), ``x`` itself (the same shapes and bytes, no traffic)."""
     return x if group is None else _AllToAll.apply(x, group)
@@ -85,7 +79,7 @@ def seq_to_heads(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     in order (rank j's chunk is positions j T / C to (j + 1) T / C)."""
     b, t, h, d = x.shape
     chunks = x.reshape(b, t, size, h // size, d).permute(2, 0, 1, 3, 4)  # (C, b, t, h/C, d): chunk j -> rank j
-    out = _exchange(chunks, group, size)  # (C, b, t, h/C, d): chunk j = rank j's positions, my heads
+    out = _exchange(chunks, group)  # (C, b, t, h/C, d): chunk j = rank j's positions, my heads
     return out.permute(1, 0, 2, 3, 4).reshape(b, size * t, h // size, d)
 
 
@@ -94,38 +88,26 @@ def heads_to_seq(x: torch.Tensor, group: Any, size: int) -> torch.Tensor:
     b, t_all, h, d = x.shape
     t = t_all // size
     chunks = x.reshape(b, size, t, h, d).permute(1, 0, 2, 3, 4)  # (C, b, t, h/C, d): positions of rank j -> j
-    out = _exchange(chunks, group, size)  # (C, b, t, h/C, d): chunk j = heads of rank j, my positions
+    out = _exchange(chunks, group)  # (C, b, t, h/C, d): chunk j = heads of rank j, my positions
     return out.permute(1, 2, 0, 3, 4).reshape(b, t, size * h, d)
 
 
 class UlyssesAttention(Attention):
-    """``Attention`` on a chunk of the sequence: local projections and rotary at the chunk's global positions,
-    all-to-all to all positions of 1 / C of the heads, causal attention, all-to-all back, the output projection.
-    Set up by ``apply_cp`` (``cp_group``, ``cp_rank``, ``cp_size``; the group None in the estimate's trace)."""
+    """``Attention`` on a chunk of the sequence: its projections and rotary at the chunk's global positions
+    (``first_position``), then ``attend`` between two all-to-alls: to all positions of 1 / C of the heads and
+    back. Set up by ``apply_cp`` (``cp_group``, ``cp_rank``, ``cp_size``; the group None in the estimate's trace)."""
 
     cp_group: Any = None
     cp_rank: int = 0
     cp_size: int = 1
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q = self.wq(x).view(b, t, -1, self.head_dim)
-        k = self.wk(x).view(b, t, -1, self.head_dim)
-        v = self.wv(x).view(b, t, -1, self.head_dim)
-        angle_dtype = torch.promote_types(q.dtype, torch.float32)
-        cos, sin = rotary_angles(
-            t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling, start=self.cp_rank * t
-        )
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def first_position(self, t: int) -> int:
+        return self.cp_rank * t
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         group, size = self.cp_group, self.cp_size
         q, k, v = (seq_to_heads(z, group, size) for z in (q, k, v))
-        n_rep = q.shape[2] // k.shape[2]
-        k, v = repeat_kv(k, n_rep), repeat_kv(v, n_rep)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
-        )
-        out = heads_to_seq(out.transpose(1, 2), group, size)
-        return self.wo(out.reshape(b, t, -1))
+        return heads_to_seq(super().attend(q, k, v), group, size)
 
 
 def attentions(model: nn.Module) -> list[Attention]:
@@ -217,8 +199,7 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
         Collective("all_to_all", per_fwd, calls, "backward", cp, f"{note} (gradients)", dim="cp", critical=True),
     ]
     if cfg.activation_checkpointing:  # the checkpointed blocks' exchanges run again (selective too: measured)
-        every = int(cfg.ac_mode.removeprefix("every:")) if cfg.ac_mode.startswith("every:") else 1
-        blocks = -(-tc.n_layers // every)
+        blocks = -(-tc.n_layers // ac_every(cfg.ac_mode))
         again = dataclasses.replace(rows[0], payload_bytes=per_fwd * blocks // tc.n_layers,
                                     calls=calls * blocks // tc.n_layers, phase="backward", note=f"recomputed: {note}")  # fmt: skip
         rows.append(again)
