@@ -64,10 +64,10 @@ from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.context_parallel import (
-    CPChunk,
-    apply_cp,
     check_cp_impl,
     chunk_eval_sums,
+    cp_memory,
+    cp_mesh,
     cp_unfit,
     cp_world_unfit,
     local_chunk,
@@ -414,18 +414,6 @@ class FSDPCost(CostModel):
         return fsdp2_comm(ctx, ctx.options.sharding) + cp + clip
 
 
-def cp_memory(ctx, rank: int, units_note: str):
-    """--cp C: FSDP2's states sharded over every rank (``fsdp2_memory``); the activations of one chunk of T / C
-    positions of the replica's micro-batch (``CPChunk``: all positions of 1/C of the heads in attention)."""
-    c = ctx.options.cp
-    m = fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
-    m.sharding_note += f" over every rank (N = {ctx.world}); activations of T / {c} positions (cp {c})"
-    m.data_ranks = ctx.world // c
-    m.trace_transform, m.trace_seq_len = CPChunk(c), ctx.cfg.seq_len // c
-    m.units_note = units_note
-    return m
-
-
 def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     """``ctx`` with the units ``--wrap`` builds (``models.blocks.wrap_units``, as ``wrap`` builds them: refused
     in the same line where it refuses), and the line naming them."""
@@ -569,19 +557,8 @@ class FSDPStrategy(LossParallel, Strategy):
         return mesh[data_dims[0]] if len(data_dims) == 1 else mesh[data_dims]
 
     def _context_parallel(self, model: nn.Module, fsdp_mesh):
-        """--cp C: a (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads; every
-        attention made Ulysses'; FSDP2 shards over all ranks (``fsdp_mesh``), printed once."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        c, world = self.options.cp, self.env.world_size
-        mesh = init_device_mesh(self.env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
-        self.mesh_shape = {"dp": world // c, "cp": c}
-        self.cp_group, self.cp_rank = mesh["cp"].get_group(), self.env.rank % c
-        n = apply_cp(model, self.cp_group, self.cp_rank, c)
-        if self.env.is_main:
-            print(f"fsdp mesh: dp {world // c} x cp {c}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read "
-                  f"the same samples, 1/{c} of the positions each; {n} attentions exchange heads by all-to-all "
-                  "(Ulysses); FSDP2 shards over every rank)", flush=True)  # fmt: skip
+        """--cp C: this rank's cp group and place in it (``cp_mesh``); FSDP2 shards over all ranks (``fsdp_mesh``)."""
+        self.mesh_shape, self.cp_group, self.cp_rank = cp_mesh(model, self.env, self.options.cp)
         return fsdp_mesh
 
     def move(self, model: nn.Module) -> nn.Module:

@@ -48,12 +48,11 @@ all-reduce and the measured bubble in ``pipeline_parallel``, the stages' costs i
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -78,6 +77,7 @@ from stratbench.strategies.parallel.pipeline_parallel import (
     all_reduce_grads,
     batch_unfit,
     bubble_stats,
+    forward_only,
     merged_model_state,
     merged_optimizer_state,
     pipeline_layout,
@@ -552,7 +552,7 @@ class PipelineStrategy(Strategy):
         pipeline_tp.clip_with_norm(params, max_norm, total)
         return total
 
-    # ---- evaluation (forward_only: below) --------------------------------------------------------
+    # ---- evaluation ---------------------------------------------------------------------------
     @torch.no_grad()
     def eval_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Forward of a batch through all stages (the schedule's forward-only ``eval``); the logits of the
@@ -610,28 +610,3 @@ class PipelineStrategy(Strategy):
                 "ranks": ranks,
             },
         }
-
-
-@contextlib.contextmanager
-def forward_only(schedule: Any) -> Iterator[None]:
-    """``schedule.eval`` as a forward pass where the schedule is an action list (torch's runtime: zbv,
-    dualpipev), whose ``eval`` still runs its backward actions (torch 2.13): the list keeps its forwards and
-    their sends and receives, in order (an overlapped forward-and-backward keeps its forward), for the eval."""
-    from torch.distributed.pipelining import schedules as sch
-
-    order = getattr(schedule, "pipeline_order_with_comms", None)
-    if order is None:
-        yield
-        return
-    keep = {sch.FORWARD, sch.SEND_F, sch.RECV_F, sch.UNSHARD, sch.RESHARD}
-
-    def forwards(action):
-        if action is not None and action.computation_type == sch.OVERLAP_F_B:
-            return [a for a in action.sub_actions or () if a.computation_type == sch.FORWARD]
-        return [action] if action is None or action.computation_type in keep else []
-
-    schedule.pipeline_order_with_comms = {r: [f for a in acts for f in forwards(a)] for r, acts in order.items()}
-    try:
-        yield
-    finally:
-        schedule.pipeline_order_with_comms = order

@@ -32,6 +32,7 @@ from stratbench.data.text import is_ft_data
 from stratbench.measuring.comm import Collective
 from stratbench.models.transformer import SIZES, Attention, Transformer
 from stratbench.models.zoo import ac_every
+from stratbench.strategies.parallel.fsdp import fsdp2_memory
 
 CP_IMPLS = ("ulysses",)
 
@@ -217,3 +218,31 @@ class CPChunk:
     def __call__(self, model: nn.Module) -> None:
         if isinstance(model, Transformer):
             apply_cp(model, None, 0, self.cp)
+
+
+def cp_mesh(model: nn.Module, env: Any, c: int) -> tuple[dict[str, int], Any, int]:
+    """A (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads, every attention made
+    Ulysses' (``apply_cp``), printed once; returns the mesh's shape, this rank's cp group and its place in it."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = env.world_size
+    mesh = init_device_mesh(env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
+    group, rank = mesh["cp"].get_group(), env.rank % c
+    n = apply_cp(model, group, rank, c)
+    if env.is_main:
+        print(f"fsdp mesh: dp {world // c} x cp {c}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read "
+              f"the same samples, 1/{c} of the positions each; {n} attentions exchange heads by all-to-all "
+              "(Ulysses); FSDP2 shards over every rank)", flush=True)  # fmt: skip
+    return {"dp": world // c, "cp": c}, group, rank
+
+
+def cp_memory(ctx, rank: int, units_note: str) -> Any:
+    """--cp C: FSDP2's states sharded over every rank (``fsdp2_memory``); the activations of one chunk of T / C
+    positions of the replica's micro-batch (``CPChunk``: all positions of 1/C of the heads in attention)."""
+    c = ctx.options.cp
+    m = fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
+    m.sharding_note += f" over every rank (N = {ctx.world}); activations of T / {c} positions (cp {c})"
+    m.data_ranks = ctx.world // c
+    m.trace_transform, m.trace_seq_len = CPChunk(c), ctx.cfg.seq_len // c
+    m.units_note = units_note
+    return m

@@ -13,11 +13,12 @@ receives and waits, beside the theory (S-1)/(M+S-1) (``Layout.bubble_theory``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -348,3 +349,28 @@ def merged_optimizer_state(parts: list[dict], full_names: list[str]) -> dict[str
         "state": dict(sorted(state.items(), key=lambda kv: order.get(kv[0], len(order)))),
         "param_groups": groups,
     }
+
+
+@contextlib.contextmanager
+def forward_only(schedule: Any) -> Iterator[None]:
+    """A pipeline schedule's ``eval`` as a forward pass where the schedule is an action list (torch's runtime: zbv,
+    dualpipev), whose ``eval`` still runs its backward actions (torch 2.13): the list keeps its forwards and
+    their sends and receives, in order (an overlapped forward-and-backward keeps its forward), for the eval."""
+    from torch.distributed.pipelining import schedules as sch
+
+    order = getattr(schedule, "pipeline_order_with_comms", None)
+    if order is None:
+        yield
+        return
+    keep = {sch.FORWARD, sch.SEND_F, sch.RECV_F, sch.UNSHARD, sch.RESHARD}
+
+    def forwards(action):
+        if action is not None and action.computation_type == sch.OVERLAP_F_B:
+            return [a for a in action.sub_actions or () if a.computation_type == sch.FORWARD]
+        return [action] if action is None or action.computation_type in keep else []
+
+    schedule.pipeline_order_with_comms = {r: [f for a in acts for f in forwards(a)] for r, acts in order.items()}
+    try:
+        yield
+    finally:
+        schedule.pipeline_order_with_comms = order
