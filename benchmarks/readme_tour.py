@@ -1,4 +1,5 @@
-"""Run the README's "Quick tour" and "Projecting to a cluster" as a new user would, in a fresh folder, and report.
+"""Run the README's "Quick tour" (or the manual's "Commands", ``--doc docs/usage.md``) as a new user would, in a fresh
+folder, and report.
 
 The commands are read from README.md (the first code block under each of ``SECTIONS``; ``\\`` continuation lines
 joined, ``# ...`` comments dropped), never copied here, so the check follows the README. Each line runs in order
@@ -53,8 +54,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 HEADING = "## Quick tour"
-SECTIONS = (HEADING, "## Projecting to a cluster")
+SECTIONS = (HEADING,)
 """The README's sections whose first code block a new user runs as written, in this order."""
+MANUAL = REPO / "docs" / "usage.md"
+MANUAL_SECTIONS = ("## Commands",)
+"""The manual's block of every command (``--doc docs/usage.md`` runs it)."""
+
+
+def sections_for(doc: Path) -> tuple[str, ...]:
+    """The sections of ``doc`` whose first code block is its tour: the manual's or the README's."""
+    return MANUAL_SECTIONS if Path(doc).resolve() == MANUAL.resolve() else SECTIONS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -109,6 +118,28 @@ def tour_commands(readme: str, sections: tuple[str, ...] = SECTIONS) -> list[str
             commands.append(line)
     if pending.strip():
         commands.append(pending.strip())
+    return commands
+
+
+def doc_commands(text: str) -> list[str]:
+    """Every ``stratbench`` command in any fenced code block of a page (continuations joined, comments dropped),
+    except sketches: a line with ``...`` or ``[optional]`` parts, or a quoted error (``stratbench train: error``)."""
+    commands, inside, pending = [], False, ""
+    for raw in text.splitlines():
+        if raw.lstrip().startswith("```"):
+            inside, pending = not inside, ""
+            continue
+        if not inside:
+            continue
+        line = strip_comment(raw)
+        if line.endswith("\\"):
+            pending += line[:-1].rstrip() + " "
+            continue
+        line, pending = (pending + line.strip()).strip(), ""
+        first = line.split(" ", 2)[1:2]
+        sketch = "..." in line or " [" in line or (first and first[0].endswith(":")) or line.endswith("&")
+        if line.startswith("stratbench ") and not sketch:
+            commands.append(line)
     return commands
 
 
@@ -727,11 +758,17 @@ class Tour:
     outcome is on it, its output in ``logs``."""
 
     def __init__(
-        self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST, jobs: int = 2
+        self, root: Path, readme: Path = README, shrinks: tuple[Shrink, ...] = FAST, jobs: int = 2,
+        only: tuple[str, ...] = (),
     ) -> None:
+        """``only``: run just the page's lines that start with one of these (the manual's lines the suite runs);
+        the page's "From Python" block runs where it has one and no ``only`` is given."""
         self.root, self.readme, self.jobs = Path(root), Path(readme).read_text(), jobs
         self.fast = shrinks is FAST
-        self.commands = tour_commands(self.readme)
+        self.commands = tour_commands(self.readme, sections_for(Path(readme)))
+        if only:
+            self.commands = [c for c in self.commands if c.startswith(only)]
+        self.python = not only and f"\n{PYTHON_SECTION}\n" in self.readme
         self.lines = plan_lines(self.commands, shrinks)
         self.env: dict[str, str] = {}
 
@@ -751,7 +788,8 @@ class Tour:
         # processes (launching.launch.threads_per_process), which reads this variable the same way.
         self.env["OMP_NUM_THREADS"] = "1"
         self.logs.mkdir()
-        self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1, fast=self.fast))
+        if self.python:
+            self.lines.append(python_line(self.readme, self.work, len(self.lines) + 1, fast=self.fast))
         slurm, _ = start_slurm(self.lines)
         if slurm is not None:
             self.env["SLURM_CONF"] = str(slurm / "slurm.conf")
@@ -873,7 +911,8 @@ def render(lines: list[Line], notes: list[str], command: str, total_s: float, no
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--readme", default=str(README))
+    ap.add_argument("--doc", "--readme", dest="readme", default=str(README),
+                    help="the page whose tour to run: README.md (its Quick tour) or docs/usage.md (its Commands)")
     ap.add_argument("--report", help="markdown report to write (default: print it)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per line (default 1800)")
     ap.add_argument(
@@ -885,7 +924,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=1, help="lines run at once where they share no file (default 1)")
     args = ap.parse_args(argv)
 
-    commands = tour_commands(Path(args.readme).read_text())
+    commands = tour_commands(Path(args.readme).read_text(), sections_for(Path(args.readme)))
     if args.stop_after:
         commands = commands[: args.stop_after]
     lines = plan_lines(commands, FAST if args.fast else SHRINK)

@@ -1,11 +1,14 @@
-"""DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload): built by ``make install`` (``python
-scripts/async_io_build.py``, in the foreground, as DeepSpeed's ``DS_BUILD_AIO=1`` pre-builds it for a pip install),
-else for the nvme tests in the background.
+"""DeepSpeed's async_io op (ZeRO-Infinity's NVMe offload): built for the nvme tests in the background while the rest
+of the suite runs, or ahead of a user's first nvme run by ``python scripts/async_io_build.py`` (in the foreground,
+as DeepSpeed's ``DS_BUILD_AIO=1`` pre-builds it for a pip install; without it, that run builds it first, as
+DeepSpeed does).
 
 Cold, the build is 15 C++ files that each parse torch's headers: 610 s on this shared 2-core VM, then cached in
 stratbench's extensions folder (``op_builds.extensions_cache_dir``: one per venv and versions) for every later session. conftest starts it (a load, where
-install built it) when the session's tests are collected, if an nvme test is among them; the tests in strategies/ run late, so it has the
-rest of the suite to use what the suite leaves idle (processes starting, ranks waiting on each other).
+it is built) when the session's tests are collected, if an nvme test is among them; the nvme tests are collected last
+(tests/strategies/test_deepspeed_nvme.py, conftest.LAST), so it has the rest of the suite to use what the suite leaves
+idle (processes starting, ranks waiting on each other). On a fresh clone it finished before them (it used to run in
+``make install``, 134 s of the install's 201 s, before any test).
 
 Two things keep it out of the other tests' way and shorten it, without changing what the tests run:
 
@@ -158,6 +161,21 @@ def _full_priority(pid: int) -> None:
             os.setpriority(os.PRIO_PROCESS, member, 0)
         except OSError:
             pass
+
+
+def finish(interrupted: bool) -> None:
+    """At the end of a test session (an xdist worker's): a build still running is waited for, at full priority,
+    unless the session was interrupted. Under 2 workers both start the load at collection and one of them builds
+    (the other waits on torch's lock): the builder's worker may run out of files while the other still needs the
+    op, and interrupting the build then would make the other start it again from the beginning."""
+    if _BUILD is not None and _BUILD.poll() is None and not interrupted:
+        _full_priority(_BUILD.pid)
+        try:
+            _BUILD.wait(timeout=1500)
+        except subprocess.TimeoutExpired:
+            pass
+        drop_precompiled_header()
+    stop()
 
 
 def stop() -> None:

@@ -148,7 +148,7 @@ def pytest_collection_finish(session):
 def pytest_sessionfinish(session, exitstatus):
     if _ZYGOTE is not None:
         _ZYGOTE.close()
-    async_io_build.stop()
+    async_io_build.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
 
 
 def train(
@@ -282,23 +282,33 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 
 
 LONG_FIRST = (
-    "readme/test_readme_tour.py", "compare/test_ray.py", "checkpoints/test_safety.py", "compare/test_slurm.py",
-    "strategies/test_deepspeed.py", "commands/test_user_work.py", "compare/test_compare.py", "launching/test_launch.py",
-    "strategies/test_pipeline.py", "strategies/test_fsdp.py", "training/test_training.py",
+    "compare/test_ray.py", "compare/test_slurm.py", "checkpoints/test_safety.py", "readme/test_readme_tour.py",
+    "strategies/test_deepspeed.py", "launching/test_launch.py", "compare/test_compare.py", "strategies/test_pipeline.py",
+    "commands/test_user_work.py", "training/test_training.py", "strategies/test_fsdp.py",
 )  # fmt: skip
-"""Test files that take minutes, longest first (per-file sums of a fresh-clone run, 2026-11-27: the tour 528 s, Ray
-435 s, SLURM 153 s, safety 128 s, the others 40-100 s): under ``make test``'s 2 workers (``--dist loadfile
---no-loadscope-reorder``: a file at a time per worker, handed out in collection order) the README tour (~8 min of
-one worker) must start first, not be the last file left. The tour and the cluster tests wait much of their time
-(processes and daemons starting): beside them the other worker's multi-process tests run at their own speed. Two
-multi-process files at once take ~2.7x as long each (tests/launching/test_launch.py: 60 s alone, 164 s beside
-the safety and deepspeed tests, on 2 cores), so leaving the tour and the clusters out of a run makes it barely
-shorter (a fresh clone: 19.3 min of pytest without them, 21.6 min with them)."""
+"""Test files that take minutes, longest first (per-file wall seconds under `make test`, 2026-11-28: Ray 371, SLURM
+148, safety 135, the README tour and the manual's lines ~120, the others 40-100): under ``make test``'s 2 workers
+(``--dist loadfile --no-loadscope-reorder``: a file at a time per worker, handed out in collection order) the
+longest must start first, not be the last file left. The Ray and SLURM tests wait much of their time (daemons,
+schedulers, processes starting): the async_io build conftest starts at collection (nice 19) takes that idle CPU.
+Per-test CPU seconds (the test process and the processes it reaped): the README tour was 549 of the suite's
+~2,100 CPU-seconds when it ran every command of the old README (38 lines); the short tour and 3 lines of the manual
+took ~115 s of wall alone."""
+
+
+LAST = ("strategies/test_deepspeed_nvme.py",)
+"""Collected last: the nvme runs wait for DeepSpeed's async_io op, whose build conftest starts in the background at
+collection (pytest_sessionstart below): by then it has had the whole suite's idle CPU."""
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(LONG_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(rank)))
+    rank.update({name: len(LONG_FIRST) + 1 + i for i, name in enumerate(LAST)})
+
+    def order(item) -> int:
+        return rank.get(item.nodeid.split("::")[0].removeprefix("tests/"), len(LONG_FIRST))
+
+    items.sort(key=order)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU (none on this machine)")

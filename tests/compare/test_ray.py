@@ -4,8 +4,8 @@ the local executor's quick preset, a cell spread over both nodes against the loc
 before any cell, SIGTERM of compare leaving no Ray task or process, a worker node killed during a cell, a killed
 Ray Client sweep's actors, and a dead cluster's address file. The quick preset's table through an executor, as a
 user runs it, is tests/compare/test_slurm.py's; here the killed sweep's rerun checks its cells' curves and report
-rows against the local sweep's, and the README tour runs `compare --preset quick --executor ray` from a user's
-folder."""
+rows against the local sweep's, and the dead cluster's test runs `stratbench compare --executor ray` as a
+user's command (a subprocess with the console script)."""
 
 from __future__ import annotations
 

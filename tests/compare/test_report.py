@@ -184,7 +184,7 @@ def test_repeats_record_median_and_spread(tmp_path, monkeypatch):
 
 
 def test_compare_refuses_fewer_than_one_repeat(tmp_path, capsys):
-    """--repeats 0 is one line before any work. (compare --repeats end to end: the README tour's `compare --repeats
+    """--repeats 0 is one line before any work. (compare --repeats end to end: the manual's `compare --repeats
     3` line, whose record and report tests/readme/test_readme_tour.py checks.)"""
     mfile = tmp_path / "m.yaml"
     matrix = {"name": "rep", "base": {"model": "tinynet"}, "cells": [{"method": "single"}]}

@@ -1,6 +1,7 @@
-"""Every command of the README's Quick tour parses with stratbench's own CLI parser (no training), so that a README
-line with a renamed or removed flag, or a flag its method does not take, fails here. benchmarks/readme_tour.py
-runs the same lines for real (benchmarks/readme_tour_cpu_*.md)."""
+"""Every command of the README's Quick tour, of the manual's Commands block (docs/usage.md) and of every other
+page's code blocks under docs/ parses with stratbench's own CLI parser (no training), so that a documented line
+with a renamed or removed flag, or a flag its method does not take, fails here. tests/readme/test_readme_tour.py
+runs the README's lines for real, benchmarks/readme_tour.py the manual's too (benchmarks/readme_tour_cpu_*.md)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,15 @@ from conftest import REPO
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from readme_tour import tour_argv, tour_commands  # noqa: E402
+from readme_tour import MANUAL, MANUAL_SECTIONS, doc_commands, tour_argv, tour_commands  # noqa: E402
 
 from stratbench.cli import build_parser, normalise_flags  # noqa: E402
 
 TOUR = tour_commands((REPO / "README.md").read_text())
+COMMANDS = tour_commands(MANUAL.read_text(), MANUAL_SECTIONS)
+PAGES = sorted((REPO / "docs").glob("*.md"))
+ELSEWHERE = sorted({c for page in PAGES for c in doc_commands(page.read_text())} - set(COMMANDS) - set(TOUR))
+"""Complete commands on the other pages (sketches with ``...`` are left out, doc_commands)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,11 +42,14 @@ def parse(parser, argv: list[str]):
             raise AssertionError(f"stratbench {' '.join(argv)}: {err.getvalue().strip() or exc}") from None
 
 
-def test_the_tour_is_read_from_the_readme():
-    assert len(TOUR) >= 20
-    assert all(c.startswith("stratbench ") and "#" not in c and "\\" not in c for c in TOUR)
+def test_the_tour_and_the_manual_are_read_from_their_pages():
+    assert 8 <= len(TOUR) <= 15  # the README's tour is short; the manual has every command
+    assert len(COMMANDS) >= 30 and len(ELSEWHERE) >= 30
+    for commands in (TOUR, COMMANDS, ELSEWHERE):
+        assert all(c.startswith("stratbench ") and "#" not in c and "\\" not in c for c in commands)
     estimate = [c for c in TOUR if c.startswith("stratbench estimate")]
     assert estimate and "--optimizer adamw" in estimate[0]  # the continuation line is joined
+    assert not any("..." in c for c in ELSEWHERE)
 
 
 def test_continuation_and_comments():
@@ -63,8 +71,11 @@ def test_continuation_and_comments():
     assert tour_commands(readme, ("## Quick tour",)) == ["stratbench train --a 1", "stratbench estimate --b 2 --c '#3'"]
 
 
-@pytest.mark.parametrize("command", TOUR, ids=[f"{i + 1}" for i in range(len(TOUR))])
-def test_tour_line_parses(parser, command):
+DOCUMENTED = [*(("tour", c) for c in TOUR), *(("manual", c) for c in COMMANDS), *(("docs", c) for c in ELSEWHERE)]
+
+
+@pytest.mark.parametrize(("page", "command"), DOCUMENTED, ids=[f"{p}-{i + 1}" for i, (p, _) in enumerate(DOCUMENTED)])
+def test_documented_line_parses(parser, page, command):
     from stratbench.commands.train import strategy_options_from_args
     from stratbench.core.config import TrainConfig, collect_overrides, from_dict, validate
 
@@ -77,7 +88,8 @@ def test_tour_line_parses(parser, command):
     strategy = args.strategy or TrainConfig.strategy
     options = strategy_options_from_args(args, strategy)
     values = collect_overrides(args, TrainConfig)
-    values.pop("weights", None)  # resolved from the torch hub cache, which exists only on the user's machine
+    for name in ("weights", "init_from"):  # files on the user's machine (the torch hub cache, their checkpoint)
+        values.pop(name, None)
     validate(from_dict(TrainConfig, {**values, "strategy_options": options}))
 
 
@@ -98,14 +110,15 @@ def _run_folder(path: str) -> str:
     return str(Path(*parts[:2])) if parts[:1] == ("runs",) and len(parts) > 1 else path
 
 
-def test_what_a_line_reads_an_earlier_line_wrote(parser):
+@pytest.mark.parametrize("commands", [TOUR, COMMANDS], ids=["tour", "manual"])
+def test_what_a_line_reads_an_earlier_line_wrote(parser, commands):
     """A checkpoint a tour line reads (``--checkpoint``, ``consolidate``'s input, ``--resume``) is the output of an
     earlier line, as a new user running the tour top to bottom has it (a train line without --output writes
     runs/train, which every such line overwrites)."""
     from stratbench.core.config import TrainConfig
 
     written: dict[str, int] = {}  # path -> the line that wrote it
-    for n, command in enumerate(TOUR, 1):
+    for n, command in enumerate(commands, 1):
         args = parse(parser, tour_argv(command))
         reads, writes = [], []
         if args.command == "train":
@@ -136,7 +149,7 @@ def test_tour_lines_that_share_a_file_run_in_order_and_the_others_side_by_side()
     place at once, and a line whose files are unknown waits for all before it."""
     import readme_tour as rt
 
-    lines = rt.plan_lines(TOUR, rt.FAST)
+    lines = rt.plan_lines(COMMANDS, rt.FAST)
     deps = rt.dependencies(lines)
 
     def n(prefix: str) -> int:

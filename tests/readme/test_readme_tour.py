@@ -1,16 +1,20 @@
-"""Every command of the README's "Quick tour" and "Projecting to a cluster", then its "From Python" block, run as
-a new user runs them: the ``stratbench`` console script pip installed (and the venv's ``python``), from an empty
-folder of their own holding only the files the README assumes (their modules, configs, data, images), in a clean
-environment (PATH, HOME and a locale; no PYTHONPATH, so neither the repository nor the folder is on ``sys.path``
-unless stratbench puts it there), two lines at a time where they share no file (a line that reads what another
-writes waits for it). Each line must exit 0, or, where it needs a GPU, be refused in one line. The
-README tests once passed while two of these lines failed for a user: the test runner had put the folder on
-``sys.path``.
+"""Every command of the README's "Quick tour", then its "From Python" block, run as a new user runs them: the
+``stratbench`` console script pip installed (and the venv's ``python``), from an empty folder of their own holding
+only the files the README assumes (their modules and data), in a clean environment (PATH, HOME and a locale; no
+PYTHONPATH, so neither the repository nor the folder is on ``sys.path`` unless stratbench puts it there), two lines
+at a time where they share no file (a line that reads what another writes waits for it). Each line must exit 0,
+or, where it needs a GPU, be refused in one line. The README tests once passed while two of these lines failed for
+a user: the test runner had put the folder on ``sys.path``.
+
+The manual's Commands block (docs/usage.md) is parsed and validated line by line in tests/readme/test_readme.py;
+three of its lines whose work no other test runs from a user's folder run here too (``MANUAL_LINES``: the probe,
+``compare --repeats`` and ``compare --calibrate``), and what they write is checked. The manual's other lines are
+the end-to-end tests of their own features (2D/3D: tests/strategies/test_fsdp_tp.py and test_pipeline_tp.py; Ray
+and SLURM: tests/compare/; the presets: tests/compare/).
 
 Long lines get the extra flags of ``readme_tour.FAST`` (a few steps each; the From Python block ``PYTHON_FAST``),
-shown with every failure; the benchmark (``benchmarks/readme_tour.py``) runs them with fewer cuts and writes a
-report. What two lines write is checked further here (they were separate end-to-end runs of the same commands):
-the probe's profile, and the calibration that `compare --calibrate` makes before its cells."""
+shown with every failure; the benchmark (``benchmarks/readme_tour.py``, ``--doc docs/usage.md`` for the manual)
+runs them with fewer cuts and writes a report."""
 
 from __future__ import annotations
 
@@ -27,7 +31,11 @@ from stratbench.measuring import hardware
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from readme_tour import Tour, flag_value, tour_argv  # noqa: E402
+from readme_tour import MANUAL, Tour, flag_value, tour_argv  # noqa: E402
+
+MANUAL_LINES = ("stratbench probe", "stratbench compare --preset quick --repeats",
+                "stratbench compare --preset quick --calibrate")  # fmt: skip
+"""The manual's lines this file runs (the module docstring says why these)."""
 
 
 @pytest.fixture(scope="module")
@@ -37,24 +45,35 @@ def tour(tmp_path_factory) -> Tour:
     return t
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(2400)
-def test_every_readme_command_works_as_written_from_a_users_folder(tour):
-    # + SLURM_CONF where the tour started a SLURM of its own for its `--executor slurm` line (a login node's shell),
-    # and one thread per line (Tour.run: two lines at once on 2 cores)
-    assert set(tour.env) - {"SLURM_CONF"} == {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS"}
-    assert any(line.command.startswith("stratbench probe") for line in tour.lines)  # the Projecting block is in
-    assert tour.lines[-1].command == "python nb.py"  # the From Python block is in
+@pytest.fixture(scope="module")
+def manual(tmp_path_factory) -> Tour:
+    t = Tour(tmp_path_factory.mktemp("manual-lines"), MANUAL, only=MANUAL_LINES)
+    assert len(t.lines) == len(MANUAL_LINES), [ln.command for ln in t.lines]  # each is still in the manual
+    t.run()
+    return t
+
+
+def _failures(tour: Tour) -> list[str]:
     bad = [
         f"line {line.n}: `{line.run_as}` -> {line.outcome} (exit {line.rc})\n  " + "\n  ".join(line.tail)
         for line in tour.lines
         if line.outcome != "pass" and not line.outcome.startswith("refused")
     ]
-    assert not bad, "\n".join(bad)
     for line in tour.lines:
         if line.outcome.startswith("refused"):  # a GPU refusal is one line, no traceback
             text = (tour.logs / f"{line.n:02d}.log").read_text()
             assert "Traceback" not in text and len(text.strip().splitlines()) <= 2, text
+    return bad
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(2400)
+def test_every_readme_command_works_as_written_from_a_users_folder(tour):
+    # one thread per line (Tour.run: two lines at once on 2 cores)
+    assert set(tour.env) == {"PATH", "HOME", "LANG", "LC_ALL", "TMPDIR", "OMP_NUM_THREADS"}
+    assert tour.lines[-1].command == "python nb.py"  # the From Python block is in
+    bad = _failures(tour)
+    assert not bad, "\n".join(bad)
     python = (tour.logs / f"{tour.lines[-1].n:02d}.log").read_text()
     assert "ok" in python and "GiB per device" in python and "report.md" in python, python[-3000:]
 
@@ -70,48 +89,37 @@ def _written_by(tour: Tour, command: str, flag: str) -> Path:
 
 
 @pytest.mark.slow
-def test_the_probe_profile_loads_with_every_kind_fitted_and_loaded(tour):
+def test_the_probe_profile_loads_with_every_kind_fitted_and_loaded(manual):
     """`stratbench probe --nproc 2` on gloo: every kind fitted, the loaded latency measured for each (a call after
     a compute burst costs at least the idle call), the profile usable by --hardware."""
-    system = hardware.resolve(str(_written_by(tour, "stratbench probe", "--output")))
+    assert not _failures(manual), _failures(manual)
+    system = hardware.resolve(str(_written_by(manual, "stratbench probe", "--output")))
     assert set(system.intra_node.collectives) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     for kind, fit in system.intra_node.collectives.items():
         assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind
 
 
 @pytest.mark.slow
-def test_compare_repeats_records_every_run_and_reports_their_median(tour):
+def test_compare_repeats_records_every_run_and_reports_their_median(manual):
     """`compare --repeats 3` (one cell, single fp32, 3 steps, 3 times): each repeat announced, the record holds
     the 3 runs' values and the report their median and spread."""
     command = "stratbench compare --preset quick --repeats 3"
-    out = _written_by(tour, command, "--output")
+    out = _written_by(manual, command, "--output")
     (rec,) = load_records(out).values()
     assert rec["status"] == "ok" and rec["repeats"]["n"] == 3
     # 3 steps, all warm-up: no throughput, but each run's time
     assert len(rec["repeats"]["metrics"]["train_time_s"]["values"]) == 3
-    assert "repeat 3/3" in (tour.logs / f"{_line(tour, command).n:02d}.log").read_text()
+    assert "repeat 3/3" in (manual.logs / f"{_line(manual, command).n:02d}.log").read_text()
     assert "median of 3 runs" in (out / "report.md").read_text()
 
 
 @pytest.mark.slow
-def test_compare_calibrate_predicts_the_ddp_row_from_its_calibration(tour):
+def test_compare_calibrate_predicts_the_ddp_row_from_its_calibration(manual):
     """`compare --calibrate` (the ddp fp32 cell, 2 processes, 6 steps): the probe, single at both batches and ddp
     on one process ran before the cell, all ok, and the report's ddp row is predicted from them."""
-    out = _written_by(tour, "stratbench compare --preset quick --calibrate", "--output")
+    out = _written_by(manual, "stratbench compare --preset quick --calibrate", "--output")
     cal = load_records(out, CALIBRATION)
     assert sorted(r["calibration"]["kind"] for r in cal.values()) == ["method", "probe", "single", "single"]
     assert all(r["status"] == "ok" for r in cal.values()), {k: r["reason"] for k, r in cal.items()}
     rows = {r["method"]: r for r in csv.DictReader((out / "report.csv").open())}
     assert float(rows["ddp"]["predicted_step_s"]) > 0 and "ddp: " in rows["ddp"]["predicted_step_basis"]
-
-
-@pytest.mark.slow
-def test_the_2d_and_3d_lines_train_on_their_named_meshes(tour):
-    """`train --strategy fsdp --tp 2 --nproc 4` and `train --strategy pipeline --pp 2 --tp 2 --nproc 4`, as written:
-    each run finished on the mesh its flags name, written into its result.json."""
-    import json
-
-    for command, mesh in (("stratbench train --strategy fsdp --tp 2", {"dp": 2, "tp": 2}),
-                          ("stratbench train --strategy pipeline --pp 2 --tp 2", {"dp": 1, "pp": 2, "tp": 2})):  # fmt: skip
-        res = json.loads((_written_by(tour, command, "--output") / "result.json").read_text())
-        assert res["status"] == "ok" and res["world_size"] == 4 and res["mesh"] == mesh, (command, res.get("mesh"))
