@@ -36,9 +36,10 @@
 #              against the formula. Needs the DeepSpeed wheels; one GPU: world 1, the config accepted and the
 #              quantizer kernel built, nothing gathered (not run yet)                ~4 min -> zeropp.md
 #   longctx    issue 46 on gpt2-small at sequence 1024, bf16-mixed: --ac-mode none / full / selective / every:2 on
-#              one GPU (peak allocated against the estimate, the step time each recomputation costs); with 2+ GPUs
+#              one GPU (peak allocated against the estimate, the step time each recomputation costs); --float8
+#              tensorwise / rowwise, eager and compiled, against bf16-mixed compiled (torchao on an H100); with 2+ GPUs
 #              fsdp against fsdp --cp 2 at a global batch of 2 sequences (one per GPU: what cp is for) and the
-#              zero-bubble schedules against 1f1b on gpt-tiny (not run yet)              ~5 min -> longctx.md
+#              zero-bubble schedules against 1f1b on gpt-tiny (not run yet)              ~8 min -> longctx.md
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
@@ -245,6 +246,12 @@ EOF
         for mode in full selective every:2; do
             train "ac-${mode/:/}" "${lm[@]}" --activation-checkpointing --ac-mode "$mode"; runs+=("$WORK/ac-${mode/:/}")
         done
+        # float8 (torchao): eager and compiled, against bf16-mixed compiled (torchtitan's comparison)
+        for f8 in tensorwise rowwise; do
+            train "f8-$f8" "${lm[@]}" --float8 "$f8"; train "f8-$f8-compile" "${lm[@]}" --float8 "$f8" --compile
+            runs+=("$WORK/f8-$f8" "$WORK/f8-$f8-compile")
+        done
+        train bf16-compile "${lm[@]}" --compile; runs+=("$WORK"/bf16-compile)
         if [ "$gpus" -ge 2 ]; then
             cp=("${lm[@]}" --batch-size 2 --nproc 2 --strategy fsdp --comm-volume true)
             train fsdp-b2-gpu2 "${cp[@]}"; train fsdp-cp2-b2-gpu2 "${cp[@]}" --cp 2

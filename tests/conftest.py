@@ -282,18 +282,19 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 
 
 LONG_FIRST = (
-    "compare/test_ray.py", "compare/test_slurm.py", "checkpoints/test_safety.py", "readme/test_readme_tour.py",
-    "strategies/test_deepspeed.py", "launching/test_launch.py", "compare/test_compare.py", "strategies/test_pipeline.py",
+    "compare/test_ray.py", "readme/test_readme_tour.py", "checkpoints/test_safety.py", "strategies/test_deepspeed.py",
+    "launching/test_launch.py", "compare/test_slurm.py", "compare/test_compare.py", "strategies/test_pipeline.py",
     "commands/test_user_work.py", "training/test_training.py", "strategies/test_fsdp.py",
 )  # fmt: skip
-"""Test files that take minutes, longest first (per-file wall seconds under `make test`, 2026-11-28: Ray 371, SLURM
-148, safety 135, the README tour and the manual's lines ~120, the others 40-100): under ``make test``'s 2 workers
-(``--dist loadfile --no-loadscope-reorder``: a file at a time per worker, handed out in collection order) the
-longest must start first, not be the last file left. The Ray and SLURM tests wait much of their time (daemons,
-schedulers, processes starting): the async_io build conftest starts at collection (nice 19) takes that idle CPU.
-Per-test CPU seconds (the test process and the processes it reaped): the README tour was 549 of the suite's
-~2,100 CPU-seconds when it ran every command of the old README (38 lines); the short tour and 3 lines of the manual
-took ~115 s of wall alone."""
+"""Test files that take minutes, longest first, handed out in this order under ``make test``'s 2 workers
+(``--dist loadfile --no-loadscope-reorder``: a file at a time per worker), so that the longest is not the last
+file left. Per-file wall seconds under `make test` (2026-11-28): Ray 370-540, SLURM 150-510, safety 135-195, the
+README tour with the manual's lines ~180, the others 40-100. The Ray and the SLURM files must not run at once:
+side by side (a run that handed them out first and second) Ray took 543 s, SLURM 507 s (148 alone) and the
+whole suite 4.6 min longer, their daemons, schedulers and cells contending for the 2 cores, and the second waits
+for the first's local reference sweep (quick_fp64_local) anyway. So SLURM comes after the files the other worker
+takes while Ray runs (~400 s: the tour, safety, deepspeed, launch). The README tour was 549 of the suite's ~2,100
+CPU-seconds when it ran every command of the old README (38 lines)."""
 
 
 LAST = ("strategies/test_deepspeed_nvme.py",)

@@ -68,7 +68,7 @@ def test_the_order_is_the_documented_one():
     assert [int(n) for n, _, _ in documented] == list(range(1, len(ORDER) + 1))
     for (_, _, where), t in zip(documented, ORDER, strict=True):
         assert (where == "before") == (t.phase is Phase.BEFORE_WRAP), t.name
-    assert [t.name for t in ORDER] == ["lora", "activation_checkpointing", "precision", "quantize_base", "compile"]
+    assert [t.name for t in ORDER] == ["float8", "lora", "activation_checkpointing", "precision", "quantize_base", "compile"]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch.compile imports torch.jit's deprecated names

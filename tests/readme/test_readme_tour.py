@@ -7,8 +7,9 @@ or, where it needs a GPU, be refused in one line. The README tests once passed w
 a user: the test runner had put the folder on ``sys.path``.
 
 The manual's Commands block (docs/usage.md) is parsed and validated line by line in tests/readme/test_readme.py;
-three of its lines whose work no other test runs from a user's folder run here too (``MANUAL_LINES``: the probe,
-``compare --repeats`` and ``compare --calibrate``), and what they write is checked. The manual's other lines are
+two of its lines whose work no other test runs from a user's folder run here too (``MANUAL_LINES``: ``compare
+--repeats`` and ``compare --calibrate``, whose calibration runs ``stratbench probe`` first), and what they write is
+checked. The manual's other lines are
 the end-to-end tests of their own features (2D/3D: tests/strategies/test_fsdp_tp.py and test_pipeline_tp.py; Ray
 and SLURM: tests/compare/; the presets: tests/compare/).
 
@@ -33,8 +34,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from readme_tour import MANUAL, Tour, flag_value, tour_argv  # noqa: E402
 
-MANUAL_LINES = ("stratbench probe", "stratbench compare --preset quick --repeats",
-                "stratbench compare --preset quick --calibrate")  # fmt: skip
+MANUAL_LINES = ("stratbench compare --preset quick --repeats", "stratbench compare --preset quick --calibrate")
 """The manual's lines this file runs (the module docstring says why these)."""
 
 
@@ -90,10 +90,13 @@ def _written_by(tour: Tour, command: str, flag: str) -> Path:
 
 @pytest.mark.slow
 def test_the_probe_profile_loads_with_every_kind_fitted_and_loaded(manual):
-    """`stratbench probe --nproc 2` on gloo: every kind fitted, the loaded latency measured for each (a call after
-    a compute burst costs at least the idle call), the profile usable by --hardware."""
+    """`stratbench probe --nproc 2` on gloo, as `compare --calibrate` runs it first (the manual's `probe` line is
+    parsed in test_readme.py): every kind fitted, the loaded latency measured for each (a call after a compute
+    burst costs at least the idle call), the profile usable by --hardware."""
     assert not _failures(manual), _failures(manual)
-    system = hardware.resolve(str(_written_by(manual, "stratbench probe", "--output")))
+    out = _written_by(manual, "stratbench compare --preset quick --calibrate", "--output")
+    probe = next(r for r in load_records(out, CALIBRATION).values() if r["calibration"]["kind"] == "probe")
+    system = hardware.resolve(str(out / probe["calibration"]["profile"]))
     assert set(system.intra_node.collectives) >= {"all_reduce", "all_gather", "reduce_scatter", "broadcast"}
     for kind, fit in system.intra_node.collectives.items():
         assert fit.loaded_latency is not None and fit.loaded_latency >= fit.latency > 0, kind

@@ -66,6 +66,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ac-mode", default="full", help="with --activation-checkpointing: full, selective or every:N (train's)"
     )
+    parser.add_argument(
+        "--float8", default="none", choices=CHOICES["float8"],
+        help="float8 Linears through torchao (train's): the trace sees what they save for backward",
+    )  # fmt: skip
     # LoRA (as train's flags): adapters' parameters added, gradients and optimizer state for them only
     parser.add_argument("--lora-rank", type=int, default=0, help="LoRA adapters of this rank, the base frozen (0: off)")
     parser.add_argument("--lora-alpha", type=float, default=None, help="LoRA scale numerator (default 2 x rank)")
@@ -275,10 +279,13 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
         ac_mode=args.ac_mode,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
-        lora_targets=args.lora_targets, quantize_base=args.quantize_base,
+        lora_targets=args.lora_targets, quantize_base=args.quantize_base, float8=args.float8,
     )  # fmt: skip
     validate(cfg)
-    if cfg.lora_rank and (why := cls.lora_refusal(cfg) or cls.quantize_refusal(cfg)):
+    why = cls.float8_refusal(cfg, torch.device("cpu"))  # the method's part (the device is the target's, unknown)
+    if not why and cfg.lora_rank:
+        why = cls.lora_refusal(cfg) or cls.quantize_refusal(cfg)
+    if why:
         raise ConfigError(why)  # the method's row says so (n/a), as train would refuse it
     check_data(cfg)  # tokens:PATH that is not there: one line
     if args.strategy == "all":  # the options its row runs with (method_row completes them the same way)

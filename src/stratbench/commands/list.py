@@ -60,7 +60,7 @@ def strategy_table(device, here: str | None, wide: bool):
         if here:
             world = 2 if cls.needs_process_group else 1
             cfg = TrainConfig(strategy=name, nproc=world, **cls.check_settings)
-            reason = cls.check_supported(cfg, device, world)
+            reason = cls.refusal(cfg, device, world)
             on = f" (on {cfg.model})" if cls.check_settings else ""
             row.append(f"yes{on}" if reason is None else f"no{on}: {reason}")
         table.add_row(*row)

@@ -168,6 +168,12 @@ class TrainConfig:
     """QLoRA: none, nf4 (the frozen weights of the Linear layers LoRA adapts stored as torchao's 4-bit
     NormalFloat, dequantised one layer at a time to compute) or int8 (the same layers as bitsandbytes'
     Linear8bitLt: int8 weights with one fp32 scale per output row; single only); needs lora_rank > 0."""
+    # --- float8 training (models/transforms/float8.py; torchao: the lean or qlora extra) ------------
+    float8: str = "none"
+    """none, tensorwise or rowwise: the Linear layers (all but the output head; in- and out-features multiples of
+    16) multiply in float8 through torchao, with one scale per tensor (tensorwise) or per row (rowwise); weights,
+    gradients and optimizer state stay in the run's precision (fp32, bf16-mixed or bf16-true). GPUs with float8
+    units (compute capability 8.9+); on a CPU a correctness run, not a speed one."""
     device: str = "auto"
     """auto (cuda when available, else cpu), cpu or cuda."""
     # --- optimisation --------------------------------------------------------------------------
@@ -297,6 +303,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "lr_schedule": ("cosine", "constant"),
     "data_pipeline": ("auto", "loader", "device"),
     "wandb_mode": ("auto", "online", "offline", "disabled"),
+    "float8": ("none", "tensorwise", "rowwise"),
 }
 RECIPES = ("fast",)
 IN_MEMORY_DATA = ("synthetic", "digits", "cifar10")
@@ -578,6 +585,7 @@ def validate(cfg: TrainConfig) -> None:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     check_ac_mode(cfg.ac_mode)
     check_lora(cfg)
+    check_float8(cfg)
     if is_hf_init(cfg.init_from):
         check_init(cfg.init_from, cfg.model, cfg.vocab_size)  # --model's size, every key mapped
     if cfg.data_pipeline == "device" and cfg.data not in IN_MEMORY_DATA:
@@ -633,6 +641,28 @@ def check_quantize_base(cfg: TrainConfig) -> None:
             f"quantize_base {cfg.quantize_base!r} needs {library}, which is not installed: "
             "pip install 'stratbench[qlora]'"
         )
+
+
+FLOAT8_PRECISIONS = ("fp32", "bf16-mixed", "bf16-true")
+"""The precisions float8 training composes with: torchao's float8 products return fp32 or bf16."""
+
+
+def check_float8(cfg: TrainConfig) -> None:
+    """--float8 (a known recipe: CHOICES): a precision it composes with, no LoRA, and torchao installed."""
+    if cfg.float8 == "none":
+        return
+    if cfg.precision not in FLOAT8_PRECISIONS:
+        raise ConfigError(
+            f"--float8 with --precision {cfg.precision} is not supported: float8 products return fp32 or bf16; "
+            f"use one of {', '.join(FLOAT8_PRECISIONS)}"
+        )
+    if cfg.lora_rank > 0:
+        raise ConfigError(
+            "--float8 with --lora-rank is not supported: float8 training converts the Linear layers LoRA adapts "
+            "(torchao's Float8Linear under PEFT's adapters is untested); use one or the other"
+        )
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError("--float8 needs torchao, which is not installed: pip install 'stratbench[lean]'")
 
 
 # Allowed ranges (inclusive; None: unbounded) of numeric options, checked by ``validate``.

@@ -110,6 +110,29 @@ def _say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
+CLIENT_ATTEMPTS = 3
+"""Ray Client (``ray://``) sessions tried before giving up: a client server whose previous client died (a killed
+sweep) opens the next session slowly and may refuse one while it cleans up; a cluster that answers its port is
+asked again, 5 s apart, and said to be asked again."""
+
+
+def _init(ray: Any, address: str, source: str, quiet: dict[str, Any]) -> Any:
+    """``ray.init`` at a cluster whose port answers; a Ray Client address is tried ``CLIENT_ATTEMPTS`` times."""
+    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
+    for attempt in range(1, attempts + 1):
+        try:
+            return ray.init(address=address, **quiet)
+        except ConnectionError:
+            if attempt == attempts:
+                raise ConfigError(
+                    f"cannot connect to the Ray cluster at {address} ({source}){_auth_hint()}"
+                ) from None
+            _say(f"--executor ray: the Ray Client server at {address} refused a session; asking again in 5 s "
+                 f"({attempt}/{attempts - 1})")  # fmt: skip
+            time.sleep(5)
+    return None
+
+
 class RayExecutor(Executor):
     """Jobs on a Ray cluster: ``address`` 'auto' (RAY_ADDRESS, else a cluster started on this machine with
     `ray start`, else a local Ray started for the sweep and stopped after it), 'local', or HOST:PORT."""
@@ -147,12 +170,7 @@ class RayExecutor(Executor):
         elif address != "local":
             why = _unanswered(address)
             if why is None:
-                try:
-                    info = ray.init(address=address, **quiet)
-                except ConnectionError:
-                    raise ConfigError(
-                        f"cannot connect to the Ray cluster at {address} ({source}){_auth_hint()}"
-                    ) from None
+                info = _init(ray, address, source, quiet)
             elif source == "--ray-address" or source.startswith("$"):
                 raise ConfigError(f"cannot reach the Ray cluster at {address} ({source}): {why} (start one with "
                                   "`ray start --head`, or leave --ray-address auto)")  # fmt: skip

@@ -193,7 +193,7 @@ def applicable(base: TrainConfig, plans: list[Plan], devices: int, device_type: 
             ranks.add(dp)
             notes.append(f"{plan.label}: n/a, the global batch {base.batch_size} does not split over its {dp} data-parallel ranks")  # fmt: skip
             continue
-        if cls.check_supported(cfg, device, world) is None:
+        if cls.refusal(cfg, device, world) is None:
             out.append(plan)
     if not out and ranks:
         d, b = min(ranks), base.batch_size

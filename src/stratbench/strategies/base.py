@@ -40,6 +40,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
+from stratbench.models.transforms.float8 import float8_unsupported
 from stratbench.strategies.costs import MemoryContext, RankMemory, loop_collectives
 
 if TYPE_CHECKING:
@@ -230,6 +231,10 @@ class Strategy:
     checkpoint_layout: ClassVar[str | None] = None
     """The checkpoint layout (``stratbench_meta.pt``'s "layout") whose pre-launch check this class owns
     (``check_checkpoint``); None: none."""
+    takes_float8: ClassVar[bool] = False
+    """Whether the method trains torchao's float8 Linears (``--float8``): the ones whose wrap leaves an
+    ``nn.Linear`` subclass that computes its own product (single, ddp, fsdp without tp) and whose tests prove it.
+    Elsewhere ``float8_refusal`` says so in one line."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
@@ -275,6 +280,26 @@ class Strategy:
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
         """None when the method can run here with this config, else one line naming the requirement."""
         return None
+
+    @classmethod
+    def refusal(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
+        """Why the method cannot run ``cfg`` here, in one line, or None: what the model transforms need of the
+        method and the device (``float8_refusal``), then the method's own ``check_supported``. What the engine,
+        ``list``, ``advise`` and the estimate ask."""
+        return cls.float8_refusal(cfg, device) or cls.check_supported(cfg, device, world_size)
+
+    @classmethod
+    def float8_refusal(cls, cfg: TrainConfig, device: torch.device) -> str | None:
+        """Why this method cannot train float8 Linears (``--float8``) on ``device``, in one line; None where it
+        can (``takes_float8``, and a device with float8 units or a CPU)."""
+        if cfg.float8 == "none":
+            return None
+        if not cls.takes_float8:
+            return (
+                f"--float8 with {cls.name} is not supported (untested: torchao's Float8Linear under this method's "
+                "wrap); use single, ddp or fsdp"
+            )
+        return float8_unsupported(device)
 
     @classmethod
     def lora_refusal(cls, cfg: TrainConfig) -> str | None:

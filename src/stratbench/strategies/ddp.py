@@ -44,6 +44,7 @@ class DDPCost(CostModel):
 class DDPStrategy(Strategy):
     name = "ddp"
     comm_reference = True
+    takes_float8 = True
     description = "DistributedDataParallel: one process per device, gradients all-reduced"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); SyncBatchNorm needs CUDA"
     launcher = "torchrun"

@@ -434,9 +434,18 @@ class FSDPStrategy(LossParallel, Strategy):
     needs_process_group = True
     Options = FSDPOptions
     channels_last_weights = False  # flat/sharded parameters must be contiguous
+    takes_float8 = True
 
     def __init__(self, cfg, env, precision, options) -> None:
         super().__init__(cfg, env, policy_precision(precision), options)
+
+    @classmethod
+    def float8_refusal(cls, cfg, device) -> str | None:
+        """torchao's float8 Linears shard under FSDP2 as any Linear does; under the tensor-parallel plan they would
+        need torchao's float8 parallel styles, which the plan does not use."""
+        if cfg.float8 != "none" and cls.parse_options(cfg.strategy_options).tp > 1:
+            return "--float8 with fsdp --tp is not supported: the tensor-parallel plan would need torchao's float8 parallel styles"
+        return super().float8_refusal(cfg, device)
 
     @classmethod
     def lora_refusal(cls, cfg) -> str | None:

@@ -24,6 +24,7 @@ class SingleDevice(Strategy):
     requirements = "any device, one process"
     baseline = True
     spans_devices = False
+    takes_float8 = True
 
     @classmethod
     def check_supported(cls, cfg, device, world_size):

@@ -122,7 +122,7 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     strategy_cls = check_config(cfg, world)
 
     device = resolve_device(cfg.device)
-    reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.check_supported(cfg, device, world)
+    reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.refusal(cfg, device, world)
     if reason:
         raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
     if cfg.mlflow and importlib.util.find_spec("mlflow") is None:

@@ -2,14 +2,15 @@
 
 Every method gets them at the same point, ``Strategy.setup`` (``strategies.base``), in ``ORDER``:
 
-1. ``lora``                      before the wrap   PEFT's LoRA adapters in the targeted Linears, the base frozen
-2. ``activation_checkpointing``  before the wrap   each block recomputed in backward
-3. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
-4. ``quantize_base``             before the wrap   QLoRA: the adapted Linears' frozen weights as torchao NF4
+1. ``float8``                    before the wrap   the Linears as torchao Float8Linear (float8 products)
+2. ``lora``                      before the wrap   PEFT's LoRA adapters in the targeted Linears, the base frozen
+3. ``activation_checkpointing``  before the wrap   each block recomputed in backward
+4. ``precision``                 before the wrap   the weights cast to fp64 / fp16 / bf16 (-true precisions)
+5. ``quantize_base``             before the wrap   QLoRA: the adapted Linears' frozen weights as torchao NF4
                                                    or bitsandbytes int8 layers
    -- the method's move (to its devices), channels-last, its wrap (DDP, FSDP's shards, a tensor-parallel plan,
       a pipeline's stages, DeepSpeed's engine) and the optimizer on the wrapped parameters --
-5. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
+6. ``compile``                   after the wrap    ``torch.compile`` over the wrapped model
 
 torchtitan's order is quantize/convert -> tensor parallel -> activation checkpointing -> compile -> FSDP; here
 tensor parallelism and FSDP are both the method's wrap, so activation checkpointing comes before any wrap (the
@@ -33,6 +34,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.activation_checkpointing import ActivationCheckpointing
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
+from stratbench.models.transforms.float8 import Float8
 from stratbench.models.transforms.lora import Lora
 from stratbench.models.transforms.precision_cast import PrecisionCast
 from stratbench.models.transforms.quantize_base import QuantizeBase
@@ -44,6 +46,7 @@ __all__ = [
 ]  # fmt: skip
 
 ORDER: tuple[Transform, ...] = (
+    Float8(),
     Lora(),
     ActivationCheckpointing(),
     PrecisionCast(),
