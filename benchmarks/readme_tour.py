@@ -856,14 +856,18 @@ def _commit() -> str:
         return "unknown"
 
 
-def render(lines: list[Line], notes: list[str], command: str, total_s: float, note: str = "") -> str:
+def render(
+    lines: list[Line], notes: list[str], command: str, total_s: float, note: str = "",
+    block: str = 'README.md\'s "Quick tour" block',
+) -> str:
     passed = sum(ln.outcome == "pass" for ln in lines)
     refused = sum(ln.outcome.startswith("refused") for ln in lines)
     failed = len(lines) - passed - refused
     out = [
-        f"# README quick tour on CPU, {datetime.date.today().isoformat()}",
+        f"# {'README quick tour' if block.startswith('README') else 'The manual'} on CPU, "
+        f"{datetime.date.today().isoformat()}",
         "",
-        'Every command of README.md\'s "Quick tour" block, run in order by `benchmarks/readme_tour.py` in one '
+        f"Every command of {block}, run in order by `benchmarks/readme_tour.py` in one "
         "fresh temporary working folder (fresh HOME and TORCH_HOME).",
         "",
         f"- **Result: {passed} of {len(lines)} lines passed, {refused} refused as needing a GPU, {failed} failed; "
@@ -959,7 +963,9 @@ def main(argv: list[str] | None = None) -> int:
     command = "nice -n 19 .venv/bin/python benchmarks/readme_tour.py " + " ".join(
         shlex.quote(a) for a in (sys.argv[1:] if argv is None else argv)
     )
-    report = render(lines, notes, command.strip(), total, args.note)
+    manual = sections_for(Path(args.readme)) == MANUAL_SECTIONS
+    block = 'docs/usage.md\'s "Commands" block' if manual else 'README.md\'s "Quick tour" block'
+    report = render(lines, notes, command.strip(), total, args.note, block)
     if args.report:
         Path(args.report).write_text(report)
         print(f"report: {args.report}")

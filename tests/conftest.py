@@ -262,6 +262,17 @@ def max_rel_diff(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / max(abs(y), 1e-300) for x, y in zip(a, b, strict=True))
 
 
+DEEPSPEED = ["--strategy", "deepspeed"]
+DEEPSPEED_TIMEOUT = 240
+"""A 2-rank DeepSpeed run's limit in tests/strategies/test_deepspeed*.py (its engine and ops start slowly)."""
+
+
+def ok_curve(res: dict) -> list[float]:
+    """A finished run's loss curve (the run's reason where it did not finish)."""
+    assert res["status"] == "ok", res.get("reason")
+    return res["metrics"]["loss_curve"]
+
+
 def assert_curves_match(curve: list[float], ref: list[float], rtol: float) -> None:
     """Every step's loss within ``rtol`` (relative) of the reference's; the message shows the worst step."""
     diff = max_rel_diff(curve, ref)
@@ -283,8 +294,8 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 
 LONG_FIRST = (
     "compare/test_ray.py", "readme/test_readme_tour.py", "checkpoints/test_safety.py", "strategies/test_deepspeed.py",
-    "launching/test_launch.py", "compare/test_slurm.py", "compare/test_compare.py", "strategies/test_pipeline.py",
-    "commands/test_user_work.py", "training/test_training.py", "strategies/test_fsdp.py",
+    "launching/test_launch.py", "compare/test_compare.py", "strategies/test_pipeline.py", "commands/test_user_work.py",
+    "training/test_training.py", "strategies/test_fsdp.py", "compare/test_slurm.py",
 )  # fmt: skip
 """Test files that take minutes, longest first, handed out in this order under ``make test``'s 2 workers
 (``--dist loadfile --no-loadscope-reorder``: a file at a time per worker), so that the longest is not the last
@@ -292,8 +303,8 @@ file left. Per-file wall seconds under `make test` (2026-11-28): Ray 370-540, SL
 README tour with the manual's lines ~180, the others 40-100. The Ray and the SLURM files must not run at once:
 side by side (a run that handed them out first and second) Ray took 543 s, SLURM 507 s (148 alone) and the
 whole suite 4.6 min longer, their daemons, schedulers and cells contending for the 2 cores, and the second waits
-for the first's local reference sweep (quick_fp64_local) anyway. So SLURM comes after the files the other worker
-takes while Ray runs (~400 s: the tour, safety, deepspeed, launch). The README tour was 549 of the suite's ~2,100
+for the first's local reference sweep (quick_fp64_local) anyway. So SLURM comes after the files the other workers
+take while Ray runs (~400 s: the tour, safety, deepspeed, launch, compare, ...). The README tour was 549 of the suite's ~2,100
 CPU-seconds when it ran every command of the old README (38 lines)."""
 
 

@@ -21,6 +21,8 @@ import pytest
 
 from conftest import (
     COMM,
+    DEEPSPEED,
+    DEEPSPEED_TIMEOUT,
     RTOL_FP32_SAME_MICRO_BATCHES,
     TINY,
     assert_breakdown_adds_up,
@@ -28,19 +30,16 @@ from conftest import (
     assert_curves_match,
     assert_estimate_within,
     cli,
+    ok_curve,
     run_stratbench,
     train,
 )
 
 pytestmark = pytest.mark.distributed
 
-DS = ["--strategy", "deepspeed"]
-TIMEOUT = 240
-
-
-def _curve(res: dict) -> list[float]:
-    assert res["status"] == "ok", res.get("reason")
-    return res["metrics"]["loss_curve"]
+DS = DEEPSPEED
+TIMEOUT = DEEPSPEED_TIMEOUT
+_curve = ok_curve
 
 
 def _half(rank_bytes: list[int], full: int) -> None:

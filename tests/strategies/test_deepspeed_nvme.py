@@ -17,18 +17,14 @@ from pathlib import Path
 import pytest
 
 import async_io_build
-from conftest import TINY, train, zygote
+from conftest import DEEPSPEED, DEEPSPEED_TIMEOUT, TINY, ok_curve, train, zygote
 from stratbench.strategies.op_builds import extensions_cache_dir
 
 pytestmark = pytest.mark.distributed
 
-DS = ["--strategy", "deepspeed"]
-TIMEOUT = 240
-
-
-def _curve(res: dict) -> list[float]:
-    assert res["status"] == "ok", res.get("reason")
-    return res["metrics"]["loss_curve"]
+DS = DEEPSPEED
+TIMEOUT = DEEPSPEED_TIMEOUT
+_curve = ok_curve
 
 
 def test_nvme_offload_needs_a_path_stage_3_and_the_async_io_op(tmp_path):
