@@ -293,19 +293,19 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 
 
 LONG_FIRST = (
-    "compare/test_ray.py", "readme/test_readme_tour.py", "checkpoints/test_safety.py", "strategies/test_deepspeed.py",
-    "launching/test_launch.py", "compare/test_compare.py", "strategies/test_pipeline.py", "commands/test_user_work.py",
-    "training/test_training.py", "strategies/test_fsdp.py", "compare/test_slurm.py",
+    "readme/test_readme_tour.py", "checkpoints/test_safety.py", "strategies/test_deepspeed.py", "launching/test_launch.py",
+    "compare/test_compare.py", "strategies/test_pipeline.py", "commands/test_user_work.py", "training/test_training.py",
+    "strategies/test_fsdp.py", "compare/test_ray.py", "compare/test_slurm.py",
 )  # fmt: skip
 """Test files that take minutes, longest first, handed out in this order under ``make test``'s 2 workers
 (``--dist loadfile --no-loadscope-reorder``: a file at a time per worker), so that the longest is not the last
-file left. Per-file wall seconds under `make test` (2026-11-28): Ray 370-540, SLURM 150-510, safety 135-195, the
-README tour with the manual's lines ~180, the others 40-100. The Ray and the SLURM files must not run at once:
-side by side (a run that handed them out first and second) Ray took 543 s, SLURM 507 s (148 alone) and the
-whole suite 4.6 min longer, their daemons, schedulers and cells contending for the 2 cores, and the second waits
-for the first's local reference sweep (quick_fp64_local) anyway. So SLURM comes after the files the other workers
-take while Ray runs (~400 s: the tour, safety, deepspeed, launch, compare, ...). The README tour was 549 of the suite's ~2,100
-CPU-seconds when it ran every command of the old README (38 lines)."""
+file left. Per-file wall seconds under `make test` (2026-11-28): the README tour with the manual's lines ~225,
+safety ~160, the others 40-100. The Ray and SLURM files (370 and 150 s alone) run under `make test-clusters`, one
+after the other: side by side (a run that handed them out first and second) Ray took 543 s, SLURM 507 s and the
+whole suite 4.6 min longer, their daemons, schedulers and cells contending for the 2 cores; and a third xdist
+worker, tried to fill the CPU that 2 leave idle, saved 45 s of 21 min and failed a Ray test on a cell that could
+not start within 240 s. The README tour was 549 of the suite's ~2,100 CPU-seconds when it ran every command of
+the old README (38 lines)."""
 
 
 LAST = ("strategies/test_deepspeed_nvme.py",)

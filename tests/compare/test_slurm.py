@@ -42,7 +42,7 @@ from stratbench.launching.executors import make_executor
 
 pytest.importorskip("submitit", reason='needs submitit: pip install "stratbench[cluster]"')
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slurm]
+pytestmark = [pytest.mark.distributed, pytest.mark.slurm, pytest.mark.clusters]
 
 SCRIPT = REPO / "scripts" / "local_slurm.sh"
 TWO = [{"method": ["single", "ddp"], "precision": "fp64"}]

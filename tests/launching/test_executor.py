@@ -112,3 +112,34 @@ def test_nodes_spread_multi_process_cells_and_keep_one_node_ids():
     with pytest.raises(ConfigError, match=r"--nodes 3 must be a whole number of nodes that divides the cell's 4 "
                                           r"processes \(1, 2, 4\)"):  # fmt: skip
         build_matrix(spec, nodes=3)
+
+
+def test_a_client_session_refused_while_its_server_cleans_up_is_asked_again(monkeypatch, capsys):
+    """Ray Client (`ray://`): a refused session is asked for again (CLIENT_ATTEMPTS, 5 s apart, said in one line
+    each), as after a killed sweep's client; a plain address is asked once; the last refusal is the one line."""
+    from stratbench.core.errors import ConfigError
+    from stratbench.launching import ray_executor
+
+    calls = []
+
+    class FakeRay:
+        def __init__(self, refusals: int) -> None:
+            self.refusals = refusals
+
+        def init(self, address, **_kw):
+            calls.append(address)
+            if len(calls) <= self.refusals:
+                raise ConnectionError("refused")
+            return "session"
+
+    monkeypatch.setattr(ray_executor.time, "sleep", lambda s: None)
+    assert ray_executor._init(FakeRay(2), "ray://h:1", "--ray-address", {}) == "session" and len(calls) == 3
+    assert capsys.readouterr().err.count("refused a session; asking again in 5 s") == 2
+    calls.clear()
+    with pytest.raises(ConfigError, match=r"cannot connect to the Ray cluster at ray://h:1 \(--ray-address\)"):
+        ray_executor._init(FakeRay(9), "ray://h:1", "--ray-address", {})
+    assert len(calls) == ray_executor.CLIENT_ATTEMPTS
+    calls.clear()
+    with pytest.raises(ConfigError):
+        ray_executor._init(FakeRay(9), "10.0.0.1:6379", "--ray-address", {})
+    assert calls == ["10.0.0.1:6379"]
