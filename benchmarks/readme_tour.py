@@ -102,18 +102,17 @@ def strip_comment(line: str) -> str:
     return line.rstrip()
 
 
-def tour_commands(readme: str, sections: tuple[str, ...] = SECTIONS) -> list[str]:
-    """The commands of each section's first code block, one string each: continuation lines joined, comments and
-    blank lines dropped."""
+def joined_commands(lines: list[str]) -> list[str]:
+    """One code block's commands, one string each: ``\\`` continuation lines joined, comments and blank lines
+    dropped."""
     commands: list[str] = []
     pending = ""
-    for raw in (line for heading in sections for line in [*tour_block(readme, heading), ""]):
+    for raw in lines:
         line = strip_comment(raw)
         if line.endswith("\\"):
             pending += line[:-1].rstrip() + " "
             continue
-        line = (pending + line.strip()).strip()
-        pending = ""
+        line, pending = (pending + line.strip()).strip(), ""
         if line:
             commands.append(line)
     if pending.strip():
@@ -121,26 +120,39 @@ def tour_commands(readme: str, sections: tuple[str, ...] = SECTIONS) -> list[str
     return commands
 
 
-def doc_commands(text: str) -> list[str]:
-    """Every ``stratbench`` command in any fenced code block of a page (continuations joined, comments dropped),
-    except sketches: a line with ``...`` or ``[optional]`` parts, or a quoted error (``stratbench train: error``)."""
-    commands, inside, pending = [], False, ""
+def tour_commands(readme: str, sections: tuple[str, ...] = SECTIONS) -> list[str]:
+    """The commands of each section's first code block (``joined_commands``), in order."""
+    return [c for heading in sections for c in joined_commands(tour_block(readme, heading))]
+
+
+def code_blocks(text: str) -> list[list[str]]:
+    """The lines of every fenced code block of a page, block by block."""
+    blocks: list[list[str]] = []
+    inside = False
     for raw in text.splitlines():
         if raw.lstrip().startswith("```"):
-            inside, pending = not inside, ""
-            continue
-        if not inside:
-            continue
-        line = strip_comment(raw)
-        if line.endswith("\\"):
-            pending += line[:-1].rstrip() + " "
-            continue
-        line, pending = (pending + line.strip()).strip(), ""
-        first = line.split(" ", 2)[1:2]
-        sketch = "..." in line or " [" in line or (first and first[0].endswith(":")) or line.endswith("&")
-        if line.startswith("stratbench ") and not sketch:
-            commands.append(line)
-    return commands
+            inside = not inside
+            if inside:
+                blocks.append([])
+        elif inside:
+            blocks[-1].append(raw)
+    return blocks
+
+
+def is_sketch(command: str) -> bool:
+    """A documented line that is not a command to run as it stands: ``...`` or ``[optional]`` parts, a quoted
+    error (``stratbench train: error``), or a line sent to the background (``&``)."""
+    first = command.split(" ", 2)[1:2]
+    return "..." in command or " [" in command or bool(first and first[0].endswith(":")) or command.endswith("&")
+
+
+def doc_commands(text: str) -> list[str]:
+    """Every ``stratbench`` command in any fenced code block of a page (``joined_commands``), except sketches
+    (``is_sketch``)."""
+    return [
+        c for block in code_blocks(text) for c in joined_commands(block)
+        if c.startswith("stratbench ") and not is_sketch(c)
+    ]  # fmt: skip
 
 
 def tour_argv(command: str) -> list[str]:

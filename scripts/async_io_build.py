@@ -7,8 +7,9 @@ Cold, the build is 15 C++ files that each parse torch's headers: 610 s on this s
 stratbench's extensions folder (``op_builds.extensions_cache_dir``: one per venv and versions) for every later session. conftest starts it (a load, where
 it is built) when the session's tests are collected, if an nvme test is among them; the nvme tests are collected last
 (tests/strategies/test_deepspeed_nvme.py, conftest.LAST), so it has the rest of the suite to use what the suite leaves
-idle (processes starting, ranks waiting on each other). On a fresh clone it finished before them (it used to run in
-``make install``, 134 s of the install's 201 s, before any test).
+idle (processes starting, ranks waiting on each other). It used to run in ``make install`` (134 s of the install's
+201 s, before any test); on a fresh clone the suite leaves too little CPU idle to hide it all, and the nvme tests
+waited 60-70 s for it at the end (2026-11-28).
 
 Two things keep it out of the other tests' way and shorten it, without changing what the tests run:
 

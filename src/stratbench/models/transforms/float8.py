@@ -29,6 +29,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.optim import import_torchao
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.base import Cost, Phase, Transform
+from stratbench.models.transforms.lora import linear_layers
 
 MULTIPLE = 16
 """``torch._scaled_mm`` needs both matrix dimensions of a float8 product to be multiples of 16."""
@@ -37,8 +38,8 @@ MULTIPLE = 16
 def convertible(model: nn.Module) -> list[str]:
     """The Linear layers ``--float8`` converts: every ``nn.Linear`` but the last (the output head) whose in- and
     out-features are multiples of 16."""
-    linear = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    return [n for n, m in linear[:-1] if m.in_features % MULTIPLE == 0 and m.out_features % MULTIPLE == 0]
+    names, features = linear_layers(model)
+    return [n for n, (i, o) in zip(names[:-1], features[:-1], strict=True) if i % MULTIPLE == 0 and o % MULTIPLE == 0]
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class Float8(Transform):
         return cfg.float8 != "none"
 
     def label(self, cfg: TrainConfig) -> str:
-        return f"float8:{cfg.float8}"
+        return f"{self.name}:{cfg.float8}"
 
     def configured(self, cfg: TrainConfig) -> Transform:
         return Float8(cfg.float8)
