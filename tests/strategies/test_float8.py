@@ -1,7 +1,7 @@
 """float8 training (`train --float8 tensorwise|rowwise`, torchao's Float8Linear; models/transforms/float8.py) on
 gpt-tiny in fp32: one process records the transform and converts every Linear but the head, trains close to the
 plain fp32 run (float8 rounds each product's inputs to 3 mantissa bits: a tolerance, measured below, not an
-equality), and its memory estimate holds to its own measured peak; ddp and fsdp (FSDP2) over 2 gloo processes
+equality), and its memory estimate holds to its own measured peak; ddp, ddp-zero and fsdp (FSDP2) over 2 gloo processes
 train exactly what one process trains on the same micro-batches (each rank's float8 scales come from its own
 micro-batch, as one process's do from each accumulation micro-step); the methods and precisions it does not take
 are refused in one line before any work."""
@@ -59,7 +59,7 @@ def test_rowwise_trains_close_to_fp32_and_apart_from_tensorwise(tmp_path, single
 
 @pytest.mark.distributed
 @pytest.mark.equivalence
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "ddp-zero", "fsdp"])
 def test_ddp_and_fsdp_train_what_one_process_trains_on_the_same_micro_batches(tmp_path, single, strategy):
     flags = _without_accum()
     res = train(tmp_path / strategy, *flags, "--float8", "tensorwise", "--strategy", strategy, nproc=2)

@@ -233,7 +233,7 @@ class Strategy:
     (``check_checkpoint``); None: none."""
     takes_float8: ClassVar[bool] = False
     """Whether the method trains torchao's float8 Linears (``--float8``): the ones whose wrap leaves an
-    ``nn.Linear`` subclass that computes its own product (single, ddp, fsdp without tp) and whose tests prove it.
+    ``nn.Linear`` subclass that computes its own product (single, ddp and ddp-zero, fsdp without tp) and whose tests prove it.
     Elsewhere ``float8_refusal`` says so in one line."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
@@ -295,9 +295,10 @@ class Strategy:
         if cfg.float8 == "none":
             return None
         if not cls.takes_float8:
+            takers = ", ".join(name for name, c in all_strategies().items() if c.takes_float8)
             return (
                 f"--float8 with {cls.name} is not supported (untested: torchao's Float8Linear under this method's "
-                "wrap); use single, ddp or fsdp"
+                f"wrap); use one of: {takers}"
             )
         return float8_unsupported(device)
 
