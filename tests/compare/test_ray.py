@@ -307,6 +307,23 @@ def _client_ready(address: str, timeout_s: float = 240) -> None:
         assert time.monotonic() < deadline, f"no Ray Client session at {address} after {timeout_s} s"
 
 
+def _start_training(cmd: list[str], out: Path, root: Path, env: dict, client: str) -> subprocess.Popen:
+    """The sweep, until both its cells train. A Ray Client server that opens no session within the executor's
+    bound (ray_executor.CLIENT_SESSION_TIMEOUT_S: one line, exit 2; seen once in CI after the suite) is asked
+    once more, as its user would: what is tested here is the rerun after a killed client, not the server's speed."""
+    for attempt in (1, 2):
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
+                                env=env)  # fmt: skip
+        try:
+            _wait_for(proc, out, "*/metrics.csv", 2, timeout_s=300)  # both cells training
+            return proc
+        except AssertionError as exc:
+            if attempt == 2 or "opened no session within" not in str(exc):
+                raise
+            _client_ready(client)
+    raise AssertionError("unreachable")
+
+
 def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_their_cells(cluster):
     """A compare connected through Ray Client (`ray://`) is killed (`kill -9`) while both its cells train: the
     client server keeps its job, so its actors and their cells, for its reconnect grace period (set to 10 min
@@ -324,11 +341,9 @@ def test_a_killed_client_sweep_s_actors_are_removed_by_the_rerun_before_it_runs_
     cmd = stratbench_cmd("compare", "--matrix", str(matrix), "--output", str(out), "--executor", "ray",
                          "--ray-address", state["client"])  # fmt: skip
     env = dict(os.environ, RAY_CLIENT_RECONNECT_GRACE_PERIOD="600")
-    first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=root,
-                             env=env)  # fmt: skip
     left = []
     try:
-        _wait_for(first, out, "*/metrics.csv", 2)  # both cells training
+        first = _start_training(cmd, out, root, env, state["client"])
         first.kill()
         first.communicate(timeout=60)
         left = _launchers(out)

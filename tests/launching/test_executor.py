@@ -143,3 +143,27 @@ def test_a_client_session_refused_while_its_server_cleans_up_is_asked_again(monk
     with pytest.raises(ConfigError):
         ray_executor._init(FakeRay(9), "10.0.0.1:6379", "--ray-address", {})
     assert calls == ["10.0.0.1:6379"]
+
+
+def test_a_client_session_that_does_not_open_is_one_line_after_the_bound(monkeypatch, capsys):
+    """Ray's client waits for its server's answer without a bound: a session that does not open within
+    CLIENT_SESSION_TIMEOUT_S is one line naming the address, after a line saying where the sweep connects."""
+    import threading
+
+    from stratbench.core.errors import ConfigError
+    from stratbench.launching import ray_executor
+
+    release = threading.Event()
+
+    class StuckRay:
+        def init(self, address, **_kw):
+            release.wait(30)
+            return "late"
+
+    monkeypatch.setattr(ray_executor, "CLIENT_SESSION_TIMEOUT_S", 0.2)
+    try:
+        with pytest.raises(ConfigError, match=r"the Ray Client server at ray://h:1 opened no session within 0.2 s"):
+            ray_executor._init(StuckRay(), "ray://h:1", "--ray-address", {})
+    finally:
+        release.set()
+    assert "--executor ray: connecting to ray://h:1 (--ray-address, Ray Client)" in capsys.readouterr().err

@@ -114,23 +114,55 @@ CLIENT_ATTEMPTS = 3
 """Ray Client (``ray://``) sessions tried before giving up: a client server whose previous client died (a killed
 sweep) opens the next session slowly and may refuse one while it cleans up; a cluster that answers its port is
 asked again, 5 s apart, and said to be asked again."""
+CLIENT_SESSION_TIMEOUT_S = 180.0
+"""How long a Ray Client session may take to open before the sweep gives up in one line. Ray's client waits for
+its server's answer without a bound (and, with RAY_CLIENT_RECONNECT_GRACE_PERIOD set high, retries a broken
+stream silently for that long); a fresh head's first session takes ~40 s here, later ones 3-5 s."""
 
 
 def _init(ray: Any, address: str, source: str, quiet: dict[str, Any]) -> Any:
-    """``ray.init`` at a cluster whose port answers; a Ray Client address is tried ``CLIENT_ATTEMPTS`` times."""
-    attempts = CLIENT_ATTEMPTS if address.startswith("ray://") else 1
-    for attempt in range(1, attempts + 1):
+    """``ray.init`` at a cluster whose port answers; a Ray Client address is tried ``CLIENT_ATTEMPTS`` times,
+    each for at most ``CLIENT_SESSION_TIMEOUT_S``."""
+    client = address.startswith("ray://")
+    _say(f"--executor ray: connecting to {address} ({source}{', Ray Client' if client else ''})")
+    for attempt in range(1, (CLIENT_ATTEMPTS if client else 1) + 1):
         try:
-            return ray.init(address=address, **quiet)
+            return _session(ray, address, quiet) if client else ray.init(address=address, **quiet)
         except ConnectionError:
-            if attempt == attempts:
+            if attempt == (CLIENT_ATTEMPTS if client else 1):
                 raise ConfigError(
                     f"cannot connect to the Ray cluster at {address} ({source}){_auth_hint()}"
                 ) from None
             _say(f"--executor ray: the Ray Client server at {address} refused a session; asking again in 5 s "
-                 f"({attempt}/{attempts - 1})")  # fmt: skip
+                 f"({attempt}/{CLIENT_ATTEMPTS - 1})")  # fmt: skip
             time.sleep(5)
     return None
+
+
+def _session(ray: Any, address: str, quiet: dict[str, Any]) -> Any:
+    """``ray.init(address)`` through Ray Client in a daemon thread, given ``CLIENT_SESSION_TIMEOUT_S``: one line
+    (not a silent wait) when the client server does not open the session. A session that timed out is not asked
+    again in this process (the stuck one could still open under a second)."""
+    import threading
+
+    got: dict[str, Any] = {}
+
+    def connect() -> None:
+        try:
+            got["info"] = ray.init(address=address, **quiet)
+        except BaseException as exc:  # handed to the caller's thread
+            got["error"] = exc
+
+    thread = threading.Thread(target=connect, name="stratbench-ray-client", daemon=True)
+    thread.start()
+    thread.join(CLIENT_SESSION_TIMEOUT_S)
+    if thread.is_alive():
+        raise ConfigError(f"the Ray Client server at {address} opened no session within "
+                          f"{CLIENT_SESSION_TIMEOUT_S:g} s (its head overloaded, or its client server stuck?); "
+                          "run the command again, or connect to the cluster's GCS address from a node of it")  # fmt: skip
+    if "error" in got:
+        raise got["error"]
+    return got["info"]
 
 
 class RayExecutor(Executor):
