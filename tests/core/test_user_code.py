@@ -159,8 +159,8 @@ def test_estimate_all_on_a_cluster_prints_every_row(capsys):
 
 
 def test_estimate_all_shows_a_method_that_cannot_apply_as_na(user_folder, capsys):
-    """A model the pipeline cannot split, with no blocks for fsdp to wrap: those rows are n/a with the reason (as
-    train refuses them), every other row prints."""
+    """A model the pipeline cannot split, with no blocks for fsdp to wrap: the pipeline row is n/a with the reason
+    (as train refuses it), fsdp wraps it by size and says so, every other row prints."""
     (user_folder / "flat.py").write_text(
         "from torch import nn\n\n\nclass Flat(nn.Module):\n    def __init__(self, num_classes):\n"
         "        super().__init__()\n        self.fc = nn.Linear(3 * 8 * 8, num_classes)\n\n"
@@ -172,7 +172,7 @@ def test_estimate_all_shows_a_method_that_cannot_apply_as_na(user_folder, capsys
     assert main([*argv, "--json"]) == 0
     rows = {r["strategy"]: r for r in json.loads(capsys.readouterr().out)["results"]}
     assert "cannot split a Flat into pipeline stages" in rows["pipeline"]["na"]
-    assert "fsdp --wrap block: no blocks to wrap" in rows["fsdp"]["na"] and "--wrap size" in rows["fsdp"]["na"]
+    assert "--wrap auto: Flat declares no block classes" in rows["fsdp"]["estimate"]["units"]  # by size, said
     assert rows["ddp"]["estimate"]["total_bytes"] > 0 and rows["fsdp1"]["estimate"]["total_bytes"] > 0
     assert main(argv) == 0
     out = capsys.readouterr().out

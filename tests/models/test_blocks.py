@@ -2,7 +2,8 @@
 declares, else its repeated sibling modules holding most of the parameters, else none (then --wrap size, none or
 class names). fsdp trains a user's CNN with repeated blocks without --wrap and says which units it built; the
 estimate and the projection price the same units and say so (before, a user's model was projected as one FSDP
-unit, silently, while train refused it); a model without blocks is refused alike by both, in one line."""
+unit, silently, while train refused it); a model without blocks is wrapped by size under the default --wrap auto
+and said so, and refused alike by both under --wrap block, in one line."""
 
 from __future__ import annotations
 
@@ -157,19 +158,23 @@ def test_a_user_model_that_declares_no_blocks_is_projected_as_the_declared_one(u
     assert "4 x TransformerBlock (repeated sibling modules" in rows[1]["estimate"]["units"]
 
 
-def test_a_model_without_blocks_is_refused_by_the_estimate_as_by_train(user, capsys):
-    err = fails(capsys, "estimate", "--model", "sb_blocks_user:flat", *IMAGES, "--strategy", "fsdp", "--world-size", "2",
-                "--batch-size", "8")  # fmt: skip
+def test_a_model_without_blocks_falls_back_to_size_units_and_says_so_or_is_refused_under_wrap_block(user, capsys):
+    """fsdp's default --wrap auto takes a model without blocks (a user's plain CNN or MLP) by size and says so in
+    the line the estimate prints and train logs; an explicit --wrap block is refused in one line, as by train."""
+    flat = ["--model", "sb_blocks_user:flat", *IMAGES, "--strategy", "fsdp", "--world-size", "2", "--batch-size", "8"]
+    err = fails(capsys, "estimate", *flat, "--wrap", "block")
     assert "fsdp --wrap block: no blocks to wrap: Sequential declares no block classes" in err
     assert "use --wrap size" in err
+    out = " ".join(cli("estimate", *flat).split())
+    assert "FSDP units: the root only, the whole model in one unit (--wrap auto: Sequential declares no block " in out
+    assert "so units by size)" in out
     # --wrap none is priced as what it builds, and said
-    out = cli("estimate", "--model", "sb_blocks_user:flat", *IMAGES, "--strategy", "fsdp", "--world-size", "2",
-              "--batch-size", "8", "--wrap", "none")  # fmt: skip
-    assert "FSDP units: the root only" in " ".join(out.split())
-    # advise, where nothing fits: the fsdp plans are n/a with the same reason, the others are still tried
+    out = cli("estimate", *flat, "--wrap", "none")
+    assert "FSDP units: the root only, the whole model in one unit (--wrap none" in " ".join(out.split())
+    # advise: the fsdp plans are priced (by size) beside the others
     main(["advise", "--model", "sb_blocks_user:flat", *IMAGES, "--devices", "2", "--device-memory", "513MiB"])
     out = " ".join(capsys.readouterr().out.split())
-    assert "fsdp --sharding full: n/a: fsdp --wrap block: no blocks to wrap" in out and "ddp: 512" in out, out
+    assert "no blocks to wrap" not in out and "fsdp --sharding full" in out and "ddp: 512" in out, out
 
 
 def test_an_estimate_with_every_row_na_exits_non_zero_saying_why(user, capsys):

@@ -124,7 +124,8 @@ def _init(ray: Any, address: str, source: str, quiet: dict[str, Any]) -> Any:
     """``ray.init`` at a cluster whose port answers; a Ray Client address is tried ``CLIENT_ATTEMPTS`` times,
     each for at most ``CLIENT_SESSION_TIMEOUT_S``."""
     client = address.startswith("ray://")
-    _say(f"--executor ray: connecting to {address} ({source}{', Ray Client' if client else ''})")
+    if client:  # a session may take a while to open (CLIENT_SESSION_TIMEOUT_S): not a silent wait
+        _say(f"--executor ray: connecting to {address} ({source}, Ray Client)")
     for attempt in range(1, (CLIENT_ATTEMPTS if client else 1) + 1):
         try:
             return _session(ray, address, quiet) if client else ray.init(address=address, **quiet)

@@ -268,7 +268,7 @@ def wrap_units_of(spec: ModelSpec, wrap: str, min_params: int) -> Units:
     """The units fsdp's ``--wrap`` gives the model (``models.blocks.wrap_units``, as a run wraps it); a model
     without blocks under ``--wrap block`` is refused in the line a run refuses it with."""
     info = model_info(spec)
-    if wrap == "block" and info.blocks is not None:  # the usual case: no second build
+    if wrap in ("auto", "block") and info.blocks is not None:  # the usual case: no second build
         return Units(info.block_units, info.blocks)
     model = _fake_model(spec)
     units = wrap_units(model, wrap, min_params)

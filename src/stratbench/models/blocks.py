@@ -12,7 +12,8 @@ The blocks (``find_blocks``):
    ``MIN_SHARE`` of the model's parameters (a ResNet's Bottlenecks, a user's stack of blocks, an MLP's Linears);
 3. else none: ``--wrap block`` is refused in one line that names the largest group found and the other choices.
 
-``wrap_units`` turns fsdp's ``--wrap`` (block, size, none, class names) into the modules that become units.
+``wrap_units`` turns fsdp's ``--wrap`` (auto, block, size, none, class names) into the modules that become units;
+``auto`` (the default) is block where the model has blocks, else size (a user's plain CNN or MLP), said so.
 """
 
 from __future__ import annotations
@@ -139,13 +140,21 @@ def block_types(model: nn.Module) -> tuple[type[nn.Module], ...]:
 # fsdp's --wrap: the modules that become units
 
 
+def resolve_wrap(model: nn.Module, wrap: str) -> str:
+    """``--wrap auto``: block where the model has blocks, else size; any other choice as it is."""
+    if wrap != "auto":
+        return wrap
+    return "block" if find_blocks(model) is not None else "size"
+
+
 def wrap_units(model: nn.Module, wrap: str, min_params: int) -> list[nn.Module]:
-    """The sub-modules that become FSDP units under ``--wrap`` (block, size, none or class names), children
-    before parents (``fully_shard`` goes bottom-up); the root, a unit of its own, is not in the list.
+    """The sub-modules that become FSDP units under ``--wrap`` (auto, block, size, none or class names),
+    children before parents (``fully_shard`` goes bottom-up); the root, a unit of its own, is not in the list.
 
     A block under an activation-checkpointing wrapper is sharded through that wrapper, so that the re-gather
     for the recomputed forward happens inside the checkpointed region (torchtitan's order: AC, then FSDP).
     """
+    wrap = resolve_wrap(model, wrap)
     if wrap == "none":
         return []
     if wrap == "size":
@@ -204,10 +213,14 @@ def _size_units(model: nn.Module, min_params: int) -> list[nn.Module]:
 
 def describe_units(model: nn.Module, wrap: str, min_params: int, units: list[nn.Module]) -> str:
     """One line saying which FSDP units ``--wrap`` gave (train's log, the estimate's and projection's note)."""
+    fell_back = ""
+    if wrap == "auto":
+        wrap = resolve_wrap(model, wrap)
+        if wrap == "size":
+            fell_back = f" (--wrap auto: {why_no_blocks(model)}, so units by size)"
     if not units:
-        return (
-            "FSDP units: the root only, the whole model in one unit (--wrap none: one all-gather per phase)"
-        )
+        how = fell_back.strip() or "(--wrap none: one all-gather per phase)"
+        return f"FSDP units: the root only, the whole model in one unit {how}"
     if wrap == "block":
         blocks = find_blocks(model)
         assert blocks is not None  # wrap_units refused a model without blocks
@@ -217,4 +230,4 @@ def describe_units(model: nn.Module, wrap: str, min_params: int, units: list[nn.
         by_class = ", ".join(f"{n} x {name}" for name, n in counts.most_common())
         rule = f"modules of >= {min_params:,} parameters" if wrap == "size" else f"classes {wrap}"
         what = f"{by_class} (--wrap {wrap}: {rule})"
-    return f"FSDP units: {what}, then the root for the rest"
+    return f"FSDP units: {what}, then the root for the rest{fell_back}"

@@ -109,8 +109,8 @@ class FSDPOptions:
 
     sharding: str = "full"
     """fsdp: full (ZeRO-3: params, grads, optimizer state sharded; params re-gathered for backward), grad-op (ZeRO-2-like: params kept gathered between forward and backward), none (DDP-like: replicated on a (world, 1) HSDP mesh)."""
-    wrap: str = "block"
-    """fsdp: FSDP units: block (one per residual block), size (any module holding >= --wrap-min-params parameters not yet wrapped), none (the root only), or comma-separated module class names (e.g. Conv2d,Linear)."""
+    wrap: str = "auto"
+    """fsdp: FSDP units: auto (block where the model has blocks, else size: said in the log), block (one per residual block), size (any module holding >= --wrap-min-params parameters not yet wrapped), none (the root only), or comma-separated module class names (e.g. Conv2d,Linear)."""
     wrap_min_params: int = 100_000
     """fsdp --wrap size: parameter count from which a module becomes its own FSDP unit."""
     cpu_offload: bool = False
@@ -136,7 +136,7 @@ class FSDPOptions:
         choice("sharding", self.sharding, SHARDING)
         choice("checkpoint_format", self.checkpoint_format, CHECKPOINT_FORMATS)
         if not self.wrap.strip():
-            raise ConfigError("wrap must be block, size, none or comma-separated module class names; got ''")
+            raise ConfigError("wrap must be auto, block, size, none or comma-separated module class names; got ''")
         if self.wrap_min_params <= 0:
             raise ConfigError(f"wrap_min_params must be a positive integer, got {self.wrap_min_params!r}")
         if self.tp < 1:
