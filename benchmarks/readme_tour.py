@@ -262,6 +262,9 @@ FAST = (
            ("--only", "single+lora", "--max-steps", "3", "--pretrain-steps", "3"),
            "the pretraining run of 3 steps and one cell (single + LoRA, fp32) of 3 steps started from it: the "
            "pretrain stage, the cell's --init-from and the fine-tuning columns of the report"),
+    Shrink("compare --methods on the user's model, as written", lambda a: a[:1] == ["compare"] and "--methods" in a,
+           (), "already short (4 steps of each of 4 cells on the user's 128 images): every method it names runs, "
+           "fsdp on a model with no repeated blocks among them"),
     Shrink("compare, one short cell", lambda a: a[:1] == ["compare"] and "--dry-run" not in a,
            ("--only", "single", "--only", "fp32", "--max-steps", "3"),
            "one cell (single, fp32) of 3 steps: the sweep, its process, record and report (the --calibrate line "

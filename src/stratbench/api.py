@@ -15,6 +15,8 @@ one-line message the command prints, before any work.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -22,7 +24,14 @@ from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
-from stratbench.compare.matrix import bytes_of, check_runnable, load_matrix, plan, select
+from stratbench.compare.matrix import (
+    bytes_of,
+    check_runnable,
+    load_matrix,
+    parse_method_options,
+    plan,
+    select,
+)
 from stratbench.compare.pretrain import check_pretrain, run_pretrain
 from stratbench.compare.report import render_sweeps
 from stratbench.compare.runner import Interrupted, SweepRunner
@@ -107,6 +116,9 @@ def plan_sweep(
     precision: str | None = None,
     executor: Executor | None = None,
     pretrain_steps: int | None = None,
+    methods: list[str] | str | None = None,
+    precisions: list[str] | str | None = None,
+    method_options: dict[str, dict[str, Any]] | list[str] | None = None,
     **options: Any,
 ) -> SweepPlan:
     """Every check of a comparison before any cell runs: the matrix, the cells kept, their plans here, the
@@ -116,7 +128,10 @@ def plan_sweep(
     'does not fit (estimate X of Y)' instead of being run; ``nodes``: the nodes of every multi-process cell;
     ``precision``: every cell's precision instead of the matrix's (``fp64``: losses that agree to ~1e-12 across
     methods, executors and machines; cells that then coincide run once); ``pretrain_steps``: the steps of the
-    matrix's pretraining run instead of its own (``compare.pretrain``)."""
+    matrix's pretraining run instead of its own (``compare.pretrain``); ``methods`` (instead of a preset or a
+    matrix): each of these methods at each of ``precisions`` (default fp32) on the model and data of
+    ``options``; ``method_options``: strategy options for every cell of a method, ``{"fsdp": {"wrap": "size"}}``
+    or ``["fsdp.wrap=size"]`` as the CLI's ``--method-option``."""
 
     timeout = _number("timeout", timeout, float, low=0, open_low=True)
     world_size = _number("world_size", world_size, int, low=1)
@@ -131,11 +146,16 @@ def plan_sweep(
         raise ConfigError(f"hardware must be a system name or a profile file, not {type(hardware).__name__}")
     if hardware:
         resolve(hardware)  # a bad profile is refused now, not after the sweep
-    m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision, pretrain_steps)
+    given = [k for k, v in (("preset", preset), ("matrix", matrix), ("methods", methods)) if v]
+    if len(given) > 1:
+        raise ConfigError(f"give one of preset, matrix and methods, not {' and '.join(given)}")
+    m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision, pretrain_steps,
+                    _comma("methods", methods), _comma("precisions", precisions), _method_options(method_options))
+    out_name = re.sub(r"[^A-Za-z0-9.+-]+", "-", m.name).strip("-") or "matrix"
     if device_memory is not None:
         m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
-    out = Path(output or f"runs/compare-{m.name}")
+    out = Path(output or f"runs/compare-{out_name}")
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
     if m.pretrain is not None:
         check_pretrain(m, out)
@@ -170,6 +190,23 @@ def _names(name: str, value: Any) -> list[str] | None:
     if isinstance(value, list | tuple) and all(isinstance(v, str) for v in value):
         return list(value)
     raise ConfigError(f"{name} must be a string of comma-separated names or a list of them, not {value!r}")
+
+
+def _comma(name: str, value: Any) -> list[str] | None:
+    """``methods``/``precisions``: comma-separated names (a string or a list of them), flattened."""
+    given = _names(name, value)
+    return None if given is None else [t.strip() for g in given for t in g.split(",") if t.strip()]
+
+
+def _method_options(value: Any) -> dict[str, dict[str, Any]] | None:
+    """``method_options`` as ``--method-option`` gives them (["fsdp.wrap=size"]) or as a mapping, checked alike."""
+    if value is None:
+        return None
+    if isinstance(value, dict):
+        if not all(isinstance(v, dict) for v in value.values()):
+            raise ConfigError(f"method_options must map a method to its options, e.g. {{'fsdp': {{'wrap': 'size'}}}}; got {value!r}")
+        value = [f"{m}.{k}={json.dumps(v)}" for m, opts in value.items() for k, v in opts.items()]
+    return parse_method_options(_names("method_options", value))
 
 
 def _executor(value: Any) -> Executor:

@@ -339,3 +339,32 @@ def test_a_user_module_that_imports_torchvision_works_everywhere(tmp_path):
             "--precision", "fp32", "--device-memory", "1KiB", "--output", "cmp")  # fmt: skip
     rows = [json.loads(line) for line in (work / "cmp" / "results.jsonl").read_text().splitlines()]
     assert [r["status"] for r in rows] == ["skipped"] and "does not fit (estimate" in rows[0]["reason"], rows
+
+
+def test_compare_methods_options_and_names_are_checked_before_any_cell(tmp_path, capsys):
+    """--methods, --precisions and --method-option: a mistyped method, preset or option is one line with the
+    closest names; an option reaches only its method's cells; a preset run on another model is titled so."""
+    from conftest import fails
+    from stratbench.api import plan_sweep
+
+    err = fails(capsys, "compare", "--methods", "single,dpp", "--output", str(tmp_path / "a"))
+    assert "unknown method 'dpp' (did you mean 'dp' or 'ddp'?)" in err
+    err = fails(capsys, "compare", "--preset", "quik", "--output", str(tmp_path / "a"))
+    assert "unknown preset 'quik' (did you mean 'quick'" in err
+    err = fails(capsys, "compare", "--methods", "fsdp", "--method-option", "fsdp.wrapp=size")
+    assert "fsdp has no option 'wrapp' (did you mean 'wrap'?)" in err
+    err = fails(capsys, "compare", "--methods", "fsdp", "--method-option", "fsdp.sharding=half")
+    assert "sharding" in err and "half" in err
+    err = fails(capsys, "compare", "--preset", "quick", "--precisions", "fp32")
+    assert "--precisions lists the precisions of --methods" in err
+    assert not (tmp_path / "a").exists()
+    sweep = plan_sweep(methods="single,fsdp", precisions="fp32,bf16", method_options=["fsdp.wrap=size"],
+                       output=tmp_path / "b")  # fmt: skip
+    cells = {(c.method, c.precision): c.options for c in sweep.matrix.cells}
+    assert cells == {("single", "fp32"): {}, ("single", "bf16-mixed"): {}, ("fsdp", "fp32"): {"wrap": "size"},
+                     ("fsdp", "bf16-mixed"): {"wrap": "size"}}  # fmt: skip
+    quick = plan_sweep("quick", model="resnet18", method_options={"deepspeed": {"zero_stage": 2}},
+                       output=tmp_path / "c")  # fmt: skip
+    assert quick.matrix.heading == "quick on resnet18" and quick.matrix.description.startswith("resnet18 on digits")
+    assert {c.options.get("zero_stage") for c in quick.matrix.cells if c.method == "deepspeed"} == {2}
+    assert plan_sweep("quick", output=tmp_path / "d").matrix.heading == "quick"

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from stratbench.api import plan_sweep, run_sweep
 from stratbench.compare.calibration import CALIBRATION
-from stratbench.compare.matrix import PRESETS, PRETRAIN
+from stratbench.compare.matrix import PRESET_HELP, PRETRAIN
 from stratbench.compare.pretrain import pretrain_status
 from stratbench.compare.report import print_table
 from stratbench.compare.runner import load_records
@@ -33,12 +33,18 @@ _NOT_PASSED = ("output", "strategy", "precision", "nproc", "nnodes", "node_rank"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     src = parser.add_mutually_exclusive_group()
-    src.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                     help="built-in matrix: quick (default; CPU, minutes), seed (the source experiment on GPUs), "
-                          "gpu-precision (every precision on one GPU), gpu-fast (seed with the fast recipe), "
-                          "ft-quick (fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW), llm-ft (Llama-3-8B "
-                          "fine-tuning on GPUs)")  # fmt: skip
-    src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (see stratbench.compare.matrix for the format)")
+    src.add_argument("--preset", default=None, metavar="NAME",
+                     help="built-in matrix: " + "; ".join(f"{name} ({what})" for name, what in PRESET_HELP.items()))
+    src.add_argument("--matrix", metavar="FILE.yaml", help="a matrix file (format: docs/usage.md, \"Your own matrix\")")
+    src.add_argument("--methods", metavar="A,B,C",
+                     help="no preset: each of these methods (e.g. single,ddp,fsdp,deepspeed) on the --model and "
+                          "--data given (default the quick preset's tinynet on digits), at --precisions; `stratbench "
+                          "list` names them")  # fmt: skip
+    parser.add_argument("--precisions", metavar="A,B",
+                        help="with --methods: the precisions of each method (default fp32)")
+    parser.add_argument("--method-option", action="append", metavar="METHOD.KEY=VALUE", dest="method_option",
+                        help="a method's option for each of its cells, e.g. fsdp.wrap=size or deepspeed.zero_stage=3 "
+                             "(repeatable; `stratbench train --help` lists each method's options)")  # fmt: skip
     parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
     parser.add_argument("--only", action="append", metavar="NAMES",
                         help="keep cells matching one of these comma-separated names (method, label, precision, "
@@ -133,7 +139,8 @@ def run(args: argparse.Namespace) -> int:
                            timeout=args.timeout, allow_slow=args.allow_slow, calibrate=args.calibrate,
                            hardware=args.hardware, world_size=world_size, device_memory=args.device_memory,
                            nodes=args.nodes, precision=args.precision, executor=executor,
-                           pretrain_steps=args.pretrain_steps,
+                           pretrain_steps=args.pretrain_steps, methods=args.methods,
+                           precisions=args.precisions, method_options=args.method_option,
                            **overrides_from(args))  # fmt: skip
     except BaseException:
         executor.close()
@@ -142,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
         executor.close()
         _print_plan(sweep, console)
         return 0
-    console.print(f"[bold]stratbench compare[/bold] {sweep.matrix.name}: {len(sweep.plans)} cells -> {sweep.output}"
+    console.print(f"[bold]stratbench compare[/bold] {sweep.matrix.heading}: {len(sweep.plans)} cells -> {sweep.output}"
                   f" ({executor.where()})", highlight=False, soft_wrap=True)  # fmt: skip
     done = run_sweep(sweep, repeats=args.repeats, retry=args.retry, hardware=args.hardware, console=console,
                      command=["stratbench", *[shlex.quote(a) for a in sys.argv[1:]]])  # fmt: skip
@@ -161,7 +168,7 @@ def _print_plan(sweep, console) -> None:
     """--dry-run: each cell, whether it runs here (or why not), and what a rerun keeps."""
 
     done = load_records(sweep.output)
-    console.print(f"[bold]{sweep.matrix.name}[/bold]: {sweep.matrix.description}", highlight=False, soft_wrap=True)
+    console.print(f"[bold]{sweep.matrix.heading}[/bold]: {sweep.matrix.description}", highlight=False, soft_wrap=True)
     console.print(f"{len(sweep.plans)} cells; output {sweep.output}; time limit per cell {sweep.timeout_s:.0f} s",
                   highlight=False, soft_wrap=True)  # fmt: skip
     if sweep.matrix.pretrain is not None:

@@ -33,10 +33,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from stratbench.checkpoints.checkpoint import last_checkpoint
 from stratbench.core.config import TrainConfig, canonical_precision, from_dict, load_yaml
 from stratbench.core.dist import resolve_device
-from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError
+from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError, did_you_mean
 from stratbench.core.precision import SPECS, configure_tf32, slow_on, spec_of
 from stratbench.core.tables import fmt_bytes
 from stratbench.models.zoo import pretrained_available
@@ -142,6 +144,13 @@ class Matrix:
     pretrain: dict[str, Any] | None = None
     """The options of one ``single`` run made before the cells, whose last checkpoint every cell starts from
     (``init_from``, unless the cell sets its own); None: the cells start as their configs say."""
+    title: str = ""
+    """What the report is titled (the name where empty): a preset run on the user's model says so."""
+
+    @property
+    def heading(self) -> str:
+        """The report's title: the title where one was given or made, else the name."""
+        return self.title or self.name
 
     def uses_gpus(self, cell: Cell) -> bool:
         """The cell's processes each need a GPU reserved for them (an executor that reserves resources asks):
@@ -716,6 +725,20 @@ PRESETS = {
     "ft-quick": preset_ft_quick,
     "llm-ft": preset_llm_ft,
 }
+PRESET_HELP = {
+    "quick": "default; every CPU method, tinynet on digits, minutes on 2 cores",
+    "seed": "the source experiment, ResNet-50 on CIFAR-10, GPUs",
+    "gpu-precision": "every precision on one GPU",
+    "gpu-fast": "seed with the fast recipe",
+    "llm-quick": "every CPU method on gpt-tiny and real text, minutes",
+    "llm-fit": "where each method stops fitting a memory budget, CPU",
+    "llm-tp": "tensor parallelism against data parallelism on 2 and 4 CPU processes",
+    "llm-nodes": "HSDP and ZeRO++ against DDP and FSDP over 2 loopback nodes of 2 processes",
+    "llm": "a 1B Llama at sequence 2048 on the GPUs here",
+    "ft-quick": "fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW",
+    "llm-ft": "Llama-3-8B fine-tuning on GPUs: full, LoRA, QLoRA",
+}
+"""One line per preset for ``compare --help`` (every preset listed; a test keeps the two in step)."""
 WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick")
 """Presets built for the world size (``--world-size``; seed and gpu-fast default to the GPUs here)."""
 
@@ -746,11 +769,13 @@ record a warm-up step only (3 warm-up steps by default), so they cost the measur
 def build_matrix(
     spec: dict[str, Any], overrides: dict[str, Any] | None = None, world_size: int | None = None,
     nodes: int | None = None, precision: str | None = None, pretrain_steps: int | None = None,
+    method_options: dict[str, dict[str, Any]] | None = None,
 ) -> Matrix:
     """Expand a matrix mapping into cells; ``overrides`` (train options from the command line) replace base values;
     ``nodes`` (``--nodes``): the nodes of every multi-process cell whose entry gives none; ``precision``
     (``--precision``): every cell's precision (cells that then coincide run once); ``pretrain_steps``
-    (``--pretrain-steps``): the steps of the matrix's pretraining run."""
+    (``--pretrain-steps``): the steps of the matrix's pretraining run; ``method_options``
+    (``--method-option``): strategy options added to every cell of their method."""
     if precision is not None:
         precision = canonical_precision(precision)
         spec_of(precision)
@@ -768,7 +793,7 @@ def build_matrix(
     cells: list[Cell] = []
     seen: set[str] = set()
     for n, entry in enumerate(entries):
-        for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes, precision):
+        for cell in _expand_entry(n + 1, entry, base, overrides, default_world, nodes, precision, method_options):
             cell = dataclasses.replace(cell, start=start)
             if cell.id not in seen:  # overrides can make two entries the same run: keep one
                 seen.add(cell.id)
@@ -782,6 +807,7 @@ def build_matrix(
         timeout_s=float(spec.get("timeout_s") or 900),
         device_memory=bytes_of(spec.get("device_memory")),
         pretrain=pretrain,
+        title=str(spec.get("title") or ""),
     )
 
 
@@ -832,7 +858,7 @@ def bytes_of(value: Any) -> int | None:
     return parse_bytes(str(value))
 
 
-MATRIX_KEYS = ("name", "description", "base", "world_size", "gpu_only", "timeout_s", "device_memory", "cells",
+MATRIX_KEYS = ("name", "title", "description", "base", "world_size", "gpu_only", "timeout_s", "device_memory", "cells",
                "methods", "precisions", "world_sizes", "batch_sizes", "pretrain")  # fmt: skip
 
 
@@ -860,9 +886,10 @@ def _matrix_base(spec: dict[str, Any], overrides: dict[str, Any] | None) -> dict
 def _expand_entry(
     n: int, entry: Any, base: dict[str, Any], overrides: dict[str, Any] | None, default_world: int,
     default_nodes: int | None = None, every_precision: str | None = None,
+    method_options: dict[str, dict[str, Any]] | None = None,
 ) -> list[Cell]:
     """The cells of cell entry ``n`` (from 1): the product of its list values (``every_precision``:
-    the precision of each, whatever the entry says)."""
+    the precision of each, whatever the entry says; ``method_options``: added to each cell of their method)."""
     if not isinstance(entry, dict) or "method" not in entry:
         raise ConfigError(f"matrix cell entry {n} must be a mapping with at least 'method', got {entry!r}")
     bad = sorted(set(entry) - set(ENTRY_KEYS))
@@ -895,6 +922,7 @@ def _expand_entry(
                 raise ConfigError(
                     f"matrix cell entry {n}: label {label!r} names an option not in {options}"
                 ) from None
+        options = {**options, **(method_options or {}).get(str(method), {})}
         world = int(world) if world is not None else _default_world(str(method), default_world)
         nodes = _nodes_of(n, entry.get("nodes"), default_nodes, world)
         cells.append(
@@ -920,22 +948,121 @@ def _nodes_of(n: int, given: Any, default: int | None, world: int) -> int:
 
 def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] | None = None,
                 world_size: int | None = None, nodes: int | None = None, precision: str | None = None,
-                pretrain_steps: int | None = None) -> Matrix:  # fmt: skip
-    """A preset by name or a YAML matrix file (exactly one of them)."""
+                pretrain_steps: int | None = None, methods: list[str] | None = None,
+                precisions: list[str] | None = None,
+                method_options: dict[str, dict[str, Any]] | None = None) -> Matrix:  # fmt: skip
+    """A preset by name, a YAML matrix file, or ``methods`` (``compare --methods``: no preset; exactly one of
+    them). ``method_options``: strategy options for every cell of a method (``--method-option``)."""
+    if methods:
+        spec = methods_spec(methods, precisions, overrides)
+        matrix = build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps, method_options)
+        matrix.description = f"{describe_base(matrix.base)}; {spec['description']}"
+        return matrix
+    if precisions:
+        raise ConfigError("--precisions lists the precisions of --methods; with a preset or a matrix use "
+                          "--precision (every cell) or --only")  # fmt: skip
     if path:
-        return build_matrix(load_yaml(path), overrides, world_size, nodes, precision, pretrain_steps)
-    name = preset or "quick"
-    if name not in PRESETS:
-        raise ConfigError(
-            f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)} (or --matrix FILE.yaml)"
-        )
-    if name == "seed":
-        spec = preset_seed(world_size, bool((overrides or {}).get("download")))
-    elif name in WORLD_PRESETS:
-        spec = PRESETS[name](world_size)
+        spec = load_yaml(path)
+        name = None
     else:
-        spec = PRESETS[name]()
-    return build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps)
+        name = preset or "quick"
+        if name not in PRESETS:
+            raise ConfigError(f"unknown preset {name!r}{did_you_mean(name, PRESETS)}; choose one of: "
+                              f"{', '.join(PRESETS)} (or --matrix FILE.yaml, or --methods a,b,c)")  # fmt: skip
+        if name == "seed":
+            spec = preset_seed(world_size, bool((overrides or {}).get("download")))
+        elif name in WORLD_PRESETS:
+            spec = PRESETS[name](world_size)
+        else:
+            spec = PRESETS[name]()
+    matrix = build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps, method_options)
+    return _titled(matrix, spec, name, overrides)
+
+
+QUICK_KNOBS = ("epochs", "batch_size", "measure_flops", "timing_warmup_steps")
+"""The quick preset's training settings a ``--methods`` sweep starts from (its model and data are the user's)."""
+
+
+def check_methods(methods: list[str]) -> list[str]:
+    """The method names, each known (one line with "did you mean" otherwise), in order, once each."""
+    known = all_strategies()
+    if not methods:
+        raise ConfigError(f"--methods needs at least one method; choose from: {', '.join(sorted(known))}")
+    for m in methods:
+        if m not in known:
+            raise ConfigError(f"unknown method {m!r}{did_you_mean(m, known)}; choose from: {', '.join(sorted(known))}")
+    return list(dict.fromkeys(methods))
+
+
+def methods_spec(methods: list[str], precisions: list[str] | None, overrides: dict[str, Any] | None) -> dict[str, Any]:
+    """The matrix of ``compare --methods a,b,c [--precisions p,q]``: each method at each precision, on the
+    model and data the command line gives (the quick preset's tinynet on digits where it gives none), with the
+    quick preset's epochs, batch and warm-up."""
+    methods = check_methods(methods)
+    precisions = [canonical_precision(p) for p in (precisions or ["fp32"])]
+    for p in precisions:
+        spec_of(p)
+    quick = preset_quick()["base"]
+    given = overrides or {}
+    base = {k: quick[k] for k in QUICK_KNOBS}
+    if "model" not in given:
+        base.update(model=quick["model"], width=quick["width"])
+    if "data" not in given:
+        base.update(data=quick["data"], image_size=quick["image_size"])
+    model = str(given.get("model", base.get("model")))
+    return {
+        "name": re.sub(r"[^A-Za-z0-9.+-]+", "-", model).strip("-") or "methods",
+        "title": model,
+        "description": f"{', '.join(methods)} at {', '.join(precisions)}",
+        "base": base,
+        "timeout_s": 600,
+        "cells": [{"method": m, "precision": precisions} for m in methods],
+    }
+
+
+def describe_base(base: dict[str, Any]) -> str:
+    """What every cell trains, in words: "mynet:build on mydata:build, 2 epochs, global batch 64"."""
+    steps = base.get("max_steps")
+    epochs = int(base.get("epochs", TrainConfig.epochs))
+    length = f"{steps} steps" if steps else f"{epochs} epoch{'s' if epochs != 1 else ''}"
+    model, data = base.get("model", TrainConfig.model), base.get("data", TrainConfig.data)
+    return f"{model} on {data}, {length}, global batch {base.get('batch_size', TrainConfig.batch_size)}"
+
+
+def _titled(matrix: Matrix, spec: dict[str, Any], preset: str | None, overrides: dict[str, Any] | None) -> Matrix:
+    """The report's title and Setup line as the cells run: a preset whose model or data the command line
+    replaced says so instead of describing its own."""
+    given = overrides or {}
+    base = spec.get("base") or {}
+    if preset and any(k in given and given[k] != base.get(k) for k in ("model", "data")):
+        matrix.title = f"{preset} on {matrix.base.get('model', TrainConfig.model)}"
+        matrix.description = f"{describe_base(matrix.base)}; the {preset} preset's cells"
+    return matrix
+
+
+METHOD_OPTION = re.compile(r"^([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)=(.*)$")
+
+
+def parse_method_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
+    """``--method-option METHOD.KEY=VALUE`` (repeatable) as {method: {key: value}}, each checked against the
+    method's options (unknown method or key, or a bad value: one line naming it, with "did you mean")."""
+    out: dict[str, dict[str, Any]] = {}
+    known = all_strategies()
+    for item in items or []:
+        found = METHOD_OPTION.match(item.strip())
+        if not found:
+            raise ConfigError(f"--method-option {item!r} is not METHOD.KEY=VALUE (e.g. fsdp.wrap=size)")
+        method, key, raw = found.group(1), found.group(2).replace("-", "_"), found.group(3)
+        if method not in known:
+            raise ConfigError(f"--method-option {item!r}: unknown method {method!r}{did_you_mean(method, known)}")
+        fields = [f.name for f in dataclasses.fields(known[method].Options)]
+        if key not in fields:
+            raise ConfigError(f"--method-option {item!r}: {method} has no option {key!r}{did_you_mean(key, fields)}; "
+                              f"its options: {', '.join(fields)}")  # fmt: skip
+        value = yaml.safe_load(raw) if raw.strip() else raw
+        from_dict(known[method].Options, {key: value}, where=f"--method-option {item}")
+        out.setdefault(method, {})[key] = value
+    return out
 
 
 # ------------------------------------------------------------------------------------------------

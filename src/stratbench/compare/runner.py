@@ -392,7 +392,7 @@ class SweepRunner:
         order = {c["id"]: i for i, c in enumerate(previous.get("cells", []))}
         merged = sorted([*merged, *cells], key=lambda c: order.get(c["id"], len(order)))
         meta = {
-            "name": self.matrix.name,
+            "name": self.matrix.heading,
             "description": self.matrix.description,
             "base": self.matrix.base,
             "command": self.command,

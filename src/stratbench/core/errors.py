@@ -3,6 +3,15 @@
 from __future__ import annotations
 
 
+def did_you_mean(name: str, choices) -> str:
+    """" (did you mean 'x' or 'y'?)" for the (at most two) choices closest to a mistyped ``name``; '' where
+    none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(name), [str(c) for c in choices], n=2, cutoff=0.6)
+    return f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+
+
 class StratbenchError(Exception):
     """Base class: the message is shown to the user as is."""
 

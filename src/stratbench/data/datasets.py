@@ -203,6 +203,20 @@ def _text_data(cfg: TrainConfig) -> DataBundle:
     )  # fmt: skip
 
 
+_USER_SHAPES: dict[tuple, tuple[int, int]] = {}
+
+
+def user_data_shape(cfg: TrainConfig) -> tuple[int, int]:
+    """(image size, classes) of ``--data package.module:build`` as a run sees them (its first training item,
+    its class names), built once per process and options: the estimate traces the batch the run feeds, not a
+    default 32 x 32 of 10 classes (a 12 x 12 data set of 2 classes was priced as neither)."""
+    key = (cfg.data, cfg.image_size, cfg.data_dir, cfg.seed, cfg.download)
+    if key not in _USER_SHAPES:
+        bundle = _user_data(cfg)
+        _USER_SHAPES[key] = (bundle.image_size, bundle.num_classes)
+    return _USER_SHAPES[key]
+
+
 def _user_data(cfg: TrainConfig) -> DataBundle:
     """``--data package.module:build``: ``build(**kw)`` returns ``(train, val, class_names)`` (or a DataBundle).
 

@@ -20,7 +20,7 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import QuantizedStates, optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
-from stratbench.data.datasets import SampleShape, default_image_size, split_batch
+from stratbench.data.datasets import SampleShape, default_image_size, split_batch, user_data_shape
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
@@ -55,6 +55,9 @@ class ModelSpec(SampleShape):
     def from_config(cls, cfg: TrainConfig) -> ModelSpec:
         if is_text_data(cfg.data):  # the image-only fields keep their defaults: one cache entry per LM build
             return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
+        if ":" in cfg.data and not is_ft_data(cfg.data):  # a user's data builder: its items' size and classes
+            size, classes = user_data_shape(cfg)
+            return cls(cfg.model, classes, size, cfg.cifar_stem, cfg.norm, cfg.width)
         classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10
         return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
 
