@@ -41,6 +41,7 @@ from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedError, did_you_mean
 from stratbench.core.precision import SPECS, configure_tf32, slow_on, spec_of
 from stratbench.core.tables import fmt_bytes
+from stratbench.data.datasets import check_one_batch
 from stratbench.models.zoo import pretrained_available
 from stratbench.predicting.estimate import estimate, parse_bytes
 from stratbench.strategies.base import all_strategies
@@ -1131,6 +1132,7 @@ def plan_cell(cell: Cell, matrix: Matrix, allow_slow: bool = False) -> Plan:
                 cell, "skipped", f"needs {cell.procs_per_node} GPUs (one per process); this machine has {gpus}"
             )
         engine.preflight(cfg, world_size=cell.world_size)
+        check_one_batch(cfg)
         configure_tf32(cfg.tf32, device)  # --tf32 needs an Ampere GPU; only flips flags in this idle process
         if matrix.device_memory is not None:
             unfit = does_not_fit(cfg, cell.world_size, device.type, matrix.device_memory)

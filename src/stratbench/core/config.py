@@ -81,8 +81,9 @@ class TrainConfig:
     width: int = 16
     """tinynet only: channels of the first stage (doubles per stage)."""
     data: str = "digits"
-    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder, or a builder
-    'package.module:function' returning (train, val, class_names), found from the working directory."""
+    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder, table:FILE (a CSV, TSV, parquet or JSON lines table: --target names the column to predict, the other columns are numeric features), or a builder 'package.module:function' returning (train, val, class_names), found from the working directory; text data for a language model: text, tokens:PATH, synthetic-tokens; instruction data for fine-tuning: jsonl:PATH, hf-dataset:PATH_OR_NAME, instruct-stdlib."""
+    target: str | None = None
+    """table:FILE data: the column to predict (its distinct values are the classes)."""
     data_dir: str | None = None
     """Folder of the data set (cifar10: holds cifar-10-batches-py; imagefolder: class subfolders)."""
     download: bool = False

@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
-from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.core.errors import CheckpointError, ConfigError, DataError, did_you_mean
 from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
@@ -32,6 +32,7 @@ from stratbench.data.instruct import (
     tokenizer_path,
 )
 from stratbench.data.sampling import PaddedEval, ShardSampler, SkipSampler
+from stratbench.data.table import check_table, is_table_data, table_data
 from stratbench.data.text import (
     TEXT_EVAL_SAMPLES,
     TEXT_SOURCES,
@@ -51,11 +52,13 @@ CIFAR10_URL = "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz"
 
 
 class SampleShape:
-    """``is_text`` and ``sample_shape`` of a class with ``seq_len`` (None: images) and ``image_size`` fields: the
-    data bundle, and the model build the estimate traces."""
+    """``is_text`` and ``sample_shape`` of a class with ``seq_len`` (None: images), ``image_size`` and
+    ``input_shape`` fields: the data bundle, and the model build the estimate traces."""
 
     seq_len: int | None
     image_size: int
+    input_shape: tuple[int, ...] | None
+    """A user's input that is no square image (a row of features): its shape, in floating point."""
 
     @property
     def is_text(self) -> bool:
@@ -63,8 +66,10 @@ class SampleShape:
 
     @property
     def sample_shape(self) -> tuple[int, ...]:
-        """One input sample's shape: (seq_len,) token ids, or (3, H, W) pixels."""
-        return (self.seq_len,) if self.seq_len is not None else (3, self.image_size, self.image_size)
+        """One input sample's shape: (seq_len,) token ids, a user's input shape, or (3, H, W) pixels."""
+        if self.seq_len is not None:
+            return (self.seq_len,)
+        return self.input_shape or (3, self.image_size, self.image_size)
 
 
 @dataclass
@@ -78,6 +83,7 @@ class DataBundle(SampleShape):
     num_classes: int
     class_names: list[str]
     image_size: int
+    input_shape: tuple[int, ...] | None = None
     mean: tuple[float, ...] = IMAGENET_MEAN
     std: tuple[float, ...] = IMAGENET_STD
     meta: dict = field(default_factory=dict)
@@ -106,13 +112,19 @@ def check_data(cfg: TrainConfig) -> None:
     if is_text_data(cfg.data):
         check_text_data(cfg)
         return
+    if is_table_data(cfg.data):
+        check_table(cfg.data, cfg.target)
+        return
+    if cfg.target:
+        raise ConfigError(f"--target {cfg.target!r} names a column of --data table:FILE, not of {cfg.data!r}")
     if ":" in cfg.data:
         import_builder(cfg.data, "data")  # importable now, or one line naming the module
         return
     if cfg.data not in DATASETS:
         raise ConfigError(
-            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS + TEXT_SOURCES + FT_SOURCES)} (or a builder "
-            "as 'package.module:function')"
+            f"unknown data set {cfg.data!r}{did_you_mean(cfg.data, DATASETS + TEXT_SOURCES + FT_SOURCES)}; choose "
+            f"one of: {', '.join(DATASETS + TEXT_SOURCES + FT_SOURCES)}, table:FILE (or a builder as "
+            "'package.module:function')"
         )
     if cfg.data == "cifar10":
         root = Path(cfg.data_dir or "data")
@@ -134,6 +146,10 @@ def build_data(cfg: TrainConfig) -> DataBundle:
         return _ft_data(cfg)
     if is_text_data(cfg.data):
         return _text_data(cfg)
+    if is_table_data(cfg.data):
+        t = table_data(cfg.data, str(cfg.target), cfg.val_fraction, cfg.seed)
+        n_features = len(t["meta"]["features"])
+        return DataBundle(t["train"], t["val"], len(t["classes"]), t["classes"], 0, (n_features,), meta=t["meta"])
     if ":" in cfg.data:
         return _user_data(cfg)
     return {"synthetic": _synthetic, "digits": _digits, "cifar10": _cifar10, "imagefolder": _imagefolder}[
@@ -179,7 +195,7 @@ def _ft_data(cfg: TrainConfig) -> DataBundle:
         pack=cfg.pack, val_fraction=cfg.val_fraction, vocab_size=vocab, download=cfg.download,
     )  # fmt: skip
     return DataBundle(
-        data.train, data.val, data.vocab_size, [], 0, (), (), meta=data.meta, seq_len=data.seq_len,
+        data.train, data.val, data.vocab_size, [], 0, mean=(), std=(), meta=data.meta, seq_len=data.seq_len,
         codec=data.codec, real_tokens_per_sample=data.tokens_per_sample,
         tokenizer_file=None if tok.source == "bytes" else tok.source,
     )  # fmt: skip
@@ -198,23 +214,49 @@ def _text_data(cfg: TrainConfig) -> DataBundle:
         token_dtype=cfg.token_dtype, **limit,
     )  # fmt: skip
     return DataBundle(
-        text.train, text.val, text.vocab_size, [], 0, (), (), meta=text.meta, seq_len=text.seq_len,
+        text.train, text.val, text.vocab_size, [], 0, mean=(), std=(), meta=text.meta, seq_len=text.seq_len,
         codec=text.codec,
     )  # fmt: skip
 
 
-_USER_SHAPES: dict[tuple, tuple[int, int]] = {}
+@dataclass(frozen=True)
+class DataShape:
+    """What the estimate and the sweep's plan need of a data set without training on it."""
+
+    image_size: int
+    input_shape: tuple[int, ...] | None
+    classes: int
+    train_items: int
 
 
-def user_data_shape(cfg: TrainConfig) -> tuple[int, int]:
-    """(image size, classes) of ``--data package.module:build`` as a run sees them (its first training item,
-    its class names), built once per process and options: the estimate traces the batch the run feeds, not a
-    default 32 x 32 of 10 classes (a 12 x 12 data set of 2 classes was priced as neither)."""
-    key = (cfg.data, cfg.image_size, cfg.data_dir, cfg.seed, cfg.download)
-    if key not in _USER_SHAPES:
-        bundle = _user_data(cfg)
-        _USER_SHAPES[key] = (bundle.image_size, bundle.num_classes)
-    return _USER_SHAPES[key]
+_DATA_SHAPES: dict[tuple, DataShape] = {}
+
+
+def user_data_shape(cfg: TrainConfig) -> DataShape:
+    """The input shape, classes and training items of ``--data package.module:build`` (or a table file) as a run
+    sees them (its first training item, its class names), built once per process and options: the estimate
+    traces the batch the run feeds, not a default 32 x 32 of 10 classes (a 12 x 12 data set of 2 classes was
+    priced as neither)."""
+    key = (cfg.data, cfg.image_size, cfg.data_dir, cfg.seed, cfg.download, cfg.target, cfg.val_fraction)
+    if key not in _DATA_SHAPES:
+        bundle = build_data(cfg)
+        _DATA_SHAPES[key] = DataShape(bundle.image_size, bundle.input_shape, bundle.num_classes, len(bundle.train))
+    return _DATA_SHAPES[key]
+
+
+def is_user_data(spec: str) -> bool:
+    """A data builder MODULE:FUNCTION or a table:FILE (a size only building it tells)."""
+    return ":" in spec and not is_text_data(spec) and not is_ft_data(spec)
+
+
+def check_one_batch(cfg: TrainConfig) -> None:
+    """A builder's or a table's training set holds at least one global batch: one line before any run (a sweep
+    would fail each cell in turn). Built-in data is left to the run."""
+    if is_user_data(cfg.data):
+        items = user_data_shape(cfg).train_items
+        if items < cfg.batch_size:
+            raise ConfigError(f"the training set ({items} samples) is smaller than one global batch "
+                              f"({cfg.batch_size}): lower --batch-size")  # fmt: skip
 
 
 def _user_data(cfg: TrainConfig) -> DataBundle:
@@ -252,17 +294,22 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
     sample = call_user(train.__getitem__, cfg.data, "data: the training set's item", 0)
-    if not (
-        isinstance(sample, tuple | list)
-        and len(sample) == 2
-        and torch.is_tensor(sample[0])
-        and sample[0].dim() == 3
-    ):
-        raise DataError(
-            f"data {cfg.data!r}: items must be (image tensor C x H x W, label), got {type(sample).__name__}"
-        )
-    size = cfg.image_size or int(sample[0].shape[-1])
-    return DataBundle(train, val, len(names), names, size, meta={"builder": cfg.data})
+    if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0])):
+        raise DataError(f"data {cfg.data!r}: items must be (input tensor, label): an image C x H x W, a row of "
+                        f"features, any tensor; got {type(sample).__name__}")  # fmt: skip
+    return DataBundle(train, val, len(names), names, *_input_shape(cfg, sample[0]), meta={"builder": cfg.data})
+
+
+def _input_shape(cfg: TrainConfig, x: torch.Tensor) -> tuple[int, tuple[int, ...] | None]:
+    """(image size, input shape) of a data set's first input: a square C x H x W image is an image of H (as the
+    built-in image data: --image-size and the image paths apply); any other tensor (a row of features, a
+    sequence of vectors) is traced, materialised and counted at its own shape, in floating point."""
+    if x.dim() == 3 and x.shape[-1] == x.shape[-2]:
+        return cfg.image_size or int(x.shape[-1]), None
+    if not x.is_floating_point():
+        raise DataError(f"data {cfg.data!r}: an input of shape {tuple(x.shape)} must be floating point (token ids "
+                        "are --data text / tokens:PATH), got {x.dtype}")  # fmt: skip
+    return 0, tuple(int(d) for d in x.shape)
 
 
 class SyntheticImages(Dataset):
@@ -287,7 +334,7 @@ def _synthetic(cfg: TrainConfig) -> DataBundle:
     train = SyntheticImages(cfg.synthetic_samples, size, cfg.num_classes, cfg.seed)
     val = SyntheticImages(max(cfg.synthetic_samples // 4, 1), size, cfg.num_classes, cfg.seed + 1)
     names = [f"class_{i}" for i in range(cfg.num_classes)]
-    return DataBundle(train, val, cfg.num_classes, names, size, (0.0,) * 3, (1.0,) * 3)
+    return DataBundle(train, val, cfg.num_classes, names, size, mean=(0.0,) * 3, std=(1.0,) * 3)
 
 
 def digits_arrays() -> tuple[np.ndarray, np.ndarray]:
@@ -326,8 +373,8 @@ def _digits(cfg: TrainConfig) -> DataBundle:
         10,
         [str(i) for i in range(10)],
         size,
-        (mean,) * 3,
-        (std,) * 3,
+        mean=(mean,) * 3,
+        std=(std,) * 3,
         meta={"digits_raw_mean": mean, "digits_raw_std": std},
     )
 
@@ -343,7 +390,7 @@ def _cifar10(cfg: TrainConfig) -> DataBundle:
     root = cfg.data_dir or "data"
     train = cifar10_dataset(root, True, train_tf, cfg.download)
     val = cifar10_dataset(root, False, val_tf, False)
-    return DataBundle(train, val, 10, list(train.classes), size, CIFAR10_MEAN, CIFAR10_STD)
+    return DataBundle(train, val, 10, list(train.classes), size, mean=CIFAR10_MEAN, std=CIFAR10_STD)
 
 
 def cifar10_dataset(root: str, train: bool, transform, download: bool = False):
@@ -411,7 +458,7 @@ def _imagefolder(cfg: TrainConfig) -> DataBundle:
             classes = full_train.classes
     except (FileNotFoundError, RuntimeError) as exc:
         raise DataError(f"image folder {str(root)!r}: {exc}") from None
-    return DataBundle(train, val, len(classes), list(classes), size, IMAGENET_MEAN, IMAGENET_STD)
+    return DataBundle(train, val, len(classes), list(classes), size, mean=IMAGENET_MEAN, std=IMAGENET_STD)
 
 
 def train_loader(

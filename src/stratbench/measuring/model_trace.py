@@ -20,7 +20,13 @@ from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import QuantizedStates, optimizer_spec
 from stratbench.core.precision import SPECS, spec_of
-from stratbench.data.datasets import SampleShape, default_image_size, split_batch, user_data_shape
+from stratbench.data.datasets import (
+    SampleShape,
+    default_image_size,
+    is_user_data,
+    split_batch,
+    user_data_shape,
+)
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
 from stratbench.models.split import piece_module, pieces_of
@@ -50,14 +56,17 @@ class ModelSpec(SampleShape):
     width: int = 32
     seq_len: int | None = None
     """Text data: tokens per sample (None: an image model)."""
+    input_shape: tuple[int, ...] | None = None
+    """A user's data whose input is no square image (a row of features): its shape (``SampleShape``)."""
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> ModelSpec:
         if is_text_data(cfg.data):  # the image-only fields keep their defaults: one cache entry per LM build
             return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
-        if ":" in cfg.data and not is_ft_data(cfg.data):  # a user's data builder: its items' size and classes
-            size, classes = user_data_shape(cfg)
-            return cls(cfg.model, classes, size, cfg.cifar_stem, cfg.norm, cfg.width)
+        if is_user_data(cfg.data):  # a builder or a table: its items' shape and classes
+            shape = user_data_shape(cfg)
+            return cls(cfg.model, shape.classes, shape.image_size, cfg.cifar_stem, cfg.norm, cfg.width,
+                       input_shape=shape.input_shape)  # fmt: skip
         classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10
         return cls(cfg.model, classes, default_image_size(cfg), cfg.cifar_stem, cfg.norm, cfg.width)
 
@@ -67,7 +76,7 @@ class ModelSpec(SampleShape):
         if self.seq_len is not None:
             tokens = torch.zeros(batch, self.seq_len, dtype=torch.long)
             return tokens, torch.zeros(batch, self.seq_len, dtype=torch.long)
-        x = torch.empty(batch, 3, self.image_size, self.image_size, dtype=dtype)
+        x = torch.empty(batch, *self.sample_shape, dtype=dtype)
         return x, torch.zeros(batch, dtype=torch.long)
 
     def build(self) -> nn.Module:

@@ -18,14 +18,15 @@ def flop_counter():
     return FlopCounterMode(display=False)
 
 
-def example_input(n: int, sample_shape: tuple[int, ...]) -> torch.Tensor:
-    """``n`` zero samples of ``sample_shape`` (on the current default device): token ids for a 1-d shape
-    (seq_len,), pixels for (C, H, W)."""
-    return torch.zeros(n, *sample_shape, dtype=torch.long if len(sample_shape) == 1 else torch.float32)
+def example_input(n: int, sample_shape: tuple[int, ...], tokens: bool | None = None) -> torch.Tensor:
+    """``n`` zero samples of ``sample_shape`` (on the current default device): token ids where ``tokens``
+    (None: a 1-d shape (seq_len,) is token ids), else floating point (pixels (C, H, W), a row of features)."""
+    ids = len(sample_shape) == 1 if tokens is None else tokens
+    return torch.zeros(n, *sample_shape, dtype=torch.long if ids else torch.float32)
 
 
 def flops_by_op(
-    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
+    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int, tokens: bool | None = None
 ) -> tuple[dict[str, float], set[type[nn.Module]]] | None:
     """(forward+backward FLOPs of one sample per op name, e.g. ``aten.convolution``; the model's module classes),
     counted on the meta device (nothing is allocated, so this works for any model size); None where the model
@@ -33,7 +34,7 @@ def flops_by_op(
     try:
         with torch.device("meta"):
             model = build()
-            x = example_input(2, sample_shape)
+            x = example_input(2, sample_shape, tokens)
         counter = flop_counter()
         with counter:
             logits = model(x)
@@ -47,8 +48,8 @@ def flops_by_op(
 
 
 def flops_per_sample(
-    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int
+    build: Callable[[], nn.Module], sample_shape: tuple[int, ...], num_classes: int, tokens: bool | None = None
 ) -> float | None:
     """Forward+backward FLOPs of one sample, counted by ``flop_counter`` on the meta device."""
-    counted = flops_by_op(build, sample_shape, num_classes)
+    counted = flops_by_op(build, sample_shape, num_classes, tokens)
     return None if counted is None else sum(counted[0].values())

@@ -139,13 +139,15 @@ def has_lazy_parameters(model: nn.Module) -> bool:
     return any(is_lazy(t) for t in (*model.parameters(), *model.buffers()))
 
 
-def materialize_lazy(model: nn.Module, sample_shape: tuple[int, ...] | None, name: str) -> nn.Module:
+def materialize_lazy(
+    model: nn.Module, sample_shape: tuple[int, ...] | None, name: str, tokens: bool | None = None
+) -> nn.Module:
     """Give lazy modules their parameters with a dry forward on one zero sample (in eval mode, no gradients),
     as torch documents, so that counting, sharding and saving see real parameters. Seeded like the build: every
     rank and every method gets the same initial weights."""
     if sample_shape is None or not has_lazy_parameters(model):
         return model  # no input shape known: the caller's first forward creates them
-    x = example_input(1, sample_shape)
+    x = example_input(1, sample_shape, tokens)
     training = model.training
     model.eval()
     try:
@@ -218,7 +220,7 @@ def build_model(
     if is_language_model(name):
         return build_transformer(name, vocab_size=num_classes)
     if ":" in name:
-        return materialize_lazy(_load_user_builder(name, num_classes, text), sample_shape, name)
+        return materialize_lazy(_load_user_builder(name, num_classes, text), sample_shape, name, text)
     return _resnet(name, num_classes, cifar_stem)
 
 

@@ -64,7 +64,7 @@ def precision_key(precision: str, tf32: bool = False) -> str:
 @functools.cache
 def _counted(spec: ModelSpec) -> tuple[float | None, str | None]:
     """(forward+backward FLOPs per sample, family) of a model: one count on the meta device gives both."""
-    counted = flops_by_op(spec.build, spec.sample_shape, spec.num_classes)
+    counted = flops_by_op(spec.build, spec.sample_shape, spec.num_classes, spec.is_text)
     return (None if counted is None else sum(counted[0].values())), family_of(counted)
 
 

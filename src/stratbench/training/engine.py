@@ -379,7 +379,7 @@ class Trainer:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
             model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
-        flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes) if cfg.measure_flops else None
+        flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes, bundle.is_text) if cfg.measure_flops else None
         strategy.total_steps = total_steps
         # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))

@@ -90,14 +90,14 @@ def _narrowed(p: nn.Parameter, dim: int, world: int) -> nn.Parameter:
 def local_flop_share(spec: ModelSpec, world: int, vocab_parallel: bool = False) -> float:
     """The forward+backward FLOPs of one tp rank's slice of the model over the whole model's (1.0 where either
     cannot be counted: no saving is claimed)."""
-    whole = flops_per_sample(spec.build, spec.sample_shape, spec.num_classes)
+    whole = flops_per_sample(spec.build, spec.sample_shape, spec.num_classes, spec.is_text)
 
     def build_slice() -> nn.Module:
         model = spec.build()
         LocalSlice(world, vocab_parallel)(model)
         return model
 
-    local = flops_per_sample(build_slice, spec.sample_shape, spec.num_classes)
+    local = flops_per_sample(build_slice, spec.sample_shape, spec.num_classes, spec.is_text)
     return local / whole if whole and local else 1.0
 
 
