@@ -175,6 +175,7 @@ def _print_plan(sweep, console) -> None:
         opts = ", ".join(f"{k} {v}" for k, v in sweep.matrix.pretrain.items())
         console.print(f"  0. pretrain: single x1 into {sweep.output / PRETRAIN} ({opts}); every cell starts from its "
                       f"last checkpoint  -> {pretrain_status(sweep.matrix, sweep.output)}", highlight=False, soft_wrap=True)  # fmt: skip
+    said: dict[str, int] = {}  # a reason several cells share is written out once, then referred to
     for n, p in enumerate(sweep.plans, 1):
         c = p.cell
         prev = done.get(c.id, {}).get("status")
@@ -183,6 +184,10 @@ def _print_plan(sweep, console) -> None:
             if p.status is None
             else f"{p.status}: {p.reason}"
         )
+        if p.status is not None and what in said:
+            what = f"{p.status}: as cell {said[what]}"
+        elif p.status is not None:
+            said[what] = n
         console.print(f"{n:3d}. {c.name:<22} {c.precision:<11} {c.shape}  batch {c.batch_size:<5} {c.id}  -> {what}",
                       highlight=False, soft_wrap=True)  # fmt: skip
     runnable = sum(p.status is None for p in sweep.plans)

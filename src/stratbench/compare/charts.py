@@ -1,6 +1,7 @@
 """The report's PNG charts, one bar per completed cell of a sweep: a bar chart per column that has one
 (``columns.Column.chart``: peak memory, on a CPU beside the model state each rank holds; throughput, train time,
-accuracy), where each step's time goes, and the loss and accuracy curves.
+accuracy), where each step's time goes, the loss and accuracy curves, and speed against memory
+(``tradeoff_chart``).
 On the charts of times, a cell timed on a busy machine (``Row.busy``) is hatched and its value says so.
 Each is written under a temporary name and renamed into place; a chart with nothing to show is removed."""
 
@@ -11,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from stratbench.compare.rows import Row
+from stratbench.compare.tradeoff_chart import tradeoff_chart
 from stratbench.core.files import atomic_output
 
 
@@ -110,6 +112,11 @@ def write_charts(rows: list[Row], out: Path, title: str, bars: list[tuple[str, B
         ok, path, f"Where each step's time goes (mean per step, slowest rank)\n{subtitle}", multi
     ):
         paths["breakdown"] = path
+    else:
+        path.unlink(missing_ok=True)
+    path = out / "chart_tradeoff.png"
+    if tradeoff_chart(ok, path, f"Speed against memory per device\n{subtitle}", PRECISION_COLOURS, multi):
+        paths = {"tradeoff": path, **paths}  # second: the trade-off "What to use" names
     else:
         path.unlink(missing_ok=True)
     path = out / "chart_curves.png"

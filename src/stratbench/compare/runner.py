@@ -301,7 +301,8 @@ class Display:
             )  # elapsed restarts per cell
             self.progress.update(self.overall, info=self.eta())
         else:
-            self.console.print(f"{text} ... (log: {log})", highlight=False, soft_wrap=True)
+            left = f"; {self.done} done, {self.eta()}" if self.done else ""
+            self.console.print(f"{text} ... (log: {log}{left})", highlight=False, soft_wrap=True)
 
     def tick(self, last_line: str) -> None:
         if self.progress is None:

@@ -45,6 +45,7 @@ from stratbench.core.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
+from stratbench.core.library_warnings import filed_library_warnings
 from stratbench.core.optim import lr_lambda, optimizer_spec
 from stratbench.core.precision import SPECS, Precision, configure_tf32, spec_of, supported_on
 from stratbench.core.progress import progress_bar
@@ -160,7 +161,13 @@ def _setting_up(on_setup_error: SetupError | None) -> Iterator[None]:
 
 
 def run(cfg: TrainConfig, on_setup_error: SetupError | None = None) -> dict[str, Any]:
-    """Train in this process (one rank of a launched group, or the only process) and return the result."""
+    """Train in this process (one rank of a launched group, or the only process) and return the result; the
+    warnings libraries raise meanwhile are filed in the run's folder (``core.library_warnings``)."""
+    with filed_library_warnings(cfg.output):
+        return _run(cfg, on_setup_error)
+
+
+def _run(cfg: TrainConfig, on_setup_error: SetupError | None) -> dict[str, Any]:
     with _setting_up(on_setup_error):
         strategy_cls = preflight(cfg)
         env = read_env(cfg.device)
@@ -393,6 +400,9 @@ class Trainer:
         if resume_path is not None:
             state.load_state_dict(strategy.checkpoint_io.load_checkpoint(resume_path, model, optimizer))
             self.result["resumed_from"] = {"path": str(resume_path), "step": state.progress.step}
+            if self.env.is_main:
+                print(f"resumed from {resume_path} at step {state.progress.step} of {total_steps} (epoch "
+                      f"{state.progress.epoch})", flush=True)  # fmt: skip
         run_steps = min(total_steps, cfg.max_steps or total_steps)
         return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
 
