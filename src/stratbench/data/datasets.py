@@ -17,7 +17,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorDataset
 
 from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
-from stratbench.core.errors import CheckpointError, ConfigError, DataError
+from stratbench.core.errors import CheckpointError, ConfigError, DataError, did_you_mean
 from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
@@ -111,7 +111,7 @@ def check_data(cfg: TrainConfig) -> None:
         return
     if cfg.data not in DATASETS:
         raise ConfigError(
-            f"unknown data set {cfg.data!r}; choose one of: {', '.join(DATASETS + TEXT_SOURCES + FT_SOURCES)} (or a builder "
+            f"unknown data set {cfg.data!r}{did_you_mean(cfg.data, DATASETS + TEXT_SOURCES + FT_SOURCES)}; choose one of: {', '.join(DATASETS + TEXT_SOURCES + FT_SOURCES)} (or a builder "
             "as 'package.module:function')"
         )
     if cfg.data == "cifar10":
