@@ -11,6 +11,7 @@ import sys
 
 import stratbench.commands as pkg
 from stratbench import __version__
+from stratbench.core import cli_help
 from stratbench.core.errors import StratbenchError
 
 
@@ -20,6 +21,23 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+    def format_help(self) -> str:
+        """A command with --help-all gets the short help by topic; others argparse's."""
+        return cli_help.format_help(self, full=False) if cli_help.has_topics(self) else super().format_help()
+
+    def parse_args(self, args=None, namespace=None):  # type: ignore[override]
+        """argparse's, with an unrecognised flag reported by the sub-command that got it, with the closest of
+        its flags (Python 3.11's argparse has no suggest_on_error)."""
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            command = next((a for a in self._actions if isinstance(a, argparse._SubParsersAction)), None)
+            owner = command.choices.get(getattr(parsed, command.dest, None)) if command else None
+            owner = owner or self
+            owner.error(
+                f"unrecognized arguments: {' '.join(extras)}{cli_help.unknown_flags_hint(owner, extras)}"
+            )
+        return parsed
 
 
 def build_parser() -> argparse.ArgumentParser:

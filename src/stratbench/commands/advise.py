@@ -18,7 +18,7 @@ from stratbench.commands.estimate import (
 )
 from stratbench.core.config import CHOICES, TrainConfig, canonical_precision, validate
 from stratbench.core.errors import ConfigError
-from stratbench.core.precision import spec_of
+from stratbench.core.precision import SPECS, spec_of
 from stratbench.core.tables import fmt_bytes, table_console
 from stratbench.data.datasets import check_data
 from stratbench.measuring.hardware import System, resolve
@@ -38,7 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=128, help="GLOBAL batch per optimizer step")
     parser.add_argument("--optimizer", default="adamw", choices=CHOICES["optimizer"])
     parser.add_argument(
-        "--precision", help="force a precision (default: bf16-mixed where supported, else fp16-mixed)"
+        "--precision",
+        help=f"force a precision: {', '.join(SPECS)} (default: bf16-mixed where supported, else fp16-mixed)",
     )
     parser.add_argument("--devices", type=int, help="number of GPUs (default: detected)")
     parser.add_argument("--device-memory", help="memory of one device, e.g. 24GiB (default: detected)")

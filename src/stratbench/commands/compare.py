@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --methods: the precisions of each method (default fp32)")
     parser.add_argument("--method-option", action="append", metavar="METHOD.KEY=VALUE", dest="method_option",
                         help="a method's option for each of its cells, e.g. fsdp.wrap=size or deepspeed.zero_stage=3 "
-                             "(repeatable; `stratbench train --help` lists each method's options)")  # fmt: skip
+                             "(repeatable; `stratbench train --help-method METHOD` lists its options)")  # fmt: skip
     parser.add_argument("--output", help="sweep folder (default: runs/compare-PRESET); rerunning resumes in it")
     parser.add_argument("--only", action="append", metavar="NAMES",
                         help="keep cells matching one of these comma-separated names (method, label, precision, "

@@ -8,10 +8,14 @@ import json
 import torch
 from rich.table import Table
 
-from stratbench.commands.train import add_strategy_option_arguments, strategy_options_from_args
+from stratbench.commands.train import (
+    add_help_arguments,
+    add_strategy_option_arguments,
+    strategy_options_from_args,
+)
 from stratbench.core.config import CHOICES, RANGES, TrainConfig, canonical_precision, coerce, validate
-from stratbench.core.errors import ConfigError
-from stratbench.core.precision import TF32_GPUS, spec_of
+from stratbench.core.errors import ConfigError, did_you_mean
+from stratbench.core.precision import SPECS, TF32_GPUS, spec_of
 from stratbench.core.tables import (
     fit_table,
     fmt_bytes,
@@ -22,7 +26,8 @@ from stratbench.core.tables import (
     text_column,
 )
 from stratbench.data.datasets import check_data
-from stratbench.data.text import is_text_data
+from stratbench.data.instruct import FT_SOURCES
+from stratbench.data.text import TEXT_SOURCES, is_text_data
 from stratbench.measuring.hardware import resolve
 from stratbench.models.hf import default_seq_len, is_hf_name
 from stratbench.models.zoo import check_model
@@ -36,9 +41,12 @@ HELP = (
     "predict memory per device (parameters, gradients, optimizer, activations) for a method, before training"
 )
 ORDER = 40
+ESTIMATE_TEXT = f"{', '.join(TEXT_SOURCES)}, or fine-tuning examples {', '.join(FT_SOURCES)}"
+"""The text data the estimate takes (train's text and fine-tuning forms; its images are synthetic only)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_help_arguments(parser)  # --help-all and --help-method, as train's: the method options, by method
     add_model_arguments(parser)
     parser.add_argument(
         "--batch-size",
@@ -50,12 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--precision",
         default="fp32",
-        help="fp32, fp64, fp16-true, bf16-true, fp16-mixed, bf16-mixed (or Lightning's names)",
+        help=f"{', '.join(SPECS)} (or Lightning's names)",
     )
     parser.add_argument(
         "--strategy",
         default="single",
-        help="a method (see `stratbench list`) or 'all' for one row per method",
+        help=f"a method: {', '.join(sorted(all_strategies()))} (`stratbench list` says what each is), or 'all' "
+        "for one row per method",
     )
     parser.add_argument("--world-size", type=int, default=1, help="number of devices (processes)")
     parser.add_argument("--optimizer", default="sgd", choices=CHOICES["optimizer"])
@@ -108,8 +117,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--data", default="synthetic",
-        help="synthetic (images of --image-size, --num-classes), or text for a language model: text, "
-        "synthetic-tokens, tokens:PATH (--seq-len tokens per sample)",
+        help=f"synthetic (images of --image-size, --num-classes), or text for a language model: {ESTIMATE_TEXT} "
+        "(--seq-len tokens per sample)",
     )  # fmt: skip
     parser.add_argument("--image-size", type=int, default=224)
     parser.add_argument("--num-classes", type=int, default=1000)
@@ -135,8 +144,8 @@ def check_model_arguments(args: argparse.Namespace) -> bool:
     text = is_text_data(args.data)
     if not text and args.data != "synthetic":
         raise ConfigError(
-            f"--data {args.data!r}: the estimate takes synthetic (images) or text data for a language model: "
-            "text, synthetic-tokens, tokens:PATH"
+            f"--data {args.data!r}{did_you_mean(args.data, ('synthetic', *TEXT_SOURCES, *FT_SOURCES))}: the "
+            f"estimate takes synthetic (images) or text data for a language model: {ESTIMATE_TEXT}"
         )
     if args.seq_len is None:  # as train: the default follows a Hugging Face model's positions
         hf = is_hf_name(args.model)

@@ -9,13 +9,17 @@ import sys
 from typing import Any
 
 from stratbench.checkpoints import checkpoint as ckpt
+from stratbench.core.cli_help import HelpAll, HelpOwner, hide_in_short, set_owners
 from stratbench.core.config import (
+    HELP_TOPICS,
+    SHORT_HELP_FIELDS,
     TrainConfig,
     add_dataclass_arguments,
     base_type,
     collect_overrides,
     field_docs,
     from_dict,
+    help_topic,
     load_yaml,
 )
 from stratbench.core.dist import die_with_parent, launched_by_launcher, read_env
@@ -24,7 +28,7 @@ from stratbench.core.tables import print_result
 from stratbench.launching.executors import add_executor_arguments, executor_options, make_executor
 from stratbench.launching.job import run_job, run_job_on
 from stratbench.launching.launch import setup_error_recorded
-from stratbench.strategies.base import get_strategy, iter_option_fields
+from stratbench.strategies.base import all_strategies, get_strategy, iter_option_fields
 from stratbench.strategies.parallel.accelerate_config import read_accelerate_config
 
 NAME = "train"
@@ -34,27 +38,66 @@ _OPT_PREFIX = "strategy_opt__"
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """--config FILE, one flag per TrainConfig field, and one flag per strategy option."""
-    parser.add_argument("--config", help="YAML file of options; flags given on the command line override it")
-    parser.add_argument(
+    """--config FILE, --accelerate-config FILE, one flag per TrainConfig field and one per strategy option, in
+    help topics (HELP_TOPICS: an argument group each); the short --help shows SHORT_HELP_FIELDS' flags."""
+    groups = {topic: parser.add_argument_group(topic) for topic in HELP_TOPICS}
+
+    def group_of(name: str):
+        topic = help_topic(name)
+        if topic not in groups:
+            groups[topic] = parser.add_argument_group(topic)
+        return groups[topic]
+
+    groups["run, output & checkpoints"].add_argument(
+        "--config", help="YAML file of options; flags given on the command line override it"
+    )
+    add_dataclass_arguments(parser, TrainConfig, group_of=group_of)
+    method = groups["method & its options"]
+    hide_in_short(method.add_argument(
         "--accelerate-config",
         metavar="FILE",
         help="an accelerate YAML (what `accelerate config` writes, e.g. the source's default_FSDP.yml): its method, "
         "precision, processes and plugin knobs; flags given on the command line override it",
-    )
-    add_dataclass_arguments(parser, TrainConfig)
-    add_strategy_option_arguments(parser)
+    ))  # fmt: skip
+    for action in parser._actions:
+        if action.dest in TrainConfig.__dataclass_fields__ and action.dest not in SHORT_HELP_FIELDS:
+            hide_in_short(action)
+        if action.dest == "strategy":
+            action.help = (
+                f"Training method: {', '.join(sorted(all_strategies()))} (`stratbench list` says what each is; "
+                f"--help-method METHOD shows its options). (default: {TrainConfig.strategy})"
+            )
+    add_strategy_option_arguments(parser, method)
     # The deepspeed launcher appends --local_rank=N; the rank is read from LOCAL_RANK instead.
     parser.add_argument(
         "--local_rank", "--local-rank", dest="_local_rank", default=None, help=argparse.SUPPRESS
     )
 
 
-def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per strategy option field (from every registered strategy's ``Options``); a field two strategies
-    share gets one flag whose help gives each strategy's own description."""
+def add_help_arguments(parser: argparse.ArgumentParser) -> None:
+    """--help-all (every flag, by topic) and --help-method METHOD (one method's options). One flag on the
+    command that takes the options, rather than a `stratbench methods` command beside `stratbench list`: the
+    options are train's (and estimate's) flags, and their help belongs with the parser that reads them."""
+    parser.add_argument("--help-all", action=HelpAll)
+    parser.add_argument(
+        "--help-method",
+        action=HelpOwner,
+        metavar="METHOD",
+        names=all_strategies,
+        describe=lambda name: f"--strategy {name}: {all_strategies()[name].description}",
+        owner_flag="--strategy",
+        example="fsdp",
+        help="show one method's own options (e.g. --help-method fsdp) and exit",
+    )
 
-    group = parser.add_argument_group("strategy options (each applies to the strategies named in its help)")
+
+def add_strategy_option_arguments(parser: argparse.ArgumentParser, group=None) -> None:
+    """One flag per strategy option field (from every registered strategy's ``Options``), in ``group`` (default:
+    a group of its own); a field two strategies share gets one flag, shown under each method with that method's
+    description (the help's owners) and, in a plain parser's help, with every method's."""
+
+    if group is None:
+        group = parser.add_argument_group("method options")
     fields: dict[str, dataclasses.Field] = {}
     docs: dict[str, dict[str, list[str]]] = {}  # field -> its description -> the strategies that give it
     for cls, f in iter_option_fields():
@@ -67,7 +110,7 @@ def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
         by_owner = sorted(docs[name].items(), key=lambda item: sorted(item[1]))
         help_text = " ".join(f"[{', '.join(sorted(owners))}] {doc}" for doc, owners in by_owner).replace("%", "%%")
         if base_type(f.type) is bool:
-            group.add_argument(
+            action = group.add_argument(
                 flag,
                 dest=_OPT_PREFIX + name,
                 nargs="?",
@@ -77,9 +120,10 @@ def add_strategy_option_arguments(parser: argparse.ArgumentParser) -> None:
                 help=help_text,
             )
         else:
-            group.add_argument(
+            action = group.add_argument(
                 flag, dest=_OPT_PREFIX + name, default=None, metavar=name.upper(), help=help_text
             )
+        set_owners(action, {o: doc.replace("%", "%%") for doc, owners in by_owner for o in owners})
 
 
 def strategy_options_from_args(
@@ -129,8 +173,13 @@ def resolve_config(args: argparse.Namespace, base: dict[str, Any] | None = None)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_help_arguments(parser)
     add_config_arguments(parser)
+    before = len(parser._actions)
     add_executor_arguments(parser, "the run")
+    for action in parser._actions[before:]:
+        if "--executor" not in action.option_strings:
+            hide_in_short(action)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -81,7 +81,13 @@ class TrainConfig:
     width: int = 16
     """tinynet only: channels of the first stage (doubles per stage)."""
     data: str = "digits"
-    """Data set: synthetic, digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder, table:FILE (a CSV, TSV, parquet or JSON lines table: --target names the column to predict, the other columns are numeric features), or a builder 'package.module:function' returning (train, val, class_names), found from the working directory; text data for a language model: text, tokens:PATH, synthetic-tokens; instruction data for fine-tuning: jsonl:PATH, hf-dataset:PATH_OR_NAME, instruct-stdlib."""
+    """Data set. Images: synthetic (random), digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder (class
+    subfolders of --data-dir). Text for a language model: text (the .txt/.md/.py files of --data-dir, default the
+    Python standard library's sources), tokens:PATH (nanoGPT's .bin token files), synthetic-tokens. Fine-tuning
+    examples: jsonl:PATH, hf-dataset:PATH_OR_NAME (a Hugging Face data set: a file, a folder or a cached hub
+    name), instruct-stdlib (built in). A table: table:FILE (CSV, TSV, parquet or JSON lines; --target names the
+    column to predict, the other columns are numeric features). Or a builder 'package.module:function' returning
+    (train, val, class_names), found from the working directory."""
     target: str | None = None
     """table:FILE data: the column to predict (its distinct values are the classes)."""
     data_dir: str | None = None
@@ -294,6 +300,51 @@ class TrainConfig:
 
     def replace(self, **changes: Any) -> TrainConfig:
         return dataclasses.replace(self, **changes)
+
+
+# ---- help topics: where each field's flag stands in `train --help`, and which the short --help shows ------
+HELP_TOPICS: dict[str, tuple[str, ...]] = {
+    "model & data": (
+        "model", "weights", "cifar_stem", "norm", "width", "data", "target", "data_dir", "download", "image_size",
+        "num_classes", "synthetic_samples", "val_fraction", "seq_len", "tokenizer", "vocab_size", "token_dtype",
+        "data_format", "train_on_prompt", "pack", "eval_samples", "num_workers", "data_pipeline", "pin_memory",
+    ),
+    "method & its options": ("strategy",),
+    "precision, memory & speed": (
+        "precision", "tf32", "channels_last", "compile", "cudnn_benchmark", "recipe", "activation_checkpointing",
+        "ac_mode", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base", "float8",
+    ),
+    "optimisation & schedule": (
+        "epochs", "max_steps", "batch_size", "grad_accum", "optimizer", "optimizer_impl", "lr", "momentum",
+        "weight_decay", "lr_schedule", "lr_warmup_steps", "clip_grad_norm", "loss", "label_smoothing", "seed",
+    ),
+    "run, output & checkpoints": (
+        "output", "eval_every_epoch", "save_every_steps", "save_every_epoch", "resume", "resume_from",
+        "init_from", "trust_checkpoint", "keep_last", "progress",
+    ),
+    "logging & measuring": (
+        "timing_warmup_steps", "tensorboard", "mlflow", "mlflow_tracking_uri", "mlflow_experiment", "wandb",
+        "wandb_project", "wandb_entity", "wandb_mode", "measure_flops", "peak_tflops", "breakdown", "profile",
+        "measure_alloc", "comm_volume",
+    ),
+    "launch & processes": (
+        "device", "nproc", "nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "max_restarts",
+        "dist_timeout_s",
+    ),
+}  # fmt: skip
+"""Each TrainConfig field's help topic, in the order `train --help` shows them (a field in none is shown under
+"other options"; a test asks that every field has one)."""
+SHORT_HELP_FIELDS = frozenset({
+    "model", "data", "data_dir", "seq_len", "strategy", "precision", "recipe", "activation_checkpointing",
+    "lora_rank", "epochs", "max_steps", "batch_size", "grad_accum", "optimizer", "lr", "output", "resume",
+    "tensorboard", "wandb", "nproc", "nnodes", "device",
+})  # fmt: skip
+"""The fields whose flags the short `train --help` shows (`--help-all` shows every one)."""
+
+
+def help_topic(name: str) -> str:
+    """The help topic of field ``name`` (``HELP_TOPICS``)."""
+    return next((topic for topic, names in HELP_TOPICS.items() if name in names), "other options")
 
 
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -707,23 +758,27 @@ def _range_text(low: float | None, high: float | None) -> str:
 # argparse glue: every dataclass field becomes a --flag whose help is the field's docstring.
 
 
-def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type, *, dest_prefix: str = "") -> None:
-    """Add one optional flag per field; unset flags stay ``None`` so they do not override YAML values."""
+def add_dataclass_arguments(
+    parser: argparse.ArgumentParser, cls: type, *, dest_prefix: str = "", group_of: Any = None
+) -> None:
+    """Add one optional flag per field; unset flags stay ``None`` so they do not override YAML values.
+    ``group_of(name)``: the argument group a field's flag goes into (its help topic; default the parser)."""
     docs = field_docs(cls)
     for f in dataclasses.fields(cls):
         if f.name == "strategy_options":
             continue
+        container = group_of(f.name) if group_of else parser
         flag = "--" + f.name.replace("_", "-")
         default = f.default if f.default is not dataclasses.MISSING else None
         help_text = (docs.get(f.name, "") + f" (default: {default})").replace("%", "%%")
         typ = base_type(f.type)
         dest = dest_prefix + f.name
         if typ is bool:
-            parser.add_argument(
+            container.add_argument(
                 flag, dest=dest, nargs="?", const="true", default=None, metavar="BOOL", help=help_text
             )
         else:
-            parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
+            container.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
 
 
 def collect_overrides(ns: argparse.Namespace, cls: type, *, dest_prefix: str = "") -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.core.errors import ConfigError, UnsupportedError
+from stratbench.core.errors import ConfigError, UnsupportedError, did_you_mean
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,7 @@ def slow_on(spec: PrecisionSpec, device: torch.device) -> str | None:
 def spec_of(name: str) -> PrecisionSpec:
     """The spec of precision ``name`` (stratbench's spelling); an unknown name is one line naming the known ones."""
     if name not in SPECS:
-        raise ConfigError(f"unknown precision {name!r}; choose one of: {', '.join(SPECS)}")
+        raise ConfigError(f"unknown precision {name!r}{did_you_mean(name, SPECS)}; choose one of: {', '.join(SPECS)}")
     return SPECS[name]
 
 

@@ -36,7 +36,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig, from_dict
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
@@ -566,7 +566,9 @@ def local_bytes(t: torch.Tensor) -> int:
 def get_strategy(name: str) -> type[Strategy]:
     discover()
     if name not in REGISTRY:
-        raise ConfigError(f"unknown strategy {name!r}; choose one of: {', '.join(sorted(REGISTRY))}")
+        raise ConfigError(
+            f"unknown strategy {name!r}{did_you_mean(name, REGISTRY)}; choose one of: {', '.join(sorted(REGISTRY))}"
+        )
     return REGISTRY[name]
 
 
