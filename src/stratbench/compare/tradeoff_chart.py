@@ -1,6 +1,7 @@
 """The report's speed-against-memory chart: one point per completed cell (x: the memory figure the "What to use"
 block compares, y: throughput), coloured by precision, each named; the picks of "What to use" (the fastest and the
-leanest) ringed and labelled, so the trade-off the table lists is seen at once. A cell timed on a busy machine is
+leanest) ringed and named in the key beside the plot (points are numbered there: 20-odd cells cluster where
+their names would overlap), so the trade-off the table lists is seen at once. A cell timed on a busy machine is
 drawn hollow, as the bar charts hatch it. One chart per report; several machines are told apart by their label."""
 
 from __future__ import annotations
@@ -41,27 +42,30 @@ def tradeoff_chart(rows: list[Row], path: Path, title: str, colours: dict[str, s
     from matplotlib.lines import Line2D
 
     picked = _picked(rows)
-    fig, ax = plt.subplots(figsize=(10, 6.2), dpi=110)
-    for r, mem, speed in points:
+    height = max(6.2, 2.2 + 0.2 * len(points))
+    fig, (ax, key) = plt.subplots(1, 2, figsize=(12.5, height), dpi=110, gridspec_kw={"width_ratios": [3, 1.15]})
+    lines = []
+    for n, (r, mem, speed) in enumerate(points, 1):
         colour = colours.get(str(r.raw["precision"]), "#937860")
         face = "white" if r.busy else colour
         ax.scatter([mem], [speed], s=70, facecolors=face, edgecolors=colour, linewidths=1.6, zorder=3)
+        # numbers on the plot, names in the key beside it: 20-odd cells cluster where names would overlap
+        ax.annotate(str(n), (mem, speed), textcoords="offset points", xytext=(6, 4), fontsize=7.5)
         name = r.name + (f" ({r.rec.machine.hostname})" if multi else "")
-        ax.annotate(name, (mem, speed), textcoords="offset points", xytext=(7, 5), fontsize=8)
-        if r.name in picked:
+        pick = picked.get(r.name)
+        if pick:
             ax.scatter([mem], [speed], s=360, facecolors="none", edgecolors="#222222", linewidths=1.4, zorder=4)
-            ax.annotate(" + ".join(picked[r.name]), (mem, speed), textcoords="offset points", xytext=(7, -13),
-                        fontsize=8, fontweight="bold")  # fmt: skip
+        lines.append((f"{n}. {name}" + (f"  <- {' + '.join(pick)}" if pick else ""), bool(pick), colour))
     mems = [m for _, m, _ in points]
     log = max(mems) > 20 * min(mems)  # one method's buffers (DeepSpeed's) would squash the rest into a corner
     if log:
         ax.set_xscale("log")
     ax.set_xlabel(f"{what} per device, MiB{', log scale' if log else ''} (lower is leaner)", fontsize=10)
     ax.set_ylabel("throughput, samples/s (higher is faster)", fontsize=10)
-    ax.set_title(title, fontsize=11)
+    ax.set_title(title, fontsize=10.5)
     ax.grid(alpha=0.3)
     ax.set_axisbelow(True)
-    ax.margins(x=0.18, y=0.12)
+    ax.margins(x=0.12, y=0.1)
     seen = list(dict.fromkeys(str(r.raw["precision"]) for r, _, _ in points))
     handles = [Line2D([], [], marker="o", linestyle="", color=colours.get(p, "#937860"), label=p) for p in seen]
     handles.append(Line2D([], [], marker="o", linestyle="", markersize=14, markerfacecolor="none",
@@ -69,7 +73,12 @@ def tradeoff_chart(rows: list[Row], path: Path, title: str, colours: dict[str, s
     if any(r.busy for r, _, _ in points):
         handles.append(Line2D([], [], marker="o", linestyle="", markerfacecolor="white", markeredgecolor="#333333",
                               label="busy machine: speed understated"))  # fmt: skip
-    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.legend(handles=handles, fontsize=8, loc="best")
+    key.axis("off")
+    step = min(0.045, 0.95 / max(1, len(lines)))
+    for i, (text, bold, colour) in enumerate(lines):
+        key.text(0.0, 0.98 - i * step, text, fontsize=8, color=colour, va="top",
+                 fontweight="bold" if bold else "normal", transform=key.transAxes)  # fmt: skip
     fig.tight_layout()
     with atomic_output(Path(path), ".png") as tmp:
         fig.savefig(tmp)
