@@ -964,7 +964,10 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
                           "--precision (every cell) or --only")  # fmt: skip
     if path:
         spec = load_yaml(path)
-        name = None
+        try:
+            return build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps, method_options)
+        except ConfigError as exc:
+            raise ConfigError(f"{path}{_line_of(Path(path), str(exc))}: {exc}") from None
     else:
         name = preset or "quick"
         if name not in PRESETS:
@@ -978,6 +981,35 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
             spec = PRESETS[name]()
     matrix = build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps, method_options)
     return _titled(matrix, spec, name, overrides)
+
+
+def _line_of(path: Path, message: str) -> str:
+    """" line N" of the YAML matrix file ``path`` where ``message`` points: the cell entry it numbers, else the
+    first key it quotes ('' where neither is found)."""
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.YAMLError:
+        return ""
+    keys: dict[str, int] = {}
+    entries: list[int] = []
+
+    def walk(node: Any) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                keys.setdefault(str(key.value), key.start_mark.line + 1)
+                if key.value == "cells" and isinstance(value, yaml.SequenceNode):
+                    entries.extend(item.start_mark.line + 1 for item in value.value)
+                walk(value)
+        elif isinstance(node, yaml.SequenceNode):
+            for item in node.value:
+                walk(item)
+
+    walk(root)
+    entry = re.search(r"cell entry (\d+)", message)
+    if entry and 0 < int(entry.group(1)) <= len(entries):
+        return f" line {entries[int(entry.group(1)) - 1]}"
+    found = [keys[q] for q in re.findall(r"'([^']+)'", message) if q in keys]
+    return f" line {found[0]}" if found else ""
 
 
 QUICK_KNOBS = ("epochs", "batch_size", "measure_flops", "timing_warmup_steps")

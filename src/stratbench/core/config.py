@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import yaml
 
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.core.files import atomic_write
 from stratbench.models.hf import canonical_name, check_vocab, default_seq_len, is_hf_name
 from stratbench.models.hf_llama import canonical_init, check_init, folder_vocab, is_hf_init
@@ -518,9 +518,8 @@ def from_dict(cls: type, data: dict[str, Any], where: str = "config") -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(fields))
     if unknown:
-        raise ConfigError(
-            f"{where}: unknown option(s) {', '.join(map(repr, unknown))}; known: {', '.join(sorted(fields))}"
-        )
+        raise ConfigError(f"{where}: unknown option(s) {', '.join(map(repr, unknown))}"
+                          f"{did_you_mean(unknown[0], fields)}; known: {', '.join(sorted(fields))}")  # fmt: skip
     values = {
         k: coerce(k, v, fields[k].type) if k != "strategy_options" else dict(v or {}) for k, v in data.items()
     }
