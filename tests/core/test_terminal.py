@@ -73,8 +73,9 @@ def test_json_is_the_same_with_wide(capsys):
 
 
 def test_a_row_without_numbers_is_its_name_and_the_reason(capsys, monkeypatch):
-    """An n/a row (a method whose estimate or projection cannot be made) is the method's name with "n/a: why"
-    wrapped under it in the same cell: no column grows for it and the table still fits."""
+    """An n/a row (a method whose estimate or projection cannot be made) is the method's name with "n/a (k)"
+    under it and the reason in note k under the table: no column grows for it, the table still fits, and a long
+    reason is not wrapped 13 lines deep in the method column."""
     from rich.console import Console
 
     from stratbench.commands.estimate import MEMORY_DROP, memory_table
@@ -91,7 +92,9 @@ def test_a_row_without_numbers_is_its_name_and_the_reason(capsys, monkeypatch):
         out = console.file.getvalue()
         assert max(map(len, out.splitlines())) <= width, out
         _assert_names_whole(out)
-        assert "n/a: the model has" in out and "pipeline stages" in out and "deeper model" in out, out
+        said = " ".join(out.split())  # the note wraps at the table's width
+        assert "(2) pipeline: n/a: the model has fewer blocks than the 4 pipeline stages" in said, out
+        assert "deeper model" in said and said.count("n/a: the model has") == 1 and "│ n/a (2)" in out, out
 
 
 # ---- progress on a terminal and off it -------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from stratbench.core.config import CHOICES, RANGES, TrainConfig, canonical_preci
 from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.core.precision import SPECS, TF32_GPUS, spec_of
 from stratbench.core.tables import (
+    NaNotes,
     fit_table,
     fmt_bytes,
     name_cell,
@@ -453,7 +454,8 @@ def memory_table(results: list[dict], title: str, device_memory: int | None, max
     """One row per method: memory per device by component (the compact set unless ``wide``), peak, total, and
     whether it fits ``device_memory`` (when known); with ``max_batch``, the largest global batch that fits;
     without the columns in ``drop``. A method's world size is shown where it is not ``world`` (the title's); a
-    row without an estimate is the method's name with "n/a: why" under it, in one cell."""
+    row without an estimate is the method's name with "n/a (k)" under it, its reason in note k under the table
+    (``NaNotes``: rows that share a reason share its note)."""
     fitting = f"largest global batch that fits {fmt_bytes(device_memory)}"
     table = Table(title=f"{fitting if max_batch else 'memory per device'}: {title}")
     cols = [*(["max global batch"] if max_batch else []), *(MEMORY_COMPONENTS if wide else MEMORY_COMPACT),
@@ -463,13 +465,14 @@ def memory_table(results: list[dict], title: str, device_memory: int | None, max
     for col in cols:
         text_column(table, col, justify="right")
     width = note_width([_label(res, world) for res in results])
+    notes = NaNotes()
     for res in results:
         e = res["estimate"]
         if e is None:
             why = res.get("na") or res.get("no_model")
             none_fits = max_batch and not why  # --max-batch solved it: the answer is 0
             cells = ["0" if none_fits and col == "max global batch" else "" for col in cols]
-            note = NO_BATCH_FITS if none_fits else f"n/a: {why or 'no estimate'}"
+            note = NO_BATCH_FITS if none_fits else notes.mark(_label(res, world), why or "no estimate")
             table.add_row(name_cell(_label(res, world), note, width), *cells)
             continue
         byname = {r["component"]: r["device_bytes"] for r in e["rows"]}
@@ -478,6 +481,7 @@ def memory_table(results: list[dict], title: str, device_memory: int | None, max
                       "total per device": fmt_bytes(e["total_bytes"]),
                       "fits": "yes" if device_memory and e["total_bytes"] <= device_memory else "NO"})  # fmt: skip
         table.add_row(_label(res, world), *[cells[col] for col in cols])
+    notes.attach(table)
     return table
 
 
@@ -540,7 +544,7 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
                wide: bool, drop: tuple[str, ...] = ()):  # fmt: skip
     """One row per method: projected step time (and with ``wide`` its parts), throughput, scaling, memory per
     device and whether it fits, without the columns in ``drop``. A method without a projection is its name with
-    "n/a: why" under it, in one cell."""
+    "n/a (k)" under it, its reason in note k under the table."""
     inter = system.inter_node.key if system.inter_node else "-"
     table = Table(title=f"projected on {args.nodes} x {args.gpus_per_node} {system.gpu.name} ({system.key}; "
                         f"intra {system.intra_node.key}, inter {inter}): {title}")  # fmt: skip
@@ -550,6 +554,7 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
         text_column(table, col, justify="left" if col == "dominant" else "right")
     world = args.world_size
     width = note_width([_label(res, world) for res in results])
+    notes = NaNotes()
     for res in results:
         p, e = res.get("projection") or {}, res.get("estimate")
         mem = e["total_bytes"] if e else None
@@ -558,7 +563,7 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
         if p.get("status") != "ok":
             why = p.get("reason") or res.get("na") or p.get("status") or "no projection"
             kept = {"memory/device": memory, "fits": fits}  # the memory is known without a projection
-            cell = name_cell(_label(res, world), f"n/a: {why}", width)
+            cell = name_cell(_label(res, world), notes.mark(_label(res, world), why), width)
             table.add_row(cell, *[kept.get(col, "") for col in cols])
             continue
         cells = {
@@ -572,4 +577,5 @@ def time_table(results: list[dict], system, args: argparse.Namespace, device_mem
             "dominant": p["dominant"], "memory/device": memory, "fits": fits,
         }  # fmt: skip
         table.add_row(_label(res, world), *[cells[col] for col in cols])
+    notes.attach(table)
     return table

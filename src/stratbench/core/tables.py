@@ -113,6 +113,26 @@ def name_cell(label: str, note: str | None, width: int):
     return text
 
 
+class NaNotes:
+    """Why rows have no numbers, said once under the table (its caption) instead of wrapped under each name: a
+    row is its name and "n/a (k)"; rows that share a reason share its note."""
+
+    def __init__(self) -> None:
+        self.notes: dict[str, list[str]] = {}
+
+    def mark(self, label: str, why: str) -> str:
+        """The short note under ``label``'s name: "n/a (k)", k the number of the reason's note."""
+        self.notes.setdefault(why, []).append(label)
+        return f"n/a ({list(self.notes).index(why) + 1})"
+
+    def attach(self, table) -> None:
+        """The notes as the table's caption, left-aligned, one per reason."""
+        if self.notes:
+            table.caption = "\n".join(f"({k}) {', '.join(labels)}: n/a: {why}"
+                                       for k, (why, labels) in enumerate(self.notes.items(), 1))  # fmt: skip
+            table.caption_justify = "left"
+
+
 def fmt_bytes(n: float | None) -> str:
     if n is None:
         return "n/a"
