@@ -955,7 +955,7 @@ def load_matrix(preset: str | None, path: str | None, overrides: dict[str, Any] 
     """A preset by name, a YAML matrix file, or ``methods`` (``compare --methods``: no preset; exactly one of
     them). ``method_options``: strategy options for every cell of a method (``--method-option``)."""
     if methods:
-        spec = methods_spec(methods, precisions, overrides)
+        spec = methods_spec(methods, [precision] if precision else precisions, overrides)
         matrix = build_matrix(spec, overrides, world_size, nodes, precision, pretrain_steps, method_options)
         matrix.description = f"{describe_base(matrix.base)}; {spec['description']}"
         return matrix

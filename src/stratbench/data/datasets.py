@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, TensorData
 
 from stratbench.core.config import IN_MEMORY_DATA, TrainConfig
 from stratbench.core.errors import CheckpointError, ConfigError, DataError, did_you_mean
+from stratbench.core.inputs import check_inputs
 from stratbench.core.safe_load import restricted_pickle_load
 from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, import_builder
@@ -93,6 +94,8 @@ class DataBundle(SampleShape):
     """Fine-tuning data: the mean unpadded tokens of a training item (None: every item is ``seq_len`` tokens)."""
     tokenizer_file: str | None = None
     """Fine-tuning data: the tokenizer.json it was encoded with (the model folder's where --tokenizer is not given)."""
+    multi_input: bool = False
+    """A user's items whose input is several tensors (a tuple: ``model(*x)``, a mapping: ``model(**x)``)."""
 
     @property
     def tokens_per_sample(self) -> float | None:
@@ -227,6 +230,7 @@ class DataShape:
     input_shape: tuple[int, ...] | None
     classes: int
     train_items: int
+    multi_input: bool = False
 
 
 _DATA_SHAPES: dict[tuple, DataShape] = {}
@@ -240,7 +244,8 @@ def user_data_shape(cfg: TrainConfig) -> DataShape:
     key = (cfg.data, cfg.image_size, cfg.data_dir, cfg.seed, cfg.download, cfg.target, cfg.val_fraction)
     if key not in _DATA_SHAPES:
         bundle = build_data(cfg)
-        _DATA_SHAPES[key] = DataShape(bundle.image_size, bundle.input_shape, bundle.num_classes, len(bundle.train))
+        _DATA_SHAPES[key] = DataShape(bundle.image_size, bundle.input_shape, bundle.num_classes, len(bundle.train),
+                                      bundle.multi_input)  # fmt: skip
     return _DATA_SHAPES[key]
 
 
@@ -294,9 +299,15 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
         if not hasattr(ds, "__getitem__") or not hasattr(ds, "__len__") or len(ds) == 0:
             raise DataError(f"data {cfg.data!r}: the {split} dataset is empty or not a map-style Dataset")
     sample = call_user(train.__getitem__, cfg.data, "data: the training set's item", 0)
-    if not (isinstance(sample, tuple | list) and len(sample) == 2 and torch.is_tensor(sample[0])):
-        raise DataError(f"data {cfg.data!r}: items must be (input tensor, label): an image C x H x W, a row of "
-                        f"features, any tensor; got {type(sample).__name__}")  # fmt: skip
+    if not (isinstance(sample, tuple | list) and len(sample) == 2):
+        raise DataError(f"data {cfg.data!r}: items must be (input, label), got {type(sample).__name__}")
+    try:
+        what = check_inputs(sample[0], f"data {cfg.data!r}")
+    except ValueError as exc:
+        raise DataError(str(exc)) from None
+    if what != "a tensor":  # several tensors: model(*x) or model(**x), shapes the model's own business
+        return DataBundle(train, val, len(names), names, 0, meta={"builder": cfg.data, "input": what},
+                          multi_input=True)  # fmt: skip
     return DataBundle(train, val, len(names), names, *_input_shape(cfg, sample[0]), meta={"builder": cfg.data})
 
 

@@ -65,6 +65,9 @@ class ModelSpec(SampleShape):
             return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
         if is_user_data(cfg.data):  # a builder or a table: its items' shape and classes
             shape = user_data_shape(cfg)
+            if shape.multi_input:
+                raise ConfigError(f"data {cfg.data!r} gives the model several input tensors; the estimate traces "
+                                  "a model of one input (the run itself takes it)")  # fmt: skip
             return cls(cfg.model, shape.classes, shape.image_size, cfg.cifar_stem, cfg.norm, cfg.width,
                        input_shape=shape.input_shape)  # fmt: skip
         classes = cfg.num_classes if cfg.data in ("synthetic", "imagefolder") else 10

@@ -53,6 +53,8 @@ class AccelerateTP(AccelerateStrategy):
     ParallelismConfig(tp_size=world): accelerate builds the ("tp",) mesh and leaves the model unwrapped (no DDP)
     once it carries ``tp_size``, as a Transformers model loaded with tp_plan does."""
 
+    splits_model = True
+
     name = "accelerate-tp"
     description = (
         "accelerate.Accelerator with ParallelismConfig(tp_size=N): Megatron tensor parallelism (GPU)"

@@ -37,6 +37,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from stratbench.checkpoints import checkpoint
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError, did_you_mean
+from stratbench.core.inputs import call_model, map_inputs
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
@@ -235,6 +236,9 @@ class Strategy:
     """Whether the method trains torchao's float8 Linears (``--float8``): the ones whose wrap leaves an
     ``nn.Linear`` subclass that computes its own product (single, ddp and ddp-zero, fsdp without tp) and whose tests prove it.
     Elsewhere ``float8_refusal`` says so in one line."""
+    splits_model: ClassVar[bool] = False
+    """The method cuts the model into pieces or shards its layers and feeds it one tensor (pipeline, tp,
+    model-parallel): a user's data of several input tensors is refused in one line (``several_inputs_refusal``)."""
     channels_last_weights: ClassVar[bool] = True
     """--channels-last converts the weights too. False where the method needs contiguous parameters to flatten
     or shard them (FSDP2, DeepSpeed): there the inputs alone are channels-last, and convolutions still produce
@@ -423,12 +427,22 @@ class Strategy:
     def forward_loss(
         self, model: nn.Module, x: torch.Tensor, y: torch.Tensor, loss_fn: Callable
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward pass and loss under the precision's autocast; returns (loss, logits)."""
-        x = self.precision.convert_input(x)
+        """Forward pass and loss under the precision's autocast; returns (loss, logits). ``x`` may be several
+        tensors (``core.inputs``: ``model(*x)`` or ``model(**x)``)."""
+        x = map_inputs(self.precision.convert_input, x)
         with self.precision.autocast():
-            logits = model(x)
+            logits = call_model(model, x)
             loss = loss_fn(self.precision.loss_input(logits), y)
         return loss, logits
+
+    @classmethod
+    def several_inputs_refusal(cls) -> str | None:
+        """Why the method cannot feed a model several input tensors (``splits_model``), or None."""
+        if not cls.splits_model:
+            return None
+        takers = ", ".join(name for name, c in all_strategies().items() if not c.splits_model)
+        return (f"{cls.name} cuts the model and feeds it one tensor; a model of several inputs runs under "
+                f"{takers}")
 
     def run_step(self, model: nn.Module, batches: list[Batch], loss_fn: Callable) -> torch.Tensor:
         """Forward and backward of one optimizer step's micro-batches; returns their mean loss (fp64, detached).
@@ -458,9 +472,9 @@ class Strategy:
 
     def eval_logits(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The model's output on an evaluation batch under the precision's autocast, as the loss takes it."""
-        x = self.precision.convert_input(x)
+        x = map_inputs(self.precision.convert_input, x)
         with self.precision.autocast():
-            logits = model(x)
+            logits = call_model(model, x)
         return self.precision.loss_input(logits)
 
     def backward(self, loss: torch.Tensor) -> None:

@@ -98,6 +98,7 @@ class ModelParallelCost(CostModel):
 @register
 class ModelParallelStrategy(Strategy):
     name = "model-parallel"
+    splits_model = True
     description = "one process, the model's stages on different GPUs (cuda:0, cuda:1, ...), no micro-batches"
     requirements = ">= 2 CUDA GPUs, one process"
     launcher = "python"

@@ -304,6 +304,7 @@ class PipelineCheckpointIO(CheckpointIO):
 @register
 class PipelineStrategy(Strategy):
     name = "pipeline"
+    splits_model = True
     description = (
         "pipeline parallel (torch.distributed.pipelining): stages per process, micro-batches; "
         "--schedule gpipe|1f1b|interleaved-1f1b|zb-interleaved|zbv|dualpipev|naive, --pp for pipeline x data "

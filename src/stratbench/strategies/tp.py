@@ -63,6 +63,7 @@ from stratbench.strategies.parallel.tp_plan import TPOptions, unsupported
 @register
 class TPStrategy(LossParallel, Strategy):
     name = "tp"
+    splits_model = True
     description = "tensor parallel (Megatron 1D on DTensor): attention and MLP matrices split over the ranks"
     requirements = "torch.distributed (gloo on CPU, nccl on CUDA); a model with a tensor-parallel plan"
     launcher = "torchrun"

@@ -45,6 +45,7 @@ from stratbench.core.errors import (
     UnsupportedError,
     is_out_of_memory,
 )
+from stratbench.core.inputs import Inputs, map_inputs
 from stratbench.core.library_warnings import filed_library_warnings
 from stratbench.core.optim import lr_lambda, optimizer_spec
 from stratbench.core.precision import SPECS, Precision, configure_tf32, spec_of, supported_on
@@ -53,11 +54,13 @@ from stratbench.data.datasets import (
     DataBundle,
     build_data,
     check_data,
+    is_user_data,
     make_train_batches,
     make_val_batches,
     pipeline_of,
     split_batch,
     steps_per_epoch,
+    user_data_shape,
 )
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_text_data
@@ -71,6 +74,7 @@ from stratbench.models.transforms.lora import lora_meta, parameter_counts
 from stratbench.models.zoo import (
     build_model,
     check_model,
+    has_lazy_parameters,
     load_weights,
 )
 from stratbench.strategies.base import Strategy, get_strategy
@@ -123,6 +127,8 @@ def preflight(cfg: TrainConfig, world_size: int | None = None) -> type[Strategy]
     strategy_cls = check_config(cfg, world)
 
     device = resolve_device(cfg.device)
+    if strategy_cls.splits_model and is_user_data(cfg.data) and user_data_shape(cfg).multi_input:
+        raise ConfigError(f"data {cfg.data!r}: {strategy_cls.several_inputs_refusal()}")
     reason = supported_on(SPECS[cfg.precision], device) or strategy_cls.refusal(cfg, device, world)
     if reason:
         raise UnsupportedError(f"{cfg.strategy}/{cfg.precision} cannot run here: {reason}")
@@ -365,6 +371,10 @@ class Trainer:
                 f"the training set ({len(bundle.train)} samples) is smaller than one global batch ({cfg.batch_size})"
             )
         total_steps = spe * cfg.epochs
+        if bundle.multi_input:  # several input tensors: model(*x) / model(**x)
+            refusal = strategy.several_inputs_refusal()
+            if refusal:
+                raise ConfigError(f"data {cfg.data!r}: {refusal}")
 
         def build() -> nn.Module:
             return build_model(
@@ -373,7 +383,7 @@ class Trainer:
                 cifar_stem=cfg.cifar_stem,
                 norm=cfg.norm,
                 width=cfg.width,
-                sample_shape=bundle.sample_shape,
+                sample_shape=None if bundle.multi_input else bundle.sample_shape,
                 seq_len=bundle.seq_len,
             )
 
@@ -386,7 +396,11 @@ class Trainer:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
             model.load_state_dict(ckpt.load_any(Path(cfg.init_from))["model"])
-        flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes, bundle.is_text) if cfg.measure_flops else None
+        if bundle.multi_input and has_lazy_parameters(model):
+            raise ConfigError(f"model {cfg.model!r} has lazy modules and data {cfg.data!r} several input tensors: "
+                              "give the lazy layers their sizes (they are shaped from one tensor's sample)")  # fmt: skip
+        counted = cfg.measure_flops and not bundle.multi_input  # the meta-device count feeds one tensor
+        flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes, bundle.is_text) if counted else None
         strategy.total_steps = total_steps
         # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))
@@ -443,10 +457,10 @@ class Trainer:
         run.sampler.set_epoch(p.epoch, skip=p.batch_in_epoch * run.micro_batch * self.cfg.grad_accum)
         return iter(run.loader)
 
-    def _to_device(self, batch: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _to_device(self, batch: tuple[Inputs, torch.Tensor]) -> tuple[Inputs, torch.Tensor]:
         x, y = batch
-        x = x.to(self.env.device, non_blocking=True)
-        if self.cfg.channels_last:
+        x = map_inputs(lambda t: t.to(self.env.device, non_blocking=True), x)
+        if self.cfg.channels_last and torch.is_tensor(x):
             x = x.contiguous(memory_format=torch.channels_last)
         return x, y.to(self.env.device, non_blocking=True)
 
