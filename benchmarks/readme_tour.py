@@ -57,8 +57,9 @@ HEADING = "## Quick tour"
 SECTIONS = (HEADING,)
 """The README's sections whose first code block a new user runs as written, in this order."""
 MANUAL = REPO / "docs" / "usage.md"
-MANUAL_SECTIONS = ("## Commands",)
-"""The manual's block of every command (``--doc docs/usage.md`` runs it)."""
+MANUAL_SECTIONS = ("## Commands", "## Your own model, your own matrix")
+"""The manual's block of every command, then its first block on the user's own model (``--doc docs/usage.md`` runs
+them)."""
 
 
 def sections_for(doc: Path) -> tuple[str, ...]:
@@ -530,10 +531,33 @@ def _data_fixtures(argvs: list[list[str]], home: Path, work: Path, cifar: tuple[
     return notes
 
 
+USER_MLP = """\
+from torch import nn
+
+
+def build(num_classes):
+    return nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, num_classes))
+"""
+
+
+def _rows_csv(n: int = 240, seed: int = 0) -> str:
+    """A table of six numeric features and a learnable yes/no label (the sign of a linear mix)."""
+    import random
+
+    rng = random.Random(seed)
+    lines = ["f0,f1,f2,f3,f4,f5,label"]
+    for _ in range(n):
+        f = [rng.gauss(0, 1) for _ in range(6)]
+        lines.append(",".join(f"{v:.4f}" for v in f) + ("," + ("yes" if f[0] + 0.5 * f[1] - f[2] > 0 else "no")))
+    return "\n".join(lines) + "\n"
+
+
 USER_FILES = {
     "mynet.py": (USER_MODEL, "`build(num_classes)`, a small CNN"),
     "mydata.py": (USER_DATA, "`build(image_size, seed)` -> (train, val, class names), 160 random images"),
     "myloss.py": (USER_LOSS, "`fn(logits, targets)`"),
+    "mlp.py": (USER_MLP, "`build(num_classes)`, an MLP whose first layer is lazy"),
+    "rows.csv": (_rows_csv(), "a table: 240 rows of six numeric features and a yes/no label"),
     "qa.jsonl": (USER_QA, "40 instruction records (Alpaca's `instruction` and `output`), one JSON object a line"),
     "run.yaml": (RUN_YAML, "tinynet width 8 on digits, batch 32, 1 epoch, output runs/yaml"),
     "zero_stage2_config.json": (json.dumps(SOURCE_ZERO2, indent=2),
