@@ -295,7 +295,8 @@ def reference_fp32_same_micro_batches(tmp_path_factory) -> dict:
 LONG_FIRST = (
     "readme/test_readme_tour.py", "checkpoints/test_safety.py", "strategies/test_deepspeed.py", "launching/test_launch.py",
     "compare/test_compare.py", "strategies/test_pipeline.py", "commands/test_user_work.py", "training/test_training.py",
-    "strategies/test_fsdp.py", "compare/test_ray.py", "compare/test_slurm.py",
+    "strategies/test_fsdp.py", "data/test_table.py", "data/test_multi_input.py", "compare/test_ray.py",
+    "compare/test_slurm.py",
 )  # fmt: skip
 """Test files that take minutes, longest first, handed out in this order under ``make test``'s 2 workers
 (``--dist loadfile --no-loadscope-reorder``: a file at a time per worker), so that the longest is not the last
