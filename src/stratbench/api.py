@@ -15,8 +15,6 @@ one-line message the command prints, before any work.
 from __future__ import annotations
 
 import dataclasses
-import json
-import re
 import sys
 from functools import partial
 from pathlib import Path
@@ -26,6 +24,7 @@ from stratbench.checkpoints import checkpoint as ckpt
 from stratbench.compare.calibration import check_results_file, plan_calibration, run_calibration
 from stratbench.compare.matrix import (
     bytes_of,
+    check_method_option,
     check_runnable,
     load_matrix,
     parse_method_options,
@@ -151,11 +150,10 @@ def plan_sweep(
         raise ConfigError(f"give one of preset, matrix and methods, not {' and '.join(given)}")
     m = load_matrix(preset, matrix, _typed(options), world_size, nodes, precision, pretrain_steps,
                     _comma("methods", methods), _comma("precisions", precisions), _method_options(method_options))
-    out_name = re.sub(r"[^A-Za-z0-9.+-]+", "-", m.name).strip("-") or "matrix"
     if device_memory is not None:
         m.device_memory = bytes_of(device_memory)
     plans = plan(m, select(m.cells, only, skip), allow_slow=allow_slow)
-    out = Path(output or f"runs/compare-{out_name}")
+    out = Path(output or f"runs/compare-{m.name}")
     check_results_file(out)  # a corrupt line is refused before any cell runs; a torn last one is noted
     if m.pretrain is not None:
         check_pretrain(m, out)
@@ -202,11 +200,17 @@ def _method_options(value: Any) -> dict[str, dict[str, Any]] | None:
     """``method_options`` as ``--method-option`` gives them (["fsdp.wrap=size"]) or as a mapping, checked alike."""
     if value is None:
         return None
-    if isinstance(value, dict):
-        if not all(isinstance(v, dict) for v in value.values()):
-            raise ConfigError(f"method_options must map a method to its options, e.g. {{'fsdp': {{'wrap': 'size'}}}}; got {value!r}")
-        value = [f"{m}.{k}={json.dumps(v)}" for m, opts in value.items() for k, v in opts.items()]
-    return parse_method_options(_names("method_options", value))
+    if not isinstance(value, dict):
+        return parse_method_options(_names("method_options", value))
+    if not all(isinstance(v, dict) for v in value.values()):
+        raise ConfigError(f"method_options must map a method to its options, e.g. {{'fsdp': {{'wrap': 'size'}}}}; got {value!r}")
+    out: dict[str, dict[str, Any]] = {}
+    for method, opts in value.items():
+        for key, v in opts.items():
+            name = str(key).replace("-", "_")
+            check_method_option(str(method), name, v, f"method_options {method}.{key}")
+            out.setdefault(str(method), {})[name] = v
+    return out
 
 
 def _executor(value: Any) -> Executor:

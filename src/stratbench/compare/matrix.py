@@ -66,6 +66,12 @@ SWEEP_OWNED = (
 ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "config", "label", "nodes")
 
 
+def slug(text: str) -> str:
+    """``text`` as a file name's part: every run of other characters than letters, digits, '.', '+' and '-' one
+    '-' (a cell's id, a ``--methods`` sweep's name from its model)."""
+    return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-")
+
+
 @dataclass(frozen=True)
 class Cell:
     """One training run of the sweep; ``config`` holds only the options set explicitly (base + the cell's own)."""
@@ -112,8 +118,7 @@ class Cell:
             key["nodes"] = self.nodes
             nodes = f"n{self.nodes}"
         digest = hashlib.sha1(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()[:8]
-        slug = re.sub(r"[^A-Za-z0-9.+-]+", "-", self.name).strip("-")
-        return f"{slug}_{self.precision}_w{self.world_size}{nodes}_b{self.batch_size}_{digest}"
+        return f"{slug(self.name)}_{self.precision}_w{self.world_size}{nodes}_b{self.batch_size}_{digest}"
 
     def train_config(self, output: str | Path, progress: bool = True) -> dict[str, Any]:
         """The YAML mapping the cell's ``stratbench train --config`` reads."""
@@ -1044,7 +1049,7 @@ def methods_spec(methods: list[str], precisions: list[str] | None, overrides: di
         base.update(data=quick["data"], image_size=quick["image_size"])
     model = str(given.get("model", base.get("model")))
     return {
-        "name": re.sub(r"[^A-Za-z0-9.+-]+", "-", model).strip("-") or "methods",
+        "name": slug(model) or "methods",
         "title": model,
         "description": f"{', '.join(methods)} at {', '.join(precisions)}",
         "base": base,
@@ -1077,25 +1082,31 @@ METHOD_OPTION = re.compile(r"^([A-Za-z0-9_-]+)\.([A-Za-z0-9_-]+)=(.*)$")
 
 
 def parse_method_options(items: list[str] | None) -> dict[str, dict[str, Any]]:
-    """``--method-option METHOD.KEY=VALUE`` (repeatable) as {method: {key: value}}, each checked against the
-    method's options (unknown method or key, or a bad value: one line naming it, with "did you mean")."""
+    """``--method-option METHOD.KEY=VALUE`` (repeatable) as {method: {key: value}} (VALUE read as YAML), each
+    checked as ``check_method_option`` checks it."""
     out: dict[str, dict[str, Any]] = {}
-    known = all_strategies()
     for item in items or []:
         found = METHOD_OPTION.match(item.strip())
         if not found:
             raise ConfigError(f"--method-option {item!r} is not METHOD.KEY=VALUE (e.g. fsdp.wrap=size)")
         method, key, raw = found.group(1), found.group(2).replace("-", "_"), found.group(3)
-        if method not in known:
-            raise ConfigError(f"--method-option {item!r}: unknown method {method!r}{did_you_mean(method, known)}")
-        fields = [f.name for f in dataclasses.fields(known[method].Options)]
-        if key not in fields:
-            raise ConfigError(f"--method-option {item!r}: {method} has no option {key!r}{did_you_mean(key, fields)}; "
-                              f"its options: {', '.join(fields)}")  # fmt: skip
         value = yaml.safe_load(raw) if raw.strip() else raw
-        from_dict(known[method].Options, {key: value}, where=f"--method-option {item}")
+        check_method_option(method, key, value, f"--method-option {item!r}")
         out.setdefault(method, {})[key] = value
     return out
+
+
+def check_method_option(method: str, key: str, value: Any, where: str) -> None:
+    """One of a method's options, against the method's ``Options``: an unknown method or key, or a bad value,
+    is one line naming ``where``, with "did you mean"."""
+    known = all_strategies()
+    if method not in known:
+        raise ConfigError(f"{where}: unknown method {method!r}{did_you_mean(method, known)}")
+    fields = [f.name for f in dataclasses.fields(known[method].Options)]
+    if key not in fields:
+        raise ConfigError(f"{where}: {method} has no option {key!r}{did_you_mean(key, fields)}; its options: "
+                          f"{', '.join(fields)}")  # fmt: skip
+    from_dict(known[method].Options, {key: value}, where=where)
 
 
 # ------------------------------------------------------------------------------------------------

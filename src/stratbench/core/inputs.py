@@ -14,11 +14,6 @@ Inputs = torch.Tensor | tuple | list | Mapping
 """One tensor, a tuple/list of tensors, or a mapping of names to tensors."""
 
 
-def is_multi(x: Any) -> bool:
-    """Several tensors (a tuple, a list or a mapping), not one."""
-    return isinstance(x, tuple | list | Mapping)
-
-
 def map_inputs(fn: Callable[[torch.Tensor], torch.Tensor], x: Inputs) -> Inputs:
     """``fn`` applied to each tensor of ``x`` (anything else in it kept as it is), the structure kept."""
     if isinstance(x, Mapping):

@@ -305,7 +305,7 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
         what = check_inputs(sample[0], f"data {cfg.data!r}")
     except ValueError as exc:
         raise DataError(str(exc)) from None
-    if what != "a tensor":  # several tensors: model(*x) or model(**x), shapes the model's own business
+    if not torch.is_tensor(sample[0]):  # several tensors: model(*x) or model(**x), shapes the model's own business
         return DataBundle(train, val, len(names), names, 0, meta={"builder": cfg.data, "input": what},
                           multi_input=True)  # fmt: skip
     return DataBundle(train, val, len(names), names, *_input_shape(cfg, sample[0]), meta={"builder": cfg.data})

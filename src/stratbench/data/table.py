@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import importlib
+import importlib.util
 import json
 from pathlib import Path
 

@@ -126,16 +126,17 @@ def _init(ray: Any, address: str, source: str, quiet: dict[str, Any]) -> Any:
     client = address.startswith("ray://")
     if client:  # a session may take a while to open (CLIENT_SESSION_TIMEOUT_S): not a silent wait
         _say(f"--executor ray: connecting to {address} ({source}, Ray Client)")
-    for attempt in range(1, (CLIENT_ATTEMPTS if client else 1) + 1):
+    attempts = CLIENT_ATTEMPTS if client else 1
+    for attempt in range(1, attempts + 1):
         try:
             return _session(ray, address, quiet) if client else ray.init(address=address, **quiet)
         except ConnectionError:
-            if attempt == (CLIENT_ATTEMPTS if client else 1):
+            if attempt == attempts:
                 raise ConfigError(
                     f"cannot connect to the Ray cluster at {address} ({source}){_auth_hint()}"
                 ) from None
             _say(f"--executor ray: the Ray Client server at {address} refused a session; asking again in 5 s "
-                 f"({attempt}/{CLIENT_ATTEMPTS - 1})")  # fmt: skip
+                 f"({attempt}/{attempts - 1})")  # fmt: skip
             time.sleep(5)
     return None
 

@@ -371,10 +371,6 @@ class Trainer:
                 f"the training set ({len(bundle.train)} samples) is smaller than one global batch ({cfg.batch_size})"
             )
         total_steps = spe * cfg.epochs
-        if bundle.multi_input:  # several input tensors: model(*x) / model(**x)
-            refusal = strategy.several_inputs_refusal()
-            if refusal:
-                raise ConfigError(f"data {cfg.data!r}: {refusal}")
 
         def build() -> nn.Module:
             return build_model(
