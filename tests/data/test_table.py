@@ -83,6 +83,10 @@ def test_a_bad_table_is_one_line_naming_what_is_wrong(tmp_path):
     reg.write_text("f0,y\n" + "".join(f"{i},{i * 0.37:.2f}\n" for i in range(40)))
     with pytest.raises(DataError, match=r"--target 'y' has 40 distinct values in 40 rows: .* a regression target"):
         table_data(f"table:{reg}", "y", 0.2, 0)
+    for name, content in (("bad.jsonl", b'{"a": 1,\n'), ("enc.csv", b"f0,label\n\xff\xfe,1\n"), ("bad.parquet", b"no")):
+        (tmp_path / name).write_bytes(content)  # not what the suffix says: one line, no traceback
+        with pytest.raises(DataError, match=rf"--data 'table:.*{name}' could not be read: "):
+            table_data(f"table:{tmp_path / name}", "label", 0.2, 0)
     with pytest.raises(ConfigError, match=r"a \.txt file; a table is one of \.csv"):
         (tmp_path / "rows.txt").write_text("a")
         table_data(f"table:{tmp_path / 'rows.txt'}", "label", 0.2, 0)

@@ -1,5 +1,6 @@
 """Warnings that libraries raise during a run (DeepSpeed's calls to torch's deprecated collectives: 14 of a
-52-line ZeRO-3 run's output here, 266 of 564 in a longer one) go to the run's folder, not the terminal: each rank
+2-process, 3-step ZeRO-3 run's 52 lines on the CPU VM, 2026-11-28; 266 of 564 in issue 50's longer run) go to the
+run's folder, not the terminal: each rank
 keeps the ones Python's filters let through and, when its run ends, writes them to ``OUTPUT/warnings-rankR.log``;
 rank 0 says in one line how many there were and where. stratbench's own warnings are shown as before. Nothing is
 written where the run never made its folder (bad input changes nothing)."""

@@ -43,8 +43,17 @@ def table_path(spec: str) -> Path:
     return path
 
 
-def _header(path: Path) -> list[str] | None:
-    """The column names, read without loading the table (None where the kind needs the whole file)."""
+def _header(path: Path, spec: str) -> list[str] | None:
+    """The column names, read without loading the table (None where the kind needs the whole file); a file
+    that is not what its suffix says is one line."""
+    try:
+        return _read_header(path)
+    except (ValueError, OSError) as exc:  # bad JSON, not UTF-8, not parquet (pyarrow's ArrowInvalid)
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
+        raise DataError(f"--data {spec!r} could not be read: {reason}") from None
+
+
+def _read_header(path: Path) -> list[str] | None:
     suffix = path.suffix.lower()
     if suffix in (".csv", ".tsv"):
         with path.open(newline="") as f:
@@ -65,7 +74,7 @@ def check_table(spec: str, target: str | None) -> None:
     path = table_path(spec)
     if importlib.util.find_spec("datasets") is None:
         raise ConfigError(f"--data {spec!r} needs the datasets package: pip install 'stratbench[ft]'")
-    columns = _header(path)
+    columns = _header(path, spec)
     if not target:
         listed = f"; its columns: {', '.join(columns)}" if columns else ""
         raise ConfigError(f"--data {spec!r} needs --target COLUMN, the column to predict{listed}")
