@@ -282,7 +282,7 @@ print("loaded", len(state), "tensors")
     assert "loaded" in res.stdout
 
 
-def test_loss_choice_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
+def test_loss_choice_and_mistyped_prefixes_are_checked_before_any_work(tmp_path, monkeypatch, capsys):
     """--loss cross-entropy (with --label-smoothing) builds torch's loss; bad values are one line naming the
     allowed ones, before any work."""
     import torch.nn.functional as F
@@ -302,6 +302,9 @@ def test_loss_choice_is_checked_before_any_work(tmp_path, monkeypatch, capsys):
         (["--loss", "notaloss:one"], "loss 'notaloss:one' is not a loss: it must take (logits, targets)"),
         (["--loss", "notaloss:one", "--label-smoothing", "0.1"], "--label-smoothing applies to cross-entropy only"),
         (["--loss", "nosuch:fn"], "loss 'nosuch:fn': cannot import 'fn' from 'nosuch'"),
+        (["--data", "jsnl:x.jsonl"], "(did you mean 'jsonl:'?)"),  # a mistyped prefix reads as a builder
+        (["--data", "hf-datset:x"], "(did you mean 'hf-dataset:'?)"),
+        (["--model", "hff:x", "--data", "text"], "(did you mean 'hf:'?)"),
     ):  # fmt: skip
         assert main(["train", "--output", str(tmp_path / "out"), *flags]) != 0
         err = capsys.readouterr().err.strip()
@@ -368,3 +371,5 @@ def test_compare_methods_options_and_names_are_checked_before_any_cell(tmp_path,
     assert quick.matrix.heading == "quick on resnet18" and quick.matrix.description.startswith("resnet18 on digits")
     assert {c.options.get("zero_stage") for c in quick.matrix.cells if c.method == "deepspeed"} == {2}
     assert plan_sweep("quick", output=tmp_path / "d").matrix.heading == "quick"
+    named = {plan_sweep(methods="single", model="mynet:build", data=d).matrix.name for d in ("a:build", "b:build")}
+    assert named == {"mynet-build-on-a-build", "mynet-build-on-b-build"}  # two data sets: two default folders

@@ -68,7 +68,7 @@ ENTRY_KEYS = ("method", "precision", "world_size", "batch_size", "options", "con
 
 def slug(text: str) -> str:
     """``text`` as a file name's part: every run of other characters than letters, digits, '.', '+' and '-' one
-    '-' (a cell's id, a ``--methods`` sweep's name from its model)."""
+    '-' (a cell's id, a ``--methods`` sweep's name from its model and data)."""
     return re.sub(r"[^A-Za-z0-9.+-]+", "-", text).strip("-")
 
 
@@ -1048,8 +1048,9 @@ def methods_spec(methods: list[str], precisions: list[str] | None, overrides: di
     if "data" not in given:
         base.update(data=quick["data"], image_size=quick["image_size"])
     model = str(given.get("model", base.get("model")))
+    named = f"{model} on {given['data']}" if "data" in given else model  # two data sets: two default folders
     return {
-        "name": slug(model) or "methods",
+        "name": slug(named) or "methods",
         "title": model,
         "description": f"{', '.join(methods)} at {', '.join(precisions)}",
         "base": base,

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from stratbench.core.errors import ConfigError, is_out_of_memory
+from stratbench.core.errors import ConfigError, did_you_mean, is_out_of_memory
 from stratbench.core.torchvision_compat import guard_torchvision_import
 
 
@@ -68,12 +68,19 @@ def check_shadowing(spec: str, module_name: str, what: str, cwd: str) -> None:
     )
 
 
-def import_builder(spec: str, what: str = "model", noun: str = "builder") -> Callable:
+def import_builder(spec: str, what: str = "model", noun: str = "builder", prefixes: tuple[str, ...] = ()) -> Callable:
     """``package.module:function`` -> the function (or an ``nn.Module`` class); one line for every failure:
-    a malformed spec, a module that is not found or shadowed, an import that raises, a missing name."""
+    a malformed spec, a module that is not found or shadowed, an import that raises, a missing name. A module
+    that is not found but whose name is close to one of ``prefixes`` (the option's own ``PREFIX:`` forms, e.g.
+    ``jsonl``) names it: ``jsnl:x`` is a mistyped ``jsonl:x`` more likely than a missing module."""
     from torch import nn
 
-    module_name, attr = parse_spec(spec, what, noun)
+    head = spec.split(":", 1)[0]
+    hint = did_you_mean(f"{head}:", [f"{p}:" for p in prefixes]) if "." not in head else ""
+    try:
+        module_name, attr = parse_spec(spec, what, noun)
+    except ConfigError as exc:
+        raise ConfigError(f"{exc}{hint}") from None
     cwd = os.getcwd()
     check_shadowing(spec, module_name, what, cwd)
     if cwd not in sys.path and "" not in sys.path:
@@ -85,6 +92,7 @@ def import_builder(spec: str, what: str = "model", noun: str = "builder") -> Cal
     except ModuleNotFoundError as exc:
         raise ConfigError(
             f"{what} {spec!r}: cannot import {attr!r} from {module_name!r} ({exc}; looked in sys.path and {cwd})"
+            f"{hint}"
         ) from None
     except Exception as exc:  # the user's module itself raised while importing (SyntaxError included)
         raise ConfigError(f"{what} {spec!r}: importing {module_name!r} raised {one_line(exc)}") from None

@@ -45,6 +45,8 @@ from stratbench.data.text import (
 from stratbench.models.hf import is_hf_name, model_folder, vocab_size_of
 
 DATASETS = ("synthetic", "digits", "cifar10", "imagefolder")
+DATA_PREFIXES = ("tokens", "jsonl", "hf-dataset", "table")
+"""The ``PREFIX:`` forms of ``--data`` (a mistyped one reads as a builder: its import error names the prefix)."""
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -121,7 +123,7 @@ def check_data(cfg: TrainConfig) -> None:
     if cfg.target:
         raise ConfigError(f"--target {cfg.target!r} names a column of --data table:FILE, not of {cfg.data!r}")
     if ":" in cfg.data:
-        import_builder(cfg.data, "data")  # importable now, or one line naming the module
+        import_builder(cfg.data, "data", prefixes=DATA_PREFIXES)  # importable now, or one line naming the module
         return
     if cfg.data not in DATASETS:
         raise ConfigError(
@@ -271,7 +273,7 @@ def _user_data(cfg: TrainConfig) -> DataBundle:
     (all of them with ``**kwargs``). Each dataset item is ``(image tensor C x H x W, integer label)``."""
     import inspect
 
-    builder = import_builder(cfg.data, "data")
+    builder = import_builder(cfg.data, "data", prefixes=DATA_PREFIXES)
     offered = {
         "image_size": cfg.image_size,
         "data_dir": cfg.data_dir,

@@ -116,7 +116,7 @@ def _output_keyword(text: bool) -> str:
 def user_builder(spec: str, text: bool = False) -> Callable[..., nn.Module]:
     """A user's model builder ('pkg.module:function'), imported and checked to take ``num_classes=`` (text data:
     ``vocab_size=``) before any work (``--model os:system`` is refused here, not called)."""
-    builder = import_builder(spec, "model")
+    builder = import_builder(spec, "model", prefixes=("hf",))
     key = _output_keyword(text)
     check_signature(builder, spec, "model", f"model builder: it does not take {key}=", **{key: 10})
     return builder
