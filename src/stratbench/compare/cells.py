@@ -137,7 +137,8 @@ def busy_mark(rec: RunRecord, notes: Footnotes) -> str:
         return ""
     return notes.mark(
         "the machine was busy with other work while this cell ran (mean 1-minute load average above 1.5x its "
-        "cores; each cell's value is host_load_mean in report.csv): its times are inflated and its speed-up "
+        "cores, or other processes took more than 25% of its cores' time; each cell's values are host_load_mean "
+        "and host_others_share in report.csv): its times are inflated and its speed-up "
         "is not a property of the method, so What to use names no fastest from it, and the charts hatch it"
     )
 

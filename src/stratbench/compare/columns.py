@@ -194,7 +194,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("status", "status", (CsvField("status", raw("status"), na=False), CsvField("reason", raw("reason"), na=False)),
            fill=cells.status_cell, measure=False, align="reason", terminal="status", terminal_raw=True),
     Column("host_load", None, (CsvField("host_load_mean", lambda r: r.rec.load[0], na=False),
-                               CsvField("host_cpu_count", lambda r: r.rec.load[1], na=False)), measure=False),
+                               CsvField("host_cpu_count", lambda r: r.rec.load[1], na=False),
+                               CsvField("host_others_share", lambda r: r.rec.metrics.host_others_share, na=False)),
+           measure=False),
     Column("repeats", None, (CsvField("repeats", raw("repeats", 1), na=False),
                              *(CsvField(f"{key}_{end}{unit}", raw(f"{key}_{end}"), na=False)
                                for key, unit in (("train_time", "_s"), ("throughput", ""), ("val_accuracy", ""))

@@ -704,6 +704,8 @@ def aggregate_repeats(runs: list[dict[str, Any]]) -> dict[str, Any]:
     rec["elapsed_s"] = sum(r.get("elapsed_s") or 0.0 for r in runs)
     loads = [r.get("host_load_mean") for r in runs if r.get("host_load_mean") is not None]
     rec["host_load_mean"] = max(loads) if loads else None  # the busiest run decides whether times are trusted
+    others = [m.get("host_others_share") for r in runs if (m := r.get("metrics") or {}).get("host_others_share") is not None]
+    rec["metrics"]["host_others_share"] = max(others) if others else None
     return rec
 
 

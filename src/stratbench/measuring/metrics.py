@@ -14,7 +14,7 @@ from torch import nn
 from stratbench.measuring.clock import PhaseClock, StepTimer, breakdown_report
 from stratbench.measuring.commvol import comm_report
 from stratbench.measuring.environment import peak_flops
-from stratbench.measuring.load import LoadSampler, busy_text, cpu_count, is_busy
+from stratbench.measuring.load import LoadSampler, busy_text, cpu_count, is_busy, others_share
 from stratbench.measuring.memory import MemoryPhase, current_memory_bytes
 from stratbench.measuring.nvml import UtilisationSampler
 from stratbench.measuring.windows import AllocWindow, CommWindow, TraceWindow, column_max
@@ -83,11 +83,12 @@ class RunMetrics:
         phase = MemoryPhase(self.devices)
         phase.start()
         self.util.start()
-        self.load.sample()
+        self.load.sample(force=True)
         self._epoch_time = 0.0
         try:
             yield
         finally:
+            self.load.sample(force=True)
             self.util.stop()
             phase.stop()
             self.epoch_times.append(self._epoch_time)
@@ -209,6 +210,7 @@ class RunMetrics:
             "alloc": self.alloc.summary() if self.alloc is not None else None,
             "devices": len(set(self.devices)),
             "load": self.load.mean(),
+            "cpu": self.load.cpu.summary(),
             "cores": cpu_count(),
             "node": self.strategy.env.node,
         }
@@ -275,10 +277,14 @@ class RunMetrics:
         loaded = [r for r in ranks if r["load"] is not None]
         top = max(loaded, key=lambda r: r["load"] / r["cores"]) if loaded else None
         metrics["host_load_mean"] = top["load"] if top else None
-        metrics["host_cpu_count"] = top["cores"] if top else cpu_count()
-        metrics["host_busy"] = bool(top) and is_busy(top["load"], top["cores"])
+        metrics["host_cpu_count"] = cores = top["cores"] if top else cpu_count()
+        nodes = {r.get("node"): [q["cpu"] for q in ranks if q.get("node") == r.get("node") and q.get("cpu")] for r in ranks}
+        shares = [x for x in (others_share(v, cores) for v in nodes.values()) if x is not None]
+        metrics["host_others_share"] = others = max(shares) if shares else None
+        load = top["load"] if top else None
+        metrics["host_busy"] = is_busy(load, cores, others)
         if metrics["host_busy"] and self.strategy.env.is_main:
-            print(f"warning: the machine was busy while this run trained ({busy_text(top['load'], top['cores'])}): "
+            print(f"warning: the machine was busy while this run trained ({busy_text(load, cores, others)}): "
                   "its times are inflated, not the method's own; rerun on an idle machine to measure it",
                   file=sys.stderr, flush=True)  # fmt: skip
 

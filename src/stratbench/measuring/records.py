@@ -111,6 +111,8 @@ class Metrics:
     host_load_mean: float | None = None
     """``train``'s own reading of the machine's load while it trained (``measuring.load``)."""
     host_cpu_count: int | None = None
+    host_others_share: float | None = None
+    """Other processes' share of the machine's CPU time while it trained (``measuring.load.others_share``)."""
 
     @classmethod
     def from_dict(cls, m: Any) -> Metrics:
@@ -131,7 +133,8 @@ class Metrics:
 NUMBER_FIELDS = ("world_size", "nodes", "data_parallel_size", "batch_size", "global_batch_size", "per_device_batch_size",
                  "host_load_mean", "host_cpu_count")  # fmt: skip
 NUMBER_METRICS = ("train_time_s", "throughput_samples_per_s", "step_time_median_s", "step_time_mean_s",
-                  "val_accuracy", "final_loss", "mfu", "flops_per_sample", "host_load_mean", "host_cpu_count")  # fmt: skip
+                  "val_accuracy", "final_loss", "mfu", "flops_per_sample", "host_load_mean", "host_cpu_count",
+                  "host_others_share")  # fmt: skip
 NUMBER_LIST_METRICS = ("peak_memory_bytes", "gpu_util_mean_pct", "gpu_util_peak_pct", "epoch_time_s",
                        "cpu_alloc_peak_bytes", "cpu_alloc_import_bytes")  # fmt: skip
 DICT_FIELDS = ("machine", "environment", "config", "metrics", "repeats", "sharding", "mesh")
@@ -271,7 +274,7 @@ class RunRecord:
     @property
     def busy(self) -> bool:
         """Whether it ran on a busy machine (``measuring.load.is_busy``): its times are not the method's own."""
-        return is_busy(*self.load)
+        return is_busy(*self.load, self.metrics.host_others_share)
 
 
 def _schema(x: Any) -> int:
