@@ -50,8 +50,7 @@ def busy_text(load_mean: float | None, cores: int | None, others: float | None =
     """``mean 1-minute load average 5.3 on 2 cores, above 1.5x the cores``, or ``other processes took 46% of
     the 2 cores' time``: the numbers behind a busy flag."""
     if others is not None and others > OTHERS_LIMIT:
-        return (f"other processes took {others:.0%} of the {cores or 1} cores' time while it trained, above "
-                f"{OTHERS_LIMIT:.0%}")  # fmt: skip
+        return f"other processes took {others:.0%} of the {cores or 1} cores' time, above {OTHERS_LIMIT:.0%}"
     return f"mean 1-minute load average {load_mean or 0:.1f} on {cores or 1} cores, above {BUSY_FACTOR:g}x the cores"
 
 
@@ -86,7 +85,7 @@ def _own_cpu_s() -> float:
 
 class CpuShare:
     """The machine's busy CPU seconds and this process's own over a window (from the first ``sample`` to the
-    last). The ranks of one node add their own seconds up (``others_share``): what is left is other work."""
+    last). The ranks on one machine add their own seconds up (``others_share``): what is left is other work."""
 
     def __init__(self) -> None:
         self.first: tuple[float, float, float] | None = None
@@ -110,7 +109,7 @@ class CpuShare:
 
 
 def others_share(readings: list[dict[str, float]], cores: int) -> float | None:
-    """Other processes' share of one node's CPU time over its ranks' windows, from each rank's ``CpuShare``
+    """Other processes' share of one machine's CPU time over its ranks' windows, from each rank's ``CpuShare``
     summary: the busiest machine reading (the ranks read the same machine over nearly the same window) less the
     ranks' own seconds, over cores x the longest window. None where no rank read it."""
     if not readings:

@@ -3,6 +3,7 @@ an NVML utilisation sampler, FLOPs per sample and MFU, and the environment writt
 
 from __future__ import annotations
 
+import socket
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -211,6 +212,7 @@ class RunMetrics:
             "devices": len(set(self.devices)),
             "load": self.load.mean(),
             "cpu": self.load.cpu.summary(),
+            "host": socket.gethostname(),  # the machine: a loopback run's nodes share one (``node`` differs)
             "cores": cpu_count(),
             "node": self.strategy.env.node,
         }
@@ -278,8 +280,8 @@ class RunMetrics:
         top = max(loaded, key=lambda r: r["load"] / r["cores"]) if loaded else None
         metrics["host_load_mean"] = top["load"] if top else None
         metrics["host_cpu_count"] = cores = top["cores"] if top else cpu_count()
-        nodes = {r.get("node"): [q["cpu"] for q in ranks if q.get("node") == r.get("node") and q.get("cpu")] for r in ranks}
-        shares = [x for x in (others_share(v, cores) for v in nodes.values()) if x is not None]
+        hosts = {r.get("host"): [q["cpu"] for q in ranks if q.get("host") == r.get("host") and q.get("cpu")] for r in ranks}
+        shares = [x for x in (others_share(v, cores) for v in hosts.values()) if x is not None]
         metrics["host_others_share"] = others = max(shares) if shares else None
         load = top["load"] if top else None
         metrics["host_busy"] = is_busy(load, cores, others)
