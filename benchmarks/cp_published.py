@@ -14,8 +14,9 @@ What the projection prices and what it misses:
 * stratbench's ``fsdp --cp C`` is Ulysses (all-to-all of q, k, v and the output per attention, exposed:
   ``ulysses_rows``); torchtitan's CP is torch's ring attention (``context_parallel``, the rotate method
   ``allgather`` by default at torchtitan 9dec370: per attention forward an all-gather of the local K and V, in
-  backward another and C ring passes of dK and dV in fp32 (torch's ``_templated_ring_attention_backward``); full
-  checkpointing runs the forward's again). ``ring_rows`` prices those bytes on the same links; the table shows the
+  backward another and C ring passes of dK and dV in fp32 (torch's ``_templated_ring_attention_backward``, read in
+  torch 2.13.0's ``distributed/tensor/experimental/_context_parallel/_attention.py``: the December 2024 torch the
+  table ran on is not at hand); full checkpointing runs the forward's again). ``ring_rows`` prices those bytes on the same links; the table shows the
   step with them fully exposed in place of Ulysses' (an upper bound: the ring overlaps them with the blocks'
   attention) and with none (a lower bound), so the reader sees how much the choice moves the prediction;
 * the projection prices ``--float8`` runs as bf16 and has no compile term: the 32k calibration absorbs both into
