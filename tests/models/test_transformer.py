@@ -16,6 +16,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.models.flops import flop_counter
 from stratbench.models.transformer import (
     SIZES,
+    RopeScaling,
     Transformer,
     TransformerBlock,
     TransformerConfig,
@@ -24,10 +25,11 @@ from stratbench.models.transformer import (
     parameter_count,
     transformer_config,
 )
-from stratbench.models.zoo import count_parameters, residual_block_types
+from stratbench.models.zoo import check_model, count_parameters, residual_block_types
 
-# Published counts: GPT-2 small (HF gpt2, learned positions and biases), Llama 3.2 1B, Llama 3 8B.
-PUBLISHED = {"gpt2-small": 124_439_808, "llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248}
+# Published counts: GPT-2 small (HF gpt2, learned positions and biases), Llama 3.2 1B, Llama 3 8B (and 3.1 8B).
+PUBLISHED = {"gpt2-small": 124_439_808, "llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248,
+             "llama-8b-long": 8_030_261_248}  # fmt: skip
 
 
 def small(**overrides) -> TransformerConfig:
@@ -203,6 +205,20 @@ def test_unknown_size_and_too_long_sequence():
         model(torch.zeros(1, 25, dtype=torch.long))
     with pytest.raises(ConfigError, match=r"shape \(batch, seq\), not shape \(25,\)"):
         model(torch.zeros(25, dtype=torch.long))
+
+
+def test_the_long_context_8b_is_llama_8b_with_llama_31_rotary_and_a_262k_context():
+    """llama-8b-long (issue 46's long-context picture): llama-8b's shapes, Llama 3.1's rope scaling (factor 8),
+    262,144 positions: the estimate takes --seq-len up to that and refuses one more, naming the context."""
+    long, base = SIZES["llama-8b-long"], SIZES["llama-8b"]
+    assert replace(long, max_seq_len=base.max_seq_len, rope_scaling=None) == base
+    assert long.rope_scaling == RopeScaling(factor=8.0) and long.max_seq_len == 262_144
+    check_model("llama-8b-long", True, 262_144)
+    too_long = "--seq-len 262145 is longer than llama-8b-long's context of 262144"
+    with pytest.raises(ConfigError, match=too_long):
+        check_model("llama-8b-long", True, 262_145)
+    with pytest.raises(ConfigError, match="--seq-len 8193 is longer than llama-8b's context of 8192"):
+        check_model("llama-8b", True, 8193)
 
 
 def counted_flops_per_token(name: str, seq_len: int) -> float:

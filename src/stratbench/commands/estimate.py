@@ -113,8 +113,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="resnet50",
-        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt2-small, llama-1b, llama-8b: give it text "
-        "--data), or a builder 'pkg.module:build'",
+        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt2-small, llama-1b, llama-8b, llama-8b-long: give "
+        "it text --data), or a builder 'pkg.module:build'",
     )  # fmt: skip
     parser.add_argument(
         "--data", default="synthetic",

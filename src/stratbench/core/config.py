@@ -67,8 +67,9 @@ class TrainConfig:
     model: str = "tinynet"
     """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
     'package.module:function' (called with num_classes=N), found from the working directory; text data: gpt-tiny,
-    gpt2-small, llama-1b, llama-8b, or a Hugging Face causal LM 'hf:FOLDER' (a config.json, optionally safetensors
-    weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the hf extra)."""
+    gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), or a Hugging Face causal LM
+    'hf:FOLDER' (a config.json, optionally safetensors weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the
+    hf extra)."""
     weights: str | None = None
     """Pretrained weights loaded before training: a local state-dict file, or torchvision's by name ('imagenet' =
     the model's DEFAULT, or an enum name such as IMAGENET1K_V2) from the torch hub cache ($TORCH_HOME/hub/

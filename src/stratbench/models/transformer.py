@@ -163,6 +163,16 @@ SIZES: dict[str, TransformerConfig] = {
         vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
         max_seq_len=8192, rope_theta=500000.0, tie_embeddings=False, init="llama",
     ),
+    # Llama 3.1 8B's shape (meta-llama/Llama-3.1-8B config.json: Llama 3 8B's, rope_scaling llama3 factor 8) with
+    # a context of 262,144 tokens, twice its published 131,072: the longest torchtitan trains its 8B model at,
+    # with context parallelism (pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md Table 2; its
+    # train.py sets the model's max_seq_len to the training seq_len). For long-context runs, estimates and
+    # projections (fsdp --cp); parameters and FLOPs per token at a sequence length are llama-8b's.
+    "llama-8b-long": TransformerConfig(
+        vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+        max_seq_len=262144, rope_theta=500000.0, rope_scaling=RopeScaling(factor=8.0), tie_embeddings=False,
+        init="llama",
+    ),
 }  # fmt: skip
 
 
