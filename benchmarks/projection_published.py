@@ -10,6 +10,9 @@
   efficiency for its GPU, precision and model family (no calibration) and with the old per-precision constant, the
   efficiency the figure implies, and its role: a figure that *sets* a default, or one *held out* from all of them
   (the errors are summarised separately);
+* **float8** (issue 46): every float8 figure (torchtitan's, precision fp8: bf16-mixed with ``--float8 tensorwise``)
+  against the projection with hardware.yaml's defaults alone (the fp8 default for the converted Linears, the bf16 one
+  for the rest), the one that sets the fp8 default and the held-out ones apart;
 * **multi-node sharded** (issue 45; the entries marked ``check: multi-node``): HSDP, ZeRO-3 and ZeRO++ figures,
   each predicted from its own anchor only (the ZeRO++ blog's bars, all at 384 GPUs: the same model and micro-batch's
   ZeRO-3 figure at the highest bandwidth), published vs predicted with the error, the rows that miss and the ones
