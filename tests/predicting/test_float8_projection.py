@@ -49,7 +49,8 @@ def test_the_converted_linears_run_at_the_fp8_peak_and_the_rest_at_the_precision
 
 def test_a_gpu_without_fp8_units_is_refused_in_one_line(capsys):
     """A100: no fp8 peak. The projection's row and `estimate --time` say so in one line, as train refuses the
-    device; a --float8 run cannot calibrate (its products ran at two peaks)."""
+    device; a --float8 run cannot calibrate (its products ran at two peaks), and its predicted step says how float8
+    was priced."""
     from stratbench.cli import main
 
     cfg = TrainConfig(**GPT, float8="rowwise")
@@ -70,5 +71,8 @@ def test_a_gpu_without_fp8_units_is_refused_in_one_line(capsys):
     assert "fp8 peak 1,979 TFLOP/s x 30.2%" in out, out
     run = {"status": "ok", "world_size": 1, "config": cfg.to_dict(), "metrics": {"step_time_median_s": 0.1},
            "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]}}  # fmt: skip
+    record = RunRecord.from_dict(json.loads(json.dumps(run)))
     with pytest.raises(ConfigError, match="a --float8 run cannot calibrate"):
-        projection.calibrate([RunRecord.from_dict(json.loads(json.dumps(run)))], resolve("h100-sxm"))
+        projection.calibrate([record], resolve("h100-sxm"))
+    pred = projection.predict_record(record, None)  # a compare report's predicted step: how float8 was priced
+    assert pred.step_s and "float8 Linears" in pred.basis and "at the fp8 peak x 30.2%" in pred.basis, pred

@@ -1015,6 +1015,13 @@ def _predict(
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
         return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(
-        p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source
-    )
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, _basis(p))
+
+
+def _basis(p: MethodProjection) -> str:
+    """What a prediction rests on, in words: the efficiency's source, and a --float8 run's fp8 pricing."""
+    if not p.float8:
+        return p.efficiency_source
+    f8 = p.float8
+    return (f"{p.efficiency_source}; float8 Linears ({f8['flops_share']:.0%} of the FLOPs) at the fp8 peak x "
+            f"{f8['efficiency']:.1%} ({f8['source']})")  # fmt: skip
