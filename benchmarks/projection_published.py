@@ -10,6 +10,9 @@
   efficiency for its GPU, precision and model family (no calibration) and with the old per-precision constant, the
   efficiency the figure implies, and its role: a figure that *sets* a default, or one *held out* from all of them
   (the errors are summarised separately);
+* **float8** (issue 46): every float8 figure (torchtitan's, precision fp8: bf16-mixed with ``--float8 tensorwise``)
+  against the projection with hardware.yaml's defaults alone (the fp8 default for the converted Linears, the bf16 one
+  for the rest), the one that sets the fp8 default and the held-out ones apart;
 * **multi-node sharded** (issue 45; the entries marked ``check: multi-node``): HSDP, ZeRO-3 and ZeRO++ figures,
   each predicted from its own anchor only (the ZeRO++ blog's bars, all at 384 GPUs: the same model and micro-batch's
   ZeRO-3 figure at the highest bandwidth), published vs predicted with the error, the rows that miss and the ones
@@ -65,8 +68,11 @@ UNITS = ("img/s", "sequences/s", "tokens/s per GPU", "TFLOPs per GPU")
 Megatron-DeepSpeed counts them (``published_models.megatron_flops_per_sequence``)."""
 
 PRECISIONS = {"fp32": ("fp32", False), "tf32": ("fp32", True), "amp-fp16": ("fp16-mixed", False),
-              "bf16": ("bf16-mixed", False)}  # fmt: skip
-"""published.yaml's precision -> (stratbench precision, tf32). fp8 has no stratbench precision."""
+              "bf16": ("bf16-mixed", False), "fp8": ("bf16-mixed", False)}  # fmt: skip
+"""published.yaml's precision -> (stratbench precision, tf32). fp8 is torchtitan's float8 recipe: bf16-mixed with
+the Linears in float8 (``FLOAT8``)."""
+FLOAT8 = {"fp8": "tensorwise"}
+"""published.yaml's precision -> stratbench's --float8 recipe (torchtitan's default: one scale per tensor)."""
 
 MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext101_32x4d",
           "bert-large": "published_models:bert_large_s{seq_len}",
@@ -122,7 +128,7 @@ def check_entry(e: dict[str, Any], entries: list[dict[str, Any]]) -> list[str]:
         bad.append(f"unknown check {e['check']!r} (known: {MULTI_NODE})")
     if e.get("unit") == "TFLOPs per GPU" and not e.get("not_projectable") and not _megatron_builder(e):
         bad.append("TFLOPs per GPU needs a model with a Megatron FLOP count (published_models.GPT_SHAPES)")
-    for ref in ("baseline", "anchor"):
+    for ref in ("baseline", "anchor", "float8_base"):
         if e.get(ref) and e[ref] not in ids:
             bad.append(f"{ref} {e[ref]!r} is no entry's id")
     if (e.get("gpus", 0) > 1 and not (e.get("baseline") or e.get("anchor")) and e.get("id") not in anchors
@@ -190,7 +196,7 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
         model=model, image_size=side, num_classes=1000, data="synthetic", precision=precision, tf32=tf32,
         batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
         optimizer=OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
-        activation_checkpointing=bool(e.get("activation_checkpointing")),
+        activation_checkpointing=bool(e.get("activation_checkpointing")), float8=FLOAT8.get(e["precision"], "none"),
     )  # fmt: skip
     # the multi-node rows' methods place groups by node (ZeRO++'s qgZ, HSDP's shard group): say how many
     return cfg.replace(nnodes=e["nodes"]) if e.get("check") == MULTI_NODE and gpus == e["gpus"] else cfg
@@ -219,13 +225,16 @@ def calibration_from(base: dict[str, Any], system: System) -> Calibrations:
 
 def anchored_calibration(anchor: dict[str, Any], system: System) -> Calibrations:
     """The efficiency with which the projection reproduces the multi-GPU figure ``anchor`` (bisection: throughput
-    grows with efficiency), for a source with no 1-GPU figure."""
+    grows with efficiency), for a source with no 1-GPU figure. A float8 figure solves for the fp8 efficiency (its
+    converted Linears' products); the rest is priced at the efficiency that reproduces its ``float8_base`` (the same
+    source's figure without float8) where it names one, else at hardware.yaml's default."""
     cfg = config(anchor)
-    key = precision_key(cfg.precision, cfg.tf32)
+    key = "fp8" if cfg.float8 != "none" else precision_key(cfg.precision, cfg.tf32)
+    rest = float8_base_calibration(anchor, system)
     target = samples_per_s(anchor)
 
     def throughput(eff: float) -> float:
-        cal = {key: Calibration(eff, key, device=system.gpu.key, source=f"anchored on {anchor['id']}")}
+        cal = rest | {key: Calibration(eff, key, device=system.gpu.key, source=f"anchored on {anchor['id']}")}
         p = _project(anchor, cfg, system, cal)
         return p.throughput or 0.0
 
@@ -236,9 +245,18 @@ def anchored_calibration(anchor: dict[str, Any], system: System) -> Calibrations
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if throughput(mid) < target else (lo, mid)
     eff = math.sqrt(lo * hi)
-    return {
+    return rest | {
         key: Calibration(eff, key, device=system.gpu.key, source=f"anchored on {anchor['id']} ({eff:.1%})")
     }
+
+
+def float8_base_calibration(e: dict[str, Any], system: System) -> Calibrations:
+    """The calibration that prices a float8 figure's unconverted part: the one reproducing its ``float8_base`` (the
+    same source's figure without float8); empty where it names none (the default then)."""
+    if not e.get("float8_base"):
+        return {}
+    base = {x["id"]: x for x in load_published()}[e["float8_base"]]
+    return anchored_calibration(base, system)
 
 
 def _project(
@@ -342,7 +360,10 @@ def role(e: dict[str, Any]) -> str:
     """What entry ``e`` is to the defaults: "sets" (an evidence of hardware.yaml's default_efficiency), "held
     out" (listed there as such) or "neither"."""
     cat = builtin()
-    if any(e["id"] in d.evidence for d in cat.evidence.values()):
+    evidence = {ev for d in cat.evidence.values() for ev in d.evidence}
+    bases = {x.get("float8_base") for x in load_published() if x["id"] in evidence}
+    # a float8 default's base (``float8_base``) prices its unconverted part: it sets that default too
+    if e["id"] in evidence or e["id"] in bases:
         return "sets"
     return "held out" if e["id"] in cat.held_out else "neither"
 
@@ -445,6 +466,30 @@ def single_table(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[floa
     return errors
 
 
+def float8_table(entries: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """Print every float8 figure (precision fp8) against the projection with hardware.yaml's defaults only (no
+    calibration: the fp8 default for the converted Linears, the bf16 default for the rest); returns the errors per
+    role (sets / held out / neither)."""
+    print("| entry | role | GPU | GPUs (nodes) | published | default projection | error | float8 share of the FLOPs "
+          "| fp8 efficiency | rest (bf16) efficiency | step: compute / comm (exposed) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    errors: dict[str, list[float]] = {}
+    for e in (x for x in entries if x["precision"] == "fp8"):
+        p = _project(e, config(e), system_of(e), None)
+        r, pred = role(e), None if p.status != "ok" or not p.throughput else in_unit(e, p.throughput)
+        err = None if pred is None else pred / e["throughput"] - 1
+        if err is not None:
+            errors.setdefault(r, []).append(err)
+        f8 = p.float8 or {}
+        step = "-" if pred is None else f"{p.step_s:.2f} s: {p.compute_s:.2f} / {p.comm_s:.2f}"
+        step += "" if pred is None else f" ({p.comm_exposed_s * 1e3:.0f} ms)"
+        print(f"| {e['id']} | {r} | {e['gpu']} | {e['gpus']} ({e['nodes']}) | {e['throughput']:,g} {e['unit']} | "
+              f"{f'{pred:,.0f}' if pred is not None else 'n/a: ' + p.reason} | {_pct(err)} | "
+              f"{f8.get('flops_share', 0):.1%} | {f8.get('efficiency', 0):.1%} | "
+              f"{'-' if p.efficiency is None else f'{p.efficiency:.1%}'} | {step} |")  # fmt: skip
+    return errors
+
+
 def method_label(e: dict[str, Any]) -> str:
     """The entry's method and options, short: "deepspeed z3 + hpZ 16 + qwZ + qgZ", "fsdp replicate 16"."""
     o = dict(e.get("strategy_options") or {})
@@ -530,6 +575,18 @@ def main() -> None:
         for basis, label in (("new", "evidence-based default"), ("old", "old per-precision constant")):
             if r in errors:
                 print("- " + _summary(f"{r}, {label}", errors[r][basis]))
+    print()
+    print("## float8: hardware.yaml's fp8 default vs each published float8 figure (no calibration)")
+    print()
+    print("The converted Linears' products at the GPU's fp8 peak x the fp8 default, the rest at the bf16 default "
+          "(no torch.compile: the projection does not model it; every float8 figure here ran with it). fsdp gathers "
+          "bf16 parameters here; the H200 runs gathered float8 ones (half the bytes), hidden under compute either "
+          "way (the exposed column).")  # fmt: skip
+    print()
+    float8_errors = float8_table(entries)
+    print()
+    for r, errs in float8_errors.items():
+        print("- " + _summary(f"float8, {r}", errs))
     print()
     print("## Multi-node sharded: HSDP, ZeRO-3, ZeRO++ (issue 45), each predicted from its anchor only")
     print()

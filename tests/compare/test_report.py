@@ -362,7 +362,8 @@ def test_a_rows_mesh_names_its_devices_in_the_table_and_the_csv(tmp_path):
 
 def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
     """llm-tp (the tp benchmark) and llm-quick's tp row: every cell's configuration passes the checks a sweep
-    makes before any work on this CPU, 2D and 3D on 4 processes included; the GPU llm preset adds tp rows."""
+    makes before any work on this CPU, 2D and 3D on 4 processes included; the GPU llm preset adds tp rows and an
+    fsdp row with float8 Linears."""
     from stratbench.compare.matrix import PRESETS, plan, preset_llm
 
     for name in ("llm-tp", "llm-quick"):
@@ -377,8 +378,12 @@ def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
     from stratbench.compare import matrix as matrix_mod
 
     monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 4)
-    gpu = {(c.name, c.world_size) for c in build_matrix(preset_llm()).cells}
-    assert {("tp", 4), ("fsdp+tp", 4)} <= gpu, gpu
+    cells = build_matrix(preset_llm()).cells
+    gpu = {(c.name, c.world_size) for c in cells}
+    assert {("tp", 4), ("fsdp+tp", 4), ("fsdp+fp8", 4)} <= gpu, gpu
+    # torchtitan's recipe: float8 Linears, bf16 elsewhere
+    fp8 = next(c for c in cells if c.name == "fsdp+fp8")
+    assert (fp8.method, fp8.precision, fp8.config.get("float8")) == ("fsdp", "bf16-mixed", "tensorwise")
 
 
 # ---- refused in one line, before anything is written: a bad sweep.json, a record of the wrong type, merged twins ----

@@ -185,7 +185,7 @@ def test_user_file_extends_the_builtin_catalogue(tmp_path):
         (("links", "mylink", "bandwidth"), float("inf"), "inf must be a positive, finite number"),
         (("links", "mylink", "latency"), float("nan"), "nan must be a non-negative, finite number"),
         (("gpus", "mygpu", "memory"), "inf GB", "'inf GB' must be a positive, finite number"),
-        (("gpus", "mygpu", "peak_flops"), {"fp8": "3 TFLOP/s"}, "unknown precision 'fp8'"),
+        (("gpus", "mygpu", "peak_flops"), {"fp4": "3 TFLOP/s"}, "unknown precision 'fp4'"),
         (("gpus", "mygpu", "match"), "([", "is not a regular expression"),
         (("gpus", "mygpu", "memroy"), "16 GB", "unknown field 'memroy'"),
         (("links", "mylink", "bandwidth"), 10, "needs a unit"),
@@ -790,7 +790,10 @@ def test_every_default_in_the_data_names_its_evidence():
     data = yaml.safe_load(hardware.BUILTIN.read_text())["default_efficiency"]
     published = {e["id"]: e for e in yaml.safe_load(hardware.PUBLISHED.read_text())["entries"]}
     held = set(data["held_out"])
-    assert held and held <= set(published) and all(published[h]["gpus"] == 1 for h in held)
+    assert held and held <= set(published)
+    # 1-GPU figures, and the float8 figures the fp8 default (set from an 8-GPU figure: no 1-GPU float8 one) is
+    # checked against
+    assert all(published[h]["gpus"] == 1 or published[h]["precision"] == "fp8" for h in held)
     seen = set()
     for e in data["entries"]:
         evidence = [*e.get("published", []), *e.get("runs", [])]

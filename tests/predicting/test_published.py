@@ -67,8 +67,24 @@ def test_predict_one_entry_from_its_own_one_gpu_figure(projection_published) -> 
 
 def test_an_entry_stratbench_cannot_express_is_na_with_its_reason(projection_published) -> None:
     by_id = {e["id"]: e for e in projection_published.load_published()}
-    row = projection_published.predict(by_id["torchtitan-llama3-8b-h200-fp8-64gpu"], by_id)
-    assert row.predicted is None and "fp8" in row.reason
+    row = projection_published.predict(by_id["zeropp-gpt49b-v100-z3-1k-ib4"], by_id)
+    assert row.predicted is None and "shape" in row.reason
+
+
+def test_a_float8_figure_is_priced_as_float8_and_anchored_on_the_fp8_efficiency(projection_published) -> None:
+    """torchtitan's float8 figures are projected as --float8 tensorwise with bf16-mixed; anchoring one solves for the
+    fp8 efficiency with the rest at the efficiency of its float8_base (the same table's compile-only figure)."""
+    by_id = {e["id"]: e for e in projection_published.load_published()}
+    e = by_id["torchtitan-llama3-8b-h100-fp8-8gpu"]
+    cfg = projection_published.config(e)
+    assert (cfg.float8, cfg.precision) == ("tensorwise", "bf16-mixed")
+    system = projection_published.system_of(e)
+    cal = projection_published.anchored_calibration(e, system)
+    base = projection_published.anchored_calibration(by_id[e["float8_base"]], system)
+    assert set(cal) == {"bf16", "fp8"} and cal["bf16"].efficiency == base["bf16"].efficiency
+    p = projection_published._project(e, cfg, system, cal)
+    assert projection_published.in_unit(e, p.throughput) == pytest.approx(e["throughput"], rel=1e-6)
+    assert p.float8["efficiency"] == cal["fp8"].efficiency and "anchored on" in p.float8["source"]
 
 
 def test_the_multi_node_entries_load_and_name_known_systems_and_models(projection_published) -> None:

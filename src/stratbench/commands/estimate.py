@@ -33,7 +33,7 @@ from stratbench.measuring.hardware import resolve
 from stratbench.models.hf import default_seq_len, is_hf_name
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
-from stratbench.predicting.projection import load_calibration
+from stratbench.predicting.projection import float8_refusal, load_calibration
 from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows, none_answered
 from stratbench.strategies.base import all_strategies, get_strategy
 
@@ -328,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
     check_common(args)
     system, calibration = time_setup(args)
     args.tf32 = check_tf32(args, system)
+    if system is not None and (why := float8_refusal(args.float8, system.gpu)):
+        raise ConfigError(why)  # as train refuses such a device, before any work
     if system is not None:
         device_memory = est.parse_bytes(args.device_memory)
     settings = RowSettings(
@@ -528,7 +530,13 @@ def print_time_table(console, results, system, args, calibration, device_memory,
         said = src if src.startswith(origin) else f"{origin}, {src}"  # default / hardware file / calibration
         if origin == "default":  # evidence from other runs, not this model's: say so
             said = f"UNCALIBRATED, {said}; --calibrate result.json from one real run replaces it"
-        console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}")
+        console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}", markup=False)
+    for recipe, share, peak, eff, src in sorted({tuple(p["float8"].values()) for p in projections if p.get("float8")}):
+        console.print(
+            f"float8 ({recipe}): the converted Linears' {share:.1%} of the FLOPs priced at {gpu.name}'s fp8 peak "
+            f"{peak / 1e12:,.0f} TFLOP/s x {eff:.1%} ({src}); the rest at the efficiency above",
+            markup=False,  # a source's "[note]" is text, not rich markup
+        )
     console.print(
         f"overlap of forward/backward communication with compute: {system.overlap:.0%} ({system.overlap_source}); "
         "scaling eff. = throughput / (devices x one device at the same per-device batch); "

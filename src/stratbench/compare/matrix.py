@@ -546,7 +546,8 @@ def _tensor_parallel_cells(world: int, precision: str) -> list[dict[str, Any]]:
 
 
 def preset_llm() -> dict[str, Any]:
-    """The 1B-class Llama at sequence 2048 on the GPUs here, bf16-mixed, each method within the device's memory."""
+    """The 1B-class Llama at sequence 2048 on the GPUs here, bf16-mixed, each method within the device's memory
+    (and fsdp with float8 Linears, ``--float8 tensorwise``, where the GPU has float8 units)."""
     world = max(1, _gpu_count())
     return {
         "name": "llm",
@@ -591,6 +592,14 @@ def preset_llm() -> dict[str, Any]:
                 "config": {"activation_checkpointing": True, "ac_mode": "selective"},
                 "label": "fsdp+sac",
             },  # fmt: skip
+            # torchtitan's float8 recipe (float8 Linears, bf16 elsewhere); without --compile, as the other rows. A GPU
+            # without float8 units (compute capability below 8.9) refuses it in one line: recorded as skipped.
+            {
+                "method": "fsdp",
+                "precision": "bf16-mixed",
+                "config": {"float8": "tensorwise"},
+                "label": "fsdp+fp8",
+            },
             {
                 "method": "deepspeed",
                 "precision": "bf16-mixed",

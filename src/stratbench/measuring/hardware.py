@@ -22,7 +22,7 @@ from stratbench.measuring.comm import KINDS
 BUILTIN = Path(__file__).with_name("hardware.yaml")
 PUBLISHED = Path(__file__).with_name("published.yaml")
 """Published training throughputs (their ids are the evidence ``default_efficiency`` entries name)."""
-PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16")
+PRECISION_KEYS = ("fp64", "fp32", "tf32", "bf16", "fp16", "fp8")
 FAMILIES = ("convnet", "transformer")
 """Model families with their own default efficiencies (``stratbench.models.family`` decides a model's)."""
 

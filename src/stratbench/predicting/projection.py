@@ -5,7 +5,9 @@ Per optimizer step and device (docs/projection.md has every formula and why):
 
 * **compute** = FLOPs per sample (counted by ``torch.utils.flop_counter``) x samples per device / (dense peak of
   the precision x achieved efficiency x the device's share of its node), + a fixed per-step overhead where a
-  calibration measured one. Forward is 1/3 of it, backward 2/3; activation checkpointing adds one forward.
+  calibration measured one. Forward is 1/3 of it, backward 2/3; activation checkpointing adds one forward. With
+  ``--float8`` the converted Linears' products run at the GPU's fp8 peak x the fp8 efficiency and the rest
+  (attention, norms, the output head) at the precision's (``float8_rate``).
 * **communication** from the method's own ``comm_model`` rows (kind, payload, calls, phase, group): an
   alpha-beta ring cost, ``calls x call latency + steps x alpha + wire factor x payload / bandwidth``, and
   hierarchical when the group spans nodes (intra-node reduce-scatter, inter-node all-reduce of 1/g of the
@@ -43,8 +45,9 @@ from stratbench.measuring.hardware import Gpu, HardwareError, InputPipeline, Lin
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.measuring.records import RunRecord, number, record_problem
 from stratbench.models.family import family_of
-from stratbench.models.flops import flops_by_op
+from stratbench.models.flops import flops_by_op, linear_flops
 from stratbench.models.transforms import FORWARD_SHARE, flops_factor
+from stratbench.models.transforms.float8 import convertible
 from stratbench.predicting.estimate import estimate
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, loop_collectives
@@ -76,6 +79,53 @@ def model_flops(cfg: TrainConfig) -> float | None:
 def model_family(cfg: TrainConfig) -> str | None:
     """convnet, transformer or None for the config's model (``stratbench.models.family``'s rule, cached)."""
     return _counted(ModelSpec.from_config(cfg))[1]
+
+
+@functools.cache
+def _float8_counted(spec: ModelSpec) -> float | None:
+    return linear_flops(spec.build, spec.sample_shape, convertible, spec.is_text)
+
+
+def float8_flops(cfg: TrainConfig) -> float | None:
+    """Forward+backward FLOPs of one sample in the Linears ``--float8`` converts (``transforms.float8.convertible``:
+    all but the output head, dimensions multiples of 16), counted on the meta device, cached."""
+    return _float8_counted(ModelSpec.from_config(cfg))
+
+
+def float8_refusal(recipe: str, gpu: Gpu) -> str | None:
+    """Why a ``--float8 recipe`` run cannot be projected on ``gpu``, in one line (a GPU without float8 units: no
+    fp8 peak in its profile, as train refuses such a device); None where it can or ``recipe`` is "none"."""
+    if recipe == "none" or gpu.peak("fp8") is not None:
+        return None
+    return (
+        f"--float8 {recipe} needs a GPU with float8 units (compute capability 8.9 or later: Ada, Hopper, "
+        f"Blackwell); {gpu.name} ({gpu.key}) has none: no fp8 peak in its hardware profile"
+    )
+
+
+def float8_rate(
+    out: MethodProjection, cfg: TrainConfig, gpu: Gpu, flops: float, achieved: float,
+    calibration: Calibrations | None,
+) -> float:  # fmt: skip
+    """The FLOP/s a step of ``cfg`` achieves: ``achieved`` (the precision's peak x efficiency) without
+    ``--float8``; with it, the converted Linears' share of the ``flops`` (``float8_flops``) runs at the fp8 peak x
+    the fp8 efficiency (a calibration's ``fp8`` entry, the user's hardware file, else the evidence-based default)
+    and the rest at ``achieved``: seconds add, so the rate is their FLOP-weighted harmonic mean. What was used goes
+    on ``out.float8``. The caller has checked the GPU's fp8 peak (``float8_refusal``)."""
+    if cfg.float8 == "none":
+        return achieved
+    share = min(1.0, (float8_flops(cfg) or 0.0) / flops)
+    peak = gpu.peak("fp8") or 0.0
+    cal = (calibration or {}).get("fp8")
+    if cal is not None:
+        eff, source = cal.efficiency, f"calibration, {cal.source}"
+    elif gpu.efficiency_source.get("fp8"):
+        eff, source = gpu.efficiency["fp8"], f"{gpu.efficiency_source['fp8']} (gpus.{gpu.key}.efficiency.fp8)"
+    else:
+        d = gpu.default_efficiency("fp8", out.model_family)
+        eff, source = d.value, f"default: {d.source}" + (f" [{d.note}]" if d.note else "")
+    out.float8 = dict(recipe=cfg.float8, flops_share=share, fp8_peak=peak, efficiency=eff, source=source)
+    return 1.0 / (share / (peak * eff) + (1.0 - share) / achieved)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -230,7 +280,13 @@ def _result_config(rec: RunRecord, where: str) -> TrainConfig:
     _check_status(rec.status, where)
     if not rec.config:
         raise _not_a_result(where)
-    return from_dict(TrainConfig, dict(rec.config))
+    cfg = from_dict(TrainConfig, dict(rec.config))
+    if cfg.float8 != "none":
+        raise ConfigError(
+            f"{where}: a --float8 run cannot calibrate (its Linears ran at the fp8 peak, the rest at "
+            f"{cfg.precision}'s); calibrate on the same run without --float8"
+        )
+    return cfg
 
 
 def _run_world(rec: RunRecord, cfg: TrainConfig) -> int:
@@ -570,6 +626,9 @@ class MethodProjection:
     placement_note: str = ""
     """Said where tensor parallelism spans nodes (``placement_note``): priced so, but slow."""
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
+    float8: dict[str, Any] = field(default_factory=dict)
+    """A ``--float8`` run's pricing (``float8_rate``): recipe, the converted Linears' share of the FLOPs, the fp8
+    peak (FLOP/s), its efficiency and that efficiency's source; empty without ``--float8``."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -610,15 +669,17 @@ def project(
         return out
     key = precision_key(cfg.precision, cfg.tf32)
     peak = system.gpu.peak(key)
-    if peak is None:
-        out.status, out.reason = "error", f"{system.gpu.name} has no {key} peak in the hardware profiles"
+    if peak is None or float8_refusal(cfg.float8, system.gpu):
+        no_peak = f"{system.gpu.name} has no {key} peak in the hardware profiles"
+        out.status, out.reason = "error", float8_refusal(cfg.float8, system.gpu) or no_peak
         return out
     out.model_family = model_family(cfg)
     eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
+    achieved = float8_rate(out, cfg, system.gpu, flops, peak * eff, calibration)
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
     # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
     flops_on_path = flops * samples * flops_factor(cfg)  # the model transforms' (activation checkpointing)
-    forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), peak * eff,
+    forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), achieved,
                                  overhead, cal)  # fmt: skip
     _communication(out, rows, system, float(cls.cost.comm_overlap(ctx)), forward, backward)
     if not _optimizer_and_offload(out, cfg, world, system, device_type):
@@ -954,6 +1015,13 @@ def _predict(
         return RecordPrediction(reason=str(exc))
     if p.status != "ok" or not p.step_s:
         return RecordPrediction(reason=p.reason or p.status, system=system.key)
-    return RecordPrediction(
-        p.step_s, "", system.key, calibration is not None, p.dominant, p.efficiency_source
-    )
+    return RecordPrediction(p.step_s, "", system.key, calibration is not None, p.dominant, _basis(p))
+
+
+def _basis(p: MethodProjection) -> str:
+    """What a prediction rests on, in words: the efficiency's source, and a --float8 run's fp8 pricing."""
+    if not p.float8:
+        return p.efficiency_source
+    f8 = p.float8
+    return (f"{p.efficiency_source}; float8 Linears ({f8['flops_share']:.0%} of the FLOPs) at the fp8 peak x "
+            f"{f8['efficiency']:.1%} ({f8['source']})")  # fmt: skip

@@ -52,7 +52,7 @@ class Float8(Transform):
     traced = True
     cost = Cost(
         activations="each converted Linear's saved input and weight as float8 casts (tensorwise; traced)",
-        flops="the same matmuls, in float8 (the projection's compute peak is the run's precision's)",
+        flops="the same matmuls, in float8: the projection prices them at the GPU's fp8 peak (projection.float8_rate)",
         note="weights, gradients and optimizer state unchanged (the run's precision)",
     )
 
