@@ -41,8 +41,11 @@ class ActivationCheckpointing(Transform):
     @property
     def cost(self) -> Cost:  # type: ignore[override]
         share = recomputed_share(self.mode)
+        traced = "the estimate traces it checkpointed"
+        if ac_budget(self.mode) is not None:
+            traced = "the estimate: between no and full checkpointing's traces, as measured (docs/memory.md)"
         return Cost(
-            activations="what the mode keeps through backward (the estimate traces it checkpointed)",
+            activations=f"what the mode keeps through backward ({traced})",
             flops=f"{share:g} of each block's forward runs again in backward ({self.mode})",
             flops_factor=1.0 + FORWARD_SHARE * share,
         )
