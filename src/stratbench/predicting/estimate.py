@@ -99,7 +99,7 @@ BUDGET_NOTE = (
     "budget:F: at most F of no checkpointing's saved bytes (the partitioner's knapsack keeps at most F of what its "
     "default keeps, which is less than eager's); working peak midway between no and full checkpointing's traces, "
     "since the compiler recomputes across the whole graph in backward (no block boundaries), so its peak does not "
-    "fall with F: measured 0.39-0.66 of the way from full's to none's for F 0.1-0.9 (docs/memory.md)"
+    "fall with F: measured 0.36-0.66 of the way from full's to none's for F 0.1-0.9 (docs/memory.md)"
 )
 """The estimate's basis for ``--ac-mode budget:F`` (docs/memory.md, "Activation checkpointing modes": the runs)."""
 
