@@ -56,7 +56,7 @@ def test_sizes_have_their_published_parameter_counts_on_meta(name):
     assert time.perf_counter() - start < 10 or name == "gpt-tiny"
     n = count_parameters(model)
     assert n == parameter_count(model.config)
-    if name == "gpt-tiny":
+    if name.startswith("gpt-tiny"):  # gpt-tiny and gpt-tiny-long (its widths, a longer context)
         assert 1_000_000 <= n <= 3_000_000
     else:
         assert abs(n / PUBLISHED[name] - 1) < 0.01, (name, n)

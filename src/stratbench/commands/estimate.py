@@ -74,8 +74,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--activation-checkpointing", action="store_true", help="recompute each residual block"
     )
     parser.add_argument(
-        "--ac-mode", default="full", help="with --activation-checkpointing: full, selective or every:N (train's)"
-    )
+        "--ac-mode", default="full",
+        help="with --activation-checkpointing: full, selective, every:N or budget:F (with --compile; train's)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile", action="store_true",
+        help="the run compiles (train's --compile): what budget:F needs; the estimate models no other effect of it",
+    )  # fmt: skip
     parser.add_argument(
         "--float8", default="none", choices=CHOICES["float8"],
         help="float8 Linears through torchao (train's): the trace sees what they save for backward",
@@ -113,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="resnet50",
-        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt2-small, llama-1b, llama-8b, llama-8b-long: give "
+        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt-tiny-long, gpt2-small, llama-1b, llama-8b, llama-8b-long: give "
         "it text --data), or a builder 'pkg.module:build'",
     )  # fmt: skip
     parser.add_argument(
@@ -287,7 +292,7 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         precision=args.precision, tf32=args.tf32, strategy=strategy, nnodes=args.nnodes,
         strategy_options=strategy_options_from_args(args, strategy, strict=args.strategy != "all"),
         optimizer=args.optimizer, momentum=args.momentum, activation_checkpointing=args.activation_checkpointing,
-        ac_mode=args.ac_mode,
+        ac_mode=args.ac_mode, compile=args.compile,
         lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=args.lora_dropout,
         lora_targets=args.lora_targets, quantize_base=args.quantize_base, float8=args.float8,
     )  # fmt: skip

@@ -727,6 +727,53 @@ def preset_llm_ft() -> dict[str, Any]:
     }
 
 
+LLM_LONG_BASE: dict[str, Any] = {
+    "model": "gpt-tiny-long",
+    "data": "text",
+    "max_steps": 3,
+    "optimizer": "adamw",
+    "lr": 1e-3,
+    "eval_samples": 2,
+    "timing_warmup_steps": 1,
+    "measure_flops": False,
+}
+"""gpt-tiny's widths with a 4096-token context, 3 steps of AdamW (--measure-alloc samples step 2)."""
+
+LLM_LONG_SEQS = (4096, 1024)
+"""The sequences of llm-long: the long one first (its rows keep the methods' names, single's is the baseline),
+then a short one (each row's label ends in -1k)."""
+
+
+def preset_llm_long() -> dict[str, Any]:
+    """Long sequences on a CPU: gpt-tiny-long at 4096 and 1024 tokens under single, fsdp, fsdp with selective
+    and with full activation checkpointing, and fsdp --cp 2 (one sequence over the 2 ranks), one sequence per
+    data-parallel rank, so that each row's memory is one rank's for one sequence (cp's: half of one)."""
+    sac = {"activation_checkpointing": True, "ac_mode": "selective"}
+    rows = [("single", 1, {}, {}, "single"), ("fsdp", 2, {}, {}, "fsdp"),
+            ("fsdp", 2, {}, sac, "fsdp+sac"), ("fsdp", 2, {}, {"activation_checkpointing": True}, "fsdp+ac"),
+            ("fsdp", 1, {"cp": 2}, {}, "fsdp-cp2")]  # fmt: skip
+    cells = []
+    for seq in LLM_LONG_SEQS:
+        suffix = "" if seq == LLM_LONG_SEQS[0] else f"-{seq // 1024}k"
+        for method, batch, options, config, name in rows:
+            label = name + suffix
+            entry = {"method": method, "precision": "fp32", "batch_size": batch, "options": options,
+                     "config": {"seq_len": seq, **config}}  # fmt: skip
+            cells.append(entry | ({"label": label} if label != method else {}))
+    return {
+        "name": "llm-long",
+        "description": "gpt-tiny-long (gpt-tiny's 1.87M parameters, a 4096-token context) on byte-level text of "
+        "the Python standard library at sequence 4096 and 1024 (-1k rows), 3 steps of AdamW in fp32, one sequence "
+        "per data-parallel rank: single (1 process), fsdp, fsdp with selective (+sac) and full (+ac) activation "
+        "checkpointing on 2 processes (global batch 2), and fsdp --cp 2 (Ulysses: 1 sequence split over the 2 "
+        "processes, global batch 1); each row's memory is one rank's",
+        "base": dict(LLM_LONG_BASE),
+        "world_size": 2,
+        "timeout_s": 600,
+        "cells": cells,
+    }
+
+
 PRESETS = {
     "quick": preset_quick,
     "seed": preset_seed,
@@ -739,6 +786,7 @@ PRESETS = {
     "llm": preset_llm,
     "ft-quick": preset_ft_quick,
     "llm-ft": preset_llm_ft,
+    "llm-long": preset_llm_long,
 }
 PRESET_HELP = {
     "quick": "default; every CPU method, tinynet on digits, minutes on 2 cores",
@@ -752,6 +800,7 @@ PRESET_HELP = {
     "llm": "a 1B Llama at sequence 2048 on the GPUs here",
     "ft-quick": "fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW",
     "llm-ft": "Llama-3-8B fine-tuning on GPUs: full, LoRA, QLoRA",
+    "llm-long": "long sequences on CPU: activation checkpointing and context parallelism at 1k and 4k tokens",
 }
 """One line per preset for ``compare --help`` (every preset listed; a test keeps the two in step)."""
 WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick")

@@ -67,7 +67,7 @@ class TrainConfig:
     model: str = "tinynet"
     """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
     'package.module:function' (called with num_classes=N), found from the working directory; text data: gpt-tiny,
-    gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), or a Hugging Face causal LM
+    gpt-tiny-long (a 4096-token context), gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), or a Hugging Face causal LM
     'hf:FOLDER' (a config.json, optionally safetensors weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the
     hf extra)."""
     weights: str | None = None
@@ -158,7 +158,9 @@ class TrainConfig:
     ac_mode: str = "full"
     """With --activation-checkpointing, what is recomputed: full (every block's activations), selective
     (torchtitan's op policy: every block keeps its attention's output and every other matmul's, recomputes the
-    rest), or every:N (full recomputation of one block in N: blocks 0, N, 2N, ...)."""
+    rest), every:N (full recomputation of one block in N: blocks 0, N, 2N, ...), or budget:F with --compile
+    (0 < F < 1: the compiler's activation memory budget; its min-cut partitioner keeps at most F of the bytes its
+    default would keep and recomputes the rest, across the whole compiled graph)."""
     # --- LoRA adapters (models/transforms/lora.py, the lora extra: peft) ----------------------------
     lora_rank: int = 0
     """LoRA: rank of the low-rank adapters PEFT adds to the targeted Linear layers, the base weights frozen (no
@@ -636,6 +638,11 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     check_ac_mode(cfg.ac_mode)
+    if cfg.activation_checkpointing and ac_budget(cfg.ac_mode) is not None and not cfg.compile:
+        raise ConfigError(
+            f"ac_mode {cfg.ac_mode!r} is the compiler's activation memory budget and needs --compile; "
+            f"without it choose one of: {', '.join(m for m in AC_MODES if not m.startswith('budget'))}"
+        )
     check_lora(cfg)
     check_float8(cfg)
     if is_hf_init(cfg.init_from):
@@ -647,17 +654,37 @@ def validate(cfg: TrainConfig) -> None:
         )
 
 
-AC_MODES = ("full", "selective", "every:N")
+AC_MODES = ("full", "selective", "every:N", "budget:F")
+
+
+def ac_budget(mode: str) -> float | None:
+    """F of a budget:F ``ac_mode`` (checked by ``check_ac_mode``), None for the other modes."""
+    return float(mode.removeprefix("budget:")) if mode.startswith("budget:") else None
 
 
 def check_ac_mode(mode: str) -> None:
-    """full, selective or every:N with N a positive integer; one line naming the bad value otherwise."""
+    """full, selective, every:N with N a positive integer, or budget:F with 0 < F < 1; one line naming the bad
+    value otherwise."""
     if mode in ("full", "selective"):
         return
     n = mode.removeprefix("every:")
     if mode.startswith("every:") and n.isdigit() and int(n) >= 1:
         return
-    raise ConfigError(f"unknown ac_mode {mode!r}; choose one of: {', '.join(AC_MODES)} (N a positive integer)")
+    f = mode.removeprefix("budget:")
+    if mode.startswith("budget:"):
+        try:
+            value = float(f)
+        except ValueError:
+            value = math.nan
+        if 0 < value < 1:
+            return
+        raise ConfigError(
+            f"ac_mode {mode!r}: the activation memory budget F must be a number with 0 < F < 1 (0.5 keeps at most "
+            f"half of what the compiler would keep), got {f!r}"
+        )
+    raise ConfigError(
+        f"unknown ac_mode {mode!r}; choose one of: {', '.join(AC_MODES)} (N a positive integer, 0 < F < 1)"
+    )
 
 
 def check_lora(cfg: TrainConfig) -> None:

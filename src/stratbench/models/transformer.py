@@ -145,6 +145,13 @@ SIZES: dict[str, TransformerConfig] = {
         vocab_size=256, dim=192, n_layers=4, n_heads=4, ffn_hidden=512, max_seq_len=256, tie_embeddings=False,
         init="gpt2",
     ),
+    # gpt-tiny's widths (the same 1.87M parameters) with a 4096-token context, for long-sequence runs on a CPU
+    # (the compare preset llm-long: activation checkpointing and context parallelism at 1k-4k tokens); rotary
+    # positions hold no table, so only the limit changes.
+    "gpt-tiny-long": TransformerConfig(
+        vocab_size=256, dim=192, n_layers=4, n_heads=4, ffn_hidden=512, max_seq_len=4096, tie_embeddings=False,
+        init="gpt2",
+    ),
     # GPT-2 small's width and depth (Radford et al. 2019); SwiGLU 3 x 768 x 2048 = GPT-2's 2 x 768 x 3072, and
     # vocab 50304 = 50257 padded to a multiple of 64 (nanoGPT). Rotary instead of learned positions and no
     # biases: 123.6M parameters against GPT-2's 124.4M.

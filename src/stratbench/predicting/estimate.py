@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from stratbench.core.config import TrainConfig, from_dict
+from stratbench.core.config import TrainConfig, ac_budget, from_dict
 from stratbench.core.errors import ConfigError, StratbenchError
 from stratbench.core.precision import SPECS, cpu_native_16bit, spec_of
 from stratbench.core.user_code import one_line
@@ -93,6 +93,15 @@ CPU_LIBRARY_BYTES: dict[str, int] = {
     # products): 1.79-1.86 MiB at 64 tokens, 2.05 at 256, 2.77 at 1024
     "16-bit attention": 7 * MiB // 4,
 }
+
+
+BUDGET_NOTE = (
+    "budget:F: at most F of no checkpointing's saved bytes (the partitioner's knapsack keeps at most F of what its "
+    "default keeps, which is less than eager's); working peak midway between no and full checkpointing's traces, "
+    "since the compiler recomputes across the whole graph in backward (no block boundaries), so its peak does not "
+    "fall with F: measured 0.36-0.66 of the way from full's to none's for F 0.1-0.9 (docs/memory.md)"
+)
+"""The estimate's basis for ``--ac-mode budget:F`` (docs/memory.md, "Activation checkpointing modes": the runs)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -239,6 +248,12 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
     grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
+    budget = ac_budget(cfg.ac_mode) if cfg.activation_checkpointing else None
+    if budget is not None:  # the trace above wraps no block: no checkpointing's
+        full_ac = traced_transforms(cfg.replace(ac_mode="full"))
+        full = _trace(spec, mb, run_as, full_ac, device_type, s.trace_transform)
+        fwd_bwd = (fwd_bwd + _working_peak(full, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)) // 2
+        return int(budget * trace.saved_bytes), f"traced at micro-batch {mb}; {BUDGET_NOTE}", fwd_bwd, None
     # the published formula knows no checkpointing or full checkpointing (selective and every:N: no cross-check)
     partial = cfg.activation_checkpointing and cfg.ac_mode != "full"
     check = None if partial else formula_check(spec, mb, run_as, cfg.activation_checkpointing, trace.saved_bytes)

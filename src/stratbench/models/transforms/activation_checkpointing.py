@@ -1,7 +1,8 @@
 """Activation checkpointing (``--activation-checkpointing``, ``--ac-mode``): each residual block's activations
 recomputed in the backward pass (full), one block in N (every:N), or inside every block only the cheap ops
 (selective: torchtitan's op policy keeps the attention's output and every other matmul's), so that less than
-the whole forward stays alive between forward and backward."""
+the whole forward stays alive between forward and backward. budget:F wraps nothing: the compiler's min-cut
+partitioner chooses what to recompute (``torch_compile.Compile`` scopes the budget to the run's compiled calls)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from stratbench.core.config import TrainConfig
+from stratbench.core.config import TrainConfig, ac_budget
 from stratbench.core.precision import Precision
 from stratbench.models.transforms.base import FORWARD_SHARE, Cost, Phase, Transform
 from stratbench.models.zoo import ac_every, apply_activation_checkpointing
@@ -17,7 +18,12 @@ from stratbench.models.zoo import ac_every, apply_activation_checkpointing
 
 def recomputed_share(mode: str) -> float:
     """The share of the forward's FLOPs run again in backward: all of it (full), one block in N (every:N; exact
-    where N divides the blocks), every other matmul of each block (selective: ~1/2)."""
+    where N divides the blocks), every other matmul of each block (selective: ~1/2), 1 - F under budget:F (an
+    upper bound: the partitioner's knapsack recomputes what is cheapest to run again first, the pointwise ops
+    before the matmuls, so the FLOPs it repeats are fewer than the share of the bytes it does not keep)."""
+    budget = ac_budget(mode)
+    if budget is not None:
+        return 1.0 - budget
     return 0.5 if mode == "selective" else 1.0 / ac_every(mode)
 
 
@@ -35,8 +41,11 @@ class ActivationCheckpointing(Transform):
     @property
     def cost(self) -> Cost:  # type: ignore[override]
         share = recomputed_share(self.mode)
+        traced = "the estimate traces it checkpointed"
+        if ac_budget(self.mode) is not None:
+            traced = "the estimate: between no and full checkpointing's traces, as measured (docs/memory.md)"
         return Cost(
-            activations="what the mode keeps through backward (the estimate traces it checkpointed)",
+            activations=f"what the mode keeps through backward ({traced})",
             flops=f"{share:g} of each block's forward runs again in backward ({self.mode})",
             flops_factor=1.0 + FORWARD_SHARE * share,
         )
@@ -51,5 +60,6 @@ class ActivationCheckpointing(Transform):
         return ActivationCheckpointing(cfg.ac_mode)
 
     def apply(self, model: nn.Module, precision: Precision | None) -> nn.Module:
-        apply_activation_checkpointing(model, self.mode)
+        if ac_budget(self.mode) is None:  # budget:F: the compiler recomputes, no block is wrapped
+            apply_activation_checkpointing(model, self.mode)
         return model
