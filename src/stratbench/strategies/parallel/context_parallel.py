@@ -182,14 +182,18 @@ def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
     """One line where ``--cp C`` cannot run: a world C does not divide, a model whose attention the plan cannot
     split (neither a built-in transformer nor a Hugging Face decoder whose attention goes plainly through
     transformers' attention interface: ``hf_unfit``), heads or key/value heads C does not divide, a sequence C
-    does not divide (text windows), --tp or --replicate beside it (not composed yet)."""
+    does not divide (text windows), --tp beside it (not composed yet), HSDP's shard groups (world / R consecutive
+    ranks) that C does not divide."""
     if cp == 1:
         return None
     if why := cp_world_unfit(cp, world):
         return why
-    if tp > 1 or replicate > 1:
-        other = f"--tp {tp}" if tp > 1 else f"--replicate {replicate}"
-        return f"fsdp --cp {cp} with {other} is not supported: context parallelism composes with plain FSDP (mesh dp x cp)"
+    if tp > 1:
+        return (f"fsdp --cp {cp} with --tp {tp} is not supported: context parallelism composes with FSDP and HSDP "
+                "(mesh dp x cp, replicate x shard x cp)")  # fmt: skip
+    if replicate > 1 and (world // replicate) % cp:
+        return (f"fsdp --cp {cp} --replicate {replicate}: shard groups of {world // replicate} ranks ({world} "
+                f"processes / {replicate}) do not divide into context-parallel groups of {cp}")  # fmt: skip
     if cfg.model not in SIZES and not is_hf_name(cfg.model):
         return (
             f"fsdp --cp {cp}: context parallelism splits the attention of the built-in transformers "
@@ -316,28 +320,38 @@ class CPChunk:
         apply_cp(model, None, 0, self.cp)
 
 
-def cp_mesh(model: nn.Module, env: Any, c: int) -> tuple[dict[str, int], Any, int]:
+def cp_mesh(model: nn.Module, env: Any, c: int, replicate: int = 1) -> tuple[dict[str, int], Any, int]:
     """A (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads, every attention made
-    Ulysses' (``apply_cp``), printed once; returns the mesh's shape, this rank's cp group and its place in it."""
+    Ulysses' (``apply_cp``), printed once; returns the mesh's shape ((replicate, shard, cp) under HSDP: FSDP2's
+    2-D mesh (replicate, shard x cp) holds each cp group inside a shard group), this rank's cp group and its place
+    in it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = env.world_size
     mesh = init_device_mesh(env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
     group, rank = mesh["cp"].get_group(), env.rank % c
     n = apply_cp(model, group, rank, c)
+    shape = {"dp": world // c, "cp": c}
+    shards = "FSDP2 shards over every rank"
+    if replicate > 1:
+        shape = {"replicate": replicate, "shard": world // (replicate * c), "cp": c}
+        shards = f"FSDP2 shards over shard x cp ({world // replicate} ranks), gradient shards all-reduced over replicate"
     if env.is_main:
-        print(f"fsdp mesh: dp {world // c} x cp {c}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read "
-              f"the same samples, 1/{c} of the positions each; {n} attentions exchange heads by all-to-all "
-              "(Ulysses); FSDP2 shards over every rank)", flush=True)  # fmt: skip
-    return {"dp": world // c, "cp": c}, group, rank
+        dims = " x ".join(f"{k} {v}" for k, v in shape.items())
+        print(f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read the same samples, "
+              f"1/{c} of the positions each; {n} attentions exchange heads by all-to-all (Ulysses); {shards})",
+              flush=True)  # fmt: skip
+    return shape, group, rank
 
 
-def cp_memory(ctx, rank: int, units_note: str) -> Any:
-    """--cp C: FSDP2's states sharded over every rank (``fsdp2_memory``); the activations of one chunk of T / C
-    positions of the replica's micro-batch (``CPChunk``: all positions of 1/C of the heads in attention)."""
-    c = ctx.options.cp
-    m = fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
-    m.sharding_note += f" over every rank (N = {ctx.world}); activations of T / {c} positions (cp {c})"
+def cp_memory(ctx, shard, at: int, units_note: str) -> Any:
+    """--cp C: FSDP2's states sharded over ``shard`` (every rank, or HSDP's shard group: ``fsdp2_memory``, this
+    rank ``at`` in it); the activations of one chunk of T / C positions of the replica's micro-batch (``CPChunk``:
+    all positions of 1/C of the heads in attention)."""
+    c, r = ctx.options.cp, ctx.options.replicate
+    m = fsdp2_memory(shard, at, ctx.options.sharding, ctx.options.cpu_offload)
+    over = f"over a shard group (N = {shard.world}), replicated {r}x" if r > 1 else f"over every rank (N = {ctx.world})"
+    m.sharding_note += f" {over}; activations of T / {c} positions (cp {c})"
     m.data_ranks = ctx.world // c
     m.trace_transform, m.trace_seq_len = CPChunk(c), ctx.cfg.seq_len // c
     m.units_note = units_note
