@@ -2,8 +2,9 @@
 and on 4 (dp 2 x cp 2) it trains exactly the model `single` trains (fp64, gradient clipping on), the validation
 loss included; the all-to-alls measured on each rank equal the formula to the byte (q, k, v and the output of
 every attention, forward and backward) and the memory estimate of a rank's chunk holds; padded fine-tuning data
-whose length does not divide by C trains the token mean `single` trains; a world, a model, heads, a sequence or a
-combination that does not fit is refused in one line before any work."""
+whose length does not divide by C trains the token mean `single` trains; with HSDP (--replicate 2 --cp 2, 4
+processes: replicate x shard x cp) the same, to the byte; a world, a model, heads, a sequence or a combination that
+does not fit is refused in one line before any work."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ def runs(tmp_path_factory) -> dict:
         "single": train(root / "single", "--strategy", "single", *LM64, *steps),
         "cp2": train(root / "cp2", *CP2, *LM64, *steps, *COMM, nproc=2),
         "dp2-cp2": train(root / "dp2-cp2", *CP2, *LM64, *steps, nproc=4),
+        "r2-cp2": train(root / "r2-cp2", *CP2, "--replicate", "2", *LM64, *steps, *COMM, nproc=4),
     }
 
 
@@ -100,6 +102,25 @@ def test_padded_fine_tuning_data_trains_the_token_mean_single_trains(tmp_path):
     assert cp["metrics"]["val_accuracy"] == pytest.approx(single["metrics"]["val_accuracy"], rel=RTOL)
 
 
+@pytest.mark.distributed
+@pytest.mark.equivalence
+def test_hsdp_with_cp_trains_the_model_single_trains_with_the_formulas_bytes(runs):
+    """--replicate 2 --cp 2 on 4 processes (replicate 2 x shard 1 x cp 2): FSDP2's 2-D mesh (replicate, shard x cp)
+    shards over each cp pair and all-reduces the gradient shards over the 2 replicas; each replica's cp pair
+    splits its 4 samples' positions. The curve and validation loss are single's, every collective is the formula's
+    to the byte (HSDP's gathers, reduce-scatters and replica all-reduces, Ulysses' all-to-alls at micro-batch 4),
+    and the estimate holds."""
+    res, ref = runs["r2-cp2"], runs["single"]
+    assert res["status"] == "ok" and res["mesh"] == {"replicate": 2, "shard": 1, "cp": 2}
+    assert res["data_parallel_size"] == 2 and res["micro_batch_size"] == BATCH // 2
+    assert_curves_match(res["metrics"]["loss_curve"], ref["metrics"]["loss_curve"], RTOL)
+    assert res["metrics"]["val_loss"] == pytest.approx(ref["metrics"]["val_loss"], rel=RTOL)
+    comm = assert_comm_matches_formula(res, tol=0.0)
+    per_layer = (BATCH // 2) * (SEQ // 2) * CFG.head_dim * (2 * CFG.n_heads + 2 * CFG.n_kv_heads) * 8
+    assert comm["measured"]["all_to_all"]["payload_bytes"] == 2 * CFG.n_layers * per_layer
+    assert_estimate_within(res, 0.10)
+
+
 def _cfg(**opts) -> TrainConfig:
     return TrainConfig(model="gpt-tiny", data="text", seq_len=SEQ, batch_size=BATCH, strategy="fsdp",
                        strategy_options=opts)  # fmt: skip
@@ -113,7 +134,7 @@ def test_cp_bad_input_is_one_line_before_any_work():
         (_cfg(cp=2).replace(seq_len=33), 2, "--seq-len 33 does not divide by 2"),
         (_cfg(cp=2).replace(model="tinynet", data="digits"), 2, "'tinynet' is not one"),
         (_cfg(cp=2, tp=2), 4, "--cp 2 with --tp 2 is not supported"),
-        (_cfg(cp=2, replicate=2, sharding="full"), 4, "--cp 2 with --replicate 2 is not supported"),
+        (_cfg(cp=2, replicate=2, sharding="full"), 6, "shard groups of 3 ranks .* do not divide into context-parallel groups of 2"),
     ]:
         why = FSDPStrategy.check_supported(cfg, cpu, world)
         assert why is not None and len(why.splitlines()) == 1, why

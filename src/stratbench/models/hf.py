@@ -259,6 +259,76 @@ def meta_facts(name: str, config: Any) -> MetaFacts:
     return _META_FACTS[key]
 
 
+PLAIN_ATTENTION_KWARGS = frozenset(
+    {"dropout", "scaling", "position_ids", "use_cache", "cache", "cache_position", "output_attentions"}
+)
+"""What a plain causal attention hands transformers' attention interface besides q, k, v and the mask (None or
+False values of other names too: a feature switched off)."""
+
+
+@dataclass(frozen=True)
+class AttentionCalls:
+    """What a model's attentions hand transformers' attention interface (``AttentionInterface``) in one forward,
+    recorded on the meta device: one (heads, key/value heads, head size) per call, whether every calling module
+    is causal, its sliding windows, the keyword arguments beyond a plain causal attention's (name=value), whether
+    the model takes ``position_ids``, and why the forward failed (None when it ran)."""
+
+    shapes: tuple[tuple[int, int, int], ...] = ()
+    causal: bool = True
+    windows: tuple[int, ...] = ()
+    extras: tuple[str, ...] = ()
+    takes_positions: bool = True
+    error: str | None = None
+
+
+_ATTENTION_CALLS: dict[str, AttentionCalls] = {}
+"""Per config (its JSON): one meta build and forward per process."""
+
+
+def attention_calls(name: str) -> AttentionCalls:
+    """``name``'s attentions as one forward of 4 tokens on the meta device shows them, through a recording
+    implementation registered in transformers' ``AttentionInterface`` (what context parallelism replaces);
+    a model whose attention does not go through it records no call."""
+    config = load_config(name)
+    key = config.to_json_string(use_diff=False)
+    if key not in _ATTENTION_CALLS:
+        _ATTENTION_CALLS[key] = _record_attention(config)
+    return _ATTENTION_CALLS[key]
+
+
+def _record_attention(config: Any) -> AttentionCalls:
+    import inspect
+
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    calls: list[tuple[tuple[int, int, int], bool, dict[str, Any]]] = []
+
+    def record(module, query, key, value, mask, **kwargs):
+        shape = (query.shape[1], key.shape[1], query.shape[3])
+        calls.append((shape, getattr(module, "is_causal", False), kwargs))
+        b, h, t, _ = query.shape
+        return query.new_empty(b, t, h, value.shape[3]), None
+
+    AttentionInterface.register("stratbench_probe", record)
+    try:
+        with torch.device("meta"), quiet_transformers():
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
+            model.set_attn_implementation("stratbench_probe")
+            model(input_ids=torch.zeros(1, 4, dtype=torch.long), use_cache=False)
+    except Exception as exc:
+        return AttentionCalls(error=one_line(exc))
+    plain = PLAIN_ATTENTION_KWARGS | {"sliding_window"}
+    extras = {f"{k}={'a tensor' if torch.is_tensor(v) else repr(v)}" for _, _, kw in calls for k, v in kw.items()
+              if k not in plain and v is not None and v is not False}  # fmt: skip
+    return AttentionCalls(
+        shapes=tuple(shape for shape, _, _ in calls),
+        causal=all(causal is True for _, causal, _ in calls),
+        windows=tuple(sorted({kw["sliding_window"] for _, _, kw in calls if kw.get("sliding_window")})),
+        extras=tuple(sorted(extras)),
+        takes_positions="position_ids" in inspect.signature(model.forward).parameters,
+    )
+
+
 def parameter_count(name: str) -> int:
     """Parameters of the model ``hf:...`` (tied weights once), counted on the meta device from its config alone:
     what the memory check, and an estimate, need without building it."""
@@ -505,6 +575,9 @@ class HFCausalLM(nn.Module):
         names = set(getattr(model, "_no_split_modules", None) or ())
         # Read by zoo.residual_block_types: the unit of FSDP wrapping and activation checkpointing.
         self._stratbench_block_types = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
+        self.chunk = 0
+        """Which chunk of its sequences a forward's tokens are: positions start at ``chunk`` x their length (a
+        context-parallel rank feeds chunk r of T / C positions, rotated or embedded at their global positions)."""
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         if tokens.dim() != 2:
@@ -517,7 +590,12 @@ class HFCausalLM(nn.Module):
             # which the meta device (FLOP counting) has not: the same causal mask, given ready-made.
             t = tokens.shape[1]
             mask = torch.ones(t, t, dtype=torch.bool, device=tokens.device).tril()[None, None]
-        logits = self.hf(input_ids=tokens, attention_mask=mask, use_cache=False).logits
+        positions = None
+        if self.chunk:
+            t = tokens.shape[1]
+            positions = torch.arange(self.chunk * t, (self.chunk + 1) * t, device=tokens.device)[None]
+        out = self.hf(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False)
+        logits = out.logits
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
 
 

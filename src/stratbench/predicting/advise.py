@@ -116,8 +116,9 @@ CP_DEGREES = (2, 4, 8)
 
 
 def _context_parallel_plans(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
-    """FSDP full shard with C-way context parallelism and activation checkpointing (the built-in transformers;
-    ``applicable`` drops them for other models and head counts C does not divide): for sequences whose
+    """FSDP full shard with C-way context parallelism and activation checkpointing (the built-in transformers and
+    Hugging Face decoders whose attention splits by heads; ``applicable`` drops them for other models and head
+    counts C does not divide): for sequences whose
     activations do not fit a device even checkpointed and split over tensor-parallel ranks. Each rank computes
     1/C of every sequence of its replica's batch: the tokens per rank of a data-parallel plan, no micro-steps
     added."""

@@ -38,7 +38,8 @@ its units stay the blocks and the root (no unit per BatchNorm).
 Context parallelism (``--cp C``, Ulysses): a (dp = world / C, cp = C) mesh; the C consecutive ranks of a cp group
 read the same samples, each takes 1/C of their positions, and each attention exchanges queries, keys, values and
 its output by all-to-all over the group (``parallel/context_parallel.py``). FSDP2 shards over every rank and
-averages the gradients over all of them, which makes the step's loss the token mean over every rank's chunk.
+averages the gradients over all of them, which makes the step's loss the token mean over every rank's chunk. With
+--replicate R the mesh is (replicate, shard, cp): FSDP2's HSDP mesh (R, world / R) shards over shard x cp.
 
 FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
 (``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
@@ -126,7 +127,7 @@ class FSDPOptions:
     replicate: int = 1
     """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
     cp: int = 1
-    """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers; heads, key/value heads and --seq-len must divide by C). 1: none."""
+    """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -352,7 +353,7 @@ class FSDPCost(CostModel):
         if why := replicate_unfit(opts, ctx.world) or cp_unfit(ctx.cfg, opts.cp, opts.tp, opts.replicate, ctx.world):
             raise ConfigError(why)
         if opts.cp > 1:
-            return cp_memory(ctx, rank, units_note)
+            return cp_memory(ctx, *shard_group(ctx, rank), units_note)
         if opts.tp == 1:
             shard, at = shard_group(ctx, rank)
             m = fsdp2_memory(shard, at, opts.sharding, opts.cpu_offload)
@@ -395,7 +396,7 @@ class FSDPCost(CostModel):
         with --tp T alone (dp = world / T, tp = T); else one dimension."""
         t, r, c = ctx.options.tp, ctx.options.replicate, ctx.options.cp
         if c > 1:
-            return {"dp": ctx.world // c, "cp": c}
+            return {"replicate": r, "shard": ctx.world // (r * c), "cp": c} if r > 1 else {"dp": ctx.world // c, "cp": c}
         if r > 1:
             return {"replicate": r, "shard": ctx.world // (r * t)} | ({"tp": t} if t > 1 else {})
         return {"dp": ctx.world // t, "tp": t} if t > 1 else {}
@@ -408,9 +409,11 @@ class FSDPCost(CostModel):
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
-        if ctx.options.replicate > 1:
-            return hsdp_comm(ctx, ctx.options.sharding, ctx.options.replicate) + clip
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
+        if ctx.options.replicate > 1:
+            rows = hsdp_comm(ctx, ctx.options.sharding, ctx.options.replicate) + clip
+            # with --cp, FSDP2 shards over shard x cp: world / R consecutive ranks, no one dimension of the mesh
+            return [dataclasses.replace(r, dim="") if cp and r.dim == "shard" else r for r in rows] + cp
         return fsdp2_comm(ctx, ctx.options.sharding) + cp + clip
 
 
@@ -567,7 +570,7 @@ class FSDPStrategy(LossParallel, Strategy):
 
     def _context_parallel(self, model: nn.Module, fsdp_mesh):
         """--cp C: this rank's cp group and place in it (``cp_mesh``); FSDP2 shards over all ranks (``fsdp_mesh``)."""
-        self.mesh_shape, self.cp_group, self.cp_rank = cp_mesh(model, self.env, self.options.cp)
+        self.mesh_shape, self.cp_group, self.cp_rank = cp_mesh(model, self.env, self.options.cp, self.options.replicate)
         return fsdp_mesh
 
     def move(self, model: nn.Module) -> nn.Module:

@@ -13,13 +13,19 @@ CPU; torch's ring attention (``context_parallel``) is CUDA-only
 
 The built-in transformer (``models.transformer``) takes it: each ``Attention`` becomes a ``UlyssesAttention``
 (the same module, parameters and state-dict keys, another ``forward``), so checkpoints load under any method.
-For the memory estimate's trace the same class runs with no group: the exchanges become the local reshuffles of
-the same shapes (what a rank holds after them), on one chunk of T / C positions.
+A Hugging Face decoder (``models.hf.HFCausalLM``) takes it too where its attention goes through transformers'
+attention interface: each rank feeds its chunk with global ``position_ids`` (``HFCausalLM.chunk``), and the
+model's ``_attn_implementation`` becomes ``hf_ulysses_attention`` registered for the rank's group (the same
+exchanges around transformers' sdpa attention, causal over the whole sequence); ``hf_unfit`` refuses, from one
+meta-device forward, a model whose attention that would change. For the memory estimate's trace the same code
+runs with no group: the exchanges become the local reshuffles of the same shapes (what a rank holds after them),
+on one chunk of T / C positions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import torch
@@ -30,7 +36,8 @@ from stratbench.core.errors import ConfigError
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_ft_data
 from stratbench.measuring.comm import Collective
-from stratbench.models.transformer import SIZES, Attention, Transformer
+from stratbench.models.hf import HFCausalLM, attention_calls, is_hf_name, load_config, max_positions
+from stratbench.models.transformer import SIZES, Attention
 from stratbench.models.zoo import ac_every
 from stratbench.strategies.parallel.fsdp import fsdp2_memory
 
@@ -116,39 +123,131 @@ def attentions(model: nn.Module) -> list[Attention]:
 
 
 def apply_cp(model: nn.Module, group: Any, rank: int, size: int) -> int:
-    """Every attention of the built-in transformer made a ``UlyssesAttention`` of this rank's group; returns how
-    many (``cp_unfit`` has refused a model with none)."""
+    """Every attention of the built-in transformer made a ``UlyssesAttention`` of this rank's group, and every
+    Hugging Face model fed chunk ``rank`` of its positions with its attention implementation Ulysses'
+    (``hf_ulysses_attention``, registered for this group); returns how many attentions (``cp_unfit`` has refused
+    a model with none)."""
     found = attentions(model)
     for attn in found:
         attn.__class__ = UlyssesAttention
         attn.cp_group, attn.cp_rank, attn.cp_size = group, rank, size
-    return len(found)
+    n = len(found)
+    for hf in (m for m in model.modules() if isinstance(m, HFCausalLM)):
+        hf.chunk = rank
+        hf.hf.set_attn_implementation(_ulysses_implementation(group, size))
+        n += sum(isinstance(m, hf._stratbench_block_types) for m in hf.modules())
+    return n
+
+
+def hf_ulysses_attention(
+    module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any,
+    dropout: float = 0.0, scaling: float | None = None, *, group: Any, size: int, **kwargs: Any,
+) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """An implementation of transformers' attention interface (``AttentionInterface``) under Ulysses: query
+    (b, H, T / C, d), key and value (b, KV, T / C, d) of this rank's positions to all T positions of 1 / C of the
+    heads by all-to-all (``seq_to_heads``), transformers' sdpa attention causal over the whole sequence, and the
+    output (b, T, H / C, d) back to (b, T / C, H, d) (``heads_to_seq``), as the interface returns it.
+
+    The mask: none is taken. stratbench's ``HFCausalLM`` passes no attention mask (padded fine-tuning batches are
+    padded at the end, after every real position, with targets not scored), and transformers makes none for an
+    implementation with no mask function registered (``ALL_MASK_ATTENTION_FUNCTIONS``), so what reaches here for
+    a chunk is None (a chunk's own causal square would be wrong); the causal pattern over the global sequence is
+    sdpa's ``is_causal``, since rank j's chunk holds positions j T / C to (j + 1) T / C in order. Sliding windows
+    (as wide as the sequence: ``cp_unfit``) and the other keywords are not applied."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    q, k, v = (seq_to_heads(z.transpose(1, 2), group, size).transpose(1, 2) for z in (query, key, value))
+    out, _ = sdpa_attention_forward(module, q, k, v, None, dropout=dropout, scaling=scaling, is_causal=True)
+    return heads_to_seq(out, group, size), None
+
+
+_IMPLEMENTATIONS: dict[tuple[int, int], str] = {}
+"""(id of the cp group, C) -> the name its Ulysses implementation is registered under in ``AttentionInterface``."""
+
+
+def _ulysses_implementation(group: Any, size: int) -> str:
+    """The name of ``hf_ulysses_attention`` bound to ``group`` and ``size`` in transformers' attention interface
+    (registered once per group: the estimate's trace, group None, and a run's group live in one process)."""
+    key = (id(group), size)
+    if key not in _IMPLEMENTATIONS:
+        from transformers import AttentionInterface
+
+        name = f"stratbench_ulysses_{len(_IMPLEMENTATIONS)}"
+        AttentionInterface.register(name, functools.partial(hf_ulysses_attention, group=group, size=size))
+        _IMPLEMENTATIONS[key] = name
+    return _IMPLEMENTATIONS[key]
 
 
 def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
-    """One line where ``--cp C`` cannot run: a world C does not divide, a model that is not the built-in
-    transformer (its attention is the one the plan splits), heads or key/value heads C does not divide, a
-    sequence C does not divide (text windows), --tp or --replicate beside it (not composed yet)."""
+    """One line where ``--cp C`` cannot run: a world C does not divide, a model whose attention the plan cannot
+    split (neither a built-in transformer nor a Hugging Face decoder whose attention goes plainly through
+    transformers' attention interface: ``hf_unfit``), heads or key/value heads C does not divide, a sequence C
+    does not divide (text windows), --tp beside it (not composed yet), HSDP's shard groups (world / R consecutive
+    ranks) that C does not divide."""
     if cp == 1:
         return None
     if why := cp_world_unfit(cp, world):
         return why
-    if tp > 1 or replicate > 1:
-        other = f"--tp {tp}" if tp > 1 else f"--replicate {replicate}"
-        return f"fsdp --cp {cp} with {other} is not supported: context parallelism composes with plain FSDP (mesh dp x cp)"
-    if cfg.model not in SIZES:
+    if tp > 1:
+        return (f"fsdp --cp {cp} with --tp {tp} is not supported: context parallelism composes with FSDP and HSDP "
+                "(mesh dp x cp, replicate x shard x cp)")  # fmt: skip
+    if replicate > 1 and (world // replicate) % cp:
+        return (f"fsdp --cp {cp} --replicate {replicate}: shard groups of {world // replicate} ranks ({world} "
+                f"processes / {replicate}) do not divide into context-parallel groups of {cp}")  # fmt: skip
+    if cfg.model not in SIZES and not is_hf_name(cfg.model):
         return (
             f"fsdp --cp {cp}: context parallelism splits the attention of the built-in transformers "
-            f"({', '.join(SIZES)}); {cfg.model!r} is not one"
+            f"({', '.join(SIZES)}) and of Hugging Face decoders (hf:FOLDER); {cfg.model!r} is not one"
         )
-    tc = SIZES[cfg.model]
-    for what, n in (("n_heads", tc.n_heads), ("n_kv_heads", tc.n_kv_heads)):
-        if n % cp:
-            fits = ", ".join(str(c) for c in range(1, n + 1) if n % c == 0)
-            return f"fsdp --cp {cp}: {cfg.model}'s {what} {n} do not divide by {cp} (Ulysses gives each rank 1/C of the heads); --cp that fit: {fits}"
+    if is_hf_name(cfg.model) and (why := hf_unfit(cfg, cp)):
+        return why
+    hf = is_hf_name(cfg.model)
+    for heads, kv_heads, _ in sorted(set(attention_shapes(cfg))):
+        for what, n in (("num_attention_heads" if hf else "n_heads", heads), ("num_key_value_heads" if hf else "n_kv_heads", kv_heads)):  # fmt: skip
+            if n % cp:
+                fits = ", ".join(str(c) for c in range(1, n + 1) if n % c == 0)
+                return f"fsdp --cp {cp}: {cfg.model}'s {what} {n} do not divide by {cp} (Ulysses gives each rank 1/C of the heads); --cp that fit: {fits}"
     if not is_ft_data(cfg.data) and cfg.seq_len % cp:
         return f"fsdp --cp {cp}: --seq-len {cfg.seq_len} does not divide by {cp} (each rank takes 1/C of the positions)"
     return None
+
+
+def hf_unfit(cfg, cp: int) -> str | None:
+    """One line where a Hugging Face model's attention cannot be split by heads (``models.hf.attention_calls``,
+    one forward on the meta device): none goes through transformers' attention interface, one is not causal or
+    hands it more than a plain causal attention takes (a soft cap, sinks, ...), a sliding window narrower than the
+    sequence, a model that takes no ``position_ids``, or positions past the model's (padded fine-tuning batches
+    are padded to a multiple of C)."""
+    calls, head = attention_calls(cfg.model), f"fsdp --cp {cp}: {cfg.model}"
+    padded = -(-cfg.seq_len // cp) * cp if is_ft_data(cfg.data) else cfg.seq_len
+    limit = max_positions(load_config(cfg.model))
+    if calls.error:
+        return f"{head}: its forward on the meta device failed ({calls.error}); its attention cannot be split"
+    if not calls.shapes:
+        return (f"{head}: its attention does not go through transformers' attention interface "
+                "(ALL_ATTENTION_FUNCTIONS), whose implementation Ulysses replaces; llama, mistral, qwen2, gpt2 do")  # fmt: skip
+    if not calls.causal:
+        return f"{head}: an attention of it is not causal (is_causal), and Ulysses runs causal attention"
+    if calls.extras:
+        return (f"{head}: its attention hands transformers' attention interface {', '.join(calls.extras)}, which "
+                "Ulysses' causal attention over the exchanged heads does not apply")  # fmt: skip
+    if calls.windows and calls.windows[0] < padded:
+        return (f"{head}: its sliding window of {calls.windows[0]} tokens is narrower than the {padded}-token "
+                f"sequence, and Ulysses attends over the whole of it; choose --seq-len at most {calls.windows[0]}")  # fmt: skip
+    if not calls.takes_positions:
+        return f"{head}: its forward takes no position_ids, so a rank's chunk cannot be given its global positions"
+    if limit is not None and padded > limit:
+        return f"{head}: fine-tuning batches padded to a multiple of {cp} reach {padded} positions, past its max_position_embeddings {limit}"
+    return None
+
+
+def attention_shapes(cfg) -> list[tuple[int, int, int]]:
+    """(heads, key/value heads, head size) of each attention of one forward: a built-in transformer's from its
+    size, a Hugging Face model's as the meta forward recorded them (``attention_calls``)."""
+    if is_hf_name(cfg.model):
+        return list(attention_calls(cfg.model).shapes)
+    tc = SIZES[cfg.model]
+    return [(tc.n_heads, tc.n_kv_heads, tc.head_dim)] * tc.n_layers
 
 
 def cp_world_unfit(cp: int, world: int) -> str | None:
@@ -186,23 +285,25 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
     head_dim elements) and the output back (b x T/C x H x head_dim), in the compute dtype; the same in backward
     (the gradients' reverse exchanges); with activation checkpointing the checkpointed blocks' forward ones again
     in backward (every block under full and selective, which recomputes the exchanges; one in N under every:N). b is a
-    rank's micro-batch, once per micro-step."""
+    rank's micro-batch, once per micro-step. The attentions are the built-in transformer's or a Hugging Face
+    model's (``attention_shapes``: one per decoder layer)."""
     cfg = ctx.cfg
-    tc = SIZES[cfg.model]
+    shapes = attention_shapes(cfg)
     micro = cfg.batch_size // (ctx.world // cp) // cfg.grad_accum
-    elems = micro * (cfg.seq_len // cp) * tc.head_dim
+    tokens = micro * (cfg.seq_len // cp)
     nbytes = ctx.pspec.compute_dtype.itemsize
-    calls = 4 * tc.n_layers * cfg.grad_accum
-    per_fwd = elems * (2 * tc.n_heads + 2 * tc.n_kv_heads) * nbytes * tc.n_layers * cfg.grad_accum
+    calls = 4 * len(shapes) * cfg.grad_accum
+    per_fwd = tokens * sum((2 * h + 2 * kv) * d for h, kv, d in shapes) * nbytes * cfg.grad_accum
     note = "Ulysses: q, k, v to heads and the output back, per attention"
     rows = [
         Collective("all_to_all", per_fwd, calls, "forward", cp, note, dim="cp", critical=True),
         Collective("all_to_all", per_fwd, calls, "backward", cp, f"{note} (gradients)", dim="cp", critical=True),
     ]
     if cfg.activation_checkpointing:  # the checkpointed blocks' exchanges run again (selective too: measured)
-        blocks = -(-tc.n_layers // ac_every(cfg.ac_mode))
-        again = dataclasses.replace(rows[0], payload_bytes=per_fwd * blocks // tc.n_layers,
-                                    calls=calls * blocks // tc.n_layers, phase="backward", note=f"recomputed: {note}")  # fmt: skip
+        layers = len(shapes)
+        blocks = -(-layers // ac_every(cfg.ac_mode))
+        again = dataclasses.replace(rows[0], payload_bytes=per_fwd * blocks // layers,
+                                    calls=calls * blocks // layers, phase="backward", note=f"recomputed: {note}")  # fmt: skip
         rows.append(again)
     return rows
 
@@ -210,38 +311,47 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
 @dataclasses.dataclass(frozen=True)
 class CPChunk:
     """The estimate's trace of one context-parallel rank (hashable: traces are cached per transform): every
-    attention a ``UlyssesAttention`` with no group (the exchanges as local reshuffles of the same shapes), traced
+    attention Ulysses' with no group (``apply_cp``: the exchanges as local reshuffles of the same shapes), traced
     on a chunk of T / C positions (``RankMemory.trace_seq_len``)."""
 
     cp: int
 
     def __call__(self, model: nn.Module) -> None:
-        if isinstance(model, Transformer):
-            apply_cp(model, None, 0, self.cp)
+        apply_cp(model, None, 0, self.cp)
 
 
-def cp_mesh(model: nn.Module, env: Any, c: int) -> tuple[dict[str, int], Any, int]:
+def cp_mesh(model: nn.Module, env: Any, c: int, replicate: int = 1) -> tuple[dict[str, int], Any, int]:
     """A (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads, every attention made
-    Ulysses' (``apply_cp``), printed once; returns the mesh's shape, this rank's cp group and its place in it."""
+    Ulysses' (``apply_cp``), printed once; returns the mesh's shape ((replicate, shard, cp) under HSDP: FSDP2's
+    2-D mesh (replicate, shard x cp) holds each cp group inside a shard group), this rank's cp group and its place
+    in it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = env.world_size
     mesh = init_device_mesh(env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
     group, rank = mesh["cp"].get_group(), env.rank % c
     n = apply_cp(model, group, rank, c)
+    shape = {"dp": world // c, "cp": c}
+    shards = "FSDP2 shards over every rank"
+    if replicate > 1:
+        shape = {"replicate": replicate, "shard": world // (replicate * c), "cp": c}
+        shards = f"FSDP2 shards over shard x cp ({world // replicate} ranks), gradient shards all-reduced over replicate"
     if env.is_main:
-        print(f"fsdp mesh: dp {world // c} x cp {c}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read "
-              f"the same samples, 1/{c} of the positions each; {n} attentions exchange heads by all-to-all "
-              "(Ulysses); FSDP2 shards over every rank)", flush=True)  # fmt: skip
-    return {"dp": world // c, "cp": c}, group, rank
+        dims = " x ".join(f"{k} {v}" for k, v in shape.items())
+        print(f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read the same samples, "
+              f"1/{c} of the positions each; {n} attentions exchange heads by all-to-all (Ulysses); {shards})",
+              flush=True)  # fmt: skip
+    return shape, group, rank
 
 
-def cp_memory(ctx, rank: int, units_note: str) -> Any:
-    """--cp C: FSDP2's states sharded over every rank (``fsdp2_memory``); the activations of one chunk of T / C
-    positions of the replica's micro-batch (``CPChunk``: all positions of 1/C of the heads in attention)."""
-    c = ctx.options.cp
-    m = fsdp2_memory(ctx, rank, ctx.options.sharding, ctx.options.cpu_offload)
-    m.sharding_note += f" over every rank (N = {ctx.world}); activations of T / {c} positions (cp {c})"
+def cp_memory(ctx, shard, at: int, units_note: str) -> Any:
+    """--cp C: FSDP2's states sharded over ``shard`` (every rank, or HSDP's shard group: ``fsdp2_memory``, this
+    rank ``at`` in it); the activations of one chunk of T / C positions of the replica's micro-batch (``CPChunk``:
+    all positions of 1/C of the heads in attention)."""
+    c, r = ctx.options.cp, ctx.options.replicate
+    m = fsdp2_memory(shard, at, ctx.options.sharding, ctx.options.cpu_offload)
+    over = f"over a shard group (N = {shard.world}), replicated {r}x" if r > 1 else f"over every rank (N = {ctx.world})"
+    m.sharding_note += f" {over}; activations of T / {c} positions (cp {c})"
     m.data_ranks = ctx.world // c
     m.trace_transform, m.trace_seq_len = CPChunk(c), ctx.cfg.seq_len // c
     m.units_note = units_note
