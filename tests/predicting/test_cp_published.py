@@ -40,9 +40,10 @@ def test_ring_bytes_of_the_262k_row_by_hand(cp_published):
 
 def test_the_committed_results_are_what_the_projection_gives(cp_published):
     system = resolve("h100-sxm")
-    cal = cp_published.calibrated(system)
-    preds = cp_published.predict_rows(system, cal, memory=False)
+    cal, plain = cp_published.calibrated(system), cp_published.calibrated(system, float8=False)
+    preds = cp_published.predict_rows(system, cal, plain, memory=False)
     assert preds[0].projected == pytest.approx(cp_published.ANCHOR.tps, rel=1e-6)  # calibrated on it
+    assert preds[0].bf16_only == pytest.approx(cp_published.ANCHOR.tps, rel=1e-6)
     text = RESULTS.read_text()
     lines = text.splitlines()
     assert f"Calibration: one bf16 efficiency, {cal.efficiency:.2%} of" in text
