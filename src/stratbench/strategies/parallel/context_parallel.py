@@ -278,7 +278,7 @@ def cp_world_unfit(cp: int, world: int, tp: int = 1) -> str | None:
         return f"fsdp --cp {cp}: {world} processes do not divide into context-parallel groups of {cp}; --cp that fit: {fits}"
     fits = ", ".join(str(c) for c in range(1, world // tp + 1) if world % (c * tp) == 0)
     return (f"fsdp --tp {tp} --cp {cp}: {world} processes do not divide into cp x tp groups of {cp * tp}; --cp that "
-            f"fit with --tp {tp}: {fits or 'none'}")  # fmt: skip
+            f"fit with --tp {tp}: {fits}")  # fmt: skip
 
 
 def local_chunk(x: torch.Tensor, y: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
