@@ -41,8 +41,9 @@ class Collective:
     then buckets of up to this many bytes, each as soon as backward has produced its gradients (the schedule the
     projection overlaps with compute); 0: ``calls`` equal calls."""
     dim: str = ""
-    """The device-mesh dimension the group runs over (``CostModel.mesh_dims`` names them: "dp", "pp", "tp"), which
-    says where its ranks sit and so which links it crosses; "": ``group_size`` neighbouring ranks."""
+    """The device-mesh dimension the group runs over (``CostModel.mesh_dims`` names them: "dp", "pp", "tp"; "dp+cp":
+    two neighbouring ones flattened, ``mesh_span``), which says where its ranks sit and so which links it crosses;
+    "": ``group_size`` neighbouring ranks."""
     critical: bool = False
     """True where the next op waits for the call's result (Megatron's all-reduces between a row-parallel matmul
     and the residual add): no compute runs under it, whatever the method's ``comm_overlap``."""
@@ -154,16 +155,27 @@ def link_of(ranks: Iterable[int], node_of: Sequence[int]) -> str:
     return "intra" if len({node_of[r] for r in ranks}) <= 1 else "inter"
 
 
+def mesh_span(mesh: dict[str, int], dim: str) -> tuple[int, int] | None:
+    """(ranks, stride) of a group over ``dim`` of ``mesh`` (outermost first, row-major): the dimension's size and
+    the product of the dimensions after it; ``dim`` may join neighbouring dimensions with "+" (FSDP2 over fsdp's
+    dp x cp flattened: "dp+cp"), the product of their sizes. None where ``mesh`` does not name it."""
+    parts, names = dim.split("+") if dim else [], list(mesh)
+    if not parts or any(p not in mesh for p in parts):
+        return None
+    last = names.index(parts[-1])
+    if names[last - len(parts) + 1 : last + 1] != parts:
+        raise ValueError(f"mesh dimensions {dim!r} are not neighbours in the mesh {names}")
+    return math.prod(mesh[p] for p in parts), math.prod(mesh[n] for n in names[last + 1 :])
+
+
 def mesh_group(rank: int, mesh: dict[str, int], dim: str, group_size: int, world: int) -> list[int]:
     """The global ranks of the process group in which ``rank`` takes part in a ``Collective`` over ``dim`` of
     ``mesh`` (``CostModel.mesh_dims``: outermost first, row-major, the last dimension's ranks neighbours): the
     ranks sharing ``rank``'s coordinates on every other dimension, the whole dimension's group also where the
     row's ``group_size`` is smaller (a pipeline's stage-to-stage pair runs on the stages' group). A ``dim`` the mesh
     does not name: ``group_size`` neighbouring ranks (the whole world for a plain ddp or fsdp row)."""
-    if dim and dim in mesh:
-        names = list(mesh)
-        stride = math.prod(mesh[n] for n in names[names.index(dim) + 1 :])
-        size = mesh[dim]
+    if span := mesh_span(mesh, dim):
+        size, stride = span
         base = rank - (rank // stride) % size * stride
         return [base + k * stride for k in range(size)]
     size = max(1, min(group_size, world))

@@ -40,7 +40,7 @@ from typing import Any
 from stratbench.core.config import TrainConfig, from_dict
 from stratbench.core.errors import ConfigError
 from stratbench.data.text import is_text_data
-from stratbench.measuring.comm import Collective, ddp_buckets, wire_factor
+from stratbench.measuring.comm import Collective, ddp_buckets, mesh_span, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, InputPipeline, Link, System, builtin, resolve
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.measuring.records import RunRecord, number, record_problem
@@ -209,11 +209,7 @@ def ranks_per_node(row: Collective, mesh: dict[str, int], gpus_per_node: int) ->
     of them per node (1 where the stride is a node or more: fsdp --tp 8's dp groups have one rank per node and
     cross the NICs only). A pair of a larger dimension (a pipeline's stage-to-stage send) is priced on the
     slowest boundary: across nodes where the dimension spans nodes. No dimension: neighbouring ranks."""
-    size, stride = row.group_size, 1
-    if row.dim in mesh:
-        names = list(mesh)
-        size = mesh[row.dim]
-        stride = math.prod(mesh[n] for n in names[names.index(row.dim) + 1 :])
+    size, stride = mesh_span(mesh, row.dim) or (row.group_size, 1)
     per_node = max(1, min(size, gpus_per_node // stride))
     if row.group_size < size:
         return row.group_size if per_node >= size else 1

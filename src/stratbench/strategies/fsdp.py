@@ -39,7 +39,10 @@ Context parallelism (``--cp C``, Ulysses): a (dp = world / C, cp = C) mesh; the 
 read the same samples, each takes 1/C of their positions, and each attention exchanges queries, keys, values and
 its output by all-to-all over the group (``parallel/context_parallel.py``). FSDP2 shards over every rank and
 averages the gradients over all of them, which makes the step's loss the token mean over every rank's chunk. With
---replicate R the mesh is (replicate, shard, cp): FSDP2's HSDP mesh (R, world / R) shards over shard x cp.
+--replicate R the mesh is (replicate, shard, cp): FSDP2's HSDP mesh (R, world / R) shards over shard x cp. With --tp T
+the mesh is (dp, cp, tp), torchtitan's order: the tp plan gives each rank H / T heads, Ulysses exchanges 1/C of those
+over the cp group (ranks T apart), and FSDP2 shards each rank's slices over dp x cp flattened (torchtitan's
+dp_shard_cp).
 
 FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
 (``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
@@ -65,6 +68,7 @@ from stratbench.models.blocks import describe_units, wrap_units
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.context_parallel import (
+    CPChunk,
     check_cp_impl,
     chunk_eval_sums,
     cp_memory,
@@ -127,7 +131,7 @@ class FSDPOptions:
     replicate: int = 1
     """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
     cp: int = 1
-    """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). 1: none."""
+    """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). With --tp T: a (dp, cp, tp) mesh, heads and key/value heads must divide by T x C (not with --replicate). 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -152,6 +156,11 @@ class FSDPOptions:
         if self.cp < 1:
             raise ConfigError(f"cp must be a positive integer (1: no context parallelism), got {self.cp!r}")
         check_cp_impl(self.cp_impl)
+        if self.cp > 1 and self.tp > 1 and self.sharding == "none":
+            raise ConfigError(
+                f"fsdp --tp {self.tp} --cp {self.cp} with --sharding none is not supported: the mesh dp x cp x tp "
+                "shards over dp x cp (use --sharding full or grad-op)"
+            )
         if self.shard_across_nodes and self.replicate == 1:
             raise ConfigError("fsdp --shard-across-nodes applies to HSDP's shard groups: give --replicate 2 or more")
         require_tp_group(self, "fsdp", "within a tensor-parallel group")
@@ -248,15 +257,21 @@ def fsdp_tp_comm(ctx) -> list[Collective] | None:
     of each rank's tensor-parallel slices, Megatron's all-reduces over the tp group (``tp_rows``) and, with
     --clip-grad-norm, the per-parameter norms all-reduced over each mesh dimension the gradients are sharded
     on, in turn (DTensor: one all-reduce per dimension; not over dp for --sharding none, whose gradients are
-    replicated there). A model of the user's: None (its plan's traffic is not derived)."""
-    dp = tp_local(ctx)
-    megatron = tp_rows(ctx, dp.world)
+    replicated there). A model of the user's: None (its plan's traffic is not derived). With --cp C (mesh dp x cp x
+    tp): FSDP2's rows over dp x cp (world / T ranks, T apart: dim "dp+cp"), Megatron's at a cp rank's chunk of
+    T / C positions of its replica's batch (global / dp, dp = world / (C T)), and Ulysses' all-to-alls of the
+    tp-local heads (``ulysses_rows``)."""
+    dp, c = tp_local(ctx), ctx.options.cp
+    chunk = dataclasses.replace(ctx, cfg=dataclasses.replace(ctx.cfg, seq_len=ctx.cfg.seq_len // c))
+    megatron = tp_rows(chunk, dp.world // c)
     if megatron is None:
         return None
     rows = data_parallel_rows(dp)
     rows += [
         dataclasses.replace(r, dim="tp", critical=True) for r in megatron
     ]  # FSDP's prefetch cannot hide them
+    if c > 1:
+        rows += ulysses_rows(ctx, c)
     if ctx.cfg.clip_grad_norm:
         rows += clip_norms_over_shards(ctx, dp)
     return rows
@@ -264,11 +279,18 @@ def fsdp_tp_comm(ctx) -> list[Collective] | None:
 
 def data_parallel_rows(ctx) -> list[Collective]:
     """FSDP2's rows over the data-parallel ranks of ``ctx`` (a tensor-parallel slice's with --tp): over one "dp"
-    dimension, or with --replicate HSDP's over "shard" and "replicate" (``hsdp_comm``)."""
+    dimension, or with --replicate HSDP's over "shard" and "replicate" (``hsdp_comm``), or with --cp over dp and cp
+    flattened ("dp+cp")."""
     opts = ctx.options
     if opts.replicate > 1:
         return hsdp_comm(ctx, opts.sharding, opts.replicate)
-    return [dataclasses.replace(r, dim="dp") for r in fsdp2_comm(ctx, opts.sharding)]
+    return [dataclasses.replace(r, dim=data_dim(opts)) for r in fsdp2_comm(ctx, opts.sharding)]
+
+
+def data_dim(opts) -> str:
+    """The mesh dimension FSDP2 shards over beside --tp: "dp", or with --cp dp and cp flattened, "dp+cp"
+    (``measuring.comm.mesh_span``); "" (every rank: no named dimension) without --tp."""
+    return ("dp+cp" if opts.cp > 1 else "dp") if opts.tp > 1 else ""
 
 
 def clip_norms_over_shards(ctx, dp) -> list[Collective]:
@@ -278,8 +300,8 @@ def clip_norms_over_shards(ctx, dp) -> list[Collective]:
     (replicated)."""
     opts = ctx.options
     group = dp.world // opts.replicate
-    # HSDP's shard dimension, fsdp --tp's dp, or plain fsdp's (and --cp's) every rank: no named dimension
-    dim = "shard" if opts.replicate > 1 else "dp" if opts.tp > 1 else ""
+    # HSDP's shard dimension, fsdp --tp's dp (dp x cp with --cp), or plain fsdp's (and --cp's) every rank
+    dim = "shard" if opts.replicate > 1 else data_dim(opts)
     if group <= 1 or opts.sharding == "none":
         return []
     norms = len(ctx.info.numels) * ctx.param_bytes
@@ -350,9 +372,11 @@ class FSDPCost(CostModel):
     def memory_model(cls, ctx, rank):
         opts = ctx.options
         ctx, units_note = as_wrapped(ctx)
-        if why := replicate_unfit(opts, ctx.world) or cp_unfit(ctx.cfg, opts.cp, opts.tp, opts.replicate, ctx.world):
+        if why := replicate_unfit(opts, ctx.world) or cp_unfit(
+            ctx.cfg, opts.cp, opts.tp, opts.replicate, ctx.world, opts.sequence_parallel
+        ):
             raise ConfigError(why)
-        if opts.cp > 1:
+        if opts.cp > 1 and opts.tp == 1:
             return cp_memory(ctx, *shard_group(ctx, rank), units_note)
         if opts.tp == 1:
             shard, at = shard_group(ctx, rank)
@@ -377,26 +401,30 @@ class FSDPCost(CostModel):
         m.data_ranks = dp.world
         m.trace_transform = LocalSlice(opts.tp, opts.vocab_parallel, opts.sequence_parallel)
         m.units_note = units_note
+        if opts.cp > 1:  # and a chunk of T / C positions of it, its H / T heads exchanged (Ulysses)
+            c = opts.cp
+            m.sharding_note = m.sharding_note.replace("over dp", "over dp x cp") + f"; activations of T / {c} positions"
+            m.data_ranks = dp.world // c
+            m.trace_transform, m.trace_seq_len = CPChunk(c, m.trace_transform), ctx.cfg.seq_len // c
         return m
 
     @classmethod
     def compute_scale(cls, ctx) -> float:
-        """1, or with --tp a rank's slice of its replica's FLOPs (``parallel.tp_costs.local_flop_share``), or with
-        --cp C 1/C (its positions through every layer, all positions of 1/C of the heads in attention)."""
-        if ctx.options.cp > 1:
-            return 1.0 / ctx.options.cp
-        t = ctx.options.tp
-        return (
-            1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t, ctx.options.vocab_parallel)
-        )
+        """1, or with --tp a rank's slice of its replica's FLOPs (``parallel.tp_costs.local_flop_share``), times
+        with --cp C 1/C (its positions through every layer, all positions of 1/C of the heads in attention)."""
+        t, c = ctx.options.tp, ctx.options.cp
+        share = 1.0 if t == 1 else local_flop_share(ModelSpec.from_config(ctx.cfg), t, ctx.options.vocab_parallel)
+        return share / c
 
     @classmethod
     def mesh_dims(cls, ctx) -> dict[str, int]:
         """``FSDPStrategy.mesh``'s dimensions: with --replicate R (replicate = R, shard = world / (R T)[, tp = T]),
         with --tp T alone (dp = world / T, tp = T); else one dimension."""
         t, r, c = ctx.options.tp, ctx.options.replicate, ctx.options.cp
+        if c > 1 and r > 1:
+            return {"replicate": r, "shard": ctx.world // (r * c), "cp": c}
         if c > 1:
-            return {"replicate": r, "shard": ctx.world // (r * c), "cp": c} if r > 1 else {"dp": ctx.world // c, "cp": c}
+            return {"dp": ctx.world // (c * t), "cp": c} | ({"tp": t} if t > 1 else {})
         if r > 1:
             return {"replicate": r, "shard": ctx.world // (r * t)} | ({"tp": t} if t > 1 else {})
         return {"dp": ctx.world // t, "tp": t} if t > 1 else {}
@@ -479,7 +507,7 @@ class FSDPStrategy(LossParallel, Strategy):
             or tp_unsupported(cfg, opts, world_size)
             or replicate_unfit(opts, world_size)
             or shard_group_spans_nodes(cfg, opts, world_size)
-            or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size)
+            or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size, opts.sequence_parallel)
         )
 
     @classmethod
@@ -490,7 +518,7 @@ class FSDPStrategy(LossParallel, Strategy):
         why = (
             degree_unfit("fsdp --tp", opts.tp, world_size)
             or replicate_unfit(opts, world_size)
-            or cp_world_unfit(opts.cp, world_size)
+            or cp_world_unfit(opts.cp, world_size, opts.tp)
         )
         if why:
             raise ConfigError(why)
@@ -514,12 +542,13 @@ class FSDPStrategy(LossParallel, Strategy):
         --tp the tp plan's flags."""
         own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
         opts = self.options
-        if opts.cp > 1:
-            return own | {"mesh": self.mesh_shape, "cp": {"impl": opts.cp_impl, "size": opts.cp}}
+        cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
+        if opts.tp == 1 and cp:
+            return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
             return own | ({"mesh": self.mesh_shape} if opts.replicate > 1 else {})
         flags = {"sequence_parallel": opts.sequence_parallel, "vocab_parallel": opts.vocab_parallel}
-        return own | {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}}
+        return own | {"mesh": self.mesh_shape, "tp": flags | {"loss_parallel": self.split_loss}} | cp
 
     # ---- set-up -------------------------------------------------------------------------------
     def mesh(self):
@@ -545,9 +574,10 @@ class FSDPStrategy(LossParallel, Strategy):
         """The mesh FSDP2 shards over. With --tp the model is split over the mesh's tp dimension first
         (torchtitan's order: TP, then FSDP over the data-parallel dimensions), and the mesh is printed once (with
         --tp or --replicate). A 2-D mesh (replicate, shard) is FSDP2's HSDP."""
-        mesh, opts = self.mesh(), self.options
+        opts = self.options
         if opts.cp > 1:
-            return self._context_parallel(model, mesh)
+            return self._context_parallel(model)
+        mesh = self.mesh()
         if opts.tp == 1 and opts.replicate == 1:
             return mesh
         self.mesh_shape = dict(zip(mesh.mesh_dim_names, mesh.mesh.shape, strict=True))
@@ -568,10 +598,18 @@ class FSDPStrategy(LossParallel, Strategy):
         data_dims = mesh.mesh_dim_names[:-1]
         return mesh[data_dims[0]] if len(data_dims) == 1 else mesh[data_dims]
 
-    def _context_parallel(self, model: nn.Module, fsdp_mesh):
-        """--cp C: this rank's cp group and place in it (``cp_mesh``); FSDP2 shards over all ranks (``fsdp_mesh``)."""
-        self.mesh_shape, self.cp_group, self.cp_rank = cp_mesh(model, self.env, self.options.cp, self.options.replicate)
-        return fsdp_mesh
+    def _context_parallel(self, model: nn.Module):
+        """--cp C: this rank's cp group and place in it (``cp_mesh``); FSDP2 shards over all ranks (``mesh``: 1-D,
+        or HSDP's 2-D). With --tp T the model is split over the (dp, cp, tp) mesh's tp dimension first, then FSDP2
+        shards each rank's slices over dp x cp flattened into one dimension (torchtitan's dp_shard_cp)."""
+        opts = self.options
+        shape, self.cp_group, self.cp_rank, mesh = cp_mesh(model, self.env, opts.cp, opts.replicate, opts.tp)
+        self.mesh_shape = shape
+        if opts.tp == 1:
+            return self.mesh()
+        apply_tp(model, mesh["tp"], sequence_parallel=opts.sequence_parallel, vocab_parallel=opts.vocab_parallel)
+        self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
+        return mesh["dp", "cp"]._flatten("dp_cp")
 
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -178,19 +179,20 @@ def _ulysses_implementation(group: Any, size: int) -> str:
     return _IMPLEMENTATIONS[key]
 
 
-def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
-    """One line where ``--cp C`` cannot run: a world C does not divide, a model whose attention the plan cannot
-    split (neither a built-in transformer nor a Hugging Face decoder whose attention goes plainly through
-    transformers' attention interface: ``hf_unfit``), heads or key/value heads C does not divide, a sequence C
-    does not divide (text windows), --tp beside it (not composed yet), HSDP's shard groups (world / R consecutive
-    ranks) that C does not divide."""
+def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int, sequence_parallel: bool = False) -> str | None:
+    """One line where ``--cp C`` cannot run: a world C (x --tp T) does not divide, a model whose attention the plan
+    cannot split (neither a built-in transformer nor a Hugging Face decoder whose attention goes plainly through
+    transformers' attention interface: ``hf_unfit``), heads or key/value heads C (x T) does not divide, a sequence C
+    does not divide (text windows; C x T under --sequence-parallel), HSDP's shard groups (world / R consecutive
+    ranks) that C does not divide, --tp and --replicate together (with --tp, a Hugging Face model has no plan:
+    ``tp_plan.unsupported`` refuses it first)."""
     if cp == 1:
         return None
-    if why := cp_world_unfit(cp, world):
+    if why := cp_world_unfit(cp, world, tp):
         return why
-    if tp > 1:
-        return (f"fsdp --cp {cp} with --tp {tp} is not supported: context parallelism composes with FSDP and HSDP "
-                "(mesh dp x cp, replicate x shard x cp)")  # fmt: skip
+    if tp > 1 and replicate > 1:
+        return (f"fsdp --tp {tp} --cp {cp} with --replicate {replicate} is not supported: the mesh dp x cp x tp "
+                "composes with plain FSDP (HSDP composes with --cp or with --tp, not both)")  # fmt: skip
     if replicate > 1 and (world // replicate) % cp:
         return (f"fsdp --cp {cp} --replicate {replicate}: shard groups of {world // replicate} ranks ({world} "
                 f"processes / {replicate}) do not divide into context-parallel groups of {cp}")  # fmt: skip
@@ -201,14 +203,30 @@ def cp_unfit(cfg, cp: int, tp: int, replicate: int, world: int) -> str | None:
         )
     if is_hf_name(cfg.model) and (why := hf_unfit(cfg, cp)):
         return why
+    if why := heads_unfit(cfg, cp, tp):
+        return why
+    split = cp * tp if sequence_parallel else cp
+    if not is_ft_data(cfg.data) and cfg.seq_len % split:
+        by = (f"{cp} x --tp {tp} (--sequence-parallel splits each rank's chunk over tp)" if split != cp
+              else f"{cp} (each rank takes 1/C of the positions)")  # fmt: skip
+        return f"fsdp --cp {cp}: --seq-len {cfg.seq_len} does not divide by {by}"
+    return None
+
+
+def heads_unfit(cfg, cp: int, tp: int) -> str | None:
+    """One line where heads or key/value heads do not divide by C (x T: tensor parallelism gives each rank 1/T of
+    them, Ulysses 1/C of those), naming the --cp that fit."""
     hf = is_hf_name(cfg.model)
     for heads, kv_heads, _ in sorted(set(attention_shapes(cfg))):
         for what, n in (("num_attention_heads" if hf else "n_heads", heads), ("num_key_value_heads" if hf else "n_kv_heads", kv_heads)):  # fmt: skip
-            if n % cp:
+            if n % (cp * tp) == 0:
+                continue
+            if tp == 1:
                 fits = ", ".join(str(c) for c in range(1, n + 1) if n % c == 0)
                 return f"fsdp --cp {cp}: {cfg.model}'s {what} {n} do not divide by {cp} (Ulysses gives each rank 1/C of the heads); --cp that fit: {fits}"
-    if not is_ft_data(cfg.data) and cfg.seq_len % cp:
-        return f"fsdp --cp {cp}: --seq-len {cfg.seq_len} does not divide by {cp} (each rank takes 1/C of the positions)"
+            fits = ", ".join(str(c) for c in range(1, n // tp + 1) if heads % (c * tp) == kv_heads % (c * tp) == 0)
+            return (f"fsdp --tp {tp} --cp {cp}: {cfg.model}'s {what} {n} do not divide by {tp} x {cp} (tensor "
+                    f"parallelism gives each rank 1/T of the heads, Ulysses 1/C of those); --cp that fit with --tp {tp}: {fits}")  # fmt: skip
     return None
 
 
@@ -250,12 +268,17 @@ def attention_shapes(cfg) -> list[tuple[int, int, int]]:
     return [(tc.n_heads, tc.n_kv_heads, tc.head_dim)] * tc.n_layers
 
 
-def cp_world_unfit(cp: int, world: int) -> str | None:
-    """One line where ``world`` processes do not form groups of ``cp``, naming the degrees that fit."""
-    if cp == 1 or (world % cp == 0 and world >= cp):
+def cp_world_unfit(cp: int, world: int, tp: int = 1) -> str | None:
+    """One line where ``world`` processes do not form groups of ``cp`` (x ``tp``: each cp rank a tp group),
+    naming the degrees that fit."""
+    if cp == 1 or (world % (cp * tp) == 0 and world >= cp * tp):
         return None
-    fits = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
-    return f"fsdp --cp {cp}: {world} processes do not divide into context-parallel groups of {cp}; --cp that fit: {fits}"
+    if tp == 1:
+        fits = ", ".join(str(c) for c in range(1, world + 1) if world % c == 0)
+        return f"fsdp --cp {cp}: {world} processes do not divide into context-parallel groups of {cp}; --cp that fit: {fits}"
+    fits = ", ".join(str(c) for c in range(1, world // tp + 1) if world % (c * tp) == 0)
+    return (f"fsdp --tp {tp} --cp {cp}: {world} processes do not divide into cp x tp groups of {cp * tp}; --cp that "
+            f"fit with --tp {tp}: {fits}")  # fmt: skip
 
 
 def local_chunk(x: torch.Tensor, y: torch.Tensor, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,10 +309,11 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
     (the gradients' reverse exchanges); with activation checkpointing the checkpointed blocks' forward ones again
     in backward (every block under full and selective, which recomputes the exchanges; one in N under every:N). b is a
     rank's micro-batch, once per micro-step. The attentions are the built-in transformer's or a Hugging Face
-    model's (``attention_shapes``: one per decoder layer)."""
-    cfg = ctx.cfg
-    shapes = attention_shapes(cfg)
-    micro = cfg.batch_size // (ctx.world // cp) // cfg.grad_accum
+    model's (``attention_shapes``: one per decoder layer). With --tp T (mesh dp x cp x tp) each rank exchanges its
+    tensor-parallel slice, H / T and KV / T heads, at the micro-batch of world / (C T) replicas."""
+    cfg, tp = ctx.cfg, getattr(ctx.options, "tp", 1)
+    shapes = [(h // tp, kv // tp, d) for h, kv, d in attention_shapes(cfg)]
+    micro = cfg.batch_size // (ctx.world // (cp * tp)) // cfg.grad_accum
     tokens = micro * (cfg.seq_len // cp)
     nbytes = ctx.pspec.compute_dtype.itemsize
     calls = 4 * len(shapes) * cfg.grad_accum
@@ -312,36 +336,47 @@ def ulysses_rows(ctx, cp: int) -> list[Collective]:
 class CPChunk:
     """The estimate's trace of one context-parallel rank (hashable: traces are cached per transform): every
     attention Ulysses' with no group (``apply_cp``: the exchanges as local reshuffles of the same shapes), traced
-    on a chunk of T / C positions (``RankMemory.trace_seq_len``)."""
+    on a chunk of T / C positions (``RankMemory.trace_seq_len``); with --tp, ``tp_slice`` (the rank's
+    tensor-parallel slice, ``tp_costs.LocalSlice``) cut first, so that the exchanges move its H / T heads."""
 
     cp: int
+    tp_slice: Callable[[nn.Module], None] | None = None
 
     def __call__(self, model: nn.Module) -> None:
+        if self.tp_slice is not None:
+            self.tp_slice(model)
         apply_cp(model, None, 0, self.cp)
 
 
-def cp_mesh(model: nn.Module, env: Any, c: int, replicate: int = 1) -> tuple[dict[str, int], Any, int]:
+def cp_mesh(
+    model: nn.Module, env: Any, c: int, replicate: int = 1, tp: int = 1
+) -> tuple[dict[str, int], Any, int, Any]:
     """A (dp, cp) mesh whose cp groups (C consecutive ranks) exchange each attention's heads, every attention made
     Ulysses' (``apply_cp``), printed once; returns the mesh's shape ((replicate, shard, cp) under HSDP: FSDP2's
-    2-D mesh (replicate, shard x cp) holds each cp group inside a shard group), this rank's cp group and its place
-    in it."""
+    2-D mesh (replicate, shard x cp) holds each cp group inside a shard group), this rank's cp group, its place in
+    it and the mesh. With --tp T the mesh is (dp, cp, tp), torchtitan's order (pp, dp_replicate, dp_shard, cp, tp:
+    torchtitan/distributed/parallel_dims.py): each tp group T consecutive ranks (the per-block collectives on the
+    nearest links), each cp group C ranks T apart; the caller splits the model over ``mesh["tp"]``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = env.world_size
-    mesh = init_device_mesh(env.device.type, (world // c, c), mesh_dim_names=("dp", "cp"))
-    group, rank = mesh["cp"].get_group(), env.rank % c
+    dims = (world // (c * tp), c, tp) if tp > 1 else (world // c, c)
+    mesh = init_device_mesh(env.device.type, dims, mesh_dim_names=("dp", "cp", "tp")[: len(dims)])
+    group, rank = mesh["cp"].get_group(), env.rank // tp % c
     n = apply_cp(model, group, rank, c)
-    shape = {"dp": world // c, "cp": c}
+    shape = dict(zip(("dp", "cp", "tp"), dims, strict=False))
     shards = "FSDP2 shards over every rank"
+    if tp > 1:
+        shards = f"a tp group's ranks hold 1/{tp} of each block's heads; FSDP2 shards their slices over dp x cp"
     if replicate > 1:
         shape = {"replicate": replicate, "shard": world // (replicate * c), "cp": c}
         shards = f"FSDP2 shards over shard x cp ({world // replicate} ranks), gradient shards all-reduced over replicate"
     if env.is_main:
-        dims = " x ".join(f"{k} {v}" for k, v in shape.items())
-        print(f"fsdp mesh: {dims}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read the same samples, "
+        dims_line = " x ".join(f"{k} {v}" for k, v in shape.items())
+        print(f"fsdp mesh: {dims_line}, ranks {mesh.mesh.tolist()} (the ranks of one cp group read the same samples, "
               f"1/{c} of the positions each; {n} attentions exchange heads by all-to-all (Ulysses); {shards})",
               flush=True)  # fmt: skip
-    return shape, group, rank
+    return shape, group, rank, mesh
 
 
 def cp_memory(ctx, shard, at: int, units_note: str) -> Any:
