@@ -100,6 +100,11 @@ def is_language_model(name: str) -> bool:
     return name in SIZES or is_hf_name(name)
 
 
+def is_moe_model(name: str) -> bool:
+    """Whether ``name`` is a built-in mixture of experts (``models.transformer.SIZES`` with experts)."""
+    return name in SIZES and SIZES[name].is_moe
+
+
 def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
     """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
     are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models."""

@@ -42,6 +42,7 @@ from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
 from stratbench.models.transforms.float8 import float8_unsupported
+from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.costs import MemoryContext, RankMemory, loop_collectives
 
 if TYPE_CHECKING:
@@ -290,7 +291,17 @@ class Strategy:
         """Why the method cannot run ``cfg`` here, in one line, or None: what the model transforms need of the
         method and the device (``float8_refusal``), then the method's own ``check_supported``. What the engine,
         ``list``, ``advise`` and the estimate ask."""
-        return cls.float8_refusal(cfg, device) or cls.check_supported(cfg, device, world_size)
+        return cls.float8_refusal(cfg, device) or cls.moe_refusal(cfg) or cls.check_supported(cfg, device, world_size)
+
+    @classmethod
+    def moe_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why this method cannot train a mixture of experts (``models.moe``), in one line: a method that cuts the
+        model (``splits_model``) has no plan for the experts and computes the loss where the last piece is, not
+        beside every MoE layer's load-balancing loss. None where it can, or the model is dense."""
+        if not (cls.splits_model and is_moe_model(cfg.model)):
+            return None
+        takers = ", ".join(n for n, c in all_strategies().items() if not c.splits_model)
+        return f"model {cfg.model} is a mixture of experts, which {cls.name} does not split; train it under {takers}"
 
     @classmethod
     def float8_refusal(cls, cfg: TrainConfig, device: torch.device) -> str | None:

@@ -1,0 +1,128 @@
+"""The mixture-of-experts layer and sizes (stratbench.models.moe, models.transformer's MoE sizes): the routed
+output against a token-by-token reference, the capacity factor's drops, the load-balancing loss, the active
+parameters and FLOPs the counter sees, and bad configs refused in one line."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+from stratbench.core.errors import ConfigError
+from stratbench.models.flops import flops_per_sample
+from stratbench.models.moe import MoEFeedForward, parameter_split, router_loss
+from stratbench.models.transformer import SIZES, build_transformer, flops_per_token, parameter_count
+
+# Active parameters as published: Mixtral-8x7B 12.9B (mistral.ai/news/mixtral-of-experts), Qwen3-30B-A3B 3.3B
+# (its Hugging Face model card), DeepSeek-V3 37B (arXiv 2412.19437, abstract). The V3-style shape has plain
+# multi-head attention in place of MLA: 1.7B more a token, hence its wider margin.
+ACTIVE = {"mixtral-8x7b": (12.9e9, 0.01), "qwen3-30b-a3b": (3.3e9, 0.02), "deepseek-v3-style": (37e9, 0.05)}
+
+
+def layer(capacity_factor: float | None = None, shared: bool = False) -> MoEFeedForward:
+    torch.manual_seed(0)
+    ffn = MoEFeedForward(8, 6, 4, 2, capacity_factor=capacity_factor, aux_loss_coef=0.5,
+                         shared=nn.Linear(8, 8, bias=False) if shared else None).double()  # fmt: skip
+    for p in ffn.parameters():
+        nn.init.normal_(p, std=0.5)
+    return ffn
+
+
+def reference(ffn: MoEFeedForward, x: torch.Tensor, cap: int | None = None) -> torch.Tensor:
+    """Token by token: the softmax over the experts, the top-2 renormalised, each chosen expert's SwiGLU weighted;
+    with ``cap``, an expert past its first ``cap`` assignments (in token order) is skipped."""
+    out, seen = torch.zeros_like(x), [0] * ffn.n_experts
+    for t in range(x.shape[0]):
+        probs = torch.softmax(ffn.router.weight @ x[t], -1)
+        top = torch.topk(probs, 2)
+        for w, e in zip(top.values / top.values.sum(), top.indices.tolist(), strict=True):
+            seen[e] += 1
+            if cap is None or seen[e] <= cap:
+                h = x[t]
+                out[t] += w * (ffn.w2[e] @ (torch.nn.functional.silu(ffn.w1[e] @ h) * (ffn.w3[e] @ h)))
+    return out
+
+
+def test_routed_output_equals_the_token_by_token_reference_and_counts_every_assignment():
+    ffn, x = layer(shared=True), torch.randn(3, 5, 8, dtype=torch.float64)
+    out = ffn(x)
+    flat = x.reshape(-1, 8)
+    want = reference(ffn, flat) + ffn.shared(flat)
+    assert (out.reshape(-1, 8) - want).abs().max() < 1e-12
+    counts = ffn.pending.counts
+    assert counts.sum() == 15 * 2 and ffn.pending.dropped == 0
+    out.sum().backward()  # every expert's weights take part in the graph (DDP needs no unused parameters)
+    assert all(p.grad is not None for p in ffn.parameters())
+
+
+def test_capacity_factor_drops_the_assignments_past_each_experts_capacity_and_counts_them():
+    ffn, x = layer(capacity_factor=0.5), torch.randn(16, 8, dtype=torch.float64)
+    out = ffn(x)
+    cap = math.ceil(0.5 * 16 * 2 / 4)
+    counts = ffn.pending.counts.tolist()
+    assert ffn.pending.dropped == sum(max(0, c - cap) for c in counts) > 0
+    assert (out - reference(ffn, x, cap)).abs().max() < 1e-12
+
+
+def test_load_balancing_loss_is_switchs_and_joins_the_training_loss_once_per_forward():
+    ffn, x = layer(), torch.randn(20, 8, dtype=torch.float64)
+    ffn(x)
+    probs = torch.softmax(x @ ffn.router.weight.T, -1)
+    share = ffn.pending.counts.double() / 40
+    assert ffn.pending.aux_loss.item() == pytest.approx(4 * (share * probs.mean(0)).sum().item(), rel=1e-12)
+    loss = router_loss([ffn])  # coef x the layers' mean; the counts committed
+    assert loss.item() == pytest.approx(0.5 * 4 * (share * probs.mean(0)).sum().item(), rel=1e-12)
+    assert ffn.totals.passes == 1 and ffn.totals.counts.sum() == 40 and ffn.pending is None
+    with torch.no_grad():
+        ffn(x)  # an evaluation forward leaves nothing for the training loss
+    assert ffn.pending is None and ffn.totals.passes == 1
+    with torch.no_grad():
+        ffn.router.weight.zero_()  # uniform probabilities: the loss is 1 whatever the shares
+    ffn(x)
+    assert ffn.pending.aux_loss.item() == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("name", list(ACTIVE))
+def test_moe_sizes_have_their_published_active_parameters_on_meta(name):
+    with torch.device("meta"):
+        model = build_transformer(name)
+    active, total = parameter_split(model)
+    assert total == parameter_count(model.config) and active == parameter_count(model.config, active=True)
+    published, tol = ACTIVE[name]
+    assert abs(active / published - 1) < tol, (name, active)
+
+
+def test_the_flop_counter_sees_the_active_flops_on_the_meta_device():
+    """On the meta device each expert takes an equal share of the tokens x k assignments: exactly the dropless
+    layer's FLOPs (k experts a token), which the formula counts from the active parameters."""
+    cfg, seq = SIZES["gpt-moe-tiny"], 32
+    counted = flops_per_sample(lambda: build_transformer("gpt-moe-tiny"), (seq,), cfg.vocab_size, tokens=True)
+    assert counted == flops_per_token(cfg, seq) * seq
+    # gpt-tiny has the same active MLP width (2 x 256 = 512); the router comes on top
+    dense = flops_per_token(SIZES["gpt-tiny"], seq)
+    assert flops_per_token(cfg, seq) - dense == 6 * cfg.n_layers * cfg.dim * cfg.n_experts
+
+
+@pytest.mark.parametrize(
+    ("overrides", "words"),
+    [
+        ({"moe_top_k": 5}, "moe_top_k 5 must be an integer from 1 to n_experts 4"),
+        ({"moe_top_k": 0}, "moe_top_k 0 must be an integer from 1 to n_experts 4"),
+        ({"capacity_factor": 0.0}, "capacity_factor 0.0 must be > 0"),
+        ({"capacity_factor": -1.0}, "capacity_factor -1.0 must be > 0"),
+        ({"aux_loss_coef": -0.1}, "aux_loss_coef -0.1 must be a number >= 0"),
+        ({"n_experts": 0}, "moe_top_k 2 applies to a mixture of experts; this model is dense"),
+    ],
+)
+def test_bad_moe_configs_are_one_line_errors_naming_the_value(overrides, words):
+    with pytest.raises(ConfigError, match=words) as err:
+        replace(SIZES["gpt-moe-tiny"], **overrides).check()
+    assert "\n" not in str(err.value)
+
+
+def test_an_moe_option_on_a_dense_model_is_refused():
+    with pytest.raises(ConfigError, match="capacity_factor 1.25 applies to a mixture of experts"):
+        replace(SIZES["gpt-tiny"], capacity_factor=1.25).check()
