@@ -1,6 +1,6 @@
 """The mixture-of-experts layer and sizes (stratbench.models.moe, models.transformer's MoE sizes): the routed
-output against a token-by-token reference, the capacity factor's drops, the load-balancing loss, the active
-parameters and FLOPs the counter sees, and bad configs refused in one line."""
+output against a token-by-token reference, the capacity factor's drops, the load-balancing loss and its place in the
+training loss, the active parameters and FLOPs the counter sees, and bad configs and methods refused in one line."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from stratbench.core.errors import ConfigError
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError, UnsupportedError
 from stratbench.models.flops import flops_per_sample
-from stratbench.models.moe import MoEFeedForward, parameter_split, router_loss
+from stratbench.models.moe import MoEFeedForward, moe_layers, parameter_split, router_loss
 from stratbench.models.transformer import SIZES, build_transformer, flops_per_token, parameter_count
+from stratbench.training.engine import preflight
+from stratbench.training.losses import TokenCrossEntropy, with_router_loss
 
 # Active parameters as published: Mixtral-8x7B 12.9B (mistral.ai/news/mixtral-of-experts), Qwen3-30B-A3B 3.3B
 # (its Hugging Face model card), DeepSeek-V3 37B (arXiv 2412.19437, abstract). The V3-style shape has plain
@@ -126,3 +129,32 @@ def test_bad_moe_configs_are_one_line_errors_naming_the_value(overrides, words):
 def test_an_moe_option_on_a_dense_model_is_refused():
     with pytest.raises(ConfigError, match="capacity_factor 1.25 applies to a mixture of experts"):
         replace(SIZES["gpt-tiny"], capacity_factor=1.25).check()
+
+
+def test_the_training_loss_adds_coef_times_the_layers_mean_load_balancing_loss():
+    torch.manual_seed(0)
+    model = build_transformer("gpt-moe-tiny").double()
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    ce = TokenCrossEntropy()
+    logits = model(x)
+    aux = [block.feed_forward.pending.aux_loss.item() for block in model.layers]
+    loss = with_router_loss(ce, moe_layers(model))(logits, y)
+    assert loss.item() == pytest.approx(ce(logits, y).item() + 0.01 * sum(aux) / 4, rel=1e-12)
+    assert with_router_loss(ce, moe_layers(build_transformer("gpt-tiny"))) is ce  # a dense model: the loss alone
+
+
+@pytest.mark.parametrize(
+    ("strategy", "options", "words"),
+    [
+        ("pipeline", {}, "model gpt-moe-tiny is a mixture of experts, which pipeline does not train; train it under "
+         "ddp, fsdp, single, ddp-zero"),
+        ("tp", {}, "which tp does not train"),
+        ("dp", {}, "which dp does not train"),
+        ("fsdp", {"tp": 2}, "fsdp --tp 2 --cp 1: model gpt-moe-tiny is a mixture of experts; train it with --tp 1"),
+    ],
+)  # fmt: skip
+def test_methods_that_do_not_train_an_moe_refuse_it_in_one_line_before_any_work(strategy, options, words):
+    cfg = TrainConfig(model="gpt-moe-tiny", data="text", seq_len=32, strategy=strategy, strategy_options=options)
+    with pytest.raises(UnsupportedError, match=words) as err:
+        preflight(cfg, world_size=2)
+    assert "\n" not in str(err.value)

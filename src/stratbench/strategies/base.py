@@ -237,6 +237,10 @@ class Strategy:
     """Whether the method trains torchao's float8 Linears (``--float8``): the ones whose wrap leaves an
     ``nn.Linear`` subclass that computes its own product (single, ddp and ddp-zero, fsdp without tp) and whose tests prove it.
     Elsewhere ``float8_refusal`` says so in one line."""
+    takes_moe: ClassVar[bool] = False
+    """Whether the method trains a mixture of experts (``models.moe``): one whose every rank runs each MoE layer's
+    whole forward and computes the loss beside it (single, ddp, fsdp), with tests that prove it. A method that cuts
+    the model has no plan for the experts, and ``nn.DataParallel``'s replicas would keep the routing to themselves."""
     splits_model: ClassVar[bool] = False
     """The method cuts the model into pieces or shards its layers and feeds it one tensor (pipeline, tp,
     model-parallel): a user's data of several input tensors is refused in one line (``several_inputs_refusal``)."""
@@ -295,13 +299,12 @@ class Strategy:
 
     @classmethod
     def moe_refusal(cls, cfg: TrainConfig) -> str | None:
-        """Why this method cannot train a mixture of experts (``models.moe``), in one line: a method that cuts the
-        model (``splits_model``) has no plan for the experts and computes the loss where the last piece is, not
-        beside every MoE layer's load-balancing loss. None where it can, or the model is dense."""
-        if not (cls.splits_model and is_moe_model(cfg.model)):
+        """Why this method cannot train a mixture of experts (``models.moe``), in one line; None where it can
+        (``takes_moe``: its tests prove it) or the model is dense."""
+        if cls.takes_moe or not is_moe_model(cfg.model):
             return None
-        takers = ", ".join(n for n, c in all_strategies().items() if not c.splits_model)
-        return f"model {cfg.model} is a mixture of experts, which {cls.name} does not split; train it under {takers}"
+        takers = ", ".join(n for n, c in all_strategies().items() if c.takes_moe)
+        return f"model {cfg.model} is a mixture of experts, which {cls.name} does not train; train it under {takers}"
 
     @classmethod
     def float8_refusal(cls, cfg: TrainConfig, device: torch.device) -> str | None:
