@@ -67,7 +67,8 @@ class TrainConfig:
     model: str = "tinynet"
     """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
     'package.module:function' (called with num_classes=N), found from the working directory; text data: gpt-tiny,
-    gpt-tiny-long (a 4096-token context), gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), or a Hugging Face causal LM
+    gpt-tiny-long (a 4096-token context), gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), the mixtures
+    of experts gpt-moe-tiny, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-style (docs/usage.md), or a Hugging Face causal LM
     'hf:FOLDER' (a config.json, optionally safetensors weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the
     hf extra)."""
     weights: str | None = None

@@ -107,7 +107,10 @@ def is_moe_model(name: str) -> bool:
 
 def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
     """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
-    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models."""
+    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models and for
+    a mixture of experts (the formula's MLP is one dense SwiGLU; the trace sees the routed experts' copies)."""
+    if is_moe_model(name):
+        return None
     if name in SIZES:
         return transformer_config(name, vocab_size=vocab_size)
     return hf_decoder_shape(name, vocab_size) if is_hf_name(name) else None
