@@ -158,3 +158,19 @@ def test_methods_that_do_not_train_an_moe_refuse_it_in_one_line_before_any_work(
     with pytest.raises(UnsupportedError, match=words) as err:
         preflight(cfg, world_size=2)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("model", "flags", "words"),
+    [
+        ("gpt-moe-tiny", {"moe_top_k": 5}, "--moe-top-k 5 must be from 1 to gpt-moe-tiny's 4 experts"),
+        ("gpt-moe-tiny", {"capacity_factor": 0.0}, "--capacity-factor 0.0 must be > 0"),
+        ("gpt-tiny", {"moe_top_k": 2}, "--moe-top-k 2 applies to a mixture of experts .*; model 'gpt-tiny' has none"),
+        ("gpt-tiny", {"capacity_factor": 1.25}, "--capacity-factor 1.25 applies to a mixture of experts"),
+    ],
+)  # fmt: skip
+def test_bad_routing_flags_are_one_line_errors_before_any_work(model, flags, words):
+    cfg = TrainConfig(model=model, data="text", seq_len=32, **flags)
+    with pytest.raises(ConfigError, match=words) as err:
+        preflight(cfg, world_size=1)
+    assert "\n" not in str(err.value)

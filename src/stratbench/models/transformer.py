@@ -277,12 +277,13 @@ SIZES: dict[str, TransformerConfig] = {
 
 
 def transformer_config(
-    name: str, vocab_size: int | None = None, max_seq_len: int | None = None
+    name: str, vocab_size: int | None = None, max_seq_len: int | None = None, **moe: int | float | None
 ) -> TransformerConfig:
-    """The named size with its vocabulary and context overridden where given (the data decides both)."""
+    """The named size with its vocabulary and context overridden where given (the data decides both), and an MoE
+    size's ``moe_top_k`` / ``capacity_factor`` (``moe``: the run's ``--moe-top-k`` / ``--capacity-factor``)."""
     if name not in SIZES:
         raise ConfigError(f"unknown transformer size {name!r}; choose one of: {', '.join(SIZES)}")
-    overrides = {"vocab_size": vocab_size, "max_seq_len": max_seq_len}
+    overrides = {"vocab_size": vocab_size, "max_seq_len": max_seq_len, **moe}
     return replace(SIZES[name], **{k: v for k, v in overrides.items() if v is not None}).check()
 
 
@@ -524,11 +525,11 @@ def init_llama(model: Transformer) -> None:
 
 
 def build_transformer(
-    name: str, vocab_size: int | None = None, max_seq_len: int | None = None
+    name: str, vocab_size: int | None = None, max_seq_len: int | None = None, **moe: int | float | None
 ) -> Transformer:
-    """The named size (``SIZES``) with its vocabulary and context overridden where given; under
-    ``with torch.device("meta"):`` nothing is allocated (llama-8b builds in seconds)."""
-    return Transformer(transformer_config(name, vocab_size, max_seq_len))
+    """The named size (``SIZES``) with its vocabulary, context and MoE routing (``transformer_config``) overridden
+    where given; under ``with torch.device("meta"):`` nothing is allocated (llama-8b builds in seconds)."""
+    return Transformer(transformer_config(name, vocab_size, max_seq_len, **moe))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -396,6 +396,8 @@ class Trainer:
                 width=cfg.width,
                 sample_shape=None if bundle.multi_input else bundle.sample_shape,
                 seq_len=bundle.seq_len,
+                moe_top_k=cfg.moe_top_k,
+                capacity_factor=cfg.capacity_factor,
             )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
@@ -451,8 +453,9 @@ class Trainer:
         # total (LoRA's adapters included) and trained (with LoRA the adapters only); the LoRA settings let
         # inference rebuild the adapted model a checkpoint's keys name
         meta["trainable_parameters"], meta["num_parameters"] = parameter_counts(model, cfg)
-        if moe_layers(model):  # the parameters a token passes through: FLOPs and MFU count these
+        if moe_layers(model):  # the parameters a token passes through (FLOPs and MFU count these); the routing
             meta["active_parameters"] = parameter_split(model)[0] + meta["num_parameters"] - parameter_split(model)[1]
+            meta |= {"moe_top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}  # inference rebuilds it
         if cfg.lora_rank > 0:
             meta["lora"] = lora_meta(cfg)
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
