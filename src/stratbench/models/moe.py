@@ -139,21 +139,22 @@ class MoEFeedForward(nn.Module):
 
 
 class RouterTotals:
-    """One layer's routing summed over the trained micro-batches of this process."""
+    """One layer's routing summed over the trained micro-batches of this process, kept on the layer's device (no
+    host synchronisation per micro-batch; ``router_report`` reads it once)."""
 
     def __init__(self) -> None:
         self.counts: torch.Tensor | None = None
         self.last_counts: torch.Tensor | None = None
         self.dropped = 0
-        self.aux_sum = 0.0
+        self.aux_sum: torch.Tensor | float = 0.0
         self.passes = 0
 
     def add(self, record: RouterRecord) -> None:
-        counts = record.counts.detach().cpu()
+        counts = record.counts.detach()
         self.counts = counts.clone() if self.counts is None else self.counts + counts
         self.last_counts = counts
         self.dropped += record.dropped
-        self.aux_sum += float(record.aux_loss.detach())
+        self.aux_sum = self.aux_sum + record.aux_loss.detach()
         self.passes += 1
 
 
@@ -179,13 +180,13 @@ def router_report(layers: list[MoEFeedForward], reduce_sum: Callable[[torch.Tens
     all-reduce over the data-parallel ranks, every one holding every layer): the routed assignments per layer and
     expert over every trained micro-batch (``tokens_per_expert``) and their max/mean per layer (1: balanced),
     assignments dropped over the capacity, and the mean load-balancing loss of a layer and micro-batch."""
-    n = layers[0].n_experts
-    counts = torch.stack([t.counts if t.counts is not None else torch.zeros(n, dtype=torch.long)
-                          for t in (layer.totals for layer in layers)]).double()  # fmt: skip
-    last = torch.stack([t.last_counts if t.last_counts is not None else torch.zeros(n, dtype=torch.long)
-                        for t in (layer.totals for layer in layers)]).double()  # fmt: skip
-    scalars = torch.tensor([[t.dropped, t.aux_sum, t.passes] for t in (layer.totals for layer in layers)],
-                           dtype=torch.float64)  # fmt: skip
+    n, totals = layers[0].n_experts, [layer.totals for layer in layers]
+
+    def rows(tensors: list[torch.Tensor | None]) -> torch.Tensor:
+        return torch.stack([torch.zeros(n) if t is None else t.detach().cpu() for t in tensors]).double()
+
+    counts, last = rows([t.counts for t in totals]), rows([t.last_counts for t in totals])
+    scalars = torch.tensor([[t.dropped, float(t.aux_sum), t.passes] for t in totals], dtype=torch.float64)
     counts, last, scalars = (reduce_sum(t) for t in (counts, last, scalars))
     routed = counts.sum().item()
     imbalance = (counts.max(1).values / counts.mean(1).clamp(min=1e-300)).tolist()
