@@ -28,7 +28,7 @@ from stratbench.models.transformer import (
 from stratbench.models.zoo import check_model, count_parameters, residual_block_types
 
 # Published counts: GPT-2 small (HF gpt2, learned positions and biases), Llama 3.2 1B, Llama 3 8B (and 3.1 8B).
-# The MoE shapes' totals as published (tests/models/test_moe.py checks their active counts): Mixtral-8x7B 46.7B
+# The MoE shapes' totals as published (tests/models/test_moe_layer.py checks their active counts): Mixtral-8x7B 46.7B
 # (mistral.ai/news/mixtral-of-experts), Qwen3-30B-A3B 30.5B (its Hugging Face model card), DeepSeek-V3 671B (the
 # DeepSeek-V3 technical report, arXiv 2412.19437, abstract; without its multi-token-prediction module).
 PUBLISHED = {"gpt2-small": 124_439_808, "llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248,
