@@ -127,6 +127,12 @@ class TransformerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"transformer {name} must be a positive integer, not {value!r}")
+        if self.head_dim_override is not None and (
+            isinstance(self.head_dim_override, bool) or not isinstance(self.head_dim_override, int)
+            or self.head_dim_override <= 0
+        ):  # fmt: skip
+            raise ConfigError(f"transformer head_dim_override must be a positive integer or None, not "
+                              f"{self.head_dim_override!r}")  # fmt: skip
         for name in ("norm_eps", "rope_theta"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"transformer {name} must be positive, not {getattr(self, name)!r}")

@@ -454,8 +454,9 @@ class Trainer:
         # inference rebuild the adapted model a checkpoint's keys name
         meta["trainable_parameters"], meta["num_parameters"] = parameter_counts(model, cfg)
         if moe_layers(model):  # the parameters a token passes through (FLOPs and MFU count these); the routing
-            meta["active_parameters"] = parameter_split(model)[0] + meta["num_parameters"] - parameter_split(model)[1]
-            meta |= {"moe_top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}  # inference rebuilds it
+            active, total = parameter_split(model)  # inference rebuilds with the run's routing flags
+            meta["active_parameters"] = meta["num_parameters"] - (total - active)
+            meta |= {"moe_top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
         if cfg.lora_rank > 0:
             meta["lora"] = lora_meta(cfg)
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids
