@@ -108,16 +108,7 @@ class MoEFeedForward(nn.Module):
         sizes = counts.tolist() if has_data(x) else balanced_counts(tokens * k, n)
         cap = capacity(tokens, k, n, self.capacity_factor)
         order = flat.argsort(stable=True)  # the assignments grouped by expert, each group in token order
-        gate = weights.flatten()
-        out = torch.zeros_like(x)
-        start = 0
-        for e, size in enumerate(sizes):
-            kept = order[start : start + (size if cap is None else min(size, cap))]
-            start += size
-            token = kept // k
-            h = x.index_select(0, token)
-            y = (F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)) @ self.w2[e].T
-            out.index_add_(0, token, y * gate.index_select(0, kept)[:, None])
+        out = self.run_experts(x, weights.flatten(), order, sizes, cap)
         dropped = 0 if cap is None else sum(max(0, s - cap) for s in sizes)
         share = counts.to(probs.dtype) / (tokens * k)
         aux = n * (share * probs.mean(0)).sum()
@@ -125,6 +116,22 @@ class MoEFeedForward(nn.Module):
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)
+
+    def run_experts(
+        self, x: torch.Tensor, gate: torch.Tensor, order: torch.Tensor, sizes: list[int], cap: int | None
+    ) -> torch.Tensor:
+        """Each expert's output on its assignments (``order``: the assignments grouped by expert, ``sizes[e]`` of
+        them for expert e, the first ``cap`` kept), weighted by ``gate`` and summed per token, (T, dim). The step
+        expert parallelism replaces: the groups sent to the ranks that hold their experts and back."""
+        out, k, start = torch.zeros_like(x), self.top_k, 0
+        for e, size in enumerate(sizes):
+            kept = order[start : start + (size if cap is None else min(size, cap))]
+            start += size
+            token = kept // k
+            h = x.index_select(0, token)
+            y = (F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)) @ self.w2[e].T
+            out.index_add_(0, token, y * gate.index_select(0, kept)[:, None])
+        return out
 
     def take_pending(self) -> torch.Tensor:
         """The load-balancing loss of the latest training forward (its graph kept), its counts added to
