@@ -28,8 +28,12 @@ from stratbench.models.transformer import (
 from stratbench.models.zoo import check_model, count_parameters, residual_block_types
 
 # Published counts: GPT-2 small (HF gpt2, learned positions and biases), Llama 3.2 1B, Llama 3 8B (and 3.1 8B).
+# The MoE shapes' totals as published (tests/models/test_moe_layer.py checks their active counts): Mixtral-8x7B 46.7B
+# (mistral.ai/news/mixtral-of-experts), Qwen3-30B-A3B 30.5B (its Hugging Face model card), DeepSeek-V3 671B (the
+# DeepSeek-V3 technical report, arXiv 2412.19437, abstract; without its multi-token-prediction module).
 PUBLISHED = {"gpt2-small": 124_439_808, "llama-1b": 1_235_814_400, "llama-8b": 8_030_261_248,
-             "llama-8b-long": 8_030_261_248}  # fmt: skip
+             "llama-8b-long": 8_030_261_248, "mixtral-8x7b": 46.7e9, "qwen3-30b-a3b": 30.5e9,
+             "deepseek-v3-style": 671e9}  # fmt: skip
 
 
 def small(**overrides) -> TransformerConfig:
@@ -56,8 +60,8 @@ def test_sizes_have_their_published_parameter_counts_on_meta(name):
     assert time.perf_counter() - start < 10 or name == "gpt-tiny"
     n = count_parameters(model)
     assert n == parameter_count(model.config)
-    if name.startswith("gpt-tiny"):  # gpt-tiny and gpt-tiny-long (its widths, a longer context)
-        assert 1_000_000 <= n <= 3_000_000
+    if name.startswith("gpt-"):  # gpt-tiny, gpt-tiny-long (its widths, a longer context), gpt-moe-tiny
+        assert 1_000_000 <= n <= 3_100_000
     else:
         assert abs(n / PUBLISHED[name] - 1) < 0.01, (name, n)
     assert residual_block_types(model) == (TransformerBlock,)

@@ -118,8 +118,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="resnet50",
-        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt-tiny-long, gpt2-small, llama-1b, llama-8b, llama-8b-long: give "
-        "it text --data), or a builder 'pkg.module:build'",
+        help="tinynet, resnet18/34/50, a transformer (gpt-tiny, gpt-tiny-long, gpt2-small, llama-1b, llama-8b, llama-8b-long; "
+        "the mixtures of experts gpt-moe-tiny, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-style: give it text --data), or a "
+        "builder 'pkg.module:build'",
     )  # fmt: skip
     parser.add_argument(
         "--data", default="synthetic",
@@ -142,6 +143,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--cifar-stem", action="store_true", help="ResNet: 3x3 stride-1 stem for 32x32 inputs"
     )
     parser.add_argument("--width", type=int, default=16, help="tinynet width")
+    parser.add_argument("--moe-top-k", type=int, default=None, help="a mixture of experts: experts per token (as train)")
+    parser.add_argument(
+        "--capacity-factor", type=float, default=None, help="a mixture of experts: expert capacity (as train; default dropless)"
+    )
 
 
 def check_model_arguments(args: argparse.Namespace) -> bool:
@@ -165,7 +170,8 @@ def check_model_arguments(args: argparse.Namespace) -> bool:
 
 def model_fields(args: argparse.Namespace) -> dict:
     """The TrainConfig fields of the model and its data, as `train` would take them."""
-    fields = {"model": args.model, "data": args.data, "width": args.width, "cifar_stem": args.cifar_stem}
+    fields = {"model": args.model, "data": args.data, "width": args.width, "cifar_stem": args.cifar_stem,
+              "moe_top_k": args.moe_top_k, "capacity_factor": args.capacity_factor}  # fmt: skip
     if is_text_data(args.data):
         return {**fields, "seq_len": args.seq_len, "vocab_size": args.vocab_size}
     return {**fields, "data": "synthetic", "image_size": args.image_size, "num_classes": args.num_classes}
@@ -297,7 +303,8 @@ def config_for(args: argparse.Namespace, strategy: str) -> TrainConfig:
         lora_targets=args.lora_targets, quantize_base=args.quantize_base, float8=args.float8,
     )  # fmt: skip
     validate(cfg)
-    why = cls.float8_refusal(cfg, torch.device("cpu"))  # the method's part (the device is the target's, unknown)
+    # the method's part (the device is the target's, unknown)
+    why = cls.float8_refusal(cfg, torch.device("cpu")) or cls.moe_refusal(cfg)
     if not why and cfg.lora_rank:
         why = cls.lora_refusal(cfg) or cls.quantize_refusal(cfg)
     if why:

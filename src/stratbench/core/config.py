@@ -26,7 +26,7 @@ from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.core.files import atomic_write
 from stratbench.models.hf import canonical_name, check_vocab, default_seq_len, is_hf_name
 from stratbench.models.hf_llama import canonical_init, check_init, folder_vocab, is_hf_init
-from stratbench.models.zoo import is_weights_name, resolve_weights
+from stratbench.models.zoo import is_weights_name, moe_overrides, resolve_weights
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -67,7 +67,8 @@ class TrainConfig:
     model: str = "tinynet"
     """Model: tinynet (small BatchNorm-free CNN), resnet18, resnet34, resnet50, or a builder
     'package.module:function' (called with num_classes=N), found from the working directory; text data: gpt-tiny,
-    gpt-tiny-long (a 4096-token context), gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), or a Hugging Face causal LM
+    gpt-tiny-long (a 4096-token context), gpt2-small, llama-1b, llama-8b, llama-8b-long (a 262,144-token context), the mixtures
+    of experts gpt-moe-tiny, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-style (docs/usage.md), or a Hugging Face causal LM
     'hf:FOLDER' (a config.json, optionally safetensors weights) or 'hf:OWNER/NAME' from the Hugging Face cache (the
     hf extra)."""
     weights: str | None = None
@@ -81,6 +82,13 @@ class TrainConfig:
     """tinynet only: normalisation layer, 'group' (GroupNorm) or 'none'."""
     width: int = 16
     """tinynet only: channels of the first stage (doubles per stage)."""
+    moe_top_k: int | None = None
+    """Mixtures of experts only (gpt-moe-tiny, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3-style): the experts each token
+    is routed to, from 1 to the model's experts; default: the model's own (gpt-moe-tiny: 2 of 4)."""
+    capacity_factor: float | None = None
+    """Mixtures of experts only: each expert takes at most ceil(C x tokens x top-k / experts) of a micro-batch's
+    assignments, the rest are dropped (result.json's moe counts them); default: dropless (every token reaches its
+    experts)."""
     data: str = "digits"
     """Data set. Images: synthetic (random), digits (scikit-learn's 8x8 digits at 32x32), cifar10, imagefolder (class
     subfolders of --data-dir). Text for a language model: text (the .txt/.md/.py files of --data-dir, default the
@@ -308,7 +316,7 @@ class TrainConfig:
 # ---- help topics: where each field's flag stands in `train --help`, and which the short --help shows ------
 HELP_TOPICS: dict[str, tuple[str, ...]] = {
     "model & data": (
-        "model", "weights", "cifar_stem", "norm", "width", "data", "target", "data_dir", "download", "image_size",
+        "model", "weights", "cifar_stem", "norm", "width", "moe_top_k", "capacity_factor", "data", "target", "data_dir", "download", "image_size",
         "num_classes", "synthetic_samples", "val_fraction", "seq_len", "tokenizer", "vocab_size", "token_dtype",
         "data_format", "train_on_prompt", "pack", "eval_samples", "num_workers", "data_pipeline", "pin_memory",
     ),
@@ -635,6 +643,7 @@ def validate(cfg: TrainConfig) -> None:
         )
     if cfg.vocab_size is not None and is_hf_name(cfg.model):
         check_vocab(cfg.model, cfg.vocab_size)  # the head's width is the model's, not the data's
+    moe_overrides(cfg.model, cfg.moe_top_k, cfg.capacity_factor)  # an MoE model, a top-k within its experts, C > 0
     if cfg.recipe is not None and cfg.recipe not in RECIPES:
         raise ConfigError(f"unknown recipe {cfg.recipe!r}; choose one of: {', '.join(RECIPES)}")
     check_ac_mode(cfg.ac_mode)

@@ -100,6 +100,8 @@ def build_from_meta(meta: dict[str, Any]) -> nn.Module:
         width=int(meta.get("width", 16)),
         sample_shape=_sample_shape(meta),
         seq_len=int(meta["seq_len"]) if meta.get("seq_len") else None,
+        moe_top_k=meta.get("moe_top_k"),
+        capacity_factor=meta.get("capacity_factor"),
     )
     return apply_lora_meta(model, meta.get("lora"))
 

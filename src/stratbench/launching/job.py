@@ -223,7 +223,7 @@ def _explained(cfg: TrainConfig, exc: Exception) -> Exception:
     return exc
 
 
-RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "optimizer")
+RESUME_KEYS = ("model", "width", "norm", "cifar_stem", "moe_top_k", "capacity_factor", "optimizer")
 INIT_KEYS = ("model", "width", "norm", "cifar_stem")
 RESUME_NOTE_KEYS = ("precision", "batch_size", "grad_accum", "lr")
 """A resume may change these (e.g. continue a bf16-mixed run in fp32 on another machine), but then the rest of the

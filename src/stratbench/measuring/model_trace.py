@@ -58,11 +58,15 @@ class ModelSpec(SampleShape):
     """Text data: tokens per sample (None: an image model)."""
     input_shape: tuple[int, ...] | None = None
     """A user's data whose input is no square image (a row of features): its shape (``SampleShape``)."""
+    moe_top_k: int | None = None
+    """A mixture of experts' routing where the run overrides its size's (``--moe-top-k``, ``--capacity-factor``)."""
+    capacity_factor: float | None = None
 
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> ModelSpec:
         if is_text_data(cfg.data):  # the image-only fields keep their defaults: one cache entry per LM build
-            return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len)
+            return cls(cfg.model, text_vocab(cfg), 0, seq_len=cfg.seq_len, moe_top_k=cfg.moe_top_k,
+                       capacity_factor=cfg.capacity_factor)  # fmt: skip
         if is_user_data(cfg.data):  # a builder or a table: its items' shape and classes
             shape = user_data_shape(cfg)
             if shape.multi_input:
@@ -107,6 +111,8 @@ class ModelSpec(SampleShape):
             width=self.width,
             sample_shape=self.sample_shape if materialize else None,
             seq_len=self.seq_len,
+            moe_top_k=self.moe_top_k,
+            capacity_factor=self.capacity_factor,
         )
 
 

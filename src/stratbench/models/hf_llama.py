@@ -256,10 +256,11 @@ def _describe(name: str, cfg: TransformerConfig) -> str:
 def check_size(value: str, model: str, vocab_size: int | None) -> None:
     """config.json of ``hf:FOLDER`` matches the built-in size ``model`` field for field, its vocabulary the
     run's ``vocab_size`` (where known); else one line naming the mismatched fields and the sizes there are."""
-    if model not in SIZES:
+    if model not in SIZES or SIZES[model].is_moe:  # a Llama folder has no experts
+        dense = ", ".join(n for n, c in SIZES.items() if not c.is_moe)
         raise ConfigError(
-            f"--init-from {value} maps a Hugging Face Llama folder onto a built-in transformer "
-            f"({', '.join(SIZES)}), not --model {model}; train a Hugging Face model as --model hf:FOLDER"
+            f"--init-from {value} maps a Hugging Face Llama folder onto a dense built-in transformer "
+            f"({dense}), not --model {model}; train a Hugging Face model as --model hf:FOLDER"
         )
     fields = read_config(value)
     own = SIZES[model] if vocab_size is None else replace(SIZES[model], vocab_size=vocab_size)

@@ -100,9 +100,37 @@ def is_language_model(name: str) -> bool:
     return name in SIZES or is_hf_name(name)
 
 
+def is_moe_model(name: str) -> bool:
+    """Whether ``name`` is a built-in mixture of experts (``models.transformer.SIZES`` with experts)."""
+    return name in SIZES and SIZES[name].is_moe
+
+
+def moe_overrides(name: str, top_k: int | None, capacity_factor: float | None) -> dict[str, int | float]:
+    """The MoE routing a run asks of model ``name`` (``--moe-top-k``, ``--capacity-factor``), checked: an MoE size,
+    a top-k from 1 to its experts, a capacity factor > 0; one line naming the value otherwise. Empty: the size's."""
+    given = {"moe_top_k": top_k, "capacity_factor": capacity_factor}
+    given = {k: v for k, v in given.items() if v is not None}
+    if not given:
+        return {}
+    flag = "--moe-top-k" if top_k is not None else "--capacity-factor"
+    value = top_k if top_k is not None else capacity_factor
+    if not is_moe_model(name):
+        moes = ", ".join(n for n, c in SIZES.items() if c.is_moe)
+        raise ConfigError(f"{flag} {value} applies to a mixture of experts ({moes}); model {name!r} has none")
+    experts = SIZES[name].n_experts
+    if top_k is not None and (isinstance(top_k, bool) or not 1 <= top_k <= experts):
+        raise ConfigError(f"--moe-top-k {top_k} must be from 1 to {name}'s {experts} experts")
+    if capacity_factor is not None and not capacity_factor > 0:
+        raise ConfigError(f"--capacity-factor {capacity_factor} must be > 0 (omit it for dropless routing)")
+    return given
+
+
 def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
     """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
-    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models."""
+    are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models and for
+    a mixture of experts (the formula's MLP is one dense SwiGLU; the trace sees the routed experts' copies)."""
+    if is_moe_model(name):
+        return None
     if name in SIZES:
         return transformer_config(name, vocab_size=vocab_size)
     return hf_decoder_shape(name, vocab_size) if is_hf_name(name) else None
@@ -207,10 +235,13 @@ def build_model(
     width: int = 32,
     sample_shape: tuple[int, ...] | None = None,
     seq_len: int | None = None,
+    moe_top_k: int | None = None,
+    capacity_factor: float | None = None,
 ) -> nn.Module:
     """The model ``name`` with ``num_classes`` outputs (text data, ``seq_len`` given: a vocabulary of
-    ``num_classes``); a user model with lazy modules gets its parameters from a dry forward on one sample of
-    ``sample_shape`` ((C, H, W) or (seq_len,))."""
+    ``num_classes``; an MoE size's routing overridden by ``moe_top_k`` / ``capacity_factor`` where given); a user
+    model with lazy modules gets its parameters from a dry forward on one sample of ``sample_shape`` ((C, H, W) or
+    (seq_len,))."""
     text = seq_len is not None
     check_model(name, text, seq_len)
     if name == "tinynet":
@@ -218,7 +249,9 @@ def build_model(
     if is_hf_name(name):
         return build_hf(name, num_classes, seq_len)
     if is_language_model(name):
-        return build_transformer(name, vocab_size=num_classes)
+        return build_transformer(
+            name, vocab_size=num_classes, **moe_overrides(name, moe_top_k, capacity_factor)
+        )
     if ":" in name:
         return materialize_lazy(_load_user_builder(name, num_classes, text), sample_shape, name, text)
     return _resnet(name, num_classes, cifar_stem)

@@ -42,6 +42,7 @@ from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.models.transforms import Phase, Pipeline
 from stratbench.models.transforms.float8 import float8_unsupported
+from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.costs import MemoryContext, RankMemory, loop_collectives
 
 if TYPE_CHECKING:
@@ -236,6 +237,10 @@ class Strategy:
     """Whether the method trains torchao's float8 Linears (``--float8``): the ones whose wrap leaves an
     ``nn.Linear`` subclass that computes its own product (single, ddp and ddp-zero, fsdp without tp) and whose tests prove it.
     Elsewhere ``float8_refusal`` says so in one line."""
+    takes_moe: ClassVar[bool] = False
+    """Whether the method trains a mixture of experts (``models.moe``): one whose every rank runs each MoE layer's
+    whole forward and computes the loss beside it (single, ddp, fsdp), with tests that prove it. A method that cuts
+    the model has no plan for the experts, and ``nn.DataParallel``'s replicas would keep the routing to themselves."""
     splits_model: ClassVar[bool] = False
     """The method cuts the model into pieces or shards its layers and feeds it one tensor (pipeline, tp,
     model-parallel): a user's data of several input tensors is refused in one line (``several_inputs_refusal``)."""
@@ -290,7 +295,16 @@ class Strategy:
         """Why the method cannot run ``cfg`` here, in one line, or None: what the model transforms need of the
         method and the device (``float8_refusal``), then the method's own ``check_supported``. What the engine,
         ``list``, ``advise`` and the estimate ask."""
-        return cls.float8_refusal(cfg, device) or cls.check_supported(cfg, device, world_size)
+        return cls.float8_refusal(cfg, device) or cls.moe_refusal(cfg) or cls.check_supported(cfg, device, world_size)
+
+    @classmethod
+    def moe_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why this method cannot train a mixture of experts (``models.moe``), in one line; None where it can
+        (``takes_moe``: its tests prove it) or the model is dense."""
+        if cls.takes_moe or not is_moe_model(cfg.model):
+            return None
+        takers = ", ".join(n for n, c in all_strategies().items() if c.takes_moe)
+        return f"model {cfg.model} is a mixture of experts, which {cls.name} does not train; train it under {takers}"
 
     @classmethod
     def float8_refusal(cls, cfg: TrainConfig, device: torch.device) -> str | None:

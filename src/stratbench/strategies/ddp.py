@@ -43,6 +43,7 @@ class DDPCost(CostModel):
 @register
 class DDPStrategy(Strategy):
     name = "ddp"
+    takes_moe = True
     comm_reference = True
     takes_float8 = True
     description = "DistributedDataParallel: one process per device, gradients all-reduced"

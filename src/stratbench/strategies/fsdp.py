@@ -59,12 +59,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import states_per_local_shard
 from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
+from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.context_parallel import (
@@ -453,9 +455,19 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
 
 
+def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
+    """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
+    no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
+    sequence's."""
+    if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
+        return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
+    return None
+
+
 @register
 class FSDPStrategy(LossParallel, Strategy):
     name = "fsdp"
+    takes_moe = True
     description = (
         "FSDP2 (fully_shard): params/grads/optimizer state sharded as DTensors; --sharding full|grad-op|none; "
         "--replicate R: HSDP"
@@ -508,6 +520,7 @@ class FSDPStrategy(LossParallel, Strategy):
             or replicate_unfit(opts, world_size)
             or shard_group_spans_nodes(cfg, opts, world_size)
             or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size, opts.sequence_parallel)
+            or moe_layout_unfit(cfg, opts)
         )
 
     @classmethod

@@ -20,6 +20,7 @@ class SingleCost(CostModel):
 @register
 class SingleDevice(Strategy):
     name = "single"
+    takes_moe = True
     description = "one process, one device (CPU or one GPU); the baseline"
     requirements = "any device, one process"
     baseline = True

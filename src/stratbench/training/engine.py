@@ -70,6 +70,7 @@ from stratbench.measuring.metrics import RunMetrics
 from stratbench.measuring.model_trace import text_vocab
 from stratbench.models.flops import flops_per_sample
 from stratbench.models.hf import check_vocab, is_hf_name
+from stratbench.models.moe import MoEFeedForward, moe_layers, parameter_split, router_report
 from stratbench.models.transforms.lora import lora_meta, parameter_counts
 from stratbench.models.zoo import (
     build_model,
@@ -86,6 +87,7 @@ from stratbench.training.losses import (
     per_sample_eval,
     perplexity,
     step_denominator,
+    with_router_loss,
 )
 from stratbench.training.sinks import Sink, build_sinks
 from stratbench.training.state import TrainState
@@ -209,6 +211,8 @@ class Run:
     steps_per_epoch: int
     run_steps: int
     flops: float | None
+    moe_layers: list[MoEFeedForward]
+    """An MoE model's routed layers (their routing counts, result.json's ``moe``); empty for a dense model."""
 
 
 class Trainer:
@@ -221,6 +225,8 @@ class Trainer:
         precision = Precision(cfg.precision, env.device)
         self.strategy = strategy_cls(cfg, env, precision, strategy_cls.parse_options(cfg.strategy_options))
         self.loss_fn = build_loss(cfg)
+        self.train_loss = self.loss_fn
+        """What the steps backpropagate: ``loss_fn``, plus an MoE model's load-balancing loss (set up with the model)."""
         self.result: dict[str, Any] = {}
 
     # ------------------------------------------------------------------------------------------
@@ -312,6 +318,15 @@ class Trainer:
         self.result["metrics"].update(summary)
         self.result["sharding"] = sharding
         self.result.update(self.strategy.report())
+        if run.moe_layers:
+            self.result["moe"] = self._moe_report(run)
+
+    def _moe_report(self, run: Run) -> dict[str, Any]:
+        """result.json's ``moe``: active and total parameters, then the routing summed over the ranks."""
+        device = self.env.device
+        active, total = run.meta["active_parameters"], run.meta["num_parameters"]
+        routing = router_report(run.moe_layers, lambda t: self.strategy.all_reduce(t.to(device), "sum").cpu())
+        return {"active_parameters": active, "total_parameters": total, "steps": run.state.progress.step, **routing}
 
     def _step(self, run: Run, batches: Iterator, metrics: RunMetrics) -> float:
         """One optimizer step, timed: load the micro-batches, forward/backward (the strategy's schedule), step."""
@@ -322,7 +337,7 @@ class Trainer:
         if isinstance(self.loss_fn, MaskedTokenCrossEntropy):
             with metrics.phase("other"):
                 self.loss_fn.denominator = self._token_denominator(micro)
-        loss = strategy.run_step(run.model, micro, self.loss_fn)
+        loss = strategy.run_step(run.model, micro, self.train_loss)
         if progress.step >= 1 or run.run_steps == 1:  # the optimizer state exists from the first step on
             with metrics.phase("other"):
                 metrics.record_state_bytes(run.model, run.optimizer)
@@ -381,6 +396,8 @@ class Trainer:
                 width=cfg.width,
                 sample_shape=None if bundle.multi_input else bundle.sample_shape,
                 seq_len=bundle.seq_len,
+                moe_top_k=cfg.moe_top_k,
+                capacity_factor=cfg.capacity_factor,
             )
 
         seed_everything(cfg.seed)  # the same initial weights on every rank and for every method
@@ -388,6 +405,8 @@ class Trainer:
             metrics.before_model(build)
         model = build()
         meta = self._model_meta(bundle, model)
+        layers = moe_layers(model)
+        self.train_loss = with_router_loss(self.loss_fn, layers)
         if cfg.weights:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
@@ -414,7 +433,7 @@ class Trainer:
                 print(f"resumed from {resume_path} at step {state.progress.step} of {total_steps} (epoch "
                       f"{state.progress.epoch})", flush=True)  # fmt: skip
         run_steps = min(total_steps, cfg.max_steps or total_steps)
-        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops)
+        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops, layers)
 
     def _model_meta(self, bundle: DataBundle, model: nn.Module) -> dict[str, Any]:
         """What inference needs to rebuild and feed the model; saved in every checkpoint."""
@@ -434,6 +453,10 @@ class Trainer:
         # total (LoRA's adapters included) and trained (with LoRA the adapters only); the LoRA settings let
         # inference rebuild the adapted model a checkpoint's keys name
         meta["trainable_parameters"], meta["num_parameters"] = parameter_counts(model, cfg)
+        if moe_layers(model):  # the parameters a token passes through (FLOPs and MFU count these); the routing
+            active, total = parameter_split(model)  # inference rebuilds with the run's routing flags
+            meta["active_parameters"] = meta["num_parameters"] - (total - active)
+            meta |= {"moe_top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
         if cfg.lora_rank > 0:
             meta["lora"] = lora_meta(cfg)
         if bundle.is_text:  # what generation needs: the window, the vocabulary and how text became ids

@@ -20,6 +20,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_ft_data, is_text_data
+from stratbench.models.moe import MoEFeedForward, router_loss
 
 LOSSES = ("cross-entropy",)
 """Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
@@ -127,6 +128,25 @@ def build_loss(cfg: TrainConfig) -> Callable:
     if is_text_data(cfg.data):
         return TokenCrossEntropy(label_smoothing=cfg.label_smoothing)
     return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+
+class WithRouterLoss:
+    """The training loss plus the MoE layers' load-balancing loss (``models.moe.router_loss``: coef x the layers'
+    mean, of the micro-batch the model just ran), so that the loss the loop backpropagates and reports holds both;
+    the layers' routing counts are committed here, once per trained micro-batch. The validation loss stays
+    plain cross-entropy."""
+
+    def __init__(self, loss_fn: Callable, layers: list[MoEFeedForward]) -> None:
+        self.loss_fn, self.layers = loss_fn, layers
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(logits, targets)
+        return loss + router_loss(self.layers).to(loss.dtype)
+
+
+def with_router_loss(loss_fn: Callable, layers: list[MoEFeedForward]) -> Callable:
+    """``loss_fn`` with the MoE layers' load-balancing loss added (``WithRouterLoss``); itself for a dense model."""
+    return WithRouterLoss(loss_fn, layers) if layers else loss_fn
 
 
 def per_sample_eval(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
