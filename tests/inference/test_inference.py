@@ -18,6 +18,7 @@ import torch
 from conftest import cli as run_in_process
 from conftest import train
 from stratbench.cli import main
+from stratbench.core.errors import DataError
 from stratbench.strategies.base import all_strategies
 
 # A few steps are enough: the point is that every path gives the same numbers, not a good model.
@@ -274,3 +275,52 @@ def test_percentile_nearest_rank():
     assert percentile(values, 50) == 50 and percentile(values, 95) == 95 and percentile(values, 99) == 99
     assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # with few samples p99 is the slowest one
     assert percentile([5.0], 50) == 5.0
+
+
+def test_quantized_export_is_checked_and_reports_parity(sharded_runs, tmp_path, capsys):
+    """export --quantize int8-static on tinynet (24k parameters: its graph, not its weights, dominates the file, so
+    the size bound is tested on gpt-tiny in test_lm_export.py): a checked file whose metadata names the mode and
+    its calibration, parity reported (not required), and top-1 on the digits within 1 point of PyTorch's."""
+    run = sharded_run(sharded_runs, "fsdp")
+    out = tmp_path / "int8.onnx"
+    rc, printed, err = cli(capsys, "export", "--checkpoint", run["file"], "--output", out, "--quantize",
+                           "int8-static", "--calibration-batches", "2", "--real-samples", "16")  # fmt: skip
+    assert rc == 0, err
+    assert "int8-static: " in printed and "calibrated on 64 validation samples" in printed
+    assert "onnx.checker: ok" in printed and "parity (reported, not required): max abs diff" in printed
+    from stratbench.inference.onnx_export import OrtModel, read_metadata
+    from stratbench.inference.predictor import load_model
+    from stratbench.inference.quality import Reference, validation_batches
+
+    meta = read_metadata(out)
+    assert meta["onnx_quantization"] == "int8-static" and meta["onnx_calibration_samples"] == 64
+    loaded = load_model(run["file"])
+    session = OrtModel(out)
+    quality = Reference(loaded.model, validation_batches(loaded, 12), language=False).score(
+        lambda x: torch.from_numpy(session.run(x.numpy()))
+    )
+    assert quality.samples == 359 and abs(quality.top1_delta_pts) <= 1.0, quality
+
+
+def test_quantize_bad_input_one_line_nothing_written(sharded_runs, tmp_path, capsys, monkeypatch):
+    from conftest import fails
+
+    good = sharded_run(sharded_runs, "fsdp")["file"]
+    out = tmp_path / "q.onnx"
+    base = ("export", "--checkpoint", good, "--output", out)
+    err = fails(capsys, *base, "--quantize", "int8-statc")
+    assert "unknown --quantize mode 'int8-statc' (did you mean 'int8-static'" in err and "int8-dynamic, int8-static, fp16" in err
+    err = fails(capsys, "export", "--checkpoint", good, "--output", tmp_path / "q.pt", "--quantize", "int8-dynamic")
+    assert "--quantize int8-dynamic rewrites an ONNX export; --format state-dict is not ONNX" in err
+    err = fails(capsys, *base, "--quantize", "fp16", "--fp16")
+    assert "choose one" in err
+    err = fails(capsys, *base, "--quantize", "int8-static", "--calibration-batches", "0")
+    assert "--quantize int8-static needs calibration data" in err
+
+    def no_data(*a, **k):
+        raise DataError("data set 'digits' cannot be read here")
+
+    monkeypatch.setattr("stratbench.commands.export.validation_batches", no_data)
+    err = fails(capsys, *base, "--quantize", "int8-static")
+    assert "int8-static calibrates on the checkpoint's validation data, which is not available here" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
