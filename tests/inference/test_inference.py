@@ -302,6 +302,31 @@ def test_quantized_export_is_checked_and_reports_parity(sharded_runs, tmp_path, 
     assert quality.samples == 359 and abs(quality.top1_delta_pts) <= 1.0, quality
 
 
+def test_bench_infer_quality_of_quantized_rows(sharded_runs, tmp_path, capsys):
+    """bench-infer's onnxruntime int8 / fp16 and torchao rows on tinynet: each scored against eager fp32 on the
+    validation set (top-1 within 1 point), with its file size and start-up; a row that cannot run says why."""
+    run = sharded_run(sharded_runs, "fsdp")
+    out_csv = tmp_path / "bench.csv"
+    backends = "eager-fp32,onnxruntime-int8-dynamic,onnxruntime-int8-static,onnxruntime-fp16,torchao-int8-dynamic"
+    rc, printed, err = cli(capsys, "bench-infer", "--checkpoint", run["file"], "--batch-sizes", "2",
+                           "--backends", backends + ",onnxruntime-cuda", "--warmup", "0", "--iters", "2",
+                           "--min-iters", "1", "--threads", "1", "--calibration-batches", "2",
+                           "--output", out_csv)  # fmt: skip
+    assert rc == 0, err
+    assert "top-1 %" in printed and "Δ pts" in printed and "max |Δlogit|" in printed
+    rows = {r["backend"]: r for r in csv.DictReader(out_csv.open())}
+    assert rows["onnxruntime-cuda"]["status"] == "skipped" and rows["onnxruntime-cuda"]["reason"]
+    fp32 = rows["eager-fp32"]
+    assert float(fp32["top1_delta_pts"]) == 0 and fp32["quality_samples"] == "256"
+    for name in backends.split(",")[1:]:
+        r = rows[name]
+        assert r["status"] == "ok", (name, r["reason"])
+        assert abs(float(r["top1_delta_pts"])) <= 1.0 and float(r["argmax_agreement"]) >= 0.95, (name, r)
+        assert float(r["top1"]) == pytest.approx(float(fp32["top1"]) + float(r["top1_delta_pts"]) / 100, abs=2e-4)
+        assert int(r["size_bytes"]) > 0 and float(r["startup_s"]) > 0
+    assert int(rows["onnxruntime-int8-dynamic"]["size_bytes"]) < int(rows["onnxruntime-fp16"]["size_bytes"])
+
+
 def test_quantize_bad_input_one_line_nothing_written(sharded_runs, tmp_path, capsys, monkeypatch):
     from conftest import fails
 
@@ -324,3 +349,5 @@ def test_quantize_bad_input_one_line_nothing_written(sharded_runs, tmp_path, cap
     err = fails(capsys, *base, "--quantize", "int8-static")
     assert "int8-static calibrates on the checkpoint's validation data, which is not available here" in err
     assert not out.exists() and not list(tmp_path.iterdir())
+    err = fails(capsys, "bench-infer", "--checkpoint", good, "--backends", "onnxruntime-int8-statc")
+    assert "unknown backend(s) onnxruntime-int8-statc (did you mean 'onnxruntime-int8-static'" in err
