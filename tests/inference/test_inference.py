@@ -339,6 +339,8 @@ def test_quantize_bad_input_one_line_nothing_written(sharded_runs, tmp_path, cap
     assert "--quantize int8-dynamic rewrites an ONNX export; --format state-dict is not ONNX" in err
     err = fails(capsys, *base, "--quantize", "fp16", "--fp16")
     assert "choose one" in err
+    err = fails(capsys, *base, "--quantize", "int8-dynamic", "--atol", "0.1")
+    assert "--atol bounds an export's parity check" in err
     err = fails(capsys, *base, "--quantize", "int8-static", "--calibration-batches", "0")
     assert "--quantize int8-static needs calibration data" in err
 

@@ -163,6 +163,9 @@ def check_quantize(args: argparse.Namespace) -> None:
     if args.fp16:
         raise ConfigError(f"--quantize {mode} converts the fp32 export; --fp16 exports fp16 weights through torch: "
                           "choose one")  # fmt: skip
+    if args.atol is not None:
+        raise ConfigError(f"--atol bounds an export's parity check; a --quantize {mode} file's parity is reported, "
+                          "not bounded: drop --atol")  # fmt: skip
     if mode == "int8-static" and args.calibration_batches < 1:
         raise ConfigError(f"--quantize int8-static needs calibration data: --calibration-batches must be >= 1, got "
                           f"{args.calibration_batches}")  # fmt: skip
