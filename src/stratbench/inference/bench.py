@@ -204,8 +204,9 @@ def quality_data(loaded: LoadedModel, quality_batches: int, calibration_batches:
     except StratbenchError as exc:
         return QualityData(reason=f"validation data unavailable: {exc}")
     calibration = [x.numpy() for x, _ in batches[:calibration_batches]]
-    reason = "" if quality_batches else "--quality-batches 0"
-    return QualityData(batches[:quality_batches], calibration, reason)
+    zero = [f"--{name} 0" for name, n in (("quality-batches", quality_batches),
+                                           ("calibration-batches", calibration_batches)) if not n]  # fmt: skip
+    return QualityData(batches[:quality_batches], calibration, ", ".join(zero))
 
 
 ONNX_MODES = {"onnxruntime-int8-dynamic": "int8-dynamic", "onnxruntime-int8-static": "int8-static",
@@ -220,13 +221,8 @@ class InferenceBench:
     def __init__(self, model: nn.Module, meta: dict[str, Any], device: torch.device, settings: BenchSettings,
                  threads: int, on_row: Callable[[Row], None] = lambda row: None,
                  data: QualityData | None = None) -> None:  # fmt: skip
-        self.model, self.device, self.settings, self.threads, self.on_row = (
-            model,
-            device,
-            settings,
-            threads,
-            on_row,
-        )
+        self.model, self.device, self.settings = model, device, settings
+        self.threads, self.on_row = threads, on_row
         self.size = int(meta["image_size"])
         self.name = str(meta["model"])
         self.meta = meta
@@ -289,9 +285,7 @@ class InferenceBench:
                 )
             return missing_tool(ONNX_MODES[backend])
         if backend in TORCHAO:
-            return torchao_reason() or (
-                None if self.device.type == "cpu" else "torchao rows are measured on CPU"
-            )
+            return torchao_reason()  # measured on the CPU whatever the device (backend_device)
         return None
 
     def runner(self, backend: str) -> Runner:

@@ -32,6 +32,8 @@ def validation_batches(loaded: LoadedModel, batches: int, batch_size: int | None
     batch_size = batch_size or (TOKEN_BATCH if is_language(loaded.meta) else IMAGE_BATCH)
     bundle = validation_set(train_config_for(loaded.config, loaded.meta), loaded.meta)
     count = min(batches * batch_size, len(bundle.val))
+    if count == 0:
+        return []
     items = [bundle.val[i] for i in range(count)]
     xs = torch.stack([x for x, _ in items])
     ys = torch.stack([torch.as_tensor(y) for _, y in items])
