@@ -18,6 +18,7 @@ import torch
 from conftest import cli as run_in_process
 from conftest import train
 from stratbench.cli import main
+from stratbench.core.errors import DataError
 from stratbench.strategies.base import all_strategies
 
 # A few steps are enough: the point is that every path gives the same numbers, not a good model.
@@ -274,3 +275,82 @@ def test_percentile_nearest_rank():
     assert percentile(values, 50) == 50 and percentile(values, 95) == 95 and percentile(values, 99) == 99
     assert percentile([3.0, 1.0, 2.0], 99) == 3.0  # with few samples p99 is the slowest one
     assert percentile([5.0], 50) == 5.0
+
+
+def test_quantized_export_is_checked_and_reports_parity(sharded_runs, tmp_path, capsys):
+    """export --quantize int8-static on tinynet: a checked file whose metadata names the mode and its calibration,
+    parity reported (not required), and top-1 on the digits within 1 point of PyTorch's. The 0.3x size bound is
+    tested on gpt-tiny (test_lm_export.py), where weights are 94% of the fp32 file; tinynet's 24k parameters are
+    half of its 194 KiB file, the rest graph and the exporter's debug metadata (its int8-static file measured 0.27x)."""
+    run = sharded_run(sharded_runs, "fsdp")
+    out = tmp_path / "int8.onnx"
+    rc, printed, err = cli(capsys, "export", "--checkpoint", run["file"], "--output", out, "--quantize",
+                           "int8-static", "--calibration-batches", "2", "--real-samples", "16")  # fmt: skip
+    assert rc == 0, err
+    assert "int8-static: " in printed and "calibrated on 64 validation samples" in printed
+    assert "onnx.checker: ok" in printed and "parity (reported, not required): max abs diff" in printed
+    from stratbench.inference.onnx_export import OrtModel, read_metadata
+    from stratbench.inference.predictor import load_model
+    from stratbench.inference.quality import Reference, validation_batches
+
+    meta = read_metadata(out)
+    assert meta["onnx_quantization"] == "int8-static" and meta["onnx_calibration_samples"] == 64
+    loaded = load_model(run["file"])
+    session = OrtModel(out)
+    quality = Reference(loaded.model, validation_batches(loaded, 12), language=False).score(
+        lambda x: torch.from_numpy(session.run(x.numpy()))
+    )
+    assert quality.samples == 359 and abs(quality.top1_delta_pts) <= 1.0, quality
+
+
+def test_bench_infer_quality_of_quantized_rows(sharded_runs, tmp_path, capsys):
+    """bench-infer's onnxruntime int8 / fp16 and torchao rows on tinynet: each scored against eager fp32 on the
+    validation set (top-1 within 1 point), with its file size and start-up; a row that cannot run says why."""
+    run = sharded_run(sharded_runs, "fsdp")
+    out_csv = tmp_path / "bench.csv"
+    backends = "eager-fp32,onnxruntime-int8-dynamic,onnxruntime-int8-static,onnxruntime-fp16,torchao-int8-dynamic"
+    rc, printed, err = cli(capsys, "bench-infer", "--checkpoint", run["file"], "--batch-sizes", "2",
+                           "--backends", backends + ",onnxruntime-cuda", "--warmup", "0", "--iters", "2",
+                           "--min-iters", "1", "--threads", "1", "--calibration-batches", "2",
+                           "--output", out_csv)  # fmt: skip
+    assert rc == 0, err
+    assert "top-1 %" in printed and "Δ pts" in printed and "max |Δlogit|" in printed
+    rows = {r["backend"]: r for r in csv.DictReader(out_csv.open())}
+    assert rows["onnxruntime-cuda"]["status"] == "skipped" and rows["onnxruntime-cuda"]["reason"]
+    fp32 = rows["eager-fp32"]
+    assert float(fp32["top1_delta_pts"]) == 0 and fp32["quality_samples"] == "256"
+    for name in backends.split(",")[1:]:
+        r = rows[name]
+        assert r["status"] == "ok", (name, r["reason"])
+        assert abs(float(r["top1_delta_pts"])) <= 1.0 and float(r["argmax_agreement"]) >= 0.95, (name, r)
+        assert float(r["top1"]) == pytest.approx(float(fp32["top1"]) + float(r["top1_delta_pts"]) / 100, abs=2e-4)
+        assert int(r["size_bytes"]) > 0 and float(r["startup_s"]) > 0
+    assert int(rows["onnxruntime-int8-dynamic"]["size_bytes"]) < int(rows["onnxruntime-fp16"]["size_bytes"])
+
+
+def test_quantize_bad_input_one_line_nothing_written(sharded_runs, tmp_path, capsys, monkeypatch):
+    from conftest import fails
+
+    good = sharded_run(sharded_runs, "fsdp")["file"]
+    out = tmp_path / "q.onnx"
+    base = ("export", "--checkpoint", good, "--output", out)
+    err = fails(capsys, *base, "--quantize", "int8-statc")
+    assert "unknown --quantize mode 'int8-statc' (did you mean 'int8-static'" in err and "int8-dynamic, int8-static, fp16" in err
+    err = fails(capsys, "export", "--checkpoint", good, "--output", tmp_path / "q.pt", "--quantize", "int8-dynamic")
+    assert "--quantize int8-dynamic rewrites an ONNX export; --format state-dict is not ONNX" in err
+    err = fails(capsys, *base, "--quantize", "fp16", "--fp16")
+    assert "choose one" in err
+    err = fails(capsys, *base, "--quantize", "int8-dynamic", "--atol", "0.1")
+    assert "--atol bounds an export's parity check" in err
+    err = fails(capsys, *base, "--quantize", "int8-static", "--calibration-batches", "0")
+    assert "--quantize int8-static needs calibration data" in err
+
+    def no_data(*a, **k):
+        raise DataError("data set 'digits' cannot be read here")
+
+    monkeypatch.setattr("stratbench.commands.export.validation_batches", no_data)
+    err = fails(capsys, *base, "--quantize", "int8-static")
+    assert "int8-static calibrates on the checkpoint's validation data, which is not available here" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
+    err = fails(capsys, "bench-infer", "--checkpoint", good, "--backends", "onnxruntime-int8-statc")
+    assert "unknown backend(s) onnxruntime-int8-statc (did you mean 'onnxruntime-int8-static'" in err

@@ -1,6 +1,9 @@
 """stratbench bench-infer: inference latency (p50/p95/p99) and throughput per batch size for PyTorch eager
-(fp32, bf16, fp16 where the device has them), torch.compile and onnxruntime (CPU, and CUDA when present); a
-language model's batches are sequences of ``--seq-len`` tokens, and its throughput is also in tokens/s.
+(fp32, bf16, fp16 where the device has them), torch.compile, torchao int8 (weight-only, dynamic) and onnxruntime
+(fp32, fp16, int8 dynamic and static; CUDA when present); a language model's batches are sequences of
+``--seq-len`` tokens, and its throughput is also in tokens/s. Each backend's rows also give the size of the file
+it loads, its start-up time and, for a checkpoint, its quality against eager fp32 on the checkpoint's validation
+set (top-1 and its change, or perplexity and its change; argmax agreement, max |delta logit|).
 How each case is timed: stratbench.inference.bench.
 """
 
@@ -9,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -17,24 +21,31 @@ from rich.table import Table
 
 from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
 from stratbench.core.dist import resolve_device
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, did_you_mean
+from stratbench.core.tables import fmt_bytes
 from stratbench.inference.bench import (
     BACKENDS,
     LM_LIMIT,
     BenchSettings,
     InferenceBench,
+    QualityData,
     Row,
+    quality_data,
     random_model,
     write_csv,
 )
 from stratbench.inference.onnx_export import context_length, is_language
 from stratbench.inference.predictor import load_model
+from stratbench.inference.quality import IMAGE_BATCH, TOKEN_BATCH
 from stratbench.measuring.environment import cpu_name
 from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import MODELS, check_model, is_language_model
 
 NAME = "bench-infer"
-HELP = "inference latency p50/p95/p99 and throughput per batch size: eager fp32/bf16/fp16, torch.compile, onnxruntime"
+HELP = (
+    "inference latency p50/p95/p99, throughput, size, start-up and quality vs eager fp32 per backend: eager "
+    "fp32/bf16/fp16, torch.compile, torchao int8, onnxruntime fp32/fp16/int8"
+)
 ORDER = 63
 DEFAULT_CLASSES = 1000
 DEFAULT_SEQ_LEN = 128
@@ -103,6 +114,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("auto", "cpu", "cuda"),
         help="device (default: cuda when present)",
     )
+    parser.add_argument(
+        "--quality-batches", type=int, default=8,
+        help=f"validation batches of the checkpoint's data each backend is scored on against eager fp32 ({IMAGE_BATCH} "
+        f"images or {TOKEN_BATCH} token windows each; default 8; 0: no quality columns)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-batches", type=int, default=8,
+        help="validation batches onnxruntime-int8-static calibrates its activation ranges on (default 8)",
+    )  # fmt: skip
     parser.add_argument("--output", help="CSV file for the results (one row per backend and batch size)")
 
 
@@ -113,14 +133,16 @@ def run(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         threads = torch.get_num_threads()
         device = resolve_device(args.device)
-        model, meta, seq_len = _model(args)
+        model, meta, seq_len, data = _model(args)
         what = _shape(meta, seq_len)
         _print_header(what, device, threads)
         settings = BenchSettings(
             args.batch_sizes, args.warmup, args.iters, args.min_iters, args.max_seconds, args.threads, seq_len
         )
-        rows = InferenceBench(model, meta, device, settings, threads, on_row=_print_row).run(backends)
+        bench = InferenceBench(model, meta, device, settings, threads, on_row=_print_row, data=data)
+        rows = bench.run(backends)
         _print_table(rows, what, device, threads)
+        _print_quality_note(data, seq_len is not None)
         if seq_len:
             print(f"note: {LM_LIMIT}", file=sys.stderr)
         if args.output:
@@ -129,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
         return 0 if any(r.status == "ok" for r in rows) else 1
 
 
-def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None]:
-    """The model (a checkpoint's, or random weights), its meta, and a language model's tokens per sequence
-    (checked against its context: one line, before any measuring)."""
+def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None, QualityData]:
+    """The model (a checkpoint's, or random weights), its meta, a language model's tokens per sequence (checked
+    against its context: one line, before any measuring), and the validation batches quality is measured on."""
     if args.model:
         text = is_language_model(args.model)
         seq_len = (args.seq_len or min(DEFAULT_SEQ_LEN, SIZES[args.model].max_seq_len)) if text else None
@@ -139,7 +161,12 @@ def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None]
         model, meta = random_model(
             args.model, args.num_classes or vocab, args.image_size, args.width, seq_len
         )
-        return model, meta, seq_len
+        return (
+            model,
+            meta,
+            seq_len,
+            QualityData(reason=f"--model {args.model} has random weights and no data"),
+        )
     loaded = load_model(args.checkpoint, "cpu")
     meta, seq_len = loaded.meta, None
     if not is_language(meta) and args.seq_len is not None:
@@ -152,7 +179,7 @@ def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None]
                 f"--seq-len at most {context}"
             )
     print(f"model: {loaded.describe()}", file=sys.stderr)
-    return loaded.model, meta, seq_len
+    return loaded.model, meta, seq_len, quality_data(loaded, args.quality_batches, args.calibration_batches)
 
 
 def _shape(meta: dict, seq_len: int | None) -> str:
@@ -166,7 +193,15 @@ def check_args(args: argparse.Namespace) -> list[str]:
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown:
-        raise ConfigError(f"unknown backend(s) {', '.join(unknown)}; choose from: {', '.join(BACKENDS)}")
+        raise ConfigError(
+            f"unknown backend(s) {', '.join(unknown)}{did_you_mean(unknown[0], BACKENDS)}; choose from: "
+            f"{', '.join(BACKENDS)}"
+        )
+    for name in ("quality_batches", "calibration_batches"):
+        if not 0 <= getattr(args, name) <= 100_000:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be between 0 and 100000, got {getattr(args, name)}"
+            )
     for name in ("warmup", "iters", "min_iters"):
         if getattr(args, name) < (0 if name == "warmup" else 1):
             raise ConfigError(
@@ -223,22 +258,46 @@ def _print_row(r: Row) -> None:
     if r.status == "ok":
         tokens = f" {r.throughput_tokens_per_s:10.0f} tokens/s" if r.throughput_tokens_per_s else ""
         print(
-            f"  {r.backend:<16} bs {r.batch_size:<4} p50 {r.p50_ms:9.2f} ms  {r.throughput_samples_per_s:9.1f} samples/s"
+            f"  {r.backend:<24} bs {r.batch_size:<4} p50 {r.p50_ms:9.2f} ms  {r.throughput_samples_per_s:9.1f} samples/s"
             f"{tokens} ({r.iterations} iters, warm-up {r.warmup_s:.1f} s)",
             file=sys.stderr,
             flush=True,
         )
     else:
-        print(f"  {r.backend:<16} bs {r.batch_size:<4} {r.status}: {r.reason}", file=sys.stderr, flush=True)
+        print(f"  {r.backend:<24} bs {r.batch_size:<4} {r.status}: {r.reason}", file=sys.stderr, flush=True)
+
+
+def _quality_columns(rows: list[Row]) -> list[tuple[str, Callable[[Row], str]]]:
+    """The cost columns (size, start-up) and, where rows were scored, the quality ones: top-1 and its change or
+    perplexity and its change, argmax agreement and max |delta logit| against eager fp32."""
+
+    def f(spec: str, key: str, scale: float = 1.0) -> Callable[[Row], str]:
+        return lambda r: "-" if getattr(r, key) is None else f"{getattr(r, key) * scale:{spec}}"
+
+    cols = [
+        ("size", lambda r: "-" if r.size_bytes is None else fmt_bytes(r.size_bytes)),
+        ("start s", f(".2f", "startup_s")),
+    ]
+    if any(r.top1 is not None for r in rows):
+        cols += [("top-1 %", f(".2f", "top1", 100)), ("Δ pts", f("+.2f", "top1_delta_pts"))]
+    if any(r.perplexity is not None for r in rows):
+        cols += [("ppl", f(".3f", "perplexity")), ("Δ %", f("+.2f", "perplexity_delta_pct"))]
+    if any(r.quality_samples for r in rows):
+        cols += [
+            ("agree %", f(".2f", "argmax_agreement", 100)),
+            ("max |Δlogit|", f(".3g", "max_abs_delta_logit")),
+        ]
+    return cols
 
 
 def _print_table(rows: list[Row], what: str, device, threads: int) -> None:
     table = Table(title=f"inference: {what}, {device.type}, {threads} threads (latency per batch)")
     tokens = any(r.seq_len for r in rows)
+    extra = _quality_columns(rows)
     for col, justify in (
         ("backend", "left"), ("dtype", "left"), ("batch", "right"), ("p50 ms", "right"), ("p95 ms", "right"),
         ("p99 ms", "right"), ("samples/s", "right"), *([("tokens/s", "right")] if tokens else []),
-        ("iters", "right"), ("note", "left"),
+        ("iters", "right"), *[(name, "right") for name, _ in extra], ("note", "left"),
     ):  # fmt: skip
         table.add_column(col, justify=justify)
 
@@ -249,6 +308,18 @@ def _print_table(rows: list[Row], what: str, device, threads: int) -> None:
         table.add_row(
             r.backend, r.dtype, str(r.batch_size), f(r.p50_ms), f(r.p95_ms), f(r.p99_ms),
             f(r.throughput_samples_per_s, ".1f"), *([f(r.throughput_tokens_per_s, ".0f")] if tokens else []),
-            str(r.iterations or "-"), "" if r.status == "ok" else f"{r.status}: {r.reason}",
+            str(r.iterations or "-"), *[cell(r) for _, cell in extra],
+            "" if r.status == "ok" else f"{r.status}: {r.reason}",
         )  # fmt: skip
-    Console(width=200).print(table)
+    Console(width=240).print(table)
+
+
+def _print_quality_note(data: QualityData, language: bool) -> None:
+    """What the quality columns were measured on, or why there are none."""
+    if not data.batches:
+        print(f"note: quality not measured ({data.reason})", file=sys.stderr)
+        return
+    samples = sum(len(x) for x, _ in data.batches)
+    unit = "token windows" if language else "samples"
+    print(f"note: quality against eager fp32 on the first {samples} validation {unit} ({len(data.batches)} batches); "
+          f"int8-static calibrated on the first {len(data.calibration)} batches", file=sys.stderr)  # fmt: skip

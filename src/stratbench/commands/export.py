@@ -4,12 +4,15 @@ real inputs; or (``--format safetensors|state-dict``) a plain
 weights file that any PyTorch user loads into the bare model without stratbench. A run of a Hugging Face model
 (``--model hf:FOLDER``) also exports as a folder transformers loads (``--format hf``; a LoRA run's adapters folded
 in with ``--merge-lora``), and a LoRA run's adapters alone as a folder peft loads (``--format peft``); each export
-is read back and its logits compared with the checkpoint's."""
+is read back and its logits compared with the checkpoint's. ``--quantize int8-dynamic|int8-static|fp16`` rewrites the
+ONNX export with onnxruntime's quantisers (stratbench.inference.quantize): the file is checked and its parity
+against PyTorch fp32 reported, not required."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -18,7 +21,7 @@ from rich.table import Table
 
 from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
 from stratbench.core.dist import resolve_device
-from stratbench.core.errors import ConfigError
+from stratbench.core.errors import ConfigError, DataError, StratbenchError, UnsupportedError
 from stratbench.core.tables import fmt_bytes
 from stratbench.inference.export import (
     adapter_difference,
@@ -44,6 +47,8 @@ from stratbench.inference.onnx_export import (
 )
 from stratbench.inference.peft_format import ADAPTER, MERGED, check_output_folder
 from stratbench.inference.predictor import LoadedModel, load_model
+from stratbench.inference.quality import validation_batches
+from stratbench.inference.quantize import QUANT_MODES, check_mode, missing_tool, quantize_onnx
 from stratbench.models.hf import find_weights, is_hf_name, model_folder
 from stratbench.models.transformer import Transformer
 
@@ -87,6 +92,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"largest allowed max abs difference of logits vs PyTorch, per unit of the largest |logit| when that "
         f"exceeds 1 (default {FP32_ATOL:g}, {FP16_ATOL:g} with --fp16)",
     )  # fmt: skip
+    parser.add_argument(
+        "--quantize", default=None, metavar="MODE",
+        help=f"ONNX only: {' | '.join(QUANT_MODES)} - onnxruntime's quantize_dynamic (int8 weights), quantize_static "
+        "(QDQ int8, calibrated on --calibration-batches validation batches of the checkpoint's data) or its fp16 "
+        "converter (float32 input and output kept); parity vs PyTorch fp32 is reported, not required",
+    )  # fmt: skip
+    parser.add_argument(
+        "--calibration-batches", type=int, default=8,
+        help="--quantize int8-static: validation batches (32 images or 8 token windows each) that set the "
+        "activation ranges (default 8)",
+    )  # fmt: skip
     parser.add_argument("--opset", type=int, default=None, help="ONNX opset (default: the exporter's)")
     parser.add_argument(
         "--exporter", default="auto", choices=("auto", "dynamo", "torchscript"),
@@ -111,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
             check_opset(args.opset)
         loaded = load_model(args.checkpoint, "cpu")
         fmt = check_format(args, loaded)
+        calibration = calibration_for(args, loaded)
         print(f"model: {loaded.describe()}", file=sys.stderr)
         if args.merge_lora:
             loaded = merge_checked(loaded, atol)
@@ -118,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
             return export_folder(args, fmt, atol, loaded)
         if fmt != "onnx":
             return export_weights(args, fmt, atol, loaded)
+        if args.quantize:
+            return export_quantized_onnx(args, loaded, calibration)
         return export_checked_onnx(args, atol, loaded)
 
 
@@ -128,7 +147,33 @@ def check_args(args: argparse.Namespace) -> float:
         raise ConfigError(f"--atol must be a positive number, got {atol}")
     if args.real_samples < 0:
         raise ConfigError(f"--real-samples must be >= 0, got {args.real_samples}")
+    if args.quantize is not None:
+        check_quantize(args)
     return atol
+
+
+def check_quantize(args: argparse.Namespace) -> None:
+    """--quantize: a known mode, whose tool is installed, that takes the other options: one line, before any
+    work."""
+    mode = check_mode(args.quantize)
+    if args.format not in (None, "onnx") or (args.format is None and format_for(args.output) != "onnx"):
+        fmt = args.format or format_for(args.output)
+        raise ConfigError(f"--quantize {mode} rewrites an ONNX export; --format {fmt} is not ONNX (use --format onnx "
+                          "and an .onnx --output)")  # fmt: skip
+    if args.fp16:
+        raise ConfigError(f"--quantize {mode} converts the fp32 export; --fp16 exports fp16 weights through torch: "
+                          "choose one")  # fmt: skip
+    if args.atol is not None:
+        raise ConfigError(f"--atol bounds an export's parity check; a --quantize {mode} file's parity is reported, "
+                          "not bounded: drop --atol")  # fmt: skip
+    if mode == "int8-static" and args.calibration_batches < 1:
+        raise ConfigError(f"--quantize int8-static needs calibration data: --calibration-batches must be >= 1, got "
+                          f"{args.calibration_batches}")  # fmt: skip
+    if args.calibration_batches < 0:
+        raise ConfigError(f"--calibration-batches must be >= 0, got {args.calibration_batches}")
+    reason = missing_tool(mode)
+    if reason:
+        raise UnsupportedError(reason)
 
 
 def default_format(output: str, merge_lora: bool, hf_model: bool) -> str:
@@ -260,27 +305,59 @@ def export_checked_onnx(args: argparse.Namespace, atol: float, loaded: LoadedMod
     return 0
 
 
-def print_parity(rows: list[ParityRow], session: OrtModel, atol: float) -> None:
+def print_parity(rows: list[ParityRow], session: OrtModel, atol: float | None) -> None:
+    """The parity table; ``atol`` None (a quantised file): the differences reported, no tolerance column."""
     table = Table(title=f"parity: onnxruntime ({', '.join(session.providers)}) vs PyTorch fp32 (CPU)")
-    for col in (
-        "input",
-        "shape",
-        "max |logit|",
-        "max abs diff",
-        "same top-1",
-        f"<= {atol:g} x max(1, |logit|)",
-    ):
+    bound = [] if atol is None else [f"<= {atol:g} x max(1, |logit|)"]
+    for col in ("input", "shape", "max |logit|", "max abs diff", "same top-1", *bound):
         table.add_column(col)
     for r in rows:
-        table.add_row(
-            r.name,
-            "x".join(map(str, r.shape)),
-            f"{r.scale:.3g}",
-            f"{r.max_abs_diff:.3g}",
-            f"{r.same_argmax:.1%}",
-            "yes" if r.ok(atol) else "NO",
-        )
+        ok = [] if atol is None else ["yes" if r.ok(atol) else "NO"]
+        table.add_row(r.name, "x".join(map(str, r.shape)), f"{r.scale:.3g}", f"{r.max_abs_diff:.3g}",
+                      f"{r.same_argmax:.1%}", *ok)  # fmt: skip
     Console().print(table)
+
+
+def calibration_for(args: argparse.Namespace, loaded: LoadedModel) -> list:
+    """int8-static's calibration inputs: the first --calibration-batches validation batches of the checkpoint's
+    data (numpy); where the data cannot be built here, one line before anything is written."""
+    if args.quantize != "int8-static":
+        return []
+    try:
+        batches = validation_batches(loaded, args.calibration_batches)
+    except StratbenchError as exc:
+        raise DataError(f"--quantize int8-static calibrates on the checkpoint's validation data, which is not "
+                        f"available here ({exc}); use int8-dynamic or fp16, which need none") from None  # fmt: skip
+    return [x.numpy() for x, _ in batches]
+
+
+def export_quantized_onnx(args: argparse.Namespace, loaded: LoadedModel, calibration: list) -> int:
+    """The fp32 export (in a temporary folder) rewritten as --quantize at --output, checked; its parity against
+    PyTorch fp32 on random and real inputs printed (max abs diff, argmax agreement), not required."""
+    with tempfile.TemporaryDirectory(prefix="stratbench-export-") as tmp:
+        fp32 = export_onnx(loaded.model, loaded.meta, Path(tmp) / "model.onnx", opset=args.opset,
+                           exporter=args.exporter, extra_metadata={"config": loaded.config})  # fmt: skip
+        result = quantize_onnx(fp32.path, args.output, args.quantize, calibration)
+    samples = (
+        f", calibrated on {result.calibration_samples} validation samples"
+        if result.calibration_samples
+        else ""
+    )
+    print(
+        f"wrote {result.path} ({fmt_bytes(result.size_bytes)}, {result.mode}: {result.size_bytes / fp32.size_bytes:.2f}x "
+        f"the fp32 export's {fmt_bytes(fp32.size_bytes)}{samples}; {fp32.exporter} exporter, "
+        f"{fp32.seconds + result.seconds:.1f} s); onnx.checker: ok"
+    )
+    print(f"inputs: {describe_signature(fp32.signature)}")
+    session = OrtModel(result.path)
+    rows, notes = onnx_parity(loaded, session, args.real_samples, args.images)
+    print_parity(rows, session, None)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    worst = max(r.max_abs_diff for r in rows)
+    agree = min(r.same_argmax for r in rows)
+    print(f"parity (reported, not required): max abs diff {worst:.3g}, argmax agreement at least {agree:.1%}")
+    return 0
 
 
 def export_weights(args: argparse.Namespace, fmt: str, atol: float, loaded: LoadedModel) -> int:

@@ -7,6 +7,12 @@ samples / total timed seconds. A backend that cannot run here is a row that says
 
 A language model's input is ``batch`` sequences of ``seq_len`` random token ids, one forward over all of them (the
 prefill of generation), and its rows add tokens / s; generating token by token with a KV cache is not measured.
+
+Besides the time, each backend's rows say what it costs: the size of the file it loads, its start-up (export,
+quantisation, session), and, given the checkpoint's validation batches, its quality against eager fp32
+(``inference.quality``: top-1 and its change, or perplexity and its change, argmax agreement, max |delta logit|).
+The quantised rows are onnxruntime's int8-dynamic / int8-static / fp16 rewrites of the fp32 export and torchao's
+int8 weight-only and dynamic configs (``inference.quantize``).
 """
 
 from __future__ import annotations
@@ -21,18 +27,26 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
 from stratbench.checkpoints.checkpoint import atomic_write
+from stratbench.core.errors import StratbenchError
 from stratbench.inference.onnx_export import OrtModel, export_onnx, is_language
-from stratbench.inference.predictor import build_from_meta, percentile
+from stratbench.inference.predictor import LoadedModel, build_from_meta, percentile
+from stratbench.inference.quality import Quality, Reference, validation_batches
+from stratbench.inference.quantize import missing_tool, quantize_onnx, torchao_int8, torchao_reason
 
-BACKENDS = ("eager-fp32", "eager-bf16", "eager-fp16", "compile", "onnxruntime-cpu", "onnxruntime-cuda")
+BACKENDS = (
+    "eager-fp32", "eager-bf16", "eager-fp16", "compile", "torchao-int8-weight", "torchao-int8-dynamic",
+    "onnxruntime-cpu", "onnxruntime-fp16", "onnxruntime-int8-dynamic", "onnxruntime-int8-static", "onnxruntime-cuda",
+)  # fmt: skip
 CSV_FIELDS = (
     "model", "image_size", "backend", "dtype", "device", "batch_size", "status", "iterations", "warmup",
     "warmup_s", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "throughput_samples_per_s", "threads", "reason",
-    "seq_len", "throughput_tokens_per_s",
+    "seq_len", "throughput_tokens_per_s", "size_bytes", "startup_s", "quality_samples", "top1", "top1_delta_pts",
+    "perplexity", "perplexity_delta_pct", "argmax_agreement", "max_abs_delta_logit",
 )  # fmt: skip
 LM_LIMIT = (
     "a language model's iteration is one forward over batch x seq-len tokens (the prefill); token-by-token "
@@ -62,6 +76,18 @@ class Row:
     seq_len: int | None = None
     """A language model's tokens per sequence (None: an image model)."""
     throughput_tokens_per_s: float | None = None
+    size_bytes: int | None = None
+    """The file the backend loads: the ONNX file, or a PyTorch backend's ``torch.save``'d state dict."""
+    startup_s: float | None = None
+    """From the model in memory to a backend ready to run (a compiled model compiles in its warm-up instead)."""
+    quality_samples: int | None = None
+    """Validation samples (a language model: windows) the quality columns below were measured on."""
+    top1: float | None = None
+    top1_delta_pts: float | None = None
+    perplexity: float | None = None
+    perplexity_delta_pct: float | None = None
+    argmax_agreement: float | None = None
+    max_abs_delta_logit: float | None = None
     times: list[float] = field(default_factory=list, repr=False)
 
     def summarise(self) -> None:
@@ -134,72 +160,164 @@ def random_model(
     return build_from_meta(meta).eval(), meta
 
 
-Maker = Callable[[int], Callable[[], Any]]
-"""batch size -> one inference call on a batch of that size, input already on the device."""
+@dataclass
+class Runner:
+    """One backend ready to run: ``prepare`` turns a CPU batch into its input (on its device, in its dtype, or a
+    numpy array), ``call`` runs it; the bytes of the file it loads (the ONNX file, or its ``torch.save``'d state
+    dict) and the seconds it took to get ready (copy and cast; torchao's quantisation; ONNX export, quantisation
+    and session)."""
+
+    dtype: str
+    device: str
+    prepare: Callable[[torch.Tensor], Any]
+    call: Callable[[Any], Any]
+    size_bytes: int | None = None
+    startup_s: float | None = None
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.call(self.prepare(x))
+        return (torch.from_numpy(out) if isinstance(out, np.ndarray) else out).float().cpu()
+
+
+def state_bytes(model: nn.Module) -> int:
+    """The size of ``torch.save(model.state_dict())``: a PyTorch backend's file (torchao's int8 tensors too)."""
+    buf = io.BytesIO()
+    torch.save(model.state_dict(), buf)
+    return buf.getbuffer().nbytes
+
+
+@dataclass
+class QualityData:
+    """The validation batches bench-infer scores each backend on, the input batches int8-static calibrates on,
+    and why either is empty."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    calibration: list[np.ndarray] = field(default_factory=list)
+    reason: str = ""
+
+
+def quality_data(loaded: LoadedModel, quality_batches: int, calibration_batches: int) -> QualityData:
+    """The checkpoint's validation batches: the first ``quality_batches`` to score on, the first
+    ``calibration_batches``' inputs to calibrate on; where its data cannot be built here, none and why."""
+    try:
+        batches = validation_batches(loaded, max(quality_batches, calibration_batches))
+    except StratbenchError as exc:
+        return QualityData(reason=f"validation data unavailable: {exc}")
+    calibration = [x.numpy() for x, _ in batches[:calibration_batches]]
+    zero = [f"--{name} 0" for name, n in (("quality-batches", quality_batches),
+                                           ("calibration-batches", calibration_batches)) if not n]  # fmt: skip
+    return QualityData(batches[:quality_batches], calibration, ", ".join(zero))
+
+
+ONNX_MODES = {"onnxruntime-int8-dynamic": "int8-dynamic", "onnxruntime-int8-static": "int8-static",
+              "onnxruntime-fp16": "fp16"}  # fmt: skip
+TORCHAO = {"torchao-int8-weight": "int8-weight", "torchao-int8-dynamic": "int8-dynamic"}
 
 
 class InferenceBench:
-    """Measures one model under each backend; ``on_row`` sees each row as it is measured (progress)."""
+    """Measures one model under each backend; ``on_row`` sees each row as it is measured (progress). With
+    validation batches (``data``) each backend is also scored against eager fp32 (``inference.quality``)."""
 
     def __init__(self, model: nn.Module, meta: dict[str, Any], device: torch.device, settings: BenchSettings,
-                 threads: int, on_row: Callable[[Row], None] = lambda row: None) -> None:  # fmt: skip
-        self.model, self.device, self.settings, self.threads, self.on_row = (
-            model,
-            device,
-            settings,
-            threads,
-            on_row,
-        )
+                 threads: int, on_row: Callable[[Row], None] = lambda row: None,
+                 data: QualityData | None = None) -> None:  # fmt: skip
+        self.model, self.device, self.settings = model, device, settings
+        self.threads, self.on_row = threads, on_row
         self.size = int(meta["image_size"])
         self.name = str(meta["model"])
         self.meta = meta
         self.seq_len = settings.seq_len if is_language(meta) else None
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.rows: list[Row] = []
+        self.data = data or QualityData(reason="no validation data")
+        self.reference = Reference(model, self.data.batches, is_language(meta)) if self.data.batches else None
+        self.tmp: Path | None = None
+        self._fp32_onnx: tuple[Path, float] | None = None
 
     def run(self, backends: list[str]) -> list[Row]:
-        """Every row of every backend in ``backends``, in order."""
-        for backend in backends:
-            self.backend(backend)
+        """Every row of every backend in ``backends``, in order (ONNX files in a temporary folder)."""
+        with tempfile.TemporaryDirectory(prefix="stratbench-bench-") as tmp:
+            self.tmp = Path(tmp)
+            for backend in backends:
+                self.backend(backend)
         return self.rows
 
     def backend(self, backend: str) -> None:
-        dev_name = str(self.device.type)
-        if backend == "eager-fp32":
-            self.case(backend, "float32", dev_name, self.eager(torch.float32))
-        elif backend in ("eager-bf16", "eager-fp16"):
-            dtype = torch.bfloat16 if backend == "eager-bf16" else torch.float16
-            reason = low_precision_reason(dtype, self.device)
-            if reason:
-                self.skipped(backend, str(dtype).removeprefix("torch."), dev_name, reason)
-            else:
-                self.case(backend, str(dtype).removeprefix("torch."), dev_name, self.eager(dtype))
-        elif backend == "compile":
-            self.case(backend, "float32", dev_name, self.eager(torch.float32, compiled=True))
-        else:
-            self.onnxruntime(backend, "cuda" if backend == "onnxruntime-cuda" else "cpu")
+        """The backend's rows: skipped (one line why), or its runner scored and timed at each batch size."""
+        dtype, dev = backend_dtype(backend), backend_device(backend, self.device)
+        reason = self.reason(backend)
+        if reason:
+            self.skipped(backend, dtype, dev, reason)
+            return
+        try:
+            runner = self.runner(backend)
+        except Exception as exc:  # an export or quantiser failure is this backend's row, not the run's end
+            what = "ONNX export/session" if backend.startswith("onnxruntime") else "set-up"
+            self.skipped(backend, dtype, dev, f"{what} failed: {first_line(exc)}")
+            return
+        extra: dict[str, Any] = {"size_bytes": runner.size_bytes, "startup_s": runner.startup_s}
+        if self.reference is not None:
+            try:
+                extra |= quality_fields(self.reference.score(runner.logits))
+            except Exception as exc:  # a backend that cannot take real inputs fails like one that cannot run
+                for bs in self.settings.batch_sizes:
+                    self.add(
+                        self.row(
+                            backend, dtype, dev, bs, status="failed", reason=f"quality: {first_line(exc)}"
+                        )
+                    )
+                return
+        self.case(backend, runner, extra)
 
-    def case(self, backend: str, dtype: str, dev: str, make: Maker) -> None:
+    def reason(self, backend: str) -> str | None:
+        """Why ``backend`` cannot run here (None: it can)."""
+        if backend in ("eager-bf16", "eager-fp16"):
+            return low_precision_reason(
+                torch.bfloat16 if backend == "eager-bf16" else torch.float16, self.device
+            )
+        if backend.startswith("onnxruntime"):
+            reason = ort_reason(backend_device(backend, self.device), self.device)
+            if reason or backend not in ONNX_MODES:
+                return reason
+            if ONNX_MODES[backend] == "int8-static" and not self.data.calibration:
+                return (
+                    f"int8-static calibrates on validation batches, and there are none ({self.data.reason})"
+                )
+            return missing_tool(ONNX_MODES[backend])
+        if backend in TORCHAO:
+            return torchao_reason()  # measured on the CPU whatever the device (backend_device)
+        return None
+
+    def runner(self, backend: str) -> Runner:
+        if backend in ("eager-fp32", "eager-bf16", "eager-fp16", "compile"):
+            dtype = {"eager-bf16": torch.bfloat16, "eager-fp16": torch.float16}.get(backend, torch.float32)
+            return self.eager(dtype, compiled=backend == "compile")
+        if backend in TORCHAO:
+            t0 = time.perf_counter()
+            m = torchao_int8(self.model, TORCHAO[backend])
+            return torch_runner(m, torch.device("cpu"), torch.float32, time.perf_counter() - t0, "int8")
+        return self.onnxruntime(backend)
+
+    def case(self, backend: str, runner: Runner, extra: dict[str, Any]) -> None:
         """One row per batch size; a failed torch.compile is said once, the other batch sizes skipped."""
         s = self.settings
         for bs in s.batch_sizes:
-            row = self.row(backend, dtype, dev, bs, warmup=s.warmup)
+            row = self.row(backend, runner.dtype, runner.device, bs, warmup=s.warmup, **extra)
             try:
-                fn = make(bs)
+                x = runner.prepare(self.sample(bs))
                 row.warmup_s, row.times = measure(
-                    fn, self.sync, s.warmup, s.iters, s.min_iters, s.max_seconds
+                    lambda x=x: runner.call(x), self.sync, s.warmup, s.iters, s.min_iters, s.max_seconds
                 )
             except torch.OutOfMemoryError as exc:
                 row.status, row.reason = "oom", first_line(exc)
             except Exception as exc:  # one failing backend must not stop the others
                 row.status, row.reason = "failed", first_line(exc)
             row.summarise()
-            self.rows.append(row)
-            self.on_row(row)
+            self.add(row)
             if row.status == "failed" and backend == "compile":
                 # Compilation failures do not depend on the batch size: say it once, skip the rest.
                 for rest in s.batch_sizes[s.batch_sizes.index(bs) + 1 :]:
-                    self.rows.append(self.row(backend, dtype, dev, rest, status="skipped",
+                    self.rows.append(self.row(backend, runner.dtype, runner.device, rest, status="skipped",
                                               reason="torch.compile failed above"))  # fmt: skip
                 return
 
@@ -208,55 +326,84 @@ class InferenceBench:
         return Row(self.name, self.size, backend, dtype, dev, batch_size, threads=self.threads,
                    seq_len=self.seq_len, **fields)  # fmt: skip
 
-    def skipped(self, backend: str, dtype: str, dev: str, reason: str) -> None:
-        row = self.row(backend, dtype, dev, "-", status="skipped", reason=reason)
+    def add(self, row: Row) -> None:
         self.rows.append(row)
         self.on_row(row)
 
-    def sample(self, bs: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        """A random batch of ``bs`` inputs (seed 0): images in ``dtype``, or a language model's token ids."""
+    def skipped(self, backend: str, dtype: str, dev: str, reason: str) -> None:
+        self.add(self.row(backend, dtype, dev, "-", status="skipped", reason=reason))
+
+    def sample(self, bs: int) -> torch.Tensor:
+        """A random CPU batch of ``bs`` inputs (seed 0): float32 images, or a language model's token ids."""
         g = torch.Generator().manual_seed(0)
         if self.seq_len:
-            vocab = int(self.meta["num_classes"])
-            return torch.randint(0, vocab, (bs, self.seq_len), generator=g).to(device)
-        return torch.randn(bs, 3, self.size, self.size, generator=g).to(device=device, dtype=dtype)
+            return torch.randint(0, int(self.meta["num_classes"]), (bs, self.seq_len), generator=g)
+        return torch.randn(bs, 3, self.size, self.size, generator=g)
 
-    def eager(self, dtype: torch.dtype, compiled: bool = False) -> Maker:
+    def eager(self, dtype: torch.dtype, compiled: bool = False) -> Runner:
         """PyTorch on the device in ``dtype`` (a copy of the model), through torch.compile with ``compiled``."""
-        device = self.device
-        m = copy.deepcopy(self.model).to(device=device, dtype=dtype).eval()
-        runner = torch.compile(m) if compiled else m
+        t0 = time.perf_counter()
+        m = copy.deepcopy(self.model).to(device=self.device, dtype=dtype).eval()
+        runner = torch_runner(m, self.device, dtype, time.perf_counter() - t0)
+        if compiled:
+            compiled_model = torch.compile(m)
+            runner.call = lambda x: _no_grad(compiled_model, x)
+        return runner
 
-        def make(bs: int) -> Callable[[], Any]:
-            x = self.sample(bs, device, dtype)
+    def onnxruntime(self, backend: str) -> Runner:
+        """The model exported to ONNX (once; fp32) and, for a quantised backend, rewritten by onnxruntime's
+        quantiser (``inference.quantize``), run by onnxruntime; start-up is export + rewrite + session."""
+        assert self.tmp is not None
+        if self._fp32_onnx is None:
+            t0 = time.perf_counter()
+            exported = export_onnx(self.model, self.meta, self.tmp / "model.onnx")
+            self._fp32_onnx = exported.path, time.perf_counter() - t0
+        path, seconds = self._fp32_onnx
+        t0 = time.perf_counter()
+        mode = ONNX_MODES.get(backend)
+        if mode:
+            path = quantize_onnx(path, self.tmp / f"model-{mode}.onnx", mode, self.data.calibration).path
+        ort_device = backend_device(backend, self.device)
+        session = OrtModel(path, device=ort_device, threads=self.settings.threads)
+        startup = seconds + time.perf_counter() - t0
+        return Runner(backend_dtype(backend), ort_device, lambda x: x.numpy(), session.run, path.stat().st_size,
+                      startup)  # fmt: skip
 
-            def fn() -> Any:
-                with torch.inference_mode():
-                    return runner(x)
 
-            return fn
+def _no_grad(model: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
+    with torch.inference_mode():
+        return model(x)
 
-        return make
 
-    def onnxruntime(self, backend: str, ort_device: str) -> None:
-        """The model exported to ONNX in a temporary folder, run by onnxruntime on ``ort_device``."""
-        reason = ort_reason(ort_device, self.device)
-        if reason:
-            self.skipped(backend, "float32", ort_device, reason)
-            return
-        with tempfile.TemporaryDirectory(prefix="stratbench-bench-") as tmp:
-            try:
-                exported = export_onnx(self.model, self.meta, Path(tmp) / "model.onnx")
-                session = OrtModel(exported.path, device=ort_device, threads=self.settings.threads)
-            except Exception as exc:
-                self.skipped(backend, "float32", ort_device, f"ONNX export/session failed: {first_line(exc)}")
-                return
+def torch_runner(model: nn.Module, device: torch.device, dtype: torch.dtype, startup: float,
+                 label: str | None = None) -> Runner:  # fmt: skip
+    """A PyTorch model as a runner: images cast to ``dtype`` (token ids stay integers), on ``device``."""
 
-            def make_ort(bs: int) -> Callable[[], Any]:
-                x = self.sample(bs, torch.device("cpu"), torch.float32).numpy()
-                return lambda: session.run(x)
+    def prepare(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype)
 
-            self.case(backend, "float32", ort_device, make_ort)
+    name = label or str(dtype).removeprefix("torch.")
+    return Runner(name, device.type, prepare, lambda x: _no_grad(model, x), state_bytes(model), startup)
+
+
+def backend_dtype(backend: str) -> str:
+    """The dtype a backend's row names: its weights' (int8 for the quantised ones)."""
+    if backend in ("eager-bf16", "eager-fp16", "onnxruntime-fp16"):
+        return "bfloat16" if backend == "eager-bf16" else "float16"
+    return "int8" if "int8" in backend else "float32"
+
+
+def backend_device(backend: str, device: torch.device) -> str:
+    """Where a backend runs: onnxruntime and torchao rows on the CPU (onnxruntime-cuda on CUDA), PyTorch's on
+    ``device``."""
+    if backend == "onnxruntime-cuda":
+        return "cuda"
+    return "cpu" if backend.startswith(("onnxruntime", "torchao")) else device.type
+
+
+def quality_fields(q: Quality) -> dict[str, Any]:
+    """A row's quality columns from ``q``."""
+    return {k: v for k, v in asdict(q).items() if k != "samples"} | {"quality_samples": q.samples}
 
 
 def low_precision_reason(dtype: torch.dtype, device: torch.device) -> str | None:
