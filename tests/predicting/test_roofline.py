@@ -128,6 +128,10 @@ def test_estimate_basis_flag(capsys):
 
     rc = main(["estimate", "--model", "tinynet", "--basis", "roofline"])
     assert rc != 0 and "--basis roofline prices the step time: it needs --time" in capsys.readouterr().err
+    rc = main(["estimate", "--model", "tinynet", "--time", "--basis", "roofline", "--calibrate", "run.json"])
+    assert rc != 0 and "--calibrate gives the calibrated efficiency basis" in capsys.readouterr().err
+    rc = main(["estimate", "--model", "tinynet", "--time", "--hardware", "cpu-gloo", "--basis", "roofline"])
+    assert rc != 0 and "(cpu) has no roofline fractions" in capsys.readouterr().err
     rc = main(["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
                "--strategy", "single", "--time", "--hardware", "h100-sxm", "--basis", "roofline", "--json"])  # fmt: skip
     assert rc == 0

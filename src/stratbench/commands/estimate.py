@@ -247,6 +247,9 @@ def time_setup(args: argparse.Namespace):
         raise ConfigError("--basis roofline prices each op from published fractions; --calibrate gives the "
                           "calibrated efficiency basis: give one of them")  # fmt: skip
     system = resolve(args.hardware or "h100-sxm")
+    if basis == "roofline" and system.gpu.roofline is None:
+        raise ConfigError(f"--basis roofline: {system.gpu.name} ({system.gpu.key}) has no roofline fractions "
+                          "(hardware.yaml roofline and the gpu's generation); use --basis efficiency")  # fmt: skip
     if not 1 <= args.nodes <= MAX_WORLD:
         raise ConfigError(f"--nodes must be between 1 and {MAX_WORLD}, got {args.nodes}")
     gpn = args.gpus_per_node or system.gpus_per_node
@@ -567,16 +570,17 @@ def print_time_table(console, results, system, args, calibration, device_memory,
 
 
 def print_roofline_lines(console, projections: list[dict]) -> None:
-    """Where the roofline basis priced the compute: one line per method of its op classes' seconds on one
-    micro-batch (most first), ops and how many of them were bandwidth-bound."""
+    """Where the roofline basis priced the compute: one line per micro-batch size of its op classes' seconds (most
+    first), ops and how many of them were bandwidth-bound, naming the methods that run that micro-batch."""
+    by_micro: dict[int, tuple[dict, list[str]]] = {}
     for p in projections:
-        roof = p.get("roofline") or {}
-        if not roof:
-            continue
+        if p.get("roofline"):
+            by_micro.setdefault(p["roofline"]["micro_batch"], (p["roofline"], []))[1].append(p["method"])
+    for micro, (roof, methods) in sorted(by_micro.items()):
         parts = [f"{c} {r['seconds'] * 1e3:.2f} ms ({r['ops']} ops, {r['bandwidth_bound']} bandwidth-bound)"
                  for c, r in sorted(roof["by_class"].items(), key=lambda kv: -kv[1]["seconds"])]  # fmt: skip
-        console.print(f"{p['method']}: roofline of one micro-batch of {roof['micro_batch']}, "
-                      f"{roof['seconds'] * 1e3:.2f} ms: " + "; ".join(parts), markup=False)  # fmt: skip
+        console.print(f"roofline of one micro-batch of {micro} ({', '.join(methods)}), {roof['seconds'] * 1e3:.2f} "
+                      "ms: " + "; ".join(parts), markup=False)  # fmt: skip
 
 
 def time_table(results: list[dict], system, args: argparse.Namespace, device_memory: int | None, title: str,

@@ -768,7 +768,13 @@ def _roofline(
         raise ConfigError(f"--basis roofline: {gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml "
                           "roofline and the gpu's generation); use the efficiency basis")  # fmt: skip
     micro = max(1, round(samples / cfg.grad_accum))
-    timed = step_seconds(trace_ops(ModelSpec.from_config(cfg), micro, cfg.precision), gpu, key)
+    try:
+        ops = trace_ops(ModelSpec.from_config(cfg), micro, cfg.precision)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a user model the fake tensors cannot run op by op: said, as flops_by_op's None
+        raise ConfigError(f"--basis roofline: model {cfg.model!r} cannot be traced op by op ({exc})") from exc
+    timed = step_seconds(ops, gpu, key)
     eff = flops * micro / (timed.seconds * gpu.peak(key))
     out.efficiency, out.efficiency_from, out.basis = eff, "roofline", ROOFLINE_BASIS
     out.efficiency_source = f"{timed.source}; micro-batch {micro}: {timed.seconds * 1e3:.3f} ms"
