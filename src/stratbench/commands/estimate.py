@@ -33,7 +33,7 @@ from stratbench.measuring.hardware import resolve
 from stratbench.models.hf import default_seq_len, is_hf_name
 from stratbench.models.zoo import check_model
 from stratbench.predicting import estimate as est
-from stratbench.predicting.projection import float8_refusal, load_calibration
+from stratbench.predicting.projection import BASES, float8_refusal, load_calibration
 from stratbench.predicting.rows import RowSettings, hardware_summary, method_rows, none_answered
 from stratbench.strategies.base import all_strategies, get_strategy
 
@@ -199,6 +199,12 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
         "a YAML profile file (e.g. one written by `stratbench probe`), or FILE:SYSTEM",
     )
     add_tf32_argument(parser)
+    parser.add_argument(
+        "--basis", default="efficiency", choices=BASES,
+        help="the compute time's basis for --time: efficiency (one per GPU, precision and model family, or "
+        "--calibrate's; the default) or roofline (each traced op priced by the roofline with published "
+        "fractions: docs/projection.md)",
+    )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
     parser.add_argument(
         "--gpus-per-node", type=int, default=None, help="devices per node for --time (default: the system's)"
@@ -238,9 +244,18 @@ def check_tf32(args: argparse.Namespace, system) -> bool:
 
 def time_setup(args: argparse.Namespace):
     """(system, calibration) for --time, validated before any work; (None, None) without --time."""
+    basis = getattr(args, "basis", "efficiency")
     if not getattr(args, "time", False):
+        if basis != "efficiency":
+            raise ConfigError(f"--basis {basis} prices the step time: it needs --time")
         return None, None
+    if basis == "roofline" and args.calibrate:
+        raise ConfigError("--basis roofline prices each op from published fractions; --calibrate gives the "
+                          "calibrated efficiency basis: give one of them")  # fmt: skip
     system = resolve(args.hardware or "h100-sxm")
+    if basis == "roofline" and system.gpu.roofline is None:
+        raise ConfigError(f"--basis roofline: {system.gpu.name} ({system.gpu.key}) has no roofline fractions "
+                          "(hardware.yaml roofline and the gpu's generation); use --basis efficiency")  # fmt: skip
     if not 1 <= args.nodes <= MAX_WORLD:
         raise ConfigError(f"--nodes must be between 1 and {MAX_WORLD}, got {args.nodes}")
     gpn = args.gpus_per_node or system.gpus_per_node
@@ -347,7 +362,7 @@ def run(args: argparse.Namespace) -> int:
     settings = RowSettings(
         world_size=args.world_size, device_type=args.device_type, every_method=args.strategy == "all",
         max_batch=args.max_batch, device_memory=device_memory, system=system, calibration=calibration,
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, basis=args.basis,
     )  # fmt: skip
     results = method_rows(names, lambda name: config_for(args, name), settings)
     why = none_answered(results)
@@ -543,6 +558,7 @@ def print_time_table(console, results, system, args, calibration, device_memory,
         if origin == "default":  # evidence from other runs, not this model's: say so
             said = f"UNCALIBRATED, {said}; --calibrate result.json from one real run replaces it"
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}", markup=False)
+    print_roofline_lines(console, projections)
     for recipe, share, peak, eff, src in sorted({tuple(p["float8"].values()) for p in projections if p.get("float8")}):
         console.print(
             f"float8 ({recipe}): the converted Linears' {share:.1%} of the FLOPs priced at {gpu.name}'s fp8 peak "
@@ -558,6 +574,20 @@ def print_time_table(console, results, system, args, calibration, device_memory,
     for note in sorted({(r.get("projection") or {}).get("placement_note") or "" for r in results} - {""}):
         console.print(note)  # tensor parallelism across nodes: priced so, but said
     print_formula_lines(console, results)
+
+
+def print_roofline_lines(console, projections: list[dict]) -> None:
+    """Where the roofline basis priced the compute: one line per micro-batch size of its op classes' seconds (most
+    first), ops and how many of them were bandwidth-bound, naming the methods that run that micro-batch."""
+    by_micro: dict[int, tuple[dict, list[str]]] = {}
+    for p in projections:
+        if p.get("roofline"):
+            by_micro.setdefault(p["roofline"]["micro_batch"], (p["roofline"], []))[1].append(p["method"])
+    for micro, (roof, methods) in sorted(by_micro.items()):
+        parts = [f"{c} {r['seconds'] * 1e3:.2f} ms ({r['ops']} ops, {r['bandwidth_bound']} bandwidth-bound)"
+                 for c, r in sorted(roof["by_class"].items(), key=lambda kv: -kv[1]["seconds"])]  # fmt: skip
+        console.print(f"roofline of one micro-batch of {micro} ({', '.join(methods)}), {roof['seconds'] * 1e3:.2f} "
+                      "ms: " + "; ".join(parts), markup=False)  # fmt: skip
 
 
 def time_table(results: list[dict], system, args: argparse.Namespace, device_memory: int | None, title: str,

@@ -101,6 +101,25 @@ def fraction(value: Any, where: str) -> float:
     return float(value)
 
 
+ROOFLINE_CLASSES = ("large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention", "elementwise",
+                    "reduction", "other")  # fmt: skip
+"""The op classes of the roofline basis (``models.flops.OP_CLASSES``; here too: hardware imports no model)."""
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """What the roofline basis of the projection knows of one GPU generation (hardware.yaml ``roofline``): per op
+    class the achievable fraction of the peak and of the memory bandwidth, the GEMM tile the library picks, and
+    a fixed cost per kernel launch; ``source`` says where the numbers come from."""
+
+    generation: str
+    fractions: dict[str, tuple[float, float]]
+    """Op class -> (compute fraction of the dtype's peak, fraction of the memory bandwidth)."""
+    tile: tuple[int, int] = (128, 128)
+    launch: float = 0.0
+    source: str = ""
+
+
 @dataclass(frozen=True)
 class DefaultEfficiency:
     """A default compute efficiency for one (GPU, precision, model family) and the evidence behind it."""
@@ -133,6 +152,10 @@ class Gpu:
     """The GPU whose evidence-based defaults this one borrows where it has none of its own (hardware.yaml)."""
     family_efficiency: dict[tuple[str, str], DefaultEfficiency] = field(default_factory=dict)
     """(family, precision key) -> the default efficiency and its evidence (resolved with the fallback rules)."""
+    sms: int | None = None
+    """Streaming multiprocessors: a GEMM's tiles run in waves of this many (the roofline basis)."""
+    roofline: Roofline | None = None
+    """The roofline fractions of the GPU's generation (its own ``generation``, else its ``like`` GPU's)."""
 
     def peak(self, key: str) -> float | None:
         return self.peak_flops.get(key)
@@ -257,6 +280,8 @@ class Catalogue:
     """(gpu key, family, precision key) -> the evidence-based default of hardware.yaml's ``default_efficiency``."""
     held_out: tuple[str, ...] = ()
     """published.yaml ids kept out of every default (the held-out check of benchmarks/projection_published.py)."""
+    roofline: dict[str, Roofline] = field(default_factory=dict)
+    """GPU generation -> its roofline fractions (hardware.yaml ``roofline``)."""
 
     def system(self, name: str) -> System:
         if name not in self.systems:
@@ -282,8 +307,10 @@ class Catalogue:
 
 
 _TOP = {"version", "defaults", "default_efficiency", "gpus", "links", "systems", "default_system",
-        "input_pipelines"}  # fmt: skip
-_GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind", "like"}
+        "input_pipelines", "roofline"}  # fmt: skip
+_GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind", "like", "sms",
+             "generation"}  # fmt: skip
+_ROOFLINE_KEYS = {"tile", "launch", "fractions", "source"}
 _EVIDENCE_KEYS = {"gpu", "precision", "family", "value", "published", "runs", "how"}
 _LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
 _SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
@@ -333,6 +360,11 @@ def _parse_gpu(key: str, e: dict[str, Any], where: str, cat: Catalogue, user_fil
             f"{where}.like: {like!r} is not a gpu defined before it; choose one of: {', '.join(cat.gpus)}"
         )
     peak_flops = {k: flops(v, f"{where}.peak_flops.{k}") for k, v in peaks.items()}
+    generation = e.get("generation")
+    if generation is not None and generation not in cat.roofline:
+        allowed = ", ".join(cat.roofline) or "none"
+        raise HardwareError(f"{where}.generation: {generation!r}; allowed: {allowed}")
+    roofline = cat.roofline[generation] if generation else (cat.gpus[like].roofline if like else None)
     return Gpu(
         key=key,
         name=str(e["name"]),
@@ -345,7 +377,33 @@ def _parse_gpu(key: str, e: dict[str, Any], where: str, cat: Catalogue, user_fil
         kind=kind,
         like=like,
         family_efficiency=_family_defaults(key, peak_flops, like, cat),
+        sms=_positive_int(e["sms"], f"{where}.sms") if "sms" in e else None,
+        roofline=roofline,
     )
+
+
+def _parse_roofline(key: str, e: Any, where: str) -> Roofline:
+    """One ``roofline`` entry: a GPU generation's fractions per op class, GEMM tile and launch cost."""
+    e = _mapping(e, where)
+    _check_keys(e, _ROOFLINE_KEYS, {"fractions"}, where)
+    given = _mapping(e["fractions"], f"{where}.fractions")
+    missing = [c for c in ROOFLINE_CLASSES if c not in given]
+    unknown = sorted(set(given) - set(ROOFLINE_CLASSES))
+    if missing or unknown:
+        bad = f"missing {missing[0]!r}" if missing else f"unknown class {unknown[0]!r}"
+        raise HardwareError(f"{where}.fractions: {bad}; the classes are: {', '.join(ROOFLINE_CLASSES)}")
+    fractions = {}
+    for c in ROOFLINE_CLASSES:
+        pair = _mapping(given[c], f"{where}.fractions.{c}")
+        _check_keys(pair, {"compute", "bandwidth"}, {"compute", "bandwidth"}, f"{where}.fractions.{c}")
+        fractions[c] = (fraction(pair["compute"], f"{where}.fractions.{c}.compute"),
+                        fraction(pair["bandwidth"], f"{where}.fractions.{c}.bandwidth"))  # fmt: skip
+    tile = e.get("tile", [128, 128])
+    if not (isinstance(tile, list) and len(tile) == 2):
+        raise HardwareError(f"{where}.tile: {tile!r} must be [rows, columns]")
+    tile = (_positive_int(tile[0], f"{where}.tile"), _positive_int(tile[1], f"{where}.tile"))
+    launch = seconds(e.get("launch", "0 us"), f"{where}.launch")
+    return Roofline(key, fractions, tile, launch, str(e.get("source", "")))
 
 
 def _family_defaults(
@@ -521,12 +579,15 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
             held_out=base.held_out,
             default_step_time_cv=base.default_step_time_cv,
             input_pipelines=dict(base.input_pipelines),
+            roofline=dict(base.roofline),
         )
         if defaults or "default_efficiency" in data:
             raise HardwareError(
                 f"{where0}: 'defaults' and 'default_efficiency' belong to the built-in file; set efficiency per gpu and "
                 "overlap per system"
             )
+    for key, e in _mapping(data.get("roofline", {}) or {}, f"{where0}: roofline").items():
+        cat.roofline[key] = _parse_roofline(key, e, f"{where0}: roofline.{key}")
     for key, e in _mapping(data.get("gpus", {}) or {}, f"{where0}: gpus").items():
         user_file = None if base is None else source
         cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat, user_file)

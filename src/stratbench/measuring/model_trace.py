@@ -29,6 +29,7 @@ from stratbench.data.datasets import (
 )
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
+from stratbench.models.flops import OpCost, op_cost
 from stratbench.models.split import piece_module, pieces_of
 from stratbench.models.transforms import Transform, apply_traced
 from stratbench.models.transforms.lora import linear_layers
@@ -476,6 +477,40 @@ def trace_step(
         )
     counts = map(len, (kernels.products, kernels.attentions, kernels.convolutions))
     return Trace(batch, live.nongrad_t, live.grad_t, saved.total, grad_bytes, *counts)
+
+
+@functools.cache
+def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]:
+    """Every aten op of one forward+backward at ``batch`` (no optimizer step), traced on fake tensors as
+    ``trace_step`` traces it (the run's precision and autocast, the loop's loss), each with its FLOPs, bytes moved
+    and class (``models.flops.op_cost``): the roofline basis of the step-time projection. Eager: one kernel per
+    op, nothing fused."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    pspec = spec_of(precision)
+    ops: list[OpCost] = []
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = _build_in(spec, pspec.param_dtype)
+        with _ops_mode(ops):
+            x, y = spec.example_batch(batch, pspec.param_dtype)
+            with _autocast(pspec):
+                loss = _loss(model(x), y)
+            loss.backward()
+    return tuple(ops)
+
+
+def _ops_mode(ops: list[OpCost]):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class OpsMode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            cost = op_cost(func, args, kwargs or {}, out)
+            if cost is not None:
+                ops.append(cost)
+            return out
+
+    return OpsMode()
 
 
 class _SavedBytes:

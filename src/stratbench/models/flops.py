@@ -3,7 +3,9 @@ the run record, the pipeline split's ``--balance flops``, the model's family in 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -101,3 +103,106 @@ def linear_flops(
     layers = dict(model.named_modules())
     forward = sum(2 * r * layers[n].in_features * layers[n].out_features for n, r in rows.items())
     return 3 * forward / 2
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-operation costs (the roofline basis of the step-time projection): each aten op of a traced step with its
+# FLOPs (torch's counter rules), the bytes it reads and writes, and its class.
+
+OP_CLASSES = ("large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention", "elementwise",
+              "reduction", "other")  # fmt: skip
+"""The op classes the roofline prices apart (hardware.yaml ``roofline``: an achievable fraction each)."""
+
+SMALL_GEMM = 512**3
+"""A matrix product of fewer multiply-adds than this (batch included) is a small GEMM: cuBLAS picks small tiles
+for it and it does not reach the large products' rate (assumption: the threshold; docs/projection.md)."""
+
+_GEMMS = {"mm": (0, 1), "addmm": (1, 2), "bmm": (0, 1), "baddbmm": (1, 2)}
+"""The matrix products: their two operands' positions in the op's arguments."""
+_CONVOLUTIONS = {"convolution": 8, "_convolution": 8, "convolution_backward": 9, "cudnn_convolution": 6}
+"""The convolutions: the position of ``groups`` in the op's arguments."""
+_ATTENTION_ALIASES = {
+    "_scaled_dot_product_flash_attention_for_cpu": "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_flash_attention_for_cpu_backward": "_scaled_dot_product_flash_attention_backward",
+}
+"""The CPU's fused attention, which a trace on CPU fake tensors runs, counted by the rule of the CUDA flash kernel
+it stands for (torch's counter has no rule for the CPU one; same leading arguments)."""
+_REDUCTIONS = ("norm", "softmax", "sum", "mean", "amax", "amin", "max", "min", "nll_loss", "var", "std", "pool",
+               "cumsum", "prod", "argmax", "argmin", "logsumexp", "any", "all")  # fmt: skip
+_FREE = {"empty", "empty_strided", "empty_like", "_local_scalar_dense", "lift_fresh", "_unsafe_view", "alias",
+         "detach", "set_", "resize_", "_reshape_alias"}  # fmt: skip
+"""Ops that move no data (allocation, aliasing): priced at nothing, not even a launch."""
+_WRITES = ("copy_", "_to_copy", "clone", "fill_", "zero_", "zeros", "ones", "zeros_like", "ones_like", "full",
+           "full_like", "where", "arange", "stack", "cat")  # fmt: skip
+"""Ops that read and write memory one element at a time without a pointwise tag: elementwise."""
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """One aten op of a traced step: its name and class, FLOPs (torch's counter rules), the bytes it reads and
+    writes (each input and output tensor once; a broadcast input at its stored size), the dtype of its operands
+    and, for a matrix product or convolution, its output's (batch, rows, columns) for tile quantisation."""
+
+    op: str
+    op_class: str
+    flops: float
+    bytes: float
+    dtype: str
+    output_tiles: tuple[int, int, int] | None = None
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes an op reads or writes of ``t``: its elements, at most its storage (a broadcast view reads once)."""
+    n = t.numel() * t.element_size()
+    try:
+        return min(n, t.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):  # a tensor without storage (meta under some modes)
+        return n
+
+
+def op_cost(func, args: tuple, kwargs: dict, out: object) -> OpCost | None:
+    """The ``OpCost`` of one dispatched aten op (None for a view, reshape or allocation: they move nothing)."""
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.flop_counter import flop_registry
+
+    space, _, name = func._schema.name.partition("::")
+    if space != "aten" or func.is_view or name in _FREE:
+        return None
+    ins = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not ins and not outs:  # a query on dtypes or shapes (promote_types): no kernel
+        return None
+    moved = sum(map(_tensor_bytes, ins)) + sum(map(_tensor_bytes, outs))
+    rule = flop_registry.get(func._overloadpacket)
+    alias = _ATTENTION_ALIASES.get(name)
+    if alias is not None:
+        rule = flop_registry.get(getattr(torch.ops.aten, alias))
+    flops = float(rule(*args, **kwargs, out_val=out)) if rule is not None else 0.0
+    dtype = str((ins or outs)[0].dtype).removeprefix("torch.") if (ins or outs) else "float32"
+    cls, tiles = _classify(func, name, args, outs, flops)
+    if name in _GEMMS or name in _CONVOLUTIONS:
+        dtype = str(args[_GEMMS.get(name, (0,))[0]].dtype).removeprefix("torch.")
+    return OpCost(name, cls, flops, float(moved), dtype, tiles)
+
+
+def _classify(func, name: str, args: tuple, outs: list[torch.Tensor], flops: float):
+    """(op class, the output's (batch, rows, columns) for a product or convolution) of one op."""
+    if name in _GEMMS:
+        a, b = (args[i] for i in _GEMMS[name])
+        batch = a.shape[0] if a.dim() == 3 else 1
+        tiles = (batch, a.shape[-2], b.shape[-1])
+        return ("small_gemm" if flops / 2 < SMALL_GEMM else "large_gemm"), tiles
+    if name in _CONVOLUTIONS:
+        groups = int(args[_CONVOLUTIONS[name]])
+        backward = name == "convolution_backward"
+        x = args[1] if backward else args[0]  # the convolution's input: its channels
+        y = args[0] if backward else outs[0]  # its output (backward: its gradient): the product's shape
+        tiles = (1, y.shape[0] * math.prod(y.shape[2:]), y.shape[1])
+        return ("depthwise_convolution" if 1 < groups == x.shape[1] else "convolution"), tiles
+    if "attention" in name:
+        return "attention", None
+    if any(r in name for r in _REDUCTIONS):
+        return "reduction", None
+    if torch.Tag.pointwise in func.tags or name in _WRITES:
+        return "elementwise", None
+    return "other", None

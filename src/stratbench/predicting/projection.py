@@ -42,13 +42,15 @@ from stratbench.core.errors import ConfigError
 from stratbench.data.text import is_text_data
 from stratbench.measuring.comm import Collective, ddp_buckets, mesh_span, wire_factor
 from stratbench.measuring.hardware import Gpu, HardwareError, InputPipeline, Link, System, builtin, resolve
-from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.measuring.model_trace import ModelSpec, model_info, trace_ops
 from stratbench.measuring.records import RunRecord, number, record_problem
 from stratbench.models.family import family_of
 from stratbench.models.flops import flops_by_op, linear_flops
 from stratbench.models.transforms import FORWARD_SHARE, flops_factor
 from stratbench.models.transforms.float8 import convertible
 from stratbench.predicting.estimate import estimate
+from stratbench.predicting.roofline import BASIS as ROOFLINE_BASIS
+from stratbench.predicting.roofline import step_seconds
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, loop_collectives
 
@@ -622,6 +624,11 @@ class MethodProjection:
     placement_note: str = ""
     """Said where tensor parallelism spans nodes (``placement_note``): priced so, but slow."""
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
+    basis: str = ""
+    """What the compute time rests on (``BASES``' words): "calibrated run", "hardware file", "family fallback"
+    (the evidence-based efficiency per GPU, precision and family) or "roofline with published fractions"."""
+    roofline: dict[str, Any] = field(default_factory=dict)
+    """The roofline basis' breakdown of one micro-batch (``roofline.RooflineTime``); empty on other bases."""
     float8: dict[str, Any] = field(default_factory=dict)
     """A ``--float8`` run's pricing (``float8_rate``): recipe, the converted Linears' share of the FLOPs, the fp8
     peak (FLOP/s), its efficiency and that efficiency's source; empty without ``--float8``."""
@@ -639,10 +646,14 @@ def project(
     memory: bool = True,
     label: str | None = None,
     input_pipeline: InputPipeline | None = None,
+    basis: str = "efficiency",
 ) -> MethodProjection:
     """Step time and its parts for ``cfg.strategy`` on ``nodes`` x ``gpus_per_node`` devices of ``system``;
     ``input_pipeline``: the data loader's host CPU cost where it is CPU-bound (None: data on the device, or a
-    loader that keeps up)."""
+    loader that keeps up); ``basis`` (``BASES``): "efficiency" prices the compute at one efficiency (calibrated,
+    the hardware file's or the family default), "roofline" per traced op (``predicting.roofline``)."""
+    if basis not in BASES:
+        raise ConfigError(f"basis {basis!r}; allowed: {', '.join(BASES)}")
     gpn = gpus_per_node or system.gpus_per_node
     if gpn != system.gpus_per_node:
         system = dataclasses.replace(system, gpus_per_node=gpn)
@@ -670,9 +681,12 @@ def project(
         out.status, out.reason = "error", float8_refusal(cfg.float8, system.gpu) or no_peak
         return out
     out.model_family = model_family(cfg)
-    eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
-    achieved = float8_rate(out, cfg, system.gpu, flops, peak * eff, calibration)
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
+    if basis == "roofline":
+        eff, overhead, cal = _roofline(out, cfg, system.gpu, key, flops, samples), 0.0, None
+    else:
+        eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
+    achieved = float8_rate(out, cfg, system.gpu, flops, peak * eff, calibration)
     # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
     flops_on_path = flops * samples * flops_factor(cfg)  # the model transforms' (activation checkpointing)
     forward, backward = _compute(out, cfg, system, world, flops_on_path * cls.cost.compute_scale(ctx), achieved,
@@ -688,7 +702,9 @@ def project(
     terms = {"compute": out.compute_s, "communication": out.comm_exposed_s, "optimizer": out.optimizer_s,
              "offload": out.offload_s, "stragglers": out.straggler_s, "input pipeline": out.input_s}  # fmt: skip
     out.dominant = max(terms, key=terms.get)
-    out.scaling_efficiency = _scaling_efficiency(cfg, system, world, samples, calibration, out.throughput)
+    out.scaling_efficiency = _scaling_efficiency(
+        cfg, system, world, samples, calibration, out.throughput, basis
+    )
     if memory:
         out.memory_bytes, out.fits = _memory(cfg, world, device_type, system.gpu)
     return out
@@ -712,17 +728,18 @@ def _efficiency(
     cal = (calibration or {}).get(key)
     if cal is not None:
         eff, out.efficiency_source, overhead = cal.efficiency, cal.source, cal.overhead_s
-        out.efficiency_from = "calibration"
+        out.efficiency_from, out.basis = "calibration", "calibrated run"
         if cal.device != gpu.key:
             out.efficiency_source += f"; applied to {gpu.name}"
     elif gpu.efficiency_source.get(key):
         eff, overhead = gpu.efficiency[key], 0.0
-        out.efficiency_from = "hardware file"
+        out.efficiency_from = out.basis = "hardware file"
         out.efficiency_source = f"{gpu.efficiency_source[key]} (gpus.{gpu.key}.efficiency.{key})"
     else:
         d = gpu.default_efficiency(key, out.model_family)
         eff, overhead = d.value, 0.0
         out.efficiency_from, out.uncalibrated, out.efficiency_note = "default", True, d.note
+        out.basis = "family fallback"
         what = f"{out.model_family} {key}" if out.model_family else f"{key} (model family unknown)"
         out.efficiency_source = f"default for {what} on {gpu.name}: {d.source}" + (
             f" [{d.note}]" if d.note else ""
@@ -734,6 +751,35 @@ def _efficiency(
         overhead += cal.method_overhead_s[mkey]
         out.efficiency_source += "; " + cal.method_sources[mkey]
     return eff, overhead, cal
+
+
+BASES = ("efficiency", "roofline")
+"""``project``'s bases of the compute time (``estimate --time --basis``): one efficiency (calibrated run, hardware
+file or family fallback), or the per-op roofline with published fractions (``predicting.roofline``)."""
+
+
+def _roofline(
+    out: MethodProjection, cfg: TrainConfig, gpu: Gpu, key: str, flops: float, samples: float
+) -> float:
+    """The share of ``gpu``'s ``key`` peak at which the roofline basis runs ``cfg``'s step: one micro-batch's
+    traced ops (``trace_ops``) priced op by op (``roofline.step_seconds``), as the efficiency that gives the same
+    seconds for the counted FLOPs; what was used goes on ``out`` (basis, source, the per-class breakdown)."""
+    if gpu.roofline is None:
+        raise ConfigError(f"--basis roofline: {gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml "
+                          "roofline and the gpu's generation); use the efficiency basis")  # fmt: skip
+    micro = max(1, round(samples / cfg.grad_accum))
+    try:
+        ops = trace_ops(ModelSpec.from_config(cfg), micro, cfg.precision)
+    except ConfigError:
+        raise
+    except Exception as exc:  # a user model the fake tensors cannot run op by op: said, as flops_by_op's None
+        raise ConfigError(f"--basis roofline: model {cfg.model!r} cannot be traced op by op ({exc})") from exc
+    timed = step_seconds(ops, gpu, key)
+    eff = flops * micro / (timed.seconds * gpu.peak(key))
+    out.efficiency, out.efficiency_from, out.basis = eff, "roofline", ROOFLINE_BASIS
+    out.efficiency_source = f"{timed.source}; micro-batch {micro}: {timed.seconds * 1e3:.3f} ms"
+    out.roofline = timed.to_dict() | {"micro_batch": micro}
+    return eff
 
 
 def _compute(
@@ -883,7 +929,7 @@ def _optimizer_and_offload(
 
 def _scaling_efficiency(
     cfg: TrainConfig, system: System, world: int, samples: float, calibration: Calibrations | None,
-    throughput: float,
+    throughput: float, basis: str = "efficiency",
 ) -> float | None:  # fmt: skip
     """Throughput over ``world`` devices each running the baseline on a replica's share of the batch alone (a
     pipeline's stages are devices too); None where the baseline has no projection."""
@@ -891,7 +937,7 @@ def _scaling_efficiency(
         return 1.0
     one = project(
         cfg.replace(strategy=baseline_name(), strategy_options={}, batch_size=max(1, round(samples))),
-        system, 1, system.gpus_per_node, calibration, memory=False,
+        system, 1, system.gpus_per_node, calibration, memory=False, basis=basis,
     )  # fmt: skip
     return throughput / (world * one.throughput) if one.throughput else None
 

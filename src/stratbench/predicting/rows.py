@@ -36,6 +36,8 @@ class RowSettings:
     calibration: dict | None = None
     nodes: int = 1
     gpus_per_node: int | None = None
+    basis: str = "efficiency"
+    """The projection's compute basis (``projection.BASES``): one efficiency, or the per-op roofline."""
 
 
 def method_rows(
@@ -72,7 +74,7 @@ def method_row(name: str, config_for: Callable[[str], TrainConfig], settings: Ro
     if settings.system is not None:
         s = settings
         row["projection"] = project(
-            cfg, s.system, s.nodes, s.gpus_per_node, s.calibration, memory=False
+            cfg, s.system, s.nodes, s.gpus_per_node, s.calibration, memory=False, basis=s.basis
         ).to_dict()
     return row
 

@@ -1,0 +1,114 @@
+"""The roofline basis of the step-time projection: one training step's compute time as the sum over its traced aten
+ops (``measuring.model_trace.trace_ops``) of each op's roofline time on the target GPU,
+
+    max(FLOPs / (dtype peak x the op class's compute fraction x wave efficiency),
+        bytes / (memory bandwidth x the op class's bandwidth fraction)) + one kernel launch,
+
+where a matrix product's or convolution's output, cut into the GPU's GEMM tiles, runs in waves of one tile per
+SM: wave efficiency = tiles / (waves x SMs) (a GEMM of fewer tiles than SMs leaves SMs idle). The fractions,
+tile and launch cost are the GPU generation's (hardware.yaml ``roofline``). Eager only: one kernel per op,
+nothing fused (what ``torch.compile`` or cuDNN fuse is not modelled). docs/projection.md has the rest.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from stratbench.core.errors import ConfigError
+from stratbench.measuring.hardware import Gpu
+from stratbench.models.flops import OpCost
+
+BASIS = "roofline with published fractions"
+"""The basis' name in a projection (``MethodProjection.basis``)."""
+
+_TENSOR_CORE = ("large_gemm", "small_gemm", "convolution", "attention")
+"""The classes whose FLOPs run at the operands' dtype peak (tensor cores); the rest run on the CUDA cores."""
+_DTYPE_KEYS = {"bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
+
+
+def wave_efficiency(op: OpCost, gpu: Gpu) -> float:
+    """The share of the SMs a product's tiles keep busy over its waves: tiles / (waves x SMs); 1 where the op is
+    no product or convolution, or the GPU's SM count or tile is unknown."""
+    if op.output_tiles is None or not gpu.sms or gpu.roofline is None:
+        return 1.0
+    batch, rows, cols = op.output_tiles
+    tile_rows, tile_cols = gpu.roofline.tile
+    tiles = batch * math.ceil(rows / tile_rows) * math.ceil(cols / tile_cols)
+    if tiles <= 0:
+        return 1.0
+    waves = math.ceil(tiles / gpu.sms)
+    return tiles / (waves * gpu.sms)
+
+
+def op_peak(op: OpCost, gpu: Gpu, key: str) -> float:
+    """The dense peak an op's FLOPs run at: a product's, convolution's or attention's operands' dtype on the tensor
+    cores (fp32 operands at the run's key: tf32 where it runs TF32), every other op the CUDA cores' fp32 peak;
+    the run's own key where the GPU lists no peak for that."""
+    if op.op_class in _TENSOR_CORE:
+        want = _DTYPE_KEYS.get(op.dtype, key if key in ("fp32", "tf32") else "fp32")
+    else:
+        want = "fp32"
+    peak = gpu.peak(want) or gpu.peak(key)
+    if not peak:
+        raise ConfigError(f"{gpu.name} has no {want} or {key} peak in the hardware profiles")
+    return peak
+
+
+def op_terms(op: OpCost, gpu: Gpu, key: str) -> tuple[float, float]:
+    """(compute seconds, memory seconds) of one op on ``gpu``: its FLOPs over the peak x the class's compute
+    fraction x the wave efficiency, its bytes over the bandwidth x the class's bandwidth fraction."""
+    roof = gpu.roofline
+    if roof is None:
+        raise ConfigError(f"{gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml: generation)")
+    compute_fraction, bandwidth_fraction = roof.fractions[op.op_class]
+    rate = op_peak(op, gpu, key) * compute_fraction * wave_efficiency(op, gpu)
+    compute = op.flops / rate if op.flops else 0.0
+    return compute, op.bytes / (gpu.memory_bandwidth * bandwidth_fraction)
+
+
+def op_seconds(op: OpCost, gpu: Gpu, key: str) -> float:
+    """One op's roofline time on ``gpu`` (the module's formula), its launch included."""
+    compute, memory = op_terms(op, gpu, key)
+    return max(compute, memory) + gpu.roofline.launch
+
+
+@dataclass
+class RooflineTime:
+    """A step's compute seconds on the roofline basis and what makes them up, per op class."""
+
+    seconds: float = 0.0
+    flops: float = 0.0
+    launches: int = 0
+    by_class: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Op class -> ops, FLOPs, bytes, seconds and how many of its ops were bandwidth-bound."""
+    source: str = ""
+
+    def to_dict(self) -> dict:
+        return {"seconds": self.seconds, "flops": self.flops, "launches": self.launches,
+                "by_class": self.by_class, "source": self.source}  # fmt: skip
+
+
+def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str) -> RooflineTime:
+    """The roofline time of ``ops`` (one traced step) on ``gpu`` in precision ``key``, summed per class."""
+    if gpu.roofline is None:
+        raise ConfigError(f"{gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml: generation)")
+    out = RooflineTime()
+    for op in ops:
+        compute, memory = op_terms(op, gpu, key)
+        t = max(compute, memory) + gpu.roofline.launch
+        row = out.by_class.setdefault(op.op_class, {"ops": 0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0,
+                                                    "bandwidth_bound": 0})  # fmt: skip
+        row["ops"] += 1
+        row["flops"] += op.flops
+        row["bytes"] += op.bytes
+        row["seconds"] += t
+        row["bandwidth_bound"] += int(memory >= compute)
+        out.seconds += t
+        out.flops += op.flops
+        out.launches += 1
+    roof = gpu.roofline
+    out.source = (f"{BASIS}: {out.launches} eager kernels on {gpu.name} ({gpu.sms or '?'} SMs, "
+                  f"{roof.generation} fractions, {roof.tile[0]}x{roof.tile[1]} tiles; {roof.source})")  # fmt: skip
+    return out
