@@ -21,8 +21,10 @@ own processes count once per core they keep busy, so a run that fills the machin
 
 
 OTHERS_LIMIT = 0.25
-"""Other processes' share of the machine's CPU time (cores x the run's window) above which the run was not alone:
-measured 0.00-0.03 on this project's idle 2-core VM while a run trained, and 0.4-0.5 with one other busy process."""
+"""Other processes' share of the machine's CPU time (cores x the run's window) above which the run was not alone.
+Measured on this project's 2-core VM (2026-11-28, `train --model tinynet --width 8 --synthetic-samples 2048`):
+0.004-0.008 idle (3 runs; 0.0 under ddp on 2 processes), 0.32-0.35 beside one spinning process, whose train
+time it inflated from 1.2-1.4 s to 3.2-4.7 s while the mean load average stayed 1.5-1.6, under 1.5x the cores."""
 
 
 def load_average() -> float | None:
