@@ -303,7 +303,7 @@ class Strategy:
         (``takes_moe``: its tests prove it) or the model is dense."""
         if cls.takes_moe or not is_moe_model(cfg.model):
             return None
-        takers = ", ".join(n for n, c in all_strategies().items() if c.takes_moe)
+        takers = ", ".join(sorted(n for n, c in all_strategies().items() if c.takes_moe))
         return f"model {cfg.model} is a mixture of experts, which {cls.name} does not train; train it under {takers}"
 
     @classmethod
@@ -313,7 +313,7 @@ class Strategy:
         if cfg.float8 == "none":
             return None
         if not cls.takes_float8:
-            takers = ", ".join(name for name, c in all_strategies().items() if c.takes_float8)
+            takers = ", ".join(sorted(name for name, c in all_strategies().items() if c.takes_float8))
             return (
                 f"--float8 with {cls.name} is not supported (untested: torchao's Float8Linear under this method's "
                 f"wrap); use one of: {takers}"
@@ -454,7 +454,7 @@ class Strategy:
         """Why the method cannot feed a model several input tensors (``splits_model``), or None."""
         if not cls.splits_model:
             return None
-        takers = ", ".join(name for name, c in all_strategies().items() if not c.splits_model)
+        takers = ", ".join(sorted(name for name, c in all_strategies().items() if not c.splits_model))
         return (f"{cls.name} cuts the model and feeds it one tensor; a model of several inputs runs under "
                 f"{takers}")
 
