@@ -66,6 +66,8 @@ from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
+from stratbench.models.moe import moe_layers
+from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
@@ -80,6 +82,7 @@ from stratbench.strategies.parallel.context_parallel import (
     local_chunk,
     ulysses_rows,
 )
+from stratbench.strategies.parallel.expert_parallel import apply_ep, ep_unfit, scale_expert_grads
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -134,6 +137,8 @@ class FSDPOptions:
     """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
     cp: int = 1
     """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). With --tp T: a (dp, cp, tp) mesh, heads and key/value heads must divide by T x C (not with --replicate). 1: none."""
+    ep: int = 1
+    """fsdp: expert parallelism, E ranks per expert set: each MoE layer's routed experts split over the E ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; only E = world for now (one copy of each expert), experts must divide by E. 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -158,6 +163,8 @@ class FSDPOptions:
         if self.cp < 1:
             raise ConfigError(f"cp must be a positive integer (1: no context parallelism), got {self.cp!r}")
         check_cp_impl(self.cp_impl)
+        if self.ep < 1:
+            raise ConfigError(f"ep must be a positive integer (1: no expert parallelism), got {self.ep!r}")
         if self.cp > 1 and self.tp > 1 and self.sharding == "none":
             raise ConfigError(
                 f"fsdp --tp {self.tp} --cp {self.cp} with --sharding none is not supported: the mesh dp x cp x tp "
@@ -455,6 +462,15 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
 
 
+def ep_refusal(cfg: TrainConfig, opts: FSDPOptions, world: int) -> str | None:
+    """One line where ``--ep`` cannot run (``parallel.expert_parallel.ep_unfit``), or None."""
+    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
+    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
+              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
+              "clip-grad-norm": cfg.clip_grad_norm}  # fmt: skip
+    return ep_unfit(cfg, opts.ep, world, n_experts, others)
+
+
 def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
     """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
     no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
@@ -520,6 +536,7 @@ class FSDPStrategy(LossParallel, Strategy):
             or replicate_unfit(opts, world_size)
             or shard_group_spans_nodes(cfg, opts, world_size)
             or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size, opts.sequence_parallel)
+            or ep_refusal(cfg, opts, world_size)
             or moe_layout_unfit(cfg, opts)
         )
 
@@ -556,6 +573,9 @@ class FSDPStrategy(LossParallel, Strategy):
         own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
         opts = self.options
         cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
+        if opts.ep > 1:
+            per_rank = moe_layers(self.model)[0].n_experts // opts.ep
+            return own | {"ep": {"size": opts.ep, "experts_per_rank": per_rank}}
         if opts.tp == 1 and cp:
             return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
@@ -624,6 +644,20 @@ class FSDPStrategy(LossParallel, Strategy):
         self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         return mesh["dp", "cp"]._flatten("dp_cp")
 
+    def _expert_parallel(self, model: nn.Module) -> list[nn.Parameter]:
+        """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens
+        over the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
+        import torch.distributed as dist
+
+        e = self.options.ep
+        experts = apply_ep(model, dist.group.WORLD, self.env.rank, e)
+        scale_expert_grads(experts, self.env.world_size)
+        if self.env.is_main:
+            n = moe_layers(model)[0].n_experts
+            print(f"fsdp --ep {e}: each rank holds {n // e} of each MoE layer's {n} experts (not FSDP-sharded), "
+                  "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
+        return experts
+
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
         return model if self.options.cpu_offload else super().move(model)
@@ -633,6 +667,7 @@ class FSDPStrategy(LossParallel, Strategy):
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
         mesh = self.shard_mesh(model)
+        experts = self._expert_parallel(model) if opts.ep > 1 else []
         self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
         if spec.autocast and not self.precision.autocasts:
             # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
@@ -643,6 +678,8 @@ class FSDPStrategy(LossParallel, Strategy):
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
         reshard = opts.sharding == "full"
         common: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard, "offload_policy": offload}
+        if experts:  # the experts stay whole on their rank (not FSDP-sharded)
+            common["ignored_params"] = set(experts)
         self.units = wrap_units(model, opts.wrap, opts.wrap_min_params)
         if self.env.is_main:
             print(describe_units(model, opts.wrap, opts.wrap_min_params, self.units), flush=True)
