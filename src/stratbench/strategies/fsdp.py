@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench.checkpoints import sharded
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import states_per_local_shard
@@ -82,7 +83,14 @@ from stratbench.strategies.parallel.context_parallel import (
     local_chunk,
     ulysses_rows,
 )
-from stratbench.strategies.parallel.expert_parallel import apply_ep, ep_unfit, scale_expert_grads
+from stratbench.strategies.parallel.expert_parallel import (
+    apply_ep,
+    ep_dense,
+    ep_rows,
+    ep_unfit,
+    scale_expert_grads,
+    sharded_expert_state,
+)
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
     FSDPCheckpointIO,
@@ -445,6 +453,8 @@ class FSDPCost(CostModel):
             raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
+        if ctx.options.ep > 1:  # FSDP2 over the dense parts, the experts' all-to-alls
+            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
         if ctx.options.replicate > 1:
@@ -467,8 +477,28 @@ def ep_refusal(cfg: TrainConfig, opts: FSDPOptions, world: int) -> str | None:
     n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
     others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
               "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
-              "clip-grad-norm": cfg.clip_grad_norm}  # fmt: skip
+              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
+              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
     return ep_unfit(cfg, opts.ep, world, n_experts, others)
+
+
+class FSDP2CheckpointIO(FSDPCheckpointIO):
+    """FSDP2's checkpoints; under --ep the sharded folder holds each expert weight (and its optimizer moments) as
+    the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not loaded back (--ep refuses
+    --resume and --init-from, and a run that finds a checkpoint to resume)."""
+
+    def save_checkpoint(self, path, model, optimizer, extra):
+        st = self.strategy
+        if st.options.ep == 1:
+            return super().save_checkpoint(path, model, optimizer, extra)
+        state = sharded_expert_state(sharded.module_state(model, optimizer), st.expert_names, st.ep_mesh)
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
+
+    def load_checkpoint(self, path, model, optimizer):
+        if self.strategy.options.ep > 1:
+            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
+                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
+        return super().load_checkpoint(path, model, optimizer)
 
 
 def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
@@ -555,7 +585,7 @@ class FSDPStrategy(LossParallel, Strategy):
         return world_size // (opts.tp * opts.cp)
 
     cost = FSDPCost
-    checkpoint_io_class = FSDPCheckpointIO
+    checkpoint_io_class = FSDP2CheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
@@ -647,10 +677,13 @@ class FSDPStrategy(LossParallel, Strategy):
     def _expert_parallel(self, model: nn.Module) -> list[nn.Parameter]:
         """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens
         over the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
-        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
 
         e = self.options.ep
-        experts = apply_ep(model, dist.group.WORLD, self.env.rank, e)
+        self.ep_mesh = init_device_mesh(self.env.device.type, (e,), mesh_dim_names=("ep",))
+        experts = apply_ep(model, self.ep_mesh.get_group(), self.env.rank, e)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.expert_names = [names[id(p)] for p in experts]
         scale_expert_grads(experts, self.env.world_size)
         if self.env.is_main:
             n = moe_layers(model)[0].n_experts

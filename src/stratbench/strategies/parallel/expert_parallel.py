@@ -22,13 +22,16 @@ gradient is divided by the data-parallel world R (``scale_expert_grads``); the f
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from stratbench.measuring.comm import Collective
 from stratbench.models.moe import MoEFeedForward, moe_layers
+from stratbench.models.transformer import SIZES
 
 
 class _UnevenAllToAll(torch.autograd.Function):
@@ -106,10 +109,66 @@ def apply_ep(model: nn.Module, group: Any, rank: int, size: int) -> list[nn.Para
     return experts
 
 
+def sharded_expert_state(state: dict[str, Any], fqns: list[str], mesh: Any) -> dict[str, Any]:
+    """``state`` ({"model", "optimizer"}: ``checkpoints.sharded.module_state``) with each expert weight and its
+    optimizer moments made a DTensor sharded along dim 0 over the ep ``mesh`` (each rank's slice of the whole (E,
+    ...) tensor), so that the checkpoint folder holds every expert once, under the keys and shapes one process
+    saves; the scalar states (Adam's step) stay as they are (equal on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def whole(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+    optim = state.get("optimizer", {}).get("state", {})
+    for fqn in fqns:
+        state["model"][fqn] = whole(state["model"][fqn])
+        if fqn in optim:
+            optim[fqn] = {k: whole(v) for k, v in optim[fqn].items()}
+    return state
+
+
 def scale_expert_grads(params: list[nn.Parameter], data_parallel: int) -> None:
     """Divide each expert gradient by the data-parallel world as it is computed (see the module's docstring)."""
     for p in params:
         p.register_hook(lambda g: g / data_parallel)
+
+
+def ep_dense(ctx) -> Any:
+    """``ctx`` with the routed experts' weights left out (0 elements): what FSDP2 shards under --ep. They are the
+    built-in MoE transformer's only 3-D parameters (the stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    info = ctx.info
+    expert = [len(s) == 3 for s in info.shapes]
+    numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
+    dim0 = [0 if e else d for d, e in zip(info.dim0, expert, strict=True)]
+    return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0))
+
+
+def ep_rows(ctx, ep: int) -> list[Collective]:
+    """The all-to-alls of --ep per optimizer step on one rank, at balanced routing (each rank receives as many
+    rows as it sends; the real split follows the router, measured): per MoE layer and micro-step, forward the
+    E int64 counts, the rank's T x k token rows out (T its micro-batch's tokens) and the returned rows back, and
+    in backward the two exchanges reversed, each rows x dim in the compute dtype (a call's payload is its
+    input)."""
+    cfg = ctx.cfg
+    tc = SIZES[cfg.model]
+    layers = tc.n_layers - tc.moe_first_dense
+    tokens = cfg.batch_size // ctx.world // cfg.grad_accum * cfg.seq_len
+    rows = tokens * tc.moe_top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
+    steps = layers * cfg.grad_accum
+    note = "expert parallelism: token rows to their experts' ranks and back"
+    return [
+        Collective(
+            "all_to_all",
+            steps * (2 * rows + 8 * tc.n_experts),
+            3 * steps,
+            "forward",
+            ep,
+            f"{note}, counts first",
+        ),
+        Collective("all_to_all", steps * 2 * rows, 2 * steps, "backward", ep, f"{note} (gradients)"),
+    ]
 
 
 def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
