@@ -107,6 +107,12 @@ def test_bad_ep_input_is_one_line_before_any_work():
             2,
             "with --checkpoint-format full is not",
         ),
+        (
+            cfg(strategy_options={"ep": 2}, activation_checkpointing=True),
+            2,
+            "with --activation-checkpointing True",
+        ),
+        (cfg(strategy_options={"ep": 2}, resume_from="x"), 2, "with --resume-from x is not supported"),
     ]:
         why = FSDPStrategy.check_supported(c, cpu, world)
         assert why is not None and len(why.splitlines()) == 1, why

@@ -173,8 +173,9 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
 
 def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
     """One line where ``--ep`` cannot run: a dense model, experts that do not divide by it, a world it does not
-    divide, another layout (only ep = world, one copy of each expert, for now) or gradient clipping (the norm
-    would need the expert shards' sums over the group)."""
+    divide, another layout (only ep = world, one copy of each expert, for now), or any of ``others`` given (flag
+    -> value, falsy when not given): gradient clipping (the norm would need the expert shards' sums over the group),
+    activation checkpointing (its recomputed exchanges are not priced), loading a checkpoint, ..."""
     if ep == 1:
         return None
     if n_experts is None:
