@@ -78,6 +78,9 @@ class MoEFeedForward(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.shared = shared
+        self.expert_parallel: Callable[..., torch.Tensor] | None = None
+        """Expert parallelism's exchange (``strategies.parallel.expert_parallel.ExpertExchange``) replacing
+        ``run_experts``' loop where the strategy set it: this module then holds only its rank's experts."""
         self.pending: RouterRecord | None = None
         """The latest forward's routing, taken by the training loss (``take_pending``)."""
         self.totals = RouterTotals()
@@ -123,6 +126,8 @@ class MoEFeedForward(nn.Module):
         """Each expert's output on its assignments (``order``: the assignments grouped by expert, ``sizes[e]`` of
         them for expert e, the first ``cap`` kept), weighted by ``gate`` and summed per token, (T, dim). The step
         expert parallelism replaces: the groups sent to the ranks that hold their experts and back."""
+        if self.expert_parallel is not None:
+            return self.expert_parallel(self, x, gate, order, sizes, cap)
         out, k, start = torch.zeros_like(x), self.top_k, 0
         for e, size in enumerate(sizes):
             kept = order[start : start + (size if cap is None else min(size, cap))]

@@ -59,6 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stratbench.checkpoints import sharded
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import states_per_local_shard
@@ -66,6 +67,8 @@ from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
+from stratbench.models.moe import moe_layers
+from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
@@ -79,6 +82,14 @@ from stratbench.strategies.parallel.context_parallel import (
     cp_world_unfit,
     local_chunk,
     ulysses_rows,
+)
+from stratbench.strategies.parallel.expert_parallel import (
+    apply_ep,
+    ep_dense,
+    ep_rows,
+    ep_unfit,
+    scale_expert_grads,
+    sharded_expert_state,
 )
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
@@ -134,6 +145,8 @@ class FSDPOptions:
     """fsdp: HSDP, R replicas: a (replicate = R, shard = world / R) mesh (torchtitan's dp_replicate x dp_shard); each shard group of world/R consecutive ranks (one node's by default) gathers and reduce-scatters as FSDP, the gradient shards are all-reduced over the R replicas; with --tp T: (R, world / (R T), T). 1: plain FSDP."""
     cp: int = 1
     """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). With --tp T: a (dp, cp, tp) mesh, heads and key/value heads must divide by T x C (not with --replicate). 1: none."""
+    ep: int = 1
+    """fsdp: expert parallelism, E ranks per expert set: each MoE layer's routed experts split over the E ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; only E = world for now (one copy of each expert), experts must divide by E. 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -158,6 +171,8 @@ class FSDPOptions:
         if self.cp < 1:
             raise ConfigError(f"cp must be a positive integer (1: no context parallelism), got {self.cp!r}")
         check_cp_impl(self.cp_impl)
+        if self.ep < 1:
+            raise ConfigError(f"ep must be a positive integer (1: no expert parallelism), got {self.ep!r}")
         if self.cp > 1 and self.tp > 1 and self.sharding == "none":
             raise ConfigError(
                 f"fsdp --tp {self.tp} --cp {self.cp} with --sharding none is not supported: the mesh dp x cp x tp "
@@ -438,6 +453,8 @@ class FSDPCost(CostModel):
             raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
+        if ctx.options.ep > 1:  # FSDP2 over the dense parts, the experts' all-to-alls
+            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
         if ctx.options.replicate > 1:
@@ -453,6 +470,35 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     opts = ctx.options
     units = wrap_units_of(ModelSpec.from_config(ctx.cfg), opts.wrap, opts.wrap_min_params)
     return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
+
+
+def ep_refusal(cfg: TrainConfig, opts: FSDPOptions, world: int) -> str | None:
+    """One line where ``--ep`` cannot run (``parallel.expert_parallel.ep_unfit``), or None."""
+    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
+    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
+              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
+              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
+              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
+    return ep_unfit(cfg, opts.ep, world, n_experts, others)
+
+
+class FSDP2CheckpointIO(FSDPCheckpointIO):
+    """FSDP2's checkpoints; under --ep the sharded folder holds each expert weight (and its optimizer moments) as
+    the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not loaded back (--ep refuses
+    --resume and --init-from, and a run that finds a checkpoint to resume)."""
+
+    def save_checkpoint(self, path, model, optimizer, extra):
+        st = self.strategy
+        if st.options.ep == 1:
+            return super().save_checkpoint(path, model, optimizer, extra)
+        state = sharded_expert_state(sharded.module_state(model, optimizer), st.expert_names, st.ep_mesh)
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
+
+    def load_checkpoint(self, path, model, optimizer):
+        if self.strategy.options.ep > 1:
+            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
+                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
+        return super().load_checkpoint(path, model, optimizer)
 
 
 def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
@@ -520,6 +566,7 @@ class FSDPStrategy(LossParallel, Strategy):
             or replicate_unfit(opts, world_size)
             or shard_group_spans_nodes(cfg, opts, world_size)
             or cp_unfit(cfg, opts.cp, opts.tp, opts.replicate, world_size, opts.sequence_parallel)
+            or ep_refusal(cfg, opts, world_size)
             or moe_layout_unfit(cfg, opts)
         )
 
@@ -538,7 +585,7 @@ class FSDPStrategy(LossParallel, Strategy):
         return world_size // (opts.tp * opts.cp)
 
     cost = FSDPCost
-    checkpoint_io_class = FSDPCheckpointIO
+    checkpoint_io_class = FSDP2CheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
@@ -556,6 +603,9 @@ class FSDPStrategy(LossParallel, Strategy):
         own = {"fsdp": {"units": len(self.units) + 1, "weights": self.precision.report()}}
         opts = self.options
         cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
+        if opts.ep > 1:
+            per_rank = moe_layers(self.model)[0].n_experts // opts.ep
+            return own | {"ep": {"size": opts.ep, "experts_per_rank": per_rank}}
         if opts.tp == 1 and cp:
             return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
@@ -624,6 +674,23 @@ class FSDPStrategy(LossParallel, Strategy):
         self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         return mesh["dp", "cp"]._flatten("dp_cp")
 
+    def _expert_parallel(self, model: nn.Module) -> list[nn.Parameter]:
+        """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens
+        over the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        e = self.options.ep
+        self.ep_mesh = init_device_mesh(self.env.device.type, (e,), mesh_dim_names=("ep",))
+        experts = apply_ep(model, self.ep_mesh.get_group(), self.env.rank, e)
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.expert_names = [names[id(p)] for p in experts]
+        scale_expert_grads(experts, self.env.world_size)
+        if self.env.is_main:
+            n = moe_layers(model)[0].n_experts
+            print(f"fsdp --ep {e}: each rank holds {n // e} of each MoE layer's {n} experts (not FSDP-sharded), "
+                  "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
+        return experts
+
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
         return model if self.options.cpu_offload else super().move(model)
@@ -633,6 +700,7 @@ class FSDPStrategy(LossParallel, Strategy):
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
         mesh = self.shard_mesh(model)
+        experts = self._expert_parallel(model) if opts.ep > 1 else []
         self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
         if spec.autocast and not self.precision.autocasts:
             # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
@@ -643,6 +711,8 @@ class FSDPStrategy(LossParallel, Strategy):
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
         reshard = opts.sharding == "full"
         common: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard, "offload_policy": offload}
+        if experts:  # the experts stay whole on their rank (not FSDP-sharded)
+            common["ignored_params"] = set(experts)
         self.units = wrap_units(model, opts.wrap, opts.wrap_min_params)
         if self.env.is_main:
             print(describe_units(model, opts.wrap, opts.wrap_min_params, self.units), flush=True)

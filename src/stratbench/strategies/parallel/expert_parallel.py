@@ -1,0 +1,197 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020; torchtitan's ``ExpertParallel``): the E routed experts of each
+MoE layer split over the P ranks of an ep group, rank r holding experts r E / P to (r + 1) E / P - 1 (the stacked
+``w1``/``w2``/``w3`` cut along dim 0 at set-up, so the module holds only its experts). Each rank routes its own
+tokens as one process does (``models.moe``), then:
+
+1. the per-expert counts of the assignments it keeps (the capacity applied on the sending rank, as one process
+   applies it to its micro-batch) are exchanged by one all-to-all (E int64 numbers), so that every rank knows how
+   many rows it receives from each rank for each of its experts;
+2. the kept assignments' token rows, grouped by expert and so by destination rank, go to their experts' ranks by
+   ``dist.all_to_all_single`` with those uneven split sizes (``_UnevenAllToAll``: the backward is the reverse
+   exchange of the gradients);
+3. each local expert runs on the rows it received (each source rank's segment in turn), and the outputs return by
+   the reverse all-to-all, where they are weighted by the router and summed per token as one process does.
+
+A building block: ``fsdp --ep E`` composes it (``strategies/fsdp.py``): the dense parts FSDP2-sharded over every
+rank, the experts left out of ``fully_shard`` (its ``ignored_params``). Gradient scaling: rank r's loss is the mean
+over its own tokens, L_r, and one process accumulating the R micro-batches steps on (1 / R) sum_r dL_r. FSDP2
+averages the dense gradients over the R ranks, which is that. An expert's weights receive, through the backward
+all-to-all, the gradient of every rank's tokens routed to it: sum_r dL_r / dw, R times too much, so each expert
+gradient is divided by the data-parallel world R (``scale_expert_grads``); the fp64 test proves it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from stratbench.measuring.comm import Collective
+from stratbench.models.moe import MoEFeedForward, moe_layers
+from stratbench.models.transformer import SIZES
+
+
+class _UnevenAllToAll(torch.autograd.Function):
+    """``dist.all_to_all_single`` of rows along dim 0 with uneven splits (``send[j]`` rows to rank j, ``recv[j]``
+    from it), differentiable: the gradient goes back by the same exchange with the splits swapped.
+    ``context_parallel._AllToAll`` exchanges equal chunks only."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        out = x.new_empty((sum(recv), *x.shape[1:]))
+        dist.all_to_all_single(
+            out, x.contiguous(), output_split_sizes=recv, input_split_sizes=send, group=group
+        )
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _UnevenAllToAll.apply(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class ExpertExchange:
+    """One MoE layer's expert-parallel step (``MoEFeedForward.expert_parallel``): this rank's ``local`` experts are
+    global experts ``first`` to ``first + local - 1`` of an ep group of ``size`` ranks."""
+
+    def __init__(self, group: Any, rank: int, size: int, local: int) -> None:
+        self.group, self.size, self.local, self.first = group, size, local, rank * local
+
+    def counts(self, send: torch.Tensor) -> torch.Tensor:
+        """(size, local): rows each rank sends this rank for each of its experts (one all-to-all of E counts)."""
+        import torch.distributed as dist
+
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=self.group)
+        return recv.view(self.size, self.local)
+
+    def __call__(
+        self, layer: MoEFeedForward, x: torch.Tensor, gate: torch.Tensor, order: torch.Tensor,
+        sizes: list[int], cap: int | None,
+    ) -> torch.Tensor:  # fmt: skip
+        kept_sizes = [s if cap is None else min(s, cap) for s in sizes]
+        starts = [sum(sizes[:e]) for e in range(len(sizes))]
+        kept = torch.cat([order[s : s + n] for s, n in zip(starts, kept_sizes, strict=True)])
+        token = kept // layer.top_k
+        per_rank = torch.tensor(kept_sizes, dtype=torch.long).view(self.size, self.local)
+        recv = self.counts(torch.tensor(kept_sizes, dtype=torch.long).to(x.device)).cpu()
+        send_splits, recv_splits = per_rank.sum(1).tolist(), recv.sum(1).tolist()
+        rows = _UnevenAllToAll.apply(x.index_select(0, token), send_splits, recv_splits, self.group)
+        pieces, at = [], 0
+        for source in range(self.size):
+            for e, n in enumerate(recv[source].tolist()):
+                h = rows[at : at + n]
+                at += n
+                # the experts as held (FSDP2's policy does not cast them): in the tokens' dtype
+                w1, w2, w3 = (w[e].to(h.dtype) for w in (layer.w1, layer.w2, layer.w3))
+                pieces.append((F.silu(h @ w1.T) * (h @ w3.T)) @ w2.T)
+        back = _UnevenAllToAll.apply(torch.cat(pieces), recv_splits, send_splits, self.group)
+        return torch.zeros_like(x).index_add_(0, token, back * gate.index_select(0, kept)[:, None])
+
+
+def apply_ep(model: nn.Module, group: Any, rank: int, size: int) -> list[nn.Parameter]:
+    """Every MoE layer of ``model`` keeps only this rank's experts (its slice of the stacked weights along dim 0)
+    and exchanges tokens over ``group`` (``ExpertExchange``); returns the expert parameters (left out of FSDP2)."""
+    experts = []
+    for layer in moe_layers(model):
+        local = layer.n_experts // size
+        for name in ("w1", "w2", "w3"):
+            whole = getattr(layer, name)
+            part = nn.Parameter(whole.detach()[rank * local : (rank + 1) * local].clone())
+            setattr(layer, name, part)
+            experts.append(part)
+        layer.expert_parallel = ExpertExchange(group, rank, size, local)
+    return experts
+
+
+def sharded_expert_state(state: dict[str, Any], fqns: list[str], mesh: Any) -> dict[str, Any]:
+    """``state`` ({"model", "optimizer"}: ``checkpoints.sharded.module_state``) with each expert weight and its
+    optimizer moments made a DTensor sharded along dim 0 over the ep ``mesh`` (each rank's slice of the whole (E,
+    ...) tensor), so that the checkpoint folder holds every expert once, under the keys and shapes one process
+    saves; the scalar states (Adam's step) stay as they are (equal on every rank)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    def whole(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor) or t.dim() == 0:
+            return t
+        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+
+    optim = state.get("optimizer", {}).get("state", {})
+    for fqn in fqns:
+        state["model"][fqn] = whole(state["model"][fqn])
+        if fqn in optim:
+            optim[fqn] = {k: whole(v) for k, v in optim[fqn].items()}
+    return state
+
+
+def scale_expert_grads(params: list[nn.Parameter], data_parallel: int) -> None:
+    """Divide each expert gradient by the data-parallel world as it is computed (see the module's docstring)."""
+    for p in params:
+        p.register_hook(lambda g: g / data_parallel)
+
+
+def ep_dense(ctx) -> Any:
+    """``ctx`` with the routed experts' weights left out (0 elements): what FSDP2 shards under --ep. They are the
+    built-in MoE transformer's only 3-D parameters (the stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    info = ctx.info
+    expert = [len(s) == 3 for s in info.shapes]
+    numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
+    dim0 = [0 if e else d for d, e in zip(info.dim0, expert, strict=True)]
+    return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0))
+
+
+def ep_rows(ctx, ep: int) -> list[Collective]:
+    """The all-to-alls of --ep per optimizer step on one rank, at balanced routing (each rank receives as many
+    rows as it sends; the real split follows the router, measured): per MoE layer and micro-step, forward the
+    E int64 counts, the rank's T x k token rows out (T its micro-batch's tokens) and the returned rows back, and
+    in backward the two exchanges reversed, each rows x dim in the compute dtype (a call's payload is its
+    input)."""
+    cfg = ctx.cfg
+    tc = SIZES[cfg.model]
+    layers = tc.n_layers - tc.moe_first_dense
+    tokens = cfg.batch_size // ctx.world // cfg.grad_accum * cfg.seq_len
+    rows = tokens * tc.moe_top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
+    steps = layers * cfg.grad_accum
+    note = "expert parallelism: token rows to their experts' ranks and back"
+    return [
+        Collective(
+            "all_to_all",
+            steps * (2 * rows + 8 * tc.n_experts),
+            3 * steps,
+            "forward",
+            ep,
+            f"{note}, counts first",
+        ),
+        Collective("all_to_all", steps * 2 * rows, 2 * steps, "backward", ep, f"{note} (gradients)"),
+    ]
+
+
+def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
+    """One line where ``--ep`` cannot run: a dense model, experts that do not divide by it, a world it does not
+    divide, another layout (only ep = world, one copy of each expert, for now), or any of ``others`` given (flag
+    -> value, falsy when not given): gradient clipping (the norm would need the expert shards' sums over the group),
+    activation checkpointing (its recomputed exchanges are not priced), loading a checkpoint, ..."""
+    if ep == 1:
+        return None
+    if n_experts is None:
+        return (
+            f"fsdp --ep {ep}: model {cfg.model} is dense (no routed experts); --ep takes a mixture of experts"
+        )
+    if n_experts % ep:
+        fits = ", ".join(str(d) for d in range(1, n_experts + 1) if n_experts % d == 0)
+        return (
+            f"fsdp --ep {ep}: {cfg.model}'s {n_experts} experts do not divide by {ep}; --ep that fit: {fits}"
+        )
+    if world % ep:
+        return f"fsdp --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}"
+    if ep != world:
+        return (f"fsdp --ep {ep}: only ep = world (one copy of each expert) is supported, got {world} processes; "
+                f"give --ep {world} or --nproc {ep}")  # fmt: skip
+    if given := [f"--{k} {v}" for k, v in others.items() if v]:
+        return f"fsdp --ep {ep} with {', '.join(given)} is not supported (use fsdp --ep alone)"
+    return None
