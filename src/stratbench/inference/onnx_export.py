@@ -166,17 +166,24 @@ def _export_checked(model, meta, output: Path, *, fp16, opset, exporter, extra_m
     for key, value in props.items():
         entry = proto.metadata_props.add()
         entry.key, entry.value = key, value
-    onnx.save(proto, str(output))
-    # full_check runs shape inference too; over the protobuf limit only the path-based check works.
+    save_checked(proto, output, f"the ONNX export of {meta['model']}")
+    return ExportResult(output, used, str(dtype).removeprefix("torch."), seconds, output.stat().st_size, sig)
+
+
+def save_checked(proto: Any, path: Path, what: str) -> None:
+    """Write ``proto`` to ``path`` and run ``onnx.checker`` on it; a failed check is one line naming ``what``.
+    full_check runs shape inference too; over the protobuf limit only the path-based check works."""
+    import onnx
+
+    onnx.save(proto, str(path))
     try:
-        if output.stat().st_size < PROTOBUF_LIMIT:
+        if path.stat().st_size < PROTOBUF_LIMIT:
             onnx.checker.check_model(proto, full_check=True)
         else:
-            onnx.checker.check_model(str(output))
-    except Exception as exc:
+            onnx.checker.check_model(str(path))
+    except Exception as exc:  # the checker raises ValidationError and others
         first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise UnsupportedError(f"the ONNX export of {meta['model']} failed onnx.checker ({first})") from None
-    return ExportResult(output, used, str(dtype).removeprefix("torch."), seconds, output.stat().st_size, sig)
+        raise UnsupportedError(f"{what} failed onnx.checker ({first})") from None
 
 
 def _copy_for_export(model: nn.Module, dtype: torch.dtype) -> nn.Module:

@@ -34,7 +34,7 @@ from torch import nn
 from stratbench.core.errors import ConfigError, UnsupportedError, did_you_mean
 from stratbench.core.files import atomic_output
 from stratbench.core.optim import import_torchao
-from stratbench.inference.onnx_export import META_PROP, PROTOBUF_LIMIT
+from stratbench.inference.onnx_export import META_PROP, save_checked
 
 QUANT_MODES = ("int8-dynamic", "int8-static", "fp16")
 STATIC_OPS = ["Conv", "MatMul", "Gemm", "Gather"]
@@ -157,15 +157,7 @@ def _finish(path: Path, mode: str, samples: int) -> None:
             if samples:
                 meta["onnx_calibration_samples"] = samples
             prop.value = json.dumps(meta)
-    onnx.save(proto, str(path))
-    try:
-        if path.stat().st_size < PROTOBUF_LIMIT:
-            onnx.checker.check_model(proto, full_check=True)
-        else:
-            onnx.checker.check_model(str(path))
-    except Exception as exc:  # the checker raises ValidationError and others
-        first = str(exc).strip().splitlines()[0][:300] if str(exc).strip() else type(exc).__name__
-        raise UnsupportedError(f"the {mode} ONNX file failed onnx.checker ({first})") from None
+    save_checked(proto, path, f"the {mode} ONNX file")
 
 
 def torchao_reason() -> str | None:
