@@ -280,7 +280,10 @@ class RunMetrics:
         top = max(loaded, key=lambda r: r["load"] / r["cores"]) if loaded else None
         metrics["host_load_mean"] = top["load"] if top else None
         metrics["host_cpu_count"] = cores = top["cores"] if top else cpu_count()
-        hosts = {r.get("host"): [q["cpu"] for q in ranks if q.get("host") == r.get("host") and q.get("cpu")] for r in ranks}
+        hosts: dict[Any, list[dict]] = {}  # each machine's ranks' CPU readings (a loopback run's nodes share one)
+        for r in ranks:
+            if r.get("cpu"):
+                hosts.setdefault(r.get("host"), []).append(r["cpu"])
         shares = [x for x in (others_share(v, cores) for v in hosts.values()) if x is not None]
         metrics["host_others_share"] = others = max(shares) if shares else None
         load = top["load"] if top else None
