@@ -156,8 +156,8 @@ def check_quantize(args: argparse.Namespace) -> None:
     """--quantize: a known mode, whose tool is installed, that takes the other options: one line, before any
     work."""
     mode = check_mode(args.quantize)
-    if args.format not in (None, "onnx") or (args.format is None and format_for(args.output) != "onnx"):
-        fmt = args.format or format_for(args.output)
+    fmt = args.format or format_for(args.output)
+    if fmt != "onnx":
         raise ConfigError(f"--quantize {mode} rewrites an ONNX export; --format {fmt} is not ONNX (use --format onnx "
                           "and an .onnx --output)")  # fmt: skip
     if args.fp16:

@@ -212,6 +212,9 @@ def quality_data(loaded: LoadedModel, quality_batches: int, calibration_batches:
 ONNX_MODES = {"onnxruntime-int8-dynamic": "int8-dynamic", "onnxruntime-int8-static": "int8-static",
               "onnxruntime-fp16": "fp16"}  # fmt: skip
 TORCHAO = {"torchao-int8-weight": "int8-weight", "torchao-int8-dynamic": "int8-dynamic"}
+EAGER = {"eager-fp32": torch.float32, "eager-bf16": torch.bfloat16, "eager-fp16": torch.float16,
+         "compile": torch.float32}  # fmt: skip
+"""PyTorch's backends by the dtype they run in."""
 
 
 class InferenceBench:
@@ -272,9 +275,7 @@ class InferenceBench:
     def reason(self, backend: str) -> str | None:
         """Why ``backend`` cannot run here (None: it can)."""
         if backend in ("eager-bf16", "eager-fp16"):
-            return low_precision_reason(
-                torch.bfloat16 if backend == "eager-bf16" else torch.float16, self.device
-            )
+            return low_precision_reason(EAGER[backend], self.device)
         if backend.startswith("onnxruntime"):
             reason = ort_reason(backend_device(backend, self.device), self.device)
             if reason or backend not in ONNX_MODES:
@@ -289,9 +290,8 @@ class InferenceBench:
         return None
 
     def runner(self, backend: str) -> Runner:
-        if backend in ("eager-fp32", "eager-bf16", "eager-fp16", "compile"):
-            dtype = {"eager-bf16": torch.bfloat16, "eager-fp16": torch.float16}.get(backend, torch.float32)
-            return self.eager(dtype, compiled=backend == "compile")
+        if backend in EAGER:
+            return self.eager(EAGER[backend], compiled=backend == "compile")
         if backend in TORCHAO:
             t0 = time.perf_counter()
             m = torchao_int8(self.model, TORCHAO[backend])
