@@ -178,7 +178,7 @@ def op_cost(func, args: tuple, kwargs: dict, out: object) -> OpCost | None:
     if alias is not None:
         rule = flop_registry.get(getattr(torch.ops.aten, alias))
     flops = float(rule(*args, **kwargs, out_val=out)) if rule is not None else 0.0
-    dtype = str((ins or outs)[0].dtype).removeprefix("torch.") if (ins or outs) else "float32"
+    dtype = str((ins or outs)[0].dtype).removeprefix("torch.")
     cls, tiles = _classify(func, name, args, outs, flops)
     if name in _GEMMS or name in _CONVOLUTIONS:
         dtype = str(args[_GEMMS.get(name, (0,))[0]].dtype).removeprefix("torch.")

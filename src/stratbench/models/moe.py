@@ -62,6 +62,13 @@ def capacity(tokens: int, top_k: int, n_experts: int, factor: float | None) -> i
     return None if factor is None else math.ceil(factor * tokens * top_k / n_experts)
 
 
+def kept_groups(order: torch.Tensor, sizes: list[int], cap: int | None) -> list[torch.Tensor]:
+    """Each expert's kept assignments: ``order`` (the assignments grouped by expert) cut into its ``sizes``, the
+    first ``cap`` of each group kept (all when dropless)."""
+    groups = order.split(sizes)
+    return list(groups) if cap is None else [g[:cap] for g in groups]
+
+
 class MoEFeedForward(nn.Module):
     """Top-k routed SwiGLU experts (stacked weights ``w1``/``w3`` (E, hidden, dim), ``w2`` (E, dim, hidden)), plus
     ``shared`` (a dense MLP every token passes through: DeepSeek's shared experts) when given."""
@@ -128,15 +135,18 @@ class MoEFeedForward(nn.Module):
         expert parallelism replaces: the groups sent to the ranks that hold their experts and back."""
         if self.expert_parallel is not None:
             return self.expert_parallel(self, x, gate, order, sizes, cap)
-        out, k, start = torch.zeros_like(x), self.top_k, 0
-        for e, size in enumerate(sizes):
-            kept = order[start : start + (size if cap is None else min(size, cap))]
-            start += size
-            token = kept // k
-            h = x.index_select(0, token)
-            y = (F.silu(h @ self.w1[e].T) * (h @ self.w3[e].T)) @ self.w2[e].T
+        out = torch.zeros_like(x)
+        for e, kept in enumerate(kept_groups(order, sizes, cap)):
+            token = kept // self.top_k
+            y = self.expert(e, x.index_select(0, token))
             out.index_add_(0, token, y * gate.index_select(0, kept)[:, None])
         return out
+
+    def expert(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        """Held expert ``e``'s SwiGLU on rows ``h``, its weights in the rows' dtype (a no-op where they match;
+        under --ep FSDP2's policy does not cast the experts, which it leaves out)."""
+        w1, w2, w3 = (w[e].to(h.dtype) for w in (self.w1, self.w2, self.w3))
+        return (F.silu(h @ w1.T) * (h @ w3.T)) @ w2.T
 
     def take_pending(self) -> torch.Tensor:
         """The load-balancing loss of the latest training forward (its graph kept), its counts added to

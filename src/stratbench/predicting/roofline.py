@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from stratbench.core.errors import ConfigError
-from stratbench.measuring.hardware import Gpu
+from stratbench.measuring.hardware import Gpu, Roofline
 from stratbench.models.flops import OpCost
 
 BASIS = "roofline with published fractions"
@@ -56,12 +56,17 @@ def op_peak(op: OpCost, gpu: Gpu, key: str) -> float:
     return peak
 
 
+def roofline_of(gpu: Gpu) -> Roofline:
+    """``gpu``'s roofline fractions, tile and launch cost; one line where its profile has none."""
+    if gpu.roofline is None:
+        raise ConfigError(f"{gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml: generation)")
+    return gpu.roofline
+
+
 def op_terms(op: OpCost, gpu: Gpu, key: str) -> tuple[float, float]:
     """(compute seconds, memory seconds) of one op on ``gpu``: its FLOPs over the peak x the class's compute
     fraction x the wave efficiency, its bytes over the bandwidth x the class's bandwidth fraction."""
-    roof = gpu.roofline
-    if roof is None:
-        raise ConfigError(f"{gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml: generation)")
+    roof = roofline_of(gpu)
     compute_fraction, bandwidth_fraction = roof.fractions[op.op_class]
     rate = op_peak(op, gpu, key) * compute_fraction * wave_efficiency(op, gpu)
     compute = op.flops / rate if op.flops else 0.0
@@ -92,12 +97,11 @@ class RooflineTime:
 
 def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str) -> RooflineTime:
     """The roofline time of ``ops`` (one traced step) on ``gpu`` in precision ``key``, summed per class."""
-    if gpu.roofline is None:
-        raise ConfigError(f"{gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml: generation)")
+    roof = roofline_of(gpu)
     out = RooflineTime()
     for op in ops:
         compute, memory = op_terms(op, gpu, key)
-        t = max(compute, memory) + gpu.roofline.launch
+        t = max(compute, memory) + roof.launch
         row = out.by_class.setdefault(op.op_class, {"ops": 0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0,
                                                     "bandwidth_bound": 0})  # fmt: skip
         row["ops"] += 1
@@ -108,7 +112,6 @@ def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str) -> RooflineTime:
         out.seconds += t
         out.flops += op.flops
         out.launches += 1
-    roof = gpu.roofline
     out.source = (f"{BASIS}: {out.launches} eager kernels on {gpu.name} ({gpu.sms or '?'} SMs, "
                   f"{roof.generation} fractions, {roof.tile[0]}x{roof.tile[1]} tiles; {roof.source})")  # fmt: skip
     return out

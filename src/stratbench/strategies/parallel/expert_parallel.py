@@ -27,10 +27,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from stratbench.measuring.comm import Collective
-from stratbench.models.moe import MoEFeedForward, moe_layers
+from stratbench.models.moe import MoEFeedForward, kept_groups, moe_layers
 from stratbench.models.transformer import SIZES
 
 
@@ -74,22 +73,19 @@ class ExpertExchange:
         self, layer: MoEFeedForward, x: torch.Tensor, gate: torch.Tensor, order: torch.Tensor,
         sizes: list[int], cap: int | None,
     ) -> torch.Tensor:  # fmt: skip
-        kept_sizes = [s if cap is None else min(s, cap) for s in sizes]
-        starts = [sum(sizes[:e]) for e in range(len(sizes))]
-        kept = torch.cat([order[s : s + n] for s, n in zip(starts, kept_sizes, strict=True)])
+        groups = kept_groups(order, sizes, cap)
+        kept = torch.cat(groups)
         token = kept // layer.top_k
-        per_rank = torch.tensor(kept_sizes, dtype=torch.long).view(self.size, self.local)
-        recv = self.counts(torch.tensor(kept_sizes, dtype=torch.long).to(x.device)).cpu()
+        kept_sizes = torch.tensor([len(g) for g in groups], dtype=torch.long)
+        per_rank = kept_sizes.view(self.size, self.local)
+        recv = self.counts(kept_sizes.to(x.device)).cpu()
         send_splits, recv_splits = per_rank.sum(1).tolist(), recv.sum(1).tolist()
         rows = _UnevenAllToAll.apply(x.index_select(0, token), send_splits, recv_splits, self.group)
         pieces, at = [], 0
         for source in range(self.size):
             for e, n in enumerate(recv[source].tolist()):
-                h = rows[at : at + n]
+                pieces.append(layer.expert(e, rows[at : at + n]))
                 at += n
-                # the experts as held (FSDP2's policy does not cast them): in the tokens' dtype
-                w1, w2, w3 = (w[e].to(h.dtype) for w in (layer.w1, layer.w2, layer.w3))
-                pieces.append((F.silu(h @ w1.T) * (h @ w3.T)) @ w2.T)
         back = _UnevenAllToAll.apply(torch.cat(pieces), recv_splits, send_splits, self.group)
         return torch.zeros_like(x).index_add_(0, token, back * gate.index_select(0, kept)[:, None])
 
