@@ -151,7 +151,8 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     tc = SIZES[cfg.model]
     layers = tc.n_layers - tc.moe_first_dense
     tokens = cfg.batch_size // ctx.world // cfg.grad_accum * cfg.seq_len
-    rows = tokens * tc.moe_top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
+    top_k = cfg.moe_top_k or tc.moe_top_k  # --moe-top-k overrides the size's, as the model is built
+    rows = tokens * top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
     steps = layers * cfg.grad_accum
     note = "expert parallelism: token rows to their experts' ranks and back"
     return [
