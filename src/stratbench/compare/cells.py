@@ -345,6 +345,38 @@ def trainable_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> 
         row.text["trainable"] = "n/a"
 
 
+def _moe_of(rec: RunRecord) -> dict[str, Any]:
+    """result.json's ``moe`` (an MoE run's parameters and routing); empty for a dense model."""
+    moe = rec.fields.get("moe")
+    return moe if isinstance(moe, dict) else {}
+
+
+def moe_params_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
+    """An MoE run's parameters used per token (the dense parts, the shared experts and top-k routed experts of each
+    layer) of its total; blank for a dense model."""
+    moe = _moe_of(rec)
+    active, total = number(moe.get("active_parameters")), number(moe.get("total_parameters"))
+    row.raw["moe_active"] = int(active) if active is not None else None
+    row.raw["moe_total"] = int(total) if total is not None else None
+    if not moe:
+        row.text["moe_active"] = DASH
+    else:
+        row.text["moe_active"] = f"{active / 1e6:.2f}M of {total / 1e6:.2f}M" if active and total else "n/a"
+
+
+def moe_balance_cell(rec: RunRecord, row: Row, notes: Footnotes, ctx: Context) -> None:
+    """An MoE run's routing: the worst layer's load imbalance (assignments of the busiest expert / the mean over
+    every trained micro-batch and rank; 1 is balanced) and the share of assignments dropped over the capacity."""
+    moe = _moe_of(rec)
+    imbalance, dropped = number(moe.get("load_imbalance")), number(moe.get("dropped_fraction"))
+    row.raw["moe_imbalance"], row.raw["moe_dropped"] = imbalance, dropped
+    if not moe:
+        row.text["moe_balance"] = DASH
+        return
+    balance = f"{imbalance:.2f}x" if imbalance is not None else "n/a"
+    row.text["moe_balance"] = f"{balance}, {dropped:.1%} dropped" if dropped else balance
+
+
 MODEL_STATES = (("frozen", "frozen weights"), ("trainable", "trainable weights"), ("grads", "gradients"),
                 ("optimizer", "optimizer state"))  # fmt: skip
 """The parts of a rank's model states the report splits (``model_states_cell``), in the order it shows them."""

@@ -99,6 +99,11 @@ def _fine_tuning(rows: list[Row]) -> bool:
                for r in rows)  # fmt: skip
 
 
+def _moe(rows: list[Row]) -> bool:
+    """The MoE columns where some completed row trained a mixture of experts."""
+    return any(r.ok and r.raw.get("moe_active") is not None for r in rows)
+
+
 def _per_device(r: Row) -> str:
     """Each rank's (each device's) peak, ';'-separated."""
     return ";".join(str(p) for p in r.raw.get("peak_memory_per_device") or [])
@@ -191,6 +196,15 @@ COLUMNS: tuple[Column, ...] = (
                  for key, _ in cells.MODEL_STATES),
            fill=cells.model_states_cell, also=tuple(f"states_{key}" for key, _ in cells.MODEL_STATES),
            shown=_fine_tuning, by_value=True),
+    # mixture-of-experts rows (shown where some row trained an MoE): parameters per token of total, the routing
+    Column("moe_active", "MoE: active / total parameters",
+           (CsvField("moe_active_parameters", raw("moe_active"), na=False),
+            CsvField("moe_total_parameters", raw("moe_total"), na=False)),
+           fill=cells.moe_params_cell, also=("moe_total",), shown=_moe, by_value=True),
+    Column("moe_balance", "MoE load: busiest expert / mean (worst layer), dropped",
+           (CsvField("moe_load_imbalance", raw("moe_imbalance"), na=False),
+            CsvField("moe_dropped_fraction", raw("moe_dropped"), na=False)),
+           fill=cells.moe_balance_cell, also=("moe_imbalance", "moe_dropped"), shown=_moe),
     Column("status", "status", (CsvField("status", raw("status"), na=False), CsvField("reason", raw("reason"), na=False)),
            fill=cells.status_cell, measure=False, align="reason", terminal="status", terminal_raw=True),
     Column("host_load", None, (CsvField("host_load_mean", lambda r: r.rec.load[0], na=False),

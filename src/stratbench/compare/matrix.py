@@ -42,6 +42,7 @@ from stratbench.core.errors import ConfigError, StratbenchError, UnsupportedErro
 from stratbench.core.precision import SPECS, configure_tf32, slow_on, spec_of
 from stratbench.core.tables import fmt_bytes
 from stratbench.data.datasets import check_one_batch
+from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import pretrained_available
 from stratbench.predicting.estimate import estimate, parse_bytes
 from stratbench.strategies.base import all_strategies
@@ -774,6 +775,27 @@ def preset_llm_long() -> dict[str, Any]:
     }
 
 
+def preset_moe_quick(world_size: int | None = None) -> dict[str, Any]:
+    """The mixture of experts on a CPU: gpt-moe-tiny (its experts, top-k, dropless) under single, ddp, fsdp and fsdp
+    with expert parallelism over every rank (each rank holds experts / world whole experts, tokens sent to them by
+    all-to-all); the report adds active / total parameters and the load balance."""
+    world = world_size or 2
+    moe = SIZES["gpt-moe-tiny"]
+    return {
+        "name": "moe-quick",
+        "description": f"gpt-moe-tiny ({moe.n_experts} experts, top-{moe.moe_top_k}, dropless) on byte-level text "
+        "of the Python standard library, sequence 128, global batch 16, 40 steps of AdamW, fp32; the methods that "
+        f"train a mixture of experts with {world} processes, and fsdp with expert parallelism",
+        "base": dict(LLM_QUICK_BASE, model="gpt-moe-tiny"),
+        "world_size": world,
+        "timeout_s": 300,
+        "cells": [
+            {"method": ["single", "ddp", "fsdp"], "precision": "fp32"},
+            {"method": "fsdp", "precision": "fp32", "options": {"ep": world}, "label": f"fsdp-ep{world}"},
+        ],
+    }
+
+
 PRESETS = {
     "quick": preset_quick,
     "seed": preset_seed,
@@ -787,6 +809,7 @@ PRESETS = {
     "ft-quick": preset_ft_quick,
     "llm-ft": preset_llm_ft,
     "llm-long": preset_llm_long,
+    "moe-quick": preset_moe_quick,
 }
 PRESET_HELP = {
     "quick": "default; every CPU method, tinynet on digits, minutes on 2 cores",
@@ -801,9 +824,10 @@ PRESET_HELP = {
     "ft-quick": "fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW",
     "llm-ft": "Llama-3-8B fine-tuning on GPUs: full, LoRA, QLoRA",
     "llm-long": "long sequences on CPU: activation checkpointing and context parallelism at 1k and 4k tokens",
+    "moe-quick": "mixture of experts on CPU: single, ddp, fsdp, fsdp with expert parallelism",
 }
 """One line per preset for ``compare --help`` (every preset listed; a test keeps the two in step)."""
-WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick")
+WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick", "moe-quick")
 """Presets built for the world size (``--world-size``; seed and gpu-fast default to the GPUs here)."""
 
 
