@@ -59,17 +59,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.checkpoints import sharded
-from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import states_per_local_shard
 from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
-from stratbench.models.moe import moe_layers
-from stratbench.models.transformer import SIZES
-from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.context_parallel import (
@@ -84,16 +79,16 @@ from stratbench.strategies.parallel.context_parallel import (
     ulysses_rows,
 )
 from stratbench.strategies.parallel.expert_parallel import (
-    apply_ep,
-    ep_dense,
-    ep_rows,
-    ep_unfit,
-    scale_expert_grads,
-    sharded_expert_state,
+    EPCheckpointIO,
+    EPSetup,
+    ep_comm,
+    ep_refusal,
+    ep_report,
+    moe_layout_unfit,
+    setup_ep,
 )
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
-    FSDPCheckpointIO,
     choice,
     fsdp2_comm,
     fsdp2_memory,
@@ -453,8 +448,8 @@ class FSDPCost(CostModel):
             raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
-        if ctx.options.ep > 1:  # FSDP2 over the dense parts, the experts' all-to-alls
-            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
+        if ctx.options.ep > 1:
+            return ep_comm(ctx)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
         if ctx.options.replicate > 1:
@@ -470,44 +465,6 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     opts = ctx.options
     units = wrap_units_of(ModelSpec.from_config(ctx.cfg), opts.wrap, opts.wrap_min_params)
     return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
-
-
-def ep_refusal(cfg: TrainConfig, opts: FSDPOptions, world: int) -> str | None:
-    """One line where ``--ep`` cannot run (``parallel.expert_parallel.ep_unfit``), or None."""
-    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
-    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
-              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
-              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
-              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
-    return ep_unfit(cfg, opts.ep, world, n_experts, others)
-
-
-class FSDP2CheckpointIO(FSDPCheckpointIO):
-    """FSDP2's checkpoints; under --ep the sharded folder holds each expert weight (and its optimizer moments) as
-    the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not loaded back (--ep refuses
-    --resume and --init-from, and a run that finds a checkpoint to resume)."""
-
-    def save_checkpoint(self, path, model, optimizer, extra):
-        st = self.strategy
-        if st.options.ep == 1:
-            return super().save_checkpoint(path, model, optimizer, extra)
-        state = sharded_expert_state(sharded.module_state(model, optimizer), st.expert_names, st.ep_mesh)
-        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
-
-    def load_checkpoint(self, path, model, optimizer):
-        if self.strategy.options.ep > 1:
-            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
-                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
-        return super().load_checkpoint(path, model, optimizer)
-
-
-def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
-    """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
-    no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
-    sequence's."""
-    if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
-        return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
-    return None
 
 
 @register
@@ -585,7 +542,7 @@ class FSDPStrategy(LossParallel, Strategy):
         return world_size // (opts.tp * opts.cp)
 
     cost = FSDPCost
-    checkpoint_io_class = FSDP2CheckpointIO
+    checkpoint_io_class = EPCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
@@ -604,8 +561,7 @@ class FSDPStrategy(LossParallel, Strategy):
         opts = self.options
         cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
         if opts.ep > 1:
-            per_rank = moe_layers(self.model)[0].n_experts // opts.ep
-            return own | {"ep": {"size": opts.ep, "experts_per_rank": per_rank}}
+            return own | ep_report(self.model, opts.ep)
         if opts.tp == 1 and cp:
             return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
@@ -674,23 +630,6 @@ class FSDPStrategy(LossParallel, Strategy):
         self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         return mesh["dp", "cp"]._flatten("dp_cp")
 
-    def _expert_parallel(self, model: nn.Module) -> list[nn.Parameter]:
-        """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens
-        over the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        e = self.options.ep
-        self.ep_mesh = init_device_mesh(self.env.device.type, (e,), mesh_dim_names=("ep",))
-        experts = apply_ep(model, self.ep_mesh.get_group(), self.env.rank, e)
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.expert_names = [names[id(p)] for p in experts]
-        scale_expert_grads(experts, self.env.world_size)
-        if self.env.is_main:
-            n = moe_layers(model)[0].n_experts
-            print(f"fsdp --ep {e}: each rank holds {n // e} of each MoE layer's {n} experts (not FSDP-sharded), "
-                  "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
-        return experts
-
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
         return model if self.options.cpu_offload else super().move(model)
@@ -700,7 +639,9 @@ class FSDPStrategy(LossParallel, Strategy):
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
         mesh = self.shard_mesh(model)
-        experts = self._expert_parallel(model) if opts.ep > 1 else []
+        if opts.ep > 1:  # each rank's experts, left out of FSDP2
+            self.ep_setup: EPSetup = setup_ep(model, self.env, opts.ep)
+        experts = self.ep_setup.params if opts.ep > 1 else []
         self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
         if spec.autocast and not self.precision.autocasts:
             # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32

@@ -13,24 +13,34 @@ tokens as one process does (``models.moe``), then:
    the reverse all-to-all, where they are weighted by the router and summed per token as one process does.
 
 A building block: ``fsdp --ep E`` composes it (``strategies/fsdp.py``): the dense parts FSDP2-sharded over every
-rank, the experts left out of ``fully_shard`` (its ``ignored_params``). Gradient scaling: rank r's loss is the mean
-over its own tokens, L_r, and one process accumulating the R micro-batches steps on (1 / R) sum_r dL_r. FSDP2
-averages the dense gradients over the R ranks, which is that. An expert's weights receive, through the backward
-all-to-all, the gradient of every rank's tokens routed to it: sum_r dL_r / dw, R times too much, so each expert
-gradient is divided by the data-parallel world R (``scale_expert_grads``); the fp64 test proves it.
+rank, the experts left out of ``fully_shard`` (its ``ignored_params``). This module also holds what fsdp needs of
+it beside the exchange: the set-up (``setup_ep``), the refusals (``ep_refusal``, ``moe_layout_unfit``), the comm
+rows (``ep_comm``), the report (``ep_report``) and the checkpoint I/O (``EPCheckpointIO``).
+
+Gradient scaling: rank r's loss is the mean over its own tokens, L_r, and one process accumulating the R
+micro-batches steps on (1 / R) sum_r dL_r. FSDP2 averages the dense gradients over the R ranks, which is that. An
+expert's weights receive, through the backward all-to-all, the gradient of every rank's tokens routed to it:
+sum_r dL_r / dw, R times too much, so each expert gradient is divided by the data-parallel world R
+(``scale_expert_grads``); the fp64 test proves it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from stratbench.checkpoints import sharded
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.models.moe import MoEFeedForward, kept_groups, moe_layers
 from stratbench.models.transformer import SIZES
+from stratbench.models.zoo import is_moe_model
+from stratbench.strategies.parallel.fsdp import FSDPCheckpointIO, fsdp2_comm
 
 
 class _UnevenAllToAll(torch.autograd.Function):
@@ -192,3 +202,81 @@ def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, 
     if given := [f"--{k} {v}" for k, v in others.items() if v]:
         return f"fsdp --ep {ep} with {', '.join(given)} is not supported (use fsdp --ep alone)"
     return None
+
+
+def ep_refusal(cfg: TrainConfig, opts: Any, world: int) -> str | None:
+    """One line where fsdp's ``--ep`` (``opts``: fsdp's options) cannot run (``ep_unfit``), or None."""
+    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
+    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
+              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
+              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
+              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
+    return ep_unfit(cfg, opts.ep, world, n_experts, others)
+
+
+def moe_layout_unfit(cfg: TrainConfig, opts: Any) -> str | None:
+    """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
+    no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
+    sequence's."""
+    if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
+        return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
+    return None
+
+
+def ep_comm(ctx) -> list[Collective]:
+    """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``), the experts' all-to-alls
+    (``ep_rows``)."""
+    return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
+
+
+@dataclasses.dataclass
+class EPSetup:
+    """What ``setup_ep`` made: the ep mesh, this rank's expert parameters and their names in the model."""
+
+    mesh: Any
+    params: list[nn.Parameter]
+    names: list[str]
+
+
+def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
+    """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens over
+    the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(env.device.type, (ep,), mesh_dim_names=("ep",))
+    experts = apply_ep(model, mesh.get_group(), env.rank, ep)
+    names = {id(p): n for n, p in model.named_parameters()}
+    scale_expert_grads(experts, env.world_size)
+    if env.is_main:
+        n = moe_layers(model)[0].n_experts
+        print(f"fsdp --ep {ep}: each rank holds {n // ep} of each MoE layer's {n} experts (not FSDP-sharded), "
+              "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
+    return EPSetup(mesh, experts, [names[id(p)] for p in experts])
+
+
+def ep_report(model: nn.Module, ep: int) -> dict[str, Any]:
+    """result.json's ``ep``: the group size and the experts each rank holds of every MoE layer."""
+    return {"ep": {"size": ep, "experts_per_rank": moe_layers(model)[0].n_experts // ep}}
+
+
+class EPCheckpointIO(FSDPCheckpointIO):
+    """FSDP2's checkpoints (``FSDPCheckpointIO``); under --ep the sharded folder holds each expert weight (and its
+    optimizer moments) as the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not
+    loaded back (--ep refuses --resume and --init-from, and a run that finds a checkpoint to resume)."""
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        st = self.strategy
+        if st.options.ep == 1:
+            return super().save_checkpoint(path, model, optimizer, extra)
+        state = sharded_expert_state(
+            sharded.module_state(model, optimizer), st.ep_setup.names, st.ep_setup.mesh
+        )
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if self.strategy.options.ep > 1:
+            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
+                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
+        return super().load_checkpoint(path, model, optimizer)
