@@ -44,6 +44,11 @@ the mesh is (dp, cp, tp), torchtitan's order: the tp plan gives each rank H / T 
 over the cp group (ranks T apart), and FSDP2 shards each rank's slices over dp x cp flattened (torchtitan's
 dp_shard_cp).
 
+Expert parallelism (``--ep E``, a mixture of experts): a (dp = world / E, ep = E) mesh; each ep group of E consecutive
+ranks splits every MoE layer's experts and exchanges tokens by all-to-all, the dp groups hold replicas of the
+experts (gradients summed over dp before the step); the dense parts FSDP2-sharded over every rank
+(``parallel/expert_parallel.py``).
+
 FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
 (``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
 """
@@ -82,6 +87,7 @@ from stratbench.strategies.parallel.expert_parallel import (
     EPCheckpointIO,
     EPSetup,
     ep_comm,
+    ep_mesh_dims,
     ep_refusal,
     ep_report,
     moe_layout_unfit,
@@ -141,7 +147,7 @@ class FSDPOptions:
     cp: int = 1
     """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). With --tp T: a (dp, cp, tp) mesh, heads and key/value heads must divide by T x C (not with --replicate). 1: none."""
     ep: int = 1
-    """fsdp: expert parallelism, E ranks per expert set: each MoE layer's routed experts split over the E ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; only E = world for now (one copy of each expert), experts must divide by E. 1: none."""
+    """fsdp: expert parallelism, E ranks per expert set: a (dp = world / E, ep = E) mesh; each MoE layer's routed experts split over the E consecutive ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; the experts replicated over dp (their gradients summed over it), the dense parts FSDP2-sharded over every rank; E must divide the world and the experts. 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -431,8 +437,11 @@ class FSDPCost(CostModel):
     @classmethod
     def mesh_dims(cls, ctx) -> dict[str, int]:
         """``FSDPStrategy.mesh``'s dimensions: with --replicate R (replicate = R, shard = world / (R T)[, tp = T]),
-        with --tp T alone (dp = world / T, tp = T); else one dimension."""
+        with --tp T alone (dp = world / T, tp = T), with --ep E < world (dp = world / E, ep = E); else one
+        dimension."""
         t, r, c = ctx.options.tp, ctx.options.replicate, ctx.options.cp
+        if ctx.options.ep > 1:
+            return ep_mesh_dims(ctx.world, ctx.options.ep)
         if c > 1 and r > 1:
             return {"replicate": r, "shard": ctx.world // (r * c), "cp": c}
         if c > 1:
@@ -561,7 +570,7 @@ class FSDPStrategy(LossParallel, Strategy):
         opts = self.options
         cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
         if opts.ep > 1:
-            return own | ep_report(self.model, opts.ep)
+            return own | ep_report(self.model, opts.ep, self.env.world_size)
         if opts.tp == 1 and cp:
             return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
@@ -688,6 +697,12 @@ class FSDPStrategy(LossParallel, Strategy):
         dist.all_reduce(sums, group=self.cp_group)
         count = sums[:, 2].clamp(min=1)
         return sums[:, 0] / count, sums[:, 1] / count
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip: float | None) -> bool:
+        """With --ep over dp > 1 replicas: the expert gradients summed over dp first (``EPSetup.sync_grads``)."""
+        if self.options.ep > 1:
+            self.ep_setup.sync_grads()
+        return super().optimizer_step(optimizer, clip)
 
     # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
     # reduced over the mesh), so every rank scales its shards by the same global factor.

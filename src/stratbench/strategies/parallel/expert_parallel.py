@@ -17,11 +17,21 @@ rank, the experts left out of ``fully_shard`` (its ``ignored_params``). This mod
 it beside the exchange: the set-up (``setup_ep``), the refusals (``ep_refusal``, ``moe_layout_unfit``), the comm
 rows (``ep_comm``), the report (``ep_report``) and the checkpoint I/O (``EPCheckpointIO``).
 
+The mesh is (dp = R / E, ep = E) over the R ranks, torchtitan's order: each ep group is E consecutive ranks (its
+all-to-alls on the nearest links), each of its ranks holding experts / E of every layer; the dp groups (ranks E
+apart) hold the same experts, replicas. Every rank reads its own micro-batch, so all R ranks are data-parallel for
+the dense parts: FSDP2 shards and averages them over all R ranks, the 1-D mesh plain fsdp uses. (torchtitan borrows
+ep from its dp_shard dimension and shards the dense parts over that whole dimension, which here is every rank too;
+it also FSDP-shards the experts over the rest of dp, which ours are not: replicas keep the exchange and the
+gradient sum apart from FSDP2, and one all-reduce of the expert gradients over dp is the only extra collective.)
+
 Gradient scaling: rank r's loss is the mean over its own tokens, L_r, and one process accumulating the R
 micro-batches steps on (1 / R) sum_r dL_r. FSDP2 averages the dense gradients over the R ranks, which is that. An
-expert's weights receive, through the backward all-to-all, the gradient of every rank's tokens routed to it:
-sum_r dL_r / dw, R times too much, so each expert gradient is divided by the data-parallel world R
-(``scale_expert_grads``); the fp64 test proves it.
+expert's weights receive, through the backward all-to-all, the gradient of the tokens routed to it from every rank
+of its ep group: sum over the group of dL_r / dw. Each expert gradient is divided by R as it is computed
+(``scale_expert_grads``) and, with dp > 1, summed over the dp replicas before the optimizer step
+(``EPSetup.sync_grads``: one all-reduce of the rank's expert gradients flattened), which makes (1 / R) sum over
+all R ranks; the fp64 tests (ep = R and dp 2 x ep 2) prove it.
 """
 
 from __future__ import annotations
@@ -117,15 +127,16 @@ def apply_ep(model: nn.Module, group: Any, rank: int, size: int) -> list[nn.Para
 
 def sharded_expert_state(state: dict[str, Any], fqns: list[str], mesh: Any) -> dict[str, Any]:
     """``state`` ({"model", "optimizer"}: ``checkpoints.sharded.module_state``) with each expert weight and its
-    optimizer moments made a DTensor sharded along dim 0 over the ep ``mesh`` (each rank's slice of the whole (E,
-    ...) tensor), so that the checkpoint folder holds every expert once, under the keys and shapes one process
-    saves; the scalar states (Adam's step) stay as they are (equal on every rank)."""
-    from torch.distributed.tensor import DTensor, Shard
+    optimizer moments made a DTensor on the (dp, ep) ``mesh``, replicated over dp and sharded along dim 0 over ep
+    (each rank's slice of the whole (E, ...) tensor), so that the checkpoint folder holds every expert once, under
+    the keys and shapes one process saves; the scalar states (Adam's step) stay as they are (equal on every
+    rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def whole(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
-        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
 
     optim = state.get("optimizer", {}).get("state", {})
     for fqn in fqns:
@@ -180,7 +191,7 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
 
 def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
     """One line where ``--ep`` cannot run: a dense model, experts that do not divide by it, a world it does not
-    divide, another layout (only ep = world, one copy of each expert, for now), or any of ``others`` given (flag
+    divide (naming the --ep that fit both), or any of ``others`` given (flag
     -> value, falsy when not given): gradient clipping (the norm would need the expert shards' sums over the group),
     activation checkpointing (its recomputed exchanges are not priced), loading a checkpoint, ..."""
     if ep == 1:
@@ -195,10 +206,9 @@ def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, 
             f"fsdp --ep {ep}: {cfg.model}'s {n_experts} experts do not divide by {ep}; --ep that fit: {fits}"
         )
     if world % ep:
-        return f"fsdp --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}"
-    if ep != world:
-        return (f"fsdp --ep {ep}: only ep = world (one copy of each expert) is supported, got {world} processes; "
-                f"give --ep {world} or --nproc {ep}")  # fmt: skip
+        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0 and n_experts % d == 0)
+        return (f"fsdp --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}; "
+                f"--ep that fit {world} processes and {n_experts} experts: {fits}")  # fmt: skip
     if given := [f"--{k} {v}" for k, v in others.items() if v]:
         return f"fsdp --ep {ep} with {', '.join(given)} is not supported (use fsdp --ep alone)"
     return None
@@ -224,39 +234,77 @@ def moe_layout_unfit(cfg: TrainConfig, opts: Any) -> str | None:
 
 
 def ep_comm(ctx) -> list[Collective]:
-    """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``), the experts' all-to-alls
-    (``ep_rows``)."""
-    return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
+    """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``: every rank), the experts' all-to-alls
+    (``ep_rows``) and, with dp = world / E > 1, the expert gradients summed over dp (``expert_grads_row``); then
+    the groups are placed on the (dp, ep) mesh (``ep_mesh_dims``)."""
+    ep, dp = ctx.options.ep, ctx.world // ctx.options.ep
+    rows = fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ep)
+    if dp == 1:
+        return rows
+    rows = [dataclasses.replace(r, dim="ep") if r.kind == "all_to_all" else r for r in rows]
+    return rows + [expert_grads_row(ctx, ep, dp)]
+
+
+def expert_grads_row(ctx, ep: int, dp: int) -> Collective:
+    """dp x ep: one all-reduce per optimizer step of the rank's expert gradients (experts / E of every layer's
+    stacked (E, ...) weights, the built-in MoE's only 3-D parameters), flattened, in the weights' dtype (FSDP2's
+    policy leaves the experts as they are held), over the dp replicas of its ep rank."""
+    local = sum(n for n, s in zip(ctx.info.numels, ctx.info.shapes, strict=True) if len(s) == 3) // ep
+    note = "expert gradients summed over the dp replicas of each ep rank"
+    return Collective("all_reduce", local * ctx.param_bytes, 1, "optimizer", dp, note, dim="dp")
+
+
+def ep_mesh_dims(world: int, ep: int) -> dict[str, int]:
+    """The (dp, ep) mesh of --ep (``CostModel.mesh_dims``), or {} where ep = world (one dimension)."""
+    return {"dp": world // ep, "ep": ep} if world > ep else {}
 
 
 @dataclasses.dataclass
 class EPSetup:
-    """What ``setup_ep`` made: the ep mesh, this rank's expert parameters and their names in the model."""
+    """What ``setup_ep`` made: the (dp, ep) mesh, this rank's expert parameters and their names in the model."""
 
     mesh: Any
     params: list[nn.Parameter]
     names: list[str]
 
+    def sync_grads(self) -> None:
+        """dp > 1: each expert gradient summed over the dp replicas of this ep rank (one all-reduce of them all,
+        flattened), after the step's last micro-batch; nothing with one replica."""
+        import torch.distributed as dist
+
+        if self.mesh.size(0) == 1:
+            return
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        for p, g in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
+            p.grad = g.view_as(p)
+
 
 def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
-    """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens over
-    the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
+    """--ep E: the (dp = world / E, ep = E) mesh (E consecutive ranks an ep group); each rank keeps experts / E of
+    every MoE layer by its ep coordinate (``apply_ep``) and exchanges tokens within its ep group; the expert
+    gradients divided by the world (``scale_expert_grads``), then summed over dp (``EPSetup.sync_grads``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    mesh = init_device_mesh(env.device.type, (ep,), mesh_dim_names=("ep",))
-    experts = apply_ep(model, mesh.get_group(), env.rank, ep)
+    dp = env.world_size // ep
+    mesh = init_device_mesh(env.device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    experts = apply_ep(model, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep)
     names = {id(p): n for n, p in model.named_parameters()}
     scale_expert_grads(experts, env.world_size)
     if env.is_main:
         n = moe_layers(model)[0].n_experts
-        print(f"fsdp --ep {ep}: each rank holds {n // ep} of each MoE layer's {n} experts (not FSDP-sharded), "
-              "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
+        print(f"fsdp --ep {ep}: mesh dp {dp} x ep {ep}, ranks {mesh.mesh.tolist()}: each rank holds {n // ep} of each "
+              f"MoE layer's {n} experts (not FSDP-sharded; replicated over dp, gradients summed over it), tokens "
+              "exchanged by all-to-all in the ep group; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
     return EPSetup(mesh, experts, [names[id(p)] for p in experts])
 
 
-def ep_report(model: nn.Module, ep: int) -> dict[str, Any]:
-    """result.json's ``ep``: the group size and the experts each rank holds of every MoE layer."""
-    return {"ep": {"size": ep, "experts_per_rank": moe_layers(model)[0].n_experts // ep}}
+def ep_report(model: nn.Module, ep: int, world: int) -> dict[str, Any]:
+    """result.json's ``ep``: the group size and the experts each rank holds of every MoE layer; with dp > 1 the
+    (dp, ep) ``mesh``."""
+    own = {"ep": {"size": ep, "experts_per_rank": moe_layers(model)[0].n_experts // ep}}
+    return own | ({"mesh": ep_mesh_dims(world, ep)} if world > ep else {})
 
 
 class EPCheckpointIO(FSDPCheckpointIO):
