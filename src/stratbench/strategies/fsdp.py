@@ -86,6 +86,7 @@ from stratbench.strategies.parallel.context_parallel import (
 from stratbench.strategies.parallel.expert_parallel import (
     EPCheckpointIO,
     EPSetup,
+    clip_grad_norm_ep,
     ep_comm,
     ep_mesh_dims,
     ep_refusal,
@@ -704,8 +705,13 @@ class FSDPStrategy(LossParallel, Strategy):
             self.ep_setup.sync_grads()
         return super().optimizer_step(optimizer, clip)
 
-    # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
-    # reduced over the mesh), so every rank scales its shards by the same global factor.
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The base's ``torch.nn.utils.clip_grad_norm_`` works on DTensor gradients (the norm is reduced over the
+        mesh), so every rank scales its shards by the same global factor; under --ep the experts' plain gradients
+        join it over the ep group (``clip_grad_norm_ep``)."""
+        if self.options.ep > 1:
+            return clip_grad_norm_ep(self.model, self.ep_setup, max_norm)
+        return super().clip_grad_norm(max_norm)
 
 
 @contextlib.contextmanager

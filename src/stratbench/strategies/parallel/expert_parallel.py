@@ -153,10 +153,10 @@ def scale_expert_grads(params: list[nn.Parameter], data_parallel: int) -> None:
 
 
 def ep_dense(ctx) -> Any:
-    """``ctx`` with the routed experts' weights left out (0 elements): what FSDP2 shards under --ep. They are the
-    built-in MoE transformer's only 3-D parameters (the stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    """``ctx`` with the routed experts' weights left out (0 elements, ``expert_shapes``): what FSDP2 shards under
+    --ep."""
     info = ctx.info
-    expert = [len(s) == 3 for s in info.shapes]
+    expert = expert_shapes(ctx)
     numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
     dim0 = [0 if e else d for d, e in zip(info.dim0, expert, strict=True)]
     return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0))
@@ -167,7 +167,9 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     rows as it sends; the real split follows the router, measured): per MoE layer and micro-step, forward the
     E int64 counts, the rank's T x k token rows out (T its micro-batch's tokens) and the returned rows back, and
     in backward the two exchanges reversed, each rows x dim in the compute dtype (a call's payload is its
-    input)."""
+    input). Activation checkpointing (full: every block) runs the forward's three again in backward: the block's
+    last saved tensors (the returned rows, weighted by the router) come after them, so torch's early stop does not
+    skip them."""
     cfg = ctx.cfg
     tc = SIZES[cfg.model]
     layers = tc.n_layers - tc.moe_first_dense
@@ -176,7 +178,17 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     rows = tokens * top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
     steps = layers * cfg.grad_accum
     note = "expert parallelism: token rows to their experts' ranks and back"
-    return [
+    recomputed = [
+        Collective(
+            "all_to_all",
+            steps * (2 * rows + 8 * tc.n_experts),
+            3 * steps,
+            "backward",
+            ep,
+            f"recomputed: {note}, counts first",
+        )
+    ]
+    return (recomputed if cfg.activation_checkpointing else []) + [
         Collective(
             "all_to_all",
             steps * (2 * rows + 8 * tc.n_experts),
@@ -192,8 +204,8 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
 def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
     """One line where ``--ep`` cannot run: a dense model, experts that do not divide by it, a world it does not
     divide (naming the --ep that fit both), or any of ``others`` given (flag
-    -> value, falsy when not given): gradient clipping (the norm would need the expert shards' sums over the group),
-    activation checkpointing (its recomputed exchanges are not priced), loading a checkpoint, ..."""
+    -> value, falsy when not given): an --ac-mode other than full (its recomputed exchanges are not priced),
+    loading a checkpoint, ..."""
     if ep == 1:
         return None
     if n_experts is None:
@@ -219,8 +231,9 @@ def ep_refusal(cfg: TrainConfig, opts: Any, world: int) -> str | None:
     n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
     others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
               "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
-              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
-              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
+              "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
+              "ac-mode": cfg.activation_checkpointing and cfg.ac_mode != "full" and cfg.ac_mode,
+              "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
     return ep_unfit(cfg, opts.ep, world, n_experts, others)
 
 
@@ -235,21 +248,42 @@ def moe_layout_unfit(cfg: TrainConfig, opts: Any) -> str | None:
 
 def ep_comm(ctx) -> list[Collective]:
     """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``: every rank), the experts' all-to-alls
-    (``ep_rows``) and, with dp = world / E > 1, the expert gradients summed over dp (``expert_grads_row``); then
-    the groups are placed on the (dp, ep) mesh (``ep_mesh_dims``)."""
+    (``ep_rows``), with --clip-grad-norm the norms (``ep_clip_rows``) and, with dp = world / E > 1, the expert
+    gradients summed over dp (``expert_grads_row``); the groups over ep named so on the (dp, ep) mesh
+    (``ep_mesh_dims``) where dp > 1."""
     ep, dp = ctx.options.ep, ctx.world // ctx.options.ep
     rows = fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ep)
+    rows += ep_clip_rows(ctx, ep) if ctx.cfg.clip_grad_norm else []
     if dp == 1:
         return rows
-    rows = [dataclasses.replace(r, dim="ep") if r.kind == "all_to_all" else r for r in rows]
+    rows = [dataclasses.replace(r, dim="ep") if r.group_size == ep else r for r in rows]
     return rows + [expert_grads_row(ctx, ep, dp)]
+
+
+def expert_shapes(ctx) -> list[bool]:
+    """Which of the model's parameters are routed experts' weights: the built-in MoE's only 3-D parameters (the
+    stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    return [len(s) == 3 for s in ctx.info.shapes]
+
+
+def ep_clip_rows(ctx, ep: int) -> list[Collective]:
+    """--clip-grad-norm under --ep (``clip_grad_norm_ep``): the dense gradients' per-parameter norms all-reduced
+    over every rank (FSDP2's shards, DTensor: one call), and the squared norm of this rank's experts summed over
+    its ep group (one number), both in the weights' dtype."""
+    dense = expert_shapes(ctx).count(False)
+    return [
+        Collective(
+            "all_reduce", dense * ctx.param_bytes, 1, "optimizer", ctx.world, "per-parameter norms (dense)"
+        ),
+        Collective("all_reduce", ctx.param_bytes, 1, "optimizer", ep, "experts' squared norm over ep"),
+    ]
 
 
 def expert_grads_row(ctx, ep: int, dp: int) -> Collective:
     """dp x ep: one all-reduce per optimizer step of the rank's expert gradients (experts / E of every layer's
     stacked (E, ...) weights, the built-in MoE's only 3-D parameters), flattened, in the weights' dtype (FSDP2's
     policy leaves the experts as they are held), over the dp replicas of its ep rank."""
-    local = sum(n for n, s in zip(ctx.info.numels, ctx.info.shapes, strict=True) if len(s) == 3) // ep
+    local = sum(n for n, e in zip(ctx.info.numels, expert_shapes(ctx), strict=True) if e) // ep
     note = "expert gradients summed over the dp replicas of each ep rank"
     return Collective("all_reduce", local * ctx.param_bytes, 1, "optimizer", dp, note, dim="dp")
 
@@ -281,6 +315,17 @@ class EPSetup:
             p.grad = g.view_as(p)
 
 
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+"""The name parts activation checkpointing's and compile's wrappers add, which the state dict's keys leave out."""
+
+
+def state_dict_key(name: str) -> str:
+    """A parameter's name in the (possibly wrapped) model as ``get_state_dict`` keys it."""
+    for part in WRAPPERS:
+        name = name.replace(part, "")
+    return name
+
+
 def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
     """--ep E: the (dp = world / E, ep = E) mesh (E consecutive ranks an ep group); each rank keeps experts / E of
     every MoE layer by its ep coordinate (``apply_ep``) and exchanges tokens within its ep group; the expert
@@ -290,7 +335,7 @@ def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
     dp = env.world_size // ep
     mesh = init_device_mesh(env.device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
     experts = apply_ep(model, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep)
-    names = {id(p): n for n, p in model.named_parameters()}
+    names = {id(p): state_dict_key(n) for n, p in model.named_parameters()}
     scale_expert_grads(experts, env.world_size)
     if env.is_main:
         n = moe_layers(model)[0].n_experts
@@ -298,6 +343,26 @@ def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
               f"MoE layer's {n} experts (not FSDP-sharded; replicated over dp, gradients summed over it), tokens "
               "exchanged by all-to-all in the ep group; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
     return EPSetup(mesh, experts, [names[id(p)] for p in experts])
+
+
+def clip_grad_norm_ep(model: nn.Module, setup: EPSetup, max_norm: float) -> torch.Tensor:
+    """--clip-grad-norm under --ep: the 2-norm over every parameter once, torchtitan's split: the dense gradients'
+    (FSDP2's DTensor shards: ``get_total_norm`` reduces them over the mesh) and the experts' (this rank's squared
+    norm summed over its ep group; the dp replicas hold the same gradients, counted once); then every gradient
+    scaled by the one factor, as ``clip_grad_norm_`` does. Returns the total norm."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    ids = {id(p) for p in setup.params}
+    dense = [p for p in model.parameters() if p.grad is not None and id(p) not in ids]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    squares = torch.nn.utils.get_total_norm([p.grad for p in setup.params if p.grad is not None]) ** 2
+    dist.all_reduce(squares, group=setup.mesh.get_group("ep"))
+    total = (norm.to(squares.dtype) ** 2 + squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(setup.params, max_norm, total)
+    return total
 
 
 def ep_report(model: nn.Module, ep: int, world: int) -> dict[str, Any]:
