@@ -1,6 +1,6 @@
 """fsdp --ep 2 (expert parallelism: each of 2 gloo processes holds 2 of gpt-moe-tiny's 4 experts per layer, tokens
 exchanged by all-to-all) in fp64 trains what one process accumulating the ranks' 2 micro-batches trains (dropless
-top-2 routing, the load-balancing loss in the loss; no gradient clipping, which --ep refuses), its all-to-alls
+top-2 routing, the load-balancing loss in the loss; no gradient clipping, which the dp x ep run checks), its all-to-alls
 carry the bytes the routing counts imply, its checkpoint holds every expert once, and bad layouts are refused in one
 line before any work. dp 2 x ep 2 (4 processes: experts split over each ep group of 2, replicated over dp), with
 gradient clipping and activation checkpointing, trains what one process accumulating the 4 micro-batches trains,
