@@ -44,6 +44,11 @@ the mesh is (dp, cp, tp), torchtitan's order: the tp plan gives each rank H / T 
 over the cp group (ranks T apart), and FSDP2 shards each rank's slices over dp x cp flattened (torchtitan's
 dp_shard_cp).
 
+Expert parallelism (``--ep E``, a mixture of experts): a (dp = world / E, ep = E) mesh; each ep group of E consecutive
+ranks splits every MoE layer's experts and exchanges tokens by all-to-all, the dp groups hold replicas of the
+experts (gradients summed over dp before the step); the dense parts FSDP2-sharded over every rank
+(``parallel/expert_parallel.py``).
+
 FSDP2's memory and traffic, the policy precision and the checkpoint I/O are building blocks
 (``parallel/fsdp.py``) that fsdp1 and accelerate-fsdp share; this file composes them with tp's plan.
 """
@@ -59,17 +64,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from stratbench.checkpoints import sharded
-from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
 from stratbench.core.optim import states_per_local_shard
 from stratbench.core.precision import SPECS
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, wrap_units_of
 from stratbench.models.blocks import describe_units, wrap_units
-from stratbench.models.moe import moe_layers
-from stratbench.models.transformer import SIZES
-from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CostModel, Strategy, register
 from stratbench.strategies.costs import MemoryContext, lean_refusal
 from stratbench.strategies.parallel.context_parallel import (
@@ -84,16 +84,18 @@ from stratbench.strategies.parallel.context_parallel import (
     ulysses_rows,
 )
 from stratbench.strategies.parallel.expert_parallel import (
-    apply_ep,
-    ep_dense,
-    ep_rows,
-    ep_unfit,
-    scale_expert_grads,
-    sharded_expert_state,
+    EPCheckpointIO,
+    EPSetup,
+    clip_grad_norm_ep,
+    ep_comm,
+    ep_mesh_dims,
+    ep_refusal,
+    ep_report,
+    moe_layout_unfit,
+    setup_ep,
 )
 from stratbench.strategies.parallel.fsdp import (
     CHECKPOINT_FORMATS,
-    FSDPCheckpointIO,
     choice,
     fsdp2_comm,
     fsdp2_memory,
@@ -146,7 +148,7 @@ class FSDPOptions:
     cp: int = 1
     """fsdp: context parallelism, C ranks per sequence (Ulysses): a (dp = world / C, cp = C) mesh; the ranks of a cp group read the same samples, each computes 1/C of their positions and each attention exchanges queries, keys, values and its output by all-to-all (the built-in transformers and Hugging Face decoders whose attention goes through transformers' attention interface; heads, key/value heads and --seq-len must divide by C; with --replicate R, C must divide world / R). With --tp T: a (dp, cp, tp) mesh, heads and key/value heads must divide by T x C (not with --replicate). 1: none."""
     ep: int = 1
-    """fsdp: expert parallelism, E ranks per expert set: each MoE layer's routed experts split over the E ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; only E = world for now (one copy of each expert), experts must divide by E. 1: none."""
+    """fsdp: expert parallelism, E ranks per expert set: a (dp = world / E, ep = E) mesh; each MoE layer's routed experts split over the E consecutive ranks of an ep group (experts / E each, not FSDP-sharded), tokens sent to their experts' ranks and back by all-to-all; the experts replicated over dp (their gradients summed over it), the dense parts FSDP2-sharded over every rank; E must divide the world and the experts. 1: none."""
     cp_impl: str = "ulysses"
     """fsdp --cp: ulysses (all-to-all from sequence-sharded to head-sharded and back; torch collectives, any device)."""
     shard_across_nodes: bool = False
@@ -436,8 +438,11 @@ class FSDPCost(CostModel):
     @classmethod
     def mesh_dims(cls, ctx) -> dict[str, int]:
         """``FSDPStrategy.mesh``'s dimensions: with --replicate R (replicate = R, shard = world / (R T)[, tp = T]),
-        with --tp T alone (dp = world / T, tp = T); else one dimension."""
+        with --tp T alone (dp = world / T, tp = T), with --ep E < world (dp = world / E, ep = E); else one
+        dimension."""
         t, r, c = ctx.options.tp, ctx.options.replicate, ctx.options.cp
+        if ctx.options.ep > 1:
+            return ep_mesh_dims(ctx.world, ctx.options.ep)
         if c > 1 and r > 1:
             return {"replicate": r, "shard": ctx.world // (r * c), "cp": c}
         if c > 1:
@@ -453,8 +458,8 @@ class FSDPCost(CostModel):
             raise ConfigError(why)
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
-        if ctx.options.ep > 1:  # FSDP2 over the dense parts, the experts' all-to-alls
-            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
+        if ctx.options.ep > 1:
+            return ep_comm(ctx)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
         if ctx.options.replicate > 1:
@@ -470,44 +475,6 @@ def as_wrapped(ctx) -> tuple[MemoryContext, str]:
     opts = ctx.options
     units = wrap_units_of(ModelSpec.from_config(ctx.cfg), opts.wrap, opts.wrap_min_params)
     return dataclasses.replace(ctx, info=dataclasses.replace(ctx.info, block_units=units.indices)), units.note
-
-
-def ep_refusal(cfg: TrainConfig, opts: FSDPOptions, world: int) -> str | None:
-    """One line where ``--ep`` cannot run (``parallel.expert_parallel.ep_unfit``), or None."""
-    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
-    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
-              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
-              "clip-grad-norm": cfg.clip_grad_norm, "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
-              "activation-checkpointing": cfg.activation_checkpointing, "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
-    return ep_unfit(cfg, opts.ep, world, n_experts, others)
-
-
-class FSDP2CheckpointIO(FSDPCheckpointIO):
-    """FSDP2's checkpoints; under --ep the sharded folder holds each expert weight (and its optimizer moments) as
-    the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not loaded back (--ep refuses
-    --resume and --init-from, and a run that finds a checkpoint to resume)."""
-
-    def save_checkpoint(self, path, model, optimizer, extra):
-        st = self.strategy
-        if st.options.ep == 1:
-            return super().save_checkpoint(path, model, optimizer, extra)
-        state = sharded_expert_state(sharded.module_state(model, optimizer), st.expert_names, st.ep_mesh)
-        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
-
-    def load_checkpoint(self, path, model, optimizer):
-        if self.strategy.options.ep > 1:
-            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
-                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
-        return super().load_checkpoint(path, model, optimizer)
-
-
-def moe_layout_unfit(cfg: TrainConfig, opts: FSDPOptions) -> str | None:
-    """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
-    no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
-    sequence's."""
-    if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
-        return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
-    return None
 
 
 @register
@@ -585,7 +552,7 @@ class FSDPStrategy(LossParallel, Strategy):
         return world_size // (opts.tp * opts.cp)
 
     cost = FSDPCost
-    checkpoint_io_class = FSDP2CheckpointIO
+    checkpoint_io_class = EPCheckpointIO
 
     def data_shard(self) -> tuple[int, int]:
         """The rank's dp coordinate (with --replicate, its (replicate, shard) coordinate row-major): the ranks of
@@ -604,8 +571,7 @@ class FSDPStrategy(LossParallel, Strategy):
         opts = self.options
         cp = {"cp": {"impl": opts.cp_impl, "size": opts.cp}} if opts.cp > 1 else {}
         if opts.ep > 1:
-            per_rank = moe_layers(self.model)[0].n_experts // opts.ep
-            return own | {"ep": {"size": opts.ep, "experts_per_rank": per_rank}}
+            return own | ep_report(self.model, opts.ep, self.env.world_size)
         if opts.tp == 1 and cp:
             return own | {"mesh": self.mesh_shape} | cp
         if opts.tp == 1:
@@ -674,23 +640,6 @@ class FSDPStrategy(LossParallel, Strategy):
         self.split_loss = splits_loss(model, self.cfg, plan_options(opts))
         return mesh["dp", "cp"]._flatten("dp_cp")
 
-    def _expert_parallel(self, model: nn.Module) -> list[nn.Parameter]:
-        """--ep E (= world): each rank keeps experts / E of every MoE layer (``apply_ep``) and exchanges tokens
-        over the whole world; the expert gradients divided by the data-parallel world (``scale_expert_grads``)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        e = self.options.ep
-        self.ep_mesh = init_device_mesh(self.env.device.type, (e,), mesh_dim_names=("ep",))
-        experts = apply_ep(model, self.ep_mesh.get_group(), self.env.rank, e)
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.expert_names = [names[id(p)] for p in experts]
-        scale_expert_grads(experts, self.env.world_size)
-        if self.env.is_main:
-            n = moe_layers(model)[0].n_experts
-            print(f"fsdp --ep {e}: each rank holds {n // e} of each MoE layer's {n} experts (not FSDP-sharded), "
-                  "tokens exchanged by all-to-all; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
-        return experts
-
     def move(self, model: nn.Module) -> nn.Module:
         # With CPU offload the full model never goes to the device: fully_shard moves only the shards it keeps.
         return model if self.options.cpu_offload else super().move(model)
@@ -700,7 +649,9 @@ class FSDPStrategy(LossParallel, Strategy):
 
         opts, spec, device = self.options, self.precision.spec, self.env.device
         mesh = self.shard_mesh(model)
-        experts = self._expert_parallel(model) if opts.ep > 1 else []
+        if opts.ep > 1:  # each rank's experts, left out of FSDP2
+            self.ep_setup: EPSetup = setup_ep(model, self.env, opts.ep)
+        experts = self.ep_setup.params if opts.ep > 1 else []
         self.precision.autocasts = weights_cast_by_autocast(model, device.type, spec)
         if spec.autocast and not self.precision.autocasts:
             # fp32 master weights, gathered in the compute dtype, gradients reduced in fp32
@@ -748,8 +699,19 @@ class FSDPStrategy(LossParallel, Strategy):
         count = sums[:, 2].clamp(min=1)
         return sums[:, 0] / count, sums[:, 1] / count
 
-    # clip_grad_norm: the base's torch.nn.utils.clip_grad_norm_ works on DTensor gradients (the norm is
-    # reduced over the mesh), so every rank scales its shards by the same global factor.
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, clip: float | None) -> bool:
+        """With --ep over dp > 1 replicas: the expert gradients summed over dp first (``EPSetup.sync_grads``)."""
+        if self.options.ep > 1:
+            self.ep_setup.sync_grads()
+        return super().optimizer_step(optimizer, clip)
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """The base's ``torch.nn.utils.clip_grad_norm_`` works on DTensor gradients (the norm is reduced over the
+        mesh), so every rank scales its shards by the same global factor; under --ep the experts' plain gradients
+        join it over the ep group (``clip_grad_norm_ep``)."""
+        if self.options.ep > 1:
+            return clip_grad_norm_ep(self.model, self.ep_setup, max_norm)
+        return super().clip_grad_norm(max_norm)
 
 
 @contextlib.contextmanager

@@ -13,24 +13,44 @@ tokens as one process does (``models.moe``), then:
    the reverse all-to-all, where they are weighted by the router and summed per token as one process does.
 
 A building block: ``fsdp --ep E`` composes it (``strategies/fsdp.py``): the dense parts FSDP2-sharded over every
-rank, the experts left out of ``fully_shard`` (its ``ignored_params``). Gradient scaling: rank r's loss is the mean
-over its own tokens, L_r, and one process accumulating the R micro-batches steps on (1 / R) sum_r dL_r. FSDP2
-averages the dense gradients over the R ranks, which is that. An expert's weights receive, through the backward
-all-to-all, the gradient of every rank's tokens routed to it: sum_r dL_r / dw, R times too much, so each expert
-gradient is divided by the data-parallel world R (``scale_expert_grads``); the fp64 test proves it.
+rank, the experts left out of ``fully_shard`` (its ``ignored_params``). This module also holds what fsdp needs of
+it beside the exchange: the set-up (``setup_ep``), the refusals (``ep_refusal``, ``moe_layout_unfit``), the comm
+rows (``ep_comm``), the report (``ep_report``) and the checkpoint I/O (``EPCheckpointIO``).
+
+The mesh is (dp = R / E, ep = E) over the R ranks, torchtitan's order: each ep group is E consecutive ranks (its
+all-to-alls on the nearest links), each of its ranks holding experts / E of every layer; the dp groups (ranks E
+apart) hold the same experts, replicas. Every rank reads its own micro-batch, so all R ranks are data-parallel for
+the dense parts: FSDP2 shards and averages them over all R ranks, the 1-D mesh plain fsdp uses. (torchtitan borrows
+ep from its dp_shard dimension and shards the dense parts over that whole dimension, which here is every rank too;
+it also FSDP-shards the experts over the rest of dp, which ours are not: replicas keep the exchange and the
+gradient sum apart from FSDP2, and one all-reduce of the expert gradients over dp is the only extra collective.)
+
+Gradient scaling: rank r's loss is the mean over its own tokens, L_r, and one process accumulating the R
+micro-batches steps on (1 / R) sum_r dL_r. FSDP2 averages the dense gradients over the R ranks, which is that. An
+expert's weights receive, through the backward all-to-all, the gradient of the tokens routed to it from every rank
+of its ep group: sum over the group of dL_r / dw. Each expert gradient is divided by R as it is computed
+(``scale_expert_grads``) and, with dp > 1, summed over the dp replicas before the optimizer step
+(``EPSetup.sync_grads``: one all-reduce of the rank's expert gradients flattened), which makes (1 / R) sum over
+all R ranks; the fp64 tests (ep = R and dp 2 x ep 2) prove it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+from stratbench.checkpoints import sharded
+from stratbench.core.config import TrainConfig
+from stratbench.core.errors import ConfigError
 from stratbench.measuring.comm import Collective
 from stratbench.models.moe import MoEFeedForward, kept_groups, moe_layers
 from stratbench.models.transformer import SIZES
+from stratbench.models.zoo import is_moe_model
+from stratbench.strategies.parallel.fsdp import FSDPCheckpointIO, fsdp2_comm
 
 
 class _UnevenAllToAll(torch.autograd.Function):
@@ -107,15 +127,16 @@ def apply_ep(model: nn.Module, group: Any, rank: int, size: int) -> list[nn.Para
 
 def sharded_expert_state(state: dict[str, Any], fqns: list[str], mesh: Any) -> dict[str, Any]:
     """``state`` ({"model", "optimizer"}: ``checkpoints.sharded.module_state``) with each expert weight and its
-    optimizer moments made a DTensor sharded along dim 0 over the ep ``mesh`` (each rank's slice of the whole (E,
-    ...) tensor), so that the checkpoint folder holds every expert once, under the keys and shapes one process
-    saves; the scalar states (Adam's step) stay as they are (equal on every rank)."""
-    from torch.distributed.tensor import DTensor, Shard
+    optimizer moments made a DTensor on the (dp, ep) ``mesh``, replicated over dp and sharded along dim 0 over ep
+    (each rank's slice of the whole (E, ...) tensor), so that the checkpoint folder holds every expert once, under
+    the keys and shapes one process saves; the scalar states (Adam's step) stay as they are (equal on every
+    rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def whole(t: Any) -> Any:
         if not isinstance(t, torch.Tensor) or t.dim() == 0:
             return t
-        return DTensor.from_local(t, mesh, [Shard(0)], run_check=False)
+        return DTensor.from_local(t, mesh, [Replicate(), Shard(0)], run_check=False)
 
     optim = state.get("optimizer", {}).get("state", {})
     for fqn in fqns:
@@ -132,10 +153,10 @@ def scale_expert_grads(params: list[nn.Parameter], data_parallel: int) -> None:
 
 
 def ep_dense(ctx) -> Any:
-    """``ctx`` with the routed experts' weights left out (0 elements): what FSDP2 shards under --ep. They are the
-    built-in MoE transformer's only 3-D parameters (the stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    """``ctx`` with the routed experts' weights left out (0 elements, ``expert_shapes``): what FSDP2 shards under
+    --ep."""
     info = ctx.info
-    expert = [len(s) == 3 for s in info.shapes]
+    expert = expert_shapes(ctx)
     numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
     dim0 = [0 if e else d for d, e in zip(info.dim0, expert, strict=True)]
     return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0))
@@ -146,7 +167,9 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     rows as it sends; the real split follows the router, measured): per MoE layer and micro-step, forward the
     E int64 counts, the rank's T x k token rows out (T its micro-batch's tokens) and the returned rows back, and
     in backward the two exchanges reversed, each rows x dim in the compute dtype (a call's payload is its
-    input)."""
+    input). Activation checkpointing (full: every block) runs the forward's three again in backward: the block's
+    last saved tensors (the returned rows, weighted by the router) come after them, so torch's early stop does not
+    skip them."""
     cfg = ctx.cfg
     tc = SIZES[cfg.model]
     layers = tc.n_layers - tc.moe_first_dense
@@ -155,7 +178,17 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     rows = tokens * top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
     steps = layers * cfg.grad_accum
     note = "expert parallelism: token rows to their experts' ranks and back"
-    return [
+    recomputed = [
+        Collective(
+            "all_to_all",
+            steps * (2 * rows + 8 * tc.n_experts),
+            3 * steps,
+            "backward",
+            ep,
+            f"recomputed: {note}, counts first",
+        )
+    ]
+    return (recomputed if cfg.activation_checkpointing else []) + [
         Collective(
             "all_to_all",
             steps * (2 * rows + 8 * tc.n_experts),
@@ -170,9 +203,9 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
 
 def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, int]) -> str | None:
     """One line where ``--ep`` cannot run: a dense model, experts that do not divide by it, a world it does not
-    divide, another layout (only ep = world, one copy of each expert, for now), or any of ``others`` given (flag
-    -> value, falsy when not given): gradient clipping (the norm would need the expert shards' sums over the group),
-    activation checkpointing (its recomputed exchanges are not priced), loading a checkpoint, ..."""
+    divide (naming the --ep that fit both), or any of ``others`` given (flag
+    -> value, falsy when not given): an --ac-mode other than full (its recomputed exchanges are not priced),
+    loading a checkpoint, ..."""
     if ep == 1:
         return None
     if n_experts is None:
@@ -185,10 +218,178 @@ def ep_unfit(cfg, ep: int, world: int, n_experts: int | None, others: dict[str, 
             f"fsdp --ep {ep}: {cfg.model}'s {n_experts} experts do not divide by {ep}; --ep that fit: {fits}"
         )
     if world % ep:
-        return f"fsdp --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}"
-    if ep != world:
-        return (f"fsdp --ep {ep}: only ep = world (one copy of each expert) is supported, got {world} processes; "
-                f"give --ep {world} or --nproc {ep}")  # fmt: skip
+        fits = ", ".join(str(d) for d in range(1, world + 1) if world % d == 0 and n_experts % d == 0)
+        return (f"fsdp --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}; "
+                f"--ep that fit {world} processes and {n_experts} experts: {fits}")  # fmt: skip
     if given := [f"--{k} {v}" for k, v in others.items() if v]:
         return f"fsdp --ep {ep} with {', '.join(given)} is not supported (use fsdp --ep alone)"
     return None
+
+
+def ep_refusal(cfg: TrainConfig, opts: Any, world: int) -> str | None:
+    """One line where fsdp's ``--ep`` (``opts``: fsdp's options) cannot run (``ep_unfit``), or None."""
+    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
+    others = {"tp": opts.tp if opts.tp > 1 else 0, "cp": opts.cp if opts.cp > 1 else 0,
+              "replicate": opts.replicate if opts.replicate > 1 else 0, "cpu-offload": opts.cpu_offload,
+              "checkpoint-format": opts.checkpoint_format != "sharded" and "full",
+              "ac-mode": cfg.activation_checkpointing and cfg.ac_mode != "full" and cfg.ac_mode,
+              "resume": cfg.resume, "resume-from": cfg.resume_from, "init-from": cfg.init_from}  # fmt: skip
+    return ep_unfit(cfg, opts.ep, world, n_experts, others)
+
+
+def moe_layout_unfit(cfg: TrainConfig, opts: Any) -> str | None:
+    """fsdp trains a mixture of experts with each block a unit and no --tp or --cp: the tensor-parallel plan has
+    no entry for the experts, and a sequence split over --cp ranks would balance each chunk's routing, not the
+    sequence's."""
+    if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
+        return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
+    return None
+
+
+def ep_comm(ctx) -> list[Collective]:
+    """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``: every rank), the experts' all-to-alls
+    (``ep_rows``), with --clip-grad-norm the norms (``ep_clip_rows``) and, with dp = world / E > 1, the expert
+    gradients summed over dp (``expert_grads_row``); the groups over ep named so on the (dp, ep) mesh
+    (``ep_mesh_dims``) where dp > 1."""
+    ep, dp = ctx.options.ep, ctx.world // ctx.options.ep
+    rows = fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ep)
+    rows += ep_clip_rows(ctx, ep) if ctx.cfg.clip_grad_norm else []
+    if dp == 1:
+        return rows
+    rows = [dataclasses.replace(r, dim="ep") if r.group_size == ep else r for r in rows]
+    return rows + [expert_grads_row(ctx, ep, dp)]
+
+
+def expert_shapes(ctx) -> list[bool]:
+    """Which of the model's parameters are routed experts' weights: the built-in MoE's only 3-D parameters (the
+    stacked (E, ...) ``w1``/``w2``/``w3``)."""
+    return [len(s) == 3 for s in ctx.info.shapes]
+
+
+def ep_clip_rows(ctx, ep: int) -> list[Collective]:
+    """--clip-grad-norm under --ep (``clip_grad_norm_ep``): the dense gradients' per-parameter norms all-reduced
+    over every rank (FSDP2's shards, DTensor: one call), and the squared norm of this rank's experts summed over
+    its ep group (one number), both in the weights' dtype."""
+    dense = expert_shapes(ctx).count(False)
+    return [
+        Collective(
+            "all_reduce", dense * ctx.param_bytes, 1, "optimizer", ctx.world, "per-parameter norms (dense)"
+        ),
+        Collective("all_reduce", ctx.param_bytes, 1, "optimizer", ep, "experts' squared norm over ep"),
+    ]
+
+
+def expert_grads_row(ctx, ep: int, dp: int) -> Collective:
+    """dp x ep: one all-reduce per optimizer step of the rank's expert gradients (experts / E of every layer's
+    stacked (E, ...) weights, the built-in MoE's only 3-D parameters), flattened, in the weights' dtype (FSDP2's
+    policy leaves the experts as they are held), over the dp replicas of its ep rank."""
+    local = sum(n for n, e in zip(ctx.info.numels, expert_shapes(ctx), strict=True) if e) // ep
+    note = "expert gradients summed over the dp replicas of each ep rank"
+    return Collective("all_reduce", local * ctx.param_bytes, 1, "optimizer", dp, note, dim="dp")
+
+
+def ep_mesh_dims(world: int, ep: int) -> dict[str, int]:
+    """The (dp, ep) mesh of --ep (``CostModel.mesh_dims``), or {} where ep = world (one dimension)."""
+    return {"dp": world // ep, "ep": ep} if world > ep else {}
+
+
+@dataclasses.dataclass
+class EPSetup:
+    """What ``setup_ep`` made: the (dp, ep) mesh, this rank's expert parameters and their names in the model."""
+
+    mesh: Any
+    params: list[nn.Parameter]
+    names: list[str]
+
+    def sync_grads(self) -> None:
+        """dp > 1: each expert gradient summed over the dp replicas of this ep rank (one all-reduce of them all,
+        flattened), after the step's last micro-batch; nothing with one replica."""
+        import torch.distributed as dist
+
+        if self.mesh.size(0) == 1:
+            return
+        grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in self.params]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.mesh.get_group("dp"))
+        for p, g in zip(self.params, flat.split([p.numel() for p in self.params]), strict=True):
+            p.grad = g.view_as(p)
+
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+"""The name parts activation checkpointing's and compile's wrappers add, which the state dict's keys leave out."""
+
+
+def state_dict_key(name: str) -> str:
+    """A parameter's name in the (possibly wrapped) model as ``get_state_dict`` keys it."""
+    for part in WRAPPERS:
+        name = name.replace(part, "")
+    return name
+
+
+def setup_ep(model: nn.Module, env: Any, ep: int) -> EPSetup:
+    """--ep E: the (dp = world / E, ep = E) mesh (E consecutive ranks an ep group); each rank keeps experts / E of
+    every MoE layer by its ep coordinate (``apply_ep``) and exchanges tokens within its ep group; the expert
+    gradients divided by the world (``scale_expert_grads``), then summed over dp (``EPSetup.sync_grads``)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dp = env.world_size // ep
+    mesh = init_device_mesh(env.device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    experts = apply_ep(model, mesh.get_group("ep"), mesh.get_local_rank("ep"), ep)
+    names = {id(p): state_dict_key(n) for n, p in model.named_parameters()}
+    scale_expert_grads(experts, env.world_size)
+    if env.is_main:
+        n = moe_layers(model)[0].n_experts
+        print(f"fsdp --ep {ep}: mesh dp {dp} x ep {ep}, ranks {mesh.mesh.tolist()}: each rank holds {n // ep} of each "
+              f"MoE layer's {n} experts (not FSDP-sharded; replicated over dp, gradients summed over it), tokens "
+              "exchanged by all-to-all in the ep group; the dense parts FSDP2-sharded over every rank", flush=True)  # fmt: skip
+    return EPSetup(mesh, experts, [names[id(p)] for p in experts])
+
+
+def clip_grad_norm_ep(model: nn.Module, setup: EPSetup, max_norm: float) -> torch.Tensor:
+    """--clip-grad-norm under --ep: the 2-norm over every parameter once, torchtitan's split: the dense gradients'
+    (FSDP2's DTensor shards: ``get_total_norm`` reduces them over the mesh) and the experts' (this rank's squared
+    norm summed over its ep group; the dp replicas hold the same gradients, counted once); then every gradient
+    scaled by the one factor, as ``clip_grad_norm_`` does. Returns the total norm."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    ids = {id(p) for p in setup.params}
+    dense = [p for p in model.parameters() if p.grad is not None and id(p) not in ids]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in dense])
+    norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    squares = torch.nn.utils.get_total_norm([p.grad for p in setup.params if p.grad is not None]) ** 2
+    dist.all_reduce(squares, group=setup.mesh.get_group("ep"))
+    total = (norm.to(squares.dtype) ** 2 + squares).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(dense, max_norm, total)
+    torch.nn.utils.clip_grads_with_norm_(setup.params, max_norm, total)
+    return total
+
+
+def ep_report(model: nn.Module, ep: int, world: int) -> dict[str, Any]:
+    """result.json's ``ep``: the group size and the experts each rank holds of every MoE layer; with dp > 1 the
+    (dp, ep) ``mesh``."""
+    own = {"ep": {"size": ep, "experts_per_rank": moe_layers(model)[0].n_experts // ep}}
+    return own | ({"mesh": ep_mesh_dims(world, ep)} if world > ep else {})
+
+
+class EPCheckpointIO(FSDPCheckpointIO):
+    """FSDP2's checkpoints (``FSDPCheckpointIO``); under --ep the sharded folder holds each expert weight (and its
+    optimizer moments) as the ranks' slices of the whole (E, ...) tensor (``sharded_expert_state``): saved, not
+    loaded back (--ep refuses --resume and --init-from, and a run that finds a checkpoint to resume)."""
+
+    def save_checkpoint(
+        self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict
+    ) -> Path:
+        st = self.strategy
+        if st.options.ep == 1:
+            return super().save_checkpoint(path, model, optimizer, extra)
+        state = sharded_expert_state(
+            sharded.module_state(model, optimizer), st.ep_setup.names, st.ep_setup.mesh
+        )
+        return sharded.save_sharded(path, model, optimizer, extra, is_main=st.env.is_main, state=state)
+
+    def load_checkpoint(self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict:
+        if self.strategy.options.ep > 1:
+            raise ConfigError(f"fsdp --ep {self.strategy.options.ep}: loading a checkpoint ({path}) under expert "
+                              "parallelism is not supported (the checkpoint was saved; load it with fsdp)")  # fmt: skip
+        return super().load_checkpoint(path, model, optimizer)
