@@ -77,5 +77,10 @@ def test_bad_deepspeed_ep_input_is_one_line_before_any_work() -> None:
         assert why is not None and len(why.splitlines()) == 1, why
         assert re.search(says, why), why
     assert DeepSpeed.check_supported(cfg(zero=1, opts={"ep": 2}, clip_grad_norm=0.5), cpu, 2) is None
+    # the estimate's and advise's rows, before the world is known
+    assert "Native DeepSpeed MoE" in DeepSpeed.moe_refusal(cfg(zero=3))
+    assert (
+        DeepSpeed.moe_refusal(cfg(opts={"ep": 4})) is None and DeepSpeed.moe_refusal(cfg("gpt-tiny")) is None
+    )
     with pytest.raises(ConfigError, match="ep must be a positive integer"):
         DeepSpeed.parse_options({"ep": 0})

@@ -130,7 +130,7 @@ class _DeepSpeedPrecision(Precision):
         return contextlib.nullcontext()
 
 
-def _moe_refusal(cfg: TrainConfig, opts: DeepSpeedOptions, world: int, stage: int) -> str | None:
+def _moe_refusal(cfg: TrainConfig, opts: DeepSpeedOptions, world: int | None, stage: int) -> str | None:
     """Why deepspeed cannot train ``cfg``'s model with ``--ep`` (``parallel.deepspeed_moe.ep_refusal``), or
     resume one (untested: DeepSpeed's expert files), in one line; None where it can."""
     n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
@@ -314,6 +314,14 @@ class DeepSpeed(Strategy):
         if cfg.lora_rank and cls.parse_options(cfg.strategy_options).autotp_size > 1:
             return "--lora-rank with deepspeed --autotp-size is not supported: AutoTP shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
         return None
+
+    @classmethod
+    def moe_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why deepspeed cannot train ``cfg``'s mixture of experts (``_moe_refusal``) at the --zero-stage given (2 by
+        default), before the world is known: what the estimate's, list's and advise's rows say. ``check_supported``
+        checks again with the world and a --deepspeed-config's stage."""
+        opts = cls.parse_options(cfg.strategy_options)
+        return _moe_refusal(cfg, opts, None, 2 if opts.zero_stage is None else opts.zero_stage)
 
     @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:

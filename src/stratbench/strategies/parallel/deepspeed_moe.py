@@ -146,13 +146,13 @@ def whole_moe_state(module: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
 
 
 def ep_refusal(
-    model: str, n_experts: int | None, ep: int, world: int, stage: int, autotp: int, clip: float | None
+    model: str, n_experts: int | None, ep: int, world: int | None, stage: int, autotp: int, clip: float | None
 ) -> str | None:
     """One line where deepspeed cannot train ``model`` (``n_experts`` routed experts, None: dense) with ``--ep``:
     a dense model under --ep > 1, experts or processes that do not divide by it, ZeRO-3 (DeepSpeed refuses its
     native MoE there), AutoTP (no plan for the experts), or gradient clipping at ZeRO-0 with the experts split
     (its norm there is each rank's over its own experts: measured 3e-4 off one process's loss in 6 steps, where
-    ZeRO-1/2's is the whole model's); None where it can."""
+    ZeRO-1/2's is the whole model's); None where it can. ``world`` None: not known yet (the estimate's rows)."""
     if n_experts is None:
         if ep > 1:
             return f"deepspeed --ep {ep}: model {model} is dense (no routed experts); --ep takes a mixture of experts"
@@ -165,7 +165,7 @@ def ep_refusal(
     if clip and stage == 0 and ep > 1:
         return (f"deepspeed --ep {ep} --zero-stage 0 --clip-grad-norm {clip:g}: DeepSpeed's stage-0 clipping takes "
                 "each rank's norm over its own experts only; use --zero-stage 1 or 2")  # fmt: skip
-    if world % ep:
+    if world is not None and world % ep:
         return f"deepspeed --ep {ep}: {world} processes do not divide into expert-parallel groups of {ep}"
     if stage == 3:
         return (f'deepspeed --zero-stage 3 with model {model} (a mixture of experts): DeepSpeed refuses it ("'
