@@ -16,9 +16,11 @@ What DeepSpeed-MoE does differently from the project's layer (and so from single
 - dropless (``drop_tokens=False``): every expert's buffer is as long as the busiest expert's assignments on any
   rank of the ep group (an all-reduce of the max), and the all-to-all carries the padded buffer (E x capacity x dim
   numbers), not the routed rows: more bytes than fsdp --ep's uneven all-to-all whenever the routing is uneven.
-- with --capacity-factor c: the same capacity, ceil(c x tokens x k / E) (``min_capacity`` 0), but DeepSpeed's drop
-  order: top-1 and top-2 keep the first choices before the second ones, top-k > 2 the highest probabilities; the
-  project keeps the earliest tokens. The number dropped per expert is the same (its count past the capacity).
+- with --capacity-factor c: the same capacity, ceil(c x tokens x k / E) (``min_capacity`` 0; DeepSpeed computes it
+  in float32), but DeepSpeed's drop order: top-1 keeps the tokens ``torch.topk`` picks among its equal 0/1 mask
+  (random token selection off), top-2 the first choices before the second ones, top-k > 2 the highest
+  probabilities; the project keeps the earliest tokens. The number dropped per expert is the same, its count past
+  the capacity, which the layer reports.
 - ZeRO-3 is refused by DeepSpeed itself ("Native DeepSpeed MoE is not supported with ZeRO Stage 3"), and so by the
   strategy before any work.
 
