@@ -46,7 +46,7 @@ NATIVE_MOE_ZERO3 = "Native DeepSpeed MoE is not supported with ZeRO Stage 3"
 class DeepSpeedMoEFeedForward(MoEFeedForward):
     """A ``MoEFeedForward`` whose routed experts are DeepSpeed's ``MoE`` (``self.moe``) with ``ep`` ranks per expert
     set, this rank holding experts ``ep_rank x N / ep`` on; the shared expert, the routing record the training loss
-    takes and the totals the report reads are the project's. Built from a project layer (``from_layer``)."""
+    takes and the totals the report reads are the project's. Built from a project layer, whose weights it copies."""
 
     def __init__(self, layer: MoEFeedForward, ep: int, ep_rank: int) -> None:
         # nn.Module's set-up only: the router and the stacked experts become DeepSpeed's gate and Experts below
