@@ -147,7 +147,7 @@ def test_the_training_loss_adds_coef_times_the_layers_mean_load_balancing_loss()
     ("strategy", "options", "words"),
     [
         ("pipeline", {}, "model gpt-moe-tiny is a mixture of experts, which pipeline does not train; train it under "
-         "ddp, ddp-zero, fsdp, single"),
+         "ddp, ddp-zero, deepspeed, fsdp, single"),
         ("tp", {}, "which tp does not train"),
         ("dp", {}, "which dp does not train"),
         ("fsdp", {"tp": 2}, "fsdp --tp 2 --cp 1: model gpt-moe-tiny is a mixture of experts; train it with --tp 1"),

@@ -36,6 +36,8 @@ from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.optim import trainable
 from stratbench.core.precision import Precision
 from stratbench.measuring.model_trace import ModelSpec
+from stratbench.models.transformer import SIZES
+from stratbench.models.zoo import is_moe_model
 from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
 from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.op_builds import prepare_op_builds
@@ -56,6 +58,13 @@ from stratbench.strategies.parallel.deepspeed_engine import (
     zero_init_keeps_dtype,
     zeropp_unavailable,
 )
+from stratbench.strategies.parallel.deepspeed_moe import (
+    apply_deepspeed_moe,
+    ds_moe_layers,
+    ep_refusal,
+    moe_param_groups,
+    whole_moe_state,
+)
 from stratbench.strategies.parallel.tp_costs import LocalSlice, local_flop_share
 from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY, model_plan
 from stratbench.strategies.parallel.tp_plan import unsupported as tp_unsupported
@@ -74,7 +83,15 @@ DS_OPTIMIZERS = ("torch", "fused", "cpu-adam")
 
 @dataclasses.dataclass(kw_only=True)
 class DeepSpeedOptions(DeepSpeedEngineOptions):
-    """Options of the deepspeed strategy: ZeRO's and the engine's (``parallel.zero.DeepSpeedEngineOptions``)."""
+    """Options of the deepspeed strategy: ZeRO's and the engine's (``parallel.zero.DeepSpeedEngineOptions``),
+    and DeepSpeed-MoE's expert parallelism."""
+
+    ep: int = 1
+    """deepspeed: expert parallelism with DeepSpeed-MoE (deepspeed.moe.layer.MoE, ep_size E): each MoE layer's routed experts split over E consecutive ranks, tokens dispatched to them by all-to-all of a capacity-padded buffer; experts and processes must divide by E; ZeRO 0-2 (DeepSpeed refuses its MoE under ZeRO-3). A mixture of experts always trains on DeepSpeed's MoE layer under deepspeed; 1: every rank holds every expert."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ep, bool) or not isinstance(self.ep, int) or self.ep < 1:
+            raise ConfigError(f"ep must be a positive integer (1: no expert parallelism), got {self.ep!r}")
 
 
 def autotp_partition_config(model: nn.Module) -> dict[str, Any]:
@@ -111,6 +128,17 @@ class _DeepSpeedPrecision(Precision):
 
     def autocast(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+
+def _moe_refusal(cfg: TrainConfig, opts: DeepSpeedOptions, world: int | None, stage: int) -> str | None:
+    """Why deepspeed cannot train ``cfg``'s model with ``--ep`` (``parallel.deepspeed_moe.ep_refusal``), or
+    resume one (untested: DeepSpeed's expert files), in one line; None where it can."""
+    n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
+    why = ep_refusal(cfg.model, n_experts, opts.ep, world, stage, opts.autotp_size, cfg.clip_grad_norm)
+    if why is None and n_experts is not None and (cfg.resume or cfg.resume_from):
+        return (f"deepspeed with model {cfg.model} (DeepSpeed-MoE) does not resume; start from its weights with "
+                "--init-from")  # fmt: skip
+    return why
 
 
 def _autotp_unsupported(cfg: TrainConfig, t: int) -> str | None:
@@ -184,7 +212,8 @@ class DeepSpeedCheckpointIO(CheckpointIO):
             autotp_whole(module) if autotp_size_of(self.strategy.ds_config) > 1 else contextlib.nullcontext()
         )
         with gathered, tp_whole:
-            return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+            state = {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+        return whole_moe_state(module, state) if ds_moe_layers(module) else state
 
     def save_checkpoint(self, path: Path, model: nn.Module, optimizer, extra: dict) -> Path:
         """DeepSpeed's own (sharded) checkpoint plus stratbench's header, swapped into place atomically."""
@@ -245,6 +274,11 @@ class DeepSpeedCheckpointIO(CheckpointIO):
 
     def _load_weights(self, state: dict[str, torch.Tensor]) -> None:
         module = self.strategy.unwrap(self.strategy.engine)
+        if ds_moe_layers(module):
+            raise CheckpointError(
+                "deepspeed with a mixture of experts loads another layout's weights only through --init-from "
+                "(before its experts become DeepSpeed-MoE's)"
+            )
         if autotp_size_of(self.strategy.ds_config) > 1:
             with autotp_whole(module):  # every rank loads the whole weights, then keeps its slices
                 module.load_state_dict(state)
@@ -268,6 +302,7 @@ class DeepSpeed(Strategy):
     requirements = "pip install deepspeed; 1+ processes (CPU with gloo, or one GPU each)"
     launcher = "deepspeed"
     checkpoint_layout = "deepspeed"
+    takes_moe = True  # on DeepSpeed-MoE's layer (parallel.deepspeed_moe), --ep E ranks per expert set
 
     @classmethod
     def check_checkpoint(cls, path: Path, meta: dict[str, Any]) -> None:
@@ -279,6 +314,14 @@ class DeepSpeed(Strategy):
         if cfg.lora_rank and cls.parse_options(cfg.strategy_options).autotp_size > 1:
             return "--lora-rank with deepspeed --autotp-size is not supported: AutoTP shards nn.Linear modules, which LoRA replaces by PEFT's adapter layers"
         return None
+
+    @classmethod
+    def moe_refusal(cls, cfg: TrainConfig) -> str | None:
+        """Why deepspeed cannot train ``cfg``'s mixture of experts (``_moe_refusal``) at the --zero-stage given (2 by
+        default), before the world is known: what the estimate's, list's and advise's rows say. ``check_supported``
+        checks again with the world and a --deepspeed-config's stage."""
+        opts = cls.parse_options(cfg.strategy_options)
+        return _moe_refusal(cfg, opts, None, 2 if opts.zero_stage is None else opts.zero_stage)
 
     @classmethod
     def check_supported(cls, cfg: TrainConfig, device: torch.device, world_size: int) -> str | None:
@@ -317,6 +360,8 @@ class DeepSpeed(Strategy):
         )
         if reason:
             return reason
+        if why := _moe_refusal(cfg, opts, world_size, int(zero.get("stage", 0))):
+            return why
         user_block = bool(opts.deepspeed_config) and "optimizer" in load_user_json(opts.deepspeed_config)
         if opts.ds_optimizer != "torch" and not user_block and cfg.optimizer != "adamw":
             raise ConfigError(
@@ -367,6 +412,9 @@ class DeepSpeed(Strategy):
         """With --autotp-size or ZeRO++, the mesh in result.json (DeepSpeed's (dp, tp) groups; hpZ's and qgZ's,
         ``zeropp_mesh``), as fsdp --tp reports its."""
         t = self.options.autotp_size
+        if layers := ds_moe_layers(self.model):
+            n, e = layers[0].n_experts, self.options.ep
+            return {"ep": {"size": e, "experts_per_rank": n // e, "layer": "deepspeed.moe.layer.MoE"}}
         if t > 1:
             return {"mesh": {"dp": self.env.world_size // t, "tp": t}}
         mesh = zeropp_mesh(self.cfg, self.env.world_size, self.ds_config.get("zero_optimization", {}))
@@ -393,6 +441,10 @@ class DeepSpeed(Strategy):
         size_nvme_param_buffers(self.ds_config["zero_optimization"], model, self.env.world_size)
         if "tensor_parallel" in self.ds_config:
             self.ds_config["tensor_parallel"].setdefault("partition_config", autotp_partition_config(model))
+        if apply_deepspeed_moe(model, self.options.ep, self.env.rank) and self.env.is_main:
+            n = ds_moe_layers(model)[0].n_experts
+            print(f"deepspeed --ep {self.options.ep}: DeepSpeed-MoE layers, each rank holding "
+                  f"{n // self.options.ep} of each layer's {n} experts", flush=True)  # fmt: skip
         return model
 
     def run_files(self) -> dict[str, str]:
@@ -404,14 +456,8 @@ class DeepSpeed(Strategy):
 
         if "optimizer" in self.ds_config:
             client = None  # built by DeepSpeed from the config's optimizer block
-        elif self.options.ds_optimizer == "torch":
-            client = make_optimizer(model.parameters())
-        else:  # "cpu-adam"
-            from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-            client = DeepSpeedCPUAdam(
-                trainable(model.parameters()), lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True
-            )
+        else:
+            client = self._client_optimizer(model, make_optimizer)
         zero = self.ds_config["zero_optimization"]
         if (zero.get("offload_optimizer") or {}).get("device") == "nvme":
             align_swapped_gradients()
@@ -429,6 +475,17 @@ class DeepSpeed(Strategy):
         # The torch optimizer DeepSpeed finally steps (its param_groups are the ones the ZeRO wrapper uses),
         # so stratbench's LR scheduler, where DeepSpeed has none, sets the learning rate DeepSpeed applies.
         return engine.basic_optimizer if engine.basic_optimizer is not None else engine.optimizer
+
+    def _client_optimizer(self, model: nn.Module, make_optimizer) -> torch.optim.Optimizer:
+        """The torch optimizer (or DeepSpeedCPUAdam) over the trained parameters; with DeepSpeed-MoE layers,
+        over the dense and the expert groups ZeRO needs (``moe_param_groups``)."""
+        params = trainable(model.parameters())
+        groups = moe_param_groups(params) if ds_moe_layers(model) else params
+        if self.options.ds_optimizer == "torch":
+            return make_optimizer.prepare(make_optimizer.cls(groups, **make_optimizer.kwargs))
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(groups, lr=self.cfg.lr, weight_decay=self.cfg.weight_decay, adamw_mode=True)
 
     def _autotp_groups(self):
         """Under --autotp-size, DeepSpeed's (dp, tp) process groups, passed as the ``mpu``: without one, deepspeed

@@ -405,8 +405,6 @@ class Trainer:
             metrics.before_model(build)
         model = build()
         meta = self._model_meta(bundle, model)
-        layers = moe_layers(model)
-        self.train_loss = with_router_loss(self.loss_fn, layers)
         if cfg.weights:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
@@ -419,6 +417,9 @@ class Trainer:
         strategy.total_steps = total_steps
         # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
         model, optimizer = strategy.setup(model, optimizer_spec(cfg))
+        # the MoE layers of the set-up model: a strategy may swap them for its own (deepspeed: DeepSpeed-MoE's)
+        layers = moe_layers(model)
+        self.train_loss = with_router_loss(self.loss_fn, layers)
         self.result["transforms"] = list(strategy.transforms.applied)
         scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
         self.result.update(strategy.optimizer_report(optimizer))

@@ -196,6 +196,11 @@ AUTOTP_WEIGHTS = "autotp_model_whole.pt"
 """File (in a checkpoint folder of an --autotp-size run) with the whole model: DeepSpeed saves each AutoTP rank's
 slices (mp_rank_XX files), which its zero_to_fp32 does not merge."""
 
+MOE_WEIGHTS = "moe_model_whole.pt"
+"""File (in a checkpoint folder of a DeepSpeed-MoE run) with the whole model in the project's layout (the experts
+gathered into the stacked tensors, ``parallel.deepspeed_moe.whole_moe_state``): DeepSpeed saves one file per expert
+under its own module names, which zero_to_fp32 does not bring back to the model other methods build."""
+
 
 def autotp_size_of(ds_config: dict[str, Any]) -> int:
     """The AutoTP degree a DeepSpeed config asks for (``tensor_parallel.autotp_size``; 1: off)."""
@@ -225,12 +230,13 @@ def save_engine_checkpoint(strategy: Strategy, engine, path: Path, ds_config: di
         shutil.rmtree(tmp)
     strategy.barrier()
     engine.save_checkpoint(str(tmp), tag=DS_TAG, save_latest=True)
-    t = autotp_size_of(ds_config)
-    whole = strategy.checkpoint_io.model_state_dict(engine) if t > 1 else None  # a collective (all-gathers)
+    t, moe = autotp_size_of(ds_config), bool(getattr(engine, "has_moe_layers", False))
+    # the whole model, a collective (AutoTP's all-gathers, the experts' over their ep groups)
+    whole = strategy.checkpoint_io.model_state_dict(engine) if t > 1 or moe else None
     if strategy.env.is_main:
         if whole is not None:
-            extra = extra | {"autotp_size": t}
-            checkpoint.atomic_save(whole, tmp / AUTOTP_WEIGHTS)
+            extra = extra | ({"whole_weights": MOE_WEIGHTS} if moe else {"autotp_size": t})
+            checkpoint.atomic_save(whole, tmp / (MOE_WEIGHTS if moe else AUTOTP_WEIGHTS))
         header = {
             "format": checkpoint.FORMAT,
             "version": checkpoint.VERSION,
@@ -324,9 +330,10 @@ def read_deepspeed_checkpoint(path: Path, meta: dict[str, Any]) -> dict[str, Any
     checkpoint.check_folder(path)
     if not (Path(path) / tag).is_dir():
         raise CheckpointError(f"{path} has no DeepSpeed folder {tag!r} (incomplete checkpoint?)")
-    if int(meta.get("autotp_size", 1)) > 1:
-        # AutoTP: the mp_rank_XX files hold each rank's slices; the whole weights were gathered when it was saved.
-        blob = checkpoint.safe_torch_load(Path(path) / AUTOTP_WEIGHTS)
+    whole = meta.get("whole_weights") or (AUTOTP_WEIGHTS if int(meta.get("autotp_size", 1)) > 1 else None)
+    if whole:
+        # AutoTP's slices and DeepSpeed-MoE's expert files: the whole weights were gathered when it was saved.
+        blob = checkpoint.safe_torch_load(Path(path) / Path(whole).name)
         model = {k: v.float() if v.is_floating_point() else v for k, v in blob.items()}
     elif int(meta.get("zero_stage", 0)) == 0:
         # No ZeRO: the engine saved the full module (in the training dtype) in mp_rank_00_model_states.pt.
