@@ -1,4 +1,4 @@
-"""The moe-quick preset (a mixture of experts on a CPU), planned in process, and the report's MoE columns: shown
+"""The moe-quick preset (a mixture of experts on a CPU, expert parallelism by fsdp and DeepSpeed-MoE), planned in process, and the report's MoE columns: shown
 where a row trained an MoE, with its active / total parameters and its routing; absent from a dense sweep."""
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ from stratbench.models.transformer import SIZES
 def test_moe_quick_plans_every_row():
     matrix = build_matrix(PRESETS["moe-quick"]())
     cells = {c.name: c for c in matrix.cells}
-    assert list(cells) == ["single", "ddp", "fsdp", "fsdp-ep2"]
+    assert list(cells) == ["single", "ddp", "fsdp", "fsdp-ep2", "deepspeed-moe-ep2"]
     assert "moe-quick" in PRESET_HELP and SIZES["gpt-moe-tiny"].is_moe
     for name, c in cells.items():
         assert c.config["model"] == "gpt-moe-tiny" and c.precision == "fp32", name
         assert c.world_size == (1 if name == "single" else 2), name
     assert cells["fsdp-ep2"].options == {"ep": 2}
-    assert build_matrix(PRESETS["moe-quick"](4)).cells[-1].options == {"ep": 4}
+    assert cells["deepspeed-moe-ep2"].options["ep"] == 2 and cells["deepspeed-moe-ep2"].options["zero_stage"] == 2
+    assert [c.options.get("ep") for c in build_matrix(PRESETS["moe-quick"](4)).cells] == [None, None, None, 4, 4]
     refused = {p.cell.name: p.reason for p in plan(matrix) if p.status is not None}
     assert refused == {}, refused
 

@@ -776,22 +776,29 @@ def preset_llm_long() -> dict[str, Any]:
 
 
 def preset_moe_quick(world_size: int | None = None) -> dict[str, Any]:
-    """The mixture of experts on a CPU: gpt-moe-tiny (its experts, top-k, dropless) under single, ddp, fsdp and fsdp
-    with expert parallelism over every rank (each rank holds experts / world whole experts, tokens sent to them by
-    all-to-all); the report adds active / total parameters and the load balance."""
+    """The mixture of experts on a CPU: gpt-moe-tiny (its experts, top-k, dropless) under single, ddp, fsdp, and
+    expert parallelism over every rank (each rank holds experts / world whole experts, tokens sent to them by
+    all-to-all) by fsdp and by DeepSpeed-MoE at ZeRO-2; the report adds active / total parameters and the load."""
     world = world_size or 2
     moe = SIZES["gpt-moe-tiny"]
     return {
         "name": "moe-quick",
         "description": f"gpt-moe-tiny ({moe.n_experts} experts, top-{moe.moe_top_k}, dropless) on byte-level text "
         "of the Python standard library, sequence 128, global batch 16, 40 steps of AdamW, fp32; the methods that "
-        f"train a mixture of experts with {world} processes, and fsdp with expert parallelism",
+        f"train a mixture of experts with {world} processes, and expert parallelism by fsdp and DeepSpeed-MoE",
         "base": dict(LLM_QUICK_BASE, model="gpt-moe-tiny"),
         "world_size": world,
         "timeout_s": 300,
         "cells": [
             {"method": ["single", "ddp", "fsdp"], "precision": "fp32"},
             {"method": "fsdp", "precision": "fp32", "options": {"ep": world}, "label": f"fsdp-ep{world}"},
+            # DeepSpeed-MoE: DeepSpeed's own expert layer (its gate, dropless; padded all-to-all buffers) at ZeRO-2
+            {
+                "method": "deepspeed",
+                "precision": "fp32",
+                "options": {"zero_stage": 2, "ep": world, "reduce_bucket_size": SMALL_DS_BUCKET},
+                "label": f"deepspeed-moe-ep{world}",
+            },
         ],
     }
 
@@ -824,7 +831,7 @@ PRESET_HELP = {
     "ft-quick": "fine-tuning on CPU: full, LoRA, LoRA + 8-bit AdamW",
     "llm-ft": "Llama-3-8B fine-tuning on GPUs: full, LoRA, QLoRA",
     "llm-long": "long sequences on CPU: activation checkpointing and context parallelism at 1k and 4k tokens",
-    "moe-quick": "mixture of experts on CPU: single, ddp, fsdp, fsdp with expert parallelism",
+    "moe-quick": "mixture of experts on CPU: single, ddp, fsdp, expert parallelism by fsdp and DeepSpeed-MoE",
 }
 """One line per preset for ``compare --help`` (every preset listed; a test keeps the two in step)."""
 WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick", "moe-quick")
