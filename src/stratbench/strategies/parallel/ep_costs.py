@@ -1,0 +1,93 @@
+"""What expert parallelism costs (``fsdp --ep E``): the model states one rank holds, and the load imbalance the
+projection prices its exchanges and its busiest rank's experts with.
+
+Memory (``ep_memory``): the dense parts (attention, norms, router, embedding, head) are FSDP2's shards over every
+rank, as plain fsdp prices them (``fsdp2_memory`` of the model with the experts left out, ``ep_dense``: the units
+it gathers hold no expert); each rank holds experts / E of every MoE layer's routed experts *whole*: their weights,
+their gradients (not reduce-scattered: each is the rank's own) and their optimizer state, never gathered. With
+dp x ep (E below the world) the same experts / E are held by each of the world / E ep groups, so a rank's expert
+bytes depend on E alone. The exchange's token buffers are the rank's T x k routed rows (T its micro-batch's tokens)
+sent and the same number returned, in the compute dtype, alive together in forward and again in backward: at
+balanced routing each rank receives as many rows as it sends (the router's real split is measured by the run:
+``moe.load_imbalance``). The activations are the traced model's (every expert on its share of T x k rows, a
+capacity applied as the layer applies it): a rank's experts / E run on the T x k rows it receives, the same rows.
+
+Load imbalance (``DEFAULT_IMBALANCE``, ``rank_imbalance``): the busiest rank of an ep group receives more than the
+mean T x k rows, and every all-to-all waits for it; the projection multiplies the exchanges' bytes and the routed
+experts' FLOPs by the busiest rank's share.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from stratbench.models.transformer import SIZES
+from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.parallel.fsdp import fsdp2_memory
+
+DEFAULT_IMBALANCE = 1.1
+"""The busiest ep rank's rows over the mean where no run measured it: a load-balanced router (auxiliary loss or
+DeepSeek-V3's bias) keeps the busiest expert within ~10% of the mean once trained (Megatron-Bridge's MoE benchmarks
+force balance, 1.0; torchtitan and Megatron-Core report a few to ~20% max/mean with the auxiliary loss). A stated
+default, not a measurement: ``advise``/``estimate --time`` say when it is used."""
+
+
+def is_expert(shape: tuple[int, ...]) -> bool:
+    """The built-in MoE transformer's routed experts are its only 3-D parameters (the stacked (E, ...) weights)."""
+    return len(shape) == 3
+
+
+def token_rows(cfg, world: int) -> int:
+    """Routed rows one rank sends per micro-step: its micro-batch's tokens x top-k (the run's --moe-top-k where
+    given, as the model is built)."""
+    tc = SIZES[cfg.model]
+    tokens = cfg.batch_size // world // cfg.grad_accum * cfg.seq_len
+    return tokens * (cfg.moe_top_k or tc.moe_top_k)
+
+
+def dense_part(ctx):
+    """``ctx`` with the routed experts' weights left out (0 elements, shape (0,)): what FSDP2 shards under --ep;
+    every parameter keeps its place (the units' indices hold) and its optimizer ``step``."""
+    info = ctx.info
+    expert = [is_expert(s) for s in info.param_shapes]
+    numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
+    dim0 = [1 if e else d for d, e in zip(info.dim0, expert, strict=True)]
+    shapes = [(0,) if e else s for s, e in zip(info.param_shapes, expert, strict=True)]
+    info = dataclasses.replace(info, numels=numels, dim0=dim0, shapes=tuple(shapes))
+    return dataclasses.replace(ctx, info=info)
+
+
+def ep_memory(ctx, rank: int, ep: int, sharding: str) -> RankMemory:
+    """One rank's model states under ``--ep ep``: the model without its experts (``dense_part``) as FSDP2 shards
+    it with ``sharding``, plus experts / ``ep`` of each expert weight whole with its gradient and optimizer
+    state; the exchange's send and return buffers of T x k rows of dim in the compute dtype with the units'."""
+    m = fsdp2_memory(dense_part(ctx), rank, sharding, False)
+    shapes = [s for s, t in zip(ctx.shapes, ctx.trainable, strict=True) if is_expert(s) and t]
+    local = [(s[0] // ep, *s[1:]) for s in shapes]
+    numel = sum(a * b * c for a, b, c in local)
+    m.params += numel * ctx.param_bytes
+    m.grads += numel * ctx.param_bytes
+    m.optim += ctx.optim_bytes(local)
+    tc = SIZES[ctx.cfg.model]
+    rows = token_rows(ctx.cfg, ctx.world) * tc.dim * ctx.pspec.compute_dtype.itemsize
+    m.gathered += 2 * rows
+    m.gather_note += f"; the all-to-all's {token_rows(ctx.cfg, ctx.world):,} routed rows sent and returned"
+    experts = tc.n_experts
+    m.sharding_note = (
+        f"dense parts {m.sharding_note} (N = {ctx.world}); {experts // ep} of {experts} experts per MoE layer "
+        f"whole on each rank (ep = {ep}), with their gradients and optimizer state"
+    )
+    return m
+
+
+def rank_imbalance(tokens_per_expert: list[list[int]], ep: int) -> float:
+    """The busiest ep rank's received rows over the mean, from a run's ``moe.tokens_per_expert`` (layers x
+    experts, summed over its micro-batches): each rank holds ``experts / ep`` consecutive experts; the largest over
+    the layers (every layer's exchange waits for its busiest rank)."""
+    worst = 1.0
+    for layer in tokens_per_expert:
+        per = len(layer) // ep
+        loads = [sum(layer[r * per : (r + 1) * per]) for r in range(ep)]
+        mean = sum(loads) / ep
+        worst = max(worst, max(loads) / mean if mean else 1.0)
+    return worst
