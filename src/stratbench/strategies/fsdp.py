@@ -83,11 +83,10 @@ from stratbench.strategies.parallel.context_parallel import (
     local_chunk,
     ulysses_rows,
 )
-from stratbench.strategies.parallel.ep_costs import ep_memory
+from stratbench.strategies.parallel.ep_costs import ep_comm, ep_memory
 from stratbench.strategies.parallel.expert_parallel import (
     apply_ep,
     ep_dense,
-    ep_rows,
     ep_unfit,
     scale_expert_grads,
     sharded_expert_state,
@@ -457,7 +456,7 @@ class FSDPCost(CostModel):
         if ctx.options.tp > 1:
             return fsdp_tp_comm(ctx)
         if ctx.options.ep > 1:  # FSDP2 over the dense parts, the experts' all-to-alls
-            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ctx.options.ep)
+            return fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_comm(ctx, ctx.options.ep)
         clip = clip_norms_over_shards(ctx, ctx) if ctx.cfg.clip_grad_norm else []
         cp = ulysses_rows(ctx, ctx.options.cp) if ctx.options.cp > 1 else []
         if ctx.options.replicate > 1:

@@ -2,7 +2,7 @@
 projection prices its exchanges and its busiest rank's experts with.
 
 Memory (``ep_memory``): the dense parts (attention, norms, router, embedding, head) are FSDP2's shards over every
-rank, as plain fsdp prices them (``fsdp2_memory`` of the model with the experts left out, ``ep_dense``: the units
+rank, as plain fsdp prices them (``fsdp2_memory`` of the model with the experts left out, ``dense_part``: the units
 it gathers hold no expert); each rank holds experts / E of every MoE layer's routed experts *whole*: their weights,
 their gradients (not reduce-scattered: each is the rank's own) and their optimizer state, never gathered. With
 dp x ep (E below the world) the same experts / E are held by each of the world / E ep groups, so a rank's expert
@@ -13,23 +13,26 @@ balanced routing each rank receives as many rows as it sends (the router's real 
 capacity applied as the layer applies it): a rank's experts / E run on the T x k rows it receives, the same rows.
 
 Load imbalance (``DEFAULT_IMBALANCE``, ``rank_imbalance``): the busiest rank of an ep group receives more than the
-mean T x k rows, and every all-to-all waits for it; the projection multiplies the exchanges' bytes and the routed
-experts' FLOPs by the busiest rank's share.
+mean T x k rows, and every all-to-all waits for it: the projection multiplies the exchanges' bytes by the busiest
+rank's share, measured by its calibration run where that routed over as many experts, else the stated default. The
+busiest rank's extra expert FLOPs are not priced (the compute stays the active FLOPs of a balanced layer).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+from stratbench.measuring.comm import Collective
 from stratbench.models.transformer import SIZES
 from stratbench.strategies.costs import RankMemory
+from stratbench.strategies.parallel.expert_parallel import ep_rows
 from stratbench.strategies.parallel.fsdp import fsdp2_memory
 
 DEFAULT_IMBALANCE = 1.1
-"""The busiest ep rank's rows over the mean where no run measured it: a load-balanced router (auxiliary loss or
-DeepSeek-V3's bias) keeps the busiest expert within ~10% of the mean once trained (Megatron-Bridge's MoE benchmarks
-force balance, 1.0; torchtitan and Megatron-Core report a few to ~20% max/mean with the auxiliary loss). A stated
-default, not a measurement: ``advise``/``estimate --time`` say when it is used."""
+"""The busiest ep rank's rows over the mean where no run measured it: a stated assumption (a router trained with a
+load-balancing loss or DeepSeek-V3's bias keeps its ranks near balance; Megatron-Bridge's MoE benchmarks force
+balance, 1.0), not a measurement; the exchanges' note says when it is used. An untrained router is far from it:
+gpt-moe-tiny's 3 steps on this CPU measured 1.85 max/mean per expert."""
 
 
 def is_expert(shape: tuple[int, ...]) -> bool:
@@ -91,3 +94,30 @@ def rank_imbalance(tokens_per_expert: list[list[int]], ep: int) -> float:
         mean = sum(loads) / ep
         worst = max(worst, max(loads) / mean if mean else 1.0)
     return worst
+
+
+def imbalance(ctx, ep: int) -> tuple[float, str]:
+    """(the busiest ep rank's rows over the mean, where it comes from): ``rank_imbalance`` of the calibration run's
+    tokens per expert where it routed over as many experts as this model has, else ``DEFAULT_IMBALANCE``."""
+    experts = SIZES[ctx.cfg.model].n_experts
+    counts = ctx.routed_counts
+    if counts and all(len(layer) == experts for layer in counts):
+        return rank_imbalance(counts, ep), f"measured by {ctx.routed_source or 'the calibration run'}"
+    why = "no calibration run routed" if not counts else "the calibration run routed over another number of"
+    return DEFAULT_IMBALANCE, f"default ({why} {experts} experts)"
+
+
+def ep_comm(ctx, ep: int) -> list[Collective]:
+    """``ep_rows`` (the exchanges at balanced routing), on the critical path (the experts wait for their rows, the
+    next op for the returned ones: ``ExpertExchange`` overlaps nothing); where ``ctx.busiest_rank`` (the projection)
+    their bytes scaled to the busiest rank's share of the routed rows (``imbalance``): every all-to-all waits for
+    the rank that receives the most."""
+    rows = [dataclasses.replace(r, critical=True) for r in ep_rows(ctx, ep)]
+    if not ctx.busiest_rank:
+        return rows
+    factor, how = imbalance(ctx, ep)
+    return [
+        dataclasses.replace(r, payload_bytes=round(r.payload_bytes * factor), note=f"{r.note}; x {factor:.2f} "
+                            f"the mean rows at the busiest rank, {how}")
+        for r in rows
+    ]  # fmt: skip
