@@ -83,7 +83,7 @@ def test_the_projection_prices_the_exchanges_at_the_busiest_rank_measured_else_t
     assert len(plain) == len(busy) == 2 and all(r["critical"] for r in plain + busy)
     for p, b in zip(plain, busy, strict=True):
         assert b["payload_bytes"] == pytest.approx(p["payload_bytes"] / DEFAULT_IMBALANCE * 1.6, rel=1e-6)
-        assert "measured by run X" in b["note"] and "default" in p["note"]
+        assert "measured (run X)" in b["note"] and "default" in p["note"]
 
 
 def test_advise_offers_the_ep_degrees_a_mixture_of_experts_takes_and_names_the_fastest_that_fits():

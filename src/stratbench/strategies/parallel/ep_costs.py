@@ -102,7 +102,7 @@ def imbalance(ctx, ep: int) -> tuple[float, str]:
     experts = SIZES[ctx.cfg.model].n_experts
     counts = ctx.routed_counts
     if counts and all(len(layer) == experts for layer in counts):
-        return rank_imbalance(counts, ep), f"measured by {ctx.routed_source or 'the calibration run'}"
+        return rank_imbalance(counts, ep), f"measured ({ctx.routed_source or 'the calibration run'})"
     why = "no calibration run routed" if not counts else "the calibration run routed over another number of"
     return DEFAULT_IMBALANCE, f"default ({why} {experts} experts)"
 
