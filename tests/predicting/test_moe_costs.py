@@ -11,10 +11,11 @@ import pytest
 from conftest import assert_estimate_within, tiny_lm_fp64, train
 from stratbench.core.config import TrainConfig
 from stratbench.measuring.hardware import resolve
+from stratbench.measuring.records import RunRecord
 from stratbench.models.transformer import SIZES
 from stratbench.predicting.advise import applicable, candidates, ep_choice
 from stratbench.predicting.estimate import estimate
-from stratbench.predicting.projection import Calibration, project
+from stratbench.predicting.projection import calibrate, project
 from stratbench.strategies.parallel.ep_costs import DEFAULT_IMBALANCE, rank_imbalance
 
 FLAGS = [a if a != "gpt-tiny" else "gpt-moe-tiny" for a in tiny_lm_fp64(seq=32, batch=8, eval_samples=8)]
@@ -68,22 +69,29 @@ def test_ep_2_with_a_capacity_factor_holds_its_estimate(tmp_path):
 
 
 def test_the_projection_prices_the_exchanges_at_the_busiest_rank_measured_else_the_default():
-    """fsdp --ep 2 on 2 H100: the all-to-alls' bytes are the balanced formula's x the busiest rank's share (a
-    calibration run's tokens per expert: ranks of 2 experts receiving 100 + 60 and 20 + 20 rows: 160 / 100), on the
-    critical path, the source said; without a routed calibration x the stated default."""
+    """fsdp --ep 2 on 2 H100: the all-to-alls' bytes are the balanced formula's x the busiest rank's share, read
+    from a one-device MoE calibration run's result.json (``moe.tokens_per_expert``: ranks of 2 experts receiving
+    100 + 60 and 20 + 20 rows: 160 / 100), on the critical path, the source said; without a routed calibration x
+    the stated default."""
     system, c = resolve("h100-sxm"), cfg(2, 2).replace(precision="bf16-mixed")
     routed = [[100, 60, 20, 20]] * SIZES["gpt-moe-tiny"].n_layers
-    cal = Calibration(0.4, "bf16", device="h100-sxm", source="run X", tokens_per_expert=routed)
-    plain = [r for r in project(c, system, 1, 2, memory=False).comm_rows if r["kind"] == "all_to_all"]
-    busy = [
-        r
-        for r in project(c, system, 1, 2, {"bf16": cal}, memory=False).comm_rows
-        if r["kind"] == "all_to_all"
-    ]
+    run = {
+        "status": "ok", "world_size": 1, "config": c.replace(strategy="single", strategy_options={}).to_dict(),
+        "environment": {"device_type": "cuda", "gpus": ["NVIDIA H100 80GB HBM3"]},
+        "metrics": {"step_time_median_s": 0.05}, "moe": {"tokens_per_expert": routed},
+    }  # fmt: skip
+    cal = calibrate([RunRecord.from_dict(run)], system)["bf16"]
+    assert cal.tokens_per_expert == routed
+
+    def a2a(calibration) -> list[dict]:
+        rows = project(c, system, 1, 2, calibration, memory=False).comm_rows
+        return [r for r in rows if r["kind"] == "all_to_all"]
+
+    plain, busy = a2a(None), a2a({"bf16": cal})
     assert len(plain) == len(busy) == 2 and all(r["critical"] for r in plain + busy)
     for p, b in zip(plain, busy, strict=True):
         assert b["payload_bytes"] == pytest.approx(p["payload_bytes"] / DEFAULT_IMBALANCE * 1.6, rel=1e-6)
-        assert "measured (run X)" in b["note"] and "default" in p["note"]
+        assert f"measured ({cal.source})" in b["note"] and "default" in p["note"]
 
 
 def test_advise_offers_the_ep_degrees_a_mixture_of_experts_takes_and_names_the_fastest_that_fits():
