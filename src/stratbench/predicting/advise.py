@@ -88,6 +88,7 @@ def candidates(devices: int, gpus_per_node: int | None = None) -> list[Plan]:
         *_node_plans(devices, gpus_per_node)[:1],
         Plan("fsdp", (("sharding", "full"),), why="FSDP full shard (ZeRO-3): parameters sharded too, gathered per block (1.5x DDP's traffic)"),
         *_node_plans(devices, gpus_per_node)[1:],
+        *_expert_parallel_plans(devices),
         Plan("fsdp", (("sharding", "full"),), True, why="full shard + activation checkpointing: activations recomputed per block"),
         *_tensor_parallel_plans(devices, gpus_per_node),
         *_context_parallel_plans(devices, gpus_per_node),
@@ -109,6 +110,36 @@ def _node_plans(devices: int, gpus_per_node: int | None) -> list[Plan]:
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g)), why=f"ZeRO-3 + hpZ: a copy of the parameters sharded over each node's {g} devices, so the backward gather stays in the node: 2/3 of ZeRO-3's inter-node bytes for 1/{g} of the parameters more memory"),
         Plan("deepspeed", (("zero_stage", 3), ("zero_hpz", g), ("zero_quantized_weights", True), ("zero_quantized_gradients", True)), why=f"ZeRO++: hpZ over each node's {g} devices, int8 weight gathers (qwZ) and int4 gradient all-to-alls (qgZ): ~1/4 of ZeRO-3's inter-node bytes; wins where ZeRO-3 waits on the inter-node link (needs DeepSpeed's CUDA quantizer kernel: dropped where it cannot be built)"),
     ]  # fmt: skip
+
+
+EP_DEGREES = (2, 4, 8, 16, 32, 64, 128, 256)
+"""Expert-parallel degrees advise tries for a mixture of experts (``applicable`` keeps those the model's experts and
+the devices divide, and that ``fsdp --ep`` runs: a dense model is offered none)."""
+
+
+def _expert_parallel_plans(devices: int) -> list[Plan]:
+    """FSDP full shard of the dense parts with E-way expert parallelism: each rank holds experts / E of every MoE
+    layer whole (never gathered) and exchanges its routed tokens by all-to-all, on the critical path."""
+    return [
+        Plan("fsdp", (("sharding", "full"), ("ep", e)), why=f"expert parallelism: experts / {e} of every MoE layer whole on each device, tokens sent to their experts' devices and back by all-to-all (on the critical path, over the links the ep group of {e} crosses), the dense parts FSDP full shard")
+        for e in EP_DEGREES if e <= devices and devices % e == 0
+    ]  # fmt: skip
+
+
+def ep_choice(ranking: list[dict]) -> str | None:
+    """One line naming the expert-parallel degree advise would take: of the ``--ep`` plans ranked, those that fit
+    and the fastest of them; None where no ep plan was ranked (a dense model)."""
+    ep = [r for r in ranking if "--ep " in r["plan"]]
+    if not ep:
+        return None
+    degree = {id(r): r["plan"].split("--ep ")[1].split()[0] for r in ep}
+    said = "; ".join(f"--ep {degree[id(r)]} {'fits' if r['fits'] else 'does not fit'}"
+                     + (f", {r['step_s'] * 1e3:.1f} ms/step" if r["step_s"] else "") for r in ep)  # fmt: skip
+    fit = [r for r in ep if r["fits"] and r["step_s"]]
+    if not fit:
+        return f"expert parallelism: no degree fits ({said})"
+    best = min(fit, key=lambda r: r["step_s"])
+    return f"expert parallelism: --ep {degree[id(best)]} is the fastest degree that fits ({said})"
 
 
 CP_DEGREES = (2, 4, 8)
@@ -497,6 +528,8 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         )
         if fits and p.step_s:
             fitting.append((plan, est, p))
+    if line := ep_choice(advice.ranking):
+        advice.reasons.append(line)
     if not fitting:
         advice.reasons.append("nothing that fits has a projection: lower --batch-size or use more devices")
         return advice

@@ -253,6 +253,9 @@ class Calibration:
     predicts for `single` at that batch: the method's own host work (hooks, flat-parameter copies, gathers
     through a 1-rank group, wrappers) that no FLOP or collective term counts."""
     method_sources: dict[str, str] = field(default_factory=dict)
+    tokens_per_expert: list[list[int]] | None = None
+    """An MoE calibration run's routed assignments per layer and expert (its result's ``moe``): the projection
+    prices expert parallelism's exchanges at the busiest rank they imply (``parallel.ep_costs``)."""
 
 
 def method_key(cfg: TrainConfig) -> str:
@@ -493,6 +496,7 @@ def calibrate_one(results: list[RunRecord], system: System, names: list[str] | N
         source=f"calibrated on {device_gpu.name} ({', '.join(names)}; {how})",
         points=points,
         thread_share=statistics.fmean(shares),
+        tokens_per_expert=(results[-1].fields.get("moe") or {}).get("tokens_per_expert"),
     )
 
 
@@ -662,7 +666,9 @@ def project(
     out = MethodProjection(label or cfg.strategy, world, nodes if world > 1 else 1)
     device_type = "cpu" if system.gpu.kind == "cpu" else "cuda"
     info = model_info(ModelSpec.from_config(cfg))
-    ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type)
+    routed = next((c for c in (calibration or {}).values() if c.tokens_per_expert), None)
+    ctx = MemoryContext(cfg, world, info, cls.parse_options(cfg.strategy_options), device_type, busiest_rank=True,
+                        routed_counts=routed and routed.tokens_per_expert, routed_source=routed and routed.source or "")  # fmt: skip
     out.mesh = cls.cost.mesh_dims(ctx)
     out.placement_note = placement_note(out.mesh, system)
     rows = cls.cost.comm_model(ctx)

@@ -144,6 +144,15 @@ class MemoryContext:
     info: ModelInfo
     options: Any
     device_type: str = "cuda"
+    busiest_rank: bool = False
+    """Price expert parallelism's exchanges at the busiest rank of an ep group (the projection: every all-to-all
+    waits for it; ``parallel.ep_costs``); False: at balanced routing (the formula a run's --comm-volume check and
+    ``estimate`` state)."""
+    routed_counts: list[list[int]] | None = None
+    """A measured MoE run's assignments per layer and expert (result.json's ``moe.tokens_per_expert``), where the
+    projection was calibrated on one: the busiest rank's share is read from them; None: a stated default."""
+    routed_source: str = ""
+    """Where ``routed_counts`` come from (the calibration run), said in the exchanges' note."""
 
     @functools.cached_property
     def adapters(self) -> list[tuple[int, int]]:

@@ -83,11 +83,11 @@ from stratbench.strategies.parallel.context_parallel import (
     local_chunk,
     ulysses_rows,
 )
+from stratbench.strategies.parallel.ep_costs import ep_comm, ep_memory
 from stratbench.strategies.parallel.expert_parallel import (
     EPCheckpointIO,
     EPSetup,
     clip_grad_norm_ep,
-    ep_comm,
     ep_mesh_dims,
     ep_refusal,
     ep_report,
@@ -395,6 +395,8 @@ class FSDPCost(CostModel):
             ctx.cfg, opts.cp, opts.tp, opts.replicate, ctx.world, opts.sequence_parallel
         ):
             raise ConfigError(why)
+        if opts.ep > 1:  # the dense parts FSDP2's shards, experts / E whole per rank (parallel.ep_costs)
+            return ep_memory(ctx, rank, opts.ep, opts.sharding)
         if opts.cp > 1 and opts.tp == 1:
             return cp_memory(ctx, *shard_group(ctx, rank), units_note)
         if opts.tp == 1:

@@ -15,7 +15,7 @@ tokens as one process does (``models.moe``), then:
 A building block: ``fsdp --ep E`` composes it (``strategies/fsdp.py``): the dense parts FSDP2-sharded over every
 rank, the experts left out of ``fully_shard`` (its ``ignored_params``). This module also holds what fsdp needs of
 it beside the exchange: the set-up (``setup_ep``), the refusals (``ep_refusal``, ``moe_layout_unfit``), the comm
-rows (``ep_comm``), the report (``ep_report``) and the checkpoint I/O (``EPCheckpointIO``).
+rows (``parallel.ep_costs.ep_comm``), the report (``ep_report``) and the checkpoint I/O (``EPCheckpointIO``).
 
 The mesh is (dp = R / E, ep = E) over the R ranks, torchtitan's order: each ep group is E consecutive ranks (its
 all-to-alls on the nearest links), each of its ranks holding experts / E of every layer; the dp groups (ranks E
@@ -50,7 +50,7 @@ from stratbench.measuring.comm import Collective
 from stratbench.models.moe import MoEFeedForward, kept_groups, moe_layers
 from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import is_moe_model
-from stratbench.strategies.parallel.fsdp import FSDPCheckpointIO, fsdp2_comm
+from stratbench.strategies.parallel.fsdp import FSDPCheckpointIO
 
 
 class _UnevenAllToAll(torch.autograd.Function):
@@ -158,8 +158,9 @@ def ep_dense(ctx) -> Any:
     info = ctx.info
     expert = expert_shapes(ctx)
     numels = [0 if e else n for n, e in zip(info.numels, expert, strict=True)]
-    dim0 = [0 if e else d for d, e in zip(info.dim0, expert, strict=True)]
-    return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0))
+    dim0 = [1 if e else d for d, e in zip(info.dim0, expert, strict=True)]  # 1: no division by 0 rows
+    shapes = tuple((0,) if e else s for s, e in zip(info.param_shapes, expert, strict=True))
+    return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0, shapes=shapes))
 
 
 def ep_rows(ctx, ep: int) -> list[Collective]:
@@ -244,20 +245,6 @@ def moe_layout_unfit(cfg: TrainConfig, opts: Any) -> str | None:
     if is_moe_model(cfg.model) and (opts.tp > 1 or opts.cp > 1):
         return f"fsdp --tp {opts.tp} --cp {opts.cp}: model {cfg.model} is a mixture of experts; train it with --tp 1 --cp 1"
     return None
-
-
-def ep_comm(ctx) -> list[Collective]:
-    """fsdp --ep per optimizer step: FSDP2 over the dense parts (``ep_dense``: every rank), the experts' all-to-alls
-    (``ep_rows``), with --clip-grad-norm the norms (``ep_clip_rows``) and, with dp = world / E > 1, the expert
-    gradients summed over dp (``expert_grads_row``); the groups over ep named so on the (dp, ep) mesh
-    (``ep_mesh_dims``) where dp > 1."""
-    ep, dp = ctx.options.ep, ctx.world // ctx.options.ep
-    rows = fsdp2_comm(ep_dense(ctx), ctx.options.sharding) + ep_rows(ctx, ep)
-    rows += ep_clip_rows(ctx, ep) if ctx.cfg.clip_grad_norm else []
-    if dp == 1:
-        return rows
-    rows = [dataclasses.replace(r, dim="ep") if r.group_size == ep else r for r in rows]
-    return rows + [expert_grads_row(ctx, ep, dp)]
 
 
 def expert_shapes(ctx) -> list[bool]:
