@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from conftest import RTOL, assert_curves_match, fails, ok_curve, train
+from stratbench.core.config import TrainConfig, from_dict
+from stratbench.predicting.estimate import estimate
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("transformers") is None,
@@ -136,7 +138,7 @@ def test_the_training_loss_adds_coef_x_transformers_aux_loss_and_counts_the_rout
 def test_ddp_trains_and_routes_what_one_process_accumulating_two_micro_batches_does(tmp_path, mixtral):
     """fp64: ddp over 2 processes = single --grad-accum 2 within 1e-9 (each micro-batch its own aux loss, as
     transformers computes it on each device), the same tokens per expert; every token routed to k experts, none
-    dropped; active and total parameters."""
+    dropped; active and total parameters; the run's memory estimate prices the total."""
     flags = [
         "--model", mixtral, "--data", "text", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--epochs", "1",
         "--max-steps", str(STEPS), "--optimizer", "adamw", "--lr", "0.003", "--eval-samples", "8", "--progress",
@@ -163,6 +165,11 @@ def test_ddp_trains_and_routes_what_one_process_accumulating_two_micro_batches_d
         total - expert_weights(MIXTRAL, 2, 48) // 2,
         total,
     )
+    # the estimate of the run: the total parameters priced, a layer traced on fake tensors (experts in equal shares)
+    rows = {
+        r.component: r.device_bytes for r in estimate(from_dict(TrainConfig, single["config"]), 1, "cpu").rows
+    }
+    assert rows["parameters"] == 8 * total and rows["activations saved for backward"] > 0
 
 
 @pytest.mark.parametrize(

@@ -126,10 +126,10 @@ def moe_overrides(name: str, top_k: int | None, capacity_factor: float | None) -
     flag = "--moe-top-k" if top_k is not None else "--capacity-factor"
     value = top_k if top_k is not None else capacity_factor
     if is_hf_moe(name):
+        how = "its top-k is config.json's num_experts_per_tok" if top_k is not None else "its routing is dropless"
         raise ConfigError(
-            f"{flag} {value}: model {name!r} is a Hugging Face mixture of experts, routed as its config.json says "
-            "(dropless, its num_experts_per_tok); edit config.json, or use the flag with a built-in MoE ("
-            f"{', '.join(n for n, c in SIZES.items() if c.is_moe)})"
+            f"{flag} {value}: model {name!r} is a Hugging Face mixture of experts, routed as transformers routes it "
+            f"({how}); the flag takes a built-in MoE ({', '.join(n for n, c in SIZES.items() if c.is_moe)})"
         )
     if not is_moe_model(name):
         moes = ", ".join(n for n, c in SIZES.items() if c.is_moe)

@@ -316,8 +316,8 @@ class Strategy:
         split = [f"--{k} {v}" for k in ("tp", "cp", "ep") if (v := getattr(opts, k, 1)) > 1]
         if hf and split:
             return (f"{cls.name} {' '.join(split)}: model {cfg.model} is a Hugging Face mixture of experts, which "
-                    f"trains with every layer whole on each rank; drop {' '.join(split)} (--ep takes the built-in "
-                    "MoE, e.g. gpt-moe-tiny)")  # fmt: skip
+                    f"trains with every layer whole on each rank; drop {' '.join(split)}"
+                    + (" (--ep takes the built-in MoE, e.g. gpt-moe-tiny)" if getattr(opts, "ep", 1) > 1 else ""))  # fmt: skip
         return None
 
     @classmethod
