@@ -190,3 +190,17 @@ def test_what_a_hugging_face_moe_does_not_take_is_refused_in_one_line(capsys, tm
                 "--output", str(tmp_path / "out"))  # fmt: skip
     assert says in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_mixture_of_experts_whose_routers_are_not_found_is_refused_when_built(tmp_path):
+    """Llama 4's routers are not recorded as router_logits in transformers 5.24: trained as found, it would lose
+    its aux loss and counts, so it is refused in one line (built on the meta device: nothing allocated)."""
+    from stratbench.core.errors import ConfigError
+
+    llama4 = {
+        "model_type": "llama4_text", "hidden_size": 32, "intermediate_size": 32, "intermediate_size_mlp": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": 256,
+        "num_local_experts": 2, "num_experts_per_tok": 1, "max_position_embeddings": 64,
+    }  # fmt: skip
+    with pytest.raises(ConfigError, match="model_type 'llama4_text' is a mixture of experts whose routers"):
+        build(folder(tmp_path, llama4), "meta")

@@ -585,11 +585,12 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, model: nn.Module, vocab_size: int) -> None:
         super().__init__()
-        use_stratbench_experts(model)
         self.hf = model
         self.vocab_size = vocab_size
         self.routing = HFRouting.of(model)
         """The routing of a mixture of experts (its aux loss and counts, ``models.hf_moe``); None when dense."""
+        if self.routing is not None:
+            use_stratbench_experts(model)
         names = set(getattr(model, "_no_split_modules", None) or ())
         # Read by zoo.residual_block_types: the unit of FSDP wrapping and activation checkpointing.
         self._stratbench_block_types = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
@@ -621,6 +622,18 @@ class HFCausalLM(nn.Module):
             self.routing.keep(out.aux_loss, out.router_logits)
         logits = out.logits
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+
+
+def check_routing(name: str, model: HFCausalLM) -> None:
+    """A config with routed experts builds a model whose routers and stacked experts ``models.hf_moe`` finds, or is
+    refused in one line: trained without them, it would miss its aux loss, its counts and its active parameters."""
+    config = model.hf.config
+    if model.routing is None and config_experts(config):
+        raise ConfigError(
+            f"model {name!r}: model_type {config.model_type!r} is a mixture of experts whose routers (recorded as "
+            "router_logits) or stacked (E, ...) experts stratbench does not find; it trains mixtures of experts of "
+            "that kind, e.g. mixtral, qwen2_moe, qwen3_moe"
+        )
 
 
 def check_causal(name: str, model: HFCausalLM, positions: int | None) -> None:
@@ -665,7 +678,9 @@ def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausal
     if torch.get_default_device().type == "meta":
         with quiet_transformers():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-        return HFCausalLM(model, vocab_size)
+        wrapped = HFCausalLM(model, vocab_size)
+        check_routing(name, wrapped)
+        return wrapped
     check_memory(name, meta_facts(name, config).parameters)
     try:
         if weights is not None:
@@ -678,6 +693,7 @@ def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausal
     except Exception as exc:
         raise ConfigError(f"model {name!r}: transformers could not build it: {one_line(exc)}") from None
     wrapped = HFCausalLM(model, vocab_size)
+    check_routing(name, wrapped)
     check_causal(name, wrapped, max_positions(config))
     return wrapped
 

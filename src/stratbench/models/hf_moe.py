@@ -97,8 +97,8 @@ def experts_forward(
 
 
 def use_stratbench_experts(model: nn.Module) -> None:
-    """Run ``model``'s stacked experts by ``experts_forward`` (registered in transformers once); a model whose
-    experts transformers cannot switch is left as it is (``HFRouting.of`` then finds no stacked experts)."""
+    """Run ``model``'s stacked experts (``HFRouting.of`` found them) by ``experts_forward``, registered in
+    transformers once; a model whose experts transformers cannot switch keeps its own."""
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     if EXPERTS_IMPLEMENTATION not in ALL_EXPERTS_FUNCTIONS:
