@@ -143,7 +143,7 @@ class HFRouting:
     def __init__(
         self, config: Any, routers: list[nn.Module], n_experts: int, experts: list[nn.Module]
     ) -> None:
-        self.top_k = int(config.num_experts_per_tok)
+        self.top_k = int(getattr(config, "num_experts_per_tok", None) or routers[0].top_k)
         self.coef = (
             float(config.router_aux_loss_coef) if getattr(config, "output_router_logits", False) else 0.0
         )
