@@ -14,8 +14,9 @@ from torch import nn
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError, UnsupportedError
 from stratbench.models.flops import flops_per_sample
-from stratbench.models.moe import MoEFeedForward, moe_layers, parameter_split, router_loss
+from stratbench.models.moe import MoEFeedForward, parameter_split, router_loss
 from stratbench.models.transformer import SIZES, build_transformer, flops_per_token, parameter_count
+from stratbench.models.zoo import model_routing
 from stratbench.training.engine import preflight
 from stratbench.training.losses import TokenCrossEntropy, with_router_loss
 
@@ -138,9 +139,9 @@ def test_the_training_loss_adds_coef_times_the_layers_mean_load_balancing_loss()
     ce = TokenCrossEntropy()
     logits = model(x)
     aux = [block.feed_forward.pending.aux_loss.item() for block in model.layers]
-    loss = with_router_loss(ce, moe_layers(model))(logits, y)
+    loss = with_router_loss(ce, model_routing(model))(logits, y)
     assert loss.item() == pytest.approx(ce(logits, y).item() + 0.01 * sum(aux) / 4, rel=1e-12)
-    assert with_router_loss(ce, moe_layers(build_transformer("gpt-tiny"))) is ce  # a dense model: the loss alone
+    assert with_router_loss(ce, model_routing(build_transformer("gpt-tiny"))) is ce  # a dense model: the loss alone
 
 
 @pytest.mark.parametrize(

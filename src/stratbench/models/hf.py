@@ -40,6 +40,8 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.tables import fmt_bytes
 from stratbench.core.torchvision_compat import guard_torchvision_import
 from stratbench.core.user_code import one_line
+from stratbench.models.hf_moe import HFRouting, config_experts, use_stratbench_experts
+from stratbench.models.moe import has_data
 from stratbench.models.transformer import TransformerConfig
 
 PREFIX = "hf:"
@@ -393,6 +395,17 @@ def check_vocab(name: str, vocab_size: int) -> None:
     _check_vocab(name, load_config(name), vocab_size)
 
 
+def is_hf_moe(name: str) -> bool:
+    """Whether ``name`` is a Hugging Face mixture of experts (``models.hf_moe``: a config with routed experts and
+    a router auxiliary loss); False for a dense one and for a name that does not resolve (``check_model`` says why)."""
+    if not is_hf_name(name):
+        return False
+    try:
+        return config_experts(load_config(name)) > 0
+    except ConfigError:
+        return False
+
+
 def vocab_size_of(name: str) -> int:
     """The model's vocabulary (its config's ``vocab_size``): the token ids its embedding takes, 0..vocab_size-1."""
     return int(load_config(name).vocab_size)
@@ -566,12 +579,18 @@ def _load(name: str, config: Any, weights: Weights) -> nn.Module:
 
 class HFCausalLM(nn.Module):
     """A transformers causal LM as stratbench's language models are: ``forward(tokens)`` with token ids
-    (batch, seq) returns logits (batch, seq, vocab_size), vocab_size being the data's (at most the model's)."""
+    (batch, seq) returns logits (batch, seq, vocab_size), vocab_size being the data's (at most the model's).
+    A mixture of experts (``models.hf_moe``) runs its experts by stratbench's loop and keeps each training
+    forward's routing in ``routing``."""
 
     def __init__(self, model: nn.Module, vocab_size: int) -> None:
         super().__init__()
         self.hf = model
         self.vocab_size = vocab_size
+        self.routing = HFRouting.of(model)
+        """The routing of a mixture of experts (its aux loss and counts, ``models.hf_moe``); None when dense."""
+        if self.routing is not None:
+            use_stratbench_experts(model)
         names = set(getattr(model, "_no_split_modules", None) or ())
         # Read by zoo.residual_block_types: the unit of FSDP wrapping and activation checkpointing.
         self._stratbench_block_types = tuple({type(m) for m in model.modules() if type(m).__name__ in names})
@@ -594,9 +613,27 @@ class HFCausalLM(nn.Module):
         if self.chunk:
             t = tokens.shape[1]
             positions = torch.arange(self.chunk * t, (self.chunk + 1) * t, device=tokens.device)[None]
-        out = self.hf(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False)
+        # a training forward of a mixture of experts returns its router logits and aux loss, for the training loss;
+        # no other does (an evaluation, or a meta-device one, whose causal mask the aux loss would take for padding)
+        routed = self.routing is not None and torch.is_grad_enabled() and has_data(tokens)
+        moe = {"output_router_logits": routed} if self.routing is not None else {}
+        out = self.hf(input_ids=tokens, attention_mask=mask, position_ids=positions, use_cache=False, **moe)
+        if routed:
+            self.routing.keep(out.aux_loss, out.router_logits)
         logits = out.logits
         return logits if logits.shape[-1] == self.vocab_size else logits[..., : self.vocab_size]
+
+
+def check_routing(name: str, model: HFCausalLM) -> None:
+    """A config with routed experts builds a model whose routers and stacked experts ``models.hf_moe`` finds, or is
+    refused in one line: trained without them, it would miss its aux loss, its counts and its active parameters."""
+    config = model.hf.config
+    if model.routing is None and config_experts(config):
+        raise ConfigError(
+            f"model {name!r}: model_type {config.model_type!r} is a mixture of experts whose routers (recorded as "
+            "router_logits) or stacked (E, ...) experts stratbench does not find; it trains mixtures of experts of "
+            "that kind, e.g. mixtral, qwen2_moe, qwen3_moe"
+        )
 
 
 def check_causal(name: str, model: HFCausalLM, positions: int | None) -> None:
@@ -641,7 +678,9 @@ def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausal
     if torch.get_default_device().type == "meta":
         with quiet_transformers():
             model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, trust_remote_code=False)
-        return HFCausalLM(model, vocab_size)
+        wrapped = HFCausalLM(model, vocab_size)
+        check_routing(name, wrapped)
+        return wrapped
     check_memory(name, meta_facts(name, config).parameters)
     try:
         if weights is not None:
@@ -654,6 +693,7 @@ def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausal
     except Exception as exc:
         raise ConfigError(f"model {name!r}: transformers could not build it: {one_line(exc)}") from None
     wrapped = HFCausalLM(model, vocab_size)
+    check_routing(name, wrapped)
     check_causal(name, wrapped, max_positions(config))
     return wrapped
 
@@ -661,11 +701,14 @@ def build_hf(name: str, vocab_size: int, seq_len: int | None = None) -> HFCausal
 def flops_per_token(model: HFCausalLM, seq_len: int) -> float:
     """Training FLOPs per token, ``6 N + 12 n_layers n_heads head_dim seq_len`` as
     ``transformer.flops_per_token`` counts the built-ins: N the weights that take part in a matmul (every
-    linear, the head included; not the embedding lookup), and the attention scores and values over the full
+    linear, the head included; not the embedding lookup; of a mixture of experts, its routers and k of each routed
+    layer's E experts), and the attention scores and values over the full
     seq_len x seq_len square."""
     from transformers.pytorch_utils import Conv1D  # GPT-2's linear
 
     n = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear | Conv1D))
+    if model.routing is not None:  # a mixture of experts: its routers, and k of each layer's E experts
+        n += model.routing.active_matmul_weights()
     cfg = model.hf.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     return 6.0 * n + 12.0 * cfg.num_hidden_layers * cfg.num_attention_heads * head_dim * seq_len

@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -188,6 +189,35 @@ def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
 def router_loss(layers: list[MoEFeedForward]) -> torch.Tensor:
     """``coef x`` the layers' mean load-balancing loss of the latest training forward (their counts committed)."""
     return sum(layer.aux_loss_coef * layer.take_pending() for layer in layers) / len(layers)
+
+
+class Routing(Protocol):
+    """A mixture of experts' routing as the training loop sees it: the built-in layers' (``LayerRouting``) or a
+    Hugging Face model's (``models.hf_moe.HFRouting``)."""
+
+    def loss(self) -> torch.Tensor: ...
+
+    def report(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict: ...
+
+    def parameter_split(self, model: nn.Module) -> tuple[int, int]: ...
+
+
+class LayerRouting:
+    """The built-in MoE layers' routing as the training loop sees a model's routing (``models.hf_moe.HFRouting``
+    has the same three calls): ``loss`` (coef x the load-balancing loss of the latest training forward, counts
+    committed), ``report`` (result.json's ``moe``) and ``parameter_split`` (active, total)."""
+
+    def __init__(self, layers: list[MoEFeedForward]) -> None:
+        self.layers = layers
+
+    def loss(self) -> torch.Tensor:
+        return router_loss(self.layers)
+
+    def report(self, reduce_sum: Callable[[torch.Tensor], torch.Tensor]) -> dict:
+        return router_report(self.layers, reduce_sum)
+
+    def parameter_split(self, model: nn.Module) -> tuple[int, int]:
+        return parameter_split(model)
 
 
 def parameter_split(model: nn.Module) -> tuple[int, int]:

@@ -20,8 +20,9 @@ from stratbench.core.torchvision_compat import import_torchvision
 from stratbench.core.user_code import call_user, check_signature, import_builder, one_line
 from stratbench.models.blocks import block_types, why_no_blocks
 from stratbench.models.flops import example_input
-from stratbench.models.hf import build_hf, check_hf_model, is_hf_name
+from stratbench.models.hf import HFCausalLM, build_hf, check_hf_model, is_hf_moe, is_hf_name
 from stratbench.models.hf import decoder_shape as hf_decoder_shape
+from stratbench.models.moe import LayerRouting, Routing, moe_layers
 from stratbench.models.transformer import SIZES, TransformerConfig, build_transformer, transformer_config
 
 IMAGE_MODELS = ("tinynet", "resnet18", "resnet34", "resnet50")
@@ -101,8 +102,18 @@ def is_language_model(name: str) -> bool:
 
 
 def is_moe_model(name: str) -> bool:
-    """Whether ``name`` is a built-in mixture of experts (``models.transformer.SIZES`` with experts)."""
+    """Whether ``name`` is a built-in mixture of experts (``models.transformer.SIZES`` with experts); a Hugging
+    Face one is ``hf.is_hf_moe``."""
     return name in SIZES and SIZES[name].is_moe
+
+
+def model_routing(model: nn.Module) -> Routing | None:
+    """The routing of a mixture of experts as the training loop sees it (its load-balancing loss, counts and
+    active parameters): the built-in MoE layers', a Hugging Face MoE's (``models.hf_moe``); None for a dense model."""
+    if isinstance(model, HFCausalLM):
+        return model.routing
+    layers = moe_layers(model)
+    return LayerRouting(layers) if layers else None
 
 
 def moe_overrides(name: str, top_k: int | None, capacity_factor: float | None) -> dict[str, int | float]:
@@ -114,6 +125,12 @@ def moe_overrides(name: str, top_k: int | None, capacity_factor: float | None) -
         return {}
     flag = "--moe-top-k" if top_k is not None else "--capacity-factor"
     value = top_k if top_k is not None else capacity_factor
+    if is_hf_moe(name):
+        how = "its top-k is config.json's num_experts_per_tok" if top_k is not None else "its routing is dropless"
+        raise ConfigError(
+            f"{flag} {value}: model {name!r} is a Hugging Face mixture of experts, routed as transformers routes it "
+            f"({how}); the flag takes a built-in MoE ({', '.join(n for n, c in SIZES.items() if c.is_moe)})"
+        )
     if not is_moe_model(name):
         moes = ", ".join(n for n, c in SIZES.items() if c.is_moe)
         raise ConfigError(f"{flag} {value} applies to a mixture of experts ({moes}); model {name!r} has none")
@@ -129,7 +146,7 @@ def decoder_shape(name: str, vocab_size: int) -> TransformerConfig | None:
     """A language model's shape as ``TransformerConfig`` (a built-in size, or a Hugging Face config whose layers
     are of that kind: ``hf.decoder_shape``), for the published activation formula; None for other models and for
     a mixture of experts (the formula's MLP is one dense SwiGLU; the trace sees the routed experts' copies)."""
-    if is_moe_model(name):
+    if is_moe_model(name) or is_hf_moe(name):
         return None
     if name in SIZES:
         return transformer_config(name, vocab_size=vocab_size)

@@ -40,6 +40,7 @@ from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.core.inputs import call_model, map_inputs
 from stratbench.measuring.comm import Collective
 from stratbench.measuring.model_trace import ModelSpec, model_info
+from stratbench.models.hf import is_hf_moe
 from stratbench.models.transforms import Phase, Pipeline
 from stratbench.models.transforms.float8 import float8_unsupported
 from stratbench.models.zoo import is_moe_model
@@ -300,11 +301,24 @@ class Strategy:
     @classmethod
     def moe_refusal(cls, cfg: TrainConfig) -> str | None:
         """Why this method cannot train a mixture of experts (``models.moe``), in one line; None where it can
-        (``takes_moe``: its tests prove it) or the model is dense."""
-        if cls.takes_moe or not is_moe_model(cfg.model):
+        (``takes_moe``: its tests prove it) or the model is dense. A Hugging Face MoE (``models.hf_moe``) runs each
+        layer whole on every rank: the options that split a layer or the sequence (``tp``, ``cp``, ``ep``) refuse it."""
+        hf = is_hf_moe(cfg.model)
+        if not (hf or is_moe_model(cfg.model)):
             return None
-        takers = ", ".join(sorted(n for n, c in all_strategies().items() if c.takes_moe))
-        return f"model {cfg.model} is a mixture of experts, which {cls.name} does not train; train it under {takers}"
+        if not cls.takes_moe:
+            takers = ", ".join(sorted(n for n, c in all_strategies().items() if c.takes_moe))
+            return f"model {cfg.model} is a mixture of experts, which {cls.name} does not train; train it under {takers}"
+        try:
+            opts = cls.parse_options(cfg.strategy_options)
+        except ConfigError:  # check_supported names the bad option
+            return None
+        split = [f"--{k} {v}" for k in ("tp", "cp", "ep") if (v := getattr(opts, k, 1)) > 1]
+        if hf and split:
+            return (f"{cls.name} {' '.join(split)}: model {cfg.model} is a Hugging Face mixture of experts, which "
+                    f"trains with every layer whole on each rank; drop {' '.join(split)}"
+                    + (" (--ep takes the built-in MoE, e.g. gpt-moe-tiny)" if getattr(opts, "ep", 1) > 1 else ""))  # fmt: skip
+        return None
 
     @classmethod
     def float8_refusal(cls, cfg: TrainConfig, device: torch.device) -> str | None:

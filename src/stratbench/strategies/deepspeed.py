@@ -36,9 +36,10 @@ from stratbench.core.errors import CheckpointError, ConfigError
 from stratbench.core.optim import trainable
 from stratbench.core.precision import Precision
 from stratbench.measuring.model_trace import ModelSpec
+from stratbench.models.hf import is_hf_moe
 from stratbench.models.transformer import SIZES
 from stratbench.models.zoo import is_moe_model
-from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, register
+from stratbench.strategies.base import CheckpointIO, CostModel, Strategy, all_strategies, register
 from stratbench.strategies.costs import lean_refusal
 from stratbench.strategies.op_builds import prepare_op_builds
 from stratbench.strategies.parallel.deepspeed_config import autotp_degree, build_ds_config, load_user_json
@@ -133,6 +134,10 @@ class _DeepSpeedPrecision(Precision):
 def _moe_refusal(cfg: TrainConfig, opts: DeepSpeedOptions, world: int | None, stage: int) -> str | None:
     """Why deepspeed cannot train ``cfg``'s model with ``--ep`` (``parallel.deepspeed_moe.ep_refusal``), or
     resume one (untested: DeepSpeed's expert files), in one line; None where it can."""
+    if is_hf_moe(cfg.model):  # its experts run in transformers' layer, which DeepSpeed-MoE does not replace
+        takers = ", ".join(sorted(n for n, c in all_strategies().items() if c.takes_moe and n != "deepspeed"))
+        return (f"deepspeed with model {cfg.model} (a Hugging Face mixture of experts): DeepSpeed-MoE replaces the "
+                f"built-in MoE layer only; train it under {takers}")  # fmt: skip
     n_experts = SIZES[cfg.model].n_experts if is_moe_model(cfg.model) else None
     why = ep_refusal(cfg.model, n_experts, opts.ep, world, stage, opts.autotp_size, cfg.clip_grad_norm)
     if why is None and n_experts is not None and (cfg.resume or cfg.resume_from):

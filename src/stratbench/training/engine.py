@@ -70,13 +70,14 @@ from stratbench.measuring.metrics import RunMetrics
 from stratbench.measuring.model_trace import text_vocab
 from stratbench.models.flops import flops_per_sample
 from stratbench.models.hf import check_vocab, is_hf_name
-from stratbench.models.moe import MoEFeedForward, moe_layers, parameter_split, router_report
+from stratbench.models.moe import Routing
 from stratbench.models.transforms.lora import lora_meta, parameter_counts
 from stratbench.models.zoo import (
     build_model,
     check_model,
     has_lazy_parameters,
     load_weights,
+    model_routing,
 )
 from stratbench.strategies.base import Strategy, get_strategy
 from stratbench.training.losses import (
@@ -211,8 +212,8 @@ class Run:
     steps_per_epoch: int
     run_steps: int
     flops: float | None
-    moe_layers: list[MoEFeedForward]
-    """An MoE model's routed layers (their routing counts, result.json's ``moe``); empty for a dense model."""
+    routing: Routing | None
+    """A mixture of experts' routing (its counts and loss, result.json's ``moe``); None for a dense model."""
 
 
 class Trainer:
@@ -318,14 +319,14 @@ class Trainer:
         self.result["metrics"].update(summary)
         self.result["sharding"] = sharding
         self.result.update(self.strategy.report())
-        if run.moe_layers:
+        if run.routing is not None:
             self.result["moe"] = self._moe_report(run)
 
     def _moe_report(self, run: Run) -> dict[str, Any]:
         """result.json's ``moe``: active and total parameters, then the routing summed over the ranks."""
         device = self.env.device
         active, total = run.meta["active_parameters"], run.meta["num_parameters"]
-        routing = router_report(run.moe_layers, lambda t: self.strategy.all_reduce(t.to(device), "sum").cpu())
+        routing = run.routing.report(lambda t: self.strategy.all_reduce(t.to(device), "sum").cpu())
         return {"active_parameters": active, "total_parameters": total, "steps": run.state.progress.step, **routing}
 
     def _step(self, run: Run, batches: Iterator, metrics: RunMetrics) -> float:
@@ -404,7 +405,8 @@ class Trainer:
         if metrics is not None:
             metrics.before_model(build)
         model = build()
-        meta = self._model_meta(bundle, model)
+        routing = model_routing(model)
+        meta = self._model_meta(bundle, model, routing)
         if cfg.weights:
             self.result["weights_skipped"] = load_weights(model, cfg.weights)
         if cfg.init_from:
@@ -416,10 +418,10 @@ class Trainer:
         flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes, bundle.is_text) if counted else None
         strategy.total_steps = total_steps
         # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
-        model, optimizer = strategy.setup(model, optimizer_spec(cfg))
-        # the MoE layers of the set-up model: a strategy may swap them for its own (deepspeed: DeepSpeed-MoE's)
-        layers = moe_layers(model)
-        self.train_loss = with_router_loss(self.loss_fn, layers)
+        built, (model, optimizer) = model, strategy.setup(model, optimizer_spec(cfg))
+        # the routing of the set-up model: a strategy may swap the MoE layers in place (deepspeed: DeepSpeed-MoE's)
+        routing = model_routing(built)
+        self.train_loss = with_router_loss(self.loss_fn, routing)
         self.result["transforms"] = list(strategy.transforms.applied)
         scheduler = strategy.lr_scheduler(optimizer, lr_lambda(cfg, total_steps))
         self.result.update(strategy.optimizer_report(optimizer))
@@ -434,9 +436,9 @@ class Trainer:
                 print(f"resumed from {resume_path} at step {state.progress.step} of {total_steps} (epoch "
                       f"{state.progress.epoch})", flush=True)  # fmt: skip
         run_steps = min(total_steps, cfg.max_steps or total_steps)
-        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops, layers)
+        return Run(bundle, loader, sampler, model, optimizer, state, meta, micro, spe, run_steps, flops, routing)
 
-    def _model_meta(self, bundle: DataBundle, model: nn.Module) -> dict[str, Any]:
+    def _model_meta(self, bundle: DataBundle, model: nn.Module, routing: Routing | None) -> dict[str, Any]:
         """What inference needs to rebuild and feed the model; saved in every checkpoint."""
         cfg = self.cfg
         meta = {
@@ -454,8 +456,8 @@ class Trainer:
         # total (LoRA's adapters included) and trained (with LoRA the adapters only); the LoRA settings let
         # inference rebuild the adapted model a checkpoint's keys name
         meta["trainable_parameters"], meta["num_parameters"] = parameter_counts(model, cfg)
-        if moe_layers(model):  # the parameters a token passes through (FLOPs and MFU count these); the routing
-            active, total = parameter_split(model)  # inference rebuilds with the run's routing flags
+        if routing is not None:  # the parameters a token passes through (FLOPs and MFU count these); the routing
+            active, total = routing.parameter_split(model)  # inference rebuilds with the run's routing flags
             meta["active_parameters"] = meta["num_parameters"] - (total - active)
             meta |= {"moe_top_k": cfg.moe_top_k, "capacity_factor": cfg.capacity_factor}
         if cfg.lora_rank > 0:

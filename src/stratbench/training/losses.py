@@ -20,7 +20,7 @@ from stratbench.core.errors import ConfigError
 from stratbench.core.user_code import call_user, check_signature, import_builder
 from stratbench.data.instruct import IGNORE
 from stratbench.data.text import is_ft_data, is_text_data
-from stratbench.models.moe import MoEFeedForward, router_loss
+from stratbench.models.moe import Routing
 
 LOSSES = ("cross-entropy",)
 """Built-in losses (``--loss``); anything else must be a ``package.module:function``."""
@@ -131,22 +131,23 @@ def build_loss(cfg: TrainConfig) -> Callable:
 
 
 class WithRouterLoss:
-    """The training loss plus the MoE layers' load-balancing loss (``models.moe.router_loss``: coef x the layers'
-    mean, of the micro-batch the model just ran), so that the loss the loop backpropagates and reports holds both;
-    the layers' routing counts are committed here, once per trained micro-batch. The validation loss stays
-    plain cross-entropy."""
+    """The training loss plus the mixture of experts' load-balancing loss (``routing.loss()``: coef x the loss of
+    the micro-batch the model just ran, ``models.moe.LayerRouting`` or ``models.hf_moe.HFRouting``), so that the loss
+    the loop backpropagates and reports holds both; the routing counts are committed there, once per trained
+    micro-batch. The validation loss stays plain cross-entropy."""
 
-    def __init__(self, loss_fn: Callable, layers: list[MoEFeedForward]) -> None:
-        self.loss_fn, self.layers = loss_fn, layers
+    def __init__(self, loss_fn: Callable, routing: Routing) -> None:
+        self.loss_fn, self.routing = loss_fn, routing
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(logits, targets)
-        return loss + router_loss(self.layers).to(loss.dtype)
+        return loss + self.routing.loss().to(loss.dtype)
 
 
-def with_router_loss(loss_fn: Callable, layers: list[MoEFeedForward]) -> Callable:
-    """``loss_fn`` with the MoE layers' load-balancing loss added (``WithRouterLoss``); itself for a dense model."""
-    return WithRouterLoss(loss_fn, layers) if layers else loss_fn
+def with_router_loss(loss_fn: Callable, routing: Routing | None) -> Callable:
+    """``loss_fn`` with the load-balancing loss of a mixture of experts added (``WithRouterLoss``); itself for a
+    dense model."""
+    return loss_fn if routing is None else WithRouterLoss(loss_fn, routing)
 
 
 def per_sample_eval(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
