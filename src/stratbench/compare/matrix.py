@@ -728,6 +728,47 @@ def preset_llm_ft() -> dict[str, Any]:
     }
 
 
+def preset_llm_moe() -> dict[str, Any]:
+    """Qwen3-30B-A3B's shapes (128 experts, top-8; 30.5B parameters, 3.3B active) at sequence 2048 on the GPUs here,
+    bf16-mixed with activation checkpointing: fsdp, fsdp with expert parallelism over every GPU and DeepSpeed-MoE at
+    ZeRO-1/2 over every GPU, each within the device's memory (built for a node of 8 80 GB GPUs: one GPU holds none)."""
+    world = max(1, _gpu_count())
+    experts = SIZES["qwen3-30b-a3b"].n_experts
+    ep = world if world > 1 and experts % world == 0 else 1
+    tag = f"-ep{ep}" if ep > 1 else ""
+    ds = [{"zero_stage": s, "ep": ep} for s in (1, 2)]
+    return {
+        "name": "llm-moe",
+        "description": f"qwen3-30b-a3b (Qwen3-30B-A3B's shapes: {experts} experts, top-8, 30.5B parameters, 3.3B "
+        f"active) on synthetic tokens (vocabulary 151936), sequence 2048, global batch {world}, 20 steps of AdamW in "
+        f"bf16-mixed with activation checkpointing: fsdp, fsdp --ep {ep} and DeepSpeed-MoE --ep {ep} at ZeRO-1/2 on "
+        f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
+        "base": {
+            "model": "qwen3-30b-a3b",
+            "data": "synthetic-tokens",
+            "vocab_size": 151936,
+            "seq_len": 2048,
+            "batch_size": world,
+            "max_steps": 20,
+            "optimizer": "adamw",
+            "lr": 3e-4,
+            "activation_checkpointing": True,
+            "eval_samples": 8,
+            "timing_warmup_steps": 5,
+        },
+        "world_size": world,
+        "gpu_only": True,
+        "timeout_s": 3600,
+        "device_memory": "auto",
+        "cells": [
+            {"method": "fsdp", "precision": "bf16-mixed"},
+            *([{"method": "fsdp", "precision": "bf16-mixed", "options": {"ep": ep}, "label": f"fsdp{tag}"}]
+              if ep > 1 else []),  # fmt: skip
+            {"method": "deepspeed", "precision": "bf16-mixed", "options": ds, "label": f"deepspeed-moe{tag}-z{{zero_stage}}"},
+        ],
+    }
+
+
 LLM_LONG_BASE: dict[str, Any] = {
     "model": "gpt-tiny-long",
     "data": "text",
@@ -817,6 +858,7 @@ PRESETS = {
     "llm-ft": preset_llm_ft,
     "llm-long": preset_llm_long,
     "moe-quick": preset_moe_quick,
+    "llm-moe": preset_llm_moe,
 }
 PRESET_HELP = {
     "quick": "default; every CPU method, tinynet on digits, minutes on 2 cores",
@@ -832,6 +874,7 @@ PRESET_HELP = {
     "llm-ft": "Llama-3-8B fine-tuning on GPUs: full, LoRA, QLoRA",
     "llm-long": "long sequences on CPU: activation checkpointing and context parallelism at 1k and 4k tokens",
     "moe-quick": "mixture of experts on CPU: single, ddp, fsdp, expert parallelism by fsdp and DeepSpeed-MoE",
+    "llm-moe": "Qwen3-30B-A3B's shapes on the GPUs here: fsdp, fsdp --ep, DeepSpeed-MoE (a node of 8 GPUs)",
 }
 """One line per preset for ``compare --help`` (every preset listed; a test keeps the two in step)."""
 WORLD_PRESETS = ("quick", "seed", "gpu-fast", "llm-quick", "llm-fit", "ft-quick", "moe-quick")
