@@ -82,6 +82,20 @@ def test_depthwise_and_dense_convolutions_are_classed_apart():
     assert dense.flops == 2 * 8 * 128 * 32 * 32 * 64 * 9
 
 
+def test_a_depthwise_convolutions_backward_is_twice_its_forward():
+    # torch's counter prices a grouped convolution's weight gradient as an ungrouped one (groups x too many)
+    x = torch.randn(2, 16, 8, 8)
+    w = torch.randn(16, 1, 3, 3)
+    grad = torch.randn(2, 16, 8, 8)
+    args = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 16, [True, True, False])
+    out = torch.ops.aten.convolution_backward.default(*args)
+    cost = op_cost(torch.ops.aten.convolution_backward.default, args, {}, out)
+    forward = 2 * 2 * 16 * 8 * 8 * 9
+    assert cost.op_class == "depthwise_convolution" and cost.flops == 2 * forward
+    only_input = (*args[:10], [True, False, False])
+    assert op_cost(torch.ops.aten.convolution_backward.default, only_input, {}, out).flops == forward
+
+
 def test_a_traced_step_has_the_flop_counters_total_per_class():
     tinynet = ModelSpec("tinynet", 10, 16, width=8)
     ops = trace_ops(tinynet, 2, "fp32")
