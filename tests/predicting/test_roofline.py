@@ -14,7 +14,7 @@ import torch
 from stratbench.measuring import hardware
 from stratbench.measuring.hardware import HardwareError, Roofline
 from stratbench.measuring.model_trace import ModelSpec, trace_ops
-from stratbench.models.flops import OP_CLASSES, flops_by_op, op_cost
+from stratbench.models.flops import OP_CLASSES, flop_counter, flops_by_op, op_cost
 from stratbench.predicting import projection, roofline
 
 # A GPU of round numbers: H100 SXM's peaks and 132 SMs, 3 TB/s, every class at 0.5 of the peak and 0.8 of the
@@ -94,6 +94,11 @@ def test_a_depthwise_convolutions_backward_is_twice_its_forward():
     assert cost.op_class == "depthwise_convolution" and cost.flops == 2 * forward
     only_input = (*args[:10], [True, False, False])
     assert op_cost(torch.ops.aten.convolution_backward.default, only_input, {}, out).flops == forward
+    # and so does the whole-model counter (MFU, the efficiency basis' FLOPs), the input's gradient included
+    conv, x = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), x.requires_grad_()
+    with flop_counter() as counter:
+        conv(x).sum().backward()
+    assert counter.get_total_flops() == 3 * forward
 
 
 def test_a_traced_step_has_the_flop_counters_total_per_class():

@@ -17,7 +17,22 @@ def flop_counter():
     ``--balance flops`` split), so that the pieces' FLOPs add up to the model's."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    return FlopCounterMode(display=False)
+    return FlopCounterMode(
+        display=False, custom_mapping={torch.ops.aten.convolution_backward: _conv_backward}
+    )
+
+
+def _conv_backward(*args, out_val=None, **kwargs) -> int:
+    """The FLOPs of ``aten.convolution_backward`` (tensors in): a grouped one's as ``_grouped_conv_backward_flops``
+    counts them, the rest by torch's rule."""
+    from torch.utils.flop_counter import flop_registry
+
+    if int(args[9]) > 1 and not args[7]:  # groups, transposed
+        return int(_grouped_conv_backward_flops(args))
+    return flop_registry[torch.ops.aten.convolution_backward](*args, out_val=out_val, **kwargs)
+
+
+_conv_backward._get_raw = True  # FlopCounterMode passes it the tensors, not their shapes
 
 
 def example_input(n: int, sample_shape: tuple[int, ...], tokens: bool | None = None) -> torch.Tensor:
@@ -173,13 +188,11 @@ def op_cost(func, args: tuple, kwargs: dict, out: object) -> OpCost | None:
     if not ins and not outs:  # a query on dtypes or shapes (promote_types): no kernel
         return None
     moved = sum(map(_tensor_bytes, ins)) + sum(map(_tensor_bytes, outs))
-    rule = flop_registry.get(func._overloadpacket)
+    rule = _conv_backward if name == "convolution_backward" else flop_registry.get(func._overloadpacket)
     alias = _ATTENTION_ALIASES.get(name)
     if alias is not None:
         rule = flop_registry.get(getattr(torch.ops.aten, alias))
     flops = float(rule(*args, **kwargs, out_val=out)) if rule is not None else 0.0
-    if name == "convolution_backward" and int(args[_CONVOLUTIONS[name]]) > 1:
-        flops = _grouped_conv_backward_flops(args)
     dtype = str((ins or outs)[0].dtype).removeprefix("torch.")
     cls, tiles = _classify(func, name, args, outs, flops)
     if name in _GEMMS or name in _CONVOLUTIONS:
