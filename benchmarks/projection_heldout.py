@@ -42,6 +42,9 @@ BANDS = HERE.parent / "src" / "stratbench" / "measuring" / "error_bands.json"
 MACHINE = "the project's CPU VM (AMD EPYC, 2 cores), Python 3.11.7, torch 2.13.0+cpu"
 GROUPS = (("8 GPUs", 8, 8), ("16-32 GPUs", 9, 63), (">= 64 GPUs", 64, 10**9))
 """The multi-GPU groups: label, fewest and most GPUs."""
+FAMILIES = ("efficientnet", "bert-large-squad", "bert-large", "se-resnext", "resnext", "resnet", "llama", "mpt",
+            "gpt")  # fmt: skip
+"""The model families the 1-GPU rows are summarised by: a model name's prefix (the first that fits)."""
 BASES = {"default": "family fallback", "roofline": "roofline with published fractions", "own": "calibrated run"}  # fmt: skip
 """A row's projection column -> the basis ``MethodProjection.basis`` names it by (the band's key)."""
 
@@ -56,8 +59,7 @@ def selected(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def model_group(e: dict[str, Any]) -> str:
     """The model family a single-GPU row is summarised under: the model name without its size."""
     m = e["model"]
-    prefixes = ("efficientnet", "bert-large-squad", "bert-large", "resnext", "resnet", "llama", "mpt", "gpt")
-    for prefix in prefixes:
+    for prefix in FAMILIES:
         if m.startswith(prefix):
             return prefix
     return m

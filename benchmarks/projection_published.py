@@ -81,7 +81,8 @@ MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext1
           "gpt-18b": "published_models:gpt_18b_s512", "gpt-49b": None, "gpt-91b": None, "gpt-138b": None,
           "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None,
           "efficientnet-b0": "published_models:efficientnet_b0", "efficientnet-b4": "published_models:efficientnet_b4",
-          "efficientnet-widese-b0": None, "efficientnet-widese-b4": None}  # fmt: skip
+          "efficientnet-widese-b0": None, "efficientnet-widese-b4": None,
+          "se-resnext101-32x4d": "published_models:se_resnext101_32x4d"}  # fmt: skip
 """published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none;
 None: a model its source names without a shape these tools could read, in not_projectable entries only)."""
 
