@@ -79,7 +79,10 @@ MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext1
           "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b",
           "mpt-7b": "published_models:mpt_7b_s2048", "mpt-13b": "published_models:mpt_13b_s2048",
           "gpt-18b": "published_models:gpt_18b_s512", "gpt-49b": None, "gpt-91b": None, "gpt-138b": None,
-          "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None}  # fmt: skip
+          "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None,
+          "efficientnet-b0": "published_models:efficientnet_b0", "efficientnet-b4": "published_models:efficientnet_b4",
+          "efficientnet-widese-b0": None, "efficientnet-widese-b4": None,
+          "se-resnext101-32x4d": "published_models:se_resnext101_32x4d"}  # fmt: skip
 """published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none;
 None: a model its source names without a shape these tools could read, in not_projectable entries only)."""
 
@@ -446,6 +449,10 @@ def single_table(entries: list[dict[str, Any]]) -> dict[str, dict[str, list[floa
     errors: dict[str, dict[str, list[float]]] = {}
     for e in entries:
         if e["gpus"] != 1:
+            continue
+        if e.get("not_projectable"):
+            print(f"| {e['id']} | {role(e)} | {e['model']} | {e['gpu']} | {e['precision']} | {samples_per_step(e)} | "
+                  f"{e['throughput']:,g} {e['unit']} | n/a: {e['not_projectable']} | n/a | n/a | - | - | - |")  # fmt: skip
             continue
         pred, old, implied, why = single_default(e)
         err = None if pred is None else pred / e["throughput"] - 1

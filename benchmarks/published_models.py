@@ -31,6 +31,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torchvision.models import efficientnet_b0 as tv_efficientnet_b0
+from torchvision.models import efficientnet_b4 as tv_efficientnet_b4
 from torchvision.models.resnet import Bottleneck, ResNet
 
 
@@ -191,6 +193,41 @@ def megatron_flops_per_sequence(builder: str) -> float:
 def resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
     """ResNeXt-101 32x4d (DeepLearningExamples' ConvNets)."""
     return ResNet(Bottleneck, [3, 4, 23, 3], num_classes=num_classes, groups=32, width_per_group=4)
+
+
+class SEBottleneck(Bottleneck):
+    """DeepLearningExamples' SE bottleneck (image_classification/models/resnet.py Bottleneck with se=True,
+    se_squeeze=16; models/common.py SqueezeAndExcitation): the block's output scaled per channel by a sigmoid of
+    Linear(C, 16) -> ReLU -> Linear(16, C) over its spatial mean, added to the residual (fused_se: addcmul)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        channels = self.conv3.out_channels
+        self.squeeze, self.expand = nn.Linear(channels, 16), nn.Linear(16, channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        residual = x if self.downsample is None else self.downsample(x)
+        scale = torch.sigmoid(self.expand(F.relu(self.squeeze(out.mean((2, 3))))))
+        return self.relu(torch.addcmul(residual, out, scale[:, :, None, None]))
+
+
+def se_resnext101_32x4d(num_classes: int = 1000) -> nn.Module:
+    """SE-ResNeXt-101 32x4d (DeepLearningExamples' ConvNets: ResNeXt-101 32x4d's shapes with SE bottlenecks)."""
+    return ResNet(SEBottleneck, [3, 4, 23, 3], num_classes=num_classes, groups=32, width_per_group=4)
+
+
+def efficientnet_b0(num_classes: int = 1000) -> nn.Module:
+    """EfficientNet-B0 (DeepLearningExamples' ConvNets efficientnet: the paper's MBConv stages, width and depth
+    1.0; torchvision's builder has the same shapes)."""
+    return tv_efficientnet_b0(num_classes=num_classes)
+
+
+def efficientnet_b4(num_classes: int = 1000) -> nn.Module:
+    """EfficientNet-B4 (width 1.4, depth 1.8; trained at 380 px in DeepLearningExamples' configs.yml)."""
+    return tv_efficientnet_b4(num_classes=num_classes)
 
 
 SEQ_LEN = {"bert_large_s128": 128, "bert_large_s512": 512, "bert_large_squad": 384, "llama3_8b": 8192,

@@ -14,7 +14,7 @@ import torch
 from stratbench.measuring import hardware
 from stratbench.measuring.hardware import HardwareError, Roofline
 from stratbench.measuring.model_trace import ModelSpec, trace_ops
-from stratbench.models.flops import OP_CLASSES, flops_by_op, op_cost
+from stratbench.models.flops import OP_CLASSES, flop_counter, flops_by_op, op_cost
 from stratbench.predicting import projection, roofline
 
 # A GPU of round numbers: H100 SXM's peaks and 132 SMs, 3 TB/s, every class at 0.5 of the peak and 0.8 of the
@@ -80,6 +80,25 @@ def test_depthwise_and_dense_convolutions_are_classed_apart():
     assert (dense.op_class, dense.output_tiles) == ("convolution", (1, 8 * 32 * 32, 128))
     assert depthwise.op_class == "depthwise_convolution"
     assert dense.flops == 2 * 8 * 128 * 32 * 32 * 64 * 9
+
+
+def test_a_depthwise_convolutions_backward_is_twice_its_forward():
+    # torch's counter prices a grouped convolution's weight gradient as an ungrouped one (groups x too many)
+    x = torch.randn(2, 16, 8, 8)
+    w = torch.randn(16, 1, 3, 3)
+    grad = torch.randn(2, 16, 8, 8)
+    args = (grad, x, w, None, [1, 1], [1, 1], [1, 1], False, [0, 0], 16, [True, True, False])
+    out = torch.ops.aten.convolution_backward.default(*args)
+    cost = op_cost(torch.ops.aten.convolution_backward.default, args, {}, out)
+    forward = 2 * 2 * 16 * 8 * 8 * 9
+    assert cost.op_class == "depthwise_convolution" and cost.flops == 2 * forward
+    only_input = (*args[:10], [True, False, False])
+    assert op_cost(torch.ops.aten.convolution_backward.default, only_input, {}, out).flops == forward
+    # and so does the whole-model counter (MFU, the efficiency basis' FLOPs), the input's gradient included
+    conv, x = torch.nn.Conv2d(16, 16, 3, padding=1, groups=16), x.requires_grad_()
+    with flop_counter() as counter:
+        conv(x).sum().backward()
+    assert counter.get_total_flops() == 3 * forward
 
 
 def test_a_traced_step_has_the_flop_counters_total_per_class():

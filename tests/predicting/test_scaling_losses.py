@@ -17,7 +17,7 @@ from stratbench.measuring.comm import DDP_FIRST_BUCKET_BYTES, Collective, ddp_bu
 from stratbench.predicting import projection
 
 MIB = 2**20
-RESULTS = conftest.REPO / "benchmarks" / "projection_published_cpu_2026-11-28.md"
+RESULTS = conftest.REPO / "benchmarks" / "projection_published_cpu_2026-11-28b.md"
 
 
 def test_ddp_buckets_first_one_mib_then_the_cap_then_what_is_left():

@@ -559,6 +559,7 @@ def print_time_table(console, results, system, args, calibration, device_memory,
             said = f"UNCALIBRATED, {said}; --calibrate result.json from one real run replaces it"
         console.print(f"compute efficiency {eff:.1%} of {gpu.name}'s dense peak: {said}", markup=False)
     print_roofline_lines(console, projections)
+    print_band_lines(console, projections)
     for recipe, share, peak, eff, src in sorted({tuple(p["float8"].values()) for p in projections if p.get("float8")}):
         console.print(
             f"float8 ({recipe}): the converted Linears' {share:.1%} of the FLOPs priced at {gpu.name}'s fp8 peak "
@@ -574,6 +575,19 @@ def print_time_table(console, results, system, args, calibration, device_memory,
     for note in sorted({(r.get("projection") or {}).get("placement_note") or "" for r in results} - {""}):
         console.print(note)  # tensor parallelism across nodes: priced so, but said
     print_formula_lines(console, results)
+
+
+def print_band_lines(console, projections: list[dict]) -> None:
+    """How sure each basis is: its held-out error band on published figures (``projection.error_band``), or that
+    no published check covers it."""
+    for basis in sorted({p["basis"] for p in projections if p.get("basis")}):
+        band = next(p["error_band"] for p in projections if p.get("basis") == basis)
+        if not band:
+            console.print(f"basis: {basis}; no held-out error band (no published figure checks this basis)")
+            continue
+        console.print(f"basis: {basis}; held-out error band: median {band['median']:.1%}, 80th percentile "
+                      f"{band['p80']:.1%}, worst {band['worst']:+.1%} over {band['rows']} {band['over']} "
+                      f"({band['source']})", markup=False)  # fmt: skip
 
 
 def print_roofline_lines(console, projections: list[dict]) -> None:

@@ -633,6 +633,9 @@ class MethodProjection:
     (the evidence-based efficiency per GPU, precision and family) or "roofline with published fractions"."""
     roofline: dict[str, Any] = field(default_factory=dict)
     """The roofline basis' breakdown of one micro-batch (``roofline.RooflineTime``); empty on other bases."""
+    error_band: dict[str, Any] = field(default_factory=dict)
+    """The held-out error of ``basis`` on published figures (``error_band``): median and 80th-percentile absolute
+    error, rows, what they are and the results file; empty where no published check covers the basis."""
     float8: dict[str, Any] = field(default_factory=dict)
     """A ``--float8`` run's pricing (``float8_rate``): recipe, the converted Linears' share of the FLOPs, the fp8
     peak (FLOP/s), its efficiency and that efficiency's source; empty without ``--float8``."""
@@ -711,9 +714,28 @@ def project(
     out.scaling_efficiency = _scaling_efficiency(
         cfg, system, world, samples, calibration, out.throughput, basis
     )
+    out.error_band = error_band(out.basis)
     if memory:
         out.memory_bytes, out.fits = _memory(cfg, world, device_type, system.gpu)
     return out
+
+
+@functools.cache
+def _error_bands() -> dict[str, Any]:
+    """measuring/error_bands.json, written by benchmarks/projection_heldout.py from its committed results (no
+    bands while that benchmark has not written it: its own first run projects before it writes)."""
+    from importlib import resources
+
+    path = resources.files("stratbench.measuring").joinpath("error_bands.json")
+    return json.loads(path.read_text()) if path.is_file() else {"bands": {}, "source": ""}
+
+
+def error_band(basis: str) -> dict[str, Any]:
+    """The held-out error band of ``basis`` (a ``MethodProjection.basis``): its median and 80th-percentile
+    absolute error over the published figures it was checked on, with the results file; {} where none was."""
+    data = _error_bands()
+    band = data["bands"].get(basis)
+    return {} if band is None else {"basis": basis, **band, "source": data["source"]}
 
 
 def _memory(cfg: TrainConfig, world: int, device_type: str, gpu: Gpu) -> tuple[int | None, bool | None]:

@@ -1,0 +1,74 @@
+"""The held-out validation (benchmarks/projection_heldout.py): its results file and the error bands are what its
+rows render to, the rows file is today's projection, and every projection carries its basis' band."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+
+import pytest
+
+import conftest
+from stratbench.core.config import TrainConfig
+from stratbench.measuring.hardware import resolve
+from stratbench.predicting import projection
+
+
+@pytest.fixture(scope="module")
+def heldout():
+    folder = str(conftest.REPO / "benchmarks")
+    sys.path.insert(0, folder)
+    try:
+        yield importlib.import_module("projection_heldout")
+    finally:
+        sys.path.remove(folder)
+
+
+def test_the_results_file_and_the_bands_are_what_the_rows_render_to(heldout):
+    rows = json.loads(heldout.ROWS.read_text())
+    assert heldout.RESULTS.read_text() == heldout.render(rows)
+    assert json.loads(heldout.BANDS.read_text()) == json.loads(json.dumps(heldout.bands(rows)))
+    assert len(rows) >= 40 and {r["role"] for r in rows} == {"sets", "held out"}
+    assert {r["group"] for r in rows if r["gpus"] == 1} >= {"resnet", "efficientnet", "bert-large"}
+
+
+def test_the_rows_file_is_todays_projection(heldout):
+    """A 1-GPU row's default projection and a multi-GPU row's naive prediction, recomputed: the rows file is stale
+    where published.yaml, hardware.yaml or the projection changed since the benchmark last ran."""
+    rows = {r["id"]: r for r in json.loads(heldout.ROWS.read_text())}
+    by_id = {e["id"]: e for e in heldout.pp.load_published()}
+    one = rows["dle-rn50-v100-16-fp32-1gpu"]
+    assert heldout.on_basis(by_id[one["id"]], "efficiency")[0] == pytest.approx(one["default"], rel=1e-9)
+    multi = rows["dle-effnet-b0-a100-80-amp-fp16-8gpu"]
+    assert multi["naive"] == pytest.approx(2489 * 8)
+    assert multi["reference"] == "dle-effnet-b0-a100-80-amp-fp16-1gpu"
+    assert set(rows) == {e["id"] for e in heldout.selected(list(by_id.values()))}
+
+
+def test_a_projection_says_its_basis_and_that_basis_band():
+    cfg = TrainConfig(
+        model="tinynet", image_size=16, num_classes=10, width=8, batch_size=8, strategy="single"
+    )
+    p = projection.project(cfg, resolve("a100-sxm"), 1, 1, memory=False)
+    bands = json.loads((conftest.REPO / "src/stratbench/measuring/error_bands.json").read_text())
+    assert (
+        p.basis == "family fallback" and p.error_band["median"] == bands["bands"]["family fallback"]["median"]
+    )
+    assert (
+        p.error_band["p80"] >= p.error_band["median"] > 0 and "projection_heldout" in p.error_band["source"]
+    )
+    assert projection.error_band("hardware file") == {}
+
+
+def test_estimate_prints_the_band_in_text_and_json(capsys):
+    from stratbench.cli import main
+
+    args = ["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
+            "--strategy", "single", "--time", "--hardware", "a100-sxm", "--gpus-per-node", "1"]  # fmt: skip
+    assert main([*args, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["results"][0]["projection"]
+    assert row["basis"] == "family fallback" and row["error_band"]["rows"] > 0
+    assert main(args) == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"basis: family fallback; held-out error band: median {row['error_band']['median']:.1%}" in text
