@@ -741,7 +741,8 @@ def preset_llm_moe() -> dict[str, Any]:
         "name": "llm-moe",
         "description": f"qwen3-30b-a3b (Qwen3-30B-A3B's shapes: {experts} experts, top-8, 30.5B parameters, 3.3B "
         f"active) on synthetic tokens (vocabulary 151936), sequence 2048, global batch {world}, 20 steps of AdamW in "
-        f"bf16-mixed with activation checkpointing: fsdp, fsdp --ep {ep} and DeepSpeed-MoE --ep {ep} at ZeRO-1/2 on "
+        f"bf16-mixed with activation checkpointing: fsdp{f', fsdp --ep {ep}' if ep > 1 else ''} and DeepSpeed-MoE"
+        f"{f' --ep {ep}' if ep > 1 else ''} at ZeRO-1/2 on "
         f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
         "base": {
             "model": "qwen3-30b-a3b",
