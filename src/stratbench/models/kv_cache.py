@@ -104,7 +104,9 @@ class TransformerCache(_Positions):
         self.model, self.max_len = model, model.max_seq_len
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.step = torch.compile(self.forward_at, dynamic=True) if compiled else self.forward_at
+        self.step = (
+            torch.compile(self.forward_at, dynamic=True, fullgraph=True) if compiled else self.forward_at
+        )
 
     def start(self, batch: int) -> None:
         weight = self.model.tok_embeddings.weight
@@ -152,16 +154,16 @@ class TransformerCache(_Positions):
         keys, values = self.keys[i][:, : pos + t], self.values[i][:, : pos + t]
         n_rep = q.shape[2] // keys.shape[2]
         keys, values = repeat_kv(keys, n_rep), repeat_kv(values, n_rep)
-        mask = None
-        if (
-            t > 1 and pos > 0
-        ):  # a chunk after cached tokens: a query sees the cache, and its chunk up to itself
+        q, keys, values = q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2)
+        # Branches in Python, not a bool computed into is_causal: under torch.compile a position is symbolic, and
+        # each branch is a guard (one graph for the prompt, one for a single token), where a computed flag breaks it.
+        if t == 1:  # one new token: it sees every cached position
+            out = F.scaled_dot_product_attention(q, keys, values)
+        elif pos == 0:  # the prompt: causal, as the full forward computes it
+            out = F.scaled_dot_product_attention(q, keys, values, is_causal=True)
+        else:  # a chunk after cached tokens: a query sees the cache, and its chunk up to itself
             seen = torch.arange(pos + t, device=x.device)
-            mask = seen[None, :] <= seen[pos:, None]
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask,
-            is_causal=t > 1 and pos == 0,
-        )  # fmt: skip
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=seen[None, :] <= seen[pos:, None])
         return attn.wo(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -171,7 +173,7 @@ class HFCache(_Positions):
     def __init__(self, model: HFCausalLM, compiled: bool = False) -> None:
         self.model, self.max_len = model, max_positions(model.hf.config) or 2**31
         self.cache: Any = None
-        self.step = torch.compile(self._forward, dynamic=True) if compiled else self._forward
+        self.step = torch.compile(self._forward, dynamic=True, fullgraph=True) if compiled else self._forward
 
     def start(self, batch: int) -> None:
         from transformers import DynamicCache
