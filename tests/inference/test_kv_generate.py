@@ -16,7 +16,7 @@ from stratbench.cli import main
 from stratbench.core.errors import ConfigError
 from stratbench.inference.generate import Sampling, decode, generate
 from stratbench.models.hf import import_transformers
-from stratbench.models.kv_cache import decoder_for
+from stratbench.models.kv_cache import compile_step, decoder_for
 from stratbench.models.transformer import Transformer, TransformerConfig, build_transformer
 from stratbench.models.zoo import build_model
 
@@ -57,6 +57,19 @@ def test_a_prompt_fed_in_chunks_gives_the_full_forwards_logits():
             torch.testing.assert_close(decoder.feed(tokens[:, lo:hi]), full[:, hi - 1], rtol=1e-4, atol=1e-5)
         with pytest.raises(ConfigError, match="longer than the model's max length of 64"):
             decoder.feed(torch.zeros(1, 25, dtype=torch.long))
+
+
+def test_the_cached_step_compiles_as_one_graph():
+    """The step bench-generate compiles (dynamic shapes, fullgraph=True: a graph break is an error, not a silent
+    fallback to eager), traced by dynamo with its eager backend (inductor's build takes 20-100 s on 2 shared cores):
+    the same greedy tokens as the eager cache, over a prompt and single tokens at moving positions."""
+    torch.manual_seed(0)
+    model = build_transformer("gpt-tiny").eval()
+    prompt = torch.randint(0, model.vocab_size, (1, 16))
+    decoder = decoder_for(model)
+    decoder.step = compile_step(decoder.forward_at, backend="eager")
+    greedy = Sampling(max_new_tokens=12, top_k=1)
+    assert decode(decoder, prompt, greedy).ids == decode(decoder_for(model), prompt, greedy).ids
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="transformers is not installed")

@@ -19,6 +19,7 @@ prompt and one for the single-token steps, whatever the position).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -64,6 +65,13 @@ def decoder_for(model: nn.Module, cache: bool = True, compiled: bool = False) ->
     raise ConfigError(
         f"a key/value cache is written for {CACHED_KINDS}; this model is a {type(model).__name__}"
     )
+
+
+def compile_step(step: Callable[..., torch.Tensor], backend: str = "inductor") -> Callable[..., torch.Tensor]:
+    """``step`` under ``torch.compile``: dynamic shapes (positions and prompt lengths symbolic, so no recompile per
+    token) and the full graph (a graph break is an error, where dynamo would otherwise skip the step and run it
+    eagerly without a word)."""
+    return torch.compile(step, dynamic=True, fullgraph=True, backend=backend)
 
 
 class _Positions:
@@ -173,7 +181,7 @@ class HFCache(_Positions):
     def __init__(self, model: HFCausalLM, compiled: bool = False) -> None:
         self.model, self.max_len = model, max_positions(model.hf.config) or 2**31
         self.cache: Any = None
-        self.step = torch.compile(self._forward, dynamic=True, fullgraph=True) if compiled else self._forward
+        self.step = compile_step(self._forward) if compiled else self._forward
 
     def start(self, batch: int) -> None:
         from transformers import DynamicCache
