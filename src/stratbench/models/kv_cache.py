@@ -19,6 +19,7 @@ prompt and one for the single-token steps, whatever the position).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -181,6 +182,9 @@ class HFCache(_Positions):
     def __init__(self, model: HFCausalLM, compiled: bool = False) -> None:
         self.model, self.max_len = model, max_positions(model.hf.config) or 2**31
         self.cache: Any = None
+        # transformers 5 calls the argument `cache` and warns on the older `past_key_values`, which it still reads
+        takes = inspect.signature(model.hf.forward).parameters
+        self.cache_arg = "cache" if "cache" in takes else "past_key_values"
         self.step = compile_step(self._forward) if compiled else self._forward
 
     def start(self, batch: int) -> None:
@@ -195,5 +199,5 @@ class HFCache(_Positions):
         return self.step(tokens)[:, -1, : self.model.vocab_size]
 
     def _forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        out = self.model.hf(input_ids=tokens, past_key_values=self.cache, use_cache=True)
+        out = self.model.hf(input_ids=tokens, use_cache=True, **{self.cache_arg: self.cache})
         return out.logits
