@@ -1,10 +1,14 @@
-"""Text from a prompt with a trained language model (``stratbench predict --prompt``): greedy decoding or top-k
-sampling, one token at a time over the last ``seq_len`` tokens (the window the model was trained on; no KV cache:
-clear, and fast enough for the built-in sizes on a CPU)."""
+"""Text from a prompt with a trained language model: greedy decoding or top-k sampling, one token at a time.
+
+``generate`` (``stratbench predict --prompt``) runs the model's forward over the last ``seq_len`` tokens (the window
+the model was trained on) for each token: no cache, so a prompt of any length slides through the window. ``decode``
+(``stratbench bench-generate``) runs a decoder of ``models.kv_cache`` (a key/value cache, or none), timing the
+first token (the prompt read, then the token picked) and each later one."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -12,6 +16,7 @@ from torch import nn
 
 from stratbench.core.errors import ConfigError
 from stratbench.data.text import ByteCodec, Codec, IdCodec, load_tokenizer
+from stratbench.models.kv_cache import Decoder
 
 
 def codec_for(meta: dict[str, Any]) -> Codec:
@@ -56,11 +61,12 @@ def generate(model: nn.Module, prompt: list[int], context: int, sampling: Sampli
     gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
     for _ in range(sampling.max_new_tokens):
         logits = model(ids[:, -context:])[0, -1].float().cpu()
-        ids = torch.cat([ids, torch.tensor([[_pick(logits, sampling, gen)]], device=device)], dim=1)
+        ids = torch.cat([ids, torch.tensor([[pick(logits, sampling, gen)]], device=device)], dim=1)
     return ids[0, len(prompt) :].tolist()
 
 
-def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+def pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int:
+    """The next token from one position's logits (on the CPU): the most likely (``top_k`` 1), or a draw."""
     if sampling.top_k == 1:
         return int(logits.argmax())
     logits = logits / sampling.temperature
@@ -68,3 +74,35 @@ def _pick(logits: torch.Tensor, sampling: Sampling, gen: torch.Generator) -> int
         kth = torch.topk(logits, sampling.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     return int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
+
+
+@dataclass
+class Decoded:
+    """What ``decode`` generated and how long it took: ``first_s`` from the prompt given to the first token
+    picked (time to first token), ``step_s`` each later token's (its step through the model and its pick)."""
+
+    ids: list[int]
+    first_s: float
+    step_s: list[float] = field(default_factory=list)
+
+
+@torch.inference_mode()
+def decode(decoder: Decoder, prompt: torch.Tensor, sampling: Sampling) -> Decoded:
+    """``sampling.max_new_tokens`` ids continuing ``prompt`` (1, t) (on the model's device): the prompt fed once,
+    then each picked token fed back. Every pick reads the logits on the CPU, so each time includes the device's
+    work (no asynchronous step is left running)."""
+    if prompt.numel() == 0:
+        raise ConfigError("the prompt is empty: give at least one token")
+    sampling.check()
+    gen = torch.Generator(device="cpu").manual_seed(sampling.seed)
+    decoder.start(prompt.shape[0])
+    begin = time.perf_counter()
+    token = pick(decoder.feed(prompt)[0].float().cpu(), sampling, gen)
+    out = Decoded([token], time.perf_counter() - begin)
+    for _ in range(sampling.max_new_tokens - 1):
+        begin = time.perf_counter()
+        fed = torch.tensor([[token]], dtype=torch.long, device=prompt.device)
+        token = pick(decoder.feed(fed)[0].float().cpu(), sampling, gen)
+        out.step_s.append(time.perf_counter() - begin)
+        out.ids.append(token)
+    return out
