@@ -194,9 +194,14 @@ def defaults_lines() -> list[str]:
     return out
 
 
+MIN_FAMILY_ROWS = 3
+"""A model family's own band needs this many scored rows; fewer: the projection quotes the basis' band over all."""
+
+
 def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """Per basis the held-out error band: the default and roofline projections over the held-out 1-GPU rows, the
-    calibrated projection over the multi-GPU rows predicted from their own figure (none of them set a default)."""
+    calibrated projection over the multi-GPU rows predicted from their own figure (none of them set a default);
+    and the same per model family where it has ``MIN_FAMILY_ROWS`` rows."""
     one = [x for x in rows if x["gpus"] == 1 and x["role"] == "held out"]
     out = {}
     for column, basis in BASES.items():
@@ -205,6 +210,12 @@ def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
         what = ("held-out 1-GPU figures" if column != "own" else
                 "multi-GPU figures, each calibrated on its own 1-GPU (or smallest) figure")  # fmt: skip
         out[basis] = {k: round(v, 4) for k, v in stats(errors).items()} | {"over": what}
+        families = {}  # the same rows by model family (convnet, transformer): a projection quotes its own
+        for family in sorted({x["family"] for x in sel}):
+            mine = [e for e in (err(x, column) for x in sel if x["family"] == family) if e is not None]
+            if len(mine) >= MIN_FAMILY_ROWS:
+                families[family] = {k: round(v, 4) for k, v in stats(mine).items()} | {"over": f"{what} ({family}s)"}
+        out[basis]["families"] = families
     return {"source": f"benchmarks/{RESULTS.name}, written by benchmarks/projection_heldout.py", "bands": out}
 
 

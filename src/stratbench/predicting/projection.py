@@ -714,7 +714,7 @@ def project(
     out.scaling_efficiency = _scaling_efficiency(
         cfg, system, world, samples, calibration, out.throughput, basis
     )
-    out.error_band = error_band(out.basis)
+    out.error_band = error_band(out.basis, out.model_family)
     if memory:
         out.memory_bytes, out.fits = _memory(cfg, world, device_type, system.gpu)
     return out
@@ -730,12 +730,16 @@ def _error_bands() -> dict[str, Any]:
     return json.loads(path.read_text()) if path.is_file() else {"bands": {}, "source": ""}
 
 
-def error_band(basis: str) -> dict[str, Any]:
+def error_band(basis: str, family: str | None = None) -> dict[str, Any]:
     """The held-out error band of ``basis`` (a ``MethodProjection.basis``): its median and 80th-percentile
-    absolute error over the published figures it was checked on, with the results file; {} where none was."""
+    absolute error over the published figures it was checked on, those of model ``family`` (convnet,
+    transformer) where the check has enough of them, with the results file; {} where none was."""
     data = _error_bands()
     band = data["bands"].get(basis)
-    return {} if band is None else {"basis": basis, **band, "source": data["source"]}
+    if band is None:
+        return {}
+    band = (band.get("families") or {}).get(family) or {k: v for k, v in band.items() if k != "families"}
+    return {"basis": basis, **band, "source": data["source"]}
 
 
 def _memory(cfg: TrainConfig, world: int, device_type: str, gpu: Gpu) -> tuple[int | None, bool | None]:
