@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from conftest import cli, fails
-from stratbench.inference.bench import Row
+from stratbench.inference.bench import Row, random_model
 from stratbench.inference.bench_report import DEFAULT_MAX_LOSS, answer, chart, markdown
+from stratbench.inference.quality import Reference
 
 
 def row(
@@ -101,3 +102,16 @@ def test_bench_infer_cells_and_report(tmp_path):
         )
     text = report.read_text()
     assert text.index("## What to use") < text.index("| backend |") < text.index("## Rows that did not run")
+
+
+def test_reference_leaves_the_model_as_it_was():
+    """quality.Reference scores on a CPU fp32 eval copy where the model is not one already: the caller's model
+    keeps its dtype and training mode (it used to be cast and switched to eval in place)."""
+    model, _ = random_model("tinynet", 10, 16, 4)
+    model.to(torch.bfloat16).train()
+    x = torch.randn(4, 3, 16, 16)
+    ref = Reference(model, [(x, torch.zeros(4, dtype=torch.long))], language=False)
+    assert model.training and next(model.parameters()).dtype == torch.bfloat16
+    assert (
+        ref.logits[0].dtype == torch.float32 and ref.score(lambda b: ref.logits[0]).max_abs_delta_logit == 0
+    )
