@@ -96,6 +96,7 @@ def test_bench_infer_cells_and_report(tmp_path):
     fp32 = rows["eager-fp32"]
     assert float(fp32["p50_ms"]) <= float(fp32["p90_ms"]) <= float(fp32["p99_ms"])
     assert fp32["memory_kind"] == "rss-hwm" and int(fp32["peak_memory_bytes"]) > 10 * 2**20
+    assert 0 < int(fp32["memory_start_bytes"]) <= int(fp32["peak_memory_bytes"])
     if not torch.cuda.is_available():
         assert (
             rows["torch-tensorrt"]["reason"] == rows["onnxruntime-tensorrt"]["reason"] == "needs a CUDA GPU"

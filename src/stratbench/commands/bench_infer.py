@@ -44,6 +44,7 @@ from stratbench.inference.bench_report import (
     chart,
     check_max_loss,
     markdown,
+    peak_memory,
 )
 from stratbench.inference.onnx_export import context_length, is_language
 from stratbench.inference.predictor import load_model
@@ -191,8 +192,9 @@ def _about(what: str, device, threads: int, args: argparse.Namespace, data: Qual
         f"per cell {args.warmup} untimed warm-up iterations, then {args.min_iters}-{args.iters} timed ones (at most "
         f"{args.max_seconds:g} s); latency per batch, nearest-rank percentiles",
         "peak mem: per cell (preparation, warm-up, timed iterations), the process's RSS high-water mark reset at "
-        "the cell's start (rss-hwm: includes the Python runtime and the fp32 model), or on a GPU a PyTorch "
-        "backend's allocator peak (cuda-alloc-peak); the CSV's memory_kind says which",
+        "the cell's start (rss-hwm: includes the Python runtime, the fp32 model and what earlier backends left "
+        "mapped), or on a GPU a PyTorch backend's allocator peak (cuda-alloc-peak); in brackets what the cell "
+        "added over its start; the CSV's memory_kind says which",
         f"quality against eager fp32 on {samples} validation samples ({len(data.batches)} batches)"
         if data.batches else f"quality not measured ({data.reason})",
     ]  # fmt: skip
@@ -333,7 +335,7 @@ def _quality_columns(rows: list[Row]) -> list[tuple[str, Callable[[Row], str]]]:
         return lambda r: "-" if getattr(r, key) is None else f"{getattr(r, key) * scale:{spec}}"
 
     cols = [
-        ("peak mem", lambda r: "-" if r.peak_memory_bytes is None else fmt_bytes(r.peak_memory_bytes)),
+        ("peak mem (cell +)", peak_memory),
         ("size", lambda r: "-" if r.size_bytes is None else fmt_bytes(r.size_bytes)),
         ("start s", f(".2f", "startup_s")),
     ]

@@ -38,7 +38,7 @@ from stratbench.inference.onnx_export import OrtModel, export_onnx, is_language
 from stratbench.inference.predictor import LoadedModel, build_from_meta, percentile
 from stratbench.inference.quality import Quality, Reference, validation_batches
 from stratbench.inference.quantize import missing_tool, quantize_onnx, torchao_int8, torchao_reason
-from stratbench.measuring.memory import cpu_peak_rss_bytes, reset_cpu_peak_rss
+from stratbench.measuring.memory import cpu_peak_rss_bytes, current_memory_bytes, reset_cpu_peak_rss
 
 BACKENDS = (
     "eager-fp32", "eager-bf16", "eager-fp16", "compile", "torchao-int8-weight", "torchao-int8-dynamic",
@@ -52,7 +52,7 @@ CSV_FIELDS = (
     "warmup_s", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "throughput_samples_per_s", "threads", "reason",
     "seq_len", "throughput_tokens_per_s", "size_bytes", "startup_s", "quality_samples", "top1", "top1_delta_pts",
     "perplexity", "perplexity_delta_pct", "argmax_agreement", "max_abs_delta_logit", "p90_ms", "peak_memory_bytes",
-    "memory_kind",
+    "memory_kind", "memory_start_bytes",
 )  # fmt: skip
 LM_LIMIT = (
     "a language model's iteration is one forward over batch x seq-len tokens (the prefill); token-by-token "
@@ -99,6 +99,8 @@ class Row:
     peak_memory_bytes: int | None = None
     """The cell's peak memory (``CellMemory``): what ``memory_kind`` names."""
     memory_kind: str = ""
+    memory_start_bytes: int | None = None
+    """The same measure at the cell's start: the cell itself added ``peak_memory_bytes`` minus this."""
     times: list[float] = field(default_factory=list, repr=False)
 
     def summarise(self) -> None:
@@ -160,7 +162,9 @@ class CellMemory:
     start); every other row this process's resident-set high-water mark (``rss-hwm``: VmHWM, reset to the
     current RSS at the cell's start by writing 5 to /proc/self/clear_refs), which also holds the Python runtime,
     the fp32 model and the reference logits, and for onnxruntime on a GPU the host side only. Garbage is
-    collected first, so an earlier backend's freed objects do not count; where the mark cannot be reset the
+    collected first, so an earlier backend's freed objects do not count; the RSS or allocated bytes at the
+    start are kept too, so that what the cell itself added is the difference (the RSS of a long run grows with
+    what earlier backends left mapped: compiled code, onnxruntime's arenas). Where the mark cannot be reset the
     peak is left empty rather than given for the whole process."""
 
     def __init__(self, cuda_alloc: bool) -> None:
@@ -171,13 +175,16 @@ class CellMemory:
             self.ok = True
         else:
             self.ok = reset_cpu_peak_rss()
+        device = torch.device("cuda" if cuda_alloc else "cpu")
+        self.start = current_memory_bytes(device) if self.ok else None
 
-    def peak(self) -> tuple[int | None, str]:
-        """(the peak in bytes since the start, its kind); (None, "") where it could not be isolated."""
+    def fields(self) -> dict[str, Any]:
+        """The row's memory fields: the peak since the start, its kind and the start; none where the peak could not
+        be isolated."""
         if not self.ok:
-            return None, ""
-        cuda = self.kind == "cuda-alloc-peak"
-        return (torch.cuda.max_memory_allocated() if cuda else cpu_peak_rss_bytes()), self.kind
+            return {}
+        peak = torch.cuda.max_memory_allocated() if self.kind == "cuda-alloc-peak" else cpu_peak_rss_bytes()
+        return {"peak_memory_bytes": peak, "memory_kind": self.kind, "memory_start_bytes": self.start}
 
 
 def first_line(exc: BaseException) -> str:
@@ -353,7 +360,8 @@ class InferenceBench:
                 row.warmup_s, row.times = measure(
                     lambda x=x: runner.call(x), self.sync, s.warmup, s.iters, s.min_iters, s.max_seconds
                 )
-                row.peak_memory_bytes, row.memory_kind = memory.peak()
+                for key, value in memory.fields().items():
+                    setattr(row, key, value)
             except torch.OutOfMemoryError as exc:
                 row.status, row.reason = "oom", first_line(exc)
             except Exception as exc:  # one failing backend must not stop the others

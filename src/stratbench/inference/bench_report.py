@@ -144,6 +144,18 @@ def _quality_line(
 # the Markdown report and its chart
 
 
+def peak_memory(r: Row) -> str:
+    """``608.7 MiB (+12.3 MiB)``: the cell's peak and what the cell added over its start."""
+    if r.peak_memory_bytes is None:
+        return "-"
+    added = (
+        ""
+        if r.memory_start_bytes is None
+        else f" (+{fmt_bytes(max(0, r.peak_memory_bytes - r.memory_start_bytes))})"
+    )
+    return fmt_bytes(r.peak_memory_bytes) + added
+
+
 def _cell(value: float | int | None, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
@@ -157,7 +169,7 @@ COLUMNS: list[tuple[str, Callable[[Row], str]]] = [
     ("p99 ms", lambda r: _cell(r.p99_ms, ".2f")),
     ("samples/s", lambda r: _cell(r.throughput_samples_per_s, ",.1f")),
     ("tokens/s", lambda r: _cell(r.throughput_tokens_per_s, ",.0f")),
-    ("peak mem", lambda r: "-" if r.peak_memory_bytes is None else fmt_bytes(r.peak_memory_bytes)),
+    ("peak mem (cell +)", lambda r: peak_memory(r)),
     ("size", lambda r: "-" if r.size_bytes is None else fmt_bytes(r.size_bytes)),
     ("start-up s", lambda r: _cell(r.startup_s, ".2f")),
     ("top-1 %", lambda r: _cell(None if r.top1 is None else 100 * r.top1, ".2f")),
