@@ -50,6 +50,10 @@ def test_answer_picks_within_the_quality_loss():
     assert labels[0] == "Fastest within 1 pts top-1 of eager fp32", labels
     text = dict(ans.lines)
     assert "2.00x as fast as eager-fp32" in text[labels[0]] and "0.28x eager-fp32's" in text[labels[2]]
+    assert "Runner-up" not in text[labels[0]]  # onnxruntime-cpu is 20% slower
+    close = matrix()
+    close[1].p50_ms = 5.4
+    assert "Runner-up: onnxruntime-cpu, 8% slower" in answer(close, 1.0, language=False).lines[0][1]
     assert "onnxruntime-int8-dynamic (+2.50 pts top-1)" in text["Quality"]
     # a looser limit lets int8-dynamic in; a language model's loss is its perplexity increase (default 2%)
     assert answer(matrix(), 3.0, language=False).picks["fastest"].backend == "onnxruntime-int8-dynamic"

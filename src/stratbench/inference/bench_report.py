@@ -25,6 +25,8 @@ DEFAULT_MAX_LOSS = {False: 1.0, True: 2.0}
 """The default --max-quality-loss: 1 point of top-1 for a classifier (False), 2% perplexity for a language model."""
 MAX_LOSS_RANGE = (0.0, 100.0)
 REFERENCE = "eager-fp32"
+CLOSE_PCT = 10.0
+"""A second-fastest row this close (in %) is named beside the fastest, as `compare` does."""
 
 
 def check_max_loss(value: float | None) -> None:
@@ -90,9 +92,20 @@ def answer(rows: list[Row], max_loss: float, language: bool, unscored_reason: st
         if row is not None:
             out.picks[key] = row
         text = f"{row.backend}: {text(row)}{_quality(row, unit)}" if row else "no completed row"
-        out.lines.append((f"{label} {where}", text))
+        close = _runner_up(at[small], fast) if key == "fastest" and fast else ""
+        out.lines.append((f"{label} {where}", text + close))
     out.lines.append(("Quality", _quality_line(ok, within, scored, max_loss, unit, unscored_reason)))
     return out
+
+
+def _runner_up(rows: list[Row], top: Row) -> str:
+    """``. Runner-up: X, 6% slower ...`` where the second-fastest row is within CLOSE_PCT of ``top``."""
+    others = [r for r in rows if r is not top and r.p50_ms]
+    second = min(others, key=lambda r: r.p50_ms or math.inf, default=None)
+    if second is None or not top.p50_ms or second.p50_ms > top.p50_ms * (1 + CLOSE_PCT / 100):
+        return ""
+    gap = 100 * (second.p50_ms / top.p50_ms - 1)
+    return f". Runner-up: {second.backend}, {gap:.0f}% slower; on a shared machine that is within the noise"
 
 
 def _ratio(value: float | None, base: float | None) -> str:
