@@ -43,7 +43,7 @@ def quality_loss(row: Row) -> float | None:
     """How much worse than eager fp32 ``row`` scored: top-1 points lost, or perplexity percent gained (negative:
     better); None where it was not scored."""
     if row.top1_delta_pts is not None:
-        return -row.top1_delta_pts
+        return 0.0 - row.top1_delta_pts  # 0.0 - 0.0: no "-0.00" where nothing was lost
     return row.perplexity_delta_pct
 
 
@@ -220,6 +220,7 @@ def chart(rows: list[Row], ans: Answer, language: bool, out: Path) -> bool:
     if not ok:
         return False
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -228,15 +229,18 @@ def chart(rows: list[Row], ans: Answer, language: bool, out: Path) -> bool:
     points = [r for r in ok if r.batch_size == small]
     picked = {id(r) for r in ans.picks.values()}
     fig, ax = plt.subplots(figsize=(8, 5))
-    for r in points:
+    for i, r in enumerate(sorted(points, key=lambda r: r.p50_ms or 0.0)):
         ax.scatter(
             r.p50_ms, quality_loss(r), s=40, color="tab:red" if id(r) in picked else "tab:blue", zorder=3
         )
-        ax.annotate(
-            r.backend, (r.p50_ms, quality_loss(r)), textcoords="offset points", xytext=(5, 4), fontsize=8
-        )
+        # neighbours in latency get labels at alternating heights, so that close points stay readable
+        ax.annotate(r.backend, (r.p50_ms, quality_loss(r)), textcoords="offset points", fontsize=8,
+                    xytext=(4, (6, -12, 18, -24)[i % 4]), arrowprops={"arrowstyle": "-", "color": "grey", "lw": 0.5})  # fmt: skip
+    ax.margins(y=0.15)
     ax.axhline(ans.max_loss, linestyle="--", color="grey", label=f"--max-quality-loss {ans.max_loss:g}")
     ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     ax.set_xlabel(f"p50 latency at batch {small} (ms, log scale)")
     ax.set_ylabel("perplexity increase (%)" if language else "top-1 points lost")
     ax.set_title("latency against quality loss vs eager fp32 (red: picked)")
