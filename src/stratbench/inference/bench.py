@@ -46,7 +46,7 @@ BACKENDS = (
     "onnxruntime-tensorrt", "torch-tensorrt",
 )  # fmt: skip
 GPU_ONLY = {"onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt", "torch-tensorrt": "tensorrt"}
-"""The backends that run on a CUDA GPU only, and what onnxruntime calls their device."""
+"""The backends that run on a CUDA GPU only; for an onnxruntime one, the value is the device ``OrtModel`` takes."""
 CSV_FIELDS = (
     "model", "image_size", "backend", "dtype", "device", "batch_size", "status", "iterations", "warmup",
     "warmup_s", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "throughput_samples_per_s", "threads", "reason",
