@@ -40,11 +40,16 @@
 #              tensorwise / rowwise, eager and compiled, against bf16-mixed compiled (torchao on an H100); with 2+ GPUs
 #              fsdp against fsdp --cp 2 at a global batch of 2 sequences (one per GPU: what cp is for) and the
 #              zero-bubble schedules against 1f1b on gpt-tiny (not run yet)              ~8 min -> longctx.md
+#   infer      issue 48: bench-infer on CUDA with every backend - eager fp32/bf16/fp16, compile, onnxruntime CUDA and
+#              TensorRT execution providers (onnxruntime-gpu; without it the rows say so), torch-tensorrt (where
+#              installed), the CPU rows (onnxruntime int8/fp16, torchao) beside them - on a resnet18 trained on digits
+#              and a gpt-tiny trained on text, each opening with the fastest backend within --max-quality-loss
+#              (not run yet)                                  ~6 min -> infer_resnet18.md, infer_gpt-tiny.md (+ .png)
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "infer", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -64,7 +69,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -300,11 +305,21 @@ with open(sys.argv[1], "a") as f:
 print("\n".join(lines))
 EOF
         ;;
+    infer)
+        train infer-resnet18 --strategy single --model resnet18 --data digits --batch-size 64 --epochs 4 \
+            --optimizer adamw --lr 0.002 --device cuda
+        train infer-gpt-tiny --strategy single --model gpt-tiny --data text --seq-len 128 --batch-size 16 --epochs 1 \
+            --max-steps 300 --optimizer adamw --lr 0.003 --device cuda
+        for name in resnet18 gpt-tiny; do
+            "${SB[@]}" bench-infer --checkpoint "$WORK/infer-$name/checkpoints/last" --device cuda \
+                --batch-sizes 1,8,32,128 --warmup 3 --iters 50 --min-iters 10 --max-seconds 10 \
+                --output "$OUT/infer_$name.csv" --report "$OUT/infer_$name.md" 2>&1 | tail -40
+        done ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer tests pack" >&2
         exit 2 ;;
     esac
 done

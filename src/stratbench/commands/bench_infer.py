@@ -1,9 +1,12 @@
-"""stratbench bench-infer: inference latency (p50/p95/p99) and throughput per batch size for PyTorch eager
-(fp32, bf16, fp16 where the device has them), torch.compile, torchao int8 (weight-only, dynamic) and onnxruntime
-(fp32, fp16, int8 dynamic and static; CUDA when present); a language model's batches are sequences of
-``--seq-len`` tokens, and its throughput is also in tokens/s. Each backend's rows also give the size of the file
-it loads, its start-up time and, for a checkpoint, its quality against eager fp32 on the checkpoint's validation
-set (top-1 and its change, or perplexity and its change; argmax agreement, max |delta logit|).
+"""stratbench bench-infer: inference latency (p50/p90/p99) and throughput per batch size for PyTorch eager
+(fp32, bf16, fp16 where the device has them), torch.compile, torchao int8 (weight-only, dynamic), onnxruntime
+(fp32, fp16, int8 dynamic and static; its CUDA and TensorRT providers on a GPU) and torch-tensorrt (on a GPU,
+where installed); a language model's batches are sequences of ``--seq-len`` tokens, and its throughput is also in
+tokens/s. Each row also gives the cell's peak memory, the size of the file the backend loads, its start-up (a
+compiled backend's compile included) and, for a checkpoint, its quality against eager fp32 on the checkpoint's
+validation set (top-1 and its change, or perplexity and its change; argmax agreement, max |delta logit|).
+It opens with the answer (stratbench.inference.bench_report): the fastest backend within --max-quality-loss, the
+one with the most throughput, the smallest; --report writes it with the table and a latency-vs-quality chart.
 How each case is timed: stratbench.inference.bench.
 """
 
@@ -19,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
+from stratbench.checkpoints.checkpoint import add_trust_argument, atomic_write, trusted
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.core.tables import fmt_bytes
@@ -34,6 +37,15 @@ from stratbench.inference.bench import (
     random_model,
     write_csv,
 )
+from stratbench.inference.bench_report import (
+    DEFAULT_MAX_LOSS,
+    Answer,
+    answer,
+    chart,
+    check_max_loss,
+    markdown,
+    peak_memory,
+)
 from stratbench.inference.onnx_export import context_length, is_language
 from stratbench.inference.predictor import load_model
 from stratbench.inference.quality import IMAGE_BATCH, TOKEN_BATCH
@@ -43,8 +55,9 @@ from stratbench.models.zoo import MODELS, check_model, is_language_model
 
 NAME = "bench-infer"
 HELP = (
-    "inference latency p50/p95/p99, throughput, size, start-up and quality vs eager fp32 per backend: eager "
-    "fp32/bf16/fp16, torch.compile, torchao int8, onnxruntime fp32/fp16/int8"
+    "the fastest and smallest inference backend within a quality loss: latency p50/p90/p99, throughput, peak "
+    "memory, size, start-up and quality vs eager fp32 per backend: eager fp32/bf16/fp16, torch.compile, torchao "
+    "int8, onnxruntime fp32/fp16/int8 (CUDA, TensorRT), torch-tensorrt"
 )
 ORDER = 63
 DEFAULT_CLASSES = 1000
@@ -124,6 +137,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="validation batches onnxruntime-int8-static calibrates its activation ranges on (default 8)",
     )  # fmt: skip
     parser.add_argument("--output", help="CSV file for the results (one row per backend and batch size)")
+    parser.add_argument(
+        "--max-quality-loss", type=float, default=None,
+        help="the quality a pick may lose against eager fp32: points of top-1 accuracy for a classifier (default "
+        f"{DEFAULT_MAX_LOSS[False]:g}), percent of perplexity for a language model (default {DEFAULT_MAX_LOSS[True]:g}); "
+        "0 to 100",
+    )  # fmt: skip
+    parser.add_argument(
+        "--report", help="Markdown report to write: the answer, the table, and beside it FILE's name with "
+        "_latency_quality.png, the latency-vs-quality chart",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -141,14 +164,49 @@ def run(args: argparse.Namespace) -> int:
         )
         bench = InferenceBench(model, meta, device, settings, threads, on_row=_print_row, data=data)
         rows = bench.run(backends)
+        language = seq_len is not None
+        limit = DEFAULT_MAX_LOSS[language] if args.max_quality_loss is None else args.max_quality_loss
+        ans = answer(rows, limit, language, data.reason)
+        for label, text in ans.lines:
+            print(f"{label}: {text}")
         _print_table(rows, what, device, threads)
-        _print_quality_note(data, seq_len is not None)
+        _print_quality_note(data, language)
         if seq_len:
             print(f"note: {LM_LIMIT}", file=sys.stderr)
         if args.output:
             write_csv(rows, Path(args.output))
             print(f"wrote {Path(args.output)}", file=sys.stderr)
+        if args.report:
+            _write_report(Path(args.report), rows, ans, language, _about(what, device, threads, args, data))
         return 0 if any(r.status == "ok" for r in rows) else 1
+
+
+def _about(what: str, device, threads: int, args: argparse.Namespace, data: QualityData) -> list[str]:
+    """The report's "How it was measured" lines: the model, the machine and threads, the timing, memory and
+    quality rules."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    samples = sum(len(x) for x, _ in data.batches)
+    return [
+        f"{what}; `stratbench bench-infer {' '.join(sys.argv[2:])}`" if sys.argv[1:2] == [NAME] else what,
+        f"{device.type} ({where}), {threads} threads for PyTorch and onnxruntime; torch {torch.__version__}",
+        f"per cell {args.warmup} untimed warm-up iterations, then {args.min_iters}-{args.iters} timed ones (at most "
+        f"{args.max_seconds:g} s); latency per batch, nearest-rank percentiles",
+        "peak mem: per cell (preparation, warm-up, timed iterations), the process's RSS high-water mark reset at "
+        "the cell's start (rss-hwm: includes the Python runtime, the fp32 model and what earlier backends left "
+        "mapped), or on a GPU a PyTorch backend's allocator peak (cuda-alloc-peak); in brackets what the cell "
+        "added over its start; the CSV's memory_kind says which",
+        f"quality against eager fp32 on {samples} validation samples ({len(data.batches)} batches)"
+        if data.batches else f"quality not measured ({data.reason})",
+    ]  # fmt: skip
+
+
+def _write_report(out: Path, rows: list[Row], ans: Answer, language: bool, about: list[str]) -> None:
+    """The Markdown report and, beside it, its chart (where rows were scored)."""
+    png = out.with_name(f"{out.stem}_latency_quality.png")
+    drawn = chart(rows, ans, language, png)
+    title = f"Inference: {about[0].split(';')[0]}"
+    atomic_write(out, markdown(rows, ans, title, about, png.name if drawn else None))
+    print(f"wrote {out}" + (f" and {png}" if drawn else ""), file=sys.stderr)
 
 
 def _model(args: argparse.Namespace) -> tuple[torch.nn.Module, dict, int | None, QualityData]:
@@ -218,8 +276,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
             raise ConfigError(f"{flag} must be between 1 and 1000000, got {value}")
     if any(not 1 <= b <= 1_000_000 for b in args.batch_sizes):
         raise ConfigError(f"--batch-sizes must each be between 1 and 1000000, got {args.batch_sizes}")
-    if args.output:
-        check_output(Path(args.output))
+    check_max_loss(args.max_quality_loss)
+    for out in (args.output, args.report):
+        if out:
+            check_output(Path(out))
     if args.checkpoint and args.model:
         raise ConfigError("give --checkpoint or --model, not both")
     if not args.checkpoint and not args.model:
@@ -275,6 +335,7 @@ def _quality_columns(rows: list[Row]) -> list[tuple[str, Callable[[Row], str]]]:
         return lambda r: "-" if getattr(r, key) is None else f"{getattr(r, key) * scale:{spec}}"
 
     cols = [
+        ("peak mem (cell +)", peak_memory),
         ("size", lambda r: "-" if r.size_bytes is None else fmt_bytes(r.size_bytes)),
         ("start s", f(".2f", "startup_s")),
     ]
@@ -295,7 +356,7 @@ def _print_table(rows: list[Row], what: str, device, threads: int) -> None:
     tokens = any(r.seq_len for r in rows)
     extra = _quality_columns(rows)
     for col, justify in (
-        ("backend", "left"), ("dtype", "left"), ("batch", "right"), ("p50 ms", "right"), ("p95 ms", "right"),
+        ("backend", "left"), ("dtype", "left"), ("batch", "right"), ("p50 ms", "right"), ("p90 ms", "right"),
         ("p99 ms", "right"), ("samples/s", "right"), *([("tokens/s", "right")] if tokens else []),
         ("iters", "right"), *[(name, "right") for name, _ in extra], ("note", "left"),
     ):  # fmt: skip
@@ -306,7 +367,7 @@ def _print_table(rows: list[Row], what: str, device, threads: int) -> None:
 
     for r in rows:
         table.add_row(
-            r.backend, r.dtype, str(r.batch_size), f(r.p50_ms), f(r.p95_ms), f(r.p99_ms),
+            r.backend, r.dtype, str(r.batch_size), f(r.p50_ms), f(r.p90_ms), f(r.p99_ms),
             f(r.throughput_samples_per_s, ".1f"), *([f(r.throughput_tokens_per_s, ".0f")] if tokens else []),
             str(r.iterations or "-"), *[cell(r) for _, cell in extra],
             "" if r.status == "ok" else f"{r.status}: {r.reason}",

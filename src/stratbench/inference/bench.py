@@ -6,7 +6,8 @@ is timed on its own with the device synchronised before and after, input already
 samples / total timed seconds. A backend that cannot run here is a row that says why.
 
 A language model's input is ``batch`` sequences of ``seq_len`` random token ids, one forward over all of them (the
-prefill of generation), and its rows add tokens / s; generating token by token with a KV cache is not measured.
+prefill of generation), and its rows add tokens / s; generating token by token with a KV cache is
+``stratbench bench-generate``'s (``inference.generation_bench``).
 
 Besides the time, each backend's rows say what it costs: the size of the file it loads, its start-up (export,
 quantisation, session), and, given the checkpoint's validation batches, its quality against eager fp32
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import csv
+import gc
 import io
 import tempfile
 import time
@@ -37,20 +39,25 @@ from stratbench.inference.onnx_export import OrtModel, export_onnx, is_language
 from stratbench.inference.predictor import LoadedModel, build_from_meta, percentile
 from stratbench.inference.quality import Quality, Reference, validation_batches
 from stratbench.inference.quantize import missing_tool, quantize_onnx, torchao_int8, torchao_reason
+from stratbench.measuring.memory import cpu_peak_rss_bytes, current_memory_bytes, reset_cpu_peak_rss
 
 BACKENDS = (
     "eager-fp32", "eager-bf16", "eager-fp16", "compile", "torchao-int8-weight", "torchao-int8-dynamic",
     "onnxruntime-cpu", "onnxruntime-fp16", "onnxruntime-int8-dynamic", "onnxruntime-int8-static", "onnxruntime-cuda",
+    "onnxruntime-tensorrt", "torch-tensorrt",
 )  # fmt: skip
+GPU_ONLY = {"onnxruntime-cuda": "cuda", "onnxruntime-tensorrt": "tensorrt", "torch-tensorrt": "tensorrt"}
+"""The backends that run on a CUDA GPU only; for an onnxruntime one, the value is the device ``OrtModel`` takes."""
 CSV_FIELDS = (
     "model", "image_size", "backend", "dtype", "device", "batch_size", "status", "iterations", "warmup",
     "warmup_s", "p50_ms", "p95_ms", "p99_ms", "mean_ms", "throughput_samples_per_s", "threads", "reason",
     "seq_len", "throughput_tokens_per_s", "size_bytes", "startup_s", "quality_samples", "top1", "top1_delta_pts",
-    "perplexity", "perplexity_delta_pct", "argmax_agreement", "max_abs_delta_logit",
+    "perplexity", "perplexity_delta_pct", "argmax_agreement", "max_abs_delta_logit", "p90_ms", "peak_memory_bytes",
+    "memory_kind", "memory_start_bytes",
 )  # fmt: skip
 LM_LIMIT = (
     "a language model's iteration is one forward over batch x seq-len tokens (the prefill); token-by-token "
-    "generation with a KV cache is not measured"
+    "generation with a KV cache is bench-generate's"
 )
 
 
@@ -79,7 +86,8 @@ class Row:
     size_bytes: int | None = None
     """The file the backend loads: the ONNX file, or a PyTorch backend's ``torch.save``'d state dict."""
     startup_s: float | None = None
-    """From the model in memory to a backend ready to run (a compiled model compiles in its warm-up instead)."""
+    """From the model in memory to a backend ready to run; a compiled one (torch.compile, torch-tensorrt) includes
+    its first call, which compiles, at the first batch size (other batch sizes recompile in their warm-up)."""
     quality_samples: int | None = None
     """Validation samples (a language model: windows) the quality columns below were measured on."""
     top1: float | None = None
@@ -88,6 +96,12 @@ class Row:
     perplexity_delta_pct: float | None = None
     argmax_agreement: float | None = None
     max_abs_delta_logit: float | None = None
+    p90_ms: float | None = None
+    peak_memory_bytes: int | None = None
+    """The cell's peak memory (``CellMemory``): what ``memory_kind`` names."""
+    memory_kind: str = ""
+    memory_start_bytes: int | None = None
+    """The same measure at the cell's start: the cell itself added ``peak_memory_bytes`` minus this."""
     times: list[float] = field(default_factory=list, repr=False)
 
     def summarise(self) -> None:
@@ -96,7 +110,7 @@ class Row:
             return
         ms = [t * 1e3 for t in self.times]
         self.iterations = len(ms)
-        self.p50_ms, self.p95_ms, self.p99_ms = (percentile(ms, q) for q in (50, 95, 99))
+        self.p50_ms, self.p90_ms, self.p95_ms, self.p99_ms = (percentile(ms, q) for q in (50, 90, 95, 99))
         self.mean_ms = sum(ms) / len(ms)
         self.throughput_samples_per_s = int(self.batch_size) * len(ms) / sum(self.times)
         if self.seq_len:
@@ -141,6 +155,37 @@ def measure(
         sync()
         times.append(time.perf_counter() - t)
     return warm, times
+
+
+class CellMemory:
+    """The peak memory of one cell (its batch's preparation, warm-up and timed iterations), isolated per cell:
+    a PyTorch backend on a CUDA GPU gives the caching allocator's peak (``cuda-alloc-peak``, reset at the cell's
+    start); every other row this process's resident-set high-water mark (``rss-hwm``: VmHWM, reset to the
+    current RSS at the cell's start by writing 5 to /proc/self/clear_refs), which also holds the Python runtime,
+    the fp32 model and the reference logits, and for onnxruntime on a GPU the host side only. Garbage is
+    collected first, so an earlier backend's freed objects do not count; the RSS or allocated bytes at the
+    start are kept too, so that what the cell itself added is the difference (the RSS of a long run grows with
+    what earlier backends left mapped: compiled code, onnxruntime's arenas). Where the mark cannot be reset the
+    peak is left empty rather than given for the whole process."""
+
+    def __init__(self, cuda_alloc: bool) -> None:
+        gc.collect()
+        self.kind = "cuda-alloc-peak" if cuda_alloc else "rss-hwm"
+        if cuda_alloc:
+            torch.cuda.reset_peak_memory_stats()
+            self.ok = True
+        else:
+            self.ok = reset_cpu_peak_rss()
+        device = torch.device("cuda" if cuda_alloc else "cpu")
+        self.start = current_memory_bytes(device) if self.ok else None
+
+    def fields(self) -> dict[str, Any]:
+        """The row's memory fields: the peak since the start, its kind and the start; none where the peak could not
+        be isolated."""
+        if not self.ok:
+            return {}
+        peak = torch.cuda.max_memory_allocated() if self.kind == "cuda-alloc-peak" else cpu_peak_rss_bytes()
+        return {"peak_memory_bytes": peak, "memory_kind": self.kind, "memory_start_bytes": self.start}
 
 
 def first_line(exc: BaseException) -> str:
@@ -212,6 +257,7 @@ def quality_data(loaded: LoadedModel, quality_batches: int, calibration_batches:
 ONNX_MODES = {"onnxruntime-int8-dynamic": "int8-dynamic", "onnxruntime-int8-static": "int8-static",
               "onnxruntime-fp16": "fp16"}  # fmt: skip
 TORCHAO = {"torchao-int8-weight": "int8-weight", "torchao-int8-dynamic": "int8-dynamic"}
+ORT_GPU = {"onnxruntime-cuda": "CUDAExecutionProvider", "onnxruntime-tensorrt": "TensorrtExecutionProvider"}
 EAGER = {"eager-fp32": torch.float32, "eager-bf16": torch.bfloat16, "eager-fp16": torch.float16,
          "compile": torch.float32}  # fmt: skip
 """PyTorch's backends by the dtype they run in."""
@@ -276,8 +322,12 @@ class InferenceBench:
         """Why ``backend`` cannot run here (None: it can)."""
         if backend in ("eager-bf16", "eager-fp16"):
             return low_precision_reason(EAGER[backend], self.device)
+        if backend in GPU_ONLY and self.device.type != "cuda":
+            return "needs a CUDA GPU"
+        if backend == "torch-tensorrt":
+            return tensorrt_reason()
         if backend.startswith("onnxruntime"):
-            reason = ort_reason(backend_device(backend, self.device), self.device)
+            reason = ort_reason(backend)
             if reason or backend not in ONNX_MODES:
                 return reason
             if ONNX_MODES[backend] == "int8-static" and not self.data.calibration:
@@ -291,7 +341,9 @@ class InferenceBench:
 
     def runner(self, backend: str) -> Runner:
         if backend in EAGER:
-            return self.eager(EAGER[backend], compiled=backend == "compile")
+            return self.eager(EAGER[backend], compiler="inductor" if backend == "compile" else None)
+        if backend == "torch-tensorrt":
+            return self.eager(torch.float32, compiler="torch_tensorrt", label="float16")
         if backend in TORCHAO:
             t0 = time.perf_counter()
             m = torchao_int8(self.model, TORCHAO[backend])
@@ -303,11 +355,14 @@ class InferenceBench:
         s = self.settings
         for bs in s.batch_sizes:
             row = self.row(backend, runner.dtype, runner.device, bs, warmup=s.warmup, **extra)
+            memory = CellMemory(runner.device == "cuda" and backend not in ORT_GPU)
             try:
                 x = runner.prepare(self.sample(bs))
                 row.warmup_s, row.times = measure(
                     lambda x=x: runner.call(x), self.sync, s.warmup, s.iters, s.min_iters, s.max_seconds
                 )
+                for key, value in memory.fields().items():
+                    setattr(row, key, value)
             except torch.OutOfMemoryError as exc:
                 row.status, row.reason = "oom", first_line(exc)
             except Exception as exc:  # one failing backend must not stop the others
@@ -340,14 +395,21 @@ class InferenceBench:
             return torch.randint(0, int(self.meta["num_classes"]), (bs, self.seq_len), generator=g)
         return torch.randn(bs, 3, self.size, self.size, generator=g)
 
-    def eager(self, dtype: torch.dtype, compiled: bool = False) -> Runner:
-        """PyTorch on the device in ``dtype`` (a copy of the model), through torch.compile with ``compiled``."""
+    def eager(self, dtype: torch.dtype, compiler: str | None = None, label: str | None = None) -> Runner:
+        """PyTorch on the device in ``dtype`` (a copy of the model), through torch.compile's ``compiler`` backend
+        where given (inductor, or torch-tensorrt's with fp16 kernels allowed), whose first call - the compile, at
+        the first batch size - counts in the start-up."""
         t0 = time.perf_counter()
         m = copy.deepcopy(self.model).to(device=self.device, dtype=dtype).eval()
-        runner = torch_runner(m, self.device, dtype, time.perf_counter() - t0)
-        if compiled:
-            compiled_model = torch.compile(m)
+        runner = torch_runner(m, self.device, dtype, 0.0, label)
+        if compiler:
+            trt = compiler == "torch_tensorrt"
+            options = {"enabled_precisions": {torch.float32, torch.float16}} if trt else None
+            compiled_model = torch.compile(m, backend=compiler, options=options)
             runner.call = lambda x: _no_grad(compiled_model, x)
+            runner.call(runner.prepare(self.sample(self.settings.batch_sizes[0])))
+            self.sync()
+        runner.startup_s = time.perf_counter() - t0
         return runner
 
     def onnxruntime(self, backend: str) -> Runner:
@@ -363,11 +425,10 @@ class InferenceBench:
         mode = ONNX_MODES.get(backend)
         if mode:
             path = quantize_onnx(path, self.tmp / f"model-{mode}.onnx", mode, self.data.calibration).path
-        ort_device = backend_device(backend, self.device)
-        session = OrtModel(path, device=ort_device, threads=self.settings.threads)
+        session = OrtModel(path, device=GPU_ONLY.get(backend, "cpu"), threads=self.settings.threads)
         startup = seconds + time.perf_counter() - t0
-        return Runner(backend_dtype(backend), ort_device, lambda x: x.numpy(), session.run, path.stat().st_size,
-                      startup)  # fmt: skip
+        return Runner(backend_dtype(backend), backend_device(backend, self.device), lambda x: x.numpy(), session.run,
+                      path.stat().st_size, startup)  # fmt: skip
 
 
 def _no_grad(model: Callable[[torch.Tensor], Any], x: torch.Tensor) -> Any:
@@ -387,16 +448,17 @@ def torch_runner(model: nn.Module, device: torch.device, dtype: torch.dtype, sta
 
 
 def backend_dtype(backend: str) -> str:
-    """The dtype a backend's row names: its weights' (int8 for the quantised ones)."""
-    if backend in ("eager-bf16", "eager-fp16", "onnxruntime-fp16"):
+    """The dtype a backend's row names: its weights' (int8 for the quantised ones; float16 for TensorRT's, which
+    is allowed fp16 kernels and picks fp16 or fp32 per layer)."""
+    if backend in ("eager-bf16", "eager-fp16", "onnxruntime-fp16", "onnxruntime-tensorrt", "torch-tensorrt"):
         return "bfloat16" if backend == "eager-bf16" else "float16"
     return "int8" if "int8" in backend else "float32"
 
 
 def backend_device(backend: str, device: torch.device) -> str:
-    """Where a backend runs: onnxruntime and torchao rows on the CPU (onnxruntime-cuda on CUDA), PyTorch's on
+    """Where a backend runs: onnxruntime and torchao rows on the CPU (the GPU_ONLY ones on CUDA), PyTorch's on
     ``device``."""
-    if backend == "onnxruntime-cuda":
+    if backend in GPU_ONLY:
         return "cuda"
     return "cpu" if backend.startswith(("onnxruntime", "torchao")) else device.type
 
@@ -420,15 +482,26 @@ def low_precision_reason(dtype: torch.dtype, device: torch.device) -> str | None
     return None
 
 
-def ort_reason(ort_device: str, device: torch.device) -> str | None:
-    """Why onnxruntime is not measured on ``ort_device`` (None: it is)."""
+def ort_reason(backend: str) -> str | None:
+    """Why an onnxruntime backend on a GPU is not measured where there is one (None: it is, or it runs on the
+    CPU): the execution provider it needs is missing."""
     import onnxruntime as ort
 
-    if ort_device == "cuda":
-        if device.type != "cuda":
-            return "no CUDA GPU here"
-        if "CUDAExecutionProvider" not in ort.get_available_providers():
-            return f"onnxruntime has no CUDA provider (available: {', '.join(ort.get_available_providers())}); install onnxruntime-gpu"
+    provider = ORT_GPU.get(backend)
+    available = ort.get_available_providers()
+    if provider and provider not in available:
+        return (f"onnxruntime has no {provider} (available: {', '.join(available)}); install onnxruntime-gpu"
+                + (" and TensorRT" if "Tensorrt" in provider else ""))  # fmt: skip
+    return None
+
+
+def tensorrt_reason() -> str | None:
+    """Why torch-tensorrt is not measured on a CUDA GPU (None: it is): it is not installed (not a stratbench
+    dependency: its wheels are built for one torch and CUDA version)."""
+    try:
+        import torch_tensorrt  # noqa: F401  (registers torch.compile's "torch_tensorrt" backend)
+    except Exception as exc:  # ImportError, or a build for another torch failing to load
+        return f"torch-tensorrt cannot be imported ({first_line(exc)}); pip install the torch-tensorrt built for torch {torch.__version__}"
     return None
 
 

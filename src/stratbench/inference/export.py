@@ -43,9 +43,8 @@ from stratbench.inference.predictor import (
     build_from_meta,
     collect_images,
     load_image,
-    train_config_for,
-    validation_set,
 )
+from stratbench.inference.quality import validation_batches
 from stratbench.models.hf import PREFIX as HF_PREFIX
 from stratbench.models.hf import is_hf_name, model_folder, quiet_transformers
 from stratbench.models.hf_llama import save_hf_folder
@@ -83,10 +82,10 @@ def real_inputs(
     inputs, notes = [], []
     if n > 0:
         try:
-            bundle = validation_set(train_config_for(loaded.config, loaded.meta), loaded.meta)
-            count = min(n, len(bundle.val))
-            xs = torch.stack([bundle.val[i][0] for i in range(count)])
-            inputs.append((f"{bundle_name(loaded)} validation x{count}", xs))
+            batches = validation_batches(loaded, 1, batch_size=n)
+            if batches:
+                xs = batches[0][0]
+                inputs.append((f"{bundle_name(loaded)} validation x{len(xs)}", xs))
         except StratbenchError as exc:
             notes.append(f"validation samples skipped ({exc})")
     if image_paths:

@@ -252,7 +252,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 
 class OrtModel:
-    """An onnxruntime session on CPU (or CUDA): a numpy batch in (pixels, or a language model's int64 token ids;
+    """An onnxruntime session on CPU (or CUDA; or TensorRT, falling back to CUDA): a numpy batch in (pixels, or a language model's int64 token ids;
     cast to the file's input type), float32 logits out."""
 
     def __init__(self, path: str | Path, device: str = "cpu", threads: int | None = None) -> None:
@@ -262,14 +262,16 @@ class OrtModel:
         if not path.is_file():
             raise CheckpointError(f"ONNX file not found: {path}")
         available = ort.get_available_providers()
-        if device == "cuda":
-            if "CUDAExecutionProvider" not in available:
-                raise UnsupportedError(
-                    f"onnxruntime has no CUDA provider here (available: {', '.join(available)}); install onnxruntime-gpu"
-                )
-            providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-        else:
-            providers = ["CPUExecutionProvider"]
+        needed = {"cuda": "CUDAExecutionProvider", "tensorrt": "TensorrtExecutionProvider"}.get(device)
+        if needed and needed not in available:
+            raise UnsupportedError(
+                f"onnxruntime has no {needed} here (available: {', '.join(available)}); install onnxruntime-gpu"
+            )
+        providers: list = ["CPUExecutionProvider"]
+        if device in ("cuda", "tensorrt"):
+            providers.insert(0, "CUDAExecutionProvider")
+        if device == "tensorrt":  # TensorRT first, fp16 kernels allowed; what it cannot take falls to CUDA
+            providers.insert(0, ("TensorrtExecutionProvider", {"trt_fp16_enable": True}))
         opts = ort.SessionOptions()
         opts.log_severity_level = 3  # errors only: the CPU provider warns about every fp16 fallback
         if threads:

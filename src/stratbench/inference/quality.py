@@ -5,6 +5,7 @@ and the largest |logit| difference. bench-infer scores each of its rows with it.
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -58,12 +59,23 @@ class Quality:
     max_abs_delta_logit: float = 0.0
 
 
+def cpu_fp32_eval(model: nn.Module) -> nn.Module:
+    """``model`` itself where it is already on the CPU, in float32 and in eval mode; else a copy made so (the
+    caller's model is left as it was: its device, dtype and training mode)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    fp32_cpu = all(t.device.type == "cpu" and (t.dtype == torch.float32 or not t.is_floating_point())
+                   for t in tensors)  # fmt: skip
+    ready = fp32_cpu and not any(m.training for m in model.modules())
+    return model if ready else copy.deepcopy(model).cpu().float().eval()
+
+
 class Reference:
-    """Eager fp32's logits on the validation batches, against which ``score`` measures a backend."""
+    """Eager fp32's logits on the validation batches, against which ``score`` measures a backend. The model is
+    not changed: where it is not on the CPU in float32 and eval mode, a copy is (``cpu_fp32_eval``)."""
 
     def __init__(self, model: nn.Module, batches: Batches, language: bool) -> None:
         self.batches, self.language = batches, language
-        model = model.cpu().float().eval()
+        model = cpu_fp32_eval(model)
         with torch.inference_mode():
             self.logits = [model(x).float() for x, _ in batches]
         self.base = self._summary(self.logits)
