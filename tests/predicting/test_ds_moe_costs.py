@@ -79,7 +79,8 @@ def test_the_comm_formula_reduces_the_experts_over_their_group_and_sends_the_pad
 @pytest.mark.distributed
 def test_ep_2_zero_2_holds_its_estimate_and_its_comm_formula(tmp_path):
     """deepspeed --ep 2 ZeRO-2 on 2 processes (fp32, AdamW, 3 steps): the estimate within 10% of the busier rank's
-    allocator peak (measured -6.9%); the all-reduces and the all-gather equal to the formula to the byte; the
+    allocator peak and above it, the dropless capacity priced at its bound (measured +4.5%; without the experts'
+    activations on the padded rows, -6.9%); the all-reduces and the all-gather equal to the formula to the byte; the
     dropless all-to-alls' 16 calls measured, their bytes within 1% of the bound's (measured 0.6% below it)."""
     flags = [
         "--model", "gpt-moe-tiny", "--data", "text", "--seq-len", "32", "--batch-size", "8", "--epochs", "1",
@@ -88,7 +89,7 @@ def test_ep_2_zero_2_holds_its_estimate_and_its_comm_formula(tmp_path):
         "--measure-alloc", "true", "--comm-volume", "true", "--reduce-bucket-size", "1000000", "--ep", "2",
     ]  # fmt: skip
     res = train(tmp_path / "ds", *flags, *DEEPSPEED, nproc=2, timeout=DEEPSPEED_TIMEOUT)
-    assert_estimate_within(res, 0.10)
+    assert assert_estimate_within(res, 0.10) > 0
     check, measured = res["metrics"]["comm"]["check"], res["metrics"]["comm"]["measured"]
     for kind in ("all_reduce", "all_gather"):
         assert check[kind]["measured_payload_bytes"] == check[kind]["predicted_payload_bytes"], check

@@ -87,12 +87,28 @@ def ds_buffer_bytes(ctx) -> tuple[int, str]:
     return tc.n_experts * cap * tc.dim * bit, how
 
 
+def padded_rows_bytes(ctx) -> int:
+    """Activations DeepSpeed's experts save beyond the traced layer's, over the MoE layers: each rank's experts run
+    on E x capacity rows (every slot, padding too) where the traced layer runs T x k; a row keeps the experts' input
+    and output (dim each: the combine keeps the output) and SwiGLU's 4 hidden tensors (w1's and w3's outputs, the
+    SiLU, the product). Measured: dropless vs --capacity-factor 1.0 (no padding) on gpt-moe-tiny --ep 2, 5.97 MB
+    more at the peak, where this (at the measured capacity) and the buffers say 6.09 MB."""
+    cfg, tc = ctx.cfg, SIZES[ctx.cfg.model]
+    cap, _ = ds_capacity(ctx)
+    extra = tc.n_experts * cap - micro_tokens(ctx) * (cfg.moe_top_k or tc.moe_top_k)
+    per_row = (2 * tc.dim + 4 * tc.moe_hidden) * (2 if ctx.half else ctx.param_bytes)
+    return max(0, extra) * per_row * (tc.n_layers - tc.moe_first_dense)
+
+
 def ds_moe_memory(m, ctx, ep: int):
     """``m`` (``deepspeed_memory`` of the DeepSpeed-MoE states) with the exchange's send and receive buffers
-    (one layer's, alive together) and the notes saying how the experts are held."""
+    (one layer's, alive together), the experts' activations on the padded rows (``padded_rows_bytes``) and the
+    notes saying how the experts are held."""
     tc = SIZES[ctx.cfg.model]
     buffer, how = ds_buffer_bytes(ctx)
     m.gathered += 2 * buffer
+    m.saved_extra = padded_rows_bytes(ctx)
+    m.saved_extra_note = "plus DeepSpeed-MoE's experts on their padded (experts x capacity) rows"
     m.gather_note = (m.gather_note + "; " if m.gather_note else "") + (
         f"DeepSpeed-MoE's padded (experts, capacity, dim) buffer sent and received ({how})"
     )

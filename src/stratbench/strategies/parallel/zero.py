@@ -102,6 +102,8 @@ def deepspeed_memory(ctx, zero: dict[str, Any], ep: int = 0):
     # for backward) a DeepSpeed run never makes.
     m.trace_precision = DS_TRACE_PRECISION.get(ctx.cfg.precision)
     m.grads_whole_in_backward = stage <= 1  # every gradient waits for the reduction at the end of backward
+    if ep and stage <= 1:  # ... the rank's: the dense ones and its own experts'
+        m.grads_whole_in_backward, m.grads_in_backward = False, trained * bit
     if stage == 3:
         persistent = sum(x for x in ctx.numels if x < DS_PARAM_PERSISTENCE)
         m.gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
