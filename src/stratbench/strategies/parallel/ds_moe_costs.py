@@ -155,8 +155,10 @@ def ds_moe_comm(ctx, zero: dict, ep: int) -> list[Collective]:
     too); ZeRO-1/2: each group's gradient norm over every rank and the experts' averaged over their group (three
     fp32 scalars, ``_average_expert_grad_norms``), a 1-byte overflow flag more under fp16/bf16, and after the step
     each group's updated partitions all-gathered over its ranks (padded to 2 x them; none on a group of one);
-    with ep > 1 the exchanges (``ds_moe_exchanges``)."""
+    with ep > 1 the exchanges (``ds_moe_exchanges``). One process: nothing (as ``zero.deepspeed_comm``)."""
     n, edp = ctx.world, ctx.world // ep
+    if n <= 1:
+        return []
     bit = 2 if ctx.half else ctx.param_bytes
     dense, local = ds_moe_sizes(ctx, ep)
     edim = "dp" if ep > 1 and edp > 1 else ""
