@@ -199,6 +199,9 @@ def estimate(
         saved, saved_note, fwd_bwd_traced, check = s.activations, s.activation_note, s.activations + s.grads, None
     else:
         saved, saved_note, fwd_bwd_traced, check = _traced(cfg, spec, s, mb, device_type)
+    if s.saved_extra:  # activations the method saves beyond the traced model's
+        saved, fwd_bwd_traced = saved + s.saved_extra, fwd_bwd_traced + s.saved_extra
+        saved_note += f"; {s.saved_extra_note}"
     dequant, dequant_note = dequant_working_bytes(cfg, info)
     peak_fwd_bwd = resident + s.gathered + fwd_bwd_traced + dequant
     step_temp = _step_scratch(cfg, s, info, device_type)
@@ -246,7 +249,8 @@ def _traced(cfg: TrainConfig, spec: ModelSpec, s: RankMemory, mb: int, device_ty
     spec = rank_spec(spec, s)
     trace = _trace(spec, mb, run_as, traced_transforms(cfg), device_type, s.trace_transform)
     # Fraction of the traced (full) gradients that stays on the device through the backward pass.
-    grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, s.grads / (trace.grad_bytes or 1))
+    held = s.grads_in_backward if s.grads_in_backward is not None else s.grads
+    grad_fraction = 1.0 if s.grads_whole_in_backward else min(1.0, held / (trace.grad_bytes or 1))
     fwd_bwd = _working_peak(trace, grad_fraction, s.grads if cfg.grad_accum > 1 else 0)
     budget = ac_budget(cfg.ac_mode) if cfg.activation_checkpointing else None
     if budget is not None:  # the trace above wraps no block: no checkpointing's

@@ -98,6 +98,13 @@ class RankMemory:
     bucket_note: str = ""
     grads_whole_in_backward: bool = False
     """True where every gradient stays until a reduction at the end of backward (DeepSpeed ZeRO 0/1)."""
+    grads_in_backward: int | None = None
+    """Bytes of gradients the rank holds at the end of backward where it holds only part of the traced model's
+    (DeepSpeed-MoE at ZeRO 0/1: the dense gradients and its own experts'); None: ``grads_whole_in_backward``'s."""
+    saved_extra: int = 0
+    saved_extra_note: str = ""
+    """Activations the method saves beyond the traced model's (DeepSpeed-MoE's experts on their padded rows): added
+    to the saved activations and the working peak."""
     step_scratch: int | None = None
     """Optimizer-step temporaries; None: the foreach kernels' rule (one parameter-sized list on CUDA)."""
     activations: int | None = None

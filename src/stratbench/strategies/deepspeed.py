@@ -66,6 +66,8 @@ from stratbench.strategies.parallel.deepspeed_moe import (
     moe_param_groups,
     whole_moe_state,
 )
+from stratbench.strategies.parallel.ds_moe_costs import ds_moe_comm, ds_moe_memory
+from stratbench.strategies.parallel.expert_parallel import ep_mesh_dims
 from stratbench.strategies.parallel.tp_costs import LocalSlice, local_flop_share
 from stratbench.strategies.parallel.tp_plan import BLOCKS_ONLY, model_plan
 from stratbench.strategies.parallel.tp_plan import unsupported as tp_unsupported
@@ -152,10 +154,18 @@ def _autotp_unsupported(cfg: TrainConfig, t: int) -> str | None:
     return f"deepspeed --autotp-size {t}: {reason}" if reason else None
 
 
+def _ds_moe_ep(ctx) -> int:
+    """The ep ranks per expert set where the model trains on DeepSpeed-MoE's layer (every built-in mixture of
+    experts, --ep 1 too), else 0."""
+    return ctx.options.ep if is_moe_model(ctx.cfg.model) and not is_hf_moe(ctx.cfg.model) else 0
+
+
 class DeepSpeedCost(CostModel):
     """DeepSpeed's ZeRO stage, offload and buckets, read from the config the run would build
     (``deepspeed_memory``, ``deepspeed_comm``, ``deepspeed_overlap``); under --autotp-size T, over one AutoTP
-    rank's slice of the model and the data-parallel group (``autotp_view``), plus Megatron's traffic."""
+    rank's slice of the model and the data-parallel group (``autotp_view``), plus Megatron's traffic; a mixture of
+    experts on DeepSpeed-MoE's layer (``parallel.ds_moe_costs``): E'/E of the experts per rank, their states over
+    the expert data-parallel group, the padded all-to-all buffers, on the (dp, ep) mesh."""
 
     @classmethod
     def memory_model(cls, ctx, rank):
@@ -167,7 +177,10 @@ class DeepSpeedCost(CostModel):
             cfg = ctx.cfg.replace(optimizer="sgd" if sgd else "adamw", momentum=momentum)
             ctx = dataclasses.replace(ctx, cfg=cfg)
         view, t = autotp_view(ctx)
-        m = deepspeed_memory(view, ds["zero_optimization"])
+        ep = _ds_moe_ep(ctx)
+        m = deepspeed_memory(view, ds["zero_optimization"], ep)
+        if ep:
+            m = ds_moe_memory(m, view, ep)
         if t > 1:
             m.data_ranks, m.trace_transform = view.world, LocalSlice(t)
             m.sharding_note += f", AutoTP: block matrices 1/{t}, embedding, norms and head whole"
@@ -177,6 +190,8 @@ class DeepSpeedCost(CostModel):
     def comm_model(cls, ctx):
         view, t = autotp_view(ctx)
         zero = build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"]
+        if ep := _ds_moe_ep(ctx):
+            return ds_moe_comm(ctx, zero, ep)
         return autotp_comm(ctx, view, zero, t) if t > 1 else deepspeed_comm(view, zero)
 
     @classmethod
@@ -185,6 +200,8 @@ class DeepSpeedCost(CostModel):
         the projection prices each on the link it crosses; else one dimension (AutoTP's groups are not placed)."""
         if ctx.options.autotp_size > 1:
             return {}
+        if _ds_moe_ep(ctx):
+            return ep_mesh_dims(ctx.world, ctx.options.ep)
         return zeropp_mesh(ctx.cfg, ctx.world, build_ds_config(ctx.cfg, ctx.options, ctx.world)["zero_optimization"])
 
     @classmethod

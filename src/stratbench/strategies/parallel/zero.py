@@ -12,6 +12,7 @@ from typing import Any
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.measuring.model_trace import ModelSpec
 from stratbench.strategies.costs import DS_PARAM_PERSISTENCE, DS_PREFETCH_BUCKET, DS_REDUCE_BUCKET, RankMemory
+from stratbench.strategies.parallel.ds_moe_costs import ds_moe_states
 from stratbench.strategies.parallel.tp_plan import tp_shapes
 
 
@@ -62,10 +63,11 @@ DS_TRACE_PRECISION = {"fp16-mixed": "fp16-true", "bf16-mixed": "bf16-true"}
 """The run's precision -> the one DeepSpeed's forward/backward runs in: its fp16/bf16 block casts the module."""
 
 
-def deepspeed_memory(ctx, zero: dict[str, Any]):
+def deepspeed_memory(ctx, zero: dict[str, Any], ep: int = 0):
     """DeepSpeed's per-rank model states for a ``zero_optimization`` block: weights in the compute dtype, a flat
     fp32 master partition the optimizer steps, partitioned gradients from stage 2, partitioned weights in
-    stage 3, and the reduce/prefetch buckets sized by its defaults."""
+    stage 3, and the reduce/prefetch buckets sized by its defaults. ``ep`` > 0: a DeepSpeed-MoE model with ep
+    ranks per expert set, its experts held and partitioned as ``ds_moe_costs.ds_moe_states`` says."""
     info, world, pd = ctx.info, ctx.world, ctx.param_bytes
     stage = int(zero.get("stage", 2))
     # total: every weight (LoRA's adapters included); trained: the optimizer's (with LoRA the adapters only),
@@ -74,6 +76,8 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     bit = 2 if ctx.half else pd
     master_bytes = 4  # DeepSpeed's master partitions and optimizer state are fp32
     part = -(-trained // world) if stage >= 1 else trained
+    if ep:
+        total, trained, part = ds_moe_states(ctx, ep, stage)
     m = RankMemory(params=(-(-total // world) if stage == 3 else total) * bit)
     # Stage 3 reuses the partition as the master when it already has the master's dtype on the device
     # (stage3.py, _create_fp32_partitions); stages 1-2 always clone it.
@@ -98,6 +102,8 @@ def deepspeed_memory(ctx, zero: dict[str, Any]):
     # for backward) a DeepSpeed run never makes.
     m.trace_precision = DS_TRACE_PRECISION.get(ctx.cfg.precision)
     m.grads_whole_in_backward = stage <= 1  # every gradient waits for the reduction at the end of backward
+    if ep and stage <= 1:  # ... the rank's: the dense ones and its own experts'
+        m.grads_whole_in_backward, m.grads_in_backward = False, trained * bit
     if stage == 3:
         persistent = sum(x for x in ctx.numels if x < DS_PARAM_PERSISTENCE)
         m.gathered = (persistent + min(DS_PREFETCH_BUCKET, 2 * info.largest_layer)) * bit
