@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from stratbench.checkpoints.checkpoint import add_trust_argument, trusted
-from stratbench.commands.bench_infer import check_output
+from stratbench.commands.bench_infer import check_output, positive_ints
 from stratbench.core.dist import resolve_device
 from stratbench.core.errors import ConfigError, did_you_mean
 from stratbench.inference.bench import random_model
@@ -45,16 +45,6 @@ RANDOM_SEQ_LEN = 128
 """The training window a random-weights model's metadata says (at most its max length); decoding is not bound to it."""
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_argument(parser)
     src = parser.add_argument_group("model (a checkpoint, or a model with random weights)")
@@ -63,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     src.add_argument("--model", help=f"language model with random weights: {', '.join(SIZES)} or hf:FOLDER")
     parser.add_argument(
-        "--prompt-lengths", type=_int_list, default=None,
+        "--prompt-lengths", type=positive_ints("prompt lengths"), default=None,
         help=f"comma-separated prompt lengths in tokens (default {','.join(map(str, DEFAULT_PROMPT_LENGTHS))}, each "
         "capped where the prompt and the new tokens would not fit the model's max length; given lengths must fit)",
     )  # fmt: skip

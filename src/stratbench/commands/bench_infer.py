@@ -65,14 +65,19 @@ DEFAULT_SEQ_LEN = 128
 """A language model's tokens per sequence with --model (random weights), capped at its context."""
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive integers, got {text!r}")
-    return values
+def positive_ints(what: str) -> Callable[[str], list[int]]:
+    """An argparse type: comma-separated positive integers (``what`` names them in the error)."""
+
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{what} must be positive integers, got {text!r}")
+        return values
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -99,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     src.add_argument("--width", type=int, default=16, help="tinynet width without a checkpoint")
     parser.add_argument(
-        "--batch-sizes", type=_int_list, default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)"
+        "--batch-sizes", type=positive_ints("batch sizes"), default=[1, 8, 32, 128], help="comma-separated (default 1,8,32,128)"
     )
     parser.add_argument(
         "--backends", default=",".join(BACKENDS),

@@ -694,6 +694,19 @@ def preset_ft_quick(world_size: int | None = None) -> dict[str, Any]:
     }
 
 
+GPU_LARGE_BASE: dict[str, Any] = {
+    "data": "synthetic-tokens",
+    "seq_len": 2048,
+    "max_steps": 20,
+    "optimizer": "adamw",
+    "activation_checkpointing": True,
+    "eval_samples": 8,
+    "timing_warmup_steps": 5,
+}
+"""What the GPU presets of an 8B-30B model share (llm-ft, llm-moe): synthetic tokens at sequence 2048, 20 steps of
+AdamW with activation checkpointing, 5 warm-up steps; each adds its model, vocabulary, batch and learning rate."""
+
+
 def preset_llm_ft() -> dict[str, Any]:
     """Fine-tuning Llama-3-8B's shapes at sequence 2048 on the GPUs here: full fine-tuning with FSDP and ZeRO-3,
     LoRA under single, ddp and fsdp, bf16-mixed, activation checkpointing, each within the device's memory."""
@@ -707,19 +720,7 @@ def preset_llm_ft() -> dict[str, Any]:
         f"sequence 2048, global batch {world}, 20 steps in bf16-mixed with activation checkpointing: full "
         f"fine-tuning with FSDP and ZeRO-3, LoRA r8, LoRA r8 with 8-bit AdamW and QLoRA under single, ddp and fsdp, on "
         f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
-        "base": {
-            "model": "llama-8b",
-            "data": "synthetic-tokens",
-            "vocab_size": 128256,
-            "seq_len": 2048,
-            "batch_size": world,
-            "max_steps": 20,
-            "optimizer": "adamw",
-            "lr": 2e-5,
-            "activation_checkpointing": True,
-            "eval_samples": 8,
-            "timing_warmup_steps": 5,
-        },
+        "base": dict(GPU_LARGE_BASE, model="llama-8b", vocab_size=128256, batch_size=world, lr=2e-5),
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 3600,
@@ -744,19 +745,7 @@ def preset_llm_moe() -> dict[str, Any]:
         f"bf16-mixed with activation checkpointing: fsdp{f', fsdp --ep {ep}' if ep > 1 else ''} and DeepSpeed-MoE"
         f"{f' --ep {ep}' if ep > 1 else ''} at ZeRO-1/2 on "
         f"{world} GPU(s); a cell whose memory estimate exceeds the device is marked 'does not fit' and not run",
-        "base": {
-            "model": "qwen3-30b-a3b",
-            "data": "synthetic-tokens",
-            "vocab_size": 151936,
-            "seq_len": 2048,
-            "batch_size": world,
-            "max_steps": 20,
-            "optimizer": "adamw",
-            "lr": 3e-4,
-            "activation_checkpointing": True,
-            "eval_samples": 8,
-            "timing_warmup_steps": 5,
-        },
+        "base": dict(GPU_LARGE_BASE, model="qwen3-30b-a3b", vocab_size=151936, batch_size=world, lr=3e-4),
         "world_size": world,
         "gpu_only": True,
         "timeout_s": 3600,
