@@ -67,7 +67,8 @@ def cells():
     """The quick preset's 2-process cells that run on a CPU (without compare's extra recorders), and its base."""
     import dataclasses
 
-    from stratbench.compare.matrix import build_matrix, plan, preset_quick
+    from stratbench.compare.matrix import build_matrix, plan
+    from stratbench.compare.presets import preset_quick
 
     matrix = build_matrix(preset_quick())
     matrix.base = {k: v for k, v in matrix.base.items() if k not in EXTRAS}

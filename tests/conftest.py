@@ -407,7 +407,7 @@ same launch again, ~2 min of the suite's time in each of the sweeps that used it
 
 def quick_base() -> dict:
     """The matrix base of QUICK_FP64's cells (for a matrix of the same problem: its curves are the local sweep's)."""
-    from stratbench.compare.matrix import preset_quick
+    from stratbench.compare.presets import preset_quick
 
     return {**preset_quick()["base"], "max_steps": 3, "timing_warmup_steps": 1}
 

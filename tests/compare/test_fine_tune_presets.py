@@ -11,7 +11,8 @@ import yaml
 
 from conftest import cli, md_section
 from stratbench.compare import report as report_mod
-from stratbench.compare.matrix import PRESETS, build_matrix, plan
+from stratbench.compare.matrix import build_matrix, plan
+from stratbench.compare.presets import PRESETS
 from stratbench.core.errors import ConfigError
 
 
@@ -41,16 +42,16 @@ def test_ft_quick_expands_to_every_variant_under_every_method_and_refusals_are_o
 
 
 def test_llm_ft_has_llama_8b_full_and_lora_cells_and_is_skipped_without_gpus(monkeypatch):
-    from stratbench.compare import matrix as matrix_mod
+    from stratbench.compare import presets as presets_mod
 
-    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 8)
+    monkeypatch.setattr(presets_mod, "gpu_count", lambda: 8)
     matrix = build_matrix(PRESETS["llm-ft"]())
     names = [c.name for c in matrix.cells]
     assert names[:2] == ["fsdp", "deepspeed-z3"] and "fsdp+lora" in names and "single+lora" in names
     assert all(c.config["model"] == "llama-8b" and c.config["seq_len"] == 2048 for c in matrix.cells)
     assert not any(c.config.get("lora_rank") for c in matrix.cells[:2])  # full fine-tuning: sharded methods only
     assert matrix.gpu_only and matrix.pretrain is None
-    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 0)
+    monkeypatch.setattr(presets_mod, "gpu_count", lambda: 0)
     plans = plan(build_matrix(PRESETS["llm-ft"]()))
     assert {p.status for p in plans} == {"skipped"} and "measures GPUs" in plans[0].reason
 

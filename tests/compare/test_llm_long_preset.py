@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from stratbench.compare.matrix import PRESET_HELP, PRESETS, build_matrix, plan
+from stratbench.compare.matrix import build_matrix, plan
+from stratbench.compare.presets import PRESET_HELP, PRESETS
 from stratbench.models.transformer import SIZES
 
 

@@ -4,7 +4,8 @@ where a row trained an MoE, with its active / total parameters and its routing; 
 from __future__ import annotations
 
 from stratbench.compare import columns
-from stratbench.compare.matrix import PRESET_HELP, PRESETS, build_matrix, plan
+from stratbench.compare.matrix import build_matrix, plan
+from stratbench.compare.presets import PRESET_HELP, PRESETS
 from stratbench.compare.rows import Footnotes
 from stratbench.models.transformer import SIZES
 
@@ -48,12 +49,12 @@ def test_moe_columns_show_active_parameters_and_the_load():
 
 def test_llm_moe_splits_the_experts_over_every_gpu_where_they_divide(monkeypatch):
     """llm-moe on 8 GPUs: fsdp, fsdp --ep 8, DeepSpeed-MoE --ep 8 at ZeRO-1/2; on one GPU no expert parallelism."""
-    from stratbench.compare import matrix as matrix_mod
+    from stratbench.compare import presets as presets_mod
 
-    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 8)
+    monkeypatch.setattr(presets_mod, "gpu_count", lambda: 8)
     cells = {c.name: c for c in build_matrix(PRESETS["llm-moe"]()).cells}
     assert list(cells) == ["fsdp", "fsdp-ep8", "deepspeed-moe-ep8-z1", "deepspeed-moe-ep8-z2"]
     assert all(c.config["model"] == "qwen3-30b-a3b" and c.world_size == 8 for c in cells.values())
     assert [c.options.get("ep") for c in cells.values()] == [None, 8, 8, 8]
-    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 1)
+    monkeypatch.setattr(presets_mod, "gpu_count", lambda: 1)
     assert [c.name for c in build_matrix(PRESETS["llm-moe"]()).cells] == ["fsdp", "deepspeed-moe-z1", "deepspeed-moe-z2"]

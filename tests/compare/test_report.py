@@ -364,7 +364,8 @@ def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
     """llm-tp (the tp benchmark) and llm-quick's tp row: every cell's configuration passes the checks a sweep
     makes before any work on this CPU, 2D and 3D on 4 processes included; the GPU llm preset adds tp rows and an
     fsdp row with float8 Linears."""
-    from stratbench.compare.matrix import PRESETS, plan, preset_llm
+    from stratbench.compare.matrix import plan
+    from stratbench.compare.presets import PRESETS, preset_llm
 
     for name in ("llm-tp", "llm-quick"):
         matrix = build_matrix(PRESETS[name]())
@@ -375,9 +376,9 @@ def test_the_tensor_parallel_presets_plan_every_cell_to_run_here(monkeypatch):
         assert all(p.status is None for p in runnable.values()), {k: p.reason for k, p in runnable.items() if p.status}
     tp = build_matrix(PRESETS["llm-tp"]())
     assert {(c.name, c.world_size) for c in tp.cells} >= {("tp", 2), ("tp", 4), ("fsdp+tp", 4), ("pipeline+tp", 4)}
-    from stratbench.compare import matrix as matrix_mod
+    from stratbench.compare import presets as presets_mod
 
-    monkeypatch.setattr(matrix_mod, "_gpu_count", lambda: 4)
+    monkeypatch.setattr(presets_mod, "gpu_count", lambda: 4)
     cells = build_matrix(preset_llm()).cells
     gpu = {(c.name, c.world_size) for c in cells}
     assert {("tp", 4), ("fsdp+tp", 4), ("fsdp+fp8", 4)} <= gpu, gpu

@@ -10,7 +10,8 @@ import torch
 
 from stratbench.cli import build_parser
 from stratbench.commands.train import resolve_config
-from stratbench.compare.matrix import PRESETS, build_matrix, plan
+from stratbench.compare.matrix import build_matrix, plan
+from stratbench.compare.presets import PRESETS
 from stratbench.core.config import TrainConfig
 from stratbench.predicting.advise import applicable, candidates, commands, plan_config
 from stratbench.strategies.base import get_strategy

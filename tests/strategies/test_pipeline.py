@@ -369,12 +369,12 @@ def test_preset_pipeline_cells_are_valid_for_any_gpu_count(gpus, monkeypatch):
     N): every pipeline cell passes the strategy's own check (layout, micro-batches, the split of the model), so
     no cell is refused for a layout the preset chose. At 8 GPUs the seed preset's ResNet-50 (6 pieces) runs 4
     stages x 2 replicas with 8 micro-batches, not 8 stages."""
-    from stratbench.compare import matrix
+    from stratbench.compare import matrix, presets
     from stratbench.core.config import TrainConfig, from_dict
     from stratbench.strategies.parallel.pipeline_parallel import resolve_layout
     from stratbench.strategies.pipeline import PipelineStrategy
 
-    monkeypatch.setattr(matrix, "_gpu_count", lambda: gpus)
+    monkeypatch.setattr(presets, "gpu_count", lambda: gpus)
     expanded = [("seed", matrix.load_matrix("seed", None)), ("quick", matrix.load_matrix("quick", None)),
                 ("quick", matrix.load_matrix("quick", None, world_size=gpus))]  # fmt: skip
     for preset, mat in expanded:

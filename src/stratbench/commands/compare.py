@@ -10,7 +10,8 @@ from pathlib import Path
 
 from stratbench.api import plan_sweep, run_sweep
 from stratbench.compare.calibration import CALIBRATION
-from stratbench.compare.matrix import PRESET_HELP, PRETRAIN
+from stratbench.compare.matrix import PRETRAIN
+from stratbench.compare.presets import PRESET_HELP
 from stratbench.compare.pretrain import pretrain_status
 from stratbench.compare.report import print_table
 from stratbench.compare.runner import load_records
