@@ -32,6 +32,7 @@ own figures and use no default.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -76,7 +77,7 @@ FLOAT8 = {"fp8": "tensorwise"}
 
 MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext101_32x4d",
           "bert-large": "published_models:bert_large_s{seq_len}",
-          "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "published_models:llama3_8b",
+          "bert-large-squad": "published_models:bert_large_squad", "llama3-8b": "llama-8b",
           "mpt-7b": "published_models:mpt_7b_s2048", "mpt-13b": "published_models:mpt_13b_s2048",
           "gpt-18b": "published_models:gpt_18b_s512", "gpt-49b": None, "gpt-91b": None, "gpt-138b": None,
           "llama2-7b": None, "llama2-13b": None, "llama2-34b": None, "llama2-70b": None,
@@ -84,7 +85,13 @@ MODELS = {"resnet50": "resnet50", "resnext101-32x4d": "published_models:resnext1
           "efficientnet-widese-b0": None, "efficientnet-widese-b4": None,
           "se-resnext101-32x4d": "published_models:se_resnext101_32x4d"}  # fmt: skip
 """published.yaml's model -> stratbench --model (a builder in benchmarks/published_models.py where stratbench has none;
-None: a model its source names without a shape these tools could read, in not_projectable entries only)."""
+None: a model its source names without a shape these tools could read, in not_projectable entries only). Llama 3 8B
+is the built-in ``llama-8b`` on synthetic tokens (``TOKEN_MODELS``), as `stratbench estimate --model llama-8b` runs
+it: fsdp wraps each of its 32 decoder blocks."""
+
+TOKEN_MODELS = {"llama-8b": 128256}
+"""Built-in language models (text data) -> their vocabulary: an entry of one is projected on synthetic tokens of its
+``seq_len`` (``--data synthetic-tokens --seq-len --vocab-size``), not on images of a stand-in's."""
 
 MULTI_NODE = "multi-node"
 """An entry's ``check`` for the multi-node sharded table (issue 45) instead of the scaling table."""
@@ -193,10 +200,13 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
     strategy = strategy or e["method"]
     options = dict(e.get("strategy_options") or {}) if strategy == e["method"] else {}
     model = MODELS[e["model"]].format(seq_len=e.get("seq_len"))
-    # a token model reads its tokens from an image of 3 x side x side values
-    side = e.get("image_size") or math.ceil(math.sqrt(e["seq_len"] / 3))
+    if model in TOKEN_MODELS:  # a built-in language model, on text data as a user runs it
+        data = {"data": "synthetic-tokens", "seq_len": e["seq_len"], "vocab_size": TOKEN_MODELS[model]}
+    else:  # a benchmark builder's token model reads its tokens from an image of 3 x side x side values
+        side = e.get("image_size") or math.ceil(math.sqrt(e["seq_len"] / 3))
+        data = {"data": "synthetic", "image_size": side, "num_classes": 1000}
     cfg = TrainConfig(
-        model=model, image_size=side, num_classes=1000, data="synthetic", precision=precision, tf32=tf32,
+        model=model, **data, precision=precision, tf32=tf32,
         batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
         optimizer=OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
         activation_checkpointing=bool(e.get("activation_checkpointing")), float8=FLOAT8.get(e["precision"], "none"),
@@ -359,16 +369,31 @@ def single_default(e: dict[str, Any]) -> tuple[float | None, float | None, float
     )
 
 
+@functools.cache
+def _float8_bases() -> dict[str, str | None]:
+    """Each entry's id -> its ``float8_base`` (None: none)."""
+    return {x["id"]: x.get("float8_base") for x in load_published()}
+
+
+def sets(e: dict[str, Any]) -> list[str]:
+    """The defaults of hardware.yaml's default_efficiency entry ``e`` sets, "GPU precision family" each (a float8
+    default's ``float8_base`` prices its unconverted part: it sets that default too, said so); empty: none."""
+    bases = _float8_bases()
+    out = []
+    for (gpu, family, key), d in sorted(builtin().evidence.items()):
+        if e["id"] in d.evidence:
+            out.append(f"{gpu} {key} {family}")
+        elif e["id"] in {bases.get(ev) for ev in d.evidence}:
+            out.append(f"{gpu} {key} {family} (its unconverted part)")
+    return out
+
+
 def role(e: dict[str, Any]) -> str:
-    """What entry ``e`` is to the defaults: "sets" (an evidence of hardware.yaml's default_efficiency), "held
-    out" (listed there as such) or "neither"."""
-    cat = builtin()
-    evidence = {ev for d in cat.evidence.values() for ev in d.evidence}
-    bases = {x.get("float8_base") for x in load_published() if x["id"] in evidence}
-    # a float8 default's base (``float8_base``) prices its unconverted part: it sets that default too
-    if e["id"] in evidence or e["id"] in bases:
+    """What entry ``e`` is to the defaults: "sets" (an evidence of hardware.yaml's default_efficiency, or a float8
+    evidence's base), "held out" (listed there as such) or "neither"."""
+    if sets(e):
         return "sets"
-    return "held out" if e["id"] in cat.held_out else "neither"
+    return "held out" if e["id"] in builtin().held_out else "neither"
 
 
 def check_defaults(entries: list[dict[str, Any]]) -> list[str]:

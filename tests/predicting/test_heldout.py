@@ -57,7 +57,10 @@ def test_a_projection_says_its_basis_and_that_basis_band():
         and p.error_band["median"] == bands["bands"]["family fallback"]["families"]["convnet"]["median"]
         and p.error_band["over"].endswith("(convnets)")
     )  # a convnet quotes the convnets' band; a family with too few scored rows, the basis' band over all
-    assert projection.error_band("family fallback", "unknown")["rows"] == bands["bands"]["family fallback"]["rows"]
+    assert (
+        projection.error_band("family fallback", "unknown")["rows"]
+        == bands["bands"]["family fallback"]["rows"]
+    )
     assert (
         p.error_band["p80"] >= p.error_band["median"] > 0 and "projection_heldout" in p.error_band["source"]
     )
@@ -75,3 +78,46 @@ def test_estimate_prints_the_band_in_text_and_json(capsys):
     assert main(args) == 0
     text = " ".join(capsys.readouterr().out.split())
     assert f"basis: family fallback; held-out error band: median {row['error_band']['median']:.1%}" in text
+
+
+def test_docs_projection_tables_are_what_the_benchmarks_render(heldout):
+    """docs/projection.md's held-out table is the benchmark's render of the rows file, with the band each basis
+    quotes; its example projection table names each row's basis and quotes error_bands.json's band for it."""
+    rows = json.loads(heldout.ROWS.read_text())
+    doc = heldout.DOC.read_text()
+    block = doc.split(heldout.DOC_BEGIN, 1)[1].split(heldout.DOC_END, 1)[0]
+    assert block.strip().splitlines() == heldout.doc_lines(rows)
+    assert "**band each basis quotes**" in block
+    example = importlib.import_module("projection_doc_example")
+    table = doc.split(example.BEGIN, 1)[1].split(example.END, 1)[0].strip().splitlines()
+    band = json.loads(heldout.BANDS.read_text())["bands"]["family fallback"]["families"]["convnet"]
+    cell = example.band_cell(band | {"basis": "family fallback"})
+    assert [r.split(" | ")[0] for r in table[2:]] == [f"| {m}" for m in example.METHODS]
+    assert all(r.endswith(f"| family fallback | {cell} |") for r in table[2:])
+
+
+def test_torchtitan_rows_run_the_built_in_llama_and_none_is_scored_on_a_default_it_set(heldout):
+    """torchtitan's Llama 3.1 8B figures are projected through the built-in llama-8b on tokens (fsdp per block, as
+    `estimate --model llama-8b --strategy fsdp` runs it); the 8-GPU figure re-derives the H100 bf16 transformer
+    default, sets it, and is left out of the default's scores, while the other torchtitan rows are scored."""
+    pp = heldout.pp
+    by_id = {e["id"]: e for e in pp.load_published()}
+    anchor = by_id["torchtitan-llama3-8b-h100-bf16-8gpu"]
+    cfg = pp.config(anchor)
+    assert (cfg.model, cfg.data, cfg.seq_len, cfg.vocab_size) == (
+        "llama-8b",
+        "synthetic-tokens",
+        8192,
+        128256,
+    )
+    derived = pp.anchored_calibration(anchor, pp.system_of(anchor))["bf16"].efficiency
+    default = pp.builtin().evidence[("h100-sxm", "transformer", "bf16")]
+    assert derived == pytest.approx(default.value, abs=0.001) and anchor["id"] in default.evidence
+    rows = {r["id"]: r for r in json.loads(heldout.ROWS.read_text())}
+    assert rows[anchor["id"]]["role"] == "sets" and rows[anchor["id"]]["sets"] == [
+        "h100-sxm bf16 transformer"
+    ]
+    scored = [r for r in heldout.anchor_lines(list(rows.values())) if r.startswith("- held out")]
+    held = [r for r in rows.values() if r["model"] == "llama3-8b" and r["role"] == "held out"]
+    errors = [heldout.err(r, "default") for r in held]
+    assert len(held) == 5 and scored == ["- " + heldout._summary("held out, default projection", errors)]
