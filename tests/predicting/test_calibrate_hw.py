@@ -112,3 +112,22 @@ def test_bad_measured_entries_and_fractions_beyond_the_profile_are_refused():
     cal = calibrate_hw.Calibration("test cpu", ["fp32"], 1e-6, [case])
     with pytest.raises(ConfigError, match=r"case add \(fp32\) reached 2.00 x the profile's memory bandwidth"):
         calibrate_hw.section(cal, gpu, "test")
+
+
+def test_a_gpu_without_a_built_in_system_gets_its_like_gpus_node_and_keeps_unmeasured_published_terms(tmp_path):
+    cat = hardware.builtin()
+    gpu = cat.gpus["h200-sxm"]
+    system = calibrate_hw.system_for(gpu, cat)
+    assert (system.key, system.gpu.key) == ("h200-sxm-calibrated", "h200-sxm")
+    assert system.intra_node.key == cat.systems["h100-sxm"].intra_node.key
+    op = OpCost("mm", "large_gemm", 2.0 * 8192**3, 3 * 2.0 * 8192**2, "bfloat16", (1, 8192, 8192))
+    case = calibrate_hw.CaseResult("mm_large", "bf16", (8192,) * 3, 2e-3, [op], compute=0.7, bandwidth=0.01)
+    entry = calibrate_hw.section(calibrate_hw.Calibration("NVIDIA H200", ["bf16"], 4e-6, [case]), gpu, "test")
+    text = calibrate_hw.profile_text(None, system.key, gpu.key, entry, "# x\n",
+                                     {system.key: calibrate_hw.system_mapping(system)})  # fmt: skip
+    (tmp_path / "h200.yaml").write_text(text)
+    got = hardware.resolve(str(tmp_path / "h200.yaml"))
+    assert got.key == "h200-sxm-calibrated" and got.gpu.roofline.measured and got.gpu.roofline.launch == 4e-6
+    assert got.gpu.roofline.fractions["large_gemm"] == (0.7, 0.8)  # bandwidth: hopper's published 0.8
+    assert got.gpu.roofline.fractions["elementwise"] == cat.roofline["hopper"].fractions["elementwise"]
+    assert entry["measured"] == ["large_gemm.compute"]

@@ -26,6 +26,8 @@ from stratbench.predicting.calibrate_hw import (
     measure,
     profile_text,
     section,
+    system_for,
+    system_mapping,
     unmeasured_note,
     write_profile,
 )
@@ -66,7 +68,10 @@ def run(args: argparse.Namespace) -> int:
               f"{unmeasured_note(system.gpu, cal.skipped)}")  # fmt: skip
     entry = section(cal, system.gpu, source)
     header = f"# measured_roofline.{system.gpu.key}: written by `{command}` at {when}\n"
-    write_profile(out, profile_text(base, system.key, system.gpu.key, entry, header))
+    own = {} if base or system.key in builtin().systems else {system.key: system_mapping(system)}
+    if own:
+        header += f"# systems.{system.key}: {system.source}\n"
+    write_profile(out, profile_text(base, system.key, system.gpu.key, entry, header, own))
     if args.json:
         print(json.dumps({"profile": str(out), "gpu": system.gpu.key, "measured_roofline": entry}, indent=2))
         return 0
@@ -100,12 +105,12 @@ def profile_of(spec: str | None, kind: str) -> tuple[System, Path | None]:
             raise ConfigError("calibrate-hw on a CPU needs --hardware FILE: a profile `stratbench probe` wrote "
                               "(its peak and memory bandwidth are what the fractions are of)")  # fmt: skip
         name = torch.cuda.get_device_name(0)
-        found = [s for s in builtin().systems.values() if s.gpu.kind == "cuda" and s.gpu.matches(name)]
-        if not found:
+        gpu = builtin().gpu_for_device(name)
+        if gpu is None:
             raise ConfigError(
-                f"GPU {name!r} has no built-in system; give --hardware FILE with its gpu and a system"
+                f"GPU {name!r} is not in the hardware profiles; give --hardware FILE with its gpu"
             )
-        return found[0], None
+        return system_for(gpu, builtin()), None
     system = resolve(spec)
     path = spec if Path(spec).is_file() else spec.rpartition(":")[0]
     base = Path(path) if Path(path).is_file() else None

@@ -15,6 +15,7 @@ generation's published fraction (1 on a CPU, which has none: a class with no cou
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from collections.abc import Callable
@@ -27,7 +28,16 @@ import torch.nn.functional as F
 
 from stratbench.core.errors import ConfigError
 from stratbench.core.files import atomic_output
-from stratbench.measuring.hardware import MEASURED_MAX, ROOFLINE_CLASSES, Gpu, dump, fmt_rate, load
+from stratbench.measuring.hardware import (
+    MEASURED_MAX,
+    ROOFLINE_CLASSES,
+    Catalogue,
+    Gpu,
+    System,
+    dump,
+    fmt_rate,
+    load,
+)
 from stratbench.measuring.probe import SLOW_MM_S, SLOW_MM_SIZE, timed
 from stratbench.models.flops import OpCost, op_cost
 from stratbench.predicting.roofline import peak_key, wave_efficiency
@@ -158,9 +168,10 @@ def recorded(fn: Callable[[], Any]) -> list[OpCost]:
 
 def per_call(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, batch_s: float) -> float:
     """Median seconds per call of ``fn`` over ``repeats`` batches of calls (each at least ``batch_s`` long, between
-    two synchronisations), after one untimed call."""
+    two synchronisations), after one untimed call; the batch's calls are counted from the fastest of three (one
+    call that a busy machine's scheduler cut short would make every batch a single call)."""
     fn()
-    once = timed(fn, sync)
+    once = min(timed(fn, sync) for _ in range(3))
     k = min(1000, max(1, math.ceil(batch_s / max(once, 1e-7))))
     return statistics.median(timed(lambda: [fn() for _ in range(k)], sync) / k for _ in range(repeats))
 
@@ -290,13 +301,47 @@ def describe_rate(gpu: Gpu, key: str) -> str:
     return f"{fmt_rate(gpu.peak(key) or 0, 'FLOP/s')} {key} peak, {fmt_rate(gpu.memory_bandwidth, 'B/s')}"
 
 
-def profile_text(base: Path | None, system: str, gpu: str, entry: dict[str, Any], header: str) -> str:
+def system_for(gpu: Gpu, cat: Catalogue) -> System:
+    """The built-in system of ``gpu``; for a GPU with none (an H200), its ``like`` GPU's system with ``gpu`` in
+    it, named ``<gpu>-calibrated`` (its links are the like GPU's node's, said in its source)."""
+    for system in cat.systems.values():
+        if system.gpu.key == gpu.key:
+            return system
+    like = [s for s in cat.systems.values() if gpu.like and s.gpu.key == gpu.like]
+    if not like:
+        raise ConfigError(
+            f"{gpu.name} ({gpu.key}) has no built-in system; give --hardware FILE with a system"
+        )
+    source = (
+        f"{like[0].key}'s node (links, GPUs per node) with the {gpu.key} in it: no built-in {gpu.key} system"
+    )
+    return dataclasses.replace(like[0], key=f"{gpu.key}-calibrated", gpu=gpu, source=source)
+
+
+def system_mapping(system: System) -> dict[str, Any]:
+    """``system`` as a profile's ``systems`` entry naming built-in links (what ``system_for`` borrows)."""
+    out: dict[str, Any] = {"gpu": system.gpu.key, "gpus_per_node": system.gpus_per_node,
+                           "intra_node": system.intra_node.key, "host": system.host.key,
+                           "nics_per_node": system.nics_per_node}  # fmt: skip
+    if system.inter_node is not None:
+        out["inter_node"] = system.inter_node.key
+    if system.host_memory_bandwidth:
+        out["host_memory_bandwidth"] = fmt_rate(system.host_memory_bandwidth, "B/s")
+    return out
+
+
+def profile_text(
+    base: Path | None, system: str, gpu: str, entry: dict[str, Any], header: str, systems: dict[str, Any]
+) -> str:
     """The profile file with ``entry`` as its ``measured_roofline`` of ``gpu``: the hardware file ``base`` (its
-    leading comment kept, an earlier entry of that GPU replaced) or, without one, a file that names the built-in
-    ``system`` as its default; ``header`` (a comment) added."""
+    leading comment kept, an earlier entry of that GPU replaced) or, without one, a file that names ``system``
+    as its default (with ``systems``: the entries it needs beyond the built-in ones); ``header`` (a comment)
+    added."""
     import yaml
 
     data: dict[str, Any] = {"version": 1, "default_system": system}
+    if systems:
+        data["systems"] = systems
     comment = ""
     if base is not None:
         text = base.read_text()
