@@ -34,7 +34,9 @@ TINYNET = projection.TrainConfig(model="tinynet", width=8, image_size=16, num_cl
 def test_calibrate_hw_writes_measured_fractions_the_roofline_uses(tmp_path, capsys):
     path = tmp_path / "probe.yaml"
     path.write_text("# written by stratbench probe\n" + yaml.safe_dump(PROFILE))
-    with pytest.raises(ConfigError, match=r"\(t-cpu\) has no roofline fractions"):  # before: nothing to price with
+    with pytest.raises(
+        ConfigError, match=r"\(t-cpu\) has no roofline fractions"
+    ):  # before: nothing to price with
         projection.project(TINYNET, hardware.resolve(str(path)), 1, 1, memory=False, basis="roofline")
     argv = ["calibrate-hw", "--hardware", str(path), "--sizes", "tiny", "--repeats", "3", "--json"]
     assert main(argv) == 0
@@ -57,7 +59,9 @@ def test_calibrate_hw_writes_measured_fractions_the_roofline_uses(tmp_path, caps
     op = OpCost("mm", "large_gemm", mm["flops"], mm["bytes"], "float32", (1, 128, 128))
     compute = mm["flops"] / (1e12 * roof.fractions["large_gemm"][0])
     memory = mm["bytes"] / (1e12 * roof.fractions["large_gemm"][1])
-    assert roofline.op_seconds(op, gpu, "fp32") == pytest.approx(max(compute, memory) + roof.launch, rel=1e-12)
+    assert roofline.op_seconds(op, gpu, "fp32") == pytest.approx(
+        max(compute, memory) + roof.launch, rel=1e-12
+    )
     assert roof.fractions["large_gemm"][0] >= mm["compute"] * (1 - 1e-3)
     p = projection.project(TINYNET, hardware.resolve(str(path)), 1, 1, memory=False, basis="roofline")
     assert p.basis == roofline.MEASURED_BASIS == "roofline with measured fractions"
@@ -101,7 +105,11 @@ def test_bad_measured_entries_and_fractions_beyond_the_profile_are_refused():
     assert hardware.parse(data, "f.yaml", hardware.builtin()).gpus["t-cpu"].roofline.measured
     for key, entry, message in [
         ("nope", {"fractions": fractions}, "'nope' is not a gpu; choose one of"),
-        ("t-cpu", {"fractions": fractions | {"other": {"compute": 2.0, "bandwidth": 0.5}}}, "between 0 and 1.5"),
+        (
+            "t-cpu",
+            {"fractions": fractions | {"other": {"compute": 2.0, "bandwidth": 0.5}}},
+            "between 0 and 1.5",
+        ),
         ("t-cpu", {"fractions": fractions | {"other": {"compute": 0, "bandwidth": 0.5}}}, "must be above 0"),
         ("t-cpu", {"fractions": fractions, "by_precision": {"fp9": {}}}, "unknown precision 'fp9'"),
     ]:
@@ -114,7 +122,9 @@ def test_bad_measured_entries_and_fractions_beyond_the_profile_are_refused():
         calibrate_hw.section(cal, gpu, "test")
 
 
-def test_a_gpu_without_a_built_in_system_gets_its_like_gpus_node_and_keeps_unmeasured_published_terms(tmp_path):
+def test_a_gpu_without_a_built_in_system_gets_its_like_gpus_node_and_keeps_unmeasured_published_terms(
+    tmp_path,
+):
     cat = hardware.builtin()
     gpu = cat.gpus["h200-sxm"]
     system = calibrate_hw.system_for(gpu, cat)

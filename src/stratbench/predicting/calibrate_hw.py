@@ -15,6 +15,7 @@ generation's published fraction (1 on a CPU, which has none: a class with no cou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -38,8 +39,9 @@ from stratbench.measuring.hardware import (
     fmt_rate,
     load,
 )
+from stratbench.measuring.model_trace import ops_recorder
 from stratbench.measuring.probe import SLOW_MM_S, SLOW_MM_SIZE, timed
-from stratbench.models.flops import OpCost, op_cost
+from stratbench.models.flops import OpCost
 from stratbench.predicting.roofline import peak_key, wave_efficiency
 
 SCALES = ("tiny", "cpu", "gpu")
@@ -114,7 +116,7 @@ class Calibration:
 
 
 def _dtype(key: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key]
+    return {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[key]
 
 
 def build(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> Callable[[], Any]:
@@ -149,21 +151,22 @@ def build(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.
 
 def recorded(fn: Callable[[], Any]) -> list[OpCost]:
     """The aten ops one call of ``fn`` dispatches, each with its FLOPs, bytes and class (``op_cost``)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     ops: list[OpCost] = []
-
-    class Recorder(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            cost = op_cost(func, args, kwargs or {}, out)
-            if cost is not None:
-                ops.append(cost)
-            return out
-
-    with Recorder():
+    with ops_recorder(ops):
         fn()
     return ops
+
+
+@contextlib.contextmanager
+def tf32(enabled: bool):
+    """TF32 for cuBLAS matmuls and cuDNN convolutions on or off (as `train --tf32`), restored after: a "tf32"
+    case runs its fp32 tensors with it, an "fp32" case without (cuDNN's default is on)."""
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def per_call(fn: Callable[[], Any], sync: Callable[[], None], repeats: int, batch_s: float) -> float:
@@ -201,11 +204,12 @@ def fractions_of(case: CaseResult, gpu: Gpu, launch: float) -> None:
 
 
 def precisions(gpu: Gpu, device: torch.device, sync: Callable[[], None]) -> tuple[list[str], list[str]]:
-    """(the precisions to measure, first the one bandwidth cases run in; those skipped): fp32, bf16 and fp16 where
-    the profile has their peak; bf16 and fp16 only where the device runs them fast (the fastest of three 256x256
-    matmuls within ``SLOW_MM_S``, as probe: a CPU without native bf16 runs a reference kernel ~100x slower)."""
+    """(the precisions to measure, first the one bandwidth cases run in; those skipped): fp32, bf16, fp16 and on
+    CUDA tf32 (fp32 tensors, TF32 on) where the profile has their peak; all but fp32 only where the device runs
+    them fast (the fastest of three 256x256 matmuls within ``SLOW_MM_S``, as probe: a CPU without native bf16 runs
+    a reference kernel ~100x slower)."""
     keep, skipped = [], []
-    for key in ("bf16", "fp16", "fp32") if device.type == "cuda" else ("fp32", "bf16", "fp16"):
+    for key in ("bf16", "fp16", "tf32", "fp32") if device.type == "cuda" else ("fp32", "bf16", "fp16"):
         if not gpu.peak(key):
             continue
         a = torch.randn(SLOW_MM_SIZE, SLOW_MM_SIZE, device=device, dtype=_dtype(key))
@@ -232,8 +236,9 @@ def measure(gpu: Gpu, device: torch.device, scale: str, repeats: int) -> Calibra
         for key in keys if compute else keys[:1]:
             shape = _SIZES[scale][case]
             fn = build(case, shape, device, _dtype(key))
-            ops = recorded(fn)
-            result = CaseResult(case, key, shape, per_call(fn, sync, repeats, _BATCH_S[scale]), ops)
+            with tf32(key == "tf32"):
+                ops = recorded(fn)
+                result = CaseResult(case, key, shape, per_call(fn, sync, repeats, _BATCH_S[scale]), ops)
             fractions_of(result, gpu, out.launch)
             out.cases.append(result)
     return out
