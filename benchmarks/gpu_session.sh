@@ -45,11 +45,17 @@
 #              installed), the CPU rows (onnxruntime int8/fp16, torchao) beside them - on a resnet18 trained on digits
 #              and a gpt-tiny trained on text, each opening with the fastest backend within --max-quality-loss
 #              (not run yet)                                  ~6 min -> infer_resnet18.md, infer_gpt-tiny.md (+ .png)
+#   calhw      issue 49 item 1: stratbench calibrate-hw on the GPU (the roofline's achievable fractions per op class:
+#              large/small/thin GEMMs, 3x3/1x1/depthwise convolutions, SDPA in bf16, fp16 and fp32, add, sum,
+#              layer norm, embedding; GPU sizes), written as the GPU's measured_roofline (an H200, which has no
+#              built-in system, in H100 SXM's node), then estimate --basis roofline with it on resnet50 and
+#              gpt2-small (not run yet)                    ~1 min -> calibrate_hw.yaml, calibrate_hw.txt
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "infer", "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "infer", "calhw",
+#   "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -69,7 +75,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -315,11 +321,19 @@ EOF
                 --batch-sizes 1,8,32,128 --warmup 3 --iters 50 --min-iters 10 --max-seconds 10 \
                 --output "$OUT/infer_$name.csv" --report "$OUT/infer_$name.md" 2>&1 | tail -40
         done ;;
+    calhw)
+        "${SB[@]}" calibrate-hw --device cuda --output "$OUT/calibrate_hw.yaml" 2>&1 | tee "$OUT/calibrate_hw.txt"
+        for model in "resnet50 --batch-size 256" "gpt2-small --data synthetic-tokens --seq-len 1024 --batch-size 8"; do
+            echo "+ stratbench estimate --model $model --precision bf16-mixed --time --basis roofline --hardware $OUT/calibrate_hw.yaml"
+            # shellcheck disable=SC2086  # $model: the model and its data flags
+            "${SB[@]}" estimate --model $model --precision bf16-mixed --strategy single --time --basis roofline \
+                --hardware "$OUT/calibrate_hw.yaml" 2>&1 | tail -12
+        done >>"$OUT/calibrate_hw.txt" ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw tests pack" >&2
         exit 2 ;;
     esac
 done

@@ -202,8 +202,8 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--basis", default="efficiency", choices=BASES,
         help="the compute time's basis for --time: efficiency (one per GPU, precision and model family, or "
-        "--calibrate's; the default) or roofline (each traced op priced by the roofline with published "
-        "fractions: docs/projection.md)",
+        "--calibrate's; the default) or roofline (each traced op priced by the roofline: with the fractions "
+        "`calibrate-hw` measured where the --hardware profile has them, else published ones; docs/projection.md)",
     )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
     parser.add_argument(
@@ -250,12 +250,13 @@ def time_setup(args: argparse.Namespace):
             raise ConfigError(f"--basis {basis} prices the step time: it needs --time")
         return None, None
     if basis == "roofline" and args.calibrate:
-        raise ConfigError("--basis roofline prices each op from published fractions; --calibrate gives the "
+        raise ConfigError("--basis roofline prices each op from the roofline's fractions; --calibrate gives the "
                           "calibrated efficiency basis: give one of them")  # fmt: skip
     system = resolve(args.hardware or "h100-sxm")
     if basis == "roofline" and system.gpu.roofline is None:
         raise ConfigError(f"--basis roofline: {system.gpu.name} ({system.gpu.key}) has no roofline fractions "
-                          "(hardware.yaml roofline and the gpu's generation); use --basis efficiency")  # fmt: skip
+                          "(hardware.yaml roofline and the gpu's generation, or `stratbench calibrate-hw`'s "
+                          "measured_roofline); use --basis efficiency")  # fmt: skip
     if not 1 <= args.nodes <= MAX_WORLD:
         raise ConfigError(f"--nodes must be between 1 and {MAX_WORLD}, got {args.nodes}")
     gpn = args.gpus_per_node or system.gpus_per_node

@@ -95,9 +95,9 @@ def seconds(text: Any, where: str) -> float:
     return _number(text, where, {"us": 1e-6, "ms": 1e-3, "ns": 1e-9, "s": 1.0}, "5.7 us", zero_ok=True)
 
 
-def fraction(value: Any, where: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
-        raise HardwareError(f"{where}: {value!r} must be a fraction between 0 and 1")
+def fraction(value: Any, where: str, top: float = 1.0) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= top:
+        raise HardwareError(f"{where}: {value!r} must be a fraction between 0 and {top:g}")
     return float(value)
 
 
@@ -118,6 +118,16 @@ class Roofline:
     tile: tuple[int, int] = (128, 128)
     launch: float = 0.0
     source: str = ""
+    measured: bool = False
+    """True where `stratbench calibrate-hw` measured the fractions on the device (a profile's ``measured_roofline``)."""
+    by_precision: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Measured profiles: precision key -> op class -> compute fraction of that precision's peak, where it was
+    measured in more than one precision (``compute_fraction``)."""
+
+    def compute_fraction(self, op_class: str, key: str) -> float:
+        """The compute fraction of ``op_class`` at the peak of precision ``key``: the one measured in ``key``
+        where there is one, else the class's."""
+        return self.by_precision.get(key, {}).get(op_class, self.fractions[op_class][0])
 
 
 @dataclass(frozen=True)
@@ -307,10 +317,14 @@ class Catalogue:
 
 
 _TOP = {"version", "defaults", "default_efficiency", "gpus", "links", "systems", "default_system",
-        "input_pipelines", "roofline"}  # fmt: skip
+        "input_pipelines", "roofline", "measured_roofline"}  # fmt: skip
 _GPU_KEYS = {"name", "match", "peak_flops", "memory", "memory_bandwidth", "efficiency", "kind", "like", "sms",
              "generation"}  # fmt: skip
 _ROOFLINE_KEYS = {"tile", "launch", "fractions", "source"}
+_MEASURED_KEYS = _ROOFLINE_KEYS | {"device", "precision", "by_precision", "measured", "cases"}
+MEASURED_MAX = 1.5
+"""The largest measured fraction a profile takes: above the peak or bandwidth it was measured against (a CPU's
+matmul peak from `probe`, a bandwidth under contention), within reason; beyond that the profile's numbers are wrong."""
 _EVIDENCE_KEYS = {"gpu", "precision", "family", "value", "published", "runs", "how"}
 _LINK_KEYS = {"bandwidth", "latency", "efficiency", "collectives"}
 _SYS_KEYS = {"gpu", "gpus_per_node", "intra_node", "inter_node", "nics_per_node", "host", "host_memory_bandwidth",
@@ -382,10 +396,12 @@ def _parse_gpu(key: str, e: dict[str, Any], where: str, cat: Catalogue, user_fil
     )
 
 
-def _parse_roofline(key: str, e: Any, where: str) -> Roofline:
-    """One ``roofline`` entry: a GPU generation's fractions per op class, GEMM tile and launch cost."""
+def _parse_roofline(key: str, e: Any, where: str, allowed: set[str] = _ROOFLINE_KEYS,
+                    top: float = 1.0) -> Roofline:  # fmt: skip
+    """One ``roofline`` entry: a GPU generation's fractions per op class (each at most ``top``), GEMM tile and
+    launch cost."""
     e = _mapping(e, where)
-    _check_keys(e, _ROOFLINE_KEYS, {"fractions"}, where)
+    _check_keys(e, allowed, {"fractions"}, where)
     given = _mapping(e["fractions"], f"{where}.fractions")
     missing = [c for c in ROOFLINE_CLASSES if c not in given]
     unknown = sorted(set(given) - set(ROOFLINE_CLASSES))
@@ -396,14 +412,46 @@ def _parse_roofline(key: str, e: Any, where: str) -> Roofline:
     for c in ROOFLINE_CLASSES:
         pair = _mapping(given[c], f"{where}.fractions.{c}")
         _check_keys(pair, {"compute", "bandwidth"}, {"compute", "bandwidth"}, f"{where}.fractions.{c}")
-        fractions[c] = (fraction(pair["compute"], f"{where}.fractions.{c}.compute"),
-                        fraction(pair["bandwidth"], f"{where}.fractions.{c}.bandwidth"))  # fmt: skip
+        fractions[c] = (fraction(pair["compute"], f"{where}.fractions.{c}.compute", top),
+                        fraction(pair["bandwidth"], f"{where}.fractions.{c}.bandwidth", top))  # fmt: skip
     tile = e.get("tile", [128, 128])
     if not (isinstance(tile, list) and len(tile) == 2):
         raise HardwareError(f"{where}.tile: {tile!r} must be [rows, columns]")
     tile = (_positive_int(tile[0], f"{where}.tile"), _positive_int(tile[1], f"{where}.tile"))
     launch = seconds(e.get("launch", "0 us"), f"{where}.launch")
     return Roofline(key, fractions, tile, launch, str(e.get("source", "")))
+
+
+def _parse_measured(key: str, e: Any, where: str, cat: Catalogue) -> None:
+    """One ``measured_roofline`` entry (written by `stratbench calibrate-hw`): GPU ``key``'s fractions measured on
+    the device (each above 0, at most ``MEASURED_MAX``), in ``precision`` and ``by_precision``; they replace the
+    GPU's generation fractions, in ``cat.gpus`` and in every system of that GPU."""
+    if key not in cat.gpus:
+        raise HardwareError(f"{where}: {key!r} is not a gpu; choose one of: {', '.join(cat.gpus)}")
+    base = _parse_roofline(key, e, where, _MEASURED_KEYS, MEASURED_MAX)
+    zero = [c for c, pair in base.fractions.items() if 0 in pair]
+    if zero:
+        raise HardwareError(f"{where}.fractions.{zero[0]}: a measured fraction must be above 0")
+    by_precision = {}
+    for p, classes in _mapping(e.get("by_precision", {}) or {}, f"{where}.by_precision").items():
+        if p not in PRECISION_KEYS:
+            allowed = ", ".join(PRECISION_KEYS)
+            raise HardwareError(f"{where}.by_precision: unknown precision {p!r}; allowed: {allowed}")
+        w = f"{where}.by_precision.{p}"
+        for c in _mapping(classes, w):
+            if c not in ROOFLINE_CLASSES:
+                classes_ = ", ".join(ROOFLINE_CLASSES)
+                raise HardwareError(f"{w}: unknown class {c!r}; the classes are: {classes_}")
+        by_precision[p] = {c: fraction(v, f"{w}.{c}", MEASURED_MAX) for c, v in classes.items()}
+        zero = [c for c, v in by_precision[p].items() if v == 0]
+        if zero:
+            raise HardwareError(f"{w}.{zero[0]}: a measured fraction must be above 0")
+    gpu = dataclasses.replace(cat.gpus[key], roofline=dataclasses.replace(
+        base, generation=f"measured on {key}", measured=True, by_precision=by_precision))  # fmt: skip
+    cat.gpus[key] = gpu
+    for name, system in cat.systems.items():
+        if system.gpu.key == key:
+            cat.systems[name] = dataclasses.replace(system, gpu=gpu)
 
 
 def _family_defaults(
@@ -591,6 +639,8 @@ def parse(data: Any, source: str, base: Catalogue | None = None) -> Catalogue:
     for key, e in _mapping(data.get("gpus", {}) or {}, f"{where0}: gpus").items():
         user_file = None if base is None else source
         cat.gpus[key] = _parse_gpu(key, e, f"{where0}: gpus.{key}", cat, user_file)
+    for key, e in _mapping(data.get("measured_roofline", {}) or {}, f"{where0}: measured_roofline").items():
+        _parse_measured(key, e, f"{where0}: measured_roofline.{key}", cat)
     for key, e in _mapping(data.get("links", {}) or {}, f"{where0}: links").items():
         cat.links[key] = _parse_link(key, e, f"{where0}: links.{key}")
     for key, e in _mapping(data.get("input_pipelines", {}) or {}, f"{where0}: input_pipelines").items():

@@ -491,7 +491,7 @@ def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]
     ops: list[OpCost] = []
     with FakeTensorMode(allow_non_fake_inputs=True):
         model = _build_in(spec, pspec.param_dtype)
-        with _ops_mode(ops):
+        with ops_recorder(ops):
             x, y = spec.example_batch(batch, pspec.param_dtype)
             with _autocast(pspec):
                 loss = _loss(model(x), y)
@@ -499,7 +499,9 @@ def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]
     return tuple(ops)
 
 
-def _ops_mode(ops: list[OpCost]):
+def ops_recorder(ops: list[OpCost]):
+    """A dispatch mode that appends each aten op it sees to ``ops`` with its ``op_cost`` (views and allocations
+    left out): on fake tensors for a traced step, on real ones for `calibrate-hw`'s cases."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class OpsMode(TorchDispatchMode):

@@ -49,8 +49,7 @@ from stratbench.models.flops import flops_by_op, linear_flops
 from stratbench.models.transforms import FORWARD_SHARE, flops_factor
 from stratbench.models.transforms.float8 import convertible
 from stratbench.predicting.estimate import estimate
-from stratbench.predicting.roofline import BASIS as ROOFLINE_BASIS
-from stratbench.predicting.roofline import step_seconds
+from stratbench.predicting.roofline import basis_of, step_seconds
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, loop_collectives
 
@@ -630,7 +629,8 @@ class MethodProjection:
     comm_rows: list[dict[str, Any]] = field(default_factory=list)
     basis: str = ""
     """What the compute time rests on (``BASES``' words): "calibrated run", "hardware file", "family fallback"
-    (the evidence-based efficiency per GPU, precision and family) or "roofline with published fractions"."""
+    (the evidence-based efficiency per GPU, precision and family), "roofline with measured fractions" (the profile's
+    ``measured_roofline``, `stratbench calibrate-hw`) or "roofline with published fractions"."""
     roofline: dict[str, Any] = field(default_factory=dict)
     """The roofline basis' breakdown of one micro-batch (``roofline.RooflineTime``); empty on other bases."""
     error_band: dict[str, Any] = field(default_factory=dict)
@@ -787,7 +787,8 @@ def _efficiency(
 
 BASES = ("efficiency", "roofline")
 """``project``'s bases of the compute time (``estimate --time --basis``): one efficiency (calibrated run, hardware
-file or family fallback), or the per-op roofline with published fractions (``predicting.roofline``)."""
+file or family fallback), or the per-op roofline, with the fractions `calibrate-hw` measured where the profile has
+them, else the published ones (``predicting.roofline``)."""
 
 
 def _roofline(
@@ -798,7 +799,8 @@ def _roofline(
     seconds for the counted FLOPs; what was used goes on ``out`` (basis, source, the per-class breakdown)."""
     if gpu.roofline is None:
         raise ConfigError(f"--basis roofline: {gpu.name} ({gpu.key}) has no roofline fractions (hardware.yaml "
-                          "roofline and the gpu's generation); use the efficiency basis")  # fmt: skip
+                          "roofline and the gpu's generation; `stratbench calibrate-hw` measures them); use the "
+                          "efficiency basis")  # fmt: skip
     micro = max(1, round(samples / cfg.grad_accum))
     try:
         ops = trace_ops(ModelSpec.from_config(cfg), micro, cfg.precision)
@@ -808,7 +810,7 @@ def _roofline(
         raise ConfigError(f"--basis roofline: model {cfg.model!r} cannot be traced op by op ({exc})") from exc
     timed = step_seconds(ops, gpu, key)
     eff = flops * micro / (timed.seconds * gpu.peak(key))
-    out.efficiency, out.efficiency_from, out.basis = eff, "roofline", ROOFLINE_BASIS
+    out.efficiency, out.efficiency_from, out.basis = eff, "roofline", basis_of(gpu)
     out.efficiency_source = f"{timed.source}; micro-batch {micro}: {timed.seconds * 1e3:.3f} ms"
     out.roofline = timed.to_dict() | {"micro_batch": micro}
     return eff

@@ -22,6 +22,8 @@ from stratbench.models.flops import OpCost
 
 BASIS = "roofline with published fractions"
 """The basis' name in a projection (``MethodProjection.basis``)."""
+MEASURED_BASIS = "roofline with measured fractions"
+"""The basis' name where the GPU's profile has fractions `stratbench calibrate-hw` measured on the device."""
 
 _TENSOR_CORE = ("large_gemm", "small_gemm", "convolution", "attention")
 """The classes whose FLOPs run at the operands' dtype peak (tensor cores); the rest run on the CUDA cores."""
@@ -42,18 +44,29 @@ def wave_efficiency(op: OpCost, gpu: Gpu) -> float:
     return tiles / (waves * gpu.sms)
 
 
-def op_peak(op: OpCost, gpu: Gpu, key: str) -> float:
-    """The dense peak an op's FLOPs run at: a product's, convolution's or attention's operands' dtype on the tensor
-    cores (fp32 operands at the run's key: tf32 where it runs TF32), every other op the CUDA cores' fp32 peak;
-    the run's own key where the GPU lists no peak for that."""
+def basis_of(gpu: Gpu) -> str:
+    """The roofline basis' name on ``gpu``: measured fractions where its profile has them, else published."""
+    return MEASURED_BASIS if gpu.roofline is not None and gpu.roofline.measured else BASIS
+
+
+def peak_key(op: OpCost, gpu: Gpu, key: str) -> str:
+    """The precision key of the dense peak an op's FLOPs run at: a product's, convolution's or attention's
+    operands' dtype on the tensor cores (fp32 operands at the run's key: tf32 where it runs TF32), every other op
+    the CUDA cores' fp32; the run's own key where the GPU lists no peak for that."""
     if op.op_class in _TENSOR_CORE:
         want = _DTYPE_KEYS.get(op.dtype, key if key in ("fp32", "tf32") else "fp32")
     else:
         want = "fp32"
-    peak = gpu.peak(want) or gpu.peak(key)
-    if not peak:
+    if gpu.peak(want):
+        return want
+    if not gpu.peak(key):
         raise ConfigError(f"{gpu.name} has no {want} or {key} peak in the hardware profiles")
-    return peak
+    return key
+
+
+def op_peak(op: OpCost, gpu: Gpu, key: str) -> float:
+    """The dense peak an op's FLOPs run at (``peak_key``'s)."""
+    return gpu.peak(peak_key(op, gpu, key))
 
 
 def roofline_of(gpu: Gpu) -> Roofline:
@@ -65,10 +78,12 @@ def roofline_of(gpu: Gpu) -> Roofline:
 
 def op_terms(op: OpCost, gpu: Gpu, key: str) -> tuple[float, float]:
     """(compute seconds, memory seconds) of one op on ``gpu``: its FLOPs over the peak x the class's compute
-    fraction x the wave efficiency, its bytes over the bandwidth x the class's bandwidth fraction."""
+    fraction (measured in that peak's precision where it was) x the wave efficiency, its bytes over the bandwidth x
+    the class's bandwidth fraction."""
     roof = roofline_of(gpu)
-    compute_fraction, bandwidth_fraction = roof.fractions[op.op_class]
-    rate = op_peak(op, gpu, key) * compute_fraction * wave_efficiency(op, gpu)
+    want = peak_key(op, gpu, key)
+    bandwidth_fraction = roof.fractions[op.op_class][1]
+    rate = gpu.peak(want) * roof.compute_fraction(op.op_class, want) * wave_efficiency(op, gpu)
     compute = op.flops / rate if op.flops else 0.0
     return compute, op.bytes / (gpu.memory_bandwidth * bandwidth_fraction)
 
@@ -112,6 +127,6 @@ def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str) -> RooflineTime:
         out.seconds += t
         out.flops += op.flops
         out.launches += 1
-    out.source = (f"{BASIS}: {out.launches} eager kernels on {gpu.name} ({gpu.sms or '?'} SMs, "
+    out.source = (f"{basis_of(gpu)}: {out.launches} eager kernels on {gpu.name} ({gpu.sms or '?'} SMs, "
                   f"{roof.generation} fractions, {roof.tile[0]}x{roof.tile[1]} tiles; {roof.source})")  # fmt: skip
     return out
