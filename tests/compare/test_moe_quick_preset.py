@@ -32,6 +32,17 @@ def _record(id_: str, moe: dict | None) -> dict:
             **({"moe": moe} if moe else {})}  # fmt: skip
 
 
+def test_a_sweep_record_keeps_the_runs_moe_block():
+    """compare's results.jsonl line carries result.json's ``moe`` (the report's MoE columns read it there)."""
+    from stratbench.compare.runner import make_record
+
+    cell = build_matrix(PRESETS["moe-quick"]()).cells[0]
+    moe = {"active_parameters": 1_872_576, "total_parameters": 3_052_224, "load_imbalance": 1.5}
+    env = {"device_type": "cpu"}
+    assert make_record(cell, "ok", result={"moe": moe, "environment": env})["moe"] == moe
+    assert "moe" not in make_record(cell, "ok", result={"environment": env})
+
+
 def test_moe_columns_show_active_parameters_and_the_load():
     moe = {"active_parameters": 1_872_576, "total_parameters": 3_052_224, "load_imbalance": 1.8108,
            "dropped_fraction": 0.0}  # fmt: skip

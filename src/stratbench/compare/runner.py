@@ -151,6 +151,7 @@ def make_record(
         "mesh": result.get("mesh") or {},
         "transforms": result.get("transforms") or [],
         "parameters": parameters_of(result.get("model_meta")),
+        **({"moe": result["moe"]} if isinstance(result.get("moe"), dict) else {}),  # an MoE's parameters, routing
         "elapsed_s": elapsed_s,
         "returncode": returncode,
         "cell_dir": str(cell_dir) if cell_dir else None,
