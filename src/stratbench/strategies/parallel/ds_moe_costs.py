@@ -24,7 +24,7 @@ import math
 from stratbench.measuring.comm import Collective, ceil_to
 from stratbench.models.moe import capacity
 from stratbench.models.transformer import SIZES
-from stratbench.strategies.parallel.expert_parallel import expert_shapes
+from stratbench.strategies.parallel.expert_parallel import expert_shapes, micro_tokens, top_k_of
 
 ALIGN = 2
 """DeepSpeed's ``nccl_start_alignment_factor`` (stage_1_and_2.py): a flat group is padded to 2 x its ranks."""
@@ -52,12 +52,6 @@ def ds_moe_states(ctx, ep: int, stage: int) -> tuple[int, int, int]:
     return held + frozen, held, part
 
 
-def micro_tokens(ctx) -> int:
-    """Tokens of one rank's micro-batch (T)."""
-    cfg = ctx.cfg
-    return cfg.batch_size // ctx.world // cfg.grad_accum * cfg.seq_len
-
-
 def capacity_factor(cfg) -> float | None:
     """The run's --capacity-factor, else the model size's; None: dropless."""
     return cfg.capacity_factor if cfg.capacity_factor is not None else SIZES[cfg.model].capacity_factor
@@ -67,7 +61,7 @@ def ds_capacity(ctx) -> tuple[int, str]:
     """(rows per expert in DeepSpeed's buffer, how it is known): ceil(c x T x k / experts) with --capacity-factor
     c (min_capacity 0), else dropless's bound T."""
     cfg, tc = ctx.cfg, SIZES[ctx.cfg.model]
-    tokens, k = micro_tokens(ctx), cfg.moe_top_k or tc.moe_top_k
+    tokens, k = micro_tokens(cfg, ctx.world), top_k_of(cfg)
     factor = capacity_factor(cfg)
     cap = capacity(tokens, k, tc.n_experts, factor)
     if cap is not None:
@@ -95,7 +89,7 @@ def padded_rows_bytes(ctx) -> int:
     more at the peak, where this (at the measured capacity) and the buffers say 6.09 MB."""
     cfg, tc = ctx.cfg, SIZES[ctx.cfg.model]
     cap, _ = ds_capacity(ctx)
-    extra = tc.n_experts * cap - micro_tokens(ctx) * (cfg.moe_top_k or tc.moe_top_k)
+    extra = tc.n_experts * cap - micro_tokens(cfg, ctx.world) * top_k_of(cfg)
     per_row = (2 * tc.dim + 4 * tc.moe_hidden) * (2 if ctx.half else ctx.param_bytes)
     return max(0, extra) * per_row * (tc.n_layers - tc.moe_first_dense)
 

@@ -30,6 +30,8 @@ from stratbench.strategies.parallel.expert_parallel import (
     ep_dense,
     ep_rows,
     expert_grads_row,
+    micro_tokens,
+    top_k_of,
 )
 from stratbench.strategies.parallel.fsdp import fsdp2_comm, fsdp2_memory
 
@@ -40,29 +42,22 @@ balance, 1.0), not a measurement; the exchanges' note says when it is used. An u
 gpt-moe-tiny's 3 steps on this CPU measured 1.85 max/mean per expert."""
 
 
-def token_rows(cfg, world: int) -> int:
-    """Routed rows one rank sends per micro-step: its micro-batch's tokens x top-k (the run's --moe-top-k where
-    given, as the model is built)."""
-    tc = SIZES[cfg.model]
-    tokens = cfg.batch_size // world // cfg.grad_accum * cfg.seq_len
-    return tokens * (cfg.moe_top_k or tc.moe_top_k)
-
-
 def ep_memory(ctx, rank: int, ep: int, sharding: str) -> RankMemory:
     """One rank's model states under ``--ep ep``: the model without its experts (``ep_dense``) as FSDP2 shards
     it with ``sharding``, plus experts / ``ep`` of each expert weight whole with its gradient and optimizer
     state; the exchange's send and return buffers of T x k rows of dim in the compute dtype with the units'."""
     m = fsdp2_memory(ep_dense(ctx), rank, sharding, False)
-    shapes = [s for s, t in zip(ctx.shapes, ctx.trainable, strict=True) if len(s) == 3 and t]  # the stacked (E, ...) experts (``expert_shapes``)
+    # the stacked (E, ...) experts are the only 3-D parameters (``expert_shapes``; ctx.shapes adds LoRA's adapters)
+    shapes = [s for s, t in zip(ctx.shapes, ctx.trainable, strict=True) if len(s) == 3 and t]
     local = [(s[0] // ep, *s[1:]) for s in shapes]
     numel = sum(a * b * c for a, b, c in local)
     m.params += numel * ctx.param_bytes
     m.grads += numel * ctx.param_bytes
     m.optim += ctx.optim_bytes(local)
     tc = SIZES[ctx.cfg.model]
-    rows = token_rows(ctx.cfg, ctx.world) * tc.dim * ctx.pspec.compute_dtype.itemsize
-    m.gathered += 2 * rows
-    m.gather_note += f"; the all-to-all's {token_rows(ctx.cfg, ctx.world):,} routed rows sent and returned"
+    routed = micro_tokens(ctx.cfg, ctx.world) * top_k_of(ctx.cfg)
+    m.gathered += 2 * routed * tc.dim * ctx.pspec.compute_dtype.itemsize
+    m.gather_note += f"; the all-to-all's {routed:,} routed rows sent and returned"
     experts = tc.n_experts
     m.sharding_note = (
         f"dense parts {m.sharding_note} (N = {ctx.world}); {experts // ep} of {experts} experts per MoE layer "

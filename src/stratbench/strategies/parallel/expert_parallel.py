@@ -163,6 +163,16 @@ def ep_dense(ctx) -> Any:
     return dataclasses.replace(ctx, info=dataclasses.replace(info, numels=numels, dim0=dim0, shapes=shapes))
 
 
+def micro_tokens(cfg: TrainConfig, world: int) -> int:
+    """Tokens of one rank's micro-batch (T): what each MoE layer routes per micro-step on that rank."""
+    return cfg.batch_size // world // cfg.grad_accum * cfg.seq_len
+
+
+def top_k_of(cfg: TrainConfig) -> int:
+    """The experts each token goes to: --moe-top-k where given (the model is built with it), else the size's."""
+    return cfg.moe_top_k or SIZES[cfg.model].moe_top_k
+
+
 def ep_rows(ctx, ep: int) -> list[Collective]:
     """The all-to-alls of --ep per optimizer step on one rank, at balanced routing (each rank receives as many
     rows as it sends; the real split follows the router, measured): per MoE layer and micro-step, forward the
@@ -174,9 +184,7 @@ def ep_rows(ctx, ep: int) -> list[Collective]:
     cfg = ctx.cfg
     tc = SIZES[cfg.model]
     layers = tc.n_layers - tc.moe_first_dense
-    tokens = cfg.batch_size // ctx.world // cfg.grad_accum * cfg.seq_len
-    top_k = cfg.moe_top_k or tc.moe_top_k  # --moe-top-k overrides the size's, as the model is built
-    rows = tokens * top_k * tc.dim * ctx.pspec.compute_dtype.itemsize
+    rows = micro_tokens(cfg, ctx.world) * top_k_of(cfg) * tc.dim * ctx.pspec.compute_dtype.itemsize
     steps = layers * cfg.grad_accum
     note = "expert parallelism: token rows to their experts' ranks and back"
     recomputed = [
