@@ -120,13 +120,18 @@ class MoEFeedForward(nn.Module):
         cap = capacity(tokens, k, n, self.capacity_factor)
         order = flat.argsort(stable=True)  # the assignments grouped by expert, each group in token order
         out = self.run_experts(x, weights.flatten(), order, sizes, cap)
-        dropped = 0 if cap is None else sum(max(0, s - cap) for s in sizes)
-        share = counts.to(probs.dtype) / (tokens * k)
-        aux = n * (share * probs.mean(0)).sum()
-        self.pending = RouterRecord(aux, counts, dropped) if torch.is_grad_enabled() else None
+        self.record_routing(counts, probs, 0 if cap is None else sum(max(0, s - cap) for s in sizes))
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)
+
+    def record_routing(self, counts: torch.Tensor, probs: torch.Tensor, dropped: int) -> None:
+        """What the training loss takes of this micro-batch's routing (``pending``; none outside a training
+        forward): the load-balancing loss n x sum_e f_e P_e (f_e expert e's share of the tokens x k assignments,
+        P_e its mean router probability over ``probs``' tokens), the assignments per expert and those dropped."""
+        share = counts.to(probs.dtype) / (probs.shape[0] * self.top_k)
+        aux = self.n_experts * (share * probs.mean(0)).sum()
+        self.pending = RouterRecord(aux, counts, dropped) if torch.is_grad_enabled() else None
 
     def run_experts(
         self, x: torch.Tensor, gate: torch.Tensor, order: torch.Tensor, sizes: list[int], cap: int | None

@@ -92,11 +92,8 @@ class DeepSpeedMoEFeedForward(MoEFeedForward):
         # its logits from the fp32 input and weight, as here)
         wg = self.moe.deepspeed_moe.gate.wg.weight
         probs = F.linear(x.float(), wg.float()).softmax(-1)
-        share = counts.to(probs.dtype) / (tokens * k)
-        aux = n * (share * probs.mean(0)).sum()
         cap = capacity(tokens, k, n, self.capacity_factor)
-        dropped = 0 if cap is None else int((counts - cap).clamp(min=0).sum())
-        self.pending = RouterRecord(aux, counts.long(), dropped) if torch.is_grad_enabled() else None
+        self.record_routing(counts.long(), probs, 0 if cap is None else int((counts - cap).clamp(min=0).sum()))
         if self.shared is not None:
             out = out + self.shared(x)
         return out.reshape(shape)
