@@ -29,7 +29,7 @@ from torch.nn import functional as F
 
 from stratbench.core.errors import ConfigError
 from stratbench.models.hf import HFCausalLM, max_positions
-from stratbench.models.transformer import Attention, Transformer, apply_rotary, repeat_kv, rotary_angles
+from stratbench.models.transformer import Attention, Transformer, repeat_kv
 
 
 class Decoder(Protocol):
@@ -113,9 +113,7 @@ class TransformerCache(_Positions):
         self.model, self.max_len = model, model.max_seq_len
         self.keys: list[torch.Tensor] = []
         self.values: list[torch.Tensor] = []
-        self.step = (
-            torch.compile(self.forward_at, dynamic=True, fullgraph=True) if compiled else self.forward_at
-        )
+        self.step = compile_step(self.forward_at) if compiled else self.forward_at
 
     def start(self, batch: int) -> None:
         weight = self.model.tok_embeddings.weight
@@ -150,14 +148,7 @@ class TransformerCache(_Positions):
         """``Attention.forward`` at positions ``pos`` to ``pos + t``: this step's keys and values written into block
         ``i``'s cache, the queries attending to every cached position up to theirs."""
         b, t, _ = x.shape
-        q = attn.wq(x).view(b, t, -1, attn.head_dim)
-        k = attn.wk(x).view(b, t, -1, attn.head_dim)
-        v = attn.wv(x).view(b, t, -1, attn.head_dim)
-        angle_dtype = torch.promote_types(q.dtype, torch.float32)
-        cos, sin = rotary_angles(
-            t, attn.head_dim, attn.rope_theta, x.device, angle_dtype, attn.rope_scaling, start=pos
-        )
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = attn.rotated_qkv(x, pos)
         self.keys[i][:, pos : pos + t] = k
         self.values[i][:, pos : pos + t] = v
         keys, values = self.keys[i][:, : pos + t], self.values[i][:, : pos + t]

@@ -344,17 +344,21 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
+        q, k, v = self.rotated_qkv(x, self.first_position(t))
+        return self.wo(self.attend(q, k, v).reshape(b, t, -1))
+
+    def rotated_qkv(self, x: torch.Tensor, start: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The (batch, seq, heads, head_dim) queries, keys and values of ``x``, whose tokens sit at positions
+        ``start`` onwards, the queries and keys rotated there (``forward``; a KV cache's step, ``models.kv_cache``)."""
+        b, t, _ = x.shape
         # -1 heads: the projections' output decides, so a tensor-parallel rank (strategies.tp) whose wq/wk/wv
         # compute n_heads / T and n_kv_heads / T heads runs this same code.
         q = self.wq(x).view(b, t, -1, self.head_dim)
         k = self.wk(x).view(b, t, -1, self.head_dim)
         v = self.wv(x).view(b, t, -1, self.head_dim)
         angle_dtype = torch.promote_types(q.dtype, torch.float32)  # fp64 stays fp64, bf16 rotates in fp32
-        cos, sin = rotary_angles(
-            t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling, start=self.first_position(t)
-        )
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.wo(self.attend(q, k, v).reshape(b, t, -1))
+        cos, sin = rotary_angles(t, self.head_dim, self.rope_theta, x.device, angle_dtype, self.rope_scaling, start=start)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin), v
 
     def first_position(self, t: int) -> int:
         """The position of the first of the ``t`` tokens this module sees (0: the whole sequence; a
