@@ -418,7 +418,8 @@ class Trainer:
         flops = flops_per_sample(build, bundle.sample_shape, bundle.num_classes, bundle.is_text) if counted else None
         strategy.total_steps = total_steps
         # the model transforms (activation checkpointing, the precision's cast, compile) run inside the set-up
-        built, (model, optimizer) = model, strategy.setup(model, optimizer_spec(cfg))
+        built = model  # the set-up may wrap it (DDP, FSDP, DeepSpeed's engine); the routing is found in it
+        model, optimizer = strategy.setup(model, optimizer_spec(cfg))
         # the routing of the set-up model: a strategy may swap the MoE layers in place (deepspeed: DeepSpeed-MoE's)
         routing = model_routing(built)
         self.train_loss = with_router_loss(self.loss_fn, routing)
