@@ -2,10 +2,12 @@
 # Every GPU check of issue 16 in one command, for a session that is lent a GPU. Parts env, tests and precision
 # ran on one H100 on 2026-11-22 in about 4 minutes (results: benchmarks/gpu_h100_2026-11-22/); env, fast (3 min),
 # trace (0.5 min), source (3 min), pipeline (1.5 min) and methods without DeepSpeed (16 s to 26 s a cell) on one
-# H200 on 2026-11-26 (benchmarks/gpu_h200_2026-11-26/). Not run yet: seed, tplibs (2 GPUs), the DeepSpeed cells.
+# H200 on 2026-11-26 (benchmarks/gpu_h200_2026-11-26/); env, calhw (41 s), heldout (6 min) and tests (1.3 min) on one
+# H200 on 2026-11-28 (benchmarks/gpu_h200_2026-11-28/). Not run yet: seed, tplibs (2 GPUs), zeropp, longctx, infer.
 #
 #   OUT=/some/folder benchmarks/gpu_session.sh            # every part, in the order below
 #   OUT=/some/folder benchmarks/gpu_session.sh fast source # only these parts
+#   DEADLINE=450 benchmarks/gpu_session.sh ...  # start no part (and no heldout run) after 450 s, for a call's limit
 #   PACK=$OUT/results.tgz OUT=/tmp/sb-out benchmarks/gpu_session.sh ...  # the device tool brings back at most 8
 #              files: everything (OUT, and each run's result.json, logs, reports; no checkpoints) in one tar.gz,
 #              rewritten after every part, so a call cut off at its limit still brings back the finished parts
@@ -49,13 +51,17 @@
 #              large/small/thin GEMMs, 3x3/1x1/depthwise convolutions, SDPA in bf16, fp16 and fp32, add, sum,
 #              layer norm, embedding; GPU sizes), written as the GPU's measured_roofline (an H200, which has no
 #              built-in system, in H100 SXM's node), then estimate --basis roofline with it on resnet50 and
-#              gpt2-small (not run yet)                    ~1 min -> calibrate_hw.yaml, calibrate_hw.txt
+#              gpt2-small                                  ~1 min -> calibrate_hw.yaml, calibrate_hw.txt
+#   heldout    issue 49: eight families trained eager in bf16-mixed on this GPU (ResNet-50, ResNeXt-50, MobileNet-V2,
+#              EfficientNet-B0, ConvNeXt-T, ViT-B/16, gpt2-small, llama-1b), then EfficientNet-B0 and gpt2-small
+#              compiled and ResNet-50 in fp32, each with a 2-step trace; projected afterwards on any machine by
+#              benchmarks/projection_h200.py from calhw's profile                 ~6 min -> heldout.md, traces_*.json.gz
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
 # On the device tool, one call must end within 10 minutes: run the parts in groups, e.g.
-#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "infer", "calhw",
-#   "tests".
+#   "env precision seed", "methods", "fsdpw1", "fast source pipeline", "tplibs", "zeropp", "longctx", "infer",
+#   "calhw heldout", "tests".
 #
 # DeepSpeed is not in the GPU image: carry wheels in .whl (see benchmarks/gpu_wheels.sh); without them the
 # deepspeed cells are listed as skipped ("not available in this install").
@@ -75,7 +81,7 @@ SB=("$PY" -m stratbench)
 FAST=(--recipe fast --model resnet50 --data synthetic --image-size 224 --epochs 1 --timing-warmup-steps 10
       --save-every-epoch false --device cuda)
 PARTS=("$@")
-[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw tests)
+[ ${#PARTS[@]} -eq 0 ] && PARTS=(env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw heldout tests)
 
 summary() {  # summary OUTFILE TITLE RUN_DIR...: one markdown row per train run (from its result.json)
     local out=$1 title=$2
@@ -129,6 +135,7 @@ pack() {  # PACK=FILE: $OUT and every run's small files (no checkpoints) in one 
 
 for part in "${PARTS[@]}"; do
     pack
+    if [ "$SECONDS" -ge "${DEADLINE:-100000}" ]; then echo "=== $part skipped: past DEADLINE=$DEADLINE s"; continue; fi
     echo "=== $part ($(date -u +%H:%M:%S))"
     case $part in
     env)
@@ -329,11 +336,45 @@ EOF
             "${SB[@]}" estimate --model $model --precision bf16-mixed --strategy single --time --basis roofline \
                 --hardware "$OUT/calibrate_hw.yaml" 2>&1 | tail -12
         done >>"$OUT/calibrate_hw.txt" ;;
+    heldout)
+        # issue 49: training throughput of a spread of families on this GPU (eager, bf16-mixed, the device pipeline,
+        # 224 px / the models' own context), each with a 2-step profiler trace (kept out of its step times) for the
+        # roofline's per-op check; projected afterwards with calibrate_hw.yaml (calhw) on any machine, never fitted
+        # to these runs                                                           ~5 min -> heldout.md, traces_*.json.gz
+        img=(--data synthetic --image-size 224 --epochs 1 --max-steps 40 --timing-warmup-steps 10 --profile 2
+             --save-every-epoch false --precision bf16-mixed --device cuda --optimizer sgd --lr 0.001)
+        tok=(--data synthetic-tokens --vocab-size 50304 --epochs 1 --max-steps 40 --timing-warmup-steps 10 --profile 2
+             --save-every-epoch false --precision bf16-mixed --device cuda --optimizer adamw --lr 3e-4 --eval-samples 8)
+        runs=()
+        heldout_run() {  # NAME FLAGS...: one timed run (at most 150 s) and its trace gzipped into $OUT
+            local name=$1; shift
+            [ "$SECONDS" -lt "${DEADLINE:-100000}" ] || { echo "skip $name: past DEADLINE"; return; }
+            local SB=(timeout 150 "$PY" -m stratbench)
+            train "$name" "$@"
+            [ -f "$WORK/$name/traces/rank0.json" ] && gzip -c "$WORK/$name/traces/rank0.json" >"$OUT/traces_$name.json.gz"
+            runs+=("$WORK/$name")
+            pack  # a call cut off mid-part still brings back the runs that finished
+        }
+        for spec in "resnet50 256" "torchvision.models:resnext50_32x4d 128" "torchvision.models:mobilenet_v2 256" \
+                    "torchvision.models:efficientnet_b0 256" "torchvision.models:convnext_tiny 128" \
+                    "torchvision.models:vit_b_16 128"; do
+            set -- $spec
+            heldout_run "ho-${1##*:}-b$2" --model "$1" --batch-size "$2" --synthetic-samples $(( $2 * 52 )) "${img[@]}"
+        done
+        heldout_run ho-gpt2-small-s1024-b8 --model gpt2-small --seq-len 1024 --batch-size 8 "${tok[@]}"
+        heldout_run ho-llama-1b-s2048-b4 --model llama-1b --seq-len 2048 --batch-size 4 "${tok[@]}"
+        # then the same recipe compiled (fusion: the roofline's eager vs compiled) and in fp32 (TF32 off: torch's default)
+        heldout_run ho-efficientnet_b0-b256-compile --model torchvision.models:efficientnet_b0 --batch-size 256 \
+            --synthetic-samples 13312 "${img[@]}" --compile
+        heldout_run ho-gpt2-small-s1024-b8-compile --model gpt2-small --seq-len 1024 --batch-size 8 "${tok[@]}" --compile
+        heldout_run ho-resnet50-b128-fp32 --model resnet50 --batch-size 128 --synthetic-samples 6656 "${img[@]}" \
+            --precision fp32
+        summary "$OUT/heldout.md" "Issue 49: a spread of families on this GPU (eager bf16-mixed, then compiled and fp32)" "${runs[@]}" ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;
     pack) ;;  # only the packing every part is preceded by (after a part cut off by a time limit)
     *)
-        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw tests pack" >&2
+        echo "unknown part $part; parts: env precision seed methods fsdpw1 fast trace source pipeline tplibs zeropp longctx infer calhw heldout tests pack" >&2
         exit 2 ;;
     esac
 done

@@ -45,6 +45,11 @@ GROUPS = (("8 GPUs", 8, 8), ("16-32 GPUs", 9, 63), (">= 64 GPUs", 64, 10**9))
 FAMILIES = ("efficientnet", "bert-large-squad", "bert-large", "se-resnext", "resnext", "resnet", "llama", "mpt",
             "gpt")  # fmt: skip
 """The model families the 1-GPU rows are summarised by: a model name's prefix (the first that fits)."""
+MEASURED = "roofline with measured fractions"
+H200_ROWS = HERE / "projection_h200_rows.json"
+H200_RESULTS = "projection_h200_2026-11-28.md"
+H200_COLUMN = "roofline, measured"
+"""The measured-fraction basis' check: benchmarks/projection_h200.py's rows (the project's own H200 runs)."""
 BASES = {"default": "family fallback", "roofline": "roofline with published fractions", "own": "calibrated run"}  # fmt: skip
 """A row's projection column -> the basis ``MethodProjection.basis`` names it by (the band's key)."""
 
@@ -254,7 +259,24 @@ def bands(rows: list[dict[str, Any]]) -> dict[str, Any]:
                     "over": f"{what} ({family}s)"
                 }
         out[basis]["families"] = families
+    out[MEASURED] = measured_band(json.loads(H200_ROWS.read_text()))
     return {"source": f"benchmarks/{RESULTS.name}, written by benchmarks/projection_heldout.py", "bands": out}
+
+
+def measured_band(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The measured-fraction roofline's band: the project's own eager runs on a lent H200 projected with the
+    fractions calibrate-hw measured there (benchmarks/projection_h200.py; compiled steps, which the roofline does
+    not model, left out), overall and per family with ``MIN_FAMILY_ROWS`` rows."""
+    eager = [r for r in rows if not r["compile"]]
+    what = f"eager runs of the project's own on one H200 (benchmarks/{H200_RESULTS})"
+
+    def band(sel: list[dict[str, Any]], over: str) -> dict[str, Any]:
+        errors = [r[H200_COLUMN] / r["measured"] - 1 for r in sel if r[H200_COLUMN]]
+        return {k: round(v, 4) for k, v in stats(errors).items()} | {"over": over}
+
+    families = {f: band(mine, f"{what} ({f}s)") for f in sorted({r["family"] for r in eager if r["family"]})
+                if len(mine := [r for r in eager if r["family"] == f]) >= MIN_FAMILY_ROWS}  # fmt: skip
+    return band(eager, what) | {"families": families}
 
 
 INTRO = """\

@@ -141,3 +141,38 @@ def test_a_gpu_without_a_built_in_system_gets_its_like_gpus_node_and_keeps_unmea
     assert got.gpu.roofline.fractions["large_gemm"] == (0.7, 0.8)  # bandwidth: hopper's published 0.8
     assert got.gpu.roofline.fractions["elementwise"] == cat.roofline["hopper"].fractions["elementwise"]
     assert entry["measured"] == ["large_gemm.compute"]
+
+
+def test_a_small_product_tiled_finer_than_the_roofline_is_capped_not_refused():
+    # 256 x 256 output: 4 tiles of 128 x 128 on 132 SMs (wave efficiency 4/132). At 0.1 of the peak it reaches
+    # 3.3x the wave-corrected rate: the library tiled it finer; the fraction is capped at 1.5, not refused.
+    # Above 1.5 x the peak itself, the profile's peak is wrong: refused in one line.
+    gpu = hardware.builtin().gpus["h200-sxm"]
+    flops = 2.0 * 256 * 1024 * 256
+    op = OpCost("mm", "small_gemm", flops, 1.2e6, "bfloat16", (1, 256, 256))
+    peak = gpu.peak("bf16")
+    fine = calibrate_hw.CaseResult("mm_small", "bf16", (256, 1024, 256), flops / (0.1 * peak), [op])
+    calibrate_hw.fractions_of(fine, gpu, 0.0)
+    assert fine.peak_share == pytest.approx(0.1) and fine.compute == 1.5
+    entry = calibrate_hw.section(calibrate_hw.Calibration("NVIDIA H200", ["bf16"], 0.0, [fine]), gpu, "test")
+    assert entry["fractions"]["small_gemm"]["compute"] == 1.5
+    wrong = calibrate_hw.CaseResult("mm_small", "bf16", (256, 1024, 256), flops / (2.0 * peak), [op])
+    calibrate_hw.fractions_of(wrong, gpu, 0.0)
+    with pytest.raises(ConfigError, match=r"case mm_small \(bf16\) reached 2.00 x the profile's peak"):
+        calibrate_hw.section(calibrate_hw.Calibration("NVIDIA H200", ["bf16"], 0.0, [wrong]), gpu, "test")
+
+
+def test_training_cases_time_the_backward_and_batch_norm_is_its_own_class():
+    import torch
+
+    for name, shape in (("batch_norm", (2, 4, 8, 8)), ("depthwise", (1, 4, 8, 8)), ("conv1x1", (1, 4, 8, 8))):
+        ops = calibrate_hw.recorded(calibrate_hw.build(name, shape, torch.device("cpu"), torch.float32))
+        assert len(ops) == 2 and ops[1].op.endswith("_backward"), (name, [o.op for o in ops])
+    bn = calibrate_hw.recorded(calibrate_hw.build("batch_norm", (2, 4, 8, 8), torch.device("cpu"), torch.float32))
+    assert {o.op_class for o in bn} == {"batch_norm"}
+    # a profile written before the class existed prices batch norm as it priced it then: as a reduction
+    old = {c: {"compute": 0.5, "bandwidth": 0.5} for c in OP_CLASSES if c != "batch_norm"}
+    old["reduction"] = {"compute": 0.5, "bandwidth": 0.3}
+    roof = hardware.parse(dict(PROFILE, measured_roofline={"t-cpu": {"fractions": old}}), "f.yaml",
+                          hardware.builtin()).gpus["t-cpu"].roofline  # fmt: skip
+    assert roof.fractions["batch_norm"] == roof.fractions["reduction"] == (0.5, 0.3)

@@ -156,3 +156,21 @@ def test_estimate_basis_flag(capsys):
     assert rc == 0
     row = json.loads(capsys.readouterr().out)["results"][0]["projection"]
     assert row["basis"] == roofline.BASIS and row["roofline"]["by_class"]["convolution"]["ops"] > 0
+
+
+def test_models_that_initialise_with_a_truncated_normal_trace_on_fake_tensors():
+    # torch's trunc_normal_ samples until in bounds, reading values (ViT, ConvNeXt): under plain FakeTensorMode
+    # the build fails; under model_trace.fake_mode it builds (the values are never read)
+    from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+
+    from stratbench.measuring.model_trace import fake_mode
+
+    def build():
+        layer = torch.nn.Linear(64, 64)
+        torch.nn.init.trunc_normal_(layer.weight, std=0.02)
+        return layer
+
+    with pytest.raises(DataDependentOutputException), FakeTensorMode(allow_non_fake_inputs=True):
+        build()
+    with fake_mode():
+        assert build().weight.shape == (64, 64)

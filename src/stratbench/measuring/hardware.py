@@ -102,7 +102,9 @@ def fraction(value: Any, where: str, top: float = 1.0) -> float:
 
 
 ROOFLINE_CLASSES = ("large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention", "elementwise",
-                    "reduction", "other")  # fmt: skip
+                    "reduction", "batch_norm", "other")  # fmt: skip
+LATER_CLASSES = {"batch_norm": "reduction"}
+"""Classes added after profiles were written -> the class a profile without them prices them as."""
 """The op classes of the roofline basis (``models.flops.OP_CLASSES``; here too: hardware imports no model)."""
 
 
@@ -403,6 +405,7 @@ def _parse_roofline(key: str, e: Any, where: str, allowed: set[str] = _ROOFLINE_
     e = _mapping(e, where)
     _check_keys(e, allowed, {"fractions"}, where)
     given = _mapping(e["fractions"], f"{where}.fractions")
+    given = {**{c: given[was] for c, was in LATER_CLASSES.items() if was in given}, **given}
     missing = [c for c in ROOFLINE_CLASSES if c not in given]
     unknown = sorted(set(given) - set(ROOFLINE_CLASSES))
     if missing or unknown:

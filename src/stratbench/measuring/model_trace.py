@@ -7,14 +7,18 @@ Below the strategies and the estimate: it imports nothing of either (docs/memory
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
@@ -224,11 +228,24 @@ class ModelInfo:
         return max((sum(self.numels[i] for i in u) for u in self.layer_units), default=0)
 
 
-def _fake_model(spec: ModelSpec) -> nn.Module:
-    """The model built under FakeTensorMode: its shapes, no memory (any size)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+def _values_unread(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    """An initialiser under FakeTensorMode, where values are never read: the tensor as it is."""
+    return tensor
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+
+@contextlib.contextmanager
+def fake_mode() -> Iterator[None]:
+    """FakeTensorMode for building and tracing a model: shapes, no memory. torch's truncated normal initialiser
+    (ViT, ConvNeXt) samples until its values fall in bounds, which reads values a fake tensor does not have: it
+    leaves the tensor as it is here."""
+    with FakeTensorMode(allow_non_fake_inputs=True), \
+            mock.patch.object(torch.nn.init, "_no_grad_trunc_normal_", _values_unread):  # fmt: skip
+        yield
+
+
+def _fake_model(spec: ModelSpec) -> nn.Module:
+    """The model built under ``fake_mode``: its shapes, no memory (any size)."""
+    with fake_mode():
         return spec.build()
 
 
@@ -446,11 +463,9 @@ def trace_step(
     ``transform`` (hashable) changes the model in place first (a tensor-parallel rank's slice of it), then the
     model transforms in ``transforms`` apply (``models.transforms.traced``: activation checkpointing, LoRA's
     adapters), as the method's set-up applies them to the model it trains."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     pspec = spec_of(precision)
     live, kernels = _LiveBytes(ROUND_BYTES.get(device_type, 1)), _Kernels()
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_mode():
         model = _build_in(spec, pspec.param_dtype)
         if transform is not None:
             transform(model)
@@ -485,11 +500,9 @@ def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]
     ``trace_step`` traces it (the run's precision and autocast, the loop's loss), each with its FLOPs, bytes moved
     and class (``models.flops.op_cost``): the roofline basis of the step-time projection. Eager: one kernel per
     op, nothing fused."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     pspec = spec_of(precision)
     ops: list[OpCost] = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_mode():
         model = _build_in(spec, pspec.param_dtype)
         with ops_recorder(ops):
             x, y = spec.example_batch(batch, pspec.param_dtype)
@@ -567,11 +580,9 @@ def trace_pieces(
     its output and a log-sum-exp per query, not the seq x seq scores that its math path on the meta device saves
     (8 GiB per Llama-3-8B layer and 8192-token sequence in fp32). ``transform`` as in ``trace_step`` (a
     tensor-parallel rank's slice)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     pspec = spec_of(precision)
     out = []
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with fake_mode():
         model = _build_in(spec, pspec.param_dtype)
         if transform is not None:
             transform(model)
@@ -630,8 +641,6 @@ def cpu_step_scratch(cfg: TrainConfig) -> int:
 
 @functools.cache
 def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple) -> int:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     live = _LiveBytes(1)
     with torch.compiler.set_stance("force_eager"):  # a compiled step (torchao's) is traced as a CPU runs it
         _first_step(cls, dict(kwargs))

@@ -125,7 +125,7 @@ def linear_flops(
 # FLOPs (torch's counter rules), the bytes it reads and writes, and its class.
 
 OP_CLASSES = ("large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention", "elementwise",
-              "reduction", "other")  # fmt: skip
+              "reduction", "batch_norm", "other")  # fmt: skip
 """The op classes the roofline prices apart (hardware.yaml ``roofline``: an achievable fraction each)."""
 
 SMALL_GEMM = 512**3
@@ -226,6 +226,8 @@ def _classify(func, name: str, args: tuple, outs: list[torch.Tensor], flops: flo
         return ("depthwise_convolution" if 1 < groups == x.shape[1] else "convolution"), tiles
     if "attention" in name:
         return "attention", None
+    if "batch_norm" in name:  # its own class: eager NCHW batch norm runs far below a streaming reduction
+        return "batch_norm", None
     if any(r in name for r in _REDUCTIONS):
         return "reduction", None
     if torch.Tag.pointwise in func.tags or name in _WRITES:

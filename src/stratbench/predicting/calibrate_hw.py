@@ -50,15 +50,18 @@ _SIZES: dict[str, dict[str, tuple[int, ...]]] = {
     # name: shape (matrix products: m, k, n; convolutions: batch, channels, height, width; attention: batch,
     # heads, sequence, head dim; the rest: rows, columns)
     "tiny": {"mm_large": (128, 128, 128), "mm_small": (32, 64, 32), "mm_thin": (512, 8, 512),
-             "conv3x3": (1, 16, 16, 16), "conv1x1": (1, 4, 128, 128), "depthwise": (1, 16, 64, 64),
+             "conv3x3": (1, 16, 16, 16), "conv1x1": (1, 32, 32, 32), "depthwise": (1, 16, 64, 64),
+             "batch_norm": (2, 16, 16, 16),
              "sdpa": (1, 2, 64, 32), "add": (1024, 1024), "sum": (1024, 1024), "layer_norm": (1024, 1024),
              "embedding": (16384, 64)},
     "cpu": {"mm_large": (512, 512, 512), "mm_small": (64, 256, 64), "mm_thin": (2048, 8, 2048),
-            "conv3x3": (8, 64, 28, 28), "conv1x1": (8, 4, 256, 256), "depthwise": (8, 64, 56, 56),
+            "conv3x3": (8, 64, 28, 28), "conv1x1": (8, 64, 56, 56), "depthwise": (8, 64, 56, 56),
+            "batch_norm": (8, 64, 56, 56),
             "sdpa": (1, 4, 512, 64), "add": (4096, 2048), "sum": (4096, 2048), "layer_norm": (4096, 2048),
             "embedding": (262144, 64)},
     "gpu": {"mm_large": (8192, 8192, 8192), "mm_small": (256, 1024, 256), "mm_thin": (16384, 8, 16384),
-            "conv3x3": (64, 256, 28, 28), "conv1x1": (64, 4, 512, 512), "depthwise": (64, 256, 112, 112),
+            "conv3x3": (64, 256, 28, 28), "conv1x1": (64, 256, 56, 56), "depthwise": (64, 256, 112, 112),
+            "batch_norm": (64, 256, 56, 56),
             "sdpa": (8, 16, 2048, 128), "add": (16384, 8192), "sum": (16384, 8192),
             "layer_norm": (16384, 8192), "embedding": (1048576, 256)},
 }  # fmt: skip
@@ -73,6 +76,7 @@ CASES: dict[str, tuple[tuple[str, str], ...]] = {
     "conv3x3": (("convolution", "compute"),),
     "conv1x1": (("convolution", "bandwidth"),),
     "depthwise": (("depthwise_convolution", "bandwidth"),),
+    "batch_norm": (("batch_norm", "bandwidth"),),
     "sdpa": (("attention", "compute"),),
     "add": (("elementwise", "bandwidth"),),
     "sum": (("reduction", "bandwidth"),),
@@ -81,6 +85,10 @@ CASES: dict[str, tuple[tuple[str, str], ...]] = {
 }
 """Case -> the (class, term) pairs it measures: compute-bound cases the compute fraction, the others the bandwidth
 fraction. Compute cases run in every precision measured, bandwidth cases in the first."""
+TRAINING = frozenset({"conv1x1", "depthwise", "batch_norm"})
+"""Cases timed forward and backward, as training runs them: their backward kernels (a depthwise convolution's
+weight gradient, batch norm's backward) run far slower than their forward (H200 traces, 2026-11-28); the others
+forward only."""
 
 
 @dataclass
@@ -93,8 +101,11 @@ class CaseResult:
     seconds: float
     ops: list[OpCost]
     compute: float = 0.0
-    """Achieved fraction of the peak (FLOPs over time less launches over peak and wave efficiency)."""
+    """Achieved fraction of the peak (FLOPs over time less launches over peak and wave efficiency), at most
+    ``MEASURED_MAX``: a small product that the library tiles finer than the roofline's tile can exceed 1."""
     bandwidth: float = 0.0
+    peak_share: float = 0.0
+    """FLOPs over time less launches over the peak, no wave efficiency: above ``MEASURED_MAX``, the peak is wrong."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"case": self.name, "precision": self.precision, "shape": list(self.shape),
@@ -134,7 +145,11 @@ def build(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.
         x = t(batch, c, h, w)
         groups, k = (c, 3) if name == "depthwise" else (1, 3 if name == "conv3x3" else 1)
         weight = t(c, c // groups, k, k)
-        return lambda: F.conv2d(x, weight, padding=k // 2, groups=groups)
+        return _trained(lambda x, w: F.conv2d(x, w, padding=k // 2, groups=groups), [x, weight], name)
+    if name == "batch_norm":  # training mode, NCHW, fp32 affine parameters (as under autocast)
+        x = t(*shape)
+        affine = [torch.ones(shape[1], device=device), torch.zeros(shape[1], device=device)]
+        return _trained(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True), [x, *affine], name)
     if name == "sdpa":
         q, k, v = t(*shape), t(*shape), t(*shape)
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -147,6 +162,21 @@ def build(name: str, shape: tuple[int, ...], device: torch.device, dtype: torch.
     calls = {"add": lambda: x + y, "sum": lambda: x.sum(dim=-1),
              "layer_norm": lambda: F.layer_norm(x, (cols,))}  # fmt: skip
     return calls[name]
+
+
+def _trained(op: Callable[..., torch.Tensor], inputs: list[torch.Tensor], name: str) -> Callable[[], Any]:
+    """``op`` on ``inputs``; for a ``TRAINING`` case forward and backward (every input's gradient)."""
+    if name not in TRAINING:
+        return lambda: op(*inputs)
+    inputs = [x.requires_grad_() for x in inputs]
+    grad = op(*inputs).detach().clone()
+
+    def step() -> None:
+        torch.autograd.backward(op(*inputs), grad)
+        for x in inputs:
+            x.grad = None
+
+    return step
 
 
 def recorded(fn: Callable[[], Any]) -> list[OpCost]:
@@ -199,7 +229,8 @@ def fractions_of(case: CaseResult, gpu: Gpu, launch: float) -> None:
     if flops:
         top = max(case.ops, key=lambda o: o.flops)
         peak = gpu.peak(peak_key(top, gpu, case.precision))
-        case.compute = flops / (busy * peak * wave_efficiency(top, gpu))
+        case.peak_share = flops / (busy * peak)
+        case.compute = min(case.peak_share / wave_efficiency(top, gpu), MEASURED_MAX)
     case.bandwidth = sum(o.bytes for o in case.ops) / (busy * gpu.memory_bandwidth)
 
 
@@ -251,11 +282,11 @@ def section(cal: Calibration, gpu: Gpu, source: str) -> dict[str, Any]:
     fractions of every precision; which terms were measured; every case. One line where a fraction is above
     ``MEASURED_MAX`` (the profile's peak or bandwidth is below what the device does)."""
     for c in cal.cases:
-        for term in ("compute", "bandwidth"):
+        for term in ("peak_share", "bandwidth"):
             if getattr(c, term) > MEASURED_MAX:
                 raise ConfigError(
                     f"case {c.name} ({c.precision}) reached {getattr(c, term):.2f} x the profile's "
-                    f"{'peak' if term == 'compute' else 'memory bandwidth'} ({gpu.key}); a profile's figure below what "
+                    f"{'peak' if term == 'peak_share' else 'memory bandwidth'} ({gpu.key}); a profile's figure below what "
                     f"the device does (at most {MEASURED_MAX:g}x is taken): measure it again (`stratbench probe`)"
                 )
     measured: dict[tuple[str, str, str], list[float]] = {}

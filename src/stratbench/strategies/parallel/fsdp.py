@@ -19,7 +19,7 @@ from stratbench.checkpoints import sharded  # also registers the "dcp" checkpoin
 from stratbench.core.errors import ConfigError
 from stratbench.core.precision import Precision
 from stratbench.measuring.comm import Collective, dim0_padded
-from stratbench.measuring.model_trace import ModelSpec
+from stratbench.measuring.model_trace import ModelSpec, fake_mode
 from stratbench.strategies.base import CheckpointIO
 from stratbench.strategies.costs import CPU_FSDP2_RUNTIME_BYTES, RankMemory, chunk_rows
 
@@ -104,13 +104,11 @@ def weights_cast_by_autocast(model: nn.Module, device_type: str, spec) -> bool:
 def _spec_has_batchnorm_weights(spec: ModelSpec) -> bool:
     """``has_batchnorm_weights`` of the model of ``spec`` for the cost model, built on the meta device (llama-8b:
     0.04 s; on fake tensors, where a model cannot be built on meta: 3.8 s)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     try:
         with torch.device("meta"):
             return has_batchnorm_weights(spec.build())
     except Exception:  # an init that reads values: fake tensors carry on where meta ones cannot
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        with fake_mode():
             return has_batchnorm_weights(spec.build())
 
 
