@@ -300,6 +300,7 @@ Nothing measured: published numbers, traced shapes, hardware.yaml.
 
 
 DOC = HERE.parent / "docs" / "projection.md"
+README = HERE.parent / "README.md"
 DOC_BEGIN = "<!-- rendered by benchmarks/projection_heldout.py: begin -->"
 DOC_END = "<!-- rendered by benchmarks/projection_heldout.py: end -->"
 LABELS = {"resnet": "ResNet-50", "resnext": "ResNeXt-101", "se-resnext": "SE-ResNeXt-101",
@@ -344,12 +345,23 @@ def doc_lines(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def readme_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """README's table: the band each basis quotes (error_bands.json), what it was checked on."""
+    out = ["| basis of a projection | checked on | rows | median abs. error | 80th percentile |",
+           "|---|---|---|---|---|"]  # fmt: skip
+    for basis, b in bands(rows)["bands"].items():
+        over = b["over"].split(" (benchmarks/")[0]
+        out.append(f"| {basis} | {over} | {b['rows']} | {b['median']:.1%} | {b['p80']:.1%} |")
+    return out
+
+
 def write_doc(rows: list[dict[str, Any]]) -> None:
-    """Replace docs/projection.md's rendered block with ``doc_lines``."""
-    text = DOC.read_text()
-    head, rest = text.split(DOC_BEGIN, 1)
-    _, tail = rest.split(DOC_END, 1)
-    DOC.write_text(head + DOC_BEGIN + "\n" + "\n".join(doc_lines(rows)) + "\n" + DOC_END + tail)
+    """Replace docs/projection.md's rendered block with ``doc_lines``, README's with ``readme_lines``."""
+    for path, lines in ((DOC, doc_lines(rows)), (README, readme_lines(rows))):
+        text = path.read_text()
+        head, rest = text.split(DOC_BEGIN, 1)
+        _, tail = rest.split(DOC_END, 1)
+        path.write_text(head + DOC_BEGIN + "\n" + "\n".join(lines) + "\n" + DOC_END + tail)
 
 
 def render(rows: list[dict[str, Any]]) -> str:

@@ -88,6 +88,9 @@ def test_docs_projection_tables_are_what_the_benchmarks_render(heldout):
     block = doc.split(heldout.DOC_BEGIN, 1)[1].split(heldout.DOC_END, 1)[0]
     assert block.strip().splitlines() == heldout.doc_lines(rows)
     assert "**band each basis quotes**" in block
+    readme = heldout.README.read_text().split(heldout.DOC_BEGIN, 1)[1].split(heldout.DOC_END, 1)[0]
+    assert readme.strip().splitlines() == heldout.readme_lines(rows)  # the README's bands are today's
+    assert len(heldout.readme_lines(rows)) == 2 + len(json.loads(heldout.BANDS.read_text())["bands"])
     example = importlib.import_module("projection_doc_example")
     table = doc.split(example.BEGIN, 1)[1].split(example.END, 1)[0].strip().splitlines()
     band = json.loads(heldout.BANDS.read_text())["bands"]["family fallback"]["families"]["convnet"]
