@@ -54,8 +54,9 @@
 #              gpt2-small                                  ~1 min -> calibrate_hw.yaml, calibrate_hw.txt
 #   heldout    issue 49: eight families trained eager in bf16-mixed on this GPU (ResNet-50, ResNeXt-50, MobileNet-V2,
 #              EfficientNet-B0, ConvNeXt-T, ViT-B/16, gpt2-small, llama-1b), then EfficientNet-B0 and gpt2-small
-#              compiled and ResNet-50 in fp32, each with a 2-step trace; projected afterwards on any machine by
-#              benchmarks/projection_h200.py from calhw's profile                 ~6 min -> heldout.md, traces_*.json.gz
+#              compiled, ResNet-50 in fp32, ResNet-50 and MobileNet-V2 channels-last and Swin-T (the last three not
+#              run yet), each with a 2-step trace; projected afterwards on any machine by
+#              benchmarks/projection_h200.py from calhw's profile                 ~7 min -> heldout.md, traces_*.json.gz
 #   tests      pytest -m gpu (CUDA memory vs the estimator, precisions, the device pipeline on CUDA; with 2+ GPUs
 #              also DataParallel, SyncBatchNorm, model-parallel across 2 GPUs and the pipeline over NCCL in fp64
 #              and fp16-mixed: tests/strategies/test_gpu.py; on one GPU they are skipped, listed by -ra)  -> tests.txt
@@ -369,6 +370,13 @@ EOF
         heldout_run ho-gpt2-small-s1024-b8-compile --model gpt2-small --seq-len 1024 --batch-size 8 "${tok[@]}" --compile
         heldout_run ho-resnet50-b128-fp32 --model resnet50 --batch-size 128 --synthetic-samples 6656 "${img[@]}" \
             --precision fp32
+        # channels-last (NHWC: cuDNN's batch norm instead of torch's NCHW kernel, which took 58% of ResNet-50's GPU
+        # time on 2026-11-28) and a Swin transformer; not run yet
+        heldout_run ho-resnet50-b256-nhwc --model resnet50 --batch-size 256 --synthetic-samples 13312 "${img[@]}" \
+            --channels-last
+        heldout_run ho-mobilenet_v2-b256-nhwc --model torchvision.models:mobilenet_v2 --batch-size 256 \
+            --synthetic-samples 13312 "${img[@]}" --channels-last
+        heldout_run ho-swin_t-b128 --model torchvision.models:swin_t --batch-size 128 --synthetic-samples 6656 "${img[@]}"
         summary "$OUT/heldout.md" "Issue 49: a spread of families on this GPU (eager bf16-mixed, then compiled and fp32)" "${runs[@]}" ;;
     tests)
         "$PY" -m pytest -m gpu tests -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.txt" | tail -30 ;;

@@ -3,6 +3,7 @@ against a real CPU forward/backward, the advisor's choices, and (on a GPU) the p
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
@@ -446,3 +447,42 @@ def test_deepspeed_7b_on_64_gpus_matches_the_zero_paper(tmp_path, monkeypatch):
         assert states == pytest.approx(want, rel=0.03), (stage, states)
         assert rows["activations saved for backward"] < 0.01e9, (stage, rows)
     assert 3e9 < e.total_bytes < 5e9, e.total_bytes  # ZeRO-3: was 20.35e9
+
+
+VALUE_BUILT_NET = """
+import torch
+from torch import nn
+
+def build(num_classes):  # widths computed from tensors (RegNet does so); ViT-style truncated normal init
+    widths = (torch.arange(3) * 8 + 8).tolist()
+    layers, c = [], 3
+    for w in widths:
+        layers += [nn.Conv2d(c, w, 3, padding=1), nn.BatchNorm2d(w), nn.ReLU()]
+        c = w
+    head = nn.Linear(c, num_classes)
+    nn.init.trunc_normal_(head.weight, std=0.02)
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), head)
+"""
+
+
+def test_a_model_whose_constructor_reads_tensor_values_is_estimated_and_projected(tmp_path, monkeypatch):
+    """A constructor that computes widths from tensors cannot run on the meta device or on fake tensors (torchvision's
+    RegNet: "Cannot copy out of meta tensor", a data-dependent ``tolist``), and torch's truncated normal init reads
+    values (ViT, ConvNeXt): the estimate builds such a model on the CPU and traces it on fake tensors, and counts
+    its FLOPs (the first version refused every RegNet, ViT and ConvNeXt)."""
+    from stratbench.measuring.hardware import resolve
+    from stratbench.predicting.projection import model_flops, project
+
+    (tmp_path / "sb_value_net.py").write_text(VALUE_BUILT_NET)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = TrainConfig(model="sb_value_net:build", data="synthetic", num_classes=10, image_size=16, batch_size=4)
+    info = model_info(ModelSpec.from_config(cfg))
+    assert info.total == sum(p.numel() for p in importlib.import_module("sb_value_net").build(10).parameters())
+    flops = model_flops(cfg)
+    # forward x 3 for the convolutions (forward, input and weight gradients; the first has no input gradient)
+    # and the head
+    convs = 2 * 16 * 16 * 9 * (3 * 8 + 8 * 16 + 16 * 24)
+    assert flops == 3 * convs - 2 * 16 * 16 * 9 * 3 * 8 + 3 * 2 * 24 * 10
+    assert estimate(cfg, 1, "cuda").peak_bytes > 0
+    p = project(cfg.replace(device="cuda"), resolve("h100-sxm"), 1, 1, memory=False, basis="roofline")
+    assert p.status == "ok" and p.throughput > 0

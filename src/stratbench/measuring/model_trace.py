@@ -18,7 +18,6 @@ from unittest import mock
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from stratbench.core.config import TrainConfig
 from stratbench.core.errors import ConfigError
@@ -94,17 +93,25 @@ class ModelSpec(SampleShape):
     def build(self) -> nn.Module:
         """The model; under a FakeTensorMode, a language model or a user model with lazy modules (which that
         mode cannot construct: Llama's ``trunc_normal_`` init tests a mask, a data-dependent branch; a lazy
-        module needs a dry forward) is built on the meta device and given fake parameters of the same shapes."""
+        module needs a dry forward) is built on the meta device and given fake parameters of the same shapes; a
+        model whose constructor computes from tensor values (RegNet) is built on the CPU and given them."""
         from torch._guards import detect_fake_mode
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-        mode = detect_fake_mode()
-        if mode is not None and (self.is_text or ":" in self.model and _has_lazy_modules(self)):
-            from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+        if detect_fake_mode() is None:
+            return self._build()
+        if self.is_text or ":" in self.model and _has_lazy_modules(self):
             with unset_fake_temporarily(), torch.device("meta"):
                 model = self._build()
             return _with_fake_tensors(model)
-        return self._build()
+        try:
+            return self._build()
+        except ConfigError as exc:
+            if "DataDependentOutput" not in str(exc):
+                raise
+        with unset_fake_temporarily():  # a constructor that computes from tensor values (RegNet's widths): on
+            model = self._build()  # the CPU, then the same fake tensors
+        return _with_fake_tensors(model)
 
     def _build(self, materialize: bool = True) -> nn.Module:
         """``materialize``: give lazy modules their parameters (a dry forward on one sample)."""
@@ -158,11 +165,16 @@ def _token_file_vocab(
 
 @functools.cache
 def _has_lazy_modules(spec: ModelSpec) -> bool:
-    """Whether the user's model holds lazy modules (built once on the meta device, outside any fake mode)."""
+    """Whether the user's model holds lazy modules (built once on the meta device, outside any fake mode; on the
+    CPU where its constructor reads tensor values, which meta tensors have not: RegNet's widths)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.device("meta"):
-        return has_lazy_parameters(spec._build(materialize=False))
+    with unset_fake_temporarily():
+        try:
+            with torch.device("meta"):
+                return has_lazy_parameters(spec._build(materialize=False))
+        except Exception:  # "Cannot copy out of meta tensor; no data!"; a real error comes again below
+            return has_lazy_parameters(spec._build(materialize=False))
 
 
 def _with_fake_tensors(model: nn.Module) -> nn.Module:
@@ -238,6 +250,8 @@ def fake_mode() -> Iterator[None]:
     """FakeTensorMode for building and tracing a model: shapes, no memory. torch's truncated normal initialiser
     (ViT, ConvNeXt) samples until its values fall in bounds, which reads values a fake tensor does not have: it
     leaves the tensor as it is here."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
     with FakeTensorMode(allow_non_fake_inputs=True), \
             mock.patch.object(torch.nn.init, "_no_grad_trunc_normal_", _values_unread):  # fmt: skip
         yield
@@ -644,7 +658,7 @@ def _trace_step_scratch(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: 
     live = _LiveBytes(1)
     with torch.compiler.set_stance("force_eager"):  # a compiled step (torchao's) is traced as a CPU runs it
         _first_step(cls, dict(kwargs))
-        return _traced_step(spec, dtype, cls, kwargs, live, FakeTensorMode)
+        return _traced_step(spec, dtype, cls, kwargs, live)
 
 
 def _first_step(cls: type, kwargs: dict) -> None:
@@ -669,8 +683,8 @@ def _scalars_mode():
     return ScalarsMode()
 
 
-def _traced_step(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple, live: _LiveBytes, mode) -> int:
-    with mode(allow_non_fake_inputs=True), _scalars_mode():
+def _traced_step(spec: ModelSpec, dtype: torch.dtype, cls: type, kwargs: tuple, live: _LiveBytes) -> int:
+    with fake_mode(), _scalars_mode():
         model = _build_in(spec, dtype)
         params = list(model.parameters())
         for p in params:

@@ -42,6 +42,16 @@ def example_input(n: int, sample_shape: tuple[int, ...], tokens: bool | None = N
     return torch.zeros(n, *sample_shape, dtype=torch.long if ids else torch.float32)
 
 
+def _meta_model(build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` on the meta device; where its constructor computes from tensor values, which meta tensors have
+    not (RegNet's widths), built on the CPU and moved there."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except Exception:  # "Cannot copy out of meta tensor; no data!"; a real error comes again below
+        return build().to("meta")
+
+
 def flops_by_op(
     build: Callable[[], nn.Module],
     sample_shape: tuple[int, ...],
@@ -52,8 +62,8 @@ def flops_by_op(
     counted on the meta device (nothing is allocated, so this works for any model size); None where the model
     cannot be traced there."""
     try:
+        model = _meta_model(build)
         with torch.device("meta"):
-            model = build()
             x = example_input(2, sample_shape, tokens)
         counter = flop_counter()
         with counter:
@@ -100,8 +110,8 @@ def linear_flops(
         return hook
 
     try:
+        model = _meta_model(build)
         with torch.device("meta"):
-            model = build()
             x = example_input(2, sample_shape, tokens)
         names = set(select(model))
         hooks = [
