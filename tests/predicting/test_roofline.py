@@ -14,6 +14,7 @@ import torch
 from stratbench.measuring import hardware
 from stratbench.measuring.hardware import HardwareError, Roofline
 from stratbench.measuring.model_trace import ModelSpec, trace_ops
+from stratbench.models import flops
 from stratbench.models.flops import OP_CLASSES, flop_counter, flops_by_op, op_cost
 from stratbench.predicting import projection, roofline
 
@@ -174,3 +175,41 @@ def test_models_that_initialise_with_a_truncated_normal_trace_on_fake_tensors():
         build()
     with fake_mode():
         assert build().weight.shape == (64, 64)
+
+
+def test_a_compiled_steps_fused_region_moves_only_its_boundary():
+    # x (4 MB) + y (4 MB) -> a; relu(a) -> b; sum(b) -> s (4 B); then a matmul reads b. Eager: every op reads and
+    # writes its tensors. Compiled: one region (add, relu, sum) reads x and y, writes b (read after it) and s (read
+    # nowhere: an output); a stays in registers. The matmul stays a library kernel, priced as eager.
+    from stratbench.predicting.roofline import Region, fused_regions, region_bytes
+
+    mb = 4 * 2**20
+    add = flops.OpCost("add", "elementwise", 0.0, 3 * mb, "float32", reads=((1, mb), (2, mb)), writes=((3, mb),))
+    relu = flops.OpCost("relu", "elementwise", 0.0, 2 * mb, "float32", reads=((3, mb),), writes=((4, mb),))
+    total = flops.OpCost("sum", "reduction", 0.0, mb + 4, "float32", reads=((4, mb),), writes=((5, 4),))
+    mm = flops.OpCost("mm", "large_gemm", 2.0 * 1024**3, 3 * mb, "float32", (1, 1024, 1024), reads=((4, mb), (6, mb)),
+                writes=((7, mb),))  # fmt: skip
+    units = fused_regions([add, relu, total, mm])
+    assert isinstance(units[0], Region) and units[0].ops == [add, relu, total] and units[1] is mm
+    assert region_bytes(units[0]) == 2 * mb + mb + 4  # x, y in; b, s out
+    eager = roofline.step_seconds([add, relu, total, mm], GPU, "fp32")
+    fused = roofline.step_seconds([add, relu, total, mm], GPU, "fp32", fused=True)
+    # the region: its bytes at the lowest bandwidth fraction of its classes (all 0.8 here), two kernels (one
+    # reduction), so two launches
+    region_s = (3 * mb + 4) / (GPU.memory_bandwidth * 0.8) + 2 * LAUNCH
+    mm_s = roofline.op_seconds(mm, GPU, "fp32")
+    assert fused.seconds == pytest.approx(region_s + mm_s) and fused.launches == 3
+    assert eager.seconds == pytest.approx(sum(roofline.op_seconds(o, GPU, "fp32") for o in (add, relu, total, mm)))
+    assert fused.seconds < eager.seconds and "compiled step" in fused.source
+
+
+def test_a_compiled_configs_projection_prices_fused_regions():
+    from stratbench.measuring.hardware import resolve
+    from stratbench.predicting.projection import project
+
+    cfg = projection.TrainConfig(model="gpt-tiny", data="synthetic-tokens", vocab_size=256, seq_len=64, batch_size=8,
+                      precision="bf16-mixed", device="cuda")  # fmt: skip
+    eager = project(cfg, resolve("h100-sxm"), 1, 1, memory=False, basis="roofline")
+    compiled = project(cfg.replace(compile=True), resolve("h100-sxm"), 1, 1, memory=False, basis="roofline")
+    assert compiled.roofline["launches"] < eager.roofline["launches"]
+    assert compiled.throughput > eager.throughput and "fused regions" in compiled.efficiency_source

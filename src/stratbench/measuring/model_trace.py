@@ -526,10 +526,22 @@ def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]
     return tuple(ops)
 
 
+def storage_of(t: torch.Tensor) -> object:
+    """``t``'s storage (``models.flops.storage_key``'s identity), or ``t`` where it has none."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return t
+
+
 def ops_recorder(ops: list[OpCost]):
     """A dispatch mode that appends each aten op it sees to ``ops`` with its ``op_cost`` (views and allocations
     left out): on fake tensors for a traced step, on real ones for `calibrate-hw`'s cases."""
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    alive: list = []  # every storage seen, so that no key is reused while recording (storages, not tensors:
+    # a tensor held here would make autograd copy each gradient it would otherwise take over)
 
     class OpsMode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -537,6 +549,7 @@ def ops_recorder(ops: list[OpCost]):
             cost = op_cost(func, args, kwargs or {}, out)
             if cost is not None:
                 ops.append(cost)
+                alive.extend(storage_of(t) for t in tree_flatten((args, out))[0] if isinstance(t, torch.Tensor))
             return out
 
     return OpsMode()

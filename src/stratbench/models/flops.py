@@ -174,6 +174,19 @@ class OpCost:
     bytes: float
     dtype: str
     output_tiles: tuple[int, int, int] | None = None
+    reads: tuple[tuple[int, int], ...] = ()
+    """(storage key, bytes) of each tensor it reads: the data flow a compiled step's fusion follows (a key is
+    unique while the recording keeps the storage alive: ``models.flops.storage_key``)."""
+    writes: tuple[tuple[int, int], ...] = ()
+    """(storage key, bytes) of each tensor it writes."""
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage identity (views of one storage share it); unique while the storage is alive."""
+    try:
+        return id(t.untyped_storage())
+    except (RuntimeError, NotImplementedError):  # no storage: the tensor itself
+        return id(t)
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -207,7 +220,9 @@ def op_cost(func, args: tuple, kwargs: dict, out: object) -> OpCost | None:
     cls, tiles = _classify(func, name, args, outs, flops)
     if name in _GEMMS or name in _CONVOLUTIONS:
         dtype = str(args[_GEMMS.get(name, (0,))[0]].dtype).removeprefix("torch.")
-    return OpCost(name, cls, flops, float(moved), dtype, tiles)
+    reads = tuple((storage_key(t), _tensor_bytes(t)) for t in ins)
+    writes = tuple((storage_key(t), _tensor_bytes(t)) for t in outs)
+    return OpCost(name, cls, flops, float(moved), dtype, tiles, reads, writes)
 
 
 def _grouped_conv_backward_flops(args: tuple) -> float:

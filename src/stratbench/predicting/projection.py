@@ -810,7 +810,7 @@ def _roofline(
         raise
     except Exception as exc:  # a user model the fake tensors cannot run op by op: said, as flops_by_op's None
         raise ConfigError(f"--basis roofline: model {cfg.model!r} cannot be traced op by op ({exc})") from exc
-    timed = step_seconds(ops, gpu, key)
+    timed = step_seconds(ops, gpu, key, fused=bool(cfg.compile))
     eff = flops * micro / (timed.seconds * gpu.peak(key))
     out.efficiency, out.efficiency_from, out.basis = eff, "roofline", basis_of(gpu)
     out.efficiency_source = f"{timed.source}; micro-batch {micro}: {timed.seconds * 1e3:.3f} ms"

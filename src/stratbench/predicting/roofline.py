@@ -6,8 +6,9 @@ ops (``measuring.model_trace.trace_ops``) of each op's roofline time on the targ
 
 where a matrix product's or convolution's output, cut into the GPU's GEMM tiles, runs in waves of one tile per
 SM: wave efficiency = tiles / (waves x SMs) (a GEMM of fewer tiles than SMs leaves SMs idle). The fractions,
-tile and launch cost are the GPU generation's (hardware.yaml ``roofline``). Eager only: one kernel per op,
-nothing fused (what ``torch.compile`` or cuDNN fuse is not modelled). docs/projection.md has the rest.
+tile and launch cost are the GPU generation's (hardware.yaml ``roofline``). Eager: one kernel per op; a compiled
+step (``fused``): library kernels as eager, the ops between them fused into regions that move only their boundary
+(``fused_regions``). What cuDNN fuses is not modelled. docs/projection.md has the rest.
 """
 
 from __future__ import annotations
@@ -110,23 +111,94 @@ class RooflineTime:
                 "by_class": self.by_class, "source": self.source}  # fmt: skip
 
 
-def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str) -> RooflineTime:
-    """The roofline time of ``ops`` (one traced step) on ``gpu`` in precision ``key``, summed per class."""
+EXTERN = frozenset({"large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention"})
+"""Classes torch.compile leaves to library kernels (cuBLAS, cuDNN, flash attention); the others it fuses."""
+FUSED_AS = {"batch_norm": "reduction"}
+"""A fused region's op priced at another class's bandwidth: batch norm decomposes into reductions and pointwise
+ops (torch's NCHW kernel, the batch_norm class's reason, does not run)."""
+
+
+@dataclass
+class Region:
+    """A compiled step's fused kernel group: a run of non-``EXTERN`` ops, and the storages read after it."""
+
+    ops: list[OpCost]
+    later: frozenset[int] = frozenset()
+
+
+def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str, fused: bool = False) -> RooflineTime:
+    """The roofline time of ``ops`` (one traced step) on ``gpu`` in precision ``key``, summed per class; ``fused``
+    (a compiled step): every run of consecutive non-``EXTERN`` ops is one region (``fused_regions``)."""
     roof = roofline_of(gpu)
     out = RooflineTime()
-    for op in ops:
-        compute, memory = op_terms(op, gpu, key)
-        t = max(compute, memory) + roof.launch
-        row = out.by_class.setdefault(op.op_class, {"ops": 0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0,
-                                                    "bandwidth_bound": 0})  # fmt: skip
-        row["ops"] += 1
-        row["flops"] += op.flops
-        row["bytes"] += op.bytes
+    for unit in fused_regions(list(ops)) if fused else ops:
+        if isinstance(unit, Region):
+            compute, memory, cls, flops, moved, kernels = region_terms(unit, gpu, key)
+        else:
+            (compute, memory), cls, flops, moved, kernels = op_terms(unit, gpu, key), unit.op_class, unit.flops, \
+                unit.bytes, 1  # fmt: skip
+        t = max(compute, memory) + roof.launch * kernels
+        row = out.by_class.setdefault(cls, {"ops": 0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0,
+                                            "bandwidth_bound": 0})  # fmt: skip
+        row["ops"] += len(unit.ops) if isinstance(unit, Region) else 1
+        row["flops"] += flops
+        row["bytes"] += moved
         row["seconds"] += t
         row["bandwidth_bound"] += int(memory >= compute)
         out.seconds += t
-        out.flops += op.flops
-        out.launches += 1
-    out.source = (f"{basis_of(gpu)}: {out.launches} eager kernels on {gpu.name} ({gpu.sms or '?'} SMs, "
+        out.flops += flops
+        out.launches += kernels
+    what = "kernels of a compiled step (fused regions)" if fused else "eager kernels"
+    out.source = (f"{basis_of(gpu)}: {out.launches} {what} on {gpu.name} ({gpu.sms or '?'} SMs, "
                   f"{roof.generation} fractions, {roof.tile[0]}x{roof.tile[1]} tiles; {roof.source})")  # fmt: skip
     return out
+
+
+def fused_regions(ops: list[OpCost]) -> list[OpCost | Region]:
+    """A compiled step's kernels: each ``EXTERN`` op alone, each maximal run of other ops between them one
+    ``Region`` with the storages read after it. The model of what inductor fuses, by program order rather than its
+    scheduler's dependency graph: assumption (docs/projection.md)."""
+    units: list[OpCost | Region] = []
+    for op in ops:
+        if op.op_class in EXTERN:
+            units.append(op)
+        elif units and isinstance(units[-1], Region):
+            units[-1].ops.append(op)
+        else:
+            units.append(Region([op]))
+    later: set[int] = set()
+    for unit in reversed(units):
+        if isinstance(unit, Region):
+            unit.later = frozenset(later)
+        for op in unit.ops if isinstance(unit, Region) else [unit]:
+            later.update(k for k, _ in op.reads)
+    return units
+
+
+def region_bytes(region: Region) -> int:
+    """What a fused region moves: each storage it reads before writing it, once; each storage it writes that is
+    read after it, or read nowhere in it (a gradient, the loss: the step's outputs). A tensor made and used only
+    inside it stays in registers."""
+    written: dict[int, int] = {}
+    inputs: dict[int, int] = {}
+    inside: set[int] = set()
+    for op in region.ops:
+        for k, n in op.reads:
+            inside.add(k)
+            if k not in written:
+                inputs[k] = max(n, inputs.get(k, 0))
+        written.update(op.writes)
+    return sum(inputs.values()) + sum(n for k, n in written.items() if k in region.later or k not in inside)
+
+
+def region_terms(region: Region, gpu: Gpu, key: str) -> tuple[float, float, str, float, float, int]:
+    """(compute s, memory s, class, FLOPs, bytes, kernels) of one fused region (``region_bytes``): its bandwidth
+    fraction the lowest of its ops' classes (batch norm as a reduction), its kernels one plus one per reduction
+    (inductor splits a region at a reduction: assumption)."""
+    roof = roofline_of(gpu)
+    moved = region_bytes(region)
+    cls = min({FUSED_AS.get(op.op_class, op.op_class) for op in region.ops}, key=lambda c: roof.fractions[c][1])
+    flops = sum(op.flops for op in region.ops)
+    compute = flops / (gpu.peak(key) * roof.fractions[cls][0]) if flops else 0.0
+    kernels = 1 + sum(op.op_class in ("reduction", "batch_norm") for op in region.ops)
+    return compute, moved / (gpu.memory_bandwidth * roof.fractions[cls][1]), cls, flops, float(moved), kernels
