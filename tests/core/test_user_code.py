@@ -72,6 +72,43 @@ def test_a_data_builder_that_raises_is_one_line_naming_it(user_folder, capsys):
     assert "data 'baddata:build': build(seed=0) raised KeyError: 'train' (baddata.py:2)" in err
 
 
+AUX_NET = """\
+import collections
+from torch import nn
+Out = collections.namedtuple("Out", "logits aux")
+
+class Net(nn.Module):  # GoogLeNet's shape: main and auxiliary logits in training, the logits alone in eval
+    def __init__(self, num_classes):
+        super().__init__()
+        self.body = nn.Sequential(nn.Flatten(), nn.Linear(3 * 8 * 8, 16), nn.ReLU())
+        self.head, self.aux = nn.Linear(16, num_classes), nn.Linear(16, num_classes)
+
+    def forward(self, x):
+        h = self.body(x)
+        return Out(self.head(h), self.aux(h)) if self.training else self.head(h)
+
+def build(num_classes):
+    return Net(num_classes)
+"""
+AUX_LOSS = (
+    "import torch.nn.functional as F\n\n\ndef fn(out, targets):\n"
+    "    return F.cross_entropy(out.logits, targets) + 0.3 * F.cross_entropy(out.aux, targets)\n"
+)
+
+
+def test_a_model_with_auxiliary_outputs_is_refused_in_one_line_or_trained_with_the_users_loss(user_folder, capsys):
+    """The built-in loss names the output it got and the fix (it was an AttributeError on GoogLeNetOutputs); a
+    user's loss gets the model's output as it is."""
+    (user_folder / "auxnet.py").write_text(AUX_NET)
+    (user_folder / "auxloss.py").write_text(AUX_LOSS)
+    args = ["train", "--model", "auxnet:build", "--image-size", "8", *SHORT]
+    err = fails(capsys, *args, "--output", "out")
+    assert "the model's forward returned Out in training, not a tensor of logits" in err and "aux_logits=False" in err
+    assert main([*args, "--output", "own", "--loss", "auxloss:fn"]) == 0
+    result = json.loads((user_folder / "own" / "result.json").read_text())
+    assert result["status"] == "ok" and result["metrics"]["val_accuracy"] is not None
+
+
 def test_a_loss_that_is_not_a_scalar_is_one_line(user_folder, capsys):
     (user_folder / "vloss.py").write_text(VECTOR_LOSS)
     err = fails(capsys, "train", "--loss", "vloss:fn", "--output", "out", *SHORT)

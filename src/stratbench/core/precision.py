@@ -111,8 +111,12 @@ class Precision:
         return self.spec.name
 
     def loss_input(self, logits: torch.Tensor) -> torch.Tensor:
-        """Logits as the loss sees them: half precisions are upcast to fp32, fp32 and fp64 are kept as they are."""
-        return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+        """Logits as the loss sees them: half precisions are upcast to fp32, fp32 and fp64 are kept as they are;
+        an output that is no tensor (GoogLeNet's main and auxiliary logits in training) as it is, for a user's
+        loss to take (the built-in loss refuses it in one line)."""
+        if not isinstance(logits, torch.Tensor) or logits.dtype in (torch.float32, torch.float64):
+            return logits
+        return logits.float()
 
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.spec.param_dtype is not torch.float32:

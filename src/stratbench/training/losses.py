@@ -127,7 +127,20 @@ def build_loss(cfg: TrainConfig) -> Callable:
         return MaskedTokenCrossEntropy(label_smoothing=cfg.label_smoothing)
     if is_text_data(cfg.data):
         return TokenCrossEntropy(label_smoothing=cfg.label_smoothing)
-    return nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+    return ClassCrossEntropy(label_smoothing=cfg.label_smoothing)
+
+
+class ClassCrossEntropy(nn.CrossEntropyLoss):
+    """Cross-entropy of a classifier's logits; one line where the model's output is no tensor of logits."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(
+                f"the model's forward returned {type(logits).__name__} in training, not a tensor of logits: build "
+                "it to return the logits alone (torchvision's googlenet and inception_v3: aux_logits=False), or "
+                "give --loss package.module:function taking that output"
+            )
+        return super().forward(logits, targets)
 
 
 class WithRouterLoss:
