@@ -103,9 +103,9 @@ def fraction(value: Any, where: str, top: float = 1.0) -> float:
 
 ROOFLINE_CLASSES = ("large_gemm", "small_gemm", "convolution", "depthwise_convolution", "attention", "elementwise",
                     "reduction", "batch_norm", "other")  # fmt: skip
+"""The op classes of the roofline basis (``models.flops.OP_CLASSES``; here too: hardware imports no model)."""
 LATER_CLASSES = {"batch_norm": "reduction"}
 """Classes added after profiles were written -> the class a profile without them prices them as."""
-"""The op classes of the roofline basis (``models.flops.OP_CLASSES``; here too: hardware imports no model)."""
 
 
 @dataclass(frozen=True)

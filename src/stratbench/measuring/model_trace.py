@@ -32,7 +32,7 @@ from stratbench.data.datasets import (
 )
 from stratbench.data.text import ByteCodec, build_text_data, is_ft_data, is_text_data, load_tokenizer
 from stratbench.models.blocks import describe_units, find_blocks, why_no_blocks, wrap_units
-from stratbench.models.flops import OpCost, op_cost
+from stratbench.models.flops import OpCost, op_cost, storage_of
 from stratbench.models.split import piece_module, pieces_of
 from stratbench.models.transforms import Transform, apply_traced
 from stratbench.models.transforms.lora import linear_layers
@@ -524,14 +524,6 @@ def trace_ops(spec: ModelSpec, batch: int, precision: str) -> tuple[OpCost, ...]
                 loss = _loss(model(x), y)
             loss.backward()
     return tuple(ops)
-
-
-def storage_of(t: torch.Tensor) -> object:
-    """``t``'s storage (``models.flops.storage_key``'s identity), or ``t`` where it has none."""
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
-        return t
 
 
 def ops_recorder(ops: list[OpCost]):

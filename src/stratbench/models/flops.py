@@ -181,12 +181,17 @@ class OpCost:
     """(storage key, bytes) of each tensor it writes."""
 
 
-def storage_key(t: torch.Tensor) -> int:
-    """A tensor's storage identity (views of one storage share it); unique while the storage is alive."""
+def storage_of(t: torch.Tensor) -> object:
+    """``t``'s storage (views of one storage share it), or ``t`` where it has none."""
     try:
-        return id(t.untyped_storage())
-    except (RuntimeError, NotImplementedError):  # no storage: the tensor itself
-        return id(t)
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return t
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """A tensor's storage identity (``storage_of``'s); unique while the storage is alive."""
+    return id(storage_of(t))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:

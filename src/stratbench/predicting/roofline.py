@@ -132,15 +132,12 @@ def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str, fused: bool = False)
     roof = roofline_of(gpu)
     out = RooflineTime()
     for unit in fused_regions(list(ops)) if fused else ops:
-        if isinstance(unit, Region):
-            compute, memory, cls, flops, moved, kernels = region_terms(unit, gpu, key)
-        else:
-            (compute, memory), cls, flops, moved, kernels = op_terms(unit, gpu, key), unit.op_class, unit.flops, \
-                unit.bytes, 1  # fmt: skip
+        terms = region_terms if isinstance(unit, Region) else _op_unit_terms
+        compute, memory, cls, flops, moved, kernels, count = terms(unit, gpu, key)
         t = max(compute, memory) + roof.launch * kernels
         row = out.by_class.setdefault(cls, {"ops": 0, "flops": 0.0, "bytes": 0.0, "seconds": 0.0,
                                             "bandwidth_bound": 0})  # fmt: skip
-        row["ops"] += len(unit.ops) if isinstance(unit, Region) else 1
+        row["ops"] += count
         row["flops"] += flops
         row["bytes"] += moved
         row["seconds"] += t
@@ -152,6 +149,11 @@ def step_seconds(ops: Iterable[OpCost], gpu: Gpu, key: str, fused: bool = False)
     out.source = (f"{basis_of(gpu)}: {out.launches} {what} on {gpu.name} ({gpu.sms or '?'} SMs, "
                   f"{roof.generation} fractions, {roof.tile[0]}x{roof.tile[1]} tiles; {roof.source})")  # fmt: skip
     return out
+
+
+def _op_unit_terms(op: OpCost, gpu: Gpu, key: str) -> tuple[float, float, str, float, float, int, int]:
+    """``region_terms``' tuple for one op priced on its own (``op_terms``): one kernel, one op."""
+    return (*op_terms(op, gpu, key), op.op_class, op.flops, op.bytes, 1, 1)
 
 
 def fused_regions(ops: list[OpCost]) -> list[OpCost | Region]:
@@ -191,8 +193,8 @@ def region_bytes(region: Region) -> int:
     return sum(inputs.values()) + sum(n for k, n in written.items() if k in region.later or k not in inside)
 
 
-def region_terms(region: Region, gpu: Gpu, key: str) -> tuple[float, float, str, float, float, int]:
-    """(compute s, memory s, class, FLOPs, bytes, kernels) of one fused region (``region_bytes``): its bandwidth
+def region_terms(region: Region, gpu: Gpu, key: str) -> tuple[float, float, str, float, float, int, int]:
+    """(compute s, memory s, class, FLOPs, bytes, kernels, ops) of one fused region (``region_bytes``): its bandwidth
     fraction the lowest of its ops' classes (batch norm as a reduction), its kernels one plus one per reduction
     (inductor splits a region at a reduction: assumption)."""
     roof = roofline_of(gpu)
@@ -201,4 +203,5 @@ def region_terms(region: Region, gpu: Gpu, key: str) -> tuple[float, float, str,
     flops = sum(op.flops for op in region.ops)
     compute = flops / (gpu.peak(key) * roof.fractions[cls][0]) if flops else 0.0
     kernels = 1 + sum(op.op_class in ("reduction", "batch_norm") for op in region.ops)
-    return compute, moved / (gpu.memory_bandwidth * roof.fractions[cls][1]), cls, flops, float(moved), kernels
+    memory = moved / (gpu.memory_bandwidth * roof.fractions[cls][1])
+    return compute, memory, cls, flops, float(moved), kernels, len(region.ops)
