@@ -1,6 +1,7 @@
 """The held-out validation of the step-time projection (issue 49 item 3) and the error band of each basis (item 4):
 every projectable published figure of src/stratbench/measuring/published.yaml outside the multi-node sharded table
-(that one is benchmarks/projection_published.py's), projected on each basis, the errors grouped, and the band of
+(that one is benchmarks/projection_published.py's) and timm's RTX 3090 training table (``TIMM``: the rows of
+torchvision's classifiers), projected on each basis, the errors grouped, and the band of
 each basis written for ``estimate --time`` to quote.
 
 Per row: its role (*sets* a default of hardware.yaml ``default_efficiency``, or *held out*: sets none), the default
@@ -27,8 +28,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
+
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.hardware import builtin
+from stratbench.models.zoo import build_model
 from stratbench.predicting import projection
 from stratbench.predicting.projection import project
 
@@ -42,9 +47,19 @@ BANDS = HERE.parent / "src" / "stratbench" / "measuring" / "error_bands.json"
 MACHINE = "the project's CPU VM (AMD EPYC, 2 cores), Python 3.11.7, torch 2.13.0+cpu"
 GROUPS = (("8 GPUs", 8, 8), ("16-32 GPUs", 9, 63), (">= 64 GPUs", 64, 10**9))
 """The multi-GPU groups: label, fewest and most GPUs."""
-FAMILIES = ("efficientnet", "bert-large-squad", "bert-large", "se-resnext", "resnext", "resnet", "llama", "mpt",
-            "gpt")  # fmt: skip
+FAMILIES = ("efficientnet_v2", "efficientnet", "bert-large-squad", "bert-large", "se-resnext", "resnext",
+            "wide_resnet", "resnet", "densenet", "vgg", "mobilenet", "mnasnet", "regnet", "convnext", "swin", "vit",
+            "inception", "llama", "mpt", "gpt")  # fmt: skip
 """The model families the 1-GPU rows are summarised by: a model name's prefix (the first that fits)."""
+TIMM = HERE / "published_timm_rtx3090.yaml"
+"""timm's training benchmark on one RTX 3090: the rows whose model is a torchvision classifier (all held out)."""
+TIMM_PARAM_TOLERANCE = 0.01
+"""A timm row is projected through torchvision's model of that name only if their parameter counts agree this well
+(the same network); the others stay in the table, not projected, with the difference."""
+TORCHVISION = "torchvision.models:"
+"""How a user names a torchvision classifier to stratbench (``--model torchvision.models:efficientnet_b0``)."""
+TRANSFORMER_PREFIXES = ("vit", "swin")
+"""torchvision classifiers that are transformers (their rows' family)."""
 MEASURED = "roofline with measured fractions"
 H200_ROWS = HERE / "projection_h200_rows.json"
 H200_RESULTS = "projection_h200_2026-11-28.md"
@@ -84,15 +99,55 @@ def on_basis(e: dict[str, Any], basis: str) -> tuple[float | None, str]:
     return pp.in_unit(e, p.throughput), ""
 
 
+def timm_entries() -> list[dict[str, Any]]:
+    """timm's RTX 3090 rows (``TIMM``) as published.yaml-shaped entries: torchvision's model of the name the file
+    maps the timm model to, AMP fp16, SGD, one GPU, the row's batch and image size."""
+    data = yaml.safe_load(TIMM.read_text())
+    out = []
+    for name, tv, rate, batch, side, params in data["rows"]:
+        family = "transformer" if tv.startswith(TRANSFORMER_PREFIXES) else "convnet"
+        out.append({"id": f"timm-{name}-rtx3090-amp", "model": tv, "torchvision": f"{TORCHVISION}{tv}", "timm_model": name,
+                    "family": family, "optimizer": "sgd", "method": "single", "gpu": data["source"]["gpu"],
+                    "system": data["source"]["system"], "precision": "amp-fp16", "batch_per_gpu": batch, "gpus": 1,
+                    "nodes": 1, "image_size": side, "throughput": rate, "unit": "img/s", "params_m": params,
+                    "table": "timm"})  # fmt: skip
+    return out
+
+
+def parameters(model: str) -> int:
+    """torchvision's ``model`` (1000 classes) parameter count: built on the meta device, else on the CPU (a model
+    that computes its shapes from tensors: RegNet)."""
+    try:
+        with torch.device("meta"):
+            net = build_model(model, 1000)
+    except ConfigError:  # the builder's own error, wrapped by stratbench's user-code call
+        net = build_model(model, 1000)
+    return sum(p.numel() for p in net.parameters())
+
+
+def other_network(e: dict[str, Any]) -> str:
+    """Why timm's row ``e`` is not projected through torchvision's model (their parameter counts differ by more
+    than ``TIMM_PARAM_TOLERANCE``); empty: the same network."""
+    n = parameters(e["torchvision"])
+    d = n / (float(e["params_m"]) * 1e6) - 1
+    if abs(d) <= TIMM_PARAM_TOLERANCE:
+        return ""
+    return (f"not the same network: torchvision's {e['model']} has {n / 1e6:.2f} M parameters, timm's "
+            f"{e['timm_model']} {e['params_m']} M ({d:+.1%})")  # fmt: skip
+
+
 def row_of(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One row's numbers: the published figure, each basis' projection (None: n/a, with why), and for a multi-GPU
     row its own-figure projection and the naive linear prediction."""
     sets = pp.sets(e)
     row = {"id": e["id"], "model": e["model"], "group": model_group(e), "family": e["family"], "gpu": e["gpu"],
            "precision": e["precision"], "gpus": e["gpus"], "unit": e["unit"], "role": "sets" if sets else "held out",
-           "sets": sets, "published": float(e["throughput"]), "why": {}}  # fmt: skip
+           "sets": sets, "published": float(e["throughput"]), "why": {}, "table": e.get("table", "published")}  # fmt: skip
+    if e.get("table") == "timm":
+        row |= {"timm_model": e["timm_model"], "batch": e["batch_per_gpu"], "image_size": e["image_size"]}
+    mismatch = other_network(e) if e.get("torchvision") else ""
     for column, basis in (("default", "efficiency"), ("roofline", "roofline")):
-        row[column], why = on_basis(e, basis)
+        row[column], why = (None, mismatch) if mismatch else on_basis(e, basis)
         if why:
             row["why"][column] = why
     if e["gpus"] > 1 and not (e.get("baseline") or e.get("anchor")):  # an anchor: its own reference
@@ -114,7 +169,7 @@ def project_rows() -> list[dict[str, Any]]:
     """Every selected row projected (the slow part), in published.yaml's order; each traced micro-batch once (a
     table's 1- to 64-GPU rows share one, and the roofline's scaling efficiency traces it again)."""
     projection.trace_ops = functools.lru_cache(maxsize=None)(projection.trace_ops)
-    entries = pp.load_published()
+    entries = pp.load_published() + timm_entries()
     by_id = {e["id"]: e for e in entries}
     rows = []
     for e in selected(entries):
@@ -155,9 +210,10 @@ def _summary(label: str, errors: list[float]) -> str:
 
 
 def single_lines(rows: list[dict[str, Any]]) -> list[str]:
-    """The 1-GPU table and its medians per model family and role, each basis."""
+    """published.yaml's 1-GPU table and its medians per model family and role, each basis."""
     out = ["| entry | role | model | GPU | precision | published | default projection | error | roofline | error |",
            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    rows = [x for x in rows if x["table"] == "published"]
     for r in (x for x in rows if x["gpus"] == 1):
         out.append(f"| {r['id']} | {r['role']} | {r['model']} | {r['gpu']} | {r['precision']} | "
                    f"{r['published']:,g} {r['unit']} | {_num(r, 'default')} | {_pct(err(r, 'default'))} | "
@@ -172,6 +228,44 @@ def single_lines(rows: list[dict[str, Any]]) -> list[str]:
                 if errors:
                     out.append("- " + _summary(f"{role}, {group}, {column}", errors))
     return out
+
+
+TIMM_INTRO = """timm's training benchmark on one GeForce RTX 3090 ([published_timm_rtx3090.yaml](published_timm_rtx3090.yaml):
+huggingface/pytorch-image-models results/benchmark-train-amp-nchw-pt112-cu113-rtx3090.csv, PyTorch 1.12, eager AMP
+fp16, NCHW, synthetic data, SGD): every row whose model is a torchvision classifier, projected through that
+torchvision model as `--model torchvision.models:NAME` at the row's batch and image size, on the GPU of
+[published_hardware.yaml](published_hardware.yaml) `rtx3090` (GA102 whitepaper figures; its family fallback is the
+A100's, as `like: a100-sxm` gives it). All held out: no default and no roofline fraction was set from this table.
+A row whose torchvision model's parameter count differs from timm's by more than {tolerance:.0%} is not the same
+network: not projected, its reason shown. The same network is not the same op sequence: the roofline prices
+torchvision's code, whose memory-bound ops can differ from timm 0.6.6's (torchvision's ViT runs
+nn.MultiheadAttention: a packed in-projection split by `select`, whose backward writes the packed gradient once per
+slice; timm's splits it with one `unbind`)."""
+
+
+def _group_summaries(rows: list[dict[str, Any]], label: str) -> list[str]:
+    """The medians of ``rows`` over all and per model family, each basis (the default, the roofline)."""
+    out = []
+    for group in ["all", *sorted({x["group"] for x in rows})]:
+        sel = [x for x in rows if group in ("all", x["group"])]
+        for column in ("default", "roofline"):
+            errors = [e for e in (err(x, column) for x in sel) if e is not None]
+            if errors:
+                out.append("- " + _summary(f"{label}, {group}, {column}", errors))
+    return out
+
+
+def timm_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """timm's RTX 3090 table: each row on each basis, and the medians per model family."""
+    out = [TIMM_INTRO.format(tolerance=TIMM_PARAM_TOLERANCE), "",
+           "| timm model | torchvision model | family | batch | image | published | default projection | error | "
+           "roofline | error |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    mine = [x for x in rows if x["table"] == "timm"]
+    for r in mine:
+        out.append(f"| {r['timm_model']} | {r['model']} | {r['family']} | {r['batch']} | {r['image_size']} | "
+                   f"{r['published']:,g} {r['unit']} | {_num(r, 'default')} | {_pct(err(r, 'default'))} | "
+                   f"{_num(r, 'roofline')} | {_pct(err(r, 'roofline'))} |")  # fmt: skip
+    return [*out, "", *_group_summaries(mine, "timm RTX 3090")]
 
 
 def multi_lines(rows: list[dict[str, Any]]) -> list[str]:
@@ -284,7 +378,8 @@ INTRO = """\
 
 **What**: [projection_heldout.py](projection_heldout.py): every projectable figure of
 [published.yaml](../src/stratbench/measuring/published.yaml) but the multi-node sharded ones (those are
-[projection_published.py](projection_published.py)'s), each projected with hardware.yaml's defaults (the family
+[projection_published.py](projection_published.py)'s), and timm's training benchmark on one RTX 3090 (its own
+section, every row held out), each projected with hardware.yaml's defaults (the family
 fallback: no calibration), on the roofline basis (per-op fractions from hardware.yaml `roofline`, which no row here
 set), and each multi-GPU row from its own 1-GPU (or smallest) figure of the same table beside the naive linear
 prediction (that figure's rate per GPU x the GPUs). Role: *sets* = a figure a default was set from (the table at
@@ -303,9 +398,12 @@ DOC = HERE.parent / "docs" / "projection.md"
 README = HERE.parent / "README.md"
 DOC_BEGIN = "<!-- rendered by benchmarks/projection_heldout.py: begin -->"
 DOC_END = "<!-- rendered by benchmarks/projection_heldout.py: end -->"
-LABELS = {"resnet": "ResNet-50", "resnext": "ResNeXt-101", "se-resnext": "SE-ResNeXt-101",
-          "efficientnet": "EfficientNet-B0/B4", "bert-large": "BERT-large pre-training",
-          "bert-large-squad": "BERT-large SQuAD", "llama": "Llama 3 8B (torchtitan)"}  # fmt: skip
+LABELS = {"resnet": "ResNet", "resnext": "ResNeXt", "se-resnext": "SE-ResNeXt-101", "efficientnet": "EfficientNet",
+          "bert-large": "BERT-large pre-training", "bert-large-squad": "BERT-large SQuAD",
+          "llama": "Llama 3 8B (torchtitan)", "wide_resnet": "Wide ResNet", "densenet": "DenseNet", "vgg": "VGG",
+          "efficientnet_v2": "EfficientNetV2", "mobilenet": "MobileNet V2/V3", "mnasnet": "MnasNet",
+          "regnet": "RegNet", "convnext": "ConvNeXt", "swin": "Swin V1/V2", "vit": "ViT",
+          "inception": "Inception-v3"}  # fmt: skip
 COLUMNS = ("default", "roofline", "own", "naive")
 """The doc table's columns: a row's projections, the first three one basis each (``BASES``), the naive one none."""
 
@@ -366,7 +464,11 @@ def write_doc(rows: list[dict[str, Any]]) -> None:
 
 def render(rows: list[dict[str, Any]]) -> str:
     """The results file from the rows."""
-    lines = [INTRO.format(machine=MACHINE), "## One GPU", "", *single_lines(rows), "", "## Multi-GPU", "",
+    held = [x for x in rows if x["gpus"] == 1 and x["role"] == "held out"]
+    lines = [INTRO.format(machine=MACHINE), "## One GPU", "", *single_lines(rows), "",
+             "## One RTX 3090: timm's training benchmark", "", *timm_lines(rows), "",
+             "## One GPU, both tables: the held-out rows (the band's rows)", "",
+             *_group_summaries(held, "held out"), "", "## Multi-GPU", "",
              *multi_lines(rows), "", "## torchtitan's anchor through the built-in llama-8b", "",
              *anchor_lines(rows), "", "## Error band per basis (error_bands.json; `estimate --time` quotes it)", "",
              "| basis | over | rows | median abs. error | 80th percentile | worst |", "|---|---|---|---|---|---|"]  # fmt: skip

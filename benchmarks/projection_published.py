@@ -193,13 +193,14 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
     """The stratbench run of entry ``e`` on ``gpus`` devices (default: its own) with ``strategy`` (its method)."""
     if e["precision"] not in PRECISIONS:
         raise ConfigError(f"precision {e['precision']!r} has no stratbench equivalent")
-    if MODELS[e["model"]] is None:
+    if not e.get("torchvision") and MODELS[e["model"]] is None:
         raise ConfigError(f"model {e['model']!r} has no shape in benchmarks/published_models.py")
     precision, tf32 = PRECISIONS[e["precision"]]
     gpus = gpus or e["gpus"]
     strategy = strategy or e["method"]
     options = dict(e.get("strategy_options") or {}) if strategy == e["method"] else {}
-    model = MODELS[e["model"]].format(seq_len=e.get("seq_len"))
+    # a torchvision classifier (timm's table): the stratbench --model name a user gives it
+    model = e.get("torchvision") or MODELS[e["model"]].format(seq_len=e.get("seq_len"))
     if model in TOKEN_MODELS:  # a built-in language model, on text data as a user runs it
         data = {"data": "synthetic-tokens", "seq_len": e["seq_len"], "vocab_size": TOKEN_MODELS[model]}
     else:  # a benchmark builder's token model reads its tokens from an image of 3 x side x side values
@@ -208,7 +209,7 @@ def config(e: dict[str, Any], strategy: str | None = None, gpus: int | None = No
     cfg = TrainConfig(
         model=model, **data, precision=precision, tf32=tf32,
         batch_size=samples_per_step(e) * gpus, grad_accum=int(e.get("accumulation", 1)),
-        optimizer=OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
+        optimizer=e.get("optimizer") or OPTIMIZERS[e["family"]], strategy=strategy, strategy_options=options,
         activation_checkpointing=bool(e.get("activation_checkpointing")), float8=FLOAT8.get(e["precision"], "none"),
     )  # fmt: skip
     # the multi-node rows' methods place groups by node (ZeRO++'s qgZ, HSDP's shard group): say how many

@@ -43,7 +43,37 @@ def test_the_rows_file_is_todays_projection(heldout):
     multi = rows["dle-effnet-b0-a100-80-amp-fp16-8gpu"]
     assert multi["naive"] == pytest.approx(2489 * 8)
     assert multi["reference"] == "dle-effnet-b0-a100-80-amp-fp16-1gpu"
-    assert set(rows) == {e["id"] for e in heldout.selected(list(by_id.values()))}
+    entries = list(by_id.values()) + heldout.timm_entries()
+    assert set(rows) == {e["id"] for e in heldout.selected(entries)}
+    timm = {e["id"]: e for e in heldout.timm_entries()}["timm-mobilenetv3_small_100-rtx3090-amp"]
+    assert heldout.on_basis(timm, "roofline")[0] == pytest.approx(rows[timm["id"]]["roofline"], rel=1e-9)
+
+
+def test_timm_rows_run_torchvision_as_a_user_names_it_and_another_network_is_not_projected(heldout):
+    """timm's RTX 3090 rows are projected through torchvision's model of the mapped name, as `--model
+    torchvision.models:NAME` runs it, at the row's batch and image size with timm's SGD; a row whose torchvision
+    model has another parameter count (another network under a similar name) is kept, unprojected, with why."""
+    entries = {e["timm_model"]: e for e in heldout.timm_entries()}
+    cfg = heldout.pp.config(entries["efficientnet_b3"], "single", 1)
+    assert (cfg.model, cfg.image_size, cfg.batch_size, cfg.optimizer, cfg.precision) == (
+        "torchvision.models:efficientnet_b3",
+        288,
+        128,
+        "sgd",
+        "fp16-mixed",
+    )
+    assert heldout.other_network(entries["efficientnet_b3"]) == ""
+    why = heldout.other_network(entries["regnetx_004"])  # torchvision's 400MF RegNet is another configuration
+    assert (
+        why.startswith("not the same network: torchvision's regnet_x_400mf has 5.50 M parameters")
+        and "+6.5%" in why
+    )
+    rows = {r["id"]: r for r in json.loads(heldout.ROWS.read_text())}
+    row = rows[entries["regnetx_004"]["id"]]
+    assert row["roofline"] is None and row["why"]["roofline"] == why and row["role"] == "held out"
+    timm_rows = [r for r in rows.values() if r["table"] == "timm"]
+    assert len(timm_rows) == len(entries) and all(r["role"] == "held out" for r in timm_rows)
+    assert {r["family"] for r in timm_rows} == {"convnet", "transformer"}
 
 
 def test_a_projection_says_its_basis_and_that_basis_band():
