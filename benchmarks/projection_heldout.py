@@ -136,6 +136,19 @@ def other_network(e: dict[str, Any]) -> str:
             f"{e['timm_model']} {e['params_m']} M ({d:+.1%})")  # fmt: skip
 
 
+def peak_share(e: dict[str, Any]) -> float | None:
+    """The share of its GPU's dense peak that 1-GPU entry ``e``'s published figure implies on stratbench's FLOP count
+    (FLOPs per sample x published samples/s / the peak: the roofline projection's efficiency, scaled from its compute
+    rate to the published one); above 1 the figure cannot be the run its row describes. None: not projectable."""
+    try:
+        p = project(pp.config(e, "single", 1), pp.system_of(e), 1, 1, memory=False, basis="roofline")
+    except ConfigError:
+        return None
+    if p.status != "ok" or not p.roofline:
+        return None
+    return p.efficiency * pp.samples_per_s(e) * p.roofline["seconds"] / p.roofline["micro_batch"]
+
+
 def row_of(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """One row's numbers: the published figure, each basis' projection (None: n/a, with why), and for a multi-GPU
     row its own-figure projection and the naive linear prediction."""
@@ -148,6 +161,8 @@ def row_of(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[str, Any
     mismatch = other_network(e) if e.get("torchvision") else ""
     for column, basis in (("default", "efficiency"), ("roofline", "roofline")):
         row[column], why = (None, mismatch) if mismatch else on_basis(e, basis)
+    if e["gpus"] == 1:
+        row["peak_share"] = None if mismatch else peak_share(e)
         if why:
             row["why"][column] = why
     if e["gpus"] > 1 and not (e.get("baseline") or e.get("anchor")):  # an anchor: its own reference
@@ -209,16 +224,30 @@ def _summary(label: str, errors: list[float]) -> str:
             f"worst {s['worst']:+.1%}, signed mean {s['mean']:+.1%}")  # fmt: skip
 
 
+def _share(row: dict[str, Any]) -> str:
+    """A 1-GPU row's implied share of the peak, flagged where above 1."""
+    v = row.get("peak_share")
+    return "n/a" if v is None else f"{v:.0%}" + (" (above the peak)" if v > 1 else "")
+
+
+def _beyond_peak(rows: list[dict[str, Any]]) -> list[str]:
+    """The 1-GPU rows whose figure implies more than the GPU's peak on stratbench's FLOP count (kept and scored)."""
+    over = [r for r in rows if (r.get("peak_share") or 0) > 1]
+    listed = ", ".join(f"{r['id']} ({r['peak_share']:.0%})" for r in over) or "none"
+    return [f"- Rows whose figure implies more than the GPU's dense peak on stratbench's FLOP count (cannot be the run "
+            f"the row describes; kept and scored): {listed}", ""]  # fmt: skip
+
+
 def single_lines(rows: list[dict[str, Any]]) -> list[str]:
     """published.yaml's 1-GPU table and its medians per model family and role, each basis."""
-    out = ["| entry | role | model | GPU | precision | published | default projection | error | roofline | error |",
-           "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    out = ["| entry | role | model | GPU | precision | published | share of peak it implies | default projection | "
+           "error | roofline | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     rows = [x for x in rows if x["table"] == "published"]
     for r in (x for x in rows if x["gpus"] == 1):
         out.append(f"| {r['id']} | {r['role']} | {r['model']} | {r['gpu']} | {r['precision']} | "
-                   f"{r['published']:,g} {r['unit']} | {_num(r, 'default')} | {_pct(err(r, 'default'))} | "
-                   f"{_num(r, 'roofline')} | {_pct(err(r, 'roofline'))} |")  # fmt: skip
-    out.append("")
+                   f"{r['published']:,g} {r['unit']} | {_share(r)} | {_num(r, 'default')} | "
+                   f"{_pct(err(r, 'default'))} | {_num(r, 'roofline')} | {_pct(err(r, 'roofline'))} |")  # fmt: skip
+    out += ["", *_beyond_peak(rows)]
     one = [x for x in rows if x["gpus"] == 1]
     for role in ("held out", "sets"):
         for group in ["all", *sorted({x["group"] for x in one})]:
@@ -258,14 +287,14 @@ def _group_summaries(rows: list[dict[str, Any]], label: str) -> list[str]:
 def timm_lines(rows: list[dict[str, Any]]) -> list[str]:
     """timm's RTX 3090 table: each row on each basis, and the medians per model family."""
     out = [TIMM_INTRO.format(tolerance=TIMM_PARAM_TOLERANCE), "",
-           "| timm model | torchvision model | family | batch | image | published | default projection | error | "
-           "roofline | error |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+           "| timm model | torchvision model | family | batch | image | published | share of peak it implies | "
+           "default projection | error | roofline | error |", "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     mine = [x for x in rows if x["table"] == "timm"]
     for r in mine:
         out.append(f"| {r['timm_model']} | {r['model']} | {r['family']} | {r['batch']} | {r['image_size']} | "
-                   f"{r['published']:,g} {r['unit']} | {_num(r, 'default')} | {_pct(err(r, 'default'))} | "
-                   f"{_num(r, 'roofline')} | {_pct(err(r, 'roofline'))} |")  # fmt: skip
-    return [*out, "", *_group_summaries(mine, "timm RTX 3090")]
+                   f"{r['published']:,g} {r['unit']} | {_share(r)} | {_num(r, 'default')} | "
+                   f"{_pct(err(r, 'default'))} | {_num(r, 'roofline')} | {_pct(err(r, 'roofline'))} |")  # fmt: skip
+    return [*out, "", *_beyond_peak(mine), *_group_summaries(mine, "timm RTX 3090")]
 
 
 def multi_lines(rows: list[dict[str, Any]]) -> list[str]:

@@ -49,6 +49,19 @@ def test_the_rows_file_is_todays_projection(heldout):
     assert heldout.on_basis(timm, "roofline")[0] == pytest.approx(rows[timm["id"]]["roofline"], rel=1e-9)
 
 
+def test_a_row_beyond_its_gpus_peak_is_flagged_kept_and_scored(heldout):
+    """The implied share of the peak: DeepLearningExamples' BERT-large phase-2 figure on one V100 in fp32 (19
+    sequences/s) needs more than V100's 15.7 TFLOP/s on stratbench's count; it stays in the table and in the band."""
+    by_id = {e["id"]: e for e in heldout.pp.load_published()}
+    rows = {r["id"]: r for r in json.loads(heldout.ROWS.read_text())}
+    over, fine = "dle-bert-pretrain-s512-v100-32-fp32-1gpu", "dle-bert-pretrain-s128-v100-32-amp-fp16-1gpu"
+    share = heldout.peak_share(by_id[over])
+    assert share > 1 and share == pytest.approx(rows[over]["peak_share"], rel=1e-9)
+    assert 0.2 < rows[fine]["peak_share"] < 0.7
+    assert f"{over} ({share:.0%})" in heldout.render(list(rows.values()))
+    assert rows[over]["roofline"] is not None and rows[over]["role"] == "held out"
+
+
 def test_timm_rows_run_torchvision_as_a_user_names_it_and_another_network_is_not_projected(heldout):
     """timm's RTX 3090 rows are projected through torchvision's model of the mapped name, as `--model
     torchvision.models:NAME` runs it, at the row's batch and image size with timm's SGD; a row whose torchvision
