@@ -115,12 +115,13 @@ def test_estimate_prints_the_band_in_text_and_json(capsys):
 
     args = ["estimate", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
             "--strategy", "single", "--time", "--hardware", "a100-sxm", "--gpus-per-node", "1"]  # fmt: skip
-    assert main([*args, "--json"]) == 0
+    assert main([*args, "--json"]) == 0  # the default basis on a GPU with roofline fractions: the roofline
     row = json.loads(capsys.readouterr().out)["results"][0]["projection"]
-    assert row["basis"] == "family fallback" and row["error_band"]["rows"] > 0
-    assert main(args) == 0
+    assert row["basis"] == "roofline with published fractions" and row["error_band"]["rows"] > 0
+    assert main([*args, "--basis", "efficiency"]) == 0
     text = " ".join(capsys.readouterr().out.split())
-    assert f"basis: family fallback; held-out error band: median {row['error_band']['median']:.1%}" in text
+    band = projection.error_band("family fallback", "convnet")
+    assert f"basis: family fallback; held-out error band: median {band['median']:.1%}" in text
 
 
 def test_docs_projection_tables_are_what_the_benchmarks_render(heldout):
@@ -136,10 +137,11 @@ def test_docs_projection_tables_are_what_the_benchmarks_render(heldout):
     assert len(heldout.readme_lines(rows)) == 2 + len(json.loads(heldout.BANDS.read_text())["bands"])
     example = importlib.import_module("projection_doc_example")
     table = doc.split(example.BEGIN, 1)[1].split(example.END, 1)[0].strip().splitlines()
-    band = json.loads(heldout.BANDS.read_text())["bands"]["family fallback"]["families"]["convnet"]
-    cell = example.band_cell(band | {"basis": "family fallback"})
+    basis = "roofline with published fractions"  # the default basis on a built-in GPU (--basis auto)
+    band = json.loads(heldout.BANDS.read_text())["bands"][basis]["families"]["convnet"]
+    cell = example.band_cell(band | {"basis": basis})
     assert [r.split(" | ")[0] for r in table[2:]] == [f"| {m}" for m in example.METHODS]
-    assert all(r.endswith(f"| family fallback | {cell} |") for r in table[2:])
+    assert all(r.endswith(f"| {basis} | {cell} |") for r in table[2:])
 
 
 def test_torchtitan_rows_run_the_built_in_llama_and_none_is_scored_on_a_default_it_set(heldout):

@@ -708,13 +708,13 @@ def test_efficiency_source_is_default_hardware_file_or_calibration(tmp_path, cap
 
     hw = tmp_path / "my.yaml"
     hw.write_text(yaml.safe_dump(MY_GPU))
-    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm")
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", "--basis", "efficiency")
     assert (p["efficiency_from"], p["efficiency"], p["uncalibrated"]) == ("default", 0.082, True), p
     assert p["efficiency_source"].startswith("default for convnet bf16 on NVIDIA H100 SXM5 80GB"), p
     p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", str(hw))
     assert p["efficiency_from"] == "hardware file" and p["efficiency"] == 0.3 and not p["uncalibrated"], p
     assert p["efficiency_source"] == f"hardware file {hw} (gpus.my-gpu.efficiency.bf16)"
-    p = _projection(capsys, "--precision", "fp32", "--hardware", str(hw))  # the file sets bf16 only
+    p = _projection(capsys, "--precision", "fp32", "--hardware", str(hw), "--basis", "efficiency")  # bf16 only
     assert (p["efficiency_from"], p["efficiency"]) == ("default", 0.5), p  # no evidence, no like: the assumption
     assert "assumption" in p["efficiency_source"] and p["efficiency_note"] == "no evidence for convnet fp32", p
     run = tmp_path / "result.json"
@@ -734,8 +734,8 @@ def test_tf32_projects_fp32_at_the_tf32_peak_and_is_refused_where_train_refuses_
     from stratbench.cli import main
 
     h100 = hardware.builtin().system("h100-sxm").gpu
-    fp32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm")
-    tf32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm", "--tf32")
+    fp32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm", "--basis", "efficiency")
+    tf32 = _projection(capsys, "--precision", "fp32", "--hardware", "h100-sxm", "--tf32", "--basis", "efficiency")
     eff = {k: h100.default_efficiency(k, "convnet").value for k in ("fp32", "tf32")}  # tinynet is a convnet
     want = (h100.peak("fp32") * eff["fp32"]) / (h100.peak("tf32") * eff["tf32"])
     assert tf32["compute_s"] == pytest.approx(fp32["compute_s"] * want) and tf32["step_s"] < fp32["step_s"] / 2
@@ -776,7 +776,7 @@ def test_the_default_is_chosen_per_gpu_precision_and_family_with_its_source():
 
 
 def test_uncalibrated_flag_and_source_in_json_absent_when_calibrated(tmp_path, capsys):
-    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm")
+    p = _projection(capsys, "--precision", "bf16-mixed", "--hardware", "h100-sxm", "--basis", "efficiency")
     assert (p["uncalibrated"], p["efficiency_from"], p["model_family"]) == (True, "default", "convnet"), p
     assert p["efficiency"] == 0.082 and p["efficiency_note"] == ""
     assert p["efficiency_source"].startswith("default for convnet bf16 on NVIDIA H100 SXM5 80GB: implied efficiency")

@@ -129,8 +129,38 @@ def test_the_projection_says_its_basis_and_the_roofline_prices_the_compute():
     assert (default.basis, roof.basis) == ("family fallback", roofline.BASIS) and not default.roofline
     assert roof.compute_s == pytest.approx(roof.roofline["seconds"], rel=1e-9)
     assert json.loads(json.dumps(roof.to_dict()))["basis"] == roofline.BASIS
-    with pytest.raises(projection.ConfigError, match="basis 'flops'; allowed: efficiency, roofline"):
+    with pytest.raises(projection.ConfigError, match="basis 'flops'; allowed: auto, efficiency, roofline"):
         projection.project(cfg, system, basis="flops")
+
+
+def test_auto_is_the_roofline_where_the_gpu_has_fractions_else_the_fallback_says_why(monkeypatch):
+    """The default basis (auto): a calibration or the hardware file's efficiency where given; else the roofline
+    where the GPU has fractions; the family efficiency only where it has none or the model cannot be traced op by
+    op, with why in the efficiency's source."""
+    cfg = projection.TrainConfig(model="tinynet", width=8, image_size=16, num_classes=10, data="synthetic",
+                                 batch_size=32, precision="bf16-mixed")  # fmt: skip
+    h100 = hardware.builtin().system("h100-sxm")
+    assert projection.project(cfg, h100, 1, 1, memory=False, basis="auto").basis == roofline.BASIS
+    bare = dataclasses.replace(h100, gpu=dataclasses.replace(h100.gpu, roofline=None))
+    p = projection.project(cfg, bare, 1, 1, memory=False, basis="auto")
+    assert p.basis == "family fallback" and p.efficiency_source.endswith(
+        "[not the roofline basis: NVIDIA H100 SXM5 80GB has no roofline fractions]"
+    )
+    own = dataclasses.replace(h100.gpu, efficiency={**h100.gpu.efficiency, "bf16": 0.3},
+                              efficiency_source={"bf16": "hardware file mine.yaml"})  # fmt: skip
+    p = projection.project(cfg, dataclasses.replace(h100, gpu=own), 1, 1, memory=False, basis="auto")
+    assert (p.basis, p.efficiency) == ("hardware file", 0.3)
+
+    def untraceable(*args, **kwargs):
+        raise RuntimeError("a data-dependent op")
+
+    monkeypatch.setattr(projection, "trace_ops", untraceable)
+    p = projection.project(cfg, h100, 1, 1, memory=False, basis="auto")
+    assert p.basis == "family fallback" and "not the roofline basis: model 'tinynet' cannot be traced op by op" in (
+        p.efficiency_note
+    )
+    with pytest.raises(projection.ConfigError, match="cannot be traced op by op"):
+        projection.project(cfg, h100, 1, 1, memory=False, basis="roofline")  # asked for: refused, not replaced
 
 
 def test_roofline_entries_are_checked():

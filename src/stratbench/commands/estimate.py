@@ -200,10 +200,12 @@ def add_time_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add_tf32_argument(parser)
     parser.add_argument(
-        "--basis", default="efficiency", choices=BASES,
-        help="the compute time's basis for --time: efficiency (one per GPU, precision and model family, or "
-        "--calibrate's; the default) or roofline (each traced op priced by the roofline: with the fractions "
-        "`calibrate-hw` measured where the --hardware profile has them, else published ones; docs/projection.md)",
+        "--basis", default=None, choices=BASES,
+        help="the compute time's basis for --time: roofline (each traced op priced by the roofline: with the "
+        "fractions `calibrate-hw` measured where the --hardware profile has them, else published ones), efficiency "
+        "(one per GPU, precision and model family, or --calibrate's), or auto (the default: --calibrate's or the "
+        "--hardware file's efficiency where given, else the roofline where the GPU has fractions, else the family "
+        "efficiency; docs/projection.md)",
     )  # fmt: skip
     parser.add_argument("--nodes", type=int, default=1, help="nodes for --time")
     parser.add_argument(
@@ -244,9 +246,9 @@ def check_tf32(args: argparse.Namespace, system) -> bool:
 
 def time_setup(args: argparse.Namespace):
     """(system, calibration) for --time, validated before any work; (None, None) without --time."""
-    basis = getattr(args, "basis", "efficiency")
+    basis = getattr(args, "basis", None)
     if not getattr(args, "time", False):
-        if basis != "efficiency":
+        if basis is not None:
             raise ConfigError(f"--basis {basis} prices the step time: it needs --time")
         return None, None
     if basis == "roofline" and args.calibrate:
@@ -363,7 +365,7 @@ def run(args: argparse.Namespace) -> int:
     settings = RowSettings(
         world_size=args.world_size, device_type=args.device_type, every_method=args.strategy == "all",
         max_batch=args.max_batch, device_memory=device_memory, system=system, calibration=calibration,
-        nodes=args.nodes, gpus_per_node=args.gpus_per_node, basis=args.basis,
+        nodes=args.nodes, gpus_per_node=args.gpus_per_node, basis=args.basis or "auto",
     )  # fmt: skip
     results = method_rows(names, lambda name: config_for(args, name), settings)
     why = none_answered(results)

@@ -691,10 +691,7 @@ def project(
         return out
     out.model_family = model_family(cfg)
     samples = cfg.batch_size / cls.data_parallel_size(cfg, world)
-    if basis == "roofline":
-        eff, overhead, cal = _roofline(out, cfg, system.gpu, key, flops, samples), 0.0, None
-    else:
-        eff, overhead, cal = _efficiency(out, system.gpu, key, calibration, method_key(cfg))
+    basis, eff, overhead, cal = _compute_basis(out, cfg, system.gpu, key, flops, samples, calibration, basis)
     achieved = float8_rate(out, cfg, system.gpu, flops, peak * eff, calibration)
     # a pipeline's busiest stage and its bubble (CostModel.compute_scale); 1 for whole-model methods
     flops_on_path = flops * samples * flops_factor(cfg)  # the model transforms' (activation checkpointing)
@@ -787,10 +784,44 @@ def _efficiency(
     return eff, overhead, cal
 
 
-BASES = ("efficiency", "roofline")
+BASES = ("auto", "efficiency", "roofline")
 """``project``'s bases of the compute time (``estimate --time --basis``): one efficiency (calibrated run, hardware
 file or family fallback), or the per-op roofline, with the fractions `calibrate-hw` measured where the profile has
-them, else the published ones (``predicting.roofline``)."""
+them, else the published ones (``predicting.roofline``); "auto" (``auto_basis``) picks between them."""
+
+
+def auto_basis(gpu: Gpu, key: str, calibration: Calibrations | None) -> tuple[str, str]:
+    """``--basis auto``: (basis, why the roofline is not used). A calibration of ``key`` or the hardware file's
+    efficiency for it: that efficiency (a measurement of this setup, or the user's word); else the roofline where
+    ``gpu`` has fractions (its held-out error is below the family fallback's: benchmarks/projection_heldout_cpu_
+    2026-11-28.md); the family fallback only where it has none."""
+    if (calibration or {}).get(key) is not None or gpu.efficiency_source.get(key):
+        return "efficiency", ""
+    if gpu.roofline is None:
+        return "efficiency", f"{gpu.name} has no roofline fractions"
+    return "roofline", ""
+
+
+def _compute_basis(
+    out: MethodProjection, cfg: TrainConfig, gpu: Gpu, key: str, flops: float, samples: float,
+    calibration: Calibrations | None, basis: str,
+) -> tuple[str, float, float, Calibration | None]:  # fmt: skip
+    """(the basis used, achieved share of the peak, fixed seconds per micro-step, the calibration used) of
+    ``basis``; under "auto" a model the roofline cannot trace op by op falls back to the efficiency, said in
+    ``out.efficiency_note``."""
+    chosen, why = auto_basis(gpu, key, calibration) if basis == "auto" else (basis, "")
+    if chosen == "roofline":
+        try:
+            return chosen, _roofline(out, cfg, gpu, key, flops, samples), 0.0, None
+        except ConfigError as exc:
+            if basis != "auto":
+                raise
+            chosen, why = "efficiency", str(exc).removeprefix("--basis roofline: ")
+    eff, overhead, cal = _efficiency(out, gpu, key, calibration, method_key(cfg))
+    if why:  # the family fallback under auto: said where the efficiency's source is printed
+        out.efficiency_note = "; ".join(x for x in (out.efficiency_note, f"not the roofline basis: {why}") if x)
+        out.efficiency_source += f" [not the roofline basis: {why}]"
+    return chosen, eff, overhead, cal
 
 
 def _roofline(
