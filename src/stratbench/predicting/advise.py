@@ -515,7 +515,7 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         if est is None:
             continue
         advice.tried.append((plan, est))
-        p = project(cfg, system, nodes, gpn, calibration, memory=False)
+        p = project(cfg, system, nodes, gpn, calibration, memory=False, basis="auto")
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
                                "step_s": p.step_s, "status": p.status, "dominant": p.dominant,
@@ -542,13 +542,16 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         f"step ({fastest * 1e3:.1f} ms; {best[0].why})"
     )
     advice.reasons += [best[1].units] if best[1].units else []
-    if best[
-        2
-    ].uncalibrated:  # the ranking holds; the absolute step times are evidence from other models' runs
+    if best[2].uncalibrated:  # the ranking holds; the absolute step times are evidence from other models' runs
         advice.reasons.append(
             f"step times UNCALIBRATED: {best[2].efficiency_source}; --calibrate result.json from one real run "
             "replaces it"
         )
+    elif best[2].efficiency_from == "roofline":  # priced op by op (projection.auto_basis): said, with its band
+        band = best[2].error_band
+        sure = f" (held-out median error {band['median']:.0%})" if band else ""
+        advice.reasons.append(f"step times on the {best[2].basis}{sure}; --calibrate result.json from one real run "
+                              "replaces it")  # fmt: skip
     chosen = plan_config(base, best[0], devices)
     advice.train_command, advice.compare_command = commands(chosen, best[0], devices)
     return advice
