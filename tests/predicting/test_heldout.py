@@ -62,6 +62,16 @@ def test_a_row_beyond_its_gpus_peak_is_flagged_kept_and_scored(heldout):
     assert rows[over]["roofline"] is not None and rows[over]["role"] == "held out"
 
 
+def test_every_row_beyond_the_bound_is_listed_once_with_its_reason(heldout):
+    rows = json.loads(heldout.ROWS.read_text())
+    lines = heldout.miss_lines(rows)
+    beyond = [r for r in rows if r["gpus"] == 1 and abs(heldout.err(r, "roofline") or 0) > heldout.MISS_LIMIT]
+    names = [n.rsplit(" ", 1)[0] for line in lines[1:-1] for n in line.split(": ")[-1].split(", ")]
+    assert beyond and sorted(names) == sorted(r.get("timm_model") or r["id"] for r in beyond)
+    squad = next(line for line in lines if "run_squad.py" in line)
+    assert "dle-bert-squad-a100-tf32-1gpu +78%" in squad and "dle-bert-squad-v100-32-fp32" not in squad  # +6.9%
+
+
 def test_timm_rows_run_torchvision_as_a_user_names_it_and_another_network_is_not_projected(heldout):
     """timm's RTX 3090 rows are projected through torchvision's model of the mapped name, as `--model
     torchvision.models:NAME` runs it, at the row's batch and image size with timm's SGD; a row whose torchvision
@@ -108,6 +118,8 @@ def test_a_projection_says_its_basis_and_that_basis_band():
         p.error_band["p80"] >= p.error_band["median"] > 0 and "projection_heldout" in p.error_band["source"]
     )
     assert projection.error_band("hardware file") == {}
+    cpu = projection.project(cfg, resolve("cpu-gloo"), 1, 1, memory=False)  # every band is of GPU figures
+    assert cpu.basis == "family fallback" and cpu.error_band == {}
 
 
 def test_estimate_prints_the_band_in_text_and_json(capsys):

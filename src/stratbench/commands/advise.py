@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     validate(base)
     check_data(base)
-    result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration)
+    result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration, basis="auto")
     if args.json:
         print_json(result, precision)
     else:

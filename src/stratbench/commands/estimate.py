@@ -586,7 +586,8 @@ def print_band_lines(console, projections: list[dict]) -> None:
     for basis in sorted({p["basis"] for p in projections if p.get("basis")}):
         band = next(p["error_band"] for p in projections if p.get("basis") == basis)
         if not band:
-            console.print(f"basis: {basis}; no held-out error band (no published figure checks this basis)")
+            console.print(f"basis: {basis}; no held-out error band (no published figure checks this basis on "
+                          "this device)")  # fmt: skip
             continue
         console.print(f"basis: {basis}; held-out error band: median {band['median']:.1%}, 80th percentile "
                       f"{band['p80']:.1%}, worst {band['worst']:+.1%} over {band['rows']} {band['over']} "

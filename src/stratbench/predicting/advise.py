@@ -271,14 +271,15 @@ def advise(
     headroom: float = 0.9,
     system=None,
     calibration=None,
+    basis: str = "efficiency",
 ) -> Advice:
     """Pick the first (simplest, fastest) plan whose estimated total per device fits ``headroom`` x memory; with
     ``goal="speed"`` and a hardware ``system`` (stratbench.measuring.hardware), the plan with the shortest projected step
-    time among those that fit."""
+    time among those that fit, its compute priced on ``basis`` (``projection.BASES``; the command: auto)."""
     if goal not in ("fit", "speed"):
         raise ConfigError(f"unknown goal {goal!r}; choose one of: fit, speed")
     if goal == "speed" and system is not None:
-        return _fastest(base, devices, device_memory, device_type, headroom, system, calibration)
+        return _fastest(base, devices, device_memory, device_type, headroom, system, calibration, basis)
     budget = int(device_memory * headroom)
     plans = candidates(devices)
     if goal == "fit" and devices > 1:
@@ -491,7 +492,7 @@ SPEED_TIE = 0.03
 """Projected step times within this fraction of the fastest count as a tie (the simpler plan wins)."""
 
 
-def _fastest(base, devices, device_memory, device_type, headroom, system, calibration) -> Advice:
+def _fastest(base, devices, device_memory, device_type, headroom, system, calibration, basis) -> Advice:
     """Every candidate plan estimated and projected on ``system``; the fastest that fits wins."""
     gpn = min(devices, system.gpus_per_node)
     if devices % gpn:
@@ -515,7 +516,7 @@ def _fastest(base, devices, device_memory, device_type, headroom, system, calibr
         if est is None:
             continue
         advice.tried.append((plan, est))
-        p = project(cfg, system, nodes, gpn, calibration, memory=False, basis="auto")
+        p = project(cfg, system, nodes, gpn, calibration, memory=False, basis=basis)
         fits = est.total_bytes <= budget
         advice.ranking.append({"plan": plan.label, "memory_bytes": est.total_bytes, "fits": fits,
                                "step_s": p.step_s, "status": p.status, "dominant": p.dominant,

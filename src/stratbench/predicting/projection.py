@@ -49,7 +49,7 @@ from stratbench.models.flops import flops_by_op, linear_flops
 from stratbench.models.transforms import FORWARD_SHARE, flops_factor
 from stratbench.models.transforms.float8 import convertible
 from stratbench.predicting.estimate import estimate
-from stratbench.predicting.roofline import MEASURED_BASIS, basis_of, step_seconds
+from stratbench.predicting.roofline import basis_of, step_seconds
 from stratbench.strategies.base import all_strategies, baseline_name, get_strategy
 from stratbench.strategies.costs import MemoryContext, NoMemoryModel, loop_collectives
 
@@ -711,9 +711,8 @@ def project(
     out.scaling_efficiency = _scaling_efficiency(
         cfg, system, world, samples, calibration, out.throughput, basis
     )
-    # the measured-fraction basis' band is of GPU runs: a CPU's measured fractions have none
-    cpu_measured = device_type == "cpu" and out.basis == MEASURED_BASIS
-    out.error_band = {} if cpu_measured else error_band(out.basis, out.model_family)
+    # every band is of GPU figures (published ones, the project's H200 runs): a CPU's projection quotes none
+    out.error_band = {} if device_type == "cpu" else error_band(out.basis, out.model_family)
     if memory:
         out.memory_bytes, out.fits = _memory(cfg, world, device_type, system.gpu)
     return out
