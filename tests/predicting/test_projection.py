@@ -749,6 +749,11 @@ def test_tf32_projects_fp32_at_the_tf32_peak_and_is_refused_where_train_refuses_
     advice = json.loads(capsys.readouterr().out)
     assert "--tf32 true" in advice["train_command"], advice
     assert {r["efficiency_from"] for r in advice["ranking"]} == {"roofline"}, advice["ranking"]  # its default
+    assert main(["advise", "--model", "tinynet", "--width", "8", "--image-size", "16", "--num-classes", "10",
+                 "--batch-size", "32", "--devices", "1", "--precision", "fp32", "--hardware", "h100-sxm",
+                 "--tf32", "--basis", "efficiency", "--json"]) == 0  # fmt: skip
+    advice = json.loads(capsys.readouterr().out)
+    assert {r["efficiency_from"] for r in advice["ranking"]} == {"default"}, advice["ranking"]
     assert "Tesla P40 has no TF32" in fails(capsys, *TIME_ARGS, "--hardware", "p40-pcie3", "--tf32")
     assert "not a CPU" in fails(capsys, "estimate", "--model", "tinynet", "--device-type", "cpu", "--tf32")
     assert "'maybe'" in fails(capsys, *TIME_ARGS, "--hardware", "h100-sxm", "--tf32", "maybe")

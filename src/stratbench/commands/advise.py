@@ -24,7 +24,7 @@ from stratbench.data.datasets import check_data
 from stratbench.measuring.hardware import System, resolve
 from stratbench.predicting.advise import Advice, advise, default_precision
 from stratbench.predicting.estimate import parse_bytes
-from stratbench.predicting.projection import load_calibration
+from stratbench.predicting.projection import BASES, load_calibration
 
 NAME = "advise"
 HELP = (
@@ -56,6 +56,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="measured single-device run(s) for the projection's compute efficiency (and one-device runs of "
         "other methods for their own overhead)",
     )  # fmt: skip
+    parser.add_argument(
+        "--basis", default="auto", choices=BASES,
+        help="with --hardware: the projected compute's basis, as estimate --time --basis (default auto: "
+        "--calibrate's efficiency where given, else the per-op roofline where the GPU has fractions)",
+    )  # fmt: skip
     add_tf32_argument(parser)
     parser.add_argument("--json", action="store_true", help="machine-readable output")
 
@@ -72,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     validate(base)
     check_data(base)
-    result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration, basis="auto")
+    result = advise(base, devices, memory, args.goal, "cuda", system=system, calibration=calibration,
+                    basis=args.basis)  # fmt: skip
     if args.json:
         print_json(result, precision)
     else:
