@@ -28,14 +28,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
 import yaml
 
 from stratbench.core.errors import ConfigError
 from stratbench.measuring.hardware import builtin
-from stratbench.models.zoo import build_model
+from stratbench.measuring.model_trace import ModelSpec, model_info
 from stratbench.predicting import projection
-from stratbench.predicting.projection import project
+from stratbench.predicting.projection import MethodProjection, project
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -85,8 +84,8 @@ def model_group(e: dict[str, Any]) -> str:
     return m
 
 
-def on_basis(e: dict[str, Any], basis: str) -> tuple[float | None, str]:
-    """(entry ``e`` projected with no calibration on ``basis`` in its unit, why none)."""
+def projected(e: dict[str, Any], basis: str) -> tuple[MethodProjection | None, str]:
+    """(entry ``e`` projected with no calibration on ``basis``, why none)."""
     try:
         cfg = pp.config(e, "single", 1) if e["gpus"] == 1 else pp.config(e)
         pipeline = builtin().input_pipeline(e["input_pipeline"]) if e.get("input_pipeline") else None
@@ -96,7 +95,13 @@ def on_basis(e: dict[str, Any], basis: str) -> tuple[float | None, str]:
         return None, str(exc)
     if p.status != "ok" or not p.throughput:
         return None, p.reason or p.status
-    return pp.in_unit(e, p.throughput), ""
+    return p, ""
+
+
+def on_basis(e: dict[str, Any], basis: str) -> tuple[float | None, str]:
+    """(entry ``e`` projected with no calibration on ``basis`` in its unit, why none)."""
+    p, why = projected(e, basis)
+    return (pp.in_unit(e, p.throughput) if p else None), why
 
 
 def timm_entries() -> list[dict[str, Any]]:
@@ -114,21 +119,10 @@ def timm_entries() -> list[dict[str, Any]]:
     return out
 
 
-def parameters(model: str) -> int:
-    """torchvision's ``model`` (1000 classes) parameter count: built on the meta device, else on the CPU (a model
-    that computes its shapes from tensors: RegNet)."""
-    try:
-        with torch.device("meta"):
-            net = build_model(model, 1000)
-    except ConfigError:  # the builder's own error, wrapped by stratbench's user-code call
-        net = build_model(model, 1000)
-    return sum(p.numel() for p in net.parameters())
-
-
 def other_network(e: dict[str, Any]) -> str:
     """Why timm's row ``e`` is not projected through torchvision's model (their parameter counts differ by more
     than ``TIMM_PARAM_TOLERANCE``); empty: the same network."""
-    n = parameters(e["torchvision"])
+    n = sum(model_info(ModelSpec.from_config(pp.config(e, "single", 1))).numels)  # as the projection builds it
     d = n / (float(e["params_m"]) * 1e6) - 1
     if abs(d) <= TIMM_PARAM_TOLERANCE:
         return ""
@@ -136,15 +130,13 @@ def other_network(e: dict[str, Any]) -> str:
             f"{e['timm_model']} {e['params_m']} M ({d:+.1%})")  # fmt: skip
 
 
-def peak_share(e: dict[str, Any]) -> float | None:
+def peak_share(e: dict[str, Any], p: MethodProjection | None = None) -> float | None:
     """The share of its GPU's dense peak that 1-GPU entry ``e``'s published figure implies on stratbench's FLOP count
     (FLOPs per sample x published samples/s / the peak: the roofline projection's efficiency, scaled from its compute
-    rate to the published one); above 1 the figure cannot be the run its row describes. None: not projectable."""
-    try:
-        p = project(pp.config(e, "single", 1), pp.system_of(e), 1, 1, memory=False, basis="roofline")
-    except ConfigError:
-        return None
-    if p.status != "ok" or not p.roofline:
+    rate to the published one); above 1 the figure cannot be the run its row describes. ``p``: that roofline
+    projection where made (else made here); None: not projectable."""
+    p = p if p is not None else projected(e, "roofline")[0]
+    if p is None or not p.roofline:
         return None
     return p.efficiency * pp.samples_per_s(e) * p.roofline["seconds"] / p.roofline["micro_batch"]
 
@@ -160,11 +152,12 @@ def row_of(e: dict[str, Any], by_id: dict[str, dict[str, Any]]) -> dict[str, Any
         row |= {"timm_model": e["timm_model"], "batch": e["batch_per_gpu"], "image_size": e["image_size"]}
     mismatch = other_network(e) if e.get("torchvision") else ""
     for column, basis in (("default", "efficiency"), ("roofline", "roofline")):
-        row[column], why = (None, mismatch) if mismatch else on_basis(e, basis)
-    if e["gpus"] == 1:
-        row["peak_share"] = None if mismatch else peak_share(e)
+        p, why = (None, mismatch) if mismatch else projected(e, basis)
+        row[column] = pp.in_unit(e, p.throughput) if p else None
         if why:
             row["why"][column] = why
+    if e["gpus"] == 1:
+        row["peak_share"] = peak_share(e, p) if p else None  # p: the roofline projection, the loop's last
     if e["gpus"] > 1 and not (e.get("baseline") or e.get("anchor")):  # an anchor: its own reference
         row["reference"] = row["naive"] = row["own"] = None
         anchored = ", ".join(x["id"] for x in by_id.values() if x.get("anchor") == e["id"]) or "no row"
